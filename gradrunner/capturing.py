@@ -1,0 +1,361 @@
+"""`capture(model, taps, strategy=...)`: the context manager that taps a model and collects gradients.
+
+Opening it resolves every tap, installs forward hooks (outputs, inputs), rewrites the `forward()`
+of modules with local-variable taps, and registers parameter hooks where the strategy needs them;
+leaving it, normally or by an exception, removes all of it.
+
+Example::
+
+    with capture(model, ["fc1:output", ":hidden"], strategy="hook") as cap:
+        loss = loss_fn(model(x), y)
+        cap.backward(loss)
+    cap.grads["fc1:output"]            # call 0's gradient
+    cap.grads["fc1:output", 1]         # call 1's, when the tap fired twice
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradrunner.errors import GradrunnerError
+from gradrunner.forward_locals import rewrite
+from gradrunner.stats import VALUES_MODES, Collector, StepRecords, TapKey
+from gradrunner.strategies import Slot, get_strategy
+from gradrunner.taps import Tap, TapSpec, resolve_taps
+
+
+class Grads(Mapping[str, "torch.Tensor | None"]):
+    """Gradients of the last captured step: `grads[tap]` (call 0), `grads[tap, n]`, `grads.calls(tap)`.
+
+    Example::
+
+        cap.grads["relu1:output"]        # tensor or None (the tap took no part in the loss)
+        cap.grads.calls("act:output")    # [call 0's gradient, call 1's, ...]
+    """
+
+    def __init__(self, taps: Sequence[str], slots: Sequence[tuple[TapKey, torch.Tensor | None]]) -> None:
+        self._calls: dict[str, list[torch.Tensor | None]] = {t: [] for t in taps}
+        for key, grad in slots:
+            self._calls.setdefault(key.tap, []).append(grad)
+
+    def calls(self, tap: str) -> list[torch.Tensor | None]:
+        """Every call's gradient for `tap`, in firing order (empty if the tap never fired)."""
+        self._check(tap)
+        return list(self._calls[tap])
+
+    def _check(self, tap: str) -> None:
+        if tap not in self._calls:
+            raise KeyError(f"{tap!r} is not a tap of this capture; taps: {', '.join(self._calls) or 'none'}")
+
+    def __getitem__(self, item: str | tuple[str, int]) -> torch.Tensor | None:
+        tap, call = (item, 0) if isinstance(item, str) else item
+        self._check(tap)
+        calls = self._calls[tap]
+        if call >= len(calls):
+            if call == 0:
+                return None  # the tap never fired (its module was not called)
+            raise KeyError(f"tap {tap!r} fired {len(calls)} time(s) in the last step; there is no call {call}")
+        return calls[call]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._calls)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+
+def _get_element(value: Any, path: tuple[str | int, ...], tap: str) -> Any:
+    for p in path:
+        try:
+            if isinstance(value, Mapping) or (isinstance(p, int) and isinstance(value, (tuple, list))):
+                value = value[p]
+            else:
+                value = getattr(value, str(p))
+        except (KeyError, IndexError, AttributeError, TypeError):
+            raise GradrunnerError(
+                f"tap {tap!r}: the value has no element {p!r} (it is a {type(value).__name__}"
+                f"{' of length ' + str(len(value)) if isinstance(value, (tuple, list)) else ''}); "
+                "use output.N for tuple elements, output.KEY for dict keys or attributes"
+            ) from None
+    return value
+
+
+def _set_element(value: Any, path: tuple[str | int, ...], new: Any) -> Any:
+    """A copy of `value` with the element at `path` replaced (containers rebuilt, never mutated)."""
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(value, Mapping):
+        out = dict(value) if type(value) is dict else value.__class__(value)  # type: ignore[call-arg]
+        out[head] = _set_element(value[head], rest, new)
+        return out
+    if isinstance(value, (tuple, list)) and isinstance(head, int):
+        items = list(value)
+        items[head] = _set_element(items[head], rest, new)
+        if hasattr(value, "_fields"):  # namedtuple
+            return type(value)(*items)
+        return type(value)(items)
+    setattr(value, str(head), _set_element(getattr(value, str(head)), rest, new))
+    return value
+
+
+class Capture:
+    """A capture session over one model; see `capture()`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        taps: Sequence[TapSpec] | TapSpec,
+        strategy: str = "hook",
+        *,
+        values: str = "none",
+        sample_size: int = 64,
+        seed: int = 0,
+        keep_grads: bool = True,
+    ) -> None:
+        _refuse_compiled(model)
+        if values not in VALUES_MODES:
+            raise GradrunnerError(f"capture.values={values!r} is not a values mode; allowed: {', '.join(VALUES_MODES)}")
+        self.model = model
+        self.taps: list[Tap] = resolve_taps(model, taps)
+        self.strategy = get_strategy(strategy)(self._deliver)
+        self.strategy_name = strategy
+        self.keep_grads = keep_grads
+        self.values, self.sample_size, self.seed = values, sample_size, seed
+        self.enabled = True
+        self.grads = Grads([t.tap for t in self.taps], [])
+        self._collector: Collector | None = None if keep_grads else Collector(values, sample_size, seed)
+        self._slots: list[Slot] = []
+        self._kept: dict[int, torch.Tensor | None] = {}
+        self._calls: dict[str, int] = {}
+        self._param_slots: dict[int, Slot] = {}
+        self._made_leaf_require_grad: list[torch.Tensor] = []
+        self._stack = contextlib.ExitStack()
+        self._last: list[Slot] = []
+        self._tap_params: list[tuple[Tap, nn.Parameter]] = []
+
+    # -- opening and closing -------------------------------------------------------------------
+    def __enter__(self) -> Capture:
+        try:
+            self._install()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove every hook and restore every patched `forward` (idempotent)."""
+        self._stack.close()
+        self._slots = []
+
+    def _install(self) -> None:
+        modules = dict(self.model.named_modules(remove_duplicate=False))
+        self._stack.callback(self.strategy.close)
+        self._stack.callback(self._restore_inputs)
+        by_module: dict[str, list[Tap]] = {}
+        for tap in self.taps:
+            by_module.setdefault(tap.module, []).append(tap)
+        for path, taps in by_module.items():
+            module = modules[path]
+            outputs = [t for t in taps if t.kind == "output"]
+            inputs = [t for t in taps if t.kind == "input"]
+            local_taps = [t for t in taps if t.kind == "local"]
+            if inputs:
+                handle = module.register_forward_pre_hook(self._input_hook(inputs), with_kwargs=True)
+                self._stack.callback(handle.remove)
+            if outputs:
+                handle = module.register_forward_hook(self._output_hook(outputs), with_kwargs=True)
+                self._stack.callback(handle.remove)
+            if local_taps:
+                self._patch_forward(path, module, local_taps)
+        self._tap_params = [(t, getattr(modules[t.module], t.name)) for t in self.taps if t.kind == "param"]
+        self.strategy.install([(p, lambda p=p: self._param_slots.get(id(p))) for _, p in self._tap_params])
+
+    def _patch_forward(self, path: str, module: nn.Module, taps: list[Tap]) -> None:
+        by_name = {t.name: t for t in taps}
+
+        def tap_fn(name: str, value: object) -> object:
+            return self._fire(by_name[name], value)
+
+        fn = rewrite(type(module).forward, by_name, tap_fn)
+        had_instance_forward = "forward" in module.__dict__
+        previous = module.__dict__.get("forward")
+        module.forward = types.MethodType(fn, module)  # type: ignore[method-assign]
+
+        def restore() -> None:
+            if had_instance_forward:
+                module.forward = previous  # type: ignore[method-assign]
+            else:
+                module.__dict__.pop("forward", None)
+
+        self._stack.callback(restore)
+
+    def _restore_inputs(self) -> None:
+        while self._made_leaf_require_grad:
+            self._made_leaf_require_grad.pop().requires_grad_(False)
+
+    # -- forward pass ----------------------------------------------------------------------------
+    def _output_hook(self, taps: list[Tap]) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            changed = False
+            for tap in taps:
+                element = _get_element(output, tap.path, tap.tap)
+                new = self._fire(tap, element)
+                if new is not element:
+                    output, changed = _set_element(output, tap.path, new), True
+            return output if changed else None
+
+        return hook
+
+    def _input_hook(self, taps: list[Tap]) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            changed = False
+            for tap in taps:
+                path = tap.path or (0,)
+                source: Any = args if isinstance(path[0], int) else kwargs
+                element = _get_element(source, path, tap.tap)
+                new = self._fire(tap, element, is_input=True)
+                if new is not element:
+                    changed = True
+                    if isinstance(path[0], int):
+                        args = _set_element(args, path, new)
+                    else:
+                        kwargs = _set_element(kwargs, path, new)
+            return (args, kwargs) if changed else None
+
+        return hook
+
+    def _fire(self, tap: Tap, value: object, is_input: bool = False) -> object:
+        """A tap fired in the forward pass: open a slot (one call) and let the strategy attach."""
+        if not self.enabled or not torch.is_grad_enabled() or _in_backward():
+            return value  # not capturing, evaluation, or activation-checkpoint recomputation
+        call = self._calls.get(tap.tap, 0)
+        self._calls[tap.tap] = call + 1
+        slot = Slot(TapKey(tap.module, tap.name, call), order=len(self._slots))
+        self._slots.append(slot)
+        if not isinstance(value, torch.Tensor):
+            slot.reason = f"not a tensor ({type(value).__name__})"
+            return value
+        if not (value.is_floating_point() or value.is_complex()):
+            slot.reason = f"a {value.dtype} tensor cannot have a gradient"
+            return value
+        if not value.requires_grad:
+            if not (is_input and value.is_leaf):
+                slot.reason = "does not require grad (made under no_grad, detached, or from frozen parameters)"
+                return value
+            value.requires_grad_(True)  # an input tap: make the input a leaf that gets a gradient
+            self._made_leaf_require_grad.append(value)
+        return self.strategy.attach(value, slot)
+
+    # -- backward pass ---------------------------------------------------------------------------
+    def _deliver(self, slot: Slot, grad: torch.Tensor | None) -> None:
+        if slot.delivered or grad is None:
+            return
+        slot.delivered = True
+        if self._collector is not None:
+            self._collector.add(slot.key, grad, order=slot.order)
+        if self.keep_grads:
+            # A leaf's gradient may become its .grad, which later steps can change in place.
+            leaf = slot.param is not None or (slot.tensor is not None and slot.tensor.is_leaf)
+            self._kept[slot.order] = grad.detach().clone() if leaf else grad.detach()
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Backward from `loss` the strategy's way; every parameter's `.grad` is filled as by `loss.backward()`.
+
+        Example::
+
+            cap.backward(loss_fn(model(x), y))
+        """
+        if not self.enabled:
+            loss.backward(retain_graph=retain_graph)
+            return
+        slots, self._slots, self._calls = self._slots, [], {}
+        for tap, param in self._tap_params:
+            slot = Slot(TapKey(tap.module, tap.name, 0), order=len(slots), param=param)
+            slots.append(slot)
+            self._param_slots[id(param)] = slot
+        self._kept = {}
+        try:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            self.strategy.backward(loss, slots, params, retain_graph)
+        finally:
+            self._param_slots = {}
+        for slot in slots:
+            if not slot.delivered and self._collector is not None:
+                self._collector.add(slot.key, None, order=slot.order)
+        self._last = slots
+        if self.keep_grads:
+            self.grads = Grads([t.tap for t in self.taps], [(s.key, self._kept.get(s.order)) for s in slots])
+            self._kept = {}
+
+    def records(self, loss: torch.Tensor | None = None) -> StepRecords:
+        """Statistics (and values) of the last captured step, in one device-to-host transfer.
+
+        Example::
+
+            recs = cap.records(loss)   # recs.row(0)["norm"], recs.loss
+        """
+        if self._collector is not None:
+            return self._collector.finish(loss)
+        collector = Collector(self.values, self.sample_size, self.seed)
+        for slot in self._last:
+            collector.add(slot.key, self.grads.calls(slot.key.tap)[slot.key.call], order=slot.order)
+        return collector.finish(loss)
+
+    def reasons(self) -> dict[TapKey, str]:
+        """Why taps of the last step got no gradient, where that was known in the forward pass."""
+        return {s.key: s.reason for s in self._last if s.reason is not None}
+
+
+def _in_backward() -> bool:
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
+def _refuse_compiled(model: nn.Module) -> None:
+    if type(model).__name__ == "OptimizedModule" or isinstance(model, torch.jit.ScriptModule):
+        raise GradrunnerError(
+            f"the model is a {type(model).__name__} (torch.compile or TorchScript), where tensor hooks and "
+            "retain_grad on intermediates are unreliable or dropped; pass the eager module instead "
+            "(for torch.compile: the original module, model._orig_mod)"
+        )
+    for path, module in model.named_modules():
+        if isinstance(module, torch.jit.ScriptModule):
+            raise GradrunnerError(
+                f"module {path!r} is a TorchScript module, which drops Python hooks; use the eager module instead"
+            )
+
+
+def capture(
+    model: nn.Module,
+    taps: Sequence[TapSpec] | TapSpec,
+    strategy: str = "hook",
+    *,
+    values: str = "none",
+    sample_size: int = 64,
+    seed: int = 0,
+    keep_grads: bool = True,
+) -> Capture:
+    """Tap `model` and capture the gradients flowing through `taps`, the `strategy`'s way.
+
+    Example::
+
+        with capture(model, ["*:output", "fc1:weight"], strategy="retain_grad") as cap:
+            cap.backward(loss_fn(model(x), y))
+        cap.grads["fc1:output"]
+
+    `strategy` is `retain_grad`, `hook` or `autograd_grad`; all three give the same gradients.
+    `keep_grads=False` keeps only statistics (and `values`: `none`, `full` or a fixed `sample`),
+    reduced on the gradient's device as it arrives: what the runner uses. Every tap is resolved
+    here, before any forward pass: a bad tap raises `GradrunnerError`.
+    """
+    return Capture(model, taps, strategy, values=values, sample_size=sample_size, seed=seed, keep_grads=keep_grads)

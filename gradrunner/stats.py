@@ -1,0 +1,264 @@
+"""Gradient statistics on the gradient's own device, moved to the host once per step.
+
+`Collector.add(key, grad)` reduces one gradient on its device (no host sync on an accelerator);
+`Collector.finish()` stacks every reduction of the step and makes the step's one device-to-host
+transfer (two when values are captured), returning a columnar `StepRecords`.
+
+Example::
+
+    col = Collector(values="none")
+    col.add(TapKey("fc1", "output", 0), grad)
+    recs = col.finish()          # recs.norm[0], recs.zero_frac[0], ...
+
+Each statistic is derived from four reductions per gradient (sum, sum of squares, min/max,
+non-zero count): norm = sqrt(sum of squares), std from sum and sum of squares (Bessel-corrected,
+as `torch.std`), abs_max from min and max, zero_frac from the non-zero count. NaN and Inf counts
+are only computed when the sum of squares is not finite (on CPU, where reading it costs nothing)
+or always (on an accelerator, where branching would need a sync).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+VALUES_MODES = ("none", "full", "sample")
+
+#: Columns of `StepRecords` that hold one float64 statistic per record.
+STAT_COLUMNS = ("norm", "mean", "std", "min", "max", "abs_max", "zero_frac")
+#: Columns of `StepRecords` that hold one int64 count per record.
+COUNT_COLUMNS = ("nan_count", "inf_count")
+
+_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+class TapKey(NamedTuple):
+    """One firing of a tap: module path, tap name and call index within the step."""
+
+    module: str
+    name: str
+    call: int
+
+    @property
+    def tap(self) -> str:
+        return f"{self.module}:{self.name}"
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """The one place where captured data leaves its device (tests count calls to it)."""
+    return t.detach().to("cpu")
+
+
+@dataclass
+class StepRecords:
+    """Columnar records of one captured step: one entry per (tap, call), in firing order."""
+
+    keys: list[TapKey] = field(default_factory=list)
+    shape: list[tuple[int, ...]] = field(default_factory=list)
+    numel: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    has_grad: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    stats: dict[str, np.ndarray] = field(default_factory=dict)
+    counts: dict[str, np.ndarray] = field(default_factory=dict)
+    #: Row-major float32 elements per record (None where no gradient); None when values="none".
+    values: list[np.ndarray | None] | None = None
+    #: Element positions sampled per record when values="sample" (flat, row-major).
+    positions: list[np.ndarray | None] | None = None
+    #: The step's loss, when the caller handed it to `finish` (it rides in the same transfer).
+    loss: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def row(self, i: int) -> dict[str, object]:
+        """Record `i` as a plain dict (for tests and quick looks)."""
+        out: dict[str, object] = {
+            "tap": self.keys[i].tap,
+            "module": self.keys[i].module,
+            "name": self.keys[i].name,
+            "call": self.keys[i].call,
+            "shape": list(self.shape[i]),
+            "numel": int(self.numel[i]),
+            "has_grad": bool(self.has_grad[i]),
+        }
+        out.update({c: float(self.stats[c][i]) for c in STAT_COLUMNS})
+        out.update({c: int(self.counts[c][i]) for c in COUNT_COLUMNS})
+        out["values"] = None if self.values is None else self.values[i]
+        return out
+
+
+def sample_positions(tap: str, numel: int, size: int, seed: int) -> np.ndarray:
+    """Fixed element positions for a tap: the same for every step, strategy and device.
+
+    Example::
+
+        sample_positions("fc1:output", numel=1000, size=4, seed=0)  # sorted int64 array of 4
+    """
+    if numel <= size:
+        return np.arange(numel, dtype=np.int64)
+    rng = np.random.default_rng([seed & 0xFFFFFFFF, zlib.crc32(tap.encode())])
+    return np.sort(rng.choice(numel, size=size, replace=False)).astype(np.int64)
+
+
+class _Pending(NamedTuple):
+    order: int
+    key: TapKey
+    shape: tuple[int, ...]
+    numel: int
+    has_grad: bool
+    reductions: list[torch.Tensor]  # [sum, sumsq, min, max, nonzero, nan, inf] (0-d), or [] if no grad
+    values: torch.Tensor | None  # flat float32, on device
+
+
+class Collector:
+    """Reduces gradients on their device as they arrive; one host transfer per step in `finish`.
+
+    Example::
+
+        col = Collector(values="sample", sample_size=16, seed=0)
+        col.add(TapKey("", "output", 0), grad)
+        col.add(TapKey("fc2", "output", 0), None)   # a tap that got no gradient
+        recs = col.finish(loss)
+    """
+
+    def __init__(self, values: str = "none", sample_size: int = 64, seed: int = 0) -> None:
+        if values not in VALUES_MODES:
+            raise ValueError(f"values={values!r}; allowed: {', '.join(VALUES_MODES)}")
+        self.values = values
+        self.sample_size = sample_size
+        self.seed = seed
+        self._pending: list[_Pending] = []
+        self._positions: dict[tuple[str, int, torch.device], torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def add(self, key: TapKey, grad: torch.Tensor | None, order: int | None = None) -> None:
+        """Reduce `grad` (or record that the tap got none) without leaving its device.
+
+        `order` places the record among the step's records (default: after those added so far);
+        gradients arrive in backward order, records are kept in forward (firing) order.
+        """
+        order = len(self._pending) if order is None else order
+        if grad is None:
+            self._pending.append(_Pending(order, key, (), 0, False, [], None))
+            return
+        g = grad.detach()
+        flat = g.reshape(-1)
+        if flat.dtype not in _INT_VIEW:  # float16, bfloat16: statistics in float32
+            flat = flat.float()
+        self._pending.append(
+            _Pending(order, key, tuple(g.shape), flat.numel(), True, _reduce(flat), self._keep_values(key, flat))
+        )
+
+    def _keep_values(self, key: TapKey, flat: torch.Tensor) -> torch.Tensor | None:
+        if self.values == "none":
+            return None
+        if self.values == "full":
+            return flat.float().clone() if flat.dtype == torch.float32 else flat.float()
+        cache_key = (key.tap, flat.numel(), flat.device)
+        idx = self._positions.get(cache_key)
+        if idx is None:
+            pos = sample_positions(key.tap, flat.numel(), self.sample_size, self.seed)
+            idx = torch.from_numpy(pos).to(flat.device)
+            self._positions[cache_key] = idx
+        return flat.index_select(0, idx).float()
+
+    def finish(self, loss: torch.Tensor | None = None) -> StepRecords:
+        """Stack the step's reductions, move them to the host in one transfer, derive statistics."""
+        pending, self._pending = sorted(self._pending, key=lambda p: p.order), []
+        scalars = [r for p in pending for r in p.reductions]
+        if loss is not None:
+            scalars.append(loss.detach().reshape(()))
+        host = np.zeros(0)
+        if scalars:
+            # torch.stack promotes to the widest dtype (float64, or float32 where the device has no float64)
+            host = to_host(torch.stack([s.to(scalars[0].device) for s in scalars])).double().numpy()
+        recs = _derive(pending, host)
+        if loss is not None:
+            recs.loss = float(host[-1])
+        if self.values != "none":
+            recs.values = _values_to_host(pending)
+            if self.values == "sample":
+                recs.positions = [
+                    None if p.values is None else self._positions[(p.key.tap, p.numel, p.values.device)].cpu().numpy()
+                    for p in pending
+                ]
+        return recs
+
+
+_N_REDUCTIONS = 7
+
+
+def _reduce(flat: torch.Tensor) -> list[torch.Tensor]:
+    """The per-gradient device work: four reductions, plus NaN/Inf counts when they can be non-zero."""
+    if flat.numel() == 0:
+        return []
+    s = flat.sum()
+    ss = torch.dot(flat, flat)
+    mn, mx = torch.aminmax(flat)
+    # abs() folds -0.0 into +0.0, so a zero is exactly an all-zero bit pattern; counting non-zero
+    # integers is several times faster than comparing floats with 0 on CPU.
+    nonzero = torch.count_nonzero(flat.abs().view(_INT_VIEW[flat.dtype]))
+    if flat.device.type == "cpu" and math.isfinite(float(ss.numpy())):
+        # On CPU the sum of squares is already in host memory (numpy() cannot cross devices).
+        zero = torch.zeros((), dtype=torch.int64)
+        return [s, ss, mn, mx, nonzero, zero, zero]
+    nan = torch.isnan(flat).sum()
+    inf = torch.isinf(flat).sum()
+    return [s, ss, mn, mx, nonzero, nan, inf]
+
+
+def _derive(pending: list[_Pending], host: np.ndarray) -> StepRecords:
+    n = len(pending)
+    recs = StepRecords(
+        keys=[p.key for p in pending],
+        shape=[p.shape for p in pending],
+        numel=np.array([p.numel for p in pending], dtype=np.int64),
+        has_grad=np.array([p.has_grad for p in pending], dtype=bool),
+    )
+    raw = np.full((n, _N_REDUCTIONS), np.nan)
+    at = 0
+    for i, p in enumerate(pending):
+        if p.reductions:
+            raw[i] = host[at : at + _N_REDUCTIONS]
+            at += _N_REDUCTIONS
+    s, ss, mn, mx, nonzero, nan, inf = raw.T
+    numel = recs.numel.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = s / numel
+        var = (ss - s * mean) / (numel - 1)
+        recs.stats = {
+            "norm": np.sqrt(ss),
+            "mean": mean,
+            "std": np.where(numel > 1, np.sqrt(np.maximum(var, 0.0)), np.nan),
+            "min": mn,
+            "max": mx,
+            "abs_max": np.maximum(np.abs(mn), np.abs(mx)),
+            "zero_frac": 1.0 - nonzero / numel,
+        }
+    recs.counts = {
+        "nan_count": np.nan_to_num(nan).astype(np.int64),
+        "inf_count": np.nan_to_num(inf).astype(np.int64),
+    }
+    return recs
+
+
+def _values_to_host(pending: list[_Pending]) -> list[np.ndarray | None]:
+    kept = [p.values for p in pending if p.values is not None]
+    if not kept:
+        return [None] * len(pending)
+    flat = to_host(torch.cat([v.to(kept[0].device) for v in kept])).numpy()
+    out: list[np.ndarray | None] = []
+    at = 0
+    for p in pending:
+        if p.values is None:
+            out.append(None)
+        else:
+            out.append(flat[at : at + p.values.numel()])
+            at += p.values.numel()
+    return out

@@ -1,0 +1,72 @@
+"""The one small interface every capture strategy implements, and the slot a tap's gradient lands in.
+
+A `Capture` session calls, per step: `attach(tensor, slot)` when a tap fires in the forward pass
+(the returned tensor is what the model goes on with), then `backward(loss, slots, params, ...)`,
+which must run backward, hand each slot's gradient to `deliver(slot, grad)` and leave every
+parameter's `.grad` exactly as `loss.backward()` would.
+
+Example::
+
+    class MyStrategy(Strategy):
+        name = "mine"
+        def attach(self, tensor, slot): ...
+        def backward(self, loss, slots, params, retain_graph): ...
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from gradrunner.stats import TapKey
+
+
+@dataclass(eq=False)
+class Slot:
+    """Where one firing of a tap (one call) receives its gradient.
+
+    `tensor` is set by `attach` for strategies that read the gradient after backward;
+    `param` is set for parameter taps, which do not fire in the forward pass.
+    """
+
+    key: TapKey
+    order: int
+    param: torch.nn.Parameter | None = None
+    tensor: torch.Tensor | None = None
+    delivered: bool = False
+    #: Why the tap cannot have a gradient (not a tensor, not floating point, ...), if known at forward time.
+    reason: str | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+Deliver = Callable[[Slot, "torch.Tensor | None"], None]
+
+
+class Strategy(ABC):
+    """Attach to tapped tensors in the forward pass; run backward and deliver their gradients."""
+
+    #: The strategy's one name: config value, registry key, file name and `strategy` column.
+    name: ClassVar[str]
+
+    def __init__(self, deliver: Deliver) -> None:
+        self.deliver = deliver
+
+    @abstractmethod
+    def attach(self, tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
+        """Called when a tap fires on a tensor that requires grad; returns the tensor the model uses."""
+
+    @abstractmethod
+    def backward(
+        self, loss: torch.Tensor, slots: Sequence[Slot], params: Sequence[torch.nn.Parameter], retain_graph: bool
+    ) -> None:
+        """Run backward from `loss`; deliver every slot's gradient; fill `.grad` of `params`."""
+
+    def install(self, params: Sequence[tuple[torch.nn.Parameter, Callable[[], Slot | None]]]) -> None:
+        """Called once when the session opens, with the tapped parameters and a lookup of their current slot."""
+
+    def close(self) -> None:
+        """Remove anything `install` or `attach` left behind (called on exit, also after an exception)."""

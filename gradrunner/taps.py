@@ -1,0 +1,178 @@
+"""Tap specs: parse `"<module>:<name>"` strings and `{module, name}` mappings, resolve them on a model.
+
+Resolution happens before the first forward pass: globs are expanded, every module path and name is
+checked, and a mistake raises `GradrunnerError` naming the closest real paths or what the module
+offers (outputs, inputs, parameters, locals of its `forward()`).
+
+Example::
+
+    taps = resolve_taps(model, ["fc*:output", ":mul_x", {"module": "head", "name": "weight"}])
+    [t.tap for t in taps]  # ['fc1:output', 'fc2:output', ':mul_x', 'head:weight']
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from torch import nn
+
+from gradrunner.errors import GradrunnerError
+from gradrunner.forward_locals import SourceUnavailable, assigned_names
+
+TapSpec = Union[str, Mapping[str, str]]
+Kind = Literal["output", "input", "param", "local"]
+_GLOB_CHARS = "*?["
+
+
+@dataclass(frozen=True)
+class Tap:
+    """A resolved tap: one module, one name. `path` is the element path for `output.0.key`-style names."""
+
+    module: str
+    name: str
+    kind: Kind
+    path: tuple[str | int, ...] = ()
+
+    @property
+    def tap(self) -> str:
+        return f"{self.module}:{self.name}"
+
+
+def parse_spec(spec: object) -> tuple[str, str]:
+    """Split one spec into (module pattern, name); raises GradrunnerError on a malformed spec.
+
+    Example::
+
+        parse_spec("fc1:output")                         # ('fc1', 'output')
+        parse_spec({"module": "", "name": "hidden"})     # ('', 'hidden')
+    """
+    if isinstance(spec, str):
+        module, sep, name = spec.rpartition(":")
+        if not sep:
+            raise GradrunnerError(
+                f"tap {spec!r} has no ':'; write '<module path>:<name>', e.g. '{spec}:output' for the output of "
+                f"module {spec!r}, or ':{spec}' for a local variable or parameter of the root module"
+            )
+    elif isinstance(spec, Mapping):
+        extra = sorted(set(map(str, spec)) - {"module", "name"})
+        if extra or "name" not in spec:
+            raise GradrunnerError(
+                f"tap {dict(spec)!r} must be a mapping with keys 'module' and 'name' only "
+                f"({'unexpected ' + ', '.join(extra) if extra else 'missing name'}), e.g. {{module: fc1, name: output}}"
+            )
+        module, name = str(spec.get("module") or ""), str(spec["name"])
+    else:
+        raise GradrunnerError(
+            f"tap {spec!r} is a {type(spec).__name__}; a tap is a string '<module>:<name>' or a mapping "
+            "{module: <path>, name: <name>}"
+        )
+    if not name.strip():
+        raise GradrunnerError(f"tap {spec!r} has an empty name; allowed names: output, input, output.N, input.N, "
+                              "a parameter, or a local variable of the module's forward()")
+    return module.strip(), name.strip()
+
+
+def _element_path(rest: str) -> tuple[str | int, ...]:
+    return tuple(int(p) if p.lstrip("-").isdigit() else p for p in rest.split("."))
+
+
+def module_offers(module: nn.Module) -> dict[str, list[str]]:
+    """What can be tapped on `module`: outputs/inputs, its own parameters, locals of its forward()."""
+    try:
+        local_names = assigned_names(type(module).forward)
+    except SourceUnavailable:
+        local_names = []
+    return {
+        "outputs": ["output", "input", "output.N", "input.N", "output.KEY", "input.KEY"],
+        "parameters": [n for n, _ in module.named_parameters(recurse=False)],
+        "locals": local_names,
+    }
+
+
+def _resolve_name(module_path: str, module: nn.Module, name: str) -> Tap | None:
+    """The tap for `name` on `module`, or None when the module offers no such name."""
+    head, _, rest = name.partition(".")
+    if head in ("output", "input"):
+        return Tap(module_path, name, head, _element_path(rest) if rest else ())  # type: ignore[arg-type]
+    if name in dict(module.named_parameters(recurse=False)):
+        return Tap(module_path, name, "param")
+    try:
+        if name in assigned_names(type(module).forward):
+            return Tap(module_path, name, "local")
+    except SourceUnavailable:
+        return None
+    return None
+
+
+def _describe(module: nn.Module) -> str:
+    offers = module_offers(module)
+    params = ", ".join(offers["parameters"]) or "none"
+    local_names = ", ".join(offers["locals"]) or "none found"
+    return f"output, input, output.N, input.N, output.KEY; parameters: {params}; locals of forward(): {local_names}"
+
+
+def _unknown_name(module_path: str, module: nn.Module, name: str) -> GradrunnerError:
+    offers = module_offers(module)
+    candidates = offers["parameters"] + offers["locals"] + ["output", "input"]
+    close = difflib.get_close_matches(name, candidates, n=3)
+    hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return GradrunnerError(
+        f"tap '{module_path}:{name}': module {module_path or '<root>'!r} ({type(module).__name__}) has no "
+        f"{name!r}.{hint} It offers: {_describe(module)}."
+    )
+
+
+def _match_modules(model: nn.Module, pattern: str, spec: object) -> list[tuple[str, nn.Module]]:
+    modules = dict(model.named_modules(remove_duplicate=False))
+    if not any(c in pattern for c in _GLOB_CHARS):
+        if pattern in modules:
+            return [(pattern, modules[pattern])]
+        close = difflib.get_close_matches(pattern, [p for p in modules if p], n=5, cutoff=0.4)
+        listing = ", ".join(repr(p) for p in (close or [p for p in modules if p][:8]))
+        raise GradrunnerError(
+            f"tap {spec!r}: no module {pattern!r} in {type(model).__name__}. "
+            f"{'Closest paths' if close else 'Some paths'}: {listing}. Paths are as model.named_modules() "
+            "prints them; '' is the root; globs (*, ?, [...]) select several."
+        )
+    matched = [(p, m) for p, m in modules.items() if p and fnmatch.fnmatchcase(p, pattern)]
+    if not matched:
+        some = ", ".join(repr(p) for p in list(modules)[1:9])
+        raise GradrunnerError(
+            f"tap {spec!r}: the glob {pattern!r} matches no module of {type(model).__name__} "
+            f"(the root '' is never matched by a glob). Some paths: {some}."
+        )
+    return matched
+
+
+def resolve_taps(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[Tap]:
+    """Resolve specs against `model`: expand globs, check names, drop duplicates (first wins).
+
+    Example::
+
+        resolve_taps(MLP(depth=1), ["*:output"])  # fc1, relu1, head outputs
+    """
+    if isinstance(specs, (str, Mapping)):
+        specs = [specs]
+    if not isinstance(specs, Iterable):
+        raise GradrunnerError(f"taps must be a list of tap specs, got {specs!r}")
+    resolved: dict[str, Tap] = {}
+    for spec in specs:
+        pattern, name = parse_spec(spec)
+        matched = _match_modules(model, pattern, spec)
+        taps = [(p, m, _resolve_name(p, m, name)) for p, m in matched]
+        found = [t for _, _, t in taps if t is not None]
+        if not found:
+            if len(matched) == 1:
+                raise _unknown_name(matched[0][0], matched[0][1], name)
+            paths = ", ".join(repr(p) for p, _, _ in taps[:8])
+            raise GradrunnerError(
+                f"tap {spec!r}: the glob {pattern!r} matches {len(matched)} modules ({paths}) but none of them "
+                f"has {name!r}. Every module offers output and input; parameters and forward() locals are per module."
+            )
+        for t in found:
+            resolved.setdefault(t.tap, t)
+    return list(resolved.values())
