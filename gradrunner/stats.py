@@ -177,7 +177,10 @@ class Collector:
         host = np.zeros(0)
         if scalars:
             # torch.stack promotes to the widest dtype (float64, or float32 where the device has no float64)
-            host = to_host(torch.stack([s.to(scalars[0].device) for s in scalars])).double().numpy()
+            device = scalars[0].device
+            if any(s.device != device for s in scalars):  # a model spread over several devices
+                scalars = [s.to(device) for s in scalars]
+            host = to_host(torch.stack(scalars)).double().numpy()
         recs = _derive(pending, host)
         if loss is not None:
             recs.loss = float(host[-1])
@@ -192,6 +195,7 @@ class Collector:
 
 
 _N_REDUCTIONS = 7
+_CPU_ZERO = torch.zeros((), dtype=torch.int64)
 
 
 def _reduce(flat: torch.Tensor) -> list[torch.Tensor]:
@@ -206,8 +210,7 @@ def _reduce(flat: torch.Tensor) -> list[torch.Tensor]:
     nonzero = torch.count_nonzero(flat.abs().view(_INT_VIEW[flat.dtype]))
     if flat.device.type == "cpu" and math.isfinite(float(ss.numpy())):
         # On CPU the sum of squares is already in host memory (numpy() cannot cross devices).
-        zero = torch.zeros((), dtype=torch.int64)
-        return [s, ss, mn, mx, nonzero, zero, zero]
+        return [s, ss, mn, mx, nonzero, _CPU_ZERO, _CPU_ZERO]
     nan = torch.isnan(flat).sum()
     inf = torch.isinf(flat).sum()
     return [s, ss, mn, mx, nonzero, nan, inf]

@@ -1,0 +1,141 @@
+"""Capture overhead per training step, per strategy, against the same step with no capture.
+
+    python benchmarks/capture_overhead.py            # full sizes (a few minutes on 2 cores)
+    python benchmarks/capture_overhead.py --tiny     # CI smoke run
+
+Models: the 8x512 MLP at batch 256 with every Linear and ReLU output tapped (17 taps), the tiny
+transformer with every submodule output tapped, the CNN with every submodule output tapped.
+Each with statistics only and with full values; plus the naive tutorial baseline (retain_grad on
+each tap, then per-tap host reads of each statistic) on the same taps. Steps of all variants of one
+model are interleaved; the ratio is the median step time over the no-capture median.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import interleaved, median_ms, no_context, parse_args, report  # noqa: E402
+
+from gradrunner import capture  # noqa: E402
+from gradrunner.models import MLP, SmallCNN, TinyTransformerBlock  # noqa: E402
+from gradrunner.taps import resolve_taps  # noqa: E402
+
+STRATEGIES = ("hook", "retain_grad", "autograd_grad")
+
+
+def workloads(tiny: bool) -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor, list[str]]]:
+    """name -> (model, inputs, targets, taps)."""
+    torch.manual_seed(0)
+    width, batch = (32, 8) if tiny else (512, 256)
+    mlp = MLP(width, width, 8, width)
+    tf = TinyTransformerBlock(d_model=16 if tiny else 64, n_heads=2, d_ff=32 if tiny else 256, out_features=16)
+    cnn = SmallCNN(channels=4 if tiny else 32)
+    return {
+        "mlp_8x512_b256": (mlp, torch.randn(batch, width), torch.randn(batch, width), ["fc*:output", "relu*:output", "head:output"]),
+        "transformer": (tf, torch.randn(4 if tiny else 32, 8 if tiny else 64, tf.ln1.normalized_shape[0]),
+                        torch.randn(4 if tiny else 32, 8 if tiny else 64, 16), ["*:output"]),
+        "cnn": (cnn, torch.randn(8 if tiny else 256, 1, 8, 8), torch.randint(0, 10, (8 if tiny else 256,)), ["*:output"]),
+    }
+
+
+@contextmanager
+def naive(model: nn.Module, taps: list[str], sink: list[torch.Tensor]) -> Iterator[None]:
+    """The tutorial way: forward hooks that call retain_grad() on each tapped output."""
+    handles = []
+    for tap in resolve_taps(model, taps):
+        module = model.get_submodule(tap.module) if tap.module else model
+
+        def hook(_m: nn.Module, _a: Any, out: Any) -> None:
+            t = out[0] if isinstance(out, tuple) else out
+            if t.requires_grad:
+                t.retain_grad()
+                sink.append(t)
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def naive_stats(sink: list[torch.Tensor]) -> list[list[float]]:
+    out = []
+    for t in sink:
+        g = t.grad
+        if g is None:
+            continue
+        out.append([g.norm().item(), g.mean().item(), g.std().item(), g.min().item(), g.max().item(),
+                    g.abs().max().item(), (g == 0).float().mean().item(), torch.isnan(g).sum().item(),
+                    torch.isinf(g).sum().item()])
+    sink.clear()
+    return out
+
+
+def variants_for(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, taps: list[str], values: str
+) -> dict[str, tuple[Callable[[], AbstractContextManager[Any]], Callable[[], None]]]:
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+        nn.functional.cross_entropy if y.dtype == torch.int64 else nn.functional.mse_loss
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+
+    def plain() -> None:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out: dict[str, tuple[Callable[[], AbstractContextManager[Any]], Callable[[], None]]] = {"none": (no_context, plain)}
+    for strategy in STRATEGIES:
+        cap = capture(model, taps, strategy=strategy, values=values, keep_grads=False)
+
+        def step(cap: Any = cap) -> None:
+            loss = loss_fn(model(x), y)
+            cap.backward(loss)
+            cap.records(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        out[strategy] = (lambda cap=cap: cap, step)
+    if values == "none":
+        sink: list[torch.Tensor] = []
+
+        def naive_step() -> None:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            naive_stats(sink)
+            loss.item()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        out["naive"] = (lambda: naive(model, taps, sink), naive_step)
+    return out
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    repeats = args.repeats or (2 if args.tiny else 12)
+    rows = []
+    for name, (model, x, y, taps) in workloads(args.tiny).items():
+        n_taps = len(resolve_taps(model, taps))
+        for values in ("none", "full"):
+            times = interleaved(variants_for(model, x, y, taps, values), repeats=repeats)
+            base = median_ms(times["none"])
+            for variant, samples in times.items():
+                rows.append({"model": name, "taps": n_taps, "values": values, "variant": variant,
+                             "step_ms": median_ms(samples), "ratio": median_ms(samples) / base,
+                             "overhead_pct": 100 * (median_ms(samples) / base - 1)})
+    report("capture_overhead", rows, ["model", "taps", "values", "variant", "step_ms", "ratio", "overhead_pct"], args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,396 @@
+"""Records on disk: the Parquet schemas (defined once) and the writers that stream a job's rows.
+
+Contents:
+    GRADS_SCHEMA, STEPS_SCHEMA   -- the columns of `grads.parquet` and `steps.parquet`
+    RecordWriter                 -- one row per step x tap x call, into `<job dir>/grads.parquet`
+    StepsWriter                  -- one row per step (loss, timings, memory), `<job dir>/steps.parquet`
+    run_metadata()               -- the file's key-value metadata: config YAML, versions, seed, commit
+
+Both writers stream complete row groups through one `pq.ParquetWriter` into a hidden temp file
+(`.grads.parquet.tmp`: ignored by pyarrow dataset discovery and by DuckDB's `*.parquet` globs) and
+`os.replace` it to the final name on `close()`, so a `grads.parquet` always has its footer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TypeVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from gradrunner.errors import GradrunnerError
+from gradrunner.stats import COUNT_COLUMNS, STAT_COLUMNS, StepRecords
+
+_W = TypeVar("_W", bound="ParquetTableWriter")
+
+#: Columns repeated on every row of a job (taken from the writer's `constants`), then `rank`.
+CONSTANT_COLUMNS = ("run_id", "experiment", "strategy", "device", "dtype")
+
+_CONSTANT_FIELDS = [pa.field(c, pa.string()) for c in CONSTANT_COLUMNS]
+
+#: `grads.parquet`: the contract's columns in the contract's order, then `has_grad` and `rank`.
+GRADS_SCHEMA = pa.schema(
+    [
+        *_CONSTANT_FIELDS,
+        pa.field("step", pa.int64()),
+        pa.field("tap", pa.string()),
+        pa.field("module", pa.string()),
+        pa.field("name", pa.string()),
+        pa.field("call", pa.int64()),
+        pa.field("shape", pa.list_(pa.int64())),
+        pa.field("numel", pa.int64()),
+        *[pa.field(c, pa.float64()) for c in STAT_COLUMNS],
+        *[pa.field(c, pa.int64()) for c in COUNT_COLUMNS],
+        pa.field("values", pa.list_(pa.float32())),
+        pa.field("loss", pa.float64()),
+        # False for a tap that took no part in the loss: statistics null, counts 0, shape [], numel 0.
+        pa.field("has_grad", pa.bool_()),
+        # Reserved for distributed runs; 0 otherwise.
+        pa.field("rank", pa.int64()),
+    ]
+)
+
+#: `steps.parquet`: one row per optimisation step, captured or not.
+STEPS_SCHEMA = pa.schema(
+    [
+        *_CONSTANT_FIELDS,
+        pa.field("rank", pa.int64()),
+        pa.field("step", pa.int64()),
+        pa.field("captured", pa.bool_()),
+        pa.field("loss", pa.float64()),
+        pa.field("step_time_s", pa.float64()),
+        pa.field("capture_time_s", pa.float64()),
+        pa.field("peak_memory_bytes", pa.int64()),
+    ]
+)
+
+
+def run_metadata(
+    config_yaml: str, seed: int, start_time: str | None = None, cwd: str | os.PathLike[str] | None = None
+) -> dict[str, str]:
+    """Key-value metadata for a job's Parquet files: what ran, with which versions, from which commit.
+
+    Example::
+
+        meta = run_metadata(OmegaConf.to_yaml(cfg), seed=cfg.seed)
+        RecordWriter(job_dir / "grads.parquet", constants=consts, metadata=meta)
+        pq.read_schema(job_dir / "grads.parquet").metadata[b"gradrunner.config"]
+
+    `git.commit` is the HEAD of the repository holding `cwd` (default: the current directory), or
+    "" outside a repository; `gradrunner.start_time` defaults to now, ISO 8601 in UTC.
+    """
+    import torch  # here, not at import time: only the version is needed
+
+    if start_time is None:
+        start_time = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {
+        "gradrunner.config": config_yaml,
+        "gradrunner.version": _package_version(),
+        "torch.version": str(torch.__version__),
+        "python.version": platform.python_version(),
+        "git.commit": _git_commit(cwd),
+        "gradrunner.seed": str(seed),
+        "gradrunner.start_time": start_time,
+    }
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("gradrunner")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+def _git_commit(cwd: str | os.PathLike[str] | None) -> str:
+    # Metadata must never fail a run: no git, no repository, no commit yet or a hung git all give "".
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
+def _leaf_paths(field: pa.Field) -> list[str]:
+    """Parquet column paths of a field (`values` is stored as `values.list.element`)."""
+    if pa.types.is_list(field.type):
+        return [f"{field.name}.list.element"]
+    return [field.name]
+
+
+def _write_options(schema: pa.Schema) -> dict[str, list[str]]:
+    """Float columns: byte stream split, no dictionary (both measured smallest and fastest for
+    gradients; byte stream split does nothing while a dictionary is on). The rest: dictionary."""
+    floats: list[str] = []
+    others: list[str] = []
+    for field in schema:
+        leaf = field.type.value_type if pa.types.is_list(field.type) else field.type
+        (floats if pa.types.is_floating(leaf) else others).extend(_leaf_paths(field))
+    return {"use_byte_stream_split": floats, "use_dictionary": others}
+
+
+class ParquetTableWriter:
+    """Streams record batches of one schema to a Parquet file, committed atomically on `close()`.
+
+    Example::
+
+        with ParquetTableWriter(job_dir / "t.parquet", schema, metadata={}) as w:
+            w.write_batch(batch)      # buffered; full row groups go to `.t.parquet.tmp`
+        # here t.parquet exists, with its footer, and the temp file is gone
+
+    Rows are buffered until `rows_per_group` rows (or `max_buffer_bytes` bytes) are waiting, then
+    written as row groups, so memory does not grow with the length of a run. Leaving the `with`
+    block normally or by KeyboardInterrupt closes (what was written stays readable); any other
+    exception closes if at least one step was written, else aborts (deletes the temp file).
+    An existing final file is never overwritten.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        schema: pa.Schema,
+        *,
+        metadata: dict[str, str],
+        rows_per_group: int = 8192,
+        max_buffer_bytes: int = 64 << 20,
+    ) -> None:
+        assert rows_per_group > 0, rows_per_group
+        self.path = Path(path)
+        self.temp_path = self.path.with_name(f".{self.path.name}.tmp")
+        self.schema = schema.with_metadata({str(k): str(v) for k, v in metadata.items()})
+        self.rows_per_group = rows_per_group
+        self.max_buffer_bytes = max_buffer_bytes
+        self.steps_written = 0
+        self.rows_written = 0
+        self._buffer: list[pa.RecordBatch] = []
+        self._buffered_rows = 0
+        self._buffered_bytes = 0
+        self._writer: pq.ParquetWriter | None = None
+        self._state = "open"
+        self._refuse_existing()
+
+    @property
+    def rows_buffered(self) -> int:
+        """Rows waiting in memory for the next row group (fewer than `rows_per_group`)."""
+        return self._buffered_rows
+
+    def write_batch(self, batch: pa.RecordBatch) -> None:
+        """Buffer `batch` (of this writer's schema); write every complete row group."""
+        assert self._state == "open", f"{self.path}: write after {self._state}"
+        if batch.num_rows:
+            self._buffer.append(batch)
+            self._buffered_rows += batch.num_rows
+            self._buffered_bytes += batch.nbytes
+        if self._buffered_rows >= self.rows_per_group or self._buffered_bytes >= self.max_buffer_bytes:
+            self._flush(everything=self._buffered_bytes >= self.max_buffer_bytes)
+
+    def close(self) -> Path:
+        """Write what is buffered and the footer, then move the file to its final name."""
+        if self._state == "closed":
+            return self.path
+        assert self._state == "open", f"{self.path}: close after {self._state}"
+        self._flush(everything=True)
+        self._open().close()  # opening here too, so a run without rows still leaves a valid file
+        self._refuse_existing()
+        os.replace(self.temp_path, self.path)
+        self._state = "closed"
+        return self.path
+
+    def abort(self) -> None:
+        """Drop everything: close the temp file and delete it. No final file is created."""
+        if self._state != "open":
+            return
+        self._state = "aborted"
+        self._buffer = []
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            self.temp_path.unlink(missing_ok=True)
+
+    def __enter__(self: _W) -> _W:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is None or issubclass(exc_type, KeyboardInterrupt) or self.steps_written:
+            self.close()
+        else:
+            self.abort()
+
+    def _refuse_existing(self) -> None:
+        if self.path.exists():
+            raise GradrunnerError(
+                f"{self.path} already exists; gradrunner never overwrites records. "
+                "Write to a new output directory (e.g. hydra.run.dir=...) or move the old file away."
+            )
+
+    def _open(self) -> pq.ParquetWriter:
+        if self._writer is None:
+            self.temp_path.parent.mkdir(parents=True, exist_ok=True)
+            options = _write_options(self.schema)
+            self._writer = pq.ParquetWriter(self.temp_path, self.schema, compression="zstd", **options)
+        return self._writer
+
+    def _flush(self, everything: bool) -> None:
+        """Write full row groups (and, if `everything`, the partial last one) from the buffer."""
+        if not self._buffer:
+            return
+        table = pa.Table.from_batches(self._buffer, schema=self.schema)
+        cut = table.num_rows if everything else table.num_rows - table.num_rows % self.rows_per_group
+        if cut:
+            self._open().write_table(table.slice(0, cut), row_group_size=self.rows_per_group)
+            self.rows_written += cut
+        rest = table.slice(cut).combine_chunks()
+        self._buffer = rest.to_batches()
+        self._buffered_rows = rest.num_rows
+        self._buffered_bytes = rest.nbytes
+
+
+class _RunTableWriter(ParquetTableWriter):
+    """A table of one job: the constant columns (run_id, ..., rank) are repeated on every row.
+
+    `path` not ending in `.parquet` is the job dir: the file is `<path>/<default_name>`.
+    `constants` must hold exactly run_id, experiment, strategy, device and dtype.
+    """
+
+    #: Schema of the table, and the file name used when the writer is given a directory.
+    table_schema: pa.Schema
+    default_name: str
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        constants: dict[str, str],
+        metadata: dict[str, str],
+        rows_per_group: int = 8192,
+        rank: int = 0,
+    ) -> None:
+        path = Path(path)
+        if path.suffix != ".parquet":  # a job dir, existing or not
+            path = path / self.default_name
+        if set(constants) != set(CONSTANT_COLUMNS):
+            raise GradrunnerError(
+                f"constants has keys {sorted(constants)}; expected exactly {list(CONSTANT_COLUMNS)}"
+            )
+        self.constants = {k: str(v) for k, v in constants.items()}
+        self.rank = rank
+        self._constant_cache: dict[int, dict[str, pa.Array]] = {}
+        super().__init__(path, self.table_schema, metadata=metadata, rows_per_group=rows_per_group)
+
+    def _constant_columns(self, n: int) -> dict[str, pa.Array]:
+        # One repeated value per column: Parquet's dictionary encoding stores it once per page.
+        # Arrow arrays are immutable, and steps mostly have the same length: build them once.
+        if n not in self._constant_cache:
+            if len(self._constant_cache) > 8:
+                self._constant_cache.clear()
+            cols = {c: pa.repeat(pa.scalar(v, pa.string()), n) for c, v in self.constants.items()}
+            cols["rank"] = pa.repeat(pa.scalar(self.rank, pa.int64()), n)
+            self._constant_cache[n] = cols
+        return dict(self._constant_cache[n])
+
+
+class RecordWriter(_RunTableWriter):
+    """Streams the gradient records of one job to `grads.parquet` (schema `GRADS_SCHEMA`).
+
+    Example::
+
+        with RecordWriter(job_dir / "grads.parquet", constants=consts, metadata=run_metadata(yaml, 0)) as w:
+            w.write_step(step, collector.finish(loss))
+        df = pd.read_parquet(job_dir / "grads.parquet")
+
+    `path` not ending in `.parquet` is the job dir (`<path>/grads.parquet`); `constants` holds
+    run_id, experiment, strategy, device and dtype. Guarantees: see `ParquetTableWriter`.
+    """
+
+    table_schema = GRADS_SCHEMA
+    default_name = "grads.parquet"
+
+    def write_step(self, step: int, records: StepRecords) -> None:
+        """Append one row per record of `step` (the loss comes from `records.loss`)."""
+        if len(records):
+            self.write_batch(self._grads_batch(step, records))
+        self.steps_written += 1
+
+    def _grads_batch(self, step: int, recs: StepRecords) -> pa.RecordBatch:
+        n = len(recs)
+        no_grad = ~np.asarray(recs.has_grad, dtype=bool)  # statistics of a tap without gradient: null
+        cols = self._constant_columns(n)
+        cols.update(
+            step=pa.repeat(pa.scalar(step, pa.int64()), n),
+            tap=pa.array([k.tap for k in recs.keys], pa.string()),
+            module=pa.array([k.module for k in recs.keys], pa.string()),
+            name=pa.array([k.name for k in recs.keys], pa.string()),
+            call=pa.array([k.call for k in recs.keys], pa.int64()),
+            shape=_list_array(recs.shape, np.int64),
+            numel=pa.array(np.asarray(recs.numel, dtype=np.int64)),
+            values=_list_array(recs.values if recs.values is not None else [None] * n, np.float32),
+            loss=pa.repeat(pa.scalar(recs.loss, pa.float64()), n),
+            has_grad=pa.array(~no_grad),
+        )
+        for c in STAT_COLUMNS:
+            cols[c] = pa.array(np.asarray(recs.stats[c], dtype=np.float64), mask=no_grad)
+        for c in COUNT_COLUMNS:  # 0 (not null) without gradient: keeps the columns int64 in pandas
+            cols[c] = pa.array(np.where(no_grad, 0, np.asarray(recs.counts[c], dtype=np.int64)))
+        return pa.RecordBatch.from_arrays([cols[f.name] for f in GRADS_SCHEMA], schema=self.schema)
+
+
+def _list_array(items: Sequence[Sequence[int] | np.ndarray | None], dtype: type[np.generic]) -> pa.Array:
+    """A list array from per-row sequences (None -> null), built from one flat buffer and offsets."""
+    lengths = np.fromiter((0 if x is None else len(x) for x in items), dtype=np.int64, count=len(items))
+    offsets = np.zeros(len(items) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] > np.iinfo(np.int32).max:
+        raise GradrunnerError(
+            f"one step holds {offsets[-1]} captured values, more than a Parquet list column takes "
+            f"({np.iinfo(np.int32).max}); use capture.values=sample or fewer taps"
+        )
+    kept = [np.asarray(x, dtype=dtype).reshape(-1) for x in items if x is not None]
+    flat = np.concatenate(kept) if kept else np.zeros(0, dtype=dtype)
+    nulls = np.fromiter((x is None for x in items), dtype=bool, count=len(items))
+    return pa.ListArray.from_arrays(
+        pa.array(offsets.astype(np.int32)), pa.array(flat), mask=pa.array(nulls) if nulls.any() else None
+    )
+
+
+class StepsWriter(_RunTableWriter):
+    """Streams one row per optimisation step to `steps.parquet` (schema `STEPS_SCHEMA`).
+
+    Example::
+
+        with StepsWriter(job_dir / "steps.parquet", constants=consts, metadata=meta) as w:
+            w.write(step=0, captured=True, loss=0.7, step_time_s=0.03, capture_time_s=0.01, peak_memory_bytes=None)
+        pd.read_parquet(job_dir / "steps.parquet")
+
+    Same arguments, temp-file, close and abort rules as `RecordWriter`.
+    """
+
+    table_schema = STEPS_SCHEMA
+    default_name = "steps.parquet"
+
+    def write(
+        self,
+        step: int,
+        captured: bool,
+        loss: float | None,
+        step_time_s: float | None,
+        capture_time_s: float | None,
+        peak_memory_bytes: int | None,
+    ) -> None:
+        """Append the row of `step` (None where a value is unknown, e.g. peak memory on CPU)."""
+        row = dict(self.constants, rank=self.rank, step=step, captured=captured, loss=loss, step_time_s=step_time_s)
+        row.update(capture_time_s=capture_time_s, peak_memory_bytes=peak_memory_bytes)
+        self.write_batch(pa.RecordBatch.from_pylist([row], schema=self.schema))
+        self.steps_written += 1

@@ -1,0 +1,135 @@
+"""gradrunner.analysis.load: runs, sweeps, single files, schema unification, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from gradrunner.analysis import load
+from gradrunner.errors import GradrunnerError
+from gradrunner.records import RecordWriter, StepsWriter
+from gradrunner.stats import Collector, TapKey
+
+
+def write_job(job_dir: Path, strategy: str = "hook", steps: int = 2, overrides: list[str] | None = None) -> None:
+    consts = {"run_id": job_dir.name, "experiment": "mlp", "strategy": strategy, "device": "cpu", "dtype": "float32"}
+    with RecordWriter(job_dir, constants=consts, metadata={}) as w, StepsWriter(
+        job_dir, constants=consts, metadata={}
+    ) as s:
+        for step in range(steps):
+            col = Collector(values="full")
+            col.add(TapKey("fc1", "output", 0), torch.full((2, 2), float(step)))
+            col.add(TapKey("fc2", "output", 0), None)
+            w.write_step(step, col.finish(torch.tensor(1.0)))
+            s.write(step, True, 1.0, 0.1, 0.01, None)
+    if overrides is not None:
+        (job_dir / ".hydra").mkdir()
+        (job_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+
+
+def make_sweep(root: Path) -> None:
+    for i, (strategy, seed) in enumerate([("retain_grad", 0), ("hook", 1), ("autograd_grad", 2)]):
+        write_job(
+            root / str(i), strategy, overrides=["+experiment=mlp", f"capture.strategy={strategy}", f"seed={seed}"]
+        )
+
+
+def test_single_run_dir_equals_read_parquet(tmp_path: Path) -> None:
+    write_job(tmp_path)
+    df = load(tmp_path)
+    pd.testing.assert_frame_equal(df, pd.read_parquet(tmp_path / "grads.parquet"))
+    assert "job" not in df.columns and len(df) == 4
+    assert df.run_id.unique().tolist() == [tmp_path.name]
+
+
+def test_parquet_file_path(tmp_path: Path) -> None:
+    write_job(tmp_path)
+    df = load(tmp_path / "steps.parquet")
+    assert df.step.tolist() == [0, 1] and df.captured.all()
+
+
+def test_steps_table(tmp_path: Path) -> None:
+    make_sweep(tmp_path)
+    df = load(tmp_path, table="steps")
+    assert len(df) == 6 and df.job.tolist() == ["0", "0", "1", "1", "2", "2"]
+    assert df["capture.strategy"].tolist() == df.strategy.tolist()
+
+
+def test_sweep_adds_job_and_varying_override_columns(tmp_path: Path) -> None:
+    make_sweep(tmp_path)
+    df = load(tmp_path)
+    assert len(df) == 12
+    assert df.job.tolist() == ["0"] * 4 + ["1"] * 4 + ["2"] * 4
+    assert df["capture.strategy"].tolist() == ["retain_grad"] * 4 + ["hook"] * 4 + ["autograd_grad"] * 4
+    assert df["capture.strategy"].tolist() == df.strategy.tolist()
+    assert df.seed.dtype == "int64" and df.seed.tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    # the same in every job: not a column
+    assert "experiment" in df.columns and df.experiment.unique().tolist() == ["mlp"]
+    assert not {"+experiment", "override.experiment"} & set(df.columns)
+
+
+def test_sweep_jobs_in_natural_order_and_typed_values(tmp_path: Path) -> None:
+    for i, lr in [(10, "1"), (2, "0.5"), (1, "1e-3")]:
+        write_job(tmp_path / str(i), steps=1, overrides=[f"optimizer.lr={lr}", "tag=a" if i != 2 else "tag=b"])
+    df = load(tmp_path)
+    assert df.job.unique().tolist() == ["1", "2", "10"]
+    assert df["optimizer.lr"].dtype == "float64"
+    assert df.groupby("job", sort=False)["optimizer.lr"].first().tolist() == [1e-3, 0.5, 1.0]
+    assert df.groupby("job", sort=False)["tag"].first().tolist() == ["a", "b", "a"]
+
+
+def test_override_missing_in_some_jobs_is_null(tmp_path: Path) -> None:
+    write_job(tmp_path / "0", steps=1, overrides=["seed=1"])
+    write_job(tmp_path / "1", steps=1, overrides=[])
+    df = load(tmp_path)
+    assert df.groupby("job")["seed"].first(skipna=False).isna().tolist() == [False, True]
+
+
+def test_override_named_like_a_column_is_prefixed(tmp_path: Path) -> None:
+    write_job(tmp_path / "0", steps=1, overrides=["device=auto"])
+    write_job(tmp_path / "1", steps=1, overrides=["device=cpu"])
+    df = load(tmp_path)
+    assert df.device.unique().tolist() == ["cpu"]
+    assert df["override.device"].tolist() == ["auto", "auto", "cpu", "cpu"]
+
+
+def test_schema_unification_keeps_columns_some_files_lack(tmp_path: Path) -> None:
+    write_job(tmp_path / "0", steps=1)
+    write_job(tmp_path / "1", steps=1)
+    extra = tmp_path / "1" / "grads.parquet"
+    t = pq.read_table(extra)
+    extra.unlink()
+    pq.write_table(t.append_column("grad_scale", pa.array([2.0] * t.num_rows)), extra)
+    df = load(tmp_path)
+    assert df.grad_scale.isna().tolist() == [True, True, False, False]
+    assert df.grad_scale.iloc[2:].tolist() == [2.0, 2.0]
+    assert df.norm.notna().sum() == 2  # every other column intact
+
+
+def test_run_dir_ignores_hidden_temp_of_running_job(tmp_path: Path) -> None:
+    write_job(tmp_path / "0", steps=1)
+    live = RecordWriter(tmp_path / "1", constants=dict(run_id="r", experiment="e", strategy="hook",
+                        device="cpu", dtype="float32"), metadata={}, rows_per_group=1)  # fmt: skip
+    col = Collector()
+    col.add(TapKey("fc1", "output", 0), torch.ones(2))
+    live.write_step(0, col.finish())
+    assert load(tmp_path).job.unique().tolist() == ["0"]
+    live.abort()
+
+
+def test_empty_dir_error_names_path_and_file(tmp_path: Path) -> None:
+    (tmp_path / ".grads.parquet.tmp").write_bytes(b"partial")
+    with pytest.raises(GradrunnerError, match=rf"no grads\.parquet found in {tmp_path}"):
+        load(tmp_path)
+
+
+def test_missing_path_and_bad_table(tmp_path: Path) -> None:
+    with pytest.raises(GradrunnerError, match="does not exist"):
+        load(tmp_path / "nope")
+    with pytest.raises(GradrunnerError, match="table='grad'.*allowed: grads, steps"):
+        load(tmp_path, table="grad")
