@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -101,7 +102,10 @@ def _set_element(value: Any, path: tuple[str | int, ...], new: Any) -> Any:
         if hasattr(value, "_fields"):  # namedtuple
             return type(value)(*items)
         return type(value)(items)
-    setattr(value, str(head), _set_element(getattr(value, str(head)), rest, new))
+    replaced = _set_element(getattr(value, str(head)), rest, new)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{str(head): replaced})
+    setattr(value, str(head), replaced)
     return value
 
 
@@ -242,17 +246,19 @@ class Capture:
         self._calls[tap.tap] = call + 1
         slot = Slot(TapKey(tap.module, tap.name, call), order=len(self._slots))
         self._slots.append(slot)
-        if not isinstance(value, torch.Tensor):
-            slot.reason = f"not a tensor ({type(value).__name__})"
+        reason = _no_grad_reason(value, is_input)
+        if reason is not None:
+            if not tap.from_glob:
+                raise GradrunnerError(
+                    f"tap {tap.tap!r} cannot carry a gradient: its value is {reason}. Tap a tensor computed "
+                    "from parameters or from an input that requires grad (an input tap on the root makes "
+                    "floating-point inputs require grad), or drop the tap."
+                )
+            slot.reason = reason  # a glob also matched this one: recorded as having no gradient
             return value
-        if not (value.is_floating_point() or value.is_complex()):
-            slot.reason = f"a {value.dtype} tensor cannot have a gradient"
-            return value
-        if not value.requires_grad:
-            if not (is_input and value.is_leaf):
-                slot.reason = "does not require grad (made under no_grad, detached, or from frozen parameters)"
-                return value
-            value.requires_grad_(True)  # an input tap: make the input a leaf that gets a gradient
+        assert isinstance(value, torch.Tensor)
+        if not value.requires_grad:  # an input tap on a floating-point leaf: make it get a gradient
+            value.requires_grad_(True)
             self._made_leaf_require_grad.append(value)
         return self.strategy.attach(value, slot)
 
@@ -316,22 +322,36 @@ class Capture:
         return {s.key: s.reason for s in self._last if s.reason is not None}
 
 
+def _no_grad_reason(value: object, is_input: bool) -> str | None:
+    """Why `value` cannot get a gradient, or None (an input leaf that can be made to require grad is fine)."""
+    if not isinstance(value, torch.Tensor):
+        return f"a {type(value).__name__}, not a tensor"
+    if not (value.is_floating_point() or value.is_complex()):
+        return f"a {value.dtype} tensor (only floating-point tensors have gradients)"
+    if not value.requires_grad and not (is_input and value.is_leaf):
+        return "a tensor that does not require grad (made under torch.no_grad(), detached, or computed only from frozen parameters and inputs)"
+    return None
+
+
 def _in_backward() -> bool:
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current is not None and current() != -1
 
 
 def _refuse_compiled(model: nn.Module) -> None:
-    if type(model).__name__ == "OptimizedModule" or isinstance(model, torch.jit.ScriptModule):
-        raise GradrunnerError(
-            f"the model is a {type(model).__name__} (torch.compile or TorchScript), where tensor hooks and "
-            "retain_grad on intermediates are unreliable or dropped; pass the eager module instead "
-            "(for torch.compile: the original module, model._orig_mod)"
-        )
+    """torch.compile and TorchScript bypass or drop Python hooks: refuse them with the way out."""
     for path, module in model.named_modules():
+        where = "the model" if not path else f"module {path!r}"
+        if type(module).__name__ == "OptimizedModule":
+            raise GradrunnerError(
+                f"{where} is compiled with torch.compile, under which tensor hooks and retain_grad on "
+                "intermediates are unreliable; capture on the eager module instead (the original module is "
+                f"`{'model' if not path else path}._orig_mod`), and compile again after capturing"
+            )
         if isinstance(module, torch.jit.ScriptModule):
             raise GradrunnerError(
-                f"module {path!r} is a TorchScript module, which drops Python hooks; use the eager module instead"
+                f"{where} is a TorchScript module ({type(module).__name__}), which drops Python hooks and has no "
+                "Python forward() to tap; capture on the eager module instead"
             )
 
 

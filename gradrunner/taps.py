@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
@@ -36,6 +37,8 @@ class Tap:
     name: str
     kind: Kind
     path: tuple[str | int, ...] = ()
+    #: Selected by a glob: a value that cannot carry a gradient is recorded, not an error.
+    from_glob: bool = False
 
     @property
     def tap(self) -> str:
@@ -173,6 +176,7 @@ def resolve_taps(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[T
                 f"tap {spec!r}: the glob {pattern!r} matches {len(matched)} modules ({paths}) but none of them "
                 f"has {name!r}. Every module offers output and input; parameters and forward() locals are per module."
             )
+        is_glob = any(c in pattern for c in _GLOB_CHARS)
         for t in found:
-            resolved.setdefault(t.tap, t)
+            resolved.setdefault(t.tap, dataclasses.replace(t, from_glob=is_glob))
     return list(resolved.values())
