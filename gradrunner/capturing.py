@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -139,7 +140,7 @@ class Capture:
         self._kept: dict[int, torch.Tensor | None] = {}
         self._calls: dict[str, int] = {}
         self._param_slots: dict[int, Slot] = {}
-        self._made_leaf_require_grad: list[torch.Tensor] = []
+        self._made_leaf_require_grad: list[weakref.ref[torch.Tensor]] = []
         self._stack = contextlib.ExitStack()
         self._last: list[Slot] = []
         self._tap_params: list[tuple[Tap, nn.Parameter]] = []
@@ -168,27 +169,35 @@ class Capture:
         by_module: dict[str, list[Tap]] = {}
         for tap in self.taps:
             by_module.setdefault(tap.module, []).append(tap)
+        locals_by_instance: dict[int, tuple[nn.Module, list[Tap]]] = {}
         for path, taps in by_module.items():
             module = modules[path]
             outputs = [t for t in taps if t.kind == "output"]
             inputs = [t for t in taps if t.kind == "input"]
-            local_taps = [t for t in taps if t.kind == "local"]
             if inputs:
                 handle = module.register_forward_pre_hook(self._input_hook(inputs), with_kwargs=True)
                 self._stack.callback(handle.remove)
             if outputs:
                 handle = module.register_forward_hook(self._output_hook(outputs), with_kwargs=True)
                 self._stack.callback(handle.remove)
+            # one module object under several paths: one rewrite serves every path's local taps
+            entry = locals_by_instance.setdefault(id(module), (module, []))
+            entry[1].extend(t for t in taps if t.kind == "local")
+        for module, local_taps in locals_by_instance.values():
             if local_taps:
-                self._patch_forward(path, module, local_taps)
+                self._patch_forward(module, local_taps)
         self._tap_params = [(t, getattr(modules[t.module], t.name)) for t in self.taps if t.kind == "param"]
         self.strategy.install([(p, lambda p=p: self._param_slots.get(id(p))) for _, p in self._tap_params])
 
-    def _patch_forward(self, path: str, module: nn.Module, taps: list[Tap]) -> None:
-        by_name = {t.name: t for t in taps}
+    def _patch_forward(self, module: nn.Module, taps: list[Tap]) -> None:
+        by_name: dict[str, list[Tap]] = {}
+        for t in taps:
+            by_name.setdefault(t.name, []).append(t)
 
         def tap_fn(name: str, value: object) -> object:
-            return self._fire(by_name[name], value)
+            for tap in by_name[name]:
+                value = self._fire(tap, value)
+            return value
 
         fn = rewrite(type(module).forward, by_name, tap_fn)
         had_instance_forward = "forward" in module.__dict__
@@ -204,8 +213,12 @@ class Capture:
         self._stack.callback(restore)
 
     def _restore_inputs(self) -> None:
+        """Inputs that an input tap made require grad go back as they were, with no .grad left on them."""
         while self._made_leaf_require_grad:
-            self._made_leaf_require_grad.pop().requires_grad_(False)
+            tensor = self._made_leaf_require_grad.pop()()
+            if tensor is not None:
+                tensor.requires_grad_(False)
+                tensor.grad = None
 
     # -- forward pass ----------------------------------------------------------------------------
     def _output_hook(self, taps: list[Tap]) -> Any:
@@ -259,7 +272,9 @@ class Capture:
         assert isinstance(value, torch.Tensor)
         if not value.requires_grad:  # an input tap on a floating-point leaf: make it get a gradient
             value.requires_grad_(True)
-            self._made_leaf_require_grad.append(value)
+            # weakly: a new input each step must not be kept alive by the session
+            self._made_leaf_require_grad = [r for r in self._made_leaf_require_grad if r() is not None]
+            self._made_leaf_require_grad.append(weakref.ref(value))
         return self.strategy.attach(value, slot)
 
     # -- backward pass ---------------------------------------------------------------------------

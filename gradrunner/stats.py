@@ -132,7 +132,7 @@ class Collector:
         self.sample_size = sample_size
         self.seed = seed
         self._pending: list[_Pending] = []
-        self._positions: dict[tuple[str, int, torch.device], torch.Tensor] = {}
+        self._positions: dict[tuple[str, int, torch.device], tuple[np.ndarray, torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -161,12 +161,10 @@ class Collector:
         if self.values == "full":
             return flat.float().clone() if flat.dtype == torch.float32 else flat.float()
         cache_key = (key.tap, flat.numel(), flat.device)
-        idx = self._positions.get(cache_key)
-        if idx is None:
+        if cache_key not in self._positions:
             pos = sample_positions(key.tap, flat.numel(), self.sample_size, self.seed)
-            idx = torch.from_numpy(pos).to(flat.device)
-            self._positions[cache_key] = idx
-        return flat.index_select(0, idx).float()
+            self._positions[cache_key] = (pos, torch.from_numpy(pos).to(flat.device))
+        return flat.index_select(0, self._positions[cache_key][1]).float()
 
     def finish(self, loss: torch.Tensor | None = None) -> StepRecords:
         """Stack the step's reductions, move them to the host in one transfer, derive statistics."""
@@ -188,7 +186,7 @@ class Collector:
             recs.values = _values_to_host(pending)
             if self.values == "sample":
                 recs.positions = [
-                    None if p.values is None else self._positions[(p.key.tap, p.numel, p.values.device)].cpu().numpy()
+                    None if p.values is None else self._positions[(p.key.tap, p.numel, p.values.device)][0]
                     for p in pending
                 ]
         return recs
@@ -199,20 +197,33 @@ _CPU_ZERO = torch.zeros((), dtype=torch.int64)
 
 
 def _reduce(flat: torch.Tensor) -> list[torch.Tensor]:
-    """The per-gradient device work: four reductions, plus NaN/Inf counts when they can be non-zero."""
+    """The per-gradient device work: four reductions, plus NaN/Inf counts when they can be non-zero.
+
+    Returns 0-d tensors `[sum, sum of squares, min, max, non-zero count, nan count, inf count]`.
+    """
     if flat.numel() == 0:
         return []
-    s = flat.sum()
-    ss = torch.dot(flat, flat)
     mn, mx = torch.aminmax(flat)
     # abs() folds -0.0 into +0.0, so a zero is exactly an all-zero bit pattern; counting non-zero
     # integers is several times faster than comparing floats with 0 on CPU.
     nonzero = torch.count_nonzero(flat.abs().view(_INT_VIEW[flat.dtype]))
-    if flat.device.type == "cpu" and math.isfinite(float(ss.numpy())):
-        # On CPU the sum of squares is already in host memory (numpy() cannot cross devices).
-        return [s, ss, mn, mx, nonzero, _CPU_ZERO, _CPU_ZERO]
-    nan = torch.isnan(flat).sum()
-    inf = torch.isinf(flat).sum()
+    if flat.device.type != "cpu":
+        # No branching on values here (it would sync per tap): accumulate wide, count always.
+        wide = flat if flat.dtype == torch.float64 or flat.device.type == "mps" else flat.double()
+        return [wide.sum(), torch.dot(wide, wide), mn, mx, nonzero, torch.isnan(flat).sum(), torch.isinf(flat).sum()]
+    s, ss = flat.sum(), torch.dot(flat, flat)
+    # On CPU the sums are already in host memory (numpy() cannot cross devices): branch for free.
+    s_host, ss_host = float(s.numpy()), float(ss.numpy())
+    nan = inf = _CPU_ZERO
+    if not math.isfinite(ss_host):
+        nan, inf = torch.isnan(flat).sum(), torch.isinf(flat).sum()
+    n = flat.numel()
+    if flat.dtype != torch.float64 and (
+        not math.isfinite(ss_host) or (n > 1 and ss_host - s_host * s_host / n < 1e-3 * ss_host)
+    ):
+        # float32 sum of squares overflowed, or most of its digits cancel in the variance: redo wide.
+        wide = flat.double()
+        s, ss = wide.sum(), torch.dot(wide, wide)
     return [s, ss, mn, mx, nonzero, nan, inf]
 
 
@@ -236,7 +247,7 @@ def _derive(pending: list[_Pending], host: np.ndarray) -> StepRecords:
         mean = s / numel
         var = (ss - s * mean) / (numel - 1)
         recs.stats = {
-            "norm": np.sqrt(ss),
+            "norm": np.where(recs.has_grad & (numel == 0), 0.0, np.sqrt(ss)),
             "mean": mean,
             "std": np.where(numel > 1, np.sqrt(np.maximum(var, 0.0)), np.nan),
             "min": mn,

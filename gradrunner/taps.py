@@ -114,7 +114,11 @@ def _resolve_name(module_path: str, module: nn.Module, name: str) -> Tap | None:
 def _describe(module: nn.Module) -> str:
     offers = module_offers(module)
     params = ", ".join(offers["parameters"]) or "none"
-    local_names = ", ".join(offers["locals"]) or "none found"
+    try:
+        assigned_names(type(module).forward)
+        local_names = ", ".join(offers["locals"]) or "none found"
+    except SourceUnavailable as exc:
+        local_names = f"none readable ({exc})"
     return f"output, input, output.N, input.N, output.KEY; parameters: {params}; locals of forward(): {local_names}"
 
 

@@ -1,0 +1,956 @@
+"""The shared contract suite: every test taking `strategy` runs once per registered strategy.
+
+Reference gradients come from `finite_diff.py` (plain torch hooks, parameter shifts, and the tests'
+own re-implementations of each model's math), never from gradrunner.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import class_forwards, leftover_hooks
+from finite_diff import (
+    LocalPerturb,
+    Point,
+    autograd_at,
+    central_diff,
+    input_point,
+    local_point,
+    output_point,
+    param_point,
+)
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import gradrunner.stats
+from gradrunner import GradrunnerError, capture
+from gradrunner.models import MLP, CosineRegression, SmallCNN, TinyTransformerBlock, TwoLayerSigmoid
+from gradrunner.strategies import STRATEGIES
+
+RTOL_STRATEGY, ATOL_STRATEGY = 1e-6, 1e-12  # strategy vs exact autograd reference (float64)
+RTOL_FD, ATOL_FD = 1e-5, 1e-7  # vs central differences with eps = 1e-6 (float64)
+
+
+def half_sse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return 0.5 * ((out - target) ** 2).sum()
+
+
+# -- test-only models ------------------------------------------------------------------------------
+class TwiceLinear(nn.Module):
+    """One Linear called twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.sin(self.lin(x)))
+
+
+def twice_math(m: TwiceLinear, x: torch.Tensor, p: LocalPerturb) -> torch.Tensor:
+    return m.lin(torch.sin(m.lin(x)))
+
+
+class LoopNet(nn.Module):
+    """A local `h` assigned once before a loop and once per iteration (4 assignments)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        for _ in range(3):
+            h = torch.tanh(self.lin(h)) + h
+        return h
+
+
+def loop_math(m: LoopNet, x: torch.Tensor, p: LocalPerturb) -> torch.Tensor:
+    h = p("h", m.lin(x))
+    for _ in range(3):
+        h = p("h", torch.tanh(m.lin(h)) + h)
+    return h
+
+
+class Unused(nn.Module):
+    """Locals that get no gradient: unused, not a tensor, an integer tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        unused = h * 2
+        n = x.shape[0]
+        idx = h.argmax(-1)
+        return h + 0 * n + 0 * idx.unsqueeze(-1)
+
+
+class Kitchen(nn.Module):
+    """Submodules with outputs, inputs, parameters and locals to tap; can raise inside forward()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.block = MLP(in_features=3, hidden=4, depth=1, out_features=3, inplace=True)
+        self.cos = CosineRegression(a=0.7, b=0.2)
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h = self.block(h)
+        if self.fail:
+            raise RuntimeError("boom in forward")
+        out = self.cos(h)
+        return out
+
+
+KITCHEN_TAPS = ["*:output", "*:input", ":h", ":out", ":input", "lin:weight", "cos:a", "cos:mul_x", "block.fc1:bias"]
+
+
+# -- the built-in models, tiny and in float64 --------------------------------------------------------
+@dataclass
+class Setup:
+    model: nn.Module
+    x: torch.Tensor
+    target: torch.Tensor
+
+    def loss(self) -> torch.Tensor:
+        return half_sse(self.model(self.x), self.target)
+
+
+def _setup(model: nn.Module, x_shape: tuple[int, ...], target_shape: tuple[int, ...]) -> Setup:
+    model = model.double()
+    x = torch.randn(x_shape, dtype=torch.float64)
+    target = torch.randn(target_shape, dtype=torch.float64)
+    return Setup(model, x, target)
+
+
+def _seeded(fn: Callable[[], Setup]) -> Callable[[], Setup]:
+    @functools.wraps(fn)
+    def build() -> Setup:
+        torch.manual_seed(1234)
+        return fn()
+
+    return build
+
+
+BUILDERS: dict[str, Callable[[], Setup]] = {
+    "mlp": _seeded(lambda: _setup(MLP(in_features=3, hidden=4, depth=2, out_features=2), (2, 3), (2, 2))),
+    "mlp_inplace": _seeded(
+        lambda: _setup(MLP(in_features=3, hidden=4, depth=2, out_features=2, inplace=True), (2, 3), (2, 2))
+    ),
+    "cnn": _seeded(lambda: _setup(SmallCNN(in_channels=1, num_classes=3, channels=2), (2, 1, 4, 4), (2, 3))),
+    "transformer": _seeded(
+        lambda: _setup(TinyTransformerBlock(d_model=4, n_heads=2, d_ff=8, out_features=2), (1, 3, 4), (1, 3, 2))
+    ),
+    "transformer_reuse": _seeded(
+        lambda: _setup(
+            TinyTransformerBlock(d_model=4, n_heads=2, d_ff=8, out_features=2, reuse_act=True), (1, 3, 4), (1, 3, 2)
+        )
+    ),
+    "cosine": _seeded(lambda: _setup(CosineRegression(a=1.3, b=0.4), (5,), (5,))),
+    "sigmoid2": _seeded(
+        lambda: _setup(TwoLayerSigmoid(w1=[[0.5, -1.0, 0.3], [0.8, 0.2, -0.6]], w2=[[1.0, -2.0], [0.7, 0.4]]), (3, 4), (2, 4))
+    ),
+    "twice": _seeded(lambda: _setup(TwiceLinear(), (2, 3), (2, 3))),
+    "loop": _seeded(lambda: _setup(LoopNet(), (2, 3), (2, 3))),
+}
+
+
+# Independent re-implementations of each forward(), with `p(name, value)` at every assignment of a local.
+def cosine_math(m: CosineRegression, x: torch.Tensor, p: LocalPerturb) -> torch.Tensor:
+    mul_x = p("mul_x", m.a * x)
+    return p("sum_x", torch.cos(mul_x) - m.b)
+
+
+def sigmoid2_math(m: TwoLayerSigmoid, x: torch.Tensor, p: LocalPerturb) -> torch.Tensor:
+    z_1 = p("z_1", m.w1 @ x)
+    y_1 = p("y_1", torch.sigmoid(z_1))
+    z_2 = p("z_2", m.w2 @ y_1)
+    return p("y_2", torch.sigmoid(z_2))
+
+
+def cnn_math(m: SmallCNN, x: torch.Tensor, p: LocalPerturb) -> torch.Tensor:
+    h = p("h", m.pool1(m.relu1(m.conv1(x))))
+    h = p("h", m.relu2(m.conv2(h)))
+    features = p("features", h.mean(dim=(2, 3)))
+    return p("logits", m.fc(features))
+
+
+def transformer_math(m: TinyTransformerBlock, x: torch.Tensor, p: LocalPerturb) -> torch.Tensor:
+    q = m.ln1(x)
+    attn_out = p("attn_out", m.attn(q, q, q)[0])
+    h = p("h", x + attn_out)
+    ff = p("ff", m.ff2(m.act(m.ff1(m.ln2(h)))))
+    h = p("h", h + ff)
+    if m.reuse_act:
+        h = p("h", m.act(h))
+    return m.head(h)
+
+
+MATH: dict[str, Callable[[Any, torch.Tensor, LocalPerturb], torch.Tensor]] = {
+    "cosine": cosine_math,
+    "sigmoid2": sigmoid2_math,
+    "cnn": cnn_math,
+    "transformer": transformer_math,
+    "transformer_reuse": transformer_math,
+    "twice": twice_math,
+    "loop": loop_math,
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    tap: str
+    call: int = 0
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}-{self.tap}" + (f"#{self.call}" if self.call else "")
+
+    def point(self, s: Setup) -> Point:
+        """Where to perturb for this tap, read from the tap string by the test itself."""
+        module_path, name = self.tap.split(":")
+        head, _, rest = name.partition(".")
+        if head == "output":
+            return output_point(s.model, module_path, s.loss, int(rest) if rest else None, self.call)
+        if head == "input":
+            return input_point(s.model, module_path, s.loss, int(rest) if rest else 0, self.call)
+        module = dict(s.model.named_modules())[module_path]
+        if name in dict(module.named_parameters(recurse=False)):
+            return param_point(getattr(module, name), s.loss)
+        math = MATH[self.model]
+        return local_point(lambda p: half_sse(math(s.model, s.x, p), s.target), name, self.call)
+
+
+CASES = [
+    *(Case("mlp", t) for t in ("fc1:output", "relu1:output", "fc2:input", "head:output", ":output", ":input",
+                                "fc1:weight", "head:bias")),
+    *(Case("mlp_inplace", t) for t in ("fc1:output", "fc2:output", "relu1:input", "relu2:output", ":input")),
+    *(Case("cnn", t) for t in ("conv1:output", "pool1:output", "conv2:input", "fc:output", ":input", "conv1:weight",
+                                ":features", ":logits")),
+    Case("cnn", ":h", 0),
+    Case("cnn", ":h", 1),
+    *(Case("transformer", t) for t in ("attn:output.0", "ln1:output", "ff1:output", "act:output", "head:output",
+                                        ":input", "attn:in_proj_weight", "ln2:weight", ":attn_out", ":ff")),
+    Case("transformer", ":h", 0),
+    Case("transformer", ":h", 1),
+    Case("transformer_reuse", "act:output", 0),
+    Case("transformer_reuse", "act:output", 1),
+    Case("transformer_reuse", ":h", 2),
+    *(Case("cosine", t) for t in (":mul_x", ":sum_x", ":a", ":b", ":input", ":output")),
+    *(Case("sigmoid2", t) for t in (":z_1", ":y_1", ":z_2", ":y_2", ":w1", ":w2", ":input", ":output")),
+    Case("twice", "lin:output", 0),
+    Case("twice", "lin:output", 1),
+    Case("twice", "lin:input", 0),
+    Case("twice", "lin:input", 1),
+    *(Case("loop", ":h", n) for n in range(4)),
+    *(Case("loop", "lin:output", n) for n in range(4)),
+]
+CASE_IDS = [c.id for c in CASES]
+MODELS_WITH_CASES = sorted({c.model for c in CASES})
+
+
+@functools.lru_cache(maxsize=None)
+def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact autograd gradient, central finite differences) at the case's point, on a fresh model."""
+    point = case.point(BUILDERS[case.model]())
+    return autograd_at(point), central_diff(point, eps=1e-6)
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> None:
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+
+
+# -- gradients -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_reference_matches_finite_differences(case: Case) -> None:
+    exact, fd = reference(case)
+    assert exact.abs().max() > 1e-6, "a reference gradient of zero would make the case vacuous"
+    close(exact, fd, RTOL_FD, ATOL_FD)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_gradient_matches_reference_and_finite_differences(case: Case, strategy: str) -> None:
+    s = BUILDERS[case.model]()
+    with capture(s.model, [case.tap], strategy=strategy) as cap:
+        cap.backward(s.loss())
+    got = cap.grads[case.tap, case.call]
+    exact, fd = reference(case)
+    assert got is not None
+    assert got.dtype == torch.float64
+    close(got, exact, RTOL_STRATEGY, ATOL_STRATEGY)
+    close(got, fd, RTOL_FD, ATOL_FD)
+
+
+def _capture_all(model_name: str, strategy: str) -> dict[tuple[str, int], torch.Tensor | None]:
+    s = BUILDERS[model_name]()
+    taps = sorted({c.tap for c in CASES if c.model == model_name})
+    with capture(s.model, taps, strategy=strategy) as cap:
+        cap.backward(s.loss())
+    return {(t, n): g for t in taps for n, g in enumerate(cap.grads.calls(t))}
+
+
+@pytest.mark.parametrize("model_name", MODELS_WITH_CASES)
+def test_all_taps_at_once_match_reference(model_name: str, strategy: str) -> None:
+    got = _capture_all(model_name, strategy)
+    for case in (c for c in CASES if c.model == model_name):
+        grad = got[case.tap, case.call]
+        assert grad is not None, case.id
+        close(grad, reference(case)[0], RTOL_STRATEGY, ATOL_STRATEGY)
+
+
+@pytest.mark.parametrize("model_name", MODELS_WITH_CASES)
+def test_strategies_agree(model_name: str) -> None:
+    results = {name: _capture_all(model_name, name) for name in sorted(STRATEGIES)}
+    first, *others = results
+    for other in others:
+        assert results[other].keys() == results[first].keys()
+        for key, grad in results[first].items():
+            assert grad is not None and results[other][key] is not None, key
+            close(results[other][key], grad, RTOL_STRATEGY, ATOL_STRATEGY)
+
+
+@pytest.mark.parametrize("model_name", MODELS_WITH_CASES)
+def test_parameter_grads_equal_plain_backward(model_name: str, strategy: str) -> None:
+    """Two steps without zero_grad: `.grad` accumulates exactly as with `loss.backward()`."""
+    plain, tapped = BUILDERS[model_name](), BUILDERS[model_name]()
+    taps = sorted({c.tap for c in CASES if c.model == model_name})
+    for _ in range(2):
+        plain.loss().backward()
+    with capture(tapped.model, taps, strategy=strategy) as cap:
+        for _ in range(2):
+            cap.backward(tapped.loss())
+    plain_grads = dict(plain.model.named_parameters())
+    for name, param in tapped.model.named_parameters():
+        assert param.grad is not None, name
+        close(param.grad, plain_grads[name].grad, 1e-12, 1e-15)
+
+
+def test_optimizer_step_is_identical(strategy: str) -> None:
+    plain, tapped = BUILDERS["transformer"](), BUILDERS["transformer"]()
+    opt_plain = torch.optim.Adam(plain.model.parameters(), lr=0.1)
+    opt_tapped = torch.optim.Adam(tapped.model.parameters(), lr=0.1)
+    with capture(tapped.model, ["*:output", ":h", "head:weight", ":input"], strategy=strategy) as cap:
+        for _ in range(3):
+            opt_plain.zero_grad()
+            plain.loss().backward()
+            opt_plain.step()
+            opt_tapped.zero_grad()
+            cap.backward(tapped.loss())
+            opt_tapped.step()
+    for (name, p), q in zip(tapped.model.named_parameters(), plain.model.parameters()):
+        close(p, q, 1e-12, 1e-14)
+
+
+def test_param_tap_reports_this_steps_gradient_while_grad_accumulates(strategy: str) -> None:
+    s = BUILDERS["mlp"]()
+    (single,) = torch.autograd.grad(s.loss(), [s.model.fc1.weight])
+    with capture(s.model, ["fc1:weight", ":input"], strategy=strategy) as cap:
+        cap.backward(s.loss())
+        cap.backward(s.loss())
+    close(cap.grads["fc1:weight"], single, 1e-12, 1e-15)
+    close(s.model.fc1.weight.grad, 2 * single, 1e-12, 1e-15)
+    kept = cap.grads["fc1:weight"].clone()
+    s.model.fc1.weight.grad.zero_()  # the captured gradient must not alias .grad
+    close(cap.grads["fc1:weight"], kept, 0, 0)
+
+
+def test_input_tap_reports_this_steps_gradient_on_a_reused_input(strategy: str) -> None:
+    s = BUILDERS["cosine"]()
+    exact, _ = reference(Case("cosine", ":input"))
+    with capture(s.model, [":input"], strategy=strategy) as cap:
+        for _ in range(2):
+            cap.backward(s.loss())
+            close(cap.grads[":input"], exact, RTOL_STRATEGY, ATOL_STRATEGY)
+
+
+# -- calls -----------------------------------------------------------------------------------------
+def test_module_called_twice_yields_two_calls(strategy: str) -> None:
+    s = BUILDERS["transformer_reuse"]()
+    with capture(s.model, ["act:output", "head:output"], strategy=strategy) as cap:
+        cap.backward(s.loss())
+    calls = cap.grads.calls("act:output")
+    assert len(calls) == 2
+    assert [tuple(c.shape) for c in calls] == [(1, 3, 8), (1, 3, 4)]
+    assert cap.grads["act:output", 1] is calls[1]
+    assert cap.grads["act:output"] is calls[0]
+    for n in (0, 1):
+        close(calls[n], reference(Case("transformer_reuse", "act:output", n))[1], RTOL_FD, ATOL_FD)
+    assert len(cap.grads.calls("head:output")) == 1
+    with pytest.raises(KeyError, match="fired 2 time"):
+        cap.grads["act:output", 2]
+    recs = cap.records()
+    assert [(k.tap, k.call) for k in recs.keys if k.tap == "act:output"] == [("act:output", 0), ("act:output", 1)]
+
+
+def test_same_linear_twice_gets_distinct_correct_gradients(strategy: str) -> None:
+    s = BUILDERS["twice"]()
+    with capture(s.model, ["lin:output", "lin:input"], strategy=strategy) as cap:
+        cap.backward(s.loss())
+    for tap in ("lin:output", "lin:input"):
+        calls = cap.grads.calls(tap)
+        assert len(calls) == 2
+        assert not torch.allclose(calls[0], calls[1])
+        for n in (0, 1):
+            close(calls[n], reference(Case("twice", tap, n))[0], RTOL_STRATEGY, ATOL_STRATEGY)
+
+
+def test_local_assigned_in_loop_yields_one_call_per_assignment(strategy: str) -> None:
+    s = BUILDERS["loop"]()
+    with capture(s.model, [":h"], strategy=strategy) as cap:
+        cap.backward(s.loss())
+        cap.backward(s.loss())  # call numbering restarts every step
+    calls = cap.grads.calls(":h")
+    assert len(calls) == 4
+    for n in range(4):
+        close(calls[n], reference(Case("loop", ":h", n))[1], RTOL_FD, ATOL_FD)
+
+
+# -- in-place ops after a tapped module -----------------------------------------------------------
+def test_inplace_relu_after_module(strategy: str) -> None:
+    inplace, plain = BUILDERS["mlp_inplace"](), BUILDERS["mlp"]()
+    taps = ["fc1:output", "relu1:input", "relu1:output", "fc2:output", "relu2:output"]
+    grads = []
+    for s in (inplace, plain):
+        with capture(s.model, taps, strategy=strategy) as cap:
+            cap.backward(s.loss())
+        grads.append(dict(cap.grads))
+    for tap in taps:
+        close(grads[0][tap], grads[1][tap], 1e-12, 1e-15)
+    close(grads[0]["fc1:output"], reference(Case("mlp_inplace", "fc1:output"))[1], RTOL_FD, ATOL_FD)
+    # the ReLU's mask must show: fc1's gradient is zero exactly where its output was negative
+    fc1_out = inplace.model.fc1(inplace.x)
+    assert torch.equal(grads[0]["fc1:output"][fc1_out < 0], torch.zeros_like(fc1_out[fc1_out < 0]))
+    assert (fc1_out < 0).any() and (grads[0]["fc1:output"][fc1_out > 0] != 0).any()
+
+
+# -- taps that get no gradient ---------------------------------------------------------------------
+def test_tuple_element_outside_the_loss_has_no_gradient(strategy: str) -> None:
+    s = BUILDERS["transformer"]()
+    taps = ["attn:output.0", "attn:output.1", ":_weights"]
+    with capture(s.model, taps, strategy=strategy) as cap:
+        cap.backward(s.loss())
+    assert cap.grads["attn:output.1"] is None
+    assert cap.grads[":_weights"] is None
+    close(cap.grads["attn:output.0"], reference(Case("transformer", "attn:output.0"))[0], RTOL_STRATEGY, ATOL_STRATEGY)
+    rows = {r["tap"]: r for r in (cap.records().row(i) for i in range(3))}
+    assert set(rows) == set(taps)
+    assert rows["attn:output.1"]["has_grad"] is False and rows[":_weights"]["has_grad"] is False
+    assert rows["attn:output.0"]["has_grad"] is True
+
+
+@pytest.mark.parametrize("keep_grads", [True, False])
+def test_local_outside_the_loss_is_reported_without_gradient(strategy: str, keep_grads: bool) -> None:
+    torch.manual_seed(0)
+    model = Unused().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    taps = [":h", ":unused"]
+    with capture(model, taps, strategy=strategy, keep_grads=keep_grads) as cap:
+        loss = model(x).pow(2).sum()
+        cap.backward(loss)
+        recs = cap.records(loss)
+    rows = {recs.keys[i].tap: recs.row(i) for i in range(len(recs))}
+    assert set(rows) == set(taps)
+    assert rows[":h"]["has_grad"] is True and rows[":h"]["numel"] == 8
+    assert rows[":unused"]["has_grad"] is False
+    assert rows[":unused"]["numel"] == 0
+    assert np.isnan(rows[":unused"]["norm"])
+    assert recs.loss == pytest.approx(float(loss.detach()))
+    if keep_grads:
+        close(cap.grads[":h"], 2 * model(x).detach(), 1e-12, 1e-15)
+        assert cap.grads[":unused"] is None
+
+
+@pytest.mark.parametrize("tap, what", [(":n", "int, not a tensor"), (":idx", "torch.int64")])
+def test_explicit_tap_on_a_value_without_gradient_fails_in_forward(strategy: str, tap: str, what: str) -> None:
+    model = Unused().double()
+    with pytest.raises(GradrunnerError, match=rf"'{tap}'.*{what}"):
+        with capture(model, [":h", tap], strategy=strategy):
+            model(torch.randn(4, 3, dtype=torch.float64))
+    assert leftover_hooks(model) == []
+
+
+def test_glob_selected_values_without_gradient_are_recorded(strategy: str) -> None:
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 1)).double()
+    x = torch.tensor([[0, 3, 4]])
+    with capture(model, ["*:input", "*:output"], strategy=strategy) as cap:
+        cap.backward(model(x).sum())
+        recs = cap.records()
+    assert cap.grads["0:input"] is None
+    assert "int64" in {k.tap: r for k, r in cap.reasons().items()}["0:input"]
+    assert cap.grads["1:input"] is not None and cap.grads["0:output"] is not None
+    close(cap.grads["1:input"], model[1].weight.detach().expand(1, 3, 3).clone(), 1e-12, 1e-15)
+    assert [recs.row(i)["has_grad"] for i in range(len(recs))] == [False, True, True, True]
+    assert not x.requires_grad
+
+
+# -- inputs ----------------------------------------------------------------------------------------
+def test_root_input_tap_makes_input_require_grad_only_inside(strategy: str) -> None:
+    s = BUILDERS["sigmoid2"]()
+    with capture(s.model, [":input"], strategy=strategy) as cap:
+        loss = s.loss()
+        assert s.x.requires_grad
+        cap.backward(loss)
+    assert not s.x.requires_grad
+    close(cap.grads[":input"], reference(Case("sigmoid2", ":input"))[0], RTOL_STRATEGY, ATOL_STRATEGY)
+
+
+def test_input_that_already_requires_grad_is_left_so(strategy: str) -> None:
+    s = BUILDERS["cosine"]()
+    s.x.requires_grad_(True)
+    with capture(s.model, [":input"], strategy=strategy) as cap:
+        cap.backward(s.loss())
+    assert s.x.requires_grad
+    close(cap.grads[":input"], reference(Case("cosine", ":input"))[0], RTOL_STRATEGY, ATOL_STRATEGY)
+
+
+# -- hooks never leak ------------------------------------------------------------------------------
+def _kitchen() -> tuple[Kitchen, torch.Tensor]:
+    torch.manual_seed(7)
+    return Kitchen().double(), torch.randn(2, 3, dtype=torch.float64)
+
+
+class Boom(Exception):
+    pass
+
+
+def _run(model: Kitchen, x: torch.Tensor, strategy: str, how: str) -> None:
+    with capture(model, KITCHEN_TAPS, strategy=strategy) as cap:
+        if how == "normal":
+            cap.backward(model(x).sum())
+        elif how == "raise_in_body":
+            model(x)
+            raise Boom()
+        elif how == "raise_in_forward":
+            model.fail = True
+            model(x)
+        elif how == "raise_in_backward":
+            cap.backward(model(x).sum().detach())
+
+
+EXITS = {"normal": None, "raise_in_body": Boom, "raise_in_forward": RuntimeError, "raise_in_backward": RuntimeError}
+
+
+def test_leftover_check_sees_hooks_and_patches() -> None:
+    model, _ = _kitchen()
+    handle = model.block.fc1.register_forward_hook(lambda *a: None)
+    assert len(leftover_hooks(model)) == 1
+    handle.remove()
+    handle = model.cos.a.register_hook(lambda g: g)
+    assert len(leftover_hooks(model)) == 1
+    handle.remove()
+    model.cos.forward = model.cos.forward
+    assert len(leftover_hooks(model)) == 1
+    del model.cos.forward
+    assert leftover_hooks(model) == []
+
+
+@pytest.mark.parametrize("how", list(EXITS))
+def test_no_hooks_left_after_exit(strategy: str, how: str) -> None:
+    model, x = _kitchen()
+    forwards = class_forwards(model)
+    assert leftover_hooks(model) == []
+    error = EXITS[how]
+    if error is None:
+        _run(model, x, strategy, how)
+    else:
+        with pytest.raises(error):
+            _run(model, x, strategy, how)
+    assert leftover_hooks(model) == []
+    assert all(cls.forward is fwd for cls, fwd in forwards.items())
+    assert not x.requires_grad
+
+
+@pytest.mark.parametrize("how", list(EXITS))
+def test_second_capture_works_after_exit(strategy: str, how: str) -> None:
+    model, x = _kitchen()
+    with pytest.raises(Exception) if EXITS[how] else _nothing():
+        _run(model, x, strategy, how)
+    model.fail = False
+    model.zero_grad()
+    fresh, _ = _kitchen()
+    expected = output_point(fresh, "block", lambda: fresh(x).sum())
+    with capture(model, KITCHEN_TAPS, strategy=strategy) as cap:
+        cap.backward(model(x).sum())
+    close(cap.grads["block:output"], autograd_at(expected), RTOL_STRATEGY, ATOL_STRATEGY)
+    assert len(cap.grads.calls(":h")) == 2
+    assert leftover_hooks(model) == []
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def test_model_runs_untapped_after_exit(strategy: str) -> None:
+    model, x = _kitchen()
+    with capture(model, KITCHEN_TAPS, strategy=strategy) as cap:
+        cap.backward(model(x).sum())
+    assert len(cap.grads.calls("lin:output")) == 1
+    model(x).sum().backward()  # outside the block: nothing fires, nothing changes
+    assert len(cap.grads.calls("lin:output")) == 1
+
+
+def test_instance_forward_set_before_capture_is_restored(strategy: str) -> None:
+    s = BUILDERS["cosine"]()
+    original = s.model.forward  # a bound method, stored on the instance
+    s.model.forward = original
+    with capture(s.model, [":mul_x"], strategy=strategy) as cap:
+        cap.backward(s.loss())
+    assert s.model.__dict__["forward"] is original
+    assert cap.grads[":mul_x"] is not None
+
+
+def test_bad_tap_raises_before_anything_is_installed(strategy: str) -> None:
+    model, _ = _kitchen()
+    with pytest.raises(GradrunnerError):
+        capture(model, ["lin:output", "nope:output"], strategy=strategy)
+    assert leftover_hooks(model) == []
+
+
+def test_bad_element_raises_in_forward_and_cleans_up(strategy: str) -> None:
+    model, x = _kitchen()
+    with pytest.raises(GradrunnerError, match="lin:output.3"):
+        with capture(model, ["lin:output.3", "cos:mul_x"], strategy=strategy):
+            model(x)
+    assert leftover_hooks(model) == []
+
+
+# -- the Grads mapping and the registry ------------------------------------------------------------
+def test_grads_mapping(strategy: str) -> None:
+    s = BUILDERS["mlp"]()
+    with capture(s.model, ["fc*:output", "fc1:weight"], strategy=strategy) as cap:
+        cap.backward(s.loss())
+    assert list(cap.grads) == ["fc1:output", "fc2:output", "fc1:weight"]
+    assert len(cap.grads) == 3
+    with pytest.raises(KeyError, match="fc1:output"):
+        cap.grads["head:output"]
+
+
+def test_registry_names_are_the_contracts() -> None:
+    assert {"retain_grad", "hook", "autograd_grad"} <= set(STRATEGIES)
+    assert all(cls.name == name for name, cls in STRATEGIES.items())
+
+
+def test_unknown_strategy_lists_the_allowed_ones() -> None:
+    s = BUILDERS["mlp"]()
+    with pytest.raises(GradrunnerError, match="'hooks'") as err:
+        capture(s.model, ["fc1:output"], strategy="hooks")
+    assert all(name in str(err.value) for name in STRATEGIES)
+
+
+def test_records_of_statistics_only_agree_with_kept_grads(strategy: str) -> None:
+    s = BUILDERS["transformer_reuse"]()
+    taps = ["*:output", ":h", "head:weight"]
+    with capture(s.model, taps, strategy=strategy, values="full") as cap:
+        cap.backward(s.loss())
+    kept = cap.records()
+    s2 = BUILDERS["transformer_reuse"]()
+    with capture(s2.model, taps, strategy=strategy, values="full", keep_grads=False) as cap2:
+        cap2.backward(s2.loss())
+        streamed = cap2.records()
+    assert kept.keys == streamed.keys
+    assert len(kept) == 12  # 7 modules' outputs + act's second call (attn.out_proj is never called) + 3 h + weight
+    for col in kept.stats:
+        np.testing.assert_allclose(streamed.stats[col], kept.stats[col], rtol=1e-12, equal_nan=True)
+    for i, key in enumerate(kept.keys):
+        grad = cap.grads[key.tap, key.call]
+        if grad is None:
+            assert not kept.has_grad[i] and streamed.values[i] is None
+        else:
+            assert kept.row(i)["norm"] == pytest.approx(float(grad.norm()), rel=1e-12)
+            np.testing.assert_allclose(streamed.values[i], grad.flatten().float().numpy(), rtol=2e-7)
+
+
+# -- device-to-host transfers ----------------------------------------------------------------------
+_HOST_METHODS = ("item", "tolist", "cpu", "to", "__bool__", "__float__", "__int__", "__index__")
+
+
+def _is_host_read(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    if name != "to":
+        return name in _HOST_METHODS
+    # `t.to(other.device)` is a same-device move, a no-op on every device: only a move that would
+    # cross devices counts, and a literal "cpu" target always does (it would on an accelerator).
+    source = args[0]
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    if isinstance(target, torch.Tensor):
+        target = target.device
+    if isinstance(target, str):
+        return torch.device(target).type == "cpu"
+    if isinstance(target, torch.device):
+        return target.type == "cpu" and source.device.type != "cpu"
+    return False
+
+
+class HostReads(TorchFunctionMode):
+    """Counts torch-level host reads (`item`, `tolist`, `cpu`, `to(cpu)`, `bool()`, `float()`, `int()`).
+
+    A TorchFunctionMode is not active inside autograd hooks (checked: the mode stack is empty
+    there), so while it is entered the Tensor methods are also wrapped, counting only calls made
+    where the mode is not active.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+        self._saved: dict[str, object] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if _is_host_read(name, args, kwargs):
+            self.calls.append(name)
+        func = getattr(func, "_unwrapped", func)  # one of the wrappers below: already counted here
+        return func(*args, **kwargs)
+
+    def __enter__(self) -> HostReads:
+        for name in _HOST_METHODS:
+            self._saved[name] = torch.Tensor.__dict__.get(name, _MISSING)
+            original = getattr(torch.Tensor, name)
+
+            def wrapper(t: torch.Tensor, *a: Any, _name: str = name, _orig: Any = original, **k: Any) -> Any:
+                if torch._C._len_torch_function_stack() == 0 and _is_host_read(_name, (t, *a), k):
+                    self.calls.append(_name + " (outside the mode)")
+                return _orig(t, *a, **k)
+
+            wrapper.__name__ = name
+            wrapper._unwrapped = original  # type: ignore[attr-defined]
+
+            setattr(torch.Tensor, name, wrapper)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        for name, saved in self._saved.items():
+            if saved is _MISSING:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, saved)
+
+
+_MISSING = object()
+
+
+def test_host_read_counter_sees_every_kind() -> None:
+    t = torch.tensor([1.5])
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: g.sum().item() and None)
+    with HostReads() as reads:
+        t.item(), t.tolist(), t.cpu(), t.to("cpu"), bool(t), float(t), int(t)
+        t.to(t.device), t.to(torch.float64), t.sum()  # not host reads
+        y.sum().backward()  # one item() inside the hook
+    assert len(reads.calls) == 8, reads.calls
+    assert reads.calls[-1] == "item (outside the mode)"
+    assert float(t) == 1.5  # methods restored
+
+
+def _step_traffic(
+    monkeypatch: pytest.MonkeyPatch, strategy: str, taps: list[str], values: str
+) -> tuple[int, list[str], int]:
+    to_host_calls = []
+    real_to_host = gradrunner.stats.to_host
+
+    def counting_to_host(t: torch.Tensor) -> torch.Tensor:
+        to_host_calls.append(t.numel())
+        return real_to_host(t)
+
+    monkeypatch.setattr(gradrunner.stats, "to_host", counting_to_host)
+    torch.manual_seed(3)
+    model = MLP(in_features=3, hidden=4, depth=15, out_features=2).double()
+    x, target = torch.randn(2, 3, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64)
+    with capture(model, taps, strategy=strategy, values=values, sample_size=4, keep_grads=False) as cap:
+        cap.backward(half_sse(model(x), target))  # a first step, uncounted (caches are warm)
+        cap.records()
+        model.zero_grad()
+        loss = half_sse(model(x), target)
+        to_host_calls.clear()
+        with HostReads() as reads:
+            cap.backward(loss)
+            recs = cap.records(loss)
+    assert recs.loss == pytest.approx(float(loss.detach()))
+    return len(to_host_calls), reads.calls, len(recs)
+
+
+FEW_TAPS = ["fc1:output", "head:weight"]
+MANY_TAPS = ["*:output", "*:input", "*:weight", ":output", ":input"]
+
+
+@pytest.mark.parametrize("values, transfers", [("none", 1), ("full", 2)])
+def test_host_transfers_per_step_do_not_grow_with_taps(
+    monkeypatch: pytest.MonkeyPatch, strategy: str, values: str, transfers: int
+) -> None:
+    few = _step_traffic(monkeypatch, strategy, FEW_TAPS, values)
+    many = _step_traffic(monkeypatch, strategy, MANY_TAPS, values)
+    assert few[2] == 2 and many[2] >= 30
+    assert few[0] == many[0] == transfers
+    assert len(few[1]) == len(many[1]) <= 4, (few[1], many[1])
+
+
+def test_host_transfers_per_step_do_not_grow_with_taps_when_sampling(
+    monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    few = _step_traffic(monkeypatch, strategy, FEW_TAPS, "sample")
+    many = _step_traffic(monkeypatch, strategy, MANY_TAPS, "sample")
+    assert few[0] == many[0] == 2
+    assert len(few[1]) == len(many[1]), (few[1], many[1])
+
+
+def test_host_traffic_check_catches_a_per_tap_read(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
+    """The check above can fail: a reduction that reads one value per tap is seen."""
+    real_reduce = gradrunner.stats._reduce
+
+    def reduce_and_peek(flat: torch.Tensor) -> list[torch.Tensor]:
+        out = real_reduce(flat)
+        out[0].item()
+        return out
+
+    monkeypatch.setattr(gradrunner.stats, "_reduce", reduce_and_peek)
+    few = _step_traffic(monkeypatch, strategy, FEW_TAPS, "none")
+    many = _step_traffic(monkeypatch, strategy, MANY_TAPS, "none")
+    assert len(many[1]) - len(few[1]) == many[2] - few[2]
+
+
+# -- structured outputs and inputs -----------------------------------------------------------------
+class Structured(nn.Module):
+    """Returns a dict; its child takes a keyword argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.scaled = Scaled()
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.lin(x)
+        return {"sin": torch.sin(h), "out": self.scaled(h, scale=torch.cos(h))}
+
+
+class Scaled(nn.Module):
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return h * scale
+
+
+@pytest.mark.parametrize("tap, point", [(":output.sin", ("out", "", "sin")), (":output.out", ("out", "", "out")),
+                                         ("scaled:input.scale", ("kw", "scaled", "scale"))])
+def test_dict_output_and_keyword_input_elements(strategy: str, tap: str, point: tuple[str, str, str]) -> None:
+    torch.manual_seed(2)
+    model = Structured().double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+
+    def loss() -> torch.Tensor:
+        out = model(x)
+        return (out["sin"] ** 2).sum() + (out["out"] ** 3).sum()
+
+    kind, path, key = point
+    if kind == "out":
+        ref = output_point(model, path, loss, key)
+    else:
+        ref = _kwarg_point(model, path, key, loss)
+    exact, fd = autograd_at(ref), central_diff(ref)
+    close(exact, fd, RTOL_FD, ATOL_FD)
+    with capture(model, [tap], strategy=strategy) as cap:
+        cap.backward(loss())
+    close(cap.grads[tap], exact, RTOL_STRATEGY, ATOL_STRATEGY)
+
+
+def _kwarg_point(model: nn.Module, path: str, key: str, loss: Callable[[], torch.Tensor]) -> Point:
+    module = dict(model.named_modules())[path]
+    shapes: list[torch.Size] = []
+
+    def loss_at(delta: torch.Tensor | None) -> torch.Tensor:
+        def pre(mod: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+            shapes.append(kwargs[key].shape)
+            return None if delta is None else (args, {**kwargs, key: kwargs[key] + delta})
+
+        handle = module.register_forward_pre_hook(pre, with_kwargs=True)
+        try:
+            return loss()
+        finally:
+            handle.remove()
+
+    with torch.no_grad():
+        loss_at(None)
+    return Point(loss_at, shapes[0])
+
+
+def test_two_forwards_before_one_backward(strategy: str) -> None:
+    """Gradient accumulation over micro-batches: each forward is its own call."""
+    s = BUILDERS["mlp"]()
+    x2 = torch.randn(2, 3, dtype=torch.float64)
+    with capture(s.model, ["fc1:output"], strategy=strategy) as cap:
+        cap.backward(s.loss() + half_sse(s.model(x2), s.target))
+    calls = cap.grads.calls("fc1:output")
+    assert len(calls) == 2
+    close(calls[0], reference(Case("mlp", "fc1:output"))[0], RTOL_STRATEGY, ATOL_STRATEGY)
+    second = output_point(s.model, "fc1", lambda: half_sse(s.model(x2), s.target))
+    close(calls[1], autograd_at(second), RTOL_STRATEGY, ATOL_STRATEGY)
+
+
+def test_activation_checkpointing_does_not_fire_taps_again(strategy: str) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = checkpoint(self.a, x, use_reentrant=False)
+            return self.b(torch.tanh(h))
+
+    torch.manual_seed(4)
+    model = Checkpointed().double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    exact = autograd_at(output_point(model, "a", lambda: model(x).sum()))
+    with capture(model, ["a:output", ":h"], strategy=strategy) as cap:
+        cap.backward(model(x).sum())
+    for tap in ("a:output", ":h"):
+        assert len(cap.grads.calls(tap)) == 1
+        close(cap.grads[tap], exact, RTOL_STRATEGY, ATOL_STRATEGY)
+
+
+# -- side effects on the user's tensors and shared modules (known core bugs) ------------------------
+def test_step_inputs_are_not_kept_alive(strategy: str) -> None:
+    import gc
+    import weakref
+
+    s = BUILDERS["mlp"]()
+    with capture(s.model, [":input"], strategy=strategy) as cap:
+        refs = []
+        for _ in range(3):
+            x = torch.randn(2, 3, dtype=torch.float64)
+            refs.append(weakref.ref(x))
+            cap.backward(half_sse(s.model(x), s.target))
+            del x
+        gc.collect()
+        assert [r() is None for r in refs] == [True, True, True]
+
+
+def test_input_tap_leaves_no_grad_on_the_input(strategy: str) -> None:
+    s = BUILDERS["mlp"]()
+    with capture(s.model, [":input"], strategy=strategy) as cap:
+        cap.backward(s.loss())
+        cap.backward(s.loss())
+    assert not s.x.requires_grad
+    assert s.x.grad is None
+
+
+def test_shared_module_under_two_paths_local_taps(strategy: str) -> None:
+    shared = CosineRegression(a=1.3, b=0.4).double()
+    model = nn.Sequential(shared, shared)
+    with capture(model, ["*:mul_x", "*:output"], strategy=strategy) as cap:
+        cap.backward(model(torch.randn(3, dtype=torch.float64)).sum())
+    assert len(cap.grads.calls("0:output")) == len(cap.grads.calls("1:output")) == 2
+    assert len(cap.grads.calls("0:mul_x")) == len(cap.grads.calls("1:mul_x"))

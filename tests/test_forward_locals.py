@@ -1,0 +1,299 @@
+"""`gradrunner.forward_locals`: every assignment of a tapped local passes through the tap, nothing else changes."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import traceback
+import types
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from gradrunner import GradrunnerError, capture
+from gradrunner.forward_locals import SourceUnavailable, assigned_names, rewrite
+from gradrunner.models import CosineRegression, TinyTransformerBlock
+
+
+class Recorder:
+    """A tap function that records (name, value) and hands back the value (or a replacement)."""
+
+    def __init__(self, replace: dict[str, Any] | None = None) -> None:
+        self.seen: list[tuple[str, Any]] = []
+        self.replace = replace or {}
+
+    def __call__(self, name: str, value: Any) -> Any:
+        self.seen.append((name, value))
+        return self.replace.get(name, value)
+
+
+def run(module: nn.Module, names: set[str], *args: Any, replace: dict[str, Any] | None = None) -> tuple[Any, list]:
+    tap = Recorder(replace)
+    fn = rewrite(type(module).forward, names, tap)
+    return fn(module, *args), tap.seen
+
+
+class Forms(nn.Module):
+    """One of every kind of binding."""
+
+    def forward(self, x: int) -> Any:
+        a = x + 1
+        a += 10
+        b: int = a * 2
+        c: int  # annotation only: not an assignment
+        (d, [e, *f]) = (1, [2, 3, 4])
+        if (g := a + b) > 0:
+            pass
+        for i, (j, k) in enumerate([(5, 6), (7, 8)]):
+            pass
+        with contextlib.nullcontext(99) as w:
+            pass
+        m = n = 0
+        return a, b, d, e, f, g, i, j, k, w, m, n
+
+
+def test_assigned_names_in_order_of_first_binding() -> None:
+    assert assigned_names(Forms.forward) == ["a", "b", "d", "e", "f", "g", "i", "j", "k", "w", "m", "n"]
+
+
+def test_assigned_names_of_the_built_in_models() -> None:
+    assert assigned_names(CosineRegression.forward) == ["mul_x", "sum_x"]
+    assert assigned_names(TinyTransformerBlock.forward) == ["q", "attn_out", "_weights", "h", "ff"]
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("a", [1, 11]),  # plain, then augmented
+        ("b", [22]),  # annotated
+        ("d", [1]),  # tuple unpacking
+        ("e", [2]),  # nested list unpacking
+        ("f", [[3, 4]]),  # starred
+        ("g", [33]),  # walrus
+        ("i", [0, 1]),  # for-loop target, one call per iteration
+        ("k", [6, 8]),  # nested for-loop target
+        ("w", [99]),  # with ... as
+        ("m", [0]),  # chained assignment
+        ("n", [0]),
+    ],
+)
+def test_every_form_of_assignment_is_tapped(name: str, expected: list[Any]) -> None:
+    out, seen = run(Forms(), {name}, 0)
+    assert seen == [(name, v) for v in expected]
+    assert out == Forms()(0)
+
+
+def test_annotation_without_value_is_not_tapped() -> None:
+    assert "c" not in assigned_names(Forms.forward)
+    _, seen = run(Forms(), {"c", "a"}, 0)
+    assert [n for n, _ in seen] == ["a", "a"]
+
+
+def test_tapped_value_is_what_the_code_goes_on_with() -> None:
+    (a, b, *_), seen = run(Forms(), {"a"}, 0, replace={"a": 100})
+    # both assignments of `a` are replaced by 100: `a += 10` sees 100 and is replaced again
+    assert [v for _, v in seen] == [1, 110]
+    assert (a, b) == (100, 200)
+
+
+def test_walrus_value_is_replaced_too() -> None:
+    out, seen = run(Forms(), {"g"}, 0, replace={"g": -5})
+    assert seen == [("g", 33)]
+    assert out[5] == -5
+
+
+def test_untapped_code_is_untouched_and_the_original_still_runs() -> None:
+    original = Forms.forward
+    _, seen = run(Forms(), {"b"}, 0)
+    assert [n for n, _ in seen] == ["b"]
+    assert Forms.forward is original
+    assert Forms()(0) == Forms()(0)
+
+
+class Nested(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+
+        def inner(v: torch.Tensor) -> torch.Tensor:
+            h = v + 100  # a different `h`: the nested function is left alone
+            return h
+
+        scale = lambda v: (h := v * 3)  # noqa: E731  (lambda: its own scope too)
+        h = inner(h) + scale(h)
+        return h
+
+
+def test_nested_functions_and_lambdas_are_untouched() -> None:
+    x = torch.tensor(1.0)
+    out, seen = run(Nested(), {"h"}, x)
+    assert [float(v) for _, v in seen] == [2.0, 108.0]
+    assert float(out) == 108.0
+    assert assigned_names(Nested.forward) == ["h", "scale"]
+
+
+class Base(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
+class Child(Base):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = super().forward(x)
+        doubled = base * 2
+        return doubled
+
+
+def test_zero_argument_super_keeps_working() -> None:
+    out, seen = run(Child(), {"base", "doubled"}, torch.tensor(1.0))
+    assert [(n, float(v)) for n, v in seen] == [("base", 2.0), ("doubled", 4.0)]
+    assert float(out) == 4.0
+
+
+def test_zero_argument_super_through_capture(strategy: str) -> None:
+    model = Child()
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    with capture(model, [":base", ":doubled"], strategy=strategy) as cap:
+        cap.backward((model(x) ** 2).sum())
+    assert torch.equal(cap.grads[":doubled"], 2 * (2 * (x.detach() + 1)))
+    assert torch.equal(cap.grads[":base"], 4 * (2 * (x.detach() + 1)))
+    assert "forward" not in model.__dict__
+
+
+def _make_closure_module() -> nn.Module:
+    factor = 3.0
+
+    class WithClosure(nn.Module):
+        def forward(self, x: torch.Tensor, offset: float = 1.0, *, power: int = 2) -> torch.Tensor:
+            y = (x * factor + offset) ** power
+            return y
+
+    return WithClosure()
+
+
+def test_closures_defaults_and_keyword_only_defaults_survive() -> None:
+    module = _make_closure_module()
+    out, seen = run(module, {"y"}, torch.tensor(2.0))
+    assert float(out) == 49.0 and float(seen[0][1]) == 49.0
+    fn = rewrite(type(module).forward, {"y"}, lambda n, v: v)
+    assert float(fn(module, torch.tensor(2.0), 0.0, power=3)) == 216.0
+
+
+class Raises(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * 2
+        h = h + 1
+        raise ValueError("raised in forward")  # the line the traceback must point at
+
+
+def test_line_numbers_point_at_the_original_source() -> None:
+    lines, first = inspect.getsourcelines(Raises.forward)
+    raise_line = first + next(i for i, line in enumerate(lines) if "raise ValueError" in line)
+    fn = rewrite(Raises.forward, {"h"}, lambda n, v: v)
+    with pytest.raises(ValueError) as err:
+        fn(Raises(), torch.tensor(1.0))
+    frame = traceback.extract_tb(err.value.__traceback__)[-1]
+    assert frame.filename == __file__
+    assert frame.lineno == raise_line
+    assert frame.line is not None and "raise ValueError" in frame.line
+    assert fn.__code__.co_firstlineno == Raises.forward.__code__.co_firstlineno
+
+
+def test_tap_calls_carry_the_assignments_line() -> None:
+    lines, first = inspect.getsourcelines(CosineRegression.forward)
+    sum_line = first + next(i for i, line in enumerate(lines) if "sum_x = " in line)
+    where: list[int] = []
+
+    def tap(name: str, value: Any) -> Any:
+        where.append(inspect.currentframe().f_back.f_lineno)  # type: ignore[union-attr]
+        return value
+
+    fn = rewrite(CosineRegression.forward, {"sum_x"}, tap)
+    fn(CosineRegression(), torch.tensor([0.5]))
+    assert where == [sum_line]
+
+
+def _exec_module() -> nn.Module:
+    namespace: dict[str, Any] = {}
+    exec(  # noqa: S102
+        "import torch\n"
+        "class FromExec(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        y = x * 2\n"
+        "        return y\n",
+        namespace,
+    )
+    return namespace["FromExec"]()
+
+
+def test_forward_without_source_raises_a_clear_error() -> None:
+    module = _exec_module()
+    with pytest.raises(SourceUnavailable, match="source") as err:
+        rewrite(type(module).forward, {"y"}, lambda n, v: v)
+    assert isinstance(err.value, GradrunnerError)
+    assert "FromExec.forward" in str(err.value)
+
+
+def test_capture_on_a_forward_without_source_says_why() -> None:
+    module = _exec_module()
+    with pytest.raises(GradrunnerError, match="source"):
+        capture(module, [":y"])
+
+
+def test_output_taps_still_work_on_a_forward_without_source(strategy: str) -> None:
+    module = _exec_module()
+    x = torch.tensor([1.0, -2.0])
+    with capture(module, [":output", ":input"], strategy=strategy) as cap:
+        cap.backward((module(x) ** 2).sum())
+    assert torch.equal(cap.grads[":output"], 2 * module(x))
+    assert torch.equal(cap.grads[":input"], 8 * x)
+
+
+def test_builtin_and_decorated_forwards_are_refused() -> None:
+    with pytest.raises(SourceUnavailable, match="not a Python function"):
+        rewrite(torch.Tensor.add, {"y"}, lambda n, v: v)
+
+    class Decorated(nn.Module):
+        @torch.no_grad()
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 2
+            return y
+
+    with pytest.raises(SourceUnavailable, match="decorator"):
+        rewrite(Decorated.forward, {"y"}, lambda n, v: v)
+
+
+class InPlaceLocal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        h += 1
+        h *= 3
+        h = h**2
+        return h
+
+
+def test_augmented_assignment_on_a_tensor_gets_each_values_gradient(strategy: str) -> None:
+    torch.manual_seed(0)
+    model = InPlaceLocal().double()
+    x = torch.randn(3, 2, dtype=torch.float64)
+    with capture(model, [":h"], strategy=strategy) as cap:
+        cap.backward(model(x).sum())
+    h0 = model.lin(x).detach()
+    h2 = 3 * (h0 + 1)
+    expected = [6 * h2, 6 * h2, 2 * h2, torch.ones_like(h0)]  # d(sum((3 (h0 + 1))^2)) at each binding
+    calls = cap.grads.calls(":h")
+    assert len(calls) == 4
+    for got, want in zip(calls, expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_rewritten_function_is_a_plain_function() -> None:
+    fn = rewrite(CosineRegression.forward, {"mul_x"}, lambda n, v: v)
+    assert isinstance(fn, types.FunctionType)
+    assert fn.__name__ == "forward" and fn.__qualname__ == CosineRegression.forward.__qualname__
+    assert fn.__code__.co_filename == CosineRegression.forward.__code__.co_filename
