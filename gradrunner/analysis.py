@@ -1,22 +1,39 @@
-"""Read gradrunner records into pandas.
+"""Read gradrunner records into pandas, and answer the usual questions about them.
 
 Contents:
-    load(path, table="grads")   -- a run dir, a sweep dir or one .parquet file as one DataFrame
-    TABLES                      -- the tables a job writes ("grads", "steps")
+    load(path, table="grads")         -- a run dir, a sweep dir or one .parquet file as one DataFrame
+    run_columns(df)                   -- the columns that tell the runs of a sweep apart
+    forward_order(df)                 -- (tap, call) in the order they fire in the forward pass
+    pick_steps(steps, n)              -- a few steps spread over a run, first and last included
+    measure(df, name)                 -- how large each gradient is: norm, rms, abs_max, mean_abs
+    tap_summary(df)                   -- per tap: a statistic over steps, first NaN/Inf, vanishing/exploding
+    grad_flow(df, steps)              -- a measure per tap in forward order, for a few steps
+    compare_strategies(df)            -- per record and statistic, how far the strategies disagree
+    strategy_costs(steps_df)          -- per strategy: step time, capture time, peak memory
+    TABLES, FLOW_MEASURES, VANISH_BELOW, EXPLODE_ABOVE
+
+Every helper takes the DataFrame `load` returns, rows in record order (the order they were written:
+step by step, taps in firing order), and groups by `run_columns(df)` so a sweep works as well as
+one run. Each is short on purpose: read it, copy it, adapt it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
 from gradrunner.errors import GradrunnerError
+from gradrunner.records import CONSTANT_COLUMNS, GRADS_SCHEMA, STEPS_SCHEMA
+from gradrunner.stats import STAT_COLUMNS
 
 #: Tables a job writes, each as `<job dir>/<table>.parquet`.
 TABLES = ("grads", "steps")
@@ -143,3 +160,293 @@ def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
         t.column(f.name).cast(f.type) if f.name in t.column_names else pa.nulls(t.num_rows, f.type) for f in schema
     ]
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+# --- Helpers over the loaded records ---------------------------------------------------------
+
+#: Measures `measure()` knows besides the record's own columns.
+FLOW_MEASURES = ("norm", "rms", "abs_max", "mean_abs")
+#: `tap_summary`'s default thresholds on the norm: rough heuristics for float32 models of moderate size.
+VANISH_BELOW, EXPLODE_ABOVE = 1e-6, 1e3
+
+# Columns a job writes itself; any other column of a loaded DataFrame came from `load` (a swept override).
+_RECORD_COLUMNS = frozenset(GRADS_SCHEMA.names) | frozenset(STEPS_SCHEMA.names) | {"job"}
+_RUN_CONSTANTS = tuple(c for c in CONSTANT_COLUMNS if c != "run_id")
+
+
+def run_columns(df: pd.DataFrame) -> list[str]:
+    """The columns that tell the runs in `df` apart, most readable first; [] for a single run.
+
+    Example::
+
+        df = load("multirun/2024-05-01/12-00-00")   # capture.strategy=retain_grad,hook,autograd_grad
+        run_columns(df)                              # ['strategy']
+        df.groupby(run_columns(df) + ["tap"])["norm"].max()
+
+    Candidates are experiment, strategy, device and dtype, then the swept-override columns `load`
+    adds. One is kept when it is constant within each run (`run_id`), differs between runs, and does
+    not split the runs exactly as a column kept before it does (`capture.strategy` repeats
+    `strategy`). `run_id` is appended when the kept columns do not tell every run apart.
+    """
+    if "run_id" not in df.columns or df["run_id"].nunique(dropna=False) < 2:
+        return []
+    candidates = [c for c in _RUN_CONSTANTS if c in df.columns]
+    candidates += [c for c in df.columns if c not in _RECORD_COLUMNS]
+    per_run = df.groupby("run_id", sort=False, dropna=False)[candidates]
+    constant = per_run.nunique(dropna=False).max() <= 1
+    runs = per_run.first()
+    kept: list[str] = []
+    splits: set[tuple[int, ...]] = set()
+    for column in candidates:
+        split = tuple(pd.factorize(runs[column], use_na_sentinel=False)[0])
+        if constant[column] and len(set(split)) > 1 and split not in splits:
+            kept.append(column)
+            splits.add(split)
+    if not kept or len(runs[kept].drop_duplicates()) < len(runs):
+        kept.append("run_id")
+    return kept
+
+
+def forward_order(df: pd.DataFrame) -> pd.DataFrame:
+    """Every (tap, call) in forward order, with its `position` and a plot `label`.
+
+    Example::
+
+        order = forward_order(df)                 # columns tap, call, position, label
+        order.label.tolist()                       # ['fc1:output', ..., ':h [0]', ':h [1]', ...]
+        df.merge(order, on=["tap", "call"]).sort_values(["step", "position"])
+
+    Forward order is the order of first appearance in the records, which are written step by step
+    in firing order. `label` is the tap, followed by ` [call]` for a tap that fires more than once.
+    """
+    order = df[["tap", "call"]].drop_duplicates().reset_index(drop=True)
+    order["call"] = order["call"].astype("int64")
+    order["position"] = np.arange(len(order), dtype=np.int64)
+    repeated = order.groupby("tap")["call"].transform("size") > 1
+    order["label"] = [f"{t} [{c}]" if r else t for t, c, r in zip(order.tap, order.call, repeated)]
+    return order
+
+
+def pick_steps(steps: Iterable[int], n: int = 4) -> list[int]:
+    """Up to `n` steps spread evenly over `steps`, the first and the last included.
+
+    Example::
+
+        pick_steps(range(100))            # [0, 33, 66, 99]
+        pick_steps(df["step"], n=2)       # first and last captured step
+    """
+    unique = sorted({int(s) for s in steps})
+    if len(unique) <= n:
+        return unique
+    picks = np.linspace(0, len(unique) - 1, max(n, 1)).round().astype(int)
+    return [unique[i] for i in sorted(set(picks.tolist()))]
+
+
+def measure(df: pd.DataFrame, name: str = "norm") -> pd.Series:
+    """One number per record saying how large its gradient is (NaN where a tap got no gradient).
+
+    Example::
+
+        df["rms"] = measure(df, "rms")
+        df.groupby("tap")["rms"].median()
+        measure(df, "std")              # any record column works too
+
+    - `norm`: the L2 norm ||g|| (recorded); grows with the tensor's size.
+    - `rms`: ||g|| / sqrt(numel) = sqrt(mean(g**2)), exact, comparable across tensor sizes. It is
+      an upper bound on mean |g| (equal when every |g_i| is the same).
+    - `abs_max`: max |g_i| (recorded).
+    - `mean_abs`: mean |g_i|, what the usual `plot_grad_flow` snippet draws. The statistics cannot
+      give it, so it needs captured values: exact with `capture.values=full`, an estimate from the
+      sampled elements with `capture.values=sample`.
+    """
+    if name == "rms":
+        return (df["norm"] / np.sqrt(df["numel"].where(df["numel"] > 0))).rename("rms")
+    if name == "mean_abs":
+        if "values" not in df.columns or df["values"].isna().all():
+            raise GradrunnerError(
+                "measure 'mean_abs' needs captured values (capture.values=full or sample); "
+                "without them use 'rms', its upper bound"
+            )
+        return df["values"].map(lambda v: np.nan if v is None else float(np.abs(v).mean())).rename("mean_abs")
+    if name not in df.columns:
+        raise GradrunnerError(f"measure {name!r} is neither {', '.join(FLOW_MEASURES)} nor a column of the records")
+    return df[name].astype("float64")
+
+
+def tap_summary(
+    df: pd.DataFrame, stat: str = "norm", vanish_below: float = VANISH_BELOW, explode_above: float = EXPLODE_ABOVE
+) -> pd.DataFrame:
+    """Per run and (tap, call): a measure over the steps, where NaN/Inf start, vanishing and exploding.
+
+    Example::
+
+        s = tap_summary(load("outputs/2024-05-01/12-00-00"))
+        s[s.vanishing | s.exploding]                       # the taps in trouble
+        s.sort_values("first_vanishing_step").head(1)      # whose gradient collapsed first
+
+    Columns: `steps` with a gradient; `first`, `last`, `min`, `max`, `median` of `measure(df, stat)`
+    over those steps (`first`/`last` at the first/last such step); `first_nonfinite_step`, the
+    first step whose gradient holds a NaN or Inf; `first_vanishing_step` / `first_exploding_step`,
+    the first step where the measure is below `vanish_below` / above `explode_above`;
+    `vanishing` (the last value is below `vanish_below`), `exploding` (some value is above
+    `explode_above`). The default thresholds (norm below 1e-6, above 1e3) are rough heuristics for
+    float32 models of moderate size: set them for yours. Rows come in forward order per run.
+    """
+    keys = [*run_columns(df), "tap", "call"]
+    d = df.assign(_v=measure(df, stat)).sort_values("step", kind="stable")
+    with_grad = d[d["has_grad"].fillna(False).astype(bool)]
+    g = with_grad.groupby(keys, sort=False, dropna=False)["_v"]
+    out = g.agg(["min", "max", "median"])
+    out.insert(0, "steps", g.size())
+    out.insert(1, "first", _by_keys(with_grad, g.head(1), keys))
+    out.insert(2, "last", _by_keys(with_grad, g.tail(1), keys))
+    nonfinite = d[(d["nan_count"] > 0) | (d["inf_count"] > 0)]
+    out["first_nonfinite_step"] = _first_step(nonfinite, keys)
+    out["first_vanishing_step"] = _first_step(with_grad[with_grad["_v"] < vanish_below], keys)
+    out["first_exploding_step"] = _first_step(with_grad[with_grad["_v"] > explode_above], keys)
+    out["vanishing"] = out["last"] < vanish_below
+    out["exploding"] = out["first_exploding_step"].notna()
+    order = pd.MultiIndex.from_frame(df[keys].drop_duplicates())
+    out = out.reindex(order)
+    out["steps"] = out["steps"].fillna(0).astype("int64")
+    out[["vanishing", "exploding"]] = out[["vanishing", "exploding"]].fillna(False).astype(bool)
+    return out.reset_index()
+
+
+def _by_keys(d: pd.DataFrame, picked: pd.Series, keys: list[str]) -> pd.Series:
+    """`picked` (a Series indexed like `d`) re-indexed by the group keys of its rows."""
+    return pd.Series(picked.to_numpy(), index=pd.MultiIndex.from_frame(d.loc[picked.index, keys]))
+
+
+def _first_step(rows: pd.DataFrame, keys: list[str]) -> pd.Series:
+    return rows.groupby(keys, sort=False, dropna=False)["step"].min().astype("Int64")
+
+
+def grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure_name: str = "norm") -> pd.DataFrame:
+    """A measure of every (tap, call) in forward order, for a few steps: the gradient-flow table.
+
+    Example::
+
+        flow = grad_flow(df, steps=[0, 49], measure_name="rms")
+        flow.pivot(index="label", columns="step", values="rms")      # one run
+        grad_flow(df[df.name == "weight"])                            # parameters only
+
+    `steps` defaults to `pick_steps(df.step)` (four, first and last included); `measure_name` is
+    one of `measure`'s names. Columns: `run_id`, the run columns, `step`, `tap`, `call`, the
+    measure, `position` (forward order) and `label`; runs in record order, then step and position.
+    """
+    chosen = pick_steps(df["step"]) if steps is None else [int(s) for s in steps]
+    runs = run_columns(df)
+    d = df[df["step"].isin(chosen)]
+    out = d[["run_id", *[c for c in runs if c != "run_id"], "step", "tap", "call"]].copy()
+    out[measure_name] = measure(d, measure_name)
+    out["_run"] = pd.factorize(out["run_id"])[0]  # runs stay in record order
+    out = out.merge(forward_order(df), on=["tap", "call"], how="left")
+    return out.sort_values(["_run", "step", "position"], kind="stable").drop(columns="_run").reset_index(drop=True)
+
+
+def _splits_like(df: pd.DataFrame, a: str, b: str) -> bool:
+    """True when columns `a` and `b` split the rows into the same groups (e.g. `capture.strategy`, `strategy`)."""
+    codes = [pd.factorize(df[c], use_na_sentinel=False)[0] for c in (a, b)]
+    return bool((codes[0] == codes[1]).all())
+
+
+def _other_run_columns(df: pd.DataFrame, by: str) -> list[str]:
+    """Run columns besides `by` (a seed, a learning rate): runs are compared only within them."""
+    return [c for c in run_columns(df) if c not in ("run_id", by) and not _splits_like(df, c, by)]
+
+
+def _spread(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Largest absolute and relative difference along axis 1 of `x` (the strategies), per row.
+
+    abs = max - min; rel = abs / max |x| (0 when abs is 0). Equal values (infinities included) and
+    all-NaN rows differ by 0; a NaN in only some strategies (or a missing record) differs by inf.
+    """
+    nan = np.isnan(x)
+    hi, lo = np.fmax.reduce(x, axis=1), np.fmin.reduce(x, axis=1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        abs_diff = np.where(hi == lo, 0.0, hi - lo)
+        rel_diff = np.where(abs_diff == 0, 0.0, abs_diff / np.maximum(np.abs(hi), np.abs(lo)))
+    all_nan, some_nan = nan.all(axis=1), nan.any(axis=1) & ~nan.all(axis=1)
+    abs_diff = np.where(all_nan, 0.0, np.where(some_nan, math.inf, abs_diff))
+    rel_diff = np.where(all_nan, 0.0, np.where(some_nan | np.isinf(abs_diff), math.inf, rel_diff))
+    return abs_diff, rel_diff
+
+
+def _values_spread(wide: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """`_spread` of the captured values, element by element, then the largest over elements."""
+    abs_out, rel_out = np.zeros(len(wide)), np.zeros(len(wide))
+    for i, row in enumerate(wide.itertuples(index=False, name=None)):
+        # a cell is an array, None (values not captured) or NaN (the strategy lacks the record)
+        arrays = [np.asarray(v, dtype=np.float64) for v in row if isinstance(v, (np.ndarray, list))]
+        if (arrays and len(arrays) < len(row)) or len({a.size for a in arrays}) > 1:
+            abs_out[i] = rel_out[i] = math.inf  # captured by some strategies only, or of different lengths
+        elif arrays and arrays[0].size:
+            a, r = _spread(np.stack(arrays, axis=1))
+            abs_out[i], rel_out[i] = a.max(), r.max()
+    return abs_out, rel_out
+
+
+def compare_strategies(df: pd.DataFrame, by: str = "strategy") -> pd.DataFrame:
+    """Per (step, tap, call) and statistic: the largest absolute and relative difference between strategies.
+
+    Example::
+
+        cmp = compare_strategies(load("multirun/2024-05-01/12-00-00"))
+        cmp.groupby("stat")[["abs_diff", "rel_diff"]].max()     # the worst case per statistic
+        cmp[cmp.rel_diff > 1e-6]                                 # the records that disagree
+
+    For every statistic column and for `values` (when captured), with x the strategies' values:
+    `abs_diff` = max(x) - min(x), `rel_diff` = abs_diff / max |x| (0 when abs_diff is 0). A
+    statistic NaN in some strategies only, or a record some strategies lack, differs by inf.
+    Other run columns (a seed, a learning rate) are kept as keys, so only runs that differ in `by`
+    alone are compared. `strategies` counts the strategies that have the record.
+    """
+    keys = [*_other_run_columns(df, by), "step", "tap", "call"]
+    indexed = df.set_index([*keys, by])
+    if not indexed.index.is_unique:
+        raise GradrunnerError(
+            f"several runs share {by} and {keys[:-3] or 'no other run column'}; "
+            f"compare one group at a time, e.g. df[df.job.isin([...])]"
+        )
+    stats = [c for c in STAT_COLUMNS if c in df.columns]
+    wide = indexed[stats].unstack(by)
+    counts = df.groupby(keys, sort=False, dropna=False)[by].nunique().reindex(wide.index)
+    frames = []
+    for stat in stats:
+        abs_diff, rel_diff = _spread(wide[stat].to_numpy(dtype=np.float64))
+        frames.append(pd.DataFrame({"stat": stat, "abs_diff": abs_diff, "rel_diff": rel_diff}, index=wide.index))
+    if "values" in df.columns and df["values"].notna().any():
+        abs_diff, rel_diff = _values_spread(indexed["values"].unstack(by).reindex(wide.index))
+        frames.append(pd.DataFrame({"stat": "values", "abs_diff": abs_diff, "rel_diff": rel_diff}, index=wide.index))
+    out = pd.concat([f.assign(strategies=counts.to_numpy()) for f in frames]).reset_index()
+    out = out.merge(forward_order(df)[["tap", "call", "position"]], on=["tap", "call"], how="left")
+    out = out.sort_values([*keys[:-2], "position"], kind="stable")  # forward order within a step
+    return out.drop(columns="position").reset_index(drop=True)
+
+
+def strategy_costs(steps: pd.DataFrame, by: str = "strategy") -> pd.DataFrame:
+    """Per strategy: median step time and capture time over the captured steps, and peak memory.
+
+    Example::
+
+        costs = strategy_costs(load("multirun/2024-05-01/12-00-00", table="steps"))
+        costs[["step_time_s", "capture_time_s"]] * 1e3            # milliseconds
+        costs.peak_memory_bytes / 2**20                            # MiB
+
+    Medians leave out the first step's warm-up and other outliers; `capture_share` is
+    capture_time_s / step_time_s. `peak_memory_bytes` is the largest of the run. On CPU it is the
+    process's peak RSS, which never goes down: Hydra's basic launcher runs every job of a sweep in
+    one process, so a later job's peak includes the earlier jobs'; compare memory on a GPU, or
+    with each job in its own process.
+    """
+    keys = [by, *_other_run_columns(steps, by)]
+    captured = steps[steps["captured"].fillna(False).astype(bool)]
+    out = captured.groupby(keys, sort=False, dropna=False).agg(
+        captured_steps=("step", "size"),
+        step_time_s=("step_time_s", "median"),
+        capture_time_s=("capture_time_s", "median"),
+        peak_memory_bytes=("peak_memory_bytes", "max"),
+    )
+    out["capture_share"] = out["capture_time_s"] / out["step_time_s"]
+    return out.reset_index()

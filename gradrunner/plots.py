@@ -1,0 +1,257 @@
+"""Figures of gradrunner records, drawn with matplotlib (the optional `gradrunner[report]` extra).
+
+Contents:
+    plot_grad_flow(df, steps, measure_name)   -- taps in forward order, log scale, a line per step
+    plot_norms(df, stat, heatmap)             -- a measure over steps per tap: lines, or a heatmap
+    plot_strategy_agreement(cmp)              -- largest relative difference per statistic and per tap
+    plot_strategy_cost(costs)                 -- step time, capture time and peak memory per strategy
+    plot_value_distributions(df, steps)       -- histograms of the captured gradient values per tap
+
+Every function returns a `matplotlib.figure.Figure` built without pyplot: no GUI backend, no
+global figure list, nothing to close; it works headless and in a notebook (the Figure displays
+itself). Save one with `fig.savefig("flow.png")`. Runs of a sweep get a panel each (titled by
+`analysis.run_columns`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+import pandas as pd
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from gradrunner.analysis import forward_order, grad_flow, measure, pick_steps, run_columns
+
+#: Above this many taps, `plot_norms` draws a heatmap instead of one line per tap.
+HEATMAP_ABOVE = 12
+# Log-scale bars cannot show 0 or inf: they are drawn at these heights and labelled "0" / "inf".
+_ZERO_AT, _INF_AT = 1e-17, 1e3
+_FLOAT32_EPS = float(np.finfo(np.float32).eps)
+
+
+def _runs(df: pd.DataFrame, columns: list[str], records: pd.DataFrame | None = None) -> list[tuple[str, pd.DataFrame]]:
+    """(title, rows) per run of `df`, in record order; the title names the run's distinguishing
+    values, or for a single run its experiment and strategy (taken from `records`, default `df`)."""
+    if not columns:
+        first = (df if records is None else records).iloc[0]
+        return [(" · ".join(str(first[c]) for c in ("experiment", "strategy") if c in first.index), df)]
+    groups = df.groupby(columns, sort=False, dropna=False)
+    return [(", ".join(f"{c}={v}" for c, v in zip(columns, key)), rows) for key, rows in groups]
+
+
+def _panels(n: int, width: float, height: float, sharey: bool = False) -> tuple[Figure, np.ndarray]:
+    fig = Figure(figsize=(width, height * n), layout="constrained")
+    return fig, fig.subplots(n, 1, squeeze=False, sharex=True, sharey=sharey)[:, 0]
+
+
+def plot_grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure_name: str = "norm") -> Figure:
+    """Gradient flow: a measure of every tap in forward order (log scale), one line per step.
+
+    Example::
+
+        fig = plot_grad_flow(load("outputs/2024-05-01/12-00-00"))
+        fig = plot_grad_flow(df[df.name == "weight"], steps=[0, 99], measure_name="rms")
+        fig.savefig("flow.png")
+
+    `steps` defaults to four spread over the run; `measure_name` is one of `analysis.measure`'s
+    (norm, rms, abs_max, mean_abs). A value of exactly 0 has no place on a log scale: it is drawn as
+    an x on the bottom edge (legend "exactly 0"); NaN leaves a gap.
+    """
+    flow = grad_flow(df, steps, measure_name)
+    order = forward_order(df)
+    runs = _runs(flow, run_columns(df), records=df)
+    fig, axes = _panels(len(runs), max(6.0, 0.45 * len(order) + 2), 3.0, sharey=True)
+    for ax, (title, run) in zip(axes, runs):
+        zero_label = "exactly 0"
+        for (step, rows), color in zip(run.groupby("step"), _colors(run["step"].nunique())):
+            ax.plot(rows["position"], rows[measure_name], marker="o", color=color, label=f"step {step}")
+            zeros = rows.loc[rows[measure_name] == 0, "position"]
+            if len(zeros):  # no place on a log scale: an x at the bottom edge
+                ax.plot(zeros, np.full(len(zeros), 0.03), "x", color=color, markersize=9, label=zero_label,
+                        transform=ax.get_xaxis_transform(), clip_on=False)  # fmt: skip
+                zero_label = "_exactly 0"  # one legend entry
+        ax.set_yscale("log", nonpositive="mask")
+        ax.set_ylabel(measure_name)
+        ax.set_title(title, fontsize="medium")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize="small", loc="best")
+    axes[-1].set_xticks(order["position"], order["label"], rotation=60, ha="right", fontsize="small")
+    axes[-1].set_xlabel("tap, in forward order")
+    fig.suptitle(f"Gradient flow ({measure_name} per tap)")
+    return fig
+
+
+def _colors(n: int) -> list[tuple[float, float, float, float]]:
+    """Early steps light, late steps dark."""
+    return [colormaps["viridis_r"](x) for x in np.linspace(0.15, 0.95, max(n, 1))]
+
+
+def plot_norms(df: pd.DataFrame, stat: str = "norm", heatmap: bool | None = None) -> Figure:
+    """A measure of every tap over the steps: a line per tap, or a heatmap (taps x steps, log10).
+
+    Example::
+
+        fig = plot_norms(df)                       # lines up to 12 taps, a heatmap above
+        fig = plot_norms(df, stat="rms", heatmap=True)
+        fig.axes[0].get_lines()                    # one Line2D per tap (line mode)
+
+    `heatmap` defaults to more than `HEATMAP_ABOVE` taps. In the heatmap a gradient of exactly 0
+    is black, a NaN/Inf one red, and a tap without gradient white; lines just leave gaps for them.
+    """
+    order = forward_order(df)
+    heatmap = len(order) > HEATMAP_ABOVE if heatmap is None else heatmap
+    d = df.assign(_v=measure(df, stat), _g=df["has_grad"].fillna(False).astype(float))
+    runs = _runs(d, run_columns(df))
+    if heatmap:
+        fig, axes = _panels(len(runs), 10.0, max(2.5, 0.22 * len(order) + 1))
+    else:
+        fig, axes = _panels(len(runs), 9.0, 3.2)
+    for ax, (title, run) in zip(axes, runs):
+        values = _by_tap_and_step(run, order, "_v")
+        if heatmap:
+            _heatmap(fig, ax, values, _by_tap_and_step(run, order, "_g"), order["label"].tolist(), stat)
+        else:
+            for i, (label, row) in enumerate(zip(order["label"], values.to_numpy())):
+                ax.plot(values.columns, row, label=label, color=colormaps["tab20"](i % 20))
+            ax.set_yscale("log")
+            ax.set_ylabel(stat)
+            ax.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+        ax.set_title(title, fontsize="medium")
+    axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(f"{stat} per tap over the steps")
+    return fig
+
+
+def _by_tap_and_step(run: pd.DataFrame, order: pd.DataFrame, column: str) -> pd.DataFrame:
+    """`column` as a (tap, call) x step table, rows in forward order."""
+    table = run.pivot_table(index=["tap", "call"], columns="step", values=column, dropna=False)
+    return table.reindex(pd.MultiIndex.from_frame(order[["tap", "call"]]))
+
+
+def _heatmap(fig: Figure, ax: Axes, values: pd.DataFrame, has_grad: pd.DataFrame, labels: list[str], stat: str) -> None:
+    v = values.to_numpy(dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logs = np.log10(v)
+    finite = np.isfinite(logs)
+    lo, hi = (float(logs[finite].min()), float(logs[finite].max())) if finite.any() else (0.0, 1.0)
+    hi = max(hi, lo + 1e-9)
+    logs = np.where(v == 0, lo - 1, np.where(np.isfinite(v), logs, hi + 1))  # 0: under, NaN/Inf: over
+    logs[has_grad.to_numpy(dtype=np.float64) != 1] = np.nan  # no gradient (or no record): blank
+    cmap = colormaps["viridis"].with_extremes(under="black", over="red", bad="white")
+    steps = values.columns.to_numpy()
+    extent = (steps.min() - 0.5, steps.max() + 0.5, len(labels) - 0.5, -0.5)
+    image = ax.imshow(logs, aspect="auto", interpolation="nearest", cmap=cmap, vmin=lo, vmax=hi, extent=extent)
+    ax.set_yticks(range(len(labels)), labels, fontsize="x-small")
+    fig.colorbar(image, ax=ax, extend="both", label=f"log10 {stat}\n(black: 0, red: NaN/Inf, white: none)")
+
+
+def _bars(ax: Axes, labels: list[str], values: np.ndarray, title: str) -> None:
+    """Log-scale bars of relative differences, 0 and inf drawn at fixed heights and labelled."""
+    heights = np.where(values == 0, _ZERO_AT, np.where(np.isinf(values), _INF_AT, values))
+    bars = ax.bar(range(len(labels)), heights, color="tab:blue")
+    texts = ["0" if v == 0 else "inf" if np.isinf(v) else f"{v:.1e}" for v in values]
+    ax.bar_label(bars, texts, fontsize="x-small")
+    ax.axhline(_FLOAT32_EPS, color="gray", linestyle="--", linewidth=1, label="float32 eps")
+    ax.set_yscale("log")
+    ax.set_ylim(_ZERO_AT / 10, _INF_AT * 100)
+    ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize="small")
+    ax.set_ylabel("largest relative difference")
+    ax.set_title(title, fontsize="medium")
+    ax.legend(fontsize="small")
+
+
+def plot_strategy_agreement(cmp: pd.DataFrame) -> Figure:
+    """How far the strategies disagree: the largest relative difference per statistic and per tap.
+
+    Example::
+
+        cmp = compare_strategies(load("multirun/2024-05-01/12-00-00"))
+        fig = plot_strategy_agreement(cmp)
+        [t.get_text() for t in fig.axes[0].texts]   # bar labels: '0' where the strategies agree exactly
+
+    Bars are on a log scale; 0 (identical) and inf (NaN or a record in some strategies only) are
+    drawn at fixed heights and labelled. The dashed line is float32's machine epsilon.
+    """
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    by_stat, by_tap = fig.subplots(1, 2, width_ratios=[1, 2])
+    worst_stat = cmp.groupby("stat", sort=False)["rel_diff"].max()
+    _bars(by_stat, worst_stat.index.tolist(), worst_stat.to_numpy(), "per statistic (all taps, steps)")
+    labelled = cmp.merge(forward_order(cmp)[["tap", "call", "label"]], on=["tap", "call"])
+    worst_tap = labelled.groupby("label", sort=False)["rel_diff"].max()
+    _bars(by_tap, worst_tap.index.tolist(), worst_tap.to_numpy(), "per tap (all statistics, steps)")
+    fig.suptitle("Agreement between capture strategies")
+    return fig
+
+
+def plot_strategy_cost(costs: pd.DataFrame) -> Figure:
+    """What each strategy costs: median step and capture time (ms), and peak memory (MiB).
+
+    Example::
+
+        fig = plot_strategy_cost(strategy_costs(load(sweep_dir, table="steps")))
+        [t.get_text() for t in fig.axes[0].get_xticklabels()]   # the strategies
+        fig.axes[1].get_ylabel()                                  # 'peak memory (MiB)'
+    """
+    label_columns = [c for c in costs.columns if c not in _COST_COLUMNS]
+    labels = [", ".join(str(v) for v in row) for row in costs[label_columns].itertuples(index=False)]
+    x = np.arange(len(labels))
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    time_ax, memory_ax = fig.subplots(1, 2)
+    step = time_ax.bar(x - 0.2, costs["step_time_s"] * 1e3, width=0.4, label="step (median)")
+    capture = time_ax.bar(x + 0.2, costs["capture_time_s"] * 1e3, width=0.4, label="capture (median)")
+    time_ax.set_ylabel("time (ms)")
+    time_ax.legend(fontsize="small", ncols=2, loc="upper left")
+    memory = memory_ax.bar(x, costs["peak_memory_bytes"] / 2**20, color="tab:green")
+    memory_ax.set_ylabel("peak memory (MiB)")
+    for ax, bars in ((time_ax, step), (time_ax, capture), (memory_ax, memory)):
+        ax.bar_label(bars, fmt="%.3g", fontsize="x-small")
+        ax.margins(y=0.2)  # room for the labels and the legend
+        ax.set_xticks(x, labels, rotation=20, ha="right")
+    fig.suptitle("Cost per capture strategy")
+    return fig
+
+
+_COST_COLUMNS = ("captured_steps", "step_time_s", "capture_time_s", "peak_memory_bytes", "capture_share")
+
+
+def plot_value_distributions(df: pd.DataFrame, steps: Iterable[int] | None = None, max_taps: int = 12) -> Figure:
+    """Histograms of the captured gradient values, a panel per tap, a line per step.
+
+    Example::
+
+        fig = plot_value_distributions(df)                # first and last captured step
+        fig = plot_value_distributions(df[df.strategy == "hook"], steps=[0, 10, 20])
+        fig.axes[0].get_title()                           # the first tap in forward order
+
+    Needs `capture.values=full` or `sample` (raises GradrunnerError otherwise). With several runs in
+    `df` only the first is drawn (named in the title): select one first. Densities (y unlabelled).
+    """
+    measure(df, "mean_abs")  # the check that values were captured, with its message
+    title, run = _runs(df, run_columns(df))[0]
+    chosen = pick_steps(run["step"], n=2) if steps is None else [int(s) for s in steps]
+    order = forward_order(run).head(max_taps)
+    cols = min(4, len(order))
+    fig = Figure(figsize=(3.2 * cols, 2.6 * -(-len(order) // cols)), layout="constrained")
+    axes = fig.subplots(-(-len(order) // cols), cols, squeeze=False).ravel()
+    for ax, (tap, call, label) in zip(axes, order[["tap", "call", "label"]].itertuples(index=False)):
+        rows = run[(run["tap"] == tap) & (run["call"] == call)]
+        for step, color in zip(chosen, _colors(len(chosen))):
+            values = [v for v in rows.loc[rows["step"] == step, "values"] if v is not None and len(v)]
+            if values:
+                flat = np.concatenate(values)
+                bins = int(np.clip(np.sqrt(flat.size), 5, 50))
+                ax.hist(flat, bins=bins, density=True, histtype="step", color=color, label=f"step {step}")
+        ax.set_title(label, fontsize="small")
+        ax.set_yticks([])  # densities: the shape matters, not the numbers
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+        ax.tick_params(labelsize="x-small")
+    for ax in axes[len(order) :]:
+        ax.set_visible(False)
+    axes[0].legend(fontsize="x-small")
+    fig.suptitle(f"Gradient values ({title})" if title else "Gradient values")
+    return fig

@@ -1,0 +1,294 @@
+"""gradrunner.analysis helpers on records with planted properties: the helpers must report exactly those.
+
+The planted sweep (`planted_sweep`) has three jobs, one per strategy, four steps each. Taps in firing order:
+
+    fc1:output     norm 0.1, 1e-4, 1e-7, 1e-10: vanishes (below 1e-6 from step 2)
+    :h             fires twice per step (calls 0 and 1), norm 1
+    fc2:output     norm 1; in `hook` only, step 1 is scaled by 1 + 1e-3: the planted disagreement
+    head:output    norm 1, a NaN from step 2 on
+    fc2:weight     norm 1, then 1e4 at step 3: explodes
+    unused:output  never gets a gradient
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from gradrunner.analysis import (
+    compare_strategies,
+    forward_order,
+    grad_flow,
+    load,
+    measure,
+    pick_steps,
+    run_columns,
+    strategy_costs,
+    tap_summary,
+)
+from gradrunner.errors import GradrunnerError
+from gradrunner.records import RecordWriter, StepsWriter
+from gradrunner.stats import Collector, TapKey
+
+STRATEGIES = ("retain_grad", "hook", "autograd_grad")
+STEPS = 4
+#: Planted median step time (s) and peak memory (bytes) per strategy; step 0 takes 1 s (warm-up).
+STEP_TIME = {"retain_grad": 0.010, "hook": 0.020, "autograd_grad": 0.030}
+CAPTURE_TIME = {"retain_grad": 0.001, "hook": 0.002, "autograd_grad": 0.003}
+PEAK = {"retain_grad": 100 << 20, "hook": 200 << 20, "autograd_grad": 300 << 20}
+TAPS = ["fc1:output", ":h", "fc2:output", "head:output", "fc2:weight", "unused:output"]
+
+
+def grad_with_norm(norm: float, n: int = 4) -> torch.Tensor:
+    """A float32 gradient proportional to 1, 2, ..., n whose L2 norm is `norm`."""
+    ramp = torch.arange(1, n + 1, dtype=torch.float64)
+    grad: torch.Tensor = (ramp * norm / ramp.norm()).float()
+    return grad
+
+
+def planted_step(strategy: str, step: int) -> list[tuple[TapKey, torch.Tensor | None]]:
+    fc1 = grad_with_norm(0.1 * 1e-3**step)
+    fc2 = grad_with_norm(1.0) * (1 + 1e-3 if strategy == "hook" and step == 1 else 1.0)
+    head = grad_with_norm(1.0)
+    if step >= 2:
+        head[1] = float("nan")
+    weight = grad_with_norm(1e4 if step == 3 else 1.0, n=6)
+    return [
+        (TapKey("fc1", "output", 0), fc1),
+        (TapKey("", "h", 0), grad_with_norm(1.0)),
+        (TapKey("fc2", "output", 0), fc2),
+        (TapKey("", "h", 1), grad_with_norm(1.0)),
+        (TapKey("head", "output", 0), head),
+        (TapKey("fc2", "weight", 0), weight),
+        (TapKey("unused", "output", 0), None),
+    ]
+
+
+def write_planted_job(job_dir: Path, strategy: str, values: str = "full", overrides: list[str] | None = None) -> None:
+    consts = {"run_id": f"run-{job_dir.name}", "experiment": "planted", "strategy": strategy,
+              "device": "cpu", "dtype": "float32"}  # fmt: skip
+    with RecordWriter(job_dir, constants=consts, metadata={}) as grads, StepsWriter(
+        job_dir, constants=consts, metadata={}
+    ) as steps:
+        for step in range(STEPS):
+            col = Collector(values=values)
+            for key, grad in planted_step(strategy, step):
+                col.add(key, grad)
+            grads.write_step(step, col.finish(torch.tensor(1.0 / (step + 1))))
+            step_time = 1.0 if step == 0 else STEP_TIME[strategy]
+            steps.write(step, True, 1.0 / (step + 1), step_time, CAPTURE_TIME[strategy], PEAK[strategy])
+    if overrides is not None:
+        (job_dir / ".hydra").mkdir()
+        (job_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+
+
+def planted_sweep(root: Path, values: str = "full") -> Path:
+    """Three jobs 0/, 1/, 2/, one per strategy, as a Hydra multirun lays them out."""
+    for i, strategy in enumerate(STRATEGIES):
+        write_planted_job(root / str(i), strategy, values, ["+experiment=planted", f"capture.strategy={strategy}"])
+    return root
+
+
+@pytest.fixture
+def sweep(tmp_path: Path) -> pd.DataFrame:
+    return load(planted_sweep(tmp_path / "sweep"))
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> pd.DataFrame:
+    write_planted_job(tmp_path / "run", "hook")
+    return load(tmp_path / "run")
+
+
+# --- run_columns, forward_order, pick_steps, measure -------------------------------------------
+
+
+def test_run_columns_of_one_run_is_empty(run: pd.DataFrame) -> None:
+    assert run_columns(run) == []
+
+
+def test_run_columns_of_strategy_sweep_is_strategy_alone(sweep: pd.DataFrame) -> None:
+    assert "capture.strategy" in sweep.columns
+    assert run_columns(sweep) == ["strategy"]  # capture.strategy splits the runs the same way
+
+
+def test_run_columns_add_other_swept_values_and_run_id_when_ambiguous(tmp_path: Path) -> None:
+    for i, (strategy, seed) in enumerate([("hook", 0), ("hook", 1), ("retain_grad", 0)]):
+        write_planted_job(tmp_path / "a" / str(i), strategy, "none", [f"capture.strategy={strategy}", f"seed={seed}"])
+    assert run_columns(load(tmp_path / "a")) == ["strategy", "seed"]
+    for i in range(2):
+        write_planted_job(tmp_path / "b" / str(i), "hook", "none", [])
+    assert run_columns(load(tmp_path / "b")) == ["run_id"]
+
+
+def test_forward_order_is_firing_order_with_call_labels(run: pd.DataFrame) -> None:
+    order = forward_order(run)
+    assert list(zip(order.tap, order.call)) == [
+        ("fc1:output", 0), (":h", 0), ("fc2:output", 0), (":h", 1), ("head:output", 0),
+        ("fc2:weight", 0), ("unused:output", 0),
+    ]  # fmt: skip
+    assert order.position.tolist() == list(range(7))
+    assert order.label.tolist()[:4] == ["fc1:output", ":h [0]", "fc2:output", ":h [1]"]
+
+
+def test_pick_steps() -> None:
+    assert pick_steps(range(100)) == [0, 33, 66, 99]
+    assert pick_steps([5, 3, 3, 4]) == [3, 4, 5]
+    assert pick_steps(range(10), n=2) == [0, 9]
+
+
+def test_measures(run: pd.DataFrame) -> None:
+    row = run[(run.tap == "fc2:weight") & (run.step == 0)].index[0]
+    assert measure(run, "norm")[row] == pytest.approx(1.0)
+    assert measure(run, "rms")[row] == pytest.approx(1 / math.sqrt(6))
+    assert measure(run, "mean_abs")[row] == pytest.approx(3.5 / math.sqrt(91), rel=1e-6)  # ramp 1..6, norm 1
+    assert measure(run, "abs_max")[row] == pytest.approx(6 / math.sqrt(91), rel=1e-6)
+    assert measure(run, "rms")[run.tap == "unused:output"].isna().all()
+
+
+def test_mean_abs_without_values_says_what_to_do(tmp_path: Path) -> None:
+    write_planted_job(tmp_path, "hook", values="none")
+    with pytest.raises(GradrunnerError, match=r"needs captured values \(capture.values=full or sample\).*'rms'"):
+        measure(load(tmp_path), "mean_abs")
+    with pytest.raises(GradrunnerError, match="'nrom' is neither norm, rms, abs_max, mean_abs nor a column"):
+        measure(load(tmp_path), "nrom")
+
+
+# --- tap_summary --------------------------------------------------------------------------------
+
+
+def test_summary_flags_exactly_the_vanishing_tap(run: pd.DataFrame) -> None:
+    s = tap_summary(run)
+    assert s.loc[s.vanishing, "tap"].tolist() == ["fc1:output"]
+    fc1 = s.set_index("tap").loc["fc1:output"]
+    assert fc1.first_vanishing_step == 2  # 1e-7 is the first norm below 1e-6
+    assert fc1["first"] == pytest.approx(0.1) and fc1["last"] == pytest.approx(1e-10)
+    assert fc1["min"] == pytest.approx(1e-10) and fc1["max"] == pytest.approx(0.1)
+    assert fc1["median"] == pytest.approx((1e-4 + 1e-7) / 2)
+    assert s.first_vanishing_step.notna().sum() == 1
+
+
+def test_summary_reports_the_first_nan_step(run: pd.DataFrame) -> None:
+    s = tap_summary(run)
+    nonfinite = s.dropna(subset="first_nonfinite_step")
+    assert list(zip(nonfinite.tap, nonfinite.first_nonfinite_step)) == [("head:output", 2)]
+
+
+def test_summary_flags_exactly_the_exploding_tap(run: pd.DataFrame) -> None:
+    s = tap_summary(run)
+    assert s.loc[s.exploding, "tap"].tolist() == ["fc2:weight"]
+    assert s.set_index("tap").loc["fc2:weight", "first_exploding_step"] == 3
+
+
+def test_summary_thresholds_are_arguments(run: pd.DataFrame) -> None:
+    s = tap_summary(run, vanish_below=1e-3, explode_above=1e5)
+    assert s.loc[s.vanishing, "tap"].tolist() == ["fc1:output"]
+    assert s.set_index("tap").loc["fc1:output", "first_vanishing_step"] == 1
+    assert not s.exploding.any()
+
+
+def test_summary_rows_in_forward_order_with_calls_and_a_tap_without_gradient(run: pd.DataFrame) -> None:
+    s = tap_summary(run)
+    assert list(zip(s.tap, s.call)) == list(zip(forward_order(run).tap, forward_order(run).call))
+    unused = s.set_index("tap").loc["unused:output"]
+    assert unused.steps == 0 and pd.isna(unused["last"]) and not unused.vanishing and not unused.exploding
+    assert s.set_index("tap").loc["fc2:output", "steps"] == STEPS
+
+
+def test_summary_of_a_sweep_has_one_block_per_strategy(sweep: pd.DataFrame) -> None:
+    s = tap_summary(sweep)
+    assert s.columns[0] == "strategy" and s.strategy.unique().tolist() == list(STRATEGIES)
+    assert s.groupby("strategy", sort=False).size().tolist() == [7, 7, 7]
+    assert s.loc[s.vanishing, ["strategy", "tap"]].values.tolist() == [[st, "fc1:output"] for st in STRATEGIES]
+
+
+# --- grad_flow ----------------------------------------------------------------------------------
+
+
+def test_grad_flow_taps_in_forward_order_for_the_chosen_steps(run: pd.DataFrame) -> None:
+    flow = grad_flow(run, steps=[0, 3], measure_name="rms")
+    assert flow.step.unique().tolist() == [0, 3]
+    at0 = flow[flow.step == 0]
+    assert at0.label.tolist() == forward_order(run).label.tolist()
+    assert at0.position.tolist() == list(range(7))
+    assert at0.set_index("tap").loc["fc1:output", "rms"] == pytest.approx(0.1 / 2)
+
+
+def test_grad_flow_default_steps_and_sweep_runs_in_record_order(sweep: pd.DataFrame) -> None:
+    flow = grad_flow(sweep)
+    assert flow.strategy.unique().tolist() == list(STRATEGIES)
+    assert flow.step.unique().tolist() == [0, 1, 2, 3]
+    assert len(flow) == 3 * 4 * 7
+
+
+# --- compare_strategies -------------------------------------------------------------------------
+
+
+def test_compare_finds_exactly_the_planted_difference(sweep: pd.DataFrame) -> None:
+    cmp = compare_strategies(sweep)
+    differ = cmp[cmp.abs_diff > 0]
+    assert set(zip(differ.step, differ.tap, differ.call)) == {(1, "fc2:output", 0)}
+    assert differ.stat.tolist() == ["norm", "mean", "std", "min", "max", "abs_max", "values"]  # not zero_frac
+    norm = differ.set_index("stat").loc["norm"]
+    assert norm.rel_diff == pytest.approx(1e-3 / (1 + 1e-3), rel=1e-4)
+    assert norm.abs_diff == pytest.approx(1e-3, rel=1e-4)
+    assert differ.set_index("stat").loc["values", "rel_diff"] == pytest.approx(1e-3 / (1 + 1e-3), rel=1e-4)
+    assert (cmp.strategies == 3).all()
+
+
+def test_compare_treats_nan_in_every_strategy_as_agreement(sweep: pd.DataFrame) -> None:
+    cmp = compare_strategies(sweep)
+    head = cmp[(cmp.tap == "head:output") & (cmp.step == 3)].set_index("stat")
+    assert head.loc["norm", "abs_diff"] == 0 and head.loc["values", "abs_diff"] == 0
+
+
+def test_compare_nan_in_one_strategy_only_is_an_infinite_difference(tmp_path: Path) -> None:
+    df = load(planted_sweep(tmp_path, values="none"))
+    df.loc[(df.strategy == "hook") & (df.tap == "fc1:output") & (df.step == 0), "norm"] = np.nan
+    cmp = compare_strategies(df)
+    worst = cmp.groupby("stat")["rel_diff"].max()
+    assert worst["norm"] == math.inf and "values" not in worst
+    inf_rows = cmp[np.isinf(cmp.rel_diff)]
+    assert list(zip(inf_rows.step, inf_rows.tap, inf_rows.stat)) == [(0, "fc1:output", "norm")]
+
+
+def test_compare_rows_in_step_then_forward_order(sweep: pd.DataFrame) -> None:
+    cmp = compare_strategies(sweep)
+    first = cmp[(cmp.step == 0) & (cmp.stat == "norm")]
+    assert first.tap.tolist() == forward_order(sweep).tap.tolist()
+    assert cmp.stat.unique().tolist() == ["norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "values"]
+
+
+def test_compare_within_other_swept_values(tmp_path: Path) -> None:
+    jobs = [(s, seed) for seed in (0, 1) for s in ("hook", "retain_grad")]
+    for i, (strategy, seed) in enumerate(jobs):
+        write_planted_job(tmp_path / str(i), strategy, "none", [f"capture.strategy={strategy}", f"seed={seed}"])
+    cmp = compare_strategies(load(tmp_path))
+    assert cmp.columns[0] == "seed" and sorted(cmp.seed.unique()) == [0, 1]
+    assert (cmp.strategies == 2).all()
+    assert set(cmp.loc[cmp.abs_diff > 0, "tap"]) == {"fc2:output"}
+
+
+def test_compare_refuses_runs_it_cannot_tell_apart(tmp_path: Path) -> None:
+    for i in range(2):
+        write_planted_job(tmp_path / str(i), "hook", "none", [])
+    with pytest.raises(GradrunnerError, match="several runs share strategy"):
+        compare_strategies(load(tmp_path))
+
+
+# --- strategy_costs -----------------------------------------------------------------------------
+
+
+def test_costs_are_medians_over_captured_steps_and_peak_memory(tmp_path: Path) -> None:
+    costs = strategy_costs(load(planted_sweep(tmp_path, values="none"), table="steps"))
+    assert costs.strategy.tolist() == list(STRATEGIES)
+    assert costs.step_time_s.tolist() == pytest.approx([STEP_TIME[s] for s in STRATEGIES])  # warm-up left out
+    assert costs.capture_time_s.tolist() == pytest.approx([CAPTURE_TIME[s] for s in STRATEGIES])
+    assert costs.peak_memory_bytes.tolist() == [PEAK[s] for s in STRATEGIES]
+    assert costs.captured_steps.tolist() == [STEPS] * 3
+    assert costs.capture_share.tolist() == pytest.approx([0.1] * 3)
