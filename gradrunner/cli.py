@@ -1,0 +1,75 @@
+"""The Hydra app: `python -m gradrunner +experiment=mlp` (and the `gradrunner` console script).
+
+`main` is a shim over `gradrunner.runner.train`. A user mistake (`GradrunnerError`, or an OmegaConf
+error such as a missing value) prints one paragraph to stderr, no traceback, and exits with status 2;
+in a sweep (`-m`) the job fails, the other jobs still run, and Hydra reports it at the end (status 1).
+Mistakes Hydra finds while composing (a misspelled key, an unknown option) get Hydra's own short
+message and status 1. `HYDRA_FULL_ERROR=1` shows the full traceback instead.
+
+Example::
+
+    python -m gradrunner +experiment=mlp capture.strategy=retain_grad steps=10
+    python -m gradrunner -m +experiment=mlp capture.strategy=retain_grad,hook,autograd_grad
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
+from hydra.types import RunMode
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from gradrunner.errors import GradrunnerError
+from gradrunner.runner import train
+
+#: Exit status for a user mistake in a single run.
+EXIT_USER_ERROR = 2
+#: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
+EXIT_INTERRUPTED = 130
+
+
+class JobFailed(CompactHydraException):
+    """A sweep job's user mistake, reported by Hydra at the end of the sweep without a traceback."""
+
+
+def one_paragraph(error: BaseException) -> str:
+    """The error's message on one line (OmegaConf's messages span several).
+
+    Example::
+
+        one_paragraph(GradrunnerError("a\\n  b"))   # 'a b'
+    """
+    return " ".join(str(error).split())
+
+
+def _fail(error: Exception) -> NoReturn:
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    message = one_paragraph(error)
+    print(f"gradrunner: error: {message}", file=sys.stderr, flush=True)
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise JobFailed(message) from None
+    sys.exit(EXIT_USER_ERROR)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://gradrunner.conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    """Run one job: `train(cfg)`, with user mistakes reported as one paragraph (see the module doc).
+
+    Example::
+
+        python -m gradrunner +experiment=sigmoid2 steps=1 capture.values=full
+    """
+    try:
+        train(cfg)
+    except (GradrunnerError, OmegaConfBaseException) as e:
+        _fail(e)
+    except KeyboardInterrupt:
+        print("gradrunner: interrupted; the records of completed steps are kept", file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)

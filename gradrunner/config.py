@@ -1,0 +1,157 @@
+"""The config schema (dataclasses registered in Hydra's ConfigStore) and `validate(cfg)` for its values.
+
+The schema makes a misspelled top-level or `capture.*` key an error at compose time; `validate`
+checks what types cannot: strategy names, the device grammar, dtypes, values modes and ranges.
+
+Example::
+
+    from gradrunner.config import validate
+    validate(cfg)   # raises GradrunnerError("capture.strategy='hooks' is not ... allowed: ...")
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any, List
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from gradrunner.errors import GradrunnerError
+from gradrunner.stats import VALUES_MODES
+
+#: Name of the schema in the ConfigStore; `conf/config.yaml` lists it first in its defaults.
+SCHEMA_NAME = "gradrunner_schema"
+#: dtype names accepted by `dtype=`, in the order the messages list them.
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+#: Device spellings accepted by `device=` (`cuda:N` for any N >= 0).
+DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
+_DEVICE_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
+
+
+@dataclass
+class CaptureConfig:
+    """`capture.*`: how gradients are captured and what is kept of them."""
+
+    # Capture strategy, a key of gradrunner.strategies.STRATEGIES: retain_grad, hook, autograd_grad.
+    strategy: str = "hook"
+    # What is kept besides statistics: none, full (every element), sample (sample_size fixed positions).
+    values: str = "none"
+    # Capture on every N-th optimisation step (steps 0, N, 2N, ...).
+    every: int = 1
+    # Number of element positions kept per tap when values=sample.
+    sample_size: int = 64
+
+
+@dataclass
+class Config:
+    """The top level of the composed config (the `hydra` node is added by Hydra itself)."""
+
+    # Instantiable torch.nn.Module (`_target_` + kwargs); config group `model`.
+    model: Any = MISSING
+    # Instantiable data source yielding (inputs, targets) batches; config group `data`.
+    data: Any = MISSING
+    # Instantiable callable (output, target) -> scalar tensor; config group `loss`.
+    loss: Any = MISSING
+    # Instantiable optimizer with `_partial_: true`, called with model.parameters(); group `optimizer`.
+    optimizer: Any = MISSING
+    # Capture settings; config group `capture`.
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    # Name written to the records' `experiment` column; each experiment file sets its own.
+    experiment: str = "default"
+    # Number of optimisation steps.
+    steps: int = 100
+    # Seeds torch, numpy and random (data options interpolate it as `${seed}`).
+    seed: int = 0
+    # auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.
+    device: str = "auto"
+    # Dtype of the model and the floating-point inputs: float32, float64, bfloat16, float16.
+    dtype: str = "float32"
+    # Tap specs: "<module path>:<name>" strings or {module: ..., name: ...} mappings.
+    taps: List[Any] = field(default_factory=list)
+
+
+def register_configs() -> None:
+    """Store the schema in Hydra's ConfigStore (idempotent; done on import of this module).
+
+    Example::
+
+        register_configs()   # then `defaults: [gradrunner_schema, _self_, ...]` in config.yaml
+    """
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+
+
+register_configs()
+
+
+def _allowed(name: str, value: object, allowed: list[str] | tuple[str, ...], hint: str = "") -> GradrunnerError:
+    close = difflib.get_close_matches(str(value), list(allowed), n=1)
+    maybe = f" Did you mean {close[0]!r}?" if close else ""
+    return GradrunnerError(
+        f"{name}={value!r} is not allowed; allowed: {', '.join(allowed)}.{maybe}{hint}"
+        f" Fix it on the command line, e.g. {name}={allowed[0]}, or in your config file."
+    )
+
+
+def _strategy_names() -> list[str]:
+    from gradrunner.strategies import STRATEGIES  # lazy: the strategies import torch machinery
+
+    return list(STRATEGIES)
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise GradrunnerError(
+            f"{name}={value!r} is not allowed; {name} must be an integer >= {minimum}."
+            f" Fix it on the command line, e.g. {name}={max(minimum, 1)}, or in your config file."
+        )
+
+
+def _check_keys(prefix: str, node: DictConfig, allowed: list[str]) -> None:
+    for key in node:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            maybe = f" Did you mean {prefix}{close[0]}?" if close else ""
+            raise GradrunnerError(
+                f"unknown config key {prefix}{key!s}.{maybe} Allowed keys: "
+                f"{', '.join(prefix + a for a in allowed if a != 'hydra')}."
+            )
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check the composed config's values; raise `GradrunnerError` naming the bad value and what is allowed.
+
+    Example::
+
+        cfg = compose("config", overrides=["capture.strategy=hooks"])
+        validate(cfg)   # GradrunnerError: capture.strategy='hooks' is not allowed; allowed: ...
+    """
+    # `+key=value` on the command line adds keys even past the schema: refuse them here.
+    _check_keys("", cfg, [f.name for f in fields(Config)] + ["hydra"])
+    _check_keys("capture.", cfg.capture, [f.name for f in fields(CaptureConfig)])
+    for group in ("model", "data", "loss", "optimizer"):
+        node = OmegaConf.select(cfg, group, throw_on_missing=False)
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise GradrunnerError(
+                f"{group} has no _target_ (got {OmegaConf.to_container(node) if OmegaConf.is_config(node) else node!r});"
+                f" pick an option with {group}=<option> or give {group}._target_=<importable.Class>."
+            )
+    strategies = _strategy_names()
+    if cfg.capture.strategy not in strategies:
+        raise _allowed("capture.strategy", cfg.capture.strategy, strategies)
+    if cfg.capture["values"] not in VALUES_MODES:
+        raise _allowed("capture.values", cfg.capture["values"], VALUES_MODES)
+    if not isinstance(cfg.device, str) or not _DEVICE_RE.fullmatch(cfg.device):
+        raise _allowed("device", cfg.device, DEVICES, " (N is a GPU index, e.g. cuda:0.)")
+    if cfg.dtype not in DTYPES:
+        raise _allowed("dtype", cfg.dtype, DTYPES)
+    _check_int("steps", cfg.steps, 0)
+    _check_int("seed", cfg.seed, 0)
+    _check_int("capture.every", cfg.capture.every, 1)
+    _check_int("capture.sample_size", cfg.capture.sample_size, 1)
+    if not OmegaConf.is_list(cfg.taps):
+        raise GradrunnerError(
+            f"taps={cfg.taps!r} must be a list of tap specs, e.g. taps='[fc1:output,\"relu*:output\"]'."
+        )

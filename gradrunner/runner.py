@@ -1,0 +1,342 @@
+"""The step loop behind `python -m gradrunner`: build what the config names, train, write the records.
+
+`train(cfg)` needs no Hydra app (only a composed config): it validates the config, seeds, builds the
+model, data, loss and optimizer, opens a capture over the taps (every tap resolved before step 0),
+and streams `grads.parquet` and `steps.parquet` into the job's output directory.
+
+Example::
+
+    with initialize_config_module("gradrunner.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["+experiment=mlp", "steps=2"])
+    path = train(cfg, out_dir="runs/a")     # runs/a/grads.parquet
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+import resource
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+import numpy as np
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from gradrunner.capturing import Capture, capture
+from gradrunner.config import validate
+from gradrunner.data import Batch, as_batches
+from gradrunner.errors import GradrunnerError
+from gradrunner.records import RecordWriter, StepsWriter, run_metadata
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CONF_DIR = Path(__file__).parent / "conf"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's `random`, numpy's global generator and torch (every device).
+
+    Example::
+
+        seed_everything(0); a = torch.rand(1); seed_everything(0); assert torch.equal(a, torch.rand(1))
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """The torch device for `device=`: `auto` is cuda, then mps, then cpu; an unavailable one is an error.
+
+    Example::
+
+        resolve_device("auto")   # device(type='cpu') on a machine without GPU
+        resolve_device("cuda")   # GradrunnerError there, listing what is available
+    """
+    mps = getattr(torch.backends, "mps", None)
+    has_mps = bool(mps is not None and mps.is_available())
+    available = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())] + (["mps"] if has_mps else [])
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "mps" if has_mps else "cpu"
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        if f"cuda:{device.index}" not in available:
+            raise GradrunnerError(
+                f"device={spec!r} is not available on this machine (torch {torch.__version__} sees "
+                f"{torch.cuda.device_count()} CUDA device(s)); available: {', '.join(available)}. "
+                "Use device=auto or device=cpu."
+            )
+    elif device.type == "mps" and not has_mps:
+        raise GradrunnerError(
+            f"device='mps' is not available on this machine; available: {', '.join(available)}. Use device=auto."
+        )
+    return device
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """The torch dtype for `dtype=` (validated names only: float32, float64, bfloat16, float16).
+
+    Example::
+
+        resolve_dtype("float64")   # torch.float64
+    """
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise GradrunnerError(f"dtype={name!r} is not allowed; allowed: {', '.join(_DTYPES)}") from None
+
+
+def _options(group: str) -> str:
+    names = sorted(p.stem for p in (_CONF_DIR / group).glob("*.yaml"))
+    return ", ".join(names) or "none"
+
+
+def build(cfg: DictConfig, group: str) -> Any:
+    """Instantiate `cfg[group]`; a failure is a GradrunnerError naming the group and its `_target_`.
+
+    Example::
+
+        model = build(cfg, "model")       # e.g. gradrunner.models.MLP(in_features=8, ...)
+    """
+    node = cfg[group]
+    target = node.get("_target_", "<no _target_>")
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as e:
+        if isinstance(e.__cause__, GradrunnerError):
+            raise e.__cause__ from None
+        detail = " ".join(str(e).split()).replace(f" full_key: {group}", "").rstrip(".")
+        if ", set env var HYDRA_FULL_ERROR" in detail:  # "Error locating target": the cause says why
+            cause = " ".join(str(e.__cause__).split())
+            detail = f"{detail.split(', set env var')[0]} ({type(e.__cause__).__name__}: {cause})"
+        partial = group != "optimizer" or node.get("_partial_", False)
+        hint = "" if partial else " (optimizer options need `_partial_: true`)"
+        raise GradrunnerError(
+            f"could not build {group} from _target_={target!r}: {detail}. Check the {group}.* keys{hint}, "
+            f"or pick another option with {group}=<option> (built-in: {_options(group)})."
+        ) from e
+
+
+@dataclass
+class Job:
+    """Everything the step loop needs, built from the config before any file is written."""
+
+    model: nn.Module
+    batches: Iterator[Batch]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    dtype: torch.dtype
+
+
+def setup(cfg: DictConfig) -> Job:
+    """Validate `cfg`, seed, and build model, data, loss and optimizer on the configured device and dtype.
+
+    Example::
+
+        job = setup(cfg); job.model(next(job.batches)[0])
+    """
+    validate(cfg)
+    device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
+    seed_everything(cfg.seed)
+    model = build(cfg, "model")
+    if not isinstance(model, nn.Module):
+        raise GradrunnerError(f"model {cfg.model._target_!r} built a {type(model).__name__}, not a torch.nn.Module")
+    model.to(device=device, dtype=dtype)
+    batches = as_batches(build(cfg, "data"), device, dtype)
+    loss_fn = build(cfg, "loss")
+    if isinstance(loss_fn, nn.Module):
+        loss_fn.to(device=device)
+    make_optimizer = build(cfg, "optimizer")
+    try:
+        optimizer = make_optimizer(model.parameters())
+    except (TypeError, ValueError) as e:
+        hint = "; optimizer options need `_partial_: true`" if isinstance(e, TypeError) else ""
+        raise GradrunnerError(
+            f"could not build optimizer {cfg.optimizer._target_!r} over the model's parameters: {e}. "
+            f"Check the optimizer.* keys{hint}."
+        ) from e
+    return Job(model, batches, loss_fn, optimizer, device, dtype)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    return type(value).__name__
+
+
+def _first_forward(job: Job, x: Any, y: Any) -> torch.Tensor:
+    """Step 0's forward and loss: a failure here is a model/data/loss mismatch in the config."""
+    try:
+        out = job.model(x)
+        loss = job.loss_fn(out, y)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        raise GradrunnerError(
+            f"step 0 failed: the model, data and loss do not fit together (inputs {_describe(x)}, targets "
+            f"{_describe(y)}): {type(e).__name__}: {' '.join(str(e).split())}. Check data.* shapes against "
+            "model.* sizes and the loss (classification losses need int64 labels)."
+        ) from e
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise GradrunnerError(
+            f"the loss {type(job.loss_fn).__name__} returned {_describe(loss)}, not a scalar tensor; "
+            "use a reducing loss (reduction='mean' or 'sum')"
+        )
+    return loss
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: the CUDA allocator's peak on a GPU, else the process's peak RSS.
+
+    Example::
+
+        peak_memory_bytes(torch.device("cpu"))   # e.g. 412_000_000
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
+
+
+class Progress:
+    """A one-line progress bar on a terminal; otherwise a log line every ~10% of the steps.
+
+    Example::
+
+        bar = Progress(total=100)
+        for step in range(100): bar.update(step, loss=0.5)
+        bar.close()
+    """
+
+    def __init__(self, total: int, stream: TextIO | None = None, width: int = 30) -> None:
+        self.total, self.width = total, width
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every = max(1, math.ceil(total / 10))
+        self._last_draw = 0.0
+
+    def update(self, step: int, loss: float) -> None:
+        done = step + 1
+        if not self.tty:
+            if done % self.every == 0 or done == self.total:
+                log.info("step %d/%d (%d%%)  loss %.6g", done, self.total, 100 * done // self.total, loss)
+            return
+        now = time.monotonic()
+        if done < self.total and now - self._last_draw < 0.1:
+            return
+        self._last_draw = now
+        filled = self.width * done // max(self.total, 1)
+        bar = "#" * filled + "." * (self.width - filled)
+        self.stream.write(f"\r[{bar}] {done}/{self.total}  loss {loss:.6g}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self._last_draw:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def output_dir(out_dir: str | Path | None = None) -> Path:
+    """Where the job's records go: `out_dir` if given, else Hydra's job output dir, else the cwd.
+
+    Example::
+
+        output_dir("runs/a")   # PosixPath('/abs/runs/a')
+    """
+    if out_dir is not None:
+        return Path(out_dir).resolve()
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir).resolve()
+    return Path.cwd()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run_steps(cfg: DictConfig, job: Job, cap: Capture, grads: RecordWriter, steps: StepsWriter) -> None:
+    """The step loop: forward, loss, backward, records (on captured steps), optimizer step."""
+    bar = Progress(cfg.steps)
+    try:
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            x, y = next(job.batches)
+            cap.enabled = captured = step % cfg.capture.every == 0
+            loss = _first_forward(job, x, y) if step == 0 else job.loss_fn(job.model(x), y)
+            cap.backward(loss)
+            capture_time = None
+            if captured:
+                t1 = time.perf_counter()
+                recs = cap.records(loss)
+                grads.write_step(step, recs)
+                capture_time = time.perf_counter() - t1
+                loss_value = float("nan") if recs.loss is None else recs.loss
+            else:
+                loss_value = float(loss.detach())
+            job.optimizer.step()
+            job.optimizer.zero_grad(set_to_none=True)
+            _sync(job.device)
+            step_time = time.perf_counter() - t0
+            steps.write(step, captured, loss_value, step_time, capture_time, peak_memory_bytes(job.device))
+            bar.update(step, loss_value)
+    finally:
+        bar.close()
+
+
+def train(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
+    """Run the job `cfg` describes; return the path of its `grads.parquet`.
+
+    Example::
+
+        path = train(cfg, out_dir=tmp_path)          # tmp_path/grads.parquet, tmp_path/steps.parquet
+        pd.read_parquet(path).groupby("tap")["norm"].mean()
+
+    Every config mistake (bad value, bad target, bad tap, model/data mismatch at step 0) raises
+    `GradrunnerError` before any record is written; no `grads.parquet` is left behind then.
+    """
+    job = setup(cfg)
+    directory = output_dir(out_dir)
+    constants = {
+        "run_id": uuid.uuid4().hex,
+        "experiment": str(cfg.experiment),
+        "strategy": str(cfg.capture.strategy),
+        "device": str(job.device),
+        "dtype": str(cfg.dtype),
+    }
+    meta = run_metadata(OmegaConf.to_yaml(cfg, resolve=True), seed=int(cfg.seed))
+    taps = OmegaConf.to_container(cfg.taps, resolve=True)
+    assert isinstance(taps, list), taps  # validate() checked it
+    c = cfg.capture
+    with contextlib.ExitStack() as stack:
+        cap = stack.enter_context(
+            capture(job.model, taps, c.strategy, values=c["values"], sample_size=c.sample_size, seed=cfg.seed,
+                    keep_grads=False)  # fmt: skip
+        )
+        log.info("run %s: %d taps resolved (%s), %d steps on %s/%s", constants["run_id"], len(cap.taps),
+                 ", ".join(t.tap for t in cap.taps[:6]) + (", ..." if len(cap.taps) > 6 else ""),
+                 cfg.steps, job.device, cfg.dtype)  # fmt: skip
+        grads = stack.enter_context(RecordWriter(directory / "grads.parquet", constants=constants, metadata=meta))
+        steps = stack.enter_context(StepsWriter(directory / "steps.parquet", constants=constants, metadata=meta))
+        try:
+            _run_steps(cfg, job, cap, grads, steps)
+        except KeyboardInterrupt:
+            log.warning("interrupted after %d step(s); their records are kept in %s", steps.steps_written, directory)
+            raise
+    path = directory / "grads.parquet"
+    log.info("records: %s  (pandas.read_parquet('%s') or gradrunner.analysis.load('%s'))", path, path, directory)
+    return path

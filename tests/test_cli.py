@@ -1,0 +1,333 @@
+"""End to end: the real CLI (`python -m gradrunner`) in a subprocess, on tiny runs, from a fresh cwd."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from gradrunner.analysis import load
+from gradrunner.strategies import STRATEGIES
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "gradrunner" / "conf"
+EXPERIMENTS = ["mlp", "cnn", "transformer", "cosine", "sigmoid2"]
+STATS = ["norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "nan_count", "inf_count", "loss"]
+CONTRACT_COLUMNS = [
+    "run_id", "experiment", "strategy", "device", "dtype", "step", "tap", "module", "name", "call",
+    "shape", "numel", "norm", "mean", "std", "min", "max", "abs_max", "zero_frac",
+    "nan_count", "inf_count", "values", "loss",
+]  # fmt: skip
+
+
+class ScaledLinear(nn.Module):
+    """A user's own model, picked with `model=scaled` from a `--config-dir`."""
+
+    def __init__(self, in_features: int = 3, out_features: int = 2, scale: float = 2.0) -> None:
+        super().__init__()
+        self.lin = nn.Linear(in_features, out_features)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scaled = self.lin(x) * self.scale
+        return scaled
+
+
+def cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    # One thread: with two busy cores, torch's thread pool can make tiny steps 50x slower.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # This file's directory too, so `_target_` can name ScaledLinear above.
+    here = str(Path(__file__).resolve().parents[__name__.count(".")])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), here, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def gradrunner(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gradrunner", *args],
+        cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def job_dirs(root: Path, pattern: str = "outputs/*/*") -> list[Path]:
+    return sorted(root.glob(pattern))
+
+
+def sweep_dir(root: Path) -> Path:
+    (found,) = job_dirs(root, "multirun/*/*")
+    return found
+
+
+def check_ok(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+
+def test_help_lists_the_config_groups(tmp_path: Path) -> None:
+    result = gradrunner(tmp_path, "--help")
+    check_ok(result)
+    assert "experiment: cnn, cosine, mlp, sigmoid2, transformer" in result.stdout
+
+
+def test_cfg_job_prints_the_composed_config_and_runs_nothing(tmp_path: Path) -> None:
+    result = gradrunner(tmp_path, "+experiment=sigmoid2", "--cfg", "job")
+    check_ok(result)
+    cfg = OmegaConf.create(result.stdout)
+    assert cfg.experiment == "sigmoid2" and cfg.capture.strategy == "hook"
+    assert list(tmp_path.rglob("*.parquet")) == []
+
+
+def test_one_run_writes_records_under_outputs_of_the_cwd(tmp_path: Path) -> None:
+    result = gradrunner(tmp_path, "+experiment=mlp", "steps=2")
+    check_ok(result)
+    (job,) = job_dirs(tmp_path)
+    assert {p.name for p in job.iterdir()} >= {"grads.parquet", "steps.parquet", "gradrunner.log", ".hydra"}
+    df = pd.read_parquet(job / "grads.parquet")
+    assert df.columns[: len(CONTRACT_COLUMNS)].tolist() == CONTRACT_COLUMNS
+    assert sorted(df.step.unique()) == [0, 1] and set(df.experiment) == {"mlp"}
+    last = [line for line in result.stdout.splitlines() if "records: " in line]
+    assert len(last) == 1 and str(job / "grads.parquet") in last[0] and "gradrunner.analysis.load(" in last[0]
+
+
+def test_console_script_is_the_same_app(tmp_path: Path) -> None:
+    script = shutil.which("gradrunner")
+    if script is None:
+        pytest.skip("the gradrunner console script is not installed (pip install -e .)")
+    result = subprocess.run([script, "+experiment=cosine", "--cfg", "job"], cwd=tmp_path, env=cli_env(),
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    check_ok(result)
+    assert OmegaConf.create(result.stdout).experiment == "cosine"
+
+
+# -- every experiment x every strategy ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
+    """One multirun: every built-in experiment with every strategy, 2 steps, full values."""
+    cwd = tmp_path_factory.mktemp("sweep")
+    result = gradrunner(
+        cwd, "-m", f"+experiment={','.join(EXPERIMENTS)}", f"capture.strategy={','.join(STRATEGIES)}",
+        "steps=2", "capture.values=full",
+    )  # fmt: skip
+    check_ok(result)
+    return load(sweep_dir(cwd))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_runs_with_every_strategy(sweep: pd.DataFrame, experiment: str) -> None:
+    df = sweep[sweep.experiment == experiment]
+    assert set(df.strategy) == set(STRATEGIES)
+    assert df.columns[: len(CONTRACT_COLUMNS)].tolist() == CONTRACT_COLUMNS
+    assert set(df.step) == {0, 1} and df.run_id.nunique() == len(STRATEGIES)
+    assert df["values"].map(len).eq(df.numel).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_all_strategies_give_the_same_gradients(sweep: pd.DataFrame, experiment: str) -> None:
+    df = sweep[sweep.experiment == experiment]
+    frames = {s: g.sort_values(["step", "tap", "call"]).reset_index(drop=True) for s, g in df.groupby("strategy")}
+    ref = frames["hook"]
+    for strategy, frame in frames.items():
+        assert frame[["step", "tap", "call"]].equals(ref[["step", "tap", "call"]]), strategy
+        np.testing.assert_allclose(frame[STATS].to_numpy(float), ref[STATS].to_numpy(float),
+                                   rtol=1e-5, atol=1e-7, equal_nan=True, err_msg=strategy)  # fmt: skip
+        for a, b in zip(frame["values"], ref["values"]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=strategy)
+
+
+# -- gradients checked against independent computations ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def analytic(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
+    """sigmoid2 and cosine in float64, every strategy, 3 SGD steps, full values."""
+    cwd = tmp_path_factory.mktemp("analytic")
+    result = gradrunner(cwd, "-m", "+experiment=sigmoid2,cosine", f"capture.strategy={','.join(STRATEGIES)}",
+                        "steps=3", "dtype=float64", "capture.values=full", "optimizer.lr=0.5")  # fmt: skip
+    check_ok(result)
+    return load(sweep_dir(cwd))
+
+
+def grads_of(df: pd.DataFrame, strategy: str, step: int) -> dict[str, np.ndarray]:
+    rows = df[(df.strategy == strategy) & (df.step == step) & (df.call == 0)]
+    return {r.tap: np.asarray(r.values, dtype=np.float64).reshape(r.shape) for r in rows.itertuples()}
+
+
+def sigmoid(z: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_sigmoid2_reproduces_the_textbook_gradients(analytic: pd.DataFrame, strategy: str) -> None:
+    df = analytic[analytic.experiment == "sigmoid2"]
+    w1, w2 = np.array([[1.0], [2.0]]), np.array([[3.0, 4.0], [5.0, 6.0]])
+    x, y = np.array([[1.0]]), np.array([[1.0], [0.0]])
+    for step in range(3):
+        z1 = w1 @ x
+        y1 = sigmoid(z1)
+        z2 = w2 @ y1
+        y2 = sigmoid(z2)
+        d_y2 = y2 - y  # d/dy2 of 0.5 * sum((y2 - y)^2)
+        d_z2 = d_y2 * y2 * (1 - y2)
+        d_y1 = w2.T @ d_z2
+        d_z1 = d_y1 * y1 * (1 - y1)
+        expected = {":y_2": d_y2, ":z_2": d_z2, ":y_1": d_y1, ":z_1": d_z1, ":w2": d_z2 @ y1.T, ":w1": d_z1 @ x.T}
+        got = grads_of(df, strategy, step)
+        for tap, want in expected.items():
+            np.testing.assert_allclose(got[tap], want, rtol=1e-6, atol=1e-12, err_msg=f"step {step} {tap}")
+        loss = df[(df.strategy == strategy) & (df.step == step)].loss.iloc[0]
+        assert loss == pytest.approx(0.5 * float(np.sum((y2 - y) ** 2)), rel=1e-9)
+        w1, w2 = w1 - 0.5 * expected[":w1"], w2 - 0.5 * expected[":w2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_cosine_matches_the_analytic_gradients(analytic: pd.DataFrame, strategy: str) -> None:
+    df = analytic[analytic.experiment == "cosine"]
+    exp = OmegaConf.load(CONF / "experiment" / "cosine.yaml")
+    x, y = np.array(exp.data.inputs, dtype=np.float64), np.array(exp.data.targets, dtype=np.float64)
+    a, b = float(exp.model.a), float(exp.model.b)
+    for step in range(3):
+        mul_x = a * x
+        sum_x = np.cos(mul_x) - b
+        d_sum = 2.0 * (sum_x - y) / x.size  # MSE, mean over the elements
+        d_mul = -np.sin(mul_x) * d_sum
+        d_a, d_b = float(np.sum(d_mul * x)), float(-np.sum(d_sum))
+        expected = {":sum_x": d_sum, ":mul_x": d_mul, ":a": np.array(d_a), ":b": np.array(d_b)}
+        got = grads_of(df, strategy, step)
+        for tap, want in expected.items():
+            np.testing.assert_allclose(got[tap], want, rtol=1e-6, atol=1e-12, err_msg=f"step {step} {tap}")
+        a, b = a - 0.5 * d_a, b - 0.5 * d_b
+
+
+# -- the user's own options -----------------------------------------------------------------------
+
+
+def test_own_model_data_loss_and_optimizer_options_from_a_config_dir(tmp_path: Path) -> None:
+    conf = tmp_path / "myconf"
+    options = {
+        "model/scaled.yaml": f"_target_: {__name__}.ScaledLinear\nin_features: 3\nout_features: 2\nscale: 3.0\n",
+        "data/mine.yaml": "_target_: gradrunner.data.Synthetic\ninput_shape: [3]\ntarget_shape: [2]\n"
+        "batch_size: 4\nnum_samples: 16\nseed: ${seed}\n",
+        "loss/l1.yaml": "_target_: torch.nn.L1Loss\n",
+        "optimizer/rms.yaml": "_target_: torch.optim.RMSprop\n_partial_: true\nlr: 0.01\n",
+    }
+    for rel, text in options.items():
+        (conf / rel).parent.mkdir(parents=True, exist_ok=True)
+        (conf / rel).write_text(text)
+    result = gradrunner(tmp_path, "--config-dir", str(conf), "model=scaled", "data=mine", "loss=l1",
+                        "optimizer=rms", "steps=2", "taps=[lin:output,':scaled',lin:weight]")  # fmt: skip
+    check_ok(result)
+    (job,) = job_dirs(tmp_path)
+    df = pd.read_parquet(job / "grads.parquet")
+    assert set(df.tap) == {"lin:output", ":scaled", "lin:weight"} and set(df.experiment) == {"default"}
+    assert list(df[df.tap == "lin:weight"]["shape"].iloc[0]) == [2, 3]
+
+
+# -- mistakes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("capture.strategy=hooks", "capture.strategy='hooks'"),
+        ("device=tpu", "device='tpu'"),
+        ("steps=-1", "steps=-1"),
+        ("taps=[fc9:output]", "'fc9'"),
+    ],
+)
+def test_a_bad_value_exits_2_with_one_paragraph_and_no_records(tmp_path: Path, override: str, named: str) -> None:
+    result = gradrunner(tmp_path, "+experiment=mlp", "steps=2", override)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    (line,) = [s for s in result.stderr.splitlines() if s.strip()]
+    assert line.startswith("gradrunner: error: ") and named in line
+    assert "allowed" in line or "Closest paths" in line
+    assert list(tmp_path.rglob("grads.parquet")) == [] and list(tmp_path.rglob("*.parquet*")) == []
+
+
+def test_a_misspelled_key_is_refused_by_hydra_without_a_traceback(tmp_path: Path) -> None:
+    result = gradrunner(tmp_path, "+experiment=mlp", "capture.stratgy=hook")
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "stratgy" in result.stderr
+    assert list(tmp_path.rglob("*.parquet")) == []
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_the_other_jobs_and_fails_at_the_end(tmp_path: Path) -> None:
+    result = gradrunner(tmp_path, "-m", "+experiment=cosine", "steps=1", "capture.strategy=hook,bogus,retain_grad")
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "capture.strategy='bogus'" in result.stderr
+    root = sweep_dir(tmp_path)
+    assert sorted(p.parent.name for p in root.glob("*/grads.parquet")) == ["0", "2"]
+
+
+# -- interruptions ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def long_run(cwd: Path) -> Iterator[subprocess.Popen[str]]:
+    """A run of many steps, yielded once its step loop has been going for a moment; killed at the end."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradrunner", "+experiment=cosine", "steps=100000000"],
+        cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # A shell's background job ignores SIGINT, and the child would inherit that: restore it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # wait until the step loop has started
+            if "taps resolved" in line:
+                break
+        time.sleep(1.5)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.slow
+def test_ctrl_c_closes_cleanly_and_keeps_completed_steps(tmp_path: Path) -> None:
+    with long_run(tmp_path) as proc:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out
+    (job,) = job_dirs(tmp_path)
+    df = pd.read_parquet(job / "grads.parquet")
+    steps = pd.read_parquet(job / "steps.parquet")
+    assert len(steps) > 0 and set(steps.step) <= set(df.step)
+    assert [p.name for p in job.glob(".*.tmp")] == []
+
+
+@pytest.mark.slow
+def test_sigkill_leaves_no_unreadable_grads_file(tmp_path: Path) -> None:
+    with long_run(tmp_path) as proc:
+        proc.kill()
+        proc.communicate(timeout=60)
+    (job,) = job_dirs(tmp_path)
+    assert not (job / "grads.parquet").exists()
+    for path in job.glob("*.parquet"):
+        pq.read_metadata(path)  # anything with the final name is complete

@@ -1,0 +1,160 @@
+"""gradrunner.config and gradrunner/conf: the schema, the shipped config tree, `validate`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+from hydra.errors import ConfigCompositionException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from gradrunner.config import DTYPES, CaptureConfig, Config, validate
+from gradrunner.errors import GradrunnerError
+from gradrunner.strategies import STRATEGIES
+
+CONF = Path(__file__).resolve().parents[1] / "gradrunner" / "conf"
+EXPERIMENTS = ["mlp", "cnn", "transformer", "cosine", "sigmoid2"]
+GROUP_OPTIONS = {
+    "model": {"mlp", "cnn", "transformer", "cosine", "sigmoid2"},
+    "data": {"synthetic", "tensors", "digits"},
+    "loss": {"mse", "cross_entropy", "half_sse"},
+    "optimizer": {"sgd", "adam"},
+    "capture": {"default"},
+    "experiment": set(EXPERIMENTS),
+}
+
+
+def compose_cfg(*overrides: str, hydra: bool = False) -> DictConfig:
+    with initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+
+
+def test_defaults_compose_with_the_contract_defaults() -> None:
+    cfg = compose_cfg()
+    assert cfg.device == "auto" and cfg.dtype == "float32" and cfg.experiment == "default"
+    assert cfg.capture.strategy == "hook" and cfg.capture["values"] == "none"
+    assert cfg.capture.every == 1 and cfg.capture.sample_size == 64
+    assert cfg.optimizer._partial_ is True
+    validate(cfg)
+
+
+@pytest.mark.parametrize("group, options", sorted(GROUP_OPTIONS.items()))
+def test_every_group_ships_its_options(group: str, options: set[str]) -> None:
+    assert {p.stem for p in (CONF / group).glob("*.yaml")} == options
+
+
+def test_primary_defaults_list_schema_then_self_then_groups_and_no_experiment() -> None:
+    defaults = OmegaConf.load(CONF / "config.yaml").defaults
+    assert list(defaults[:2]) == ["gradrunner_schema", "_self_"]
+    assert [next(iter(d)) for d in defaults[2:]] == ["model", "data", "loss", "optimizer", "capture"]
+
+
+def test_hydra_dirs_are_relative_to_the_cwd_with_one_dir_per_sweep_job() -> None:
+    h = compose_cfg(hydra=True).hydra
+    assert h.run.dir.startswith("outputs/") and h.sweep.dir.startswith("multirun/")
+    assert "subdir: ${hydra.job.num}" in OmegaConf.to_yaml(h.sweep)
+    assert h.job.chdir is False
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_files_are_global_packages(name: str) -> None:
+    assert (CONF / "experiment" / f"{name}.yaml").read_text().startswith("# @package _global_")
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_each_experiment_composes_names_itself_and_validates(name: str) -> None:
+    cfg = compose_cfg(f"+experiment={name}")
+    assert cfg.experiment == name
+    assert len(cfg.taps) > 0
+    validate(cfg)
+
+
+def test_experiment_values_beat_the_primary_config_and_overrides_beat_both() -> None:
+    assert compose_cfg("+experiment=sigmoid2").steps == 5
+    assert compose_cfg("+experiment=sigmoid2", "steps=1").steps == 1
+
+
+def test_sigmoid2_experiment_is_the_issue_network() -> None:
+    cfg = compose_cfg("+experiment=sigmoid2")
+    assert OmegaConf.to_container(cfg.model.w1) == [[1.0], [2.0]]
+    assert OmegaConf.to_container(cfg.model.w2) == [[3.0, 4.0], [5.0, 6.0]]
+    assert OmegaConf.to_container(cfg.data.inputs) == [[1.0]]
+    assert OmegaConf.to_container(cfg.data.targets) == [[1.0], [0.0]]
+    assert cfg.loss._target_ == "gradrunner.losses.HalfSumSquaredError"
+    assert cfg.optimizer._target_ == "torch.optim.SGD"
+    assert list(cfg.taps) == [":z_1", ":y_1", ":z_2", ":y_2", ":w1", ":w2"]
+
+
+@pytest.mark.parametrize("override", ["stepz=3", "capture.stratgy=hook", "capture.every=often"])
+def test_schema_rejects_misspelled_keys_and_bad_types_at_compose(override: str) -> None:
+    with pytest.raises(ConfigCompositionException):
+        compose_cfg(override)
+
+
+def test_schema_rejects_a_misspelled_key_in_a_config_file() -> None:
+    with pytest.raises(ConfigKeyError):
+        OmegaConf.merge(OmegaConf.structured(Config), {"capture": {"strategyy": "hook"}})
+    with pytest.raises(ValidationError):
+        OmegaConf.merge(OmegaConf.structured(CaptureConfig), {"every": "x"})
+
+
+@pytest.mark.parametrize("override, key", [("+capture.stratgy=hook", "capture.stratgy"), ("+foo=1", "foo")])
+def test_keys_forced_past_the_schema_are_refused_by_validate(override: str, key: str) -> None:
+    cfg = compose_cfg(override)
+    with pytest.raises(GradrunnerError, match=rf"unknown config key {key}\b.*Allowed keys"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize(
+    "override, named, allowed",
+    [
+        ("capture.strategy=hooks", "capture.strategy='hooks'", ", ".join(STRATEGIES)),
+        ("capture.values=all", "capture.values='all'", "none, full, sample"),
+        ("device=tpu", "device='tpu'", "auto, cpu, cuda, cuda:N, mps"),
+        ("device=cuda:x", "device='cuda:x'", "auto, cpu, cuda, cuda:N, mps"),
+        ("dtype=int8", "dtype='int8'", ", ".join(DTYPES)),
+        ("steps=-1", "steps=-1", "integer >= 0"),
+        ("capture.every=0", "capture.every=0", "integer >= 1"),
+        ("capture.sample_size=0", "capture.sample_size=0", "integer >= 1"),
+        ("seed=-3", "seed=-3", "integer >= 0"),
+    ],
+)
+def test_validate_names_the_bad_value_and_what_is_allowed(override: str, named: str, allowed: str) -> None:
+    with pytest.raises(GradrunnerError) as info:
+        validate(compose_cfg(override))
+    message = str(info.value)
+    assert named in message and allowed in message
+    assert "\n" not in message
+
+
+def test_validate_suggests_the_closest_strategy() -> None:
+    with pytest.raises(GradrunnerError, match="Did you mean 'hook'"):
+        validate(compose_cfg("capture.strategy=hooks"))
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:12", "mps"])
+def test_device_grammar_accepts_every_documented_form(device: str) -> None:
+    validate(compose_cfg(f"device={device}"))  # availability is checked later, by the runner
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_dtype_validates(dtype: str) -> None:
+    validate(compose_cfg(f"dtype={dtype}"))
+
+
+def test_validate_needs_a_target_in_every_group() -> None:
+    cfg = compose_cfg()
+    cfg.model = {"hidden": 3}
+    with pytest.raises(GradrunnerError, match="model has no _target_"):
+        validate(cfg)
+
+
+def test_validate_accepts_the_hydra_node() -> None:
+    validate(compose_cfg(hydra=True))
+
+
+def test_taps_accept_strings_and_mappings_from_the_command_line() -> None:
+    cfg = compose_cfg("taps=[fc1:output,{module: head, name: weight}]")
+    assert OmegaConf.to_container(cfg.taps) == ["fc1:output", {"module": "head", "name": "weight"}]
