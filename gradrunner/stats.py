@@ -110,8 +110,17 @@ class _Pending(NamedTuple):
     shape: tuple[int, ...]
     numel: int
     has_grad: bool
-    reductions: list[torch.Tensor]  # [sum, sumsq, min, max, nonzero, nan, inf] (0-d), or [] if no grad
+    #: [sum, sumsq, min, max] and [nonzero, nan, inf] as 0-d tensors; None while deferred or without gradient
+    reductions: tuple[list[torch.Tensor], list[torch.Tensor]] | None
+    #: a small gradient kept until `finish`, to be reduced with others of its size in a few batched ops
+    deferred: torch.Tensor | None
     values: torch.Tensor | None  # flat float32, on device
+
+
+#: Gradients up to this many elements are reduced in batches at the end of the step: for them the
+#: cost of one op call, not the reading of elements, is what counts. At most this many elements
+#: (64 KiB in float32) per tap are held until then.
+DEFER_NUMEL = 1 << 14
 
 
 class Collector:
@@ -145,15 +154,18 @@ class Collector:
         """
         order = len(self._pending) if order is None else order
         if grad is None:
-            self._pending.append(_Pending(order, key, (), 0, False, [], None))
+            self._pending.append(_Pending(order, key, (), 0, False, None, None, None))
             return
         g = grad.detach()
         flat = g.reshape(-1)
         if flat.dtype not in _INT_VIEW:  # float16, bfloat16: statistics in float32
             flat = flat.float()
-        self._pending.append(
-            _Pending(order, key, tuple(g.shape), flat.numel(), True, _reduce(flat), self._keep_values(key, flat))
-        )
+        n = flat.numel()
+        small = 0 < n <= DEFER_NUMEL
+        self._pending.append(_Pending(
+            order, key, tuple(g.shape), n, True, None if small or n == 0 else _reduce(flat),
+            flat if small else None, self._keep_values(key, flat),
+        ))  # fmt: skip
 
     def _keep_values(self, key: TapKey, flat: torch.Tensor) -> torch.Tensor | None:
         if self.values == "none":
@@ -167,21 +179,24 @@ class Collector:
         return flat.index_select(0, self._positions[cache_key][1]).float()
 
     def finish(self, loss: torch.Tensor | None = None) -> StepRecords:
-        """Stack the step's reductions, move them to the host in one transfer, derive statistics."""
+        """Reduce what was deferred, move all reductions to the host in one transfer, derive statistics."""
         pending, self._pending = sorted(self._pending, key=lambda p: p.order), []
-        scalars = [r for p in pending for r in p.reductions]
+        rows, blocks = _reduction_blocks(pending)
+        host = np.zeros((0, _N_REDUCTIONS))
+        loss_host = None
+        parts = [b.reshape(-1) for b in blocks]
         if loss is not None:
-            scalars.append(loss.detach().reshape(()))
-        host = np.zeros(0)
-        if scalars:
-            # torch.stack promotes to the widest dtype (float64, or float32 where the device has no float64)
-            device = scalars[0].device
-            if any(s.device != device for s in scalars):  # a model spread over several devices
-                scalars = [s.to(device) for s in scalars]
-            host = to_host(torch.stack(scalars)).double().numpy()
-        recs = _derive(pending, host)
-        if loss is not None:
-            recs.loss = float(host[-1])
+            parts.append(loss.detach().reshape(1).to(torch.float64 if loss.device.type != "mps" else loss.dtype))
+        if parts:
+            device = parts[0].device
+            if any(p.device != device for p in parts):  # a model spread over several devices
+                parts = [p.to(device) for p in parts]
+            flat = to_host(torch.cat(parts) if len(parts) > 1 else parts[0]).double().numpy()
+            if loss is not None:
+                flat, loss_host = flat[:-1], float(flat[-1])
+            host = flat.reshape(-1, _N_REDUCTIONS)
+        recs = _derive(pending, rows, host)
+        recs.loss = loss_host
         if self.values != "none":
             recs.values = _values_to_host(pending)
             if self.values == "sample":
@@ -196,13 +211,47 @@ _N_REDUCTIONS = 7
 _CPU_ZERO = torch.zeros((), dtype=torch.int64)
 
 
-def _reduce(flat: torch.Tensor) -> list[torch.Tensor]:
+def _reduction_blocks(pending: list[_Pending]) -> tuple[dict[int, int], list[torch.Tensor]]:
+    """(k, 7) float64 blocks of reductions (float32 on mps), and which block row each record is."""
+    rows: dict[int, int] = {}
+    blocks: list[torch.Tensor] = []
+    at = 0
+    reduced = [i for i, p in enumerate(pending) if p.reductions is not None]
+    if reduced:
+        floats = torch.stack([r for i in reduced for r in pending[i].reductions[0]])  # type: ignore[index]
+        ints = torch.stack([r for i in reduced for r in pending[i].reductions[1]])  # type: ignore[index]
+        wide = torch.float32 if floats.device.type == "mps" else torch.float64
+        blocks.append(torch.cat([floats.to(wide).view(-1, 4), ints.to(wide).view(-1, 3)], dim=1))
+        rows.update((i, at + j) for j, i in enumerate(reduced))
+        at += len(reduced)
+    groups: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
+    for i, p in enumerate(pending):
+        if p.deferred is not None:
+            groups.setdefault((p.numel, p.deferred.dtype, p.deferred.device), []).append(i)
+    for idx in groups.values():
+        blocks.append(_reduce_rows(torch.stack([pending[i].deferred for i in idx])))  # type: ignore[misc]
+        rows.update((i, at + j) for j, i in enumerate(idx))
+        at += len(idx)
+    return rows, blocks
+
+
+def _reduce_rows(x: torch.Tensor) -> torch.Tensor:
+    """Reductions of each row of `x` (k, n) in a few batched ops: (k, 7) wide floats."""
+    wide = torch.float32 if x.device.type == "mps" else torch.float64
+    w = x.to(wide)  # small: widening costs little and makes sums exact enough for any n here
+    nonzero = torch.count_nonzero(x.abs().view(_INT_VIEW[x.dtype]), dim=1)
+    cols = [w.sum(1), (w * w).sum(1), x.amin(1).to(wide), x.amax(1).to(wide), nonzero.to(wide)]
+    if x.device.type == "cpu" and math.isfinite(float(cols[1].sum().numpy())):
+        zeros = torch.zeros_like(cols[0])
+        return torch.stack([*cols, zeros, zeros], dim=1)
+    return torch.stack([*cols, torch.isnan(x).sum(1).to(wide), torch.isinf(x).sum(1).to(wide)], dim=1)
+
+
+def _reduce(flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The per-gradient device work: four reductions, plus NaN/Inf counts when they can be non-zero.
 
-    Returns 0-d tensors `[sum, sum of squares, min, max, non-zero count, nan count, inf count]`.
+    Returns 0-d tensors `[sum, sum of squares, min, max]` and `[non-zero count, nan count, inf count]`.
     """
-    if flat.numel() == 0:
-        return []
     mn, mx = torch.aminmax(flat)
     # abs() folds -0.0 into +0.0, so a zero is exactly an all-zero bit pattern; counting non-zero
     # integers is several times faster than comparing floats with 0 on CPU.
@@ -210,7 +259,7 @@ def _reduce(flat: torch.Tensor) -> list[torch.Tensor]:
     if flat.device.type != "cpu":
         # No branching on values here (it would sync per tap): accumulate wide, count always.
         wide = flat if flat.dtype == torch.float64 or flat.device.type == "mps" else flat.double()
-        return [wide.sum(), torch.dot(wide, wide), mn, mx, nonzero, torch.isnan(flat).sum(), torch.isinf(flat).sum()]
+        return [wide.sum(), torch.dot(wide, wide), mn, mx], [nonzero, torch.isnan(flat).sum(), torch.isinf(flat).sum()]
     s, ss = flat.sum(), torch.dot(flat, flat)
     # On CPU the sums are already in host memory (numpy() cannot cross devices): branch for free.
     s_host, ss_host = float(s.numpy()), float(ss.numpy())
@@ -224,10 +273,10 @@ def _reduce(flat: torch.Tensor) -> list[torch.Tensor]:
         # float32 sum of squares overflowed, or most of its digits cancel in the variance: redo wide.
         wide = flat.double()
         s, ss = wide.sum(), torch.dot(wide, wide)
-    return [s, ss, mn, mx, nonzero, nan, inf]
+    return [s, ss, mn, mx], [nonzero, nan, inf]
 
 
-def _derive(pending: list[_Pending], host: np.ndarray) -> StepRecords:
+def _derive(pending: list[_Pending], rows: dict[int, int], host: np.ndarray) -> StepRecords:
     n = len(pending)
     recs = StepRecords(
         keys=[p.key for p in pending],
@@ -236,11 +285,9 @@ def _derive(pending: list[_Pending], host: np.ndarray) -> StepRecords:
         has_grad=np.array([p.has_grad for p in pending], dtype=bool),
     )
     raw = np.full((n, _N_REDUCTIONS), np.nan)
-    at = 0
-    for i, p in enumerate(pending):
-        if p.reductions:
-            raw[i] = host[at : at + _N_REDUCTIONS]
-            at += _N_REDUCTIONS
+    if rows:
+        mine = np.fromiter(rows.keys(), dtype=np.int64, count=len(rows))
+        raw[mine] = host[np.fromiter(rows.values(), dtype=np.int64, count=len(rows))]
     s, ss, mn, mx, nonzero, nan, inf = raw.T
     numel = recs.numel.astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -812,12 +812,13 @@ def test_host_traffic_check_catches_a_per_tap_read(monkeypatch: pytest.MonkeyPat
     """The check above can fail: a reduction that reads one value per tap is seen."""
     real_reduce = gradrunner.stats._reduce
 
-    def reduce_and_peek(flat: torch.Tensor) -> list[torch.Tensor]:
+    def reduce_and_peek(flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         out = real_reduce(flat)
-        out[0].item()
+        out[0][0].item()
         return out
 
     monkeypatch.setattr(gradrunner.stats, "_reduce", reduce_and_peek)
+    monkeypatch.setattr(gradrunner.stats, "DEFER_NUMEL", 0)  # every gradient reduced on its own
     few = _step_traffic(monkeypatch, strategy, FEW_TAPS, "none")
     many = _step_traffic(monkeypatch, strategy, MANY_TAPS, "none")
     assert len(many[1]) - len(few[1]) == many[2] - few[2]

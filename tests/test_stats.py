@@ -19,6 +19,13 @@ DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 RTOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-5, torch.bfloat16: 2e-5}
 
 
+@pytest.fixture(autouse=True, params=["per_tap", "batched"])
+def reduction_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every statistics test runs twice: gradients reduced one by one, and batched at finish."""
+    monkeypatch.setattr(gradrunner.stats, "DEFER_NUMEL", 0 if request.param == "per_tap" else 1 << 30)
+    return str(request.param)
+
+
 def _grad(kind: str, dtype: torch.dtype) -> torch.Tensor:
     torch.manual_seed(11)
     g = torch.randn(7, 13, dtype=torch.float64)

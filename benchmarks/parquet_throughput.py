@@ -1,0 +1,92 @@
+"""Parquet throughput and size for full gradient values, against `numpy.save` of the same bytes.
+
+    python benchmarks/parquet_throughput.py            # full sizes
+    python benchmarks/parquet_throughput.py --tiny     # CI smoke run
+
+Records of the 17-tap 8x512 MLP at batch 256 (17 x 131,072 float32 values a step) are written by
+`RecordWriter`, interleaved with `numpy.save` of the same values to the same disk, each followed by
+an fsync so both pay for the disk, not only the page cache.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median_ms, parse_args, report  # noqa: E402
+
+from gradrunner.records import RecordWriter  # noqa: E402
+from gradrunner.stats import Collector, StepRecords, TapKey  # noqa: E402
+
+
+def make_steps(n_steps: int, n_taps: int, numel: int) -> list[StepRecords]:
+    torch.manual_seed(0)
+    steps = []
+    for _ in range(n_steps):
+        col = Collector(values="full")
+        for i in range(n_taps):
+            col.add(TapKey(f"fc{i}", "output", 0), torch.randn(numel) * 1e-3)
+        steps.append(col.finish(torch.tensor(1.0)))
+    return steps
+
+
+def write_parquet(path: Path, steps: list[StepRecords]) -> None:
+    constants = {"run_id": "bench", "experiment": "bench", "strategy": "hook", "device": "cpu", "dtype": "float32"}
+    with RecordWriter(path, constants=constants, metadata={}) as w:
+        for i, recs in enumerate(steps):
+            w.write_step(i, recs)
+    _fsync(path)
+
+
+def write_numpy(path: Path, steps: list[StepRecords]) -> None:
+    with open(path, "wb") as f:
+        for recs in steps:
+            assert recs.values is not None
+            for v in recs.values:
+                np.save(f, v)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    n_steps, n_taps, numel = (3, 4, 1024) if args.tiny else (20, 17, 256 * 512)
+    repeats = args.repeats or (2 if args.tiny else 7)
+    steps = make_steps(n_steps, n_taps, numel)
+    raw_bytes = n_steps * n_taps * numel * 4
+    times: dict[str, list[float]] = {"parquet": [], "numpy.save": []}
+    sizes: dict[str, int] = {}
+    with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
+        for r in range(repeats):
+            for name, fn, fname in (("parquet", write_parquet, "grads.parquet"), ("numpy.save", write_numpy, "v.npy")):
+                path = Path(tmp) / f"{r}-{fname}"
+                start = time.perf_counter()
+                fn(path, steps)
+                times[name].append(time.perf_counter() - start)
+                sizes[name] = path.stat().st_size
+                path.unlink()
+    rows = [{
+        "writer": name, "median_ms": median_ms(t), "mb_per_s": raw_bytes / 1e6 / (median_ms(t) / 1e3),
+        "file_mb": sizes[name] / 1e6, "vs_numpy_throughput": median_ms(times["numpy.save"]) / median_ms(t),
+    } for name, t in times.items()]  # fmt: skip
+    report("parquet_throughput", rows, ["writer", "median_ms", "mb_per_s", "file_mb", "vs_numpy_throughput"],
+           args.out, raw_mb=raw_bytes / 1e6)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
