@@ -1,0 +1,34 @@
+"""Every benchmark runs at tiny sizes, so the scripts keep working (nothing is asserted about time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+
+
+def test_every_benchmark_is_listed_in_benchmarks_md() -> None:
+    text = (BENCHMARKS.parent / "BENCHMARKS.md").read_text()
+    missing = [s for s in SCRIPTS if f"benchmarks/{s}" not in text]
+    assert not missing, f"BENCHMARKS.md does not give the command for {missing}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_benchmark_runs_at_tiny_size(script: str, tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--tiny", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["rows"], data
+    assert data["machine"]["torch"]
