@@ -47,17 +47,21 @@ def interleaved(
 ) -> dict[str, list[float]]:
     """Per-step seconds of each variant, blocks interleaved: `{name: (context factory, step)}`.
 
-    The context (a capture session, say) is entered around each block and not timed; each step
-    inside it is timed on its own.
+    The context (a capture session, say) is entered around each block and not timed. The order of
+    the variants rotates from one repetition to the next, and each block starts with one untimed
+    step, so neither going first nor following another variant favours anyone.
     """
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for name, (ctx, step) in variants.items():
         with ctx():
             for _ in range(warmup):
                 step()
-    for _ in range(repeats):
-        for name, (ctx, step) in variants.items():
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            ctx, step = variants[name]
             with ctx():
+                step()
                 for _ in range(steps_per_block):
                     start = time.perf_counter()
                     step()
