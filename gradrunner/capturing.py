@@ -16,7 +16,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import types
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -25,8 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradrunner.elements import get_element, set_element
 from gradrunner.errors import GradrunnerError
 from gradrunner.forward_locals import rewrite
+from gradrunner.grad_context import in_backward, no_grad_reason, reentrant_checkpoint, refuse_compiled
 from gradrunner.stats import VALUES_MODES, Collector, StepRecords, TapKey
 from gradrunner.strategies import Slot, get_strategy
 from gradrunner.taps import Tap, TapSpec, resolve_taps
@@ -72,44 +73,6 @@ class Grads(Mapping[str, "torch.Tensor | None"]):
         return len(self._calls)
 
 
-def _get_element(value: Any, path: tuple[str | int, ...], tap: str) -> Any:
-    for p in path:
-        try:
-            if isinstance(value, Mapping) or (isinstance(p, int) and isinstance(value, (tuple, list))):
-                value = value[p]
-            else:
-                value = getattr(value, str(p))
-        except (KeyError, IndexError, AttributeError, TypeError):
-            raise GradrunnerError(
-                f"tap {tap!r}: the value has no element {p!r} (it is a {type(value).__name__}"
-                f"{' of length ' + str(len(value)) if isinstance(value, (tuple, list)) else ''}); "
-                "use output.N for tuple elements, output.KEY for dict keys or attributes"
-            ) from None
-    return value
-
-
-def _set_element(value: Any, path: tuple[str | int, ...], new: Any) -> Any:
-    """A copy of `value` with the element at `path` replaced (containers rebuilt, never mutated)."""
-    if not path:
-        return new
-    head, rest = path[0], path[1:]
-    if isinstance(value, Mapping):
-        out = dict(value) if type(value) is dict else value.__class__(value)  # type: ignore[call-arg]
-        out[head] = _set_element(value[head], rest, new)
-        return out
-    if isinstance(value, (tuple, list)) and isinstance(head, int):
-        items = list(value)
-        items[head] = _set_element(items[head], rest, new)
-        if hasattr(value, "_fields"):  # namedtuple
-            return type(value)(*items)
-        return type(value)(items)
-    replaced = _set_element(getattr(value, str(head)), rest, new)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{str(head): replaced})
-    setattr(value, str(head), replaced)
-    return value
-
-
 class Capture:
     """A capture session over one model; see `capture()`."""
 
@@ -124,7 +87,7 @@ class Capture:
         seed: int = 0,
         keep_grads: bool = True,
     ) -> None:
-        _refuse_compiled(model)
+        refuse_compiled(model)
         if values not in VALUES_MODES:
             raise GradrunnerError(f"capture.values={values!r} is not a values mode; allowed: {', '.join(VALUES_MODES)}")
         self.model = model
@@ -144,6 +107,10 @@ class Capture:
         self._stack = contextlib.ExitStack()
         self._last: list[Slot] = []
         self._tap_params: list[tuple[Tap, nn.Parameter]] = []
+        #: Grad mode at each (nested) entry into the root's forward: tells no_grad blocks from evaluation.
+        self._grad_forward: list[bool] = []
+        #: Slots opened in a reentrant checkpoint's no-grad forward, attached when backward recomputes them.
+        self._deferred: dict[tuple[int, str], list[Slot]] = {}
 
     # -- opening and closing -------------------------------------------------------------------
     def __enter__(self) -> Capture:
@@ -166,6 +133,7 @@ class Capture:
         modules = dict(self.model.named_modules(remove_duplicate=False))
         self._stack.callback(self.strategy.close)
         self._stack.callback(self._restore_inputs)
+        self._track_grad_mode()
         by_module: dict[str, list[Tap]] = {}
         for tap in self.taps:
             by_module.setdefault(tap.module, []).append(tap)
@@ -188,6 +156,19 @@ class Capture:
                 self._patch_forward(module, local_taps)
         self._tap_params = [(t, getattr(modules[t.module], t.name)) for t in self.taps if t.kind == "param"]
         self.strategy.install([(p, lambda p=p: self._param_slots.get(id(p))) for _, p in self._tap_params])
+
+    def _track_grad_mode(self) -> None:
+        def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
+            self._grad_forward.append(torch.is_grad_enabled())
+
+        def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if self._grad_forward:
+                self._grad_forward.pop()
+
+        handle = self.model.register_forward_pre_hook(enter, prepend=True)
+        self._stack.callback(handle.remove)
+        handle = self.model.register_forward_hook(leave, always_call=True)
+        self._stack.callback(handle.remove)
 
     def _patch_forward(self, module: nn.Module, taps: list[Tap]) -> None:
         by_name: dict[str, list[Tap]] = {}
@@ -225,10 +206,10 @@ class Capture:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             changed = False
             for tap in taps:
-                element = _get_element(output, tap.path, tap.tap)
+                element = get_element(output, tap.path, tap.tap, tap.from_glob)
                 new = self._fire(tap, element)
                 if new is not element:
-                    output, changed = _set_element(output, tap.path, new), True
+                    output, changed = set_element(output, tap.path, new), True
             return output if changed else None
 
         return hook
@@ -239,27 +220,57 @@ class Capture:
             for tap in taps:
                 path = tap.path or (0,)
                 source: Any = args if isinstance(path[0], int) else kwargs
-                element = _get_element(source, path, tap.tap)
+                element = get_element(source, path, tap.tap, tap.from_glob)
                 new = self._fire(tap, element, is_input=True)
                 if new is not element:
                     changed = True
                     if isinstance(path[0], int):
-                        args = _set_element(args, path, new)
+                        args = set_element(args, path, new)
                     else:
-                        kwargs = _set_element(kwargs, path, new)
+                        kwargs = set_element(kwargs, path, new)
             return (args, kwargs) if changed else None
 
         return hook
 
     def _fire(self, tap: Tap, value: object, is_input: bool = False) -> object:
         """A tap fired in the forward pass: open a slot (one call) and let the strategy attach."""
-        if not self.enabled or not torch.is_grad_enabled() or _in_backward():
-            return value  # not capturing, evaluation, or activation-checkpoint recomputation
+        if not self.enabled:
+            return value
+        if in_backward():
+            return self._fire_recomputed(tap, value, is_input)
+        if not torch.is_grad_enabled():
+            return self._fire_without_grad(tap, value)
+        return self._attach(tap, self._open_slot(tap), value, is_input)
+
+    def _open_slot(self, tap: Tap) -> Slot:
         call = self._calls.get(tap.tap, 0)
         self._calls[tap.tap] = call + 1
         slot = Slot(TapKey(tap.module, tap.name, call), order=len(self._slots))
         self._slots.append(slot)
-        reason = _no_grad_reason(value, is_input)
+        return slot
+
+    def _fire_without_grad(self, tap: Tap, value: object) -> object:
+        """Gradients are off: an evaluation pass, a reentrant checkpoint's first forward, or a no_grad block."""
+        if not self._grad_forward or not self._grad_forward[-1]:
+            return value  # evaluation (the model was called under no_grad), or a submodule called on its own
+        ctx = reentrant_checkpoint("forward")
+        if ctx is not None:
+            # checkpoint(use_reentrant=True) runs this part under no_grad now and again, with grad,
+            # inside backward: this call is captured then, counted once, in its forward place.
+            self._deferred.setdefault((id(ctx), tap.tap), []).append(self._open_slot(tap))
+            return value
+        return self._attach(tap, self._open_slot(tap), value, False)  # in a no_grad block: no gradient
+
+    def _fire_recomputed(self, tap: Tap, value: object, is_input: bool) -> object:
+        """A tap fired while backward recomputes checkpointed activations."""
+        ctx = reentrant_checkpoint("backward") if self._deferred and torch.is_grad_enabled() else None
+        waiting = self._deferred.get((id(ctx), tap.tap)) if ctx is not None else None
+        if not waiting:
+            return value  # use_reentrant=False: this call was captured in the forward pass already
+        return self._attach(tap, waiting.pop(0), value, is_input)
+
+    def _attach(self, tap: Tap, slot: Slot, value: object, is_input: bool) -> object:
+        reason = no_grad_reason(value, is_input)
         if reason is not None:
             if not tap.from_glob:
                 raise GradrunnerError(
@@ -310,6 +321,7 @@ class Capture:
             self.strategy.backward(loss, slots, params, retain_graph)
         finally:
             self._param_slots = {}
+            self._deferred = {}
         for slot in slots:
             if not slot.delivered and self._collector is not None:
                 self._collector.add(slot.key, None, order=slot.order)
@@ -335,39 +347,6 @@ class Capture:
     def reasons(self) -> dict[TapKey, str]:
         """Why taps of the last step got no gradient, where that was known in the forward pass."""
         return {s.key: s.reason for s in self._last if s.reason is not None}
-
-
-def _no_grad_reason(value: object, is_input: bool) -> str | None:
-    """Why `value` cannot get a gradient, or None (an input leaf that can be made to require grad is fine)."""
-    if not isinstance(value, torch.Tensor):
-        return f"a {type(value).__name__}, not a tensor"
-    if not (value.is_floating_point() or value.is_complex()):
-        return f"a {value.dtype} tensor (only floating-point tensors have gradients)"
-    if not value.requires_grad and not (is_input and value.is_leaf):
-        return "a tensor that does not require grad (made under torch.no_grad(), detached, or computed only from frozen parameters and inputs)"
-    return None
-
-
-def _in_backward() -> bool:
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is not None and current() != -1
-
-
-def _refuse_compiled(model: nn.Module) -> None:
-    """torch.compile and TorchScript bypass or drop Python hooks: refuse them with the way out."""
-    for path, module in model.named_modules():
-        where = "the model" if not path else f"module {path!r}"
-        if type(module).__name__ == "OptimizedModule":
-            raise GradrunnerError(
-                f"{where} is compiled with torch.compile, under which tensor hooks and retain_grad on "
-                "intermediates are unreliable; capture on the eager module instead (the original module is "
-                f"`{'model' if not path else path}._orig_mod`), and compile again after capturing"
-            )
-        if isinstance(module, torch.jit.ScriptModule):
-            raise GradrunnerError(
-                f"{where} is a TorchScript module ({type(module).__name__}), which drops Python hooks and has no "
-                "Python forward() to tap; capture on the eager module instead"
-            )
 
 
 def capture(

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from gradrunner.errors import GradrunnerError
 from gradrunner.strategies.base import Slot, Strategy
 
 _get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
@@ -40,7 +41,7 @@ class AutogradGradStrategy(Strategy):
             if not inputs:
                 loss.backward(retain_graph=retain_graph)
                 return
-            grads = torch.autograd.grad(loss, inputs, retain_graph=retain_graph, allow_unused=True)
+            grads = _grad(loss, inputs, retain_graph)
             for slot, grad in zip(tensor_slots, grads):
                 self.deliver(slot, grad)
             param_grads = grads[len(tensor_slots) :]
@@ -54,3 +55,16 @@ class AutogradGradStrategy(Strategy):
             for slot in slots:
                 slot.tensor = None
                 slot.extra.pop("edge", None)
+
+
+def _grad(loss: torch.Tensor, inputs: list[Any], retain_graph: bool) -> tuple[torch.Tensor | None, ...]:
+    try:
+        return torch.autograd.grad(loss, inputs, retain_graph=retain_graph, allow_unused=True)
+    except RuntimeError as e:
+        if "use_reentrant=True" not in str(e):
+            raise
+        raise GradrunnerError(
+            "capture.strategy='autograd_grad' cannot run through torch.utils.checkpoint(..., use_reentrant=True): "
+            "PyTorch's reentrant checkpointing does not support torch.autograd.grad. Use capture.strategy=hook "
+            "or retain_grad, or checkpoint with use_reentrant=False."
+        ) from e

@@ -2,7 +2,9 @@
 
 The cheapest strategy: each gradient is reduced inside its hook and dropped, so memory does not grow
 with the number of taps. Hooks registered before an in-place op receive the gradient of the value
-they were registered on, so no clone is needed.
+they were registered on, so no clone is needed. A tapped parameter's hook is registered once the
+parameter requires grad (a frozen one can take none) and its parts are summed, then delivered when
+backward returns (inside `checkpoint(..., use_reentrant=True)` a parameter's gradient arrives in parts).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ class HookStrategy(Strategy):
         super().__init__(deliver)
         self._step_handles: list[RemovableHandle] = []
         self._param_handles: list[RemovableHandle] = []
+        self._params: list[tuple[torch.nn.Parameter, Callable[[], Slot | None]]] = []
+        self._hooked: set[int] = set()
 
     def _hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
         def on_grad(grad: torch.Tensor) -> None:
@@ -36,26 +40,45 @@ class HookStrategy(Strategy):
         return tensor
 
     def install(self, params: Sequence[tuple[torch.nn.Parameter, Callable[[], Slot | None]]]) -> None:
-        for param, current_slot in params:
+        self._params = list(params)
+
+    def _hook_params(self) -> None:
+        """Hook each tapped parameter once it requires grad (a frozen one cannot take a hook, nor has a gradient)."""
+        for param, current_slot in self._params:
+            if id(param) in self._hooked or not param.requires_grad:
+                continue
 
             def on_grad(grad: torch.Tensor, current_slot: Callable[[], Slot | None] = current_slot) -> None:
                 slot = current_slot()
                 if slot is not None:
-                    self.deliver(slot, grad)
+                    # Summed, delivered after backward: a parameter inside checkpoint(use_reentrant=True)
+                    # gets its gradient in parts, one per recomputation. `+` makes a new tensor, so the
+                    # first part (which may become .grad and be added to in place) is read before that.
+                    kept = slot.extra.get("param_grad")
+                    slot.extra["param_grad"] = grad if kept is None else kept + grad  # type: ignore[operator]
 
             self._param_handles.append(param.register_hook(on_grad))
+            self._hooked.add(id(param))
 
     def backward(
         self, loss: torch.Tensor, slots: Sequence[Slot], params: Sequence[torch.nn.Parameter], retain_graph: bool
     ) -> None:
         try:
+            self._hook_params()
             loss.backward(retain_graph=retain_graph)
+            for slot in slots:
+                grad = slot.extra.pop("param_grad", None)
+                if slot.param is not None and grad is not None:
+                    self.deliver(slot, grad)  # type: ignore[arg-type]
         finally:
             self._remove(self._step_handles)
+            for slot in slots:
+                slot.extra.pop("param_grad", None)
 
     def close(self) -> None:
         self._remove(self._step_handles)
         self._remove(self._param_handles)
+        self._hooked.clear()
 
     @staticmethod
     def _remove(handles: list[RemovableHandle]) -> None:

@@ -1,0 +1,77 @@
+"""Elements of a module's structured output or input: `output.0`, `output.logits`, `input.mask`.
+
+`get_element` follows a tap's element path through tuples, lists, namedtuples, dicts, dataclasses
+and attributes; `set_element` returns a copy with one element replaced (containers rebuilt, never
+mutated), for strategies that hand the model a stand-in tensor.
+
+Example::
+
+    get_element({"logits": t}, ("logits",), "fc:output.logits")   # t
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from gradrunner.errors import GradrunnerError
+
+
+class Missing:
+    """Stands for an element a glob-selected tap's module does not have (recorded as having no gradient)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def get_element(value: Any, path: tuple[str | int, ...], tap: str, missing_ok: bool = False) -> Any:
+    """The element at `path`; a missing one raises GradrunnerError naming `tap`, or is `Missing` if `missing_ok`.
+
+    Example::
+
+        get_element((a, b), (1,), "lstm:output.1")   # b
+    """
+    for p in path:
+        try:
+            if isinstance(value, Mapping):
+                value = value[p]
+            elif isinstance(p, int) and isinstance(value, (tuple, list)):
+                value = value[p]
+            else:
+                value = getattr(value, str(p))
+        except (KeyError, IndexError, AttributeError, TypeError):
+            what = (
+                f"the value has no element {p!r} (it is a {type(value).__name__}"
+                f"{' of length ' + str(len(value)) if isinstance(value, (tuple, list)) else ''})"
+            )
+            if missing_ok:
+                return Missing(what)
+            raise GradrunnerError(
+                f"tap {tap!r}: {what}; use output.N for tuple elements, output.KEY for dict keys or attributes"
+            ) from None
+    return value
+
+
+def set_element(value: Any, path: tuple[str | int, ...], new: Any) -> Any:
+    """A copy of `value` with the element at `path` replaced (containers rebuilt, never mutated)."""
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(value, Mapping):
+        out: Any = dict(value) if type(value) is dict else value.__class__(value)  # type: ignore[call-arg]
+        out[head] = set_element(value[head], rest, new)
+        return out
+    if isinstance(value, (tuple, list)) and isinstance(head, int):
+        items = list(value)
+        items[head] = set_element(items[head], rest, new)
+        if hasattr(value, "_fields"):  # namedtuple
+            return type(value)(*items)
+        return type(value)(items)
+    replaced = set_element(getattr(value, str(head)), rest, new)
+    if hasattr(value, "_fields") and hasattr(value, "_replace"):  # namedtuple field by name
+        return value._replace(**{str(head): replaced})
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{str(head): replaced})
+    setattr(value, str(head), replaced)
+    return value

@@ -1,0 +1,175 @@
+"""Awkward models, data sources and losses for the robustness tests, importable as `_target_: awkward.<Name>`.
+
+Every model takes `(batch, 8)` float inputs (or int64 token ids for `Embedder`) and returns `(batch, 1)`,
+so it fits the `mlp` experiment's synthetic data; each exists to break one assumption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from gradrunner.models import MLP
+
+
+class Raises(nn.Module):
+    """A forward() that raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("inputs must be in [0, 1]")
+
+
+class Pair(NamedTuple):
+    logits: torch.Tensor
+    aux: torch.Tensor
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+    aux: torch.Tensor
+
+
+class Structured(nn.Module):
+    """Returns a dict, a tuple, a namedtuple or a dataclass of (logits, aux)."""
+
+    def __init__(self, kind: str = "dict") -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> Any:
+        logits = self.lin(x)
+        aux = torch.tanh(logits)
+        if self.kind == "dict":
+            return {"logits": logits, "aux": aux}
+        if self.kind == "tuple":
+            return logits, aux
+        if self.kind == "namedtuple":
+            return Pair(logits, aux)
+        return Output(logits, aux)
+
+
+class IntLocal(nn.Module):
+    """A forward() with an integer local `idx`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        idx = x.argmax(-1)
+        return h + 0 * idx.unsqueeze(-1)
+
+
+class Gated(nn.Module):
+    """`gate` is computed under torch.no_grad(), so it cannot carry a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+        self.gate_lin = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            gate = torch.sigmoid(self.gate_lin(x))
+        out = self.lin(x) * gate
+        return out
+
+
+class GatedNet(nn.Module):
+    """`Gated` as a submodule, so a glob (`*:gate`) can select its no-grad local."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = Gated()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+class Embedder(nn.Module):
+    """Takes int64 token ids `(batch, tokens)`: its input cannot carry a gradient."""
+
+    def __init__(self, vocab: int = 10) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids).mean(dim=1))
+
+
+def frozen_mlp(**kwargs: Any) -> nn.Module:
+    """An MLP with every parameter frozen: its loss does not require grad."""
+    model = MLP(**kwargs)
+    model.requires_grad_(False)
+    return model
+
+
+def compiled_mlp(**kwargs: Any) -> nn.Module:
+    """An MLP that compiles itself with torch.compile (compilation itself happens at the first call)."""
+    return torch.compile(MLP(**kwargs))  # type: ignore[return-value]
+
+
+def scripted_mlp(**kwargs: Any) -> nn.Module:
+    """An MLP scripted with TorchScript."""
+    return torch.jit.script(MLP(**kwargs))  # type: ignore[no-any-return]
+
+
+class EmptyData:
+    """A data source whose batches() yields nothing."""
+
+    def batches(self, device: torch.device, dtype: torch.dtype) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return iter(())
+
+
+class NotPairs:
+    """A data source that yields inputs alone, not (inputs, targets) pairs."""
+
+    def batches(self, device: torch.device, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+        while True:
+            yield torch.randn(4, 8, device=device, dtype=dtype)
+
+
+class NaNAfter(nn.Module):
+    """Mean squared error that turns NaN from its `after`-th call on (a run diverging part-way)."""
+
+    def __init__(self, after: int = 2) -> None:
+        super().__init__()
+        self.after = after
+        self.calls = 0
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        loss = torch.nn.functional.mse_loss(output, target)
+        return loss * float("nan") if self.calls > self.after else loss
+
+
+class SqrtAtZero(nn.Module):
+    """A finite loss (0) whose gradient is infinite: sqrt'(0) = inf."""
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(output - output.detach()).sum()
+
+
+class InPlaceBreaksBackward(nn.Module):
+    """Multiplies sigmoid's output in place, though sigmoid saved it for backward: backward raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(self.lin(x))
+        h.mul_(2)
+        return h
