@@ -89,7 +89,10 @@ def _cycle(source: Iterable[Any], device: torch.device, dtype: torch.dtype) -> I
                 )
             yield cast(item[0], device, dtype), cast(item[1], device, dtype)
         if empty:
-            raise GradrunnerError(f"data: {type(source).__name__} yielded no batches")
+            raise GradrunnerError(
+                f"data: {type(source).__name__} yielded no batches; a data option must yield at least one "
+                "(inputs, targets) pair (an iterable is cycled), or have batches(device, dtype) yield them"
+            )
 
 
 def _plain(value: Any) -> Any:

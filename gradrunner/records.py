@@ -13,6 +13,7 @@ Both writers stream complete row groups through one `pq.ParquetWriter` into a hi
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import os
@@ -165,8 +166,8 @@ class ParquetTableWriter:
     Rows are buffered until `rows_per_group` rows (or `max_buffer_bytes` bytes) are waiting, then
     written as row groups, so memory does not grow with the length of a run. Leaving the `with`
     block normally or by KeyboardInterrupt closes (what was written stays readable); any other
-    exception closes if at least one step was written, else aborts (deletes the temp file).
-    An existing final file is never overwritten.
+    exception closes if at least one step was written, else aborts (deletes the temp file); a
+    close that fails (a full disk) aborts too and re-raises. An existing final file is never overwritten.
     """
 
     def __init__(
@@ -239,7 +240,13 @@ class ParquetTableWriter:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if exc_type is None or issubclass(exc_type, KeyboardInterrupt) or self.steps_written:
-            self.close()
+            try:
+                self.close()
+            except BaseException:
+                # A file that cannot be finished (the disk is full) is removed, never left half-written.
+                with contextlib.suppress(OSError):
+                    self.abort()
+                raise
         else:
             self.abort()
 

@@ -1,0 +1,250 @@
+"""What can go wrong inside a run, turned into one-paragraph `GradrunnerError`s that name the way out.
+
+| guard | catches |
+| --- | --- |
+| `next_batch` | a data source that runs out, raises, or yields something other than an (inputs, targets) pair |
+| `forward_loss` | a forward() or a loss that raises, a loss that is not a scalar or does not require grad |
+| `backward` | a backward pass that raises (a model's in-place op on a tensor autograd saved) |
+| `check_finite` | `capture.on_nonfinite=stop`: a non-finite loss or captured gradient ends the run (`NonFinite`) |
+| `check_writable` | an output directory that cannot be written, before step 0 |
+| `write_errors` | an `OSError` while the records are written or closed (a full disk) |
+| `sigterm_as_interrupt` | SIGTERM (a preempted job) ends the run like Ctrl-C: `Terminated`, completed steps kept |
+
+Example::
+
+    x, y = next_batch(job.batches, step, source="gradrunner.data.Synthetic")
+    loss = forward_loss(job.model, job.loss_fn, x, y, step, model="gradrunner.models.MLP", loss="torch.nn.MSELoss")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import math
+import os
+import signal
+import tempfile
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gradrunner.errors import GradrunnerError
+from gradrunner.stats import StepRecords
+
+def one_line(error: BaseException) -> str:
+    """`str(error)` on one line."""
+    return " ".join(str(error).split())
+
+
+def describe(value: object) -> str:
+    """A short description of a model output, batch or loss, for messages.
+
+    Example::
+
+        describe(torch.zeros(2, 3))        # '(2, 3) float32'
+        describe({"logits": t, "aux": t})  # "a dict with keys 'logits', 'aux'"
+    """
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {', '.join(repr(k) for k in value)}"
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return f"a namedtuple {type(value).__name__}({', '.join(value._fields)})"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return f"a dataclass {type(value).__name__}({', '.join(f.name for f in dataclasses.fields(value))})"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} ({', '.join(describe(v) for v in value[:3])})"
+    return f"a {type(value).__name__}"
+
+
+def next_batch(batches: Iterator[Any], step: int, source: str) -> tuple[Any, Any]:
+    """The batch of `step`; a data source that runs out, raises or yields a non-pair is a GradrunnerError."""
+    try:
+        item = next(batches)
+    except GradrunnerError:
+        raise
+    except StopIteration:
+        raise GradrunnerError(
+            f"data: {source} ran out of batches at step {step}{' (it yielded none)' if step == 0 else ''}; "
+            "a data option must yield an (inputs, targets) batch for every step. Give it more data, make its "
+            "batches() endless (as the built-in options are), or lower steps."
+        ) from None
+    except Exception as e:
+        raise GradrunnerError(
+            f"data: {source} raised {type(e).__name__}: {one_line(e)} while making the batch of step {step}. "
+            "Check the data.* keys and the data source's code; HYDRA_FULL_ERROR=1 shows the traceback."
+        ) from e
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise GradrunnerError(
+            f"data: {source} yielded {describe(item)} at step {step}, not an (inputs, targets) pair; make the "
+            "data option yield (inputs, targets) tuples."
+        )
+    return item[0], item[1]
+
+
+def forward_loss(
+    model: Callable[[Any], Any], loss_fn: Callable[[Any, Any], Any], x: Any, y: Any, step: int, *, model_name: str,
+    loss_name: str,
+) -> torch.Tensor:  # fmt: skip
+    """`loss_fn(model(x), y)`, with a failure of either (or a loss that cannot be backpropagated) explained."""
+    try:
+        out = model(x)
+    except GradrunnerError:
+        raise
+    except Exception as e:
+        raise GradrunnerError(
+            f"step {step} failed in the model's forward(): {model_name} raised {type(e).__name__}: {one_line(e)}, "
+            f"on inputs {describe(x)}. Check the model (its forward() and the model.* keys) and that the data "
+            "fits it (data.* shapes); HYDRA_FULL_ERROR=1 shows the traceback."
+        ) from e
+    try:
+        loss = loss_fn(out, y)
+    except GradrunnerError:
+        raise
+    except Exception as e:
+        hint = (
+            "check data.* target shapes against the model's output (classification losses need int64 labels)"
+            if isinstance(out, torch.Tensor) else
+            "give it a loss that takes what the model returns (loss._target_=<your loss>), or make the model "
+            "return a tensor"
+        )  # fmt: skip
+        raise GradrunnerError(
+            f"step {step} failed in the loss: {loss_name} cannot take the model's output, {describe(out)}, with "
+            f"targets {describe(y)}: {type(e).__name__}: {one_line(e)}. To fix it, {hint}."
+        ) from e
+    _check_loss(loss, step, loss_name)
+    return loss
+
+
+def backward(run_backward: Callable[[torch.Tensor], None], loss: torch.Tensor, step: int) -> None:
+    """`run_backward(loss)`, with a failure explained (it is nearly always the model's in-place ops)."""
+    try:
+        run_backward(loss)
+    except GradrunnerError:
+        raise
+    except Exception as e:
+        raise GradrunnerError(
+            f"step {step} failed in backward: {type(e).__name__}: {one_line(e)}. This usually comes from the model: "
+            "an in-place operation on a tensor autograd saved for backward (x += ..., x.mul_(...), "
+            "inplace=True), or a custom autograd.Function; check the model's forward(). HYDRA_FULL_ERROR=1 shows "
+            "the traceback."
+        ) from e
+
+
+def _check_loss(loss: object, step: int, loss_name: str) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise GradrunnerError(
+            f"step {step}: the loss {loss_name} returned {describe(loss)}, not a scalar tensor; use a reducing "
+            "loss (reduction='mean' or 'sum')"
+        )
+    if torch.is_grad_enabled() and not loss.requires_grad:
+        raise GradrunnerError(
+            f"step {step}: the loss {loss_name} does not require grad, so there is nothing to backpropagate: no "
+            "parameter that requires grad took part in it (are all parameters frozen, or is the model's output "
+            "detached or computed under torch.no_grad()?). Unfreeze a parameter or check the model's forward()."
+        )
+
+
+class NonFinite(GradrunnerError):
+    """`capture.on_nonfinite=stop` ended the run: the step and what was not finite."""
+
+    def __init__(self, step: int, problem: str, directory: Path | None = None) -> None:
+        super().__init__(step, problem)
+        self.step, self.problem, self.directory = step, problem, directory
+
+    def __str__(self) -> str:
+        where = f" in {self.directory}" if self.directory is not None else ""
+        return (
+            f"capture.on_nonfinite=stop: stopped at step {self.step}, where {self.problem}. The records written so "
+            f"far (through step {self.step}) are kept{where}. Lower optimizer.lr, or look in the records for the "
+            "first tap that went non-finite, or set capture.on_nonfinite=record to record every step and go on."
+        )
+
+
+def nonfinite(loss: float, records: StepRecords | None) -> str | None:
+    """What is not finite in a step (its loss, the taps with NaN/Inf gradient elements), or None."""
+    taps: list[str] = []
+    if records is not None and len(records):
+        bad = (np.asarray(records.counts["nan_count"]) + np.asarray(records.counts["inf_count"])) > 0
+        taps = list(dict.fromkeys(records.keys[i].tap for i in np.flatnonzero(bad)))
+    parts = [f"the loss is {loss}"] if not math.isfinite(loss) else []
+    if taps:
+        parts.append(f"{len(taps)} tap(s) have NaN or Inf gradient elements (first: {', '.join(taps[:3])})")
+    return " and ".join(parts) or None
+
+
+def check_finite(mode: str, step: int, loss: float, records: StepRecords | None) -> None:
+    """Raise `NonFinite` when `mode` is `stop` and the step's loss or a captured gradient is not finite."""
+    if mode == "stop":
+        problem = nonfinite(loss, records)
+        if problem is not None:
+            raise NonFinite(step, problem)
+
+
+_WHERE = "hydra.run.dir=<dir> on the command line, out_dir= in train()"
+
+
+def check_writable(directory: Path, where: str = _WHERE) -> None:
+    """Fail before step 0 if records cannot be written in `directory` (which may not exist yet).
+
+    Example::
+
+        check_writable(Path("/proc/runs"))  # GradrunnerError: cannot write records in /proc/runs: ...
+    """
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
+        os.rmdir(tempfile.mkdtemp(prefix=".gradrunner-probe-", dir=existing))
+    except OSError as e:
+        raise GradrunnerError(
+            f"cannot write records in {directory}: {one_line(e)}. Nothing was run; choose another output "
+            f"directory ({where})."
+        ) from None
+
+
+@contextlib.contextmanager
+def write_errors(directory: Path) -> Iterator[None]:
+    """Turn an `OSError` from writing or closing the records (disk full, quota) into a GradrunnerError."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise  # stdout/stderr closed under us: not about the records
+    except OSError as e:
+        kept = ", ".join(sorted(p.name for p in directory.glob("*.parquet"))) or "nothing"
+        raise GradrunnerError(
+            f"could not write the records in {directory}: {one_line(e)}. Whatever could not be finished was "
+            f"removed (kept: {kept}), so no half-written records are left; free some disk space or choose "
+            f"another output directory ({_WHERE}), then run again."
+        ) from e
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived (a preempted or cancelled job): handled like Ctrl-C, completed steps are kept."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While open, SIGTERM raises `Terminated` (a KeyboardInterrupt), so the records are closed, not lost.
+
+    Only in the main thread (the only one Python delivers signals to); the previous handler comes back on exit.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise Terminated(f"terminated by signal {signum} (SIGTERM)")
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
