@@ -9,6 +9,8 @@
 | `stats` | statistics on the gradient's device, one host transfer per step |
 | `records` | the Parquet records (`grads.parquet`, `steps.parquet`) |
 | `runner`, `cli` | the Hydra app: `python -m gradrunner +experiment=mlp` |
+| `job`, `rundir`, `callbacks` | a job's books: resume, `done.json`, `failed.json`, the sweep's `manifest.json` |
+| `distributed` | DDP inside a job under `torchrun` |
 | `analysis` | reading records back into pandas |
 
 Example::

@@ -2,6 +2,7 @@
 
 Contents:
     load(path, table="grads")         -- a run dir, a sweep dir or one .parquet file as one DataFrame
+    IncompleteSweepWarning            -- `load` left out failed or unfinished jobs of a sweep
     run_columns(df)                   -- the columns that tell the runs of a sweep apart
     forward_order(df)                 -- (tap, call) in the order they fire in the forward pass
     pick_steps(steps, n)              -- a few steps spread over a run, first and last included
@@ -22,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -31,6 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
+from gradrunner import rundir
 from gradrunner.errors import GradrunnerError
 from gradrunner.records import CONSTANT_COLUMNS, GRADS_SCHEMA, STEPS_SCHEMA
 from gradrunner.stats import STAT_COLUMNS
@@ -54,14 +57,41 @@ def load(path: str | os.PathLike[str], table: str = "grads") -> pd.DataFrame:
     `<job>/.hydra/overrides.yaml`) whose value differs between jobs becomes a column named after
     its key (`override.<key>` if a record column already has that name), as int or float when
     every value parses so, else as string. Hidden files and directories are skipped.
+
+    In a sweep whose jobs carry completion markers (`done.json`, written by the CLI), only completed
+    jobs are read: failed jobs (`failed.json`) and jobs without a marker (killed, still running) are
+    left out and named in an `IncompleteSweepWarning`; `pd.read_parquet` still reads their partial files.
     """
     root = Path(path)
-    files = _find_files(root, table)
+    files = _completed_only(root, _find_files(root, table))
     tables = [pq.read_table(f) for f in files]
     job_dirs = [f.parent for f in files]
     if root.is_dir() and any(d != root for d in job_dirs):
         tables = _with_job_columns(root, job_dirs, tables)
     return _concat(tables).to_pandas()
+
+
+class IncompleteSweepWarning(UserWarning):
+    """`load` left out jobs of a sweep that failed or did not finish; the message names them."""
+
+
+def _completed_only(root: Path, files: list[Path]) -> list[Path]:
+    """The files of completed jobs when the sweep's jobs carry markers; warn naming the jobs left out."""
+    if not root.is_dir():
+        return files
+    if (root / rundir.FAILED).exists():  # a single run asked for by name: read it, but say it failed
+        warnings.warn(f"{root} is a failed run ({rundir.job_state(root).error}); its records are partial",
+                      IncompleteSweepWarning, stacklevel=3)  # fmt: skip
+    dirs = rundir.job_dirs_below(root)
+    unfinished = rundir.unfinished_jobs(dirs)
+    if not unfinished:
+        return files
+    warnings.warn(rundir.describe_unfinished(root, unfinished, len(dirs)), IncompleteSweepWarning, stacklevel=3)
+    left_out = {s.directory for s in unfinished}
+    kept = [f for f in files if f.parent not in left_out]
+    if not kept:
+        raise GradrunnerError(f"no job in {root} completed; {rundir.describe_unfinished(root, unfinished, len(dirs))}")
+    return kept
 
 
 def _find_files(root: Path, table: str) -> list[Path]:

@@ -1,10 +1,12 @@
 """The Hydra app: `python -m gradrunner +experiment=mlp` (and the `gradrunner` console script).
 
-`main` is a shim over `gradrunner.runner.train`. A user mistake (`GradrunnerError`, or an OmegaConf
-error such as a missing value) prints one paragraph to stderr, no traceback, and exits with status 2;
-in a sweep (`-m`) the job fails, the other jobs still run, and Hydra reports it at the end (status 1).
+`main` is a shim over `gradrunner.job.run` (`runner.train` plus the run dir's books). A user mistake
+(`GradrunnerError`, or an OmegaConf error such as a missing value) prints one paragraph to stderr, no
+traceback, and exits with status 2; in a sweep (`-m`) the job fails, the other jobs still run, and
+Hydra reports it at the end (status 1).
 Mistakes Hydra finds while composing (a misspelled key, an unknown option) get Hydra's own short
-message and status 1. `HYDRA_FULL_ERROR=1` shows the full traceback instead.
+message and status 1. `HYDRA_FULL_ERROR=1` shows the full traceback instead. Ctrl-C and SIGTERM
+keep the completed steps' records and exit with 130 and 143. Every case: docs/errors.md.
 
 Example::
 
@@ -16,22 +18,27 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.runner import train
+from gradrunner.guards import Terminated, check_writable
+from gradrunner.job import run
 
 #: Exit status for a user mistake in a single run.
 EXIT_USER_ERROR = 2
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
+#: Exit status after SIGTERM (128 + SIGTERM): a preempted or cancelled job.
+EXIT_TERMINATED = 143
 
 
 class JobFailed(CompactHydraException):
@@ -58,18 +65,42 @@ def _fail(error: Exception) -> NoReturn:
     sys.exit(EXIT_USER_ERROR)
 
 
+class OutputDirCheck(Callback):
+    """Checks that the run (or sweep) dir can be written before Hydra creates it and logs into it.
+
+    Registered in `conf/config.yaml` under `hydra.callbacks.output_dir`; without it an unwritable
+    `hydra.run.dir` fails inside Hydra with a traceback.
+    """
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config.hydra.run.dir, "hydra.run.dir=<dir>")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._check(config.hydra.sweep.dir, "hydra.sweep.dir=<dir>")
+
+    @staticmethod
+    def _check(directory: str, where: str) -> None:
+        try:
+            check_writable(Path(directory).absolute(), where)
+        except GradrunnerError as e:
+            _fail(e)
+
+
 @hydra.main(version_base="1.3", config_path="pkg://gradrunner.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    """Run one job: `train(cfg)`, with user mistakes reported as one paragraph (see the module doc).
+    """Run one job: `run(cfg)`, with user mistakes reported as one paragraph (see the module doc).
 
     Example::
 
         python -m gradrunner +experiment=sigmoid2 steps=1 capture.values=full
     """
     try:
-        train(cfg)
+        run(cfg)
     except (GradrunnerError, OmegaConfBaseException) as e:
         _fail(e)
+    except Terminated:
+        print("gradrunner: terminated (SIGTERM); the records of completed steps are kept", file=sys.stderr, flush=True)
+        sys.exit(EXIT_TERMINATED)
     except KeyboardInterrupt:
         print("gradrunner: interrupted; the records of completed steps are kept", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)

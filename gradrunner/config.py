@@ -28,6 +28,8 @@ SCHEMA_NAME = "gradrunner_schema"
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 #: Device spellings accepted by `device=` (`cuda:N` for any N >= 0).
 DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
+#: `capture.on_nonfinite` values: `record` records NaN/Inf and goes on; `stop` ends the run at that step.
+NONFINITE_MODES = ("record", "stop")
 _DEVICE_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 
 
@@ -43,6 +45,8 @@ class CaptureConfig:
     every: int = 1
     # Number of element positions kept per tap when values=sample.
     sample_size: int = 64
+    # A non-finite loss or captured gradient: record (NaN/Inf counts in the records, go on) or stop the run there.
+    on_nonfinite: str = "record"
 
 
 @dataclass
@@ -71,6 +75,11 @@ class Config:
     dtype: str = "float32"
     # Tap specs: "<module path>:<name>" strings or {module: ..., name: ...} mappings.
     taps: List[Any] = field(default_factory=list)
+    # A single run into a dir that already holds records: false refuses; true skips a completed run
+    # (done.json) and re-runs an incomplete one from step 0. A sweep always resumes (docs/scale-out.md).
+    resume: bool = False
+    # Write the report (python -m gradrunner.report) when the run ends; a sweep writes one for the sweep dir.
+    report: bool = False
 
 
 def register_configs() -> None:
@@ -143,6 +152,8 @@ def validate(cfg: DictConfig) -> None:
         raise _allowed("capture.strategy", cfg.capture.strategy, strategies)
     if cfg.capture["values"] not in VALUES_MODES:
         raise _allowed("capture.values", cfg.capture["values"], VALUES_MODES)
+    if cfg.capture.get("on_nonfinite", "record") not in NONFINITE_MODES:
+        raise _allowed("capture.on_nonfinite", cfg.capture.on_nonfinite, NONFINITE_MODES)
     if not isinstance(cfg.device, str) or not _DEVICE_RE.fullmatch(cfg.device):
         raise _allowed("device", cfg.device, DEVICES, " (N is a GPU index, e.g. cuda:0.)")
     if cfg.dtype not in DTYPES:

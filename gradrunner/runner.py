@@ -34,10 +34,15 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from gradrunner import distributed
 from gradrunner.capturing import Capture, capture
 from gradrunner.config import validate
 from gradrunner.data import Batch, as_batches
+from gradrunner.distributed import Distributed, GatheredWriter
 from gradrunner.errors import GradrunnerError
+from gradrunner.guards import (
+    NonFinite, backward, check_finite, check_writable, forward_loss, next_batch, sigterm_as_interrupt, write_errors,
+)
 from gradrunner.records import RecordWriter, StepsWriter, run_metadata
 
 log = logging.getLogger(__name__)
@@ -174,31 +179,6 @@ def setup(cfg: DictConfig) -> Job:
     return Job(model, batches, loss_fn, optimizer, device, dtype)
 
 
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {str(value.dtype).removeprefix('torch.')}"
-    return type(value).__name__
-
-
-def _first_forward(job: Job, x: Any, y: Any) -> torch.Tensor:
-    """Step 0's forward and loss: a failure here is a model/data/loss mismatch in the config."""
-    try:
-        out = job.model(x)
-        loss = job.loss_fn(out, y)
-    except (RuntimeError, ValueError, TypeError, IndexError) as e:
-        raise GradrunnerError(
-            f"step 0 failed: the model, data and loss do not fit together (inputs {_describe(x)}, targets "
-            f"{_describe(y)}): {type(e).__name__}: {' '.join(str(e).split())}. Check data.* shapes against "
-            "model.* sizes and the loss (classification losses need int64 labels)."
-        ) from e
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise GradrunnerError(
-            f"the loss {type(job.loss_fn).__name__} returned {_describe(loss)}, not a scalar tensor; "
-            "use a reducing loss (reduction='mean' or 'sum')"
-        )
-    return loss
-
-
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory so far: the CUDA allocator's peak on a GPU, else the process's peak RSS.
 
@@ -269,16 +249,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_steps(cfg: DictConfig, job: Job, cap: Capture, grads: RecordWriter, steps: StepsWriter) -> None:
+def _run_steps(
+    cfg: DictConfig, job: Job, cap: Capture, grads: RecordWriter | GatheredWriter, steps: StepsWriter | GatheredWriter
+) -> None:
     """The step loop: forward, loss, backward, records (on captured steps), optimizer step."""
     bar = Progress(cfg.steps)
     try:
         for step in range(cfg.steps):
             t0 = time.perf_counter()
-            x, y = next(job.batches)
+            x, y = next_batch(job.batches, step, source=str(cfg.data._target_))
             cap.enabled = captured = step % cfg.capture.every == 0
-            loss = _first_forward(job, x, y) if step == 0 else job.loss_fn(job.model(x), y)
-            cap.backward(loss)
+            loss = forward_loss(job.model, job.loss_fn, x, y, step, model_name=str(cfg.model._target_),
+                                loss_name=str(cfg.loss._target_))  # fmt: skip
+            backward(cap.backward, loss, step)
             capture_time = None
             if captured:
                 t1 = time.perf_counter()
@@ -294,11 +277,14 @@ def _run_steps(cfg: DictConfig, job: Job, cap: Capture, grads: RecordWriter, ste
             step_time = time.perf_counter() - t0
             steps.write(step, captured, loss_value, step_time, capture_time, peak_memory_bytes(job.device))
             bar.update(step, loss_value)
+            check_finite(cfg.capture.get("on_nonfinite", "record"), step, loss_value, recs if captured else None)
     finally:
         bar.close()
 
 
-def train(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
+def train(
+    cfg: DictConfig, out_dir: str | Path | None = None, *, run_id: str | None = None, dist: Distributed | None = None
+) -> Path:
     """Run the job `cfg` describes; return the path of its `grads.parquet`.
 
     Example::
@@ -306,13 +292,20 @@ def train(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
         path = train(cfg, out_dir=tmp_path)          # tmp_path/grads.parquet, tmp_path/steps.parquet
         pd.read_parquet(path).groupby("tap")["norm"].mean()
 
-    Every config mistake (bad value, bad target, bad tap, model/data mismatch at step 0) raises
-    `GradrunnerError` before any record is written; no `grads.parquet` is left behind then.
+    Every config mistake (bad value, bad target, bad tap, model/data mismatch at step 0, an unwritable
+    output dir) raises `GradrunnerError` before any record is written; no `grads.parquet` is left behind
+    then. Later failures (see `gradrunner.guards`: a forward or loss that raises, data that runs out,
+    `capture.on_nonfinite=stop`, a full disk) are `GradrunnerError`s too; SIGTERM raises `Terminated`
+    (a KeyboardInterrupt) and, like Ctrl-C, keeps the completed steps' records.
+    `dist` (from `distributed.session`) runs it as one rank of a DDP job; `run()` adds the run dir's books.
     """
     job = setup(cfg)
+    if dist is not None:
+        job = distributed.wrap(job, dist)
     directory = output_dir(out_dir)
+    check_writable(directory)
     constants = {
-        "run_id": uuid.uuid4().hex,
+        "run_id": run_id or uuid.uuid4().hex,
         "experiment": str(cfg.experiment),
         "strategy": str(cfg.capture.strategy),
         "device": str(job.device),
@@ -323,20 +316,38 @@ def train(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
     assert isinstance(taps, list), taps  # validate() checked it
     c = cfg.capture
     with contextlib.ExitStack() as stack:
-        cap = stack.enter_context(
-            capture(job.model, taps, c.strategy, values=c["values"], sample_size=c.sample_size, seed=cfg.seed,
-                    keep_grads=False)  # fmt: skip
-        )
+        stack.enter_context(write_errors(directory))  # first in, last out: sees the writers' close too
+        cap = capture(distributed.unwrap(job.model), taps, c.strategy, values=c["values"],
+                      sample_size=c.sample_size, seed=cfg.seed, keep_grads=False)  # fmt: skip
+        if dist is not None:
+            distributed.attach(cap, job.model, str(c.strategy))
+        stack.enter_context(cap)
         log.info("run %s: %d taps resolved (%s), %d steps on %s/%s", constants["run_id"], len(cap.taps),
                  ", ".join(t.tap for t in cap.taps[:6]) + (", ..." if len(cap.taps) > 6 else ""),
                  cfg.steps, job.device, cfg.dtype)  # fmt: skip
-        grads = stack.enter_context(RecordWriter(directory / "grads.parquet", constants=constants, metadata=meta))
-        steps = stack.enter_context(StepsWriter(directory / "steps.parquet", constants=constants, metadata=meta))
+        grads, steps = _open_writers(stack, directory, constants, meta, dist)
+        stack.enter_context(sigterm_as_interrupt())  # a preempted job keeps its completed steps, as with Ctrl-C
         try:
             _run_steps(cfg, job, cap, grads, steps)
+        except NonFinite as e:
+            e.directory = directory
+            raise
         except KeyboardInterrupt:
             log.warning("interrupted after %d step(s); their records are kept in %s", steps.steps_written, directory)
             raise
     path = directory / "grads.parquet"
     log.info("records: %s  (pandas.read_parquet('%s') or gradrunner.analysis.load('%s'))", path, path, directory)
     return path
+
+
+def _open_writers(
+    stack: contextlib.ExitStack, directory: Path, constants: dict[str, str], meta: dict[str, str],
+    dist: Distributed | None,
+) -> tuple[RecordWriter | GatheredWriter, StepsWriter | GatheredWriter]:  # fmt: skip
+    """The job's grads and steps writers, closed by `stack`; under DDP rank 0 writes every rank's rows."""
+    if dist is not None:
+        return distributed.open_writers(stack, dist, directory, constants, meta)
+    grads = stack.enter_context(RecordWriter(directory / "grads.parquet", constants=constants, metadata=meta))
+    steps = stack.enter_context(StepsWriter(directory / "steps.parquet", constants=constants, metadata=meta))
+    return grads, steps
+

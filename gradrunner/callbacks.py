@@ -1,0 +1,174 @@
+"""The Hydra callback that keeps a sweep's books: failure records, `manifest.json`, the sweep's report.
+
+Registered in `conf/config.yaml` under `hydra.callbacks.gradrunner`. Its methods run where Hydra
+runs them, whichever launcher: `on_job_end` in the job's process (a joblib worker, a Slurm task, a
+Ray actor), `on_multirun_start`/`on_multirun_end` in the process that launched the sweep.
+
+- `on_job_end`: a job that raised gets `<job dir>/failed.json` with its error message.
+- at the end of the sweep: `<sweep dir>/manifest.json` lists every job (its dir, overrides, status
+  `completed` / `failed` / `missing`, record files, error), a summary is logged, and with
+  `report=true` the sweep's report is written. Hydra skips `on_multirun_end` when a job failed, so
+  this also runs at exit (`atexit`) in that case.
+
+Example::
+
+    python -m gradrunner -m +experiment=mlp capture.strategy=hook,bogus steps=2
+    cat multirun/*/*/manifest.json      # job 1: "status": "failed", "error": "capture.strategy='bogus' ..."
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from gradrunner.rundir import job_state, mark_failed, try_report, write_json
+
+log = logging.getLogger(__name__)
+
+#: The sweep manifest's file name, in the sweep dir.
+MANIFEST = "manifest.json"
+
+
+def expected_jobs(config: DictConfig) -> list[list[str]] | None:
+    """The override list of every job of the sweep, in job order; None unless Hydra's basic sweeper ran it.
+
+    Example::
+
+        expected_jobs(cfg)   # [['capture.strategy=hook', 'seed=0'], ['capture.strategy=hook', 'seed=1'], ...]
+    """
+    sweeper = OmegaConf.select(config, "hydra.sweeper._target_", default="")
+    if not str(sweeper).endswith("BasicSweeper"):
+        return None  # other sweepers (Optuna, Ax, ...) choose their jobs as they go
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+        arguments = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+        overrides = OverridesParser.create().parse_overrides(arguments)
+        return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+    except Exception as e:  # private API, or a sweep the parser needs the config loader for
+        log.debug("could not list the sweep's jobs (%s); listing the job dirs found", e)
+        return None
+
+
+def _job_dirs(sweep_dir: Path) -> dict[Path, list[str]]:
+    """Job dirs below `sweep_dir` (those holding `.hydra/overrides.yaml`) and their overrides."""
+    found: dict[Path, list[str]] = {}
+    for f in sweep_dir.rglob(".hydra/overrides.yaml"):
+        job = f.parent.parent
+        if any(part.startswith(".") for part in job.relative_to(sweep_dir).parts):
+            continue  # e.g. submitit's .submitit/ folder
+        found[job] = [str(o) for o in (yaml.safe_load(f.read_text()) or [])]
+    return found
+
+
+def _job_num(job_dir: Path) -> int | None:
+    try:
+        num = yaml.safe_load((job_dir / ".hydra" / "hydra.yaml").read_text())["hydra"]["job"]["num"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return None
+    return int(num) if isinstance(num, int) else None
+
+
+def _entry(sweep_dir: Path, job_dir: Path | None, overrides: list[str], num: int | None) -> dict[str, Any]:
+    if job_dir is None or not job_dir.is_dir():
+        return {"num": num, "dir": None, "overrides": overrides, "status": "missing", "files": [], "error": None}
+    state = job_state(job_dir)
+    return {
+        "num": _job_num(job_dir) if num is None else num,
+        "dir": job_dir.relative_to(sweep_dir).as_posix(),
+        "overrides": overrides,
+        "status": state.status,
+        "files": state.files,
+        "error": state.error,
+    }
+
+
+def build_manifest(sweep_dir: Path, expected: list[list[str]] | None) -> dict[str, Any]:
+    """The manifest of `sweep_dir`: every expected job (or every job dir found), with its status.
+
+    Example::
+
+        build_manifest(Path("multirun/2024-05-01/12-00-00-123456"), None)["counts"]   # {'completed': 6, ...}
+    """
+    found = _job_dirs(sweep_dir)
+    by_overrides = {tuple(sorted(o)): d for d, o in found.items()}
+    jobs: list[dict[str, Any]] = []
+    for num, overrides in enumerate(expected or []):
+        job_dir = by_overrides.pop(tuple(sorted(overrides)), None)
+        jobs.append(_entry(sweep_dir, job_dir, overrides, num))
+    for job_dir in sorted(by_overrides.values(), key=lambda d: (_job_num(d) is None, _job_num(d) or 0, str(d))):
+        jobs.append(_entry(sweep_dir, job_dir, found[job_dir], None))
+    counts = {s: sum(j["status"] == s for j in jobs) for s in ("completed", "failed", "missing")}
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"sweep_dir": str(sweep_dir.resolve()), "written": now, "counts": counts, "jobs": jobs}
+
+
+def _summary(manifest: dict[str, Any]) -> str:
+    counts = manifest["counts"]
+    text = ", ".join(f"{n} {s}" for s, n in counts.items())
+    bad = [j for j in manifest["jobs"] if j["status"] != "completed"]
+    details = "; ".join(f"job {j['dir'] or j['num']}: {j['status']}" + (f" ({j['error']})" if j["error"] else "")
+                        for j in bad[:5])  # fmt: skip
+    more = f"; and {len(bad) - 5} more" if len(bad) > 5 else ""
+    return f"sweep {manifest['sweep_dir']}: {text}" + (f" -- {details}{more}" if bad else "")
+
+
+class SweepBookkeeping(Callback):
+    """Failure records per job, and the manifest (and report) of the sweep; see the module doc.
+
+    Example (conf/config.yaml)::
+
+        hydra:
+          callbacks:
+            gradrunner:
+              _target_: gradrunner.callbacks.SweepBookkeeping
+    """
+
+    def __init__(self) -> None:
+        self._config: DictConfig | None = None
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if job_return.status != JobStatus.FAILED:
+            return
+        error = job_return._return_value  # `return_value` would re-raise it
+        message = str(error) if type(error).__name__ == "JobFailed" else f"{type(error).__name__}: {error}"
+        out = Path(str(OmegaConf.select(config, "hydra.runtime.output_dir")))
+        if out.is_dir():
+            mark_failed(out, message)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._config = config
+        atexit.register(self._finish)  # Hydra skips on_multirun_end when a job failed
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        atexit.unregister(self._finish)
+        self._config = config
+        self._finish()
+
+    def _finish(self) -> None:
+        config, self._config = self._config, None
+        if config is None or int(os.environ.get("RANK", "0") or 0) != 0:
+            return  # done already, or a torchrun rank other than 0 (rank 0 keeps the books)
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if not sweep_dir.is_dir():
+            return
+        manifest = build_manifest(sweep_dir, expected_jobs(config))
+        path = write_json(sweep_dir / MANIFEST, manifest)
+        bad = manifest["counts"]["failed"] + manifest["counts"]["missing"]
+        (log.warning if bad else log.info)("%s; manifest: %s", _summary(manifest), path)
+        if OmegaConf.select(config, "report", default=False):
+            if manifest["counts"]["completed"]:
+                try_report(sweep_dir)
+            else:
+                log.warning("report=true: no job of the sweep completed, so no report was written")

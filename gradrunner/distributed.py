@@ -1,0 +1,311 @@
+"""Distributed data parallel inside one job: `torchrun --nproc_per_node=2 -m gradrunner +experiment=mlp`.
+
+When `WORLD_SIZE > 1` (torchrun sets it), each rank joins one process group (gloo on CPU, nccl on
+CUDA, each rank on `cuda:<LOCAL_RANK>`), wraps the model in `DistributedDataParallel`, and takes
+every `WORLD_SIZE`-th batch of the data starting at its rank (a partition of the batch stream, as
+`DistributedSampler` does for a dataset). Taps are placed on the inner module, so tap names are the
+plain model's. What the records hold:
+
+- activation (output/input/local) gradients: per rank, each from its own batch;
+- parameter gradients: as DDP leaves them after backward, averaged over the ranks, the same on
+  every rank, whatever the strategy. `hook` would see each rank's own gradient (tensor hooks fire
+  before DDP's all-reduce), so under DDP every strategy delivers a parameter tap from `.grad` after
+  the synchronised backward. `autograd_grad` fills `.grad` itself, which DDP's reducer does not see:
+  on its captured steps DDP's sync is off and the gradients are averaged (and buffers broadcast)
+  here, exactly as DDP would, so the optimiser step is the same for all three strategies.
+
+Records: rank 0 gathers every rank's rows each captured step and writes one `grads.parquet` (and
+`steps.parquet`) with a `rank` column, so a job is still one file and no two ranks write the same
+file. Rank 0 keeps the books (the run dir, `done.json`, the report); the other ranks move their
+Hydra log into rank 0's run dir as `gradrunner.rank<N>.log` and remove their own empty run dir.
+
+Example::
+
+    torchrun --standalone --nproc_per_node=2 -m gradrunner +experiment=mlp steps=10
+    df = pd.read_parquet("outputs/.../grads.parquet"); df.groupby("rank").norm.mean()
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from gradrunner.errors import GradrunnerError
+from gradrunner.records import RecordWriter, StepsWriter
+from gradrunner.strategies.base import Slot, Strategy
+
+if TYPE_CHECKING:
+    from gradrunner.capturing import Capture
+    from gradrunner.runner import Job
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+def world_from_env() -> tuple[int, int, int] | None:
+    """`(rank, world_size, local_rank)` from torchrun's environment, or None outside a multi-process job.
+
+    Example::
+
+        world_from_env()   # (1, 2, 1) in the second process of `torchrun --nproc_per_node=2`
+    """
+    size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if size <= 1:
+        return None
+    rank = int(os.environ.get("RANK", "0") or 0)
+    return rank, size, int(os.environ.get("LOCAL_RANK", str(rank)) or rank)
+
+
+@dataclass
+class Distributed:
+    """This process's place in the job, and the few collectives the runner needs."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    #: The job's run id, the same on every rank (rank 0's).
+    run_id: str = ""
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the rank that writes the records and keeps the books."""
+        return self.rank == 0
+
+    def broadcast(self, obj: _T) -> _T:
+        """Rank 0's `obj` on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, obj: _T) -> list[_T]:
+        """Every rank's `obj`, in rank order, on rank 0 (an empty list elsewhere)."""
+        out: list[Any] | None = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out or []
+
+    def device_config(self, cfg: DictConfig) -> DictConfig:
+        """`cfg` with `device=cuda:<LOCAL_RANK>` when the job runs on CUDA; unchanged on CPU."""
+        if self.backend != "nccl" or str(cfg.device).startswith("cuda:"):
+            return cfg
+        local = cfg.copy()
+        local.device = f"cuda:{self.local_rank}"
+        return local
+
+    def shared_dir(self, own: Path) -> Path:
+        """Rank 0's run dir, for every rank; another rank moves its log there and drops its own empty dir."""
+        main = Path(self.broadcast(str(own)))
+        if main != own:
+            _move_into(own, main, self.rank)
+        return main
+
+
+def _backend(device: str) -> str:
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return "nccl" if cuda else "gloo"
+
+
+@contextlib.contextmanager
+def session(cfg: DictConfig) -> Iterator[Distributed | None]:
+    """The job's place in the process group (None when not under torchrun); joined once per process.
+
+    Example::
+
+        with session(cfg) as dist:
+            if dist is not None: print(dist.rank, dist.world_size)
+    """
+    world = world_from_env()
+    if world is None:
+        yield None
+        return
+    rank, size, local_rank = world
+    backend = _backend(str(cfg.device))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        # Once per process, for every job of a sweep: re-creating the group per job races on torchrun's store.
+        dist.init_process_group(backend=backend)
+        atexit.register(_leave)
+    d = Distributed(rank, size, local_rank, backend)
+    d.run_id = d.broadcast(uuid.uuid4().hex)
+    log.info("rank %d of %d (%s)", rank, size, backend)
+    yield d
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _move_into(own: Path, main: Path, rank: int) -> None:
+    """Move this rank's Hydra log into `main`; remove `own` if nothing but Hydra's files is left."""
+    main.mkdir(parents=True, exist_ok=True)
+    for logfile in own.glob("*.log"):
+        with contextlib.suppress(OSError):  # the open log handler follows the file (same filesystem)
+            os.replace(logfile, main / f"{logfile.stem}.rank{rank}.log")
+    if {p.name for p in own.iterdir()} <= {".hydra"}:
+        shutil.rmtree(own, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            own.parent.rmdir()  # the date dir, only if this was its last run
+
+
+class _DDP(DistributedDataParallel):
+    """DDP whose gradient sync can be turned off per forward (for `autograd_grad`'s captured steps)."""
+
+    manual_sync: Callable[[], bool] = staticmethod(lambda: False)  # type: ignore[assignment]
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.require_backward_grad_sync = not self.manual_sync()
+        return super().forward(*inputs, **kwargs)
+
+
+def wrap(job: Job, d: Distributed) -> Job:
+    """The job with its model in DDP and its batch stream partitioned over the ranks.
+
+    Example::
+
+        job = wrap(setup(cfg), d)     # job.model: DDP; unwrap(job.model): the user's model
+    """
+    try:
+        ddp = _DDP(job.model, device_ids=[job.device.index] if job.device.type == "cuda" else None)
+    except (RuntimeError, ValueError, AssertionError) as e:
+        raise GradrunnerError(
+            f"could not wrap the model in DistributedDataParallel for {d.world_size} processes: "
+            f"{' '.join(str(e).split())}. Run it as one process (without torchrun), or give it trainable parameters."
+        ) from e
+    batches = itertools.islice(job.batches, d.rank, None, d.world_size)
+    return dataclasses.replace(job, model=ddp, batches=batches)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside a DDP wrapper (the model itself otherwise): taps are resolved on it."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def attach(cap: Capture, model: nn.Module, strategy: str) -> None:
+    """Make `cap` deliver DDP's averaged parameter gradients (call before entering `cap`).
+
+    Example::
+
+        cap = capture(unwrap(job.model), taps, strategy); attach(cap, job.model, strategy)
+        with cap: ...
+    """
+    assert isinstance(model, _DDP), type(model)
+    manual = strategy == "autograd_grad"
+    cap.strategy = SyncedParams(cap.strategy, model, manual=manual)
+    model.manual_sync = (lambda: cap.enabled) if manual else (lambda: False)
+
+
+class SyncedParams(Strategy):
+    """A strategy wrapper: activations the inner strategy's way, parameters from `.grad` after DDP's sync."""
+
+    name = "synced_params"
+
+    def __init__(self, inner: Strategy, model: DistributedDataParallel, manual: bool) -> None:
+        super().__init__(inner.deliver)
+        self.inner, self.model, self.manual = inner, model, manual
+
+    def attach(self, tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
+        return self.inner.attach(tensor, slot)
+
+    def install(self, params: Sequence[tuple[nn.Parameter, Callable[[], Slot | None]]]) -> None:
+        self.inner.install([])  # no parameter hooks: they would see this rank's gradient alone
+
+    def backward(
+        self, loss: torch.Tensor, slots: Sequence[Slot], params: Sequence[nn.Parameter], retain_graph: bool
+    ) -> None:
+        self.inner.backward(loss, [s for s in slots if s.param is None], params, retain_graph)
+        if self.manual:
+            average_gradients(params, dist.get_world_size())
+            if self.model.broadcast_buffers:
+                for buffer in self.model.module.buffers():
+                    dist.broadcast(buffer, src=0)
+        for slot in slots:
+            if slot.param is not None:
+                self.deliver(slot, slot.param.grad)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def average_gradients(params: Sequence[nn.Parameter], world_size: int) -> None:
+    """All-reduce `.grad` of `params` to their mean over the ranks, as DDP does (divide, then sum).
+
+    Example::
+
+        average_gradients(list(model.parameters()), dist.get_world_size())
+    """
+    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    for group in by_dtype.values():  # every rank has the same groups, so the collectives match
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
+        flat.div_(world_size)
+        dist.all_reduce(flat)
+        offset = 0
+        for p in group:
+            if p.grad is not None:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+
+
+class GatheredWriter:
+    """A writer every rank calls; rank 0 writes each rank's rows, with its `rank`, through one real writer.
+
+    Example::
+
+        grads = GatheredWriter(d, RecordWriter(path, constants=c, metadata=m) if d.is_main else None)
+        grads.write_step(step, records)        # on every rank, the same steps in the same order
+    """
+
+    def __init__(self, d: Distributed, writer: RecordWriter | StepsWriter | None) -> None:
+        self.dist, self.writer = d, writer
+        self.steps_written = 0
+
+    def write_step(self, step: int, records: Any) -> None:
+        self._write_all("write_step", step, records)
+
+    def write(self, *args: Any) -> None:
+        self._write_all("write", *args)
+
+    def _write_all(self, method: str, *args: Any) -> None:
+        for rank, rank_args in enumerate(self.dist.gather(args)):
+            assert self.writer is not None
+            if self.writer.rank != rank:
+                self.writer.rank = rank
+                self.writer._constant_cache.clear()  # its cached columns carry the rank
+            getattr(self.writer, method)(*rank_args)
+        self.steps_written += 1
+
+    def __enter__(self) -> GatheredWriter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.writer is not None:
+            self.writer.__exit__(*exc)
+
+
+def open_writers(
+    stack: contextlib.ExitStack, d: Distributed, directory: Path, constants: dict[str, str], meta: dict[str, str]
+) -> tuple[GatheredWriter, GatheredWriter]:
+    """The job's grads and steps writers under DDP (real files on rank 0 only), closed by `stack`."""
+    main = d.is_main
+    grads = RecordWriter(directory / "grads.parquet", constants=constants, metadata=meta) if main else None
+    steps = StepsWriter(directory / "steps.parquet", constants=constants, metadata=meta) if main else None
+    return stack.enter_context(GatheredWriter(d, grads)), stack.enter_context(GatheredWriter(d, steps))

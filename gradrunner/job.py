@@ -1,0 +1,83 @@
+"""One job of the CLI: `run(cfg)` is `runner.train(cfg)` inside the run dir's books.
+
+What `run` adds to `train`: the existing-run-dir rule (refuse, or resume), the completion marker
+`done.json` written last, the end-of-run report (`report=true`), and DDP under torchrun (the process
+group, rank 0's run dir for every rank). See `gradrunner.rundir` and `gradrunner.distributed`.
+
+Example::
+
+    run(cfg)    # in the Hydra app: <run dir>/grads.parquet, steps.parquet, then done.json
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from gradrunner import distributed, rundir
+from gradrunner.config import validate
+from gradrunner.distributed import Distributed
+from gradrunner.errors import GradrunnerError
+from gradrunner.runner import output_dir, train
+
+
+def _decide(directory: Path, cfg: DictConfig, resume: bool, dist: Distributed | None) -> str:
+    """`rundir.prepare` on rank 0 only; its answer (or its error) on every rank."""
+    if dist is None:
+        return rundir.prepare(directory, cfg, resume=resume)
+    outcome: str | GradrunnerError = ""
+    if dist.is_main:
+        try:
+            outcome = rundir.prepare(directory, cfg, resume=resume)
+        except GradrunnerError as e:
+            outcome = e
+    outcome = dist.broadcast(outcome)
+    if isinstance(outcome, GradrunnerError):
+        raise outcome
+    return outcome
+
+
+def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
+    """Run the job with its books kept; return the path of its `grads.parquet`.
+
+    Example::
+
+        run(cfg)                            # in a Hydra app: the job's output dir
+        run(cfg, out_dir="runs/a")          # anywhere else
+
+    - A run dir that already holds records is refused, unless `resume=true` (a sweep always resumes):
+      then a completed job (`done.json`, same config) is skipped, anything else runs again from step 0.
+    - `done.json` is written last, once the records are closed: a job without it did not complete.
+    - `report=true`: matplotlib is checked before step 0 and a single run writes its report at the end
+      (a sweep writes one for the sweep dir, in `gradrunner.callbacks`); a failing report never fails the run.
+    - Under torchrun (`WORLD_SIZE > 1`) the job is one DDP rank; see `gradrunner.distributed`.
+    """
+    validate(cfg)
+    if cfg.report:
+        from gradrunner.report import check_available
+
+        check_available()
+    hydra = HydraConfig.get() if HydraConfig.initialized() else None
+    multirun = hydra is not None and hydra.mode == RunMode.MULTIRUN
+    main = True
+    with distributed.session(cfg) as dist:
+        cfg = dist.device_config(cfg) if dist is not None else cfg
+        directory = output_dir(out_dir)
+        directory = dist.shared_dir(directory) if dist is not None else directory
+        if _decide(directory, cfg, bool(cfg.resume) or multirun, dist) == "skip":
+            return directory / "grads.parquet"
+        run_id = dist.run_id if dist is not None else uuid.uuid4().hex
+        path = train(cfg, out_dir=directory, run_id=run_id, dist=dist)
+        main = dist is None or dist.is_main
+        if main:
+            overrides = [str(o) for o in hydra.overrides.task] if hydra is not None else []
+            files = [n for n in rundir.RECORD_NAMES if (directory / n).is_file()]
+            world = dist.world_size if dist is not None else 1
+            rundir.mark_complete(directory, cfg, files=files, run_id=run_id, world_size=world, overrides=overrides)
+    if cfg.report and main and not multirun:
+        rundir.try_report(directory)
+    return path

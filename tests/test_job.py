@@ -1,0 +1,53 @@
+"""gradrunner.job.run: the report flag, and run dirs that never collide."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gradrunner
+from gradrunner.errors import GradrunnerError
+from gradrunner.job import run
+from gradrunner.rundir import DONE
+from test_cli import cli_env
+from test_runner import compose_cfg
+
+def test_report_true_writes_the_report_when_the_run_ends(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    run(compose_cfg("+experiment=cosine", "steps=2", "report=true"), out_dir=tmp_path)
+    assert (tmp_path / "report.html").is_file() and (tmp_path / DONE).is_file()
+
+
+def test_a_failing_report_logs_the_command_and_keeps_the_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("matplotlib")
+    with caplog.at_level(logging.WARNING, logger="gradrunner.rundir"):
+        run(compose_cfg("+experiment=cosine", "steps=0", "report=true"), out_dir=tmp_path)  # no rows to report
+    assert f"write it with: python -m gradrunner.report {tmp_path}" in caplog.text
+    assert (tmp_path / DONE).is_file() and not (tmp_path / "report.html").exists()
+
+
+def test_report_true_without_matplotlib_fails_before_step_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.delitem(sys.modules, "gradrunner.plots", raising=False)
+    monkeypatch.delattr(gradrunner, "plots", raising=False)
+    with pytest.raises(GradrunnerError, match=r"matplotlib, which is not installed: pip install"):
+        run(compose_cfg("+experiment=cosine", "steps=2", "report=true"), out_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_two_runs_started_together_get_their_own_dirs(tmp_path: Path) -> None:
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "gradrunner", "+experiment=cosine", "steps=1"], cwd=tmp_path,
+                         env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        for _ in range(2)
+    ]
+    for p in procs:
+        out, _ = p.communicate(timeout=180)
+        assert p.returncode == 0, out
+    dirs = sorted(tmp_path.glob("outputs/*/*"))
+    assert len(dirs) == 2 and all((d / DONE).is_file() for d in dirs)
