@@ -4,8 +4,9 @@
 (`GradrunnerError`, or an OmegaConf error such as a missing value) prints one paragraph to stderr, no
 traceback, and exits with status 2; in a sweep (`-m`) the job fails, the other jobs still run, and
 Hydra reports it at the end (status 1).
-Mistakes Hydra finds while composing (a misspelled key, an unknown option) get Hydra's own short
-message and status 1. `HYDRA_FULL_ERROR=1` shows the full traceback instead. Ctrl-C and SIGTERM
+A misspelled top-level or `capture.*` key on the command line is refused before Hydra runs
+(`gradrunner.overrides`), in one paragraph with status 2; other mistakes Hydra finds while composing
+(an unknown option, a misspelled key inside a YAML file) get Hydra's own short message and status 1. `HYDRA_FULL_ERROR=1` shows the full traceback instead. Ctrl-C and SIGTERM
 keep the completed steps' records and exit with 130 and 143. Every case: docs/errors.md.
 
 Example::
@@ -32,6 +33,7 @@ from omegaconf.errors import OmegaConfBaseException
 from gradrunner.errors import GradrunnerError
 from gradrunner.guards import Terminated, check_writable
 from gradrunner.job import run
+from gradrunner.overrides import misspelled_key
 
 #: Exit status for a user mistake in a single run.
 EXIT_USER_ERROR = 2
@@ -86,8 +88,22 @@ class OutputDirCheck(Callback):
             _fail(e)
 
 
+def main() -> None:
+    """The entry point: a misspelled key on the command line is refused in one paragraph, then the app runs.
+
+    Example::
+
+        gradrunner +experiment=mlp steps=10
+    """
+    message = misspelled_key(sys.argv[1:])
+    if message is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
+        print(f"gradrunner: error: {message}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+    app()
+
+
 @hydra.main(version_base="1.3", config_path="pkg://gradrunner.conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def app(cfg: DictConfig) -> None:
     """Run one job: `run(cfg)`, with user mistakes reported as one paragraph (see the module doc).
 
     Example::

@@ -154,6 +154,10 @@ def _write_options(schema: pa.Schema) -> dict[str, object]:
     return {"use_byte_stream_split": split, "use_dictionary": dictionary, "compression": compression}
 
 
+#: Buffered batches are merged into one when this many have piled up.
+_COALESCE_BATCHES = 64
+
+
 class ParquetTableWriter:
     """Streams record batches of one schema to a Parquet file, committed atomically on `close()`.
 
@@ -206,6 +210,9 @@ class ParquetTableWriter:
             self._buffer.append(batch)
             self._buffered_rows += batch.num_rows
             self._buffered_bytes += batch.nbytes
+            if len(self._buffer) >= _COALESCE_BATCHES:
+                # Thousands of one-step batches cost far more memory than their rows: merge them.
+                self._buffer = pa.Table.from_batches(self._buffer, schema=self.schema).combine_chunks().to_batches()
         if self._buffered_rows >= self.rows_per_group or self._buffered_bytes >= self.max_buffer_bytes:
             self._flush(everything=self._buffered_bytes >= self.max_buffer_bytes)
 

@@ -142,6 +142,7 @@ class Collector:
         self.seed = seed
         self._pending: list[_Pending] = []
         self._positions: dict[tuple[str, int, torch.device], tuple[np.ndarray, torch.Tensor]] = {}
+        self._scratch: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -163,9 +164,17 @@ class Collector:
         n = flat.numel()
         small = 0 < n <= DEFER_NUMEL
         self._pending.append(_Pending(
-            order, key, tuple(g.shape), n, True, None if small or n == 0 else _reduce(flat),
+            order, key, tuple(g.shape), n, True, None if small or n == 0 else _reduce(flat, self._scratch_for(flat)),
             flat if small else None, self._keep_values(key, flat),
         ))  # fmt: skip
+
+    def _scratch_for(self, flat: torch.Tensor) -> torch.Tensor:
+        """One reusable buffer per gradient size: the reductions' temporary, allocated once."""
+        k = (flat.numel(), flat.dtype, flat.device)
+        buf = self._scratch.get(k)
+        if buf is None:
+            buf = self._scratch[k] = torch.empty_like(flat)
+        return buf
 
     def _keep_values(self, key: TapKey, flat: torch.Tensor) -> torch.Tensor | None:
         if self.values == "none":
@@ -247,15 +256,18 @@ def _reduce_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([*cols, torch.isnan(x).sum(1).to(wide), torch.isinf(x).sum(1).to(wide)], dim=1)
 
 
-def _reduce(flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _reduce(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The per-gradient device work: four reductions, plus NaN/Inf counts when they can be non-zero.
 
     Returns 0-d tensors `[sum, sum of squares, min, max]` and `[non-zero count, nan count, inf count]`.
+    `scratch` (same size and dtype as `flat`) takes the one elementwise temporary: a fresh large
+    allocation in the middle of a training step costs more than the reduction itself (page faults).
     """
     mn, mx = torch.aminmax(flat)
     # abs() folds -0.0 into +0.0, so a zero is exactly an all-zero bit pattern; counting non-zero
     # integers is several times faster than comparing floats with 0 on CPU.
-    nonzero = torch.count_nonzero(flat.abs().view(_INT_VIEW[flat.dtype]))
+    magnitude = flat.abs() if scratch is None else torch.abs(flat, out=scratch)
+    nonzero = torch.count_nonzero(magnitude.view(_INT_VIEW[flat.dtype]))
     if flat.device.type != "cpu":
         # No branching on values here (it would sync per tap): accumulate wide, count always.
         wide = flat if flat.dtype == torch.float64 or flat.device.type == "mps" else flat.double()

@@ -812,8 +812,10 @@ def test_host_traffic_check_catches_a_per_tap_read(monkeypatch: pytest.MonkeyPat
     """The check above can fail: a reduction that reads one value per tap is seen."""
     real_reduce = gradrunner.stats._reduce
 
-    def reduce_and_peek(flat: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        out = real_reduce(flat)
+    def reduce_and_peek(
+        flat: torch.Tensor, scratch: torch.Tensor | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        out = real_reduce(flat, scratch)
         out[0][0].item()
         return out
 

@@ -69,8 +69,11 @@ def _case(id: str, what: str, overrides: str, message: str, way_out: str, **kw: 
 HYDRA = {"exit": 1, "via": ("cli",)}
 CASES = [
     # -- config keys, types and values
-    _case("misspelled-key", "a misspelled key", "stepz=3", "Could not override 'stepz'.",
-          "Key 'stepz' not in 'Config'", **HYDRA),
+    _case("misspelled-key", "a misspelled key", "stepz=3", "stepz is not a config key; top-level keys: model,",
+          "Did you mean 'steps'?", via=("cli",)),
+    _case("misspelled-capture-key", "a misspelled capture key", "capture.stratgy=hook",
+          "capture.stratgy is not a config key; capture.* keys: strategy,", "Did you mean 'capture.strategy'?",
+          via=("cli",)),
     _case("wrong-type", "a value of the wrong type", "steps=many", "Error merging override steps=many",
           "could not be converted to Integer", **HYDRA),
     _case("taps-not-a-list", "taps given as a string", "taps=fc1:output", "Error merging override taps=fc1:output",
