@@ -1,0 +1,89 @@
+"""Where the capture time goes: each statistic's op timed inside real training steps.
+
+    python benchmarks/stats_profile.py            # the 17-tap 8x512 MLP at batch 256
+    python benchmarks/stats_profile.py --tiny     # CI smoke run
+
+Runs the `hook` strategy on the MLP of capture_overhead.py and, in turn, replaces the per-gradient
+reduction with one op of it alone (the rest of the capture unchanged), timing that op inside the
+hooks of real steps. Prints per step: each op's milliseconds summed over the 17 taps, as a share of
+the bare training step, next to the whole reduction and the bare step (interleaved, medians).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import interleaved, median_ms, no_context, parse_args, report  # noqa: E402
+
+import gradrunner.stats as stats  # noqa: E402
+from gradrunner import capture  # noqa: E402
+from gradrunner.models import MLP  # noqa: E402
+
+OpFn = Callable[[torch.Tensor, torch.Tensor], object]
+OPS: dict[str, OpFn] = {
+    "sum": lambda f, buf: f.sum(),
+    "dot (sum of squares)": lambda f, buf: torch.dot(f, f),
+    "aminmax": lambda f, buf: torch.aminmax(f),
+    "abs into scratch": lambda f, buf: torch.abs(f, out=buf),
+    "count_nonzero (int view)": lambda f, buf: torch.count_nonzero(buf.view(torch.int32)),
+    "host read of sums (numpy)": lambda f, buf: float(f[:1].sum().numpy()),
+}
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    width, batch, steps = (32, 8, 3) if args.tiny else (512, 256, 25)
+    torch.manual_seed(0)
+    model = MLP(width, width, 8, width)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    taps = ["fc*:output", "relu*:output", "head:output"]
+    real = stats._reduce
+    rows = []
+    for name, op in {"whole reduction": None, **OPS}.items():
+        spent: list[float] = []
+        buf = torch.empty(batch * width)
+
+        def timed(flat: torch.Tensor, scratch: torch.Tensor | None = None, op: OpFn | None = op) -> object:
+            start = time.perf_counter()
+            out = real(flat, scratch) if op is None else op(flat, buf)
+            spent.append(time.perf_counter() - start)
+            if op is None:
+                return out
+            return [flat[:1].sum()] * 4, [stats._CPU_ZERO] * 3  # stand-in results: the op alone was timed
+
+        stats._reduce = timed  # type: ignore[assignment]
+        try:
+            with capture(model, taps, strategy="hook", keep_grads=False) as cap:
+                for _ in range(steps):
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                    cap.backward(loss)
+                    cap.records(loss)
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        finally:
+            stats._reduce = real
+        per_step = statistics.median(spent) * 17 * 1e3
+        rows.append({"op": name, "ms_per_step": per_step})
+
+    def plain() -> None:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    bare = median_ms(interleaved({"none": (no_context, plain)}, repeats=3 if args.tiny else 10)["none"])
+    for r in rows:
+        r["pct_of_bare_step"] = 100 * r["ms_per_step"] / bare
+    rows.append({"op": "bare training step", "ms_per_step": bare, "pct_of_bare_step": 100.0})
+    report("stats_profile", rows, ["op", "ms_per_step", "pct_of_bare_step"], args.out)
+
+
+if __name__ == "__main__":
+    main()
