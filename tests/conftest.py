@@ -60,3 +60,19 @@ def leftover_hooks(model: nn.Module) -> list[str]:
 def class_forwards(model: nn.Module) -> dict[type, object]:
     """Snapshot of `type(m).forward` for every module class in `model`."""
     return {type(m): type(m).forward for m in model.modules()}
+
+
+@pytest.fixture
+def interrupt_at_step_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C arrives as the runner ends step 3 (its 4th peak-memory reading): steps 0-2 are complete."""
+    import gradrunner.runner as runner
+
+    calls = {"n": 0}
+
+    def peak_memory_bytes(device: torch.device) -> int:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return 1
+
+    monkeypatch.setattr(runner, "peak_memory_bytes", peak_memory_bytes)

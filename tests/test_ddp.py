@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +22,17 @@ TAPS = "taps=[fc1:output,fc1:bias,head:weight]"
 
 
 def torchrun(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """torchrun in a session of its own: on a time-out the whole group goes, workers included."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gradrunner"]
-    return subprocess.run([*cmd, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=180)
+    proc = subprocess.Popen([*cmd, *args], cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun did not finish in 180 s; its process group was killed\n{err[-2000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.fixture(scope="module")

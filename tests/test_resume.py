@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 
-from gradrunner import runner
 from gradrunner.analysis import load
 from gradrunner.errors import GradrunnerError
 from gradrunner.job import run
@@ -82,16 +80,8 @@ def test_resume_reruns_an_incomplete_run_from_step_0(tmp_path: Path) -> None:
     assert pd.read_parquet(tmp_path / "steps.parquet").step.tolist() == [0, 1]
 
 
-def test_an_interrupted_run_has_no_marker_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = {"n": 0}
-
-    def interrupt_at_step_3(device: torch.device) -> int:
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return 1
-
-    monkeypatch.setattr(runner, "peak_memory_bytes", interrupt_at_step_3)
+@pytest.mark.usefixtures("interrupt_at_step_3")
+def test_an_interrupted_run_has_no_marker_and_resumes(tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         run(compose_cfg("+experiment=cosine", "steps=5"), out_dir=tmp_path)
     assert (tmp_path / "grads.parquet").exists() and not (tmp_path / DONE).exists()

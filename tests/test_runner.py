@@ -16,7 +16,6 @@ from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gradrunner import runner
 from gradrunner.errors import GradrunnerError
 from gradrunner.losses import HalfSumSquaredError
 from gradrunner.runner import Progress, build, resolve_device, resolve_dtype, seed_everything, train
@@ -226,16 +225,8 @@ def test_an_existing_grads_file_is_never_overwritten(tmp_path: Path) -> None:
     assert (tmp_path / "grads.parquet").read_bytes() == b"precious"
 
 
-def test_interrupt_keeps_the_completed_steps_readable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = {"n": 0}
-
-    def interrupt_at_step_3(device: torch.device) -> int:
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return 1
-
-    monkeypatch.setattr(runner, "peak_memory_bytes", interrupt_at_step_3)
+@pytest.mark.usefixtures("interrupt_at_step_3")
+def test_interrupt_keeps_the_completed_steps_readable(tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         train(compose_cfg("+experiment=cosine", "steps=100"), out_dir=tmp_path)
     assert files(tmp_path) == ["grads.parquet", "steps.parquet"]
