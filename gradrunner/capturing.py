@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import types
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -155,7 +155,11 @@ class Capture:
             if local_taps:
                 self._patch_forward(module, local_taps)
         self._tap_params = [(t, getattr(modules[t.module], t.name)) for t in self.taps if t.kind == "param"]
-        self.strategy.install([(p, lambda p=p: self._param_slots.get(id(p))) for _, p in self._tap_params])
+        self.strategy.install([(p, self._slot_lookup(p)) for _, p in self._tap_params])
+
+    def _slot_lookup(self, param: nn.Parameter) -> Callable[[], Slot | None]:
+        """The parameter's slot in the step being captured (None outside `backward`)."""
+        return lambda: self._param_slots.get(id(param))
 
     def _track_grad_mode(self) -> None:
         def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -187,7 +191,7 @@ class Capture:
 
         def restore() -> None:
             if had_instance_forward:
-                module.forward = previous  # type: ignore[method-assign]
+                module.forward = previous  # type: ignore[method-assign,assignment]
             else:
                 module.__dict__.pop("forward", None)
 

@@ -302,7 +302,7 @@ def test_bad_input_gets_one_paragraph_and_leaves_nothing_behind(
     built_models: list[tuple[nn.Module, dict[str, object]]], clean_hydra: None,
 ) -> None:  # fmt: skip
     if via not in case.via:
-        pytest.skip(f"{case.id} is refused by Hydra before train() runs")
+        pytest.skip(f"{case.id} is refused on the command line (by gradrunner or Hydra) before train() runs")
     monkeypatch.chdir(tmp_path)
     out_dir = SETUPS[case.setup](tmp_path, monkeypatch)
     status, message = run_api(case, out_dir) if via == "api" else run_cli(case, out_dir, monkeypatch, capsys)

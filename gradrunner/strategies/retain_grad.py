@@ -38,8 +38,8 @@ class RetainGradStrategy(Strategy):
         try:
             loss.backward(retain_graph=retain_graph)
             for slot in slots:
-                t = slot.param if slot.param is not None else slot.tensor
-                self.deliver(slot, None if t is None else t.grad)
+                held = slot.param if slot.param is not None else slot.tensor
+                self.deliver(slot, None if held is None else held.grad)
         finally:
             for k, t in leaves.items():
                 prev = stashed[k]
