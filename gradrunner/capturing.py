@@ -290,6 +290,7 @@ class Capture:
             # weakly: a new input each step must not be kept alive by the session
             self._made_leaf_require_grad = [r for r in self._made_leaf_require_grad if r() is not None]
             self._made_leaf_require_grad.append(weakref.ref(value))
+        slot.extra["leaf"] = value.is_leaf
         return self.strategy.attach(value, slot)
 
     # -- backward pass ---------------------------------------------------------------------------
@@ -297,11 +298,12 @@ class Capture:
         if slot.delivered or grad is None:
             return
         slot.delivered = True
+        # A leaf's gradient may become its .grad, which can be changed in place later (zero_grad,
+        # accumulation); an intermediate's gradient is handed to us alone.
+        leaf = slot.param is not None or slot.extra.get("leaf", False) is True
         if self._collector is not None:
-            self._collector.add(slot.key, grad, order=slot.order)
+            self._collector.add(slot.key, grad, order=slot.order, mutable=leaf)
         if self.keep_grads:
-            # A leaf's gradient may become its .grad, which later steps can change in place.
-            leaf = slot.param is not None or (slot.tensor is not None and slot.tensor.is_leaf)
             self._kept[slot.order] = grad.detach().clone() if leaf else grad.detach()
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:

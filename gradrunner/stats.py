@@ -147,11 +147,13 @@ class Collector:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, key: TapKey, grad: torch.Tensor | None, order: int | None = None) -> None:
+    def add(self, key: TapKey, grad: torch.Tensor | None, order: int | None = None, mutable: bool = True) -> None:
         """Reduce `grad` (or record that the tap got none) without leaving its device.
 
         `order` places the record among the step's records (default: after those added so far);
         gradients arrive in backward order, records are kept in forward (firing) order.
+        `mutable=False` promises that nothing changes `grad` in place before `finish` (true of an
+        intermediate's gradient; a leaf's may become its `.grad`): what is kept is then not copied.
         """
         order = len(self._pending) if order is None else order
         if grad is None:
@@ -163,9 +165,10 @@ class Collector:
             flat = flat.float()
         n = flat.numel()
         small = 0 < n <= DEFER_NUMEL
+        kept = flat.clone() if small and mutable and flat.dtype == g.dtype else flat  # .float() copied already
         self._pending.append(_Pending(
             order, key, tuple(g.shape), n, True, None if small or n == 0 else _reduce(flat, self._scratch_for(flat)),
-            flat if small else None, self._keep_values(key, flat),
+            kept if small else None, self._keep_values(key, flat, mutable),
         ))  # fmt: skip
 
     def _scratch_for(self, flat: torch.Tensor) -> torch.Tensor:
@@ -176,11 +179,11 @@ class Collector:
             buf = self._scratch[k] = torch.empty_like(flat)
         return buf
 
-    def _keep_values(self, key: TapKey, flat: torch.Tensor) -> torch.Tensor | None:
+    def _keep_values(self, key: TapKey, flat: torch.Tensor, mutable: bool) -> torch.Tensor | None:
         if self.values == "none":
             return None
         if self.values == "full":
-            return flat.float().clone() if flat.dtype == torch.float32 else flat.float()
+            return flat.float().clone() if flat.dtype == torch.float32 and mutable else flat.float()
         cache_key = (key.tap, flat.numel(), flat.device)
         if cache_key not in self._positions:
             pos = sample_positions(key.tap, flat.numel(), self.sample_size, self.seed)

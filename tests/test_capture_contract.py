@@ -957,3 +957,21 @@ def test_shared_module_under_two_paths_local_taps(strategy: str) -> None:
         cap.backward(model(torch.randn(3, dtype=torch.float64)).sum())
     assert len(cap.grads.calls("0:output")) == len(cap.grads.calls("1:output")) == 2
     assert len(cap.grads.calls("0:mul_x")) == len(cap.grads.calls("1:mul_x"))
+
+
+@pytest.mark.parametrize("values", ["none", "full"])
+def test_records_survive_zero_grad_in_place_before_they_are_read(strategy: str, values: str) -> None:
+    """A parameter's gradient may become its .grad; zeroing that in place must not change the records."""
+    torch.manual_seed(0)
+    model = MLP(4, 8, 1, 2).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with capture(model, ["fc1:weight", "fc1:output"], strategy=strategy, values=values, keep_grads=False) as cap:
+        loss = model(x).pow(2).sum()
+        cap.backward(loss)
+        expected = {"fc1:weight": model.fc1.weight.grad.clone()}
+        model.zero_grad(set_to_none=False)  # in place: what an optimiser loop may do before reading
+        recs = cap.records(loss)
+    row = next(recs.row(i) for i in range(len(recs)) if recs.keys[i].tap == "fc1:weight")
+    assert row["norm"] == pytest.approx(float(expected["fc1:weight"].norm()), rel=1e-12)
+    if values == "full":
+        np.testing.assert_allclose(row["values"], expected["fc1:weight"].reshape(-1).float().numpy(), rtol=1e-6)
