@@ -309,12 +309,19 @@ def long_run(cwd: Path) -> Iterator[subprocess.Popen[str]]:
 
 
 @pytest.mark.slow
-def test_ctrl_c_closes_cleanly_and_keeps_completed_steps(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sig", "status", "said"),
+    [(signal.SIGINT, 130, "gradrunner: interrupted"), (signal.SIGTERM, 143, "gradrunner: terminated (SIGTERM)")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ctrl_c_and_sigterm_close_cleanly_and_keep_completed_steps(
+    tmp_path: Path, sig: signal.Signals, status: int, said: str
+) -> None:
     with long_run(tmp_path) as proc:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out
-    assert "Traceback" not in out
+    assert proc.returncode == status, out
+    assert "Traceback" not in out and said in out
     (job,) = job_dirs(tmp_path)
     df = pd.read_parquet(job / "grads.parquet")
     steps = pd.read_parquet(job / "steps.parquet")
