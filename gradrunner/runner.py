@@ -254,13 +254,15 @@ def _run_steps(
 ) -> None:
     """The step loop: forward, loss, backward, records (on captured steps), optimizer step."""
     bar = Progress(cfg.steps)
+    # Read from the config once: OmegaConf lookups cost more than a tiny model's step.
+    every, on_nonfinite = int(cfg.capture.every), str(cfg.capture.get("on_nonfinite", "record"))
+    source, model_name, loss_name = str(cfg.data._target_), str(cfg.model._target_), str(cfg.loss._target_)
     try:
-        for step in range(cfg.steps):
+        for step in range(int(cfg.steps)):
             t0 = time.perf_counter()
-            x, y = next_batch(job.batches, step, source=str(cfg.data._target_))
-            cap.enabled = captured = step % cfg.capture.every == 0
-            loss = forward_loss(job.model, job.loss_fn, x, y, step, model_name=str(cfg.model._target_),
-                                loss_name=str(cfg.loss._target_))  # fmt: skip
+            x, y = next_batch(job.batches, step, source=source)
+            cap.enabled = captured = step % every == 0
+            loss = forward_loss(job.model, job.loss_fn, x, y, step, model_name=model_name, loss_name=loss_name)
             backward(cap.backward, loss, step)
             capture_time = None
             if captured:
@@ -277,7 +279,7 @@ def _run_steps(
             step_time = time.perf_counter() - t0
             steps.write(step, captured, loss_value, step_time, capture_time, peak_memory_bytes(job.device))
             bar.update(step, loss_value)
-            check_finite(cfg.capture.get("on_nonfinite", "record"), step, loss_value, recs if captured else None)
+            check_finite(on_nonfinite, step, loss_value, recs if captured else None)
     finally:
         bar.close()
 
