@@ -26,7 +26,7 @@ from _common import interleaved, median_ms, no_context, parse_args, report  # no
 
 from gradrunner import capture  # noqa: E402
 from gradrunner.models import MLP, SmallCNN, TinyTransformerBlock  # noqa: E402
-from gradrunner.taps import resolve_taps  # noqa: E402
+from gradrunner.capturing.taps import resolve_taps  # noqa: E402
 
 STRATEGIES = ("hook", "retain_grad", "autograd_grad")
 

@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median_ms, parse_args, report  # noqa: E402
 
-from gradrunner.records import RecordWriter  # noqa: E402
-from gradrunner.stats import Collector, StepRecords, TapKey  # noqa: E402
+from gradrunner.records.writer import RecordWriter  # noqa: E402
+from gradrunner.capturing.stats import Collector, StepRecords, TapKey  # noqa: E402
 
 
 def make_steps(n_steps: int, n_taps: int, numel: int) -> list[StepRecords]:

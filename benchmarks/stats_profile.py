@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import interleaved, median_ms, no_context, parse_args, report  # noqa: E402
 
-import gradrunner.stats as stats  # noqa: E402
+import gradrunner.capturing.stats as stats  # noqa: E402
 from gradrunner import capture  # noqa: E402
 from gradrunner.models import MLP  # noqa: E402
 

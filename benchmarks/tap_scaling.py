@@ -6,7 +6,7 @@
 One deep MLP (100 Linear+ReLU blocks, width 256, batch 128: 201 module outputs); the first N
 module outputs in forward order are tapped. For each N, steps with no capture, with each strategy
 (statistics only) and with the naive tutorial baseline are interleaved. Also counts device-to-host
-transfers per captured step (calls to `gradrunner.stats.to_host`).
+transfers per captured step (calls to `gradrunner.capturing.stats.to_host`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import interleaved, median_ms, parse_args, report  # noqa: E402
 from capture_overhead import variants_for  # noqa: E402
 
-import gradrunner.stats as stats  # noqa: E402
+import gradrunner.capturing.stats as stats  # noqa: E402
 from gradrunner import capture  # noqa: E402
 from gradrunner.models import MLP  # noqa: E402
 

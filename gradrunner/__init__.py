@@ -21,9 +21,9 @@ Example::
     cap.grads["fc1:output"]
 """
 
-from gradrunner.capturing import Capture, Grads, capture
+from gradrunner.capturing.session import Capture, Grads, capture
 from gradrunner.errors import GradrunnerError
-from gradrunner.strategies import STRATEGIES
+from gradrunner.capturing.strategies import STRATEGIES
 
 __version__ = "0.1.0"
 

@@ -30,7 +30,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from gradrunner.rundir import job_state, mark_failed, try_report, write_json
+from gradrunner.records.rundir import job_state, mark_failed, try_report, write_json
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The Hydra app: `python -m gradrunner +experiment=mlp` (and the `gradrunner` console script).
 
-`main` is a shim over `gradrunner.job.run` (`runner.train` plus the run dir's books). A user mistake
+`main` is a shim over `gradrunner.run.job.run` (`runner.train` plus the run dir's books). A user mistake
 (`GradrunnerError`, or an OmegaConf error such as a missing value) prints one paragraph to stderr, no
 traceback, and exits with status 2; in a sweep (`-m`) the job fails, the other jobs still run, and
 Hydra reports it at the end (status 1).
@@ -31,8 +31,8 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.guards import Terminated, check_writable
-from gradrunner.job import run
+from gradrunner.run.guards import Terminated, check_writable
+from gradrunner.run.job import run
 from gradrunner.overrides import misspelled_key
 
 #: Exit status for a user mistake in a single run.

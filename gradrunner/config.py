@@ -20,7 +20,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.stats import VALUES_MODES
+from gradrunner.capturing.stats import VALUES_MODES
 
 #: Name of the schema in the ConfigStore; `conf/config.yaml` lists it first in its defaults.
 SCHEMA_NAME = "gradrunner_schema"
@@ -37,7 +37,7 @@ _DEVICE_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 class CaptureConfig:
     """`capture.*`: how gradients are captured and what is kept of them."""
 
-    # Capture strategy, a key of gradrunner.strategies.STRATEGIES: retain_grad, hook, autograd_grad.
+    # Capture strategy, a key of gradrunner.capturing.strategies.STRATEGIES: retain_grad, hook, autograd_grad.
     strategy: str = "hook"
     # What is kept besides statistics: none, full (every element), sample (sample_size fixed positions).
     values: str = "none"
@@ -105,7 +105,7 @@ def _allowed(name: str, value: object, allowed: list[str] | tuple[str, ...], hin
 
 
 def _strategy_names() -> list[str]:
-    from gradrunner.strategies import STRATEGIES  # lazy: the strategies import torch machinery
+    from gradrunner.capturing.strategies import STRATEGIES  # lazy: the strategies import torch machinery
 
     return list(STRATEGIES)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradrunner.strategies import STRATEGIES
+from gradrunner.capturing.strategies import STRATEGIES
 
 #: Every hook registry an `nn.Module` has (some only exist in newer torch versions).
 MODULE_HOOK_DICTS = (
@@ -65,7 +65,7 @@ def class_forwards(model: nn.Module) -> dict[type, object]:
 @pytest.fixture
 def interrupt_at_step_3(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C arrives as the runner ends step 3 (its 4th peak-memory reading): steps 0-2 are complete."""
-    import gradrunner.runner as runner
+    import gradrunner.run.loop as runner
 
     calls = {"n": 0}
 

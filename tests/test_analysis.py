@@ -1,4 +1,4 @@
-"""gradrunner.analysis helpers on records with planted properties: the helpers must report exactly those.
+"""gradrunner.analysis.load helpers on records with planted properties: the helpers must report exactly those.
 
 The planted sweep (`planted_sweep`) has three jobs, one per strategy, four steps each. Taps in firing order:
 
@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 import torch
 
-from gradrunner.analysis import (
+from gradrunner.analysis.load import (
     compare_strategies,
     forward_order,
     grad_flow,
@@ -32,8 +32,8 @@ from gradrunner.analysis import (
     tap_summary,
 )
 from gradrunner.errors import GradrunnerError
-from gradrunner.records import RecordWriter, StepsWriter
-from gradrunner.stats import Collector, TapKey
+from gradrunner.records.writer import RecordWriter, StepsWriter
+from gradrunner.capturing.stats import Collector, TapKey
 
 STRATEGIES = ("retain_grad", "hook", "autograd_grad")
 STEPS = 4

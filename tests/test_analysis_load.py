@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from gradrunner.analysis import load
+from gradrunner.analysis.load import load
 from gradrunner.errors import GradrunnerError
-from gradrunner.records import RecordWriter, StepsWriter
-from gradrunner.stats import Collector, TapKey
+from gradrunner.records.writer import RecordWriter, StepsWriter
+from gradrunner.capturing.stats import Collector, TapKey
 
 
 def write_job(job_dir: Path, strategy: str = "hook", steps: int = 2, overrides: list[str] | None = None) -> None:

@@ -20,8 +20,8 @@ from torch.utils.checkpoint import checkpoint
 
 from gradrunner import GradrunnerError, capture
 from gradrunner.models import MLP
-from gradrunner.stats import Collector, TapKey
-from gradrunner.strategies import STRATEGIES
+from gradrunner.capturing.stats import Collector, TapKey
+from gradrunner.capturing.strategies import STRATEGIES
 
 
 def close(actual: torch.Tensor | None, expected: torch.Tensor, rtol: float = 1e-10, atol: float = 1e-12) -> None:

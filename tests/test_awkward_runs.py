@@ -18,8 +18,8 @@ from omegaconf import DictConfig
 from test_cli import cli_env
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.guards import NonFinite
-from gradrunner.runner import train
+from gradrunner.run.guards import NonFinite
+from gradrunner.run.loop import train
 
 TESTS = Path(__file__).resolve().parent
 SEARCHPATH = f"hydra.searchpath=[file://{TESTS / 'conf'}]"

@@ -29,10 +29,10 @@ from finite_diff import (
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-import gradrunner.stats
+import gradrunner.capturing.stats
 from gradrunner import GradrunnerError, capture
 from gradrunner.models import MLP, CosineRegression, SmallCNN, TinyTransformerBlock, TwoLayerSigmoid
-from gradrunner.strategies import STRATEGIES
+from gradrunner.capturing.strategies import STRATEGIES
 
 RTOL_STRATEGY, ATOL_STRATEGY = 1e-6, 1e-12  # strategy vs exact autograd reference (float64)
 RTOL_FD, ATOL_FD = 1e-5, 1e-7  # vs central differences with eps = 1e-6 (float64)
@@ -761,13 +761,13 @@ def _step_traffic(
     monkeypatch: pytest.MonkeyPatch, strategy: str, taps: list[str], values: str
 ) -> tuple[int, list[str], int]:
     to_host_calls = []
-    real_to_host = gradrunner.stats.to_host
+    real_to_host = gradrunner.capturing.stats.to_host
 
     def counting_to_host(t: torch.Tensor) -> torch.Tensor:
         to_host_calls.append(t.numel())
         return real_to_host(t)
 
-    monkeypatch.setattr(gradrunner.stats, "to_host", counting_to_host)
+    monkeypatch.setattr(gradrunner.capturing.stats, "to_host", counting_to_host)
     torch.manual_seed(3)
     model = MLP(in_features=3, hidden=4, depth=15, out_features=2).double()
     x, target = torch.randn(2, 3, dtype=torch.float64), torch.randn(2, 2, dtype=torch.float64)
@@ -810,7 +810,7 @@ def test_host_transfers_per_step_do_not_grow_with_taps_when_sampling(
 
 def test_host_traffic_check_catches_a_per_tap_read(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
     """The check above can fail: a reduction that reads one value per tap is seen."""
-    real_reduce = gradrunner.stats._reduce
+    real_reduce = gradrunner.capturing.stats._reduce
 
     def reduce_and_peek(
         flat: torch.Tensor, scratch: torch.Tensor | None = None
@@ -819,8 +819,8 @@ def test_host_traffic_check_catches_a_per_tap_read(monkeypatch: pytest.MonkeyPat
         out[0][0].item()
         return out
 
-    monkeypatch.setattr(gradrunner.stats, "_reduce", reduce_and_peek)
-    monkeypatch.setattr(gradrunner.stats, "DEFER_NUMEL", 0)  # every gradient reduced on its own
+    monkeypatch.setattr(gradrunner.capturing.stats, "_reduce", reduce_and_peek)
+    monkeypatch.setattr(gradrunner.capturing.stats, "DEFER_NUMEL", 0)  # every gradient reduced on its own
     few = _step_traffic(monkeypatch, strategy, FEW_TAPS, "none")
     many = _step_traffic(monkeypatch, strategy, MANY_TAPS, "none")
     assert len(many[1]) - len(few[1]) == many[2] - few[2]

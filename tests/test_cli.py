@@ -20,8 +20,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from gradrunner.analysis import load
-from gradrunner.strategies import STRATEGIES
+from gradrunner.analysis.load import load
+from gradrunner.capturing.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "gradrunner" / "conf"

@@ -12,7 +12,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from gradrunner.config import DTYPES, CaptureConfig, Config, validate
 from gradrunner.errors import GradrunnerError
-from gradrunner.strategies import STRATEGIES
+from gradrunner.capturing.strategies import STRATEGIES
 
 CONF = Path(__file__).resolve().parents[1] / "gradrunner" / "conf"
 EXPERIMENTS = ["mlp", "cnn", "transformer", "cosine", "sigmoid2"]

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gradrunner.analysis import load
+from gradrunner.analysis.load import load
 from test_cli import check_ok, cli_env
 
 pytestmark = pytest.mark.slow

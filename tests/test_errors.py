@@ -31,7 +31,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from torch import nn
 
-from gradrunner import cli, runner
+from gradrunner import cli
+from gradrunner.run import loop as runner
 from gradrunner.errors import GradrunnerError
 
 TESTS = Path(__file__).resolve().parent

@@ -23,9 +23,9 @@ from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 from test_cli import cli_env, job_dirs
 
-from gradrunner import runner
-from gradrunner.guards import Terminated, sigterm_as_interrupt
-from gradrunner.runner import train
+from gradrunner.run import loop as runner
+from gradrunner.run.guards import Terminated, sigterm_as_interrupt
+from gradrunner.run.loop import train
 
 
 def compose_cfg(*overrides: str) -> DictConfig:

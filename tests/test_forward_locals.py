@@ -1,4 +1,4 @@
-"""`gradrunner.forward_locals`: every assignment of a tapped local passes through the tap, nothing else changes."""
+"""`gradrunner.capturing.forward_locals`: every assignment of a tapped local passes through the tap, nothing else changes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gradrunner import GradrunnerError, capture
-from gradrunner.forward_locals import SourceUnavailable, assigned_names, rewrite
+from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names, rewrite
 from gradrunner.models import CosineRegression, TinyTransformerBlock
 
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from gradrunner import capture
-from gradrunner.strategies import STRATEGIES
+from gradrunner.capturing.strategies import STRATEGIES
 
 #: Activations, and whether each has an in-place form.
 ACTIVATIONS: dict[str, tuple[Callable[..., nn.Module], bool]] = {

@@ -1,4 +1,4 @@
-"""gradrunner.records: schema, round trips, row groups, atomic close, metadata, other readers."""
+"""gradrunner.records.writer: schema, round trips, row groups, atomic close, metadata, other readers."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.records import GRADS_SCHEMA, STEPS_SCHEMA, RecordWriter, StepsWriter, run_metadata
-from gradrunner.stats import COUNT_COLUMNS, STAT_COLUMNS, Collector, StepRecords, TapKey
+from gradrunner.records.writer import GRADS_SCHEMA, STEPS_SCHEMA, RecordWriter, StepsWriter, run_metadata
+from gradrunner.capturing.stats import COUNT_COLUMNS, STAT_COLUMNS, Collector, StepRecords, TapKey
 
 CONSTANTS = {"run_id": "run-1", "experiment": "mlp", "strategy": "hook", "device": "cpu", "dtype": "float32"}
 CONTRACT_COLUMNS = [
@@ -285,8 +285,8 @@ def test_sigkill_mid_write_leaves_no_final_file(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import os, signal, torch
-        from gradrunner.records import RecordWriter
-        from gradrunner.stats import Collector, TapKey
+        from gradrunner.records.writer import RecordWriter
+        from gradrunner.capturing.stats import Collector, TapKey
         w = RecordWriter({str(tmp_path)!r}, constants={CONSTANTS!r}, metadata={{}}, rows_per_group=2)
         for step in range(5):
             col = Collector()

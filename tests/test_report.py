@@ -1,4 +1,4 @@
-"""gradrunner.plots and gradrunner.report: figures checked through matplotlib's objects, the page
+"""gradrunner.analysis.plots and gradrunner.analysis.report: figures checked through matplotlib's objects, the page
 through its HTML (and headless Chromium where installed), the command through a subprocess."""
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradr
 
 from matplotlib.image import AxesImage  # noqa: E402
 
-from gradrunner.analysis import compare_strategies, forward_order, load, strategy_costs  # noqa: E402
+from gradrunner.analysis.load import compare_strategies, forward_order, load, strategy_costs  # noqa: E402
 from gradrunner.errors import GradrunnerError  # noqa: E402
-from gradrunner.plots import (  # noqa: E402
+from gradrunner.analysis.plots import (  # noqa: E402
     plot_grad_flow,
     plot_norms,
     plot_strategy_agreement,
     plot_strategy_cost,
     plot_value_distributions,
 )
-from gradrunner.records import RecordWriter  # noqa: E402
-from gradrunner.report import REPORT_NAME, write_report  # noqa: E402
-from gradrunner.stats import Collector, TapKey  # noqa: E402
+from gradrunner.records.writer import RecordWriter  # noqa: E402
+from gradrunner.analysis.report import REPORT_NAME, write_report  # noqa: E402
+from gradrunner.capturing.stats import Collector, TapKey  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from gradrunner.analysis import load
+from gradrunner.analysis.load import load
 from gradrunner.errors import GradrunnerError
-from gradrunner.job import run
-from gradrunner.rundir import DONE, FAILED, job_state
+from gradrunner.run.job import run
+from gradrunner.records.rundir import DONE, FAILED, job_state
 from test_cli import check_ok, cli_env, gradrunner
 from test_runner import compose_cfg
 
@@ -54,7 +54,7 @@ def test_a_second_run_into_the_same_dir_is_refused(tmp_path: Path) -> None:
 def test_resume_skips_a_completed_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     run(compose_cfg("+experiment=cosine", "steps=1"), out_dir=tmp_path)
     before = stamps(tmp_path)
-    with caplog.at_level(logging.INFO, logger="gradrunner.rundir"):
+    with caplog.at_level(logging.INFO, logger="gradrunner.records.rundir"):
         path = run(compose_cfg("+experiment=cosine", "steps=1", "resume=true"), out_dir=tmp_path)
     assert path == tmp_path / "grads.parquet"
     assert "already completed (done.json): skipped" in caplog.text

@@ -1,4 +1,4 @@
-"""gradrunner.runner: helpers and `train(cfg)` on composed configs, no Hydra app involved."""
+"""gradrunner.run.loop: helpers and `train(cfg)` on composed configs, no Hydra app involved."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gradrunner.errors import GradrunnerError
 from gradrunner.losses import HalfSumSquaredError
-from gradrunner.runner import Progress, build, resolve_device, resolve_dtype, seed_everything, train
+from gradrunner.run.loop import Progress, build, resolve_device, resolve_dtype, seed_everything, train
 
 CONTRACT_COLUMNS = [
     "run_id", "experiment", "strategy", "device", "dtype", "step", "tap", "module", "name", "call",
@@ -103,7 +103,7 @@ def test_half_sum_squared_error() -> None:
 
 def test_progress_logs_about_every_tenth_step_off_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
     bar = Progress(total=50, stream=io.StringIO())
-    with caplog.at_level(logging.INFO, logger="gradrunner.runner"):
+    with caplog.at_level(logging.INFO, logger="gradrunner.run.loop"):
         for step in range(50):
             bar.update(step, loss=1.0)
         bar.close()
@@ -118,7 +118,7 @@ def test_progress_draws_a_bar_on_a_terminal(caplog: pytest.LogCaptureFixture) ->
 
     stream = Tty()
     bar = Progress(total=3, stream=stream)
-    with caplog.at_level(logging.INFO, logger="gradrunner.runner"):
+    with caplog.at_level(logging.INFO, logger="gradrunner.run.loop"):
         for step in range(3):
             bar.update(step, loss=0.25)
         bar.close()
@@ -237,7 +237,7 @@ def test_interrupt_keeps_the_completed_steps_readable(tmp_path: Path) -> None:
 def test_train_logs_where_the_records_are_and_how_to_load_them(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="gradrunner.runner"):
+    with caplog.at_level(logging.INFO, logger="gradrunner.run.loop"):
         path = train(compose_cfg("+experiment=cosine", "steps=1"), out_dir=tmp_path)
     last = caplog.records[-1].getMessage()
     assert last.startswith(f"records: {path}") and "pandas.read_parquet(" in last

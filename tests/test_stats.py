@@ -1,4 +1,4 @@
-"""`gradrunner.stats`: statistics against torch's own, values, and fixed sample positions."""
+"""`gradrunner.capturing.stats`: statistics against torch's own, values, and fixed sample positions."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import gradrunner.stats
+import gradrunner.capturing.stats
 from gradrunner import capture
 from gradrunner.models import MLP
-from gradrunner.stats import COUNT_COLUMNS, STAT_COLUMNS, Collector, TapKey, sample_positions
+from gradrunner.capturing.stats import COUNT_COLUMNS, STAT_COLUMNS, Collector, TapKey, sample_positions
 
 KEY = TapKey("fc1", "output", 0)
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -22,7 +22,7 @@ RTOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-5, torch.bf
 @pytest.fixture(autouse=True, params=["per_tap", "batched"])
 def reduction_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every statistics test runs twice: gradients reduced one by one, and batched at finish."""
-    monkeypatch.setattr(gradrunner.stats, "DEFER_NUMEL", 0 if request.param == "per_tap" else 1 << 30)
+    monkeypatch.setattr(gradrunner.capturing.stats, "DEFER_NUMEL", 0 if request.param == "per_tap" else 1 << 30)
     return str(request.param)
 
 
@@ -66,7 +66,7 @@ def _expected(g: torch.Tensor) -> dict[str, float]:
     }
 
 
-def _one(g: torch.Tensor | None, values: str = "none") -> gradrunner.stats.StepRecords:
+def _one(g: torch.Tensor | None, values: str = "none") -> gradrunner.capturing.stats.StepRecords:
     col = Collector(values=values)
     col.add(KEY, g)
     return col.finish()
@@ -183,8 +183,8 @@ def test_one_transfer_per_step_however_many_gradients(
     monkeypatch: pytest.MonkeyPatch, values: str, transfers: int
 ) -> None:
     counts = []
-    real = gradrunner.stats.to_host
-    monkeypatch.setattr(gradrunner.stats, "to_host", lambda t: counts.append(1) or real(t))
+    real = gradrunner.capturing.stats.to_host
+    monkeypatch.setattr(gradrunner.capturing.stats, "to_host", lambda t: counts.append(1) or real(t))
     for n in (1, 40):
         counts.clear()
         col = Collector(values=values, sample_size=3)

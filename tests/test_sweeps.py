@@ -14,9 +14,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gradrunner.analysis import IncompleteSweepWarning, load
+from gradrunner.analysis.load import IncompleteSweepWarning, load
 from gradrunner.callbacks import MANIFEST, build_manifest
-from gradrunner.rundir import DONE, FAILED
+from gradrunner.records.rundir import DONE, FAILED
 from test_cli import check_ok, gradrunner
 
 STRATEGIES = "hook,retain_grad,autograd_grad"

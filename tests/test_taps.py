@@ -1,4 +1,4 @@
-"""`gradrunner.taps`: tap specs parsed and resolved against a model, before any forward pass."""
+"""`gradrunner.capturing.taps`: tap specs parsed and resolved against a model, before any forward pass."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import nn
 
 from gradrunner import GradrunnerError, capture
 from gradrunner.models import MLP, CosineRegression, SmallCNN, TinyTransformerBlock
-from gradrunner.taps import Tap, parse_spec, resolve_taps
+from gradrunner.capturing.taps import Tap, parse_spec, resolve_taps
 
 
 def _taps(model: nn.Module, specs: object) -> list[tuple[str, str, str]]:

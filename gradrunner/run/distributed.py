@@ -47,12 +47,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.records import RecordWriter, StepsWriter
-from gradrunner.strategies.base import Slot, Strategy
+from gradrunner.records.writer import RecordWriter, StepsWriter
+from gradrunner.capturing.strategies.base import Slot, Strategy
 
 if TYPE_CHECKING:
-    from gradrunner.capturing import Capture
-    from gradrunner.runner import Job
+    from gradrunner.capturing.session import Capture
+    from gradrunner.run.loop import Job
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

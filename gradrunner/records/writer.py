@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.stats import COUNT_COLUMNS, STAT_COLUMNS, StepRecords
+from gradrunner.capturing.stats import COUNT_COLUMNS, STAT_COLUMNS, StepRecords
 
 _W = TypeVar("_W", bound="ParquetTableWriter")
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.stats import StepRecords
+from gradrunner.capturing.stats import StepRecords
 
 def one_line(error: BaseException) -> str:
     """`str(error)` on one line."""

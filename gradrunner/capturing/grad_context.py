@@ -14,7 +14,7 @@ import torch
 import torch.utils.checkpoint as checkpoint_module
 from torch import nn
 
-from gradrunner.elements import Missing
+from gradrunner.capturing.elements import Missing
 from gradrunner.errors import GradrunnerError
 
 

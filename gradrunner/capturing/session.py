@@ -24,13 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradrunner.elements import get_element, set_element
+from gradrunner.capturing.elements import get_element, set_element
 from gradrunner.errors import GradrunnerError
-from gradrunner.forward_locals import rewrite
-from gradrunner.grad_context import in_backward, no_grad_reason, reentrant_checkpoint, refuse_compiled
-from gradrunner.stats import VALUES_MODES, Collector, StepRecords, TapKey
-from gradrunner.strategies import Slot, get_strategy
-from gradrunner.taps import Tap, TapSpec, resolve_taps
+from gradrunner.capturing.forward_locals import rewrite
+from gradrunner.capturing.grad_context import in_backward, no_grad_reason, reentrant_checkpoint, refuse_compiled
+from gradrunner.capturing.stats import VALUES_MODES, Collector, StepRecords, TapKey
+from gradrunner.capturing.strategies import Slot, get_strategy
+from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
 
 
 class Grads(Mapping[str, "torch.Tensor | None"]):

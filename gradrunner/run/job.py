@@ -2,7 +2,7 @@
 
 What `run` adds to `train`: the existing-run-dir rule (refuse, or resume), the completion marker
 `done.json` written last, the end-of-run report (`report=true`), and DDP under torchrun (the process
-group, rank 0's run dir for every rank). See `gradrunner.rundir` and `gradrunner.distributed`.
+group, rank 0's run dir for every rank). See `gradrunner.records.rundir` and `gradrunner.run.distributed`.
 
 Example::
 
@@ -18,11 +18,12 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from gradrunner import distributed, rundir
+from gradrunner.run import distributed
+from gradrunner.records import rundir
 from gradrunner.config import validate
-from gradrunner.distributed import Distributed
+from gradrunner.run.distributed import Distributed
 from gradrunner.errors import GradrunnerError
-from gradrunner.runner import output_dir, train
+from gradrunner.run.loop import output_dir, train
 
 
 def _decide(directory: Path, cfg: DictConfig, resume: bool, dist: Distributed | None) -> str:
@@ -54,11 +55,11 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
     - `done.json` is written last, once the records are closed: a job without it did not complete.
     - `report=true`: matplotlib is checked before step 0 and a single run writes its report at the end
       (a sweep writes one for the sweep dir, in `gradrunner.callbacks`); a failing report never fails the run.
-    - Under torchrun (`WORLD_SIZE > 1`) the job is one DDP rank; see `gradrunner.distributed`.
+    - Under torchrun (`WORLD_SIZE > 1`) the job is one DDP rank; see `gradrunner.run.distributed`.
     """
     validate(cfg)
     if cfg.report:
-        from gradrunner.report import check_available
+        from gradrunner.analysis.report import check_available
 
         check_available()
     hydra = HydraConfig.get() if HydraConfig.initialized() else None

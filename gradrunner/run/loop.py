@@ -34,16 +34,16 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from gradrunner import distributed
-from gradrunner.capturing import Capture, capture
+from gradrunner.run import distributed
+from gradrunner.capturing.session import Capture, capture
 from gradrunner.config import validate
 from gradrunner.data import Batch, as_batches
-from gradrunner.distributed import Distributed, GatheredWriter
+from gradrunner.run.distributed import Distributed, GatheredWriter
 from gradrunner.errors import GradrunnerError
-from gradrunner.guards import (
+from gradrunner.run.guards import (
     NonFinite, backward, check_finite, check_writable, forward_loss, next_batch, sigterm_as_interrupt, write_errors,
 )
-from gradrunner.records import RecordWriter, StepsWriter, run_metadata
+from gradrunner.records.writer import RecordWriter, StepsWriter, run_metadata
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ def train(
 
     Every config mistake (bad value, bad target, bad tap, model/data mismatch at step 0, an unwritable
     output dir) raises `GradrunnerError` before any record is written; no `grads.parquet` is left behind
-    then. Later failures (see `gradrunner.guards`: a forward or loss that raises, data that runs out,
+    then. Later failures (see `gradrunner.run.guards`: a forward or loss that raises, data that runs out,
     `capture.on_nonfinite=stop`, a full disk) are `GradrunnerError`s too; SIGTERM raises `Terminated`
     (a KeyboardInterrupt) and, like Ctrl-C, keeps the completed steps' records.
     `dist` (from `distributed.session`) runs it as one rank of a DDP job; `run()` adds the run dir's books.

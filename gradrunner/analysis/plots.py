@@ -24,7 +24,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from gradrunner.analysis import forward_order, grad_flow, measure, pick_steps, run_columns
+from gradrunner.analysis.load import forward_order, grad_flow, measure, pick_steps, run_columns
 
 #: Above this many taps, `plot_norms` draws a heatmap instead of one line per tap.
 HEATMAP_ABOVE = 12

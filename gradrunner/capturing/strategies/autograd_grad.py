@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.strategies.base import Slot, Strategy
+from gradrunner.capturing.strategies.base import Slot, Strategy
 
 _get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
 

@@ -33,10 +33,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from gradrunner import rundir
+from gradrunner.records import rundir
 from gradrunner.errors import GradrunnerError
-from gradrunner.records import CONSTANT_COLUMNS, GRADS_SCHEMA, STEPS_SCHEMA
-from gradrunner.stats import STAT_COLUMNS
+from gradrunner.records.writer import CONSTANT_COLUMNS, GRADS_SCHEMA, STEPS_SCHEMA
+from gradrunner.capturing.stats import STAT_COLUMNS
 
 #: Tables a job writes, each as `<job dir>/<table>.parquet`.
 TABLES = ("grads", "steps")

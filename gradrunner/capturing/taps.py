@@ -22,7 +22,7 @@ from typing import Literal, Union
 from torch import nn
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.forward_locals import SourceUnavailable, assigned_names
+from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names
 
 TapSpec = Union[str, Mapping[str, str]]
 Kind = Literal["output", "input", "param", "local"]

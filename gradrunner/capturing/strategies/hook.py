@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from gradrunner.strategies.base import Slot, Strategy
+from gradrunner.capturing.strategies.base import Slot, Strategy
 
 
 class HookStrategy(Strategy):

@@ -272,7 +272,7 @@ def try_report(path: Path) -> Path | None:
         try_report(run_dir)      # run_dir/report.html, or None and a warning naming the command
     """
     try:
-        from gradrunner.report import write_report
+        from gradrunner.analysis.report import write_report
 
         page = write_report(path)
     except Exception as e:  # the records are safe; the report can be written again at any time

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gradrunner.strategies.base import Slot, Strategy
+from gradrunner.capturing.strategies.base import Slot, Strategy
 
 
 class RetainGradStrategy(Strategy):

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from gradrunner.stats import TapKey
+from gradrunner.capturing.stats import TapKey
 
 
 @dataclass(eq=False)

@@ -1,0 +1,46 @@
+"""The analysis layer: records read back into pandas, summaries, plots and the HTML report.
+
+Imports no torch (a test checks it in a fresh interpreter).
+
+| module | what it holds |
+| --- | --- |
+| `load` | `load(run or sweep dir)` and the summary helpers |
+| `plots` | matplotlib figures drawn from those helpers' DataFrames |
+| `report` | `python -m gradrunner.report <dir>`: PNGs and one HTML page |
+
+Example::
+
+    from gradrunner.analysis import load, tap_summary
+    df = load("multirun/2026-11-23/10-00-00")
+    tap_summary(df)
+"""
+
+from gradrunner.analysis.load import (
+    FLOW_MEASURES,
+    TABLES,
+    IncompleteSweepWarning,
+    compare_strategies,
+    forward_order,
+    grad_flow,
+    load,
+    measure,
+    pick_steps,
+    run_columns,
+    strategy_costs,
+    tap_summary,
+)
+
+__all__ = [
+    "FLOW_MEASURES",
+    "TABLES",
+    "IncompleteSweepWarning",
+    "compare_strategies",
+    "forward_order",
+    "grad_flow",
+    "load",
+    "measure",
+    "pick_steps",
+    "run_columns",
+    "strategy_costs",
+    "tap_summary",
+]

@@ -1,0 +1,261 @@
+"""`python -m gradrunner.report <run or sweep dir>`: the figures and one self-contained HTML page.
+
+Contents:
+    write_report(path) -> Path   -- PNGs and `report.html` next to the records; returns the HTML path
+    check_available() -> None    -- raise GradrunnerError (with the install hint) if matplotlib is missing
+    main(argv) -> int            -- the command line
+
+The page embeds its images (base64 PNG) and its tables, loads nothing and runs no script, so it
+can be mailed or archived on its own. A user mistake (a path without records) or a missing
+matplotlib prints one paragraph to stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+import pandas as pd
+
+from gradrunner import __version__
+from gradrunner.analysis.load import (
+    EXPLODE_ABOVE,
+    VANISH_BELOW,
+    compare_strategies,
+    load,
+    run_columns,
+    strategy_costs,
+    tap_summary,
+)
+from gradrunner.errors import GradrunnerError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+#: The page's file name, written next to the records (the run dir, or the sweep dir).
+REPORT_NAME = "report.html"
+INSTALL_HINT = "pip install 'gradrunner[report]'"
+EXIT_USER_ERROR = 2
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; padding: 0 1em; color: #222; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
+th, td { padding: 0.2em 0.6em; border-bottom: 1px solid #eee; text-align: right; }
+th { background: #f4f4f4; } img { max-width: 100%; } code { background: #f4f4f4; padding: 0 0.2em; }
+.findings li { margin: 0.2em 0; } .ok { color: #2a7; } .wide { overflow-x: auto; }
+summary { cursor: pointer; color: #555; }
+"""
+
+
+def check_available() -> None:
+    """Raise GradrunnerError unless matplotlib can be imported (call it before a long run).
+
+    Example::
+
+        if cfg.report:
+            check_available()      # fail before step 0, not after the last one
+    """
+    _import_plots()
+
+
+def _import_plots() -> ModuleType:
+    try:
+        from gradrunner.analysis import plots
+    except ImportError as e:
+        if not (e.name or "").startswith("matplotlib"):
+            raise
+        message = f"the report draws its figures with matplotlib, which is not installed: {INSTALL_HINT}"
+        raise GradrunnerError(message) from None
+    return plots
+
+
+def write_report(path: str | Path) -> Path:
+    """Write the report's PNGs and `report.html` next to the records of a run or sweep; return the HTML path.
+
+    Example::
+
+        page = write_report("multirun/2024-05-01/12-00-00")   # .../report.html
+        write_report("outputs/2024-05-01/12-00-00")           # one run works too
+        write_report(job_dir / "grads.parquet")               # a file: its directory
+
+    The page holds: the runs, findings (vanishing, exploding, first NaN/Inf), the per-tap summary,
+    gradient flow, the measure over the steps, and, when there are several strategies, their
+    agreement and cost; value distributions when values were captured. The PNGs are
+    `report-<figure>.png`; an existing report is overwritten (records never are).
+    """
+    plots = _import_plots()
+    root = Path(path)
+    out_dir = root.parent if root.is_file() else root
+    grads = load(out_dir)
+    if grads.empty:
+        raise GradrunnerError(f"the records in {out_dir} hold no rows (no step was captured); nothing to report")
+    steps = _load_steps(out_dir)
+    summary = tap_summary(grads)
+    sections = [
+        _runs_section(grads, steps),
+        _section("Findings", _findings(summary)),
+        _section("Per-tap summary", f"<p>Gradient norm over the captured steps.</p>\n{_table(summary)}"),
+        _figure(out_dir, "grad_flow", "Gradient flow", plots.plot_grad_flow(grads)),
+        _figure(out_dir, "norms", "Gradient norm over the steps", plots.plot_norms(grads)),
+    ]
+    if grads["strategy"].nunique() > 1:
+        sections += _strategy_sections(plots, grads, steps, out_dir)
+    if "values" in grads.columns and grads["values"].notna().any():
+        fig = plots.plot_value_distributions(grads)
+        sections.append(_figure(out_dir, "values", "Gradient values", fig, "First and last captured step."))
+    page = out_dir / REPORT_NAME
+    page.write_text(_page(out_dir, grads, sections), encoding="utf-8")
+    return page
+
+
+def _load_steps(out_dir: Path) -> pd.DataFrame | None:
+    try:
+        return load(out_dir, table="steps")
+    except GradrunnerError:  # records written without a steps table (by hand, or by an older gradrunner)
+        return None
+
+
+def _anchor(title: str) -> str:
+    return "-".join(title.lower().replace("?", "").split())
+
+
+def _section(title: str, body: str) -> str:
+    return f'<h2 id="{_anchor(title)}">{html.escape(title)}</h2>\n{body}'
+
+
+def _table(df: pd.DataFrame, fold_above: int = 40) -> str:
+    """The table as HTML, scrolling sideways if wide, folded (<details>) when it has many rows."""
+    df = df.apply(lambda c: c.astype("float64") if str(c.dtype) == "Int64" else c)  # <NA> shown as ""
+    table = df.to_html(index=False, border=0, na_rep="", float_format=lambda x: f"{x:.4g}")
+    table = f'<div class="wide">{table}</div>'
+    if len(df) > fold_above:
+        return f"<details><summary>{len(df)} rows</summary>{table}</details>"
+    return table
+
+
+def _figure(out_dir: Path, name: str, title: str, fig: Figure, note: str = "") -> str:
+    """Save `fig` as `report-<name>.png`; a section embedding the same PNG bytes."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    (out_dir / f"report-{name}.png").write_bytes(buffer.getvalue())
+    encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
+    body = f'<img alt="{html.escape(title)}" src="data:image/png;base64,{encoded}">'
+    return _section(title, f"<p>{html.escape(note)}</p>\n{body}" if note else body)
+
+
+def _runs_section(grads: pd.DataFrame, steps: pd.DataFrame | None) -> str:
+    """One row per run: what distinguishes it, what ran, how many steps, the last loss."""
+    columns = [c for c in ["job", *run_columns(grads), "run_id", "experiment", "strategy", "device", "dtype"]
+               if c in grads.columns]  # fmt: skip
+    g = grads.groupby("run_id", sort=False)
+    runs = g[list(dict.fromkeys(columns))].first().reset_index(drop=True)
+    runs["captured steps"] = g["step"].nunique().to_numpy()
+    runs["taps"] = g["tap"].nunique().to_numpy()
+    runs["last loss"] = g["loss"].last().to_numpy()
+    if steps is not None:
+        runs["steps run"] = steps.groupby("run_id", sort=False)["step"].size().reindex(g.size().index).to_numpy()
+    return _section("Runs", _table(runs))
+
+
+def _findings(summary: pd.DataFrame) -> str:
+    """One line per tap in trouble, in plain words."""
+    run_cols = list(summary.columns[: summary.columns.get_loc("tap")])
+    items = []
+    for row in summary.to_dict("records"):
+        run = ", ".join(f"{c}={row[c]}" for c in run_cols)
+        tap = f"<code>{html.escape(row['tap'])}</code>" + (f" call {row['call']}" if row["call"] else "")
+        tap += f" ({html.escape(run)})" if run else ""
+        if not pd.isna(row["first_nonfinite_step"]):
+            items.append(f"{tap}: NaN/Inf from step {row['first_nonfinite_step']}")
+        if row["vanishing"]:
+            items.append(f"{tap}: vanishing: norm {row['last']:.3g} at the last step, "
+                         f"below {VANISH_BELOW:g} since step {row['first_vanishing_step']}")  # fmt: skip
+        if row["exploding"]:
+            items.append(f"{tap}: exploding: norm above {EXPLODE_ABOVE:g} from step "
+                         f"{row['first_exploding_step']} (max {row['max']:.3g})")  # fmt: skip
+    if not items:
+        return (f'<p class="ok">No NaN or Inf; no vanishing (norm below {VANISH_BELOW:g} at the last step) '
+                f"or exploding (norm above {EXPLODE_ABOVE:g}) gradient.</p>")  # fmt: skip
+    return '<ul class="findings">\n' + "\n".join(f"<li>{i}</li>" for i in items) + "\n</ul>"
+
+
+def _strategy_sections(
+    plots: ModuleType, grads: pd.DataFrame, steps: pd.DataFrame | None, out_dir: Path
+) -> list[str]:
+    """Agreement between the strategies (largest differences) and their cost."""
+    try:
+        cmp = compare_strategies(grads)
+    except GradrunnerError as e:  # e.g. several runs per strategy that no swept value tells apart
+        return [_section("Do the strategies agree?", f"<p>Not compared: {html.escape(str(e))}</p>")]
+    worst = cmp.groupby("stat", sort=False)[["abs_diff", "rel_diff"]].max().reset_index()
+    verdict = "identical records" if not worst[["abs_diff", "rel_diff"]].to_numpy().any() else "they differ"
+    sections = [
+        _section("Do the strategies agree?",
+                 f"<p>Largest difference over every step, tap and call: <b>{verdict}</b>.</p>\n{_table(worst)}"),
+        _figure(out_dir, "agreement", "Strategy agreement", plots.plot_strategy_agreement(cmp)),
+    ]  # fmt: skip
+    if steps is not None:
+        costs = strategy_costs(steps)
+        note = ("Medians over the captured steps. On CPU peak memory is the process's peak RSS, which "
+                "never goes down: jobs of a sweep run in one process see the earlier jobs' peaks.")  # fmt: skip
+        sections += [
+            _section("What each strategy costs", f"<p>{html.escape(note)}</p>\n{_table(costs)}"),
+            _figure(out_dir, "cost", "Strategy cost", plots.plot_strategy_cost(costs)),
+        ]
+    return sections
+
+
+def _page(out_dir: Path, grads: pd.DataFrame, sections: list[str]) -> str:
+    experiments = ", ".join(sorted(grads["experiment"].astype(str).unique()))
+    titles = [s[s.index(">") + 1 : s.index("</h2>")] for s in sections]
+    nav = " · ".join(f'<a href="#{_anchor(html.unescape(t))}">{t}</a>' for t in titles)
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<link rel="icon" href="data:,">
+<title>gradrunner report: {html.escape(experiments)}</title>
+<style>{_CSS}</style>
+</head>
+<body>
+<h1>gradrunner report: {html.escape(experiments)}</h1>
+<p>Records in <code>{html.escape(str(out_dir.resolve()))}</code>, written by gradrunner {__version__}.</p>
+<nav>{nav}</nav>
+{chr(10).join(sections)}
+</body>
+</html>
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command: write the report of the run or sweep dir given, print the page's path.
+
+    Example::
+
+        python -m gradrunner.report multirun/2024-05-01/12-00-00
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m gradrunner.report",
+        description="Write PNG figures and one self-contained report.html next to gradrunner records.",
+    )
+    parser.add_argument("path", help="a run dir, a sweep dir (Hydra multirun) or a grads.parquet file")
+    args = parser.parse_args(argv)
+    try:
+        page = write_report(args.path)
+    except GradrunnerError as e:
+        print(f"gradrunner.report: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(page)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""The capture layer: tap specs resolved against a model, the three strategies, device-side statistics.
+
+Knows nothing of Hydra, Parquet or the runner (import-linter checks it).
+
+| module | what it holds |
+| --- | --- |
+| `taps` | tap specs (`"<module>:<name>"`) resolved against a model, before the first step |
+| `elements` | `output.N` / `output.KEY` elements of tuple, dict and dataclass values |
+| `forward_locals` | local variables of a `forward()`, tapped by rewriting its source |
+| `grad_context` | autograd state: no_grad, checkpointing, backward, compiled modules |
+| `strategies` | `retain_grad`, `hook`, `autograd_grad`: one file each, one registry |
+| `stats` | statistics on the gradient's device, one host transfer per step |
+| `session` | `capture(model, taps, strategy=...)`, the context manager |
+
+Example::
+
+    from gradrunner.capturing import capture
+    with capture(model, ["fc1:output"], strategy="hook") as cap:
+        cap.backward(loss_fn(model(x), y))
+"""
+
+from gradrunner.capturing.session import Capture, Grads, capture
+from gradrunner.capturing.strategies import STRATEGIES, Slot, Strategy, get_strategy
+from gradrunner.capturing.taps import Tap, resolve_taps
+
+__all__ = ["STRATEGIES", "Capture", "Grads", "Slot", "Strategy", "Tap", "capture", "get_strategy", "resolve_taps"]
