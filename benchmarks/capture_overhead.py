@@ -13,20 +13,20 @@ model are interleaved; the ratio is the median step time over the no-capture med
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, median_ms, no_context, parse_args, report  # noqa: E402
+from _common import interleaved, median_ms, no_context, parse_args, report
 
-from gradrunner import capture  # noqa: E402
-from gradrunner.models import MLP, SmallCNN, TinyTransformerBlock  # noqa: E402
-from gradrunner.capturing.taps import resolve_taps  # noqa: E402
+from gradrunner import capture
+from gradrunner.capturing.taps import resolve_taps
+from gradrunner.models import MLP, SmallCNN, TinyTransformerBlock
 
 STRATEGIES = ("hook", "retain_grad", "autograd_grad")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import parse_args, report  # noqa: E402
+from _common import parse_args, report
 
 
 def main() -> None:

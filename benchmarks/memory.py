@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import parse_args, report  # noqa: E402
+from _common import parse_args, report
 
 VARIANTS = ("none", "hook", "retain_grad", "autograd_grad")
 #: A fixed glibc mmap threshold: every block of 128 KiB or more is mapped on allocation and returned

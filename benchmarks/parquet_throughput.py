@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median_ms, parse_args, report  # noqa: E402
+from _common import median_ms, parse_args, report
 
-from gradrunner.records.writer import RecordWriter  # noqa: E402
-from gradrunner.capturing.stats import Collector, StepRecords, TapKey  # noqa: E402
+from gradrunner.capturing.stats import Collector
+from gradrunner.records.columns import StepRecords, TapKey
+from gradrunner.records.writer import RecordWriter
 
 
 def make_steps(n_steps: int, n_taps: int, numel: int) -> list[StepRecords]:

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, median_ms, no_context, parse_args, report  # noqa: E402
+from _common import interleaved, median_ms, no_context, parse_args, report
 
-import gradrunner.capturing.stats as stats  # noqa: E402
-from gradrunner import capture  # noqa: E402
-from gradrunner.models import MLP  # noqa: E402
+import gradrunner.capturing.stats as stats
+from gradrunner import capture
+from gradrunner.models import MLP
 
 OpFn = Callable[[torch.Tensor, torch.Tensor], object]
 OPS: dict[str, OpFn] = {

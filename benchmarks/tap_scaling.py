@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, median_ms, parse_args, report  # noqa: E402
-from capture_overhead import variants_for  # noqa: E402
+from _common import interleaved, median_ms, parse_args, report
+from capture_overhead import variants_for
 
-import gradrunner.capturing.stats as stats  # noqa: E402
-from gradrunner import capture  # noqa: E402
-from gradrunner.models import MLP  # noqa: E402
+import gradrunner.capturing.stats as stats
+from gradrunner import capture
+from gradrunner.models import MLP
 
 
 def count_transfers(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, taps: list[str], strategy: str) -> int:

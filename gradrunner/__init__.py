@@ -1,17 +1,17 @@
 """gradrunner: see the gradients inside a PyTorch model.
 
-| module | what it holds |
+The package follows the data's path; each layer imports only the ones below it (import-linter
+checks it, see pyproject.toml):
+
+| where | what it holds |
 | --- | --- |
-| `taps` | tap specs (`"<module>:<name>"`) resolved against a model |
-| `forward_locals` | local variables of a `forward()`, tapped without editing the model |
-| `strategies` | `retain_grad`, `hook`, `autograd_grad`: one file each, one registry |
-| `capturing` | `capture(model, taps, strategy=...)`, the context manager |
-| `stats` | statistics on the gradient's device, one host transfer per step |
-| `records` | the Parquet records (`grads.parquet`, `steps.parquet`) |
-| `runner`, `cli` | the Hydra app: `python -m gradrunner +experiment=mlp` |
-| `job`, `rundir`, `callbacks` | a job's books: resume, `done.json`, `failed.json`, the sweep's `manifest.json` |
-| `distributed` | DDP inside a job under `torchrun` |
-| `analysis` | reading records back into pandas |
+| `config`, `choices`, `errors` | the config schema, the allowed values, the one user-error type |
+| `capturing/` | taps resolved against a model, forward locals, the three strategies, statistics |
+| `records/` | record column names, the Parquet writers, a run dir's books |
+| `run/` | the job built from the config, the step loop, guards, DDP, the Hydra job |
+| `analysis/` | records read back into pandas, summaries, plots, the HTML report (no torch) |
+| `cli`, `callbacks` | the Hydra app (`python -m gradrunner`) and the sweep's bookkeeping |
+| `models/`, `data`, `losses` | built-in options for the config groups |
 
 Example::
 
@@ -19,12 +19,37 @@ Example::
     with capture(model, ["fc1:output"], strategy="hook") as cap:
         cap.backward(loss_fn(model(x), y))
     cap.grads["fc1:output"]
+
+The names below are imported on first use, so `import gradrunner.analysis` does not import torch.
 """
 
-from gradrunner.capturing.session import Capture, Grads, capture
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from gradrunner.errors import GradrunnerError
-from gradrunner.capturing.strategies import STRATEGIES
+
+if TYPE_CHECKING:
+    from gradrunner.capturing.session import Capture, Grads, capture
+    from gradrunner.capturing.strategies import STRATEGIES
 
 __version__ = "0.1.0"
 
-__all__ = ["Capture", "Grads", "GradrunnerError", "STRATEGIES", "capture", "__version__"]
+#: Lazily imported public names: name -> module holding it.
+_LAZY = {
+    "Capture": "gradrunner.capturing.session",
+    "Grads": "gradrunner.capturing.session",
+    "capture": "gradrunner.capturing.session",
+    "STRATEGIES": "gradrunner.capturing.strategies",
+}
+
+__all__ = ["STRATEGIES", "Capture", "GradrunnerError", "Grads", "__version__", "capture"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
+    raise AttributeError(f"module 'gradrunner' has no attribute {name!r}")

@@ -30,7 +30,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from gradrunner.records.rundir import job_state, mark_failed, try_report, write_json
+from gradrunner.records.rundir import job_state, mark_failed, write_json
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +169,8 @@ class SweepBookkeeping(Callback):
         (log.warning if bad else log.info)("%s; manifest: %s", _summary(manifest), path)
         if OmegaConf.select(config, "report", default=False):
             if manifest["counts"]["completed"]:
+                from gradrunner.analysis.report import try_report  # pandas and matplotlib only when asked
+
                 try_report(sweep_dir)
             else:
                 log.warning("report=true: no job of the sweep completed, so no report was written")

@@ -30,13 +30,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from gradrunner.errors import GradrunnerError
+from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
+from gradrunner.overrides import misspelled_key
 from gradrunner.run.guards import Terminated, check_writable
 from gradrunner.run.job import run
-from gradrunner.overrides import misspelled_key
 
-#: Exit status for a user mistake in a single run.
-EXIT_USER_ERROR = 2
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
 #: Exit status after SIGTERM (128 + SIGTERM): a preempted or cancelled job.
@@ -45,16 +43,6 @@ EXIT_TERMINATED = 143
 
 class JobFailed(CompactHydraException):
     """A sweep job's user mistake, reported by Hydra at the end of the sweep without a traceback."""
-
-
-def one_paragraph(error: BaseException) -> str:
-    """The error's message on one line (OmegaConf's messages span several).
-
-    Example::
-
-        one_paragraph(GradrunnerError("a\\n  b"))   # 'a b'
-    """
-    return " ".join(str(error).split())
 
 
 def _fail(error: Exception) -> NoReturn:

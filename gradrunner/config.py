@@ -14,13 +14,13 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, List
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from gradrunner.choices import VALUES_MODES
 from gradrunner.errors import GradrunnerError
-from gradrunner.capturing.stats import VALUES_MODES
 
 #: Name of the schema in the ConfigStore; `conf/config.yaml` lists it first in its defaults.
 SCHEMA_NAME = "gradrunner_schema"
@@ -74,7 +74,7 @@ class Config:
     # Dtype of the model and the floating-point inputs: float32, float64, bfloat16, float16.
     dtype: str = "float32"
     # Tap specs: "<module path>:<name>" strings or {module: ..., name: ...} mappings.
-    taps: List[Any] = field(default_factory=list)
+    taps: list[Any] = field(default_factory=list)
     # A single run into a dir that already holds records: false refuses; true skips a completed run
     # (done.json) and re-runs an incomplete one from step 0. A sweep always resumes (docs/scale-out.md).
     resume: bool = False

@@ -1,6 +1,17 @@
-"""The one exception type for user mistakes (bad config, bad tap spec, bad model or data)."""
+"""User mistakes: the one exception type, the exit status, and the helpers every message is built with.
+
+Example::
+
+    raise GradrunnerError(f"capture.strategy='hooks' is not allowed; allowed: ...{did_you_mean('hooks', names)}")
+"""
 
 from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+#: Exit status of every command for a user mistake (a bad value, path, tap, model or data).
+EXIT_USER_ERROR = 2
 
 
 class GradrunnerError(Exception):
@@ -10,5 +21,50 @@ class GradrunnerError(Exception):
 
         raise GradrunnerError("capture.strategy='hooks' is not a strategy; allowed: retain_grad, hook, autograd_grad")
 
-    The CLI prints the message alone (no traceback) and exits with status 2.
+    The CLI prints the message alone (no traceback) and exits with `EXIT_USER_ERROR`.
     """
+
+
+def one_paragraph(error: BaseException | str) -> str:
+    """The error's message on one line (OmegaConf's and pyarrow's messages span several).
+
+    Example::
+
+        one_paragraph(GradrunnerError("a\\n  b"))   # 'a b'
+    """
+    return " ".join(str(error).split())
+
+
+def closest(value: object, choices: Iterable[str], n: int = 1, cutoff: float = 0.6) -> list[str]:
+    """The `n` choices closest to `value` (difflib's ratio), best first; [] when none is close.
+
+    Example::
+
+        closest("hooks", ["retain_grad", "hook"])   # ['hook']
+    """
+    return difflib.get_close_matches(str(value), list(choices), n=n, cutoff=cutoff)
+
+
+def did_you_mean(value: object, choices: Iterable[str], prefix: str = "") -> str:
+    """`" Did you mean 'x'?"` for the closest choice, or "" when none is close.
+
+    Example::
+
+        did_you_mean("stratgy", ["strategy", "values"], prefix="capture.")   # " Did you mean 'capture.strategy'?"
+    """
+    close = closest(value, choices)
+    return f" Did you mean {prefix + close[0]!r}?" if close else ""
+
+
+def not_allowed(name: str, value: object, allowed: Iterable[str], hint: str = "") -> GradrunnerError:
+    """The error for `name=value` outside `allowed`: the value, the allowed ones, the closest, the fix.
+
+    Example::
+
+        raise not_allowed("dtype", "float", ("float32", "float64"))
+    """
+    allowed = list(allowed)
+    return GradrunnerError(
+        f"{name}={value!r} is not allowed; allowed: {', '.join(allowed)}.{did_you_mean(value, allowed)}{hint}"
+        f" Fix it on the command line, e.g. {name}={allowed[0]}, or in your config file."
+    )

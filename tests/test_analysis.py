@@ -1,4 +1,4 @@
-"""gradrunner.analysis.load helpers on records with planted properties: the helpers must report exactly those.
+"""gradrunner.analysis helpers on records with planted properties: the helpers must report exactly those.
 
 The planted sweep (`planted_sweep`) has three jobs, one per strategy, four steps each. Taps in firing order:
 
@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 import torch
 
-from gradrunner.analysis.load import (
+from gradrunner.analysis import (
     compare_strategies,
     forward_order,
     grad_flow,
@@ -31,9 +31,10 @@ from gradrunner.analysis.load import (
     strategy_costs,
     tap_summary,
 )
+from gradrunner.capturing.stats import Collector
 from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import TapKey
 from gradrunner.records.writer import RecordWriter, StepsWriter
-from gradrunner.capturing.stats import Collector, TapKey
 
 STRATEGIES = ("retain_grad", "hook", "autograd_grad")
 STEPS = 4
@@ -128,7 +129,7 @@ def test_run_columns_add_other_swept_values_and_run_id_when_ambiguous(tmp_path: 
 
 def test_forward_order_is_firing_order_with_call_labels(run: pd.DataFrame) -> None:
     order = forward_order(run)
-    assert list(zip(order.tap, order.call)) == [
+    assert list(zip(order.tap, order.call, strict=True)) == [
         ("fc1:output", 0), (":h", 0), ("fc2:output", 0), (":h", 1), ("head:output", 0),
         ("fc2:weight", 0), ("unused:output", 0),
     ]  # fmt: skip
@@ -176,7 +177,7 @@ def test_summary_flags_exactly_the_vanishing_tap(run: pd.DataFrame) -> None:
 def test_summary_reports_the_first_nan_step(run: pd.DataFrame) -> None:
     s = tap_summary(run)
     nonfinite = s.dropna(subset="first_nonfinite_step")
-    assert list(zip(nonfinite.tap, nonfinite.first_nonfinite_step)) == [("head:output", 2)]
+    assert list(zip(nonfinite.tap, nonfinite.first_nonfinite_step, strict=True)) == [("head:output", 2)]
 
 
 def test_summary_flags_exactly_the_exploding_tap(run: pd.DataFrame) -> None:
@@ -194,7 +195,7 @@ def test_summary_thresholds_are_arguments(run: pd.DataFrame) -> None:
 
 def test_summary_rows_in_forward_order_with_calls_and_a_tap_without_gradient(run: pd.DataFrame) -> None:
     s = tap_summary(run)
-    assert list(zip(s.tap, s.call)) == list(zip(forward_order(run).tap, forward_order(run).call))
+    assert list(zip(s.tap, s.call, strict=True)) == list(zip(forward_order(run).tap, forward_order(run).call, strict=True))
     unused = s.set_index("tap").loc["unused:output"]
     assert unused.steps == 0 and pd.isna(unused["last"]) and not unused.vanishing and not unused.exploding
     assert s.set_index("tap").loc["fc2:output", "steps"] == STEPS
@@ -232,7 +233,7 @@ def test_grad_flow_default_steps_and_sweep_runs_in_record_order(sweep: pd.DataFr
 def test_compare_finds_exactly_the_planted_difference(sweep: pd.DataFrame) -> None:
     cmp = compare_strategies(sweep)
     differ = cmp[cmp.abs_diff > 0]
-    assert set(zip(differ.step, differ.tap, differ.call)) == {(1, "fc2:output", 0)}
+    assert set(zip(differ.step, differ.tap, differ.call, strict=True)) == {(1, "fc2:output", 0)}
     assert differ.stat.tolist() == ["norm", "mean", "std", "min", "max", "abs_max", "values"]  # not zero_frac
     norm = differ.set_index("stat").loc["norm"]
     assert norm.rel_diff == pytest.approx(1e-3 / (1 + 1e-3), rel=1e-4)
@@ -254,7 +255,7 @@ def test_compare_nan_in_one_strategy_only_is_an_infinite_difference(tmp_path: Pa
     worst = cmp.groupby("stat")["rel_diff"].max()
     assert worst["norm"] == math.inf and "values" not in worst
     inf_rows = cmp[np.isinf(cmp.rel_diff)]
-    assert list(zip(inf_rows.step, inf_rows.tap, inf_rows.stat)) == [(0, "fc1:output", "norm")]
+    assert list(zip(inf_rows.step, inf_rows.tap, inf_rows.stat, strict=True)) == [(0, "fc1:output", "norm")]
 
 
 def test_compare_rows_in_step_then_forward_order(sweep: pd.DataFrame) -> None:

@@ -10,10 +10,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from gradrunner.analysis.load import load
+from gradrunner.analysis import load
+from gradrunner.capturing.stats import Collector
 from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import TapKey
 from gradrunner.records.writer import RecordWriter, StepsWriter
-from gradrunner.capturing.stats import Collector, TapKey
 
 
 def write_job(job_dir: Path, strategy: str = "hook", steps: int = 2, overrides: list[str] | None = None) -> None:

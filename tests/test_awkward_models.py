@@ -11,7 +11,6 @@ import copy
 from typing import Any
 
 import awkward
-import numpy as np
 import pytest
 import torch
 from conftest import leftover_hooks
@@ -19,9 +18,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gradrunner import GradrunnerError, capture
-from gradrunner.models import MLP
-from gradrunner.capturing.stats import Collector, TapKey
+from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import STRATEGIES
+from gradrunner.models import MLP
+from gradrunner.records.columns import TapKey
 
 
 def close(actual: torch.Tensor | None, expected: torch.Tensor, rtol: float = 1e-10, atol: float = 1e-12) -> None:
@@ -269,7 +269,7 @@ def test_checkpointed_taps_count_once_and_match_no_checkpointing(strategy: str, 
     assert calls == {"stem:output": 1, "block:output": 2, "block.0:output": 2, "block.0:input": 2,
                      "block.0:weight": 1, ":inner": 2, "head:output": 1}  # fmt: skip
     for tap in CHECKPOINT_TAPS:
-        for got, want in zip(checkpointed[tap], plain[tap]):
+        for got, want in zip(checkpointed[tap], plain[tap], strict=True):
             assert want is not None
             close(got, want)
 

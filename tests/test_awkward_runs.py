@@ -46,7 +46,7 @@ def test_half_precision_runs_record_float32_statistics_close_to_float32(
     half, steps = records(tmp_path / dtype)
     assert set(half.dtype) == {dtype} and half.has_grad.all()
     assert np.isfinite(half.norm).all() and (half.nan_count == 0).all() and steps.loss.notna().all()
-    assert all(v.dtype == np.float32 and len(v) == n for v, n in zip(half["values"], half.numel))
+    assert all(v.dtype == np.float32 and len(v) == n for v, n in zip(half["values"], half.numel, strict=True))
     first = half[half.step == 0].set_index(["tap", "call"]).norm
     expected = ref[ref.step == 0].set_index(["tap", "call"]).norm
     np.testing.assert_allclose(first.sort_index(), expected.sort_index(), rtol=rtol)

@@ -31,8 +31,8 @@ from torch.overrides import TorchFunctionMode
 
 import gradrunner.capturing.stats
 from gradrunner import GradrunnerError, capture
-from gradrunner.models import MLP, CosineRegression, SmallCNN, TinyTransformerBlock, TwoLayerSigmoid
 from gradrunner.capturing.strategies import STRATEGIES
+from gradrunner.models import MLP, CosineRegression, SmallCNN, TinyTransformerBlock, TwoLayerSigmoid
 
 RTOL_STRATEGY, ATOL_STRATEGY = 1e-6, 1e-12  # strategy vs exact autograd reference (float64)
 RTOL_FD, ATOL_FD = 1e-5, 1e-7  # vs central differences with eps = 1e-6 (float64)
@@ -261,7 +261,7 @@ CASE_IDS = [c.id for c in CASES]
 MODELS_WITH_CASES = sorted({c.model for c in CASES})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """(exact autograd gradient, central finite differences) at the case's point, on a fresh model."""
     point = case.point(BUILDERS[case.model]())
@@ -349,7 +349,7 @@ def test_optimizer_step_is_identical(strategy: str) -> None:
             opt_tapped.zero_grad()
             cap.backward(tapped.loss())
             opt_tapped.step()
-    for (name, p), q in zip(tapped.model.named_parameters(), plain.model.parameters()):
+    for (name, p), q in zip(tapped.model.named_parameters(), plain.model.parameters(), strict=True):
         close(p, q, 1e-12, 1e-14)
 
 

@@ -20,7 +20,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from gradrunner.analysis.load import load
+from gradrunner.analysis import load
 from gradrunner.capturing.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def test_all_strategies_give_the_same_gradients(sweep: pd.DataFrame, experiment:
         assert frame[["step", "tap", "call"]].equals(ref[["step", "tap", "call"]]), strategy
         np.testing.assert_allclose(frame[STATS].to_numpy(float), ref[STATS].to_numpy(float),
                                    rtol=1e-5, atol=1e-7, equal_nan=True, err_msg=strategy)  # fmt: skip
-        for a, b in zip(frame["values"], ref["values"]):
+        for a, b in zip(frame["values"], ref["values"], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=strategy)
 
 

@@ -10,9 +10,9 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from gradrunner.capturing.strategies import STRATEGIES
 from gradrunner.config import DTYPES, CaptureConfig, Config, validate
 from gradrunner.errors import GradrunnerError
-from gradrunner.capturing.strategies import STRATEGIES
 
 CONF = Path(__file__).resolve().parents[1] / "gradrunner" / "conf"
 EXPERIMENTS = ["mlp", "cnn", "transformer", "cosine", "sigmoid2"]

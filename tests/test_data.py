@@ -30,7 +30,7 @@ def test_synthetic_is_seeded() -> None:
     a = take(Synthetic(seed=3), 2)
     b = take(Synthetic(seed=3), 2)
     c = take(Synthetic(seed=4), 1)
-    assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b))
+    assert all(torch.equal(p[0], q[0]) and torch.equal(p[1], q[1]) for p, q in zip(a, b, strict=True))
     assert not torch.equal(a[0][0], c[0][0])
 
 

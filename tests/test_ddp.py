@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
-from gradrunner.analysis.load import load
 from test_cli import check_ok, cli_env
+
+from gradrunner.analysis import load
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_every_strategy_takes_the_same_optimiser_step(records: pd.DataFrame) -> 
     for strategy in ("retain_grad", "autograd_grad"):
         assert frames[strategy][key].equals(frames["hook"][key])
         # step 1's gradients come from step 0's optimiser step: equal steps, equal gradients
-        for a, b in zip(frames[strategy]["values"], frames["hook"]["values"]):
+        for a, b in zip(frames[strategy]["values"], frames["hook"]["values"], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9, err_msg=strategy)
 
 

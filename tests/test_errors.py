@@ -32,8 +32,9 @@ from hydra.core.hydra_config import HydraConfig
 from torch import nn
 
 from gradrunner import cli
-from gradrunner.run import loop as runner
 from gradrunner.errors import GradrunnerError
+from gradrunner.run import build as job_build
+from gradrunner.run import loop as runner
 
 TESTS = Path(__file__).resolve().parent
 DOCS = TESTS.parent / "docs" / "errors.md"
@@ -230,9 +231,9 @@ def check_model_untouched(model: nn.Module, before: dict[str, object]) -> None:
 
 @pytest.fixture
 def built_models(monkeypatch: pytest.MonkeyPatch) -> list[tuple[nn.Module, dict[str, object]]]:
-    """Keeps a reference to every model `runner.build` builds, with its `forward`s as built."""
+    """Keeps a reference to every model `build` builds, with its `forward`s as built."""
     models: list[tuple[nn.Module, dict[str, object]]] = []
-    real_build = runner.build
+    real_build = job_build.build
 
     def build(cfg: Any, group: str) -> Any:
         built = real_build(cfg, group)
@@ -240,7 +241,7 @@ def built_models(monkeypatch: pytest.MonkeyPatch) -> list[tuple[nn.Module, dict[
             models.append((built, forwards(built)))
         return built
 
-    monkeypatch.setattr(runner, "build", build)
+    monkeypatch.setattr(job_build, "build", build)
     return models
 
 

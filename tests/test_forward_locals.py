@@ -216,7 +216,7 @@ def test_tap_calls_carry_the_assignments_line() -> None:
 
 def _exec_module() -> nn.Module:
     namespace: dict[str, Any] = {}
-    exec(  # noqa: S102
+    exec(
         "import torch\n"
         "class FromExec(torch.nn.Module):\n"
         "    def forward(self, x):\n"
@@ -288,7 +288,7 @@ def test_augmented_assignment_on_a_tensor_gets_each_values_gradient(strategy: st
     expected = [6 * h2, 6 * h2, 2 * h2, torch.ones_like(h0)]  # d(sum((3 (h0 + 1))^2)) at each binding
     calls = cap.grads.calls(":h")
     assert len(calls) == 4
-    for got, want in zip(calls, expected):
+    for got, want in zip(calls, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 

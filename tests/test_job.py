@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli import cli_env
+from test_runner import compose_cfg
 
 import gradrunner.analysis
 from gradrunner.errors import GradrunnerError
-from gradrunner.run.job import run
 from gradrunner.records.rundir import DONE
-from test_cli import cli_env
-from test_runner import compose_cfg
+from gradrunner.run.job import run
+
 
 def test_report_true_writes_the_report_when_the_run_ends(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")

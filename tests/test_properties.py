@@ -153,7 +153,7 @@ def check_strategies_agree(net: Net) -> None:
             got, want = grads[tap][0], ref_grads[tap][0]
             assert got is not None and want is not None, (name, tap)
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"{name} {tap}")
-        for got, want in zip(param_grads, plain):
+        for got, want in zip(param_grads, plain, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=f"{name} .grad")
 
 

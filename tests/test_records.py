@@ -18,9 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from gradrunner.capturing.stats import Collector
 from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS, StepRecords, TapKey
 from gradrunner.records.writer import GRADS_SCHEMA, STEPS_SCHEMA, RecordWriter, StepsWriter, run_metadata
-from gradrunner.capturing.stats import COUNT_COLUMNS, STAT_COLUMNS, Collector, StepRecords, TapKey
 
 CONSTANTS = {"run_id": "run-1", "experiment": "mlp", "strategy": "hook", "device": "cpu", "dtype": "float32"}
 CONTRACT_COLUMNS = [
@@ -262,7 +263,7 @@ def test_duckdb_reads_sweep_glob_ignoring_temp_files(tmp_path: Path) -> None:
         f"select step, tap, call, shape, values, norm, has_grad from '{tmp_path}/**/*.parquet' "
         "where tap = 'fc1:output' and call = 0 and step = 1"
     )
-    assert dict(zip(rel.columns, map(str, rel.types)))["values"] == "FLOAT[]"
+    assert dict(zip(rel.columns, map(str, rel.types), strict=True))["values"] == "FLOAT[]"
     rows = rel.fetchall()
     want = make_step(1, "full")
     assert len(rows) == 2 and rows[0][3] == [3, 4]
@@ -286,7 +287,8 @@ def test_sigkill_mid_write_leaves_no_final_file(tmp_path: Path) -> None:
         f"""
         import os, signal, torch
         from gradrunner.records.writer import RecordWriter
-        from gradrunner.capturing.stats import Collector, TapKey
+        from gradrunner.capturing.stats import Collector
+        from gradrunner.records.columns import TapKey
         w = RecordWriter({str(tmp_path)!r}, constants={CONSTANTS!r}, metadata={{}}, rows_per_group=2)
         for step in range(5):
             col = Collector()

@@ -22,20 +22,21 @@ from test_analysis import STRATEGIES, planted_sweep, write_planted_job
 
 pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradrunner[report]")
 
-from matplotlib.image import AxesImage  # noqa: E402
+from matplotlib.image import AxesImage
 
-from gradrunner.analysis.load import compare_strategies, forward_order, load, strategy_costs  # noqa: E402
-from gradrunner.errors import GradrunnerError  # noqa: E402
-from gradrunner.analysis.plots import (  # noqa: E402
+from gradrunner.analysis import compare_strategies, forward_order, load, strategy_costs
+from gradrunner.analysis.plots import (
     plot_grad_flow,
     plot_norms,
     plot_strategy_agreement,
     plot_strategy_cost,
     plot_value_distributions,
 )
-from gradrunner.records.writer import RecordWriter  # noqa: E402
-from gradrunner.analysis.report import REPORT_NAME, write_report  # noqa: E402
-from gradrunner.capturing.stats import Collector, TapKey  # noqa: E402
+from gradrunner.analysis.report import REPORT_NAME, write_report
+from gradrunner.capturing.stats import Collector
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import TapKey
+from gradrunner.records.writer import RecordWriter
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -127,7 +128,7 @@ def test_agreement_figure_labels_exact_agreement_and_the_planted_difference(swee
     assert tick_labels(by_stat) == ["norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "values"]
     stat_texts = [t.get_text() for t in by_stat.texts]
     assert stat_texts[6] == "0" and stat_texts[0] == "1.0e-03"
-    tap_texts = dict(zip(tick_labels(by_tap), [t.get_text() for t in by_tap.texts]))
+    tap_texts = dict(zip(tick_labels(by_tap), [t.get_text() for t in by_tap.texts], strict=True))
     assert tap_texts == {label: "1.0e-03" if label == "fc2:output" else "0" for label in tap_texts}
     assert by_stat.get_yscale() == "log"
 

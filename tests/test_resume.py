@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-
-from gradrunner.analysis.load import load
-from gradrunner.errors import GradrunnerError
-from gradrunner.run.job import run
-from gradrunner.records.rundir import DONE, FAILED, job_state
 from test_cli import check_ok, cli_env, gradrunner
 from test_runner import compose_cfg
+
+from gradrunner.analysis import load
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.rundir import DONE, FAILED, job_state
+from gradrunner.run.job import run
 
 RECORDS = ("grads.parquet", "steps.parquet", DONE)
 STRATEGIES = "hook,retain_grad,autograd_grad"

@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gradrunner.errors import GradrunnerError
 from gradrunner.losses import HalfSumSquaredError
-from gradrunner.run.loop import Progress, build, resolve_device, resolve_dtype, seed_everything, train
+from gradrunner.run.build import build, resolve_device, resolve_dtype, seed_everything
+from gradrunner.run.loop import Progress, train
 
 CONTRACT_COLUMNS = [
     "run_id", "experiment", "strategy", "device", "dtype", "step", "tap", "module", "name", "call",
@@ -169,7 +170,7 @@ def test_same_seed_same_records(tmp_path: Path) -> None:
         train(compose_cfg("+experiment=mlp", "steps=2", "capture.values=full"), out_dir=tmp_path / name)
     a, b = (pd.read_parquet(tmp_path / n / "grads.parquet") for n in ("a", "b"))
     assert a.norm.tolist() == b.norm.tolist()
-    assert all(np.array_equal(x, y) for x, y in zip(a["values"], b["values"]))
+    assert all(np.array_equal(x, y) for x, y in zip(a["values"], b["values"], strict=True))
 
 
 def test_dtype_float64_casts_model_and_inputs_but_not_labels(tmp_path: Path) -> None:

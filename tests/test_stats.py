@@ -10,8 +10,9 @@ import torch
 
 import gradrunner.capturing.stats
 from gradrunner import capture
+from gradrunner.capturing.stats import Collector, sample_positions
 from gradrunner.models import MLP
-from gradrunner.capturing.stats import COUNT_COLUMNS, STAT_COLUMNS, Collector, TapKey, sample_positions
+from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS, TapKey
 
 KEY = TapKey("fc1", "output", 0)
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from test_cli import check_ok, gradrunner
 
-from gradrunner.analysis.load import IncompleteSweepWarning, load
+from gradrunner.analysis import IncompleteSweepWarning, load
 from gradrunner.callbacks import MANIFEST, build_manifest
 from gradrunner.records.rundir import DONE, FAILED
-from test_cli import check_ok, gradrunner
 
 STRATEGIES = "hook,retain_grad,autograd_grad"
 KEY = ["strategy", "seed", "step", "tap", "call"]
@@ -45,7 +45,7 @@ def test_joblib_with_two_workers_gives_the_records_of_the_basic_launcher(tmp_pat
     assert len(basic) == len(joblib) > 0 and basic.run_id.nunique() == joblib.run_id.nunique() == 6
     assert basic[KEY].equals(joblib[KEY])
     np.testing.assert_allclose(joblib[STATS].to_numpy(float), basic[STATS].to_numpy(float), rtol=1e-6, atol=0)
-    for a, b in zip(joblib["values"], basic["values"]):
+    for a, b in zip(joblib["values"], basic["values"], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9)
     # every job wrote its own files, and the manifest lists them all
     jobs = manifest(tmp_path / "joblib")["jobs"]

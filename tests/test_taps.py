@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from gradrunner import GradrunnerError, capture
-from gradrunner.models import MLP, CosineRegression, SmallCNN, TinyTransformerBlock
 from gradrunner.capturing.taps import Tap, parse_spec, resolve_taps
+from gradrunner.models import MLP, CosineRegression, SmallCNN, TinyTransformerBlock
 
 
 def _taps(model: nn.Module, specs: object) -> list[tuple[str, str, str]]:

@@ -4,7 +4,8 @@ Imports no torch (a test checks it in a fresh interpreter).
 
 | module | what it holds |
 | --- | --- |
-| `load` | `load(run or sweep dir)` and the summary helpers |
+| `reading` | `load(run or sweep dir)`: records into one DataFrame |
+| `summaries` | the helpers: tap summary, gradient flow, strategy agreement and cost |
 | `plots` | matplotlib figures drawn from those helpers' DataFrames |
 | `report` | `python -m gradrunner.report <dir>`: PNGs and one HTML page |
 
@@ -15,14 +16,12 @@ Example::
     tap_summary(df)
 """
 
-from gradrunner.analysis.load import (
+from gradrunner.analysis.reading import TABLES, IncompleteSweepWarning, load
+from gradrunner.analysis.summaries import (
     FLOW_MEASURES,
-    TABLES,
-    IncompleteSweepWarning,
     compare_strategies,
     forward_order,
     grad_flow,
-    load,
     measure,
     pick_steps,
     run_columns,

@@ -24,7 +24,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from gradrunner.analysis.load import forward_order, grad_flow, measure, pick_steps, run_columns
+from gradrunner.analysis.summaries import forward_order, grad_flow, measure, pick_steps, run_columns
 
 #: Above this many taps, `plot_norms` draws a heatmap instead of one line per tap.
 HEATMAP_ABOVE = 12
@@ -40,7 +40,7 @@ def _runs(df: pd.DataFrame, columns: list[str], records: pd.DataFrame | None = N
         first = (df if records is None else records).iloc[0]
         return [(" · ".join(str(first[c]) for c in ("experiment", "strategy") if c in first.index), df)]
     groups = df.groupby(columns, sort=False, dropna=False)
-    return [(", ".join(f"{c}={v}" for c, v in zip(columns, key)), rows) for key, rows in groups]
+    return [(", ".join(f"{c}={v}" for c, v in zip(columns, key, strict=True)), rows) for key, rows in groups]
 
 
 def _panels(n: int, width: float, height: float, sharey: bool = False) -> tuple[Figure, np.ndarray]:
@@ -65,9 +65,9 @@ def plot_grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure
     order = forward_order(df)
     runs = _runs(flow, run_columns(df), records=df)
     fig, axes = _panels(len(runs), max(6.0, 0.45 * len(order) + 2), 3.0, sharey=True)
-    for ax, (title, run) in zip(axes, runs):
+    for ax, (title, run) in zip(axes, runs, strict=True):
         zero_label = "exactly 0"
-        for (step, rows), color in zip(run.groupby("step"), _colors(run["step"].nunique())):
+        for (step, rows), color in zip(run.groupby("step"), _colors(run["step"].nunique()), strict=True):
             ax.plot(rows["position"], rows[measure_name], marker="o", color=color, label=f"step {step}")
             zeros = rows.loc[rows[measure_name] == 0, "position"]
             if len(zeros):  # no place on a log scale: an x at the bottom edge
@@ -110,12 +110,12 @@ def plot_norms(df: pd.DataFrame, stat: str = "norm", heatmap: bool | None = None
         fig, axes = _panels(len(runs), 10.0, max(2.5, 0.22 * len(order) + 1))
     else:
         fig, axes = _panels(len(runs), 9.0, 3.2)
-    for ax, (title, run) in zip(axes, runs):
+    for ax, (title, run) in zip(axes, runs, strict=True):
         values = _by_tap_and_step(run, order, "_v")
         if heatmap:
             _heatmap(fig, ax, values, _by_tap_and_step(run, order, "_g"), order["label"].tolist(), stat)
         else:
-            for i, (label, row) in enumerate(zip(order["label"], values.to_numpy())):
+            for i, (label, row) in enumerate(zip(order["label"], values.to_numpy(), strict=True)):
                 ax.plot(values.columns, row, label=label, color=colormaps["tab20"](i % 20))
             ax.set_yscale("log")
             ax.set_ylabel(stat)
@@ -238,9 +238,10 @@ def plot_value_distributions(df: pd.DataFrame, steps: Iterable[int] | None = Non
     cols = min(4, len(order))
     fig = Figure(figsize=(3.2 * cols, 2.6 * -(-len(order) // cols)), layout="constrained")
     axes = fig.subplots(-(-len(order) // cols), cols, squeeze=False).ravel()
-    for ax, (tap, call, label) in zip(axes, order[["tap", "call", "label"]].itertuples(index=False)):
+    rows_of_taps = order[["tap", "call", "label"]].itertuples(index=False)
+    for ax, (tap, call, label) in zip(axes[: len(order)], rows_of_taps, strict=True):
         rows = run[(run["tap"] == tap) & (run["call"] == call)]
-        for step, color in zip(chosen, _colors(len(chosen))):
+        for step, color in zip(chosen, _colors(len(chosen)), strict=True):
             values = [v for v in rows.loc[rows["step"] == step, "values"] if v is not None and len(v)]
             if values:
                 flat = np.concatenate(values)

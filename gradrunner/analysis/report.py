@@ -16,6 +16,7 @@ import argparse
 import base64
 import html
 import io
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,24 +26,25 @@ from typing import TYPE_CHECKING
 import pandas as pd
 
 from gradrunner import __version__
-from gradrunner.analysis.load import (
+from gradrunner.analysis.reading import load
+from gradrunner.analysis.summaries import (
     EXPLODE_ABOVE,
     VANISH_BELOW,
     compare_strategies,
-    load,
     run_columns,
     strategy_costs,
     tap_summary,
 )
-from gradrunner.errors import GradrunnerError
+from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+log = logging.getLogger(__name__)
+
 #: The page's file name, written next to the records (the run dir, or the sweep dir).
 REPORT_NAME = "report.html"
 INSTALL_HINT = "pip install 'gradrunner[report]'"
-EXIT_USER_ERROR = 2
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; padding: 0 1em; color: #222; }
@@ -113,6 +115,23 @@ def write_report(path: str | Path) -> Path:
         sections.append(_figure(out_dir, "values", "Gradient values", fig, "First and last captured step."))
     page = out_dir / REPORT_NAME
     page.write_text(_page(out_dir, grads, sections), encoding="utf-8")
+    return page
+
+
+def try_report(path: Path) -> Path | None:
+    """Write the report of the run or sweep at `path`; on failure log how to write it later, never raise.
+
+    Example::
+
+        try_report(run_dir)      # run_dir/report.html, or None and a warning naming the command
+    """
+    try:
+        page = write_report(path)
+    except Exception as e:  # the records are safe; the report can be written again at any time
+        log.warning("could not write the report (%s: %s); write it with: python -m gradrunner.report %s",
+                    type(e).__name__, one_paragraph(e), path)  # fmt: skip
+        return None
+    log.info("report: %s", page)
     return page
 
 
@@ -251,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         page = write_report(args.path)
     except GradrunnerError as e:
-        print(f"gradrunner.report: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"gradrunner.report: error: {one_paragraph(e)}", file=sys.stderr)
         return EXIT_USER_ERROR
     print(page)
     return 0

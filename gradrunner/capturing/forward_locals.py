@@ -224,7 +224,7 @@ def rewrite(fn: Callable[..., object], names: Iterable[str], tap: TapFn) -> type
     module_code = compile(tree, filename, "exec")
     outer_code = next(c for c in module_code.co_consts if isinstance(c, types.CodeType))
     inner_code = next(c for c in outer_code.co_consts if isinstance(c, types.CodeType) and c.co_name == func.name)
-    cells = dict(zip(original.__code__.co_freevars, original.__closure__ or ()))
+    cells = dict(zip(original.__code__.co_freevars, original.__closure__ or (), strict=True))
     cells[TAP_NAME] = types.CellType(tap)
     closure = tuple(cells[v] for v in inner_code.co_freevars)
     new = types.FunctionType(inner_code, original.__globals__, original.__name__, original.__defaults__, closure)

@@ -25,12 +25,14 @@ import torch
 from torch import nn
 
 from gradrunner.capturing.elements import get_element, set_element
-from gradrunner.errors import GradrunnerError
 from gradrunner.capturing.forward_locals import rewrite
 from gradrunner.capturing.grad_context import in_backward, no_grad_reason, reentrant_checkpoint, refuse_compiled
-from gradrunner.capturing.stats import VALUES_MODES, Collector, StepRecords, TapKey
-from gradrunner.capturing.strategies import Slot, get_strategy
+from gradrunner.capturing.stats import Collector
+from gradrunner.capturing.strategies import Slot, Strategy, get_strategy
 from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
+from gradrunner.choices import VALUES_MODES
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import StepRecords, TapKey
 
 
 class Grads(Mapping[str, "torch.Tensor | None"]):
@@ -86,6 +88,7 @@ class Capture:
         sample_size: int = 64,
         seed: int = 0,
         keep_grads: bool = True,
+        wrap_strategy: Callable[[Strategy], Strategy] | None = None,
     ) -> None:
         refuse_compiled(model)
         if values not in VALUES_MODES:
@@ -93,6 +96,8 @@ class Capture:
         self.model = model
         self.taps: list[Tap] = resolve_taps(model, taps)
         self.strategy = get_strategy(strategy)(self._deliver)
+        if wrap_strategy is not None:  # e.g. DDP: parameters from `.grad` after the all-reduce
+            self.strategy = wrap_strategy(self.strategy)
         self.strategy_name = strategy
         self.keep_grads = keep_grads
         self.values, self.sample_size, self.seed = values, sample_size, seed
@@ -187,11 +192,11 @@ class Capture:
         fn = rewrite(type(module).forward, by_name, tap_fn)
         had_instance_forward = "forward" in module.__dict__
         previous = module.__dict__.get("forward")
-        module.forward = types.MethodType(fn, module)  # type: ignore[method-assign]
+        module.forward = types.MethodType(fn, module)
 
         def restore() -> None:
             if had_instance_forward:
-                module.forward = previous  # type: ignore[method-assign,assignment]
+                module.forward = previous  # type: ignore[assignment]
             else:
                 module.__dict__.pop("forward", None)
 
@@ -364,6 +369,7 @@ def capture(
     sample_size: int = 64,
     seed: int = 0,
     keep_grads: bool = True,
+    wrap_strategy: Callable[[Strategy], Strategy] | None = None,
 ) -> Capture:
     """Tap `model` and capture the gradients flowing through `taps`, the `strategy`'s way.
 
@@ -376,6 +382,8 @@ def capture(
     `strategy` is `retain_grad`, `hook` or `autograd_grad`; all three give the same gradients.
     `keep_grads=False` keeps only statistics (and `values`: `none`, `full` or a fixed `sample`),
     reduced on the gradient's device as it arrives: what the runner uses. Every tap is resolved
-    here, before any forward pass: a bad tap raises `GradrunnerError`.
+    here, before any forward pass: a bad tap raises `GradrunnerError`. `wrap_strategy` wraps the
+    strategy (the runner's DDP support delivers parameter gradients after the all-reduce this way).
     """
-    return Capture(model, taps, strategy, values=values, sample_size=sample_size, seed=seed, keep_grads=keep_grads)
+    return Capture(model, taps, strategy, values=values, sample_size=sample_size, seed=seed, keep_grads=keep_grads,
+                   wrap_strategy=wrap_strategy)

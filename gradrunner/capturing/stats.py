@@ -21,74 +21,20 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-VALUES_MODES = ("none", "full", "sample")
-
-#: Columns of `StepRecords` that hold one float64 statistic per record.
-STAT_COLUMNS = ("norm", "mean", "std", "min", "max", "abs_max", "zero_frac")
-#: Columns of `StepRecords` that hold one int64 count per record.
-COUNT_COLUMNS = ("nan_count", "inf_count")
+from gradrunner.choices import VALUES_MODES
+from gradrunner.records.columns import StepRecords, TapKey
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
-
-
-class TapKey(NamedTuple):
-    """One firing of a tap: module path, tap name and call index within the step."""
-
-    module: str
-    name: str
-    call: int
-
-    @property
-    def tap(self) -> str:
-        return f"{self.module}:{self.name}"
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """The one place where captured data leaves its device (tests count calls to it)."""
     return t.detach().to("cpu")
-
-
-@dataclass
-class StepRecords:
-    """Columnar records of one captured step: one entry per (tap, call), in firing order."""
-
-    keys: list[TapKey] = field(default_factory=list)
-    shape: list[tuple[int, ...]] = field(default_factory=list)
-    numel: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    has_grad: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
-    stats: dict[str, np.ndarray] = field(default_factory=dict)
-    counts: dict[str, np.ndarray] = field(default_factory=dict)
-    #: Row-major float32 elements per record (None where no gradient); None when values="none".
-    values: list[np.ndarray | None] | None = None
-    #: Element positions sampled per record when values="sample" (flat, row-major).
-    positions: list[np.ndarray | None] | None = None
-    #: The step's loss, when the caller handed it to `finish` (it rides in the same transfer).
-    loss: float | None = None
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def row(self, i: int) -> dict[str, object]:
-        """Record `i` as a plain dict (for tests and quick looks)."""
-        out: dict[str, object] = {
-            "tap": self.keys[i].tap,
-            "module": self.keys[i].module,
-            "name": self.keys[i].name,
-            "call": self.keys[i].call,
-            "shape": list(self.shape[i]),
-            "numel": int(self.numel[i]),
-            "has_grad": bool(self.has_grad[i]),
-        }
-        out.update({c: float(self.stats[c][i]) for c in STAT_COLUMNS})
-        out.update({c: int(self.counts[c][i]) for c in COUNT_COLUMNS})
-        out["values"] = None if self.values is None else self.values[i]
-        return out
 
 
 def sample_positions(tap: str, numel: int, size: int, seed: int) -> np.ndarray:

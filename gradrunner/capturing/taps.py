@@ -17,14 +17,14 @@ import difflib
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 from torch import nn
 
-from gradrunner.errors import GradrunnerError
 from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names
+from gradrunner.errors import GradrunnerError
 
-TapSpec = Union[str, Mapping[str, str]]
+TapSpec = str | Mapping[str, str]
 Kind = Literal["output", "input", "param", "local"]
 _GLOB_CHARS = "*?["
 

@@ -15,4 +15,4 @@ from gradrunner.models.mlp import MLP
 from gradrunner.models.sigmoid2 import TwoLayerSigmoid
 from gradrunner.models.transformer import TinyTransformerBlock
 
-__all__ = ["MLP", "SmallCNN", "TinyTransformerBlock", "CosineRegression", "TwoLayerSigmoid"]
+__all__ = ["MLP", "CosineRegression", "SmallCNN", "TinyTransformerBlock", "TwoLayerSigmoid"]

@@ -194,7 +194,7 @@ def _restore_hydra_files(directory: Path, marker: dict[str, Any]) -> None:
 
 def _clean(directory: Path) -> list[str]:
     """Remove a job's partial records, failure record and report; return the names removed."""
-    names = _present(directory) + [FAILED, f".{DONE}.tmp", "report.html"]
+    names = [*_present(directory), FAILED, f".{DONE}.tmp", "report.html"]
     names += sorted(p.name for p in directory.glob("report-*.png"))
     removed = []
     for name in names:
@@ -262,25 +262,6 @@ def unfinished_jobs(job_dirs: list[Path]) -> list[JobState] | None:
     if not any((d / DONE).exists() or (d / FAILED).exists() for d in job_dirs):
         return None
     return [s for s in states if s.status != "completed"]
-
-
-def try_report(path: Path) -> Path | None:
-    """Write the report of the run or sweep at `path`; on failure log how to write it later, never raise.
-
-    Example::
-
-        try_report(run_dir)      # run_dir/report.html, or None and a warning naming the command
-    """
-    try:
-        from gradrunner.analysis.report import write_report
-
-        page = write_report(path)
-    except Exception as e:  # the records are safe; the report can be written again at any time
-        log.warning("could not write the report (%s: %s); write it with: python -m gradrunner.report %s",
-                    type(e).__name__, " ".join(str(e).split()), path)  # fmt: skip
-        return None
-    log.info("report: %s", page)
-    return page
 
 
 def describe_unfinished(root: Path, unfinished: list[JobState], total: int) -> str:

@@ -29,12 +29,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.capturing.stats import COUNT_COLUMNS, STAT_COLUMNS, StepRecords
+from gradrunner.records.columns import CONSTANT_COLUMNS, COUNT_COLUMNS, STAT_COLUMNS, StepRecords
 
 _W = TypeVar("_W", bound="ParquetTableWriter")
-
-#: Columns repeated on every row of a job (taken from the writer's `constants`), then `rank`.
-CONSTANT_COLUMNS = ("run_id", "experiment", "strategy", "device", "dtype")
 
 _CONSTANT_FIELDS = [pa.field(c, pa.string()) for c in CONSTANT_COLUMNS]
 
@@ -89,14 +86,12 @@ def run_metadata(
     `git.commit` is the HEAD of the repository holding `cwd` (default: the current directory), or
     "" outside a repository; `gradrunner.start_time` defaults to now, ISO 8601 in UTC.
     """
-    import torch  # here, not at import time: only the version is needed
-
     if start_time is None:
         start_time = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {
         "gradrunner.config": config_yaml,
-        "gradrunner.version": _package_version(),
-        "torch.version": str(torch.__version__),
+        "gradrunner.version": _distribution_version("gradrunner", unknown="0+unknown"),
+        "torch.version": _distribution_version("torch"),
         "python.version": platform.python_version(),
         "git.commit": _git_commit(cwd),
         "gradrunner.seed": str(seed),
@@ -104,11 +99,12 @@ def run_metadata(
     }
 
 
-def _package_version() -> str:
+def _distribution_version(name: str, unknown: str = "unknown") -> str:
+    """An installed distribution's version, read from its metadata (no import: records need no torch)."""
     try:
-        return importlib.metadata.version("gradrunner")
+        return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
-        return "0+unknown"
+        return unknown
 
 
 def _git_commit(cwd: str | os.PathLike[str] | None) -> str:
@@ -268,7 +264,7 @@ class ParquetTableWriter:
         if self._writer is None:
             self.temp_path.parent.mkdir(parents=True, exist_ok=True)
             options = _write_options(self.schema)
-            self._writer = pq.ParquetWriter(self.temp_path, self.schema, **options)  # type: ignore[arg-type]
+            self._writer = pq.ParquetWriter(self.temp_path, self.schema, **options)
         return self._writer
 
     def _flush(self, everything: bool) -> None:
@@ -314,9 +310,20 @@ class _RunTableWriter(ParquetTableWriter):
                 f"constants has keys {sorted(constants)}; expected exactly {list(CONSTANT_COLUMNS)}"
             )
         self.constants = {k: str(v) for k, v in constants.items()}
-        self.rank = rank
+        self._rank = rank
         self._constant_cache: dict[int, dict[str, pa.Array]] = {}
         super().__init__(path, self.table_schema, metadata=metadata, rows_per_group=rows_per_group)
+
+    @property
+    def rank(self) -> int:
+        """The `rank` column of the rows written from now on (a gatherer writes each rank's rows in turn)."""
+        return self._rank
+
+    @rank.setter
+    def rank(self, rank: int) -> None:
+        if rank != self._rank:
+            self._rank = rank
+            self._constant_cache.clear()  # the cached constant columns carry the rank
 
     def _constant_columns(self, n: int) -> dict[str, pa.Array]:
         # One repeated value per column: Parquet's dictionary encoding stores it once per page.

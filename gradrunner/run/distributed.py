@@ -46,13 +46,12 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradrunner.capturing.strategies.base import Slot, Strategy
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.writer import RecordWriter, StepsWriter
-from gradrunner.capturing.strategies.base import Slot, Strategy
 
 if TYPE_CHECKING:
-    from gradrunner.capturing.session import Capture
-    from gradrunner.run.loop import Job
+    from gradrunner.run.build import Job
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -168,7 +167,7 @@ def _move_into(own: Path, main: Path, rank: int) -> None:
 class _DDP(DistributedDataParallel):
     """DDP whose gradient sync can be turned off per forward (for `autograd_grad`'s captured steps)."""
 
-    manual_sync: Callable[[], bool] = staticmethod(lambda: False)  # type: ignore[assignment]
+    manual_sync: Callable[[], bool] = staticmethod(lambda: False)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self.require_backward_grad_sync = not self.manual_sync()
@@ -198,18 +197,21 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def attach(cap: Capture, model: nn.Module, strategy: str) -> None:
-    """Make `cap` deliver DDP's averaged parameter gradients (call before entering `cap`).
+def strategy_wrapper(model: nn.Module, strategy: str, enabled: Callable[[], bool]) -> Callable[[Strategy], Strategy]:
+    """The `wrap_strategy` that makes a capture deliver DDP's averaged parameter gradients.
 
     Example::
 
-        cap = capture(unwrap(job.model), taps, strategy); attach(cap, job.model, strategy)
-        with cap: ...
+        cap = capture(unwrap(job.model), taps, strategy,
+                      wrap_strategy=strategy_wrapper(job.model, strategy, lambda: cap.enabled))
+
+    `enabled` says whether the current step is captured: under `autograd_grad` DDP's own sync is
+    off on those steps and the gradients are averaged by the wrapper instead.
     """
     assert isinstance(model, _DDP), type(model)
     manual = strategy == "autograd_grad"
-    cap.strategy = SyncedParams(cap.strategy, model, manual=manual)
-    model.manual_sync = (lambda: cap.enabled) if manual else (lambda: False)
+    model.manual_sync = enabled if manual else (lambda: False)
+    return lambda inner: SyncedParams(inner, model, manual=manual)
 
 
 class SyncedParams(Strategy):
@@ -287,9 +289,7 @@ class GatheredWriter:
     def _write_all(self, method: str, *args: Any) -> None:
         for rank, rank_args in enumerate(self.dist.gather(args)):
             assert self.writer is not None
-            if self.writer.rank != rank:
-                self.writer.rank = rank
-                self.writer._constant_cache.clear()  # its cached columns carry the rank
+            self.writer.rank = rank
             getattr(self.writer, method)(*rank_args)
         self.steps_written += 1
 

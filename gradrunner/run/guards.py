@@ -33,12 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradrunner.errors import GradrunnerError
-from gradrunner.capturing.stats import StepRecords
-
-def one_line(error: BaseException) -> str:
-    """`str(error)` on one line."""
-    return " ".join(str(error).split())
+from gradrunner.errors import GradrunnerError, one_paragraph
+from gradrunner.records.columns import StepRecords
 
 
 def describe(value: object) -> str:
@@ -76,7 +72,7 @@ def next_batch(batches: Iterator[Any], step: int, source: str) -> tuple[Any, Any
         ) from None
     except Exception as e:
         raise GradrunnerError(
-            f"data: {source} raised {type(e).__name__}: {one_line(e)} while making the batch of step {step}. "
+            f"data: {source} raised {type(e).__name__}: {one_paragraph(e)} while making the batch of step {step}. "
             "Check the data.* keys and the data source's code; HYDRA_FULL_ERROR=1 shows the traceback."
         ) from e
     if not isinstance(item, (tuple, list)) or len(item) != 2:
@@ -98,7 +94,7 @@ def forward_loss(
         raise
     except Exception as e:
         raise GradrunnerError(
-            f"step {step} failed in the model's forward(): {model_name} raised {type(e).__name__}: {one_line(e)}, "
+            f"step {step} failed in the model's forward(): {model_name} raised {type(e).__name__}: {one_paragraph(e)}, "
             f"on inputs {describe(x)}. Check the model (its forward() and the model.* keys) and that the data "
             "fits it (data.* shapes); HYDRA_FULL_ERROR=1 shows the traceback."
         ) from e
@@ -115,7 +111,7 @@ def forward_loss(
         )  # fmt: skip
         raise GradrunnerError(
             f"step {step} failed in the loss: {loss_name} cannot take the model's output, {describe(out)}, with "
-            f"targets {describe(y)}: {type(e).__name__}: {one_line(e)}. To fix it, {hint}."
+            f"targets {describe(y)}: {type(e).__name__}: {one_paragraph(e)}. To fix it, {hint}."
         ) from e
     _check_loss(loss, step, loss_name)
     return loss
@@ -129,7 +125,7 @@ def backward(run_backward: Callable[[torch.Tensor], None], loss: torch.Tensor, s
         raise
     except Exception as e:
         raise GradrunnerError(
-            f"step {step} failed in backward: {type(e).__name__}: {one_line(e)}. This usually comes from the model: "
+            f"step {step} failed in backward: {type(e).__name__}: {one_paragraph(e)}. This usually comes from the model: "
             "an in-place operation on a tensor autograd saved for backward (x += ..., x.mul_(...), "
             "inplace=True), or a custom autograd.Function; check the model's forward(). HYDRA_FULL_ERROR=1 shows "
             "the traceback."
@@ -205,7 +201,7 @@ def check_writable(directory: Path, where: str = _WHERE) -> None:
         os.rmdir(tempfile.mkdtemp(prefix=".gradrunner-probe-", dir=existing))
     except OSError as e:
         raise GradrunnerError(
-            f"cannot write records in {directory}: {one_line(e)}. Nothing was run; choose another output "
+            f"cannot write records in {directory}: {one_paragraph(e)}. Nothing was run; choose another output "
             f"directory ({where})."
         ) from None
 
@@ -220,7 +216,7 @@ def write_errors(directory: Path) -> Iterator[None]:
     except OSError as e:
         kept = ", ".join(sorted(p.name for p in directory.glob("*.parquet"))) or "nothing"
         raise GradrunnerError(
-            f"could not write the records in {directory}: {one_line(e)}. Whatever could not be finished was "
+            f"could not write the records in {directory}: {one_paragraph(e)}. Whatever could not be finished was "
             f"removed (kept: {kept}), so no half-written records are left; free some disk space or choose "
             f"another output directory ({_WHERE}), then run again."
         ) from e

@@ -18,11 +18,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from gradrunner.run import distributed
-from gradrunner.records import rundir
 from gradrunner.config import validate
-from gradrunner.run.distributed import Distributed
 from gradrunner.errors import GradrunnerError
+from gradrunner.records import rundir
+from gradrunner.run import distributed
+from gradrunner.run.distributed import Distributed
 from gradrunner.run.loop import output_dir, train
 
 
@@ -80,5 +80,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
             world = dist.world_size if dist is not None else 1
             rundir.mark_complete(directory, cfg, files=files, run_id=run_id, world_size=world, overrides=overrides)
     if cfg.report and main and not multirun:
-        rundir.try_report(directory)
+        from gradrunner.analysis.report import try_report
+
+        try_report(directory)
     return path

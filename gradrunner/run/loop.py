@@ -16,167 +16,35 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import random
 import resource
 import sys
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import TextIO
 
-import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
-from gradrunner.run import distributed
 from gradrunner.capturing.session import Capture, capture
-from gradrunner.config import validate
-from gradrunner.data import Batch, as_batches
-from gradrunner.run.distributed import Distributed, GatheredWriter
-from gradrunner.errors import GradrunnerError
-from gradrunner.run.guards import (
-    NonFinite, backward, check_finite, check_writable, forward_loss, next_batch, sigterm_as_interrupt, write_errors,
-)
+from gradrunner.records.columns import GRADS_FILE, STEPS_FILE
 from gradrunner.records.writer import RecordWriter, StepsWriter, run_metadata
+from gradrunner.run import distributed
+from gradrunner.run.build import Job, setup
+from gradrunner.run.distributed import Distributed, GatheredWriter
+from gradrunner.run.guards import (
+    NonFinite,
+    backward,
+    check_finite,
+    check_writable,
+    forward_loss,
+    next_batch,
+    sigterm_as_interrupt,
+    write_errors,
+)
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CONF_DIR = Path(__file__).parent / "conf"
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's `random`, numpy's global generator and torch (every device).
-
-    Example::
-
-        seed_everything(0); a = torch.rand(1); seed_everything(0); assert torch.equal(a, torch.rand(1))
-    """
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def resolve_device(spec: str) -> torch.device:
-    """The torch device for `device=`: `auto` is cuda, then mps, then cpu; an unavailable one is an error.
-
-    Example::
-
-        resolve_device("auto")   # device(type='cpu') on a machine without GPU
-        resolve_device("cuda")   # GradrunnerError there, listing what is available
-    """
-    mps = getattr(torch.backends, "mps", None)
-    has_mps = bool(mps is not None and mps.is_available())
-    available = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())] + (["mps"] if has_mps else [])
-    if spec == "auto":
-        spec = "cuda" if torch.cuda.is_available() else "mps" if has_mps else "cpu"
-    device = torch.device(spec)
-    if device.type == "cuda":
-        if device.index is None and torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-        if f"cuda:{device.index}" not in available:
-            raise GradrunnerError(
-                f"device={spec!r} is not available on this machine (torch {torch.__version__} sees "
-                f"{torch.cuda.device_count()} CUDA device(s)); available: {', '.join(available)}. "
-                "Use device=auto or device=cpu."
-            )
-    elif device.type == "mps" and not has_mps:
-        raise GradrunnerError(
-            f"device='mps' is not available on this machine; available: {', '.join(available)}. Use device=auto."
-        )
-    return device
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    """The torch dtype for `dtype=` (validated names only: float32, float64, bfloat16, float16).
-
-    Example::
-
-        resolve_dtype("float64")   # torch.float64
-    """
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise GradrunnerError(f"dtype={name!r} is not allowed; allowed: {', '.join(_DTYPES)}") from None
-
-
-def _options(group: str) -> str:
-    names = sorted(p.stem for p in (_CONF_DIR / group).glob("*.yaml"))
-    return ", ".join(names) or "none"
-
-
-def build(cfg: DictConfig, group: str) -> Any:
-    """Instantiate `cfg[group]`; a failure is a GradrunnerError naming the group and its `_target_`.
-
-    Example::
-
-        model = build(cfg, "model")       # e.g. gradrunner.models.MLP(in_features=8, ...)
-    """
-    node = cfg[group]
-    target = node.get("_target_", "<no _target_>")
-    try:
-        return instantiate(node, _convert_="all")
-    except InstantiationException as e:
-        if isinstance(e.__cause__, GradrunnerError):
-            raise e.__cause__ from None
-        detail = " ".join(str(e).split()).replace(f" full_key: {group}", "").rstrip(".")
-        if ", set env var HYDRA_FULL_ERROR" in detail:  # "Error locating target": the cause says why
-            cause = " ".join(str(e.__cause__).split())
-            detail = f"{detail.split(', set env var')[0]} ({type(e.__cause__).__name__}: {cause})"
-        partial = group != "optimizer" or node.get("_partial_", False)
-        hint = "" if partial else " (optimizer options need `_partial_: true`)"
-        raise GradrunnerError(
-            f"could not build {group} from _target_={target!r}: {detail}. Check the {group}.* keys{hint}, "
-            f"or pick another option with {group}=<option> (built-in: {_options(group)})."
-        ) from e
-
-
-@dataclass
-class Job:
-    """Everything the step loop needs, built from the config before any file is written."""
-
-    model: nn.Module
-    batches: Iterator[Batch]
-    loss_fn: Callable[[Any, Any], torch.Tensor]
-    optimizer: torch.optim.Optimizer
-    device: torch.device
-    dtype: torch.dtype
-
-
-def setup(cfg: DictConfig) -> Job:
-    """Validate `cfg`, seed, and build model, data, loss and optimizer on the configured device and dtype.
-
-    Example::
-
-        job = setup(cfg); job.model(next(job.batches)[0])
-    """
-    validate(cfg)
-    device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
-    seed_everything(cfg.seed)
-    model = build(cfg, "model")
-    if not isinstance(model, nn.Module):
-        raise GradrunnerError(f"model {cfg.model._target_!r} built a {type(model).__name__}, not a torch.nn.Module")
-    model.to(device=device, dtype=dtype)
-    batches = as_batches(build(cfg, "data"), device, dtype)
-    loss_fn = build(cfg, "loss")
-    if isinstance(loss_fn, nn.Module):
-        loss_fn.to(device=device)
-    make_optimizer = build(cfg, "optimizer")
-    try:
-        optimizer = make_optimizer(model.parameters())
-    except (TypeError, ValueError) as e:
-        hint = "; optimizer options need `_partial_: true`" if isinstance(e, TypeError) else ""
-        raise GradrunnerError(
-            f"could not build optimizer {cfg.optimizer._target_!r} over the model's parameters: {e}. "
-            f"Check the optimizer.* keys{hint}."
-        ) from e
-    return Job(model, batches, loss_fn, optimizer, device, dtype)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -302,6 +170,8 @@ def train(
     `dist` (from `distributed.session`) runs it as one rank of a DDP job; `run()` adds the run dir's books.
     """
     job = setup(cfg)
+    if job.device.type == "cuda":  # jobs of a sweep run in one process: each starts its own peak
+        torch.cuda.reset_peak_memory_stats(job.device)
     if dist is not None:
         job = distributed.wrap(job, dist)
     directory = output_dir(out_dir)
@@ -319,10 +189,9 @@ def train(
     c = cfg.capture
     with contextlib.ExitStack() as stack:
         stack.enter_context(write_errors(directory))  # first in, last out: sees the writers' close too
+        wrap = None if dist is None else distributed.strategy_wrapper(job.model, str(c.strategy), lambda: cap.enabled)
         cap = capture(distributed.unwrap(job.model), taps, c.strategy, values=c["values"],
-                      sample_size=c.sample_size, seed=cfg.seed, keep_grads=False)  # fmt: skip
-        if dist is not None:
-            distributed.attach(cap, job.model, str(c.strategy))
+                      sample_size=c.sample_size, seed=cfg.seed, keep_grads=False, wrap_strategy=wrap)  # fmt: skip
         stack.enter_context(cap)
         log.info("run %s: %d taps resolved (%s), %d steps on %s/%s", constants["run_id"], len(cap.taps),
                  ", ".join(t.tap for t in cap.taps[:6]) + (", ..." if len(cap.taps) > 6 else ""),
@@ -337,7 +206,7 @@ def train(
         except KeyboardInterrupt:
             log.warning("interrupted after %d step(s); their records are kept in %s", steps.steps_written, directory)
             raise
-    path = directory / "grads.parquet"
+    path = directory / GRADS_FILE
     log.info("records: %s  (pandas.read_parquet('%s') or gradrunner.analysis.load('%s'))", path, path, directory)
     return path
 
@@ -349,7 +218,7 @@ def _open_writers(
     """The job's grads and steps writers, closed by `stack`; under DDP rank 0 writes every rank's rows."""
     if dist is not None:
         return distributed.open_writers(stack, dist, directory, constants, meta)
-    grads = stack.enter_context(RecordWriter(directory / "grads.parquet", constants=constants, metadata=meta))
-    steps = stack.enter_context(StepsWriter(directory / "steps.parquet", constants=constants, metadata=meta))
+    grads = stack.enter_context(RecordWriter(directory / GRADS_FILE, constants=constants, metadata=meta))
+    steps = stack.enter_context(StepsWriter(directory / STEPS_FILE, constants=constants, metadata=meta))
     return grads, steps
 

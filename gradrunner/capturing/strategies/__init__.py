@@ -13,11 +13,11 @@ Example::
 
 from __future__ import annotations
 
-from gradrunner.errors import GradrunnerError
 from gradrunner.capturing.strategies.autograd_grad import AutogradGradStrategy
 from gradrunner.capturing.strategies.base import Slot, Strategy
 from gradrunner.capturing.strategies.hook import HookStrategy
 from gradrunner.capturing.strategies.retain_grad import RetainGradStrategy
+from gradrunner.errors import GradrunnerError
 
 STRATEGIES: dict[str, type[Strategy]] = {
     cls.name: cls for cls in (RetainGradStrategy, HookStrategy, AutogradGradStrategy)

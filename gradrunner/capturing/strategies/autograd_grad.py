@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from gradrunner.errors import GradrunnerError
 from gradrunner.capturing.strategies.base import Slot, Strategy
+from gradrunner.errors import GradrunnerError
 
 _get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
 
@@ -42,13 +42,13 @@ class AutogradGradStrategy(Strategy):
                 loss.backward(retain_graph=retain_graph)
                 return
             grads = _grad(loss, inputs, retain_graph)
-            for slot, grad in zip(tensor_slots, grads):
+            for slot, grad in zip(tensor_slots, grads[: len(tensor_slots)], strict=True):
                 self.deliver(slot, grad)
             param_grads = grads[len(tensor_slots) :]
             for slot in slots:
                 if slot.param is not None:
                     self.deliver(slot, param_grads[param_index[id(slot.param)]] if id(slot.param) in param_index else None)
-            for p, g in zip(params, param_grads):
+            for p, g in zip(params, param_grads, strict=True):
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad + g
         finally:

@@ -22,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from gradrunner.capturing.stats import TapKey
+from gradrunner.records.columns import TapKey
 
 
 @dataclass(eq=False)
@@ -65,8 +65,8 @@ class Strategy(ABC):
     ) -> None:
         """Run backward from `loss`; deliver every slot's gradient; fill `.grad` of `params`."""
 
-    def install(self, params: Sequence[tuple[torch.nn.Parameter, Callable[[], Slot | None]]]) -> None:
+    def install(self, params: Sequence[tuple[torch.nn.Parameter, Callable[[], Slot | None]]]) -> None:  # noqa: B027 (optional)
         """Called once when the session opens, with the tapped parameters and a lookup of their current slot."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional)
         """Remove anything `install` or `attach` left behind (called on exit, also after an exception)."""

@@ -1,0 +1,180 @@
+"""Read gradrunner records into pandas: one run dir, a whole sweep, or one Parquet file.
+
+Contents:
+    load(path, table="grads")         -- a run dir, a sweep dir or one .parquet file as one DataFrame
+    IncompleteSweepWarning            -- `load` left out failed or unfinished jobs of a sweep
+    TABLES                            -- the tables a job writes
+
+Example::
+
+    df = load("multirun/2024-05-01/12-00-00")      # one row per job x step x tap x call
+    steps = load("multirun/2024-05-01/12-00-00", table="steps")
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+
+from gradrunner.errors import GradrunnerError
+from gradrunner.records import rundir
+
+#: Tables a job writes, each as `<job dir>/<table>.parquet`.
+TABLES = ("grads", "steps")
+
+
+def load(path: str | os.PathLike[str], table: str = "grads") -> pd.DataFrame:
+    """Every `<table>.parquet` below `path` as one DataFrame, with a column per swept override.
+
+    Example::
+
+        df = load("multirun/2024-05-01/12-00-00")             # a sweep: 0/, 1/, ... job dirs
+        df.groupby(["capture.strategy", "tap"])["norm"].mean()
+        steps = load("outputs/2024-05-01/12-00-00", table="steps")
+
+    `path` is a run dir, a sweep dir (Hydra multirun) or a `.parquet` file. Schemas are unified:
+    a column only some files have is kept, null elsewhere. When the files live in subdirectories
+    (a sweep), a `job` column holds each job dir relative to `path`, and every override (from
+    `<job>/.hydra/overrides.yaml`) whose value differs between jobs becomes a column named after
+    its key (`override.<key>` if a record column already has that name), as int or float when
+    every value parses so, else as string. Hidden files and directories are skipped.
+
+    In a sweep whose jobs carry completion markers (`done.json`, written by the CLI), only completed
+    jobs are read: failed jobs (`failed.json`) and jobs without a marker (killed, still running) are
+    left out and named in an `IncompleteSweepWarning`; `pd.read_parquet` still reads their partial files.
+    """
+    root = Path(path)
+    files = _completed_only(root, _find_files(root, table))
+    tables = [pq.read_table(f) for f in files]
+    job_dirs = [f.parent for f in files]
+    if root.is_dir() and any(d != root for d in job_dirs):
+        tables = _with_job_columns(root, job_dirs, tables)
+    return _concat(tables).to_pandas()
+
+
+class IncompleteSweepWarning(UserWarning):
+    """`load` left out jobs of a sweep that failed or did not finish; the message names them."""
+
+
+def _completed_only(root: Path, files: list[Path]) -> list[Path]:
+    """The files of completed jobs when the sweep's jobs carry markers; warn naming the jobs left out."""
+    if not root.is_dir():
+        return files
+    if (root / rundir.FAILED).exists():  # a single run asked for by name: read it, but say it failed
+        warnings.warn(f"{root} is a failed run ({rundir.job_state(root).error}); its records are partial",
+                      IncompleteSweepWarning, stacklevel=3)  # fmt: skip
+    dirs = rundir.job_dirs_below(root)
+    unfinished = rundir.unfinished_jobs(dirs)
+    if not unfinished:
+        return files
+    warnings.warn(rundir.describe_unfinished(root, unfinished, len(dirs)), IncompleteSweepWarning, stacklevel=3)
+    left_out = {s.directory for s in unfinished}
+    kept = [f for f in files if f.parent not in left_out]
+    if not kept:
+        raise GradrunnerError(f"no job in {root} completed; {rundir.describe_unfinished(root, unfinished, len(dirs))}")
+    return kept
+
+
+def _find_files(root: Path, table: str) -> list[Path]:
+    """The `<table>.parquet` files below `root` (or `root` itself), in natural job order."""
+    if table not in TABLES:
+        raise GradrunnerError(f"table={table!r} is not a gradrunner table; allowed: {', '.join(TABLES)}")
+    if root.is_file():
+        if root.suffix != ".parquet":
+            raise GradrunnerError(f"{root} is not a .parquet file; pass a run dir, a sweep dir or a .parquet file")
+        return [root]
+    if not root.is_dir():
+        raise GradrunnerError(f"{root} does not exist; pass a run dir, a sweep dir or a .parquet file")
+    name = f"{table}.parquet"
+    files = [f for f in root.rglob(name) if f.is_file() and not _hidden(f.relative_to(root))]
+    if not files:
+        raise GradrunnerError(
+            f"no {name} found in {root} or its subdirectories; pass a run dir (holding {name}), "
+            "a sweep dir (holding job dirs 0/, 1/, ...) or a .parquet file"
+        )
+    return sorted(files, key=lambda f: _natural_key(f.relative_to(root)))
+
+
+def _hidden(rel: Path) -> bool:
+    # Temp files of running jobs and Hydra's .hydra dirs start with "."; "_" by pyarrow's convention.
+    return any(part.startswith((".", "_")) for part in rel.parts)
+
+
+def _natural_key(rel: Path) -> list[tuple[int, int | str]]:
+    """Sort key putting job 2 before job 10."""
+    return [(0, int(t)) if t.isdigit() else (1, t) for part in rel.parts for t in re.split(r"(\d+)", part) if t]
+
+
+def _read_overrides(job_dir: Path) -> dict[str, str | None]:
+    """`key -> value` of a job's Hydra overrides (`+key=v`, `++key=v` -> `key`; `~key` -> None)."""
+    f = job_dir / ".hydra" / "overrides.yaml"
+    if not f.is_file():
+        return {}
+    out: dict[str, str | None] = {}
+    for item in yaml.safe_load(f.read_text()) or []:
+        key, sep, value = str(item).partition("=")
+        out[key.lstrip("+~")] = value if sep and not key.startswith("~") else None
+    return out
+
+
+def _typed_array(values: list[str | None]) -> pa.Array:
+    """Override values as int64, else float64, else string: the first type every value parses as."""
+    present = [v for v in values if v is not None]
+    for parse, typ in ((int, pa.int64()), (float, pa.float64())):
+        try:
+            parsed = [parse(v) for v in present]
+        except ValueError:
+            continue
+        it = iter(parsed)
+        return pa.array([None if v is None else next(it) for v in values], typ)
+    return pa.array(values, pa.string())
+
+
+def _swept_columns(job_dirs: list[Path]) -> dict[str, pa.Array]:
+    """One value per job for each override key whose value differs between jobs."""
+    overrides = [_read_overrides(d) for d in job_dirs]
+    keys = sorted({k for o in overrides for k in o})
+    columns: dict[str, pa.Array] = {}
+    for key in keys:
+        values = [o.get(key) for o in overrides]
+        if len(set(values)) > 1:
+            columns[key] = _typed_array(values)
+    return columns
+
+
+def _with_job_columns(root: Path, job_dirs: list[Path], tables: list[pa.Table]) -> list[pa.Table]:
+    """Append `job` and the swept override columns, constant within each job's table."""
+    unique_dirs = sorted(set(job_dirs), key=lambda d: _natural_key(d.relative_to(root)))
+    swept = _swept_columns(unique_dirs)
+    index = {d: i for i, d in enumerate(unique_dirs)}
+    out = []
+    for job_dir, t in zip(job_dirs, tables, strict=True):
+        i = index[job_dir]
+        t = t.append_column("job", pa.repeat(pa.scalar(job_dir.relative_to(root).as_posix()), t.num_rows))
+        for key, column in swept.items():
+            name = f"override.{key}" if key in t.column_names else key
+            t = t.append_column(name, pa.repeat(column[i], t.num_rows))
+        out.append(t)
+    return out
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    """Concatenate tables whose schemas differ: unify them, missing columns become null."""
+    schemas = [t.schema.remove_metadata() for t in tables]
+    unified = pa.unify_schemas(schemas, promote_options="permissive")
+    unified = pa.schema([f.with_nullable(True) for f in unified])
+    return pa.concat_tables([_conform(t, unified) for t in tables])
+
+
+def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
+    columns = [
+        t.column(f.name).cast(f.type) if f.name in t.column_names else pa.nulls(t.num_rows, f.type) for f in schema
+    ]
+    return pa.Table.from_arrays(columns, schema=schema)

@@ -1,0 +1,161 @@
+"""The job a config describes, built before any file is written: model, data, loss, optimizer.
+
+`setup(cfg)` validates the config, seeds every generator, resolves device and dtype and
+instantiates the four config groups; a failure is one `GradrunnerError` naming the group.
+
+Example::
+
+    job = setup(cfg)          # cfg composed from gradrunner.conf
+    job.model(next(job.batches)[0])
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+from torch import nn
+
+from gradrunner.choices import DTYPES
+from gradrunner.config import validate
+from gradrunner.data import Batch, as_batches
+from gradrunner.errors import GradrunnerError, not_allowed, one_paragraph
+
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
+_CONF_DIR = Path(__file__).parent.parent / "conf"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's `random`, numpy's global generator and torch (every device).
+
+    Example::
+
+        seed_everything(0); a = torch.rand(1); seed_everything(0); assert torch.equal(a, torch.rand(1))
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def resolve_device(spec: str) -> torch.device:
+    """The torch device for `device=`: `auto` is cuda, then mps, then cpu; an unavailable one is an error.
+
+    Example::
+
+        resolve_device("auto")   # device(type='cpu') on a machine without GPU
+        resolve_device("cuda")   # GradrunnerError there, listing what is available
+    """
+    mps = getattr(torch.backends, "mps", None)
+    has_mps = bool(mps is not None and mps.is_available())
+    available = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())] + (["mps"] if has_mps else [])
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "mps" if has_mps else "cpu"
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        if f"cuda:{device.index}" not in available:
+            raise GradrunnerError(
+                f"device={spec!r} is not available on this machine (torch {torch.__version__} sees "
+                f"{torch.cuda.device_count()} CUDA device(s)); available: {', '.join(available)}. "
+                "Use device=auto or device=cpu."
+            )
+    elif device.type == "mps" and not has_mps:
+        raise GradrunnerError(
+            f"device='mps' is not available on this machine; available: {', '.join(available)}. Use device=auto."
+        )
+    return device
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """The torch dtype for `dtype=` (validated names only: float32, float64, bfloat16, float16).
+
+    Example::
+
+        resolve_dtype("float64")   # torch.float64
+    """
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise not_allowed("dtype", name, DTYPES) from None
+
+
+def _options(group: str) -> str:
+    names = sorted(p.stem for p in (_CONF_DIR / group).glob("*.yaml"))
+    return ", ".join(names) or "none"
+
+
+def build(cfg: DictConfig, group: str) -> Any:
+    """Instantiate `cfg[group]`; a failure is a GradrunnerError naming the group and its `_target_`.
+
+    Example::
+
+        model = build(cfg, "model")       # e.g. gradrunner.models.MLP(in_features=8, ...)
+    """
+    node = cfg[group]
+    target = node.get("_target_", "<no _target_>")
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as e:
+        if isinstance(e.__cause__, GradrunnerError):
+            raise e.__cause__ from None
+        detail = one_paragraph(e).replace(f" full_key: {group}", "").rstrip(".")
+        if ", set env var HYDRA_FULL_ERROR" in detail:  # "Error locating target": the cause says why
+            cause = one_paragraph(str(e.__cause__))
+            detail = f"{detail.split(', set env var')[0]} ({type(e.__cause__).__name__}: {cause})"
+        partial = group != "optimizer" or node.get("_partial_", False)
+        hint = "" if partial else " (optimizer options need `_partial_: true`)"
+        raise GradrunnerError(
+            f"could not build {group} from _target_={target!r}: {detail}. Check the {group}.* keys{hint}, "
+            f"or pick another option with {group}=<option> (built-in: {_options(group)})."
+        ) from e
+
+
+@dataclass
+class Job:
+    """Everything the step loop needs, built from the config before any file is written."""
+
+    model: nn.Module
+    batches: Iterator[Batch]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    dtype: torch.dtype
+
+
+def setup(cfg: DictConfig) -> Job:
+    """Validate `cfg`, seed, and build model, data, loss and optimizer on the configured device and dtype.
+
+    Example::
+
+        job = setup(cfg); job.model(next(job.batches)[0])
+    """
+    validate(cfg)
+    device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
+    seed_everything(cfg.seed)
+    model = build(cfg, "model")
+    if not isinstance(model, nn.Module):
+        raise GradrunnerError(f"model {cfg.model._target_!r} built a {type(model).__name__}, not a torch.nn.Module")
+    model.to(device=device, dtype=dtype)
+    batches = as_batches(build(cfg, "data"), device, dtype)
+    loss_fn = build(cfg, "loss")
+    if isinstance(loss_fn, nn.Module):
+        loss_fn.to(device=device)
+    make_optimizer = build(cfg, "optimizer")
+    try:
+        optimizer = make_optimizer(model.parameters())
+    except (TypeError, ValueError) as e:
+        hint = "; optimizer options need `_partial_: true`" if isinstance(e, TypeError) else ""
+        raise GradrunnerError(
+            f"could not build optimizer {cfg.optimizer._target_!r} over the model's parameters: {e}. "
+            f"Check the optimizer.* keys{hint}."
+        ) from e
+    return Job(model, batches, loss_fn, optimizer, device, dtype)
