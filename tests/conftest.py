@@ -1,11 +1,19 @@
-"""Shared fixtures: the registered strategies, seeding, and a check that a model carries no hooks."""
+"""Shared fixtures and helpers: strategies, seeding, the hooks-left check, composing configs, running the CLI.
+
+Test modules import helpers from here (`from conftest import compose_cfg`), never from each other."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_module
+from omegaconf import DictConfig
 from torch import nn
 
 from gradrunner.capturing.strategies import STRATEGIES
@@ -76,3 +84,40 @@ def interrupt_at_step_3(monkeypatch: pytest.MonkeyPatch) -> None:
         return 1
 
     monkeypatch.setattr(runner, "peak_memory_bytes", peak_memory_bytes)
+
+
+#: The repository's root and the tests' own config dir (user options for `model=`, `data=`, ...).
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+SEARCHPATH = f"hydra.searchpath=[file://{TESTS / 'conf'}]"
+
+
+def compose_cfg(*overrides: str, hydra: bool = False) -> DictConfig:
+    """The composed config for `overrides`, as the app would see it (with `hydra.*` when `hydra`).
+
+    The tests' own options (tests/conf) are on the search path, as `--config-dir` would put them.
+    """
+    with initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
+        return compose("config", overrides=[SEARCHPATH, *overrides], return_hydra_config=hydra)
+
+
+def cli_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    # One thread: with two busy cores, torch's thread pool can make tiny steps 50x slower.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # This file's directory too, so `_target_` can name ScaledLinear above.
+    here = str(TESTS)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), here, env.get("PYTHONPATH")) if p)
+    return env
+
+def gradrunner(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gradrunner", *args],
+        cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+def check_ok(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+def job_dirs(root: Path, pattern: str = "outputs/*/*") -> list[Path]:
+    return sorted(root.glob(pattern))

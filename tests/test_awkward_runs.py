@@ -13,21 +13,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from hydra import compose, initialize_config_module
-from omegaconf import DictConfig
-from test_cli import cli_env
+from conftest import TESTS, cli_env, compose_cfg
 
 from gradrunner.errors import GradrunnerError
 from gradrunner.run.guards import NonFinite
 from gradrunner.run.loop import train
-
-TESTS = Path(__file__).resolve().parent
-SEARCHPATH = f"hydra.searchpath=[file://{TESTS / 'conf'}]"
-
-
-def compose_cfg(*overrides: str) -> DictConfig:
-    with initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
-        return compose("config", overrides=[SEARCHPATH, *overrides])
 
 
 def records(directory: Path) -> tuple[pd.DataFrame, pd.DataFrame]:

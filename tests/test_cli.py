@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import subprocess
@@ -17,13 +16,13 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import ROOT, check_ok, cli_env, gradrunner, job_dirs
 from omegaconf import OmegaConf
 from torch import nn
 
 from gradrunner.analysis import load
 from gradrunner.capturing.strategies import STRATEGIES
 
-ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "gradrunner" / "conf"
 EXPERIMENTS = ["mlp", "cnn", "transformer", "cosine", "sigmoid2"]
 STATS = ["norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "nan_count", "inf_count", "loss"]
@@ -47,34 +46,9 @@ class ScaledLinear(nn.Module):
         return scaled
 
 
-def cli_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    # One thread: with two busy cores, torch's thread pool can make tiny steps 50x slower.
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    # This file's directory too, so `_target_` can name ScaledLinear above.
-    here = str(Path(__file__).resolve().parents[__name__.count(".")])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), here, env.get("PYTHONPATH")) if p)
-    return env
-
-
-def gradrunner(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "gradrunner", *args],
-        cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-
-
-def job_dirs(root: Path, pattern: str = "outputs/*/*") -> list[Path]:
-    return sorted(root.glob(pattern))
-
-
 def sweep_dir(root: Path) -> Path:
     (found,) = job_dirs(root, "multirun/*/*")
     return found
-
-
-def check_ok(result: subprocess.CompletedProcess[str]) -> None:
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
 
 
 # -- the app ------------------------------------------------------------------------------------

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
+from conftest import compose_cfg
 from hydra.errors import ConfigCompositionException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from gradrunner.capturing.strategies import STRATEGIES
@@ -24,11 +24,6 @@ GROUP_OPTIONS = {
     "capture": {"default"},
     "experiment": set(EXPERIMENTS),
 }
-
-
-def compose_cfg(*overrides: str, hydra: bool = False) -> DictConfig:
-    with initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 
 def test_defaults_compose_with_the_contract_defaults() -> None:

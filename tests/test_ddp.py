@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from test_cli import check_ok, cli_env
+from conftest import check_ok, cli_env
 
 from gradrunner.analysis import load
 

@@ -25,7 +25,7 @@ from typing import Any
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from conftest import leftover_hooks
+from conftest import SEARCHPATH, TESTS, leftover_hooks
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
@@ -36,9 +36,7 @@ from gradrunner.errors import GradrunnerError
 from gradrunner.run import build as job_build
 from gradrunner.run import loop as runner
 
-TESTS = Path(__file__).resolve().parent
 DOCS = TESTS.parent / "docs" / "errors.md"
-SEARCHPATH = f"hydra.searchpath=[file://{TESTS / 'conf'}]"
 START, END = "<!-- errors:start -->", "<!-- errors:end -->"
 
 

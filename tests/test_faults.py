@@ -19,18 +19,11 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from omegaconf import DictConfig
-from test_cli import cli_env, job_dirs
+from conftest import cli_env, compose_cfg, job_dirs
 
 from gradrunner.run import loop as runner
 from gradrunner.run.guards import Terminated, sigterm_as_interrupt
 from gradrunner.run.loop import train
-
-
-def compose_cfg(*overrides: str) -> DictConfig:
-    with initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 def test_sigterm_raises_terminated_only_while_open_and_restores_the_handler() -> None:

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import cli_env
-from test_runner import compose_cfg
+from conftest import cli_env, compose_cfg
 
 import gradrunner.analysis
 from gradrunner.errors import GradrunnerError

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_analysis import STRATEGIES, planted_sweep, write_planted_job
+from planted import STRATEGIES, planted_sweep, write_planted_job
 
 pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradrunner[report]")
 

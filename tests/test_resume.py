@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from test_cli import check_ok, cli_env, gradrunner
-from test_runner import compose_cfg
+from conftest import check_ok, cli_env, compose_cfg, gradrunner
 
 from gradrunner.analysis import load
 from gradrunner.errors import GradrunnerError

@@ -12,9 +12,10 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import compose_cfg
 from hydra import compose, initialize_config_module
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import OmegaConf, open_dict
 
 from gradrunner.errors import GradrunnerError
 from gradrunner.losses import HalfSumSquaredError
@@ -26,11 +27,6 @@ CONTRACT_COLUMNS = [
     "shape", "numel", "norm", "mean", "std", "min", "max", "abs_max", "zero_frac",
     "nan_count", "inf_count", "values", "loss",
 ]  # fmt: skip
-
-
-def compose_cfg(*overrides: str) -> DictConfig:
-    with initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 def files(directory: Path) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from test_cli import check_ok, gradrunner
+from conftest import check_ok, gradrunner
 
 from gradrunner.analysis import IncompleteSweepWarning, load
 from gradrunner.callbacks import MANIFEST, build_manifest
