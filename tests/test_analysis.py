@@ -1,14 +1,5 @@
-"""gradrunner.analysis helpers on records with planted properties: the helpers must report exactly those.
-
-The planted sweep (`planted_sweep`) has three jobs, one per strategy, four steps each. Taps in firing order:
-
-    fc1:output     norm 0.1, 1e-4, 1e-7, 1e-10: vanishes (below 1e-6 from step 2)
-    :h             fires twice per step (calls 0 and 1), norm 1
-    fc2:output     norm 1; in `hook` only, step 1 is scaled by 1 + 1e-3: the planted disagreement
-    head:output    norm 1, a NaN from step 2 on
-    fc2:weight     norm 1, then 1e4 at step 3: explodes
-    unused:output  never gets a gradient
-"""
+"""gradrunner.analysis helpers on records with planted properties (`tests/planted.py` lists them): the helpers
+must report exactly those."""
 
 from __future__ import annotations
 
