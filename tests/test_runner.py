@@ -135,7 +135,8 @@ def test_train_writes_grads_and_steps_with_the_contract_columns(tmp_path: Path) 
     assert df.columns[: len(CONTRACT_COLUMNS)].tolist() == CONTRACT_COLUMNS
     assert sorted(df.step.unique()) == [0, 1, 2]
     assert set(df.experiment) == {"mlp"} and set(df.strategy) == {"hook"}
-    assert set(df.device) == {"cpu"} and set(df.dtype) == {"float32"} and df.run_id.nunique() == 1
+    auto = "cuda:0" if torch.cuda.is_available() else "cpu"  # device=auto: cuda first (checked on an H100)
+    assert set(df.device) == {auto} and set(df.dtype) == {"float32"} and df.run_id.nunique() == 1
     assert {"fc1:output", "relu3:output", "head:output", "fc1:weight", "head:weight"} <= set(df.tap)
     assert df["values"].isna().all()
     steps = pd.read_parquet(tmp_path / "steps.parquet")
