@@ -28,6 +28,12 @@ STAT_COLUMNS = ("norm", "mean", "std", "min", "max", "abs_max", "zero_frac")
 #: Columns of `StepRecords` that hold one int64 count per record.
 COUNT_COLUMNS = ("nan_count", "inf_count")
 
+#: `capture.histogram`: edges of the log-spaced bins of |g|, four per decade from 1e-30 to 1e10 (the
+#: same for every step, tap and strategy; also in the file's metadata under `gradrunner.hist_edges`).
+HIST_EDGES = tuple(10.0 ** (k / 4) for k in range(-120, 41))
+#: Counts per record: exact zeros, (0, edges[0]), one per pair of edges, >= edges[-1], non-finite.
+HIST_BINS = len(HIST_EDGES) + 3
+
 
 class TapKey(NamedTuple):
     """One firing of a tap: module path, tap name and call index within the step."""

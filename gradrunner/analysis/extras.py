@@ -1,0 +1,111 @@
+"""Helpers over the optional columns: histograms over steps, update ratios, per-example norm spread.
+
+Each returns the DataFrame behind one of the report's panels; each needs the column it reads
+(`hist_counts` with `capture.histogram=true`, `per_example_norm` with `capture.per_example=true`,
+`update_ratio` on parameter taps) and raises a one-paragraph error naming the option otherwise.
+
+Example::
+
+    df = load("outputs/2026-11-23/10-00-00")
+    update_ratios(df).pivot(index="step", columns="tap", values="update_ratio")
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pandas as pd
+
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import HIST_EDGES
+
+#: The usual guide for `update_ratio`: about 1e-3 per step is a healthy learning rate (Karpathy's rule of thumb).
+UPDATE_RATIO_GUIDE = 1e-3
+
+
+def _need(df: pd.DataFrame, column: str, option: str) -> None:
+    if column not in df.columns or df[column].isna().all():
+        raise GradrunnerError(
+            f"these records have no {column!r} values; run with {option} to record them "
+            f"(columns present: {', '.join(map(str, df.columns))})."
+        )
+
+
+def hist_bin_labels() -> list[str]:
+    """Labels of the `hist_counts` bins, in order: '0', '<1e-30', '[1e-30,1.8e-30)', ..., '>=1e+10', 'nan/inf'.
+
+    Example::
+
+        hist_bin_labels()[0]     # '0'
+    """
+    inner = [f"[{a:.2g},{b:.2g})" for a, b in itertools.pairwise(HIST_EDGES)]
+    return ["0", f"<{HIST_EDGES[0]:.0e}", *inner, f">={HIST_EDGES[-1]:.0e}", "nan/inf"]
+
+
+def histograms_over_steps(df: pd.DataFrame, tap: str, call: int = 0) -> pd.DataFrame:
+    """Counts of |g| per bin (columns, labelled by `hist_bin_labels`) per step (rows) for one tap's call.
+
+    Example::
+
+        h = histograms_over_steps(df, "fc1:output")    # h.loc[3] is step 3's histogram
+        h.div(h.sum(axis=1), axis=0)                    # as fractions
+
+    With several runs in `df` (a sweep), pass the rows of one run.
+    """
+    _need(df, "hist_counts", "capture.histogram=true")
+    rows = df[(df["tap"] == tap) & (df["call"] == call) & df["hist_counts"].notna()]
+    if rows.empty:
+        taps = ", ".join(sorted(df["tap"].unique()))
+        raise GradrunnerError(f"no histogram rows for tap {tap!r} call {call}; taps in these records: {taps}.")
+    if rows["run_id"].nunique() > 1:
+        raise GradrunnerError(
+            f"the records hold {rows['run_id'].nunique()} runs; pass the rows of one, e.g. df[df.run_id == ...]."
+        )
+    counts = np.stack([np.asarray(c, dtype=np.int64) for c in rows["hist_counts"]])
+    return pd.DataFrame(counts, index=pd.Index(rows["step"].to_numpy(), name="step"), columns=hist_bin_labels())
+
+
+def update_ratios(df: pd.DataFrame) -> pd.DataFrame:
+    """Per parameter tap and step: `update_norm`, `value_norm`, `update_ratio`, and whether it is above the guide.
+
+    Example::
+
+        r = update_ratios(df)
+        r[r.step == r.step.max()].sort_values("update_ratio")   # which layers move fastest now
+    """
+    _need(df, "update_ratio", "parameter taps (e.g. taps=['*:weight'])")
+    keep = [c for c in ("run_id", "step", "tap", "update_norm", "value_norm", "update_ratio") if c in df.columns]
+    out = df.loc[df["update_ratio"].notna(), keep].reset_index(drop=True)
+    out["log10_ratio"] = np.log10(out["update_ratio"].where(out["update_ratio"] > 0))
+    out["above_guide"] = out["update_ratio"] > UPDATE_RATIO_GUIDE
+    return out
+
+
+def per_example_spread(df: pd.DataFrame) -> pd.DataFrame:
+    """Per record with per-example norms: how unevenly the examples contribute.
+
+    Columns: `n_examples`, `max_norm`, `median_norm`, `dominance` (max over median), `top_example`
+    (the batch row with the largest norm), `top_share` (its share of the summed squared norms).
+
+    Example::
+
+        s = per_example_spread(df)
+        s.sort_values("dominance", ascending=False).head()    # where one example dominates
+    """
+    _need(df, "per_example_norm", "capture.per_example=true")
+    rows = df[df["per_example_norm"].notna()]
+    out = []
+    for r in rows.itertuples(index=False):
+        norms = np.asarray(r.per_example_norm, dtype=np.float64)
+        if norms.size == 0:
+            continue
+        median = float(np.median(norms))
+        sq = norms * norms
+        out.append({
+            "run_id": r.run_id, "step": r.step, "tap": r.tap, "call": r.call, "n_examples": norms.size,
+            "max_norm": float(norms.max()), "median_norm": median,
+            "dominance": float(norms.max() / median) if median > 0 else float("inf"),
+            "top_example": int(norms.argmax()), "top_share": float(sq.max() / sq.sum()) if sq.sum() > 0 else 0.0,
+        })  # fmt: skip
+    return pd.DataFrame(out)
