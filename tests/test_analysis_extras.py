@@ -1,0 +1,59 @@
+"""The helpers over the optional columns report exactly what was planted in hand-made records."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from gradrunner.analysis.extras import (
+    UPDATE_RATIO_GUIDE,
+    hist_bin_labels,
+    histograms_over_steps,
+    per_example_spread,
+    update_ratios,
+)
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import HIST_BINS
+
+
+def _rows(**columns: list[object]) -> pd.DataFrame:
+    n = len(next(iter(columns.values())))
+    base = {"run_id": ["r"] * n, "call": [0] * n}
+    return pd.DataFrame({**base, **columns})
+
+
+def test_histograms_over_steps_returns_the_planted_counts_per_step() -> None:
+    counts = [np.arange(HIST_BINS) * (s + 1) for s in range(3)]
+    df = _rows(step=[0, 1, 2, 0], tap=["a:output"] * 3 + ["b:output"], hist_counts=[*counts, np.zeros(HIST_BINS)])
+    h = histograms_over_steps(df, "a:output")
+    assert list(h.index) == [0, 1, 2] and list(h.columns) == hist_bin_labels() and len(h.columns) == HIST_BINS
+    assert h.loc[2].tolist() == (np.arange(HIST_BINS) * 3).tolist()
+    with pytest.raises(GradrunnerError, match="no histogram rows for tap 'c:output'.*a:output, b:output"):
+        histograms_over_steps(df, "c:output")
+
+
+def test_update_ratios_flags_the_layer_above_the_guide() -> None:
+    df = _rows(step=[0, 0, 0], tap=["fast:weight", "slow:weight", "x:output"],
+               update_norm=[1.0, 1e-5, None], value_norm=[10.0, 1.0, 3.0], update_ratio=[0.1, 1e-5, None])  # fmt: skip
+    r = update_ratios(df)
+    assert r["tap"].tolist() == ["fast:weight", "slow:weight"]
+    assert r["above_guide"].tolist() == [True, False] and UPDATE_RATIO_GUIDE == 1e-3
+    np.testing.assert_allclose(r["log10_ratio"], [-1.0, -5.0])
+
+
+def test_per_example_spread_names_the_dominant_example() -> None:
+    df = _rows(step=[0, 0], tap=["h:output", "g:output"],
+               per_example_norm=[np.array([1.0, 1.0, 10.0, 1.0]), np.array([2.0, 2.0])])  # fmt: skip
+    s = per_example_spread(df).set_index("tap")
+    assert s.loc["h:output", "top_example"] == 2 and s.loc["h:output", "dominance"] == 10.0
+    assert s.loc["h:output", "top_share"] == pytest.approx(100 / 103)
+    assert s.loc["g:output", "dominance"] == 1.0 and s.loc["g:output", "n_examples"] == 2
+
+
+def test_missing_optional_column_names_the_option() -> None:
+    df = _rows(step=[0], tap=["a:output"])
+    with pytest.raises(GradrunnerError, match=r"no 'per_example_norm' values; run with capture.per_example=true"):
+        per_example_spread(df)
+    with pytest.raises(GradrunnerError, match=r"capture.histogram=true"):
+        histograms_over_steps(df, "a:output")
