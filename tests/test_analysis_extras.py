@@ -57,3 +57,34 @@ def test_missing_optional_column_names_the_option() -> None:
         per_example_spread(df)
     with pytest.raises(GradrunnerError, match=r"capture.histogram=true"):
         histograms_over_steps(df, "a:output")
+
+
+def _planted_records() -> pd.DataFrame:
+    rows = []
+    for step in range(3):
+        for tap in ("a:output", "b:weight"):
+            counts = np.zeros(HIST_BINS, np.int64)
+            counts[80 + step] = 3
+            counts[90] = 1
+            rows.append({"run_id": "r", "step": step, "tap": tap, "call": 0, "module": tap.split(":")[0],
+                         "name": tap.split(":")[1], "has_grad": True, "hist_counts": counts,
+                         "per_example_norm": np.array([1.0, 4.0]), "value_norm": 2.0,
+                         "update_norm": 2e-3 * (step + 1) if tap == "b:weight" else None,
+                         "update_ratio": 1e-3 * (step + 1) if tap == "b:weight" else None})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_figures_show_the_helpers_numbers() -> None:
+    pytest.importorskip("matplotlib")
+    from gradrunner.analysis.plots_extras import plot_histograms, plot_per_example_spread, plot_update_ratios
+
+    df = _planted_records()
+    hist = plot_histograms(df)
+    image = hist.axes[0].images[0].get_array()
+    assert image.shape == (3, 11)  # steps x the bins from the first to the last non-empty one (80..90)
+    np.testing.assert_allclose(image[1, 1], 0.75) and np.testing.assert_allclose(image[:, -1], 0.25)
+    line = plot_update_ratios(df).axes[0].lines[0]
+    np.testing.assert_allclose(line.get_ydata(), [1e-3, 2e-3, 3e-3])
+    assert plot_update_ratios(df).axes[0].lines[-1].get_ydata()[0] == 1e-3  # the guide
+    box = plot_per_example_spread(df).axes[0]
+    assert [t.get_text() for t in box.get_xticklabels()] == ["a:output", "b:weight"]
