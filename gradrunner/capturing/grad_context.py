@@ -3,7 +3,7 @@ running (and recomputing a reentrant checkpoint), and which models gradrunner re
 
 Example::
 
-    no_grad_reason(torch.arange(3), is_input=False)   # 'a torch.int64 tensor (only floating-point ...)'
+    no_grad_reason(3, is_input=False)   # ('not a tensor (a int)', 'a int, not a tensor')
 """
 
 from __future__ import annotations
@@ -18,16 +18,34 @@ from gradrunner.capturing.elements import Missing
 from gradrunner.errors import GradrunnerError
 
 
-def no_grad_reason(value: object, is_input: bool) -> str | None:
-    """Why `value` cannot get a gradient, or None (an input leaf that can be made to require grad is fine)."""
+#: The `reason` of a record without gradient, where it is one of these fixed cases.
+NOT_CALLED = "module not called in this step"
+NOT_ASSIGNED = "not assigned in this step (module not called, or its forward() did not reach the assignment)"
+NO_PART = "takes no part in the loss"
+FROZEN = "parameter does not require grad (frozen)"
+MADE_UNDER_NO_GRAD = "made under no_grad"
+
+
+def no_grad_reason(value: object, is_input: bool) -> tuple[str, str] | None:
+    """Why `value` cannot get a gradient: (the record's short `reason`, what the value is, for an error).
+
+    None when it can (an input leaf that can be made to require grad is fine).
+
+    Example::
+
+        no_grad_reason(torch.arange(3), is_input=False)[0]   # 'not a floating-point tensor (torch.int64)'
+    """
     if isinstance(value, Missing):
-        return value.reason
+        return value.reason, value.reason
     if not isinstance(value, torch.Tensor):
-        return f"a {type(value).__name__}, not a tensor"
+        return f"not a tensor (a {type(value).__name__})", f"a {type(value).__name__}, not a tensor"
     if not (value.is_floating_point() or value.is_complex()):
-        return f"a {value.dtype} tensor (only floating-point tensors have gradients)"
+        return (f"not a floating-point tensor ({value.dtype})",
+                f"a {value.dtype} tensor (only floating-point tensors have gradients)")  # fmt: skip
     if not value.requires_grad and not (is_input and value.is_leaf):
-        return "a tensor that does not require grad (made under torch.no_grad(), detached, or computed only from frozen parameters and inputs)"
+        short = MADE_UNDER_NO_GRAD if not torch.is_grad_enabled() else "does not require grad (detached, or frozen)"
+        return short, ("a tensor that does not require grad (made under torch.no_grad(), detached, or computed only "
+                       "from frozen parameters and inputs)")  # fmt: skip
     return None
 
 
