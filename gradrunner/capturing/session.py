@@ -204,7 +204,7 @@ class Capture:
     def _patch_forward(self, module: nn.Module, taps: list[Tap]) -> None:
         by_name: dict[str, list[Tap]] = {}
         for t in taps:
-            by_name.setdefault(t.name, []).append(t)
+            by_name.setdefault(t.variable, []).append(t)
 
         def tap_fn(name: str, value: object) -> object:
             for tap in by_name[name]:
