@@ -1,5 +1,5 @@
 """What autograd and the model allow at a tap: why a value cannot carry a gradient, whether backward is
-running (and recomputing a reentrant checkpoint), and which models gradrunner refuses.
+running (and recomputing a reentrant checkpoint), compiled models' eager modules, and which models gradrunner refuses.
 
 Example::
 
@@ -73,17 +73,25 @@ def reentrant_checkpoint(phase: str) -> object | None:
     return None
 
 
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The eager module behind `torch.compile(model)` (its `_orig_mod`); any other model as it is.
+
+    Example::
+
+        unwrap_compiled(torch.compile(model)) is model   # True
+
+    Hooks and patched forwards are installed on the eager modules; calling the compiled one runs them
+    (dynamo traces through, breaking the graph where a tap calls back into Python). `model.compile()`
+    compiles in place, so its modules are the eager ones already: both spellings capture the same.
+    """
+    inner = getattr(model, "_orig_mod", None)
+    return inner if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module) else model
+
+
 def refuse_compiled(model: nn.Module) -> None:
-    """torch.compile and TorchScript bypass or drop Python hooks: refuse them with the way out."""
+    """TorchScript drops Python hooks and has no Python forward(): refuse it with the way out."""
     for path, module in model.named_modules():
         where = "the model" if not path else f"module {path!r}"
-        if type(module).__name__ == "OptimizedModule":
-            raise GradrunnerError(
-                f"{where} is compiled with torch.compile, under which tensor hooks and retain_grad on "
-                "intermediates are unreliable, so gradrunner refuses it; give it the eager module instead (in "
-                f"Python `{'model' if not path else path}._orig_mod`; in a config, a model option that does not call "
-                "torch.compile), and compile again after capturing"
-            )
         if isinstance(module, torch.jit.ScriptModule):
             raise GradrunnerError(
                 f"{where} is a TorchScript module ({type(module).__name__}), which drops Python hooks and has no "

@@ -20,7 +20,7 @@ import sys
 import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from gradrunner.capturing.grad_context import (
     no_grad_reason,
     reentrant_checkpoint,
     refuse_compiled,
+    unwrap_compiled,
 )
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot, Strategy, get_strategy
@@ -43,6 +44,14 @@ from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
 from gradrunner.choices import VALUES_MODES
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import StepRecords, TapKey
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _eager(fn: _F) -> _F:
+    """`fn` run as plain Python even inside a compiled model: under torch.compile the session's hooks
+    are graph breaks, so that every call opens its slot and attaches the strategy, as in eager mode."""
+    return torch.compiler.disable(fn)  # type: ignore[no-any-return]
 
 
 class Grads(Mapping[str, "torch.Tensor | None"]):
@@ -100,6 +109,7 @@ class Capture:
         keep_grads: bool = True,
         wrap_strategy: Callable[[Strategy], Strategy] | None = None,
     ) -> None:
+        model = unwrap_compiled(model)  # torch.compile(model): tap its eager modules, call the compiled one
         refuse_compiled(model)
         if values not in VALUES_MODES:
             raise GradrunnerError(f"capture.values={values!r} is not a values mode; allowed: {', '.join(VALUES_MODES)}")
@@ -196,9 +206,9 @@ class Capture:
                     self._calls = self._forward_mark[1]
                 self._deferred = {}
 
-        handle = self.model.register_forward_pre_hook(enter, prepend=True)
+        handle = self.model.register_forward_pre_hook(_eager(enter), prepend=True)
         self._stack.callback(handle.remove)
-        handle = self.model.register_forward_hook(leave, always_call=True)
+        handle = self.model.register_forward_hook(_eager(leave), always_call=True)
         self._stack.callback(handle.remove)
 
     def _patch_forward(self, module: nn.Module, taps: list[Tap]) -> None:
@@ -211,7 +221,7 @@ class Capture:
                 value = self._fire(tap, value)
             return value
 
-        fn = rewrite(type(module).forward, by_name, tap_fn)
+        fn = rewrite(type(module).forward, by_name, _eager(tap_fn))
         had_instance_forward = "forward" in module.__dict__
         previous = module.__dict__.get("forward")
         module.forward = types.MethodType(fn, module)
@@ -243,7 +253,7 @@ class Capture:
                     output, changed = set_element(output, tap.path, new), True
             return output if changed else None
 
-        return hook
+        return _eager(hook)
 
     def _input_hook(self, taps: list[Tap]) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -261,7 +271,7 @@ class Capture:
                         kwargs = set_element(kwargs, path, new)
             return (args, kwargs) if changed else None
 
-        return hook
+        return _eager(hook)
 
     def _fire(self, tap: Tap, value: object, is_input: bool = False) -> object:
         """A tap fired in the forward pass: open a slot (one call) and let the strategy attach."""
