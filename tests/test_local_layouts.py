@@ -63,7 +63,7 @@ class Net(nn.Module):
         self.b = Block()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input = self.a(x)  # noqa: A001 (a local named like the tap's `input`, on purpose)
+        input = self.a(x)
         output = self.b(input)
         return output.square()
 

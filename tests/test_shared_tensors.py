@@ -6,15 +6,19 @@ References are computed here with `torch.autograd.grad`, without gradrunner.
 
 from __future__ import annotations
 
+import logging
 import random
+from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
-from conftest import leftover_hooks
+from conftest import compose_cfg, leftover_hooks
 from torch import nn
 
 from gradrunner import capture
-from gradrunner.records.columns import TapKey
+from gradrunner.records.columns import GRADS_FILE, TapKey
+from gradrunner.run.loop import train
 
 
 def close(actual: torch.Tensor | None, expected: torch.Tensor) -> None:
@@ -280,3 +284,18 @@ def test_nothing_stays_on_a_non_leaf_input(strategy: str) -> None:
     close(cap.grads["fc:input"], expected)
     assert not x.retains_grad and x.requires_grad and not x._backward_hooks
     assert leftover_hooks(model) == []
+
+
+# -- through the runner: the reason column and one warning per tap -------------------------------------
+def test_records_carry_the_reason_and_the_log_warns_once_per_tap(tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                                                  ) -> None:  # fmt: skip
+    cfg = compose_cfg("+experiment=mlp", "steps=3", "taps=['fc*:input.1','fc1:output']", "device=cpu")
+    with caplog.at_level(logging.WARNING, logger="gradrunner.run.loop"):
+        train(cfg, out_dir=tmp_path)
+    grads = pd.read_parquet(tmp_path / GRADS_FILE)
+    without = grads[~grads.has_grad]
+    assert sorted(without.tap.unique()) == ["fc1:input.1", "fc2:input.1", "fc3:input.1"] and len(without) == 9
+    assert without.reason.str.contains("no element 1").all()
+    assert grads[grads.has_grad].reason.isna().all() and (grads[grads.has_grad].tap == "fc1:output").all()
+    warned = [r.getMessage() for r in caplog.records if "has no gradient" in r.getMessage()]
+    assert len(warned) == 3 and all("no element 1" in w for w in warned)  # once per tap, not per step

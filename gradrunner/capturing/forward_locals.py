@@ -45,7 +45,7 @@ def _innermost(fn: Callable[..., object]) -> tuple[types.FunctionType, list[type
                 f"({type(fn).__name__}), so its local variables cannot be tapped; {_INSTEAD}"
             )
         wrappers.append(fn)
-        fn = fn.__wrapped__
+        fn = fn.__wrapped__  # type: ignore[attr-defined]
     if not isinstance(fn, types.FunctionType):
         raise SourceUnavailable(f"{fn!r} is not a Python function, so its local variables cannot be tapped; {_INSTEAD}")
     return fn, wrappers

@@ -17,7 +17,6 @@ from torch import nn
 from gradrunner.capturing.elements import Missing
 from gradrunner.errors import GradrunnerError
 
-
 #: The `reason` of a record without gradient, where it is one of these fixed cases.
 NOT_CALLED = "module not called in this step"
 NOT_ASSIGNED = "not assigned in this step (module not called, or its forward() did not reach the assignment)"

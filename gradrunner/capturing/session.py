@@ -51,7 +51,7 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 def _eager(fn: _F) -> _F:
     """`fn` run as plain Python even inside a compiled model: under torch.compile the session's hooks
     are graph breaks, so that every call opens its slot and attaches the strategy, as in eager mode."""
-    return torch.compiler.disable(fn)  # type: ignore[no-any-return]
+    return torch.compiler.disable(fn)
 
 
 class Grads(Mapping[str, "torch.Tensor | None"]):
