@@ -88,14 +88,13 @@ def test_on_nonfinite_stop_sees_infinite_gradients_under_a_finite_loss(tmp_path:
 
 # -- a user's compiled model, through the real CLI -------------------------------------------------
 @pytest.mark.slow
-def test_the_cli_refuses_a_compiled_model_from_a_config_dir(tmp_path: Path) -> None:
+def test_the_cli_captures_a_compiled_model_from_a_config_dir(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "gradrunner", "--config-dir", str(TESTS / "conf"), "model=compiled", "steps=2"],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=180,
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr + result.stdout
-    (line,) = [s for s in result.stderr.splitlines() if s.strip()]
-    assert line.startswith("gradrunner: error: the model is compiled with torch.compile")
-    assert "a model option that does not call torch.compile" in line
-    assert list(tmp_path.rglob("*.parquet*")) == []
+    assert result.returncode == 0, result.stderr
+    (path,) = tmp_path.rglob("grads.parquet")
+    grads = pd.read_parquet(path)
+    assert sorted(grads.step.unique()) == [0, 1] and grads.has_grad.all() and np.isfinite(grads.norm).all()
+    assert not grads.tap.str.contains("_orig_mod").any()  # the eager model's paths

@@ -33,6 +33,7 @@ import gradrunner.capturing.stats
 from gradrunner import GradrunnerError, capture
 from gradrunner.capturing.strategies import STRATEGIES
 from gradrunner.models import MLP, CosineRegression, SmallCNN, TinyTransformerBlock, TwoLayerSigmoid
+from gradrunner.records.columns import TapKey
 
 RTOL_STRATEGY, ATOL_STRATEGY = 1e-6, 1e-12  # strategy vs exact autograd reference (float64)
 RTOL_FD, ATOL_FD = 1e-5, 1e-7  # vs central differences with eps = 1e-6 (float64)
@@ -661,7 +662,11 @@ def test_records_of_statistics_only_agree_with_kept_grads(strategy: str) -> None
         cap2.backward(s2.loss())
         streamed = cap2.records()
     assert kept.keys == streamed.keys
-    assert len(kept) == 12  # 7 modules' outputs + act's second call (attn.out_proj is never called) + 3 h + weight
+    # 7 modules' outputs + act's second call + 3 h + weight, + attn.out_proj's row: never called, still recorded
+    assert len(kept) == 13
+    assert kept.reason == streamed.reason
+    out_proj = kept.keys.index(TapKey("attn.out_proj", "output", 0))
+    assert not kept.has_grad[out_proj] and kept.reason[out_proj] == "module not called in this step"
     for col in kept.stats:
         np.testing.assert_allclose(streamed.stats[col], kept.stats[col], rtol=1e-12, equal_nan=True)
     for i, key in enumerate(kept.keys):

@@ -157,8 +157,6 @@ CASES = [
     _case("backward-fails", "an in-place op on a tensor autograd saved", "model=inplace_breaks_backward",
           "step 0 failed in backward: RuntimeError: one of the variables needed for gradient computation has been "
           "modified by an inplace operation", "check the model's forward()"),
-    _case("compiled", "a model compiled with torch.compile", "model=compiled",
-          "the model is compiled with torch.compile", "give it the eager module instead"),
     _case("scripted", "a TorchScript model", "model=scripted",
           "the model is a TorchScript module (RecursiveScriptModule)", "give it the eager module instead"),
     # -- data

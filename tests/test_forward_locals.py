@@ -250,18 +250,43 @@ def test_output_taps_still_work_on_a_forward_without_source(strategy: str) -> No
     assert torch.equal(cap.grads[":input"], 8 * x)
 
 
-def test_builtin_and_decorated_forwards_are_refused() -> None:
+def test_builtin_forward_and_a_decorator_without_closure_are_refused() -> None:
     with pytest.raises(SourceUnavailable, match="not a Python function"):
         rewrite(torch.Tensor.add, {"y"}, lambda n, v: v)
 
-    class Decorated(nn.Module):
-        @torch.no_grad()
+    def opaque(fn: Any) -> Any:
+        def wrapper(*args: Any) -> Any:
+            return registry[0](*args)
+
+        wrapper.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapper
+
+    registry: list[Any] = []
+
+    class Opaque(nn.Module):
+        @opaque
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             y = x * 2
             return y
 
-    with pytest.raises(SourceUnavailable, match="decorator"):
-        rewrite(Decorated.forward, {"y"}, lambda n, v: v)
+    with pytest.raises(SourceUnavailable, match=r"does not hold the wrapped function in a closure.*tap the module's output"):
+        rewrite(Opaque.forward, {"y"}, lambda n, v: v)
+
+
+def test_a_decorated_forward_keeps_its_decorator_and_is_tapped() -> None:
+    class Decorated(nn.Module):
+        @torch.no_grad()
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x * 2
+            return y + 1
+
+    seen: list[object] = []
+    fn = rewrite(Decorated.forward, {"y"}, lambda n, v: seen.append(v) or v)
+    x = torch.ones(2, requires_grad=True)
+    out = fn(Decorated(), x)
+    assert torch.equal(out, torch.full((2,), 3.0)) and not out.requires_grad  # no_grad still applies
+    assert len(seen) == 1 and torch.equal(seen[0], torch.full((2,), 2.0))  # type: ignore[arg-type]
+    assert Decorated.forward.__wrapped__.__code__ is not fn.__wrapped__.__code__  # the class is untouched
 
 
 class InPlaceLocal(nn.Module):

@@ -49,8 +49,8 @@ def write(path: Path, steps: list[StepRecords], **kw: object) -> Path:
     return w.path
 
 
-def test_schema_has_contract_columns_in_order_then_has_grad_and_rank() -> None:
-    assert GRADS_SCHEMA.names == [*CONTRACT_COLUMNS, "has_grad", "rank"]
+def test_schema_has_contract_columns_in_order_then_has_grad_reason_and_rank() -> None:
+    assert GRADS_SCHEMA.names == [*CONTRACT_COLUMNS, "has_grad", "reason", "rank"]
     types = {f.name: f.type for f in GRADS_SCHEMA}
     assert types["shape"] == pa.list_(pa.int64()) and types["values"] == pa.list_(pa.float32())
     assert all(types[c] == pa.float64() for c in [*STAT_COLUMNS, "loss"])

@@ -11,6 +11,7 @@ Knows nothing of Hydra, Parquet or the runner (import-linter checks it).
 | `strategies` | `retain_grad`, `hook`, `autograd_grad`: one file each, one registry |
 | `stats` | statistics on the gradient's device, one host transfer per step |
 | `session` | `capture(model, taps, strategy=...)`, the context manager |
+| `grads` | `Grads`: the last step's kept gradients, by tap and call |
 
 Example::
 

@@ -14,11 +14,12 @@ Example::
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import inspect
-import textwrap
+import linecache
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 
 from gradrunner.errors import GradrunnerError
@@ -33,33 +34,127 @@ class SourceUnavailable(GradrunnerError):
     """The `forward()` has no Python source to read (built-in, compiled, or defined interactively)."""
 
 
-def _unwrap(fn: Callable[..., object]) -> types.FunctionType:
+def _innermost(fn: Callable[..., object]) -> tuple[types.FunctionType, list[types.FunctionType]]:
+    """The function a chain of `functools.wraps`-style decorators ends in, and the wrappers, outermost first."""
     fn = getattr(fn, "__func__", fn)
-    if hasattr(fn, "__wrapped__"):
-        raise SourceUnavailable(
-            f"{getattr(fn, '__qualname__', fn)!r} is wrapped by a decorator; local-variable taps need an "
-            "undecorated forward() (tap the module's output or input instead)"
-        )
+    wrappers: list[types.FunctionType] = []
+    while hasattr(fn, "__wrapped__"):
+        if not isinstance(fn, types.FunctionType):
+            raise SourceUnavailable(
+                f"{getattr(fn, '__qualname__', fn)!r} is wrapped by a decorator that is not a Python function "
+                f"({type(fn).__name__}), so its local variables cannot be tapped; {_INSTEAD}"
+            )
+        wrappers.append(fn)
+        fn = fn.__wrapped__  # type: ignore[attr-defined]
     if not isinstance(fn, types.FunctionType):
-        raise SourceUnavailable(f"{fn!r} is not a Python function, so its local variables cannot be tapped")
-    return fn
+        raise SourceUnavailable(f"{fn!r} is not a Python function, so its local variables cannot be tapped; {_INSTEAD}")
+    return fn, wrappers
+
+
+_INSTEAD = "tap the module's output, input or parameters instead, or a submodule's"
 
 
 @lru_cache(maxsize=256)
 def _parse(fn: types.FunctionType) -> tuple[ast.Module, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """The `def` of `fn` as parsed from its file, checked against the loaded code."""
     try:
         lines, first = inspect.getsourcelines(fn)
     except (OSError, TypeError) as exc:
         raise SourceUnavailable(
             f"the source of {fn.__qualname__} is unavailable ({exc}); local-variable taps need a forward() "
-            "defined in a .py file"
+            f"defined in a .py file; {_INSTEAD}"
         ) from exc
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    func = tree.body[0]
-    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        raise SourceUnavailable(f"{fn.__qualname__} is not defined by a def statement; its locals cannot be tapped")
-    ast.increment_lineno(tree, first - 1)
+    # An indented def is parsed inside `if 1:` rather than dedented: dedenting breaks on a multi-line
+    # string at column 0, and keeping the columns keeps tracebacks and the freshness check exact.
+    indented = lines[0][:1].isspace()
+    try:
+        tree = ast.parse(("if 1:\n" if indented else "") + "".join(lines))
+    except SyntaxError as exc:
+        raise SourceUnavailable(
+            f"the source of {fn.__qualname__} ({fn.__code__.co_filename}:{first}) cannot be parsed on its own "
+            f"({exc.msg}); {_INSTEAD}"
+        ) from None
+    body = tree.body[0].body if indented else tree.body  # type: ignore[attr-defined]
+    func = body[0]
+    if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or func.name != fn.__name__:
+        raise SourceUnavailable(f"{fn.__qualname__} is not defined by a def statement; its locals cannot be tapped; "
+                                f"{_INSTEAD}")  # fmt: skip
+    tree.body = [func]
+    ast.increment_lineno(tree, first - (2 if indented else 1))
+    func.decorator_list = []  # the decorators' wrappers are kept as they are (see `rewrite`)
+    if not _same_code(_compile(func, fn), fn.__code__):
+        raise SourceUnavailable(
+            f"the source of {fn.__qualname__} in {fn.__code__.co_filename} (line {first}) no longer matches the "
+            "loaded code (the file was edited after it was imported): tapping its locals would run the edited "
+            "code. Restart Python to load the file as it is now, or tap outputs, inputs or parameters."
+        )
     return tree, func
+
+
+def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
+    """Same bytecode, names and constants (nested code compared the same way); line numbers ignored."""
+    if (a.co_code, a.co_names, a.co_varnames, a.co_freevars, a.co_cellvars) != (
+        b.co_code, b.co_names, b.co_varnames, b.co_freevars, b.co_cellvars
+    ) or len(a.co_consts) != len(b.co_consts):  # fmt: skip
+        return False
+    for x, y in zip(a.co_consts, b.co_consts, strict=True):
+        if isinstance(x, types.CodeType) and isinstance(y, types.CodeType):
+            if not _same_code(x, y):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def _compile(func: ast.FunctionDef | ast.AsyncFunctionDef, original: types.FunctionType,
+             extra_free: Sequence[str] = ()) -> types.CodeType:  # fmt: skip
+    """Compile `func` where `original` was defined: inside a function that provides its free variables
+    (plus `extra_free`) as closure cells, inside `class <its class>:` so that `self.__x` is name-mangled."""
+    freevars = [*original.__code__.co_freevars, *extra_free]
+    outer = ast.parse(f"def {_OUTER_NAME}({', '.join(freevars)}):\n    pass").body[0]
+    assert isinstance(outer, ast.FunctionDef)
+    outer.body = [func, ast.Return(ast.Name(func.name, ast.Load()))]
+    ast.copy_location(outer, func)
+    node: ast.stmt = outer
+    parts = original.__qualname__.split(".")
+    if len(parts) >= 2 and parts[-2] != "<locals>" and parts[-2].isidentifier():
+        node = ast.ClassDef(name=parts[-2], bases=[], keywords=[], body=[outer], decorator_list=[])
+        ast.copy_location(node, func)
+    # Names the original module imports: the compiler emits different bytecode for their attributes.
+    imports = [ast.Import(names=[ast.alias(name="_", asname=n)]) for n in _imported_names(original.__code__.co_filename)]
+    tree = ast.Module(body=[*imports, node], type_ignores=[])
+    ast.fix_missing_locations(tree)
+    code = _find_code(compile(tree, original.__code__.co_filename, "exec"), _OUTER_NAME)
+    return _find_code(code, func.name)
+
+
+@lru_cache(maxsize=64)
+def _imported_names(filename: str) -> tuple[str, ...]:
+    """Names bound by import statements at the top level of the module in `filename`."""
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)))
+    except (SyntaxError, ValueError):
+        return ()
+    names: list[str] = []
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.extend((a.asname or a.name).partition(".")[0] for a in node.names if a.name != "*")
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            todo.extend(ast.iter_child_nodes(node))
+    return tuple(dict.fromkeys(n for n in names if n.isidentifier()))
+
+
+def _find_code(code: types.CodeType, name: str) -> types.CodeType:
+    """The code object named `name` among `code`'s constants, searched depth first."""
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            if c.co_name == name:
+                return c
+            with contextlib.suppress(LookupError):
+                return _find_code(c, name)
+    raise LookupError(name)
 
 
 def _targets(node: ast.AST) -> Iterable[str]:
@@ -131,7 +226,7 @@ def assigned_names(fn: Callable[..., object]) -> list[str]:
 
         assigned_names(CosineRegression.forward)  # ['mul_x', 'sum_x']
     """
-    _, func = _parse(_unwrap(fn))
+    _, func = _parse(_innermost(fn)[0])
     collector = _Collect()
     for stmt in func.body:
         collector.visit(stmt)
@@ -202,38 +297,60 @@ def rewrite(fn: Callable[..., object], names: Iterable[str], tap: TapFn) -> type
         seen = []
         fn = rewrite(CosineRegression.forward, {"mul_x"}, lambda n, v: seen.append(n) or v)
 
-    `tap` must return the value to bind (the same tensor, or a stand-in for it).
+    `tap` must return the value to bind (the same tensor, or a stand-in for it). A `forward` wrapped by
+    `functools.wraps`-style decorators (transformers' blocks) keeps its wrappers: the innermost function
+    is rewritten and each wrapper is rebuilt around the rewritten one (the class is left untouched,
+    so only the instances the returned function is bound to are affected).
     """
-    original = _unwrap(fn)
+    original, wrappers = _innermost(fn)
     _, func = _parse(original)
     new_func = copy.deepcopy(func)
     rewriter = _Rewrite(frozenset(names))
     new_func.body = [s for stmt in new_func.body for s in _as_list(rewriter.visit(stmt))]
-    # Nest the function in an outer one whose parameters are its free variables plus the tap, so
-    # the compiled code reads them from closure cells: the original's (`__class__` for super())
-    # and a new one holding `tap`. The module's globals stay the original's, untouched.
-    freevars = list(original.__code__.co_freevars)
-    tree = ast.parse(f"def {_OUTER_NAME}({', '.join([*freevars, TAP_NAME])}):\n    pass")
-    outer = tree.body[0]
-    assert isinstance(outer, ast.FunctionDef)
-    outer.body = [new_func, ast.Return(ast.Name(new_func.name, ast.Load()))]
-    ast.copy_location(outer, new_func)
-    tree.body = [outer]
-    ast.fix_missing_locations(tree)
-    filename = original.__code__.co_filename
-    module_code = compile(tree, filename, "exec")
-    outer_code = next(c for c in module_code.co_consts if isinstance(c, types.CodeType))
-    inner_code = next(c for c in outer_code.co_consts if isinstance(c, types.CodeType) and c.co_name == func.name)
+    # The compiled code reads free variables from closure cells: the original's (`__class__` for
+    # super()) and a new one holding `tap`. The module's globals stay the original's, untouched.
+    inner_code = _compile(new_func, original, [TAP_NAME])
     cells = dict(zip(original.__code__.co_freevars, original.__closure__ or (), strict=True))
     cells[TAP_NAME] = types.CellType(tap)
-    closure = tuple(cells[v] for v in inner_code.co_freevars)
-    new = types.FunctionType(inner_code, original.__globals__, original.__name__, original.__defaults__, closure)
-    new.__kwdefaults__ = original.__kwdefaults__
-    new.__qualname__ = original.__qualname__
-    new.__doc__ = original.__doc__
-    new.__dict__.update(original.__dict__)
+    new = _function(original, inner_code, tuple(cells[v] for v in inner_code.co_freevars))
     new.__wrapped__ = original  # type: ignore[attr-defined]
+    for wrapper in reversed(wrappers):
+        new = _rewrap(wrapper, new)
     return new
+
+
+def _function(like: types.FunctionType, code: types.CodeType, closure: tuple[types.CellType, ...]) -> types.FunctionType:
+    new = types.FunctionType(code, like.__globals__, like.__name__, like.__defaults__, closure)
+    new.__kwdefaults__ = like.__kwdefaults__
+    new.__qualname__ = like.__qualname__
+    new.__doc__ = like.__doc__
+    new.__dict__.update(like.__dict__)
+    return new
+
+
+def _rewrap(wrapper: types.FunctionType, inner: types.FunctionType) -> types.FunctionType:
+    """`wrapper` rebuilt to call `inner` where it called the function it wraps (held in a closure cell)."""
+    wrapped = wrapper.__wrapped__  # type: ignore[attr-defined]
+    cells = list(wrapper.__closure__ or ())
+    at = [i for i, c in enumerate(cells) if _cell_is(c, wrapped)]
+    if not at:
+        raise SourceUnavailable(
+            f"{wrapper.__qualname__} is wrapped by a decorator ({wrapper.__code__.co_filename}:"
+            f"{wrapper.__code__.co_firstlineno}) that does not hold the wrapped function in a closure, so the "
+            f"tapped forward() cannot be put in its place; {_INSTEAD}"
+        )
+    for i in at:
+        cells[i] = types.CellType(inner)
+    new = _function(wrapper, wrapper.__code__, tuple(cells))
+    new.__wrapped__ = inner  # type: ignore[attr-defined]
+    return new
+
+
+def _cell_is(cell: types.CellType, value: object) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
 
 
 def _as_list(node: ast.AST | list[ast.stmt] | None) -> list[ast.stmt]:

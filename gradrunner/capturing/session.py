@@ -16,17 +16,29 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from gradrunner.capturing.elements import get_element, set_element
 from gradrunner.capturing.forward_locals import rewrite
-from gradrunner.capturing.grad_context import in_backward, no_grad_reason, reentrant_checkpoint, refuse_compiled
+from gradrunner.capturing.grad_context import (
+    FROZEN,
+    NO_PART,
+    NOT_ASSIGNED,
+    NOT_CALLED,
+    in_backward,
+    no_grad_reason,
+    reentrant_checkpoint,
+    refuse_compiled,
+    unwrap_compiled,
+)
+from gradrunner.capturing.grads import Grads
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot, Strategy, get_strategy
 from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
@@ -34,45 +46,13 @@ from gradrunner.choices import VALUES_MODES
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import StepRecords, TapKey
 
+_F = TypeVar("_F", bound=Callable[..., Any])
 
-class Grads(Mapping[str, "torch.Tensor | None"]):
-    """Gradients of the last captured step: `grads[tap]` (call 0), `grads[tap, n]`, `grads.calls(tap)`.
 
-    Example::
-
-        cap.grads["relu1:output"]        # tensor or None (the tap took no part in the loss)
-        cap.grads.calls("act:output")    # [call 0's gradient, call 1's, ...]
-    """
-
-    def __init__(self, taps: Sequence[str], slots: Sequence[tuple[TapKey, torch.Tensor | None]]) -> None:
-        self._calls: dict[str, list[torch.Tensor | None]] = {t: [] for t in taps}
-        for key, grad in slots:
-            self._calls.setdefault(key.tap, []).append(grad)
-
-    def calls(self, tap: str) -> list[torch.Tensor | None]:
-        """Every call's gradient for `tap`, in firing order (empty if the tap never fired)."""
-        self._check(tap)
-        return list(self._calls[tap])
-
-    def _check(self, tap: str) -> None:
-        if tap not in self._calls:
-            raise KeyError(f"{tap!r} is not a tap of this capture; taps: {', '.join(self._calls) or 'none'}")
-
-    def __getitem__(self, item: str | tuple[str, int]) -> torch.Tensor | None:
-        tap, call = (item, 0) if isinstance(item, str) else item
-        self._check(tap)
-        calls = self._calls[tap]
-        if call >= len(calls):
-            if call == 0:
-                return None  # the tap never fired (its module was not called)
-            raise KeyError(f"tap {tap!r} fired {len(calls)} time(s) in the last step; there is no call {call}")
-        return calls[call]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._calls)
-
-    def __len__(self) -> int:
-        return len(self._calls)
+def _eager(fn: _F) -> _F:
+    """`fn` run as plain Python even inside a compiled model: under torch.compile the session's hooks
+    are graph breaks, so that every call opens its slot and attaches the strategy, as in eager mode."""
+    return torch.compiler.disable(fn)
 
 
 class Capture:
@@ -90,6 +70,7 @@ class Capture:
         keep_grads: bool = True,
         wrap_strategy: Callable[[Strategy], Strategy] | None = None,
     ) -> None:
+        model = unwrap_compiled(model)  # torch.compile(model): tap its eager modules, call the compiled one
         refuse_compiled(model)
         if values not in VALUES_MODES:
             raise GradrunnerError(f"capture.values={values!r} is not a values mode; allowed: {', '.join(VALUES_MODES)}")
@@ -107,7 +88,10 @@ class Capture:
         self._slots: list[Slot] = []
         self._kept: dict[int, torch.Tensor | None] = {}
         self._calls: dict[str, int] = {}
-        self._param_slots: dict[int, Slot] = {}
+        #: The slot of each parameter tap (keyed by tap: two taps on one tied parameter get one each).
+        self._param_slots: dict[str, Slot] = {}
+        #: (slots, calls) as they were when the outermost forward began: restored if it fails.
+        self._forward_mark: tuple[int, dict[str, int]] | None = None
         self._made_leaf_require_grad: list[weakref.ref[torch.Tensor]] = []
         self._stack = contextlib.ExitStack()
         self._last: list[Slot] = []
@@ -160,36 +144,45 @@ class Capture:
             if local_taps:
                 self._patch_forward(module, local_taps)
         self._tap_params = [(t, getattr(modules[t.module], t.name)) for t in self.taps if t.kind == "param"]
-        self.strategy.install([(p, self._slot_lookup(p)) for _, p in self._tap_params])
+        self.strategy.install([(p, self._slot_lookup(t.tap)) for t, p in self._tap_params])
 
-    def _slot_lookup(self, param: nn.Parameter) -> Callable[[], Slot | None]:
-        """The parameter's slot in the step being captured (None outside `backward`)."""
-        return lambda: self._param_slots.get(id(param))
+    def _slot_lookup(self, tap: str) -> Callable[[], Slot | None]:
+        """The parameter tap's slot in the step being captured (None outside `backward`)."""
+        return lambda: self._param_slots.get(tap)
 
     def _track_grad_mode(self) -> None:
         def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if not self._grad_forward:
+                self._forward_mark = (len(self._slots), dict(self._calls))
             self._grad_forward.append(torch.is_grad_enabled())
 
         def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self._grad_forward:
                 self._grad_forward.pop()
+            # Called with output None from inside torch's `except` when the forward raised: forget the
+            # calls it opened, so a retry of the step has no phantom calls.
+            if not self._grad_forward and output is None and sys.exc_info()[1] is not None:
+                if self._forward_mark is not None:
+                    del self._slots[self._forward_mark[0] :]
+                    self._calls = self._forward_mark[1]
+                self._deferred = {}
 
-        handle = self.model.register_forward_pre_hook(enter, prepend=True)
+        handle = self.model.register_forward_pre_hook(_eager(enter), prepend=True)
         self._stack.callback(handle.remove)
-        handle = self.model.register_forward_hook(leave, always_call=True)
+        handle = self.model.register_forward_hook(_eager(leave), always_call=True)
         self._stack.callback(handle.remove)
 
     def _patch_forward(self, module: nn.Module, taps: list[Tap]) -> None:
         by_name: dict[str, list[Tap]] = {}
         for t in taps:
-            by_name.setdefault(t.name, []).append(t)
+            by_name.setdefault(t.variable, []).append(t)
 
         def tap_fn(name: str, value: object) -> object:
             for tap in by_name[name]:
                 value = self._fire(tap, value)
             return value
 
-        fn = rewrite(type(module).forward, by_name, tap_fn)
+        fn = rewrite(type(module).forward, by_name, _eager(tap_fn))
         had_instance_forward = "forward" in module.__dict__
         previous = module.__dict__.get("forward")
         module.forward = types.MethodType(fn, module)
@@ -221,7 +214,7 @@ class Capture:
                     output, changed = set_element(output, tap.path, new), True
             return output if changed else None
 
-        return hook
+        return _eager(hook)
 
     def _input_hook(self, taps: list[Tap]) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -239,7 +232,7 @@ class Capture:
                         kwargs = set_element(kwargs, path, new)
             return (args, kwargs) if changed else None
 
-        return hook
+        return _eager(hook)
 
     def _fire(self, tap: Tap, value: object, is_input: bool = False) -> object:
         """A tap fired in the forward pass: open a slot (one call) and let the strategy attach."""
@@ -279,23 +272,26 @@ class Capture:
         return self._attach(tap, waiting.pop(0), value, is_input)
 
     def _attach(self, tap: Tap, slot: Slot, value: object, is_input: bool) -> object:
-        reason = no_grad_reason(value, is_input)
-        if reason is not None:
+        why = no_grad_reason(value, is_input)
+        if why is not None:
             if not tap.from_glob:
                 raise GradrunnerError(
-                    f"tap {tap.tap!r} cannot carry a gradient: its value is {reason}. Tap a tensor computed "
+                    f"tap {tap.tap!r} cannot carry a gradient: its value is {why[1]}. Tap a tensor computed "
                     "from parameters or from an input that requires grad (an input tap on the root makes "
                     "floating-point inputs require grad), or drop the tap."
                 )
-            slot.reason = reason  # a glob also matched this one: recorded as having no gradient
+            slot.reason = why[0]  # a glob also matched this one: recorded as having no gradient
             return value
         assert isinstance(value, torch.Tensor)
+        if is_input and not value.is_leaf and tap.module == "" and len(self._grad_forward) == 1:
+            # The caller's own tensor: tap an alias, so nothing (retains_grad, hooks) stays on theirs.
+            value = value.view_as(value)
         if not value.requires_grad:  # an input tap on a floating-point leaf: make it get a gradient
             value.requires_grad_(True)
             # weakly: a new input each step must not be kept alive by the session
             self._made_leaf_require_grad = [r for r in self._made_leaf_require_grad if r() is not None]
             self._made_leaf_require_grad.append(weakref.ref(value))
-        slot.extra["leaf"] = value.is_leaf
+        slot.leaf = value.is_leaf
         return self.strategy.attach(value, slot)
 
     # -- backward pass ---------------------------------------------------------------------------
@@ -305,9 +301,10 @@ class Capture:
         slot.delivered = True
         # A leaf's gradient may become its .grad, which can be changed in place later (zero_grad,
         # accumulation); an intermediate's gradient is handed to us alone.
-        leaf = slot.param is not None or slot.extra.get("leaf", False) is True
+        leaf = slot.param is not None or slot.leaf
         if self._collector is not None:
-            self._collector.add(slot.key, grad, order=slot.order, mutable=leaf)
+            # A complex gradient's statistics are those of its magnitude |z| (documented in the README).
+            self._collector.add(slot.key, grad.abs() if grad.is_complex() else grad, order=slot.order, mutable=leaf)
         if self.keep_grads:
             self._kept[slot.order] = grad.detach().clone() if leaf else grad.detach()
 
@@ -321,25 +318,52 @@ class Capture:
         if not self.enabled:
             loss.backward(retain_graph=retain_graph)
             return
-        slots, self._slots, self._calls = self._slots, [], {}
+        slots, fired = self._slots, {s.key.tap for s in self._slots}
+        self._slots, self._calls, self._forward_mark = [], {}, None
         for tap, param in self._tap_params:
             slot = Slot(TapKey(tap.module, tap.name, 0), order=len(slots), param=param)
+            slot.reason = None if param.requires_grad else FROZEN
             slots.append(slot)
-            self._param_slots[id(param)] = slot
+            self._param_slots[tap.tap] = slot
+        for tap in self.taps:  # resolved but did not fire: still a row, saying why
+            if tap.kind != "param" and tap.tap not in fired:
+                why = NOT_ASSIGNED if tap.kind == "local" else NOT_CALLED
+                slots.append(Slot(TapKey(tap.module, tap.name, 0), order=len(slots), reason=why, fired=False))
         self._kept = {}
         try:
             params = [p for p in self.model.parameters() if p.requires_grad]
             self.strategy.backward(loss, slots, params, retain_graph)
+        except BaseException:
+            # Nothing of a failed backward reaches the next step's records.
+            self._last, self._kept = [], {}
+            if self._collector is not None:
+                self._collector = Collector(self.values, self.sample_size, self.seed)
+            raise
         finally:
             self._param_slots = {}
             self._deferred = {}
         for slot in slots:
-            if not slot.delivered and self._collector is not None:
-                self._collector.add(slot.key, None, order=slot.order)
+            if not slot.delivered:
+                slot.reason = slot.reason or NO_PART
+                if self._collector is not None:
+                    self._collector.add(slot.key, None, order=slot.order)
         self._last = slots
         if self.keep_grads:
-            self.grads = Grads([t.tap for t in self.taps], [(s.key, self._kept.get(s.order)) for s in slots])
+            kept = [(s.key, self._kept.get(s.order)) for s in slots if s.fired]
+            self.grads = Grads([t.tap for t in self.taps], kept)
             self._kept = {}
+
+    def reset(self) -> None:
+        """Forget the step in progress (calls fired since the last `backward`), e.g. after the loss failed.
+
+        Example::
+
+            try:
+                loss = loss_fn(model(x), y)
+            except ValueError:
+                cap.reset()     # the retried step starts at call 0 again
+        """
+        self._slots, self._calls, self._deferred, self._forward_mark = [], {}, {}, None
 
     def records(self, loss: torch.Tensor | None = None) -> StepRecords:
         """Statistics (and values) of the last captured step, in one device-to-host transfer.
@@ -349,11 +373,17 @@ class Capture:
             recs = cap.records(loss)   # recs.row(0)["norm"], recs.loss
         """
         if self._collector is not None:
-            return self._collector.finish(loss)
-        collector = Collector(self.values, self.sample_size, self.seed)
-        for slot in self._last:
-            collector.add(slot.key, self.grads.calls(slot.key.tap)[slot.key.call], order=slot.order)
-        return collector.finish(loss)
+            recs = self._collector.finish(loss)
+        else:
+            collector = Collector(self.values, self.sample_size, self.seed)
+            for slot in self._last:
+                grad = self.grads.calls(slot.key.tap)[slot.key.call] if slot.fired else None
+                collector.add(slot.key, grad.abs() if grad is not None and grad.is_complex() else grad,
+                              order=slot.order)  # fmt: skip
+            recs = collector.finish(loss)
+        why = {s.key: s.reason for s in self._last}
+        recs.reason = [None if g else why.get(k, NO_PART) for k, g in zip(recs.keys, recs.has_grad, strict=True)]
+        return recs
 
     def reasons(self) -> dict[TapKey, str]:
         """Why taps of the last step got no gradient, where that was known in the forward pass."""

@@ -44,6 +44,15 @@ class Tap:
     def tap(self) -> str:
         return f"{self.module}:{self.name}"
 
+    @property
+    def variable(self) -> str:
+        """A local tap's variable name: `name`, or what follows `local.` (`local.input` is a local named input)."""
+        return self.name.removeprefix(LOCAL_PREFIX)
+
+
+#: `local.<name>` names a local variable of forward() explicitly: the way to tap one named `input` or `output`.
+LOCAL_PREFIX = "local."
+
 
 def parse_spec(spec: object) -> tuple[str, str]:
     """Split one spec into (module pattern, name); raises GradrunnerError on a malformed spec.
@@ -96,13 +105,24 @@ def module_offers(module: nn.Module) -> dict[str, list[str]]:
     }
 
 
-def _resolve_name(module_path: str, module: nn.Module, name: str) -> Tap | None:
-    """The tap for `name` on `module`, or None when the module offers no such name."""
+def _resolve_name(module_path: str, module: nn.Module, name: str, locals_too: bool = True) -> Tap | None:
+    """The tap for `name` on `module`, or None when the module offers no such name.
+
+    The forward()'s source is read only when `name` can only be a local (and `locals_too`).
+    """
     head, _, rest = name.partition(".")
+    if name.startswith(LOCAL_PREFIX):
+        try:
+            found = name[len(LOCAL_PREFIX) :] in assigned_names(type(module).forward)
+        except SourceUnavailable:
+            return None
+        return Tap(module_path, name, "local") if found else None
     if head in ("output", "input"):
         return Tap(module_path, name, head, _element_path(rest) if rest else ())  # type: ignore[arg-type]
     if name in dict(module.named_parameters(recurse=False)):
         return Tap(module_path, name, "param")
+    if not locals_too:
+        return None
     try:
         if name in assigned_names(type(module).forward):
             return Tap(module_path, name, "local")
@@ -129,7 +149,8 @@ def _unknown_name(module_path: str, module: nn.Module, name: str) -> GradrunnerE
     hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     return GradrunnerError(
         f"tap '{module_path}:{name}': module {module_path or '<root>'!r} ({type(module).__name__}) has no "
-        f"{name!r}.{hint} It offers: {_describe(module)}."
+        f"{name!r}.{hint} It offers: {_describe(module)}; a local named input or output is 'local.input', "
+        "'local.output'."
     )
 
 
@@ -170,7 +191,9 @@ def resolve_taps(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[T
     for spec in specs:
         pattern, name = parse_spec(spec)
         matched = _match_modules(model, pattern, spec)
-        taps = [(p, m, _resolve_name(p, m, name)) for p, m in matched]
+        # A glob over a parameter name never reads source: modules without that parameter are skipped.
+        is_param = len(matched) > 1 and any(name in dict(m.named_parameters(recurse=False)) for _, m in matched)
+        taps = [(p, m, _resolve_name(p, m, name, locals_too=not is_param)) for p, m in matched]
         found = [t for _, _, t in taps if t is not None]
         if not found:
             if len(matched) == 1:

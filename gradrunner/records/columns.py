@@ -63,6 +63,8 @@ class StepRecords:
     positions: list[np.ndarray | None] | None = None
     #: The step's loss, when the caller handed it to `finish` (it rides in the same transfer).
     loss: float | None = None
+    #: Why each record has no gradient ("module not called in this step", ...); None where it has one.
+    reason: list[str | None] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -77,6 +79,7 @@ class StepRecords:
             "shape": list(self.shape[i]),
             "numel": int(self.numel[i]),
             "has_grad": bool(self.has_grad[i]),
+            "reason": None if self.reason is None else self.reason[i],
         }
         out.update({c: float(self.stats[c][i]) for c in STAT_COLUMNS})
         out.update({c: int(self.counts[c][i]) for c in COUNT_COLUMNS})

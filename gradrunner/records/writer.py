@@ -35,7 +35,7 @@ _W = TypeVar("_W", bound="ParquetTableWriter")
 
 _CONSTANT_FIELDS = [pa.field(c, pa.string()) for c in CONSTANT_COLUMNS]
 
-#: `grads.parquet`: the contract's columns in the contract's order, then `has_grad` and `rank`.
+#: `grads.parquet`: the contract's columns in the contract's order, then `has_grad`, `reason` and `rank`.
 GRADS_SCHEMA = pa.schema(
     [
         *_CONSTANT_FIELDS,
@@ -52,6 +52,8 @@ GRADS_SCHEMA = pa.schema(
         pa.field("loss", pa.float64()),
         # False for a tap that took no part in the loss: statistics null, counts 0, shape [], numel 0.
         pa.field("has_grad", pa.bool_()),
+        # Why has_grad is false ("module not called in this step", ...); null when it is true.
+        pa.field("reason", pa.string()),
         # Reserved for distributed runs; 0 otherwise.
         pa.field("rank", pa.int64()),
     ]
@@ -374,6 +376,7 @@ class RecordWriter(_RunTableWriter):
             values=_list_array(recs.values if recs.values is not None else [None] * n, np.float32),
             loss=pa.repeat(pa.scalar(recs.loss, pa.float64()), n),
             has_grad=pa.array(~no_grad),
+            reason=pa.array(recs.reason if recs.reason is not None else [None] * n, pa.string()),
         )
         for c in STAT_COLUMNS:
             cols[c] = pa.array(np.asarray(recs.stats[c], dtype=np.float64), mask=no_grad)

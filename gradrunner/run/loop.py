@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.capturing.session import Capture, capture
-from gradrunner.records.columns import GRADS_FILE, STEPS_FILE
+from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, StepRecords
 from gradrunner.records.writer import RecordWriter, StepsWriter, run_metadata
 from gradrunner.run import distributed
 from gradrunner.run.build import Job, setup
@@ -125,6 +125,7 @@ def _run_steps(
     # Read from the config once: OmegaConf lookups cost more than a tiny model's step.
     every, on_nonfinite = int(cfg.capture.every), str(cfg.capture.get("on_nonfinite", "record"))
     source, model_name, loss_name = str(cfg.data._target_), str(cfg.model._target_), str(cfg.loss._target_)
+    warned: set[str] = set()
     try:
         for step in range(int(cfg.steps)):
             t0 = time.perf_counter()
@@ -136,6 +137,7 @@ def _run_steps(
             if captured:
                 t1 = time.perf_counter()
                 recs = cap.records(loss)
+                warn_without_grad(recs, step, warned)
                 grads.write_step(step, recs)
                 capture_time = time.perf_counter() - t1
                 loss_value = float("nan") if recs.loss is None else recs.loss
@@ -150,6 +152,22 @@ def _run_steps(
             check_finite(on_nonfinite, step, loss_value, recs if captured else None)
     finally:
         bar.close()
+
+
+def warn_without_grad(recs: StepRecords, step: int, warned: set[str]) -> None:
+    """Log a warning the first time each tap has a record without gradient (its `reason` column says why).
+
+    Example::
+
+        warned: set[str] = set()
+        warn_without_grad(cap.records(loss), step=0, warned=warned)
+    """
+    reasons = recs.reason or [None] * len(recs)
+    for key, has_grad, reason in zip(recs.keys, recs.has_grad, reasons, strict=True):
+        if not has_grad and key.tap not in warned:
+            warned.add(key.tap)
+            log.warning("tap %r has no gradient at step %d: %s (warned once per tap; see the reason column)",
+                        key.tap, step, reason or "unknown")  # fmt: skip
 
 
 def train(

@@ -27,7 +27,7 @@ class AutogradGradStrategy(Strategy):
     def attach(self, tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
         slot.tensor = tensor
         if _get_edge is not None and not tensor.is_leaf:
-            slot.extra["edge"] = _get_edge(tensor)
+            slot.edge = _get_edge(tensor)
         return tensor
 
     def backward(
@@ -36,7 +36,7 @@ class AutogradGradStrategy(Strategy):
         params = [p for p in params if p.requires_grad]
         param_index = {id(p): i for i, p in enumerate(params)}
         tensor_slots = [s for s in slots if s.param is None and s.tensor is not None]
-        inputs: list[Any] = [s.extra.get("edge", s.tensor) for s in tensor_slots] + list(params)
+        inputs: list[Any] = [s.tensor if s.edge is None else s.edge for s in tensor_slots] + list(params)
         try:
             if not inputs:
                 loss.backward(retain_graph=retain_graph)
@@ -54,7 +54,7 @@ class AutogradGradStrategy(Strategy):
         finally:
             for slot in slots:
                 slot.tensor = None
-                slot.extra.pop("edge", None)
+                slot.edge = None
 
 
 def _grad(loss: torch.Tensor, inputs: list[Any], retain_graph: bool) -> tuple[torch.Tensor | None, ...]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -30,7 +30,8 @@ class Slot:
     """Where one firing of a tap (one call) receives its gradient.
 
     `tensor` is set by `attach` for strategies that read the gradient after backward;
-    `param` is set for parameter taps, which do not fire in the forward pass.
+    `param` is set for parameter taps, which do not fire in the forward pass. The fields after
+    `reason` are per-strategy scratch, cleared when the step's backward ends.
     """
 
     key: TapKey
@@ -40,7 +41,14 @@ class Slot:
     delivered: bool = False
     #: Why the tap cannot have a gradient (not a tensor, not floating point, ...), if known at forward time.
     reason: str | None = None
-    extra: dict[str, object] = field(default_factory=dict)
+    #: False for the row of a tap that did not fire at all in the step (its module was not called).
+    fired: bool = True
+    #: The tapped value was a leaf (a parameter or an input): its gradient may become `.grad`.
+    leaf: bool = False
+    #: `autograd_grad`: the tensor's gradient edge, taken when the tap fired.
+    edge: object | None = None
+    #: `hook`: a parameter's gradient, summed over the parts backward delivers.
+    param_grad: torch.Tensor | None = None
 
 
 Deliver = Callable[[Slot, "torch.Tensor | None"], None]

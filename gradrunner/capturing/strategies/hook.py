@@ -27,6 +27,7 @@ class HookStrategy(Strategy):
         self._step_handles: list[RemovableHandle] = []
         self._param_handles: list[RemovableHandle] = []
         self._params: list[tuple[torch.nn.Parameter, Callable[[], Slot | None]]] = []
+        #: Indices into `_params` already hooked: one hook per tap, so two taps on one tied parameter both get it.
         self._hooked: set[int] = set()
 
     def _hook(self, slot: Slot) -> Callable[[torch.Tensor], None]:
@@ -44,8 +45,8 @@ class HookStrategy(Strategy):
 
     def _hook_params(self) -> None:
         """Hook each tapped parameter once it requires grad (a frozen one cannot take a hook, nor has a gradient)."""
-        for param, current_slot in self._params:
-            if id(param) in self._hooked or not param.requires_grad:
+        for i, (param, current_slot) in enumerate(self._params):
+            if i in self._hooked or not param.requires_grad:
                 continue
 
             def on_grad(grad: torch.Tensor, current_slot: Callable[[], Slot | None] = current_slot) -> None:
@@ -54,11 +55,10 @@ class HookStrategy(Strategy):
                     # Summed, delivered after backward: a parameter inside checkpoint(use_reentrant=True)
                     # gets its gradient in parts, one per recomputation. `+` makes a new tensor, so the
                     # first part (which may become .grad and be added to in place) is read before that.
-                    kept = slot.extra.get("param_grad")
-                    slot.extra["param_grad"] = grad if kept is None else kept + grad  # type: ignore[operator]
+                    slot.param_grad = grad if slot.param_grad is None else slot.param_grad + grad
 
             self._param_handles.append(param.register_hook(on_grad))
-            self._hooked.add(id(param))
+            self._hooked.add(i)
 
     def backward(
         self, loss: torch.Tensor, slots: Sequence[Slot], params: Sequence[torch.nn.Parameter], retain_graph: bool
@@ -67,13 +67,13 @@ class HookStrategy(Strategy):
             self._hook_params()
             loss.backward(retain_graph=retain_graph)
             for slot in slots:
-                grad = slot.extra.pop("param_grad", None)
+                grad, slot.param_grad = slot.param_grad, None
                 if slot.param is not None and grad is not None:
-                    self.deliver(slot, grad)  # type: ignore[arg-type]
+                    self.deliver(slot, grad)
         finally:
             self._remove(self._step_handles)
             for slot in slots:
-                slot.extra.pop("param_grad", None)
+                slot.param_grad = None
 
     def close(self) -> None:
         self._remove(self._step_handles)
