@@ -98,7 +98,7 @@ def _self_check(kernels: dict[torch.dtype, Callable[[int, int, int], None]]) -> 
     for dtype, fn in kernels.items():
         for vals, want in (
             ([1.5, -2.0, 0.0, -0.0, 4.0], [3.5, 22.25, -2.0, 4.0, 3, 0, 0]),
-            ([1.0, float("nan"), float("inf")], [None, None, None, None, 3, 1, 1]),
+            ([1.0, float("nan"), float("inf"), -float("inf")], [None, None, None, None, 4, 1, 2]),
         ):
             t = torch.tensor(vals, dtype=dtype)
             fn(t.data_ptr(), t.numel(), out.data_ptr())

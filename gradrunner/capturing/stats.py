@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from gradrunner.capturing import fused_stats
 from gradrunner.choices import VALUES_MODES
 from gradrunner.records.columns import StepRecords, TapKey
 
@@ -56,8 +57,9 @@ class _Pending(NamedTuple):
     shape: tuple[int, ...]
     numel: int
     has_grad: bool
-    #: [sum, sumsq, min, max] and [nonzero, nan, inf] as 0-d tensors; None while deferred or without gradient
-    reductions: tuple[list[torch.Tensor], list[torch.Tensor]] | None
+    #: [sum, sumsq, min, max] and [nonzero, nan, inf] as 0-d tensors, or all seven in one float64 tensor
+    #: from the fused kernel; None while deferred or without gradient
+    reductions: tuple[list[torch.Tensor], list[torch.Tensor]] | torch.Tensor | None
     #: a small gradient kept until `finish`, to be reduced with others of its size in a few batched ops
     deferred: torch.Tensor | None
     values: torch.Tensor | None  # flat float32, on device
@@ -89,6 +91,8 @@ class Collector:
         self._pending: list[_Pending] = []
         self._positions: dict[tuple[str, int, torch.device], tuple[np.ndarray, torch.Tensor]] = {}
         self._scratch: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+        #: whether to try the one-pass kernels (`fused_stats`); tests turn them off to compare paths
+        self._fused = fused_stats.enabled()
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -107,9 +111,16 @@ class Collector:
             return
         g = grad.detach()
         flat = g.reshape(-1)
+        n = flat.numel()
+        if n and (flat.device.type == "cpu" or n > DEFER_NUMEL) and self._fused:
+            # One read of the gradient, no copy: small ones too on CPU, where a call costs about 2 µs.
+            row = torch.empty(_N_REDUCTIONS, dtype=torch.float64, device=flat.device)
+            if fused_stats.reduce_into(flat, row):
+                values = self._keep_values(key, flat, mutable)
+                self._pending.append(_Pending(order, key, tuple(g.shape), n, True, row, None, values))
+                return
         if flat.dtype not in _INT_VIEW:  # float16, bfloat16: statistics in float32
             flat = flat.float()
-        n = flat.numel()
         small = 0 < n <= DEFER_NUMEL
         kept = flat.clone() if small and mutable and flat.dtype == g.dtype else flat  # .float() copied already
         self._pending.append(_Pending(
@@ -174,7 +185,16 @@ def _reduction_blocks(pending: list[_Pending]) -> tuple[dict[int, int], list[tor
     rows: dict[int, int] = {}
     blocks: list[torch.Tensor] = []
     at = 0
-    reduced = [i for i, p in enumerate(pending) if p.reductions is not None]
+    fused = [i for i, p in enumerate(pending) if isinstance(p.reductions, torch.Tensor)]
+    if fused:
+        devices = {pending[i].reductions.device for i in fused}  # type: ignore[union-attr]
+        if len(devices) == 1:
+            blocks.append(torch.stack([pending[i].reductions for i in fused]))  # type: ignore[misc]
+        else:
+            blocks.extend(pending[i].reductions.reshape(1, -1) for i in fused)  # type: ignore[union-attr]
+        rows.update((i, at + j) for j, i in enumerate(fused))
+        at += len(fused)
+    reduced = [i for i, p in enumerate(pending) if isinstance(p.reductions, tuple)]
     if reduced:
         floats = torch.stack([r for i in reduced for r in pending[i].reductions[0]])  # type: ignore[index]
         ints = torch.stack([r for i in reduced for r in pending[i].reductions[1]])  # type: ignore[index]
@@ -258,9 +278,10 @@ def _derive(pending: list[_Pending], rows: dict[int, int], host: np.ndarray) -> 
             "norm": np.where(recs.has_grad & (numel == 0), 0.0, np.sqrt(ss)),
             "mean": mean,
             "std": np.where(numel > 1, np.sqrt(np.maximum(var, 0.0)), np.nan),
-            "min": mn,
-            "max": mx,
-            "abs_max": np.maximum(np.abs(mn), np.abs(mx)),
+            # NaN makes min and max NaN, as torch.aminmax (a kernel's own min/max may skip NaN)
+            "min": np.where(nan > 0, np.nan, mn),
+            "max": np.where(nan > 0, np.nan, mx),
+            "abs_max": np.where(nan > 0, np.nan, np.maximum(np.abs(mn), np.abs(mx))),
             "zero_frac": 1.0 - nonzero / numel,
         }
     recs.counts = {

@@ -44,8 +44,8 @@ static inline float f16_to_f32(uint16_t h) {
     if (!isfinite(s) || !isfinite(ss)) {                                                  \
         for (int64_t i = 0; i < n; i++) {                                                 \
             double v = (double)LOAD(x[i]);                                                \
-            nan_count += isnan(v);                                                        \
-            inf_count += isinf(v);                                                        \
+            nan_count += isnan(v) ? 1 : 0;                                                      \
+            inf_count += isinf(v) ? 1 : 0;                                                      \
         }                                                                                 \
         if (nan_count > 0) {                                                              \
             mn = (T)NAN;                                                                  \
