@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,3 +134,41 @@ def test_non_contiguous_and_other_dtypes_are_declined() -> None:
     out = torch.empty(7, dtype=torch.float64)
     assert not fused_stats.reduce_into(torch.ones(4, 4).t().reshape(-1)[::2], out)
     assert not fused_stats.reduce_into(torch.ones(4, dtype=torch.int64), out)
+
+
+
+_INTERPRETED = """
+import json, sys, torch
+from gradrunner.capturing import fused_triton
+out = torch.empty(7, dtype=torch.float64)
+results = []
+for path in sys.argv[1:]:
+    fused_triton.launch(torch.load(path), out, sms=2)
+    results.append(out.tolist())
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_triton_kernel_under_the_interpreter(tmp_path: Path) -> None:
+    """The CUDA kernel's arithmetic, run on CPU by Triton's interpreter (skipped without triton)."""
+    pytest.importorskip("triton")
+    cases = [(dtype, n, special) for dtype in DTYPES for n in (1, 2049, 3 * DEFER_NUMEL + 5)
+             for special in ("plain", "zeros", "nan", "inf")]  # fmt: skip
+    paths = []
+    for i, (dtype, n, special) in enumerate(cases):
+        paths.append(str(tmp_path / f"{i}.pt"))
+        torch.save(_gradient(n, dtype, special, seed=n), paths[-1])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED, *paths], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for (dtype, n, special), got in zip(cases, json.loads(done.stdout), strict=True):
+        want = _numpy_reductions(_gradient(n, dtype, special, seed=n))
+        for i in (0, 1):
+            if math.isfinite(want[i]):
+                assert got[i] == pytest.approx(want[i], rel=1e-12, abs=1e-9), (dtype, n, special, i)
+            else:
+                assert not math.isfinite(got[i])
+        if special != "nan":
+            assert got[2:4] == want[2:4], (dtype, n, special)
+        assert got[4:] == want[4:], (dtype, n, special)

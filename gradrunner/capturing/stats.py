@@ -238,9 +238,9 @@ def _reduce(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[li
     magnitude = flat.abs() if scratch is None else torch.abs(flat, out=scratch)
     nonzero = torch.count_nonzero(magnitude.view(_INT_VIEW[flat.dtype]))
     if flat.device.type != "cpu":
-        # No branching on values here (it would sync per tap): accumulate wide, count always.
-        wide = flat if flat.dtype == torch.float64 or flat.device.type == "mps" else flat.double()
-        return [wide.sum(), torch.dot(wide, wide), mn, mx], [nonzero, torch.isnan(flat).sum(), torch.isinf(flat).sum()]
+        # No branching on values here (it would sync per tap): sums wide, counts always.
+        s, ss = _device_sums(flat)
+        return [s, ss, mn, mx], [nonzero, torch.isnan(flat).sum(), torch.isinf(flat).sum()]
     s, ss = flat.sum(), torch.dot(flat, flat)
     # On CPU the sums are already in host memory (numpy() cannot cross devices): branch for free.
     s_host, ss_host = float(s.numpy()), float(ss.numpy())
@@ -255,6 +255,21 @@ def _reduce(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[li
         wide = flat.double()
         s, ss = wide.sum(), torch.dot(wide, wide)
     return [s, ss, mn, mx], [nonzero, nan, inf]
+
+
+def _device_sums(flat: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum and sum of squares on an accelerator without a float64 copy of the gradient.
+
+    Chunks of `chunk` elements are reduced in the gradient's dtype (on CUDA in a tree, so their
+    error stays near the dtype's rounding), the chunk results are added in float64.
+    """
+    if flat.dtype == torch.float64 or flat.device.type == "mps":
+        return flat.sum(), torch.dot(flat, flat)
+    k = flat.numel() // chunk
+    head, tail = flat[: k * chunk].view(k, chunk), flat[k * chunk :].double()  # the tail is under `chunk`
+    s = head.sum(1).double().sum() + tail.sum()
+    ss = torch.linalg.vector_norm(head, dim=1).double().square().sum() + torch.dot(tail, tail)
+    return s, ss
 
 
 def _derive(pending: list[_Pending], rows: dict[int, int], host: np.ndarray) -> StepRecords:
