@@ -103,8 +103,8 @@ def test_no_float64_copy_and_no_deferred_clone(monkeypatch: pytest.MonkeyPatch) 
     small = torch.randn(DEFER_NUMEL // 2)
     col.add(TapKey("a", "output", 0), small)
     pending = col._pending[0]
-    assert pending.deferred is None and isinstance(pending.reductions, torch.Tensor)
-    assert pending.reductions.dtype == torch.float64 and pending.reductions.numel() == 7
+    assert pending.deferred is None and pending.reductions == 0  # row 0 of the collector's float64 buffer
+    assert col._rows.dtype == torch.float64 and col._rows.shape[1] == 7
 
 
 def test_failed_build_falls_back_with_one_log_line(

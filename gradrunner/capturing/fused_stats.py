@@ -140,6 +140,18 @@ def cpu_available() -> bool:
     return enabled() and _load_cpu() is not None
 
 
+def cpu_kernels() -> dict[torch.dtype, Callable[[int, int, int], None]]:
+    """The CPU kernels by gradient dtype, `fn(data pointer, numel, pointer to 7 float64)`; empty if unavailable.
+
+    Example::
+
+        fn = cpu_kernels().get(torch.float32)   # a ctypes function, or None
+    """
+    if not enabled():
+        return {}
+    return _load_cpu() or {}
+
+
 def reduce_into(flat: torch.Tensor, out: torch.Tensor) -> bool:
     """The seven reductions of contiguous 1-D `flat` into float64 `out` (7,), or False if no kernel fits.
 

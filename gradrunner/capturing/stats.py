@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -58,8 +59,9 @@ class _Pending(NamedTuple):
     numel: int
     has_grad: bool
     #: [sum, sumsq, min, max] and [nonzero, nan, inf] as 0-d tensors, or all seven in one float64 tensor
-    #: from the fused kernel; None while deferred or without gradient
-    reductions: tuple[list[torch.Tensor], list[torch.Tensor]] | torch.Tensor | None
+    #: from the fused kernel (on CPU: the row number in the collector's buffer); None while deferred
+    #: or without gradient
+    reductions: tuple[list[torch.Tensor], list[torch.Tensor]] | torch.Tensor | int | None
     #: a small gradient kept until `finish`, to be reduced with others of its size in a few batched ops
     deferred: torch.Tensor | None
     values: torch.Tensor | None  # flat float32, on device
@@ -93,6 +95,10 @@ class Collector:
         self._scratch: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         #: whether to try the one-pass kernels (`fused_stats`); tests turn them off to compare paths
         self._fused = fused_stats.enabled()
+        self._cpu_kernels: dict[torch.dtype, Callable[[int, int, int], None]] | None = None  # loaded on first use
+        #: the CPU kernel's output rows, 7 float64 each; a record's `reductions` is its row number
+        self._rows = torch.empty((64, _N_REDUCTIONS), dtype=torch.float64)
+        self._n_rows = 0
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -112,13 +118,23 @@ class Collector:
         g = grad.detach()
         flat = g.reshape(-1)
         n = flat.numel()
-        if n and (flat.device.type == "cpu" or n > DEFER_NUMEL) and self._fused:
-            # One read of the gradient, no copy: small ones too on CPU, where a call costs about 2 µs.
-            row = torch.empty(_N_REDUCTIONS, dtype=torch.float64, device=flat.device)
-            if fused_stats.reduce_into(flat, row):
-                values = self._keep_values(key, flat, mutable)
-                self._pending.append(_Pending(order, key, tuple(g.shape), n, True, row, None, values))
-                return
+        if n and self._fused:
+            if flat.device.type == "cpu":
+                # One read of the gradient, no copy: small ones too, as a call costs about 2 µs.
+                if self._cpu_kernels is None:
+                    self._cpu_kernels = fused_stats.cpu_kernels()
+                fn = self._cpu_kernels.get(flat.dtype)
+                if fn is not None and flat.is_contiguous():
+                    fn(flat.data_ptr(), n, self._next_row())
+                    values = None if self.values == "none" else self._keep_values(key, flat, mutable)
+                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, self._n_rows - 1, None, values))
+                    return
+            elif n > DEFER_NUMEL:
+                row = torch.empty(_N_REDUCTIONS, dtype=torch.float64, device=flat.device)
+                if fused_stats.reduce_into(flat, row):
+                    values = self._keep_values(key, flat, mutable)
+                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, row, None, values))
+                    return
         if flat.dtype not in _INT_VIEW:  # float16, bfloat16: statistics in float32
             flat = flat.float()
         small = 0 < n <= DEFER_NUMEL
@@ -127,6 +143,15 @@ class Collector:
             order, key, tuple(g.shape), n, True, None if small or n == 0 else _reduce(flat, self._scratch_for(flat)),
             kept if small else None, self._keep_values(key, flat, mutable),
         ))  # fmt: skip
+
+    def _next_row(self) -> int:
+        """The address of a fresh output row for the CPU kernel (the buffer doubles when full)."""
+        if self._n_rows == len(self._rows):
+            grown = torch.empty((2 * len(self._rows), _N_REDUCTIONS), dtype=torch.float64)
+            grown[: self._n_rows] = self._rows
+            self._rows = grown
+        self._n_rows += 1
+        return self._rows.data_ptr() + (self._n_rows - 1) * _N_REDUCTIONS * 8
 
     def _scratch_for(self, flat: torch.Tensor) -> torch.Tensor:
         """One reusable buffer per gradient size: the reductions' temporary, allocated once."""
@@ -150,7 +175,8 @@ class Collector:
     def finish(self, loss: torch.Tensor | None = None) -> StepRecords:
         """Reduce what was deferred, move all reductions to the host in one transfer, derive statistics."""
         pending, self._pending = sorted(self._pending, key=lambda p: p.order), []
-        rows, blocks = _reduction_blocks(pending)
+        rows, blocks = _reduction_blocks(pending, self._rows)
+        self._n_rows = 0
         host = np.zeros((0, _N_REDUCTIONS))
         loss_host = None
         parts = [b.reshape(-1) for b in blocks]
@@ -180,11 +206,19 @@ _N_REDUCTIONS = 7
 _CPU_ZERO = torch.zeros((), dtype=torch.int64)
 
 
-def _reduction_blocks(pending: list[_Pending]) -> tuple[dict[int, int], list[torch.Tensor]]:
-    """(k, 7) float64 blocks of reductions (float32 on mps), and which block row each record is."""
+def _reduction_blocks(pending: list[_Pending], cpu_rows: torch.Tensor) -> tuple[dict[int, int], list[torch.Tensor]]:
+    """(k, 7) float64 blocks of reductions (float32 on mps), and which block row each record is.
+
+    `cpu_rows` holds the CPU kernel's output; a record whose `reductions` is an int is that row.
+    """
     rows: dict[int, int] = {}
     blocks: list[torch.Tensor] = []
     at = 0
+    on_cpu = [i for i, p in enumerate(pending) if isinstance(p.reductions, int)]
+    if on_cpu:
+        blocks.append(cpu_rows[[pending[i].reductions for i in on_cpu]])  # type: ignore[misc]
+        rows.update((i, at + j) for j, i in enumerate(on_cpu))
+        at += len(on_cpu)
     fused = [i for i, p in enumerate(pending) if isinstance(p.reductions, torch.Tensor)]
     if fused:
         devices = {pending[i].reductions.device for i in fused}  # type: ignore[union-attr]
