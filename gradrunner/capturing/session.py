@@ -110,6 +110,7 @@ class Capture:
         self._param_slots: dict[int, Slot] = {}
         self._made_leaf_require_grad: list[weakref.ref[torch.Tensor]] = []
         self._stack = contextlib.ExitStack()
+        self._params: list[nn.Parameter] | None = None  # the model's parameters, listed once (`_watch_params`)
         self._last: list[Slot] = []
         self._tap_params: list[tuple[Tap, nn.Parameter]] = []
         #: Grad mode at each (nested) entry into the root's forward: tells no_grad blocks from evaluation.
@@ -138,6 +139,7 @@ class Capture:
         modules = dict(self.model.named_modules(remove_duplicate=False))
         self._stack.callback(self.strategy.close)
         self._stack.callback(self._restore_inputs)
+        self._watch_params()
         self._track_grad_mode()
         by_module: dict[str, list[Tap]] = {}
         for tap in self.taps:
@@ -161,6 +163,22 @@ class Capture:
                 self._patch_forward(module, local_taps)
         self._tap_params = [(t, getattr(modules[t.module], t.name)) for t in self.taps if t.kind == "param"]
         self.strategy.install([(p, self._slot_lookup(p)) for _, p in self._tap_params])
+
+    def _watch_params(self) -> None:
+        """Forget the cached parameter list whenever any module registers a parameter or submodule.
+
+        Listing the parameters walks every module: for a model of hundreds of modules that costs
+        microseconds per tap firing if done every step.
+        """
+
+        def forget(*_: object) -> None:
+            self._params = None
+
+        for register in (
+            nn.modules.module.register_module_parameter_registration_hook,
+            nn.modules.module.register_module_module_registration_hook,
+        ):
+            self._stack.callback(register(forget).remove)
 
     def _slot_lookup(self, param: nn.Parameter) -> Callable[[], Slot | None]:
         """The parameter's slot in the step being captured (None outside `backward`)."""
@@ -328,7 +346,9 @@ class Capture:
             self._param_slots[id(param)] = slot
         self._kept = {}
         try:
-            params = [p for p in self.model.parameters() if p.requires_grad]
+            if self._params is None:
+                self._params = list(self.model.parameters())
+            params = [p for p in self._params if p.requires_grad]
             self.strategy.backward(loss, slots, params, retain_graph)
         finally:
             self._param_slots = {}

@@ -95,6 +95,7 @@ class Collector:
         self._scratch: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         #: whether to try the one-pass kernels (`fused_stats`); tests turn them off to compare paths
         self._fused = fused_stats.enabled()
+        self._values_none = values == "none"
         self._cpu_kernels: dict[torch.dtype, Callable[[int, int, int], None]] | None = None  # loaded on first use
         #: the CPU kernel's output rows, 7 float64 each; a record's `reductions` is its row number
         self._rows = torch.empty((64, _N_REDUCTIONS), dtype=torch.float64)
@@ -115,18 +116,28 @@ class Collector:
         if grad is None:
             self._pending.append(_Pending(order, key, (), 0, False, None, None, None))
             return
+        if grad.is_cpu and self._fused and self._values_none and grad.is_contiguous():
+            # The hot path: one read of the gradient where it lies, no copy, no view; small ones
+            # too, as a kernel call costs about 2 µs.
+            if self._cpu_kernels is None:
+                self._cpu_kernels = fused_stats.cpu_kernels()
+            fn = self._cpu_kernels.get(grad.dtype)
+            n = grad.numel()
+            if fn is not None and n:
+                fn(grad.data_ptr(), n, self._next_row())
+                self._pending.append(_Pending(order, key, tuple(grad.shape), n, True, self._n_rows - 1, None, None))
+                return
         g = grad.detach()
         flat = g.reshape(-1)
         n = flat.numel()
         if n and self._fused:
             if flat.device.type == "cpu":
-                # One read of the gradient, no copy: small ones too, as a call costs about 2 µs.
                 if self._cpu_kernels is None:
                     self._cpu_kernels = fused_stats.cpu_kernels()
                 fn = self._cpu_kernels.get(flat.dtype)
                 if fn is not None and flat.is_contiguous():
                     fn(flat.data_ptr(), n, self._next_row())
-                    values = None if self.values == "none" else self._keep_values(key, flat, mutable)
+                    values = self._keep_values(key, flat, mutable)
                     self._pending.append(_Pending(order, key, tuple(g.shape), n, True, self._n_rows - 1, None, values))
                     return
             elif n > DEFER_NUMEL:
@@ -146,8 +157,8 @@ class Collector:
 
     def _next_row(self) -> int:
         """The address of a fresh output row for the CPU kernel (the buffer doubles when full)."""
-        if self._n_rows == len(self._rows):
-            grown = torch.empty((2 * len(self._rows), _N_REDUCTIONS), dtype=torch.float64)
+        if self._n_rows == self._rows.shape[0]:
+            grown = torch.empty((2 * self._n_rows, _N_REDUCTIONS), dtype=torch.float64)
             grown[: self._n_rows] = self._rows
             self._rows = grown
         self._n_rows += 1
