@@ -12,6 +12,7 @@ model are interleaved; the ratio is the median step time over the no-capture med
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -169,12 +170,22 @@ def _synced(step: Callable[[], None]) -> Callable[[], None]:
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument("--device", default="cpu"))
+    def extra(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+        p.add_argument("--only", nargs="*", default=None, help="workloads to run (default: all)")
+        p.add_argument("--values", nargs="*", default=["none", "full"], help="values modes (default: none full)")
+
+    args = parse_args(__doc__.splitlines()[0], extra)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = args.repeats or (2 if args.tiny else 12)
     rows = []
     for name, (model, x, y, taps) in workloads(args.tiny, args.device).items():
+        if args.only and name not in args.only:
+            continue
         n_taps = len(resolve_taps(model, taps))
-        for values in ("none", "full"):
+        for values in args.values:
             times = interleaved(variants_for(model, x, y, taps, values), repeats=repeats)
             base = median_ms(times["none"])
             for variant, samples in times.items():
