@@ -227,7 +227,7 @@ def _reduction_blocks(pending: list[_Pending], cpu_rows: torch.Tensor) -> tuple[
     at = 0
     on_cpu = [i for i, p in enumerate(pending) if isinstance(p.reductions, int)]
     if on_cpu:
-        blocks.append(cpu_rows[[pending[i].reductions for i in on_cpu]])  # type: ignore[misc]
+        blocks.append(cpu_rows[[pending[i].reductions for i in on_cpu]])
         rows.update((i, at + j) for j, i in enumerate(on_cpu))
         at += len(on_cpu)
     fused = [i for i, p in enumerate(pending) if isinstance(p.reductions, torch.Tensor)]

@@ -17,9 +17,9 @@ from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.strategies.base import Slot, Strategy
 
-
 #: Our key in a tensor's hook dict: negative, so never one of `RemovableHandle`'s ids (counted from 0).
 _HOOK_KEY = -1
+_HookDict = OrderedDict[int, Callable[[torch.Tensor], "torch.Tensor | None"]]
 
 
 class HookStrategy(Strategy):
@@ -30,7 +30,7 @@ class HookStrategy(Strategy):
     def __init__(self, deliver: Callable[[Slot, torch.Tensor | None], None]) -> None:
         super().__init__(deliver)
         self._step_handles: list[RemovableHandle] = []
-        self._step_dicts: list[dict[int, Callable[[torch.Tensor], None]]] = []
+        self._step_dicts: list[_HookDict] = []
         self._param_handles: list[RemovableHandle] = []
         self._params: list[tuple[torch.nn.Parameter, Callable[[], Slot | None]]] = []
         self._hooked: set[int] = set()
@@ -46,7 +46,7 @@ class HookStrategy(Strategy):
             # What `register_hook` does, less its per-call import, checks and handle (about half of
             # a firing's forward cost): the hook dict goes to the tensor's grad_fn; clearing the dict
             # removes the hook, as `RemovableHandle.remove()` would.
-            hooks = OrderedDict([(_HOOK_KEY, self._hook(slot))])  # torch keeps a weak reference to it
+            hooks: _HookDict = OrderedDict([(_HOOK_KEY, self._hook(slot))])  # torch keeps a weak reference to it
             tensor._backward_hooks = hooks
             tensor.grad_fn._register_hook_dict(tensor)
             self._step_dicts.append(hooks)
@@ -98,7 +98,7 @@ class HookStrategy(Strategy):
         self._hooked.clear()
 
     @staticmethod
-    def _clear(dicts: list[dict[int, Callable[[torch.Tensor], None]]]) -> None:
+    def _clear(dicts: list[_HookDict]) -> None:
         while dicts:
             dicts.pop().pop(_HOOK_KEY, None)
 
