@@ -10,7 +10,10 @@ Example::
     col.add(TapKey("fc1", "output", 0), grad)
     recs = col.finish()          # recs.norm[0], recs.zero_frac[0], ...
 
-Each statistic is derived from four reductions per gradient (sum, sum of squares, min/max,
+The reductions (sum, sum of squares, min, max, non-zero, NaN and Inf counts) come from one read of
+the gradient by `fused_stats` (a C kernel on CPU, Triton on CUDA) where it is available: on CPU
+every gradient goes straight to it and its 7 float64 results land in one buffer per step. Else
+each statistic is derived from four reductions per gradient (sum, sum of squares, min/max,
 non-zero count): norm = sqrt(sum of squares), std from sum and sum of squares (Bessel-corrected,
 as `torch.std`), abs_max from min and max, zero_frac from the non-zero count. NaN and Inf counts
 are only computed when the sum of squares is not finite (on CPU, where reading it costs nothing)
