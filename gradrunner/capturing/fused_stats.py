@@ -116,7 +116,9 @@ def _load_cpu() -> dict[torch.dtype, Callable[[int, int, int], None]] | None:
         return _cpu_kernels
     _cpu_tried = True
     try:
-        lib = ctypes.CDLL(str(_build(os.environ.get("CC", "cc"))))
+        # PyDLL keeps the GIL during a call: hooks of a model spread over devices may run on several
+        # autograd threads, and the collector's row buffer must not grow under a running kernel.
+        lib = ctypes.PyDLL(str(_build(os.environ.get("CC", "cc"))))
         kernels: dict[torch.dtype, Callable[[int, int, int], None]] = {}
         for dtype, name in _CPU_NAMES.items():
             fn = getattr(lib, name)

@@ -127,8 +127,9 @@ class Collector:
             fn = self._cpu_kernels.get(grad.dtype)
             n = grad.numel()
             if fn is not None and n:
-                fn(grad.data_ptr(), n, self._next_row())
-                self._pending.append(_Pending(order, key, tuple(grad.shape), n, True, self._n_rows - 1, None, None))
+                row = self._next_row()
+                fn(grad.data_ptr(), n, self._rows.data_ptr() + row * _N_REDUCTIONS * 8)
+                self._pending.append(_Pending(order, key, tuple(grad.shape), n, True, row, None, None))
                 return
         g = grad.detach()
         flat = g.reshape(-1)
@@ -139,9 +140,10 @@ class Collector:
                     self._cpu_kernels = fused_stats.cpu_kernels()
                 fn = self._cpu_kernels.get(flat.dtype)
                 if fn is not None and flat.is_contiguous():
-                    fn(flat.data_ptr(), n, self._next_row())
+                    row = self._next_row()
+                    fn(flat.data_ptr(), n, self._rows.data_ptr() + row * _N_REDUCTIONS * 8)
                     values = self._keep_values(key, flat, mutable)
-                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, self._n_rows - 1, None, values))
+                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, row, None, values))
                     return
             elif n > DEFER_NUMEL:
                 row = torch.empty(_N_REDUCTIONS, dtype=torch.float64, device=flat.device)
@@ -159,13 +161,13 @@ class Collector:
         ))  # fmt: skip
 
     def _next_row(self) -> int:
-        """The address of a fresh output row for the CPU kernel (the buffer doubles when full)."""
+        """The number of a fresh output row for the CPU kernel (the buffer doubles when full)."""
         if self._n_rows == self._rows.shape[0]:
             grown = torch.empty((2 * self._n_rows, _N_REDUCTIONS), dtype=torch.float64)
             grown[: self._n_rows] = self._rows
             self._rows = grown
         self._n_rows += 1
-        return self._rows.data_ptr() + (self._n_rows - 1) * _N_REDUCTIONS * 8
+        return self._n_rows - 1
 
     def _scratch_for(self, flat: torch.Tensor) -> torch.Tensor:
         """One reusable buffer per gradient size: the reductions' temporary, allocated once."""
