@@ -146,10 +146,10 @@ class Collector:
                     self._pending.append(_Pending(order, key, tuple(g.shape), n, True, row, None, values))
                     return
             elif n > DEFER_NUMEL:
-                row = torch.empty(_N_REDUCTIONS, dtype=torch.float64, device=flat.device)
-                if fused_stats.reduce_into(flat, row):
+                out = torch.empty(_N_REDUCTIONS, dtype=torch.float64, device=flat.device)
+                if fused_stats.reduce_into(flat, out):
                     values = self._keep_values(key, flat, mutable)
-                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, row, None, values))
+                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, out, None, values))
                     return
         if flat.dtype not in _INT_VIEW:  # float16, bfloat16: statistics in float32
             flat = flat.float()
