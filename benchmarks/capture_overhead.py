@@ -12,6 +12,7 @@ model are interleaved; the ratio is the median step time over the no-capture med
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -25,14 +26,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import interleaved, median_ms, no_context, parse_args, report
 
 from gradrunner import capture
+from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.taps import resolve_taps
 from gradrunner.models import MLP, SmallCNN, TinyTransformerBlock
+from gradrunner.records.columns import TapKey
 
 STRATEGIES = ("hook", "retain_grad", "autograd_grad")
 
 
-def workloads(tiny: bool) -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor, list[str]]]:
-    """name -> (model, inputs, targets, taps)."""
+def workloads(tiny: bool, device: str = "cpu") -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor, list[str]]]:
+    """name -> (model, inputs, targets, taps), on `device`."""
+    return {name: (m.to(device), x.to(device), y.to(device), taps) for name, (m, x, y, taps) in _workloads(tiny).items()}
+
+
+def _workloads(tiny: bool) -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor, list[str]]]:
     torch.manual_seed(0)
     width, batch = (32, 8) if tiny else (512, 256)
     mlp = MLP(width, width, 8, width)
@@ -58,6 +65,27 @@ def naive(model: nn.Module, taps: list[str], sink: list[torch.Tensor]) -> Iterat
             if t.requires_grad:
                 t.retain_grad()
                 sink.append(t)
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def plain_tensor_hooks(model: nn.Module, taps: list[str], col: Collector) -> Iterator[None]:
+    """Plain PyTorch: forward hooks registering a tensor hook on each output, gradrunner's statistics."""
+    handles = []
+    for tap in resolve_taps(model, taps):
+        module = model.get_submodule(tap.module) if tap.module else model
+        key = TapKey(tap.module, "output", 0)
+
+        def hook(_m: nn.Module, _a: Any, out: Any, key: TapKey = key) -> None:
+            t = out[0] if isinstance(out, tuple) else out
+            if t.requires_grad:
+                t.register_hook(lambda g: col.add(key, g))
 
         handles.append(module.register_forward_hook(hook))
     try:
@@ -107,6 +135,16 @@ def variants_for(
 
         out[strategy] = (lambda cap=cap: cap, step)
     if values == "none":
+        col = Collector(values="none")
+
+        def plain_hooks_step() -> None:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            col.finish(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        out["plain_hooks"] = (lambda: plain_tensor_hooks(model, taps, col), plain_hooks_step)
         sink: list[torch.Tensor] = []
 
         def naive_step() -> None:
@@ -118,16 +156,36 @@ def variants_for(
             opt.zero_grad(set_to_none=True)
 
         out["naive"] = (lambda: naive(model, taps, sink), naive_step)
+    if x.is_cuda:  # time the GPU's work, not the launches
+        out = {name: (ctx, _synced(step)) for name, (ctx, step) in out.items()}
     return out
 
 
+def _synced(step: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        step()
+        torch.cuda.synchronize()
+
+    return run
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
+    def extra(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+        p.add_argument("--only", nargs="*", default=None, help="workloads to run (default: all)")
+        p.add_argument("--values", nargs="*", default=["none", "full"], help="values modes (default: none full)")
+
+    args = parse_args(__doc__.splitlines()[0], extra)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = args.repeats or (2 if args.tiny else 12)
     rows = []
-    for name, (model, x, y, taps) in workloads(args.tiny).items():
+    for name, (model, x, y, taps) in workloads(args.tiny, args.device).items():
+        if args.only and name not in args.only:
+            continue
         n_taps = len(resolve_taps(model, taps))
-        for values in ("none", "full"):
+        for values in args.values:
             times = interleaved(variants_for(model, x, y, taps, values), repeats=repeats)
             base = median_ms(times["none"])
             for variant, samples in times.items():

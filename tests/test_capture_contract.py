@@ -826,6 +826,7 @@ def test_host_traffic_check_catches_a_per_tap_read(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(gradrunner.capturing.stats, "_reduce", reduce_and_peek)
     monkeypatch.setattr(gradrunner.capturing.stats, "DEFER_NUMEL", 0)  # every gradient reduced on its own
+    monkeypatch.setenv("GRADRUNNER_FUSED", "0")  # through `_reduce`, not the fused kernel
     few = _step_traffic(monkeypatch, strategy, FEW_TAPS, "none")
     many = _step_traffic(monkeypatch, strategy, MANY_TAPS, "none")
     assert len(many[1]) - len(few[1]) == many[2] - few[2]

@@ -48,10 +48,12 @@ def no_grad_reason(value: object, is_input: bool) -> tuple[str, str] | None:
     return None
 
 
+_CURRENT_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def in_backward() -> bool:
     """Whether autograd's engine is running a backward pass on this thread (e.g. recomputing a checkpoint)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is not None and current() != -1
+    return _CURRENT_GRAPH_TASK_ID is not None and _CURRENT_GRAPH_TASK_ID() != -1
 
 
 _CHECKPOINT_FUNCTION = getattr(checkpoint_module, "CheckpointFunction", None)

@@ -94,6 +94,7 @@ class Capture:
         self._forward_mark: tuple[int, dict[str, int]] | None = None
         self._made_leaf_require_grad: list[weakref.ref[torch.Tensor]] = []
         self._stack = contextlib.ExitStack()
+        self._params: list[nn.Parameter] | None = None  # the model's parameters, listed once (`_watch_params`)
         self._last: list[Slot] = []
         self._tap_params: list[tuple[Tap, nn.Parameter]] = []
         #: Grad mode at each (nested) entry into the root's forward: tells no_grad blocks from evaluation.
@@ -122,6 +123,7 @@ class Capture:
         modules = dict(self.model.named_modules(remove_duplicate=False))
         self._stack.callback(self.strategy.close)
         self._stack.callback(self._restore_inputs)
+        self._watch_params()
         self._track_grad_mode()
         by_module: dict[str, list[Tap]] = {}
         for tap in self.taps:
@@ -145,6 +147,22 @@ class Capture:
                 self._patch_forward(module, local_taps)
         self._tap_params = [(t, getattr(modules[t.module], t.name)) for t in self.taps if t.kind == "param"]
         self.strategy.install([(p, self._slot_lookup(t.tap)) for t, p in self._tap_params])
+
+    def _watch_params(self) -> None:
+        """Forget the cached parameter list whenever any module registers a parameter or submodule.
+
+        Listing the parameters walks every module: for a model of hundreds of modules that costs
+        microseconds per tap firing if done every step.
+        """
+
+        def forget(*_: object) -> None:
+            self._params = None
+
+        for register in (
+            nn.modules.module.register_module_parameter_registration_hook,
+            nn.modules.module.register_module_module_registration_hook,
+        ):
+            self._stack.callback(register(forget).remove)
 
     def _slot_lookup(self, tap: str) -> Callable[[], Slot | None]:
         """The parameter tap's slot in the step being captured (None outside `backward`)."""
@@ -331,7 +349,9 @@ class Capture:
                 slots.append(Slot(TapKey(tap.module, tap.name, 0), order=len(slots), reason=why, fired=False))
         self._kept = {}
         try:
-            params = [p for p in self.model.parameters() if p.requires_grad]
+            if self._params is None:
+                self._params = list(self.model.parameters())
+            params = [p for p in self._params if p.requires_grad]
             self.strategy.backward(loss, slots, params, retain_graph)
         except BaseException:
             # Nothing of a failed backward reaches the next step's records.

@@ -10,7 +10,10 @@ Example::
     col.add(TapKey("fc1", "output", 0), grad)
     recs = col.finish()          # recs.norm[0], recs.zero_frac[0], ...
 
-Each statistic is derived from four reductions per gradient (sum, sum of squares, min/max,
+The reductions (sum, sum of squares, min, max, non-zero, NaN and Inf counts) come from one read of
+the gradient by `fused_stats` (a C kernel on CPU, Triton on CUDA) where it is available: on CPU
+every gradient goes straight to it and its 7 float64 results land in one buffer per step. Else
+each statistic is derived from four reductions per gradient (sum, sum of squares, min/max,
 non-zero count): norm = sqrt(sum of squares), std from sum and sum of squares (Bessel-corrected,
 as `torch.std`), abs_max from min and max, zero_frac from the non-zero count. NaN and Inf counts
 are only computed when the sum of squares is not finite (on CPU, where reading it costs nothing)
@@ -21,11 +24,13 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from gradrunner.capturing import fused_stats
 from gradrunner.choices import VALUES_MODES
 from gradrunner.records.columns import StepRecords, TapKey
 
@@ -56,8 +61,10 @@ class _Pending(NamedTuple):
     shape: tuple[int, ...]
     numel: int
     has_grad: bool
-    #: [sum, sumsq, min, max] and [nonzero, nan, inf] as 0-d tensors; None while deferred or without gradient
-    reductions: tuple[list[torch.Tensor], list[torch.Tensor]] | None
+    #: [sum, sumsq, min, max] and [nonzero, nan, inf] as 0-d tensors, or all seven in one float64 tensor
+    #: from the fused kernel (on CPU: the row number in the collector's buffer); None while deferred
+    #: or without gradient
+    reductions: tuple[list[torch.Tensor], list[torch.Tensor]] | torch.Tensor | int | None
     #: a small gradient kept until `finish`, to be reduced with others of its size in a few batched ops
     deferred: torch.Tensor | None
     values: torch.Tensor | None  # flat float32, on device
@@ -89,6 +96,13 @@ class Collector:
         self._pending: list[_Pending] = []
         self._positions: dict[tuple[str, int, torch.device], tuple[np.ndarray, torch.Tensor]] = {}
         self._scratch: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+        #: whether to try the one-pass kernels (`fused_stats`); tests turn them off to compare paths
+        self._fused = fused_stats.enabled()
+        self._values_none = values == "none"
+        self._cpu_kernels: dict[torch.dtype, Callable[[int, int, int], None]] | None = None  # loaded on first use
+        #: the CPU kernel's output rows, 7 float64 each; a record's `reductions` is its row number
+        self._rows = torch.empty((64, _N_REDUCTIONS), dtype=torch.float64)
+        self._n_rows = 0
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -105,17 +119,55 @@ class Collector:
         if grad is None:
             self._pending.append(_Pending(order, key, (), 0, False, None, None, None))
             return
+        if grad.is_cpu and self._fused and self._values_none and grad.is_contiguous():
+            # The hot path: one read of the gradient where it lies, no copy, no view; small ones
+            # too, as a kernel call costs about 2 µs.
+            if self._cpu_kernels is None:
+                self._cpu_kernels = fused_stats.cpu_kernels()
+            fn = self._cpu_kernels.get(grad.dtype)
+            n = grad.numel()
+            if fn is not None and n:
+                row = self._next_row()
+                fn(grad.data_ptr(), n, self._rows.data_ptr() + row * _N_REDUCTIONS * 8)
+                self._pending.append(_Pending(order, key, tuple(grad.shape), n, True, row, None, None))
+                return
         g = grad.detach()
         flat = g.reshape(-1)
+        n = flat.numel()
+        if n and self._fused:
+            if flat.device.type == "cpu":
+                if self._cpu_kernels is None:
+                    self._cpu_kernels = fused_stats.cpu_kernels()
+                fn = self._cpu_kernels.get(flat.dtype)
+                if fn is not None and flat.is_contiguous():
+                    row = self._next_row()
+                    fn(flat.data_ptr(), n, self._rows.data_ptr() + row * _N_REDUCTIONS * 8)
+                    values = self._keep_values(key, flat, mutable)
+                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, row, None, values))
+                    return
+            elif n > DEFER_NUMEL:
+                out = torch.empty(_N_REDUCTIONS, dtype=torch.float64, device=flat.device)
+                if fused_stats.reduce_into(flat, out):
+                    values = self._keep_values(key, flat, mutable)
+                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, out, None, values))
+                    return
         if flat.dtype not in _INT_VIEW:  # float16, bfloat16: statistics in float32
             flat = flat.float()
-        n = flat.numel()
         small = 0 < n <= DEFER_NUMEL
         kept = flat.clone() if small and mutable and flat.dtype == g.dtype else flat  # .float() copied already
         self._pending.append(_Pending(
             order, key, tuple(g.shape), n, True, None if small or n == 0 else _reduce(flat, self._scratch_for(flat)),
             kept if small else None, self._keep_values(key, flat, mutable),
         ))  # fmt: skip
+
+    def _next_row(self) -> int:
+        """The number of a fresh output row for the CPU kernel (the buffer doubles when full)."""
+        if self._n_rows == self._rows.shape[0]:
+            grown = torch.empty((2 * self._n_rows, _N_REDUCTIONS), dtype=torch.float64)
+            grown[: self._n_rows] = self._rows
+            self._rows = grown
+        self._n_rows += 1
+        return self._n_rows - 1
 
     def _scratch_for(self, flat: torch.Tensor) -> torch.Tensor:
         """One reusable buffer per gradient size: the reductions' temporary, allocated once."""
@@ -139,7 +191,8 @@ class Collector:
     def finish(self, loss: torch.Tensor | None = None) -> StepRecords:
         """Reduce what was deferred, move all reductions to the host in one transfer, derive statistics."""
         pending, self._pending = sorted(self._pending, key=lambda p: p.order), []
-        rows, blocks = _reduction_blocks(pending)
+        rows, blocks = _reduction_blocks(pending, self._rows)
+        self._n_rows = 0
         host = np.zeros((0, _N_REDUCTIONS))
         loss_host = None
         parts = [b.reshape(-1) for b in blocks]
@@ -169,12 +222,29 @@ _N_REDUCTIONS = 7
 _CPU_ZERO = torch.zeros((), dtype=torch.int64)
 
 
-def _reduction_blocks(pending: list[_Pending]) -> tuple[dict[int, int], list[torch.Tensor]]:
-    """(k, 7) float64 blocks of reductions (float32 on mps), and which block row each record is."""
+def _reduction_blocks(pending: list[_Pending], cpu_rows: torch.Tensor) -> tuple[dict[int, int], list[torch.Tensor]]:
+    """(k, 7) float64 blocks of reductions (float32 on mps), and which block row each record is.
+
+    `cpu_rows` holds the CPU kernel's output; a record whose `reductions` is an int is that row.
+    """
     rows: dict[int, int] = {}
     blocks: list[torch.Tensor] = []
     at = 0
-    reduced = [i for i, p in enumerate(pending) if p.reductions is not None]
+    on_cpu = [i for i, p in enumerate(pending) if isinstance(p.reductions, int)]
+    if on_cpu:
+        blocks.append(cpu_rows[[pending[i].reductions for i in on_cpu]])
+        rows.update((i, at + j) for j, i in enumerate(on_cpu))
+        at += len(on_cpu)
+    fused = [i for i, p in enumerate(pending) if isinstance(p.reductions, torch.Tensor)]
+    if fused:
+        devices = {pending[i].reductions.device for i in fused}  # type: ignore[union-attr]
+        if len(devices) == 1:
+            blocks.append(torch.stack([pending[i].reductions for i in fused]))  # type: ignore[misc]
+        else:
+            blocks.extend(pending[i].reductions.reshape(1, -1) for i in fused)  # type: ignore[union-attr]
+        rows.update((i, at + j) for j, i in enumerate(fused))
+        at += len(fused)
+    reduced = [i for i, p in enumerate(pending) if isinstance(p.reductions, tuple)]
     if reduced:
         floats = torch.stack([r for i in reduced for r in pending[i].reductions[0]])  # type: ignore[index]
         ints = torch.stack([r for i in reduced for r in pending[i].reductions[1]])  # type: ignore[index]
@@ -218,9 +288,9 @@ def _reduce(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[li
     magnitude = flat.abs() if scratch is None else torch.abs(flat, out=scratch)
     nonzero = torch.count_nonzero(magnitude.view(_INT_VIEW[flat.dtype]))
     if flat.device.type != "cpu":
-        # No branching on values here (it would sync per tap): accumulate wide, count always.
-        wide = flat if flat.dtype == torch.float64 or flat.device.type == "mps" else flat.double()
-        return [wide.sum(), torch.dot(wide, wide), mn, mx], [nonzero, torch.isnan(flat).sum(), torch.isinf(flat).sum()]
+        # No branching on values here (it would sync per tap): sums wide, counts always.
+        s, ss = _device_sums(flat)
+        return [s, ss, mn, mx], [nonzero, torch.isnan(flat).sum(), torch.isinf(flat).sum()]
     s, ss = flat.sum(), torch.dot(flat, flat)
     # On CPU the sums are already in host memory (numpy() cannot cross devices): branch for free.
     s_host, ss_host = float(s.numpy()), float(ss.numpy())
@@ -235,6 +305,21 @@ def _reduce(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[li
         wide = flat.double()
         s, ss = wide.sum(), torch.dot(wide, wide)
     return [s, ss, mn, mx], [nonzero, nan, inf]
+
+
+def _device_sums(flat: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum and sum of squares on an accelerator without a float64 copy of the gradient.
+
+    Chunks of `chunk` elements are reduced in the gradient's dtype (on CUDA in a tree, so their
+    error stays near the dtype's rounding), the chunk results are added in float64.
+    """
+    if flat.dtype == torch.float64 or flat.device.type == "mps":
+        return flat.sum(), torch.dot(flat, flat)
+    k = flat.numel() // chunk
+    head, tail = flat[: k * chunk].view(k, chunk), flat[k * chunk :].double()  # the tail is under `chunk`
+    s = head.sum(1).double().sum() + tail.sum()
+    ss = torch.linalg.vector_norm(head, dim=1).double().square().sum() + torch.dot(tail, tail)
+    return s, ss
 
 
 def _derive(pending: list[_Pending], rows: dict[int, int], host: np.ndarray) -> StepRecords:
@@ -258,9 +343,10 @@ def _derive(pending: list[_Pending], rows: dict[int, int], host: np.ndarray) -> 
             "norm": np.where(recs.has_grad & (numel == 0), 0.0, np.sqrt(ss)),
             "mean": mean,
             "std": np.where(numel > 1, np.sqrt(np.maximum(var, 0.0)), np.nan),
-            "min": mn,
-            "max": mx,
-            "abs_max": np.maximum(np.abs(mn), np.abs(mx)),
+            # NaN makes min and max NaN, as torch.aminmax (a kernel's own min/max may skip NaN)
+            "min": np.where(nan > 0, np.nan, mn),
+            "max": np.where(nan > 0, np.nan, mx),
+            "abs_max": np.where(nan > 0, np.nan, np.maximum(np.abs(mn), np.abs(mx))),
             "zero_frac": 1.0 - nonzero / numel,
         }
     recs.counts = {

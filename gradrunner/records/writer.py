@@ -396,7 +396,22 @@ def _list_array(items: Sequence[Sequence[int] | np.ndarray | None], dtype: type[
             f"({np.iinfo(np.int32).max}); use capture.values=sample or fewer taps"
         )
     kept = [np.asarray(x, dtype=dtype).reshape(-1) for x in items if x is not None]
-    flat = np.concatenate(kept) if kept else np.zeros(0, dtype=dtype)
+    # A step's values are consecutive slices of the collector's one host buffer: wrap that buffer
+    # (zero-copy) rather than concatenate; anything else is concatenated.
+    base = kept[0].base if kept else None
+    flat = None
+    if isinstance(base, np.ndarray) and base.dtype == dtype and base.flags.c_contiguous:
+        start = kept[0].__array_interface__["data"][0]
+        at = start
+        for k in kept:
+            if k.base is not base or k.__array_interface__["data"][0] != at or not k.flags.c_contiguous:
+                break
+            at += k.nbytes
+        else:
+            first = (start - base.__array_interface__["data"][0]) // base.itemsize
+            flat = base.reshape(-1)[first : first + int(offsets[-1])]
+    if flat is None:
+        flat = np.concatenate(kept) if kept else np.zeros(0, dtype=dtype)
     nulls = np.fromiter((x is None for x in items), dtype=bool, count=len(items))
     return pa.ListArray.from_arrays(
         pa.array(offsets.astype(np.int32)), pa.array(flat), mask=pa.array(nulls) if nulls.any() else None

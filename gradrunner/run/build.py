@@ -21,9 +21,10 @@ import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
+from gradrunner.capturing.taps import resolve_taps
 from gradrunner.choices import DTYPES
 from gradrunner.config import validate
 from gradrunner.data import Batch, as_batches
@@ -145,6 +146,9 @@ def setup(cfg: DictConfig) -> Job:
     if not isinstance(model, nn.Module):
         raise GradrunnerError(f"model {cfg.model._target_!r} built a {type(model).__name__}, not a torch.nn.Module")
     model.to(device=device, dtype=dtype)
+    # Taps checked against the model now: a typo is answered before data, loss and optimizer are
+    # built (the first optimizer imports torch._dynamo, about a second).
+    resolve_taps(model, OmegaConf.to_container(cfg.taps, resolve=True))  # type: ignore[arg-type]
     batches = as_batches(build(cfg, "data"), device, dtype)
     loss_fn = build(cfg, "loss")
     if isinstance(loss_fn, nn.Module):

@@ -48,9 +48,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradrunner.capturing.strategies.base import Slot, Strategy
 from gradrunner.errors import GradrunnerError
-from gradrunner.records.writer import RecordWriter, StepsWriter
 
 if TYPE_CHECKING:
+    from gradrunner.records.writer import RecordWriter, StepsWriter  # pyarrow: imported when writing starts
     from gradrunner.run.build import Job
 
 log = logging.getLogger(__name__)
@@ -305,6 +305,8 @@ def open_writers(
     stack: contextlib.ExitStack, d: Distributed, directory: Path, constants: dict[str, str], meta: dict[str, str]
 ) -> tuple[GatheredWriter, GatheredWriter]:
     """The job's grads and steps writers under DDP (real files on rank 0 only), closed by `stack`."""
+    from gradrunner.records.writer import RecordWriter, StepsWriter
+
     main = d.is_main
     grads = RecordWriter(directory / "grads.parquet", constants=constants, metadata=meta) if main else None
     steps = StepsWriter(directory / "steps.parquet", constants=constants, metadata=meta) if main else None

@@ -21,7 +21,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -29,7 +29,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.capturing.session import Capture, capture
 from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, StepRecords
-from gradrunner.records.writer import RecordWriter, StepsWriter, run_metadata
 from gradrunner.run import distributed
 from gradrunner.run.build import Job, setup
 from gradrunner.run.distributed import Distributed, GatheredWriter
@@ -43,6 +42,9 @@ from gradrunner.run.guards import (
     sigterm_as_interrupt,
     write_errors,
 )
+
+if TYPE_CHECKING:
+    from gradrunner.records.writer import RecordWriter, StepsWriter
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +203,8 @@ def train(
         "device": str(job.device),
         "dtype": str(cfg.dtype),
     }
+    from gradrunner.records.writer import run_metadata  # pyarrow: not needed to find a config mistake
+
     meta = run_metadata(OmegaConf.to_yaml(cfg, resolve=True), seed=int(cfg.seed))
     taps = OmegaConf.to_container(cfg.taps, resolve=True)
     assert isinstance(taps, list), taps  # validate() checked it
@@ -234,6 +238,8 @@ def _open_writers(
     dist: Distributed | None,
 ) -> tuple[RecordWriter | GatheredWriter, StepsWriter | GatheredWriter]:  # fmt: skip
     """The job's grads and steps writers, closed by `stack`; under DDP rank 0 writes every rank's rows."""
+    from gradrunner.records.writer import RecordWriter, StepsWriter
+
     if dist is not None:
         return distributed.open_writers(stack, dist, directory, constants, meta)
     grads = stack.enter_context(RecordWriter(directory / GRADS_FILE, constants=constants, metadata=meta))

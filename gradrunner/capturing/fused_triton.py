@@ -1,0 +1,116 @@
+"""The one-pass statistics kernel on CUDA, in Triton: imported only for a CUDA gradient.
+
+Two launches per gradient, no host synchronisation and no float64 copy: each program reads
+strided blocks of the gradient and accumulates sum and sum of squares in float64 (min, max and
+counts alongside) into a partials buffer; a second program folds the partials into the 7-element
+float64 output row `[sum, sumsq, min, max, nonzero, nan, inf]`. Where Triton is not importable,
+`reduce_into` returns False and `stats` takes the torch path.
+
+Example::
+
+    out = torch.empty(7, dtype=torch.float64, device="cuda")
+    reduce_into(torch.randn(1 << 20, device="cuda"), out)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
+
+_BLOCK = 2048
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_kernels: tuple[Any, Any] | None = None
+_sms: dict[int, int] = {}
+
+
+def _build() -> tuple[Any, Any]:
+    @triton.jit
+    def partials(x_ptr, part_ptr, n, splits, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        pid = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        s = tl.zeros([BLOCK], dtype=tl.float64)
+        ss = tl.zeros([BLOCK], dtype=tl.float64)
+        mn = tl.full([BLOCK], float("inf"), dtype=tl.float64)
+        mx = tl.full([BLOCK], float("-inf"), dtype=tl.float64)
+        nz = tl.zeros([BLOCK], dtype=tl.int64)
+        nan = tl.zeros([BLOCK], dtype=tl.int64)
+        inf = tl.zeros([BLOCK], dtype=tl.int64)
+        for start in range(pid * BLOCK, n, splits * BLOCK):
+            idx = start + offs
+            mask = idx < n
+            x = tl.load(x_ptr + idx, mask=mask, other=0.0)
+            d = x.to(tl.float64)
+            s += d
+            ss += d * d
+            is_nan = d != d  # min and max skip NaN here; `stats` makes them NaN from the NaN count
+            mn = tl.where(mask & ~is_nan, tl.minimum(mn, d), mn)
+            mx = tl.where(mask & ~is_nan, tl.maximum(mx, d), mx)
+            nz += (mask & (d != 0.0)).to(tl.int64)
+            nan += (mask & is_nan).to(tl.int64)
+            inf += (mask & (tl.abs(d) == float("inf"))).to(tl.int64)
+        base = part_ptr + pid * 7
+        tl.store(base + 0, tl.sum(s, axis=0))
+        tl.store(base + 1, tl.sum(ss, axis=0))
+        tl.store(base + 2, tl.min(mn, axis=0))
+        tl.store(base + 3, tl.max(mx, axis=0))
+        tl.store(base + 4, tl.sum(nz, axis=0).to(tl.float64))
+        tl.store(base + 5, tl.sum(nan, axis=0).to(tl.float64))
+        tl.store(base + 6, tl.sum(inf, axis=0).to(tl.float64))
+
+    @triton.jit
+    def fold(part_ptr, out_ptr, splits, P: tl.constexpr):  # type: ignore[no-untyped-def]
+        offs = tl.arange(0, P)
+        mask = offs < splits
+        row = part_ptr + offs * 7
+        tl.store(out_ptr + 0, tl.sum(tl.load(row + 0, mask=mask, other=0.0), axis=0))
+        tl.store(out_ptr + 1, tl.sum(tl.load(row + 1, mask=mask, other=0.0), axis=0))
+        tl.store(out_ptr + 2, tl.min(tl.load(row + 2, mask=mask, other=float("inf")), axis=0))
+        tl.store(out_ptr + 3, tl.max(tl.load(row + 3, mask=mask, other=float("-inf")), axis=0))
+        tl.store(out_ptr + 4, tl.sum(tl.load(row + 4, mask=mask, other=0.0), axis=0))
+        tl.store(out_ptr + 5, tl.sum(tl.load(row + 5, mask=mask, other=0.0), axis=0))
+        tl.store(out_ptr + 6, tl.sum(tl.load(row + 6, mask=mask, other=0.0), axis=0))
+
+    return partials, fold
+
+
+def reduce_into(flat: torch.Tensor, out: torch.Tensor) -> bool:
+    """`fused_stats.reduce_into` for a contiguous CUDA gradient; False without Triton or for other dtypes.
+
+    Example::
+
+        reduce_into(torch.ones(3, device="cuda"), torch.empty(7, dtype=torch.float64, device="cuda"))
+    """
+    if triton is None or flat.dtype not in _DTYPES or not flat.is_contiguous():
+        return False
+    dev = flat.device.index if flat.device.index is not None else torch.cuda.current_device()
+    if dev not in _sms:
+        _sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    with torch.cuda.device(dev):
+        launch(flat, out, _sms[dev])
+    return True
+
+
+def launch(flat: torch.Tensor, out: torch.Tensor, sms: int) -> None:
+    """Both kernels on `flat` into `out`, with enough programs for `sms` multiprocessors.
+
+    Example (runs on CPU tensors under `TRITON_INTERPRET=1`, as the tests do)::
+
+        launch(torch.randn(10_000), torch.empty(7, dtype=torch.float64), sms=4)
+    """
+    global _kernels
+    if _kernels is None:
+        _kernels = _build()
+    partials, fold = _kernels
+    n = flat.numel()
+    # A power of two (few compiled variants of `fold`), enough programs to fill the GPU.
+    splits = min(triton.next_power_of_2(max(1, triton.cdiv(n, _BLOCK))), triton.next_power_of_2(4 * sms))
+    part = torch.empty((splits, 7), dtype=torch.float64, device=flat.device)
+    partials[(splits,)](flat, part, n, splits, BLOCK=_BLOCK)
+    fold[(1,)](part, out, splits, P=splits)

@@ -1,0 +1,131 @@
+"""CUDA: statistics on the device against numpy float64, no host sync inside hooks, one transfer a step.
+
+All skipped without a GPU. One command runs them: `python -m pytest -q tests/test_cuda.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import gradrunner.capturing.stats as stats
+from gradrunner import capture
+from gradrunner.capturing import fused_triton
+from gradrunner.capturing.strategies import STRATEGIES
+from gradrunner.models import MLP
+from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS, TapKey
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+SIZES = [1, 7, 2049, stats.DEFER_NUMEL, stats.DEFER_NUMEL + 1, 1 << 20]
+TAPS = ["fc*:output", "relu*:output", "head:output", "fc1:weight"]
+
+
+def _gradient(n: int, dtype: torch.dtype, special: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(n)
+    g = (torch.randn(n, generator=gen, dtype=torch.float64) * 3 + 0.5).to(dtype)
+    if n > 3 and special == "nan_inf":
+        g[1], g[2], g[3] = math.nan, math.inf, -0.0
+    return g
+
+
+def _numpy_stats(g: torch.Tensor) -> dict[str, float]:
+    d = g.double().numpy()
+    finite = d[np.isfinite(d)]
+    with np.errstate(invalid="ignore", over="ignore"):
+        return {
+            "norm": float(np.sqrt((d * d).sum())), "mean": float(d.mean()),
+            "std": float(d.std(ddof=1)) if d.size > 1 else math.nan,
+            "min": float(d.min()), "max": float(d.max()), "abs_max": float(np.abs(d).max()),
+            "zero_frac": float((d == 0).mean()),
+            "nan_count": int(np.isnan(d).sum()), "inf_count": int(np.isinf(d).sum()), "finite": finite.size,
+        }  # fmt: skip
+
+
+def _check(g: torch.Tensor, rel: float) -> None:
+    col = stats.Collector(values="none")
+    col.add(TapKey("fc1", "output", 0), g.cuda())
+    row = col.finish().row(0)
+    want = _numpy_stats(g)
+    for c in COUNT_COLUMNS:
+        assert row[c] == want[c], c
+    for c in STAT_COLUMNS:
+        assert row[c] == pytest.approx(want[c], rel=rel, abs=1e-12, nan_ok=True), (c, row[c], want[c])
+
+
+@pytest.mark.skipif(fused_triton.triton is None, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("special", ["plain", "nan_inf"])
+def test_triton_statistics_match_numpy_float64(dtype: torch.dtype, n: int, special: str) -> None:
+    _check(_gradient(n, dtype, special), rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+def test_torch_path_statistics_match_numpy(dtype: torch.dtype, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without Triton: chunked float32 sums added in float64, no float64 copy of the gradient."""
+    monkeypatch.setattr(fused_triton, "triton", None)
+    _check(_gradient(n, dtype, "plain"), rel=1e-12 if dtype == torch.float64 else 1e-6)
+
+
+@pytest.fixture
+def model_and_batch() -> Iterator[tuple[nn.Module, torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    yield MLP(32, 64, 4, 8).cuda(), torch.randn(16, 32, device="cuda"), torch.randn(16, 8, device="cuda")
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_no_host_sync_inside_forward_and_backward(
+    strategy: str, model_and_batch: tuple[nn.Module, torch.Tensor, torch.Tensor]
+) -> None:
+    model, x, y = model_and_batch
+    with capture(model, TAPS, strategy=strategy, keep_grads=False) as cap:
+        for step in range(2):  # the first step compiles kernels and fills caches, the second is checked
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if step else "default")
+            try:
+                loss = nn.functional.mse_loss(model(x), y)
+                cap.backward(loss)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            recs = cap.records(loss)
+    assert len(recs) >= 10 and bool(np.all(recs.has_grad))
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_one_transfer_per_captured_step(
+    strategy: str, model_and_batch: tuple[nn.Module, torch.Tensor, torch.Tensor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, x, y = model_and_batch
+    calls: list[str] = []
+    real = stats.to_host
+    monkeypatch.setattr(stats, "to_host", lambda t: calls.append(str(t.device)) or real(t))
+    with capture(model, TAPS, strategy=strategy, keep_grads=False) as cap:
+        loss = nn.functional.mse_loss(model(x), y)
+        cap.backward(loss)
+        cap.records(loss)
+    assert calls == ["cuda:0"]
+
+
+def test_cuda_records_match_cpu_records(model_and_batch: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
+    model, x, y = model_and_batch
+    model, x, y = model.double(), x.double(), y.double()
+    out = {}
+    for device in ("cpu", "cuda"):
+        model.to(device).zero_grad(set_to_none=True)
+        with capture(model, TAPS, strategy="hook", keep_grads=False) as cap:
+            loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
+            cap.backward(loss)
+            out[device] = cap.records(loss)
+    for c in STAT_COLUMNS:
+        np.testing.assert_allclose(out["cuda"].stats[c], out["cpu"].stats[c], rtol=1e-9, atol=1e-15)
+    for c in COUNT_COLUMNS:
+        np.testing.assert_array_equal(out["cuda"].counts[c], out["cpu"].counts[c])

@@ -1,0 +1,174 @@
+"""`gradrunner.capturing.fused_stats`: the one-pass kernel against numpy in float64 and the torch path."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gradrunner.capturing import fused_stats
+from gradrunner.capturing.stats import DEFER_NUMEL, Collector
+from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS, TapKey
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+SIZES = [0, 1, 2, 7, 4095, 4096, 4097, DEFER_NUMEL - 1, DEFER_NUMEL, DEFER_NUMEL + 1, 3 * DEFER_NUMEL + 5]
+
+needs_kernel = pytest.mark.skipif(not fused_stats.cpu_available(), reason="no C compiler: fused kernel not built")
+
+
+def _gradient(n: int, dtype: torch.dtype, special: str, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    g = (torch.randn(n, generator=gen, dtype=torch.float64) * 3 + 0.5).to(dtype)
+    if n:
+        at = torch.randint(0, n, (3,), generator=gen)
+        if special == "zeros":
+            g[at] = torch.tensor([0.0, -0.0, 0.0], dtype=dtype)
+        elif special == "nan":
+            g[at[0]] = math.nan
+        elif special == "inf":
+            g[at[0]], g[at[-1]] = math.inf, -math.inf
+    return g
+
+
+def _numpy_reductions(g: torch.Tensor) -> list[float]:
+    d = g.double().numpy()
+    if d.size == 0:
+        return [0.0, 0.0, math.inf, -math.inf, 0, 0, 0]
+    with np.errstate(invalid="ignore", over="ignore"):
+        return [
+            float(d.sum()), float((d * d).sum()), float(d.min()), float(d.max()),
+            int(np.count_nonzero(d)), int(np.isnan(d).sum()), int(np.isinf(d).sum()),
+        ]  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("special", ["plain", "zeros", "nan", "inf"])
+def test_kernel_matches_numpy_float64(dtype: torch.dtype, n: int, special: str) -> None:
+    g = _gradient(n, dtype, special, seed=n + len(special))
+    out = torch.full((7,), -1.0, dtype=torch.float64)
+    assert fused_stats.reduce_into(g, out)
+    got, want = out.tolist(), _numpy_reductions(g)
+    scale = float(g.double().abs().nan_to_num(posinf=0.0).sum()) + 1.0
+    for i in (0, 1):  # float64 rounding of a sum of n terms: relative to the sum of magnitudes
+        if math.isfinite(want[i]):
+            bound = scale * (scale if i == 1 else 1.0) * 1e-13
+            assert abs(got[i] - want[i]) <= bound, (i, got, want)
+        else:
+            assert not math.isfinite(got[i])
+    if special != "nan" and n:
+        assert got[2:4] == want[2:4]
+    assert got[4:] == want[4:]
+
+
+def _records(g: torch.Tensor, fused: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    monkeypatch.setenv("GRADRUNNER_FUSED", "1" if fused else "0")
+    col = Collector(values="none")
+    col.add(TapKey("fc1", "output", 0), g)
+    return col.finish().row(0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("special", ["plain", "zeros", "nan", "inf"])
+def test_statistics_match_the_torch_path(
+    dtype: torch.dtype, n: int, special: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g = _gradient(n, dtype, special, seed=7 * n + 1)
+    fused, reference = _records(g, True, monkeypatch), _records(g, False, monkeypatch)
+    for col in COUNT_COLUMNS:
+        assert fused[col] == reference[col], col
+    # The torch path sums float32 gradients in float32 (redone wide only on cancellation): its own
+    # tolerance in test_stats.py, 2e-5; the kernel is held to numpy float64 above.
+    rel = 1e-12 if dtype == torch.float64 else 2e-5
+    for col in STAT_COLUMNS:
+        assert fused[col] == pytest.approx(reference[col], rel=rel, abs=1e-12, nan_ok=True), col
+
+
+@needs_kernel
+def test_no_float64_copy_and_no_deferred_clone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel reads the gradient where it is: nothing kept, nothing widened."""
+    monkeypatch.setenv("GRADRUNNER_FUSED", "1")
+    col = Collector(values="none")
+    small = torch.randn(DEFER_NUMEL // 2)
+    col.add(TapKey("a", "output", 0), small)
+    pending = col._pending[0]
+    assert pending.deferred is None and pending.reductions == 0  # row 0 of the collector's float64 buffer
+    assert col._rows.dtype == torch.float64 and col._rows.shape[1] == 7
+
+
+def test_failed_build_falls_back_with_one_log_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(fused_stats, "_cpu_tried", False)
+    monkeypatch.setattr(fused_stats, "_cpu_kernels", None)
+    monkeypatch.setenv("GRADRUNNER_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/compiler")
+    monkeypatch.setenv("GRADRUNNER_FUSED", "1")
+    g = torch.tensor([3.0, -4.0, 0.0])
+    with caplog.at_level(logging.INFO, logger=fused_stats.__name__):
+        assert not fused_stats.reduce_into(g, torch.empty(7, dtype=torch.float64))
+        row = _records(g, True, monkeypatch)
+    assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()] != []
+    assert len(caplog.records) == 1
+    assert row["norm"] == 5.0 and row["zero_frac"] == pytest.approx(1 / 3)
+
+
+def test_turned_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADRUNNER_FUSED", "0")
+    assert not fused_stats.reduce_into(torch.ones(3), torch.empty(7, dtype=torch.float64))
+
+
+@needs_kernel
+def test_non_contiguous_and_other_dtypes_are_declined() -> None:
+    out = torch.empty(7, dtype=torch.float64)
+    assert not fused_stats.reduce_into(torch.ones(4, 4).t().reshape(-1)[::2], out)
+    assert not fused_stats.reduce_into(torch.ones(4, dtype=torch.int64), out)
+
+
+
+_INTERPRETED = """
+import json, sys, torch
+from gradrunner.capturing import fused_triton
+out = torch.empty(7, dtype=torch.float64)
+results = []
+for path in sys.argv[1:]:
+    fused_triton.launch(torch.load(path), out, sms=2)
+    results.append(out.tolist())
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.slow
+def test_triton_kernel_under_the_interpreter(tmp_path: Path) -> None:
+    """The CUDA kernel's arithmetic, run on CPU by Triton's interpreter (skipped without triton)."""
+    pytest.importorskip("triton")
+    cases = [(dtype, n, special) for dtype in DTYPES for n in (1, 2049, 3 * DEFER_NUMEL + 5)
+             for special in ("plain", "zeros", "nan", "inf")]  # fmt: skip
+    paths = []
+    for i, (dtype, n, special) in enumerate(cases):
+        paths.append(str(tmp_path / f"{i}.pt"))
+        torch.save(_gradient(n, dtype, special, seed=n), paths[-1])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED, *paths], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for (dtype, n, special), got in zip(cases, json.loads(done.stdout), strict=True):
+        want = _numpy_reductions(_gradient(n, dtype, special, seed=n))
+        for i in (0, 1):
+            if math.isfinite(want[i]):
+                assert got[i] == pytest.approx(want[i], rel=1e-12, abs=1e-9), (dtype, n, special, i)
+            else:
+                assert not math.isfinite(got[i])
+        if special != "nan":
+            assert got[2:4] == want[2:4], (dtype, n, special)
+        assert got[4:] == want[4:], (dtype, n, special)
