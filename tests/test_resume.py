@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import check_ok, cli_env, compose_cfg, gradrunner
+from conftest import INTERRUPT_AT_STEP_3, check_ok, cli_env, compose_cfg, gradrunner
 
 from gradrunner.analysis import load
 from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import LOCK_FILE
 from gradrunner.records.rundir import DONE, FAILED, job_state
 from gradrunner.run.job import run
 
@@ -75,14 +76,13 @@ def test_resume_reruns_an_incomplete_run_from_step_0(tmp_path: Path) -> None:
     with pytest.raises(GradrunnerError, match="did not complete"):
         run(compose_cfg("+experiment=cosine", "steps=2"), out_dir=tmp_path)
     run(compose_cfg("+experiment=cosine", "steps=2", "resume=true"), out_dir=tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(RECORDS)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*RECORDS, LOCK_FILE])
     assert pd.read_parquet(tmp_path / "steps.parquet").step.tolist() == [0, 1]
 
 
-@pytest.mark.usefixtures("interrupt_at_step_3")
 def test_an_interrupted_run_has_no_marker_and_resumes(tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
-        run(compose_cfg("+experiment=cosine", "steps=5"), out_dir=tmp_path)
+        run(compose_cfg("+experiment=cosine", "steps=5", *INTERRUPT_AT_STEP_3), out_dir=tmp_path)
     assert (tmp_path / "grads.parquet").exists() and not (tmp_path / DONE).exists()
     assert job_state(tmp_path).status == "missing"
     run(compose_cfg("+experiment=cosine", "steps=5", "resume=true"), out_dir=tmp_path)
