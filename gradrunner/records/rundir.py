@@ -77,7 +77,8 @@ class JobState:
     marker: dict[str, Any] | None = None
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`, or None when it is missing, unreadable or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -124,10 +125,10 @@ def job_state(directory: str | os.PathLike[str]) -> JobState:
     """
     d = Path(directory)
     files = [n for n in RECORD_NAMES if (d / n).is_file()]
-    failed = _read_json(d / FAILED) if (d / FAILED).exists() else None
+    failed = read_json(d / FAILED) if (d / FAILED).exists() else None
     if failed is not None or (d / FAILED).exists():
         return JobState(d, "failed", files, error=str((failed or {}).get("error", "unknown error")))
-    marker = _read_json(d / DONE)
+    marker = read_json(d / DONE)
     if marker is not None:
         return JobState(d, "completed", [str(f) for f in marker.get("files", files)], marker=marker)
     return JobState(d, "missing", files)
@@ -247,7 +248,7 @@ def prepare(directory: str | os.PathLike[str], cfg: DictConfig, *, resume: bool)
     """
     d = Path(directory)
     present = _present(d)
-    marker = _read_json(d / DONE)
+    marker = read_json(d / DONE)
     if not present and marker is None:
         _clean(d)  # a stale failure record of a job that failed before writing anything
         return "run"

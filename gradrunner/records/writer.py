@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -176,22 +176,38 @@ def deferred_signals() -> Iterator[None]:
             writer.write_table(rows)   # a Ctrl-C here waits until both lines ran
             buffer.clear()
 
-    A signal that arrived just before is acted on when entering, before the block starts. Only the
-    main thread gets Python signal handlers; elsewhere this changes nothing that matters.
+    While the block runs, these signals only note that they came; at its end the previous handlers
+    come back and the first noted signal is handed to its handler (Ctrl-C raises KeyboardInterrupt
+    there). A Python-level handler, not a signal mask: the kernel gives a process-directed signal to
+    any thread not blocking it (torch's thread pools), so masking the main thread would not hold it.
+    Python runs signal handlers in the main thread only; elsewhere this does nothing.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, [])  # runs any handler already pending, here
+    caught: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        caught.append(signum)
+
+    previous: dict[int, Any] = {}
     try:
-        signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
-    except BaseException:  # a handler raised after the mask changed: put it back, block never entered
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        raise
-    try:
+        for sig in _DEFERRED:
+            previous[sig] = signal.signal(sig, note)
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)  # pending signals are delivered, and may raise, here
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            _redeliver(caught[0], previous.get(caught[0]))
+
+
+def _redeliver(signum: int, handler: Any) -> None:
+    """Act on a signal held back by `deferred_signals` as its own handler would have."""
+    if callable(handler):
+        handler(signum, None)  # default_int_handler raises KeyboardInterrupt, SIGTERM's raises Terminated
+    elif handler == signal.SIG_DFL:
+        os.kill(os.getpid(), signum)  # the default action (end the process), now that the files are whole
 
 
 class ParquetTableWriter:
