@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -27,7 +28,7 @@ FAULTS = ("none", "sigint", "sigterm", "keyboard_interrupt")
 
 class Faulty:
     """Batches of `inner` (default: the literal `inputs`, `targets`, as `data=tensors`); at batch
-    `at_batch`: touch `ready_file`, wait for `wait_for` to exist, then `fault`.
+    `at_batch`: write `<ready_file>.<pid>` (JSON: pid, ppid), wait for `wait_for` to exist, then `fault`.
 
     Example::
 
@@ -57,8 +58,10 @@ class Faulty:
             yield batch
 
     def _at_the_batch(self) -> None:
-        if self.ready_file:
-            Path(self.ready_file).write_text(str(os.getpid()))
+        if self.ready_file:  # one file per process, so that concurrent runs' signals do not mix
+            ready, temp = Path(f"{self.ready_file}.{os.getpid()}"), Path(f"{self.ready_file}-{os.getpid()}.tmp")
+            temp.write_text(json.dumps({"pid": os.getpid(), "ppid": os.getppid()}))
+            temp.replace(ready)  # whole, or not there
         if self.wait_for:  # a gate the test opens: no fixed sleep decides the order
             deadline = time.monotonic() + self.wait_timeout_s
             while not Path(self.wait_for).exists():
