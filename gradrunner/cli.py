@@ -82,12 +82,20 @@ def _keep_books(directory: Path, error: Exception, message: str) -> None:
             with contextlib.suppress(OSError):
                 path.write_bytes(data)
         return
-    log.error("%s", message)
+    _to_log_files(message)
     if directory.is_dir():
         try:
             mark_failed(directory, message)
         except OSError as e:  # the disk that failed the run may not take failed.json either
             print(f"gradrunner: could not write {directory / FAILED}: {one_paragraph(e)}", file=sys.stderr)
+
+
+def _to_log_files(message: str) -> None:
+    """The error into the job's log file (`gradrunner.log`) only: stderr has it already, once."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _kept(what: str) -> str:

@@ -98,8 +98,12 @@ def test_an_interrupted_run_has_no_marker_and_resumes(tmp_path: Path) -> None:
 def test_cli_refuses_an_existing_run_dir_then_resumes_it(tmp_path: Path) -> None:
     args = ("+experiment=cosine", "steps=1", "hydra.run.dir=run")
     check_ok(gradrunner(tmp_path, *args))
-    refused = gradrunner(tmp_path, *args)
+    hydra_before = {f.name: f.read_bytes() for f in (tmp_path / "run" / ".hydra").iterdir()}
+    refused = gradrunner(tmp_path, *args, "seed=7")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    # A refused run changes nothing there: not the records, not .hydra/, and it writes no failed.json.
+    assert {f.name: f.read_bytes() for f in (tmp_path / "run" / ".hydra").iterdir()} == hydra_before
+    assert not (tmp_path / "run" / FAILED).exists()
     (line,) = [s for s in refused.stderr.splitlines() if s.strip()]
     assert line.startswith(f"gradrunner: error: the run dir {tmp_path / 'run'} already holds records")
     assert "resume=true" in line
