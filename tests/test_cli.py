@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import ROOT, SEARCHPATH, check_ok, cli_env, gradrunner, job_dirs
-from records_check import check_records
 from omegaconf import OmegaConf
+from records_check import check_records
 from torch import nn
 
 from gradrunner.analysis import load

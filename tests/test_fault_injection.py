@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from conftest import compose_cfg
@@ -29,8 +30,6 @@ from gradrunner.records.writer import RecordWriter, StepsWriter, closing_togethe
 from gradrunner.run.guards import Terminated, sigterm_as_interrupt
 from gradrunner.run.job import run
 from gradrunner.run.loop import train
-
-import numpy as np
 
 CONSTANTS = {"run_id": "r1", "experiment": "x", "strategy": "hook", "device": "cpu", "dtype": "float32"}
 SIGNALS = {"sigint": (signal.SIGINT, KeyboardInterrupt), "sigterm": (signal.SIGTERM, Terminated)}

@@ -17,8 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
-import pyarrow.parquet as pq
 import pytest
 from conftest import cli_env, compose_cfg, job_dirs
 from records_check import check_records

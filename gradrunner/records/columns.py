@@ -47,7 +47,7 @@ def is_temp_of(filename: str, name: str) -> bool:
         is_temp_of(".grads.parquet.3f2a.tmp", "grads.parquet")   # True
         is_temp_of(".grads.parquet.tmp", "grads.parquet")        # True (the name before run ids)
     """
-    return filename.startswith(f".{name}.") and filename.endswith(TEMP_SUFFIX) or filename == f".{name}{TEMP_SUFFIX}"
+    return (filename.startswith(f".{name}.") and filename.endswith(TEMP_SUFFIX)) or filename == f".{name}{TEMP_SUFFIX}"
 
 
 def temp_run_id(filename: str, name: str) -> str | None:

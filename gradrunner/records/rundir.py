@@ -294,7 +294,8 @@ def verify_job(directory: Path, marker: dict[str, Any]) -> str | None:
     its `run_id` column must hold only the marker's run id, and its row count must match the
     marker's (markers written before row counts were recorded skip that check).
     """
-    rows = marker.get("rows") if isinstance(marker.get("rows"), dict) else {}
+    recorded = marker.get("rows")
+    rows: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
     run_id = marker.get("run_id")
     names = marker.get("files")
     if not isinstance(names, list) or not names:
@@ -315,7 +316,7 @@ def verify_job(directory: Path, marker: dict[str, Any]) -> str | None:
             return f"{name} cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"
         if run_id is not None and ids - {run_id}:
             return f"{name} holds rows of run(s) {', '.join(sorted(ids - {run_id}))}, not of run {run_id} ({DONE})"
-        if name in rows and rows[name] != n:
+        if str(name) in rows and rows[str(name)] != n:
             return f"{name} has {n} rows where {DONE} recorded {rows[name]}"
     return None
 

@@ -190,7 +190,7 @@ def deferred_signals() -> Iterator[None]:
     def note(signum: int, frame: object) -> None:
         caught.append(signum)
 
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
     try:
         for sig in _DEFERRED:
             previous[sig] = signal.signal(sig, note)
@@ -199,7 +199,7 @@ def deferred_signals() -> Iterator[None]:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if caught:
-            _redeliver(caught[0], previous.get(caught[0]))
+            _redeliver(caught[0], previous.get(signal.Signals(caught[0])))
 
 
 def _redeliver(signum: int, handler: Any) -> None:
@@ -226,6 +226,9 @@ class ParquetTableWriter:
     close or a write that fails (a full disk) aborts too and re-raises. An existing final file is
     never overwritten, and the writer only ever deletes its own temp file (named with `run_id`).
     """
+
+    #: CRC checksums on every page (measured cost: BENCHMARKS.md, benchmarks/parquet_throughput.py).
+    page_checksums = True
 
     def __init__(
         self,
@@ -338,7 +341,8 @@ class ParquetTableWriter:
         if self._writer is None:
             self.temp_path.parent.mkdir(parents=True, exist_ok=True)
             options = _write_options(self.schema)
-            self._writer = pq.ParquetWriter(self.temp_path, self.schema, write_page_checksum=True, **options)
+            checksums = self.page_checksums
+            self._writer = pq.ParquetWriter(self.temp_path, self.schema, write_page_checksum=checksums, **options)
         return self._writer
 
     def _flush(self, everything: bool) -> None:

@@ -21,7 +21,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -214,7 +214,7 @@ def _steps_in(path: Path) -> int:
 
 
 def _train_in(
-    cfg: DictConfig, job: Job, directory: Path, constants: dict[str, str], meta: dict[str, str], taps: list[object],
+    cfg: DictConfig, job: Job, directory: Path, constants: dict[str, str], meta: dict[str, str], taps: list[Any],
     dist: Distributed | None,
 ) -> None:  # fmt: skip
     """The body of `train`: capture, writers and the step loop, closed in the right order."""
