@@ -1,8 +1,8 @@
 """One job of the CLI: `run(cfg)` is `runner.train(cfg)` inside the run dir's books.
 
 What `run` adds to `train`: the run dir's lock (one live run per dir), the existing-run-dir rule
-(refuse, or resume after verifying), the completion marker `done.json` written last, the end-of-run report (`report=true`), and DDP under torchrun (the process
-group, rank 0's run dir for every rank). See `gradrunner.records.rundir` and `gradrunner.run.distributed`.
+(refuse, or resume after verifying), the completion marker `done.json` written last, the end-of-run
+report (`report=true`), and DDP under torchrun (the process group, rank 0's run dir for every rank). See `gradrunner.records.rundir` and `gradrunner.run.distributed`.
 
 Example::
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -30,13 +31,17 @@ from gradrunner.run.loop import output_dir, train
 log = logging.getLogger(__name__)
 
 
-def _decide(directory: Path, cfg: DictConfig, resume: bool, dist: Distributed | None) -> str:
-    """`rundir.prepare` on rank 0 only; its answer (or its error) on every rank."""
+def _decide(
+    directory: Path, cfg: DictConfig, resume: bool, dist: Distributed | None, hold: Callable[[], object]
+) -> str:
+    """`hold()` (take the run dir's lock) and `rundir.prepare` on rank 0 only; the answer (or error) on every rank."""
     if dist is None:
+        hold()
         return rundir.prepare(directory, cfg, resume=resume)
     outcome: str | GradrunnerError = ""
     if dist.is_main:
         try:
+            hold()
             outcome = rundir.prepare(directory, cfg, resume=resume)
         except GradrunnerError as e:
             outcome = e
@@ -77,15 +82,15 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
         directory = dist.shared_dir(directory) if dist is not None else directory
         run_id = dist.run_id if dist is not None else uuid.uuid4().hex
         with contextlib.ExitStack() as held:
-            if dist is None or dist.is_main:
-                try:
-                    held.enter_context(rundir.RunLock(directory, run_id))
-                except rundir.LiveRun as e:
-                    if not multirun:
-                        raise
-                    log.warning("skipped: %s", one_paragraph(e))  # the sweep goes on; the live run completes it
-                    return directory / "grads.parquet"
-            if _decide(directory, cfg, bool(cfg.resume) or multirun, dist) == "skip":
+            lock = rundir.RunLock(directory, run_id)
+            try:
+                decision = _decide(directory, cfg, bool(cfg.resume) or multirun, dist, lambda: held.enter_context(lock))
+            except rundir.LiveRun as e:
+                if not multirun:
+                    raise
+                log.warning("skipped: %s", one_paragraph(e))  # the sweep goes on; the live run completes the job
+                return directory / "grads.parquet"
+            if decision == "skip":
                 return directory / "grads.parquet"
             path = train(cfg, out_dir=directory, run_id=run_id, dist=dist)
             main = dist is None or dist.is_main
