@@ -49,11 +49,13 @@ def test_a_completed_run_writes_done_json_last(tmp_path: Path) -> None:
 
 def test_a_second_run_into_the_same_dir_is_refused(tmp_path: Path) -> None:
     run(compose_cfg("+experiment=cosine", "steps=1"), out_dir=tmp_path)
+    (tmp_path / LOCK_FILE).unlink()  # as a dir written before run-dir locks holds none
     before = stamps(tmp_path)
     named = rf"run dir {re.escape(str(tmp_path))} already holds records .*resume=true"
     with pytest.raises(GradrunnerError, match=named):
         run(compose_cfg("+experiment=cosine", "steps=1"), out_dir=tmp_path)
     assert stamps(tmp_path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(RECORDS)  # no lock file left by the refused run
 
 
 def test_resume_skips_a_completed_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -161,3 +161,31 @@ def test_load_names_jobs_the_manifest_lists_that_have_no_dir(tmp_path: Path) -> 
     ]}))  # fmt: skip
     with pytest.warns(IncompleteSweepWarning, match=r"1 job\(s\) of the sweep in .* have no job dir .* job 1 \(seed=1\)"):
         load(tmp_path)
+
+
+def test_a_manifest_the_disk_refuses_is_one_logged_line_and_leaves_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import errno
+    import logging
+    import os
+
+    from omegaconf import OmegaConf
+
+    from gradrunner.callbacks import SweepBookkeeping
+
+    def no_space(self: Path, *args: object, **kwargs: object) -> int:
+        Path.touch(self)  # the temp file exists, as after a partial write
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    books = SweepBookkeeping()
+    books.on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "report": False}))
+    monkeypatch.setattr(Path, "write_text", no_space)
+    with caplog.at_level(logging.ERROR, logger="gradrunner.callbacks"):
+        books.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "report": False}))
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        f"could not write the sweep manifest {tmp_path / MANIFEST}: [Errno 28] No space left on device; the jobs' "
+        "records and done.json files are not affected"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -350,11 +350,17 @@ class RunLock:
         self.path = self.directory / LOCK_FILE
         self.run_id = run_id
         self._fd: int | None = None
+        self._created = False
 
     def __enter__(self) -> RunLock:
         self.directory.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                self._created = True
+            except FileExistsError:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                self._created = False
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -383,6 +389,11 @@ class RunLock:
         except OSError:
             pass  # the owner's name only serves messages; a full disk must not stop the lock
         return self
+
+    def leave_no_trace(self) -> None:
+        """Remove the lock file if this run created it (a refused run leaves its dir as it found it)."""
+        if self._fd is not None and self._created:
+            self.path.unlink(missing_ok=True)  # still locked: a run that opened it meanwhile retries (inode check)
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:

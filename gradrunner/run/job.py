@@ -90,6 +90,9 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
                     raise
                 log.warning("skipped: %s", one_paragraph(e))  # the sweep goes on; the live run completes the job
                 return directory / "grads.parquet"
+            except rundir.Refused:
+                lock.leave_no_trace()
+                raise
             if decision == "skip":
                 return directory / "grads.parquet"
             path = train(cfg, out_dir=directory, run_id=run_id, dist=dist)
