@@ -6,7 +6,9 @@
 Records of the 17-tap 8x512 MLP at batch 256 (17 x 131,072 float32 values a step) are written by
 `RecordWriter`, interleaved with `numpy.save` of the same values to the same disk, each followed by
 an fsync so both pay for the disk, not only the page cache. A third writer, pyarrow alone writing
-just the values column with the same encoding, shows how much of the gap is Parquet's own.
+just the values column with the same encoding, shows how much of the gap is Parquet's own. The
+cost of page checksums: `RecordWriter` without them, and reading the file back with and without
+verifying them (as a resume does).
 """
 
 from __future__ import annotations
@@ -47,6 +49,31 @@ def write_parquet(path: Path, steps: list[StepRecords]) -> None:
     _fsync(path)
 
 
+class _NoChecksums(RecordWriter):
+    page_checksums = False
+
+
+def write_parquet_no_checksums(path: Path, steps: list[StepRecords]) -> None:
+    constants = {"run_id": "bench", "experiment": "bench", "strategy": "hook", "device": "cpu", "dtype": "float32"}
+    with _NoChecksums(path, constants=constants, metadata={}) as w:
+        for i, recs in enumerate(steps):
+            w.write_step(i, recs)
+    _fsync(path)
+
+
+def read_times(path: Path, repeats: int) -> dict[str, list[float]]:
+    """Reading `path` whole, without and with page checksum verification (from the page cache)."""
+    import pyarrow.parquet as pq
+
+    out: dict[str, list[float]] = {"read": [], "read, checksums verified": []}
+    for _ in range(repeats):
+        for name, verify in (("read", False), ("read, checksums verified", True)):
+            start = time.perf_counter()
+            pq.ParquetFile(path, page_checksum_verification=verify).read()
+            out[name].append(time.perf_counter() - start)
+    return out
+
+
 def write_arrow_only(path: Path, steps: list[StepRecords]) -> None:
     """The same values column written by pyarrow alone, same encoding: the floor for any Parquet writer."""
     import pyarrow as pa
@@ -84,12 +111,14 @@ def main() -> None:
     repeats = args.repeats or (2 if args.tiny else 7)
     steps = make_steps(n_steps, n_taps, numel)
     raw_bytes = n_steps * n_taps * numel * 4
-    times: dict[str, list[float]] = {"parquet": [], "pyarrow alone": [], "numpy.save": []}
+    times: dict[str, list[float]] = {"parquet": [], "parquet, no page checksums": [], "pyarrow alone": [],
+                                     "numpy.save": []}  # fmt: skip
     sizes: dict[str, int] = {}
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as tmp:
         for r in range(repeats):
             for name, fn, fname in (
                 ("parquet", write_parquet, "grads.parquet"),
+                ("parquet, no page checksums", write_parquet_no_checksums, "nocrc.parquet"),
                 ("pyarrow alone", write_arrow_only, "values.parquet"),
                 ("numpy.save", write_numpy, "v.npy"),
             ):
@@ -98,6 +127,10 @@ def main() -> None:
                 fn(path, steps)
                 times[name].append(time.perf_counter() - start)
                 sizes[name] = path.stat().st_size
+                if name == "parquet" and r == repeats - 1:
+                    reads = read_times(path, repeats)
+                    times.update(reads)
+                    sizes.update(dict.fromkeys(reads, sizes[name]))
                 path.unlink()
     rows = [{
         "writer": name, "median_ms": median_ms(t), "mb_per_s": raw_bytes / 1e6 / (median_ms(t) / 1e3),

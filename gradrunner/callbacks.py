@@ -30,7 +30,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from gradrunner.records.rundir import job_state, mark_failed, write_json
+from gradrunner.errors import one_paragraph
+from gradrunner.records.rundir import job_dirs_below, job_state, mark_failed, write_json
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +63,14 @@ def expected_jobs(config: DictConfig) -> list[list[str]] | None:
 
 
 def _job_dirs(sweep_dir: Path) -> dict[Path, list[str]]:
-    """Job dirs below `sweep_dir` (those holding `.hydra/overrides.yaml`) and their overrides."""
+    """Job dirs below `sweep_dir` (`rundir.job_dirs_below`, the one rule) and their overrides."""
     found: dict[Path, list[str]] = {}
-    for f in sweep_dir.rglob(".hydra/overrides.yaml"):
-        job = f.parent.parent
-        if any(part.startswith(".") for part in job.relative_to(sweep_dir).parts):
-            continue  # e.g. submitit's .submitit/ folder
-        found[job] = [str(o) for o in (yaml.safe_load(f.read_text()) or [])]
+    for job in job_dirs_below(sweep_dir):
+        f = job / ".hydra" / "overrides.yaml"
+        try:
+            found[job] = [str(o) for o in (yaml.safe_load(f.read_text()) or [])]
+        except (OSError, yaml.YAMLError):
+            found[job] = []
     return found
 
 
@@ -142,10 +144,15 @@ class SweepBookkeeping(Callback):
         if job_return.status != JobStatus.FAILED:
             return
         error = job_return._return_value  # `return_value` would re-raise it
+        if type(error).__name__ == "JobRefused":
+            return  # refused because of its dir (a live run, another config): that dir is not this job's to mark
         message = str(error) if type(error).__name__ == "JobFailed" else f"{type(error).__name__}: {error}"
         out = Path(str(OmegaConf.select(config, "hydra.runtime.output_dir")))
         if out.is_dir():
-            mark_failed(out, message)
+            try:
+                mark_failed(out, message)
+            except OSError as e:
+                log.error("could not write %s: %s", out / "failed.json", one_paragraph(e))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._config = config
@@ -164,7 +171,12 @@ class SweepBookkeeping(Callback):
         if not sweep_dir.is_dir():
             return
         manifest = build_manifest(sweep_dir, expected_jobs(config))
-        path = write_json(sweep_dir / MANIFEST, manifest)
+        try:
+            path = write_json(sweep_dir / MANIFEST, manifest)
+        except OSError as e:
+            log.error("could not write the sweep manifest %s: %s; the jobs' records and done.json files are not "
+                      "affected", sweep_dir / MANIFEST, one_paragraph(e))  # fmt: skip
+            return
         bad = manifest["counts"]["failed"] + manifest["counts"]["missing"]
         (log.warning if bad else log.info)("%s; manifest: %s", _summary(manifest), path)
         if OmegaConf.select(config, "report", default=False):

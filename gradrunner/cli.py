@@ -7,7 +7,9 @@ Hydra reports it at the end (status 1).
 A misspelled top-level or `capture.*` key on the command line is refused before Hydra runs
 (`gradrunner.overrides`), in one paragraph with status 2; other mistakes Hydra finds while composing
 (an unknown option, a misspelled key inside a YAML file) get Hydra's own short message and status 1. `HYDRA_FULL_ERROR=1` shows the full traceback instead. Ctrl-C and SIGTERM
-keep the completed steps' records and exit with 130 and 143. Every case: docs/errors.md.
+keep the completed steps' records and exit with 130 and 143. A single run that fails writes `failed.json` and
+its error into `gradrunner.log`; one refused because of its run dir (records there, or a live run) changes
+nothing there, `.hydra/` included. Every case: docs/errors.md; what survives what: docs/what-survives.md.
 
 Example::
 
@@ -17,7 +19,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -32,6 +37,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.overrides import misspelled_key
+from gradrunner.records.columns import RECORD_FILES
+from gradrunner.records.rundir import FAILED, Refused, mark_failed
 from gradrunner.run.guards import Terminated, check_writable
 from gradrunner.run.job import run
 
@@ -41,8 +48,18 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 
 
+log = logging.getLogger(__name__)
+
+#: The run dir's `.hydra/*.yaml` as they were before Hydra rewrote them for this run (single runs only).
+_HYDRA_FILES_BEFORE: dict[Path, bytes] = {}
+
+
 class JobFailed(CompactHydraException):
     """A sweep job's user mistake, reported by Hydra at the end of the sweep without a traceback."""
+
+
+class JobRefused(JobFailed):
+    """A sweep job refused because of its dir (`rundir.Refused`): no `failed.json` is written for it."""
 
 
 def _fail(error: Exception) -> NoReturn:
@@ -50,9 +67,46 @@ def _fail(error: Exception) -> NoReturn:
         raise error
     message = one_paragraph(error)
     print(f"gradrunner: error: {message}", file=sys.stderr, flush=True)
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        raise JobFailed(message) from None
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if multirun:
+        raise (JobRefused if isinstance(error, Refused) else JobFailed)(message) from None
+    if HydraConfig.initialized() and HydraConfig.get().runtime.output_dir:
+        _keep_books(Path(HydraConfig.get().runtime.output_dir), error, message)
     sys.exit(EXIT_USER_ERROR)
+
+
+def _keep_books(directory: Path, error: Exception, message: str) -> None:
+    """A failed single run: its error in `gradrunner.log` and `failed.json`; a refused one: its dir as it was."""
+    if isinstance(error, Refused):
+        for path, data in _HYDRA_FILES_BEFORE.items():  # Hydra rewrote .hydra/ before the job could refuse
+            with contextlib.suppress(OSError):
+                path.write_bytes(data)
+        return
+    _to_log_files(message)
+    if directory.is_dir():
+        try:
+            mark_failed(directory, message)
+        except OSError as e:  # the disk that failed the run may not take failed.json either
+            print(f"gradrunner: could not write {directory / FAILED}: {one_paragraph(e)}", file=sys.stderr)
+
+
+def _to_log_files(message: str) -> None:
+    """The error into the job's log file (`gradrunner.log`) only: stderr has it already, once."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def _kept(what: str) -> str:
+    """The end of the interrupt message, from what is on disk: records are named kept only when they are."""
+    if not HydraConfig.initialized():
+        return what
+    directory = Path(HydraConfig.get().runtime.output_dir)
+    kept = [n for n in RECORD_FILES if (directory / n).is_file()]
+    if not kept:
+        return f"{what}; no step completed, so no records were kept"
+    return f"{what}; the records of completed steps are kept in {directory} ({', '.join(kept)})"
 
 
 class OutputDirCheck(Callback):
@@ -64,6 +118,11 @@ class OutputDirCheck(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config.hydra.run.dir, "hydra.run.dir=<dir>")
+        hydra_dir = Path(config.hydra.run.dir).absolute() / str(config.hydra.output_subdir or ".hydra")
+        _HYDRA_FILES_BEFORE.clear()
+        for f in hydra_dir.glob("*.yaml") if hydra_dir.is_dir() else []:
+            with contextlib.suppress(OSError):
+                _HYDRA_FILES_BEFORE[f] = f.read_bytes()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config.hydra.sweep.dir, "hydra.sweep.dir=<dir>")
@@ -103,8 +162,17 @@ def app(cfg: DictConfig) -> None:
     except (GradrunnerError, OmegaConfBaseException) as e:
         _fail(e)
     except Terminated:
-        print("gradrunner: terminated (SIGTERM); the records of completed steps are kept", file=sys.stderr, flush=True)
+        _ignore_further_signals()
+        print(f"gradrunner: {_kept('terminated (SIGTERM)')}", file=sys.stderr, flush=True)
         sys.exit(EXIT_TERMINATED)
     except KeyboardInterrupt:
-        print("gradrunner: interrupted; the records of completed steps are kept", file=sys.stderr, flush=True)
+        _ignore_further_signals()
+        print(f"gradrunner: {_kept('interrupted')}", file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def _ignore_further_signals() -> None:
+    """The records are closed and the run is ending: another Ctrl-C must not cut the message with a traceback."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, OSError):  # not the main thread
+            signal.signal(sig, signal.SIG_IGN)

@@ -70,20 +70,8 @@ def class_forwards(model: nn.Module) -> dict[type, object]:
     return {type(m): type(m).forward for m in model.modules()}
 
 
-@pytest.fixture
-def interrupt_at_step_3(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ctrl-C arrives as the runner ends step 3 (its 4th peak-memory reading): steps 0-2 are complete."""
-    import gradrunner.run.loop as runner
-
-    calls = {"n": 0}
-
-    def peak_memory_bytes(device: torch.device) -> int:
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
-        return 1
-
-    monkeypatch.setattr(runner, "peak_memory_bytes", peak_memory_bytes)
+#: Overrides that interrupt a run (Ctrl-C) as it asks for the batch of step 3: steps 0-2 complete.
+INTERRUPT_AT_STEP_3 = ("data=faulty", "data.at_batch=3", "data.fault=keyboard_interrupt")
 
 
 #: The repository's root and the tests' own config dir (user options for `model=`, `data=`, ...).

@@ -16,8 +16,9 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, check_ok, cli_env, gradrunner, job_dirs
+from conftest import ROOT, SEARCHPATH, check_ok, cli_env, gradrunner, job_dirs
 from omegaconf import OmegaConf
+from records_check import check_records
 from torch import nn
 
 from gradrunner.analysis import load
@@ -262,19 +263,23 @@ def test_a_sweep_runs_the_other_jobs_and_fails_at_the_end(tmp_path: Path) -> Non
 
 @contextlib.contextmanager
 def long_run(cwd: Path) -> Iterator[subprocess.Popen[str]]:
-    """A run of many steps, yielded once its step loop has been going for a moment; killed at the end."""
+    """A run of many steps, yielded once 5 steps completed (it says so in a file); killed at the end.
+
+    No fixed sleep: the test data option `data=faulty` writes `ready.<pid>` at batch 5, however
+    loaded the machine is.
+    """
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradrunner", "+experiment=cosine", "steps=100000000"],
+        [sys.executable, "-m", "gradrunner", SEARCHPATH, "+experiment=cosine", "steps=100000000", "data=faulty",
+         "data.at_batch=5", f"data.ready_file={cwd / 'ready'}"],
         cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         # A shell's background job ignores SIGINT, and the child would inherit that: restore it.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:  # wait until the step loop has started
-            if "taps resolved" in line:
-                break
-        time.sleep(1.5)
+        deadline = time.monotonic() + 180
+        while not list(cwd.glob("ready.*")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 5"
+            time.sleep(0.01)  # polling a file, not waiting out a race
         yield proc
     finally:
         if proc.poll() is None:
@@ -297,10 +302,8 @@ def test_ctrl_c_and_sigterm_close_cleanly_and_keep_completed_steps(
     assert proc.returncode == status, out
     assert "Traceback" not in out and said in out
     (job,) = job_dirs(tmp_path)
-    df = pd.read_parquet(job / "grads.parquet")
-    steps = pd.read_parquet(job / "steps.parquet")
-    assert len(steps) > 0 and set(steps.step) <= set(df.step)
-    assert [p.name for p in job.glob(".*.tmp")] == []
+    kept = check_records(job)  # both tables, the same steps, each once, no temp file left
+    assert len(kept) >= 5 and f"the records of {len(kept)} completed step(s) are kept in {job}" in out
 
 
 @pytest.mark.slow

@@ -8,20 +8,20 @@ simulated ENOSPC is a case in test_errors.py.
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import resource
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
-import pyarrow.parquet as pq
 import pytest
-import torch
 from conftest import cli_env, compose_cfg, job_dirs
+from records_check import check_records
 
-from gradrunner.run import loop as runner
+from gradrunner.errors import GradrunnerError
 from gradrunner.run.guards import Terminated, sigterm_as_interrupt
 from gradrunner.run.loop import train
 
@@ -36,22 +36,13 @@ def test_sigterm_raises_terminated_only_while_open_and_restores_the_handler() ->
     assert issubclass(Terminated, KeyboardInterrupt)  # everything that keeps records on Ctrl-C does so here
 
 
-def test_sigterm_in_train_keeps_the_completed_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = {"n": 0}
-
-    def sigterm_at_step_3(device: torch.device) -> int:
-        calls["n"] += 1
-        if calls["n"] == 4:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return 1
-
+def test_sigterm_in_train_keeps_the_completed_steps(tmp_path: Path) -> None:
     before = signal.getsignal(signal.SIGTERM)
-    monkeypatch.setattr(runner, "peak_memory_bytes", sigterm_at_step_3)
+    cfg = compose_cfg("+experiment=cosine", "steps=100", "data=faulty", "data.at_batch=3", "data.fault=sigterm")
     with pytest.raises(Terminated):
-        train(compose_cfg("+experiment=cosine", "steps=100"), out_dir=tmp_path)
+        train(cfg, out_dir=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.parquet", "steps.parquet"]
-    assert pd.read_parquet(tmp_path / "steps.parquet").step.tolist() == [0, 1, 2]
-    assert sorted(pd.read_parquet(tmp_path / "grads.parquet").step.unique()) == [0, 1, 2, 3]
+    assert check_records(tmp_path) == [0, 1, 2]  # steps 0-2 in both tables: step 3 never completed
     assert signal.getsignal(signal.SIGTERM) == before
 
 
@@ -60,19 +51,48 @@ def _file_size_limit(limit: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_full_disk_ends_the_run_with_one_paragraph_and_nothing_half_written(tmp_path: Path) -> None:
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_full_disk_ends_the_run_with_one_paragraph_and_nothing_half_written(tmp_path: Path, seed: int) -> None:
+    limit = random.Random(seed).randint(2 << 10, 512 << 10)  # a file size the grads file reaches at a random point
     result = subprocess.run(
         [sys.executable, "-m", "gradrunner", "+experiment=mlp", "steps=40", "capture.values=full"],
         cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=180,
-        preexec_fn=lambda: _file_size_limit(256 * 1024),
+        preexec_fn=lambda: _file_size_limit(limit),
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     (line,) = [s for s in result.stderr.splitlines() if s.strip()]
-    assert line.startswith("gradrunner: error: could not write the records in ") and "File too large" in line
-    assert "free some disk space" in line
     (job,) = job_dirs(tmp_path)
-    assert not (job / "grads.parquet").exists() and list(job.glob(".*.tmp")) == []
-    for path in job.glob("*.parquet"):  # what was kept (the small steps.parquet) is complete
-        pq.read_metadata(path)
-        assert f"kept: {path.name}" in line
+    assert line.startswith(f"gradrunner: error: could not write the records in {job}: ") and "File too large" in line
+    assert "No records were kept. No half-written file is left." in line and "free some disk space" in line
+    assert check_records(job) == []  # both tables dropped together, no temp file left
+    assert json.loads((job / "failed.json").read_text())["error"] == line.removeprefix("gradrunner: error: ")
+
+
+@pytest.mark.slow
+def test_an_optimizer_step_that_overflows_float16_is_one_paragraph_naming_the_step(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "gradrunner", "+experiment=mlp", "dtype=float16", "optimizer.lr=1e6",
+         "hydra.run.dir=run"],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
+    (line,) = [s for s in result.stderr.splitlines() if s.strip()]
+    assert line.startswith("gradrunner: error: step 0 failed in the optimizer step (SGD): value cannot be converted "
+                           "to type c10::Half without overflow.")  # fmt: skip
+    assert "lower optimizer.lr" in line and "no step completed, so no records are kept" in line
+    run = tmp_path / "run"
+    # A failed single run: failed.json and the error in its log, no records, nothing half-written.
+    assert json.loads((run / "failed.json").read_text())["error"] == line.removeprefix("gradrunner: error: ")
+    assert line.removeprefix("gradrunner: error: ") in (run / "gradrunner.log").read_text()
+    assert sorted(p.name for p in run.iterdir()) == [".gradrunner.lock", ".hydra", "failed.json", "gradrunner.log"]
+
+
+def test_an_optimizer_step_that_fails_later_keeps_the_steps_before(tmp_path: Path) -> None:
+    cfg = compose_cfg("+experiment=cosine", "steps=10", "dtype=float16", "optimizer.lr=1e6")
+    with pytest.raises(GradrunnerError, match=r"^step (\d+) failed in the optimizer step \(SGD\)") as info:
+        train(cfg, out_dir=tmp_path)
+    step = int(str(info.value).split()[1])
+    assert check_records(tmp_path) == list(range(step))
+    if step:
+        assert f"the records of steps 0-{step - 1} are kept" in str(info.value)

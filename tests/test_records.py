@@ -20,7 +20,7 @@ import torch
 
 from gradrunner.capturing.stats import Collector
 from gradrunner.errors import GradrunnerError
-from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS, StepRecords, TapKey
+from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS, StepRecords, TapKey, temp_name
 from gradrunner.records.writer import GRADS_SCHEMA, STEPS_SCHEMA, RecordWriter, StepsWriter, run_metadata
 
 CONSTANTS = {"run_id": "run-1", "experiment": "mlp", "strategy": "hook", "device": "cpu", "dtype": "float32"}
@@ -187,7 +187,7 @@ def test_encodings_follow_field_notes(tmp_path: Path) -> None:
 def test_temp_file_is_hidden_until_close(tmp_path: Path) -> None:
     w = RecordWriter(tmp_path, constants=CONSTANTS, metadata={}, rows_per_group=2)
     w.write_step(0, make_step(0))
-    assert [p.name for p in tmp_path.iterdir()] == [".grads.parquet.tmp"]
+    assert [p.name for p in tmp_path.iterdir()] == [temp_name("grads.parquet", "run-1")] == [".grads.parquet.run-1.tmp"]
     assert pa.dataset.dataset(tmp_path, format="parquet").files == []  # discovery ignores it
     assert w.close() == tmp_path / "grads.parquet"
     assert [p.name for p in tmp_path.iterdir()] == ["grads.parquet"]
@@ -244,7 +244,7 @@ def test_steps_writer_round_trip(tmp_path: Path) -> None:
         w.write(0, True, 0.5, 0.03, 0.01, None)
         w.write(1, False, 0.25, 0.02, 0.0, 1024)
         w.write(2, False, None, 0.02, 0.0, 2048)
-        assert [p.name for p in tmp_path.iterdir()] == [".steps.parquet.tmp"]
+        assert [p.name for p in tmp_path.iterdir()] == [".steps.parquet.run-1.tmp"]
     table = pq.read_table(tmp_path / "steps.parquet")
     assert table.schema.remove_metadata() == STEPS_SCHEMA and table.schema.metadata == {b"a": b"b"}
     rows = table.to_pylist()
@@ -299,5 +299,37 @@ def test_sigkill_mid_write_leaves_no_final_file(tmp_path: Path) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=os.getcwd())
     assert proc.returncode == -9, proc.stderr
-    assert [p.name for p in tmp_path.iterdir()] == [".grads.parquet.tmp"]
-    assert (tmp_path / ".grads.parquet.tmp").stat().st_size > 0  # row groups were flushed, no footer
+    assert [p.name for p in tmp_path.iterdir()] == [temp_name("grads.parquet", "run-1")] == [".grads.parquet.run-1.tmp"]
+    assert (tmp_path / ".grads.parquet.run-1.tmp").stat().st_size > 0  # row groups were flushed, no footer
+
+
+def test_two_writers_of_different_runs_never_touch_each_others_files(tmp_path: Path) -> None:
+    mine = RecordWriter(tmp_path, constants=CONSTANTS, metadata={}, rows_per_group=1)
+    theirs = RecordWriter(tmp_path, constants={**CONSTANTS, "run_id": "run-2"}, metadata={}, rows_per_group=1)
+    mine.write_step(0, make_step(0))
+    theirs.write_step(0, make_step(1))
+    theirs.abort()  # deletes its own temp file only
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".grads.parquet.run-1.tmp"]
+    mine.close()
+    assert set(pq.read_table(tmp_path / "grads.parquet").column("run_id").to_pylist()) == {"run-1"}
+
+
+def test_close_never_replaces_a_file_that_appeared_meanwhile(tmp_path: Path) -> None:
+    w = RecordWriter(tmp_path, constants=CONSTANTS, metadata={}, rows_per_group=1)
+    w.write_step(0, make_step(0))
+    (tmp_path / "grads.parquet").write_bytes(b"another run's")
+    with pytest.raises(GradrunnerError, match="already exists"):
+        w.close()
+    assert (tmp_path / "grads.parquet").read_bytes() == b"another run's"
+
+
+def test_pages_carry_checksums_that_catch_a_flipped_byte(tmp_path: Path) -> None:
+    with RecordWriter(tmp_path, constants=CONSTANTS, metadata={}) as w:
+        w.write_step(0, make_step(0, values="full"))
+    path = tmp_path / "grads.parquet"
+    col = pq.read_metadata(path).row_group(0).column(GRADS_SCHEMA.get_field_index("norm"))
+    data = bytearray(path.read_bytes())
+    data[col.data_page_offset + col.total_compressed_size - 3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(OSError, match="CRC checksum verification failed"):
+        pq.ParquetFile(path, page_checksum_verification=True).read()

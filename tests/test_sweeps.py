@@ -128,3 +128,64 @@ def test_a_job_that_never_started_is_listed_as_missing(tmp_path: Path) -> None:
     assert [(j["num"], j["dir"], j["status"]) for j in jobs] == [(0, "0", "completed"), (1, "1", "missing"),
                                                                  (2, None, "missing")]  # fmt: skip
     assert jobs[2]["overrides"] == ["capture.strategy=autograd_grad"]
+
+
+def test_one_rule_for_job_dirs_so_manifest_and_load_agree_on_a_job_that_never_wrote(tmp_path: Path) -> None:
+    from conftest import compose_cfg
+
+    from gradrunner.records.rundir import job_dirs_below
+    from gradrunner.run.job import run
+
+    for job in ("0", "1"):
+        run(compose_cfg("+experiment=cosine", "steps=2"), out_dir=tmp_path / job)
+        (tmp_path / job / ".hydra").mkdir()
+        (tmp_path / job / ".hydra" / "overrides.yaml").write_text(f"- seed={job}\n")
+    (tmp_path / "2" / ".hydra").mkdir(parents=True)  # Hydra made the dir, the job died before writing
+    (tmp_path / "2" / ".hydra" / "overrides.yaml").write_text("- seed=2\n")
+    assert job_dirs_below(tmp_path) == [tmp_path / "0", tmp_path / "1", tmp_path / "2"]
+    built = build_manifest(tmp_path, None)
+    assert [(j["dir"], j["status"]) for j in built["jobs"]] == [("0", "completed"), ("1", "completed"), ("2", "missing")]
+    with pytest.warns(IncompleteSweepWarning, match=r"1 of 3 jobs in .* did not complete .* job 2 has no done.json"):
+        df = load(tmp_path)
+    assert sorted(df.job.unique()) == ["0", "1"]
+
+
+def test_load_names_jobs_the_manifest_lists_that_have_no_dir(tmp_path: Path) -> None:
+    from conftest import compose_cfg
+
+    from gradrunner.run.job import run
+
+    run(compose_cfg("+experiment=cosine", "steps=2"), out_dir=tmp_path / "0")
+    (tmp_path / MANIFEST).write_text(json.dumps({"jobs": [
+        {"num": 0, "dir": "0", "overrides": ["seed=0"]}, {"num": 1, "dir": None, "overrides": ["seed=1"]},
+    ]}))  # fmt: skip
+    with pytest.warns(IncompleteSweepWarning, match=r"1 job\(s\) of the sweep in .* have no job dir .* job 1 \(seed=1\)"):
+        load(tmp_path)
+
+
+def test_a_manifest_the_disk_refuses_is_one_logged_line_and_leaves_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import errno
+    import logging
+    import os
+
+    from omegaconf import OmegaConf
+
+    from gradrunner.callbacks import SweepBookkeeping
+
+    def no_space(self: Path, *args: object, **kwargs: object) -> int:
+        Path.touch(self)  # the temp file exists, as after a partial write
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    books = SweepBookkeeping()
+    books.on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "report": False}))
+    monkeypatch.setattr(Path, "write_text", no_space)
+    with caplog.at_level(logging.ERROR, logger="gradrunner.callbacks"):
+        books.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "report": False}))
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        f"could not write the sweep manifest {tmp_path / MANIFEST}: [Errno 28] No space left on device; the jobs' "
+        "records and done.json files are not affected"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from gradrunner.errors import GradrunnerError
+from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
 
 #: Tables a job writes, each as `<job dir>/<table>.parquet`.
@@ -49,10 +49,12 @@ def load(path: str | os.PathLike[str], table: str = "grads") -> pd.DataFrame:
     In a sweep whose jobs carry completion markers (`done.json`, written by the CLI), only completed
     jobs are read: failed jobs (`failed.json`) and jobs without a marker (killed, still running) are
     left out and named in an `IncompleteSweepWarning`; `pd.read_parquet` still reads their partial files.
+    Jobs the sweep's `manifest.json` lists but that have no dir are named in that warning too. A file
+    that cannot be read is a GradrunnerError naming it and its job: never a silently shorter result.
     """
     root = Path(path)
     files = _completed_only(root, _find_files(root, table))
-    tables = [pq.read_table(f) for f in files]
+    tables = [_read(root, f) for f in files]
     job_dirs = [f.parent for f in files]
     if root.is_dir() and any(d != root for d in job_dirs):
         tables = _with_job_columns(root, job_dirs, tables)
@@ -61,6 +63,33 @@ def load(path: str | os.PathLike[str], table: str = "grads") -> pd.DataFrame:
 
 class IncompleteSweepWarning(UserWarning):
     """`load` left out jobs of a sweep that failed or did not finish; the message names them."""
+
+
+def _read(root: Path, f: Path) -> pa.Table:
+    """One record file; a damaged one is a GradrunnerError naming the file and its job."""
+    try:
+        return pq.read_table(f)
+    except (OSError, pa.ArrowException) as e:
+        job = f.parent.relative_to(root).as_posix() if root.is_dir() and f.parent != root else None
+        where = f"job {job} of {root}" if job else f"the run {f.parent}"
+        raise GradrunnerError(
+            f"cannot read {f} ({where}): {type(e).__name__}: {one_paragraph(e)}. The file is damaged (truncated, "
+            f"overwritten or flipped bytes); re-run that job with resume=true (it re-runs jobs whose files do not "
+            "verify), or move the job dir away to load the others."
+        ) from e
+
+
+def _missing_from_manifest(root: Path) -> list[str]:
+    """Jobs the sweep's manifest lists that have no job dir (or whose dir is gone), as `job N (overrides)`."""
+    data = rundir.read_json(root / "manifest.json")
+    jobs = data.get("jobs") if data else None
+    if not isinstance(jobs, list):
+        return []
+    out = []
+    for j in jobs:
+        if isinstance(j, dict) and (not j.get("dir") or not (root / str(j["dir"])).is_dir()):
+            out.append(f"job {j.get('num', '?')} ({' '.join(map(str, j.get('overrides') or [])) or 'no overrides'})")
+    return out
 
 
 def _completed_only(root: Path, files: list[Path]) -> list[Path]:
@@ -72,6 +101,11 @@ def _completed_only(root: Path, files: list[Path]) -> list[Path]:
                       IncompleteSweepWarning, stacklevel=3)  # fmt: skip
     dirs = rundir.job_dirs_below(root)
     unfinished = rundir.unfinished_jobs(dirs)
+    missing = _missing_from_manifest(root)
+    if missing:
+        warnings.warn(f"{len(missing)} job(s) of the sweep in {root} have no job dir and are left out: "
+                      f"{'; '.join(missing[:10])}. Re-run the sweep into the same dir (hydra.sweep.dir={root}) "
+                      "to run them.", IncompleteSweepWarning, stacklevel=3)  # fmt: skip
     if not unfinished:
         return files
     warnings.warn(rundir.describe_unfinished(root, unfinished, len(dirs)), IncompleteSweepWarning, stacklevel=3)

@@ -20,6 +20,46 @@ import numpy as np
 GRADS_FILE = "grads.parquet"
 STEPS_FILE = "steps.parquet"
 RECORD_FILES = (GRADS_FILE, STEPS_FILE)
+#: The run dir's lock (see `gradrunner.records.rundir.RunLock`): hidden, so readers never see it.
+LOCK_FILE = ".gradrunner.lock"
+#: Every temp file ends so: neither pyarrow (leading ".") nor DuckDB (`*.parquet`) reads it.
+TEMP_SUFFIX = ".tmp"
+
+
+def temp_name(name: str, run_id: str) -> str:
+    """The hidden temp name under which run `run_id` writes `name` before renaming it.
+
+    Example::
+
+        temp_name("grads.parquet", "3f2a")     # '.grads.parquet.3f2a.tmp'
+
+    It carries the run id (characters other than letters, digits, "-" and "_" as "_"), so two runs into one dir never touch each other's temp files.
+    """
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in run_id) or "_"
+    return f".{name}.{safe}{TEMP_SUFFIX}"
+
+
+def is_temp_of(filename: str, name: str) -> bool:
+    """Whether `filename` is a temp file (of any run) for the final file `name`.
+
+    Example::
+
+        is_temp_of(".grads.parquet.3f2a.tmp", "grads.parquet")   # True
+        is_temp_of(".grads.parquet.tmp", "grads.parquet")        # True (the name before run ids)
+    """
+    return (filename.startswith(f".{name}.") and filename.endswith(TEMP_SUFFIX)) or filename == f".{name}{TEMP_SUFFIX}"
+
+
+def temp_run_id(filename: str, name: str) -> str | None:
+    """The run id a temp file of `name` carries, or None if `filename` is not one.
+
+    Example::
+
+        temp_run_id(".grads.parquet.3f2a.tmp", "grads.parquet")   # '3f2a'
+    """
+    if not is_temp_of(filename, name) or filename == f".{name}{TEMP_SUFFIX}":
+        return None
+    return filename[len(name) + 2 : -len(TEMP_SUFFIX)] or None
 
 #: Columns repeated on every row of a job (taken from the writer's `constants`), then `rank`.
 CONSTANT_COLUMNS = ("run_id", "experiment", "strategy", "device", "dtype")

@@ -5,31 +5,40 @@ Contents:
     RecordWriter                 -- one row per step x tap x call, into `<job dir>/grads.parquet`
     StepsWriter                  -- one row per step (loss, timings, memory), `<job dir>/steps.parquet`
     run_metadata()               -- the file's key-value metadata: config YAML, versions, seed, commit
+    closing_together(*writers)   -- close (or abort) a job's writers as one, signals deferred
+    deferred_signals()           -- SIGINT/SIGTERM/SIGHUP held back while a critical section runs
 
-Both writers stream complete row groups through one `pq.ParquetWriter` into a hidden temp file
-(`.grads.parquet.tmp`: ignored by pyarrow dataset discovery and by DuckDB's `*.parquet` globs) and
-`os.replace` it to the final name on `close()`, so a `grads.parquet` always has its footer.
+Both writers stream complete row groups through one `pq.ParquetWriter` into a hidden temp file that
+carries the run id (`.grads.parquet.<run id>.tmp`, see `columns.temp_name`: ignored by pyarrow
+dataset discovery and by DuckDB's `*.parquet` globs) and link it to the final name on `close()`, so
+a `grads.parquet` always has its footer. Pages carry CRC checksums (`write_page_checksum`), which
+`rundir.verify_job` checks before a resume trusts a file. Writing a row group and dropping it from
+the buffer, and closing, run with signals deferred: an interrupt cannot split them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import importlib.metadata
 import os
 import platform
+import signal
 import subprocess
-from collections.abc import Sequence
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.records.columns import CONSTANT_COLUMNS, COUNT_COLUMNS, STAT_COLUMNS, StepRecords
+from gradrunner.records.columns import CONSTANT_COLUMNS, COUNT_COLUMNS, STAT_COLUMNS, StepRecords, temp_name
 
 _W = TypeVar("_W", bound="ParquetTableWriter")
 
@@ -155,6 +164,53 @@ def _write_options(schema: pa.Schema) -> dict[str, object]:
 #: Buffered batches are merged into one when this many have piled up.
 _COALESCE_BATCHES = 64
 
+#: The signals that end a run (Ctrl-C, SIGTERM of a scheduler, a closed terminal).
+_DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP back while the block runs; they act (raise) when it ends.
+
+    Example::
+
+        with deferred_signals():
+            writer.write_table(rows)   # a Ctrl-C here waits until both lines ran
+            buffer.clear()
+
+    While the block runs, these signals only note that they came; at its end the previous handlers
+    come back and the first noted signal is handed to its handler (Ctrl-C raises KeyboardInterrupt
+    there). A Python-level handler, not a signal mask: the kernel gives a process-directed signal to
+    any thread not blocking it (torch's thread pools), so masking the main thread would not hold it.
+    Python runs signal handlers in the main thread only; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        caught.append(signum)
+
+    previous: dict[signal.Signals, Any] = {}
+    try:
+        for sig in _DEFERRED:
+            previous[sig] = signal.signal(sig, note)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if caught:
+            _redeliver(caught[0], previous.get(signal.Signals(caught[0])))
+
+
+def _redeliver(signum: int, handler: Any) -> None:
+    """Act on a signal held back by `deferred_signals` as its own handler would have."""
+    if callable(handler):
+        handler(signum, None)  # default_int_handler raises KeyboardInterrupt, SIGTERM's raises Terminated
+    elif handler == signal.SIG_DFL:
+        os.kill(os.getpid(), signum)  # the default action (end the process), now that the files are whole
+
 
 class ParquetTableWriter:
     """Streams record batches of one schema to a Parquet file, committed atomically on `close()`.
@@ -169,8 +225,12 @@ class ParquetTableWriter:
     written as row groups, so memory does not grow with the length of a run. Leaving the `with`
     block normally or by KeyboardInterrupt closes (what was written stays readable); any other
     exception closes if at least one step was written, else aborts (deletes the temp file); a
-    close that fails (a full disk) aborts too and re-raises. An existing final file is never overwritten.
+    close or a write that fails (a full disk) aborts too and re-raises. An existing final file is
+    never overwritten, and the writer only ever deletes its own temp file (named with `run_id`).
     """
+
+    #: CRC checksums on every page (measured cost: BENCHMARKS.md, benchmarks/parquet_throughput.py).
+    page_checksums = True
 
     def __init__(
         self,
@@ -180,10 +240,11 @@ class ParquetTableWriter:
         metadata: dict[str, str],
         rows_per_group: int = 8192,
         max_buffer_bytes: int = 64 << 20,
+        run_id: str | None = None,
     ) -> None:
         assert rows_per_group > 0, rows_per_group
         self.path = Path(path)
-        self.temp_path = self.path.with_name(f".{self.path.name}.tmp")
+        self.temp_path = self.path.with_name(temp_name(self.path.name, run_id or uuid.uuid4().hex))
         self.schema = schema.with_metadata({str(k): str(v) for k, v in metadata.items()})
         self.rows_per_group = rows_per_group
         self.max_buffer_bytes = max_buffer_bytes
@@ -218,23 +279,48 @@ class ParquetTableWriter:
         """Write what is buffered and the footer, then move the file to its final name."""
         if self._state == "closed":
             return self.path
+        with deferred_signals():
+            self.finish_temp()
+            self.commit()
+        return self.path
+
+    def finish_temp(self) -> None:
+        """Write what is buffered and the footer into the temp file (first half of `close`)."""
         assert self._state == "open", f"{self.path}: close after {self._state}"
         self._flush(everything=True)
-        self._open().close()  # opening here too, so a run without rows still leaves a valid file
+        try:
+            self._open().close()  # opening here too, so a run without rows still leaves a valid file
+        except BaseException:
+            self._state = "broken"
+            raise
+        self._state = "finished"
+
+    def commit(self) -> None:
+        """Give the finished temp file its final name, never replacing an existing file (second half)."""
+        assert self._state == "finished", f"{self.path}: commit after {self._state}"
         self._refuse_existing()
-        os.replace(self.temp_path, self.path)
+        try:
+            os.link(self.temp_path, self.path)  # fails if the name exists: no other run's file is replaced
+        except FileExistsError:
+            self._refuse_existing()
+            raise
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK):
+                raise
+            os.replace(self.temp_path, self.path)  # a filesystem without hard links
+        self.temp_path.unlink(missing_ok=True)
         self._state = "closed"
-        return self.path
 
     def abort(self) -> None:
         """Drop everything: close the temp file and delete it. No final file is created."""
-        if self._state != "open":
+        if self._state in ("closed", "aborted"):
             return
         self._state = "aborted"
         self._buffer = []
         try:
             if self._writer is not None:
-                self._writer.close()
+                with contextlib.suppress(Exception):  # a broken writer (full disk) cannot close
+                    self._writer.close()
         finally:
             self.temp_path.unlink(missing_ok=True)
 
@@ -244,19 +330,10 @@ class ParquetTableWriter:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc_type is None or issubclass(exc_type, KeyboardInterrupt) or self.steps_written:
-            try:
-                self.close()
-            except BaseException:
-                # A file that cannot be finished (the disk is full) is removed, never left half-written.
-                with contextlib.suppress(OSError):
-                    self.abort()
-                raise
-        else:
-            self.abort()
+        finish_all([self], exc)
 
     def _refuse_existing(self) -> None:
-        if self.path.exists():
+        if os.path.lexists(self.path):
             raise GradrunnerError(
                 f"{self.path} already exists; gradrunner never overwrites records. "
                 "Write to a new output directory (e.g. hydra.run.dir=...) or move the old file away."
@@ -266,22 +343,82 @@ class ParquetTableWriter:
         if self._writer is None:
             self.temp_path.parent.mkdir(parents=True, exist_ok=True)
             options = _write_options(self.schema)
-            self._writer = pq.ParquetWriter(self.temp_path, self.schema, **options)
+            checksums = self.page_checksums
+            self._writer = pq.ParquetWriter(self.temp_path, self.schema, write_page_checksum=checksums, **options)
         return self._writer
 
     def _flush(self, everything: bool) -> None:
-        """Write full row groups (and, if `everything`, the partial last one) from the buffer."""
+        """Write full row groups (and, if `everything`, the partial last one) from the buffer.
+
+        Writing the rows and dropping them from the buffer happen with signals deferred, so a row
+        group is never written twice; a write that fails leaves the writer "broken" (only `abort`).
+        """
         if not self._buffer:
             return
         table = pa.Table.from_batches(self._buffer, schema=self.schema)
         cut = table.num_rows if everything else table.num_rows - table.num_rows % self.rows_per_group
-        if cut:
-            self._open().write_table(table.slice(0, cut), row_group_size=self.rows_per_group)
-            self.rows_written += cut
         rest = table.slice(cut).combine_chunks()
-        self._buffer = rest.to_batches()
-        self._buffered_rows = rest.num_rows
-        self._buffered_bytes = rest.nbytes
+        with deferred_signals():
+            if cut:
+                try:
+                    self._open().write_table(table.slice(0, cut), row_group_size=self.rows_per_group)
+                except BaseException:
+                    self._state = "broken"
+                    raise
+                self.rows_written += cut
+            self._buffer = rest.to_batches()
+            self._buffered_rows = rest.num_rows
+            self._buffered_bytes = rest.nbytes
+
+
+def finish_all(writers: Sequence[ParquetTableWriter], error: BaseException | None) -> None:
+    """Close every writer of a job, or abort every one, as one step, with signals deferred.
+
+    Example::
+
+        finish_all([grads, steps], None)      # both files final, or (on a failure) neither
+
+    Kept (closed) when `error` is None or a KeyboardInterrupt, or when a step was written; else aborted.
+    All temp files are finished before any is renamed, and if one cannot be finished or renamed
+    (a full disk), every writer is aborted: the tables a job leaves always agree.
+    """
+    with deferred_signals():
+        keep = error is None or isinstance(error, KeyboardInterrupt) or any(w.steps_written for w in writers)
+        if not keep:
+            for w in writers:
+                w.abort()
+            return
+        try:
+            for w in writers:
+                if w._state == "open":
+                    w.finish_temp()
+            for w in writers:
+                if w._state == "finished":
+                    w.commit()
+        except BaseException:
+            for w in writers:  # a file that cannot be finished (the disk is full) is removed, with its siblings
+                with contextlib.suppress(OSError):
+                    if w._state == "closed":
+                        w.path.unlink(missing_ok=True)
+                    w.abort()
+            raise
+
+
+@contextlib.contextmanager
+def closing_together(*writers: ParquetTableWriter) -> Iterator[None]:
+    """Leave the block with `finish_all(writers, error)`: a job's tables are kept or dropped as one.
+
+    Example::
+
+        with closing_together(grads, steps):
+            ...   # Ctrl-C here: both files closed, with the same steps
+    """
+    try:
+        yield
+    except BaseException as e:
+        finish_all(writers, e)
+        raise
+    finish_all(writers, None)
 
 
 class _RunTableWriter(ParquetTableWriter):
@@ -314,7 +451,8 @@ class _RunTableWriter(ParquetTableWriter):
         self.constants = {k: str(v) for k, v in constants.items()}
         self._rank = rank
         self._constant_cache: dict[int, dict[str, pa.Array]] = {}
-        super().__init__(path, self.table_schema, metadata=metadata, rows_per_group=rows_per_group)
+        super().__init__(path, self.table_schema, metadata=metadata, rows_per_group=rows_per_group,
+                         run_id=self.constants["run_id"])  # fmt: skip
 
     @property
     def rank(self) -> int:

@@ -5,9 +5,10 @@
 | `next_batch` | a data source that runs out, raises, or yields something other than an (inputs, targets) pair |
 | `forward_loss` | a forward() or a loss that raises, a loss that is not a scalar or does not require grad |
 | `backward` | a backward pass that raises (a model's in-place op on a tensor autograd saved) |
+| `optimizer_step` | an optimizer step that raises (float16/bfloat16 overflow of a huge learning rate) |
 | `check_finite` | `capture.on_nonfinite=stop`: a non-finite loss or captured gradient ends the run (`NonFinite`) |
 | `check_writable` | an output directory that cannot be written, before step 0 |
-| `write_errors` | an `OSError` while the records are written or closed (a full disk) |
+| `write_errors` | an `OSError` while the records are written or closed (a full disk, a read-only dir) |
 | `sigterm_as_interrupt` | SIGTERM (a preempted job) ends the run like Ctrl-C: `Terminated`, completed steps kept |
 
 Example::
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from gradrunner.errors import GradrunnerError, one_paragraph
-from gradrunner.records.columns import StepRecords
+from gradrunner.records.columns import RECORD_FILES, StepRecords, is_temp_of
 
 
 def describe(value: object) -> str:
@@ -132,6 +133,28 @@ def backward(run_backward: Callable[[torch.Tensor], None], loss: torch.Tensor, s
         ) from e
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """`optimizer.step()`, with a failure (float16 overflow of a huge learning rate, ...) explained.
+
+    Example::
+
+        optimizer_step(job.optimizer, step)   # GradrunnerError: step 0 failed in the optimizer step: ...
+
+    It runs before the step's rows are written, so the records kept end with the step before.
+    """
+    try:
+        optimizer.step()
+    except GradrunnerError:
+        raise
+    except RuntimeError as e:
+        kept = f"the records of steps 0-{step - 1} are kept" if step else "no step completed, so no records are kept"
+        raise GradrunnerError(
+            f"step {step} failed in the optimizer step ({type(optimizer).__name__}): {one_paragraph(e)}. With "
+            "float16/bfloat16 this is usually an update too large for the dtype: lower optimizer.lr, or run in "
+            f"dtype=float32; {kept}."
+        ) from e
+
+
 def _check_loss(loss: object, step: int, loss_name: str) -> None:
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise GradrunnerError(
@@ -214,12 +237,26 @@ def write_errors(directory: Path) -> Iterator[None]:
     except BrokenPipeError:
         raise  # stdout/stderr closed under us: not about the records
     except OSError as e:
-        kept = ", ".join(sorted(p.name for p in directory.glob("*.parquet"))) or "nothing"
         raise GradrunnerError(
-            f"could not write the records in {directory}: {one_paragraph(e)}. Whatever could not be finished was "
-            f"removed (kept: {kept}), so no half-written records are left; free some disk space or choose "
-            f"another output directory ({_WHERE}), then run again."
+            f"could not write the records in {directory}: {one_paragraph(e)}. {_left_behind(directory)} To go on, free some "
+            f"disk space (or make the dir writable) or choose another output directory ({_WHERE}), then run again."
         ) from e
+
+
+def _left_behind(directory: Path) -> str:
+    """What a failed write left in `directory`, as found on disk (never what was meant to happen)."""
+    try:
+        names = os.listdir(directory)
+    except OSError as e:
+        return f"What is left in the dir cannot be listed ({one_paragraph(e)})."
+    kept = sorted(n for n in names if n in RECORD_FILES)
+    temps = sorted(n for n in names if any(is_temp_of(n, r) for r in RECORD_FILES))
+    said = f"Kept: {', '.join(kept)} (complete files)." if kept else "No records were kept."
+    if temps:
+        said += f" The temp file(s) {', '.join(temps)} could not be removed: delete them by hand."
+    else:
+        said += " No half-written file is left."
+    return said
 
 
 class Terminated(KeyboardInterrupt):

@@ -1,8 +1,8 @@
 """One job of the CLI: `run(cfg)` is `runner.train(cfg)` inside the run dir's books.
 
-What `run` adds to `train`: the existing-run-dir rule (refuse, or resume), the completion marker
-`done.json` written last, the end-of-run report (`report=true`), and DDP under torchrun (the process
-group, rank 0's run dir for every rank). See `gradrunner.records.rundir` and `gradrunner.run.distributed`.
+What `run` adds to `train`: the run dir's lock (one live run per dir), the existing-run-dir rule
+(refuse, or resume after verifying), the completion marker `done.json` written last, the end-of-run
+report (`report=true`), and DDP under torchrun (the process group, rank 0's run dir for every rank). See `gradrunner.records.rundir` and `gradrunner.run.distributed`.
 
 Example::
 
@@ -11,7 +11,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -19,20 +22,26 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from gradrunner.config import validate
-from gradrunner.errors import GradrunnerError
+from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
 from gradrunner.run import distributed
 from gradrunner.run.distributed import Distributed
 from gradrunner.run.loop import output_dir, train
 
+log = logging.getLogger(__name__)
 
-def _decide(directory: Path, cfg: DictConfig, resume: bool, dist: Distributed | None) -> str:
-    """`rundir.prepare` on rank 0 only; its answer (or its error) on every rank."""
+
+def _decide(
+    directory: Path, cfg: DictConfig, resume: bool, dist: Distributed | None, hold: Callable[[], object]
+) -> str:
+    """`hold()` (take the run dir's lock) and `rundir.prepare` on rank 0 only; the answer (or error) on every rank."""
     if dist is None:
+        hold()
         return rundir.prepare(directory, cfg, resume=resume)
     outcome: str | GradrunnerError = ""
     if dist.is_main:
         try:
+            hold()
             outcome = rundir.prepare(directory, cfg, resume=resume)
         except GradrunnerError as e:
             outcome = e
@@ -50,8 +59,10 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
         run(cfg)                            # in a Hydra app: the job's output dir
         run(cfg, out_dir="runs/a")          # anywhere else
 
+    - The run holds the run dir's `rundir.RunLock` throughout: a dir another live run holds is refused
+      (`rundir.LiveRun`), or, in a sweep, that job is skipped with a warning.
     - A run dir that already holds records is refused, unless `resume=true` (a sweep always resumes):
-      then a completed job (`done.json`, same config) is skipped, anything else runs again from step 0.
+      then a completed job (`done.json`, same config, files verified) is skipped, anything else runs again.
     - `done.json` is written last, once the records are closed: a job without it did not complete.
     - `report=true`: matplotlib is checked before step 0 and a single run writes its report at the end
       (a sweep writes one for the sweep dir, in `gradrunner.callbacks`); a failing report never fails the run.
@@ -69,18 +80,41 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
         cfg = dist.device_config(cfg) if dist is not None else cfg
         directory = output_dir(out_dir)
         directory = dist.shared_dir(directory) if dist is not None else directory
-        if _decide(directory, cfg, bool(cfg.resume) or multirun, dist) == "skip":
-            return directory / "grads.parquet"
         run_id = dist.run_id if dist is not None else uuid.uuid4().hex
-        path = train(cfg, out_dir=directory, run_id=run_id, dist=dist)
-        main = dist is None or dist.is_main
-        if main:
-            overrides = [str(o) for o in hydra.overrides.task] if hydra is not None else []
-            files = [n for n in rundir.RECORD_NAMES if (directory / n).is_file()]
-            world = dist.world_size if dist is not None else 1
-            rundir.mark_complete(directory, cfg, files=files, run_id=run_id, world_size=world, overrides=overrides)
+        with contextlib.ExitStack() as held:
+            lock = rundir.RunLock(directory, run_id)
+            try:
+                decision = _decide(directory, cfg, bool(cfg.resume) or multirun, dist, lambda: held.enter_context(lock))
+            except rundir.LiveRun as e:
+                if not multirun:
+                    raise
+                log.warning("skipped: %s", one_paragraph(e))  # the sweep goes on; the live run completes the job
+                return directory / "grads.parquet"
+            except rundir.Refused:
+                lock.leave_no_trace()
+                raise
+            if decision == "skip":
+                return directory / "grads.parquet"
+            path = train(cfg, out_dir=directory, run_id=run_id, dist=dist)
+            main = dist is None or dist.is_main
+            if main:
+                overrides = [str(o) for o in hydra.overrides.task] if hydra is not None else []
+                _mark_complete(directory, cfg, run_id, dist.world_size if dist is not None else 1, overrides)
     if cfg.report and main and not multirun:
         from gradrunner.analysis.report import try_report
 
         try_report(directory)
     return path
+
+
+def _mark_complete(directory: Path, cfg: DictConfig, run_id: str, world: int, overrides: list[str]) -> None:
+    """`rundir.mark_complete`, with a filesystem failure told in one paragraph (the records stay)."""
+    files = [n for n in rundir.RECORD_NAMES if (directory / n).is_file()]
+    try:
+        rundir.mark_complete(directory, cfg, files=files, run_id=run_id, world_size=world, overrides=overrides)
+    except OSError as e:
+        raise GradrunnerError(
+            f"the records in {directory} ({', '.join(files)}) are complete, but the completion marker "
+            f"{directory / rundir.DONE} could not be written: {one_paragraph(e)}. Without it the job counts as "
+            "not completed; free some disk space (or make the dir writable), then run again with resume=true."
+        ) from e

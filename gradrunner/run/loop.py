@@ -21,14 +21,16 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.capturing.session import Capture, capture
-from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, StepRecords
+from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE, StepRecords
 from gradrunner.run import distributed
 from gradrunner.run.build import Job, setup
 from gradrunner.run.distributed import Distributed, GatheredWriter
@@ -39,6 +41,7 @@ from gradrunner.run.guards import (
     check_writable,
     forward_loss,
     next_batch,
+    optimizer_step,
     sigterm_as_interrupt,
     write_errors,
 )
@@ -123,6 +126,8 @@ def _run_steps(
     cfg: DictConfig, job: Job, cap: Capture, grads: RecordWriter | GatheredWriter, steps: StepsWriter | GatheredWriter
 ) -> None:
     """The step loop: forward, loss, backward, records (on captured steps), optimizer step."""
+    from gradrunner.records.writer import deferred_signals  # pyarrow: imported once writing starts
+
     bar = Progress(cfg.steps)
     # Read from the config once: OmegaConf lookups cost more than a tiny model's step.
     every, on_nonfinite = int(cfg.capture.every), str(cfg.capture.get("on_nonfinite", "record"))
@@ -140,16 +145,20 @@ def _run_steps(
                 t1 = time.perf_counter()
                 recs = cap.records(loss)
                 warn_without_grad(recs, step, warned)
-                grads.write_step(step, recs)
                 capture_time = time.perf_counter() - t1
                 loss_value = float("nan") if recs.loss is None else recs.loss
             else:
                 loss_value = float(loss.detach())
-            job.optimizer.step()
+            optimizer_step(job.optimizer, step)
             job.optimizer.zero_grad(set_to_none=True)
             _sync(job.device)
-            step_time = time.perf_counter() - t0
-            steps.write(step, captured, loss_value, step_time, capture_time, peak_memory_bytes(job.device))
+            peak = peak_memory_bytes(job.device)
+            with deferred_signals():  # a step's rows go into both tables, or into neither
+                t2 = time.perf_counter()
+                if captured:
+                    grads.write_step(step, recs)
+                    capture_time = (capture_time or 0.0) + time.perf_counter() - t2
+                steps.write(step, captured, loss_value, time.perf_counter() - t0, capture_time, peak)
             bar.update(step, loss_value)
             check_finite(on_nonfinite, step, loss_value, recs if captured else None)
     finally:
@@ -208,6 +217,31 @@ def train(
     meta = run_metadata(OmegaConf.to_yaml(cfg, resolve=True), seed=int(cfg.seed))
     taps = OmegaConf.to_container(cfg.taps, resolve=True)
     assert isinstance(taps, list), taps  # validate() checked it
+    try:
+        _train_in(cfg, job, directory, constants, meta, taps, dist)
+    except KeyboardInterrupt:
+        kept = [n for n in RECORD_FILES if (directory / n).is_file()]
+        steps_kept = _steps_in(directory / STEPS_FILE)
+        log.warning("interrupted; %s", f"the records of {steps_kept} completed step(s) are kept in {directory} "
+                    f"({', '.join(kept)})" if kept else f"no records were kept in {directory}")  # fmt: skip
+        raise
+    path = directory / GRADS_FILE
+    log.info("records: %s  (pandas.read_parquet('%s') or gradrunner.analysis.load('%s'))", path, path, directory)
+    return path
+
+
+def _steps_in(path: Path) -> int:
+    try:
+        return int(pq.read_metadata(path).num_rows)
+    except (OSError, pa.ArrowException):
+        return 0
+
+
+def _train_in(
+    cfg: DictConfig, job: Job, directory: Path, constants: dict[str, str], meta: dict[str, str], taps: list[Any],
+    dist: Distributed | None,
+) -> None:  # fmt: skip
+    """The body of `train`: capture, writers and the step loop, closed in the right order."""
     c = cfg.capture
     with contextlib.ExitStack() as stack:
         stack.enter_context(write_errors(directory))  # first in, last out: sees the writers' close too
@@ -218,19 +252,14 @@ def train(
         log.info("run %s: %d taps resolved (%s), %d steps on %s/%s", constants["run_id"], len(cap.taps),
                  ", ".join(t.tap for t in cap.taps[:6]) + (", ..." if len(cap.taps) > 6 else ""),
                  cfg.steps, job.device, cfg.dtype)  # fmt: skip
+        # Before the writers, so that it still holds while they close: a preempted job keeps its steps.
+        stack.enter_context(sigterm_as_interrupt())
         grads, steps = _open_writers(stack, directory, constants, meta, dist)
-        stack.enter_context(sigterm_as_interrupt())  # a preempted job keeps its completed steps, as with Ctrl-C
         try:
             _run_steps(cfg, job, cap, grads, steps)
         except NonFinite as e:
             e.directory = directory
             raise
-        except KeyboardInterrupt:
-            log.warning("interrupted after %d step(s); their records are kept in %s", steps.steps_written, directory)
-            raise
-    path = directory / GRADS_FILE
-    log.info("records: %s  (pandas.read_parquet('%s') or gradrunner.analysis.load('%s'))", path, path, directory)
-    return path
 
 
 def _open_writers(
@@ -238,11 +267,12 @@ def _open_writers(
     dist: Distributed | None,
 ) -> tuple[RecordWriter | GatheredWriter, StepsWriter | GatheredWriter]:  # fmt: skip
     """The job's grads and steps writers, closed by `stack`; under DDP rank 0 writes every rank's rows."""
-    from gradrunner.records.writer import RecordWriter, StepsWriter
+    from gradrunner.records.writer import RecordWriter, StepsWriter, closing_together
 
     if dist is not None:
         return distributed.open_writers(stack, dist, directory, constants, meta)
-    grads = stack.enter_context(RecordWriter(directory / GRADS_FILE, constants=constants, metadata=meta))
-    steps = stack.enter_context(StepsWriter(directory / STEPS_FILE, constants=constants, metadata=meta))
+    grads = RecordWriter(directory / GRADS_FILE, constants=constants, metadata=meta)
+    steps = StepsWriter(directory / STEPS_FILE, constants=constants, metadata=meta)
+    stack.enter_context(closing_together(grads, steps))  # both kept (with the same steps) or both dropped
     return grads, steps
 
