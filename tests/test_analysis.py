@@ -44,13 +44,13 @@ from gradrunner.errors import GradrunnerError
 
 @pytest.fixture
 def sweep(tmp_path: Path) -> pd.DataFrame:
-    return load(planted_sweep(tmp_path / "sweep"))
+    return load(planted_sweep(tmp_path / "sweep"), values=True)
 
 
 @pytest.fixture
 def run(tmp_path: Path) -> pd.DataFrame:
     write_planted_job(tmp_path / "run", "hook")
-    return load(tmp_path / "run")
+    return load(tmp_path / "run", values=True)
 
 
 # --- run_columns, forward_order, pick_steps, measure -------------------------------------------
@@ -101,7 +101,7 @@ def test_measures(run: pd.DataFrame) -> None:
 
 def test_mean_abs_without_values_says_what_to_do(tmp_path: Path) -> None:
     write_planted_job(tmp_path, "hook", values="none")
-    with pytest.raises(GradrunnerError, match=r"needs captured values \(capture.values=full or sample\).*'rms'"):
+    with pytest.raises(GradrunnerError, match=r"needs captured values \(capture.values=full or sample, read with load\(..., values=True\)\).*'rms'"):
         measure(load(tmp_path), "mean_abs")
     with pytest.raises(GradrunnerError, match="'nrom' is neither norm, rms, abs_max, mean_abs nor a column"):
         measure(load(tmp_path), "nrom")
@@ -216,7 +216,7 @@ def test_compare_within_other_swept_values(tmp_path: Path) -> None:
     jobs = [(s, seed) for seed in (0, 1) for s in ("hook", "retain_grad")]
     for i, (strategy, seed) in enumerate(jobs):
         write_planted_job(tmp_path / str(i), strategy, "none", [f"capture.strategy={strategy}", f"seed={seed}"])
-    cmp = compare_strategies(load(tmp_path))
+    cmp = compare_strategies(load(tmp_path, values=True))
     assert cmp.columns[0] == "seed" and sorted(cmp.seed.unique()) == [0, 1]
     assert (cmp.strategies == 2).all()
     assert set(cmp.loc[cmp.abs_diff > 0, "tap"]) == {"fc2:output"}

@@ -42,10 +42,22 @@ def make_sweep(root: Path) -> None:
 
 def test_single_run_dir_equals_read_parquet(tmp_path: Path) -> None:
     write_job(tmp_path)
-    df = load(tmp_path)
+    df = load(tmp_path, values=True)
     pd.testing.assert_frame_equal(df, pd.read_parquet(tmp_path / "grads.parquet"))
     assert "job" not in df.columns and len(df) == 4
+    pd.testing.assert_frame_equal(load(tmp_path), df.drop(columns="values"))
     assert df.run_id.unique().tolist() == [tmp_path.name]
+
+
+def test_columns_reads_only_those_and_values_only_when_asked(tmp_path: Path) -> None:
+    make_sweep(tmp_path)
+    df = load(tmp_path, columns=["step", "tap", "norm", "no_such_column"])
+    assert df.columns.tolist() == ["step", "tap", "norm", "job", "capture.strategy", "seed"]
+    reference = pd.read_parquet(tmp_path / "0" / "grads.parquet").norm.fillna(-1.0).tolist()
+    assert df.norm.fillna(-1.0).tolist() == reference * 3
+    assert "values" not in load(tmp_path).columns
+    full = load(tmp_path, columns=["step"], values=True)
+    assert full["values"].map(lambda v: v is None or len(v)).tolist()[:2] == [4, True]
 
 
 def test_parquet_file_path(tmp_path: Path) -> None:
@@ -97,6 +109,15 @@ def test_override_named_like_a_column_is_prefixed(tmp_path: Path) -> None:
     df = load(tmp_path)
     assert df.device.unique().tolist() == ["cpu"]
     assert df["override.device"].tolist() == ["auto", "auto", "cpu", "cpu"]
+
+
+@pytest.mark.parametrize("key", ["steps", "step", "norm", "first", "label", "position", "stat", "job"])
+def test_a_swept_key_named_like_a_record_or_helper_column_is_prefixed(tmp_path: Path, key: str) -> None:
+    write_job(tmp_path / "0", steps=1, overrides=[f"{key}=5", "seed=1"])
+    write_job(tmp_path / "1", steps=1, overrides=[f"{key}=10", "seed=2"])
+    df = load(tmp_path)
+    assert df[f"override.{key}"].tolist() == [5, 5, 10, 10]
+    assert df.seed.tolist() == [1, 1, 2, 2]  # not a record or helper column: its own name
 
 
 def test_schema_unification_keeps_columns_some_files_lack(tmp_path: Path) -> None:

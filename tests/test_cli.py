@@ -102,7 +102,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
         "steps=2", "capture.values=full",
     )  # fmt: skip
     check_ok(result)
-    return load(sweep_dir(cwd))
+    return load(sweep_dir(cwd), values=True)
 
 
 @pytest.mark.slow
@@ -139,7 +139,7 @@ def analytic(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
     result = gradrunner(cwd, "-m", "+experiment=sigmoid2,cosine", f"capture.strategy={','.join(STRATEGIES)}",
                         "steps=3", "dtype=float64", "capture.values=full", "optimizer.lr=0.5")  # fmt: skip
     check_ok(result)
-    return load(sweep_dir(cwd))
+    return load(sweep_dir(cwd), values=True)
 
 
 def grads_of(df: pd.DataFrame, strategy: str, step: int) -> dict[str, np.ndarray]:

@@ -54,7 +54,7 @@ def tick_labels(ax: Any) -> list[str]:
 
 
 def test_grad_flow_figure_one_panel_per_strategy_one_line_per_step(sweep_dir: Path) -> None:
-    df = load(sweep_dir)
+    df = load(sweep_dir, values=True)
     fig = plot_grad_flow(df, steps=[0, 3])
     assert [ax.get_title() for ax in fig.axes] == [f"strategy={s}" for s in STRATEGIES]
     for ax in fig.axes:
@@ -123,7 +123,7 @@ def test_heatmap_marks_zero_nan_and_missing_gradients(tmp_path: Path) -> None:
 
 
 def test_agreement_figure_labels_exact_agreement_and_the_planted_difference(sweep_dir: Path) -> None:
-    fig = plot_strategy_agreement(compare_strategies(load(sweep_dir)))
+    fig = plot_strategy_agreement(compare_strategies(load(sweep_dir, values=True)))
     by_stat, by_tap = fig.axes
     assert tick_labels(by_stat) == ["norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "values"]
     stat_texts = [t.get_text() for t in by_stat.texts]
@@ -144,7 +144,7 @@ def test_cost_figure_shows_time_and_memory_per_strategy(sweep_dir: Path) -> None
 
 
 def test_value_distributions_panel_per_tap_line_per_step(sweep_dir: Path) -> None:
-    df = load(sweep_dir)
+    df = load(sweep_dir, values=True)
     fig = plot_value_distributions(df, steps=[0, 1])
     visible = [ax for ax in fig.axes if ax.get_visible()]
     assert [ax.get_title() for ax in visible] == forward_order(df).label.tolist()

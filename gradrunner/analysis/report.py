@@ -96,7 +96,7 @@ def write_report(path: str | Path) -> Path:
     plots = _import_plots()
     root = Path(path)
     out_dir = root.parent if root.is_file() else root
-    grads = load(out_dir)
+    grads = load(out_dir, values=True)
     if grads.empty:
         raise GradrunnerError(f"the records in {out_dir} hold no rows (no step was captured); nothing to report")
     steps = _load_steps(out_dir)

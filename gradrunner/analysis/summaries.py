@@ -128,8 +128,8 @@ def measure(df: pd.DataFrame, name: str = "norm") -> pd.Series:
     if name == "mean_abs":
         if "values" not in df.columns or df["values"].isna().all():
             raise GradrunnerError(
-                "measure 'mean_abs' needs captured values (capture.values=full or sample); "
-                "without them use 'rms', its upper bound"
+                "measure 'mean_abs' needs captured values (capture.values=full or sample, read with "
+                "load(..., values=True)); without them use 'rms', its upper bound"
             )
         return df["values"].map(lambda v: np.nan if v is None else float(np.abs(v).mean())).rename("mean_abs")
     if name not in df.columns:
