@@ -240,3 +240,48 @@ def test_costs_are_medians_over_captured_steps_and_peak_memory(tmp_path: Path) -
     assert costs.peak_memory_bytes.tolist() == [PEAK[s] for s in STRATEGIES]
     assert costs.captured_steps.tolist() == [STEPS] * 3
     assert costs.capture_share.tolist() == pytest.approx([0.1] * 3)
+
+
+# --- swept keys that share a name with a record or helper column ---------------------------------
+
+SWEPT = ["steps", "seed", "capture.every", "model.depth", "label", "first", "stat"]
+
+
+@pytest.fixture
+def colliding_sweep(tmp_path: Path) -> Path:
+    """Six jobs (two per strategy) whose overrides use names the records and the helpers use."""
+    for i in range(6):
+        strategy = STRATEGIES[i % 3]
+        overrides = [f"capture.strategy={strategy}", *(f"{k}={5 + 5 * (i // 3)}" for k in SWEPT)]
+        write_planted_job(tmp_path / str(i), strategy, "full", overrides)
+    return tmp_path
+
+
+def test_every_helper_works_on_a_sweep_over_names_the_helpers_use(colliding_sweep: Path) -> None:
+    df = load(colliding_sweep, values=True)
+    assert {"override.steps", "seed", "capture.every", "model.depth", "override.label", "override.first"} <= set(df)
+    assert df.groupby("job")["override.steps"].first().tolist() == [5, 5, 5, 10, 10, 10]
+    assert run_columns(df) == ["strategy", "capture.every"]  # the swept keys split the jobs alike: the first
+    summary = tap_summary(df)
+    assert len(summary) == 6 * len(forward_order(df)) and summary["steps"].max() == STEPS
+    flow = grad_flow(df, measure_name="rms")
+    assert set(flow["capture.every"]) == {5, 10} and len(flow) == len(df)
+    cmp = compare_strategies(df)
+    assert set(cmp["capture.every"]) == {5, 10} and (cmp.strategies == 3).all()
+    planted = cmp[(cmp.tap == "fc2:output") & (cmp.step == 1) & (cmp.stat == "norm")]
+    assert planted.rel_diff.to_numpy() == pytest.approx([1e-3 / (1 + 1e-3)] * 2, rel=1e-4)  # float32 norms
+    costs = strategy_costs(load(colliding_sweep, table="steps"))
+    assert sorted(costs["capture.every"].tolist()) == [5, 5, 5, 10, 10, 10]
+    assert measure(df, "mean_abs").notna().any() and pick_steps(df.step) == list(range(STEPS))
+
+
+def test_helper_outputs_use_only_reserved_column_names(colliding_sweep: Path) -> None:
+    """A new helper column must join RESERVED_COLUMNS, or a swept key of that name would clash with it."""
+    from gradrunner.analysis.reading import RESERVED_COLUMNS
+
+    df = load(colliding_sweep, values=True)
+    runs = set(run_columns(df))
+    outputs = [tap_summary(df), grad_flow(df), grad_flow(df, measure_name="mean_abs"), compare_strategies(df),
+               forward_order(df), strategy_costs(load(colliding_sweep, table="steps"))]  # fmt: skip
+    for out in outputs:
+        assert set(out.columns) - runs <= RESERVED_COLUMNS, set(out.columns) - runs - RESERVED_COLUMNS

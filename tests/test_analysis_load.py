@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -155,3 +156,23 @@ def test_missing_path_and_bad_table(tmp_path: Path) -> None:
         load(tmp_path / "nope")
     with pytest.raises(GradrunnerError, match="table='grad'.*allowed: grads, steps"):
         load(tmp_path, table="grad")
+
+
+# The README's one-liners, verbatim (tests/test_analysis_load.py checks that the README has them).
+DUCKDB_LINE = """duckdb.sql("select strategy, tap, count(*) as n, avg(norm) as norm from 'multirun/**/grads.parquet' group by all order by all").df()"""
+POLARS_LINE = """pl.read_parquet("multirun/**/grads.parquet").group_by("strategy", "tap").agg(pl.len(), pl.col("norm").mean())"""
+
+
+def test_the_readme_duckdb_and_polars_lines_read_a_sweep_with_steps_tables_beside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    duckdb = pytest.importorskip("duckdb")
+    pl = pytest.importorskip("polars")
+    make_sweep(tmp_path / "multirun" / "2026-11-23" / "10-00-00")  # grads.parquet and steps.parquet per job
+    monkeypatch.chdir(tmp_path)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert DUCKDB_LINE in readme and POLARS_LINE in readme
+    by_duckdb = eval(DUCKDB_LINE, {"duckdb": duckdb})
+    by_polars = eval(POLARS_LINE, {"pl": pl}).to_pandas().sort_values(["strategy", "tap"]).reset_index(drop=True)
+    reference = load("multirun").groupby(["strategy", "tap"]).agg(n=("norm", "size"), norm=("norm", "mean")).reset_index()
+    assert by_duckdb.n.tolist() == by_polars["len"].tolist() == reference.n.tolist() == [2] * 6
+    np.testing.assert_allclose(by_duckdb.norm.to_numpy(float), reference.norm.to_numpy(float))
+    np.testing.assert_allclose(by_polars.norm.to_numpy(float), reference.norm.to_numpy(float))

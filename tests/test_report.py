@@ -405,3 +405,25 @@ def test_report_on_a_real_three_strategy_sweep(tmp_path: Path, experiment: str, 
     assert tick_labels(flow.axes[-1]) == forward_order(df).label.tolist()
     if shutil.which("chromium"):
         assert chromium_problems(page) == []
+
+
+@pytest.mark.slow
+def test_report_and_every_helper_on_a_sweep_over_steps(tmp_path: Path) -> None:
+    """`-m +experiment=mlp steps=5,10` then the report: the swept `steps` never clashes with a column."""
+    from conftest import check_ok, gradrunner
+
+    from gradrunner.analysis import grad_flow, tap_summary
+
+    sweep = tmp_path / "sweep"
+    check_ok(gradrunner(tmp_path, "-m", "+experiment=mlp", "steps=5,10", f"hydra.sweep.dir={sweep}"))
+    out = subprocess.run([sys.executable, "-m", "gradrunner.report", str(sweep)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()) == sweep / REPORT_NAME
+    df = load(sweep)
+    assert df.groupby("job")["override.steps"].first().tolist() == [5, 10]
+    assert df.groupby("job").step.max().tolist() == [4, 9]
+    summary = tap_summary(df)
+    assert summary.groupby("override.steps")["steps"].max().to_dict() == {5: 5, 10: 10}
+    assert set(grad_flow(df)["override.steps"]) == {5, 10}
+    assert len(strategy_costs(load(sweep, table="steps"))) == 2
