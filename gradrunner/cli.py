@@ -31,7 +31,7 @@ from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
-from gradrunner.overrides import misspelled_key
+from gradrunner.overrides import misspelled_key, sweep_jobs
 from gradrunner.run.guards import Terminated, check_writable
 from gradrunner.run.job import run
 
@@ -76,6 +76,51 @@ class OutputDirCheck(Callback):
             _fail(e)
 
 
+class SweepCheck(Callback):
+    """Composes and validates every job of a sweep before the first one runs; a bad value is one paragraph, exit 2.
+
+    Registered in `conf/config.yaml` under `hydra.callbacks.sweep_check`. Without it, job 0 runs to
+    the end before job 1 fails on `capture.strategy=bogus`. Each distinct mistake is reported once,
+    with the jobs it affects.
+
+    Example::
+
+        python -m gradrunner -m +experiment=mlp capture.strategy=hook,bogus   # exit 2, nothing run
+    """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            jobs = sweep_jobs(config)
+        except Exception:  # an override Hydra's sweeper reports better itself
+            return
+        if not jobs or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            return
+        problems = _job_problems(config, jobs)
+        if problems:
+            for message, numbers in problems.items():
+                which = f"job {numbers[0]}" if len(numbers) == 1 else f"jobs {', '.join(map(str, numbers))}"
+                print(f"gradrunner: error: {which} of {len(jobs)} ({' '.join(jobs[numbers[0]])}): {message}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            print("gradrunner: the sweep was checked before any job ran; nothing was run.", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+
+
+def _job_problems(config: DictConfig, jobs: list[list[str]]) -> dict[str, list[int]]:
+    """Each distinct config mistake among the jobs, with the numbers of the jobs that have it."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from gradrunner.config import validate
+
+    loader = GlobalHydra.instance().config_loader()
+    problems: dict[str, list[int]] = {}
+    for number, overrides in enumerate(jobs):
+        try:
+            validate(loader.load_sweep_config(config, list(overrides)))
+        except (GradrunnerError, OmegaConfBaseException, CompactHydraException) as e:
+            problems.setdefault(one_paragraph(e), []).append(number)
+    return problems
+
+
 def main() -> None:
     """The entry point: a misspelled key on the command line is refused in one paragraph, then the app runs.
 
@@ -87,7 +132,10 @@ def main() -> None:
     if message is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
         print(f"gradrunner: error: {message}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
-    app()
+    try:
+        app()
+    except BrokenPipeError:  # `gradrunner --help | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 @hydra.main(version_base="1.3", config_path="pkg://gradrunner.conf", config_name="config")

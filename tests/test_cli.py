@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -250,11 +251,35 @@ def test_a_misspelled_key_is_refused_without_a_traceback(tmp_path: Path) -> None
 
 @pytest.mark.slow
 def test_a_sweep_runs_the_other_jobs_and_fails_at_the_end(tmp_path: Path) -> None:
-    result = gradrunner(tmp_path, "-m", "+experiment=cosine", "steps=1", "capture.strategy=hook,bogus,retain_grad")
+    # a mistake only the forward pass finds (inputs of 3 features into an 8-feature MLP): job 1 fails, 0 and 2 run
+    result = gradrunner(tmp_path, "-m", "+experiment=mlp", "steps=1", "data.input_shape=[8],[3],[8]")
     assert result.returncode != 0
-    assert "Traceback" not in result.stderr and "capture.strategy='bogus'" in result.stderr
+    assert "Traceback" not in result.stderr and "failed in the model's forward()" in result.stderr
     root = sweep_dir(tmp_path)
     assert sorted(p.parent.name for p in root.glob("*/grads.parquet")) == ["0", "2"]
+
+
+def test_a_sweep_is_validated_before_its_first_job_and_each_mistake_is_reported_once(tmp_path: Path) -> None:
+    result = gradrunner(tmp_path, "-m", "+experiment=cosine", "steps=1", "capture.strategy=hook,bogus", "seed=0,1,2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2, result.stderr
+    assert lines[0].startswith("gradrunner: error: jobs 3, 4, 5 of 6 (+experiment=cosine steps=1 capture.strategy=bogus")
+    assert "capture.strategy='bogus' is not allowed; allowed: retain_grad, hook, autograd_grad" in lines[0]
+    assert "nothing was run" in lines[1] and not list(tmp_path.rglob("*.parquet"))
+
+
+def test_help_piped_into_head_ends_without_a_traceback(tmp_path: Path) -> None:
+    """`gradrunner --help | head`: the reader is gone before the help is written (closed before the start)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "gradrunner", "--help"], cwd=tmp_path, env=cli_env(),
+                                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
+    assert result.returncode == 0
 
 
 # -- interruptions ------------------------------------------------------------------------------
