@@ -32,7 +32,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from gradrunner.capturing.session import Capture, capture
 from gradrunner.records.columns import GRADS_FILE, STEPS_FILE
 from gradrunner.records.writer import RecordWriter, StepsWriter, run_metadata
-from gradrunner.run import distributed
+from gradrunner.run import distributed, watch
 from gradrunner.run.build import Job, setup
 from gradrunner.run.distributed import Distributed, GatheredWriter
 from gradrunner.run.guards import (
@@ -126,6 +126,7 @@ def _run_steps(
     bar = Progress(cfg.steps)
     # Read from the config once: OmegaConf lookups cost more than a tiny model's step.
     every, on_nonfinite = int(cfg.capture.every), str(cfg.capture.get("on_nonfinite", "record"))
+    full_values, zeros = cfg.capture["values"] == "full", watch.ZeroWatch(int(cfg.steps))
     source, model_name, loss_name = str(cfg.data._target_), str(cfg.model._target_), str(cfg.loss._target_)
     try:
         for step in range(int(cfg.steps)):
@@ -138,6 +139,8 @@ def _run_steps(
             if captured:
                 t1 = time.perf_counter()
                 recs = cap.records(loss)
+                if full_values and step == 0:
+                    watch.warn_values_size(recs, watch.captured_steps(int(cfg.steps), every), int(cfg.capture.sample_size))
                 grads.write_step(step, recs)
                 capture_time = time.perf_counter() - t1
                 loss_value = float("nan") if recs.loss is None else recs.loss
@@ -149,6 +152,7 @@ def _run_steps(
             step_time = time.perf_counter() - t0
             steps.write(step, captured, loss_value, step_time, capture_time, peak_memory_bytes(job.device))
             bar.update(step, loss_value)
+            zeros.step(step, loss_value, recs if captured else None)
             check_finite(on_nonfinite, step, loss_value, recs if captured else None)
     finally:
         bar.close()
