@@ -48,8 +48,12 @@ def _panels(n: int, width: float, height: float, sharey: bool = False) -> tuple[
     return fig, fig.subplots(n, 1, squeeze=False, sharex=True, sharey=sharey)[:, 0]
 
 
+#: Flow panels: a tap named like a parameter (`weight`, `bias`, `in_proj_weight`) goes in the second.
+ACTIVATIONS, WEIGHTS = "outputs, inputs and locals", "weights and biases"
+
+
 def _kind(name: str) -> str:
-    return "outputs and inputs" if name.split(".")[0] in ("output", "input") else "parameters and locals"
+    return WEIGHTS if name in ("weight", "bias") or name.endswith(("_weight", "_bias")) else ACTIVATIONS
 
 
 def plot_grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure_name: str = "norm") -> Figure:
@@ -62,15 +66,16 @@ def plot_grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure
         fig.savefig("flow.png")
 
     `steps` defaults to four spread over the run; `measure_name` is one of `analysis.measure`'s
-    (norm, rms, abs_max, mean_abs). Module outputs and inputs get one column of panels, parameters
-    and forward() locals another (a line never joins an output to a weight). A value of exactly 0
+    (norm, rms, abs_max, mean_abs). Outputs, inputs and locals get one column of panels, weights
+    and biases (taps named `weight`, `bias`, `*_weight`, `*_bias`) another: a line never joins an
+    output to a weight. A value of exactly 0
     has no place on a log scale: it is drawn as an x on the bottom edge (legend "exactly 0"); NaN
     leaves a gap.
     """
     flow = grad_flow(df, steps, measure_name)
     order = forward_order(df)
     order["kind"] = [_kind(t.split(":", 1)[1]) for t in order["tap"]]
-    kinds = list(dict.fromkeys(sorted(order["kind"])))
+    kinds = [k for k in (ACTIVATIONS, WEIGHTS) if (order["kind"] == k).any()]
     flow = flow.merge(order[["tap", "call", "kind"]], on=["tap", "call"], how="left")
     runs = _runs(flow, run_columns(df), records=df)
     widths = [max(3.0, 0.45 * int((order["kind"] == k).sum()) + 1.5) for k in kinds]
@@ -97,7 +102,7 @@ def plot_grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure
             if row == 0:
                 ax.set_title(kind if len(runs) > 1 or not title else f"{title}: {kind}", fontsize="medium")
             ax.grid(True, which="major", alpha=0.3)
-            if col == len(kinds) - 1:
+            if col == 0:
                 ax.legend(fontsize="small", loc="best")
             ax.set_xticks(range(len(positions)), positions["label"] if row == len(runs) - 1 else [],
                           rotation=60, ha="right", fontsize="small")  # fmt: skip

@@ -188,6 +188,7 @@ def _runs_section(grads: pd.DataFrame, steps: pd.DataFrame | None) -> str:
         by_run = steps.groupby("run_id", sort=False)
         runs["steps run"] = by_run["step"].size().reindex(g.size().index).to_numpy()
         runs["last loss"] = by_run["loss"].agg(lambda s: s.iloc[-1]).reindex(g.size().index).to_numpy()
+    runs["last loss"] = [f"{v:.6g}" if v == v else "NaN" for v in runs["last loss"]]  # NaN shown, not blank
     return _section("Runs", _table(runs))
 
 
@@ -226,7 +227,7 @@ def _findings(summary: pd.DataFrame) -> str:
             items.append((int(step), label))
         by_step = pd.DataFrame(items, columns=["step", "label"]).groupby("step", sort=True)["label"]
         lines = [f"<li>{how} {step}: {', '.join(labels)}</li>" for step, labels in by_step]
-        details.append(f"<h3>{kind.capitalize()}</h3>\n<ul class=\"findings\">\n" + "\n".join(lines) + "\n</ul>")
+        details.append(f"<h3>{kind[0].upper() + kind[1:]}</h3>\n<ul class=\"findings\">\n" + "\n".join(lines) + "\n</ul>")
     if not headline:
         return (f'<p class="ok">No NaN or Inf; no vanishing (norm below {VANISH_BELOW:g} at the last step) '
                 f"or exploding (norm above {EXPLODE_ABOVE:g}) gradient.</p>")  # fmt: skip
@@ -242,7 +243,7 @@ def _summary_table(summary: pd.DataFrame) -> str:
     strategies = list(dict.fromkeys(summary["strategy"]))
     keys = [c for c in run_cols if c != "strategy"] + ["tap", "call"]
     numeric = [c for c in _SHOWN if c not in ("tap", "call")]
-    g = summary.groupby(keys, sort=False, dropna=False)[numeric]
+    g = summary.astype({c: "float64" for c in numeric}).groupby(keys, sort=False, dropna=False)[numeric]
     lo, hi = g.min(), g.max()
     scale = np.maximum(hi.abs(), lo.abs()).fillna(0)
     agree = ((hi - lo).abs().fillna(0) <= 1e-6 * scale) & (g.count().eq(g.size(), axis=0) | g.count().eq(0))
