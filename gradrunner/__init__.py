@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 from gradrunner.errors import GradrunnerError
 
 if TYPE_CHECKING:
-    from gradrunner.capturing.session import Capture, Grads, capture
     from gradrunner.capturing.explore import list_taps
+    from gradrunner.capturing.session import Capture, Grads, capture
     from gradrunner.capturing.strategies import STRATEGIES
 
 __version__ = "0.1.0"

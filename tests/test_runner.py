@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import random
 from pathlib import Path
@@ -126,7 +127,7 @@ def test_progress_draws_a_tqdm_bar_on_a_terminal_without_stale_characters_and_st
     drawn = [d for d in stream.getvalue().split("\r") if d.strip()]
     assert "3/3" in drawn[-1] and drawn[-1].rstrip().endswith("step 2  loss 1]")
     assert "step 0  loss 123457" in drawn[1] and "step 1  loss 0.25" in drawn[2]
-    for before, after in zip(drawn, drawn[1:]):  # a shorter line is padded over the longer one before it
+    for before, after in itertools.pairwise(drawn):  # a shorter line is padded over the longer one before it
         assert len(after.rstrip("\n")) >= len(before.rstrip())
     assert stream.getvalue().endswith("\n")
 

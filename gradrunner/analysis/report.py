@@ -224,7 +224,7 @@ def _findings(summary: pd.DataFrame) -> str:
             if run_cols and len(group) < len(runs):  # only some runs: say which
                 label += " (" + html.escape("; ".join(", ".join(f"{c}={r[c]}" for c in run_cols)
                                                       for r in group.to_dict("records"))) + ")"  # fmt: skip
-            items.append((int(step), label))
+            items.append((int(step), label))  # type: ignore[call-overload]
         by_step = pd.DataFrame(items, columns=["step", "label"]).groupby("step", sort=True)["label"]
         lines = [f"<li>{how} {step}: {', '.join(labels)}</li>" for step, labels in by_step]
         details.append(f"<h3>{kind[0].upper() + kind[1:]}</h3>\n<ul class=\"findings\">\n" + "\n".join(lines) + "\n</ul>")
@@ -245,7 +245,7 @@ def _summary_table(summary: pd.DataFrame) -> str:
     numeric = [c for c in _SHOWN if c not in ("tap", "call")]
     g = summary.astype({c: "float64" for c in numeric}).groupby(keys, sort=False, dropna=False)[numeric]
     lo, hi = g.min(), g.max()
-    scale = np.maximum(hi.abs(), lo.abs()).fillna(0)
+    scale = pd.DataFrame(np.maximum(hi.abs(), lo.abs()), index=hi.index, columns=hi.columns).fillna(0)
     agree = ((hi - lo).abs().fillna(0) <= 1e-6 * scale) & (g.count().eq(g.size(), axis=0) | g.count().eq(0))
     first = summary.drop_duplicates(keys).set_index(keys)[numeric]
     if agree.to_numpy().all():

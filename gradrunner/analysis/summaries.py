@@ -130,9 +130,9 @@ def flow_steps(df: pd.DataFrame, n: int = 4) -> list[int]:
         d = df[df["step"].isin(finite) & df["has_grad"].fillna(False).astype(bool)]
         table = d.pivot_table(index="step", columns=["run_id", "tap", "call"], values="norm", aggfunc="first")
         with np.errstate(divide="ignore", invalid="ignore"):
-            change = np.log10(table.where(table > 0)).diff().abs().median(axis=1, skipna=True)
+            change = table.where(table > 0).apply(np.log10).diff().abs().median(axis=1, skipna=True)
         if change.notna().any() and change.max() > 0:
-            jump = int(change.idxmax())
+            jump = int(change.index[int(np.nanargmax(change.to_numpy(dtype=np.float64)))])
             picks += [jump, finite[finite.index(jump) - 1]]
         picks.append(finite[-1])
     picks = list(dict.fromkeys(picks))[:n]
