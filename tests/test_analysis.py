@@ -285,3 +285,13 @@ def test_helper_outputs_use_only_reserved_column_names(colliding_sweep: Path) ->
                forward_order(df), strategy_costs(load(colliding_sweep, table="steps"))]  # fmt: skip
     for out in outputs:
         assert set(out.columns) - runs <= RESERVED_COLUMNS, set(out.columns) - runs - RESERVED_COLUMNS
+
+
+def test_flow_steps_stop_at_the_first_nonfinite_step_and_keep_the_largest_change(tmp_path: Path) -> None:
+    from gradrunner.analysis import flow_steps
+
+    df = load(planted_sweep(tmp_path))
+    assert flow_steps(df) == [0, 1, 2]  # head:output is NaN from step 2: step 3 (all NaN there) is never drawn
+    finite = df[df.tap != "head:output"]
+    # fc1 falls 1000x every step; at step 3 fc2:weight also jumps 1e4x: the largest change, with the step before
+    assert flow_steps(finite, n=3) == [0, 2, 3] and flow_steps(finite) == [0, 1, 2, 3]

@@ -116,7 +116,7 @@ def flow_steps(df: pd.DataFrame, n: int = 4) -> list[int]:
         plot_grad_flow(df, steps=flow_steps(df))
 
     A step is non-finite when a record of it holds a NaN or Inf; "largest change" is the step
-    whose median |log10 norm| change from the step before, over the taps, is largest (among the
+    whose mean |log10 norm| change from the step before, over the taps, is largest (among the
     finite steps). Steps after the first non-finite one are all NaN, so none of them is picked.
     Without anything remarkable it is `pick_steps` (spread evenly, first and last included).
     """
@@ -130,7 +130,7 @@ def flow_steps(df: pd.DataFrame, n: int = 4) -> list[int]:
         d = df[df["step"].isin(finite) & df["has_grad"].fillna(False).astype(bool)]
         table = d.pivot_table(index="step", columns=["run_id", "tap", "call"], values="norm", aggfunc="first")
         with np.errstate(divide="ignore", invalid="ignore"):
-            change = table.where(table > 0).apply(np.log10).diff().abs().median(axis=1, skipna=True)
+            change = table.where(table > 0).apply(np.log10).diff().abs().mean(axis=1, skipna=True)
         if change.notna().any() and change.max() > 0:
             jump = int(change.index[int(np.nanargmax(change.to_numpy(dtype=np.float64)))])
             picks += [jump, finite[finite.index(jump) - 1]]
