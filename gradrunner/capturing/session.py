@@ -283,9 +283,9 @@ class Capture:
         if reason is not None:
             if not tap.from_glob:
                 raise GradrunnerError(
-                    f"tap {tap.tap!r} cannot carry a gradient: its value is {reason}. Tap a tensor computed "
-                    "from parameters or from an input that requires grad (an input tap on the root makes "
-                    "floating-point inputs require grad), or drop the tap."
+                    f"tap {tap.tap!r} cannot carry a gradient: its value is {reason}.{_element_hint(tap, value)} "
+                    "Tap a tensor computed from parameters or from an input that requires grad (an input tap on "
+                    "the root makes floating-point inputs require grad), or drop the tap."
                 )
             slot.reason = reason  # a glob also matched this one: recorded as having no gradient
             return value
@@ -387,3 +387,14 @@ def capture(
     """
     return Capture(model, taps, strategy, values=values, sample_size=sample_size, seed=seed, keep_grads=keep_grads,
                    wrap_strategy=wrap_strategy)
+
+
+def _element_hint(tap: Tap, value: object) -> str:
+    """For a tuple or dict value: the element taps that reach its tensors (`attn:output.0`, `:output.logits`)."""
+    if isinstance(value, Mapping):
+        names = [f"{tap.tap}.{k}" for k, v in value.items() if isinstance(v, torch.Tensor)]
+    elif isinstance(value, (tuple, list)):
+        names = [f"{tap.tap}.{i}" for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+    else:
+        return ""
+    return f" Tap one of its elements instead: {', '.join(names[:4])}." if names else ""
