@@ -27,7 +27,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
@@ -80,8 +80,9 @@ class SweepCheck(Callback):
     """Composes and validates every job of a sweep before the first one runs; a bad value is one paragraph, exit 2.
 
     Registered in `conf/config.yaml` under `hydra.callbacks.sweep_check`. Without it, job 0 runs to
-    the end before job 1 fails on `capture.strategy=bogus`. Each distinct mistake is reported once,
-    with the jobs it affects.
+    the end before job 1 fails on `capture.strategy=bogus`. Values are validated and the tap specs
+    resolved against each distinct model, built on the meta device (no memory, no weights). Each
+    distinct mistake is reported once, with the jobs it affects.
 
     Example::
 
@@ -113,12 +114,44 @@ def _job_problems(config: DictConfig, jobs: list[list[str]]) -> dict[str, list[i
 
     loader = GlobalHydra.instance().config_loader()
     problems: dict[str, list[int]] = {}
+    resolved: dict[str, str | None] = {}
     for number, overrides in enumerate(jobs):
         try:
-            validate(loader.load_sweep_config(config, list(overrides)))
+            cfg = loader.load_sweep_config(config, list(overrides))
+            validate(cfg)
         except (GradrunnerError, OmegaConfBaseException, CompactHydraException) as e:
             problems.setdefault(one_paragraph(e), []).append(number)
+            continue
+        key = OmegaConf.to_yaml({"model": cfg.model, "taps": cfg.taps})
+        if key not in resolved:
+            resolved[key] = _tap_problem(cfg)
+        if resolved[key] is not None:
+            problems.setdefault(str(resolved[key]), []).append(number)
     return problems
+
+
+def _tap_problem(cfg: DictConfig) -> str | None:
+    """The tap specs resolved against the model built on the meta device (no memory, no init cost), or None.
+
+    A model that cannot be built that way is left to its job, which reports any problem itself.
+    """
+    import torch
+    from hydra.utils import instantiate
+
+    from gradrunner.capturing.taps import resolve_taps
+
+    try:
+        with torch.device("meta"):
+            model = instantiate(cfg.model, _convert_="all")
+    except Exception:
+        return None
+    if not isinstance(model, torch.nn.Module):
+        return None
+    try:
+        resolve_taps(model, OmegaConf.to_container(cfg.taps, resolve=True))  # type: ignore[arg-type]
+    except GradrunnerError as e:
+        return one_paragraph(e)
+    return None
 
 
 def main() -> None:

@@ -268,6 +268,13 @@ def test_a_sweep_is_validated_before_its_first_job_and_each_mistake_is_reported_
     assert lines[0].startswith("gradrunner: error: jobs 3, 4, 5 of 6 (+experiment=cosine steps=1 capture.strategy=bogus")
     assert "capture.strategy='bogus' is not allowed; allowed: retain_grad, hook, autograd_grad" in lines[0]
     assert "nothing was run" in lines[1] and not list(tmp_path.rglob("*.parquet"))
+    # taps are resolved against each job's model (built on the meta device) before anything runs
+    taps = gradrunner(tmp_path, "-m", "+experiment=mlp", "model.depth=3,2", "taps=[fc3:output]", "steps=1")
+    assert taps.returncode == 2 and "Traceback" not in taps.stderr
+    lines = taps.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("gradrunner: error: job 1 of 2 (+experiment=mlp model.depth=2")
+    assert "tap 'fc3:output': no module 'fc3' in MLP. Closest paths: 'fc2', 'fc1'" in lines[0]
+    assert not list(tmp_path.rglob("*.parquet"))
 
 
 def test_help_piped_into_head_ends_without_a_traceback(tmp_path: Path) -> None:
