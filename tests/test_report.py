@@ -157,6 +157,13 @@ def test_value_distributions_panel_per_tap_line_per_step(sweep_dir: Path) -> Non
     assert fig.get_suptitle() == "Gradient values (strategy=retain_grad)"
 
 
+def test_value_distributions_say_when_taps_are_left_out(sweep_dir: Path) -> None:
+    df = load(sweep_dir / "0", values=True)
+    fig = plot_value_distributions(df, max_taps=3)
+    assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == forward_order(df).label.tolist()[:3]
+    assert fig.get_suptitle() == "Gradient values (planted · retain_grad; the first 3 of 7 taps (max_taps=))"
+
+
 def test_value_distributions_need_values(tmp_path: Path) -> None:
     write_planted_job(tmp_path, "hook", values="none")
     with pytest.raises(GradrunnerError, match="needs captured values"):

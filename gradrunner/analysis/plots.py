@@ -256,11 +256,16 @@ def plot_value_distributions(df: pd.DataFrame, steps: Iterable[int] | None = Non
 
     Needs `capture.values=full` or `sample` (raises GradrunnerError otherwise). With several runs in
     `df` only the first is drawn (named in the title): select one first. Densities (y unlabelled).
+    At most `max_taps` panels, in forward order; the title says when taps were left out.
     """
     measure(df, "mean_abs")  # the check that values were captured, with its message
     title, run = _runs(df, run_columns(df))[0]
     chosen = pick_steps(run["step"], n=2) if steps is None else [int(s) for s in steps]
-    order = forward_order(run).head(max_taps)
+    everything = forward_order(run)
+    order = everything.head(max_taps)
+    if len(everything) > max_taps:  # say so: a tap silently missing reads as a tap without values
+        title = f"{title}; the first {max_taps} of {len(everything)} taps (max_taps=)" if title else \
+            f"the first {max_taps} of {len(everything)} taps (max_taps=)"  # fmt: skip
     cols = min(4, len(order))
     fig = Figure(figsize=(3.2 * cols, 2.6 * -(-len(order) // cols)), layout="constrained")
     axes = fig.subplots(-(-len(order) // cols), cols, squeeze=False).ravel()
