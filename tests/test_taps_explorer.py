@@ -140,3 +140,20 @@ def test_the_command_lists_the_transformer_in_text_and_json_and_writes_nothing(t
     assert bad.returncode == 2 and "allowed: text, json" in bad.stderr and "Traceback" not in bad.stderr
     wrong = taps_cli(tmp_path, "+experiment=mlp", "data.input_shape=[3]")
     assert wrong.returncode == 2 and "Traceback" not in wrong.stderr and "forward()" in wrong.stderr
+
+
+def test_a_forward_that_needs_autograd_is_listed_with_grad_enabled() -> None:
+    class Score(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.energy = nn.Linear(3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x.requires_grad_(True)
+            (force,) = torch.autograd.grad(self.energy(x).sum(), x, create_graph=True)
+            return force
+
+    model = Score()
+    m = by_path(list_taps(model, torch.randn(2, 3)))
+    assert m[""].outputs[0].shape == [2, 3] and m["energy"].outputs[0].shape == [2, 1]
+    assert m[""].locals == ["x", "force"] and leftover_hooks(model) == []

@@ -140,7 +140,7 @@ def _recording(model: nn.Module) -> Iterator[dict[int, dict[str, Any]]]:
 
 
 def list_taps(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> TapListing:
-    """Run `model(*example_args, **example_kwargs)` once (no grad) and list what each module offers.
+    """Run `model(*example_args, **example_kwargs)` once (under no_grad if it can) and list what each module offers.
 
     Example::
 
@@ -149,8 +149,12 @@ def list_taps(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Ta
 
     The model's parameters and buffers are left as they were; every hook is removed on return.
     """
-    with _recording(model) as seen, torch.no_grad():
-        model(*example_args, **example_kwargs)
+    try:
+        with _recording(model) as seen, torch.no_grad():
+            model(*example_args, **example_kwargs)
+    except RuntimeError:  # a forward that needs autograd itself (torch.autograd.grad inside): once more with it
+        with _recording(model) as seen:
+            model(*example_args, **example_kwargs)
     called: list[tuple[int, ModuleTaps]] = []
     not_called: list[ModuleTaps] = []
     for path, module in model.named_modules(remove_duplicate=False):
