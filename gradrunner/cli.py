@@ -2,8 +2,9 @@
 
 `main` is a shim over `gradrunner.run.job.run` (`runner.train` plus the run dir's books). A user mistake
 (`GradrunnerError`, or an OmegaConf error such as a missing value) prints one paragraph to stderr, no
-traceback, and exits with status 2; in a sweep (`-m`) the job fails, the other jobs still run, and
-Hydra reports it at the end (status 1).
+traceback, and exits with status 2. A sweep (`-m`) is checked before its first job (`SweepCheck`: every
+job's config validated, its taps resolved): a bad value is one paragraph, status 2, nothing run; a job
+that fails later fails alone, the other jobs still run, and Hydra reports it at the end (status 1).
 A misspelled top-level or `capture.*` key on the command line is refused before Hydra runs
 (`gradrunner.overrides`), in one paragraph with status 2; other mistakes Hydra finds while composing
 (an unknown option, a misspelled key inside a YAML file) get Hydra's own short message and status 1. `HYDRA_FULL_ERROR=1` shows the full traceback instead. Ctrl-C and SIGTERM
