@@ -19,6 +19,7 @@ Example::
     with capture(model, ["fc1:output"], strategy="hook") as cap:
         cap.backward(loss_fn(model(x), y))
     cap.grads["fc1:output"]
+    print(gradrunner.list_taps(model, x))   # every module path, its shapes and what it offers to tap
 
 The names below are imported on first use, so `import gradrunner.analysis` does not import torch.
 """
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from gradrunner.errors import GradrunnerError
 
 if TYPE_CHECKING:
+    from gradrunner.capturing.explore import list_taps
     from gradrunner.capturing.session import Capture, Grads, capture
     from gradrunner.capturing.strategies import STRATEGIES
 
@@ -42,9 +44,10 @@ _LAZY = {
     "Grads": "gradrunner.capturing.session",
     "capture": "gradrunner.capturing.session",
     "STRATEGIES": "gradrunner.capturing.strategies",
+    "list_taps": "gradrunner.capturing.explore",
 }
 
-__all__ = ["STRATEGIES", "Capture", "GradrunnerError", "Grads", "__version__", "capture"]
+__all__ = ["STRATEGIES", "Capture", "GradrunnerError", "Grads", "__version__", "capture", "list_taps"]
 
 
 def __getattr__(name: str) -> Any:

@@ -2,8 +2,9 @@
 
 `main` is a shim over `gradrunner.run.job.run` (`runner.train` plus the run dir's books). A user mistake
 (`GradrunnerError`, or an OmegaConf error such as a missing value) prints one paragraph to stderr, no
-traceback, and exits with status 2; in a sweep (`-m`) the job fails, the other jobs still run, and
-Hydra reports it at the end (status 1).
+traceback, and exits with status 2. A sweep (`-m`) is checked before its first job (`SweepCheck`: every
+job's config validated, its taps resolved): a bad value is one paragraph, status 2, nothing run; a job
+that fails later fails alone, the other jobs still run, and Hydra reports it at the end (status 1).
 A misspelled top-level or `capture.*` key on the command line is refused before Hydra runs
 (`gradrunner.overrides`), in one paragraph with status 2; other mistakes Hydra finds while composing
 (an unknown option, a misspelled key inside a YAML file) get Hydra's own short message and status 1. `HYDRA_FULL_ERROR=1` shows the full traceback instead. Ctrl-C and SIGTERM
@@ -32,11 +33,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
-from gradrunner.overrides import misspelled_key
+from gradrunner.overrides import misspelled_key, sweep_jobs
 from gradrunner.records.columns import RECORD_FILES
 from gradrunner.records.rundir import FAILED, Refused, mark_failed
 from gradrunner.run.guards import Terminated, check_writable
@@ -135,6 +136,84 @@ class OutputDirCheck(Callback):
             _fail(e)
 
 
+class SweepCheck(Callback):
+    """Composes and validates every job of a sweep before the first one runs; a bad value is one paragraph, exit 2.
+
+    Registered in `conf/config.yaml` under `hydra.callbacks.sweep_check`. Without it, job 0 runs to
+    the end before job 1 fails on `capture.strategy=bogus`. Values are validated and the tap specs
+    resolved against each distinct model, built on the meta device (no memory, no weights). Each
+    distinct mistake is reported once, with the jobs it affects.
+
+    Example::
+
+        python -m gradrunner -m +experiment=mlp capture.strategy=hook,bogus   # exit 2, nothing run
+    """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            jobs = sweep_jobs(config)
+        except Exception:  # an override Hydra's sweeper reports better itself
+            return
+        if not jobs or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            return
+        problems = _job_problems(config, jobs)
+        if problems:
+            for message, numbers in problems.items():
+                which = f"job {numbers[0]}" if len(numbers) == 1 else f"jobs {', '.join(map(str, numbers))}"
+                print(f"gradrunner: error: {which} of {len(jobs)} ({' '.join(jobs[numbers[0]])}): {message}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            print("gradrunner: the sweep was checked before any job ran; nothing was run.", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+
+
+def _job_problems(config: DictConfig, jobs: list[list[str]]) -> dict[str, list[int]]:
+    """Each distinct config mistake among the jobs, with the numbers of the jobs that have it."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from gradrunner.config import validate
+
+    loader = GlobalHydra.instance().config_loader()
+    problems: dict[str, list[int]] = {}
+    resolved: dict[str, str | None] = {}
+    for number, overrides in enumerate(jobs):
+        try:
+            cfg = loader.load_sweep_config(config, list(overrides))
+            validate(cfg)
+        except (GradrunnerError, OmegaConfBaseException, CompactHydraException) as e:
+            problems.setdefault(one_paragraph(e), []).append(number)
+            continue
+        key = OmegaConf.to_yaml({"model": cfg.model, "taps": cfg.taps})
+        if key not in resolved:
+            resolved[key] = _tap_problem(cfg)
+        if resolved[key] is not None:
+            problems.setdefault(str(resolved[key]), []).append(number)
+    return problems
+
+
+def _tap_problem(cfg: DictConfig) -> str | None:
+    """The tap specs resolved against the model built on the meta device (no memory, no init cost), or None.
+
+    A model that cannot be built that way is left to its job, which reports any problem itself.
+    """
+    import torch
+    from hydra.utils import instantiate
+
+    from gradrunner.capturing.taps import resolve_taps
+
+    try:
+        with torch.device("meta"):
+            model = instantiate(cfg.model, _convert_="all")
+    except Exception:
+        return None
+    if not isinstance(model, torch.nn.Module):
+        return None
+    try:
+        resolve_taps(model, OmegaConf.to_container(cfg.taps, resolve=True))  # type: ignore[arg-type]
+    except GradrunnerError as e:
+        return one_paragraph(e)
+    return None
+
+
 def main() -> None:
     """The entry point: a misspelled key on the command line is refused in one paragraph, then the app runs.
 
@@ -146,7 +225,10 @@ def main() -> None:
     if message is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
         print(f"gradrunner: error: {message}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
-    app()
+    try:
+        app()
+    except BrokenPipeError:  # `gradrunner --help | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 @hydra.main(version_base="1.3", config_path="pkg://gradrunner.conf", config_name="config")

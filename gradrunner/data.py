@@ -5,6 +5,7 @@
 | `Synthetic` | `data=synthetic` | seeded random inputs; regression targets or int64 class labels |
 | `Tensors` | `data=tensors` | one literal batch (nested lists or scalars), the same every step |
 | `Digits` | `data=digits` | scikit-learn's bundled 8x8 digits, (N, 1, 8, 8) in [0, 1], int64 labels |
+| `Tokens` | `data=tokens` | seeded random token ids as keyword arguments (`model(**inputs)`), labels as targets |
 
 A source is anything with `batches(device, dtype) -> Iterator[(inputs, targets)]`; `as_batches`
 also accepts any iterable of `(inputs, targets)` pairs (a list, a `DataLoader`) and cycles it.
@@ -241,3 +242,43 @@ class Digits(_Dataset):
         x = torch.as_tensor(bunch.images, dtype=torch.float64).unsqueeze(1) / 16.0
         y = torch.as_tensor(bunch.target, dtype=torch.int64)
         super().__init__(x, y, batch_size, shuffle, seed)
+
+
+class Tokens:
+    """Seeded random token ids for HuggingFace-style models, as a dict of keyword arguments.
+
+    Example::
+
+        inputs, labels = next(Tokens(vocab_size=100, seq_len=8, batch_size=2).batches(torch.device("cpu"), torch.float32))
+        sorted(inputs)      # ['attention_mask', 'input_ids', 'labels']; the runner calls model(**inputs)
+
+    Each batch is `(inputs, labels)`: `inputs` holds `input_ids` (int64, `(batch_size, seq_len)`, in
+    `[0, vocab_size)`), `attention_mask` (ones) and, when `labels_in_inputs`, `labels` (a copy of
+    `input_ids`, so the model computes its own `.loss`: `loss=model_loss`); the targets are the labels
+    again, for losses that take them (`loss=lm_cross_entropy`). `num_batches` distinct batches are cycled.
+    """
+
+    def __init__(
+        self, vocab_size: int = 100, seq_len: int = 16, batch_size: int = 4, num_batches: int = 8, seed: int = 0,
+        labels_in_inputs: bool = True,
+    ) -> None:  # fmt: skip
+        for name, value, low in (("vocab_size", vocab_size, 2), ("seq_len", seq_len, 1),
+                                 ("batch_size", batch_size, 1), ("num_batches", num_batches, 1)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise GradrunnerError(
+                    f"data.{name}={value!r} is not allowed; it must be an integer >= {low}, e.g. data.{name}={max(low, 8)}"
+                )
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab_size, (num_batches, batch_size, seq_len), generator=gen)
+        self.labels_in_inputs = labels_in_inputs
+
+    def batches(self, device: torch.device, dtype: torch.dtype) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        """Endless `(inputs, labels)` batches on `device`; token ids stay int64 whatever the run's dtype."""
+        ids = self.ids.to(device)
+        mask = torch.ones_like(ids[0])
+        while True:
+            for batch in ids:
+                inputs = {"input_ids": batch, "attention_mask": mask}
+                if self.labels_in_inputs:
+                    inputs["labels"] = batch
+                yield inputs, batch

@@ -35,13 +35,13 @@ from gradrunner.errors import GradrunnerError
 
 @pytest.fixture
 def sweep(tmp_path: Path) -> pd.DataFrame:
-    return load(planted_sweep(tmp_path / "sweep"))
+    return load(planted_sweep(tmp_path / "sweep"), values=True)
 
 
 @pytest.fixture
 def run(tmp_path: Path) -> pd.DataFrame:
     write_planted_job(tmp_path / "run", "hook")
-    return load(tmp_path / "run")
+    return load(tmp_path / "run", values=True)
 
 
 # --- run_columns, forward_order, pick_steps, measure -------------------------------------------
@@ -92,7 +92,7 @@ def test_measures(run: pd.DataFrame) -> None:
 
 def test_mean_abs_without_values_says_what_to_do(tmp_path: Path) -> None:
     write_planted_job(tmp_path, "hook", values="none")
-    with pytest.raises(GradrunnerError, match=r"needs captured values \(capture.values=full or sample\).*'rms'"):
+    with pytest.raises(GradrunnerError, match=r"needs captured values \(capture.values=full or sample, read with load\(..., values=True\)\).*'rms'"):
         measure(load(tmp_path), "mean_abs")
     with pytest.raises(GradrunnerError, match="'nrom' is neither norm, rms, abs_max, mean_abs nor a column"):
         measure(load(tmp_path), "nrom")
@@ -207,7 +207,7 @@ def test_compare_within_other_swept_values(tmp_path: Path) -> None:
     jobs = [(s, seed) for seed in (0, 1) for s in ("hook", "retain_grad")]
     for i, (strategy, seed) in enumerate(jobs):
         write_planted_job(tmp_path / str(i), strategy, "none", [f"capture.strategy={strategy}", f"seed={seed}"])
-    cmp = compare_strategies(load(tmp_path))
+    cmp = compare_strategies(load(tmp_path, values=True))
     assert cmp.columns[0] == "seed" and sorted(cmp.seed.unique()) == [0, 1]
     assert (cmp.strategies == 2).all()
     assert set(cmp.loc[cmp.abs_diff > 0, "tap"]) == {"fc2:output"}
@@ -231,3 +231,58 @@ def test_costs_are_medians_over_captured_steps_and_peak_memory(tmp_path: Path) -
     assert costs.peak_memory_bytes.tolist() == [PEAK[s] for s in STRATEGIES]
     assert costs.captured_steps.tolist() == [STEPS] * 3
     assert costs.capture_share.tolist() == pytest.approx([0.1] * 3)
+
+
+# --- swept keys that share a name with a record or helper column ---------------------------------
+
+SWEPT = ["steps", "seed", "capture.every", "model.depth", "label", "first", "stat"]
+
+
+@pytest.fixture
+def colliding_sweep(tmp_path: Path) -> Path:
+    """Six jobs (two per strategy) whose overrides use names the records and the helpers use."""
+    for i in range(6):
+        strategy = STRATEGIES[i % 3]
+        overrides = [f"capture.strategy={strategy}", *(f"{k}={5 + 5 * (i // 3)}" for k in SWEPT)]
+        write_planted_job(tmp_path / str(i), strategy, "full", overrides)
+    return tmp_path
+
+
+def test_every_helper_works_on_a_sweep_over_names_the_helpers_use(colliding_sweep: Path) -> None:
+    df = load(colliding_sweep, values=True)
+    assert {"override.steps", "seed", "capture.every", "model.depth", "override.label", "override.first"} <= set(df)
+    assert df.groupby("job")["override.steps"].first().tolist() == [5, 5, 5, 10, 10, 10]
+    assert run_columns(df) == ["strategy", "capture.every"]  # the swept keys split the jobs alike: the first
+    summary = tap_summary(df)
+    assert len(summary) == 6 * len(forward_order(df)) and summary["steps"].max() == STEPS
+    flow = grad_flow(df, measure_name="rms")
+    assert set(flow["capture.every"]) == {5, 10} and len(flow) == len(df)
+    cmp = compare_strategies(df)
+    assert set(cmp["capture.every"]) == {5, 10} and (cmp.strategies == 3).all()
+    planted = cmp[(cmp.tap == "fc2:output") & (cmp.step == 1) & (cmp.stat == "norm")]
+    assert planted.rel_diff.to_numpy() == pytest.approx([1e-3 / (1 + 1e-3)] * 2, rel=1e-4)  # float32 norms
+    costs = strategy_costs(load(colliding_sweep, table="steps"))
+    assert sorted(costs["capture.every"].tolist()) == [5, 5, 5, 10, 10, 10]
+    assert measure(df, "mean_abs").notna().any() and pick_steps(df.step) == list(range(STEPS))
+
+
+def test_helper_outputs_use_only_reserved_column_names(colliding_sweep: Path) -> None:
+    """A new helper column must join RESERVED_COLUMNS, or a swept key of that name would clash with it."""
+    from gradrunner.analysis.reading import RESERVED_COLUMNS
+
+    df = load(colliding_sweep, values=True)
+    runs = set(run_columns(df))
+    outputs = [tap_summary(df), grad_flow(df), grad_flow(df, measure_name="mean_abs"), compare_strategies(df),
+               forward_order(df), strategy_costs(load(colliding_sweep, table="steps"))]  # fmt: skip
+    for out in outputs:
+        assert set(out.columns) - runs <= RESERVED_COLUMNS, set(out.columns) - runs - RESERVED_COLUMNS
+
+
+def test_flow_steps_stop_at_the_first_nonfinite_step_and_keep_the_largest_change(tmp_path: Path) -> None:
+    from gradrunner.analysis import flow_steps
+
+    df = load(planted_sweep(tmp_path))
+    assert flow_steps(df) == [0, 1, 2]  # head:output is NaN from step 2: step 3 (all NaN there) is never drawn
+    finite = df[df.tap != "head:output"]
+    # fc1 falls 1000x every step; at step 3 fc2:weight also jumps 1e4x: the largest change, with the step before
+    assert flow_steps(finite, n=3) == [0, 2, 3] and flow_steps(finite) == [0, 1, 2, 3]

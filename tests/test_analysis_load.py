@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -42,10 +43,22 @@ def make_sweep(root: Path) -> None:
 
 def test_single_run_dir_equals_read_parquet(tmp_path: Path) -> None:
     write_job(tmp_path)
-    df = load(tmp_path)
+    df = load(tmp_path, values=True)
     pd.testing.assert_frame_equal(df, pd.read_parquet(tmp_path / "grads.parquet"))
     assert "job" not in df.columns and len(df) == 4
+    pd.testing.assert_frame_equal(load(tmp_path), df.drop(columns="values"))
     assert df.run_id.unique().tolist() == [tmp_path.name]
+
+
+def test_columns_reads_only_those_and_values_only_when_asked(tmp_path: Path) -> None:
+    make_sweep(tmp_path)
+    df = load(tmp_path, columns=["step", "tap", "norm", "no_such_column"])
+    assert df.columns.tolist() == ["step", "tap", "norm", "job", "capture.strategy", "seed"]
+    reference = pd.read_parquet(tmp_path / "0" / "grads.parquet").norm.fillna(-1.0).tolist()
+    assert df.norm.fillna(-1.0).tolist() == reference * 3
+    assert "values" not in load(tmp_path).columns
+    full = load(tmp_path, columns=["step"], values=True)
+    assert full["values"].map(lambda v: v is None or len(v)).tolist()[:2] == [4, True]
 
 
 def test_parquet_file_path(tmp_path: Path) -> None:
@@ -99,6 +112,15 @@ def test_override_named_like_a_column_is_prefixed(tmp_path: Path) -> None:
     assert df["override.device"].tolist() == ["auto", "auto", "cpu", "cpu"]
 
 
+@pytest.mark.parametrize("key", ["steps", "step", "norm", "first", "label", "position", "stat", "job"])
+def test_a_swept_key_named_like_a_record_or_helper_column_is_prefixed(tmp_path: Path, key: str) -> None:
+    write_job(tmp_path / "0", steps=1, overrides=[f"{key}=5", "seed=1"])
+    write_job(tmp_path / "1", steps=1, overrides=[f"{key}=10", "seed=2"])
+    df = load(tmp_path)
+    assert df[f"override.{key}"].tolist() == [5, 5, 10, 10]
+    assert df.seed.tolist() == [1, 1, 2, 2]  # not a record or helper column: its own name
+
+
 def test_schema_unification_keeps_columns_some_files_lack(tmp_path: Path) -> None:
     write_job(tmp_path / "0", steps=1)
     write_job(tmp_path / "1", steps=1)
@@ -134,3 +156,23 @@ def test_missing_path_and_bad_table(tmp_path: Path) -> None:
         load(tmp_path / "nope")
     with pytest.raises(GradrunnerError, match="table='grad'.*allowed: grads, steps"):
         load(tmp_path, table="grad")
+
+
+# The README's one-liners, verbatim (tests/test_analysis_load.py checks that the README has them).
+DUCKDB_LINE = """duckdb.sql("select strategy, tap, count(*) as n, avg(norm) as norm from 'multirun/**/grads.parquet' group by all order by all").df()"""
+POLARS_LINE = """pl.read_parquet("multirun/**/grads.parquet").group_by("strategy", "tap").agg(pl.len(), pl.col("norm").mean())"""
+
+
+def test_the_readme_duckdb_and_polars_lines_read_a_sweep_with_steps_tables_beside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    duckdb = pytest.importorskip("duckdb")
+    pl = pytest.importorskip("polars")
+    make_sweep(tmp_path / "multirun" / "2026-11-23" / "10-00-00")  # grads.parquet and steps.parquet per job
+    monkeypatch.chdir(tmp_path)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert DUCKDB_LINE in readme and POLARS_LINE in readme
+    by_duckdb = eval(DUCKDB_LINE, {"duckdb": duckdb})
+    by_polars = eval(POLARS_LINE, {"pl": pl}).to_pandas().sort_values(["strategy", "tap"]).reset_index(drop=True)
+    reference = load("multirun").groupby(["strategy", "tap"]).agg(n=("norm", "size"), norm=("norm", "mean")).reset_index()
+    assert by_duckdb.n.tolist() == by_polars["len"].tolist() == reference.n.tolist() == [2] * 6
+    np.testing.assert_allclose(by_duckdb.norm.to_numpy(float), reference.norm.to_numpy(float))
+    np.testing.assert_allclose(by_polars.norm.to_numpy(float), reference.norm.to_numpy(float))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -58,7 +59,8 @@ def sweep_dir(root: Path) -> Path:
 def test_help_lists_the_config_groups(tmp_path: Path) -> None:
     result = gradrunner(tmp_path, "--help")
     check_ok(result)
-    assert "experiment: cnn, cosine, mlp, sigmoid2, transformer" in result.stdout
+    assert "experiment: cnn, cosine, gpt2, mlp, sigmoid2, transformer" in result.stdout
+    assert "data: digits, synthetic, tensors, tokens" in result.stdout
 
 
 def test_cfg_job_prints_the_composed_config_and_runs_nothing(tmp_path: Path) -> None:
@@ -78,7 +80,8 @@ def test_one_run_writes_records_under_outputs_of_the_cwd(tmp_path: Path) -> None
     assert df.columns[: len(CONTRACT_COLUMNS)].tolist() == CONTRACT_COLUMNS
     assert sorted(df.step.unique()) == [0, 1] and set(df.experiment) == {"mlp"}
     last = [line for line in result.stdout.splitlines() if "records: " in line]
-    assert len(last) == 1 and str(job / "grads.parquet") in last[0] and "gradrunner.analysis.load(" in last[0]
+    assert len(last) == 1 and last[0].count(str(job)) == 1 and "gradrunner.analysis.load" in last[0]
+    assert last[0].endswith(f"records: grads.parquet, steps.parquet in {job}  (read the dir with gradrunner.analysis.load, a file with pandas.read_parquet)")
 
 
 def test_console_script_is_the_same_app(tmp_path: Path) -> None:
@@ -103,7 +106,7 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
         "steps=2", "capture.values=full",
     )  # fmt: skip
     check_ok(result)
-    return load(sweep_dir(cwd))
+    return load(sweep_dir(cwd), values=True)
 
 
 @pytest.mark.slow
@@ -140,7 +143,7 @@ def analytic(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
     result = gradrunner(cwd, "-m", "+experiment=sigmoid2,cosine", f"capture.strategy={','.join(STRATEGIES)}",
                         "steps=3", "dtype=float64", "capture.values=full", "optimizer.lr=0.5")  # fmt: skip
     check_ok(result)
-    return load(sweep_dir(cwd))
+    return load(sweep_dir(cwd), values=True)
 
 
 def grads_of(df: pd.DataFrame, strategy: str, step: int) -> dict[str, np.ndarray]:
@@ -251,11 +254,42 @@ def test_a_misspelled_key_is_refused_without_a_traceback(tmp_path: Path) -> None
 
 @pytest.mark.slow
 def test_a_sweep_runs_the_other_jobs_and_fails_at_the_end(tmp_path: Path) -> None:
-    result = gradrunner(tmp_path, "-m", "+experiment=cosine", "steps=1", "capture.strategy=hook,bogus,retain_grad")
+    # a mistake only the forward pass finds (inputs of 3 features into an 8-feature MLP): job 1 fails, 0 and 2 run
+    result = gradrunner(tmp_path, "-m", "+experiment=mlp", "steps=1", "data.input_shape=[8],[3],[8]")
     assert result.returncode != 0
-    assert "Traceback" not in result.stderr and "capture.strategy='bogus'" in result.stderr
+    assert "Traceback" not in result.stderr and "failed in the model's forward()" in result.stderr
     root = sweep_dir(tmp_path)
     assert sorted(p.parent.name for p in root.glob("*/grads.parquet")) == ["0", "2"]
+
+
+def test_a_sweep_is_validated_before_its_first_job_and_each_mistake_is_reported_once(tmp_path: Path) -> None:
+    result = gradrunner(tmp_path, "-m", "+experiment=cosine", "steps=1", "capture.strategy=hook,bogus", "seed=0,1,2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2, result.stderr
+    assert lines[0].startswith("gradrunner: error: jobs 3, 4, 5 of 6 (+experiment=cosine steps=1 capture.strategy=bogus")
+    assert "capture.strategy='bogus' is not allowed; allowed: retain_grad, hook, autograd_grad" in lines[0]
+    assert "nothing was run" in lines[1] and not list(tmp_path.rglob("*.parquet"))
+    # taps are resolved against each job's model (built on the meta device) before anything runs
+    taps = gradrunner(tmp_path, "-m", "+experiment=mlp", "model.depth=3,2", "taps=[fc3:output]", "steps=1")
+    assert taps.returncode == 2 and "Traceback" not in taps.stderr
+    lines = taps.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("gradrunner: error: job 1 of 2 (+experiment=mlp model.depth=2")
+    assert "tap 'fc3:output': no module 'fc3' in MLP. Closest paths: 'fc2', 'fc1'" in lines[0]
+    assert not list(tmp_path.rglob("*.parquet"))
+
+
+def test_help_piped_into_head_ends_without_a_traceback(tmp_path: Path) -> None:
+    """`gradrunner --help | head`: the reader is gone before the help is written (closed before the start)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "gradrunner", "--help"], cwd=tmp_path, env=cli_env(),
+                                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
+    assert result.returncode == 0
 
 
 # -- interruptions ------------------------------------------------------------------------------

@@ -17,12 +17,12 @@ from gradrunner.errors import GradrunnerError
 CONF = Path(__file__).resolve().parents[1] / "gradrunner" / "conf"
 EXPERIMENTS = ["mlp", "cnn", "transformer", "cosine", "sigmoid2"]
 GROUP_OPTIONS = {
-    "model": {"mlp", "cnn", "transformer", "cosine", "sigmoid2"},
-    "data": {"synthetic", "tensors", "digits"},
-    "loss": {"mse", "cross_entropy", "half_sse"},
+    "model": {"mlp", "cnn", "transformer", "cosine", "sigmoid2", "gpt2"},
+    "data": {"synthetic", "tensors", "digits", "tokens"},
+    "loss": {"mse", "cross_entropy", "half_sse", "model_loss", "lm_cross_entropy"},
     "optimizer": {"sgd", "adam"},
     "capture": {"default"},
-    "experiment": set(EXPERIMENTS),
+    "experiment": {*EXPERIMENTS, "gpt2"},
 }
 
 
@@ -153,3 +153,21 @@ def test_validate_accepts_the_hydra_node() -> None:
 def test_taps_accept_strings_and_mappings_from_the_command_line() -> None:
     cfg = compose_cfg("taps=[fc1:output,{module: head, name: weight}]")
     assert OmegaConf.to_container(cfg.taps) == ["fc1:output", {"module": "head", "name": "weight"}]
+
+
+def test_a_misnamed_optimizer_key_names_the_accepted_ones_not_partial() -> None:
+    from gradrunner.run.build import setup
+
+    with pytest.raises(GradrunnerError) as caught:
+        setup(compose_cfg("+experiment=mlp", "+optimizer.learning_rate=0.1"))
+    message = str(caught.value)
+    assert "torch.optim.SGD has no 'learning_rate', it accepts: lr, momentum, dampening" in message
+    assert "_partial_" not in message
+
+
+def test_a_tuple_output_tap_suggests_its_elements(tmp_path: Path) -> None:
+    from gradrunner.run.loop import train
+
+    with pytest.raises(GradrunnerError, match=r"tap 'attn:output' cannot carry a gradient: its value is a tuple, "
+                       r"not a tensor\. Tap one of its elements instead: attn:output\.0, attn:output\.1\."):  # fmt: skip
+        train(compose_cfg("+experiment=transformer", "taps=[attn:output]", "steps=1"), out_dir=tmp_path)

@@ -150,3 +150,28 @@ def test_cast_keeps_integers_and_moves_floats_to_dtype() -> None:
 def test_tensors_keep_float64_precision_of_the_literal() -> None:
     x, _ = take(Tensors(inputs=[0.3776], targets=0.1), 1, torch.float64)[0]
     assert x.item() == 0.3776
+
+
+def test_tokens_are_seeded_keyword_batches_with_labels_as_targets() -> None:
+    from gradrunner.data import Tokens
+
+    batches = Tokens(vocab_size=7, seq_len=5, batch_size=3, num_batches=2, seed=4).batches(torch.device("cpu"), torch.float64)
+    (a, ya), (b, _), (c, _) = next(batches), next(batches), next(batches)
+    assert sorted(a) == ["attention_mask", "input_ids", "labels"]
+    assert a["input_ids"].shape == (3, 5) and a["input_ids"].dtype == torch.int64  # ids stay int64 in a float64 run
+    assert int(a["input_ids"].min()) >= 0 and int(a["input_ids"].max()) < 7
+    assert torch.equal(a["labels"], a["input_ids"]) and torch.equal(ya, a["input_ids"])
+    assert torch.equal(a["attention_mask"], torch.ones(3, 5, dtype=torch.int64))
+    assert not torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(c["input_ids"], a["input_ids"])  # cycled
+    reference = torch.randint(0, 7, (2, 3, 5), generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a["input_ids"], reference[0]) and torch.equal(b["input_ids"], reference[1])
+    inputs, _ = next(Tokens(labels_in_inputs=False).batches(torch.device("cpu"), torch.float32))
+    assert "labels" not in inputs
+
+
+@pytest.mark.parametrize(("key", "value"), [("vocab_size", 1), ("seq_len", 0), ("batch_size", 2.5)])
+def test_tokens_refuse_bad_sizes_naming_the_key(key: str, value: object) -> None:
+    from gradrunner.data import Tokens
+
+    with pytest.raises(GradrunnerError, match=rf"data\.{key}={value!r} is not allowed; it must be an integer >="):
+        Tokens(**{key: value})  # type: ignore[arg-type]

@@ -42,7 +42,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
     result = torchrun(cwd, "-m", "hydra.sweep.dir=sw", "+experiment=mlp", "steps=2", "capture.values=full", TAPS,
                       f"capture.strategy={','.join(STRATEGIES)}")  # fmt: skip
     check_ok(result)
-    return load(cwd / "sw")
+    return load(cwd / "sw", values=True)
 
 
 def grad(df: pd.DataFrame, strategy: str, step: int, tap: str, rank: int) -> np.ndarray:

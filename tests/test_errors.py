@@ -126,7 +126,7 @@ CASES = [
           "tap 'head:output.3': the value has no element 3 (it is a Tensor);", "use output.N for tuple elements"),
     _case("int-local", "an explicit tap on an integer tensor", "model=int_local taps=[:idx]",
           "tap ':idx' cannot carry a gradient: its value is a torch.int64 tensor", "or drop the tap"),
-    _case("int-input", "an input tap on integer inputs (token ids)", "model=embedder data=tokens taps=[:input]",
+    _case("int-input", "an input tap on integer inputs (token ids)", "model=embedder data=token_ids taps=[:input]",
           "tap ':input' cannot carry a gradient: its value is a torch.int64 tensor", "or drop the tap"),
     _case("no-grad-local", "an explicit tap on a tensor made under torch.no_grad()", "model=gated taps=[:gate]",
           "tap ':gate' cannot carry a gradient: its value is a tensor that does not require grad (made under "

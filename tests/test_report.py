@@ -16,6 +16,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from planted import STRATEGIES, planted_sweep, write_planted_job
@@ -54,14 +56,17 @@ def tick_labels(ax: Any) -> list[str]:
 
 
 def test_grad_flow_figure_one_panel_per_strategy_one_line_per_step(sweep_dir: Path) -> None:
-    df = load(sweep_dir)
+    df = load(sweep_dir, values=True)
     fig = plot_grad_flow(df, steps=[0, 3])
-    assert [ax.get_title() for ax in fig.axes] == [f"strategy={s}" for s in STRATEGIES]
-    for ax in fig.axes:
+    # a row per strategy; outputs and locals in one column, weights in the other: no line joins them
+    assert [ax.get_title() for ax in fig.axes] == ["outputs, inputs and locals", "weights and biases"] + [""] * 4
+    assert [ax.get_ylabel() for ax in fig.axes[::2]] == [f"strategy={s}\nnorm" for s in STRATEGIES]
+    for ax, taps in zip(fig.axes, [6, 1] * 3, strict=True):
         assert ax.get_yscale() == "log"
         assert [line.get_label() for line in ax.get_lines()] == ["step 0", "step 3"]
-        assert list(ax.get_lines()[0].get_xdata()) == list(range(7))
-    assert tick_labels(fig.axes[-1]) == forward_order(df).label.tolist()
+        assert list(ax.get_lines()[0].get_xdata()) == list(range(taps))
+    labels = forward_order(df).label.tolist()
+    assert tick_labels(fig.axes[-2]) + tick_labels(fig.axes[-1]) == [x for x in labels if x != "fc2:weight"] + ["fc2:weight"]
     fc1_step3 = fig.axes[0].get_lines()[1].get_ydata()[0]
     assert fc1_step3 == pytest.approx(1e-10)
 
@@ -70,8 +75,8 @@ def test_grad_flow_marks_zero_gradients_on_the_bottom_edge(tmp_path: Path) -> No
     write_planted_job(tmp_path, "hook")
     df = load(tmp_path)
     df.loc[(df.tap == "fc2:output") & (df.step == 1), "norm"] = 0.0
-    (ax,) = plot_grad_flow(df, steps=[1]).axes
-    assert ax.get_title() == "planted · hook"
+    ax, _weights = plot_grad_flow(df, steps=[1]).axes
+    assert ax.get_title() == "planted · hook: outputs, inputs and locals"
     line, zeros = ax.get_lines()
     assert zeros.get_label() == "exactly 0" and list(zeros.get_xdata()) == [2] and list(zeros.get_ydata()) == [0.03]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["step 1", "exactly 0"]
@@ -123,7 +128,7 @@ def test_heatmap_marks_zero_nan_and_missing_gradients(tmp_path: Path) -> None:
 
 
 def test_agreement_figure_labels_exact_agreement_and_the_planted_difference(sweep_dir: Path) -> None:
-    fig = plot_strategy_agreement(compare_strategies(load(sweep_dir)))
+    fig = plot_strategy_agreement(compare_strategies(load(sweep_dir, values=True)))
     by_stat, by_tap = fig.axes
     assert tick_labels(by_stat) == ["norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "values"]
     stat_texts = [t.get_text() for t in by_stat.texts]
@@ -144,12 +149,19 @@ def test_cost_figure_shows_time_and_memory_per_strategy(sweep_dir: Path) -> None
 
 
 def test_value_distributions_panel_per_tap_line_per_step(sweep_dir: Path) -> None:
-    df = load(sweep_dir)
+    df = load(sweep_dir, values=True)
     fig = plot_value_distributions(df, steps=[0, 1])
     visible = [ax for ax in fig.axes if ax.get_visible()]
     assert [ax.get_title() for ax in visible] == forward_order(df).label.tolist()
     assert len(visible[0].patches) == 2  # one step histogram per step
     assert fig.get_suptitle() == "Gradient values (strategy=retain_grad)"
+
+
+def test_value_distributions_say_when_taps_are_left_out(sweep_dir: Path) -> None:
+    df = load(sweep_dir / "0", values=True)
+    fig = plot_value_distributions(df, max_taps=3)
+    assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == forward_order(df).label.tolist()[:3]
+    assert fig.get_suptitle() == "Gradient values (planted · retain_grad; the first 3 of 7 taps (max_taps=))"
 
 
 def test_value_distributions_need_values(tmp_path: Path) -> None:
@@ -202,7 +214,7 @@ def test_report_of_a_sweep_embeds_every_figure_and_table(sweep_dir: Path) -> Non
     assert page == sweep_dir / REPORT_NAME
     parts = parse(page)
     assert parts.headings == [
-        "Runs", "Findings", "Per-tap summary", "Gradient flow", "Gradient norm over the steps",
+        "Findings", "Runs", "Per-tap summary", "Gradient flow", "Gradient norm over the steps",
         "Do the strategies agree?", "Strategy agreement", "What each strategy costs", "Strategy cost",
         "Gradient values",
     ]  # fmt: skip
@@ -217,16 +229,40 @@ def test_report_of_a_sweep_embeds_every_figure_and_table(sweep_dir: Path) -> Non
 
 def test_report_findings_name_the_planted_problems(sweep_dir: Path) -> None:
     text = write_report(sweep_dir).read_text()
-    assert "<code>fc1:output</code> (strategy=hook): vanishing" in text
-    assert "<code>head:output</code> (strategy=hook): NaN/Inf from step 2" in text
-    assert "<code>fc2:weight</code> (strategy=hook): exploding: norm above 1000 from step 3" in text
-    assert "they differ" in text
+    # a headline, then the taps grouped by kind; the same in every strategy, so no strategy named
+    assert ('<p class="headline"><b>1 tap NaN or Inf</b> (from step 2) · <b>1 tap vanishing</b> (from step 2) · '
+            "<b>1 tap exploding</b> (from step 3).</p>") in text  # fmt: skip
+    assert "<h3>NaN or Inf</h3>\n<ul class=\"findings\">\n<li>from step 2: <code>head:output</code></li>" in text
+    assert "<li>norm below 1e-06 at the last step; since step 2: <code>fc1:output</code></li>" in text
+    assert "<li>norm above 1000 from step 3: <code>fc2:weight</code></li>" in text
+    assert text.count("<li>") == 3 and "they differ" in text
+    # one summary table, strategies side by side; the planted disagreement (fc2:output in hook) marked
+    assert text.count("<th>last (retain_grad)</th>") == 1 and text.count('<td class="bad">differ</td>') == 1
+    row = text[text.index("<td>fc2:output</td>") :].split("</tr>")[0]
+    assert '<td class="bad">differ</td>' in row
+
+
+def test_report_shows_the_true_last_loss_and_one_table_when_the_strategies_agree(tmp_path: Path) -> None:
+    # the planted disagreement is in `hook` only: these two strategies agree on every record
+    for i, strategy in enumerate(["retain_grad", "autograd_grad"]):
+        write_planted_job(tmp_path / str(i), strategy, "none", [f"capture.strategy={strategy}"])
+    steps = tmp_path / "0" / "steps.parquet"
+    table = pq.read_table(steps)
+    losses = table["loss"].to_pylist()
+    pq.write_table(table.set_column(table.schema.get_field_index("loss"), "loss",
+                                    pa.array([*losses[:-1], float("nan")])), steps)  # fmt: skip
+    text = write_report(tmp_path).read_text()
+    runs = text[text.index('id="runs"') : text.index('id="per-tap-summary"')]
+    assert runs.count("<td>NaN</td>") == 1 and runs.count(f"<td>{losses[-1]:.6g}</td>") == 1  # job 0: NaN
+    summary = text[text.index('id="per-tap-summary"') : text.index('id="gradient-flow"')]
+    assert "Identical for the strategies retain_grad, autograd_grad." in summary
+    assert summary.count("<td>fc1:output</td>") == 1 and "differ" not in summary and "<th>strategy</th>" not in summary
 
 
 def test_report_of_one_run_has_no_strategy_sections(tmp_path: Path) -> None:
     write_planted_job(tmp_path, "hook", values="none")
     parts = parse(write_report(tmp_path / "grads.parquet"))  # a file: the report goes next to it
-    assert parts.headings == ["Runs", "Findings", "Per-tap summary", "Gradient flow", "Gradient norm over the steps"]
+    assert parts.headings == ["Findings", "Runs", "Per-tap summary", "Gradient flow", "Gradient norm over the steps"]
     assert len(parts.images) == 2 and (tmp_path / REPORT_NAME).is_file()
 
 
@@ -400,8 +436,32 @@ def test_report_on_a_real_three_strategy_sweep(tmp_path: Path, experiment: str, 
     assert "identical records" in page.read_text()  # the contract: all three give the same gradients
     df = load(sweep)
     flow = plot_grad_flow(df)
-    assert [ax.get_title() for ax in flow.axes] == [f"strategy={s}" for s in STRATEGIES]
+    columns = 2 if experiment == "mlp" else 1  # mlp taps *:weight too: weights get their own column
+    assert [ax.get_ylabel() for ax in flow.axes[::columns]] == [f"strategy={s}\nnorm" for s in STRATEGIES]
     assert [line.get_label() for line in flow.axes[0].get_lines()] == ["step 0", "step 1", "step 2"]
-    assert tick_labels(flow.axes[-1]) == forward_order(df).label.tolist()
+    ticks = [label for ax in flow.axes[-columns:] for label in tick_labels(ax)]
+    assert sorted(ticks) == sorted(forward_order(df).label)
     if shutil.which("chromium"):
         assert chromium_problems(page) == []
+
+
+@pytest.mark.slow
+def test_report_and_every_helper_on_a_sweep_over_steps(tmp_path: Path) -> None:
+    """`-m +experiment=mlp steps=5,10` then the report: the swept `steps` never clashes with a column."""
+    from conftest import check_ok, gradrunner
+
+    from gradrunner.analysis import grad_flow, tap_summary
+
+    sweep = tmp_path / "sweep"
+    check_ok(gradrunner(tmp_path, "-m", "+experiment=mlp", "steps=5,10", f"hydra.sweep.dir={sweep}"))
+    out = subprocess.run([sys.executable, "-m", "gradrunner.report", str(sweep)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.strip()) == sweep / REPORT_NAME
+    df = load(sweep)
+    assert df.groupby("job")["override.steps"].first().tolist() == [5, 10]
+    assert df.groupby("job").step.max().tolist() == [4, 9]
+    summary = tap_summary(df)
+    assert summary.groupby("override.steps")["steps"].max().to_dict() == {5: 5, 10: 10}
+    assert set(grad_flow(df)["override.steps"]) == {5, 10}
+    assert len(strategy_costs(load(sweep, table="steps"))) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import random
 from pathlib import Path
@@ -105,22 +106,29 @@ def test_progress_logs_about_every_tenth_step_off_a_terminal(caplog: pytest.LogC
             bar.update(step, loss=1.0)
         bar.close()
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 10 and lines[-1].startswith("step 50/50 (100%)")
+    assert len(lines) == 10 and lines[0].startswith("step 4 (5/50, 10%)")  # steps from 0, as in the records
+    assert lines[-1].startswith("step 49 (50/50, 100%)") and bar.stream.getvalue() == ""
 
 
-def test_progress_draws_a_bar_on_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
+def test_progress_draws_a_tqdm_bar_on_a_terminal_without_stale_characters_and_still_logs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     class Tty(io.StringIO):
         def isatty(self) -> bool:
             return True
 
     stream = Tty()
-    bar = Progress(total=3, stream=stream)
+    bar = Progress(total=3, stream=stream, min_interval=0)  # draw on every update
     with caplog.at_level(logging.INFO, logger="gradrunner.run.loop"):
-        for step in range(3):
-            bar.update(step, loss=0.25)
+        for step, loss in enumerate([123456.789, 0.25, 1.0]):
+            bar.update(step, loss=loss)
         bar.close()
-    assert caplog.records == []
-    assert stream.getvalue().startswith("\r[") and "3/3  loss 0.25" in stream.getvalue()
+    assert [r.getMessage() for r in caplog.records][-1] == "step 2 (3/3, 100%)  loss 1"  # the log file gets it
+    drawn = [d for d in stream.getvalue().split("\r") if d.strip()]
+    assert "3/3" in drawn[-1] and drawn[-1].rstrip().endswith("step 2  loss 1]")
+    assert "step 0  loss 123457" in drawn[1] and "step 1  loss 0.25" in drawn[2]
+    for before, after in itertools.pairwise(drawn):  # a shorter line is padded over the longer one before it
+        assert len(after.rstrip("\n")) >= len(before.rstrip())
     assert stream.getvalue().endswith("\n")
 
 
@@ -237,5 +245,5 @@ def test_train_logs_where_the_records_are_and_how_to_load_them(
     with caplog.at_level(logging.INFO, logger="gradrunner.run.loop"):
         path = train(compose_cfg("+experiment=cosine", "steps=1"), out_dir=tmp_path)
     last = caplog.records[-1].getMessage()
-    assert last.startswith(f"records: {path}") and "pandas.read_parquet(" in last
-    assert f"gradrunner.analysis.load('{tmp_path}')" in last
+    assert last.startswith(f"records: grads.parquet, steps.parquet in {path.parent}  (") and "pandas.read_parquet" in last
+    assert last.count(str(tmp_path)) == 1 and "gradrunner.analysis.load" in last

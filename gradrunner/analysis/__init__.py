@@ -20,6 +20,7 @@ from gradrunner.analysis.reading import TABLES, IncompleteSweepWarning, load
 from gradrunner.analysis.summaries import (
     FLOW_MEASURES,
     compare_strategies,
+    flow_steps,
     forward_order,
     grad_flow,
     measure,
@@ -34,6 +35,7 @@ __all__ = [
     "TABLES",
     "IncompleteSweepWarning",
     "compare_strategies",
+    "flow_steps",
     "forward_order",
     "grad_flow",
     "load",

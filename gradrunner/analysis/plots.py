@@ -48,6 +48,14 @@ def _panels(n: int, width: float, height: float, sharey: bool = False) -> tuple[
     return fig, fig.subplots(n, 1, squeeze=False, sharex=True, sharey=sharey)[:, 0]
 
 
+#: Flow panels: a tap named like a parameter (`weight`, `bias`, `in_proj_weight`) goes in the second.
+ACTIVATIONS, WEIGHTS = "outputs, inputs and locals", "weights and biases"
+
+
+def _kind(name: str) -> str:
+    return WEIGHTS if name in ("weight", "bias") or name.endswith(("_weight", "_bias")) else ACTIVATIONS
+
+
 def plot_grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure_name: str = "norm") -> Figure:
     """Gradient flow: a measure of every tap in forward order (log scale), one line per step.
 
@@ -58,29 +66,47 @@ def plot_grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure
         fig.savefig("flow.png")
 
     `steps` defaults to four spread over the run; `measure_name` is one of `analysis.measure`'s
-    (norm, rms, abs_max, mean_abs). A value of exactly 0 has no place on a log scale: it is drawn as
-    an x on the bottom edge (legend "exactly 0"); NaN leaves a gap.
+    (norm, rms, abs_max, mean_abs). Outputs, inputs and locals get one column of panels, weights
+    and biases (taps named `weight`, `bias`, `*_weight`, `*_bias`) another: a line never joins an
+    output to a weight. A value of exactly 0
+    has no place on a log scale: it is drawn as an x on the bottom edge (legend "exactly 0"); NaN
+    leaves a gap.
     """
     flow = grad_flow(df, steps, measure_name)
     order = forward_order(df)
+    order["kind"] = [_kind(t.split(":", 1)[1]) for t in order["tap"]]
+    kinds = [k for k in (ACTIVATIONS, WEIGHTS) if (order["kind"] == k).any()]
+    flow = flow.merge(order[["tap", "call", "kind"]], on=["tap", "call"], how="left")
     runs = _runs(flow, run_columns(df), records=df)
-    fig, axes = _panels(len(runs), max(6.0, 0.45 * len(order) + 2), 3.0, sharey=True)
-    for ax, (title, run) in zip(axes, runs, strict=True):
-        zero_label = "exactly 0"
-        for (step, rows), color in zip(run.groupby("step"), _colors(run["step"].nunique()), strict=True):
-            ax.plot(rows["position"], rows[measure_name], marker="o", color=color, label=f"step {step}")
-            zeros = rows.loc[rows[measure_name] == 0, "position"]
-            if len(zeros):  # no place on a log scale: an x at the bottom edge
-                ax.plot(zeros, np.full(len(zeros), 0.03), "x", color=color, markersize=9, label=zero_label,
-                        transform=ax.get_xaxis_transform(), clip_on=False)  # fmt: skip
-                zero_label = "_exactly 0"  # one legend entry
-        ax.set_yscale("log", nonpositive="mask")
-        ax.set_ylabel(measure_name)
-        ax.set_title(title, fontsize="medium")
-        ax.grid(True, which="major", alpha=0.3)
-        ax.legend(fontsize="small", loc="best")
-    axes[-1].set_xticks(order["position"], order["label"], rotation=60, ha="right", fontsize="small")
-    axes[-1].set_xlabel("tap, in forward order")
+    widths = [max(3.0, 0.45 * int((order["kind"] == k).sum()) + 1.5) for k in kinds]
+    fig = Figure(figsize=(max(6.0, sum(widths)), 3.0 * len(runs)), layout="constrained")
+    grid = fig.subplots(len(runs), len(kinds), squeeze=False, sharey=True, width_ratios=widths)
+    for col, kind in enumerate(kinds):
+        positions = order[order["kind"] == kind].reset_index(drop=True)
+        x_of = {(t, c): i for i, (t, c) in enumerate(zip(positions["tap"], positions["call"], strict=True))}
+        for row, (title, run) in enumerate(runs):
+            ax = grid[row, col]
+            part = run[run["kind"] == kind]
+            zero_label = "exactly 0"
+            for (step, rows), color in zip(part.groupby("step"), _colors(run["step"].nunique()), strict=False):
+                x = [x_of[(t, c)] for t, c in zip(rows["tap"], rows["call"], strict=True)]
+                ax.plot(x, rows[measure_name], marker="o", color=color, label=f"step {step}")
+                zeros = [xi for xi, v in zip(x, rows[measure_name], strict=True) if v == 0]
+                if zeros:  # no place on a log scale: an x at the bottom edge
+                    ax.plot(zeros, np.full(len(zeros), 0.03), "x", color=color, markersize=9, label=zero_label,
+                            transform=ax.get_xaxis_transform(), clip_on=False)  # fmt: skip
+                    zero_label = "_exactly 0"  # one legend entry
+            ax.set_yscale("log", nonpositive="mask")
+            ax.set_ylabel((f"{title}\n" if title and len(runs) > 1 else "") + measure_name if col == 0 else "",
+                          fontsize="small")  # fmt: skip
+            if row == 0:
+                ax.set_title(kind if len(runs) > 1 or not title else f"{title}: {kind}", fontsize="medium")
+            ax.grid(True, which="major", alpha=0.3)
+            if col == 0:
+                ax.legend(fontsize="small", loc="best")
+            ax.set_xticks(range(len(positions)), positions["label"] if row == len(runs) - 1 else [],
+                          rotation=60, ha="right", fontsize="small")  # fmt: skip
+        grid[-1, col].set_xlabel("tap, in forward order")
     fig.suptitle(f"Gradient flow ({measure_name} per tap)")
     return fig
 
@@ -230,11 +256,16 @@ def plot_value_distributions(df: pd.DataFrame, steps: Iterable[int] | None = Non
 
     Needs `capture.values=full` or `sample` (raises GradrunnerError otherwise). With several runs in
     `df` only the first is drawn (named in the title): select one first. Densities (y unlabelled).
+    At most `max_taps` panels, in forward order; the title says when taps were left out.
     """
     measure(df, "mean_abs")  # the check that values were captured, with its message
     title, run = _runs(df, run_columns(df))[0]
     chosen = pick_steps(run["step"], n=2) if steps is None else [int(s) for s in steps]
-    order = forward_order(run).head(max_taps)
+    everything = forward_order(run)
+    order = everything.head(max_taps)
+    if len(everything) > max_taps:  # say so: a tap silently missing reads as a tap without values
+        title = f"{title}; the first {max_taps} of {len(everything)} taps (max_taps=)" if title else \
+            f"the first {max_taps} of {len(everything)} taps (max_taps=)"  # fmt: skip
     cols = min(4, len(order))
     fig = Figure(figsize=(3.2 * cols, 2.6 * -(-len(order) // cols)), layout="constrained")
     axes = fig.subplots(-(-len(order) // cols), cols, squeeze=False).ravel()

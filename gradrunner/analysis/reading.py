@@ -1,9 +1,10 @@
 """Read gradrunner records into pandas: one run dir, a whole sweep, or one Parquet file.
 
 Contents:
-    load(path, table="grads")         -- a run dir, a sweep dir or one .parquet file as one DataFrame
+    load(path, table="grads", columns=None, values=False)  -- a run dir, a sweep dir or one .parquet file
     IncompleteSweepWarning            -- `load` left out failed or unfinished jobs of a sweep
     TABLES                            -- the tables a job writes
+    RESERVED_COLUMNS                  -- names a swept override's column never takes (`override.<key>` then)
 
 Example::
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -28,9 +30,26 @@ from gradrunner.records import rundir
 
 #: Tables a job writes, each as `<job dir>/<table>.parquet`.
 TABLES = ("grads", "steps")
+#: The captured elements: large (every element of every gradient), so read only when asked for.
+VALUES = "values"
+#: Columns that the records, `load` and the helpers in `gradrunner.analysis.summaries` produce: a swept
+#: override with one of these names (`steps=5,10`, `seed` is fine) becomes the column `override.<key>`.
+RESERVED_COLUMNS = frozenset({
+    # records (grads and steps tables) and load's own
+    "run_id", "experiment", "strategy", "device", "dtype", "step", "tap", "module", "name", "call", "shape",
+    "numel", "norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "nan_count", "inf_count", "values",
+    "loss", "has_grad", "reason", "rank", "per_example_norm", "hist_counts", "value_norm", "update_norm",
+    "update_ratio", "captured", "step_time_s", "capture_time_s", "peak_memory_bytes", "job",
+    # the helpers' outputs: measures, tap_summary, grad_flow/forward_order, compare_strategies, strategy_costs
+    "rms", "mean_abs", "steps", "first", "last", "median", "first_nonfinite_step", "first_vanishing_step",
+    "first_exploding_step", "vanishing", "exploding", "position", "label", "stat", "abs_diff", "rel_diff",
+    "strategies", "captured_steps", "capture_share", "index", "level_0",
+})  # fmt: skip
 
 
-def load(path: str | os.PathLike[str], table: str = "grads") -> pd.DataFrame:
+def load(
+    path: str | os.PathLike[str], table: str = "grads", columns: Sequence[str] | None = None, values: bool = False
+) -> pd.DataFrame:
     """Every `<table>.parquet` below `path` as one DataFrame, with a column per swept override.
 
     Example::
@@ -38,13 +57,19 @@ def load(path: str | os.PathLike[str], table: str = "grads") -> pd.DataFrame:
         df = load("multirun/2024-05-01/12-00-00")             # a sweep: 0/, 1/, ... job dirs
         df.groupby(["capture.strategy", "tap"])["norm"].mean()
         steps = load("outputs/2024-05-01/12-00-00", table="steps")
+        small = load(sweep, columns=["step", "tap", "norm"])   # reads those columns only (plus job, overrides)
+        full = load(run_dir, values=True)                       # with the captured elements
 
-    `path` is a run dir, a sweep dir (Hydra multirun) or a `.parquet` file. Schemas are unified:
-    a column only some files have is kept, null elsewhere. When the files live in subdirectories
-    (a sweep), a `job` column holds each job dir relative to `path`, and every override (from
-    `<job>/.hydra/overrides.yaml`) whose value differs between jobs becomes a column named after
-    its key (`override.<key>` if a record column already has that name), as int or float when
-    every value parses so, else as string. Hidden files and directories are skipped.
+    `path` is a run dir, a sweep dir (Hydra multirun) or a `.parquet` file. Only `columns` are
+    read when given (a name some file lacks is null there); by default every column but `values`
+    (every captured element: often most of the bytes), which `values=True` or naming it in
+    `columns` adds. Schemas are unified: a column only some files have is kept, null elsewhere.
+    When the files live in subdirectories (a sweep), a `job` column holds each job dir relative
+    to `path`, and every override (from `<job>/.hydra/overrides.yaml`) whose value differs
+    between jobs becomes a column named after its key, or `override.<key>` when the key is one of
+    `RESERVED_COLUMNS` (`steps=5,10` gives `override.steps`, never clashing with a record or a
+    helper's column), as int or float when every value parses so, else as string. Hidden files and
+    directories are skipped.
 
     In a sweep whose jobs carry completion markers (`done.json`, written by the CLI), only completed
     jobs are read: failed jobs (`failed.json`) and jobs without a marker (killed, still running) are
@@ -54,7 +79,7 @@ def load(path: str | os.PathLike[str], table: str = "grads") -> pd.DataFrame:
     """
     root = Path(path)
     files = _completed_only(root, _find_files(root, table))
-    tables = [_read(root, f) for f in files]
+    tables = [_read(root, f, columns, values) for f in files]
     job_dirs = [f.parent for f in files]
     if root.is_dir() and any(d != root for d in job_dirs):
         tables = _with_job_columns(root, job_dirs, tables)
@@ -65,10 +90,18 @@ class IncompleteSweepWarning(UserWarning):
     """`load` left out jobs of a sweep that failed or did not finish; the message names them."""
 
 
-def _read(root: Path, f: Path) -> pa.Table:
-    """One record file; a damaged one is a GradrunnerError naming the file and its job."""
+def _read(root: Path, f: Path, columns: Sequence[str] | None, values: bool) -> pa.Table:
+    """One record file: the columns asked for (those it has), or all but `values` unless `values`.
+
+    A damaged file is a GradrunnerError naming the file and its job.
+    """
     try:
-        return pq.read_table(f)
+        names = pq.read_schema(f).names
+        if columns is None:
+            wanted = [n for n in names if n != VALUES or values]
+        else:
+            wanted = [n for n in dict.fromkeys([*columns, *([VALUES] if values else [])]) if n in names]
+        return pq.read_table(f, columns=wanted)
     except (OSError, pa.ArrowException) as e:
         job = f.parent.relative_to(root).as_posix() if root.is_dir() and f.parent != root else None
         where = f"job {job} of {root}" if job else f"the run {f.parent}"
@@ -193,22 +226,12 @@ def _with_job_columns(root: Path, job_dirs: list[Path], tables: list[pa.Table]) 
         i = index[job_dir]
         t = t.append_column("job", pa.repeat(pa.scalar(job_dir.relative_to(root).as_posix()), t.num_rows))
         for key, column in swept.items():
-            name = f"override.{key}" if key in t.column_names else key
+            name = f"override.{key}" if key in RESERVED_COLUMNS or key in t.column_names else key
             t = t.append_column(name, pa.repeat(column[i], t.num_rows))
         out.append(t)
     return out
 
 
 def _concat(tables: list[pa.Table]) -> pa.Table:
-    """Concatenate tables whose schemas differ: unify them, missing columns become null."""
-    schemas = [t.schema.remove_metadata() for t in tables]
-    unified = pa.unify_schemas(schemas, promote_options="permissive")
-    unified = pa.schema([f.with_nullable(True) for f in unified])
-    return pa.concat_tables([_conform(t, unified) for t in tables])
-
-
-def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
-    columns = [
-        t.column(f.name).cast(f.type) if f.name in t.column_names else pa.nulls(t.num_rows, f.type) for f in schema
-    ]
-    return pa.Table.from_arrays(columns, schema=schema)
+    """Concatenate tables whose schemas differ: a column some lack is null there, types are promoted."""
+    return pa.concat_tables([t.replace_schema_metadata(None) for t in tables], promote_options="permissive")

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pandas as pd
 
 from gradrunner import __version__
@@ -31,6 +32,7 @@ from gradrunner.analysis.summaries import (
     EXPLODE_ABOVE,
     VANISH_BELOW,
     compare_strategies,
+    flow_steps,
     run_columns,
     strategy_costs,
     tap_summary,
@@ -52,7 +54,9 @@ h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; border-bottom: 
 table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
 th, td { padding: 0.2em 0.6em; border-bottom: 1px solid #eee; text-align: right; }
 th { background: #f4f4f4; } img { max-width: 100%; } code { background: #f4f4f4; padding: 0 0.2em; }
-.findings li { margin: 0.2em 0; } .ok { color: #2a7; } .wide { overflow-x: auto; }
+.findings li { margin: 0.2em 0; } .ok { color: #2a7; } .wide { overflow-x: auto; max-width: 100%; }
+.headline { font-size: 1.1em; } .bad { color: #fff; background: #c33; } h3 { font-size: 1em; margin-bottom: 0.2em; }
+td:first-child, td code { word-break: break-all; }
 summary { cursor: pointer; color: #555; }
 """
 
@@ -96,16 +100,17 @@ def write_report(path: str | Path) -> Path:
     plots = _import_plots()
     root = Path(path)
     out_dir = root.parent if root.is_file() else root
-    grads = load(out_dir)
+    grads = load(out_dir, values=True)
     if grads.empty:
         raise GradrunnerError(f"the records in {out_dir} hold no rows (no step was captured); nothing to report")
     steps = _load_steps(out_dir)
     summary = tap_summary(grads)
+    flow_note = "Steps shown: the first, the largest change, the last finite one and the first with NaN/Inf."
     sections = [
-        _runs_section(grads, steps),
         _section("Findings", _findings(summary)),
-        _section("Per-tap summary", f"<p>Gradient norm over the captured steps.</p>\n{_table(summary)}"),
-        _figure(out_dir, "grad_flow", "Gradient flow", plots.plot_grad_flow(grads)),
+        _runs_section(grads, steps),
+        _section("Per-tap summary", _summary_table(summary)),
+        _figure(out_dir, "grad_flow", "Gradient flow", plots.plot_grad_flow(grads, steps=flow_steps(grads)), flow_note),
         _figure(out_dir, "norms", "Gradient norm over the steps", plots.plot_norms(grads)),
     ]
     if grads["strategy"].nunique() > 1:
@@ -178,32 +183,80 @@ def _runs_section(grads: pd.DataFrame, steps: pd.DataFrame | None) -> str:
     runs = g[list(dict.fromkeys(columns))].first().reset_index(drop=True)
     runs["captured steps"] = g["step"].nunique().to_numpy()
     runs["taps"] = g["tap"].nunique().to_numpy()
-    runs["last loss"] = g["loss"].last().to_numpy()
+    runs["last loss"] = g["loss"].agg(lambda s: s.iloc[-1]).to_numpy()  # NaN stays NaN (.last() skips it)
     if steps is not None:
-        runs["steps run"] = steps.groupby("run_id", sort=False)["step"].size().reindex(g.size().index).to_numpy()
+        by_run = steps.groupby("run_id", sort=False)
+        runs["steps run"] = by_run["step"].size().reindex(g.size().index).to_numpy()
+        runs["last loss"] = by_run["loss"].agg(lambda s: s.iloc[-1]).reindex(g.size().index).to_numpy()
+    runs["last loss"] = [f"{v:.6g}" if v == v else "NaN" for v in runs["last loss"]]  # NaN shown, not blank
     return _section("Runs", _table(runs))
 
 
+#: The per-tap summary's columns as the page shows them (the rest stay in `tap_summary`).
+_SHOWN = {"tap": "tap", "call": "call", "steps": "steps", "first": "first", "last": "last", "max": "max",
+          "first_nonfinite_step": "NaN/Inf from", "first_vanishing_step": "vanishing from",
+          "first_exploding_step": "exploding from"}  # fmt: skip
+_KINDS = (("first_nonfinite_step", "NaN or Inf", "from step"), ("first_vanishing_step", "vanishing",
+          f"norm below {VANISH_BELOW:g} at the last step; since step"),
+          ("first_exploding_step", "exploding", f"norm above {EXPLODE_ABOVE:g} from step"))  # fmt: skip
+
+
+def _run_cols(summary: pd.DataFrame) -> list[str]:
+    return list(summary.columns[: summary.columns.get_loc("tap")])
+
+
 def _findings(summary: pd.DataFrame) -> str:
-    """One line per tap in trouble, in plain words."""
-    run_cols = list(summary.columns[: summary.columns.get_loc("tap")])
-    items = []
-    for row in summary.to_dict("records"):
-        run = ", ".join(f"{c}={row[c]}" for c in run_cols)
-        tap = f"<code>{html.escape(row['tap'])}</code>" + (f" call {row['call']}" if row["call"] else "")
-        tap += f" ({html.escape(run)})" if run else ""
-        if not pd.isna(row["first_nonfinite_step"]):
-            items.append(f"{tap}: NaN/Inf from step {row['first_nonfinite_step']}")
-        if row["vanishing"]:
-            items.append(f"{tap}: vanishing: norm {row['last']:.3g} at the last step, "
-                         f"below {VANISH_BELOW:g} since step {row['first_vanishing_step']}")  # fmt: skip
-        if row["exploding"]:
-            items.append(f"{tap}: exploding: norm above {EXPLODE_ABOVE:g} from step "
-                         f"{row['first_exploding_step']} (max {row['max']:.3g})")  # fmt: skip
-    if not items:
+    """A headline (how many taps in each kind of trouble), then the taps grouped by kind and step."""
+    run_cols = _run_cols(summary)
+    runs = summary[run_cols].drop_duplicates() if run_cols else pd.DataFrame(index=[0])
+    summary = summary.assign(vanishing_at=summary["first_vanishing_step"].where(summary["vanishing"]))
+    headline, details = [], []
+    for column, kind, how in _KINDS:
+        column = "vanishing_at" if column == "first_vanishing_step" else column
+        rows = summary[summary[column].notna()]
+        if rows.empty:
+            continue
+        taps = rows.drop_duplicates(["tap", "call"])
+        headline.append(f"<b>{len(taps)} tap{'s' * (len(taps) > 1)} {kind}</b> (from step {int(rows[column].min())})")
+        items = []
+        for (step, tap, call), group in rows.groupby([column, "tap", "call"], sort=True):
+            label = f"<code>{html.escape(str(tap))}</code>" + (f" call {call}" if call else "")
+            if run_cols and len(group) < len(runs):  # only some runs: say which
+                label += " (" + html.escape("; ".join(", ".join(f"{c}={r[c]}" for c in run_cols)
+                                                      for r in group.to_dict("records"))) + ")"  # fmt: skip
+            items.append((int(step), label))  # type: ignore[call-overload]
+        by_step = pd.DataFrame(items, columns=["step", "label"]).groupby("step", sort=True)["label"]
+        lines = [f"<li>{how} {step}: {', '.join(labels)}</li>" for step, labels in by_step]
+        details.append(f"<h3>{kind[0].upper() + kind[1:]}</h3>\n<ul class=\"findings\">\n" + "\n".join(lines) + "\n</ul>")
+    if not headline:
         return (f'<p class="ok">No NaN or Inf; no vanishing (norm below {VANISH_BELOW:g} at the last step) '
                 f"or exploding (norm above {EXPLODE_ABOVE:g}) gradient.</p>")  # fmt: skip
-    return '<ul class="findings">\n' + "\n".join(f"<li>{i}</li>" for i in items) + "\n</ul>"
+    return f'<p class="headline">{" · ".join(headline)}.</p>\n' + "\n".join(details)
+
+
+def _summary_table(summary: pd.DataFrame) -> str:
+    """One table: a row per tap; strategies side by side (differences marked) unless they all agree."""
+    run_cols = _run_cols(summary)
+    note = "Gradient norm over the captured steps."
+    if "strategy" not in run_cols or summary["strategy"].nunique() < 2:
+        return f"<p>{note}</p>\n{_table(summary[run_cols + list(_SHOWN)].rename(columns=_SHOWN))}"
+    strategies = list(dict.fromkeys(summary["strategy"]))
+    keys = [c for c in run_cols if c != "strategy"] + ["tap", "call"]
+    numeric = [c for c in _SHOWN if c not in ("tap", "call")]
+    g = summary.astype({c: "float64" for c in numeric}).groupby(keys, sort=False, dropna=False)[numeric]
+    lo, hi = g.min(), g.max()
+    scale = pd.DataFrame(np.maximum(hi.abs(), lo.abs()), index=hi.index, columns=hi.columns).fillna(0)
+    agree = ((hi - lo).abs().fillna(0) <= 1e-6 * scale) & (g.count().eq(g.size(), axis=0) | g.count().eq(0))
+    first = summary.drop_duplicates(keys).set_index(keys)[numeric]
+    if agree.to_numpy().all():
+        table = first.reset_index()[keys + numeric].rename(columns=_SHOWN)
+        return f"<p>{note} Identical for the strategies {', '.join(strategies)}.</p>\n{_table(table)}"
+    wide = summary.pivot_table(index=keys, columns="strategy", values="last", sort=False, dropna=False)
+    wide = wide.reindex(columns=strategies).rename(columns=lambda c: f"last ({c})")
+    table = first.drop(columns="last").join(wide)
+    table.insert(0, "agree", np.where(agree.all(axis=1).reindex(table.index), "yes", "DIFFER"))
+    body = _table(table.reset_index().rename(columns=_SHOWN)).replace("<td>DIFFER</td>", '<td class="bad">differ</td>')
+    return f"<p>{note} The strategies disagree on the rows marked <b>differ</b>.</p>\n{body}"
 
 
 def _strategy_sections(

@@ -4,6 +4,7 @@ Contents:
     run_columns(df)                   -- the columns that tell the runs of a sweep apart
     forward_order(df)                 -- (tap, call) in the order they fire in the forward pass
     pick_steps(steps, n)              -- a few steps spread over a run, first and last included
+    flow_steps(df, n)                 -- the steps worth a look: first, around the first NaN/Inf, largest change, last finite
     measure(df, name)                 -- how large each gradient is: norm, rms, abs_max, mean_abs
     tap_summary(df)                   -- per tap: a statistic over steps, first NaN/Inf, vanishing/exploding
     grad_flow(df, steps)              -- a measure per tap in forward order, for a few steps
@@ -106,6 +107,39 @@ def pick_steps(steps: Iterable[int], n: int = 4) -> list[int]:
     return [unique[i] for i in sorted(set(picks.tolist()))]
 
 
+def flow_steps(df: pd.DataFrame, n: int = 4) -> list[int]:
+    """Up to `n` steps worth drawing: the first, the largest change, the last finite one and the first non-finite one.
+
+    Example::
+
+        flow_steps(df)                        # e.g. [0, 3, 4, 5]: the explosion at 3-4, NaN from 5
+        plot_grad_flow(df, steps=flow_steps(df))
+
+    A step is non-finite when a record of it holds a NaN or Inf; "largest change" is the step
+    whose mean |log10 norm| change from the step before, over the taps, is largest (among the
+    finite steps). Steps after the first non-finite one are all NaN, so none of them is picked.
+    Without anything remarkable it is `pick_steps` (spread evenly, first and last included).
+    """
+    steps = sorted({int(s) for s in df["step"]})
+    bad = df.loc[(df["nan_count"].fillna(0) > 0) | (df["inf_count"].fillna(0) > 0), "step"]
+    first_bad = int(bad.min()) if len(bad) else None
+    finite = [s for s in steps if first_bad is None or s < first_bad]
+    # in order of priority: first, first non-finite, the largest change (and the step before it), last finite
+    picks: list[int] = [*finite[:1], *([first_bad] if first_bad is not None else [])]
+    if len(finite) > 1:
+        d = df[df["step"].isin(finite) & df["has_grad"].fillna(False).astype(bool)]
+        table = d.pivot_table(index="step", columns=["run_id", "tap", "call"], values="norm", aggfunc="first")
+        with np.errstate(divide="ignore", invalid="ignore"):
+            change = table.where(table > 0).apply(np.log10).diff().abs().mean(axis=1, skipna=True)
+        if change.notna().any() and change.max() > 0:
+            jump = int(change.index[int(np.nanargmax(change.to_numpy(dtype=np.float64)))])
+            picks += [jump, finite[finite.index(jump) - 1]]
+        picks.append(finite[-1])
+    picks = list(dict.fromkeys(picks))[:n]
+    spread = [s for s in pick_steps(finite, n) if s not in picks]
+    return sorted(picks + spread[: n - len(picks)])
+
+
 def measure(df: pd.DataFrame, name: str = "norm") -> pd.Series:
     """One number per record saying how large its gradient is (NaN where a tap got no gradient).
 
@@ -128,8 +162,8 @@ def measure(df: pd.DataFrame, name: str = "norm") -> pd.Series:
     if name == "mean_abs":
         if "values" not in df.columns or df["values"].isna().all():
             raise GradrunnerError(
-                "measure 'mean_abs' needs captured values (capture.values=full or sample); "
-                "without them use 'rms', its upper bound"
+                "measure 'mean_abs' needs captured values (capture.values=full or sample, read with "
+                "load(..., values=True)); without them use 'rms', its upper bound"
             )
         return df["values"].map(lambda v: np.nan if v is None else float(np.abs(v).mean())).rename("mean_abs")
     if name not in df.columns:

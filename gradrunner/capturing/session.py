@@ -19,7 +19,7 @@ import contextlib
 import sys
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -294,9 +294,9 @@ class Capture:
         if why is not None:
             if not tap.from_glob:
                 raise GradrunnerError(
-                    f"tap {tap.tap!r} cannot carry a gradient: its value is {why[1]}. Tap a tensor computed "
-                    "from parameters or from an input that requires grad (an input tap on the root makes "
-                    "floating-point inputs require grad), or drop the tap."
+                    f"tap {tap.tap!r} cannot carry a gradient: its value is {why[1]}.{_element_hint(tap, value)} "
+                    "Tap a tensor computed from parameters or from an input that requires grad (an input tap on "
+                    "the root makes floating-point inputs require grad), or drop the tap."
                 )
             slot.reason = why[0]  # a glob also matched this one: recorded as having no gradient
             return value
@@ -437,3 +437,14 @@ def capture(
     """
     return Capture(model, taps, strategy, values=values, sample_size=sample_size, seed=seed, keep_grads=keep_grads,
                    wrap_strategy=wrap_strategy)
+
+
+def _element_hint(tap: Tap, value: object) -> str:
+    """For a tuple or dict value: the element taps that reach its tensors (`attn:output.0`, `:output.logits`)."""
+    if isinstance(value, Mapping):
+        names = [f"{tap.tap}.{k}" for k, v in value.items() if isinstance(v, torch.Tensor)]
+    elif isinstance(value, (tuple, list)):
+        names = [f"{tap.tap}.{i}" for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+    else:
+        return ""
+    return f" Tap one of its elements instead: {', '.join(names[:4])}." if names else ""

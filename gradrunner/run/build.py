@@ -11,7 +11,9 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import random
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -28,7 +30,7 @@ from gradrunner.capturing.taps import resolve_taps
 from gradrunner.choices import DTYPES
 from gradrunner.config import validate
 from gradrunner.data import Batch, as_batches
-from gradrunner.errors import GradrunnerError, not_allowed, one_paragraph
+from gradrunner.errors import GradrunnerError, did_you_mean, not_allowed, one_paragraph
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 _CONF_DIR = Path(__file__).parent.parent / "conf"
@@ -120,6 +122,23 @@ def build(cfg: DictConfig, group: str) -> Any:
         ) from e
 
 
+def _optimizer_hint(node: DictConfig, error: Exception) -> str:
+    """What to fix when the optimizer cannot be built: a misspelled keyword (with the accepted ones), or `_partial_`."""
+    if not isinstance(error, TypeError):
+        return ""
+    if not node.get("_partial_", False):
+        return "; optimizer options need `_partial_: true`"
+    bad = re.search(r"unexpected keyword argument '(\w+)'", str(error))
+    try:
+        accepted = [p for p in inspect.signature(get_class(str(node._target_))).parameters if p not in ("self", "params")]
+    except Exception:  # not a class we can inspect: the error says enough
+        return ""
+    if bad is None:
+        return f"; {node._target_} accepts {', '.join(accepted)}"
+    return (f"; {node._target_} has no {bad.group(1)!r}, it accepts: {', '.join(accepted)}."
+            f"{did_you_mean(bad.group(1), accepted, prefix='optimizer.')} Fix the override or the optimizer file")  # fmt: skip
+
+
 @dataclass
 class Job:
     """Everything the step loop needs, built from the config before any file is written."""
@@ -157,7 +176,7 @@ def setup(cfg: DictConfig) -> Job:
     try:
         optimizer = make_optimizer(model.parameters())
     except (TypeError, ValueError) as e:
-        hint = "; optimizer options need `_partial_: true`" if isinstance(e, TypeError) else ""
+        hint = _optimizer_hint(cfg.optimizer, e)
         raise GradrunnerError(
             f"could not build optimizer {cfg.optimizer._target_!r} over the model's parameters: {e}. "
             f"Check the optimizer.* keys{hint}."

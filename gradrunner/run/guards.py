@@ -85,12 +85,12 @@ def next_batch(batches: Iterator[Any], step: int, source: str) -> tuple[Any, Any
 
 
 def forward_loss(
-    model: Callable[[Any], Any], loss_fn: Callable[[Any, Any], Any], x: Any, y: Any, step: int, *, model_name: str,
+    model: Callable[..., Any], loss_fn: Callable[[Any, Any], Any], x: Any, y: Any, step: int, *, model_name: str,
     loss_name: str,
 ) -> torch.Tensor:  # fmt: skip
-    """`loss_fn(model(x), y)`, with a failure of either (or a loss that cannot be backpropagated) explained."""
+    """`loss_fn(model(x), y)` (`model(**x)` for a dict of keyword arguments), failures of either explained."""
     try:
-        out = model(x)
+        out = model(**x) if isinstance(x, Mapping) else model(x)
     except GradrunnerError:
         raise
     except Exception as e:

@@ -28,10 +28,12 @@ import pyarrow.parquet as pq
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradrunner.capturing.session import Capture, capture
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE, StepRecords
-from gradrunner.run import distributed
+from gradrunner.run import distributed, watch
 from gradrunner.run.build import Job, setup
 from gradrunner.run.distributed import Distributed, GatheredWriter
 from gradrunner.run.guards import (
@@ -66,41 +68,41 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class Progress:
-    """A one-line progress bar on a terminal; otherwise a log line every ~10% of the steps.
+    """A tqdm bar on a terminal, a log line every ~10% of the steps otherwise (and in the log file either way).
 
     Example::
 
         bar = Progress(total=100)
         for step in range(100): bar.update(step, loss=0.5)
         bar.close()
+
+    Steps are named as the records name them, from 0 (`step 9 (10/100)`). On a terminal the log
+    lines go above the bar (tqdm's logging redirect), so `gradrunner.log` gets them too.
     """
 
-    def __init__(self, total: int, stream: TextIO | None = None, width: int = 30) -> None:
-        self.total, self.width = total, width
+    def __init__(self, total: int, stream: TextIO | None = None, min_interval: float = 0.1) -> None:
+        self.total = total
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.every = max(1, math.ceil(total / 10))
-        self._last_draw = 0.0
+        self._stack = contextlib.ExitStack()
+        self._bar: tqdm | None = None
+        if self.tty:
+            self._bar = self._stack.enter_context(
+                tqdm(total=total, file=self.stream, unit="step", dynamic_ncols=True, mininterval=min_interval)
+            )
+            self._stack.enter_context(logging_redirect_tqdm())
 
     def update(self, step: int, loss: float) -> None:
         done = step + 1
-        if not self.tty:
-            if done % self.every == 0 or done == self.total:
-                log.info("step %d/%d (%d%%)  loss %.6g", done, self.total, 100 * done // self.total, loss)
-            return
-        now = time.monotonic()
-        if done < self.total and now - self._last_draw < 0.1:
-            return
-        self._last_draw = now
-        filled = self.width * done // max(self.total, 1)
-        bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r[{bar}] {done}/{self.total}  loss {loss:.6g}")
-        self.stream.flush()
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"step {step}  loss {loss:.6g}", refresh=False)
+            self._bar.update(done - self._bar.n)
+        if done % self.every == 0 or done == self.total:
+            log.info("step %d (%d/%d, %d%%)  loss %.6g", step, done, self.total, 100 * done // max(self.total, 1), loss)
 
     def close(self) -> None:
-        if self.tty and self._last_draw:
-            self.stream.write("\n")
-            self.stream.flush()
+        self._stack.close()
 
 
 def output_dir(out_dir: str | Path | None = None) -> Path:
@@ -131,6 +133,7 @@ def _run_steps(
     bar = Progress(cfg.steps)
     # Read from the config once: OmegaConf lookups cost more than a tiny model's step.
     every, on_nonfinite = int(cfg.capture.every), str(cfg.capture.get("on_nonfinite", "record"))
+    full_values, zeros = cfg.capture["values"] == "full", watch.ZeroWatch(int(cfg.steps))
     source, model_name, loss_name = str(cfg.data._target_), str(cfg.model._target_), str(cfg.loss._target_)
     warned: set[str] = set()
     try:
@@ -145,6 +148,8 @@ def _run_steps(
                 t1 = time.perf_counter()
                 recs = cap.records(loss)
                 warn_without_grad(recs, step, warned)
+                if full_values and step == 0:
+                    watch.warn_values_size(recs, watch.captured_steps(int(cfg.steps), every), int(cfg.capture.sample_size))
                 capture_time = time.perf_counter() - t1
                 loss_value = float("nan") if recs.loss is None else recs.loss
             else:
@@ -160,6 +165,7 @@ def _run_steps(
                     capture_time = (capture_time or 0.0) + time.perf_counter() - t2
                 steps.write(step, captured, loss_value, time.perf_counter() - t0, capture_time, peak)
             bar.update(step, loss_value)
+            zeros.step(step, loss_value, recs if captured else None)
             check_finite(on_nonfinite, step, loss_value, recs if captured else None)
     finally:
         bar.close()
@@ -225,9 +231,9 @@ def train(
         log.warning("interrupted; %s", f"the records of {steps_kept} completed step(s) are kept in {directory} "
                     f"({', '.join(kept)})" if kept else f"no records were kept in {directory}")  # fmt: skip
         raise
-    path = directory / GRADS_FILE
-    log.info("records: %s  (pandas.read_parquet('%s') or gradrunner.analysis.load('%s'))", path, path, directory)
-    return path
+    log.info("records: %s, %s in %s  (read the dir with gradrunner.analysis.load, a file with pandas.read_parquet)",
+             GRADS_FILE, STEPS_FILE, directory)  # fmt: skip
+    return directory / GRADS_FILE
 
 
 def _steps_in(path: Path) -> int:

@@ -1,0 +1,159 @@
+"""The tap explorer: `list_taps(model, ...)` and `python -m gradrunner.taps <overrides>`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import cli_env, compose_cfg, leftover_hooks
+from torch import nn
+
+from gradrunner import list_taps
+from gradrunner.capturing.explore import TapListing
+from gradrunner.capturing.taps import resolve_taps
+from gradrunner.run.build import setup
+from gradrunner.taps import listing
+
+BUILT_IN = ["mlp", "cnn", "transformer", "cosine", "sigmoid2"]
+
+
+def taps_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gradrunner.taps", *args], cwd=cwd, env=cli_env(), capture_output=True, text=True,
+        timeout=180,
+    )  # fmt: skip
+
+
+def by_path(result: TapListing) -> dict[str, Any]:
+    return {m.path: m for m in result.modules}
+
+
+@pytest.mark.parametrize("experiment", BUILT_IN)
+def test_every_module_path_of_each_built_in_experiment_is_listed(experiment: str) -> None:
+    cfg = compose_cfg(f"+experiment={experiment}")
+    result = listing(cfg)
+    assert isinstance(result, TapListing)
+    model = setup(cfg).model
+    assert leftover_hooks(model) == []
+    paths = [p for p, _ in model.named_modules(remove_duplicate=False)]
+    assert sorted(m.path for m in result.modules) == sorted(paths)
+    x, y = next(setup(cfg).batches)
+    root = by_path(result)[""]
+    assert root.calls == 1 and root.outputs[0].name == "output"
+    assert root.outputs[0].shape == list(model(x).shape) and root.inputs[0].shape == list(x.shape)
+    # Every listed output/input/parameter name is one the tap resolver accepts on that path.
+    for m in result.modules:
+        names = [s.name for s in m.outputs + m.inputs + m.parameters] + m.locals
+        if names:
+            assert len(resolve_taps(model, [f"{m.path}:{n}" for n in names])) == len(set(names))
+
+
+def test_the_transformer_listing_has_shapes_tuple_elements_and_names_out_proj_as_not_called() -> None:
+    result = by_path(listing(compose_cfg("+experiment=transformer")))
+    attn = result["attn"]
+    # batch 8, sequence 5, d_model 16 (experiment/transformer.yaml); weights (8, 5, 5) averaged over heads
+    assert [(s.name, s.shape, s.dtype) for s in attn.outputs] == [
+        ("output.0", [8, 5, 16], "float32"), ("output.1", [8, 5, 5], "float32")
+    ]  # fmt: skip
+    assert [s.name for s in attn.inputs] == ["input.0", "input.1", "input.2"]
+    assert [(s.name, s.shape) for s in attn.parameters] == [("in_proj_weight", [48, 16]), ("in_proj_bias", [48])]
+    assert result["attn.out_proj"].calls == 0 and result["attn.out_proj"].outputs == []
+    assert result[""].locals == ["q", "attn_out", "_weights", "h", "ff"]
+    order = [m.path for m in listing(compose_cfg("+experiment=transformer")).modules]
+    assert order == ["", "ln1", "attn", "ln2", "ff1", "act", "ff2", "head", "attn.out_proj"]
+
+
+class Branchy(nn.Module):
+    """A user model: dict output, a submodule called twice, one never called, kwargs, a local."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 3)
+        self.shared = nn.Tanh()
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> dict[str, Any]:
+        hidden = self.shared(self.enc(x))
+        hidden = self.shared(hidden * (1.0 if scale is None else scale))
+        return {"logits": hidden, "pair": (hidden.sum(), None), "note": "text"}
+
+
+def test_a_user_model_with_dict_output_kwargs_repeated_and_unused_modules() -> None:
+    model = Branchy()
+    result = list_taps(model, torch.randn(2, 4), scale=torch.ones(1, dtype=torch.float64))
+    m = by_path(result)
+    assert [(s.name, s.shape, s.kind) for s in m[""].outputs] == [
+        ("output.logits", [2, 3], "tensor"), ("output.pair.0", [], "tensor"), ("output.note", None, "str")
+    ]  # fmt: skip
+    assert [(s.name, s.dtype) for s in m[""].inputs] == [("input.0", "float32"), ("input.scale", "float64")]
+    assert m["shared"].calls == 2 and m["enc"].calls == 1 and m["unused"].calls == 0
+    assert m[""].locals == ["hidden"]
+    assert [mm.path for mm in result.modules] == ["", "enc", "shared", "unused"]
+    assert "unused (Linear) NOT CALLED" in str(result)
+    assert json.loads(json.dumps(result.to_dict()))["modules"][2]["calls"] == 2
+    assert leftover_hooks(model) == []
+
+
+def test_a_forward_without_readable_source_is_listed_not_fatal() -> None:
+    namespace: dict[str, Any] = {}
+    exec("def forward(self, x):\n    y = x * 2\n    return y\n", namespace)  # no file: no source to read
+    Doubler = type("Doubler", (nn.Module,), {"forward": namespace["forward"]})
+    model = nn.Sequential(nn.Linear(2, 2), Doubler())
+    m = by_path(list_taps(model, torch.randn(1, 2)))
+    assert m["1"].calls == 1 and m["1"].locals == [] and "unavailable" in (m["1"].locals_note or "")
+    assert m["1"].outputs[0].shape == [1, 2]
+
+
+def test_hooks_are_removed_when_the_forward_raises() -> None:
+    class Boom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError(f"no {self.lin(x).shape}")
+
+    model = Boom()
+    with pytest.raises(ValueError, match="no"):
+        list_taps(model, torch.randn(1, 2))
+    assert leftover_hooks(model) == []
+
+
+@pytest.mark.slow
+def test_the_command_lists_the_transformer_in_text_and_json_and_writes_nothing(tmp_path: Path) -> None:
+    text = taps_cli(tmp_path, "+experiment=transformer")
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert "attn.out_proj (NonDynamicallyQuantizableLinear) NOT CALLED" in text.stdout
+    assert any(line.split() == ["output.0", "(8,", "5,", "16)", "float32"] for line in lines)
+    as_json = taps_cli(tmp_path, "+experiment=transformer", "--format", "json", "steps=1")
+    assert as_json.returncode == 0, as_json.stderr
+    modules = {m["path"]: m for m in json.loads(as_json.stdout)["modules"]}
+    assert modules["attn.out_proj"]["calls"] == 0 and modules["head"]["outputs"][0]["shape"] == [8, 5, 4]
+    assert list(tmp_path.iterdir()) == []  # no outputs/ dir, no log file
+    bad = taps_cli(tmp_path, "+experiment=mlp", "--format", "yaml")
+    assert bad.returncode == 2 and "allowed: text, json" in bad.stderr and "Traceback" not in bad.stderr
+    wrong = taps_cli(tmp_path, "+experiment=mlp", "data.input_shape=[3]")
+    assert wrong.returncode == 2 and "Traceback" not in wrong.stderr and "forward()" in wrong.stderr
+
+
+def test_a_forward_that_needs_autograd_is_listed_with_grad_enabled() -> None:
+    class Score(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.energy = nn.Linear(3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = x.requires_grad_(True)
+            (force,) = torch.autograd.grad(self.energy(x).sum(), x, create_graph=True)
+            return force
+
+    model = Score()
+    m = by_path(list_taps(model, torch.randn(2, 3)))
+    assert m[""].outputs[0].shape == [2, 3] and m["energy"].outputs[0].shape == [2, 1]
+    assert m[""].locals == ["x", "force"] and leftover_hooks(model) == []
