@@ -245,7 +245,7 @@ def test_torchvision_models_when_torchvision_imports() -> None:
     torch.manual_seed(0)
     model = resnet18(num_classes=3).double()
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
-    case = RealCase("resnet18", lambda: model, ["layer1.*:output", "fc:weight", "relu:output"], {
+    case = RealCase("resnet18", lambda: model, ["layer1.?:output", "fc:weight", "relu:output"], {
         "layer1.0:output": [out("layer1.0")], "layer1.1:output": [out("layer1.1")],
         "fc:weight": [param("fc.weight")], "relu:output": [out("relu")],
     })  # fmt: skip
