@@ -7,10 +7,14 @@ Runs the `hook` strategy on the MLP of capture_overhead.py and, in turn, replace
 reduction with one op of it alone (the rest of the capture unchanged), timing that op inside the
 hooks of real steps. Prints per step: each op's milliseconds summed over the 17 taps, as a share of
 the bare training step, next to the whole reduction and the bare step (interleaved, medians).
+
+It profiles the torch reduction path (`GRADRUNNER_FUSED=0`, set below): the fused one-pass kernel
+does the whole reduction in one call, so there are no separate ops to time (see fused_stats.py).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -18,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+os.environ["GRADRUNNER_FUSED"] = "0"  # read on each gradient: the torch path, whose ops this script times
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import interleaved, median_ms, no_context, parse_args, report

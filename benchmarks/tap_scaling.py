@@ -21,7 +21,7 @@ from _common import interleaved, median_ms, parse_args, report
 from capture_overhead import variants_for
 
 import gradrunner.capturing.stats as stats
-from gradrunner import capture
+from gradrunner import STRATEGIES, capture
 from gradrunner.models import MLP
 
 
@@ -72,7 +72,7 @@ def main() -> None:
                 "none_ms": base, "overhead_pct": 100 * extra / base, "extra_us_per_tap": 1e3 * extra / n,
                 "extra_ns_per_element": 1e6 * extra / elements,
                 "naive_over_this": naive_extra / extra if variant != "naive" and extra > 0 else None,
-                "host_transfers_per_step": count_transfers(model, x, y, taps, variant) if variant != "naive" else n * 9,
+                "host_transfers_per_step": count_transfers(model, x, y, taps, variant) if variant in STRATEGIES else n * 9 if variant == "naive" else None,
             })  # fmt: skip
     report("tap_scaling", rows, ["taps", "elements", "variant", "step_ms", "none_ms", "overhead_pct",
                                  "extra_us_per_tap", "extra_ns_per_element", "naive_over_this",
