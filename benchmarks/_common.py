@@ -18,8 +18,8 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +112,29 @@ def _fmt(v: Any) -> str:
 def chunks(seq: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
     for i in range(0, len(seq), n):
         yield seq[i : i + n]
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a written file to the disk (what each writer compared here is charged with)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def forward_hooks(modules: Iterable[tuple[str, torch.nn.Module]], on_output: Callable[[str, Any], None]) -> Iterator[None]:
+    """Plain forward hooks calling `on_output(path, output)` on each module, removed on exit: the peers' way."""
+    handles = []
+    for path, module in modules:
+
+        def hook(_m: torch.nn.Module, _a: Any, out: Any, path: str = path) -> None:
+            on_output(path, out)
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, median_ms, no_context, parse_args, report
+from _common import forward_hooks, interleaved, median_ms, no_context, parse_args, report
 
 from gradrunner import capture
 from gradrunner.capturing.stats import Collector
@@ -53,46 +53,35 @@ def _workloads(tiny: bool) -> dict[str, tuple[nn.Module, torch.Tensor, torch.Ten
     }
 
 
-@contextmanager
-def naive(model: nn.Module, taps: list[str], sink: list[torch.Tensor]) -> Iterator[None]:
-    """The tutorial way: forward hooks that call retain_grad() on each tapped output."""
-    handles = []
-    for tap in resolve_taps(model, taps):
-        module = model.get_submodule(tap.module) if tap.module else model
-
-        def hook(_m: nn.Module, _a: Any, out: Any) -> None:
-            t = out[0] if isinstance(out, tuple) else out
-            if t.requires_grad:
-                t.retain_grad()
-                sink.append(t)
-
-        handles.append(module.register_forward_hook(hook))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+def _tapped(model: nn.Module, taps: list[str]) -> list[tuple[str, nn.Module]]:
+    return [(t.module, model.get_submodule(t.module) if t.module else model) for t in resolve_taps(model, taps)]
 
 
-@contextmanager
-def plain_tensor_hooks(model: nn.Module, taps: list[str], col: Collector) -> Iterator[None]:
+def _tensor(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def naive(model: nn.Module, taps: list[str], sink: list[torch.Tensor]) -> AbstractContextManager[None]:
+    """The tutorial way: forward hooks calling `retain_grad()` on each tapped output."""
+
+    def keep(_path: str, out: Any) -> None:
+        t = _tensor(out)
+        if t.requires_grad:
+            t.retain_grad()
+            sink.append(t)
+
+    return forward_hooks(_tapped(model, taps), keep)
+
+
+def plain_tensor_hooks(model: nn.Module, taps: list[str], col: Collector) -> AbstractContextManager[None]:
     """Plain PyTorch: forward hooks registering a tensor hook on each output, gradrunner's statistics."""
-    handles = []
-    for tap in resolve_taps(model, taps):
-        module = model.get_submodule(tap.module) if tap.module else model
-        key = TapKey(tap.module, "output", 0)
 
-        def hook(_m: nn.Module, _a: Any, out: Any, key: TapKey = key) -> None:
-            t = out[0] if isinstance(out, tuple) else out
-            if t.requires_grad:
-                t.register_hook(lambda g: col.add(key, g))
+    def register(path: str, out: Any) -> None:
+        t, key = _tensor(out), TapKey(path, "output", 0)
+        if t.requires_grad:
+            t.register_hook(lambda g: col.add(key, g))
 
-        handles.append(module.register_forward_hook(hook))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    return forward_hooks(_tapped(model, taps), register)
 
 
 def naive_stats(sink: list[torch.Tensor]) -> list[list[float]]:

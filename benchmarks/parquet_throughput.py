@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median_ms, parse_args, report
+from _common import fsync_file, median_ms, parse_args, report
 
 from gradrunner.capturing.stats import Collector
 from gradrunner.records.columns import StepRecords, TapKey
@@ -46,7 +46,7 @@ def write_parquet(path: Path, steps: list[StepRecords]) -> None:
     with RecordWriter(path, constants=constants, metadata={}) as w:
         for i, recs in enumerate(steps):
             w.write_step(i, recs)
-    _fsync(path)
+    fsync_file(path)
 
 
 class _NoChecksums(RecordWriter):
@@ -58,7 +58,7 @@ def write_parquet_no_checksums(path: Path, steps: list[StepRecords]) -> None:
     with _NoChecksums(path, constants=constants, metadata={}) as w:
         for i, recs in enumerate(steps):
             w.write_step(i, recs)
-    _fsync(path)
+    fsync_file(path)
 
 
 def read_times(path: Path, repeats: int) -> dict[str, list[float]]:
@@ -84,7 +84,7 @@ def write_arrow_only(path: Path, steps: list[StepRecords]) -> None:
     np.cumsum([len(a) for a in arrays], out=offsets[1:])
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(np.concatenate(arrays)))
     pq.write_table(pa.table({"values": column}), path, compression="NONE", use_dictionary=False)
-    _fsync(path)
+    fsync_file(path)
 
 
 def write_numpy(path: Path, steps: list[StepRecords]) -> None:
@@ -95,14 +95,6 @@ def write_numpy(path: Path, steps: list[StepRecords]) -> None:
                 np.save(f, v)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median_ms, parse_args, report
+from _common import fsync_file, median_ms, parse_args, report
 
 BASE: dict[str, Any] = {"compression": "NONE", "use_dictionary": False}
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -37,14 +37,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "dictionary on": {"use_dictionary": True},
     "no stats, 8 MiB pages, v2 pages": {"write_statistics": False, "data_page_size": 8 << 20, "data_page_version": "2.0"},
 }
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def main() -> None:
@@ -70,7 +62,7 @@ def main() -> None:
             with pq.ParquetWriter(path, tables[0].schema, **{**BASE, **options}) as w:
                 for t in tables:
                     w.write_table(t)
-            _fsync(path)
+            fsync_file(path)
 
         return write
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import parse_args, report
+from _common import forward_hooks, parse_args, report
 
 from gradrunner import capture
 from gradrunner.capturing.stats import Collector
@@ -35,23 +35,14 @@ from gradrunner.records.columns import TapKey
 Phase = tuple[Callable[[], AbstractContextManager[Any]], Callable[[], dict[str, float]]]
 
 
-@contextmanager
-def plain_tensor_hooks(model: nn.Module, col: Collector) -> Iterator[None]:
-    handles = []
-    for name, module in model.named_modules():
-        if not name:
-            continue
-        key = TapKey(name, "output", 0)
+def plain_tensor_hooks(model: nn.Module, col: Collector) -> AbstractContextManager[None]:
+    """Plain PyTorch: a tensor hook on every submodule's output, gradrunner's statistics."""
 
-        def hook(_m: nn.Module, _a: Any, out: torch.Tensor, key: TapKey = key) -> None:
-            out.register_hook(lambda g: col.add(key, g))
+    def register(path: str, out: torch.Tensor) -> None:
+        key = TapKey(path, "output", 0)
+        out.register_hook(lambda g: col.add(key, g))
 
-        handles.append(module.register_forward_hook(hook))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    return forward_hooks([(n, m) for n, m in model.named_modules() if n], register)
 
 
 def main() -> None:

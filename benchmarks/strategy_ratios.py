@@ -24,11 +24,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--label", default="this checkout")
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes and 2 repeats (CI smoke run)")
     args = parser.parse_args()
+    width, batch = (16, 4) if args.tiny else (512, 256)
+    repeats = 2 if args.tiny else args.repeats
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = MLP(in_features=512, hidden=512, depth=8, out_features=10)
-    x, y = torch.randn(256, 512), torch.randn(256, 10)
+    model = MLP(in_features=width, hidden=width, depth=8, out_features=10)
+    x, y = torch.randn(batch, width), torch.randn(batch, 10)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step(cap: object | None) -> None:
@@ -43,7 +46,7 @@ def main() -> None:
 
     variants = ["none", "hook", "retain_grad", "autograd_grad"]
     times: dict[str, list[float]] = {v: [] for v in variants}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for v in variants:
             if v == "none":
                 t = time.perf_counter()
