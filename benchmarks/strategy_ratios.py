@@ -10,24 +10,24 @@ version of gradrunner since the first, which is what comparing two checkouts nee
 
 from __future__ import annotations
 
-import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import parse_args, report
 
 from gradrunner import capture
 from gradrunner.models import MLP
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=25)
-    parser.add_argument("--label", default="this checkout")
-    parser.add_argument("--tiny", action="store_true", help="tiny sizes and 2 repeats (CI smoke run)")
-    args = parser.parse_args()
+    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument("--label", default="this checkout"))
     width, batch = (16, 4) if args.tiny else (512, 256)
-    repeats = 2 if args.tiny else args.repeats
+    repeats = args.repeats or (2 if args.tiny else 25)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = MLP(in_features=width, hidden=width, depth=8, out_features=10)
@@ -59,8 +59,9 @@ def main() -> None:
                 step(cap)
                 times[v].append(time.perf_counter() - t)
     base = statistics.median(times["none"])
-    ratios = ", ".join(f"{v} {statistics.median(times[v]) / base:.3f}x" for v in variants[1:])
-    print(f"{args.label}: bare step {base * 1e3:.2f} ms; {ratios}")
+    rows = [{"label": args.label, "variant": v, "step_ms": 1e3 * statistics.median(times[v]),
+             "ratio": statistics.median(times[v]) / base} for v in variants]  # fmt: skip
+    report("strategy_ratios", rows, ["label", "variant", "step_ms", "ratio"], args.out)
 
 
 if __name__ == "__main__":
