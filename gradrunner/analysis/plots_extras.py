@@ -26,6 +26,12 @@ from gradrunner.analysis.extras import (
 from gradrunner.analysis.summaries import forward_order
 
 
+def _first_run(rows: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """The rows of the first run in `rows`, and its taps in the order they appear."""
+    rows = rows[rows["run_id"] == rows["run_id"].iloc[0]]
+    return rows, list(dict.fromkeys(rows["tap"]))
+
+
 def plot_histograms(df: pd.DataFrame, max_taps: int = 8) -> Figure:
     """One panel per tap (forward order, at most `max_taps`): steps down, |g| bins across, colour = share of elements.
 
@@ -62,11 +68,9 @@ def plot_update_ratios(df: pd.DataFrame) -> Figure:
 
         plot_update_ratios(load("outputs/2026-11-23/10-00-00")).savefig("updates.png")
     """
-    r = update_ratios(df)
-    r = r[r["run_id"] == r["run_id"].iloc[0]]
+    r, taps = _first_run(update_ratios(df))
     fig = Figure(figsize=(8, 4), layout="constrained")
     ax = fig.subplots()
-    taps = list(dict.fromkeys(r["tap"]))
     colors = colormaps["viridis"](np.linspace(0, 0.9, max(len(taps), 1)))
     for tap, color in zip(taps, colors, strict=False):
         rows = r[r["tap"] == tap]
@@ -86,9 +90,7 @@ def plot_per_example_spread(df: pd.DataFrame) -> Figure:
 
         plot_per_example_spread(load("outputs/2026-11-23/10-00-00")).savefig("examples.png")
     """
-    s = per_example_spread(df)
-    s = s[s["run_id"] == s["run_id"].iloc[0]]
-    taps = list(dict.fromkeys(s["tap"]))
+    s, taps = _first_run(per_example_spread(df))
     fig = Figure(figsize=(max(5.0, 0.6 * len(taps) + 2), 4), layout="constrained")
     ax = fig.subplots()
     data = [s.loc[s["tap"] == t, "dominance"].replace(np.inf, np.nan).dropna().to_numpy() for t in taps]
