@@ -41,24 +41,20 @@ def make_steps(n_steps: int, n_taps: int, numel: int) -> list[StepRecords]:
     return steps
 
 
-def write_parquet(path: Path, steps: list[StepRecords]) -> None:
-    constants = {"run_id": "bench", "experiment": "bench", "strategy": "hook", "device": "cpu", "dtype": "float32"}
-    with RecordWriter(path, constants=constants, metadata={}) as w:
-        for i, recs in enumerate(steps):
-            w.write_step(i, recs)
-    fsync_file(path)
-
-
 class _NoChecksums(RecordWriter):
     page_checksums = False
 
 
-def write_parquet_no_checksums(path: Path, steps: list[StepRecords]) -> None:
+def write_parquet(path: Path, steps: list[StepRecords], writer: type[RecordWriter] = RecordWriter) -> None:
     constants = {"run_id": "bench", "experiment": "bench", "strategy": "hook", "device": "cpu", "dtype": "float32"}
-    with _NoChecksums(path, constants=constants, metadata={}) as w:
+    with writer(path, constants=constants, metadata={}) as w:
         for i, recs in enumerate(steps):
             w.write_step(i, recs)
     fsync_file(path)
+
+
+def write_parquet_no_checksums(path: Path, steps: list[StepRecords]) -> None:
+    write_parquet(path, steps, _NoChecksums)
 
 
 def read_times(path: Path, repeats: int) -> dict[str, list[float]]:
