@@ -12,8 +12,8 @@ Ray actor), `on_multirun_start`/`on_multirun_end` in the process that launched t
 
 Example::
 
-    python -m gradrunner -m +experiment=mlp capture.strategy=hook,bogus steps=2
-    cat multirun/*/*/manifest.json      # job 1: "status": "failed", "error": "capture.strategy='bogus' ..."
+    python -m gradrunner -m +experiment=mlp dtype=float16 optimizer.lr=0.01,1e6 steps=2 device=cpu
+    cat multirun/*/*/manifest.json      # job 1: "status": "failed", "error": "step 0 failed in the optimizer step ..."
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.errors import one_paragraph
+from gradrunner.overrides import sweep_jobs
 from gradrunner.records.rundir import job_dirs_below, job_state, mark_failed, write_json
 
 log = logging.getLogger(__name__)
@@ -46,17 +47,8 @@ def expected_jobs(config: DictConfig) -> list[list[str]] | None:
 
         expected_jobs(cfg)   # [['capture.strategy=hook', 'seed=0'], ['capture.strategy=hook', 'seed=1'], ...]
     """
-    sweeper = OmegaConf.select(config, "hydra.sweeper._target_", default="")
-    if not str(sweeper).endswith("BasicSweeper"):
-        return None  # other sweepers (Optuna, Ax, ...) choose their jobs as they go
     try:
-        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-        arguments = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
-        overrides = OverridesParser.create().parse_overrides(arguments)
-        return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+        return sweep_jobs(config)
     except Exception as e:  # private API, or a sweep the parser needs the config loader for
         log.debug("could not list the sweep's jobs (%s); listing the job dirs found", e)
         return None
