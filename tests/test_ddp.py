@@ -81,7 +81,11 @@ def test_every_strategy_takes_the_same_optimiser_step(records: pd.DataFrame) -> 
 
 
 def test_a_single_run_keeps_one_run_dir_for_both_ranks(tmp_path: Path) -> None:
-    check_ok(torchrun(tmp_path, "+experiment=cosine", "steps=2"))
+    result = torchrun(tmp_path, "+experiment=cosine", "steps=2")
+    check_ok(result)
+    logged = [line for line in (result.stdout + result.stderr).splitlines() if "][gradrunner." in line]
+    assert logged and all("] - [rank 0] " in line or "] - [rank 1] " in line for line in logged), logged[:5]
+    assert {"[rank 0] rank 0 of 2", "[rank 1] rank 1 of 2"} <= {line.split("] - ")[-1][:20] for line in logged}
     (job,) = sorted(tmp_path.glob("outputs/*/*"))
     names = {p.name for p in job.iterdir()}
     assert names >= {"grads.parquet", "steps.parquet", "done.json", "gradrunner.log", "gradrunner.rank1.log"}

@@ -143,8 +143,29 @@ def session(cfg: DictConfig) -> Iterator[Distributed | None]:
         atexit.register(_leave)
     d = Distributed(rank, size, local_rank, backend)
     d.run_id = d.broadcast(uuid.uuid4().hex)
-    log.info("rank %d of %d (%s)", rank, size, backend)
-    yield d
+    prefix, handlers = _RankPrefix(rank), list(logging.getLogger().handlers)
+    for handler in handlers:  # every rank logs to the terminal: say which one each line is from
+        handler.addFilter(prefix)
+    try:
+        log.info("rank %d of %d (%s)", rank, size, backend)
+        yield d
+    finally:
+        for handler in handlers:
+            handler.removeFilter(prefix)
+
+
+class _RankPrefix(logging.Filter):
+    """Prefixes each log line with `[rank N] ` once (the record is shared by every handler)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.prefix = f"[rank {rank}] "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not getattr(record, "gradrunner_rank_prefixed", False):
+            record.msg = self.prefix + str(record.msg)
+            record.gradrunner_rank_prefixed = True
+        return True
 
 
 def _leave() -> None:
