@@ -153,6 +153,30 @@ def test_update_norm_is_the_change_of_the_optimizer_step_and_records_taken_after
             assert np.isnan(rows[t]["update_norm"]), t  # not a parameter
 
 
+def test_all_options_together_still_make_one_host_transfer_per_step(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
+    import gradrunner.capturing.stats as stats
+
+    calls: list[int] = []
+    real = stats.to_host
+    monkeypatch.setattr(stats, "to_host", lambda t: calls.append(t.numel()) or real(t))
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = _data()
+    with capture(model, TAPS, strategy, keep_grads=False, per_example=True, histogram=True) as cap:
+        for _ in range(2):
+            calls.clear()
+            loss = nn.functional.mse_loss(model(x), y)
+            cap.backward(loss)
+            before = cap.snapshot_params()
+            opt.step()
+            recs = cap.records(loss, before)
+            opt.zero_grad(set_to_none=True)
+            assert len(calls) == 1, calls
+    # 7 reductions + value norm per record, 2 update norms, 3 taps x BATCH rows, a histogram per record, the loss
+    assert calls[0] == 8 * len(TAPS) + 2 + 3 * BATCH + HIST_BINS * len(TAPS) + 1
+    assert np.isfinite(recs.update_norm).sum() == 2
+
+
 def test_train_records_update_norms_and_value_norms_of_the_step_that_made_them(tmp_path: Path, strategy: str) -> None:
     # cosine: a and b are scalars, SGD without momentum: a_{s+1} = a_s - lr * g_s.
     train(compose_cfg("+experiment=cosine", "steps=4", f"capture.strategy={strategy}"), out_dir=tmp_path)
