@@ -248,3 +248,21 @@ def test_cli_run_with_both_options_and_its_report(tmp_path: Path) -> None:
     page = (job / "report.html").read_text()
     for title in ("Gradient histograms over steps", "Update-to-weight ratio", "Per-example gradient norms"):
         assert title in page, title
+
+
+@pytest.mark.slow
+def test_a_sweep_where_only_some_jobs_have_the_options_loads_and_reports(tmp_path: Path) -> None:
+    from gradrunner.analysis import load, run_columns, update_ratios
+
+    check_ok(gradrunner(tmp_path, "-m", "+experiment=cosine", "steps=2", "capture.histogram=false,true",
+                        "capture.per_example=false,true", "report=true"))  # fmt: skip
+    (sweep,) = sorted(tmp_path.glob("multirun/*/*"))
+    df = load(sweep)
+    assert df.run_id.nunique() == 4 and {"capture.histogram", "capture.per_example"} <= set(run_columns(df))
+    with_hist = df["capture.histogram"].astype(str).str.lower() == "true"
+    assert df.loc[with_hist, "hist_counts"].notna().all() and df.loc[~with_hist, "hist_counts"].isna().all()
+    # runs x (a at 2 steps + b at step 1): b starts at 0, so its step-0 ratio is undefined (null)
+    assert len(update_ratios(df)) == 4 * 3
+    b0 = df[(df.tap == ":b") & (df.step == 0)]
+    assert (b0.value_norm == 0).all() and (b0.update_norm > 0).all() and b0.update_ratio.isna().all()
+    assert "Gradient histograms over steps" in (sweep / "report.html").read_text()

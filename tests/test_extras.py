@@ -39,6 +39,19 @@ def test_histogram_matches_numpy_on_wide_ranging_values(dtype: torch.dtype, seed
     np.testing.assert_array_equal(got, numpy_histogram(g.double().numpy()))
 
 
+def test_histogram_of_every_edge_and_its_float32_neighbours_matches_numpy() -> None:
+    # float32 log10 rounds values next to an edge either way: the bins must still follow the edges exactly.
+    edges = np.asarray(HIST_EDGES, dtype=np.float32)
+    near = np.concatenate([edges, np.nextafter(edges, np.float32(0)), np.nextafter(edges, np.float32(np.inf)),
+                           np.float32([1.4e-45, 3.4e38, 1e-38])])  # fmt: skip
+    for sign in (1, -1):
+        g = torch.from_numpy(sign * near)
+        np.testing.assert_array_equal(histogram_counts(g).numpy(), numpy_histogram(g.numpy()))
+    for e in edges:  # one at a time: each value lands in the bin its edge opens, its lower neighbour below
+        counts = histogram_counts(torch.from_numpy(np.float32([e, np.nextafter(e, np.float32(0))])))
+        assert counts.sum() == 2 and np.count_nonzero(counts.numpy()) == 2
+
+
 def test_histogram_bins_of_edge_values() -> None:
     e = np.float32(HIST_EDGES[80])  # exactly 1e-10 in float32: falls into the bin it opens
     counts = histogram_counts(torch.tensor([0.0, -0.0, float(e), 1e-40, 1e12, float("nan")]))

@@ -287,24 +287,29 @@ def _strategy_sections(
     return sections
 
 
-def _has(grads: pd.DataFrame, column: str) -> bool:
-    return column in grads.columns and bool(grads[column].notna().any())
+def _first_run_with(grads: pd.DataFrame, column: str) -> pd.DataFrame | None:
+    """The rows of the first run whose records have `column` (a sweep may turn an option on in some jobs)."""
+    if column not in grads.columns:
+        return None
+    runs = grads.loc[grads[column].notna(), "run_id"]
+    return None if runs.empty else grads[grads["run_id"] == runs.iloc[0]]
 
 
 def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
     """The panels of the optional columns, when the records have them: histograms, update ratios, per-example norms."""
     from gradrunner.analysis import plots_extras
 
-    first = grads[grads["run_id"] == grads["run_id"].iloc[0]]
-    which = " (the first run's)" if grads["run_id"].nunique() > 1 else ""
+    which = " (the first run's that has them)" if grads["run_id"].nunique() > 1 else ""
     sections = []
-    if _has(first, "hist_counts"):
+    first = _first_run_with(grads, "hist_counts")
+    if first is not None:
         note = (f"Share of |g| per log-spaced bin{which}: steps down, bins across; the first column counts "
                 "exact zeros, the last NaN/Inf; at most 8 taps are drawn. The table: every tap at the last captured step.")  # fmt: skip
         fig = plots_extras.plot_histograms(first)
         sections.append(_figure(out_dir, "histograms", "Gradient histograms over steps", fig, note)
                         + _table(_histogram_table(first)))  # fmt: skip
-    if _has(grads, "update_ratio"):
+    first = _first_run_with(grads, "update_ratio")
+    if first is not None:
         r = update_ratios(first)
         last = r[r["step"] == r["step"].max()].drop(columns=["run_id", "log10_ratio"], errors="ignore")
         note = (f"Norm of each optimiser step's change over the parameter's norm{which}; about "
@@ -312,7 +317,8 @@ def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
                 "too fast). The table: the last captured step.")  # fmt: skip
         fig = plots_extras.plot_update_ratios(first)
         sections.append(_figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + _table(last))
-    if _has(first, "per_example_norm"):
+    first = _first_run_with(grads, "per_example_norm")
+    if first is not None:
         s = per_example_spread(first)
         table = s.groupby(["tap", "call"], sort=False).agg(
             median_dominance=("dominance", "median"), max_dominance=("dominance", "max"),
