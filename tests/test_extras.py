@@ -70,3 +70,14 @@ def test_value_norm_of_real_integer_and_complex_tensors() -> None:
     assert value_norm(torch.tensor([3.0, 4.0], dtype=torch.bfloat16)).item() == 5.0
     assert value_norm(torch.tensor([3, 4])).item() == 5.0
     assert value_norm(torch.tensor([3 + 4j, 0j])).item() == pytest.approx(5.0)
+
+
+def test_value_norm_of_a_large_float32_tensor_is_accurate_to_float64() -> None:
+    rng = np.random.default_rng(0)
+    for n in (4096 * 2, 4096 * 3 + 17, 10**6):  # chunked in float32: whole chunks and a tail
+        x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3, n)).astype(np.float32)
+        expected = np.linalg.norm(x.astype(np.float64))
+        got = value_norm(torch.from_numpy(x))
+        assert got.dtype == torch.float64 and got.item() == pytest.approx(expected, rel=1e-6)
+    # the worst case for float32 sums (equal values): still within 1e-5
+    assert value_norm(torch.full((10**6,), 0.1)).item() == pytest.approx(1000 * np.float64(np.float32(0.1)), rel=1e-5)
