@@ -11,7 +11,8 @@ each tap, then per-tap host reads of each statistic) on the same taps. Steps of 
 model are interleaved; the ratio is the median step time over the no-capture median.
 `--extras` adds every weight to the taps (of all variants) and the variants `hook+per_example`,
 `hook+histogram` and `hook+updates` (update norms: a copy of the tapped weights before each step,
-records taken after it, as the runner does); every variant records `value_norm`.
+records taken after it, as the runner does); every variant records `value_norm` but
+`hook-value_norm` (`hook` with it patched out, to show its cost).
 """
 
 from __future__ import annotations
@@ -186,7 +187,31 @@ def _extra_variants(
             opt.zero_grad(set_to_none=True)
 
         out[f"hook+{option}"] = (lambda cap=cap: cap, step)
+    # The cost of the always-on value_norm: `hook` with it patched out of the session.
+    cap = capture(model, taps, strategy="hook", values=values, keep_grads=False)
+
+    def plain_step(cap: Any = cap) -> None:
+        loss = loss_fn(model(x), y)
+        cap.backward(loss)
+        cap.records(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out["hook-value_norm"] = (lambda cap=cap: _without_value_norm(cap), plain_step)
     return out
+
+
+@contextmanager
+def _without_value_norm(cap: Any) -> Iterator[None]:
+    import gradrunner.capturing.session as session
+
+    real = session.value_norm
+    session.value_norm = lambda _t: None  # type: ignore[assignment,return-value]
+    try:
+        with cap:
+            yield
+    finally:
+        session.value_norm = real
 
 
 def _synced(step: Callable[[], None]) -> Callable[[], None]:
