@@ -18,6 +18,11 @@ non-zero count): norm = sqrt(sum of squares), std from sum and sum of squares (B
 as `torch.std`), abs_max from min and max, zero_frac from the non-zero count. NaN and Inf counts
 are only computed when the sum of squares is not finite (on CPU, where reading it costs nothing)
 or always (on an accelerator, where branching would need a sync).
+
+Beside the statistics, each record carries the tapped tensor's own norm (`value_norm`, handed to
+`add`), and, when asked for, per-example norms and |g| histogram counts (`capturing.extras`),
+reduced in `add`; `finish(loss, updates)` adds the parameter taps' update norms. All of them join
+the reductions in the step's one transfer.
 """
 
 from __future__ import annotations
