@@ -266,3 +266,13 @@ def test_a_sweep_where_only_some_jobs_have_the_options_loads_and_reports(tmp_pat
     b0 = df[(df.tap == ":b") & (df.step == 0)]
     assert (b0.value_norm == 0).all() and (b0.update_norm > 0).all() and b0.update_ratio.isna().all()
     assert "Gradient histograms over steps" in (sweep / "report.html").read_text()
+
+
+def test_runs_recorded_before_the_options_existed_still_resume() -> None:
+    from gradrunner.records.rundir import config_diff
+
+    old = {"capture": {"strategy": "hook"}, "steps": 2}
+    assert config_diff(old, {"capture": {"strategy": "hook", "per_example": False, "histogram": False}, "steps": 2}) == []
+    assert config_diff(old, {"capture": {"strategy": "hook", "per_example": False, "histogram": True}, "steps": 2}) == [
+        "capture.histogram: '<unset>' -> True"
+    ]
