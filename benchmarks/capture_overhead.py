@@ -2,12 +2,17 @@
 
     python benchmarks/capture_overhead.py            # full sizes (a few minutes on 2 cores)
     python benchmarks/capture_overhead.py --tiny     # CI smoke run
+    python benchmarks/capture_overhead.py --extras   # also hook with each of issue 15's options
 
 Models: the 8x512 MLP at batch 256 with every Linear and ReLU output tapped (17 taps), the tiny
 transformer with every submodule output tapped, the CNN with every submodule output tapped.
 Each with statistics only and with full values; plus the naive tutorial baseline (retain_grad on
 each tap, then per-tap host reads of each statistic) on the same taps. Steps of all variants of one
 model are interleaved; the ratio is the median step time over the no-capture median.
+`--extras` adds every weight to the taps (of all variants) and the variants `hook+per_example`,
+`hook+histogram` and `hook+updates` (update norms: a copy of the tapped weights before each step,
+records taken after it, as the runner does); every variant records `value_norm` but
+`hook-value_norm` (`hook` with it patched out, to show its cost).
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ def naive_stats(sink: list[torch.Tensor]) -> list[list[float]]:
 
 
 def variants_for(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, taps: list[str], values: str
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, taps: list[str], values: str, extras: bool = False
 ) -> dict[str, tuple[Callable[[], AbstractContextManager[Any]], Callable[[], None]]]:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
         nn.functional.cross_entropy if y.dtype == torch.int64 else nn.functional.mse_loss
@@ -123,6 +128,8 @@ def variants_for(
             opt.zero_grad(set_to_none=True)
 
         out[strategy] = (lambda cap=cap: cap, step)
+    if extras:
+        out.update(_extra_variants(model, x, y, taps, values, loss_fn, opt))
     if values == "none":
         col = Collector(values="none")
 
@@ -150,6 +157,52 @@ def variants_for(
     return out
 
 
+def _extra_variants(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, taps: list[str], values: str,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer,
+) -> dict[str, tuple[Callable[[], AbstractContextManager[Any]], Callable[[], None]]]:
+    """`hook` with one of issue 15's options each: per-example norms, histograms, update norms."""
+    out: dict[str, tuple[Callable[[], AbstractContextManager[Any]], Callable[[], None]]] = {}
+    for option in ("per_example", "histogram", "updates"):
+        kwargs = {option: True} if option != "updates" else {}
+        cap = capture(model, taps, strategy="hook", values=values, keep_grads=False, **kwargs)
+
+        def step(cap: Any = cap, updates: bool = option == "updates") -> None:
+            loss = loss_fn(model(x), y)
+            cap.backward(loss)
+            before = cap.snapshot_params() if updates else None
+            opt.step()
+            cap.records(loss, before)
+            opt.zero_grad(set_to_none=True)
+
+        out[f"hook+{option}"] = (lambda cap=cap: cap, step)
+    # The cost of the always-on value_norm: `hook` with it patched out of the session.
+    cap = capture(model, taps, strategy="hook", values=values, keep_grads=False)
+
+    def plain_step(cap: Any = cap) -> None:
+        loss = loss_fn(model(x), y)
+        cap.backward(loss)
+        cap.records(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out["hook-value_norm"] = (lambda cap=cap: _without_value_norm(cap), plain_step)
+    return out
+
+
+@contextmanager
+def _without_value_norm(cap: Any) -> Iterator[None]:
+    import gradrunner.capturing.session as session
+
+    real = session.value_norm
+    session.value_norm = lambda _t: None  # type: ignore[assignment,return-value]
+    try:
+        with cap:
+            yield
+    finally:
+        session.value_norm = real
+
+
 def _synced(step: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
         step()
@@ -164,6 +217,7 @@ def main() -> None:
         p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
         p.add_argument("--only", nargs="*", default=None, help="workloads to run (default: all)")
         p.add_argument("--values", nargs="*", default=["none", "full"], help="values modes (default: none full)")
+        p.add_argument("--extras", action="store_true", help="tap every weight too; add hook with each issue-15 option")
 
     args = parse_args(__doc__.splitlines()[0], extra)
     if args.threads:
@@ -173,9 +227,11 @@ def main() -> None:
     for name, (model, x, y, taps) in workloads(args.tiny, args.device).items():
         if args.only and name not in args.only:
             continue
+        if args.extras:
+            taps = [*taps, "*:weight"]
         n_taps = len(resolve_taps(model, taps))
         for values in args.values:
-            times = interleaved(variants_for(model, x, y, taps, values), repeats=repeats)
+            times = interleaved(variants_for(model, x, y, taps, values, args.extras), repeats=repeats)
             base = median_ms(times["none"])
             for variant, samples in times.items():
                 rows.append({"model": name, "taps": n_taps, "values": values, "variant": variant,

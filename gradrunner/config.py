@@ -47,6 +47,10 @@ class CaptureConfig:
     sample_size: int = 64
     # A non-finite loss or captured gradient: record (NaN/Inf counts in the records, go on) or stop the run there.
     on_nonfinite: str = "record"
+    # Add `per_example_norm` (one gradient norm per batch row; taps other than parameters) to the records.
+    per_example: bool = False
+    # Add `hist_counts` (counts of |g| in fixed log-spaced bins, edges in the file metadata) to the records.
+    histogram: bool = False
 
 
 @dataclass
@@ -162,6 +166,9 @@ def validate(cfg: DictConfig) -> None:
     _check_int("seed", cfg.seed, 0)
     _check_int("capture.every", cfg.capture.every, 1)
     _check_int("capture.sample_size", cfg.capture.sample_size, 1)
+    for flag in ("per_example", "histogram"):
+        if not isinstance(cfg.capture.get(flag, False), bool):
+            raise _allowed(f"capture.{flag}", cfg.capture[flag], ["false", "true"])
     if not OmegaConf.is_list(cfg.taps):
         raise GradrunnerError(
             f"taps={cfg.taps!r} must be a list of tap specs, e.g. taps='[fc1:output,\"relu*:output\"]'."

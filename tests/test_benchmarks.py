@@ -32,3 +32,17 @@ def test_benchmark_runs_at_tiny_size(script: str, tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["rows"], data
     assert data["machine"]["torch"]
+
+
+@pytest.mark.slow
+def test_capture_overhead_extras_run_at_tiny_size(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(BENCHMARKS.parent)}  # this checkout's gradrunner
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "capture_overhead.py"), "--tiny", "--extras", "--values", "none",
+         "--only", "transformer", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    variants = {r["variant"] for r in json.loads(out.read_text())["rows"]}
+    assert {"hook+per_example", "hook+histogram", "hook+updates", "hook-value_norm"} <= variants

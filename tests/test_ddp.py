@@ -91,3 +91,13 @@ def test_a_single_run_keeps_one_run_dir_for_both_ranks(tmp_path: Path) -> None:
     assert names >= {"grads.parquet", "steps.parquet", "done.json", "gradrunner.log", "gradrunner.rank1.log"}
     steps = pd.read_parquet(job / "steps.parquet")
     assert sorted(steps["rank"]) == [0, 0, 1, 1]
+
+
+def test_update_norms_are_the_averaged_step_and_the_same_on_every_rank(records: pd.DataFrame) -> None:
+    params = records[records.tap.isin(["fc1:bias", "head:weight"])]
+    lr = 0.1  # +experiment=mlp: plain SGD, so the step's change is lr times the averaged gradient
+    np.testing.assert_allclose(params.update_norm, lr * params.norm, rtol=1e-5)
+    per_rank = params.pivot_table(index=["strategy", "step", "tap"], columns="rank", values=["update_norm", "value_norm"])
+    np.testing.assert_array_equal(per_rank["update_norm"][0], per_rank["update_norm"][1])
+    np.testing.assert_array_equal(per_rank["value_norm"][0], per_rank["value_norm"][1])
+    assert records.loc[records.tap == "fc1:output", "update_norm"].isna().all()

@@ -39,6 +39,19 @@ def test_histogram_matches_numpy_on_wide_ranging_values(dtype: torch.dtype, seed
     np.testing.assert_array_equal(got, numpy_histogram(g.double().numpy()))
 
 
+def test_histogram_of_every_edge_and_its_float32_neighbours_matches_numpy() -> None:
+    # float32 log10 rounds values next to an edge either way: the bins must still follow the edges exactly.
+    edges = np.asarray(HIST_EDGES, dtype=np.float32)
+    near = np.concatenate([edges, np.nextafter(edges, np.float32(0)), np.nextafter(edges, np.float32(np.inf)),
+                           np.float32([1.4e-45, 3.4e38, 1e-38])])  # fmt: skip
+    for sign in (1, -1):
+        g = torch.from_numpy(sign * near)
+        np.testing.assert_array_equal(histogram_counts(g).numpy(), numpy_histogram(g.numpy()))
+    for e in edges:  # one at a time: each value lands in the bin its edge opens, its lower neighbour below
+        counts = histogram_counts(torch.from_numpy(np.float32([e, np.nextafter(e, np.float32(0))])))
+        assert counts.sum() == 2 and np.count_nonzero(counts.numpy()) == 2
+
+
 def test_histogram_bins_of_edge_values() -> None:
     e = np.float32(HIST_EDGES[80])  # exactly 1e-10 in float32: falls into the bin it opens
     counts = histogram_counts(torch.tensor([0.0, -0.0, float(e), 1e-40, 1e12, float("nan")]))
@@ -57,3 +70,14 @@ def test_value_norm_of_real_integer_and_complex_tensors() -> None:
     assert value_norm(torch.tensor([3.0, 4.0], dtype=torch.bfloat16)).item() == 5.0
     assert value_norm(torch.tensor([3, 4])).item() == 5.0
     assert value_norm(torch.tensor([3 + 4j, 0j])).item() == pytest.approx(5.0)
+
+
+def test_value_norm_of_a_large_float32_tensor_is_accurate_to_float64() -> None:
+    rng = np.random.default_rng(0)
+    for n in (4096 * 2, 4096 * 3 + 17, 10**6):  # chunked in float32: whole chunks and a tail
+        x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3, n)).astype(np.float32)
+        expected = np.linalg.norm(x.astype(np.float64))
+        got = value_norm(torch.from_numpy(x))
+        assert got.dtype == torch.float64 and got.item() == pytest.approx(expected, rel=1e-6)
+    # the worst case for float32 sums (equal values): still within 1e-5
+    assert value_norm(torch.full((10**6,), 0.1)).item() == pytest.approx(1000 * np.float64(np.float32(0.1)), rel=1e-5)

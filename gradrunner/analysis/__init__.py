@@ -6,7 +6,8 @@ Imports no torch (a test checks it in a fresh interpreter).
 | --- | --- |
 | `reading` | `load(run or sweep dir)`: records into one DataFrame |
 | `summaries` | the helpers: tap summary, gradient flow, strategy agreement and cost |
-| `plots` | matplotlib figures drawn from those helpers' DataFrames |
+| `extras` | helpers over the optional columns: histograms over steps, update ratios, per-example spread |
+| `plots`, `plots_extras` | matplotlib figures drawn from those helpers' DataFrames |
 | `report` | `python -m gradrunner.report <dir>`: PNGs and one HTML page |
 
 Example::
@@ -16,6 +17,13 @@ Example::
     tap_summary(df)
 """
 
+from gradrunner.analysis.extras import (
+    UPDATE_RATIO_GUIDE,
+    hist_bin_labels,
+    histograms_over_steps,
+    per_example_spread,
+    update_ratios,
+)
 from gradrunner.analysis.reading import TABLES, IncompleteSweepWarning, load
 from gradrunner.analysis.summaries import (
     FLOW_MEASURES,
@@ -33,15 +41,20 @@ from gradrunner.analysis.summaries import (
 __all__ = [
     "FLOW_MEASURES",
     "TABLES",
+    "UPDATE_RATIO_GUIDE",
     "IncompleteSweepWarning",
     "compare_strategies",
     "flow_steps",
     "forward_order",
     "grad_flow",
+    "hist_bin_labels",
+    "histograms_over_steps",
     "load",
     "measure",
+    "per_example_spread",
     "pick_steps",
     "run_columns",
     "strategy_costs",
     "tap_summary",
+    "update_ratios",
 ]

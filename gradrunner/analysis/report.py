@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from gradrunner import __version__
+from gradrunner.analysis.extras import UPDATE_RATIO_GUIDE, histograms_over_steps, per_example_spread, update_ratios
 from gradrunner.analysis.reading import load
 from gradrunner.analysis.summaries import (
     EXPLODE_ABOVE,
@@ -118,6 +119,7 @@ def write_report(path: str | Path) -> Path:
     if "values" in grads.columns and grads["values"].notna().any():
         fig = plots.plot_value_distributions(grads)
         sections.append(_figure(out_dir, "values", "Gradient values", fig, "First and last captured step."))
+    sections += _extra_sections(grads, out_dir)
     page = out_dir / REPORT_NAME
     page.write_text(_page(out_dir, grads, sections), encoding="utf-8")
     return page
@@ -283,6 +285,63 @@ def _strategy_sections(
             _figure(out_dir, "cost", "Strategy cost", plots.plot_strategy_cost(costs)),
         ]
     return sections
+
+
+def _first_run_with(grads: pd.DataFrame, column: str) -> pd.DataFrame | None:
+    """The rows of the first run whose records have `column` (a sweep may turn an option on in some jobs)."""
+    if column not in grads.columns:
+        return None
+    runs = grads.loc[grads[column].notna(), "run_id"]
+    return None if runs.empty else grads[grads["run_id"] == runs.iloc[0]]
+
+
+def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
+    """The panels of the optional columns, when the records have them: histograms, update ratios, per-example norms."""
+    from gradrunner.analysis import plots_extras
+
+    which = " (the first run's that has them)" if grads["run_id"].nunique() > 1 else ""
+    sections = []
+    first = _first_run_with(grads, "hist_counts")
+    if first is not None:
+        note = (f"Share of |g| per log-spaced bin{which}: steps down, bins across; the first column counts "
+                "exact zeros, the last NaN/Inf; at most 8 taps are drawn. The table: every tap at the last captured step.")  # fmt: skip
+        fig = plots_extras.plot_histograms(first)
+        sections.append(_figure(out_dir, "histograms", "Gradient histograms over steps", fig, note)
+                        + _table(_histogram_table(first)))  # fmt: skip
+    first = _first_run_with(grads, "update_ratio")
+    if first is not None:
+        r = update_ratios(first)
+        last = r[r["step"] == r["step"].max()].drop(columns=["run_id", "log10_ratio"], errors="ignore")
+        note = (f"Norm of each optimiser step's change over the parameter's norm{which}; about "
+                f"{UPDATE_RATIO_GUIDE:g} per step is the usual guide (far below: learning too slowly, far above: "
+                "too fast). The table: the last captured step.")  # fmt: skip
+        fig = plots_extras.plot_update_ratios(first)
+        sections.append(_figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + _table(last))
+    first = _first_run_with(grads, "per_example_norm")
+    if first is not None:
+        s = per_example_spread(first)
+        table = s.groupby(["tap", "call"], sort=False).agg(
+            median_dominance=("dominance", "median"), max_dominance=("dominance", "max"),
+            max_top_share=("top_share", "max"), most_often_top=("top_example", lambda t: int(t.mode().iloc[0])),
+        ).reset_index()  # fmt: skip
+        note = (f"Per tap, the largest example's gradient norm over the median example's, over the steps{which}: "
+                "1 means every example weighs the same. most_often_top is the batch row most often largest.")
+        fig = plots_extras.plot_per_example_spread(first)
+        sections.append(_figure(out_dir, "per_example", "Per-example gradient norms", fig, note) + _table(table))
+    return sections
+
+
+def _histogram_table(run: pd.DataFrame) -> pd.DataFrame:
+    """Per tap at the last captured step: the fullest bin, and the shares of zeros and NaN/Inf."""
+    rows = []
+    keys = run.loc[run["hist_counts"].notna(), ["tap", "call"]].drop_duplicates()
+    for tap, call in keys.itertuples(index=False):
+        h = histograms_over_steps(run, tap, call)
+        last = h.iloc[-1]
+        total = max(int(last.sum()), 1)
+        rows.append({"tap": tap, "call": call, "step": int(h.index[-1]), "fullest bin": str(last.idxmax()),
+                     "zero share": last.iloc[0] / total, "nan/inf share": last.iloc[-1] / total})  # fmt: skip
+    return pd.DataFrame(rows)
 
 
 def _page(out_dir: Path, grads: pd.DataFrame, sections: list[str]) -> str:

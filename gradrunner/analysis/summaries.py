@@ -27,7 +27,7 @@ import pandas as pd
 
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import CONSTANT_COLUMNS, STAT_COLUMNS
-from gradrunner.records.writer import GRADS_SCHEMA, STEPS_SCHEMA
+from gradrunner.records.writer import STEPS_SCHEMA, grads_schema
 
 #: Measures `measure()` knows besides the record's own columns.
 FLOW_MEASURES = ("norm", "rms", "abs_max", "mean_abs")
@@ -35,7 +35,7 @@ FLOW_MEASURES = ("norm", "rms", "abs_max", "mean_abs")
 VANISH_BELOW, EXPLODE_ABOVE = 1e-6, 1e3
 
 # Columns a job writes itself; any other column of a loaded DataFrame came from `load` (a swept override).
-_RECORD_COLUMNS = frozenset(GRADS_SCHEMA.names) | frozenset(STEPS_SCHEMA.names) | {"job"}
+_RECORD_COLUMNS = frozenset(grads_schema(per_example=True, histogram=True).names) | frozenset(STEPS_SCHEMA.names) | {"job"}
 _RUN_CONSTANTS = tuple(c for c in CONSTANT_COLUMNS if c != "run_id")
 
 

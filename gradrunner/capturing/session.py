@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from gradrunner.capturing.elements import get_element, set_element
+from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.forward_locals import rewrite
 from gradrunner.capturing.grad_context import (
     FROZEN,
@@ -69,6 +70,8 @@ class Capture:
         seed: int = 0,
         keep_grads: bool = True,
         wrap_strategy: Callable[[Strategy], Strategy] | None = None,
+        per_example: bool = False,
+        histogram: bool = False,
     ) -> None:
         model = unwrap_compiled(model)  # torch.compile(model): tap its eager modules, call the compiled one
         refuse_compiled(model)
@@ -82,9 +85,10 @@ class Capture:
         self.strategy_name = strategy
         self.keep_grads = keep_grads
         self.values, self.sample_size, self.seed = values, sample_size, seed
+        self.per_example, self.histogram = per_example, histogram
         self.enabled = True
         self.grads = Grads([t.tap for t in self.taps], [])
-        self._collector: Collector | None = None if keep_grads else Collector(values, sample_size, seed)
+        self._collector: Collector | None = None if keep_grads else self._new_collector()
         self._slots: list[Slot] = []
         self._kept: dict[int, torch.Tensor | None] = {}
         self._calls: dict[str, int] = {}
@@ -310,6 +314,7 @@ class Capture:
             self._made_leaf_require_grad = [r for r in self._made_leaf_require_grad if r() is not None]
             self._made_leaf_require_grad.append(weakref.ref(value))
         slot.leaf = value.is_leaf
+        slot.value_norm = value_norm(value)  # on the device, no sync: it goes to the host with the step
         return self.strategy.attach(value, slot)
 
     # -- backward pass ---------------------------------------------------------------------------
@@ -322,7 +327,8 @@ class Capture:
         leaf = slot.param is not None or slot.leaf
         if self._collector is not None:
             # A complex gradient's statistics are those of its magnitude |z| (documented in the README).
-            self._collector.add(slot.key, grad.abs() if grad.is_complex() else grad, order=slot.order, mutable=leaf)
+            self._collector.add(slot.key, grad.abs() if grad.is_complex() else grad, order=slot.order, mutable=leaf,
+                                value_norm=slot.value_norm, batched=slot.param is None)  # fmt: skip
         if self.keep_grads:
             self._kept[slot.order] = grad.detach().clone() if leaf else grad.detach()
 
@@ -339,7 +345,7 @@ class Capture:
         slots, fired = self._slots, {s.key.tap for s in self._slots}
         self._slots, self._calls, self._forward_mark = [], {}, None
         for tap, param in self._tap_params:
-            slot = Slot(TapKey(tap.module, tap.name, 0), order=len(slots), param=param)
+            slot = Slot(TapKey(tap.module, tap.name, 0), order=len(slots), param=param, value_norm=value_norm(param))
             slot.reason = None if param.requires_grad else FROZEN
             slots.append(slot)
             self._param_slots[tap.tap] = slot
@@ -357,7 +363,7 @@ class Capture:
             # Nothing of a failed backward reaches the next step's records.
             self._last, self._kept = [], {}
             if self._collector is not None:
-                self._collector = Collector(self.values, self.sample_size, self.seed)
+                self._collector = self._new_collector()
             raise
         finally:
             self._param_slots = {}
@@ -366,7 +372,7 @@ class Capture:
             if not slot.delivered:
                 slot.reason = slot.reason or NO_PART
                 if self._collector is not None:
-                    self._collector.add(slot.key, None, order=slot.order)
+                    self._collector.add(slot.key, None, order=slot.order, value_norm=slot.value_norm)
         self._last = slots
         if self.keep_grads:
             kept = [(s.key, self._kept.get(s.order)) for s in slots if s.fired]
@@ -385,25 +391,56 @@ class Capture:
         """
         self._slots, self._calls, self._deferred, self._forward_mark = [], {}, {}, None
 
-    def records(self, loss: torch.Tensor | None = None) -> StepRecords:
+    def records(self, loss: torch.Tensor | None = None, before: ParamSnapshot | None = None) -> StepRecords:
         """Statistics (and values) of the last captured step, in one device-to-host transfer.
 
         Example::
 
             recs = cap.records(loss)   # recs.row(0)["norm"], recs.loss
+
+            before = cap.snapshot_params()      # after backward, before the optimiser step
+            optimizer.step()
+            recs = cap.records(loss, before)    # recs.update_norm, recs.update_ratio of parameter taps
+
+        With `before`, each parameter tap's `update_norm` is ||p now - p before||, computed on the
+        device and moved with everything else. The records may be taken after the step: nothing they
+        read changes with it (gradients are reduced, or copied where they may become `.grad`, as they
+        arrive; tests/test_extra_columns.py checks this under Adam with weight decay and SGD momentum).
         """
+        updates = {} if before is None else before.update_norms()
         if self._collector is not None:
-            recs = self._collector.finish(loss)
+            recs = self._collector.finish(loss, updates)
         else:
-            collector = Collector(self.values, self.sample_size, self.seed)
+            collector = self._new_collector()
             for slot in self._last:
                 grad = self.grads.calls(slot.key.tap)[slot.key.call] if slot.fired else None
                 collector.add(slot.key, grad.abs() if grad is not None and grad.is_complex() else grad,
-                              order=slot.order)  # fmt: skip
-            recs = collector.finish(loss)
+                              order=slot.order, value_norm=slot.value_norm, batched=slot.param is None)  # fmt: skip
+            recs = collector.finish(loss, updates)
         why = {s.key: s.reason for s in self._last}
         recs.reason = [None if g else why.get(k, NO_PART) for k, g in zip(recs.keys, recs.has_grad, strict=True)]
         return recs
+
+    def snapshot_params(self) -> ParamSnapshot:
+        """A device copy of every tapped parameter as it is now (call it after backward, before the step).
+
+        Example::
+
+            before = cap.snapshot_params()
+            optimizer.step()
+            cap.records(loss, before).update_norm
+        """
+        copies: dict[int, torch.Tensor] = {}  # a tied parameter tapped twice is copied once
+        kept = []
+        for tap, param in self._tap_params:
+            if id(param) not in copies:
+                copies[id(param)] = param.detach().clone()
+            kept.append((TapKey(tap.module, tap.name, 0), param, copies[id(param)]))
+        return ParamSnapshot(kept)
+
+    def _new_collector(self) -> Collector:
+        return Collector(self.values, self.sample_size, self.seed, per_example=self.per_example,
+                         histogram=self.histogram)  # fmt: skip
 
     def reasons(self) -> dict[TapKey, str]:
         """Why taps of the last step got no gradient, where that was known in the forward pass."""
@@ -420,6 +457,8 @@ def capture(
     seed: int = 0,
     keep_grads: bool = True,
     wrap_strategy: Callable[[Strategy], Strategy] | None = None,
+    per_example: bool = False,
+    histogram: bool = False,
 ) -> Capture:
     """Tap `model` and capture the gradients flowing through `taps`, the `strategy`'s way.
 
@@ -434,9 +473,29 @@ def capture(
     reduced on the gradient's device as it arrives: what the runner uses. Every tap is resolved
     here, before any forward pass: a bad tap raises `GradrunnerError`. `wrap_strategy` wraps the
     strategy (the runner's DDP support delivers parameter gradients after the all-reduce this way).
+    `per_example=True` adds each record's per-row gradient norms (taps other than parameters),
+    `histogram=True` counts of |g| in the fixed bins of `records.columns.HIST_EDGES`; every record
+    carries `value_norm`, the tapped tensor's own norm (see `Capture.records` for update norms).
     """
     return Capture(model, taps, strategy, values=values, sample_size=sample_size, seed=seed, keep_grads=keep_grads,
-                   wrap_strategy=wrap_strategy)
+                   wrap_strategy=wrap_strategy, per_example=per_example, histogram=histogram)
+
+
+class ParamSnapshot:
+    """Copies of the tapped parameters before an optimiser step (`Capture.snapshot_params`)."""
+
+    def __init__(self, kept: list[tuple[TapKey, nn.Parameter, torch.Tensor]]) -> None:
+        self.kept = kept
+
+    def update_norms(self) -> dict[TapKey, torch.Tensor]:
+        """||p now - p before|| per parameter tap: 0-d float64 tensors on the parameter's device."""
+        out: dict[TapKey, torch.Tensor] = {}
+        done: dict[int, torch.Tensor] = {}
+        for key, param, old in self.kept:
+            if id(param) not in done:
+                done[id(param)] = value_norm(param.detach() - old)
+            out[key] = done[id(param)]
+        return out
 
 
 def _element_hint(tap: Tap, value: object) -> str:

@@ -18,19 +18,25 @@ non-zero count): norm = sqrt(sum of squares), std from sum and sum of squares (B
 as `torch.std`), abs_max from min and max, zero_frac from the non-zero count. NaN and Inf counts
 are only computed when the sum of squares is not finite (on CPU, where reading it costs nothing)
 or always (on an accelerator, where branching would need a sync).
+
+Beside the statistics, each record carries the tapped tensor's own norm (`value_norm`, handed to
+`add`), and, when asked for, per-example norms and |g| histogram counts (`capturing.extras`),
+reduced in `add`; `finish(loss, updates)` adds the parameter taps' update norms. All of them join
+the reductions in the step's one transfer.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from gradrunner.capturing import fused_stats
+from gradrunner.capturing.extras import histogram_counts, per_example_norms
 from gradrunner.choices import VALUES_MODES
 from gradrunner.records.columns import StepRecords, TapKey
 
@@ -68,6 +74,11 @@ class _Pending(NamedTuple):
     #: a small gradient kept until `finish`, to be reduced with others of its size in a few batched ops
     deferred: torch.Tensor | None
     values: torch.Tensor | None  # flat float32, on device
+    #: 0-d float64 norm of the tapped tensor itself (taken in the forward pass), on its device
+    value_norm: torch.Tensor | None = None
+    #: `per_example`: float64 norm per row; `histogram`: int64 counts per bin (both on the device)
+    per_example: torch.Tensor | None = None
+    hist: torch.Tensor | None = None
 
 
 #: Gradients up to this many elements are reduced in batches at the end of the step: for them the
@@ -87,12 +98,16 @@ class Collector:
         recs = col.finish(loss)
     """
 
-    def __init__(self, values: str = "none", sample_size: int = 64, seed: int = 0) -> None:
+    def __init__(
+        self, values: str = "none", sample_size: int = 64, seed: int = 0, *, per_example: bool = False,
+        histogram: bool = False,
+    ) -> None:  # fmt: skip
         if values not in VALUES_MODES:
             raise ValueError(f"values={values!r}; allowed: {', '.join(VALUES_MODES)}")
         self.values = values
         self.sample_size = sample_size
         self.seed = seed
+        self.per_example, self.histogram = per_example, histogram
         self._pending: list[_Pending] = []
         self._positions: dict[tuple[str, int, torch.device], tuple[np.ndarray, torch.Tensor]] = {}
         self._scratch: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
@@ -107,18 +122,29 @@ class Collector:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def add(self, key: TapKey, grad: torch.Tensor | None, order: int | None = None, mutable: bool = True) -> None:
+    def add(
+        self, key: TapKey, grad: torch.Tensor | None, order: int | None = None, mutable: bool = True, *,
+        value_norm: torch.Tensor | None = None, batched: bool = True,
+    ) -> None:  # fmt: skip
         """Reduce `grad` (or record that the tap got none) without leaving its device.
 
         `order` places the record among the step's records (default: after those added so far);
         gradients arrive in backward order, records are kept in forward (firing) order.
         `mutable=False` promises that nothing changes `grad` in place before `finish` (true of an
         intermediate's gradient; a leaf's may become its `.grad`): what is kept is then not copied.
+        `value_norm` (0-d, on any device) is the tapped tensor's own norm; `batched=False` (a
+        parameter) means dim 0 is no batch: no per-example norms. The extras are reduced here, so
+        a gradient changed in place after `add` cannot change them.
         """
         order = len(self._pending) if order is None else order
         if grad is None:
-            self._pending.append(_Pending(order, key, (), 0, False, None, None, None))
+            self._pending.append(_Pending(order, key, (), 0, False, None, None, None, value_norm))
             return
+        extra = (
+            value_norm,
+            per_example_norms(grad) if self.per_example and batched else None,
+            histogram_counts(grad) if self.histogram else None,
+        )
         if grad.is_cpu and self._fused and self._values_none and grad.is_contiguous():
             # The hot path: one read of the gradient where it lies, no copy, no view; small ones
             # too, as a kernel call costs about 2 µs.
@@ -129,7 +155,7 @@ class Collector:
             if fn is not None and n:
                 row = self._next_row()
                 fn(grad.data_ptr(), n, self._rows.data_ptr() + row * _N_REDUCTIONS * 8)
-                self._pending.append(_Pending(order, key, tuple(grad.shape), n, True, row, None, None))
+                self._pending.append(_Pending(order, key, tuple(grad.shape), n, True, row, None, None, *extra))
                 return
         g = grad.detach()
         flat = g.reshape(-1)
@@ -143,13 +169,13 @@ class Collector:
                     row = self._next_row()
                     fn(flat.data_ptr(), n, self._rows.data_ptr() + row * _N_REDUCTIONS * 8)
                     values = self._keep_values(key, flat, mutable)
-                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, row, None, values))
+                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, row, None, values, *extra))
                     return
             elif n > DEFER_NUMEL:
                 out = torch.empty(_N_REDUCTIONS, dtype=torch.float64, device=flat.device)
                 if fused_stats.reduce_into(flat, out):
                     values = self._keep_values(key, flat, mutable)
-                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, out, None, values))
+                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, out, None, values, *extra))
                     return
         if flat.dtype not in _INT_VIEW:  # float16, bfloat16: statistics in float32
             flat = flat.float()
@@ -157,7 +183,7 @@ class Collector:
         kept = flat.clone() if small and mutable and flat.dtype == g.dtype else flat  # .float() copied already
         self._pending.append(_Pending(
             order, key, tuple(g.shape), n, True, None if small or n == 0 else _reduce(flat, self._scratch_for(flat)),
-            kept if small else None, self._keep_values(key, flat, mutable),
+            kept if small else None, self._keep_values(key, flat, mutable), *extra,
         ))  # fmt: skip
 
     def _next_row(self) -> int:
@@ -188,26 +214,31 @@ class Collector:
             self._positions[cache_key] = (pos, torch.from_numpy(pos).to(flat.device))
         return flat.index_select(0, self._positions[cache_key][1]).float()
 
-    def finish(self, loss: torch.Tensor | None = None) -> StepRecords:
-        """Reduce what was deferred, move all reductions to the host in one transfer, derive statistics."""
+    def finish(self, loss: torch.Tensor | None = None, updates: Mapping[TapKey, torch.Tensor] | None = None) -> StepRecords:
+        """Reduce what was deferred, move all reductions to the host in one transfer, derive statistics.
+
+        `updates` maps parameter taps to the 0-d norm of the optimiser step's change (`update_norm`):
+        they ride in the same transfer as everything else.
+        """
         pending, self._pending = sorted(self._pending, key=lambda p: p.order), []
         rows, blocks = _reduction_blocks(pending, self._rows)
         self._n_rows = 0
-        host = np.zeros((0, _N_REDUCTIONS))
-        loss_host = None
         parts = [b.reshape(-1) for b in blocks]
+        n_red = sum(p.numel() for p in parts)
+        extras = _extra_parts(pending, updates or {})
+        parts += [t for _, t in extras]
         if loss is not None:
-            parts.append(loss.detach().reshape(1).to(torch.float64 if loss.device.type != "mps" else loss.dtype))
+            parts.append(loss.detach().reshape(1))
+        flat = np.zeros(0)
         if parts:
             device = parts[0].device
-            if any(p.device != device for p in parts):  # a model spread over several devices
-                parts = [p.to(device) for p in parts]
+            wide = torch.float32 if device.type == "mps" else torch.float64
+            if any(p.device != device or p.dtype != wide for p in parts):  # a model spread over devices; counts
+                parts = [p.to(device, wide) for p in parts]
             flat = to_host(torch.cat(parts) if len(parts) > 1 else parts[0]).double().numpy()
-            if loss is not None:
-                flat, loss_host = flat[:-1], float(flat[-1])
-            host = flat.reshape(-1, _N_REDUCTIONS)
-        recs = _derive(pending, rows, host)
-        recs.loss = loss_host
+        recs = _derive(pending, rows, flat[:n_red].reshape(-1, _N_REDUCTIONS))
+        recs.loss = float(flat[-1]) if loss is not None else None
+        _fill_extras(recs, pending, extras, flat[n_red:], updates or {}, self.per_example, self.histogram)
         if self.values != "none":
             recs.values = _values_to_host(pending)
             if self.values == "sample":
@@ -354,6 +385,70 @@ def _derive(pending: list[_Pending], rows: dict[int, int], host: np.ndarray) -> 
         "inf_count": np.nan_to_num(inf).astype(np.int64),
     }
     return recs
+
+
+def _stack(ts: list[torch.Tensor]) -> torch.Tensor:
+    device = ts[0].device
+    return torch.stack([t if t.device == device else t.to(device) for t in ts])
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    device = ts[0].device
+    return torch.cat([t.reshape(-1) if t.device == device else t.reshape(-1).to(device) for t in ts])
+
+
+def _extra_parts(pending: list[_Pending], updates: Mapping[TapKey, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The step's extras as a few flat device tensors, named: value norms, update norms, per-example, counts."""
+    parts: list[tuple[str, torch.Tensor]] = []
+    norms = [p.value_norm for p in pending if p.value_norm is not None]
+    if norms:
+        parts.append(("value_norm", _stack(norms)))
+    ups = [updates[p.key] for p in pending if p.key in updates]
+    if ups:
+        parts.append(("update_norm", _stack(ups)))
+    rows = [p.per_example for p in pending if p.per_example is not None]
+    if rows:
+        parts.append(("per_example", _cat(rows)))
+    hists = [p.hist for p in pending if p.hist is not None]
+    if hists:
+        parts.append(("hist", _cat(hists)))
+    return parts
+
+
+def _fill_extras(
+    recs: StepRecords, pending: list[_Pending], parts: list[tuple[str, torch.Tensor]], host: np.ndarray,
+    updates: Mapping[TapKey, torch.Tensor], per_example: bool, histogram: bool,
+) -> None:  # fmt: skip
+    """Split the host copy of `_extra_parts` back into the records' extra columns."""
+    n = len(pending)
+    at, chunk = 0, {}
+    for name, t in parts:
+        chunk[name] = host[at : at + t.numel()]
+        at += t.numel()
+    recs.value_norm, recs.update_norm = np.full(n, np.nan), np.full(n, np.nan)
+    if "value_norm" in chunk:
+        recs.value_norm[[i for i, p in enumerate(pending) if p.value_norm is not None]] = chunk["value_norm"]
+    if "update_norm" in chunk:
+        recs.update_norm[[i for i, p in enumerate(pending) if p.key in updates]] = chunk["update_norm"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        recs.update_ratio = recs.update_norm / recs.value_norm
+    if per_example:
+        recs.per_example_norm = _split(pending, chunk.get("per_example"), "per_example", np.float64)
+    if histogram:
+        recs.hist_counts = _split(pending, chunk.get("hist"), "hist", np.int64)
+
+
+def _split(pending: list[_Pending], flat: np.ndarray | None, field: str, dtype: type[np.generic]) -> list[np.ndarray | None]:
+    out: list[np.ndarray | None] = []
+    at = 0
+    for p in pending:
+        t = getattr(p, field)
+        if t is None or flat is None:
+            out.append(None)
+        else:
+            out.append(flat[at : at + t.numel()].astype(dtype))
+            at += t.numel()
+    return out
 
 
 def _values_to_host(pending: list[_Pending]) -> list[np.ndarray | None]:

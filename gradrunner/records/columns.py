@@ -68,6 +68,15 @@ STAT_COLUMNS = ("norm", "mean", "std", "min", "max", "abs_max", "zero_frac")
 #: Columns of `StepRecords` that hold one int64 count per record.
 COUNT_COLUMNS = ("nan_count", "inf_count")
 
+#: Columns on every record beside the gradient's statistics (float64, null where unknown): the tapped
+#: tensor's own norm, and for parameter taps the norm of the optimiser step's change and its ratio.
+EXTRA_FLOAT_COLUMNS = ("value_norm", "update_norm", "update_ratio")
+#: Optional list columns: `capture.per_example` (list<float64>) and `capture.histogram` (list<int64>).
+PER_EXAMPLE_COLUMN = "per_example_norm"
+HIST_COLUMN = "hist_counts"
+#: The key of the histogram's bin edges (a JSON list) in the file's key-value metadata.
+HIST_EDGES_KEY = "gradrunner.hist_edges"
+
 #: `capture.histogram`: edges of the log-spaced bins of |g|, four per decade from 1e-30 to 1e10 (the
 #: same for every step, tap and strategy; also in the file's metadata under `gradrunner.hist_edges`).
 HIST_EDGES = tuple(10.0 ** (k / 4) for k in range(-120, 41))
@@ -105,6 +114,15 @@ class StepRecords:
     loss: float | None = None
     #: Why each record has no gradient ("module not called in this step", ...); None where it has one.
     reason: list[str | None] | None = None
+    #: Norm of the tapped tensor itself (activation, input, local or parameter before the step); NaN where unknown.
+    value_norm: np.ndarray | None = None
+    #: Parameter taps: norm of the optimiser step's change, and its ratio to `value_norm`; NaN elsewhere.
+    update_norm: np.ndarray | None = None
+    update_ratio: np.ndarray | None = None
+    #: `capture.per_example`: one norm per row of the gradient (None for parameters and 0-d gradients).
+    per_example_norm: list[np.ndarray | None] | None = None
+    #: `capture.histogram`: counts of |g| per `HIST_EDGES` bin (None where no gradient).
+    hist_counts: list[np.ndarray | None] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -124,4 +142,9 @@ class StepRecords:
         out.update({c: float(self.stats[c][i]) for c in STAT_COLUMNS})
         out.update({c: int(self.counts[c][i]) for c in COUNT_COLUMNS})
         out["values"] = None if self.values is None else self.values[i]
+        for c in EXTRA_FLOAT_COLUMNS:
+            col = getattr(self, c)
+            out[c] = float("nan") if col is None else float(col[i])
+        out[PER_EXAMPLE_COLUMN] = None if self.per_example_norm is None else self.per_example_norm[i]
+        out[HIST_COLUMN] = None if self.hist_counts is None else self.hist_counts[i]
         return out

@@ -53,6 +53,9 @@ FAILED = "failed.json"
 RECORD_NAMES = RECORD_FILES
 #: Config keys that do not change the records: a rerun may differ in them and still resume.
 NEUTRAL_KEYS = ("resume", "report")
+#: Config keys added after records were first written, with the value that means "as before": a run
+#: recorded without the key matches a config that has it at this value (its records are the same).
+ADDED_KEYS: dict[str, Any] = {"capture.per_example": False, "capture.histogram": False}
 
 Status = Literal["completed", "failed", "missing"]
 
@@ -197,6 +200,9 @@ def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     Example::
 
         config_diff({"steps": 2, "resume": False}, {"steps": 3, "resume": True})   # ['steps: 2 -> 3']
+
+    A key of `ADDED_KEYS` missing on one side counts as its as-before value (records written before
+    the key existed match a config that leaves it at that value).
     """
     a, b = _flatten(old), _flatten(new)
     missing = object()
@@ -204,8 +210,16 @@ def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [
         f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}"
         for k in keys
-        if a.get(k, missing) != b.get(k, missing)
+        if a.get(k, missing) != b.get(k, missing) and not _added_as_before(k, a, b)
     ]
+
+
+def _added_as_before(key: str, old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """`key` is one of `ADDED_KEYS`, unset on one side and at its as-before value on the other."""
+    if key not in ADDED_KEYS:
+        return False
+    values = [d[key] for d in (old, new) if key in d]
+    return len(values) == 1 and values[0] == ADDED_KEYS[key]
 
 
 def _restore_hydra_files(directory: Path, marker: dict[str, Any]) -> None:

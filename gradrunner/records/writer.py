@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import errno
 import importlib.metadata
+import json
 import os
 import platform
 import signal
@@ -38,7 +39,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.records.columns import CONSTANT_COLUMNS, COUNT_COLUMNS, STAT_COLUMNS, StepRecords, temp_name
+from gradrunner.records.columns import (
+    CONSTANT_COLUMNS,
+    COUNT_COLUMNS,
+    EXTRA_FLOAT_COLUMNS,
+    HIST_COLUMN,
+    HIST_EDGES,
+    HIST_EDGES_KEY,
+    PER_EXAMPLE_COLUMN,
+    STAT_COLUMNS,
+    StepRecords,
+    temp_name,
+)
 
 _W = TypeVar("_W", bound="ParquetTableWriter")
 
@@ -65,8 +77,26 @@ GRADS_SCHEMA = pa.schema(
         pa.field("reason", pa.string()),
         # Reserved for distributed runs; 0 otherwise.
         pa.field("rank", pa.int64()),
+        # The tapped tensor's own norm; for parameter taps the optimiser step's change and its ratio
+        # to value_norm (null elsewhere, and where not finite).
+        *[pa.field(c, pa.float64()) for c in EXTRA_FLOAT_COLUMNS],
     ]
 )
+
+
+def grads_schema(per_example: bool = False, histogram: bool = False) -> pa.Schema:
+    """`GRADS_SCHEMA` plus the optional columns of `capture.per_example` and `capture.histogram`.
+
+    Example::
+
+        grads_schema(histogram=True).names[-1]     # 'hist_counts'
+    """
+    schema = GRADS_SCHEMA
+    if per_example:
+        schema = schema.append(pa.field(PER_EXAMPLE_COLUMN, pa.list_(pa.float64())))
+    if histogram:
+        schema = schema.append(pa.field(HIST_COLUMN, pa.list_(pa.int64())))
+    return schema
 
 #: `steps.parquet`: one row per optimisation step, captured or not.
 STEPS_SCHEMA = pa.schema(
@@ -440,6 +470,7 @@ class _RunTableWriter(ParquetTableWriter):
         metadata: dict[str, str],
         rows_per_group: int = 8192,
         rank: int = 0,
+        schema: pa.Schema | None = None,
     ) -> None:
         path = Path(path)
         if path.suffix != ".parquet":  # a job dir, existing or not
@@ -451,7 +482,7 @@ class _RunTableWriter(ParquetTableWriter):
         self.constants = {k: str(v) for k, v in constants.items()}
         self._rank = rank
         self._constant_cache: dict[int, dict[str, pa.Array]] = {}
-        super().__init__(path, self.table_schema, metadata=metadata, rows_per_group=rows_per_group,
+        super().__init__(path, self.table_schema if schema is None else schema, metadata=metadata, rows_per_group=rows_per_group,
                          run_id=self.constants["run_id"])  # fmt: skip
 
     @property
@@ -493,6 +524,23 @@ class RecordWriter(_RunTableWriter):
     table_schema = GRADS_SCHEMA
     default_name = "grads.parquet"
 
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        constants: dict[str, str],
+        metadata: dict[str, str],
+        rows_per_group: int = 8192,
+        rank: int = 0,
+        per_example: bool = False,
+        histogram: bool = False,
+    ) -> None:
+        """`per_example` / `histogram` add the optional columns (the bin edges go into the metadata)."""
+        if histogram:
+            metadata = {**metadata, HIST_EDGES_KEY: json.dumps(list(HIST_EDGES))}
+        super().__init__(path, constants=constants, metadata=metadata, rows_per_group=rows_per_group, rank=rank,
+                         schema=grads_schema(per_example, histogram))  # fmt: skip
+
     def write_step(self, step: int, records: StepRecords) -> None:
         """Append one row per record of `step` (the loss comes from `records.loss`)."""
         if len(records):
@@ -520,7 +568,16 @@ class RecordWriter(_RunTableWriter):
             cols[c] = pa.array(np.asarray(recs.stats[c], dtype=np.float64), mask=no_grad)
         for c in COUNT_COLUMNS:  # 0 (not null) without gradient: keeps the columns int64 in pandas
             cols[c] = pa.array(np.where(no_grad, 0, np.asarray(recs.counts[c], dtype=np.int64)))
-        return pa.RecordBatch.from_arrays([cols[f.name] for f in GRADS_SCHEMA], schema=self.schema)
+        for c in EXTRA_FLOAT_COLUMNS:
+            col = getattr(recs, c)
+            v = np.full(n, np.nan) if col is None else np.asarray(col, dtype=np.float64)
+            cols[c] = pa.array(v, mask=~np.isfinite(v))
+        names = self.schema.names
+        if PER_EXAMPLE_COLUMN in names:
+            cols[PER_EXAMPLE_COLUMN] = _list_array(recs.per_example_norm or [None] * n, np.float64)
+        if HIST_COLUMN in names:
+            cols[HIST_COLUMN] = _list_array(recs.hist_counts or [None] * n, np.int64)
+        return pa.RecordBatch.from_arrays([cols[f.name] for f in self.schema], schema=self.schema)
 
 
 def _list_array(items: Sequence[Sequence[int] | np.ndarray | None], dtype: type[np.generic]) -> pa.Array:

@@ -323,12 +323,14 @@ class GatheredWriter:
 
 
 def open_writers(
-    stack: contextlib.ExitStack, d: Distributed, directory: Path, constants: dict[str, str], meta: dict[str, str]
+    stack: contextlib.ExitStack, d: Distributed, directory: Path, constants: dict[str, str], meta: dict[str, str],
+    per_example: bool = False, histogram: bool = False,
 ) -> tuple[GatheredWriter, GatheredWriter]:
     """The job's grads and steps writers under DDP (real files on rank 0 only), closed by `stack`."""
     from gradrunner.records.writer import RecordWriter, StepsWriter
 
     main = d.is_main
-    grads = RecordWriter(directory / "grads.parquet", constants=constants, metadata=meta) if main else None
+    grads = (RecordWriter(directory / "grads.parquet", constants=constants, metadata=meta, per_example=per_example,
+                          histogram=histogram) if main else None)  # fmt: skip
     steps = StepsWriter(directory / "steps.parquet", constants=constants, metadata=meta) if main else None
     return stack.enter_context(GatheredWriter(d, grads)), stack.enter_context(GatheredWriter(d, steps))

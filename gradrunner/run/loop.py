@@ -127,7 +127,12 @@ def _sync(device: torch.device) -> None:
 def _run_steps(
     cfg: DictConfig, job: Job, cap: Capture, grads: RecordWriter | GatheredWriter, steps: StepsWriter | GatheredWriter
 ) -> None:
-    """The step loop: forward, loss, backward, records (on captured steps), optimizer step."""
+    """The step loop: forward, loss, backward, optimizer step, records (on captured steps).
+
+    The records of a captured step are taken after the optimizer step, so that the tapped
+    parameters' update norms ride in the step's one transfer; nothing else they read changes
+    with the step (gradients are reduced or copied as they arrive).
+    """
     from gradrunner.records.writer import deferred_signals  # pyarrow: imported once writing starts
 
     bar = Progress(cfg.steps)
@@ -144,9 +149,11 @@ def _run_steps(
             loss = forward_loss(job.model, job.loss_fn, x, y, step, model_name=model_name, loss_name=loss_name)
             backward(cap.backward, loss, step)
             capture_time = None
+            before = cap.snapshot_params() if captured else None  # tapped parameters only: their update norms
+            optimizer_step(job.optimizer, step)
             if captured:
                 t1 = time.perf_counter()
-                recs = cap.records(loss)
+                recs = cap.records(loss, before)
                 warn_without_grad(recs, step, warned)
                 if full_values and step == 0:
                     watch.warn_values_size(recs, watch.captured_steps(int(cfg.steps), every), int(cfg.capture.sample_size))
@@ -154,7 +161,6 @@ def _run_steps(
                 loss_value = float("nan") if recs.loss is None else recs.loss
             else:
                 loss_value = float(loss.detach())
-            optimizer_step(job.optimizer, step)
             job.optimizer.zero_grad(set_to_none=True)
             _sync(job.device)
             peak = peak_memory_bytes(job.device)
@@ -252,15 +258,17 @@ def _train_in(
     with contextlib.ExitStack() as stack:
         stack.enter_context(write_errors(directory))  # first in, last out: sees the writers' close too
         wrap = None if dist is None else distributed.strategy_wrapper(job.model, str(c.strategy), lambda: cap.enabled)
+        per_example, histogram = bool(c.get("per_example", False)), bool(c.get("histogram", False))
         cap = capture(distributed.unwrap(job.model), taps, c.strategy, values=c["values"],
-                      sample_size=c.sample_size, seed=cfg.seed, keep_grads=False, wrap_strategy=wrap)  # fmt: skip
+                      sample_size=c.sample_size, seed=cfg.seed, keep_grads=False, wrap_strategy=wrap,
+                      per_example=per_example, histogram=histogram)  # fmt: skip
         stack.enter_context(cap)
         log.info("run %s: %d taps resolved (%s), %d steps on %s/%s", constants["run_id"], len(cap.taps),
                  ", ".join(t.tap for t in cap.taps[:6]) + (", ..." if len(cap.taps) > 6 else ""),
                  cfg.steps, job.device, cfg.dtype)  # fmt: skip
         # Before the writers, so that it still holds while they close: a preempted job keeps its steps.
         stack.enter_context(sigterm_as_interrupt())
-        grads, steps = _open_writers(stack, directory, constants, meta, dist)
+        grads, steps = _open_writers(stack, directory, constants, meta, dist, per_example, histogram)
         try:
             _run_steps(cfg, job, cap, grads, steps)
         except NonFinite as e:
@@ -270,14 +278,15 @@ def _train_in(
 
 def _open_writers(
     stack: contextlib.ExitStack, directory: Path, constants: dict[str, str], meta: dict[str, str],
-    dist: Distributed | None,
+    dist: Distributed | None, per_example: bool = False, histogram: bool = False,
 ) -> tuple[RecordWriter | GatheredWriter, StepsWriter | GatheredWriter]:  # fmt: skip
     """The job's grads and steps writers, closed by `stack`; under DDP rank 0 writes every rank's rows."""
     from gradrunner.records.writer import RecordWriter, StepsWriter, closing_together
 
     if dist is not None:
-        return distributed.open_writers(stack, dist, directory, constants, meta)
-    grads = RecordWriter(directory / GRADS_FILE, constants=constants, metadata=meta)
+        return distributed.open_writers(stack, dist, directory, constants, meta, per_example, histogram)
+    grads = RecordWriter(directory / GRADS_FILE, constants=constants, metadata=meta, per_example=per_example,
+                         histogram=histogram)  # fmt: skip
     steps = StepsWriter(directory / STEPS_FILE, constants=constants, metadata=meta)
     stack.enter_context(closing_together(grads, steps))  # both kept (with the same steps) or both dropped
     return grads, steps

@@ -45,6 +45,8 @@ class Slot:
     fired: bool = True
     #: The tapped value was a leaf (a parameter or an input): its gradient may become `.grad`.
     leaf: bool = False
+    #: The tapped tensor's own norm (0-d float64, on its device), taken when the tap fired.
+    value_norm: torch.Tensor | None = None
     #: `autograd_grad`: the tensor's gradient edge, taken when the tap fired.
     edge: object | None = None
     #: `hook`: a parameter's gradient, summed over the parts backward delivers.
