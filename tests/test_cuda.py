@@ -129,3 +129,49 @@ def test_cuda_records_match_cpu_records(model_and_batch: tuple[nn.Module, torch.
         np.testing.assert_allclose(out["cuda"].stats[c], out["cpu"].stats[c], rtol=1e-9, atol=1e-15)
     for c in COUNT_COLUMNS:
         np.testing.assert_array_equal(out["cuda"].counts[c], out["cpu"].counts[c])
+
+
+def test_no_host_sync_with_every_extra_statistic(model_and_batch: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
+    model, x, y = model_and_batch
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with capture(model, TAPS, strategy="hook", keep_grads=False, per_example=True, histogram=True) as cap:
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if step else "default")
+            try:
+                loss = nn.functional.mse_loss(model(x), y)
+                cap.backward(loss)
+                before = cap.snapshot_params()
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            recs = cap.records(loss, before)
+    assert recs.hist_counts is not None and recs.per_example_norm is not None
+    assert np.isfinite(recs.update_norm[[k.tap == "fc1:weight" for k in recs.keys]]).all()
+
+
+def test_cuda_extra_columns_match_cpu(model_and_batch: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
+    model, x, y = model_and_batch
+    model, x, y = model.double(), x.double(), y.double()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    out = {}
+    for device in ("cpu", "cuda"):
+        model.load_state_dict(state)
+        model.to(device).zero_grad(set_to_none=True)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=0.1)
+        with capture(model, TAPS, strategy="hook", keep_grads=False, per_example=True, histogram=True) as cap:
+            loss = nn.functional.mse_loss(model(x.to(device)), y.to(device))
+            cap.backward(loss)
+            before = cap.snapshot_params()
+            opt.step()
+            out[device] = cap.records(loss, before)
+    cpu, cuda = out["cpu"], out["cuda"]
+    for c in ("value_norm", "update_norm", "update_ratio"):
+        np.testing.assert_allclose(getattr(cuda, c), getattr(cpu, c), rtol=1e-9, equal_nan=True)
+    for a, b in zip(cuda.per_example_norm, cpu.per_example_norm, strict=True):  # type: ignore[arg-type]
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_allclose(a, b, rtol=1e-9)
+    for a, b in zip(cuda.hist_counts, cpu.hist_counts, strict=True):  # type: ignore[arg-type]
+        np.testing.assert_array_equal(a, b)

@@ -78,7 +78,10 @@ def histogram_counts(grad: torch.Tensor) -> torch.Tensor:
     raw = torch.nan_to_num_(raw, nan=_RAW - 1, posinf=_RAW - 1, neginf=0).clamp_(0, _RAW - 1).long()
     raw += a >= upper.index_select(0, raw)  # index_select: several times faster than indexing on CPU
     raw -= (a < lower.index_select(0, raw)).long()
-    raw = torch.bincount(raw, minlength=_RAW)
+    if a.device.type == "cpu":
+        raw = torch.bincount(raw, minlength=_RAW)
+    else:  # bincount sizes its output from the data, which syncs with the host on CUDA (seen on an H100)
+        raw = torch.zeros(_RAW, dtype=torch.int64, device=a.device).scatter_add_(0, raw, torch.ones_like(raw))
     n_inner = len(HIST_EDGES) - 1
     return torch.cat([
         raw[:1], raw[1:_FIRST].sum().reshape(1), raw[_FIRST : _FIRST + n_inner],
