@@ -57,7 +57,24 @@ def _eager(fn: _F) -> _F:
 
 
 class Capture:
-    """A capture session over one model; see `capture()`."""
+    """A capture session over one model: tap `model` and capture the gradients flowing through `taps`,
+    the `strategy`'s way (`capture` is the same class, the documented spelling).
+
+    Example::
+
+        with capture(model, ["*:output", "fc1:weight"], strategy="retain_grad") as cap:
+            cap.backward(loss_fn(model(x), y))
+        cap.grads["fc1:output"]
+
+    `strategy` is `retain_grad`, `hook` or `autograd_grad`; all three give the same gradients.
+    `keep_grads=False` keeps only statistics (and `values`: `none`, `full` or a fixed `sample`),
+    reduced on the gradient's device as it arrives: what the runner uses. Every tap is resolved
+    here, before any forward pass: a bad tap raises `GradrunnerError`. `wrap_strategy` wraps the
+    strategy (the runner's DDP support delivers parameter gradients after the all-reduce this way).
+    `per_example=True` adds each record's per-row gradient norms (taps other than parameters),
+    `histogram=True` counts of |g| in the fixed bins of `records.columns.HIST_EDGES`; every record
+    carries `value_norm`, the tapped tensor's own norm (see `Capture.records` for update norms).
+    """
 
     def __init__(
         self,
@@ -447,38 +464,8 @@ class Capture:
         return {s.key: s.reason for s in self._last if s.reason is not None}
 
 
-def capture(
-    model: nn.Module,
-    taps: Sequence[TapSpec] | TapSpec,
-    strategy: str = "hook",
-    *,
-    values: str = "none",
-    sample_size: int = 64,
-    seed: int = 0,
-    keep_grads: bool = True,
-    wrap_strategy: Callable[[Strategy], Strategy] | None = None,
-    per_example: bool = False,
-    histogram: bool = False,
-) -> Capture:
-    """Tap `model` and capture the gradients flowing through `taps`, the `strategy`'s way.
-
-    Example::
-
-        with capture(model, ["*:output", "fc1:weight"], strategy="retain_grad") as cap:
-            cap.backward(loss_fn(model(x), y))
-        cap.grads["fc1:output"]
-
-    `strategy` is `retain_grad`, `hook` or `autograd_grad`; all three give the same gradients.
-    `keep_grads=False` keeps only statistics (and `values`: `none`, `full` or a fixed `sample`),
-    reduced on the gradient's device as it arrives: what the runner uses. Every tap is resolved
-    here, before any forward pass: a bad tap raises `GradrunnerError`. `wrap_strategy` wraps the
-    strategy (the runner's DDP support delivers parameter gradients after the all-reduce this way).
-    `per_example=True` adds each record's per-row gradient norms (taps other than parameters),
-    `histogram=True` counts of |g| in the fixed bins of `records.columns.HIST_EDGES`; every record
-    carries `value_norm`, the tapped tensor's own norm (see `Capture.records` for update norms).
-    """
-    return Capture(model, taps, strategy, values=values, sample_size=sample_size, seed=seed, keep_grads=keep_grads,
-                   wrap_strategy=wrap_strategy, per_example=per_example, histogram=histogram)
+#: `capture(model, taps, strategy=...)`: the documented spelling of `Capture(...)` (one signature, one place).
+capture = Capture
 
 
 class ParamSnapshot:

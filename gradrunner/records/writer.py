@@ -98,6 +98,7 @@ def grads_schema(per_example: bool = False, histogram: bool = False) -> pa.Schem
         schema = schema.append(pa.field(HIST_COLUMN, pa.list_(pa.int64())))
     return schema
 
+
 #: `steps.parquet`: one row per optimisation step, captured or not.
 STEPS_SCHEMA = pa.schema(
     [
