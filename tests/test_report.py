@@ -431,7 +431,9 @@ def test_report_on_a_real_three_strategy_sweep(tmp_path: Path, experiment: str, 
     page = Path(out.stdout.strip())
     assert page == sweep / REPORT_NAME
     parts = parse(page)
-    assert parts.tables == 4 and parts.outside == [] and len(parts.images) == 4 + bool(extra)
+    updates = experiment == "mlp"  # it taps *:weight: the update-ratio panel and its table (issue 15)
+    assert parts.tables == 4 + updates and parts.outside == [] and len(parts.images) == 4 + bool(extra) + updates
+    assert ("update_ratio" in page.read_text()) == updates
     assert all(img.startswith(PNG_SIGNATURE) for img in parts.images)
     assert "identical records" in page.read_text()  # the contract: all three give the same gradients
     df = load(sweep)
