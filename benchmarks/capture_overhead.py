@@ -21,6 +21,7 @@ import argparse
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,17 @@ def naive_stats(sink: list[torch.Tensor]) -> list[list[float]]:
     return out
 
 
+def _captured_step(cap: Any, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable[..., torch.Tensor],
+                   opt: torch.optim.Optimizer, updates: bool = False) -> None:
+    """One training step under `cap`, in the runner's order: backward, optimizer step, then the records."""
+    loss = loss_fn(model(x), y)
+    cap.backward(loss)
+    before = cap.snapshot_params() if updates else None
+    opt.step()
+    cap.records(loss, before)
+    opt.zero_grad(set_to_none=True)
+
+
 def variants_for(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, taps: list[str], values: str, extras: bool = False
 ) -> dict[str, tuple[Callable[[], AbstractContextManager[Any]], Callable[[], None]]]:
@@ -119,15 +131,7 @@ def variants_for(
     out: dict[str, tuple[Callable[[], AbstractContextManager[Any]], Callable[[], None]]] = {"none": (no_context, plain)}
     for strategy in STRATEGIES:
         cap = capture(model, taps, strategy=strategy, values=values, keep_grads=False)
-
-        def step(cap: Any = cap) -> None:
-            loss = loss_fn(model(x), y)
-            cap.backward(loss)
-            cap.records(loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        out[strategy] = (lambda cap=cap: cap, step)
+        out[strategy] = (lambda cap=cap: cap, partial(_captured_step, cap, model, x, y, loss_fn, opt))
     if extras:
         out.update(_extra_variants(model, x, y, taps, values, loss_fn, opt))
     if values == "none":
@@ -166,27 +170,11 @@ def _extra_variants(
     for option in ("per_example", "histogram", "updates"):
         kwargs = {option: True} if option != "updates" else {}
         cap = capture(model, taps, strategy="hook", values=values, keep_grads=False, **kwargs)
-
-        def step(cap: Any = cap, updates: bool = option == "updates") -> None:
-            loss = loss_fn(model(x), y)
-            cap.backward(loss)
-            before = cap.snapshot_params() if updates else None
-            opt.step()
-            cap.records(loss, before)
-            opt.zero_grad(set_to_none=True)
-
+        step = partial(_captured_step, cap, model, x, y, loss_fn, opt, updates=option == "updates")
         out[f"hook+{option}"] = (lambda cap=cap: cap, step)
     # The cost of the always-on value_norm: `hook` with it patched out of the session.
     cap = capture(model, taps, strategy="hook", values=values, keep_grads=False)
-
-    def plain_step(cap: Any = cap) -> None:
-        loss = loss_fn(model(x), y)
-        cap.backward(loss)
-        cap.records(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    out["hook-value_norm"] = (lambda cap=cap: _without_value_norm(cap), plain_step)
+    out["hook-value_norm"] = (lambda cap=cap: _without_value_norm(cap), partial(_captured_step, cap, model, x, y, loss_fn, opt))
     return out
 
 

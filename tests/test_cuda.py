@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -75,6 +76,17 @@ def test_torch_path_statistics_match_numpy(dtype: torch.dtype, n: int, monkeypat
     _check(_gradient(n, dtype, "plain"), rel=1e-12 if dtype == torch.float64 else 1e-6)
 
 
+@contextmanager
+def _syncs_raise(on: bool) -> Iterator[None]:
+    """Inside: any host sync raises (when `on`; the first step compiles kernels and fills caches)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error" if on else "default")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.fixture
 def model_and_batch() -> Iterator[tuple[nn.Module, torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
@@ -89,13 +101,9 @@ def test_no_host_sync_inside_forward_and_backward(
     with capture(model, TAPS, strategy=strategy, keep_grads=False) as cap:
         for step in range(2):  # the first step compiles kernels and fills caches, the second is checked
             model.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error" if step else "default")
-            try:
+            with _syncs_raise(step > 0):
                 loss = nn.functional.mse_loss(model(x), y)
                 cap.backward(loss)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
             recs = cap.records(loss)
     assert len(recs) >= 10 and bool(np.all(recs.has_grad))
 
@@ -137,15 +145,11 @@ def test_no_host_sync_with_every_extra_statistic(model_and_batch: tuple[nn.Modul
     with capture(model, TAPS, strategy="hook", keep_grads=False, per_example=True, histogram=True) as cap:
         for step in range(2):
             opt.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error" if step else "default")
-            try:
+            with _syncs_raise(step > 0):
                 loss = nn.functional.mse_loss(model(x), y)
                 cap.backward(loss)
                 before = cap.snapshot_params()
                 opt.step()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
             recs = cap.records(loss, before)
     assert recs.hist_counts is not None and recs.per_example_norm is not None
     assert np.isfinite(recs.update_norm[[k.tap == "fc1:weight" for k in recs.keys]]).all()
@@ -175,3 +179,23 @@ def test_cuda_extra_columns_match_cpu(model_and_batch: tuple[nn.Module, torch.Te
             np.testing.assert_allclose(a, b, rtol=1e-9)
     for a, b in zip(cuda.hist_counts, cpu.hist_counts, strict=True):  # type: ignore[arg-type]
         np.testing.assert_array_equal(a, b)
+
+
+def test_float32_value_norms_on_cuda_match_float64(model_and_batch: tuple[nn.Module, torch.Tensor, torch.Tensor]) -> None:
+    model, x, y = model_and_batch
+    outputs: dict[str, torch.Tensor] = {}
+    handles = [m.register_forward_hook(lambda _m, _a, out, n=n: outputs.__setitem__(n, out.detach()))
+               for n, m in model.named_modules() if n.startswith(("fc", "relu"))]  # fmt: skip
+    try:
+        with capture(model, ["fc*:output", "relu*:output", "fc1:weight"], strategy="hook", keep_grads=False) as cap:
+            loss = nn.functional.mse_loss(model(x), y)
+            cap.backward(loss)
+            recs = cap.records(loss)
+    finally:
+        for h in handles:
+            h.remove()
+    got = dict(zip([k.tap for k in recs.keys], recs.value_norm, strict=True))
+    want = {f"{n}:output": float(torch.linalg.vector_norm(o.double().cpu())) for n, o in outputs.items()}
+    want["fc1:weight"] = float(torch.linalg.vector_norm(model.fc1.weight.detach().double().cpu()))
+    for tap, norm in want.items():
+        assert got[tap] == pytest.approx(norm, rel=1e-5), tap

@@ -90,7 +90,10 @@ def histogram_counts(grad: torch.Tensor) -> torch.Tensor:
 
 
 def value_norm(value: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of the tapped tensor itself (an activation or a parameter), float64, 0-d, on its device.
+    """The L2 norm of the tapped tensor itself (an activation or a parameter), 0-d, on its device.
+
+    float64, except for a float32 tensor on an accelerator: float32 there (one launch), widened with
+    the rest of the step's values when they are stacked for the step's one transfer.
 
     Example::
 
@@ -102,6 +105,12 @@ def value_norm(value: torch.Tensor) -> torch.Tensor:
     if not v.is_floating_point():
         v = v.double()
     flat = v.reshape(-1)
+    if flat.device.type != "cpu" and flat.dtype == torch.float32:
+        # One launch: the device's reduction accumulates float32 in a tree (relative error ~1e-6);
+        # the step's norms are widened to float64 together when stacked. The chunked float64 sum
+        # below takes eight launches per tap, which on an H100 made a 26-tap MLP step 4.9x the bare
+        # step against 3.0x without value norms.
+        return torch.linalg.vector_norm(flat)
     k = flat.numel() // _CHUNK
     if flat.dtype != torch.float32 or k < 2:
         return torch.linalg.vector_norm(flat, dtype=torch.float64)
