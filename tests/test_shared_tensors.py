@@ -290,7 +290,7 @@ def test_nothing_stays_on_a_non_leaf_input(strategy: str) -> None:
 def test_records_carry_the_reason_and_the_log_warns_once_per_tap(tmp_path: Path, caplog: pytest.LogCaptureFixture
                                                                   ) -> None:  # fmt: skip
     cfg = compose_cfg("+experiment=mlp", "steps=3", "taps=['fc*:input.1','fc1:output']", "device=cpu")
-    with caplog.at_level(logging.WARNING, logger="gradrunner.run.loop"):
+    with caplog.at_level(logging.WARNING, logger="gradrunner.run.watch"):
         train(cfg, out_dir=tmp_path)
     grads = pd.read_parquet(tmp_path / GRADS_FILE)
     without = grads[~grads.has_grad]

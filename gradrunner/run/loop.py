@@ -32,7 +32,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradrunner.capturing.session import Capture, capture
-from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE, StepRecords
+from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
 from gradrunner.run import distributed, watch
 from gradrunner.run.build import Job, setup
 from gradrunner.run.distributed import Distributed, GatheredWriter
@@ -154,7 +154,7 @@ def _run_steps(
             if captured:
                 t1 = time.perf_counter()
                 recs = cap.records(loss, before)
-                warn_without_grad(recs, step, warned)
+                watch.warn_without_grad(recs, step, warned)
                 if full_values and step == 0:
                     watch.warn_values_size(recs, watch.captured_steps(int(cfg.steps), every), int(cfg.capture.sample_size))
                 capture_time = time.perf_counter() - t1
@@ -175,22 +175,6 @@ def _run_steps(
             check_finite(on_nonfinite, step, loss_value, recs if captured else None)
     finally:
         bar.close()
-
-
-def warn_without_grad(recs: StepRecords, step: int, warned: set[str]) -> None:
-    """Log a warning the first time each tap has a record without gradient (its `reason` column says why).
-
-    Example::
-
-        warned: set[str] = set()
-        warn_without_grad(cap.records(loss), step=0, warned=warned)
-    """
-    reasons = recs.reason or [None] * len(recs)
-    for key, has_grad, reason in zip(recs.keys, recs.has_grad, reasons, strict=True):
-        if not has_grad and key.tap not in warned:
-            warned.add(key.tap)
-            log.warning("tap %r has no gradient at step %d: %s (warned once per tap; see the reason column)",
-                        key.tap, step, reason or "unknown")  # fmt: skip
 
 
 def train(

@@ -4,6 +4,7 @@
 | --- | --- |
 | `warn_values_size` | `capture.values=full` will write more than `VALUES_WARN_BYTES` over the run (estimated at step 0) |
 | `ZeroWatch` | the loss, or every captured gradient, is exactly zero for each of the first `ZERO_STEPS` steps |
+| `warn_without_grad` | a tap has a record without gradient, the first time for each tap (the `reason` column says why) |
 
 Example::
 
@@ -101,6 +102,22 @@ class ZeroWatch:
                 "regression), the targets (data.*), and that the taps take part in the loss.",
                 what, self.last + 1,
             )  # fmt: skip
+
+
+def warn_without_grad(recs: StepRecords, step: int, warned: set[str]) -> None:
+    """Log a warning the first time each tap has a record without gradient (its `reason` column says why).
+
+    Example::
+
+        warned: set[str] = set()
+        warn_without_grad(cap.records(loss), step=0, warned=warned)
+    """
+    reasons = recs.reason or [None] * len(recs)
+    for key, has_grad, reason in zip(recs.keys, recs.has_grad, reasons, strict=True):
+        if not has_grad and key.tap not in warned:
+            warned.add(key.tap)
+            log.warning("tap %r has no gradient at step %d: %s (warned once per tap; see the reason column)",
+                        key.tap, step, reason or "unknown")  # fmt: skip
 
 
 def captured_steps(steps: int, every: int) -> int:
