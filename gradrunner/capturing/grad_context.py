@@ -26,6 +26,8 @@ NOT_ASSIGNED = "not assigned in this step (module not called, or its forward() d
 NO_PART = "takes no part in the loss"
 FROZEN = "parameter does not require grad (frozen)"
 MADE_UNDER_NO_GRAD = "made under no_grad"
+CHANGED_IN_PLACE = ("a view changed in place after it was tapped: autograd never computes the gradient of its value "
+                    "before the change; tap the tensor it is a view of, or the view after the change")
 GRAPH_FREED = "no forward since the last backward, which freed the graph (pass retain_graph=True to backward twice)"
 TRANSFORMED = "inside a torch.func transform (vmap, grad, jacrev, ...): not visible to autograd hooks"
 

@@ -24,10 +24,11 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from gradrunner.capturing.elements import get_element, set_element
+from gradrunner.capturing.elements import bind_input, get_element, set_element
 from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.forward_locals import patch_forward
 from gradrunner.capturing.grad_context import (
+    CHANGED_IN_PLACE,
     FROZEN,
     GRAPH_FREED,
     NO_PART,
@@ -43,6 +44,7 @@ from gradrunner.capturing.grad_context import (
     unwrap_compiled,
 )
 from gradrunner.capturing.grads import Grads
+from gradrunner.capturing.torch_compat import is_view, version
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot, Strategy, get_strategy
 from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
@@ -250,7 +252,7 @@ class Capture:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             changed = False
             for tap in taps:
-                path = tap.path or (0,)
+                path = bind_input(module, tap.path or (0,), args, kwargs)
                 source: Any = args if isinstance(path[0], int) else kwargs
                 element = get_element(source, path, tap.tap, tap.from_glob)
                 new = self._fire(tap, element, is_input=True)
@@ -325,6 +327,8 @@ class Capture:
             # the caller's tensor itself is left as it is.
             value = input_alias(value)
         slot.leaf = value.is_leaf
+        if is_view(value):
+            slot.view, slot.version = value, version(value)
         slot.value_norm = value_norm(value)  # on the device, no sync: it goes to the host with the step
         return self.strategy.attach(value, slot)
 
@@ -403,7 +407,11 @@ class Capture:
                     slot.tensor, slot.edge = None, None
         for slot in slots:
             if not slot.delivered:
+                if slot.view is not None and version(slot.view) != slot.version:
+                    slot.reason = slot.reason or CHANGED_IN_PLACE
                 slot.reason = slot.reason or NO_PART
+            if not retain_graph:
+                slot.view = None
                 if self._collector is not None:
                     self._collector.add(slot.key, None, order=slot.order, value_norm=slot.value_norm)
         self._last = slots

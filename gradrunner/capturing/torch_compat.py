@@ -6,6 +6,7 @@
 | `watch_edge(edge, fn)` | none: `Node.register_prehook` (public) | - |
 | `accumulate(param, grad)` | none: the parameter's own `AccumulateGrad` node, called | `.grad` added by hand, then `_post_accumulate_grad_hooks` called |
 | `version(t)` | `t._version`: retain_grad reads `.grad` unless the tensor changed in place | None: assume it changed, read the gradient edge |
+| `is_view(t)` | `t._is_view()`: a tapped view written in place gets its own `reason` | False: "takes no part in the loss" |
 | `in_backward()` | `torch._C._current_graph_task_id()`: also true inside a plain `loss.backward()` | a counter `backward_running()` raises around the strategies' backward |
 | `reentrant_checkpoint(phase)` | frame walk for `torch.utils.checkpoint.CheckpointFunction` | None: the no-grad first pass records "made under no_grad" |
 | `functorch_level(t)` | `torch._C._functorch.is_functorch_wrapped_tensor` | never detected: the tap's own "does not require grad" check |
@@ -43,6 +44,7 @@ FEATURES: dict[str, bool] = {
     "get_gradient_edge": _get_gradient_edge is not None,
     "call_accumulate_grad": True,
     "tensor_version": hasattr(torch.Tensor, "_version"),
+    "is_view": hasattr(torch.Tensor, "_is_view"),
     "current_graph_task_id": _current_graph_task_id is not None,
     "checkpoint_frames": _CHECKPOINT_FUNCTION is not None,
     "functorch_wrapped": _is_functorch_wrapped is not None,
@@ -106,6 +108,11 @@ def accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
 def version(tensor: torch.Tensor) -> int | None:
     """`tensor`'s in-place version counter (shared with its views and base), or None when not readable."""
     return tensor._version if FEATURES["tensor_version"] else None
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a view of another tensor's storage (its base)."""
+    return bool(FEATURES["is_view"] and tensor._is_view())
 
 
 _running = [0]

@@ -49,8 +49,11 @@ class Slot:
     value_norm: torch.Tensor | None = None
     #: `autograd_grad`: the tensor's gradient edge, taken when the tap fired.
     edge: object | None = None
-    #: `retain_grad`: the tensor's in-place version when the tap fired.
+    #: The tensor's in-place version when the tap fired.
     version: int | None = None
+    #: The tapped tensor when it is a view: if written in place later, autograd never computes the
+    #: gradient of its value before the write (the record's `reason` says so).
+    view: torch.Tensor | None = None
     #: `hook`: a parameter's gradient, summed over the parts backward delivers.
     param_grad: torch.Tensor | None = None
 
