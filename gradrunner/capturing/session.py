@@ -410,10 +410,10 @@ class Capture:
                 if slot.view is not None and version(slot.view) != slot.version:
                     slot.reason = slot.reason or CHANGED_IN_PLACE
                 slot.reason = slot.reason or NO_PART
-            if not retain_graph:
-                slot.view = None
                 if self._collector is not None:
                     self._collector.add(slot.key, None, order=slot.order, value_norm=slot.value_norm)
+            if not retain_graph:
+                slot.view = None
         self._last = slots
         if self.keep_grads:
             kept = [(s.key, self._kept.get(s.order)) for s in slots if s.fired]
