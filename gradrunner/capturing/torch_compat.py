@@ -2,7 +2,7 @@
 
 | function | private path (default where it buys something) | public fallback |
 | --- | --- | --- |
-| `gradient_edge(t)` | none: `torch.autograd.graph.get_gradient_edge` (public) | `(t.grad_fn, t.output_nr)`; a leaf's accumulator through `t.view_as(t)` |
+| `gradient_edge(t)` | none: `torch.autograd.graph.get_gradient_edge` (public) | `(t.grad_fn, t.output_nr)`; a leaf's accumulator through `t.view_as(t)`; `autograd_grad` passes the tensor |
 | `watch_edge(edge, fn)` | none: `Node.register_prehook` (public) | - |
 | `accumulate(param, grad)` | none: the parameter's own `AccumulateGrad` node, called | `.grad` added by hand, then `_post_accumulate_grad_hooks` called |
 | `version(t)` | `t._version`: retain_grad reads `.grad` unless the tensor changed in place | None: assume it changed, read the gradient edge |
@@ -60,8 +60,9 @@ def gradient_edge(tensor: torch.Tensor) -> Edge:
         return _get_gradient_edge(tensor)  # type: ignore[misc]
     if tensor.grad_fn is not None:
         return tensor.grad_fn, tensor.output_nr
-    # A leaf: its gradient accumulator is the next node of any view of it.
-    return tensor.view_as(tensor).grad_fn.next_functions[0]  # type: ignore[union-attr]
+    # A leaf: its gradient accumulator is the next node of any view of it (made with grad on, even inside no_grad).
+    with torch.enable_grad():
+        return tensor.view_as(tensor).grad_fn.next_functions[0]  # type: ignore[union-attr,no-any-return]
 
 
 def watch_edge(edge: Edge, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> RemovableHandle:

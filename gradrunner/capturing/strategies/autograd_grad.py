@@ -18,7 +18,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.strategies.base import Slot, Strategy
-from gradrunner.capturing.torch_compat import accumulate, backward_running, gradient_edge, watch_edge
+from gradrunner.capturing.torch_compat import FEATURES, accumulate, backward_running, gradient_edge, watch_edge
 from gradrunner.errors import GradrunnerError
 
 
@@ -29,6 +29,8 @@ class AutogradGradStrategy(Strategy):
 
     def attach(self, tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
         slot.edge = gradient_edge(tensor)
+        if not FEATURES["get_gradient_edge"]:  # autograd.grad takes edges only where torch has them
+            slot.tensor = tensor
         return tensor
 
     def backward(
@@ -37,7 +39,7 @@ class AutogradGradStrategy(Strategy):
         params = [p for p in params if p.requires_grad]
         param_index = {id(p): i for i, p in enumerate(params)}
         tensor_slots = [s for s in slots if s.param is None and s.edge is not None]
-        inputs: list[Any] = [s.edge for s in tensor_slots] + list(params)
+        inputs: list[Any] = [s.edge if s.tensor is None else s.tensor for s in tensor_slots] + list(params)
         seen: dict[int, list[torch.Tensor]] = {id(s): [] for s in tensor_slots}
         handles: list[RemovableHandle] = [watch_edge(s.edge, seen[id(s)].append) for s in tensor_slots]  # type: ignore[arg-type]
         try:
