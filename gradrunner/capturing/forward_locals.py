@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
+import functools
 import inspect
 import linecache
 import types
@@ -365,8 +366,8 @@ _ORIGINAL = "__gradrunner_original__"
 
 def class_forward(cls: type) -> Callable[..., object]:
     """`cls.forward` as the class defines it (through a dispatcher `patch_forward` may have put there)."""
-    fwd = cls.forward  # type: ignore[attr-defined]
-    return getattr(fwd, _ORIGINAL, fwd)  # type: ignore[no-any-return]
+    fwd: Callable[..., object] = cls.forward  # type: ignore[attr-defined]
+    return getattr(fwd, _ORIGINAL, fwd)
 
 
 def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[[], None]:
@@ -396,19 +397,23 @@ def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[
 
     if "forward" not in state:
         state["forward"] = bound
-        return lambda: state.pop("forward", None)  # type: ignore[func-returns-value]
+
+        def drop() -> None:
+            state.pop("forward", None)
+
+        return drop
     current = state["forward"]
     for key, value in list(state.items()):
         if is_original(value):  # the instance forward itself, or `_old_forward`
             state[key] = bound
-            undo.append(lambda key=key, value=value: state.__setitem__(key, value))
+            undo.append(functools.partial(state.__setitem__, key, value))
     if not is_original(current):
         for cell in _reachable_cells(current):
             with contextlib.suppress(ValueError):
                 if is_original(cell.cell_contents):
                     old = cell.cell_contents
                     cell.cell_contents = bound
-                    undo.append(lambda cell=cell, old=old: setattr(cell, "cell_contents", old))
+                    undo.append(functools.partial(setattr, cell, "cell_contents", old))
         undo.append(_route_class(cls, module, original, bound.__func__))
 
     def restore() -> None:
@@ -441,7 +446,8 @@ def _route_class(cls: type, module: object, original: Callable[..., object], new
     routes: dict[int, Callable[..., object]] | None = getattr(dispatcher, _ROUTES, None)
     if routes is None:
         previous = cls.__dict__.get("forward", _NOTHING)
-        routes = table = {}
+        table: dict[int, Callable[..., object]] = {}
+        routes = table
 
         def forward(self: object, *args: object, **kwargs: object) -> object:
             return table.get(id(self), original)(self, *args, **kwargs)

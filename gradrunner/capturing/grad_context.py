@@ -67,7 +67,7 @@ def input_alias(tensor: torch.Tensor) -> torch.Tensor:
 
         a = input_alias(x); a.sub_(a.mean())   # x changes too, as it would without capture; x.requires_grad stays False
     """
-    return _InputAlias.apply(tensor.detach().requires_grad_())  # type: ignore[no-any-return]
+    return _InputAlias.apply(tensor.detach().requires_grad_())
 
 
 def no_grad_reason(value: object, is_input: bool) -> tuple[str, str] | None:

@@ -44,10 +44,10 @@ from gradrunner.capturing.grad_context import (
     unwrap_compiled,
 )
 from gradrunner.capturing.grads import Grads
-from gradrunner.capturing.torch_compat import is_view, version
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot, Strategy, get_strategy
 from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
+from gradrunner.capturing.torch_compat import is_view, version
 from gradrunner.choices import VALUES_MODES
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import StepRecords, TapKey

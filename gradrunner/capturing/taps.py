@@ -146,7 +146,7 @@ def _describe(module: nn.Module) -> str:
 def _unknown_name(module_path: str, module: nn.Module, name: str) -> GradrunnerError:
     if parametrize.is_parametrized(module, name):
         where = f"{module_path}.parametrizations.{name}" if module_path else f"parametrizations.{name}"
-        how = ", ".join(type(p).__name__ for p in module.parametrizations[name])  # type: ignore[union-attr,index,arg-type]
+        how = ", ".join(type(p).__name__ for p in module.parametrizations[name])  # type: ignore[index]
         return GradrunnerError(
             f"tap '{module_path}:{name}': {name!r} of module {module_path or '<root>'!r} is parametrized "
             f"(torch.nn.utils.parametrize: {how}): it is computed from '{where}.original' each time it is read, "

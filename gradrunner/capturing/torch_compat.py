@@ -62,7 +62,7 @@ def gradient_edge(tensor: torch.Tensor) -> Edge:
         return tensor.grad_fn, tensor.output_nr
     # A leaf: its gradient accumulator is the next node of any view of it (made with grad on, even inside no_grad).
     with torch.enable_grad():
-        return tensor.view_as(tensor).grad_fn.next_functions[0]  # type: ignore[union-attr,no-any-return]
+        return tensor.view_as(tensor).grad_fn.next_functions[0]  # type: ignore[union-attr]
 
 
 def watch_edge(edge: Edge, fn: Callable[[torch.Tensor], torch.Tensor | None]) -> RemovableHandle:
@@ -83,7 +83,7 @@ def watch_edge(edge: Edge, fn: Callable[[torch.Tensor], torch.Tensor | None]) ->
             return None
         return (*grad_outputs[:nr], new, *grad_outputs[nr + 1 :])
 
-    return node.register_prehook(prehook)  # type: ignore[no-any-return]
+    return node.register_prehook(prehook)
 
 
 def accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:

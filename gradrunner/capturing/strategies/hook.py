@@ -33,7 +33,7 @@ class HookStrategy(Strategy):
 
     def _watch(self, slot: Slot) -> None:
         def on_grad(grad: torch.Tensor) -> torch.Tensor | None:
-            return self.deliver(slot, grad)  # type: ignore[func-returns-value]
+            return self.deliver(slot, grad)
 
         self._handles.append(watch_edge(slot.edge, on_grad))  # type: ignore[arg-type]
 

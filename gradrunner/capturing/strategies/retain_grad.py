@@ -45,8 +45,8 @@ class RetainGradStrategy(Strategy):
         changed: dict[int, list[torch.Tensor]] = {}
         try:
             for slot in slots:
-                t = slot.tensor
-                if t is not None and not t.is_leaf and (slot.version is None or version(t) != slot.version):
+                held = slot.tensor
+                if held is not None and not held.is_leaf and (slot.version is None or version(held) != slot.version):
                     box = changed[id(slot)] = []
                     handles.append(watch_edge(slot.edge, box.append))  # type: ignore[arg-type]
             with backward_running():
@@ -56,8 +56,8 @@ class RetainGradStrategy(Strategy):
                     box = changed[id(slot)]
                     self.deliver(slot, box[0] if len(box) == 1 else (sum(box[1:], box[0]) if box else None))
                     continue
-                held = slot.param if slot.param is not None else slot.tensor
-                self.deliver(slot, None if held is None else held.grad)
+                read = slot.param if slot.param is not None else slot.tensor
+                self.deliver(slot, None if read is None else read.grad)
         finally:
             for h in handles:
                 h.remove()
