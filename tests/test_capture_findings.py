@@ -355,3 +355,18 @@ def test_input_name_binds_keyword_or_positional(strategy: str, by_keyword: bool)
     scale = 1.0 if by_keyword else 3.0
     want = scale * torch.ones(2, 3, dtype=torch.float64) @ model.layer.fc.weight.detach()
     torch.testing.assert_close(cap.grads["layer:input.hidden_states"], want)  # type: ignore[attr-defined]
+
+
+def test_a_new_forward_lets_go_of_the_retained_graph() -> None:
+    import gc
+    import weakref
+
+    model = nn.Linear(3, 2)
+    with capture(model, [":output"], strategy="retain_grad") as cap:
+        out = model(torch.randn(4, 3))
+        cap.backward(out.sum(), retain_graph=True)
+        held = weakref.ref(out)
+        del out
+        model(torch.randn(4, 3))
+        gc.collect()
+        assert held() is None
