@@ -204,7 +204,9 @@ class Capture:
             if not self._grad_forward:
                 self._forward_mark = (len(self._slots), dict(self._calls))
                 self._forward_since_backward = True
-                self._retained = None  # a new forward: the last one's graph is no longer held by the session
+                for slot in self._retained or ():  # a new forward: the last one's graph is no longer held here
+                    slot.tensor, slot.edge, slot.view = None, None, None
+                self._retained = None
             self._grad_forward.append(torch.is_grad_enabled())
 
         def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
