@@ -173,3 +173,11 @@ class InPlaceBreaksBackward(nn.Module):
         h = torch.sigmoid(self.lin(x))
         h.mul_(2)
         return h
+
+
+def dead_relu_mlp(depth: int = 3, dead: int = 2) -> nn.Module:
+    """The built-in MLP (8 -> 32 ... -> 1) whose `fc{dead}` bias is -1000: `relu{dead}` outputs 0 for any input."""
+    model = MLP(in_features=8, hidden=32, depth=depth, out_features=1)
+    with torch.no_grad():
+        getattr(model, f"fc{dead}").bias.fill_(-1000.0)
+    return model

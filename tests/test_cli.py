@@ -81,7 +81,7 @@ def test_one_run_writes_records_under_outputs_of_the_cwd(tmp_path: Path) -> None
     assert sorted(df.step.unique()) == [0, 1] and set(df.experiment) == {"mlp"}
     last = [line for line in result.stdout.splitlines() if "records: " in line]
     assert len(last) == 1 and last[0].count(str(job)) == 1 and "gradrunner.analysis.load" in last[0]
-    assert last[0].endswith(f"records: grads.parquet, steps.parquet in {job}  (read the dir with gradrunner.analysis.load, a file with pandas.read_parquet)")
+    assert last[0].endswith(f"records: {job} (grads.parquet, steps.parquet; read the dir with gradrunner.analysis.load, a file with pandas.read_parquet)")
 
 
 def test_console_script_is_the_same_app(tmp_path: Path) -> None:
