@@ -153,7 +153,7 @@ def run_doctest(block: Block, namespace: dict[str, object], check_output: bool) 
     test = doctest.DocTestParser().get_doctest(block.text, namespace, block.where, block.doc, block.line)
     if not check_output:  # run for the errors only: the shown output (timings) varies
         for example in test.examples:
-            exec(compile(example.source, block.where, "exec"), namespace)  # noqa: S102
+            exec(compile(example.source, block.where, "exec"), namespace)
         return
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     out: list[str] = []
@@ -187,7 +187,7 @@ def run_doc(path: Path, cwd: Path) -> list[str]:
         elif kind == "doctest":
             run_doctest(block, namespace, check_output=not block.marked("no-output-check"))
         else:
-            exec(compile(block.text, block.where, "exec"), namespace)  # noqa: S102
+            exec(compile(block.text, block.where, "exec"), namespace)
         ran.append(f"{block.where} {kind}")
     return ran
 
