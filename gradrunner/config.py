@@ -61,6 +61,8 @@ class Config:
     model: Any = MISSING
     # Instantiable data source yielding (inputs, targets) batches; config group `data`.
     data: Any = MISSING
+    # Extra keyword arguments of every forward call, e.g. {output_attentions: true}.
+    forward_kwargs: dict[str, Any] = field(default_factory=dict)
     # Instantiable callable (output, target) -> scalar tensor; config group `loss`.
     loss: Any = MISSING
     # Instantiable optimizer with `_partial_: true`, called with model.parameters(); group `optimizer`.

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradrunner.data import call
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records.columns import RECORD_FILES, StepRecords, is_temp_of
 
@@ -90,7 +91,7 @@ def forward_loss(
 ) -> torch.Tensor:  # fmt: skip
     """`loss_fn(model(x), y)` (`model(**x)` for a dict of keyword arguments), failures of either explained."""
     try:
-        out = model(**x) if isinstance(x, Mapping) else model(x)
+        out = call(model, x)  # model(x), model(**x) for a dict, with the config's forward_kwargs
     except GradrunnerError:
         raise
     except Exception as e:
