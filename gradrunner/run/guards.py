@@ -36,6 +36,7 @@ import torch
 
 from gradrunner.data import call
 from gradrunner.errors import GradrunnerError, one_paragraph
+from gradrunner.losses import output_hint
 from gradrunner.records.columns import RECORD_FILES, StepRecords, is_temp_of
 
 
@@ -108,8 +109,8 @@ def forward_loss(
         hint = (
             "check data.* target shapes against the model's output (classification losses need int64 labels)"
             if isinstance(out, torch.Tensor) else
-            "give it a loss that takes what the model returns (loss._target_=<your loss>), or make the model "
-            "return a tensor"
+            output_hint(out) or "give it a loss that takes what the model returns (loss._target_=<your loss>), or "
+            "make the model return a tensor"
         )  # fmt: skip
         raise GradrunnerError(
             f"step {step} failed in the loss: {loss_name} cannot take the model's output, {describe(out)}, with "
