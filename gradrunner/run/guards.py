@@ -109,9 +109,11 @@ def forward_loss(
         hint = (
             "check data.* target shapes against the model's output (classification losses need int64 labels)"
             if isinstance(out, torch.Tensor) else
-            output_hint(out) or "give it a loss that takes what the model returns (loss._target_=<your loss>), or "
-            "make the model return a tensor"
+            "give it a loss that takes what the model returns (loss._target_=<your loss>), or make the model "
+            "return a tensor"
         )  # fmt: skip
+        if not isinstance(out, torch.Tensor) and output_hint(out):
+            hint = f"{output_hint(out)}; or {hint}"
         raise GradrunnerError(
             f"step {step} failed in the loss: {loss_name} cannot take the model's output, {describe(out)}, with "
             f"targets {describe(y)}: {type(e).__name__}: {one_paragraph(e)}. To fix it, {hint}."
