@@ -210,6 +210,7 @@ def parse(page: Path) -> PageParts:
     return parts
 
 
+@pytest.mark.slow
 def test_report_of_a_sweep_embeds_every_figure_and_table(sweep_dir: Path) -> None:
     page = write_report(sweep_dir)
     assert page == sweep_dir / REPORT_NAME
@@ -406,6 +407,7 @@ def test_chromium_check_catches_what_it_should(tmp_path: Path) -> None:
     assert {p.split(":")[0] for p in problems} == {"image not decoded", "log error", "console.error", "exception"}
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_page_renders_in_chromium_without_errors(sweep_dir: Path) -> None:
     assert chromium_problems(write_report(sweep_dir)) == []

@@ -74,6 +74,7 @@ def real_sweeps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {kind: root / kind for kind in jobs}
 
 
+@pytest.mark.slow
 def test_a_strategies_sweep_that_agrees_says_so_first_and_draws_the_flow_once(real_sweeps: dict[str, Path]) -> None:
     sweep = real_sweeps["strategies"]
     df = load(sweep)
@@ -90,6 +91,7 @@ def test_a_strategies_sweep_that_agrees_says_so_first_and_draws_the_flow_once(re
     assert "Strategy agreement" not in text and "peak memory (MiB)" in text
 
 
+@pytest.mark.slow
 def test_a_steps_sweep_names_each_job_and_picks_flow_steps_per_job(real_sweeps: dict[str, Path]) -> None:
     sweep = real_sweeps["steps"]
     lines = first_paragraph(write_report(sweep)).split(" | ")
