@@ -123,3 +123,12 @@ def test_a_screenshot_of_the_page_shows_the_answer_on_top(tmp_path: Path) -> Non
     pixels = imread(shot)
     assert pixels.shape[:2] == (900, 1280)
     assert (pixels[:300, :, :3] < 0.5).any()  # text (dark pixels) in the top third: the title and the answer
+
+
+def test_a_24_layer_flow_labels_taps_without_their_common_prefix() -> None:
+    taps = [f"model.layers.{i}.mlp:output" for i in range(24)]
+    df = pd.DataFrame([{"run_id": "r", "experiment": "llama", "strategy": "hook", "step": s, "tap": t, "call": 0,
+                        "norm": 1.0 + i, "has_grad": True} for s in (0, 1) for i, t in enumerate(taps)])  # fmt: skip
+    (ax,) = plot_grad_flow(df, steps=[0, 1]).axes
+    assert [t.get_text() for t in ax.get_xticklabels()] == [f"{i}.mlp:output" for i in range(24)]
+    assert ax.get_xlabel() == "tap, in forward order (after 'model.layers.')"
