@@ -359,18 +359,17 @@ def _answer(
             worst = cmp.iloc[int(np.argmax(cmp["rel_diff"].to_numpy(dtype=np.float64)))]
             lines.append(f"The {n} strategies differ: largest relative difference {worst['rel_diff']:.3g}, "
                          f"in {worst['stat']} of {worst['tap']} at step {int(worst['step'])}.")  # fmt: skip
-    run_cols = [c for c in _run_cols(summary) if c != "strategy" or not isinstance(cmp, pd.DataFrame)]
-    runs = list(summary.groupby(_run_cols(summary), sort=False, dropna=False)) if _run_cols(summary) else [((), summary)]
-    said: set[str] = set()
+    run_cols = _run_cols(summary)
+    runs = list(summary.groupby(run_cols, sort=False, dropna=False)) if run_cols else [((), summary)]
+    said: list[tuple[str, str]] = []
     for key, rows in runs:
-        values = dict(zip(_run_cols(summary), key if isinstance(key, tuple) else (key,), strict=True))
-        text = _run_sentence(rows, grads, steps, values)
-        if text in said:  # identical strategies: one sentence for all
-            continue
-        said.add(text)
-        label = ", ".join(f"{c}={values[c]}" for c in run_cols if c in values)
-        lines.append(f"{label}: {text}" if label and len(runs) > 1 else text)
-    return " ".join(lines[:1]) + "".join(f"<br>{html.escape(t)}" for t in lines[1:]) if lines else ""
+        values = dict(zip(run_cols, key if isinstance(key, tuple) else (key,), strict=True))
+        said.append((", ".join(f"{c}={v}" for c, v in values.items()), _run_sentence(rows, grads, steps, values)))
+    if len({text for _, text in said}) == 1:  # one run, or runs that read the same (agreeing strategies)
+        lines.append(said[0][1])
+    else:
+        lines += [f"{label}: {text}" for label, text in said]
+    return "<br>".join(html.escape(t) for t in lines)
 
 
 def _run_sentence(rows: pd.DataFrame, grads: pd.DataFrame, steps: pd.DataFrame | None, values: dict[str, object]) -> str:
