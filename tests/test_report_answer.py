@@ -132,3 +132,15 @@ def test_a_24_layer_flow_labels_taps_without_their_common_prefix() -> None:
     (ax,) = plot_grad_flow(df, steps=[0, 1]).axes
     assert [t.get_text() for t in ax.get_xticklabels()] == [f"{i}.mlp:output" for i in range(24)]
     assert ax.get_xlabel() == "tap, in forward order (after 'model.layers.')"
+
+
+def test_the_loss_figure_adds_a_grad_norm_panel_when_the_steps_table_has_it() -> None:
+    from gradrunner.analysis.plots import plot_loss
+
+    steps = pd.DataFrame({"run_id": "r", "step": range(4), "loss": [2.0, 1.0, float("nan"), float("nan")]})
+    (ax,) = plot_loss(steps).axes
+    assert ax.get_ylabel() == "loss" and ax.get_yscale() == "log"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["loss", "loss NaN/Inf from step 2"]
+    with_norm = plot_loss(steps.assign(grad_norm=[3.0, 2.0, 1.0, 0.5])).axes
+    assert [a.get_ylabel() for a in with_norm] == ["loss", "grad norm"]
+    assert list(with_norm[1].get_lines()[0].get_ydata()) == [3.0, 2.0, 1.0, 0.5]
