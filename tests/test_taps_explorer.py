@@ -170,6 +170,7 @@ def test_matching_keeps_only_the_paths_the_glob_selects() -> None:
     assert [m.path for m in listed.matching("").modules] == [""]
 
 
+@pytest.mark.slow
 def test_the_taps_cli_filters_with_match_and_refuses_a_match_of_nothing(tmp_path: Path) -> None:
     ok = taps_cli(tmp_path, "+experiment=mlp", "--match", "relu*")
     assert ok.returncode == 0, ok.stderr
