@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from gradrunner import __version__
-from gradrunner.analysis.extras import UPDATE_RATIO_GUIDE, histograms_over_steps, per_example_spread, update_ratios
+from gradrunner.analysis.optional import UPDATE_RATIO_GUIDE, histograms_over_steps, per_example_spread, update_ratios
 from gradrunner.analysis.reading import load
 from gradrunner.analysis.summaries import (
     EXPLODE_ABOVE,
@@ -415,7 +415,7 @@ def _first_run_with(grads: pd.DataFrame, column: str) -> pd.DataFrame | None:
 
 def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
     """The panels of the optional columns, when the records have them: histograms, update ratios, per-example norms."""
-    from gradrunner.analysis import plots_extras
+    from gradrunner.analysis import plots_optional
 
     which = " (the first run's that has them)" if grads["run_id"].nunique() > 1 else ""
     sections = []
@@ -423,7 +423,7 @@ def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
     if first is not None:
         note = (f"Share of |g| per log-spaced bin{which}: steps down, bins across; the first column counts "
                 "exact zeros, the last NaN/Inf; at most 8 taps are drawn. The table: every tap at the last captured step.")  # fmt: skip
-        fig = plots_extras.plot_histograms(first)
+        fig = plots_optional.plot_histograms(first)
         sections.append(_figure(out_dir, "histograms", "Gradient histograms over steps", fig, note)
                         + _table(_histogram_table(first)))  # fmt: skip
     first = _first_run_with(grads, "update_ratio")
@@ -433,7 +433,7 @@ def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
         note = (f"Norm of each optimiser step's change over the parameter's norm{which}; about "
                 f"{UPDATE_RATIO_GUIDE:g} per step is the usual guide (far below: learning too slowly, far above: "
                 "too fast). The table: the last captured step.")  # fmt: skip
-        fig = plots_extras.plot_update_ratios(first)
+        fig = plots_optional.plot_update_ratios(first)
         sections.append(_figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + _table(last))
     first = _first_run_with(grads, "per_example_norm")
     if first is not None:
@@ -444,7 +444,7 @@ def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
         ).reset_index()  # fmt: skip
         note = (f"Per tap, the largest example's gradient norm over the median example's, over the steps{which}: "
                 "1 means every example weighs the same. most_often_top is the batch row most often largest.")
-        fig = plots_extras.plot_per_example_spread(first)
+        fig = plots_optional.plot_per_example_spread(first)
         sections.append(_figure(out_dir, "per_example", "Per-example gradient norms", fig, note) + _table(table))
     return sections
 

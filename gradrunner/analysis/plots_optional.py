@@ -6,7 +6,7 @@ Contents:
     plot_per_example_spread(df)         -- per tap, how much the largest example's norm exceeds the median
 
 Like `plots`, each returns a pyplot-free `matplotlib.figure.Figure` built from one helper's DataFrame
-(`gradrunner.analysis.extras`), so the numbers behind a picture are one call away.
+(`gradrunner.analysis.optional`), so the numbers behind a picture are one call away.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from gradrunner.analysis.extras import (
+from gradrunner.analysis.optional import (
     UPDATE_RATIO_GUIDE,
     hist_bin_labels,
     histograms_over_steps,
