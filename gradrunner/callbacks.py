@@ -171,6 +171,10 @@ class SweepBookkeeping(Callback):
             return
         bad = manifest["counts"]["failed"] + manifest["counts"]["missing"]
         (log.warning if bad else log.info)("%s; manifest: %s", _summary(manifest), path)
+        done = [(j["dir"], j["overrides"]) for j in manifest["jobs"] if j["status"] == "completed"]
+        from gradrunner.run.watch import sweep_word  # the run package imports torch: only once a sweep ends
+
+        sweep_word(sweep_dir, done)  # one line per job: its loss, NaN/Inf, vanishing/exploding taps
         if OmegaConf.select(config, "report", default=False):
             if manifest["counts"]["completed"]:
                 from gradrunner.analysis.report import try_report  # pandas and matplotlib only when asked

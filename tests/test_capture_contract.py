@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import class_forwards, leftover_hooks
+from conftest import class_forwards, close, leftover_hooks
 from finite_diff import (
     LocalPerturb,
     Point,
@@ -267,10 +267,6 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """(exact autograd gradient, central finite differences) at the case's point, on a fresh model."""
     point = case.point(BUILDERS[case.model]())
     return autograd_at(point), central_diff(point, eps=1e-6)
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> None:
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
 
 
 # -- gradients -------------------------------------------------------------------------------------

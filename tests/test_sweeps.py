@@ -79,6 +79,7 @@ def failed_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cwd / "sw"
 
 
+@pytest.mark.slow
 def test_the_manifest_lists_every_job_with_its_status(failed_sweep: Path) -> None:
     m = manifest(failed_sweep)
     assert m["counts"] == {"completed": 2, "failed": 1, "missing": 0}

@@ -318,7 +318,8 @@ class Capture:
                     "Tap a tensor computed from parameters or from an input that requires grad (an input tap on "
                     "the root makes floating-point inputs require grad), or drop the tap."
                 )
-            slot.reason = why[0]  # a glob also matched this one: recorded as having no gradient
+            hint = _element_hint(tap, value).strip().rstrip(".")  # a tuple/dict: which element taps exist
+            slot.reason = f"{why[0]}; {hint[0].lower()}{hint[1:]}" if hint else why[0]  # from a glob: no gradient
             return value
         assert isinstance(value, torch.Tensor)
         if is_input and not value.is_leaf and tap.module == "" and len(self._grad_forward) == 1:
@@ -513,7 +514,13 @@ class ParamSnapshot:
 
 
 def _element_hint(tap: Tap, value: object) -> str:
-    """For a tuple or dict value: the element taps that reach its tensors (`attn:output.0`, `:output.logits`)."""
+    """For a tuple or dict value: the element taps that reach its tensors (`attn:output.0`, `:output.logits`).
+
+    For None where attention weights are tapped: HF attention returns no weights under SDPA/flash.
+    """
+    if value is None and "attn" in tap.tap.lower():
+        return (" Attention weights are None unless the attention computes them: build the model with "
+                "attn_implementation=\"eager\" (in YAML, attn_implementation: eager in the model's config node).")  # fmt: skip
     if isinstance(value, Mapping):
         names = [f"{tap.tap}.{k}" for k, v in value.items() if isinstance(v, torch.Tensor)]
     elif isinstance(value, (tuple, list)):

@@ -178,10 +178,11 @@ def _match_modules(model: nn.Module, pattern: str, spec: object) -> list[tuple[s
         )
     matched = [(p, m) for p, m in modules.items() if p and fnmatch.fnmatchcase(p, pattern)]
     if not matched:
-        some = ", ".join(repr(p) for p in list(modules)[1:9])
+        close = difflib.get_close_matches(pattern, [p for p in modules if p], n=5, cutoff=0.4)
+        some = ", ".join(repr(p) for p in (close or list(modules)[1:9]))
         raise GradrunnerError(
             f"tap {spec!r}: the glob {pattern!r} matches no module of {type(model).__name__} "
-            f"(the root '' is never matched by a glob). Some paths: {some}."
+            f"(the root '' is never matched by a glob). {'Closest paths' if close else 'Some paths'}: {some}."
         )
     return matched
 

@@ -50,17 +50,6 @@ def is_temp_of(filename: str, name: str) -> bool:
     return (filename.startswith(f".{name}.") and filename.endswith(TEMP_SUFFIX)) or filename == f".{name}{TEMP_SUFFIX}"
 
 
-def temp_run_id(filename: str, name: str) -> str | None:
-    """The run id a temp file of `name` carries, or None if `filename` is not one.
-
-    Example::
-
-        temp_run_id(".grads.parquet.3f2a.tmp", "grads.parquet")   # '3f2a'
-    """
-    if not is_temp_of(filename, name) or filename == f".{name}{TEMP_SUFFIX}":
-        return None
-    return filename[len(name) + 2 : -len(TEMP_SUFFIX)] or None
-
 #: Columns repeated on every row of a job (taken from the writer's `constants`), then `rank`.
 CONSTANT_COLUMNS = ("run_id", "experiment", "strategy", "device", "dtype")
 #: Columns of `StepRecords` that hold one float64 statistic per record.

@@ -34,7 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradrunner.data import call
 from gradrunner.errors import GradrunnerError, one_paragraph
+from gradrunner.losses import output_hint
 from gradrunner.records.columns import RECORD_FILES, StepRecords, is_temp_of
 
 
@@ -90,7 +92,7 @@ def forward_loss(
 ) -> torch.Tensor:  # fmt: skip
     """`loss_fn(model(x), y)` (`model(**x)` for a dict of keyword arguments), failures of either explained."""
     try:
-        out = model(**x) if isinstance(x, Mapping) else model(x)
+        out = call(model, x)  # model(x), model(**x) for a dict, with the config's forward_kwargs
     except GradrunnerError:
         raise
     except Exception as e:
@@ -110,6 +112,8 @@ def forward_loss(
             "give it a loss that takes what the model returns (loss._target_=<your loss>), or make the model "
             "return a tensor"
         )  # fmt: skip
+        if not isinstance(out, torch.Tensor) and output_hint(out):
+            hint = f"{output_hint(out)}; or {hint}"
         raise GradrunnerError(
             f"step {step} failed in the loss: {loss_name} cannot take the model's output, {describe(out)}, with "
             f"targets {describe(y)}: {type(e).__name__}: {one_paragraph(e)}. To fix it, {hint}."

@@ -213,6 +213,7 @@ def train(
     meta = run_metadata(OmegaConf.to_yaml(cfg, resolve=True), seed=int(cfg.seed))
     taps = OmegaConf.to_container(cfg.taps, resolve=True)
     assert isinstance(taps, list), taps  # validate() checked it
+    watch.warn_nothing_captured(taps, int(cfg.steps))
     try:
         _train_in(cfg, job, directory, constants, meta, taps, dist)
     except KeyboardInterrupt:
@@ -221,8 +222,8 @@ def train(
         log.warning("interrupted; %s", f"the records of {steps_kept} completed step(s) are kept in {directory} "
                     f"({', '.join(kept)})" if kept else f"no records were kept in {directory}")  # fmt: skip
         raise
-    log.info("records: %s, %s in %s  (read the dir with gradrunner.analysis.load, a file with pandas.read_parquet)",
-             GRADS_FILE, STEPS_FILE, directory)  # fmt: skip
+    if dist is None or dist.is_main:
+        watch.last_word(directory)  # loss, NaN/Inf, vanishing/exploding taps, where the records are
     return directory / GRADS_FILE
 
 
