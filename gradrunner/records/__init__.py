@@ -4,11 +4,12 @@ Imports no torch and nothing of the capture layer, so a notebook reading records
 
 | module | what it holds |
 | --- | --- |
-| `writer` | `grads.parquet` / `steps.parquet`: schema and streamed writers |
+| `schema` | the Parquet schemas of `grads.parquet` and `steps.parquet`, and their column encodings |
+| `writer` | `grads.parquet` / `steps.parquet`: streamed writers |
 | `rundir` | a job's books: `done.json`, `failed.json`, resume decisions, which folders are jobs |
 
 Example::
 
-    from gradrunner.records.writer import GRADS_SCHEMA
+    from gradrunner.records.schema import GRADS_SCHEMA
     GRADS_SCHEMA.names
 """
