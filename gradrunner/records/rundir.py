@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from omegaconf import DictConfig, OmegaConf
@@ -149,6 +151,27 @@ def config_dict(cfg: DictConfig) -> dict[str, Any]:
     return {str(k): v for k, v in data.items() if k != "hydra"}
 
 
+def footer_digest(path: Path) -> str:
+    """`<size>:<sha256 of the footer>` of a Parquet file: what `done.json` pins for each record file.
+
+    Example::
+
+        footer_digest(job_dir / "grads.parquet")     # '20731:9f86d081...'
+
+    The footer (schema, key-value metadata, row groups, page offsets, statistics) carries no checksum
+    of its own, and page checksums cover page data only: this digest is what catches a change there,
+    reading only the file's last bytes.
+    """
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size < 12:
+            return f"{size}:"
+        f.seek(size - 8)
+        length = int.from_bytes(f.read(4), "little")
+        f.seek(max(0, size - 8 - length))
+        return f"{size}:{hashlib.sha256(f.read()).hexdigest()}"
+
+
 def mark_complete(
     directory: Path, cfg: DictConfig, *, files: list[str], run_id: str, world_size: int, overrides: list[str]
 ) -> Path:
@@ -158,7 +181,8 @@ def mark_complete(
 
         mark_complete(job_dir, cfg, files=["grads.parquet", "steps.parquet"], run_id=rid, world_size=1, overrides=[])
 
-    It records each file's row count (from its footer), which `verify_job` checks on a resume.
+    It records each file's row count and `footer_digest`, which `verify_job` (a resume) and
+    `analysis.load` check.
     """
     return write_json(
         directory / DONE,
@@ -168,6 +192,7 @@ def mark_complete(
             "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "files": files,
             "rows": {f: pq.read_metadata(directory / f).num_rows for f in files},
+            "footers": {f: footer_digest(directory / f) for f in files},
             "world_size": world_size,
             "overrides": overrides,
             "config": config_dict(cfg),
@@ -305,8 +330,8 @@ def verify_job(directory: Path, marker: dict[str, Any]) -> str | None:
         verify_job(job_dir, json.loads((job_dir / "done.json").read_text()))  # 'grads.parquet is missing'
 
     Each record file `marker` names must open, its footer and every page (CRC checksums) must read,
-    its `run_id` column must hold only the marker's run id, and its row count must match the
-    marker's (markers written before row counts were recorded skip that check).
+    its `run_id` column must hold only the marker's run id, and its row count and `footer_digest` must
+    match the marker's (markers written before they were recorded skip those checks).
     """
     recorded = marker.get("rows")
     rows: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
@@ -326,13 +351,71 @@ def verify_job(directory: Path, marker: dict[str, Any]) -> str | None:
                 if "run_id" in group.column_names:
                     ids.update(str(v) for v in pc.unique(group.column("run_id")).to_pylist())
             n = f.metadata.num_rows
-        except Exception as e:  # ArrowInvalid, OSError: a damaged footer or page
+        except Exception as e:  # ArrowInvalid, OSError, UnicodeDecodeError: a damaged footer or page
             return f"{name} cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"
         if run_id is not None and ids - {run_id}:
             return f"{name} holds rows of run(s) {', '.join(sorted(ids - {run_id}))}, not of run {run_id} ({DONE})"
         if str(name) in rows and rows[str(name)] != n:
             return f"{name} has {n} rows where {DONE} recorded {rows[name]}"
+        footers = marker.get("footers")
+        if isinstance(footers, dict) and str(name) in footers and footers[str(name)] != footer_digest(path):
+            return f"{name} is not the file {DONE} recorded (its size or footer changed since the job completed)"
     return None
+
+
+class Damaged(Exception):
+    """A record file that does not verify; `str(e)` says why, starting with the file's name."""
+
+
+def read_verified(path: Path, marker: dict[str, Any] | None, columns: list[str] | None = None) -> pa.Table:
+    """`columns` of the record file `path` (all when None), every page read checked; `Damaged` if it does not verify.
+
+    Example::
+
+        read_verified(job_dir / "grads.parquet", job_state(job_dir).marker, ["step", "norm"])
+
+    Every page read has its CRC checked (`page_checksum_verification`; pages of columns not read are
+    not). With the job's `done.json` (`marker`), the file must also hold only the marker's run id (a
+    file of another run is refused), its row count and its footer (`footer_digest`: schema, metadata,
+    page offsets) must be those recorded when the job completed.
+    """
+    name = path.name
+    run_id = marker.get("run_id") if marker is not None else None
+    footers = marker.get("footers") if marker is not None else None
+    if isinstance(footers, dict) and name in footers and footers[name] != footer_digest(path):
+        # Checked first: a damaged footer is never parsed (a flipped length could ask for any allocation).
+        other = _foreign_run(path, run_id)
+        raise Damaged(f"{name} holds rows of run(s) {other}, not of run {run_id} ({DONE}): a file of another run"
+                      if other else f"{name} is not the file {DONE} recorded (its size or footer changed since "
+                      "the job completed)")  # fmt: skip
+    extra = ["run_id"] if run_id is not None and columns is not None and "run_id" not in columns else []
+    try:
+        table = pq.ParquetFile(path, page_checksum_verification=True).read(
+            columns=None if columns is None else [*columns, *extra]
+        )
+    except Exception as e:  # ArrowInvalid, OSError, UnicodeDecodeError (a flipped name), ...: a damaged file
+        raise Damaged(f"{name} cannot be read ({type(e).__name__}: {' '.join(str(e).split())})") from e
+    if marker is None:
+        return table
+    if run_id is not None and "run_id" in table.column_names:
+        ids = {str(v) for v in pc.unique(table.column("run_id")).to_pylist()}
+        if ids - {run_id}:
+            raise Damaged(f"{name} holds rows of run(s) {', '.join(sorted(ids - {run_id}))}, not of run {run_id} "
+                          f"({DONE}): a file of another run")  # fmt: skip
+    rows = marker.get("rows")
+    if isinstance(rows, dict) and name in rows and rows[name] != table.num_rows:
+        raise Damaged(f"{name} has {table.num_rows} rows where {DONE} recorded {rows[name]}")
+    return table.drop_columns(extra)
+
+
+def _foreign_run(path: Path, run_id: Any) -> str | None:
+    """The other run ids a (verifying) file holds, for the message; None if it does not read or holds `run_id`."""
+    try:
+        column = pq.ParquetFile(path, page_checksum_verification=True).read(columns=["run_id"]).column("run_id")
+        ids = {str(v) for v in pc.unique(column).to_pylist()} - {run_id}
+    except Exception:
+        return None
+    return ", ".join(sorted(ids)) or None
 
 
 class Refused(GradrunnerError):
