@@ -55,9 +55,13 @@ def expected_jobs(config: DictConfig) -> list[list[str]] | None:
 
 
 def _job_dirs(sweep_dir: Path) -> dict[Path, list[str]]:
-    """Job dirs below `sweep_dir` (`rundir.job_dirs_below`, the one rule) and their overrides."""
+    """Job dirs below `sweep_dir` (`rundir.job_dirs_below`, the one rule) and their overrides (`done.json`'s, else `.hydra/`'s)."""
     found: dict[Path, list[str]] = {}
     for job in job_dirs_below(sweep_dir):
+        marker = job_state(job).marker  # a completed job's own overrides; .hydra/ is Hydra's to rewrite
+        if marker is not None and isinstance(marker.get("overrides"), list):
+            found[job] = [str(o) for o in marker["overrides"]]
+            continue
         f = job / ".hydra" / "overrides.yaml"
         try:
             found[job] = [str(o) for o in (yaml.safe_load(f.read_text()) or [])]

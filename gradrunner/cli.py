@@ -51,9 +51,6 @@ EXIT_TERMINATED = 143
 
 log = logging.getLogger(__name__)
 
-#: The run dir's `.hydra/*.yaml` as they were before Hydra rewrote them for this run (single runs only).
-_HYDRA_FILES_BEFORE: dict[Path, bytes] = {}
-
 
 class JobFailed(CompactHydraException):
     """A sweep job's user mistake, reported by Hydra at the end of the sweep without a traceback."""
@@ -78,10 +75,7 @@ def _fail(error: Exception) -> NoReturn:
 
 def _keep_books(directory: Path, error: Exception, message: str) -> None:
     """A failed single run: its error in `gradrunner.log` and `failed.json`; a refused one: its dir as it was."""
-    if isinstance(error, Refused):
-        for path, data in _HYDRA_FILES_BEFORE.items():  # Hydra rewrote .hydra/ before the job could refuse
-            with contextlib.suppress(OSError):
-                path.write_bytes(data)
+    if isinstance(error, Refused):  # the run layer put back .hydra/ (`RunLock.leave_no_trace`)
         return
     _to_log_files(message)
     if directory.is_dir():
@@ -119,11 +113,6 @@ class OutputDirCheck(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config.hydra.run.dir, "hydra.run.dir=<dir>")
-        hydra_dir = Path(config.hydra.run.dir).absolute() / str(config.hydra.output_subdir or ".hydra")
-        _HYDRA_FILES_BEFORE.clear()
-        for f in hydra_dir.glob("*.yaml") if hydra_dir.is_dir() else []:
-            with contextlib.suppress(OSError):
-                _HYDRA_FILES_BEFORE[f] = f.read_bytes()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config.hydra.sweep.dir, "hydra.sweep.dir=<dir>")

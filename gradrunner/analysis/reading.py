@@ -15,6 +15,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import warnings
@@ -28,6 +30,7 @@ import yaml
 
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
+from gradrunner.records.columns import OVERRIDES_KEY
 
 #: Tables a job writes, each as `<job dir>/<table>.parquet`.
 TABLES = ("grads", "steps")
@@ -74,7 +77,8 @@ def load(
     (every captured element: often most of the bytes), which `values=True` or naming it in
     `columns` adds. Schemas are unified: a column only some files have is kept, null elsewhere.
     When the files live in subdirectories (a sweep), a `job` column holds each job dir relative
-    to `path`, and every override (from `<job>/.hydra/overrides.yaml`) whose value differs
+    to `path`, and every override of the job (from its records: the files' metadata, else `done.json`,
+    else `<job>/.hydra/overrides.yaml` for records written before overrides travelled with them) whose value differs
     between jobs becomes a column named after its key, or `override.<key>` when the key is one of
     `RESERVED_COLUMNS` (`steps=5,10` gives `override.steps`, never clashing with a record or a
     helper's column), as int or float when every value parses so, else as string. Hidden files and
@@ -222,13 +226,36 @@ def _natural_key(rel: Path) -> list[tuple[int, int | str]]:
     return [(0, int(t)) if t.isdigit() else (1, t) for part in rel.parts for t in re.split(r"(\d+)", part) if t]
 
 
-def _read_overrides(job_dir: Path) -> dict[str, str | None]:
-    """`key -> value` of a job's Hydra overrides (`+key=v`, `++key=v` -> `key`; `~key` -> None)."""
+def _job_overrides(job_dir: Path, table: pa.Table) -> list[str]:
+    """A job's own overrides, from its records: the file's metadata, else its `done.json`, else `.hydra/`.
+
+    `.hydra/overrides.yaml` is read last: Hydra rewrites it for any later run into the dir, while the
+    records (and `done.json`, which pins them) keep what this job was run with.
+    """
+    meta = table.schema.metadata or {}
+    raw = meta.get(OVERRIDES_KEY.encode())
+    if raw is not None:
+        with contextlib.suppress(ValueError):
+            found = json.loads(raw)
+            if isinstance(found, list):
+                return [str(o) for o in found]
+    marker = rundir.read_json(job_dir / rundir.DONE)
+    if marker is not None and isinstance(marker.get("overrides"), list):
+        return [str(o) for o in marker["overrides"]]
     f = job_dir / ".hydra" / "overrides.yaml"
     if not f.is_file():
-        return {}
+        return []
+    try:
+        items = yaml.safe_load(f.read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    return [str(o) for o in items] if isinstance(items, list) else []
+
+
+def _parse_overrides(items: list[str]) -> dict[str, str | None]:
+    """`key -> value` of a job's Hydra overrides (`+key=v`, `++key=v` -> `key`; `~key` -> None)."""
     out: dict[str, str | None] = {}
-    for item in yaml.safe_load(f.read_text()) or []:
+    for item in items:
         key, sep, value = str(item).partition("=")
         out[key.lstrip("+~")] = value if sep and not key.startswith("~") else None
     return out
@@ -247,9 +274,8 @@ def _typed_array(values: list[str | None]) -> pa.Array:
     return pa.array(values, pa.string())
 
 
-def _swept_columns(job_dirs: list[Path]) -> dict[str, pa.Array]:
+def _swept_columns(overrides: list[dict[str, str | None]]) -> dict[str, pa.Array]:
     """One value per job for each override key whose value differs between jobs."""
-    overrides = [_read_overrides(d) for d in job_dirs]
     keys = sorted({k for o in overrides for k in o})
     columns: dict[str, pa.Array] = {}
     for key in keys:
@@ -262,7 +288,8 @@ def _swept_columns(job_dirs: list[Path]) -> dict[str, pa.Array]:
 def _with_job_columns(root: Path, job_dirs: list[Path], tables: list[pa.Table]) -> list[pa.Table]:
     """Append `job` and the swept override columns, constant within each job's table."""
     unique_dirs = sorted(set(job_dirs), key=lambda d: _natural_key(d.relative_to(root)))
-    swept = _swept_columns(unique_dirs)
+    first_table = {d: t for d, t in reversed(list(zip(job_dirs, tables, strict=True)))}
+    swept = _swept_columns([_parse_overrides(_job_overrides(d, first_table[d])) for d in unique_dirs])
     index = {d: i for i, d in enumerate(unique_dirs)}
     out = []
     for job_dir, t in zip(job_dirs, tables, strict=True):

@@ -247,16 +247,6 @@ def _added_as_before(key: str, old: dict[str, Any], new: dict[str, Any]) -> bool
     return len(values) == 1 and values[0] == ADDED_KEYS[key]
 
 
-def _restore_hydra_files(directory: Path, marker: dict[str, Any]) -> None:
-    """Hydra rewrote `.hydra/` for the refused job: put back the completed job's overrides and config."""
-    hydra_dir = directory / ".hydra"
-    if not hydra_dir.is_dir():
-        return
-    OmegaConf.save(OmegaConf.create(marker.get("overrides", [])), hydra_dir / "overrides.yaml")
-    if isinstance(marker.get("config"), dict):
-        OmegaConf.save(OmegaConf.create(marker["config"]), hydra_dir / "config.yaml")
-
-
 def _clean(directory: Path) -> list[str]:
     """Remove a job's records, markers, temp files and report; return the names removed.
 
@@ -302,7 +292,6 @@ def prepare(directory: str | os.PathLike[str], cfg: DictConfig, *, resume: bool)
     if marker is not None:
         diff = config_diff(marker.get("config") or {}, config_dict(cfg))
         if diff:
-            _restore_hydra_files(d, marker)
             raise Refused(
                 f"{d} holds a completed run of a different config ({'; '.join(diff)}); its records are kept and "
                 "this job did not run. Use a new dir for the new config (hydra.sweep.dir=... or hydra.run.dir=...), "
@@ -418,6 +407,50 @@ def _foreign_run(path: Path, run_id: Any) -> str | None:
     return ", ".join(sorted(ids)) or None
 
 
+#: Hydra's files in a job dir (`hydra.output_subdir`'s default), rewritten by Hydra before a job starts.
+HYDRA_DIR = ".hydra"
+
+
+def hydra_snapshot(directory: Path) -> dict[str, str]:
+    """The text of `<directory>/.hydra/*.yaml`, by file name: what `restore_hydra` puts back."""
+    found: dict[str, str] = {}
+    hydra_dir = directory / HYDRA_DIR
+    for f in sorted(hydra_dir.glob("*.yaml")) if hydra_dir.is_dir() else []:
+        try:
+            found[f.name] = f.read_text(encoding="utf-8")
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def restore_hydra(directory: Path, snapshot: dict[str, Any]) -> None:
+    """THE one way `.hydra/` is put back: each file of `snapshot` whose text differs is rewritten atomically.
+
+    Example::
+
+        restore_hydra(job_dir, owner["hydra"])    # Hydra rewrote .hydra/ for a job that then did not run
+
+    Hydra writes a job's `.hydra/` before the job can look at its dir; a job that then does not run
+    (another live run holds the dir, or it holds a completed run) puts back what the dir's owner had.
+    Failures are ignored: the files only serve humans, `load()` labels from the records.
+    """
+    for name, text in snapshot.items():
+        path = directory / HYDRA_DIR / str(name)
+        if not isinstance(text, str) or "/" in str(name):
+            continue
+        try:
+            if path.read_text(encoding="utf-8") == text:
+                continue
+        except (OSError, ValueError):
+            pass
+        temp = path.with_name(temp_name(path.name, f"{os.getpid()}-{uuid.uuid4().hex[:8]}"))
+        try:
+            temp.write_text(text, encoding="utf-8")
+            os.replace(temp, path)
+        except OSError:
+            temp.unlink(missing_ok=True)
+
+
 class Refused(GradrunnerError):
     """A run refused because of what its run dir holds; the dir is left as it was."""
 
@@ -448,6 +481,8 @@ class RunLock:
         self.run_id = run_id
         self._fd: int | None = None
         self._created = False
+        #: The lock file's record of the run that held the dir before this one ({} if none).
+        self.previous: dict[str, Any] = {}
 
     def __enter__(self) -> RunLock:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -463,6 +498,7 @@ class RunLock:
             except BlockingIOError:
                 owner = self._read_owner(fd)
                 os.close(fd)
+                restore_hydra(self.directory, owner.get("hydra") or {})  # Hydra rewrote the live run's .hydra/
                 raise LiveRun(self._refusal(owner)) from None
             except OSError as e:
                 if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
@@ -478,19 +514,32 @@ class RunLock:
                 break
             os.close(fd)
         self._fd = fd
+        self.previous = self._read_owner(fd)
+        # The owner's `.hydra/` goes into the lock file too: a later run refused here puts it back.
         owner = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id,
-                 "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
+                 "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "hydra": hydra_snapshot(self.directory)}  # fmt: skip
+        self._write_owner(fd, owner)
+        return self
+
+    def leave_no_trace(self) -> None:
+        """The run did not run here: put back the previous owner's `.hydra/` and lock record (or remove the lock
+        file if this run created it), so that a refused or skipped run leaves the dir as it found it."""
+        if self._fd is None:
+            return
+        if self._created:
+            self.path.unlink(missing_ok=True)  # still locked: a run that opened it meanwhile retries (inode check)
+            return
+        restore_hydra(self.directory, self.previous.get("hydra") or {})
+        self._write_owner(self._fd, self.previous)
+
+    @staticmethod
+    def _write_owner(fd: int, owner: dict[str, Any]) -> None:
         try:
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(owner).encode(), 0)
         except OSError:
-            pass  # the owner's name only serves messages; a full disk must not stop the lock
-        return self
-
-    def leave_no_trace(self) -> None:
-        """Remove the lock file if this run created it (a refused run leaves its dir as it found it)."""
-        if self._fd is not None and self._created:
-            self.path.unlink(missing_ok=True)  # still locked: a run that opened it meanwhile retries (inode check)
+            pass  # the owner's record only serves messages; a full disk must not stop the lock
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
@@ -500,7 +549,7 @@ class RunLock:
     @staticmethod
     def _read_owner(fd: int) -> dict[str, Any]:
         try:
-            data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            data = json.loads(os.pread(fd, max(os.fstat(fd).st_size, 1), 0) or b"{}")
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}

@@ -45,6 +45,7 @@ from gradrunner.records.columns import (
     HIST_COLUMN,
     HIST_EDGES,
     HIST_EDGES_KEY,
+    OVERRIDES_KEY,
     PER_EXAMPLE_COLUMN,
     STAT_COLUMNS,
     StepRecords,
@@ -61,7 +62,11 @@ _W = TypeVar("_W", bound="ParquetTableWriter")
 
 
 def run_metadata(
-    config_yaml: str, seed: int, start_time: str | None = None, cwd: str | os.PathLike[str] | None = None
+    config_yaml: str,
+    seed: int,
+    start_time: str | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] | None = None,
 ) -> dict[str, str]:
     """Key-value metadata for a job's Parquet files: what ran, with which versions, from which commit.
 
@@ -72,7 +77,9 @@ def run_metadata(
         pq.read_schema(job_dir / "grads.parquet").metadata[b"gradrunner.config"]
 
     `git.commit` is the HEAD of the repository holding `cwd` (default: the current directory), or
-    "" outside a repository; `gradrunner.start_time` defaults to now, ISO 8601 in UTC.
+    "" outside a repository; `gradrunner.start_time` defaults to now, ISO 8601 in UTC. `overrides` (the
+    job's own command-line overrides, `gradrunner.overrides`, a JSON list) are what `analysis.load`
+    labels a sweep's jobs by: they travel with the records, whatever later happens to `.hydra/`.
     """
     if start_time is None:
         start_time = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -84,6 +91,7 @@ def run_metadata(
         "git.commit": _git_commit(cwd),
         "gradrunner.seed": str(seed),
         "gradrunner.start_time": start_time,
+        **({OVERRIDES_KEY: json.dumps([str(o) for o in overrides])} if overrides is not None else {}),
     }
 
 

@@ -24,8 +24,10 @@ from omegaconf import DictConfig
 from gradrunner.config import validate
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
+from gradrunner.records.columns import GRADS_FILE
 from gradrunner.run import distributed
 from gradrunner.run.distributed import Distributed
+from gradrunner.run.hydra_adapter import task_overrides
 from gradrunner.run.loop import output_dir, train
 
 log = logging.getLogger(__name__)
@@ -89,17 +91,17 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
                 if not multirun:
                     raise
                 log.warning("skipped: %s", one_paragraph(e))  # the sweep goes on; the live run completes the job
-                return directory / "grads.parquet"
+                return directory / GRADS_FILE
             except rundir.Refused:
                 lock.leave_no_trace()
                 raise
             if decision == "skip":
-                return directory / "grads.parquet"
+                lock.leave_no_trace()  # Hydra rewrote .hydra/ of the completed job: put it back
+                return directory / GRADS_FILE
             path = train(cfg, out_dir=directory, run_id=run_id, dist=dist)
             main = dist is None or dist.is_main
             if main:
-                overrides = [str(o) for o in hydra.overrides.task] if hydra is not None else []
-                _mark_complete(directory, cfg, run_id, dist.world_size if dist is not None else 1, overrides)
+                _mark_complete(directory, cfg, run_id, dist.world_size if dist is not None else 1, task_overrides())
     if cfg.report and main and not multirun:
         from gradrunner.analysis.report import try_report
 
