@@ -37,10 +37,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
-from gradrunner.overrides import misspelled_key, sweep_jobs
+from gradrunner.overrides import group_mistake, misspelled_key, sweep_jobs
 from gradrunner.records.columns import RECORD_FILES
 from gradrunner.records.rundir import FAILED, Refused, mark_failed
 from gradrunner.run.guards import Terminated, check_writable
+from gradrunner.run.hydra_adapter import mark_task_started, mistakes_as_one_paragraph
 from gradrunner.run.job import run
 
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
@@ -203,6 +204,12 @@ def _tap_problem(cfg: DictConfig) -> str | None:
     return None
 
 
+def _refuse(message: str) -> NoReturn:
+    """A mistake found before any job ran (the command line, or the run dir Hydra could not write)."""
+    print(f"gradrunner: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
+
+
 def main() -> None:
     """The entry point: a misspelled key on the command line is refused in one paragraph, then the app runs.
 
@@ -210,12 +217,13 @@ def main() -> None:
 
         gradrunner +experiment=mlp steps=10
     """
-    message = misspelled_key(sys.argv[1:])
+    message = misspelled_key(sys.argv[1:]) or group_mistake(sys.argv[1:])
     if message is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
         print(f"gradrunner: error: {message}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
     try:
-        app()
+        with mistakes_as_one_paragraph(_refuse):
+            app()
     except BrokenPipeError:  # `gradrunner --help | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
@@ -228,6 +236,7 @@ def app(cfg: DictConfig) -> None:
 
         python -m gradrunner +experiment=sigmoid2 steps=1 capture.values=full
     """
+    mark_task_started()
     try:
         run(cfg)
     except (GradrunnerError, OmegaConfBaseException) as e:

@@ -5,6 +5,7 @@ Contents:
     job_error(job_return)        -- the exception a failed job raised, without re-raising it
     expand_sweep(overrides)      -- the basic sweeper's job list for parsed overrides
     config_loader()              -- the running app's config loader (to compose a sweep's jobs up front)
+    mistakes_as_one_paragraph()  -- errors Hydra meets before the job (composing, saving .hydra/) as one paragraph
 
 Hydra 1.3 offers no public way to read a failed job's exception (`JobReturn.return_value` re-raises
 it), to expand a sweep the way its basic sweeper does, or to reach the config loader from a callback:
@@ -17,7 +18,10 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.types import Override
@@ -59,3 +63,75 @@ def config_loader() -> Any:
     from hydra.core.global_hydra import GlobalHydra
 
     return GlobalHydra.instance().config_loader()
+
+
+#: Whether the task function has started (`mark_task_started`): errors before it are the command line's.
+_TASK_STARTED = False
+
+
+def mark_task_started() -> None:
+    """Called first thing in the task function: from here on, Hydra reports errors its own way."""
+    global _TASK_STARTED
+    _TASK_STARTED = True
+
+
+@contextlib.contextmanager
+def mistakes_as_one_paragraph(report: Callable[[str], NoReturn]) -> Iterator[None]:
+    """While open, an error Hydra meets before the task function runs goes to `report` as one paragraph.
+
+    Example::
+
+        with mistakes_as_one_paragraph(lambda m: fail(m)):     # fail prints and exits 2
+            app()
+
+    Hydra turns a composition error (`steps=many`, an unknown option) into a dozen lines and status 1,
+    and an `OSError` while it saves `.hydra/` (a full disk) into a traceback. Its reporting function
+    (`hydra._internal.utils.run_and_report`, the private part) is wrapped: a `HydraException`, an
+    OmegaConf error or an `OSError` raised before the task starts is handed to `report`; everything
+    else, and everything with `HYDRA_FULL_ERROR=1`, is reported by Hydra as before.
+    """
+    import hydra._internal.utils as hydra_utils
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    global _TASK_STARTED
+    _TASK_STARTED = False
+    original = hydra_utils.run_and_report
+
+    def run_and_report(func: Callable[[], Any]) -> Any:
+        try:
+            return func()
+        except Exception as e:
+            mistake = isinstance(e, (HydraException, OmegaConfBaseException, OSError))
+            if _TASK_STARTED or not mistake or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                return original(_raise(e))
+            report(_describe(e))
+
+    hydra_utils.run_and_report = run_and_report
+    try:
+        yield
+    finally:
+        hydra_utils.run_and_report = original
+
+
+def _raise(error: Exception) -> Callable[[], Any]:
+    def again() -> Any:
+        raise error
+
+    return again
+
+
+def _describe(error: Exception) -> str:
+    """One paragraph for an error Hydra met before the job: its message, its cause's, and the way out."""
+    if isinstance(error, OSError):
+        where = f" {error.filename}" if error.filename else ""
+        return (f"cannot write the run dir{where}: {error.strerror or error}; Hydra could not save the job's "
+                ".hydra/ files there, and nothing ran. Free some disk space, make the dir writable, or run into "
+                "another dir (hydra.run.dir=... or hydra.sweep.dir=...).")  # fmt: skip
+    parts = [" ".join(str(error).split())]
+    cause = error.__cause__
+    if cause is not None and " ".join(str(cause).split()) not in parts[0]:
+        parts.append(" ".join(str(cause).split()))
+    text = "; ".join(p.rstrip(".") for p in parts if p)
+    text = text.replace(" Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace", "")
+    return f"{text}. Fix the override on the command line (python -m gradrunner --help lists the groups and options)."
