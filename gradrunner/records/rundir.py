@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
 import uuid
 from dataclasses import dataclass, field
@@ -86,9 +87,32 @@ def read_json(path: Path) -> dict[str, Any] | None:
     """The JSON object in `path`, or None when it is missing, unreadable or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: thousands of nested brackets
         return None
     return data if isinstance(data, dict) else None
+
+
+def read_marker(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """The job's `done.json` if gradrunner wrote it, else None; and why a `done.json` that is there is not one.
+
+    Example::
+
+        marker, damage = read_marker(job_dir)     # (None, "done.json is not a completion marker ...") for '{}'
+
+    A marker gradrunner wrote is an object with `status: completed`, a string `run_id` and a non-empty
+    list of file names. Anything else (`{}`, garbage, a directory) is damage: the job did not complete.
+    """
+    path = directory / DONE
+    if not os.path.lexists(path):
+        return None, None
+    data = read_json(path)
+    ok = (isinstance(data, dict) and data.get("status") == "completed" and isinstance(data.get("run_id"), str)
+          and isinstance(data.get("files"), list) and bool(data["files"])
+          and all(isinstance(f, str) for f in data["files"]))  # fmt: skip
+    if ok:
+        return data, None
+    what = "a directory" if path.is_dir() else "not a JSON object" if data is None else "an object without its fields"
+    return None, f"{DONE} is not a completion marker gradrunner wrote ({what}): treated as damage"
 
 
 def write_json(path: Path, data: dict[str, Any]) -> Path:
@@ -133,7 +157,7 @@ def job_state(directory: str | os.PathLike[str]) -> JobState:
     failed = read_json(d / FAILED) if (d / FAILED).exists() else None
     if failed is not None or (d / FAILED).exists():
         return JobState(d, "failed", files, error=str((failed or {}).get("error", "unknown error")))
-    marker = read_json(d / DONE)
+    marker, _ = read_marker(d)
     if marker is not None:
         return JobState(d, "completed", [str(f) for f in marker.get("files", files)], marker=marker)
     return JobState(d, "missing", files)
@@ -257,7 +281,10 @@ def _clean(directory: Path) -> list[str]:
     removed = []
     for name in names:
         path = directory / name
-        if path.exists():
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)  # a done.json that is a directory: damage, removed like a file
+            removed.append(name)
+        elif os.path.lexists(path):
             path.unlink()
             removed.append(name)
     return removed
@@ -277,8 +304,11 @@ def prepare(directory: str | os.PathLike[str], cfg: DictConfig, *, resume: bool)
     """
     d = Path(directory)
     present = _present(d)
-    marker = read_json(d / DONE)
-    if not present and marker is None:
+    marker, damage = read_marker(d)
+    if damage is not None and resume:
+        log.warning("%s: %s; the job runs again (removed: %s)", d, damage, ", ".join(_clean(d)))
+        return "run"
+    if not present and marker is None and damage is None:
         _clean(d)  # a stale failure record of a job that failed before writing anything
         return "run"
     if not resume:
