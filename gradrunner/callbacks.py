@@ -100,12 +100,16 @@ def build_manifest(sweep_dir: Path, expected: list[list[str]] | None) -> dict[st
         build_manifest(Path("multirun/2024-05-01/12-00-00-123456"), None)["counts"]   # {'completed': 6, ...}
     """
     found = _job_dirs(sweep_dir)
-    by_overrides = {tuple(sorted(o)): d for d, o in found.items()}
+    by_overrides: dict[tuple[str, ...], list[Path]] = {}
+    for d, o in found.items():  # several dirs may carry the same overrides (runs outside a sweep): keep each
+        by_overrides.setdefault(tuple(sorted(o)), []).append(d)
     jobs: list[dict[str, Any]] = []
     for num, overrides in enumerate(expected or []):
-        job_dir = by_overrides.pop(tuple(sorted(overrides)), None)
+        same = by_overrides.get(tuple(sorted(overrides))) or []
+        job_dir = same.pop(0) if same else None
         jobs.append(_entry(sweep_dir, job_dir, overrides, num))
-    for job_dir in sorted(by_overrides.values(), key=lambda d: (_job_num(d) is None, _job_num(d) or 0, str(d))):
+    rest = [d for dirs in by_overrides.values() for d in dirs]
+    for job_dir in sorted(rest, key=lambda d: (_job_num(d) is None, _job_num(d) or 0, str(d))):
         jobs.append(_entry(sweep_dir, job_dir, found[job_dir], None))
     counts = {s: sum(j["status"] == s for j in jobs) for s in ("completed", "failed", "missing")}
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
