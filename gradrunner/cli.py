@@ -20,10 +20,8 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -40,11 +38,13 @@ from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.overrides import group_mistake, misspelled_key, sweep_jobs
 from gradrunner.records.columns import RECORD_FILES
 from gradrunner.records.rundir import FAILED, Refused, mark_failed
-from gradrunner.run.guards import Terminated, check_writable
+from gradrunner.run import signals
+from gradrunner.run.guards import check_writable
 from gradrunner.run.hydra_adapter import mark_task_started, mistakes_as_one_paragraph
 from gradrunner.run.job import run
+from gradrunner.run.signals import Terminated
 
-#: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
+#: Exit status after Ctrl-C (128 + SIGINT), as shells report it (`run.signals.exit_status`: 128 + N after signal N).
 EXIT_INTERRUPTED = 130
 #: Exit status after SIGTERM (128 + SIGTERM): a preempted or cancelled job.
 EXIT_TERMINATED = 143
@@ -241,18 +241,11 @@ def app(cfg: DictConfig) -> None:
         run(cfg)
     except (GradrunnerError, OmegaConfBaseException) as e:
         _fail(e)
-    except Terminated:
-        _ignore_further_signals()
-        print(f"gradrunner: {_kept('terminated (SIGTERM)')}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_TERMINATED)
-    except KeyboardInterrupt:
-        _ignore_further_signals()
+    except Terminated as e:
+        signals.ignore_further_signals()
+        print(f"gradrunner: {_kept(f'terminated ({e.signal_name})')}", file=sys.stderr, flush=True)
+        sys.exit(signals.exit_status(e))
+    except KeyboardInterrupt as e:
+        signals.ignore_further_signals()
         print(f"gradrunner: {_kept('interrupted')}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_INTERRUPTED)
-
-
-def _ignore_further_signals() -> None:
-    """The records are closed and the run is ending: another Ctrl-C must not cut the message with a traceback."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(ValueError, OSError):  # not the main thread
-            signal.signal(sig, signal.SIG_IGN)
+        sys.exit(signals.exit_status(e))
