@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -33,7 +34,6 @@ import logging
 import os
 import shutil
 import socket
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -44,7 +44,8 @@ import pyarrow.parquet as pq
 from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.records.columns import LOCK_FILE, RECORD_FILES, is_temp_of, temp_name
+from gradrunner.records.atomic import write_atomically
+from gradrunner.records.columns import LOCK_FILE, RECORD_FILES, is_temp_of
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +123,7 @@ def write_json(path: Path, data: dict[str, Any]) -> Path:
 
         write_json(sweep_dir / "manifest.json", {"jobs": []})
     """
-    temp = path.with_name(temp_name(path.name, f"{os.getpid()}-{uuid.uuid4().hex[:8]}"))
-    try:
-        temp.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)  # never leave a temp file behind (a full disk, a read-only dir)
-        raise
-    return path
+    return write_atomically(path, json.dumps(data, indent=1, default=str) + "\n")
 
 
 def _temps(directory: Path, name: str) -> list[str]:
@@ -473,12 +467,8 @@ def restore_hydra(directory: Path, snapshot: dict[str, Any]) -> None:
                 continue
         except (OSError, ValueError):
             pass
-        temp = path.with_name(temp_name(path.name, f"{os.getpid()}-{uuid.uuid4().hex[:8]}"))
-        try:
-            temp.write_text(text, encoding="utf-8")
-            os.replace(temp, path)
-        except OSError:
-            temp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            write_atomically(path, text)
 
 
 class Refused(GradrunnerError):
