@@ -40,7 +40,7 @@ from gradrunner.records.columns import RECORD_FILES
 from gradrunner.records.rundir import FAILED, Refused, mark_failed
 from gradrunner.run import signals
 from gradrunner.run.guards import check_writable
-from gradrunner.run.hydra_adapter import mark_task_started, mistakes_as_one_paragraph
+from gradrunner.run.hydra_adapter import mark_task_started, mistakes_as_one_paragraph, remember_output_dir
 from gradrunner.run.job import run
 from gradrunner.run.signals import Terminated
 
@@ -120,6 +120,7 @@ class OutputDirCheck(Callback):
 
     @staticmethod
     def _check(directory: str, where: str) -> None:
+        remember_output_dir(str(Path(directory).absolute()))
         try:
             check_writable(Path(directory).absolute(), where)
         except GradrunnerError as e:

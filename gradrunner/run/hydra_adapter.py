@@ -67,6 +67,14 @@ def config_loader() -> Any:
 
 #: Whether the task function has started (`mark_task_started`): errors before it are the command line's.
 _TASK_STARTED = False
+#: The run or sweep dir of this app (`remember_output_dir`), for a message when Hydra cannot write it.
+_OUTPUT_DIR: str | None = None
+
+
+def remember_output_dir(directory: str) -> None:
+    """The run (or sweep) dir, told by the callback that checks it before Hydra writes there."""
+    global _OUTPUT_DIR
+    _OUTPUT_DIR = directory
 
 
 def mark_task_started() -> None:
@@ -124,7 +132,8 @@ def _raise(error: Exception) -> Callable[[], Any]:
 def _describe(error: Exception) -> str:
     """One paragraph for an error Hydra met before the job: its message, its cause's, and the way out."""
     if isinstance(error, OSError):
-        where = f" {error.filename}" if error.filename else ""
+        run_dir = _OUTPUT_DIR
+        where = f" {error.filename or run_dir}" if (error.filename or run_dir) else ""
         return (f"cannot write the run dir{where}: {error.strerror or error}; Hydra could not save the job's "
                 ".hydra/ files there, and nothing ran. Free some disk space, make the dir writable, or run into "
                 "another dir (hydra.run.dir=... or hydra.sweep.dir=...).")  # fmt: skip
