@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from gradrunner.errors import one_paragraph
 from gradrunner.overrides import sweep_jobs
 from gradrunner.records.rundir import job_dirs_below, job_state, mark_failed, write_json
+from gradrunner.run.hydra_adapter import JobFailed, JobRefused, job_error
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +144,10 @@ class SweepBookkeeping(Callback):
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if job_return.status != JobStatus.FAILED:
             return
-        error = job_return._return_value  # `return_value` would re-raise it
-        if type(error).__name__ == "JobRefused":
+        error = job_error(job_return)  # `return_value` would re-raise it
+        if isinstance(error, JobRefused):
             return  # refused because of its dir (a live run, another config): that dir is not this job's to mark
-        message = str(error) if type(error).__name__ == "JobFailed" else f"{type(error).__name__}: {error}"
+        message = str(error) if isinstance(error, JobFailed) else f"{type(error).__name__}: {error}"
         out = Path(str(OmegaConf.select(config, "hydra.runtime.output_dir")))
         if out.is_dir():
             try:

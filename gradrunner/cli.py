@@ -40,7 +40,14 @@ from gradrunner.records.columns import RECORD_FILES
 from gradrunner.records.rundir import FAILED, Refused, mark_failed
 from gradrunner.run import signals
 from gradrunner.run.guards import check_writable
-from gradrunner.run.hydra_adapter import mark_task_started, mistakes_as_one_paragraph, remember_output_dir
+from gradrunner.run.hydra_adapter import (
+    JobFailed,
+    JobRefused,
+    config_loader,
+    mark_task_started,
+    mistakes_as_one_paragraph,
+    remember_output_dir,
+)
 from gradrunner.run.job import run
 from gradrunner.run.signals import Terminated
 
@@ -51,14 +58,6 @@ EXIT_TERMINATED = 143
 
 
 log = logging.getLogger(__name__)
-
-
-class JobFailed(CompactHydraException):
-    """A sweep job's user mistake, reported by Hydra at the end of the sweep without a traceback."""
-
-
-class JobRefused(JobFailed):
-    """A sweep job refused because of its dir (`rundir.Refused`): no `failed.json` is written for it."""
 
 
 def _fail(error: Exception) -> NoReturn:
@@ -159,11 +158,9 @@ class SweepCheck(Callback):
 
 def _job_problems(config: DictConfig, jobs: list[list[str]]) -> dict[str, list[int]]:
     """Each distinct config mistake among the jobs, with the numbers of the jobs that have it."""
-    from hydra.core.global_hydra import GlobalHydra
-
     from gradrunner.config import validate
 
-    loader = GlobalHydra.instance().config_loader()
+    loader = config_loader()
     problems: dict[str, list[int]] = {}
     resolved: dict[str, str | None] = {}
     for number, overrides in enumerate(jobs):

@@ -93,12 +93,11 @@ def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
     sweeper = OmegaConf.select(config, "hydra.sweeper._target_", default="")
     if not str(sweeper).endswith("BasicSweeper"):
         return None
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # Hydra's own expansion rules
+    from gradrunner.run.hydra_adapter import expand_sweep  # Hydra's own expansion rules (a private API)
 
     params = OmegaConf.select(config, "hydra.sweeper.params") or {}
     arguments = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
-    overrides = OverridesParser.create().parse_overrides(arguments)
-    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+    return expand_sweep(OverridesParser.create().parse_overrides(arguments))
 
 
 #: The package's own config dir: one subdirectory per config group, one YAML file per option.

@@ -182,7 +182,7 @@ def test_a_manifest_the_disk_refuses_is_one_logged_line_and_leaves_no_temp_file(
 
     books = SweepBookkeeping()
     books.on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "report": False}))
-    monkeypatch.setattr(Path, "write_text", no_space)
+    monkeypatch.setattr(Path, "write_bytes", no_space)  # records.atomic.write_atomically writes the temp file so
     with caplog.at_level(logging.ERROR, logger="gradrunner.callbacks"):
         books.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "report": False}))
     (record,) = caplog.records

@@ -197,7 +197,7 @@ def mark_complete(
 
     Example::
 
-        mark_complete(job_dir, cfg, files=["grads.parquet", "steps.parquet"], run_id=rid, world_size=1, overrides=[])
+        mark_complete(job_dir, cfg, files=list(RECORD_FILES), run_id=rid, world_size=1, overrides=[])
 
     It records each file's row count and `footer_digest`, which `verify_job` (a resume) and
     `analysis.load` check.

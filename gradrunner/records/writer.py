@@ -42,12 +42,14 @@ from gradrunner.records.columns import (
     CONSTANT_COLUMNS,
     COUNT_COLUMNS,
     EXTRA_FLOAT_COLUMNS,
+    GRADS_FILE,
     HIST_COLUMN,
     HIST_EDGES,
     HIST_EDGES_KEY,
     OVERRIDES_KEY,
     PER_EXAMPLE_COLUMN,
     STAT_COLUMNS,
+    STEPS_FILE,
     StepRecords,
     temp_name,
 )
@@ -445,7 +447,7 @@ class RecordWriter(_RunTableWriter):
     """
 
     table_schema = GRADS_SCHEMA
-    default_name = "grads.parquet"
+    default_name = GRADS_FILE
 
     def __init__(
         self,
@@ -549,7 +551,7 @@ class StepsWriter(_RunTableWriter):
     """
 
     table_schema = STEPS_SCHEMA
-    default_name = "steps.parquet"
+    default_name = STEPS_FILE
 
     def write(
         self,

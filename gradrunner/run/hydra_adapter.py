@@ -1,6 +1,7 @@
 """Every use of Hydra's internals, in one place: what gradrunner needs from Hydra beyond its public API.
 
 Contents:
+    JobFailed, JobRefused        -- a sweep job's mistake, or refusal, as Hydra reports it at the end of the sweep
     task_overrides()             -- this job's own command-line overrides ([] outside a Hydra app)
     job_error(job_return)        -- the exception a failed job raised, without re-raising it
     expand_sweep(overrides)      -- the basic sweeper's job list for parsed overrides
@@ -26,6 +27,15 @@ from typing import Any, NoReturn
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.types import Override
 from hydra.core.utils import JobReturn
+from hydra.errors import CompactHydraException
+
+
+class JobFailed(CompactHydraException):
+    """A sweep job's user mistake, reported by Hydra at the end of the sweep without a traceback."""
+
+
+class JobRefused(JobFailed):
+    """A sweep job refused because of its dir (`rundir.Refused`): no `failed.json` is written for it."""
 
 
 def task_overrides() -> list[str]:
