@@ -28,12 +28,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import parse_args, report  # noqa: E402
+from _common import parse_args, report
 
-from gradrunner.analysis import reading  # noqa: E402
-from gradrunner.records import rundir  # noqa: E402
-from gradrunner.records.columns import RECORD_FILES  # noqa: E402
-from gradrunner.records.schema import write_options  # noqa: E402
+from gradrunner.analysis import reading
+from gradrunner.records import rundir
+from gradrunner.records.columns import RECORD_FILES
+from gradrunner.records.schema import write_options
 
 
 def run_one_job(directory: Path, steps: int) -> None:

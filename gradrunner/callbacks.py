@@ -32,8 +32,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.errors import one_paragraph
 from gradrunner.overrides import sweep_jobs
-from gradrunner.records.rundir import job_dirs_below, job_state, mark_failed, write_json
+from gradrunner.records.rundir import job_dirs_below, job_state, write_json
 from gradrunner.run.hydra_adapter import JobFailed, JobRefused, job_error
+from gradrunner.run.resume import mark_failed
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from omegaconf.errors import OmegaConfBaseException
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.overrides import group_mistake, misspelled_key, sweep_jobs
 from gradrunner.records.columns import RECORD_FILES
-from gradrunner.records.rundir import FAILED, Refused, mark_failed
+from gradrunner.records.rundir import FAILED
 from gradrunner.run import signals
 from gradrunner.run.guards import check_writable
 from gradrunner.run.hydra_adapter import (
@@ -49,6 +49,7 @@ from gradrunner.run.hydra_adapter import (
     remember_output_dir,
 )
 from gradrunner.run.job import run
+from gradrunner.run.resume import Refused, mark_failed
 from gradrunner.run.signals import Terminated
 
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it (`run.signals.exit_status`: 128 + N after signal N).

@@ -12,7 +12,8 @@ from conftest import SEARCHPATH, check_ok, gradrunner
 
 from gradrunner.analysis import IncompleteSweepWarning, load
 from gradrunner.records.columns import GRADS_FILE, OVERRIDES_KEY, STEPS_FILE
-from gradrunner.records.rundir import DONE, RunLock
+from gradrunner.records.rundir import DONE
+from gradrunner.run.resume import RunLock
 
 
 def hydra_files(job: Path) -> dict[str, bytes]:

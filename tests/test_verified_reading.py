@@ -18,9 +18,9 @@ from gradrunner.analysis import load
 from gradrunner.analysis.reading import DamagedRecordsWarning
 from gradrunner.capturing.stats import Collector
 from gradrunner.errors import GradrunnerError
-from gradrunner.records import rundir
 from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, TapKey
 from gradrunner.records.writer import RecordWriter, StepsWriter
+from gradrunner.run.resume import mark_complete
 
 
 def write_completed_job(job_dir: Path, run_id: str, seed: int, steps: int = 6) -> None:
@@ -38,7 +38,7 @@ def write_completed_job(job_dir: Path, run_id: str, seed: int, steps: int = 6) -
             w.write_step(step, col.finish(torch.tensor(0.5 + step)))
             s.write(step, True, 0.5 + step, 0.1, 0.01, None)
     cfg = OmegaConf.create({"seed": seed, "steps": steps})
-    rundir.mark_complete(job_dir, cfg, files=[GRADS_FILE, STEPS_FILE], run_id=run_id, world_size=1,
+    mark_complete(job_dir, cfg, files=[GRADS_FILE, STEPS_FILE], run_id=run_id, world_size=1,
                          overrides=[f"seed={seed}"])  # fmt: skip
 
 
