@@ -64,3 +64,19 @@ def test_ctrl_c_after_the_run_ended_is_one_line_and_exit_130(tmp_path: Path) -> 
         "gradrunner: interrupted while finishing; the records written are complete"
     )
     assert check_records(tmp_path / "run") == [0]
+
+
+def test_handlers_are_installed_once_per_run_not_swapped_every_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    real = signal.signal
+
+    def counting(signum: int, handler: object) -> object:
+        calls.append(signum)
+        return real(signum, handler)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(signal, "signal", counting)
+    train(compose_cfg("+experiment=cosine", "steps=40"), out_dir=tmp_path)
+    assert check_records(tmp_path) == list(range(40))
+    assert len(calls) <= 6  # SIGINT, SIGTERM, SIGHUP installed once and restored once: not per step

@@ -24,14 +24,12 @@ import importlib.metadata
 import json
 import os
 import platform
-import signal
 import subprocess
-import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -53,6 +51,9 @@ from gradrunner.records.columns import (
     StepRecords,
     temp_name,
 )
+
+# Defined in records/critical.py; re-exported for the modules that import it from the writer.
+from gradrunner.records.critical import deferred_signals as deferred_signals
 
 # The schemas are defined in records/schema.py; re-exported here for the modules that import them from the writer.
 from gradrunner.records.schema import GRADS_SCHEMA as GRADS_SCHEMA
@@ -118,54 +119,6 @@ def _git_commit(cwd: str | os.PathLike[str] | None) -> str:
 
 #: Buffered batches are merged into one when this many have piled up.
 _COALESCE_BATCHES = 64
-
-#: The signals that end a run (Ctrl-C, SIGTERM of a scheduler, a closed terminal).
-_DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def deferred_signals() -> Iterator[None]:
-    """Hold SIGINT, SIGTERM and SIGHUP back while the block runs; they act (raise) when it ends.
-
-    Example::
-
-        with deferred_signals():
-            writer.write_table(rows)   # a Ctrl-C here waits until both lines ran
-            buffer.clear()
-
-    While the block runs, these signals only note that they came; at its end the previous handlers
-    come back and the first noted signal is handed to its handler (Ctrl-C raises KeyboardInterrupt
-    there). A Python-level handler, not a signal mask: the kernel gives a process-directed signal to
-    any thread not blocking it (torch's thread pools), so masking the main thread would not hold it.
-    Python runs signal handlers in the main thread only; elsewhere this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-
-    def note(signum: int, frame: object) -> None:
-        caught.append(signum)
-
-    previous: dict[signal.Signals, Any] = {}
-    try:
-        for sig in _DEFERRED:
-            previous[sig] = signal.signal(sig, note)
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if caught:
-            _redeliver(caught[0], previous.get(signal.Signals(caught[0])))
-
-
-def _redeliver(signum: int, handler: Any) -> None:
-    """Act on a signal held back by `deferred_signals` as its own handler would have."""
-    if callable(handler):
-        handler(signum, None)  # default_int_handler raises KeyboardInterrupt, SIGTERM's raises Terminated
-    elif handler == signal.SIG_DFL:
-        os.kill(os.getpid(), signum)  # the default action (end the process), now that the files are whole
-
 
 class ParquetTableWriter:
     """Streams record batches of one schema to a Parquet file, committed atomically on `close()`.

@@ -8,8 +8,9 @@ Contents:
     ignore_further_signals()        -- the run is ending: a second signal must not cut its last message
     quiet_interrupts(message)       -- Ctrl-C before the app runs or after it ended: one line, exit 130
 
-Ctrl-C (SIGINT) keeps Python's own handler (KeyboardInterrupt). While a step's rows or a file's close
-are written, all three are held back by `records.writer.deferred_signals` and act once it ends.
+While a run is open Ctrl-C raises KeyboardInterrupt, as Python's own handler does. While a step's rows
+or a file's close are written, all three are held back (`records.critical.deferred_signals`) and act
+once that ends; the handlers installed here are the only ones, for the whole run.
 
 Example::
 
@@ -25,6 +26,8 @@ import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
+
+from gradrunner.records.critical import DEFERRED, defers, hold
 
 #: Signals that end a run the way Ctrl-C does (records of completed steps kept).
 ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
@@ -46,18 +49,26 @@ class Terminated(KeyboardInterrupt):
 
 @contextlib.contextmanager
 def ending_signals_as_interrupt() -> Iterator[None]:
-    """While open, SIGTERM and SIGHUP raise `Terminated` (a KeyboardInterrupt), so records are closed, not lost.
+    """While open, SIGTERM and SIGHUP raise `Terminated` (a KeyboardInterrupt) and Ctrl-C KeyboardInterrupt,
+    so records are closed, not lost; inside a critical section of the records they wait for its end.
 
-    Only in the main thread (the only one Python delivers signals to); the previous handlers come back on exit.
+    Installed once for the run: the records' critical sections (`records.critical.deferred_signals`,
+    every step) then only count, instead of swapping handlers. Only in the main thread (the only one
+    Python delivers signals to); the previous handlers come back on exit.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
+    @defers
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        if hold(signum):
+            return  # a step's rows, a row group or a close is being written: acts when it ends
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise Terminated(signum=signum)
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in ENDING_SIGNALS}
+    previous = {sig: signal.signal(sig, on_signal) for sig in DEFERRED}
     try:
         yield
     finally:
