@@ -3,12 +3,14 @@ warning says so, and no temp file is left."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import cli_env, compose_cfg
 
 from gradrunner.records.columns import TEMP_SUFFIX
@@ -26,6 +28,7 @@ for limit, job in json.loads(sys.argv[1]):
 """
 
 
+@pytest.mark.slow
 def test_report_files_on_a_nearly_full_disk_are_whole_or_absent(tmp_path: Path) -> None:
     clean = tmp_path / "clean"
     run(compose_cfg("+experiment=cosine", "steps=2"), out_dir=clean)
@@ -35,8 +38,6 @@ def test_report_files_on_a_nearly_full_disk_are_whole_or_absent(tmp_path: Path) 
         job = tmp_path / f"t{i}"
         shutil.copytree(clean, job)
         trials.append((limit, str(job)))
-    import json
-
     result = subprocess.run([sys.executable, "-c", CODE, json.dumps(trials)], env=cli_env(), capture_output=True,
                             text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -58,17 +58,18 @@ def in_process(argv: list[str]) -> str | None:
     return None
 
 
+@pytest.mark.slow  # about 0.1-0.3 s per line (Hydra composing) on the loaded 2-core machine
 def test_random_command_lines_are_refused_in_one_paragraph_or_accepted() -> None:
     rng = random.Random(19)
     refused = 0
     with initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
-        for _ in range(100):
+        for _ in range(80):
             argv = command_line(rng)
             message = in_process(argv)  # anything else raised here would be a traceback on the command line
             if message is not None:
                 refused += 1
                 assert message and "\n" not in message and "Traceback" not in message, (argv, message)
-    assert 40 < refused < 100  # mostly mistakes, some good lines
+    assert 30 < refused < 80  # mostly mistakes, some good lines
 
 
 @pytest.mark.slow
