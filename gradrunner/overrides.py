@@ -139,6 +139,12 @@ def _options(group: str, dirs: Sequence[Path]) -> list[str]:
         base = d / group
         if base.is_dir():
             found.update(str(f.relative_to(base).with_suffix("")) for f in base.rglob("*.yaml"))
+    from hydra.core.config_store import ConfigStore  # options registered in Python count too
+
+    try:
+        found.update(name.removesuffix(".yaml") for name in ConfigStore.instance().list(group))
+    except OSError:  # no such group in the store
+        pass
     return sorted(found)
 
 
