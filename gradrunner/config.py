@@ -108,6 +108,19 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         )
 
 
+#: The largest `seed` (numpy seeds with 32 bits) and `steps` (2**31 - 1: about 68 years at one step a second).
+SEED_MAX = 2**32 - 1
+STEPS_MAX = 2**31 - 1
+
+
+def _check_at_most(name: str, value: int, maximum: int, why: str) -> None:
+    if value > maximum:
+        raise GradrunnerError(
+            f"{name}={value} is not allowed; {name} must be an integer from 0 to {maximum} ({why})."
+            f" Fix it on the command line, e.g. {name}={min(maximum, 10)}, or in your config file."
+        )
+
+
 def _check_keys(prefix: str, node: DictConfig, allowed: list[str]) -> None:
     for key in node:
         if key not in allowed:
@@ -150,6 +163,8 @@ def validate(cfg: DictConfig) -> None:
         raise _allowed("dtype", cfg.dtype, DTYPES)
     _check_int("steps", cfg.steps, 0)
     _check_int("seed", cfg.seed, 0)
+    _check_at_most("steps", cfg.steps, STEPS_MAX, "a larger number would run for ever")
+    _check_at_most("seed", cfg.seed, SEED_MAX, "numpy's seeds are 32-bit")
     _check_int("capture.every", cfg.capture.every, 1)
     _check_int("capture.sample_size", cfg.capture.sample_size, 1)
     for flag in ("per_example", "histogram"):

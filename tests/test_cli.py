@@ -327,8 +327,9 @@ def long_run(cwd: Path) -> Iterator[subprocess.Popen[str]]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("sig", "status", "said"),
-    [(signal.SIGINT, 130, "gradrunner: interrupted"), (signal.SIGTERM, 143, "gradrunner: terminated (SIGTERM)")],
-    ids=["ctrl-c", "sigterm"],
+    [(signal.SIGINT, 130, "gradrunner: interrupted"), (signal.SIGTERM, 143, "gradrunner: terminated (SIGTERM)"),
+     (signal.SIGHUP, 129, "gradrunner: terminated (SIGHUP)")],
+    ids=["ctrl-c", "sigterm", "sighup"],
 )
 def test_ctrl_c_and_sigterm_close_cleanly_and_keep_completed_steps(
     tmp_path: Path, sig: signal.Signals, status: int, said: str

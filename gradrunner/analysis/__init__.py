@@ -24,7 +24,7 @@ from gradrunner.analysis.optional import (
     per_example_spread,
     update_ratios,
 )
-from gradrunner.analysis.reading import TABLES, IncompleteSweepWarning, load
+from gradrunner.analysis.reading import TABLES, DamagedRecordsWarning, IncompleteSweepWarning, load
 from gradrunner.analysis.summaries import (
     FLOW_MEASURES,
     compare_strategies,
@@ -42,6 +42,7 @@ __all__ = [
     "FLOW_MEASURES",
     "TABLES",
     "UPDATE_RATIO_GUIDE",
+    "DamagedRecordsWarning",
     "IncompleteSweepWarning",
     "compare_strategies",
     "flow_steps",

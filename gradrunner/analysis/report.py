@@ -41,6 +41,7 @@ from gradrunner.analysis.summaries import (
     vanishing_boundary,
 )
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
+from gradrunner.records.atomic import write_atomically
 from gradrunner.records.columns import GRADS_FILE
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ def write_report(path: str | Path) -> Path:
         sections.append(_figure(out_dir, "values", "Gradient values", fig, "First and last captured step."))
     sections += _extra_sections(grads, out_dir)
     page = out_dir / REPORT_NAME
-    page.write_text(_page(out_dir, grads, sections, _answer(grads, steps, summary, cmp)), encoding="utf-8")
+    write_atomically(page, _page(out_dir, grads, sections, _answer(grads, steps, summary, cmp)))
     return page
 
 
@@ -221,7 +222,7 @@ def _figure(out_dir: Path, name: str, title: str, fig: Figure, note: str = "") -
     """Save `fig` as `report-<name>.png`; a section embedding the same PNG bytes."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
-    (out_dir / f"report-{name}.png").write_bytes(buffer.getvalue())
+    write_atomically(out_dir / f"report-{name}.png", buffer.getvalue())
     encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
     body = f'<img alt="{html.escape(title)}" src="data:image/png;base64,{encoded}">'
     return _section(title, f"<p>{html.escape(note)}</p>\n{body}" if note else body)

@@ -20,8 +20,10 @@ import numpy as np
 GRADS_FILE = "grads.parquet"
 STEPS_FILE = "steps.parquet"
 RECORD_FILES = (GRADS_FILE, STEPS_FILE)
-#: The run dir's lock (see `gradrunner.records.rundir.RunLock`): hidden, so readers never see it.
+#: The run dir's lock (see `gradrunner.run.resume.RunLock`): hidden, so readers never see it.
 LOCK_FILE = ".gradrunner.lock"
+#: Key of the records' Parquet metadata holding the job's own command-line overrides (a JSON list).
+OVERRIDES_KEY = "gradrunner.overrides"
 #: Every temp file ends so: neither pyarrow (leading ".") nor DuckDB (`*.parquet`) reads it.
 TEMP_SUFFIX = ".tmp"
 

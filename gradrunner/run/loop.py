@@ -209,8 +209,9 @@ def train(
         "dtype": str(cfg.dtype),
     }
     from gradrunner.records.writer import run_metadata  # pyarrow: not needed to find a config mistake
+    from gradrunner.run.hydra_adapter import task_overrides
 
-    meta = run_metadata(OmegaConf.to_yaml(cfg, resolve=True), seed=int(cfg.seed))
+    meta = run_metadata(OmegaConf.to_yaml(cfg, resolve=True), seed=int(cfg.seed), overrides=task_overrides())
     taps = OmegaConf.to_container(cfg.taps, resolve=True)
     assert isinstance(taps, list), taps  # validate() checked it
     watch.warn_nothing_captured(taps, int(cfg.steps))
