@@ -236,6 +236,8 @@ def _hist_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         finite_lower = lower[: raw - 1]  # the last raw bin (NaN/Inf) has a NaN edge
         starts = (torch.arange(2048, dtype=torch.int32) << 20).view(torch.float32)
         cell = (torch.searchsorted(finite_lower, starts, right=True) - 1).clamp_(0, raw - 2).to(torch.int32)
+        cell[255 << 3 :] = raw - 1  # exponent 255: Inf and NaN, the last raw bin (its upper edge is NaN)
+        assert bool(upper[raw - 1].isnan())
         n_inner = len(HIST_EDGES) - 1
         fold = torch.empty(raw, dtype=torch.int32)
         fold[0] = 0

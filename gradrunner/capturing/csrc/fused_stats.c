@@ -10,8 +10,8 @@
  * come from tables built in Python (`fused_stats._hist_tables`): `cell[b >> 20]` is the bin of the
  * smallest float32 whose bits start with `b >> 20` (8 exponent and 3 mantissa bits: a range of
  * 2^(1/8), narrower than a bin, so at most one edge `upper[r]` lies inside it and one comparison
- * finishes the job); zeros and subnormals (exponent 0) are walked up the edges, NaN and Inf
- * (exponent 255) go to the last raw bin; `fold[r]` maps raw bins to the counts' bins.
+ * finishes the job); zeros and subnormals (exponent 0) are walked up the edges; NaN and Inf
+ * (exponent 255) have the last raw bin as their cell; `fold[r]` maps raw bins to the counts' bins.
  */
 #include <math.h>
 #include <stdint.h>
@@ -76,8 +76,7 @@ static inline int32_t raw_bin(float a, const int32_t *cell, const float *upper, 
     uint32_t b;
     memcpy(&b, &a, 4);
     uint32_t idx = b >> 20; /* a >= 0 or NaN with the sign cleared: 11 bits */
-    if (idx >= (255u << 3)) return n_raw - 1;
-    if (idx >= 8u) {
+    if (idx >= 8u) { /* NaN and Inf: cell n_raw - 1, whose upper edge is NaN (no comparison moves them) */
         int32_t r = cell[idx];
         return r + (a >= upper[r]);
     }
@@ -90,7 +89,8 @@ static inline int32_t raw_bin(float a, const int32_t *cell, const float *upper, 
     static inline void NAME##_impl(const IN *x, int64_t n, double *out, int64_t *counts,  \
                                    const int32_t *cell, const float *upper,               \
                                    const int32_t *fold, int32_t n_raw) {                  \
-        int64_t raw[MAX_RAW];                                                             \
+        /* four sub-histograms: runs of equal bins (common) do not wait on one counter */  \
+        int64_t raw[4][MAX_RAW];                                                          \
         if (counts) memset(raw, 0, sizeof(raw));                                          \
         double s = 0.0, ss = 0.0;                                                         \
         T mn = (T)INFINITY, mx = (T)-INFINITY;                                            \
@@ -118,14 +118,19 @@ static inline int32_t raw_bin(float a, const int32_t *cell, const float *upper, 
             mx = bmx;                                                                     \
             nz += bnz;                                                                    \
             if (counts) {                                                                 \
-                for (int64_t i = start; i < end; i++) {                                   \
-                    float a = fabsf((float)LOAD(x[i]));                                   \
-                    raw[raw_bin(a, cell, upper, n_raw)]++;                                \
+                int64_t i = start;                                                        \
+                for (; i + 4 <= end; i += 4) {                                            \
+                    raw[0][raw_bin(fabsf((float)LOAD(x[i])), cell, upper, n_raw)]++;      \
+                    raw[1][raw_bin(fabsf((float)LOAD(x[i + 1])), cell, upper, n_raw)]++;  \
+                    raw[2][raw_bin(fabsf((float)LOAD(x[i + 2])), cell, upper, n_raw)]++;  \
+                    raw[3][raw_bin(fabsf((float)LOAD(x[i + 3])), cell, upper, n_raw)]++;  \
                 }                                                                         \
+                for (; i < end; i++) raw[0][raw_bin(fabsf((float)LOAD(x[i])), cell, upper, n_raw)]++; \
             }                                                                             \
         }                                                                                 \
         if (counts) {                                                                     \
-            for (int32_t r = 0; r < n_raw; r++) counts[fold[r]] += raw[r];                \
+            for (int32_t r = 0; r < n_raw; r++)                                           \
+                counts[fold[r]] += raw[0][r] + raw[1][r] + raw[2][r] + raw[3][r];         \
         }                                                                                 \
         FINISH(LOAD, T)                                                                   \
     }                                                                                     \
