@@ -23,6 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parse_args, report
 
 from gradrunner.capturing import fused_stats, stats
+from gradrunner.capturing.extras import histogram_counts
+from gradrunner.records.columns import HIST_BINS
 
 
 def main() -> None:
@@ -46,9 +48,23 @@ def main() -> None:
         for g in grads:
             g.sum()
 
-    variants: dict[str, Callable[[], None]] = {"torch path (stats._reduce)": torch_path, "torch.sum only": floor}
+    def torch_hist() -> None:
+        for g in grads:
+            histogram_counts(g)
+
+    hist_fn = fused_stats.cpu_hist_kernels().get(torch.float32)
+    counts = torch.zeros(HIST_BINS, dtype=torch.int64)
+
+    def fused_hist() -> None:
+        for g in grads:
+            hist_fn(g.data_ptr(), g.numel(), out.data_ptr(), counts.data_ptr())  # type: ignore[misc]
+
+    variants: dict[str, Callable[[], None]] = {"torch path (stats._reduce)": torch_path, "torch.sum only": floor,
+                                               "torch histogram (extras.histogram_counts)": torch_hist}  # fmt: skip
     if fn is not None:
         variants = {"fused kernel": fused, **variants}
+    if hist_fn is not None:
+        variants = {"fused kernel + histogram": fused_hist, **variants}
     rows = []
     for threads in sorted({torch.get_num_threads(), 1}, reverse=True):
         torch.set_num_threads(threads)

@@ -16,12 +16,21 @@ import torch
 
 from gradrunner.capturing import fused_stats
 from gradrunner.capturing.stats import DEFER_NUMEL, Collector
-from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS, TapKey
+from gradrunner.records.columns import COUNT_COLUMNS, HIST_BINS, HIST_EDGES, STAT_COLUMNS, TapKey
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
-SIZES = [0, 1, 2, 7, 4095, 4096, 4097, DEFER_NUMEL - 1, DEFER_NUMEL, DEFER_NUMEL + 1, 3 * DEFER_NUMEL + 5]
+SIZES = [0, 1, 2, 7, 4095, 4096, 4097, 2 * 4096 + 7, DEFER_NUMEL - 1, DEFER_NUMEL, DEFER_NUMEL + 1, 3 * DEFER_NUMEL + 5]
 
-needs_kernel = pytest.mark.skipif(not fused_stats.cpu_available(), reason="no C compiler: fused kernel not built")
+
+
+@pytest.fixture
+def kernel() -> None:
+    """Skips where no kernel could be built; builds it on first use (never while collecting tests)."""
+    if not fused_stats.cpu_available():
+        pytest.skip("no C compiler: fused kernel not built")
+
+
+needs_kernel = pytest.mark.usefixtures("kernel")
 
 
 def _gradient(n: int, dtype: torch.dtype, special: str, seed: int) -> torch.Tensor:
@@ -120,7 +129,7 @@ def test_failed_build_falls_back_with_one_log_line(
         assert not fused_stats.reduce_into(g, torch.empty(7, dtype=torch.float64))
         row = _records(g, True, monkeypatch)
     assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()] != []
-    assert len(caplog.records) == 1
+    assert len(caplog.records) == 1 and caplog.records[0].levelno == logging.WARNING
     assert row["norm"] == 5.0 and row["zero_frac"] == pytest.approx(1 / 3)
 
 
@@ -172,3 +181,65 @@ def test_triton_kernel_under_the_interpreter(tmp_path: Path) -> None:
         if special != "nan":
             assert got[2:4] == want[2:4], (dtype, n, special)
         assert got[4:] == want[4:], (dtype, n, special)
+
+
+def _numpy_histogram(g: torch.Tensor) -> np.ndarray:
+    """Counts per HIST_EDGES bin written out with numpy: |g| in float32, searched among float32 edges."""
+    with np.errstate(over="ignore"):  # float64 beyond float32: Inf, as the kernels round it
+        a = np.abs(g.double().numpy()).astype(np.float32)
+    edges = np.asarray(HIST_EDGES, dtype=np.float32)
+    bins = np.searchsorted(edges, a, side="right") + 1  # [e_i, e_i+1) -> i + 2; (0, e_0) -> 1
+    bins[a == 0] = 0
+    bins[~np.isfinite(a)] = HIST_BINS - 1
+    return np.bincount(bins, minlength=HIST_BINS)
+
+
+def _wide_gradient(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Magnitudes over the whole float range of `dtype`, zeros, ±0, subnormals, NaN and ±Inf."""
+    gen = torch.Generator().manual_seed(seed)
+    exponent = torch.randint(-45, 39, (n,), generator=gen).double()
+    g = (torch.randn(n, generator=gen, dtype=torch.float64) * 10.0**exponent).to(dtype)
+    if n >= 8:
+        g[:: max(1, n // 5)] = 0.0
+        g[1], g[2], g[3] = -0.0, math.nan, -math.inf
+        g[n - 1], g[n - 2] = math.inf, torch.finfo(dtype).tiny / 4  # a subnormal (0 in bfloat16 casts too)
+        g[n // 2] = torch.finfo(dtype).max
+    return g
+
+
+def _hist(g: torch.Tensor, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[np.ndarray, dict[str, object]]:
+    monkeypatch.setenv("GRADRUNNER_FUSED", "1" if fused else "0")
+    col = Collector(values="none", histogram=True)
+    col.add(TapKey("fc1", "output", 0), g)
+    recs = col.finish()
+    assert recs.hist_counts is not None and recs.hist_counts[0] is not None
+    return recs.hist_counts[0], recs.row(0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [1, 7, 4095, 4096, 4097, 2 * 4096 + 7, DEFER_NUMEL + 1, 3 * DEFER_NUMEL + 5])
+def test_fused_histogram_counts_equal_the_unfused_ones(dtype: torch.dtype, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = _wide_gradient(n, dtype, seed=n)
+    fused, fused_row = _hist(g, True, monkeypatch)
+    unfused, unfused_row = _hist(g, False, monkeypatch)
+    want = _numpy_histogram(g)
+    assert fused.tolist() == want.tolist()
+    assert unfused.tolist() == want.tolist()
+    assert fused.sum() == n
+    # the statistics read in the same pass are those of the kernel without histograms
+    plain = _records(g, True, monkeypatch)
+    for col in (*STAT_COLUMNS, *COUNT_COLUMNS):
+        assert fused_row[col] == pytest.approx(plain[col], rel=0, abs=0, nan_ok=True), col
+    assert fused_row["nan_count"] == unfused_row["nan_count"] and fused_row["inf_count"] == unfused_row["inf_count"]
+
+
+@needs_kernel
+def test_fused_histogram_edges_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every float32 edge, its neighbours one ulp away, and the float32 range's ends."""
+    edges = np.asarray(HIST_EDGES, dtype=np.float32)
+    values = np.concatenate([edges, np.nextafter(edges, np.float32(0)), np.nextafter(edges, np.float32(np.inf)),
+                             [np.float32(1.4e-45), np.finfo(np.float32).tiny, np.finfo(np.float32).max]])  # fmt: skip
+    g = torch.from_numpy(np.concatenate([values, -values]).astype(np.float32))
+    fused, _ = _hist(g, True, monkeypatch)
+    assert fused.tolist() == _numpy_histogram(g).tolist()

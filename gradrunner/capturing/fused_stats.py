@@ -4,6 +4,8 @@
 gradient into the float64 tensor `out` (7 elements, the gradient's device) in one read of the
 gradient, accumulating in float64 without a float64 copy, and returns True; it returns False where
 no fused kernel is available (the caller then takes the torch path in `stats`).
+`cpu_hist_kernels()` give the same seven plus the |g| histogram counts of `extras.histogram_counts`
+in the same read.
 
 Example::
 
@@ -11,11 +13,16 @@ Example::
     if reduce_into(torch.randn(1000), out):
         s, ss, mn, mx, nonzero, nan, inf = out.tolist()
 
-CPU: `csrc/fused_stats.c` is compiled on first use with the system C compiler (`$CC`, else `cc`)
-into `~/.cache/gradrunner/` (`$GRADRUNNER_CACHE` overrides), keyed by the source, the compiler
-and the processor, and loaded through ctypes: no Python or torch headers, about a second to build
-once. No compiler, a failed build or a kernel that fails its self-check leaves one log line and
-the torch path. `GRADRUNNER_FUSED=0` turns the fused kernels off.
+CPU: `csrc/fused_stats.c` is compiled on first use (never at import) with the system C compiler
+(`$CC`, else `cc`) into `~/.cache/gradrunner/` (`$GRADRUNNER_CACHE` overrides), keyed by the
+source, the compiler and the processor, and loaded through ctypes: no Python or torch headers,
+about a second to build once. The build holds an exclusive `fcntl` lock on a file beside the
+library, so processes starting together (a sweep) build it once and the others load that build.
+Where the cache cannot be written, the build goes to a per-user folder under the system's temp
+dir, with a WARNING. The loaded kernel is checked against numpy float64 on sizes across its
+4,096-element blocks and SIMD tails, for every dtype, with NaN and Inf. No compiler, a failed build
+or a failed check leaves one WARNING and the torch path. `GRADRUNNER_FUSED=0` turns the fused
+kernels off.
 """
 
 from __future__ import annotations
@@ -28,9 +35,11 @@ import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -43,8 +52,15 @@ _CPU_NAMES = {
     torch.float16: "gr_stats_f16",
     torch.bfloat16: "gr_stats_bf16",
 }
+#: elements per float64 partial sum in the C kernel (`BLOCK` in csrc/fused_stats.c)
+BLOCK = 4096
 
-_cpu_kernels: dict[torch.dtype, Callable[[int, int, int], None]] | None = None
+Kernel = Callable[[int, int, int], None]
+#: `fn(data pointer, numel, pointer to 7 float64, pointer to HIST_BINS int64 counts (added to))`
+HistKernel = Callable[[int, int, int, int], None]
+
+_cpu_kernels: dict[torch.dtype, Kernel] | None = None
+_cpu_hist: dict[torch.dtype, HistKernel] = {}
 _cpu_tried = False
 
 
@@ -58,6 +74,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("GRADRUNNER_CACHE") or Path.home() / ".cache" / "gradrunner")
 
 
+def _temp_cache() -> Path:
+    """The fallback where `cache_dir()` is not writable: private to this user."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(tempfile.gettempdir()) / f"gradrunner-{uid}"
+
+
 def _cpu_id() -> str:
     """The processor's model and flags: `-march=native` code is only reused on the same kind."""
     try:
@@ -68,50 +90,179 @@ def _cpu_id() -> str:
         return platform.processor() + platform.machine()
 
 
-def _build(cc: str) -> Path:
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` (created) for the block: one builder at a time, others wait."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows: no lock; the atomic rename still holds
+            yield
+            return
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _library_name(cc: str) -> str:
     source = _SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), _cpu_id().encode()]))
-    target = cache_dir() / f"fused_stats-{key.hexdigest()[:16]}{'.dll' if sys.platform == 'win32' else '.so'}"
+    return f"fused_stats-{key.hexdigest()[:16]}{'.dll' if sys.platform == 'win32' else '.so'}"
+
+
+def _build_in(folder: Path, name: str, cc: str) -> Path:
+    """The library `name` in `folder`, compiled there under the folder's lock unless already built."""
+    target = folder / name
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build under a temporary name and rename: concurrent jobs (a multirun) never load a half-written file.
-    fd, tmp = tempfile.mkstemp(prefix=".fused_stats-", suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=120
-        )
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    folder.mkdir(parents=True, exist_ok=True)
+    with _locked(folder / (name + ".lock")):
+        if target.exists():  # built by another process while this one waited for the lock
+            return target
+        # Build under a temporary name and rename: nobody ever loads a half-written file.
+        fd, tmp = tempfile.mkstemp(prefix=".fused_stats-", suffix=".so", dir=folder)
+        os.close(fd)
+        try:
+            done = subprocess.run(
+                [cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=120
+            )
+            if done.returncode != 0:
+                raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
+            os.replace(tmp, target)
+            log.debug("gradrunner: built %s", target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
 
 
-def _self_check(kernels: dict[torch.dtype, Callable[[int, int, int], None]]) -> None:
-    """The built kernel against torch on a few values with a zero, -0.0, a NaN and an Inf."""
+def _build(cc: str) -> Path:
+    name = _library_name(cc)
+    try:
+        return _build_in(cache_dir(), name, cc)
+    except OSError as exc:  # a read-only or missing home: the temp dir instead
+        fallback = _temp_cache()
+        log.warning(
+            "gradrunner: cannot write the kernel cache %s (%s); building the fused statistics kernel in %s",
+            cache_dir(), exc, fallback,
+        )  # fmt: skip
+        return _build_in(fallback, name, cc)
+
+
+#: sizes the self-check runs: within one SIMD vector, a block's tail, exactly one block, one block
+#: and one element, and two full blocks plus a partial third with a SIMD tail
+_CHECK_SIZES = (5, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK + BLOCK // 2 + 3)
+
+
+def _check_values(n: int, dtype: torch.dtype, special: bool) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(n)
+    g = (torch.randn(n, generator=gen, dtype=torch.float64) * 3).to(dtype)
+    g[:: max(1, n // 7)] = 0.0
+    g[n // 2] = -0.0
+    if special:  # NaN and Inf in the last block, where the first blocks' sums are already folded
+        g[n - 2], g[n - 1], g[n // 3] = float("nan"), float("inf"), -float("inf")
+    return g
+
+
+def _expected(g: torch.Tensor) -> np.ndarray:
+    d = g.double().numpy()
+    nan, inf = int(np.isnan(d).sum()), int(np.isinf(d).sum())
+    with np.errstate(invalid="ignore", over="ignore"):
+        mn, mx = (np.nan, np.nan) if nan else (d.min(), d.max())
+        return np.array([d.sum(), (d * d).sum(), mn, mx, np.count_nonzero(d), nan, inf])
+
+
+def _self_check(kernels: dict[torch.dtype, Kernel], hist: dict[torch.dtype, HistKernel]) -> None:
+    """Every built kernel against numpy float64 on `_CHECK_SIZES`, with zeros, -0.0, NaN and Inf.
+
+    Sums within float64 rounding of the sum of magnitudes; min, max and counts exactly; the
+    histogram variants' seven values equal the plain kernel's and their counts the torch ones'.
+    """
+    from gradrunner.capturing.extras import histogram_counts
+    from gradrunner.records.columns import HIST_BINS
+
     out = torch.empty(7, dtype=torch.float64)
     for dtype, fn in kernels.items():
-        for vals, want in (
-            ([1.5, -2.0, 0.0, -0.0, 4.0], [3.5, 22.25, -2.0, 4.0, 3, 0, 0]),
-            ([1.0, float("nan"), float("inf"), -float("inf")], [None, None, None, None, 4, 1, 2]),
-        ):
-            t = torch.tensor(vals, dtype=dtype)
-            fn(t.data_ptr(), t.numel(), out.data_ptr())
-            got = out.tolist()
-            for g, w in zip(got, want, strict=True):
-                if w is not None and g != w:
-                    raise RuntimeError(f"self-check failed for {dtype}: {got} != {want}")
-            if want[0] is None and not (got[2] != got[2] and got[3] != got[3]):
-                raise RuntimeError(f"self-check failed for {dtype}: NaN did not reach min/max: {got}")
+        for n in _CHECK_SIZES:
+            for special in (False, True):
+                g = _check_values(n, dtype, special)
+                fn(g.data_ptr(), n, out.data_ptr())
+                got, want = out.numpy().copy(), _expected(g)
+                if not _agrees(got, want, g, special):
+                    raise RuntimeError(f"self-check failed for {dtype}, {n} elements: {got.tolist()} != {want.tolist()}")
+                if dtype in hist:
+                    counts = torch.zeros(HIST_BINS, dtype=torch.int64)
+                    again = torch.empty(7, dtype=torch.float64)
+                    hist[dtype](g.data_ptr(), n, again.data_ptr(), counts.data_ptr())
+                    if not (torch.equal(again.nan_to_num(), out.nan_to_num()) and torch.equal(counts, histogram_counts(g))):
+                        raise RuntimeError(f"self-check failed for the histogram kernel, {dtype}, {n} elements")
 
 
-def _load_cpu() -> dict[torch.dtype, Callable[[int, int, int], None]] | None:
-    global _cpu_kernels, _cpu_tried
+def _agrees(got: np.ndarray, want: np.ndarray, g: torch.Tensor, special: bool) -> bool:
+    """Sums within float64 rounding of the sum of magnitudes (both non-finite with NaN/Inf), the rest exact."""
+    d = g.double().numpy()
+    scale = float(np.abs(d[np.isfinite(d)]).sum()) + 1.0
+    if special:
+        sums = not np.isfinite(got[:2]).any()
+    else:
+        sums = abs(got[0] - want[0]) <= 1e-13 * scale and abs(got[1] - want[1]) <= 1e-13 * scale * scale
+    # with a NaN, min and max are NaN in both
+    return bool(sums and np.array_equal(got[2:], want[2:], equal_nan=True))
+
+
+_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def _hist_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cell int32 [2048], upper float32 [raw bins], fold int32 [raw bins]).
+
+    Built from `extras`' own float32 edge tables, so the C kernel's bins are those of
+    `extras.histogram_counts` by construction: `cell[i]` is the raw bin of the float32 with bits
+    `i << 20`, found by comparing with the lower edges.
+    """
+    global _tables
+    if _tables is None:
+        from gradrunner.capturing import extras
+        from gradrunner.records.columns import HIST_BINS, HIST_EDGES
+
+        lower, upper = extras._lower_edges(torch.device("cpu"))
+        raw = extras._RAW
+        finite_lower = lower[: raw - 1]  # the last raw bin (NaN/Inf) has a NaN edge
+        starts = (torch.arange(2048, dtype=torch.int32) << 20).view(torch.float32)
+        cell = (torch.searchsorted(finite_lower, starts, right=True) - 1).clamp_(0, raw - 2).to(torch.int32)
+        cell[255 << 3 :] = raw - 1  # exponent 255: Inf and NaN, the last raw bin (its upper edge is NaN)
+        assert bool(upper[raw - 1].isnan())
+        n_inner = len(HIST_EDGES) - 1
+        fold = torch.empty(raw, dtype=torch.int32)
+        fold[0] = 0
+        fold[1 : extras._FIRST] = 1
+        fold[extras._FIRST : extras._FIRST + n_inner] = torch.arange(2, 2 + n_inner, dtype=torch.int32)
+        fold[extras._FIRST + n_inner : raw - 1] = 2 + n_inner
+        fold[raw - 1] = 3 + n_inner
+        assert int(fold.max()) == HIST_BINS - 1
+        _tables = (cell.contiguous(), upper.contiguous(), fold)
+    return _tables
+
+
+def _bind_hist(fn: ctypes._CFuncPtr) -> HistKernel:  # type: ignore[name-defined]
+    cell, upper, fold = _hist_tables()
+    tables = (cell.data_ptr(), upper.data_ptr(), fold.data_ptr(), upper.numel())
+
+    def run(ptr: int, n: int, out: int, counts: int) -> None:
+        fn(ptr, n, out, counts, *tables)
+
+    run.tables = (cell, upper, fold)  # type: ignore[attr-defined]  # keeps the tables alive
+    return run
+
+
+def _load_cpu() -> dict[torch.dtype, Kernel] | None:
+    global _cpu_kernels, _cpu_hist, _cpu_tried
     if _cpu_tried:
         return _cpu_kernels
     _cpu_tried = True
@@ -119,17 +270,37 @@ def _load_cpu() -> dict[torch.dtype, Callable[[int, int, int], None]] | None:
         # PyDLL keeps the GIL during a call: hooks of a model spread over devices may run on several
         # autograd threads, and the collector's row buffer must not grow under a running kernel.
         lib = ctypes.PyDLL(str(_build(os.environ.get("CC", "cc"))))
-        kernels: dict[torch.dtype, Callable[[int, int, int], None]] = {}
+        kernels: dict[torch.dtype, Kernel] = {}
+        hist: dict[torch.dtype, HistKernel] = {}
         for dtype, name in _CPU_NAMES.items():
             fn = getattr(lib, name)
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
             fn.restype = None
             kernels[dtype] = fn
-        _self_check(kernels)
-        _cpu_kernels = kernels
+            fh = getattr(lib, name + "_hist")
+            fh.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]  # fmt: skip
+            fh.restype = None
+            hist[dtype] = _bind_hist(fh)
+        _self_check(kernels, hist)
+        _cpu_kernels, _cpu_hist = kernels, hist
     except Exception as exc:
-        log.info("gradrunner: fused CPU statistics unavailable (%s); using the torch path", exc)
+        log.warning("gradrunner: fused CPU statistics unavailable (%s); using the torch path", exc)
     return _cpu_kernels
+
+
+def cpu_hist_kernels() -> dict[torch.dtype, HistKernel]:
+    """The CPU kernels that also count the |g| histogram, by dtype; empty if unavailable.
+
+    Example::
+
+        fn = cpu_hist_kernels().get(torch.float32)
+        counts = torch.zeros(HIST_BINS, dtype=torch.int64)   # added to, as extras.histogram_counts bins
+        fn(g.data_ptr(), g.numel(), out.data_ptr(), counts.data_ptr())
+    """
+    if not enabled() or _load_cpu() is None:
+        return {}
+    return _cpu_hist
 
 
 def cpu_available() -> bool:
@@ -142,7 +313,7 @@ def cpu_available() -> bool:
     return enabled() and _load_cpu() is not None
 
 
-def cpu_kernels() -> dict[torch.dtype, Callable[[int, int, int], None]]:
+def cpu_kernels() -> dict[torch.dtype, Kernel]:
     """The CPU kernels by gradient dtype, `fn(data pointer, numel, pointer to 7 float64)`; empty if unavailable.
 
     Example::

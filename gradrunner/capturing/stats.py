@@ -20,8 +20,8 @@ are only computed when the sum of squares is not finite (on CPU, where reading i
 or always (on an accelerator, where branching would need a sync).
 
 Beside the statistics, each record carries the tapped tensor's own norm (`value_norm`, handed to
-`add`), and, when asked for, per-example norms and |g| histogram counts (`capturing.extras`),
-reduced in `add`; `finish(loss, updates)` adds the parameter taps' update norms. All of them join
+`add`), and, when asked for, per-example norms and |g| histogram counts (`capturing.extras`; on
+CPU the histogram is counted by the C kernel in the same read as the statistics), reduced in `add`; `finish(loss, updates)` adds the parameter taps' update norms. All of them join
 the reductions in the step's one transfer.
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -38,7 +38,7 @@ import torch
 from gradrunner.capturing import fused_stats
 from gradrunner.capturing.extras import histogram_counts, per_example_norms
 from gradrunner.choices import VALUES_MODES
-from gradrunner.records.columns import StepRecords, TapKey
+from gradrunner.records.columns import HIST_BINS, StepRecords, TapKey
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
 
@@ -114,7 +114,8 @@ class Collector:
         #: whether to try the one-pass kernels (`fused_stats`); tests turn them off to compare paths
         self._fused = fused_stats.enabled()
         self._values_none = values == "none"
-        self._cpu_kernels: dict[torch.dtype, Callable[[int, int, int], None]] | None = None  # loaded on first use
+        self._cpu_kernels: dict[torch.dtype, fused_stats.Kernel] | None = None  # loaded on first use
+        self._cpu_hist: dict[torch.dtype, fused_stats.HistKernel] = {}
         #: the CPU kernel's output rows, 7 float64 each; a record's `reductions` is its row number
         self._rows = torch.empty((64, _N_REDUCTIONS), dtype=torch.float64)
         self._n_rows = 0
@@ -140,43 +141,40 @@ class Collector:
         if grad is None:
             self._pending.append(_Pending(order, key, (), 0, False, None, None, None, value_norm))
             return
-        extra = (
-            value_norm,
-            per_example_norms(grad) if self.per_example and batched else None,
-            histogram_counts(grad) if self.histogram else None,
-        )
+        per_example = per_example_norms(grad) if self.per_example and batched else None
         if grad.is_cpu and self._fused and self._values_none and grad.is_contiguous():
             # The hot path: one read of the gradient where it lies, no copy, no view; small ones
-            # too, as a kernel call costs about 2 µs.
-            if self._cpu_kernels is None:
-                self._cpu_kernels = fused_stats.cpu_kernels()
-            fn = self._cpu_kernels.get(grad.dtype)
+            # too, as a kernel call costs about 2 µs. With `histogram`, its counts in the same read.
             n = grad.numel()
-            if fn is not None and n:
-                row = self._next_row()
-                fn(grad.data_ptr(), n, self._rows.data_ptr() + row * _N_REDUCTIONS * 8)
-                self._pending.append(_Pending(order, key, tuple(grad.shape), n, True, row, None, None, *extra))
-                return
+            if n:
+                done = self._cpu_reduce(grad, n)
+                if done is not None:
+                    row, hist = done
+                    self._pending.append(_Pending(
+                        order, key, tuple(grad.shape), n, True, row, None, None, value_norm, per_example, hist,
+                    ))  # fmt: skip
+                    return
         g = grad.detach()
         flat = g.reshape(-1)
         n = flat.numel()
         if n and self._fused:
             if flat.device.type == "cpu":
-                if self._cpu_kernels is None:
-                    self._cpu_kernels = fused_stats.cpu_kernels()
-                fn = self._cpu_kernels.get(flat.dtype)
-                if fn is not None and flat.is_contiguous():
-                    row = self._next_row()
-                    fn(flat.data_ptr(), n, self._rows.data_ptr() + row * _N_REDUCTIONS * 8)
+                done = self._cpu_reduce(flat, n) if flat.is_contiguous() else None
+                if done is not None:
+                    row, hist = done
                     values = self._keep_values(key, flat, mutable)
-                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, row, None, values, *extra))
+                    self._pending.append(_Pending(
+                        order, key, tuple(g.shape), n, True, row, None, values, value_norm, per_example, hist,
+                    ))  # fmt: skip
                     return
             elif n > DEFER_NUMEL:
                 out = torch.empty(_N_REDUCTIONS, dtype=torch.float64, device=flat.device)
+                extra = (value_norm, per_example, histogram_counts(grad) if self.histogram else None)
                 if fused_stats.reduce_into(flat, out):
                     values = self._keep_values(key, flat, mutable)
                     self._pending.append(_Pending(order, key, tuple(g.shape), n, True, out, None, values, *extra))
                     return
+        extra = (value_norm, per_example, histogram_counts(grad) if self.histogram else None)
         if flat.dtype not in _INT_VIEW:  # float16, bfloat16: statistics in float32
             flat = flat.float()
         small = 0 < n <= DEFER_NUMEL
@@ -185,6 +183,29 @@ class Collector:
             order, key, tuple(g.shape), n, True, None if small or n == 0 else _reduce(flat, self._scratch_for(flat)),
             kept if small else None, self._keep_values(key, flat, mutable), *extra,
         ))  # fmt: skip
+
+    def _cpu_reduce(self, flat: torch.Tensor, n: int) -> tuple[int, torch.Tensor | None] | None:
+        """The C kernel on contiguous CPU `flat` into a fresh row: (row, histogram counts or None).
+
+        None where no kernel fits (no compiler, another dtype): the caller takes the torch path.
+        """
+        if self._cpu_kernels is None:
+            self._cpu_kernels = fused_stats.cpu_kernels()
+            self._cpu_hist = fused_stats.cpu_hist_kernels() if self.histogram else {}
+        if self.histogram:
+            fh = self._cpu_hist.get(flat.dtype)
+            if fh is None:
+                return None
+            row = self._next_row()
+            counts = torch.zeros(HIST_BINS, dtype=torch.int64)
+            fh(flat.data_ptr(), n, self._rows.data_ptr() + row * _N_REDUCTIONS * 8, counts.data_ptr())
+            return row, counts
+        fn = self._cpu_kernels.get(flat.dtype)
+        if fn is None:
+            return None
+        row = self._next_row()
+        fn(flat.data_ptr(), n, self._rows.data_ptr() + row * _N_REDUCTIONS * 8)
+        return row, None
 
     def _next_row(self) -> int:
         """The number of a fresh output row for the CPU kernel (the buffer doubles when full)."""

@@ -4,6 +4,14 @@
  * through ctypes (no Python or torch headers needed). Sums accumulate in float64 per block of
  * BLOCK elements and the block sums are added in float64 again, so the error stays at float64
  * rounding for any size; nothing is copied. out = [sum, sumsq, min, max, nonzero, nan, inf].
+ *
+ * The `_hist` variants also count |g| (rounded to float32) in histogram bins, block by block
+ * while the block is still in cache, so the gradient is read from memory once for both. The bins
+ * come from tables built in Python (`fused_stats._hist_tables`): `cell[b >> 20]` is the bin of the
+ * smallest float32 whose bits start with `b >> 20` (8 exponent and 3 mantissa bits: a range of
+ * 2^(1/8), narrower than a bin, so at most one edge `upper[r]` lies inside it and one comparison
+ * finishes the job); zeros and subnormals (exponent 0) are walked up the edges; NaN and Inf
+ * (exponent 255) have the last raw bin as their cell; `fold[r]` maps raw bins to the counts' bins.
  */
 #include <math.h>
 #include <stdint.h>
@@ -62,8 +70,28 @@ static inline float f16_to_f32(uint16_t h) {
 
 #define IDENT(v) (v)
 
+#define MAX_RAW 512
+
+static inline int32_t raw_bin(float a, const int32_t *cell, const float *upper, int32_t n_raw) {
+    uint32_t b;
+    memcpy(&b, &a, 4);
+    uint32_t idx = b >> 20; /* a >= 0 or NaN with the sign cleared: 11 bits */
+    if (idx >= 8u) { /* NaN and Inf: cell n_raw - 1, whose upper edge is NaN (no comparison moves them) */
+        int32_t r = cell[idx];
+        return r + (a >= upper[r]);
+    }
+    int32_t r = 0; /* zero or subnormal: walk up the edges (rare) */
+    while (r < n_raw - 2 && a >= upper[r]) r++;
+    return r;
+}
+
 #define DEFINE(NAME, IN, T, LOAD, BITS, MASK)                                             \
-    void NAME(const IN *x, int64_t n, double *out) {                                      \
+    static inline void NAME##_impl(const IN *x, int64_t n, double *out, int64_t *counts,  \
+                                   const int32_t *cell, const float *upper,               \
+                                   const int32_t *fold, int32_t n_raw) {                  \
+        /* four sub-histograms: runs of equal bins (common) do not wait on one counter */  \
+        int64_t raw[4][MAX_RAW];                                                          \
+        if (counts) memset(raw, 0, sizeof(raw));                                          \
         double s = 0.0, ss = 0.0;                                                         \
         T mn = (T)INFINITY, mx = (T)-INFINITY;                                            \
         int64_t nz = 0;                                                                   \
@@ -89,8 +117,31 @@ static inline float f16_to_f32(uint16_t h) {
             mn = bmn;                                                                     \
             mx = bmx;                                                                     \
             nz += bnz;                                                                    \
+            if (counts) {                                                                 \
+                int64_t i = start;                                                        \
+                for (; i + 4 <= end; i += 4) {                                            \
+                    raw[0][raw_bin(fabsf((float)LOAD(x[i])), cell, upper, n_raw)]++;      \
+                    raw[1][raw_bin(fabsf((float)LOAD(x[i + 1])), cell, upper, n_raw)]++;  \
+                    raw[2][raw_bin(fabsf((float)LOAD(x[i + 2])), cell, upper, n_raw)]++;  \
+                    raw[3][raw_bin(fabsf((float)LOAD(x[i + 3])), cell, upper, n_raw)]++;  \
+                }                                                                         \
+                for (; i < end; i++) raw[0][raw_bin(fabsf((float)LOAD(x[i])), cell, upper, n_raw)]++; \
+            }                                                                             \
+        }                                                                                 \
+        if (counts) {                                                                     \
+            for (int32_t r = 0; r < n_raw; r++)                                           \
+                counts[fold[r]] += raw[0][r] + raw[1][r] + raw[2][r] + raw[3][r];         \
         }                                                                                 \
         FINISH(LOAD, T)                                                                   \
+    }                                                                                     \
+    void NAME(const IN *x, int64_t n, double *out) {                                      \
+        NAME##_impl(x, n, out, 0, 0, 0, 0, 0);                                            \
+    }                                                                                     \
+    void NAME##_hist(const IN *x, int64_t n, double *out, int64_t *counts,                \
+                     const int32_t *cell, const float *upper, const int32_t *fold,        \
+                     int32_t n_raw) {                                                     \
+        if (n_raw < 2 || n_raw > MAX_RAW) return;                                         \
+        NAME##_impl(x, n, out, counts, cell, upper, fold, n_raw);                         \
     }
 
 DEFINE(gr_stats_f64, double, double, IDENT, uint64_t, 0x7fffffffffffffffull)
