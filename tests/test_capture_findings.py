@@ -249,6 +249,34 @@ def test_sparse_embedding_gradient_gets_statistics(strategy: str) -> None:
     assert emb.weight.grad is not None and emb.weight.grad.is_sparse
 
 
+@pytest.mark.parametrize("rows", [[1, 2, 2, 7], list(range(10))])
+def test_sparse_gradient_statistics_never_make_it_dense(strategy: str, rows: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Statistics only (values=none): read from the stored values; the implicit zeros count."""
+    emb = nn.Embedding(10, 3, sparse=True).double()
+    with torch.no_grad():
+        emb.weight.add_(1.0)  # all positive: the minimum over the dense gradient is an implicit 0
+    idx = torch.tensor(rows)
+    dense = torch.zeros(10, 3, dtype=torch.float64)
+    dense.index_add_(0, idx, 2 * emb.weight.detach()[idx])
+
+    def refuse(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("a sparse gradient was made dense")
+
+    with capture(emb, [":weight"], strategy=strategy, keep_grads=False) as cap:
+        loss = emb(idx).pow(2).sum()
+        monkeypatch.setattr(torch.Tensor, "to_dense", refuse)
+        cap.backward(loss)
+        recs = cap.records()
+    monkeypatch.undo()
+    row = recs.row(0)
+    assert row["has_grad"] and row["numel"] == 30 and list(row["shape"]) == [10, 3]
+    assert row["norm"] == pytest.approx(float(dense.norm()), rel=1e-12)
+    assert row["mean"] == pytest.approx(float(dense.mean()), rel=1e-12)
+    assert row["std"] == pytest.approx(float(dense.std()), rel=1e-9)
+    assert row["min"] == float(dense.min()) and row["max"] == float(dense.max())
+    assert row["zero_frac"] == pytest.approx(float((dense == 0).double().mean()))
+
+
 # -- 7. torch.vmap / torch.func ---------------------------------------------------------------------------
 class PerSample(nn.Module):
     def __init__(self) -> None:

@@ -347,9 +347,6 @@ class Capture:
         if slot.delivered or grad is None:
             return None
         slot.delivered = True
-        if grad.layout != torch.strided:
-            # sparse (nn.Embedding(sparse=True)): statistics over the dense gradient's elements, zeros included
-            grad = grad.to_dense()
         # A leaf's gradient may become its .grad, which can be changed in place later (zero_grad,
         # accumulation); an intermediate's gradient is handed to us alone.
         leaf = slot.param is not None or slot.leaf

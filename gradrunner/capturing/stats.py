@@ -141,6 +141,13 @@ class Collector:
         if grad is None:
             self._pending.append(_Pending(order, key, (), 0, False, None, None, None, value_norm))
             return
+        if grad.layout != torch.strided:
+            if grad.layout == torch.sparse_coo and self._values_none and not self.histogram and not (
+                self.per_example and batched
+            ):
+                self._add_sparse(key, grad, order, value_norm)
+                return
+            grad = grad.to_dense()  # every element was asked for (values, histogram, per-example norms)
         per_example = per_example_norms(grad) if self.per_example and batched else None
         if grad.is_cpu and self._fused and self._values_none and grad.is_contiguous():
             # The hot path: one read of the gradient where it lies, no copy, no view; small ones
@@ -183,6 +190,27 @@ class Collector:
             order, key, tuple(g.shape), n, True, None if small or n == 0 else _reduce(flat, self._scratch_for(flat)),
             kept if small else None, self._keep_values(key, flat, mutable), *extra,
         ))  # fmt: skip
+
+    def _add_sparse(self, key: TapKey, grad: torch.Tensor, order: int, value_norm: torch.Tensor | None) -> None:
+        """A sparse COO gradient (`nn.Embedding(sparse=True)`): statistics over the dense gradient's
+        elements, zeros included, from its stored values alone (a huge table is never made dense).
+
+        Sums, the non-zero and NaN/Inf counts are those of the stored values; where some elements are
+        not stored they are zeros, so the minimum is at most 0 and the maximum at least 0.
+        """
+        vals = grad.detach().coalesce().values().reshape(-1)  # coalesce sums repeated indices, as to_dense
+        if vals.dtype not in _INT_VIEW:
+            vals = vals.float()
+        n = grad.numel()
+        if vals.numel() == 0:
+            zero = torch.zeros((), dtype=torch.float64, device=vals.device)
+            floats, ints = [zero, zero, zero, zero], [zero, zero, zero]
+        else:
+            (s, ss, mn, mx), ints = _reduce(vals)
+            if vals.numel() < n:
+                mn, mx = torch.clamp(mn, max=0), torch.clamp(mx, min=0)
+            floats = [s, ss, mn, mx]
+        self._pending.append(_Pending(order, key, tuple(grad.shape), n, True, (floats, ints), None, None, value_norm))
 
     def _cpu_reduce(self, flat: torch.Tensor, n: int) -> tuple[int, torch.Tensor | None] | None:
         """The C kernel on contiguous CPU `flat` into a fresh row: (row, histogram counts or None).
