@@ -1,0 +1,146 @@
+"""`gradrunner.record`: a user's own loop writes a run dir like a runner job's, checked against plain torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import gradrunner
+from gradrunner.analysis import load
+from gradrunner.errors import GradrunnerError
+
+
+def _model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)) for _ in range(n)]
+
+
+def _reference(steps: int, accumulate: int = 1) -> list[dict[str, list[torch.Tensor]]]:
+    """Plain torch: each step's gradients of the first layer's output (per micro-batch) and weight (per backward)."""
+    model, batches = _model(), _batches(steps * accumulate)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: list[dict[str, list[torch.Tensor]]] = []
+    for s in range(steps):
+        grads: dict[str, list[torch.Tensor]] = {"0:output": [], "0:weight": []}
+        for m in range(accumulate):
+            x, y = batches[s * accumulate + m]
+            h = model[0](x)
+            h.retain_grad()
+            before = model[0].weight.grad.clone() if model[0].weight.grad is not None else 0
+            loss = nn.functional.mse_loss(model[2](model[1](h)), y) / accumulate
+            loss.backward()
+            grads["0:output"].append(h.grad.clone())
+            grads["0:weight"].append(model[0].weight.grad - before)
+        opt.step()
+        opt.zero_grad()
+        out.append(grads)
+    return out
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_record_statistics_equal_plain_torch(tmp_path: Path, strategy: str, accumulate: int) -> None:
+    model, batches = _model(), _batches(3 * accumulate)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run", strategy=strategy) as rec:
+        for s in range(3):
+            for m in range(accumulate):
+                x, y = batches[s * accumulate + m]
+                loss = nn.functional.mse_loss(model(x), y) / accumulate
+                rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    df = load(tmp_path / "run")
+    ref = _reference(3, accumulate)
+    assert len(df) == 3 * 2 * accumulate
+    for s in range(3):
+        for tap in ("0:output", "0:weight"):
+            rows = df[(df.step == s) & (df.tap == tap)].sort_values("call")
+            assert list(rows.call) == list(range(accumulate))
+            for call, g in enumerate(ref[s][tap]):
+                row = rows.iloc[call]
+                assert row.norm == pytest.approx(float(g.norm()), rel=1e-5)
+                assert row["max"] == pytest.approx(float(g.max()), rel=1e-5)
+                assert row["mean"] == pytest.approx(float(g.mean()), rel=1e-5, abs=1e-9)
+    assert set(df.strategy) == {strategy} and set(df["rank"]) == {0}
+
+
+def test_record_run_dir_is_a_runner_job(tmp_path: Path) -> None:
+    model, batches = _model(), _batches(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "mine"
+    with gradrunner.record(model, ["*:output"], run, every=2, histogram=True) as rec:
+        assert (run / ".gradrunner.lock").exists()
+        for x, y in batches:
+            loss = nn.functional.mse_loss(model(x), y)
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+        assert not (run / "done.json").exists()
+    marker = json.loads((run / "done.json").read_text())
+    assert marker["files"] == ["grads.parquet", "steps.parquet"] and marker["rows"]["steps.parquet"] == 4
+    steps = load(run, table="steps")
+    assert list(steps.captured) == [True, False, True, False]
+    grads = pd.read_parquet(run / "grads.parquet")
+    assert sorted(set(grads.step)) == [0, 2] and set(grads.tap) == {"0:output", "1:output", "2:output"}
+    assert grads.hist_counts.map(sum).eq(grads.numel).all()
+    # the report reads it as it reads a runner job
+    pytest.importorskip("matplotlib")
+    done = subprocess.run([sys.executable, "-m", "gradrunner.report", str(run)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (run / "report.html").is_file()
+
+
+def test_record_keeps_completed_steps_without_done_on_error(tmp_path: Path) -> None:
+    model, batches = _model(), _batches(2)
+    with pytest.raises(RuntimeError, match="boom"), gradrunner.record(model, ["0:output"], tmp_path / "r") as rec:
+        x, y = batches[0]
+        loss = nn.functional.mse_loss(model(x), y)
+        rec.backward(loss)
+        rec.step(loss)
+        raise RuntimeError("boom")
+    assert not (tmp_path / "r" / "done.json").exists()
+    assert len(pd.read_parquet(tmp_path / "r" / "steps.parquet")) == 1
+
+
+def test_record_refuses_existing_records_and_bad_options(tmp_path: Path) -> None:
+    model = _model()
+    with gradrunner.record(model, ["0:output"], tmp_path / "r"):
+        pass
+    with pytest.raises(GradrunnerError, match="already holds records"):
+        gradrunner.record(model, ["0:output"], tmp_path / "r").__enter__()
+    with pytest.raises(GradrunnerError, match="values='all' is not allowed; allowed: none, full, sample"):
+        gradrunner.record(model, ["0:output"], tmp_path / "s", values="all")
+    with pytest.raises(GradrunnerError, match="every=0"):
+        gradrunner.record(model, ["0:output"], tmp_path / "s", every=0)
+    with pytest.raises(GradrunnerError, match="outside"):
+        gradrunner.record(model, ["0:output"], tmp_path / "s").step(1.0)
+    assert not (tmp_path / "s").exists()
+
+
+def test_unscaled_records_are_the_true_gradients(tmp_path: Path) -> None:
+    model, (x, y) = _model(), _batches(1)[0]
+    scale = torch.tensor(1024.0)
+    with gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "r", loss_scale=lambda: scale) as rec:
+        loss = nn.functional.mse_loss(model(x), y)
+        rec.backward(loss * scale)
+        rec.step(loss)
+    ref = _reference(1)[0]
+    df = load(tmp_path / "r").set_index("tap")
+    for tap in ("0:output", "0:weight"):
+        assert df.loc[tap, "norm"] == pytest.approx(float(ref[tap][0].norm()), rel=1e-5)
+    np.testing.assert_allclose(model[0].weight.grad, ref["0:weight"][0] * 1024, rtol=1e-5)  # .grad is untouched
