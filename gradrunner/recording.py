@@ -108,6 +108,8 @@ class Recorder:
         self._grads: RecordWriter | GatheredWriter | None = None
         self._steps: StepsWriter | GatheredWriter | None = None
         self._backwards = 0
+        self._loss_scale = loss_scale
+        self._loss_sum: torch.Tensor | None = None
         self._before: ParamSnapshot | None = None
         self._t0 = time.perf_counter()
         self._open = False
@@ -197,6 +199,10 @@ class Recorder:
         self.capture.enabled = self.captured
         self.capture.backward(loss, retain_graph=retain_graph)
         self._backwards += 1
+        part = loss.detach().float()  # the step's loss, if `step` is given none: summed on the device, no sync
+        scale = self._loss_scale() if self._loss_scale is not None else None
+        part = part / (scale.to(part.device) if isinstance(scale, torch.Tensor) else scale) if scale is not None else part
+        self._loss_sum = part if self._loss_sum is None else self._loss_sum + part
         if self.captured:
             self._snapshot()
 
@@ -212,7 +218,8 @@ class Recorder:
 
             rec.step(loss)          # after optimizer.step()
 
-        `loss` is the step's loss (a tensor rides in the records' transfer). `extra` holds further
+        `loss` is the step's loss (a tensor rides in the records' transfer); without it, the sum of the
+        losses given to `backward` since the last step (the mean, for a loss divided for accumulation). `extra` holds further
         `steps.parquet` values (`grad_norm`) that the steps writer takes where it has the column.
         """
         from gradrunner.records.writer import deferred_signals
@@ -221,6 +228,8 @@ class Recorder:
         self._check_open("step")
         assert self._grads is not None and self._steps is not None
         step, captured = self.step_index, self.captured and self._backwards > 0
+        if loss is None:
+            loss = self._loss_sum
         recs: StepRecords | None = None
         capture_time = None
         t1 = time.perf_counter()
@@ -241,7 +250,7 @@ class Recorder:
                             capture_time, peak, extra or {})  # fmt: skip
         self._t0 = time.perf_counter()
         self.step_index += 1
-        self._backwards, self._before = 0, None
+        self._backwards, self._before, self._loss_sum = 0, None, None
         check_finite(self.on_nonfinite, step, loss_value, recs)
 
     def _check_open(self, what: str) -> None:
@@ -327,6 +336,19 @@ class Unscaled(Strategy):
 
     def __getattr__(self, name: str) -> Any:  # strategy-specific attributes (tests, DDP) of the inner one
         return getattr(self.__dict__["inner"], name)
+
+
+def scaler_scale(scaler: Any) -> torch.Tensor | None:
+    """A GradScaler's current scale as its 0-d device tensor (no host sync), None when it is off.
+
+    Example::
+
+        record(model, taps, "runs/a", loss_scale=lambda: scaler_scale(scaler))
+    """
+    if not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_scale", None)  # the device tensor behind get_scale(), which would sync
+    return scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scaler.get_scale()))
 
 
 def _unscaling(

@@ -33,7 +33,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.errors import GradrunnerError
 from gradrunner.integrations._backward import route
-from gradrunner.recording import Recorder
+from gradrunner.recording import Recorder, scaler_scale
 
 #: Lightning strategies whose backward is the module's own `loss.backward()`.
 SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
@@ -65,7 +65,7 @@ class GradientCapture(Callback):
         dist, wrap = self._distributed(trainer)
         precision = trainer.precision_plugin
         scaler = getattr(precision, "scaler", None)
-        scale = None if scaler is None else (lambda: _loss_scale(scaler))
+        scale = None if scaler is None else (lambda: scaler_scale(scaler))
         rec = Recorder(pl_module, self.taps, self.dir, strategy=self.strategy, every=self.every, loss_scale=scale,
                        dist=dist, wrap_strategy=wrap, experiment=type(pl_module).__name__, **self.options)  # fmt: skip
         rec.__enter__()
@@ -134,10 +134,3 @@ class GradientCapture(Callback):
         if rec is not None:
             rec.__exit__(type(error) if error is not None else None, error, None)
 
-
-def _loss_scale(scaler: Any) -> torch.Tensor | None:
-    """A GradScaler's current scale as its 0-d device tensor (no host sync), None when it is off."""
-    if not scaler.is_enabled():
-        return None
-    scale = getattr(scaler, "_scale", None)  # the device tensor behind get_scale(), which would sync
-    return scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scaler.get_scale()))
