@@ -56,7 +56,12 @@ def _replay(batches: list[dict[str, torch.Tensor]], accumulate: int, clip: float
         grads: dict[str, list[torch.Tensor]] = {t: [] for t in TAPS}
         for b in micro:
             kept: list[torch.Tensor] = []
-            h = mlp.register_forward_hook(lambda m, a, o: (o.retain_grad(), kept.append(o))[0])
+
+            def keep(m: nn.Module, a: Any, o: torch.Tensor, kept: list[torch.Tensor] = kept) -> None:
+                o.retain_grad()
+                kept.append(o)
+
+            h = mlp.register_forward_hook(keep)
             logits = model(input_ids=b["input_ids"]).logits
             h.remove()
             before = c_fc.weight.grad.clone() if c_fc.weight.grad is not None else 0
