@@ -65,7 +65,8 @@ class Recorder:
 
     Options are `capture.*`'s: `values` (`none`, `full`, `sample` with `sample_size`), `per_example`,
     `histogram`, `on_nonfinite` (`record`, `stop`), plus `every` (capture every N-th step) and `seed`
-    (the sample positions). `loss_scale` (a callable giving the current loss scale, a 0-d tensor or
+    (the sample positions). `live_every` (default 10; 0: off) writes the completed steps as closed
+    segments every so many steps, which `load(run_dir, live=True)` reads while the job runs. `loss_scale` (a callable giving the current loss scale, a 0-d tensor or
     None) makes the records hold the true gradients of a loss multiplied by a GradScaler's scale.
     `dist` (a `run.distributed.Distributed`) records every rank's rows in rank 0's run dir.
     """
@@ -87,6 +88,7 @@ class Recorder:
         experiment: str = EXPERIMENT,
         loss_scale: Callable[[], torch.Tensor | float | None] | None = None,
         dist: Distributed | None = None,
+        live_every: int = 10,
         wrap_strategy: Callable[[Strategy], Strategy] | None = None,
     ) -> None:
         _check_options(strategy, every, values, sample_size, on_nonfinite)
@@ -113,6 +115,8 @@ class Recorder:
         self._before: ParamSnapshot | None = None
         self._t0 = time.perf_counter()
         self._open = False
+        self.live_every = live_every
+        self._segments: Any = None
 
     @property
     def main(self) -> bool:
@@ -154,17 +158,24 @@ class Recorder:
                      "device": str(_device_of(self.model)), "dtype": str(_dtype_of(self.model)).removeprefix("torch.")}  # fmt: skip
         meta = run_metadata(OmegaConf.to_yaml(self.config), seed=int(self.config.seed))
         c = self.config.capture
+        # Closed segments of the completed steps, readable while the job runs; removed once the files are closed.
+        stack.callback(lambda: self._segments is not None and self._segments.close())
         if self.dist is not None:
             from gradrunner.run.distributed import open_writers
 
             self._grads, self._steps = open_writers(stack, self.dist, self.directory, constants, meta,
                                                     bool(c.per_example), bool(c.histogram))  # fmt: skip
-            return
-        grads = RecordWriter(self.directory / GRADS_FILE, constants=constants, metadata=meta,
-                             per_example=bool(c.per_example), histogram=bool(c.histogram))  # fmt: skip
-        steps = StepsWriter(self.directory / STEPS_FILE, constants=constants, metadata=meta)
-        stack.enter_context(closing_together(grads, steps))
-        self._grads, self._steps = grads, steps
+        else:
+            grads = RecordWriter(self.directory / GRADS_FILE, constants=constants, metadata=meta,
+                                 per_example=bool(c.per_example), histogram=bool(c.histogram))  # fmt: skip
+            steps = StepsWriter(self.directory / STEPS_FILE, constants=constants, metadata=meta)
+            stack.enter_context(closing_together(grads, steps))
+            self._grads, self._steps = grads, steps
+        real = {t: getattr(w, "writer", w) for t, w in (("grads", self._grads), ("steps", self._steps))}
+        if self.live_every and self.main and all(w is not None for w in real.values()):
+            from gradrunner.records.segments import Segments
+
+            self._segments = Segments(self.directory, self.run_id, real, every=self.live_every)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self._open = False
@@ -248,6 +259,8 @@ class Recorder:
             peak = _peak_memory(self.model)
             write_steps_row(self._steps, step, recs is not None, loss_value, time.perf_counter() - self._t0,
                             capture_time, peak, extra or {})  # fmt: skip
+            if self._segments is not None:
+                self._segments.step_done()
         self._t0 = time.perf_counter()
         self.step_index += 1
         self._backwards, self._before, self._loss_sum = 0, None, None

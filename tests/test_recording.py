@@ -144,3 +144,30 @@ def test_unscaled_records_are_the_true_gradients(tmp_path: Path) -> None:
     for tap in ("0:output", "0:weight"):
         assert df.loc[tap, "norm"] == pytest.approx(float(ref[tap][0].norm()), rel=1e-5)
     np.testing.assert_allclose(model[0].weight.grad, ref["0:weight"][0] * 1024, rtol=1e-5)  # .grad is untouched
+
+
+def test_live_load_reads_completed_steps_while_the_job_runs(tmp_path: Path) -> None:
+    model, batches = _model(), _batches(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "live"
+    seen = []
+    with gradrunner.record(model, ["0:output"], run, live_every=2) as rec:
+        for i, (x, y) in enumerate(batches):
+            loss = nn.functional.mse_loss(model(x), y)
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+            assert not (run / "grads.parquet").exists()  # the record file has no footer yet
+            if i == 0:
+                with pytest.raises(GradrunnerError, match="has not completed a segment yet"):
+                    load(run, live=True)
+            else:
+                partial = load(run, live=True)
+                seen.append((sorted(set(partial.step)), list(load(run, table="steps", live=True).step)))
+    assert seen == [([0, 1], [0, 1]), ([0, 1], [0, 1]), ([0, 1, 2, 3], [0, 1, 2, 3]), ([0, 1, 2, 3], [0, 1, 2, 3])]
+    final = load(run)
+    assert not (run / ".live").exists()  # the files hold everything now
+    live_rows = load(run, live=True)  # after the run: the record files themselves
+    pd.testing.assert_frame_equal(live_rows, final)
+    pd.testing.assert_frame_equal(partial, final[final.step < 4])  # the segments held the final rows

@@ -48,7 +48,8 @@ RESERVED_COLUMNS = frozenset({
 
 
 def load(
-    path: str | os.PathLike[str], table: str = "grads", columns: Sequence[str] | None = None, values: bool = False
+    path: str | os.PathLike[str], table: str = "grads", columns: Sequence[str] | None = None, values: bool = False,
+    live: bool = False,
 ) -> pd.DataFrame:
     """Every `<table>.parquet` below `path` as one DataFrame, with a column per swept override.
 
@@ -76,7 +77,14 @@ def load(
     left out and named in an `IncompleteSweepWarning`; `pd.read_parquet` still reads their partial files.
     Jobs the sweep's `manifest.json` lists but that have no dir are named in that warning too. A file
     that cannot be read is a GradrunnerError naming it and its job: never a silently shorter result.
+
+    `live=True` reads a run dir whose job is still running: the steps completed so far (see
+    `gradrunner.analysis.live`).
     """
+    if live:  # a running job's closed segments: gradrunner.analysis.live
+        from gradrunner.analysis.live import load_live
+
+        return load_live(path, table, columns, values)
     root = Path(path)
     files = _completed_only(root, _find_files(root, table))
     tables = [_read(root, f, columns, values) for f in files]
