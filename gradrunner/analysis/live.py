@@ -2,7 +2,7 @@
 
 A running job's `grads.parquet` has no footer yet (see `gradrunner.records.segments`); what it
 has completed so far lies in closed segments under `<run dir>/.live/<run id>/`. `load_live` reads
-those, or, once the job's record files exist, the record files themselves.
+those; once the job's record files exist, `load` reads the record files themselves.
 
 Example::
 
@@ -27,22 +27,18 @@ from gradrunner.records.segments import LIVE_DIR
 
 def load_live(
     path: str | os.PathLike[str], table: str = "grads", columns: Sequence[str] | None = None, values: bool = False
-) -> pd.DataFrame:
-    """The run dir's `table`: from its record file when it exists, else from the running job's segments.
+) -> pd.DataFrame | None:
+    """The running job's `table` from its segments; None when `path` is no running job (then `load` reads it).
 
     Example::
 
         load_live("runs/mine").groupby("step").norm.mean()
     """
-    from gradrunner.analysis.reading import TABLES, load
-
     d = Path(path)
-    if table not in TABLES:
-        raise GradrunnerError(f"table={table!r} is not a gradrunner table; allowed: {', '.join(TABLES)}")
     # A run started here (its lock file, its temp file) whose record file is not closed yet.
     running = d.is_dir() and any(f.name == LOCK_FILE or is_temp_of(f.name, f"{table}.parquet") for f in d.iterdir())
     if (d / f"{table}.parquet").is_file() or not (running or (d / LIVE_DIR).is_dir()):
-        return load(d, table=table, columns=columns, values=values)
+        return None
     live = d / LIVE_DIR
     runs = sorted((r for r in live.iterdir() if r.is_dir()), key=lambda r: r.stat().st_mtime) if live.is_dir() else []
     files = sorted(runs[-1].glob(f"{table}-*.parquet")) if runs else []

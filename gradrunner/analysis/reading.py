@@ -81,10 +81,12 @@ def load(
     `live=True` reads a run dir whose job is still running: the steps completed so far (see
     `gradrunner.analysis.live`).
     """
-    if live:  # a running job's closed segments: gradrunner.analysis.live
+    if live and table in TABLES:  # a running job's closed segments: gradrunner.analysis.live
         from gradrunner.analysis.live import load_live
 
-        return load_live(path, table, columns, values)
+        running = load_live(path, table, columns, values)
+        if running is not None:
+            return running
     root = Path(path)
     files = _completed_only(root, _find_files(root, table))
     tables = [_read(root, f, columns, values) for f in files]
