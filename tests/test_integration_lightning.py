@@ -94,15 +94,27 @@ def test_lightning_accumulation_and_clipping_equal_plain_torch(tmp_path: Path, s
     assert len(load(tmp_path / "run", table="steps")) == 3
 
 
-def test_lightning_mixed_precision_records_true_gradients(tmp_path: Path) -> None:
-    """bf16-mixed autocast on CPU: the records are the float32 parameters' gradients, not a scaled copy."""
-    module = Module()
-    loader = torch.utils.data.DataLoader(_data(2), batch_size=5, shuffle=False)
+class PeekGrad(pl.Callback):
+    """The first layer's `.grad` as the optimiser gets it: Lightning has unscaled it by then."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: object) -> None:
+        self.norms.append(float(module.net[0].weight.grad.norm()))
+
+
+def test_lightning_fp16_grad_scaler_records_true_gradients(tmp_path: Path) -> None:
+    """16-mixed with a GradScaler (scale 1024): the records hold the unscaled gradients the optimiser steps with."""
+    module, peek = Module(), PeekGrad()
+    loader = torch.utils.data.DataLoader(_data(3), batch_size=5, shuffle=False)
+    plugin = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _trainer(2, [GradientCapture(taps=["net.0:weight"], dir=tmp_path / "r")], precision="bf16-mixed").fit(module, loader)
-    df = load(tmp_path / "r")
-    assert len(df) == 2 and df.has_grad.all() and (df.norm > 0).all()
+        _trainer(3, [GradientCapture(taps=["net.0:weight"], dir=tmp_path / "r"), peek], plugins=[plugin]).fit(module, loader)
+    df = load(tmp_path / "r").sort_values("step")
+    assert list(df.norm) == pytest.approx(peek.norms, rel=1e-6)
+    assert max(peek.norms) < 10  # unscaled (a scaled gradient would be about 1024 times larger)
 
 
 def test_lightning_refuses_a_strategy_with_its_own_backward(tmp_path: Path) -> None:
