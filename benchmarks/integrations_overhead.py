@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, median_ms, no_context, parse_args, report  # noqa: E402
+from _common import interleaved, median_ms, no_context, parse_args, report
 
-import gradrunner  # noqa: E402
+import gradrunner
 
 TAPS = ["*:output", "*:weight"]
 
