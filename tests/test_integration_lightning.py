@@ -128,6 +128,15 @@ def test_lightning_refuses_a_strategy_with_its_own_backward(tmp_path: Path) -> N
         cb._distributed(trainer)  # type: ignore[arg-type]
 
 
+def test_lightning_refuses_autograd_grad_under_ddp(tmp_path: Path) -> None:
+    DDPStrategy = type("DDPStrategy", (), {})
+    trainer = type("T", (), {"strategy": DDPStrategy(), "world_size": 2})()
+    cb = GradientCapture(taps=TAPS, dir=tmp_path / "r", strategy="autograd_grad")
+    with pytest.raises(GradrunnerError, match="autograd_grad.*DDP.*use one of hook, retain_grad"):
+        cb._distributed(trainer)  # type: ignore[arg-type]
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.slow
 def test_lightning_ddp_records_both_ranks(tmp_path: Path) -> None:
     module = Module()
