@@ -231,6 +231,47 @@ def to_wandb(all_jobs: Sequence[Job], out: Path, project: str = "gradrunner") ->
     return dirs
 
 
+class LiveTensorBoard:
+    """Live logging from `record(..., log_to="tensorboard")`: each captured step's statistics as it is written.
+
+    Example::
+
+        live = LiveTensorBoard(run_dir / "tensorboard")
+        live.write(step, records)      # the host-side StepRecords the writer just took: no device sync
+        live.close()
+
+    Tags are the export's (`grads/<tap>/<stat>`, `steps/loss`), so a live log and a later export agree.
+    """
+
+    def __init__(self, logdir: str | os.PathLike[str]) -> None:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.writer = EventFileWriter(str(logdir))
+
+    def write(self, step: int, recs: Any, loss: float | None) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = []
+        for i, key in enumerate(recs.keys):
+            prefix = _prefix(key.tap, key.call, 0)
+            for c in STAT_COLUMNS:
+                if recs.has_grad[i]:
+                    values.append(Summary.Value(tag=f"{prefix}/{c}", simple_value=float(recs.stats[c][i])))
+            for c in COUNT_COLUMNS:
+                values.append(Summary.Value(tag=f"{prefix}/{c}", simple_value=float(recs.counts[c][i])))
+            for c in EXTRA_FLOAT_COLUMNS:
+                col = getattr(recs, c)
+                if col is not None and math.isfinite(float(col[i])):
+                    values.append(Summary.Value(tag=f"{prefix}/{c}", simple_value=float(col[i])))
+        if loss is not None and math.isfinite(loss):
+            values.append(Summary.Value(tag="steps/loss", simple_value=float(loss)))
+        self.writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 # -- command line ----------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m gradrunner.export <target> <dir> [--out DIR] [--uri URI]`; exit 2 on a user mistake."""

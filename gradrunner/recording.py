@@ -66,7 +66,9 @@ class Recorder:
     Options are `capture.*`'s: `values` (`none`, `full`, `sample` with `sample_size`), `per_example`,
     `histogram`, `on_nonfinite` (`record`, `stop`), plus `every` (capture every N-th step) and `seed`
     (the sample positions). `live_every` (default 10; 0: off) writes the completed steps as closed
-    segments every so many steps, which `load(run_dir, live=True)` reads while the job runs. `loss_scale` (a callable giving the current loss scale, a 0-d tensor or
+    segments every so many steps, which `load(run_dir, live=True)` reads while the job runs;
+    `log_to="tensorboard"` also logs each captured step's statistics to `<run_dir>/tensorboard` as it
+    is written (the export's tags; no extra device sync). `loss_scale` (a callable giving the current loss scale, a 0-d tensor or
     None) makes the records hold the true gradients of a loss multiplied by a GradScaler's scale.
     `dist` (a `run.distributed.Distributed`) records every rank's rows in rank 0's run dir.
     """
@@ -89,6 +91,7 @@ class Recorder:
         loss_scale: Callable[[], torch.Tensor | float | None] | None = None,
         dist: Distributed | None = None,
         live_every: int = 10,
+        log_to: str | None = None,
         wrap_strategy: Callable[[Strategy], Strategy] | None = None,
     ) -> None:
         _check_options(strategy, every, values, sample_size, on_nonfinite)
@@ -117,6 +120,10 @@ class Recorder:
         self._open = False
         self.live_every = live_every
         self._segments: Any = None
+        if log_to not in (None, "tensorboard"):
+            raise not_allowed("log_to", log_to, ("tensorboard",), hint=" Leave it out to write the records only.")
+        self.log_to = log_to
+        self._live_log: Any = None
 
     @property
     def main(self) -> bool:
@@ -171,6 +178,10 @@ class Recorder:
             steps = StepsWriter(self.directory / STEPS_FILE, constants=constants, metadata=meta)
             stack.enter_context(closing_together(grads, steps))
             self._grads, self._steps = grads, steps
+        if self.log_to == "tensorboard" and self.main:
+            from gradrunner.export import LiveTensorBoard
+
+            self._live_log = stack.enter_context(contextlib.closing(LiveTensorBoard(self.directory / "tensorboard")))
         real = {t: getattr(w, "writer", w) for t, w in (("grads", self._grads), ("steps", self._steps))}
         if self.live_every and self.main and all(w is not None for w in real.values()):
             from gradrunner.records.segments import Segments
@@ -261,6 +272,8 @@ class Recorder:
                             capture_time, peak, extra or {})  # fmt: skip
             if self._segments is not None:
                 self._segments.step_done()
+        if self._live_log is not None and recs is not None:
+            self._live_log.write(step, recs, loss_value)  # host values the writer just took: no device sync
         self._t0 = time.perf_counter()
         self.step_index += 1
         self._backwards, self._before, self._loss_sum = 0, None, None

@@ -141,3 +141,29 @@ def test_bad_input_is_one_paragraph_exit_2(tmp_path: Path, capsys: pytest.Captur
 def test_export_imports_no_torch() -> None:
     code = "import sys, gradrunner.export; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_record_logs_live_to_tensorboard(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradrunner.record(model, ["0:output", "2:weight"], tmp_path / "r", every=2, log_to="tensorboard") as rec:
+        for _ in range(4):
+            loss = model(torch.randn(6, 3)).pow(2).mean()
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    acc = EventAccumulator(str(tmp_path / "r" / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    df = _grads(tmp_path / "r")
+    for tap in ("0:output", "2:weight"):
+        rows = df[df.tap == tap].sort_values("step")
+        events = acc.Scalars(f"grads/{tap}/norm")
+        assert [e.step for e in events] == [0, 2] == list(rows.step)
+        np.testing.assert_allclose([e.value for e in events], rows.norm, rtol=1e-6)
+    with pytest.raises(gradrunner.GradrunnerError, match="log_to='wandb' is not allowed; allowed: tensorboard"):
+        gradrunner.record(model, ["0:output"], tmp_path / "s", log_to="wandb")
