@@ -171,3 +171,33 @@ def test_live_load_reads_completed_steps_while_the_job_runs(tmp_path: Path) -> N
     live_rows = load(run, live=True)  # after the run: the record files themselves
     pd.testing.assert_frame_equal(live_rows, final)
     pd.testing.assert_frame_equal(partial, final[final.step < 4])  # the segments held the final rows
+
+
+@pytest.mark.parametrize("strategy", ["hook", "autograd_grad"])
+def test_record_writes_the_runners_records(tmp_path: Path, strategy: str) -> None:
+    """The runner's job (same model, data, seed) and a hand loop under record(): the same rows."""
+    from conftest import compose_cfg
+
+    from gradrunner.run.build import setup
+    from gradrunner.run.loop import train
+
+    cfg = compose_cfg("+experiment=mlp", "steps=3", f"capture.strategy={strategy}", "capture.histogram=true")
+    train(cfg, out_dir=tmp_path / "runner")
+    job = setup(cfg)  # built again from the seed: the runner's model, batches and optimiser
+    with gradrunner.record(job.model, list(cfg.taps), tmp_path / "mine", strategy=strategy, every=int(cfg.capture.every),
+                           seed=int(cfg.seed), histogram=True) as rec:  # fmt: skip
+        for _ in range(3):
+            x, y = next(job.batches)
+            loss = job.loss_fn(job.model(x), y)
+            rec.backward(loss)
+            job.optimizer.step()
+            job.optimizer.zero_grad(set_to_none=True)
+            rec.step(loss)
+    key = ["step", "tap", "call"]
+    ours = pd.read_parquet(tmp_path / "mine" / "grads.parquet").sort_values(key).reset_index(drop=True)
+    theirs = pd.read_parquet(tmp_path / "runner" / "grads.parquet").sort_values(key).reset_index(drop=True)
+    assert len(ours) == len(theirs) > 0
+    columns = [*key, "numel", "norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "nan_count", "loss",
+               "has_grad", "value_norm", "update_norm", "strategy", "rank"]  # fmt: skip
+    pd.testing.assert_frame_equal(ours[columns], theirs[columns])
+    assert ours.hist_counts.map(list).tolist() == theirs.hist_counts.map(list).tolist()
