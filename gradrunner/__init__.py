@@ -11,6 +11,7 @@ checks it, see pyproject.toml):
 | `run/` | the job built from the config, the step loop, guards, DDP, the Hydra job |
 | `analysis/` | records read back into pandas, summaries, plots, the HTML report (no torch) |
 | `cli`, `callbacks` | the Hydra app (`python -m gradrunner`) and the sweep's bookkeeping |
+| `recording`, `integrations/`, `export` | `record(...)` in any loop, the Lightning and HF callbacks, `python -m gradrunner.export` |
 | `models/`, `data`, `losses` | built-in options for the config groups |
 
 Example::

@@ -123,3 +123,25 @@ def test_hf_callback_leaves_tensor_backward_as_it_was(tmp_path: Path) -> None:
                              callbacks=[GradientCaptureCallback(taps=TAPS[:1], dir=tmp_path / "run")]).train()  # fmt: skip
     assert torch.Tensor.backward is original
     assert not model._forward_hooks and len(load(tmp_path / "run")) == 1
+
+
+def test_hf_callback_close_after_a_failed_train(tmp_path: Path) -> None:
+    model = _gpt2()
+    original = torch.Tensor.backward
+
+    class Boom(transformers.TrainerCallback):
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            raise RuntimeError("boom")
+
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (4, 8))]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=2, max_steps=2,
+                                          report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)  # fmt: skip
+    cb = GradientCaptureCallback(taps=TAPS[:1], dir=tmp_path / "run")
+    with warnings.catch_warnings(), pytest.raises(RuntimeError, match="boom"):
+        warnings.simplefilter("ignore")
+        transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb, Boom()]).train()
+    assert torch.Tensor.backward is not original  # still open: the Trainer never says it failed
+    cb.close()
+    cb.close()
+    assert torch.Tensor.backward is original and not model._forward_hooks
+    assert not (tmp_path / "run" / "done.json").exists()

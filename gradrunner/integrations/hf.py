@@ -19,6 +19,8 @@ A thin adapter over `gradrunner.recording.Recorder` (the runner's capture sessio
   the Trainer's own `grad_norm` (what it logs, the total norm before clipping) goes into the
   `grad_norm` column where the steps writer has it; log every step (`logging_steps=1`) to have it
   on every row.
+- the Trainer has no event for a failed `train()`: after one raised, call `callback.close()` (or the
+  next `train()` does) to end the session, release the run dir and restore `torch.Tensor.backward`;
 - under multi-process training (`torchrun`) rank 0 writes every rank's rows (`rank` column);
   `autograd_grad` (outside DDP's reducer) is refused there.
 """
@@ -124,6 +126,19 @@ class GradientCaptureCallback(TrainerCallback):
             self._pending = False
             extra = {} if self._grad_norm is None else {"grad_norm": self._grad_norm}
             self.recorder.step(extra=extra)
+
+    def close(self) -> None:
+        """End the session after a `train()` that raised: records kept, no `done.json` (idempotent).
+
+        Example::
+
+            try:
+                trainer.train()
+            finally:
+                callback.close()
+        """
+        if self.recorder is not None:
+            self._close(RuntimeError("train() did not end"))
 
     def _close(self, error: BaseException | None) -> None:
         self.recorder = None
