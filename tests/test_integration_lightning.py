@@ -52,6 +52,7 @@ def _reference(steps: int, accumulate: int, clip: float | None) -> tuple[list[di
     net, data = _net(), _data(steps * accumulate)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     out = []
+    losses: list[float] = []
     for s in range(steps):
         grads: dict[str, list[torch.Tensor]] = {"net.0:output": [], "net.0:weight": []}
         for m in range(accumulate):
@@ -60,7 +61,9 @@ def _reference(steps: int, accumulate: int, clip: float | None) -> tuple[list[di
             h = net[0](x)
             h.retain_grad()
             before = net[0].weight.grad.clone() if net[0].weight.grad is not None else 0
-            (nn.functional.mse_loss(net[2](net[1](h)), y) / accumulate).backward()
+            loss = nn.functional.mse_loss(net[2](net[1](h)), y) / accumulate
+            loss.backward()
+            losses.append(float(loss.detach()) + (losses.pop() if m else 0.0))
             grads["net.0:output"].append(h.grad.clone())
             grads["net.0:weight"].append(net[0].weight.grad - before)
         if clip is not None:
@@ -68,6 +71,7 @@ def _reference(steps: int, accumulate: int, clip: float | None) -> tuple[list[di
         opt.step()
         opt.zero_grad()
         out.append(grads)
+        grads["loss"] = [torch.tensor(losses[-1])]
     return out, net
 
 
@@ -91,7 +95,8 @@ def test_lightning_accumulation_and_clipping_equal_plain_torch(tmp_path: Path, s
     # the capture changed nothing: the trained weights are plain torch's (clipped) ones
     torch.testing.assert_close(module.net[0].weight, net[0].weight)
     assert (tmp_path / "run" / "done.json").is_file()
-    assert len(load(tmp_path / "run", table="steps")) == 3
+    steps = load(tmp_path / "run", table="steps")
+    assert list(steps.loss) == pytest.approx([float(ref[s]["loss"][0]) for s in range(3)], rel=1e-6)
 
 
 class PeekGrad(pl.Callback):

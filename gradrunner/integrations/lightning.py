@@ -16,8 +16,11 @@ A thin adapter over `gradrunner.recording.Recorder` (the runner's capture sessio
   (`gradient_clip_val` clips after the records' gradients were reduced);
 - under a precision plugin with a GradScaler (`precision="16-mixed"`), gradients are divided by the
   scale as they arrive: the records hold the true, unscaled gradients;
+- `steps.parquet`'s `loss` is the sum of the losses Lightning backpropagated in the step (divided
+  for accumulation, so their mean; unscaled);
 - under DDP every rank captures and rank 0 writes every rank's rows (`rank` column); parameter
-  taps are read from `.grad` after DDP's all-reduce, as the runner does. `autograd_grad` computes
+  taps are read from `.grad` after each backward, as the runner does (after DDP's all-reduce; with
+  accumulation, the running sum, all-reduced on the step's last micro-batch). `autograd_grad` computes
   the gradients itself, out of DDP's reducer, and is refused there; strategies other than a single
   device, `ddp` and `ddp_spawn` (FSDP, DeepSpeed) run their own backward and are refused.
 """
@@ -58,7 +61,6 @@ class GradientCapture(Callback):
     ) -> None:  # fmt: skip
         self.taps, self.dir, self.every, self.strategy, self.options = taps, dir, every, strategy, options
         self.recorder: Recorder | None = None
-        self._losses: list[torch.Tensor] = []
         self._global_step = 0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -110,15 +112,10 @@ class GradientCapture(Callback):
         rec = self.recorder
         if rec is None:
             return
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor):
-            self._losses.append(loss.detach())
         if trainer.global_step == self._global_step:
             return  # a micro-batch of an accumulating step: the optimiser has not stepped yet
         self._global_step = trainer.global_step
-        step_loss = torch.stack(self._losses).float().mean() if self._losses else None
-        self._losses = []
-        rec.step(step_loss)
+        rec.step()  # the step's loss: the sum of the (unscaled) losses Lightning backpropagated, on the device
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close(None)
