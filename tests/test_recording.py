@@ -201,3 +201,25 @@ def test_record_writes_the_runners_records(tmp_path: Path, strategy: str) -> Non
                "has_grad", "value_norm", "update_norm", "strategy", "rank"]  # fmt: skip
     pd.testing.assert_frame_equal(ours[columns], theirs[columns])
     assert ours.hist_counts.map(list).tolist() == theirs.hist_counts.map(list).tolist()
+
+
+def test_live_segments_survive_a_killed_job(tmp_path: Path) -> None:
+    """SIGKILL after 3 steps: no record file has a footer, the closed segments still read."""
+    code = f"""
+import os, signal, torch
+from torch import nn
+import gradrunner
+torch.manual_seed(0)
+model = nn.Linear(3, 1)
+with gradrunner.record(model, [":output"], {str(tmp_path / "k")!r}, live_every=1) as rec:
+    for _ in range(3):
+        loss = model(torch.randn(4, 3)).pow(2).mean()
+        rec.backward(loss)
+        rec.step(loss)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == -9, done.stderr
+    assert not (tmp_path / "k" / "grads.parquet").exists()
+    df = load(tmp_path / "k", live=True)
+    assert list(df.step) == [0, 1, 2] and df.norm.notna().all()

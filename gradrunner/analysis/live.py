@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import LOCK_FILE, is_temp_of
-from gradrunner.records.segments import LIVE_DIR
+from gradrunner.records.segments import LIVE_DIR, SEGMENT_SUFFIX
 
 
 def load_live(
@@ -41,7 +41,7 @@ def load_live(
         return None
     live = d / LIVE_DIR
     runs = sorted((r for r in live.iterdir() if r.is_dir()), key=lambda r: r.stat().st_mtime) if live.is_dir() else []
-    files = sorted(runs[-1].glob(f"{table}-*.parquet")) if runs else []
+    files = sorted(runs[-1].glob(f"{table}-*{SEGMENT_SUFFIX}")) if runs else []
     if not files:
         raise GradrunnerError(
             f"{d} has no {table}.parquet and its running job has not completed a segment yet (one is written every "

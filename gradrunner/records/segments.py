@@ -3,8 +3,8 @@
 A Parquet file is readable only once its footer is written, at the end of the job. `Segments`
 copies every batch a job's writers take and, every `every` steps, writes the steps completed since
 the last segment as small closed files in a hidden dir of the run dir:
-`.live/<run id>/<table>-<n>.parquet` (a hidden name: `load`, pyarrow datasets and DuckDB globs never
-read it as records). When the writers have closed, the record files hold everything and the
+`.live/<run id>/<table>-<n>.parquet.seg` (a hidden dir and a name not ending in `.parquet`: `load`,
+pyarrow datasets and DuckDB globs never read it as records). When the writers have closed, the record files hold everything and the
 segments are removed; a job killed outright keeps them. `gradrunner.analysis.live` reads them.
 Nothing about the record files themselves changes (docs/what-survives.md).
 
@@ -29,9 +29,13 @@ import pyarrow.parquet as pq
 LIVE_DIR = ".live"
 
 
+#: Segment files end so: a `*.parquet` glob (DuckDB's, polars') never takes them for records.
+SEGMENT_SUFFIX = ".parquet.seg"
+
+
 def segment_name(table: str, n: int) -> str:
     """The file name of segment `n` of `table` (zero-padded: names sort in order)."""
-    return f"{table}-{n:06d}.parquet"
+    return f"{table}-{n:06d}{SEGMENT_SUFFIX}"
 
 
 class Segments:
