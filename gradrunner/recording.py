@@ -17,8 +17,9 @@ Example::
             rec.step(loss)                     # closes the step: its records, one transfer
 
 A step is one optimiser step: several `rec.backward` calls before `rec.step` (gradient
-accumulation) are captured together, each firing of a tap in any of them a `call` of that tap
-(the first micro-batch's calls first), a parameter tap one row per backward (its part of `.grad`).
+accumulation) are each captured, as the runner captures its micro-batches: their records carry
+`micro_step` where the records have that column, else each tap's firings are numbered on as further
+`call`s (the first micro-batch's first); a parameter tap has one row per backward (its part of `.grad`).
 The Lightning and HF callbacks (`gradrunner.integrations`) drive this same `Recorder`.
 """
 
@@ -113,6 +114,8 @@ class Recorder:
         self._grads: RecordWriter | GatheredWriter | None = None
         self._steps: StepsWriter | GatheredWriter | None = None
         self._backwards = 0
+        #: Records of the step's earlier micro-batches (gradient accumulation), taken before the next backward.
+        self._micro: list[StepRecords] = []
         self._loss_scale = loss_scale
         self._loss_sum: torch.Tensor | None = None
         self._before: ParamSnapshot | None = None
@@ -218,6 +221,8 @@ class Recorder:
         `step` (gradient accumulation), each backward's gradients are captured.
         """
         self._check_open("backward")
+        if self.captured and self._backwards > 0:  # the collector holds one backward's records: take them now
+            self._micro.append(self.capture.records())
         self.capture.enabled = self.captured
         self.capture.backward(loss, retain_graph=retain_graph)
         self._backwards += 1
@@ -253,31 +258,38 @@ class Recorder:
         if loss is None:
             loss = self._loss_sum
         recs: StepRecords | None = None
+        micro: list[StepRecords] = []
         capture_time = None
         t1 = time.perf_counter()
         if captured:
             as_tensor = loss if isinstance(loss, torch.Tensor) else None
-            recs = renumber_calls(self.capture.records(as_tensor.detach() if as_tensor is not None else None, self._before))
+            recs = self.capture.records(as_tensor.detach() if as_tensor is not None else None, self._before)
             loss_value = float("nan") if recs.loss is None else recs.loss
             if as_tensor is None and loss is not None:
-                loss_value = recs.loss = float(loss)
+                loss_value = float(loss)
+            micro = [*self._micro, recs]
+            for r in micro:
+                r.loss = loss_value  # every row of the step carries the step's loss
         else:
             loss_value = float("nan") if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         with deferred_signals():  # a step's rows go into both tables, or into neither
-            if recs is not None:
-                self._grads.write_step(step, recs)
+            if micro:
+                write_micro_batches(self._grads, step, micro)
                 capture_time = time.perf_counter() - t1
             peak = _peak_memory(self.model)
             write_steps_row(self._steps, step, recs is not None, loss_value, time.perf_counter() - self._t0,
                             capture_time, peak, extra or {})  # fmt: skip
             if self._segments is not None:
                 self._segments.step_done()
-        if self._live_log is not None and recs is not None:
-            self._live_log.write(step, recs, loss_value)  # host values the writer just took: no device sync
+        if self._live_log is not None:
+            for r in micro:
+                self._live_log.write(step, r, loss_value)  # host values the writer just took: no device sync
         self._t0 = time.perf_counter()
         self.step_index += 1
-        self._backwards, self._before, self._loss_sum = 0, None, None
-        check_finite(self.on_nonfinite, step, loss_value, recs)
+        self._backwards, self._before, self._loss_sum, self._micro = 0, None, None, []
+        checks: list[StepRecords | None] = [*micro] or [None]
+        for checked in checks:
+            check_finite(self.on_nonfinite, step, loss_value, checked)
 
     def _check_open(self, what: str) -> None:
         if not self._open:
@@ -307,21 +319,25 @@ def write_steps_row(
     writer.write(step, captured, loss, step_time, capture_time, peak, **accepted)
 
 
-def renumber_calls(recs: StepRecords) -> StepRecords:
-    """Number each tap's rows 0, 1, ... in order: the calls of several backwards of one step (accumulation).
+def write_micro_batches(writer: RecordWriter | GatheredWriter, step: int, micro: list[StepRecords]) -> None:
+    """A step's records, one `StepRecords` per micro-batch: with the writer's `micro_step` column where it has
+    one (the runner's accumulation records), else each tap's calls numbered on across the micro-batches."""
+    import inspect
 
-    Example::
-
-        renumber_calls(recs).keys     # [TapKey('fc1', 'output', 0), TapKey('fc1', 'output', 1), ...]
-    """
+    if len(micro) == 1:
+        writer.write_step(step, micro[0])
+        return
+    if "micro_step" in inspect.signature(writer.write_step).parameters:
+        for m, r in enumerate(micro):
+            writer.write_step(step, r, micro_step=[m] * len(r))  # type: ignore[call-arg]
+        return
     seen: dict[str, int] = {}
-    keys = []
-    for k in recs.keys:
-        n = seen.get(k.tap, 0)
-        seen[k.tap] = n + 1
-        keys.append(k if k.call == n else TapKey(k.module, k.name, n))
-    recs.keys = keys
-    return recs
+    for r in micro:
+        counts = dict(seen)
+        r.keys = [TapKey(k.module, k.name, k.call + counts.get(k.tap, 0)) for k in r.keys]
+        for k in r.keys:
+            seen[k.tap] = max(seen.get(k.tap, 0), k.call + 1)
+        writer.write_step(step, r)
 
 
 class Unscaled(Strategy):
