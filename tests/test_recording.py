@@ -233,8 +233,8 @@ with gradrunner.record(model, [":output"], {str(tmp_path / "k")!r}, live_every=1
 
 
 def test_micro_batches_go_to_a_micro_step_column_where_the_writer_has_one() -> None:
-    from gradrunner.records.columns import StepRecords, TapKey
     from gradrunner.recording import write_micro_batches
+    from gradrunner.records.columns import StepRecords, TapKey
 
     class WithMicroStep:
         def __init__(self) -> None:
