@@ -307,27 +307,22 @@ def write_steps_row(
     writer: StepsWriter | GatheredWriter, step: int, captured: bool, loss: float, step_time: float,
     capture_time: float | None, peak: int | None, extra: dict[str, Any],
 ) -> None:  # fmt: skip
-    """One `steps.parquet` row through the writer's API; `extra` values only where the writer takes them."""
-    import inspect
+    """One `steps.parquet` row through the writer's API; `extra` values (`grad_norm`) where the table has the column."""
+    from gradrunner.records.writer import STEPS_SCHEMA
 
-    target = getattr(writer, "writer", writer)  # a GatheredWriter's rank-0 writer, or None on other ranks
-    accepted = {} if target is None else {k: v for k, v in extra.items() if k in inspect.signature(target.write).parameters}
-    if accepted and writer is not target:  # gathered: positional, in the writer's order
-        names = [n for n in inspect.signature(target.write).parameters if n in accepted]
-        writer.write(step, captured, loss, step_time, capture_time, peak, *[accepted[n] for n in names])
-        return
+    accepted = {k: v for k, v in extra.items() if k in STEPS_SCHEMA.names}
     writer.write(step, captured, loss, step_time, capture_time, peak, **accepted)
 
 
 def write_micro_batches(writer: RecordWriter | GatheredWriter, step: int, micro: list[StepRecords]) -> None:
     """A step's records, one `StepRecords` per micro-batch: with the writer's `micro_step` column where it has
     one (the runner's accumulation records), else each tap's calls numbered on across the micro-batches."""
-    import inspect
+    from gradrunner.records.writer import GRADS_SCHEMA
 
     if len(micro) == 1:
         writer.write_step(step, micro[0])
         return
-    if "micro_step" in inspect.signature(writer.write_step).parameters:
+    if "micro_step" in GRADS_SCHEMA.names:  # the same answer on every rank (a gathered write is a collective)
         for m, r in enumerate(micro):
             writer.write_step(step, r, micro_step=[m] * len(r))  # type: ignore[call-arg]
         return

@@ -232,28 +232,32 @@ with gradrunner.record(model, [":output"], {str(tmp_path / "k")!r}, live_every=1
     assert list(df.step) == [0, 1, 2] and df.norm.notna().all()
 
 
-def test_micro_batches_go_to_a_micro_step_column_where_the_writer_has_one() -> None:
+def test_micro_batches_go_to_a_micro_step_column_where_the_records_have_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow as pa
+
     from gradrunner.recording import write_micro_batches
+    from gradrunner.records import writer
     from gradrunner.records.columns import StepRecords, TapKey
 
-    class WithMicroStep:
+    class Writer:
         def __init__(self) -> None:
-            self.calls: list[tuple[int, list[TapKey], list[int] | None]] = []
+            self.calls: list[tuple[int, list[int], list[int] | None]] = []
 
         def write_step(self, step: int, records: StepRecords, micro_step: list[int] | None = None) -> None:
-            self.calls.append((step, list(records.keys), micro_step))
-
-    class WithoutMicroStep(WithMicroStep):
-        def write_step(self, step: int, records: StepRecords) -> None:  # type: ignore[override]
-            self.calls.append((step, list(records.keys), None))
+            self.calls.append((step, [k.call for k in records.keys], micro_step))
 
     def micro() -> list[StepRecords]:
-        return [StepRecords(keys=[TapKey("a", "output", 0), TapKey("a", "output", 1), TapKey("b", "weight", 0)]),
-                StepRecords(keys=[TapKey("a", "output", 0), TapKey("a", "output", 1), TapKey("b", "weight", 0)])]  # fmt: skip
+        keys = [TapKey("a", "output", 0), TapKey("a", "output", 1), TapKey("b", "weight", 0)]
+        return [StepRecords(keys=list(keys)), StepRecords(keys=list(keys))]
 
-    w = WithMicroStep()
+    schema = writer.GRADS_SCHEMA
+    if "micro_step" in schema.names:
+        schema = pa.schema([f for f in schema if f.name != "micro_step"])
+    monkeypatch.setattr(writer, "GRADS_SCHEMA", schema)
+    w = Writer()
     write_micro_batches(w, 3, micro())  # type: ignore[arg-type]
-    assert [c[2] for c in w.calls] == [[0, 0, 0], [1, 1, 1]] and w.calls[1][1][1].call == 1
-    w2 = WithoutMicroStep()
-    write_micro_batches(w2, 3, micro())  # type: ignore[arg-type]
-    assert [[k.call for k in c[1]] for c in w2.calls] == [[0, 1, 0], [2, 3, 1]]
+    assert w.calls == [(3, [0, 1, 0], None), (3, [2, 3, 1], None)]  # without the column: calls numbered on
+    monkeypatch.setattr(writer, "GRADS_SCHEMA", schema.append(pa.field("micro_step", pa.int64())))
+    w = Writer()
+    write_micro_batches(w, 3, micro())  # type: ignore[arg-type]
+    assert w.calls == [(3, [0, 1, 0], [0, 0, 0]), (3, [0, 1, 0], [1, 1, 1])]
