@@ -146,6 +146,7 @@ class Recorder:
             self._stack.close()
             raise
         self._open = True
+        self.start_at(self.step_index)
         return self
 
     def _enter(self) -> None:
@@ -221,9 +222,9 @@ class Recorder:
         `step` (gradient accumulation), each backward's gradients are captured.
         """
         self._check_open("backward")
+        assert self.captured == self.capture.enabled, "step_index changed outside start_at()"
         if self.captured and self._backwards > 0:  # the collector holds one backward's records: take them now
             self._micro.append(self.capture.records())
-        self.capture.enabled = self.captured
         self.capture.backward(loss, retain_graph=retain_graph)
         self._backwards += 1
         part = loss.detach().float()  # the step's loss, if `step` is given none: summed on the device, no sync
@@ -285,11 +286,16 @@ class Recorder:
             for r in micro:
                 self._live_log.write(step, r, loss_value)  # host values the writer just took: no device sync
         self._t0 = time.perf_counter()
-        self.step_index += 1
+        self.start_at(self.step_index + 1)
         self._backwards, self._before, self._loss_sum, self._micro = 0, None, None, []
         checks: list[StepRecords | None] = [*micro] or [None]
         for checked in checks:
             check_finite(self.on_nonfinite, step, loss_value, checked)
+
+    def start_at(self, step: int) -> None:
+        """Number the next step `step` (a resumed run's first); capture is on for its forward when it is captured."""
+        self.step_index = int(step)
+        self.capture.enabled = self.captured  # before the step's forward: taps fire only on captured steps
 
     def _check_open(self, what: str) -> None:
         if not self._open:

@@ -261,3 +261,18 @@ def test_micro_batches_go_to_a_micro_step_column_where_the_records_have_one(monk
     w = Writer()
     write_micro_batches(w, 3, micro())  # type: ignore[arg-type]
     assert w.calls == [(3, [0, 1, 0], [0, 0, 0]), (3, [0, 1, 0], [1, 1, 1])]
+
+
+def test_every_captures_whole_steps(tmp_path: Path) -> None:
+    """every=2: the captured steps' taps fire in their forward passes (capture is switched on before them)."""
+    model, batches = _model(), _batches(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradrunner.record(model, ["*:output"], tmp_path / "r", every=2) as rec:
+        for x, y in batches:
+            loss = nn.functional.mse_loss(model(x), y)
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    df = load(tmp_path / "r")
+    assert sorted(set(df.step)) == [0, 2, 4] and df.has_grad.all() and df.norm.gt(0).all()

@@ -75,7 +75,7 @@ class GradientCaptureCallback(TrainerCallback):
                        dist=dist, experiment=type(model).__name__, **self.options)  # fmt: skip
         self._stack.enter_context(rec)
         self._stack.enter_context(NextBackward(model, rec.backward))
-        rec.step_index = state.global_step
+        rec.start_at(state.global_step)
         self.recorder = rec
 
     def _distributed(self) -> Any:

@@ -71,7 +71,8 @@ class GradientCapture(Callback):
         rec = Recorder(pl_module, self.taps, self.dir, strategy=self.strategy, every=self.every, loss_scale=scale,
                        dist=dist, wrap_strategy=wrap, experiment=type(pl_module).__name__, **self.options)  # fmt: skip
         rec.__enter__()
-        rec.step_index = self._global_step = trainer.global_step
+        self._global_step = trainer.global_step
+        rec.start_at(trainer.global_step)
         self.recorder = rec
 
     def _distributed(self, trainer: Trainer) -> tuple[Any, Any]:
