@@ -238,8 +238,7 @@ class Recorder:
         # Tapped parameters as they are before the optimiser step: their update norms ride in the step's transfer.
         self._before = self.capture.snapshot_params()
 
-    def step(self, loss: torch.Tensor | float | None = None, *, loss_for_records: torch.Tensor | None = None,
-             extra: dict[str, Any] | None = None) -> None:  # fmt: skip
+    def step(self, loss: torch.Tensor | float | None = None, *, extra: dict[str, Any] | None = None) -> None:
         """Close the step: on a captured step its records (one device-to-host transfer), and its `steps` row.
 
         Example::
