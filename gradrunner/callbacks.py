@@ -32,7 +32,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.errors import one_paragraph
 from gradrunner.overrides import sweep_jobs
-from gradrunner.records.rundir import job_dirs_below, job_state, mark_failed, write_json
+from gradrunner.records.rundir import job_dirs_below, job_state, write_json
+from gradrunner.run.hydra_adapter import JobFailed, JobRefused, job_error
+from gradrunner.run.resume import mark_failed
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +57,13 @@ def expected_jobs(config: DictConfig) -> list[list[str]] | None:
 
 
 def _job_dirs(sweep_dir: Path) -> dict[Path, list[str]]:
-    """Job dirs below `sweep_dir` (`rundir.job_dirs_below`, the one rule) and their overrides."""
+    """Job dirs below `sweep_dir` (`rundir.job_dirs_below`, the one rule) and their overrides (`done.json`'s, else `.hydra/`'s)."""
     found: dict[Path, list[str]] = {}
     for job in job_dirs_below(sweep_dir):
+        marker = job_state(job).marker  # a completed job's own overrides; .hydra/ is Hydra's to rewrite
+        if marker is not None and isinstance(marker.get("overrides"), list):
+            found[job] = [str(o) for o in marker["overrides"]]
+            continue
         f = job / ".hydra" / "overrides.yaml"
         try:
             found[job] = [str(o) for o in (yaml.safe_load(f.read_text()) or [])]
@@ -96,12 +102,16 @@ def build_manifest(sweep_dir: Path, expected: list[list[str]] | None) -> dict[st
         build_manifest(Path("multirun/2024-05-01/12-00-00-123456"), None)["counts"]   # {'completed': 6, ...}
     """
     found = _job_dirs(sweep_dir)
-    by_overrides = {tuple(sorted(o)): d for d, o in found.items()}
+    by_overrides: dict[tuple[str, ...], list[Path]] = {}
+    for d, o in found.items():  # several dirs may carry the same overrides (runs outside a sweep): keep each
+        by_overrides.setdefault(tuple(sorted(o)), []).append(d)
     jobs: list[dict[str, Any]] = []
     for num, overrides in enumerate(expected or []):
-        job_dir = by_overrides.pop(tuple(sorted(overrides)), None)
+        same = by_overrides.get(tuple(sorted(overrides))) or []
+        job_dir = same.pop(0) if same else None
         jobs.append(_entry(sweep_dir, job_dir, overrides, num))
-    for job_dir in sorted(by_overrides.values(), key=lambda d: (_job_num(d) is None, _job_num(d) or 0, str(d))):
+    rest = [d for dirs in by_overrides.values() for d in dirs]
+    for job_dir in sorted(rest, key=lambda d: (_job_num(d) is None, _job_num(d) or 0, str(d))):
         jobs.append(_entry(sweep_dir, job_dir, found[job_dir], None))
     counts = {s: sum(j["status"] == s for j in jobs) for s in ("completed", "failed", "missing")}
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -135,10 +145,10 @@ class SweepBookkeeping(Callback):
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if job_return.status != JobStatus.FAILED:
             return
-        error = job_return._return_value  # `return_value` would re-raise it
-        if type(error).__name__ == "JobRefused":
+        error = job_error(job_return)  # `return_value` would re-raise it
+        if isinstance(error, JobRefused):
             return  # refused because of its dir (a live run, another config): that dir is not this job's to mark
-        message = str(error) if type(error).__name__ == "JobFailed" else f"{type(error).__name__}: {error}"
+        message = str(error) if isinstance(error, JobFailed) else f"{type(error).__name__}: {error}"
         out = Path(str(OmegaConf.select(config, "hydra.runtime.output_dir")))
         if out.is_dir():
             try:
@@ -171,6 +181,10 @@ class SweepBookkeeping(Callback):
             return
         bad = manifest["counts"]["failed"] + manifest["counts"]["missing"]
         (log.warning if bad else log.info)("%s; manifest: %s", _summary(manifest), path)
+        done = [(j["dir"], j["overrides"]) for j in manifest["jobs"] if j["status"] == "completed"]
+        from gradrunner.run.watch import sweep_word  # the run package imports torch: only once a sweep ends
+
+        sweep_word(sweep_dir, done)  # one line per job: its loss, NaN/Inf, vanishing/exploding taps
         if OmegaConf.select(config, "report", default=False):
             if manifest["counts"]["completed"]:
                 from gradrunner.analysis.report import try_report  # pandas and matplotlib only when asked

@@ -20,10 +20,8 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -37,30 +35,30 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
-from gradrunner.overrides import misspelled_key, sweep_jobs
+from gradrunner.overrides import group_mistake, misspelled_key, sweep_jobs
 from gradrunner.records.columns import RECORD_FILES
-from gradrunner.records.rundir import FAILED, Refused, mark_failed
-from gradrunner.run.guards import Terminated, check_writable
+from gradrunner.records.rundir import FAILED
+from gradrunner.run import signals
+from gradrunner.run.guards import check_writable
+from gradrunner.run.hydra_adapter import (
+    JobFailed,
+    JobRefused,
+    config_loader,
+    mark_task_started,
+    mistakes_as_one_paragraph,
+    remember_output_dir,
+)
 from gradrunner.run.job import run
+from gradrunner.run.resume import Refused, mark_failed
+from gradrunner.run.signals import Terminated
 
-#: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
+#: Exit status after Ctrl-C (128 + SIGINT), as shells report it (`run.signals.exit_status`: 128 + N after signal N).
 EXIT_INTERRUPTED = 130
 #: Exit status after SIGTERM (128 + SIGTERM): a preempted or cancelled job.
 EXIT_TERMINATED = 143
 
 
 log = logging.getLogger(__name__)
-
-#: The run dir's `.hydra/*.yaml` as they were before Hydra rewrote them for this run (single runs only).
-_HYDRA_FILES_BEFORE: dict[Path, bytes] = {}
-
-
-class JobFailed(CompactHydraException):
-    """A sweep job's user mistake, reported by Hydra at the end of the sweep without a traceback."""
-
-
-class JobRefused(JobFailed):
-    """A sweep job refused because of its dir (`rundir.Refused`): no `failed.json` is written for it."""
 
 
 def _fail(error: Exception) -> NoReturn:
@@ -78,10 +76,7 @@ def _fail(error: Exception) -> NoReturn:
 
 def _keep_books(directory: Path, error: Exception, message: str) -> None:
     """A failed single run: its error in `gradrunner.log` and `failed.json`; a refused one: its dir as it was."""
-    if isinstance(error, Refused):
-        for path, data in _HYDRA_FILES_BEFORE.items():  # Hydra rewrote .hydra/ before the job could refuse
-            with contextlib.suppress(OSError):
-                path.write_bytes(data)
+    if isinstance(error, Refused):  # the run layer put back .hydra/ (`RunLock.leave_no_trace`)
         return
     _to_log_files(message)
     if directory.is_dir():
@@ -119,17 +114,13 @@ class OutputDirCheck(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config.hydra.run.dir, "hydra.run.dir=<dir>")
-        hydra_dir = Path(config.hydra.run.dir).absolute() / str(config.hydra.output_subdir or ".hydra")
-        _HYDRA_FILES_BEFORE.clear()
-        for f in hydra_dir.glob("*.yaml") if hydra_dir.is_dir() else []:
-            with contextlib.suppress(OSError):
-                _HYDRA_FILES_BEFORE[f] = f.read_bytes()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._check(config.hydra.sweep.dir, "hydra.sweep.dir=<dir>")
 
     @staticmethod
     def _check(directory: str, where: str) -> None:
+        remember_output_dir(str(Path(directory).absolute()))
         try:
             check_writable(Path(directory).absolute(), where)
         except GradrunnerError as e:
@@ -168,11 +159,9 @@ class SweepCheck(Callback):
 
 def _job_problems(config: DictConfig, jobs: list[list[str]]) -> dict[str, list[int]]:
     """Each distinct config mistake among the jobs, with the numbers of the jobs that have it."""
-    from hydra.core.global_hydra import GlobalHydra
-
     from gradrunner.config import validate
 
-    loader = GlobalHydra.instance().config_loader()
+    loader = config_loader()
     problems: dict[str, list[int]] = {}
     resolved: dict[str, str | None] = {}
     for number, overrides in enumerate(jobs):
@@ -214,6 +203,12 @@ def _tap_problem(cfg: DictConfig) -> str | None:
     return None
 
 
+def _refuse(message: str) -> NoReturn:
+    """A mistake found before any job ran (the command line, or the run dir Hydra could not write)."""
+    print(f"gradrunner: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
+
+
 def main() -> None:
     """The entry point: a misspelled key on the command line is refused in one paragraph, then the app runs.
 
@@ -221,12 +216,13 @@ def main() -> None:
 
         gradrunner +experiment=mlp steps=10
     """
-    message = misspelled_key(sys.argv[1:])
+    message = misspelled_key(sys.argv[1:]) or group_mistake(sys.argv[1:])
     if message is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
         print(f"gradrunner: error: {message}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
     try:
-        app()
+        with mistakes_as_one_paragraph(_refuse):
+            app()
     except BrokenPipeError:  # `gradrunner --help | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
@@ -239,22 +235,16 @@ def app(cfg: DictConfig) -> None:
 
         python -m gradrunner +experiment=sigmoid2 steps=1 capture.values=full
     """
+    mark_task_started()
     try:
         run(cfg)
     except (GradrunnerError, OmegaConfBaseException) as e:
         _fail(e)
-    except Terminated:
-        _ignore_further_signals()
-        print(f"gradrunner: {_kept('terminated (SIGTERM)')}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_TERMINATED)
-    except KeyboardInterrupt:
-        _ignore_further_signals()
+    except Terminated as e:
+        signals.ignore_further_signals()
+        print(f"gradrunner: {_kept(f'terminated ({e.signal_name})')}", file=sys.stderr, flush=True)
+        sys.exit(signals.exit_status(e))
+    except KeyboardInterrupt as e:
+        signals.ignore_further_signals()
         print(f"gradrunner: {_kept('interrupted')}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_INTERRUPTED)
-
-
-def _ignore_further_signals() -> None:
-    """The records are closed and the run is ending: another Ctrl-C must not cut the message with a traceback."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(ValueError, OSError):  # not the main thread
-            signal.signal(sig, signal.SIG_IGN)
+        sys.exit(signals.exit_status(e))

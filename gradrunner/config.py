@@ -19,17 +19,12 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from gradrunner.choices import VALUES_MODES
-from gradrunner.errors import GradrunnerError
+# The allowed values live in choices.py (one source; re-exported here for `from gradrunner.config import DTYPES`).
+from gradrunner.choices import DEVICES, DTYPES, NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
+from gradrunner.errors import GradrunnerError, not_allowed
 
 #: Name of the schema in the ConfigStore; `conf/config.yaml` lists it first in its defaults.
 SCHEMA_NAME = "gradrunner_schema"
-#: dtype names accepted by `dtype=`, in the order the messages list them.
-DTYPES = ("float32", "float64", "bfloat16", "float16")
-#: Device spellings accepted by `device=` (`cuda:N` for any N >= 0).
-DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
-#: `capture.on_nonfinite` values: `record` records NaN/Inf and goes on; `stop` ends the run at that step.
-NONFINITE_MODES = ("record", "stop")
 _DEVICE_RE = re.compile(r"auto|cpu|cuda|cuda:\d+|mps")
 
 
@@ -61,6 +56,8 @@ class Config:
     model: Any = MISSING
     # Instantiable data source yielding (inputs, targets) batches; config group `data`.
     data: Any = MISSING
+    # Extra keyword arguments of every forward call, e.g. {output_attentions: true}.
+    forward_kwargs: dict[str, Any] = field(default_factory=dict)
     # Instantiable callable (output, target) -> scalar tensor; config group `loss`.
     loss: Any = MISSING
     # Instantiable optimizer with `_partial_: true`, called with model.parameters(); group `optimizer`.
@@ -99,19 +96,8 @@ def register_configs() -> None:
 register_configs()
 
 
-def _allowed(name: str, value: object, allowed: list[str] | tuple[str, ...], hint: str = "") -> GradrunnerError:
-    close = difflib.get_close_matches(str(value), list(allowed), n=1)
-    maybe = f" Did you mean {close[0]!r}?" if close else ""
-    return GradrunnerError(
-        f"{name}={value!r} is not allowed; allowed: {', '.join(allowed)}.{maybe}{hint}"
-        f" Fix it on the command line, e.g. {name}={allowed[0]}, or in your config file."
-    )
-
-
-def _strategy_names() -> list[str]:
-    from gradrunner.capturing.strategies import STRATEGIES  # lazy: the strategies import torch machinery
-
-    return list(STRATEGIES)
+#: The one "not allowed" message (errors.not_allowed), under the name this module's validators call.
+_allowed = not_allowed
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -119,6 +105,19 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise GradrunnerError(
             f"{name}={value!r} is not allowed; {name} must be an integer >= {minimum}."
             f" Fix it on the command line, e.g. {name}={max(minimum, 1)}, or in your config file."
+        )
+
+
+#: The largest `seed` (numpy seeds with 32 bits) and `steps` (2**31 - 1: about 68 years at one step a second).
+SEED_MAX = 2**32 - 1
+STEPS_MAX = 2**31 - 1
+
+
+def _check_at_most(name: str, value: int, maximum: int, why: str) -> None:
+    if value > maximum:
+        raise GradrunnerError(
+            f"{name}={value} is not allowed; {name} must be an integer from 0 to {maximum} ({why})."
+            f" Fix it on the command line, e.g. {name}={min(maximum, 10)}, or in your config file."
         )
 
 
@@ -151,9 +150,9 @@ def validate(cfg: DictConfig) -> None:
                 f"{group} has no _target_ (got {OmegaConf.to_container(node) if OmegaConf.is_config(node) else node!r});"
                 f" pick an option with {group}=<option> or give {group}._target_=<importable.Class>."
             )
-    strategies = _strategy_names()
-    if cfg.capture.strategy not in strategies:
-        raise _allowed("capture.strategy", cfg.capture.strategy, strategies)
+    # choices.STRATEGY_NAMES, not the capture registry: config sits below capture (a test holds them equal)
+    if cfg.capture.strategy not in STRATEGY_NAMES:
+        raise _allowed("capture.strategy", cfg.capture.strategy, STRATEGY_NAMES)
     if cfg.capture["values"] not in VALUES_MODES:
         raise _allowed("capture.values", cfg.capture["values"], VALUES_MODES)
     if cfg.capture.get("on_nonfinite", "record") not in NONFINITE_MODES:
@@ -164,6 +163,8 @@ def validate(cfg: DictConfig) -> None:
         raise _allowed("dtype", cfg.dtype, DTYPES)
     _check_int("steps", cfg.steps, 0)
     _check_int("seed", cfg.seed, 0)
+    _check_at_most("steps", cfg.steps, STEPS_MAX, "a larger number would run for ever")
+    _check_at_most("seed", cfg.seed, SEED_MAX, "numpy's seeds are 32-bit")
     _check_int("capture.every", cfg.capture.every, 1)
     _check_int("capture.sample_size", cfg.capture.sample_size, 1)
     for flag in ("per_example", "histogram"):

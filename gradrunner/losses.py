@@ -92,3 +92,23 @@ class LMCrossEntropy(nn.Module):
         return nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32)), target.reshape(-1), ignore_index=self.ignore_index
         )
+
+
+def output_hint(output: Any) -> str | None:
+    """For a loss that failed on a model output that is not a tensor: the loss option that fits it, or None.
+
+    Example::
+
+        output_hint(vit(pixel_values=x, labels=y))    # 'the output has its own .loss: loss=model_loss ...'
+    """
+    def get(name: str) -> Any:
+        return output.get(name) if isinstance(output, Mapping) else getattr(output, name, None)
+
+    name = type(output).__name__
+    if isinstance(get("loss"), torch.Tensor):
+        return f"the output ({name}) has its own .loss: use loss=model_loss"
+    logits = get("logits")
+    if isinstance(logits, torch.Tensor):
+        return (f"the output ({name}) holds .logits {tuple(logits.shape)}: give the model labels in its inputs and use "
+                "loss=model_loss, or loss=lm_cross_entropy for token labels (it takes .logits)")  # fmt: skip
+    return None

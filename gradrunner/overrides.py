@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
@@ -92,9 +93,101 @@ def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
     sweeper = OmegaConf.select(config, "hydra.sweeper._target_", default="")
     if not str(sweeper).endswith("BasicSweeper"):
         return None
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # Hydra's own expansion rules
+    from gradrunner.run.hydra_adapter import expand_sweep  # Hydra's own expansion rules (a private API)
 
     params = OmegaConf.select(config, "hydra.sweeper.params") or {}
     arguments = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
-    overrides = OverridesParser.create().parse_overrides(arguments)
-    return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+    return expand_sweep(OverridesParser.create().parse_overrides(arguments))
+
+
+#: The package's own config dir: one subdirectory per config group, one YAML file per option.
+_PACKAGE_CONF = Path(__file__).resolve().parent / "conf"
+
+
+def _search_dirs(argv: Sequence[str]) -> list[Path] | None:
+    """Config dirs the command line adds (`--config-dir`, `hydra.searchpath=[file://...]`), after the package's.
+
+    None when a search path entry is not a plain directory (`pkg://...` of another package): its
+    options cannot be listed here, so group choices are left to Hydra.
+    """
+    dirs = [_PACKAGE_CONF]
+    for i, arg in enumerate(argv):
+        for flag in ("--config-dir", "-cd"):
+            if arg == flag and i + 1 < len(argv):
+                dirs.append(Path(argv[i + 1]))
+            elif arg.startswith(f"{flag}="):
+                dirs.append(Path(arg.split("=", 1)[1]))
+    for override in parse(argv):
+        if override.key_or_group != "hydra.searchpath":
+            continue
+        value = override.value()
+        for entry in value if isinstance(value, list) else [value]:
+            entry = str(entry)
+            if entry.startswith("file://"):
+                dirs.append(Path(entry[len("file://") :]))
+            elif entry.startswith("pkg://gradrunner.conf"):
+                continue
+            else:
+                return None
+    return dirs
+
+
+def _options(group: str, dirs: Sequence[Path]) -> list[str]:
+    """Every option of `group` found in `dirs` (`<dir>/<group>/<option>.yaml`, nested options as `a/b`)."""
+    found: set[str] = set()
+    for d in dirs:
+        base = d / group
+        if base.is_dir():
+            found.update(str(f.relative_to(base).with_suffix("")) for f in base.rglob("*.yaml"))
+    from hydra.core.config_store import ConfigStore  # options registered in Python count too
+
+    try:
+        found.update(name.removesuffix(".yaml") for name in ConfigStore.instance().list(group))
+    except OSError:  # no such group in the store
+        pass
+    return sorted(found)
+
+
+def group_mistake(argv: Sequence[str]) -> str | None:
+    """The message for the first config-group override that names no option of the group, or None.
+
+    Example::
+
+        group_mistake(["model=mpl"])
+        # "model=mpl: the config group model has no option 'mpl'; its options: cnn, cosine, ... Did you mean 'mlp'?"
+
+    Hydra answers `model=mpl` with a dozen lines, and `model=null` or `loss=[1,2]` with a traceback.
+    Groups and options are the subdirectories and YAML files of the package's `conf/` and of the
+    dirs the command line adds; with a search path this cannot list (another package), only values
+    that are not option names (null, numbers, nested lists) are refused.
+    """
+    dirs = _search_dirs(argv)
+    groups = {p.name for d in (dirs or [_PACKAGE_CONF]) if d.is_dir() for p in d.iterdir()
+              if p.is_dir() and not p.name.startswith(("_", "."))}  # fmt: skip
+    for override in parse(argv):
+        group = override.key_or_group
+        if group not in groups or override.package is not None or override.type == OverrideType.DEL:
+            continue
+        prefix = "+" if override.type == OverrideType.ADD else "++" if override.type == OverrideType.FORCE_ADD else ""
+        options = _options(group, dirs or [_PACKAGE_CONF])
+        listed = ", ".join(options) if options else "(none found)"
+        for value in _choices(override):
+            if not isinstance(value, str) or not value:
+                return (f"{override.input_line}: {group} is a config group, so its value names one of its options; its options: "
+                        f"{listed}. Fix the override, e.g. {prefix}{group}={options[0] if options else '<option>'}.")  # fmt: skip
+            if dirs is not None and value not in options:
+                hint = did_you_mean(value, options)
+                return (f"{override.input_line}: the config group {group} has no option {value!r}; its options: "
+                        f"{listed}.{hint} Add your own with --config-dir <dir> holding {group}/{value}.yaml.")  # fmt: skip
+    return None
+
+
+def _choices(override: Override) -> list[object]:
+    """The option(s) an override selects: each value of a sweep, each element of a list, or the value."""
+    if override.is_sweep_override():
+        try:
+            return list(override.sweep_string_iterator())
+        except Exception:  # a range or interval sweep over a group: not option names
+            return [None]
+    value = override.value()
+    return list(value) if isinstance(value, list) else [value]

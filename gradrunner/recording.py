@@ -45,6 +45,7 @@ from gradrunner.choices import NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
 from gradrunner.errors import GradrunnerError, not_allowed
 from gradrunner.records import rundir
 from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, StepRecords, TapKey
+from gradrunner.run import resume as books
 
 if TYPE_CHECKING:
     from gradrunner.records.writer import RecordWriter, StepsWriter
@@ -151,19 +152,20 @@ class Recorder:
 
     def _enter(self) -> None:
         from gradrunner.records.writer import RecordWriter, StepsWriter, closing_together, run_metadata
-        from gradrunner.run.guards import check_writable, sigterm_as_interrupt, write_errors
+        from gradrunner.run.guards import check_writable, write_errors
+        from gradrunner.run.signals import ending_signals_as_interrupt
 
         stack = self._stack
         if self.main:
             check_writable(self.directory, where="the run_dir argument")
-            lock = stack.enter_context(rundir.RunLock(self.directory, self.run_id))
+            lock = stack.enter_context(books.RunLock(self.directory, self.run_id))
             try:
-                rundir.prepare(self.directory, self.config, resume=False)  # records are never overwritten
-            except rundir.Refused:
+                books.prepare(self.directory, self.config, resume=False)  # records are never overwritten
+            except books.Refused:
                 lock.leave_no_trace()
                 raise
         stack.enter_context(self.capture)
-        stack.enter_context(sigterm_as_interrupt())  # before the writers: they close on SIGTERM too
+        stack.enter_context(ending_signals_as_interrupt())  # before the writers: they close on SIGTERM too
         stack.enter_context(write_errors(self.directory))
         constants = {"run_id": self.run_id, "experiment": str(self.config.experiment), "strategy": self.strategy,
                      "device": str(_device_of(self.model)), "dtype": str(_dtype_of(self.model)).removeprefix("torch.")}  # fmt: skip
@@ -206,8 +208,8 @@ class Recorder:
     def _mark_complete(self) -> None:
         files = [n for n in rundir.RECORD_NAMES if (self.directory / n).is_file()]
         world = 1 if self.dist is None else self.dist.world_size
-        with rundir.RunLock(self.directory, self.run_id):
-            rundir.mark_complete(self.directory, self.config, files=files, run_id=self.run_id, world_size=world,
+        with books.RunLock(self.directory, self.run_id):
+            books.mark_complete(self.directory, self.config, files=files, run_id=self.run_id, world_size=world,
                                  overrides=[])  # fmt: skip
 
     # -- the step ----------------------------------------------------------------------------------
@@ -249,7 +251,7 @@ class Recorder:
         losses given to `backward` since the last step (the mean, for a loss divided for accumulation). `extra` holds further
         `steps.parquet` values (`grad_norm`) that the steps writer takes where it has the column.
         """
-        from gradrunner.records.writer import deferred_signals
+        from gradrunner.records.critical import deferred_signals
         from gradrunner.run.guards import check_finite
 
         self._check_open("step")

@@ -9,6 +9,7 @@ Example::
 
     python -m gradrunner.taps +experiment=transformer
     python -m gradrunner.taps +experiment=gpt2 --format json | jq '.modules[].path'
+    python -m gradrunner.taps +experiment=gpt2 --match 'transformer.h.0.*'    # only the paths the glob matches
 """
 
 from __future__ import annotations
@@ -29,21 +30,29 @@ FORMATS = ("text", "json")
 _QUIET = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.run.dir=.",
           "~hydra.callbacks.gradrunner", "~hydra.callbacks.output_dir"]  # fmt: skip
 _format = "text"
+#: `--match GLOB`: only the module paths it matches are listed.
+_match: str | None = None
 
 
-def _pop_format(argv: list[str]) -> tuple[str, list[str]]:
-    """`--format X` / `--format=X` taken out of `argv` (Hydra does not know it)."""
-    fmt, rest, i = "text", [], 0
+def _pop_option(argv: list[str], option: str, default: str | None) -> tuple[str | None, list[str]]:
+    """`--option X` / `--option=X` taken out of `argv` (Hydra does not know it)."""
+    value, rest, i = default, [], 0
     while i < len(argv):
         arg = argv[i]
-        if arg == "--format" and i + 1 < len(argv):
-            fmt, i = argv[i + 1], i + 2
+        if arg == option and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
             continue
-        if arg.startswith("--format="):
-            fmt = arg.split("=", 1)[1]
+        if arg.startswith(f"{option}="):
+            value = arg.split("=", 1)[1]
         else:
             rest.append(arg)
         i += 1
+    return value, rest
+
+
+def _pop_format(argv: list[str]) -> tuple[str, list[str]]:
+    """`--format X` taken out of `argv`, checked."""
+    fmt, rest = _pop_option(argv, "--format", "text")
     if fmt not in FORMATS:
         raise GradrunnerError(f"--format {fmt!r} is not allowed; allowed: {', '.join(FORMATS)}.")
     return fmt, rest
@@ -57,13 +66,15 @@ def listing(cfg: DictConfig) -> object:
         print(listing(compose("config", overrides=["+experiment=mlp"])))
     """
     from gradrunner.capturing.explore import list_taps
+    from gradrunner.data import ForwardInputs
     from gradrunner.run.build import setup
     from gradrunner.run.guards import next_batch
 
     job = setup(cfg)
     x, _ = next_batch(job.batches, 0, source=str(cfg.data._target_))
+    args, kwargs = (x.args, x.kwargs) if isinstance(x, ForwardInputs) else ((), x) if isinstance(x, Mapping) else ((x,), {})
     try:
-        return list_taps(job.model, **x) if isinstance(x, Mapping) else list_taps(job.model, x)
+        return list_taps(job.model, *args, **kwargs)
     except GradrunnerError:
         raise
     except Exception as e:
@@ -80,9 +91,10 @@ def main() -> None:
 
         python -m gradrunner.taps +experiment=mlp --format json
     """
-    global _format
+    global _format, _match
     try:
         _format, argv = _pop_format(sys.argv[1:])
+        _match, argv = _pop_option(argv, "--match", None)
     except GradrunnerError as e:
         print(f"gradrunner.taps: error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
@@ -106,6 +118,13 @@ def app(cfg: DictConfig) -> None:
             raise
         print(f"gradrunner.taps: error: {one_paragraph(e)}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
+    if _match is not None:
+        result = result.matching(_match)  # type: ignore[attr-defined]
+        if not result.modules:
+            print(f"gradrunner.taps: error: --match {_match!r} matches no module path of {result.model}; "
+                  "it is a glob over paths as model.named_modules() prints them, e.g. --match 'layers.0.*'",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            sys.exit(EXIT_USER_ERROR)
     text = json.dumps(result.to_dict(), indent=1) if _format == "json" else str(result)  # type: ignore[attr-defined]
     try:
         print(text, flush=True)

@@ -173,3 +173,36 @@ class InPlaceBreaksBackward(nn.Module):
         h = torch.sigmoid(self.lin(x))
         h.mul_(2)
         return h
+
+
+def dead_relu_mlp(depth: int = 3, dead: int = 2) -> nn.Module:
+    """The built-in MLP (8 -> 32 ... -> 1) whose `fc{dead}` bias is -1000: `relu{dead}` outputs 0 for any input."""
+    model = MLP(in_features=8, hidden=32, depth=depth, out_features=1)
+    with torch.no_grad():
+        getattr(model, f"fc{dead}").bias.fill_(-1000.0)
+    return model
+
+
+class DictDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """`n` seeded examples as dicts `{"x": (8,), "labels": (1,)}`: a DataLoader over it yields dict batches."""
+
+    def __init__(self, n: int = 16, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x, self.y = torch.randn(n, 8, generator=g), torch.randn(n, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class KwargsModel(nn.Module):
+    """A linear layer called with keyword arguments: `model(x=..., labels=..., scale=...)` (labels unused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+        return self.fc(x) * scale

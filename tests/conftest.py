@@ -13,10 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_module
+from hypothesis import settings
 from omegaconf import DictConfig
 from torch import nn
 
 from gradrunner.capturing.strategies import STRATEGIES
+
+# In CI (CI=true) hypothesis is derandomised: the same examples every run, so a red build is reproducible
+# and a green one cannot turn red by luck; locally it keeps exploring new examples.
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI", "").lower() == "true":
+    settings.load_profile("ci")
 
 #: Every hook registry an `nn.Module` has (some only exist in newer torch versions).
 MODULE_HOOK_DICTS = (
@@ -63,6 +70,17 @@ def leftover_hooks(model: nn.Module) -> list[str]:
         if getattr(nn.modules.module, attr, None):
             found.append(f"torch.nn.modules.module.{attr}")
     return found
+
+
+def close(actual: torch.Tensor | None, expected: torch.Tensor, rtol: float = 1e-10, atol: float = 1e-12) -> None:
+    """Assert a captured gradient (present) equals a plain-torch reference; tight (float64) tolerances by default.
+
+    Tensors of different dtypes are compared in float64 (a float32 capture against a float64 reference).
+    """
+    assert actual is not None
+    if actual.dtype != expected.dtype:
+        actual, expected = actual.double(), expected.double()
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
 
 
 def class_forwards(model: nn.Module) -> dict[type, object]:

@@ -23,7 +23,7 @@ import torch
 from gradrunner.data import Batch, Tensors, as_batches
 
 #: What `fault` may be: a signal sent to this process, or an exception raised in the loop.
-FAULTS = ("none", "sigint", "sigterm", "keyboard_interrupt")
+FAULTS = ("none", "sigint", "sigterm", "sighup", "keyboard_interrupt")
 
 
 class Faulty:
@@ -72,5 +72,7 @@ class Faulty:
             os.kill(os.getpid(), signal.SIGINT)
         elif self.fault == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif self.fault == "sighup":
+            os.kill(os.getpid(), signal.SIGHUP)
         elif self.fault == "keyboard_interrupt":
             raise KeyboardInterrupt

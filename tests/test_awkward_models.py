@@ -13,7 +13,7 @@ from typing import Any
 import awkward
 import pytest
 import torch
-from conftest import leftover_hooks
+from conftest import close, leftover_hooks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -22,12 +22,6 @@ from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import STRATEGIES
 from gradrunner.models import MLP
 from gradrunner.records.columns import TapKey
-
-
-def close(actual: torch.Tensor | None, expected: torch.Tensor, rtol: float = 1e-10, atol: float = 1e-12) -> None:
-    assert actual is not None
-    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol)
-
 
 # -- structured outputs ----------------------------------------------------------------------------
 ELEMENTS = {

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import class_forwards, leftover_hooks
+from conftest import class_forwards, close, leftover_hooks
 from finite_diff import (
     LocalPerturb,
     Point,
@@ -269,10 +269,6 @@ def reference(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     return autograd_at(point), central_diff(point, eps=1e-6)
 
 
-def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> None:
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
-
-
 # -- gradients -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
 def test_reference_matches_finite_differences(case: Case) -> None:
@@ -497,13 +493,14 @@ def test_glob_selected_values_without_gradient_are_recorded(strategy: str) -> No
 
 
 # -- inputs ----------------------------------------------------------------------------------------
-def test_root_input_tap_makes_input_require_grad_only_inside(strategy: str) -> None:
+def test_root_input_tap_leaves_the_callers_input_untouched(strategy: str) -> None:
+    # The model gets an alias that requires grad; the caller's tensor is never made to require grad.
     s = BUILDERS["sigmoid2"]()
     with capture(s.model, [":input"], strategy=strategy) as cap:
         loss = s.loss()
-        assert s.x.requires_grad
+        assert not s.x.requires_grad
         cap.backward(loss)
-    assert not s.x.requires_grad
+    assert not s.x.requires_grad and s.x.grad is None
     close(cap.grads[":input"], reference(Case("sigmoid2", ":input"))[0], RTOL_STRATEGY, ATOL_STRATEGY)
 
 

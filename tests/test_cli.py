@@ -71,6 +71,7 @@ def test_cfg_job_prints_the_composed_config_and_runs_nothing(tmp_path: Path) -> 
     assert list(tmp_path.rglob("*.parquet")) == []
 
 
+@pytest.mark.slow
 def test_one_run_writes_records_under_outputs_of_the_cwd(tmp_path: Path) -> None:
     result = gradrunner(tmp_path, "+experiment=mlp", "steps=2")
     check_ok(result)
@@ -81,7 +82,7 @@ def test_one_run_writes_records_under_outputs_of_the_cwd(tmp_path: Path) -> None
     assert sorted(df.step.unique()) == [0, 1] and set(df.experiment) == {"mlp"}
     last = [line for line in result.stdout.splitlines() if "records: " in line]
     assert len(last) == 1 and last[0].count(str(job)) == 1 and "gradrunner.analysis.load" in last[0]
-    assert last[0].endswith(f"records: grads.parquet, steps.parquet in {job}  (read the dir with gradrunner.analysis.load, a file with pandas.read_parquet)")
+    assert last[0].endswith(f"records: {job} (grads.parquet, steps.parquet; read the dir with gradrunner.analysis.load, a file with pandas.read_parquet)")
 
 
 def test_console_script_is_the_same_app(tmp_path: Path) -> None:
@@ -202,6 +203,7 @@ def test_cosine_matches_the_analytic_gradients(analytic: pd.DataFrame, strategy:
 # -- the user's own options -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_own_model_data_loss_and_optimizer_options_from_a_config_dir(tmp_path: Path) -> None:
     conf = tmp_path / "myconf"
     options = {
@@ -262,6 +264,7 @@ def test_a_sweep_runs_the_other_jobs_and_fails_at_the_end(tmp_path: Path) -> Non
     assert sorted(p.parent.name for p in root.glob("*/grads.parquet")) == ["0", "2"]
 
 
+@pytest.mark.slow
 def test_a_sweep_is_validated_before_its_first_job_and_each_mistake_is_reported_once(tmp_path: Path) -> None:
     result = gradrunner(tmp_path, "-m", "+experiment=cosine", "steps=1", "capture.strategy=hook,bogus", "seed=0,1,2")
     assert result.returncode == 2 and "Traceback" not in result.stderr
@@ -324,8 +327,9 @@ def long_run(cwd: Path) -> Iterator[subprocess.Popen[str]]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("sig", "status", "said"),
-    [(signal.SIGINT, 130, "gradrunner: interrupted"), (signal.SIGTERM, 143, "gradrunner: terminated (SIGTERM)")],
-    ids=["ctrl-c", "sigterm"],
+    [(signal.SIGINT, 130, "gradrunner: interrupted"), (signal.SIGTERM, 143, "gradrunner: terminated (SIGTERM)"),
+     (signal.SIGHUP, 129, "gradrunner: terminated (SIGHUP)")],
+    ids=["ctrl-c", "sigterm", "sighup"],
 )
 def test_ctrl_c_and_sigterm_close_cleanly_and_keep_completed_steps(
     tmp_path: Path, sig: signal.Signals, status: int, said: str

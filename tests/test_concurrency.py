@@ -8,7 +8,9 @@ file the test creates.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -41,8 +43,9 @@ def start(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
     """The CLI in the background, its output in a file."""
     path = tmp_path / f"out-{len(list(tmp_path.glob('out-*')))}.txt"
     with open(path, "w") as out:
+        # A session (and process group) of its own: joblib workers stay in it, so the test can end them all.
         proc = subprocess.Popen([sys.executable, "-m", "gradrunner", *args], cwd=tmp_path, env=cli_env(),
-                                stdout=out, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                                stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
     OUTPUT[proc.pid] = path
     return proc
 
@@ -68,14 +71,34 @@ def wait_until(what: str, done: Callable[[], bool], *procs: subprocess.Popen[str
         time.sleep(0.02)  # polling a file, not waiting out a race
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (zombies, dead and waiting to be reaped, do not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp
+            return True
+    return False
+
+
+def end_group(proc: subprocess.Popen[str]) -> None:
+    """Kill `proc` and every process of its group (a killed launcher's joblib workers), and reap `proc`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.wait()
+
+
 @pytest.fixture
 def procs() -> Iterator[list[subprocess.Popen[str]]]:
     started: list[subprocess.Popen[str]] = []
     yield started
     for p in started:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        end_group(p)
+    for p in started:  # no test leaves a process behind (the workers are reaped by init once killed)
+        wait_until(f"the processes of group {p.pid} to end", lambda p=p: not group_alive(p.pid))
 
 
 @pytest.mark.slow

@@ -66,7 +66,8 @@ def _case(id: str, what: str, overrides: str, message: str, way_out: str, **kw: 
     return Case(id, what, tuple(overrides.split()), message, way_out, **kw)
 
 
-HYDRA = {"exit": 1, "via": ("cli",)}
+#: Refused while Hydra composes the command line (before train() exists): one paragraph, exit 2 as well.
+HYDRA = {"exit": 2, "via": ("cli",)}
 CASES = [
     # -- config keys, types and values
     _case("misspelled-key", "a misspelled key", "stepz=3", "stepz is not a config key; top-level keys: model,",
@@ -78,6 +79,23 @@ CASES = [
           "could not be converted to Integer", **HYDRA),
     _case("taps-not-a-list", "taps given as a string", "taps=fc1:output", "Error merging override taps=fc1:output",
           "is not a ListConfig, list or tuple", **HYDRA),
+    _case("group-typo", "a misspelled option of a config group", "model=mpl",
+          "model=mpl: the config group model has no option 'mpl'; its options: cnn,", "Did you mean 'mlp'?",
+          via=("cli",)),
+    _case("experiment-typo", "a misspelled experiment", "+experiment=mpl",
+          "+experiment=mpl: the config group experiment has no option 'mpl'", "Did you mean 'mlp'?", via=("cli",)),
+    _case("optimizer-typo", "an optimizer option that does not exist", "optimizer=adamw",
+          "optimizer=adamw: the config group optimizer has no option 'adamw'; its options: adam, sgd.",
+          "Did you mean 'adam'?", via=("cli",)),
+    _case("group-null", "a config group set to null", "model=null",
+          "model=null: model is a config group, so its value names one of its options", "e.g. model=cnn",
+          via=("cli",)),
+    _case("group-list", "a config group given a list of numbers", "loss=[1,2]",
+          "loss=[1,2]: loss is a config group, so its value names one of its options", "e.g. loss=", via=("cli",)),
+    _case("seed-too-large", "a seed numpy cannot take", "seed=4294967296",
+          "seed=4294967296 is not allowed; seed must be an integer from 0 to 4294967295", "seed=10"),
+    _case("steps-too-large", "steps that would run for ever", "steps=9223372036854775807",
+          "steps=9223372036854775807 is not allowed; steps must be an integer from 0 to 2147483647", "steps=10"),
     _case("forced-key", "a misspelled key forced in with +", "+capture.stratgy=hook",
           "unknown config key capture.stratgy.", "Did you mean capture.strategy?"),
     _case("strategy", "an unknown strategy", "capture.strategy=hooks",

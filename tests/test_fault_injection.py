@@ -173,7 +173,7 @@ def test_a_full_disk_at_any_write_is_one_paragraph_and_leaves_no_temp_or_half_fi
     monkeypatch.setattr(pq.ParquetWriter, "write_table", disk.wrap("write_table", pq.ParquetWriter.write_table))
     monkeypatch.setattr(pq.ParquetWriter, "close", disk.wrap("close", pq.ParquetWriter.close))
     monkeypatch.setattr(os, "link", disk.wrap("link", os.link))
-    monkeypatch.setattr(Path, "write_text", disk.wrap("write_text", Path.write_text))
+    monkeypatch.setattr(Path, "write_bytes", disk.wrap("write_bytes", Path.write_bytes))  # records.atomic
     with pytest.raises(GradrunnerError) as info:
         run(compose_cfg("+experiment=cosine", "steps=4"), out_dir=tmp_path)
     message = str(info.value)
@@ -182,7 +182,7 @@ def test_a_full_disk_at_any_write_is_one_paragraph_and_leaves_no_temp_or_half_fi
     kept = check_records(tmp_path)
     assert temp_files(tmp_path) == [] and not list(tmp_path.glob(".*.json.*.tmp"))
     assert not (tmp_path / rundir.DONE).exists()
-    if disk.hit == "write_text":  # done.json could not be written: the records are complete, and said so
+    if disk.hit == "write_bytes":  # done.json could not be written: the records are complete, and said so
         assert kept == [0, 1, 2, 3] and "are complete, but the completion marker" in message
     else:
         assert kept == [] and "No records were kept. No half-written file is left." in message

@@ -24,7 +24,7 @@ def test_report_true_writes_the_report_when_the_run_ends(tmp_path: Path) -> None
 
 def test_a_failing_report_logs_the_command_and_keeps_the_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("matplotlib")
-    with caplog.at_level(logging.WARNING, logger="gradrunner.records.rundir"):
+    with caplog.at_level(logging.WARNING, logger="gradrunner.run.resume"):
         run(compose_cfg("+experiment=cosine", "steps=0", "report=true"), out_dir=tmp_path)  # no rows to report
     assert f"write it with: python -m gradrunner.report {tmp_path}" in caplog.text
     assert (tmp_path / DONE).is_file() and not (tmp_path / "report.html").exists()

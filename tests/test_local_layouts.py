@@ -16,16 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import leftover_hooks
+from conftest import close, leftover_hooks
 from torch import nn
 
 from gradrunner import GradrunnerError, capture
 from gradrunner.capturing import forward_locals
-
-
-def close(actual: torch.Tensor | None, expected: torch.Tensor) -> None:
-    assert actual is not None
-    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
 
 
 def logged(fn: Callable[..., Any]) -> Callable[..., Any]:

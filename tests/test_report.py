@@ -75,11 +75,12 @@ def test_grad_flow_marks_zero_gradients_on_the_bottom_edge(tmp_path: Path) -> No
     write_planted_job(tmp_path, "hook")
     df = load(tmp_path)
     df.loc[(df.tap == "fc2:output") & (df.step == 1), "norm"] = 0.0
-    ax, _weights = plot_grad_flow(df, steps=[1]).axes
+    ax, weights = plot_grad_flow(df, steps=[1]).axes
     assert ax.get_title() == "planted · hook: outputs, inputs and locals"
     line, zeros = ax.get_lines()
     assert zeros.get_label() == "exactly 0" and list(zeros.get_xdata()) == [2] and list(zeros.get_ydata()) == [0.03]
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["step 1", "exactly 0"]
+    legend = weights.get_legend()  # the last column's, outside the axes: it covers no point
+    assert [t.get_text() for t in legend.get_texts()] == ["step 1"] and legend.get_bbox_to_anchor().x0 > 0
 
 
 def test_norms_figure_draws_a_line_per_tap(tmp_path: Path) -> None:
@@ -209,19 +210,20 @@ def parse(page: Path) -> PageParts:
     return parts
 
 
+@pytest.mark.slow
 def test_report_of_a_sweep_embeds_every_figure_and_table(sweep_dir: Path) -> None:
     page = write_report(sweep_dir)
     assert page == sweep_dir / REPORT_NAME
     parts = parse(page)
     assert parts.headings == [
-        "Findings", "Runs", "Per-tap summary", "Gradient flow", "Gradient norm over the steps",
+        "Findings", "Loss over the steps", "Runs", "Per-tap summary", "Gradient flow", "Gradient norm over the steps",
         "Do the strategies agree?", "Strategy agreement", "What each strategy costs", "Strategy cost",
         "Gradient values",
     ]  # fmt: skip
     assert parts.tables == 4 and parts.outside == []
     pngs = sorted(sweep_dir.glob("report-*.png"))
     assert [p.name for p in pngs] == [
-        f"report-{n}.png" for n in ["agreement", "cost", "grad_flow", "norms", "values"]
+        f"report-{n}.png" for n in ["agreement", "cost", "grad_flow", "loss", "norms", "values"]
     ]
     assert all(img.startswith(PNG_SIGNATURE) for img in parts.images)
     assert sorted(parts.images) == sorted(p.read_bytes() for p in pngs)
@@ -262,8 +264,9 @@ def test_report_shows_the_true_last_loss_and_one_table_when_the_strategies_agree
 def test_report_of_one_run_has_no_strategy_sections(tmp_path: Path) -> None:
     write_planted_job(tmp_path, "hook", values="none")
     parts = parse(write_report(tmp_path / "grads.parquet"))  # a file: the report goes next to it
-    assert parts.headings == ["Findings", "Runs", "Per-tap summary", "Gradient flow", "Gradient norm over the steps"]
-    assert len(parts.images) == 2 and (tmp_path / REPORT_NAME).is_file()
+    assert parts.headings == ["Findings", "Loss over the steps", "Runs", "Per-tap summary", "Gradient flow",
+                              "Gradient norm over the steps"]  # fmt: skip
+    assert len(parts.images) == 3 and (tmp_path / REPORT_NAME).is_file()
 
 
 def run_report(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
@@ -404,6 +407,7 @@ def test_chromium_check_catches_what_it_should(tmp_path: Path) -> None:
     assert {p.split(":")[0] for p in problems} == {"image not decoded", "log error", "console.error", "exception"}
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_page_renders_in_chromium_without_errors(sweep_dir: Path) -> None:
     assert chromium_problems(write_report(sweep_dir)) == []

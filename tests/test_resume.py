@@ -23,8 +23,9 @@ from records_check import check_records
 from gradrunner.analysis import load
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import LOCK_FILE
-from gradrunner.records.rundir import DONE, FAILED, LiveRun, RunLock, job_state
+from gradrunner.records.rundir import DONE, FAILED, job_state
 from gradrunner.run.job import run
+from gradrunner.run.resume import LiveRun, RunLock
 
 RECORDS = ("grads.parquet", "steps.parquet", DONE)
 STRATEGIES = "hook,retain_grad,autograd_grad"
@@ -61,7 +62,7 @@ def test_a_second_run_into_the_same_dir_is_refused(tmp_path: Path) -> None:
 def test_resume_skips_a_completed_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     run(compose_cfg("+experiment=cosine", "steps=1"), out_dir=tmp_path)
     before = stamps(tmp_path)
-    with caplog.at_level(logging.INFO, logger="gradrunner.records.rundir"):
+    with caplog.at_level(logging.INFO, logger="gradrunner.run.resume"):
         path = run(compose_cfg("+experiment=cosine", "steps=1", "resume=true"), out_dir=tmp_path)
     assert path == tmp_path / "grads.parquet"
     assert "already completed (done.json): skipped" in caplog.text
@@ -190,7 +191,7 @@ def test_resume_reruns_a_completed_job_whose_files_do_not_verify_and_says_why(
     first = json.loads((tmp_path / DONE).read_text())["run_id"]
     name, harm, reason = DAMAGES[damage]
     harm(tmp_path / name)
-    with caplog.at_level(logging.WARNING, logger="gradrunner.records.rundir"):
+    with caplog.at_level(logging.WARNING, logger="gradrunner.run.resume"):
         run(compose_cfg("+experiment=cosine", "steps=3", "resume=true"), out_dir=tmp_path)
     assert f"{tmp_path} is marked completed but {reason}" in caplog.text and "running again" in caplog.text
     done = json.loads((tmp_path / DONE).read_text())
@@ -202,7 +203,7 @@ def test_load_names_a_damaged_file_and_its_job(tmp_path: Path) -> None:
     for job in ("0", "1"):
         run(compose_cfg("+experiment=cosine", "steps=2"), out_dir=tmp_path / job)
     _truncate(tmp_path / "1" / "grads.parquet")
-    with pytest.raises(GradrunnerError, match=rf"cannot read {re.escape(str(tmp_path / '1' / 'grads.parquet'))} "
+    with pytest.raises(GradrunnerError, match=rf"cannot read 1 record file.*: {re.escape(str(tmp_path / '1' / 'grads.parquet'))} "
                        rf"\(job 1 of {re.escape(str(tmp_path))}\).*resume=true"):  # fmt: skip
         load(tmp_path)
 

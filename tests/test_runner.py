@@ -242,8 +242,8 @@ def test_interrupt_keeps_the_completed_steps_readable(tmp_path: Path) -> None:
 def test_train_logs_where_the_records_are_and_how_to_load_them(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with caplog.at_level(logging.INFO, logger="gradrunner.run.loop"):
+    with caplog.at_level(logging.INFO):
         path = train(compose_cfg("+experiment=cosine", "steps=1"), out_dir=tmp_path)
-    last = caplog.records[-1].getMessage()
-    assert last.startswith(f"records: grads.parquet, steps.parquet in {path.parent}  (") and "pandas.read_parquet" in last
+    last = caplog.records[-1].getMessage().split("\n  ")[1]  # the run summary's line after its head
+    assert last.startswith(f"records: {path.parent} (grads.parquet, steps.parquet; ") and "pandas.read_parquet" in last
     assert last.count(str(tmp_path)) == 1 and "gradrunner.analysis.load" in last

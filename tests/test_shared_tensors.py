@@ -13,17 +13,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import compose_cfg, leftover_hooks
+from conftest import close, compose_cfg, leftover_hooks
 from torch import nn
 
 from gradrunner import capture
 from gradrunner.records.columns import GRADS_FILE, TapKey
 from gradrunner.run.loop import train
-
-
-def close(actual: torch.Tensor | None, expected: torch.Tensor) -> None:
-    assert actual is not None
-    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
 
 
 # -- tied parameters ---------------------------------------------------------------------------------

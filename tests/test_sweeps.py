@@ -79,6 +79,7 @@ def failed_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cwd / "sw"
 
 
+@pytest.mark.slow
 def test_the_manifest_lists_every_job_with_its_status(failed_sweep: Path) -> None:
     m = manifest(failed_sweep)
     assert m["counts"] == {"completed": 2, "failed": 1, "missing": 0}
@@ -125,7 +126,7 @@ def test_a_job_that_never_started_is_listed_as_missing(tmp_path: Path) -> None:
     for num, overrides in [(0, expected[0]), (1, expected[1])]:
         (tmp_path / str(num) / ".hydra").mkdir(parents=True)
         (tmp_path / str(num) / ".hydra" / "overrides.yaml").write_text(f"- {overrides[0]}\n")
-    (tmp_path / "0" / DONE).write_text('{"files": ["grads.parquet", "steps.parquet"]}')
+    (tmp_path / "0" / DONE).write_text('{"status": "completed", "run_id": "r0", "files": ["grads.parquet", "steps.parquet"]}')
     jobs = build_manifest(tmp_path, expected)["jobs"]
     assert [(j["num"], j["dir"], j["status"]) for j in jobs] == [(0, "0", "completed"), (1, "1", "missing"),
                                                                  (2, None, "missing")]  # fmt: skip
@@ -182,7 +183,7 @@ def test_a_manifest_the_disk_refuses_is_one_logged_line_and_leaves_no_temp_file(
 
     books = SweepBookkeeping()
     books.on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "report": False}))
-    monkeypatch.setattr(Path, "write_text", no_space)
+    monkeypatch.setattr(Path, "write_bytes", no_space)  # records.atomic.write_atomically writes the temp file so
     with caplog.at_level(logging.ERROR, logger="gradrunner.callbacks"):
         books.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "report": False}))
     (record,) = caplog.records

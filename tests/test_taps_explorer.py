@@ -16,6 +16,7 @@ from torch import nn
 from gradrunner import list_taps
 from gradrunner.capturing.explore import TapListing
 from gradrunner.capturing.taps import resolve_taps
+from gradrunner.errors import GradrunnerError
 from gradrunner.run.build import setup
 from gradrunner.taps import listing
 
@@ -157,3 +158,30 @@ def test_a_forward_that_needs_autograd_is_listed_with_grad_enabled() -> None:
     m = by_path(list_taps(model, torch.randn(2, 3)))
     assert m[""].outputs[0].shape == [2, 3] and m["energy"].outputs[0].shape == [2, 1]
     assert m[""].locals == ["x", "force"] and leftover_hooks(model) == []
+
+
+# -- --match and globs that match nothing ------------------------------------------------------------
+def test_matching_keeps_only_the_paths_the_glob_selects() -> None:
+    model = nn.Sequential()
+    model.add_module("layers", nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.ReLU()) for _ in range(2)]))
+    listed = list_taps(model, torch.randn(2, 4))
+    every = [p for p, _ in model.named_modules()]
+    assert [m.path for m in listed.matching("layers.0.*").modules] == [p for p in every if p.startswith("layers.0.")]
+    assert [m.path for m in listed.matching("").modules] == [""]
+
+
+@pytest.mark.slow
+def test_the_taps_cli_filters_with_match_and_refuses_a_match_of_nothing(tmp_path: Path) -> None:
+    ok = taps_cli(tmp_path, "+experiment=mlp", "--match", "relu*")
+    assert ok.returncode == 0, ok.stderr
+    paths = [line.split(" ")[0] for line in ok.stdout.splitlines()[1:] if not line.startswith(" ")]
+    assert paths == ["relu1", "relu2", "relu3"]
+    bad = taps_cli(tmp_path, "+experiment=mlp", "--match=zz*")
+    assert bad.returncode == 2 and bad.stderr.startswith("gradrunner.taps: error: --match 'zz*' matches no module")
+
+
+def test_a_glob_that_matches_nothing_names_the_closest_paths() -> None:
+    model = nn.Sequential()
+    model.add_module("layers", nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    with pytest.raises(GradrunnerError, match=r"the glob 'layer\.\*' matches no .* Closest paths: 'layers\.1', 'layers\.0', 'layers'\.$"):
+        resolve_taps(model, ["layer.*:output"])

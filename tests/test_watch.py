@@ -18,7 +18,9 @@ WATCH = "gradrunner.run.watch"
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == WATCH and r.levelno == logging.WARNING]
+    """The warnings while the run goes on (the run summary at its end is tested in test_last_word.py)."""
+    messages = [r.getMessage() for r in caplog.records if r.name == WATCH and r.levelno == logging.WARNING]
+    return [m for m in messages if not m.startswith("run summary:")]
 
 
 def test_a_loss_that_is_always_zero_warns_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -6,8 +6,8 @@ Imports no torch (a test checks it in a fresh interpreter).
 | --- | --- |
 | `reading` | `load(run or sweep dir)`: records into one DataFrame |
 | `summaries` | the helpers: tap summary, gradient flow, strategy agreement and cost |
-| `extras` | helpers over the optional columns: histograms over steps, update ratios, per-example spread |
-| `plots`, `plots_extras` | matplotlib figures drawn from those helpers' DataFrames |
+| `optional` | helpers over the optional columns: histograms over steps, update ratios, per-example spread |
+| `plots`, `plots_optional` | matplotlib figures drawn from those helpers' DataFrames |
 | `report` | `python -m gradrunner.report <dir>`: PNGs and one HTML page |
 
 Example::
@@ -17,14 +17,14 @@ Example::
     tap_summary(df)
 """
 
-from gradrunner.analysis.extras import (
+from gradrunner.analysis.optional import (
     UPDATE_RATIO_GUIDE,
     hist_bin_labels,
     histograms_over_steps,
     per_example_spread,
     update_ratios,
 )
-from gradrunner.analysis.reading import TABLES, IncompleteSweepWarning, load
+from gradrunner.analysis.reading import TABLES, DamagedRecordsWarning, IncompleteSweepWarning, load
 from gradrunner.analysis.summaries import (
     FLOW_MEASURES,
     compare_strategies,
@@ -42,6 +42,7 @@ __all__ = [
     "FLOW_MEASURES",
     "TABLES",
     "UPDATE_RATIO_GUIDE",
+    "DamagedRecordsWarning",
     "IncompleteSweepWarning",
     "compare_strategies",
     "flow_steps",

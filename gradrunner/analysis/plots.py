@@ -6,6 +6,7 @@ Contents:
     plot_strategy_agreement(cmp)              -- largest relative difference per statistic and per tap
     plot_strategy_cost(costs)                 -- step time, capture time and peak memory per strategy
     plot_value_distributions(df, steps)       -- histograms of the captured gradient values per tap
+    plot_loss(steps_df)                       -- the loss (and grad_norm, when recorded) over the steps
 
 Every function returns a `matplotlib.figure.Figure` built without pyplot: no GUI backend, no
 global figure list, nothing to close; it works headless and in a notebook (the Figure displays
@@ -15,7 +16,8 @@ itself). Save one with `fig.savefig("flow.png")`. Runs of a sweep get a panel ea
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -56,7 +58,25 @@ def _kind(name: str) -> str:
     return WEIGHTS if name in ("weight", "bias") or name.endswith(("_weight", "_bias")) else ACTIVATIONS
 
 
-def plot_grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure_name: str = "norm") -> Figure:
+def short_labels(labels: Iterable[str]) -> tuple[list[str], str]:
+    """Tap labels with their common dotted prefix removed (for axes), and that prefix ('' if none).
+
+    Example::
+
+        short_labels(["model.layers.0.mlp:output", "model.layers.1.mlp:output"])
+        # (['0.mlp:output', '1.mlp:output'], 'model.layers.')
+    """
+    labels = [str(x) for x in labels]
+    if len(labels) < 2:
+        return labels, ""
+    prefix = os.path.commonprefix(labels)  # noqa: RUF071 -- characters, cut back to the last "." below
+    prefix = prefix[: prefix.rfind(".") + 1] if "." in prefix else ""
+    return [x[len(prefix) :] for x in labels], prefix
+
+
+def plot_grad_flow(
+    df: pd.DataFrame, steps: Iterable[int] | Mapping[str, Iterable[int]] | None = None, measure_name: str = "norm"
+) -> Figure:
     """Gradient flow: a measure of every tap in forward order (log scale), one line per step.
 
     Example::
@@ -70,9 +90,16 @@ def plot_grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure
     and biases (taps named `weight`, `bias`, `*_weight`, `*_bias`) another: a line never joins an
     output to a weight. A value of exactly 0
     has no place on a log scale: it is drawn as an x on the bottom edge (legend "exactly 0"); NaN
-    leaves a gap.
+    leaves a gap. `steps` may map each `run_id` to its own steps (a sweep over `steps=5,50`).
+    Tap labels lose their common dotted prefix (named under the axis); the legend sits outside the axes.
     """
-    flow = grad_flow(df, steps, measure_name)
+    if isinstance(steps, Mapping):
+        per_run = {str(r): {int(s) for s in v} for r, v in steps.items()}
+        flow = grad_flow(df, sorted(set().union(*per_run.values())), measure_name)
+        keep = [int(s) in per_run.get(str(r), set()) for r, s in zip(flow["run_id"], flow["step"], strict=True)]
+        flow = flow[np.asarray(keep, dtype=bool)]
+    else:
+        flow = grad_flow(df, steps, measure_name)
     order = forward_order(df)
     order["kind"] = [_kind(t.split(":", 1)[1]) for t in order["tap"]]
     kinds = [k for k in (ACTIVATIONS, WEIGHTS) if (order["kind"] == k).any()]
@@ -84,6 +111,7 @@ def plot_grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure
     for col, kind in enumerate(kinds):
         positions = order[order["kind"] == kind].reset_index(drop=True)
         x_of = {(t, c): i for i, (t, c) in enumerate(zip(positions["tap"], positions["call"], strict=True))}
+        labels, prefix = short_labels(positions["label"])
         for row, (title, run) in enumerate(runs):
             ax = grid[row, col]
             part = run[run["kind"] == kind]
@@ -102,11 +130,11 @@ def plot_grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure
             if row == 0:
                 ax.set_title(kind if len(runs) > 1 or not title else f"{title}: {kind}", fontsize="medium")
             ax.grid(True, which="major", alpha=0.3)
-            if col == 0:
-                ax.legend(fontsize="small", loc="best")
-            ax.set_xticks(range(len(positions)), positions["label"] if row == len(runs) - 1 else [],
+            if col == len(kinds) - 1:  # outside the axes, right of the last column: it covers no point
+                ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+            ax.set_xticks(range(len(positions)), labels if row == len(runs) - 1 else [],
                           rotation=60, ha="right", fontsize="small")  # fmt: skip
-        grid[-1, col].set_xlabel("tap, in forward order")
+        grid[-1, col].set_xlabel("tap, in forward order" + (f" (after {prefix!r})" if prefix else ""))
     fig.suptitle(f"Gradient flow ({measure_name} per tap)")
     return fig
 
@@ -286,4 +314,38 @@ def plot_value_distributions(df: pd.DataFrame, steps: Iterable[int] | None = Non
         ax.set_visible(False)
     axes[0].legend(fontsize="x-small")
     fig.suptitle(f"Gradient values ({title})" if title else "Gradient values")
+    return fig
+
+
+def plot_loss(steps: pd.DataFrame) -> Figure:
+    """The loss over the steps, a line per run; a second panel with `grad_norm` when the steps table has it.
+
+    Example::
+
+        fig = plot_loss(load("outputs/2026-11-23/10-00-00-000000", table="steps"))
+        fig.axes[0].get_ylabel()     # 'loss'
+
+    A NaN/Inf loss leaves a gap from its first step, marked with a red line and named in the legend.
+    Log scale when every finite loss is positive. The legend goes outside the axes (it never covers a line).
+    """
+    columns = [c for c in ("loss", "grad_norm") if c in steps.columns and steps[c].notna().any()]
+    fig, axes = _panels(len(columns), 8, 2.6)
+    runs = _runs(steps, [c for c in run_columns(steps) if c != "run_id"] or ([] if steps["run_id"].nunique() < 2 else ["run_id"]))
+    for ax, column in zip(axes, columns, strict=True):
+        for (title, run), color in zip(runs, _colors(len(runs)), strict=True):
+            run = run.sort_values("step", kind="stable")
+            y = run[column].to_numpy(dtype=np.float64)
+            ax.plot(run["step"], np.where(np.isfinite(y), y, np.nan), color=color, label=title or column)
+            bad = run.loc[~np.isfinite(y), "step"]
+            if len(bad):
+                ax.axvline(int(bad.iloc[0]), color="tab:red", linestyle=":", linewidth=1,
+                           label=f"{title + ': ' if title else ''}{column} NaN/Inf from step {int(bad.iloc[0])}")  # fmt: skip
+        finite = steps[column].to_numpy(dtype=np.float64)
+        finite = finite[np.isfinite(finite)]
+        if finite.size and (finite > 0).all():
+            ax.set_yscale("log")
+        ax.set_ylabel(column.replace("_", " "))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    axes[-1].set_xlabel("step")
     return fig

@@ -1,8 +1,9 @@
 """Read gradrunner records into pandas: one run dir, a whole sweep, or one Parquet file.
 
 Contents:
-    load(path, table="grads", columns=None, values=False)  -- a run dir, a sweep dir or one .parquet file
+    load(path, table="grads", columns=None, values=False, on_damaged="raise")  -- a run, a sweep or one .parquet file
     IncompleteSweepWarning            -- `load` left out failed or unfinished jobs of a sweep
+    DamagedRecordsWarning             -- `load(..., on_damaged="skip")` left out files that do not verify
     TABLES                            -- the tables a job writes
     RESERVED_COLUMNS                  -- names a swept override's column never takes (`override.<key>` then)
 
@@ -14,6 +15,8 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import warnings
@@ -27,6 +30,7 @@ import yaml
 
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
+from gradrunner.records.columns import OVERRIDES_KEY
 
 #: Tables a job writes, each as `<job dir>/<table>.parquet`.
 TABLES = ("grads", "steps")
@@ -47,8 +51,16 @@ RESERVED_COLUMNS = frozenset({
 })  # fmt: skip
 
 
+#: What `load` does with a file that does not verify.
+ON_DAMAGED = ("raise", "skip")
+
+
 def load(
-    path: str | os.PathLike[str], table: str = "grads", columns: Sequence[str] | None = None, values: bool = False,
+    path: str | os.PathLike[str],
+    table: str = "grads",
+    columns: Sequence[str] | None = None,
+    values: bool = False,
+    on_damaged: str = "raise",
     live: bool = False,
 ) -> pd.DataFrame:
     """Every `<table>.parquet` below `path` as one DataFrame, with a column per swept override.
@@ -66,7 +78,8 @@ def load(
     (every captured element: often most of the bytes), which `values=True` or naming it in
     `columns` adds. Schemas are unified: a column only some files have is kept, null elsewhere.
     When the files live in subdirectories (a sweep), a `job` column holds each job dir relative
-    to `path`, and every override (from `<job>/.hydra/overrides.yaml`) whose value differs
+    to `path`, and every override of the job (from its records: the files' metadata, else `done.json`,
+    else `<job>/.hydra/overrides.yaml` for records written before overrides travelled with them) whose value differs
     between jobs becomes a column named after its key, or `override.<key>` when the key is one of
     `RESERVED_COLUMNS` (`steps=5,10` gives `override.steps`, never clashing with a record or a
     helper's column), as int or float when every value parses so, else as string. Hidden files and
@@ -78,9 +91,18 @@ def load(
     Jobs the sweep's `manifest.json` lists but that have no dir are named in that warning too. A file
     that cannot be read is a GradrunnerError naming it and its job: never a silently shorter result.
 
+    Every file is verified as it is read: each page's CRC checksum, and, for a job with `done.json`,
+    its run id (a file swapped in from another run is refused), row count and footer against what
+    `done.json` recorded. Files that do not verify are named, each with its job and why, in one
+    GradrunnerError (`on_damaged="raise"`, the default), or left out with one `DamagedRecordsWarning`
+    (`on_damaged="skip"`); their rows are never returned. Only the pages of the columns read are
+    checked: a flip in the `values` pages of a load without `values` changes nothing it returns.
+
     `live=True` reads a run dir whose job is still running: the steps completed so far (see
     `gradrunner.analysis.live`).
     """
+    if on_damaged not in ON_DAMAGED:
+        raise GradrunnerError(f"on_damaged={on_damaged!r} is not allowed: allowed: {', '.join(map(repr, ON_DAMAGED))}")
     if live and table in TABLES:  # a running job's closed segments: gradrunner.analysis.live
         from gradrunner.analysis.live import load_live
 
@@ -89,7 +111,11 @@ def load(
             return running
     root = Path(path)
     files = _completed_only(root, _find_files(root, table))
-    tables = [_read(root, f, columns, values) for f in files]
+    read = [_read(root, f, columns, values) for f in files]
+    damaged = [r for r in read if isinstance(r, str)]
+    if damaged:
+        files, read = _without_damaged(root, files, read, damaged, on_damaged)
+    tables = [t for t in read if isinstance(t, pa.Table)]
     job_dirs = [f.parent for f in files]
     if root.is_dir() and any(d != root for d in job_dirs):
         tables = _with_job_columns(root, job_dirs, tables)
@@ -100,26 +126,47 @@ class IncompleteSweepWarning(UserWarning):
     """`load` left out jobs of a sweep that failed or did not finish; the message names them."""
 
 
-def _read(root: Path, f: Path, columns: Sequence[str] | None, values: bool) -> pa.Table:
-    """One record file: the columns asked for (those it has), or all but `values` unless `values`.
+class DamagedRecordsWarning(UserWarning):
+    """`load(..., on_damaged="skip")` left out record files that do not verify; the message names them."""
 
-    A damaged file is a GradrunnerError naming the file and its job.
+
+def _read(root: Path, f: Path, columns: Sequence[str] | None, values: bool) -> pa.Table | str:
+    """One record file, verified: the columns asked for (those it has), or all but `values` unless `values`.
+
+    A file that does not verify is returned as a sentence naming it, its job and why.
     """
+    marker = rundir.job_state(f.parent).marker if f.parent.is_dir() else None
     try:
         names = pq.read_schema(f).names
         if columns is None:
             wanted = [n for n in names if n != VALUES or values]
         else:
             wanted = [n for n in dict.fromkeys([*columns, *([VALUES] if values else [])]) if n in names]
-        return pq.read_table(f, columns=wanted)
-    except (OSError, pa.ArrowException) as e:
+        return rundir.read_verified(f, marker, wanted)
+    except Exception as e:  # rundir.Damaged, or what pyarrow raises on a damaged footer (UnicodeDecodeError too)
         job = f.parent.relative_to(root).as_posix() if root.is_dir() and f.parent != root else None
         where = f"job {job} of {root}" if job else f"the run {f.parent}"
+        why = str(e) if isinstance(e, rundir.Damaged) else f"{type(e).__name__}: {one_paragraph(e)}"
+        return f"{f} ({where}): {why.rstrip('.')}"
+
+
+def _without_damaged(
+    root: Path, files: list[Path], read: list[pa.Table | str], damaged: list[str], on_damaged: str
+) -> tuple[list[Path], list[pa.Table | str]]:
+    """Refuse (one paragraph naming every damaged file), or warn and keep the files that verified."""
+    named = "; ".join(damaged[:10]) + (f"; and {len(damaged) - 10} more" if len(damaged) > 10 else "")
+    fix = ("re-run those jobs with resume=true (it re-runs jobs whose files do not verify), or move their dirs "
+           "away to load the others")  # fmt: skip
+    kept = [(f, t) for f, t in zip(files, read, strict=True) if isinstance(t, pa.Table)]
+    if on_damaged == "raise" or not kept:
         raise GradrunnerError(
-            f"cannot read {f} ({where}): {type(e).__name__}: {one_paragraph(e)}. The file is damaged (truncated, "
-            f"overwritten or flipped bytes); re-run that job with resume=true (it re-runs jobs whose files do not "
-            "verify), or move the job dir away to load the others."
-        ) from e
+            f"cannot read {len(damaged)} record file(s) that do not verify (damaged: truncated, overwritten or "
+            f"flipped bytes; or swapped in from another run): {named}. Their rows are not returned; {fix}"
+            + (", or pass on_damaged='skip' to load the rest with a warning." if on_damaged == "raise" else ".")
+        )
+    warnings.warn(f"left out {len(damaged)} record file(s) that do not verify: {named}. {fix[0].upper()}{fix[1:]}.",
+                  DamagedRecordsWarning, stacklevel=3)  # fmt: skip
+    return [f for f, _ in kept], [t for _, t in kept]
 
 
 def _missing_from_manifest(root: Path) -> list[str]:
@@ -189,13 +236,36 @@ def _natural_key(rel: Path) -> list[tuple[int, int | str]]:
     return [(0, int(t)) if t.isdigit() else (1, t) for part in rel.parts for t in re.split(r"(\d+)", part) if t]
 
 
-def _read_overrides(job_dir: Path) -> dict[str, str | None]:
-    """`key -> value` of a job's Hydra overrides (`+key=v`, `++key=v` -> `key`; `~key` -> None)."""
+def _job_overrides(job_dir: Path, table: pa.Table) -> list[str]:
+    """A job's own overrides, from its records: the file's metadata, else its `done.json`, else `.hydra/`.
+
+    `.hydra/overrides.yaml` is read last: Hydra rewrites it for any later run into the dir, while the
+    records (and `done.json`, which pins them) keep what this job was run with.
+    """
+    meta = table.schema.metadata or {}
+    raw = meta.get(OVERRIDES_KEY.encode())
+    if raw is not None:
+        with contextlib.suppress(ValueError):
+            found = json.loads(raw)
+            if isinstance(found, list):
+                return [str(o) for o in found]
+    marker = rundir.read_json(job_dir / rundir.DONE)
+    if marker is not None and isinstance(marker.get("overrides"), list):
+        return [str(o) for o in marker["overrides"]]
     f = job_dir / ".hydra" / "overrides.yaml"
     if not f.is_file():
-        return {}
+        return []
+    try:
+        items = yaml.safe_load(f.read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    return [str(o) for o in items] if isinstance(items, list) else []
+
+
+def _parse_overrides(items: list[str]) -> dict[str, str | None]:
+    """`key -> value` of a job's Hydra overrides (`+key=v`, `++key=v` -> `key`; `~key` -> None)."""
     out: dict[str, str | None] = {}
-    for item in yaml.safe_load(f.read_text()) or []:
+    for item in items:
         key, sep, value = str(item).partition("=")
         out[key.lstrip("+~")] = value if sep and not key.startswith("~") else None
     return out
@@ -214,9 +284,8 @@ def _typed_array(values: list[str | None]) -> pa.Array:
     return pa.array(values, pa.string())
 
 
-def _swept_columns(job_dirs: list[Path]) -> dict[str, pa.Array]:
+def _swept_columns(overrides: list[dict[str, str | None]]) -> dict[str, pa.Array]:
     """One value per job for each override key whose value differs between jobs."""
-    overrides = [_read_overrides(d) for d in job_dirs]
     keys = sorted({k for o in overrides for k in o})
     columns: dict[str, pa.Array] = {}
     for key in keys:
@@ -229,7 +298,8 @@ def _swept_columns(job_dirs: list[Path]) -> dict[str, pa.Array]:
 def _with_job_columns(root: Path, job_dirs: list[Path], tables: list[pa.Table]) -> list[pa.Table]:
     """Append `job` and the swept override columns, constant within each job's table."""
     unique_dirs = sorted(set(job_dirs), key=lambda d: _natural_key(d.relative_to(root)))
-    swept = _swept_columns(unique_dirs)
+    first_table = {d: t for d, t in reversed(list(zip(job_dirs, tables, strict=True)))}
+    swept = _swept_columns([_parse_overrides(_job_overrides(d, first_table[d])) for d in unique_dirs])
     index = {d: i for i, d in enumerate(unique_dirs)}
     out = []
     for job_dir, t in zip(job_dirs, tables, strict=True):

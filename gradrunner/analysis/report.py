@@ -27,18 +27,22 @@ import numpy as np
 import pandas as pd
 
 from gradrunner import __version__
-from gradrunner.analysis.extras import UPDATE_RATIO_GUIDE, histograms_over_steps, per_example_spread, update_ratios
+from gradrunner.analysis.optional import UPDATE_RATIO_GUIDE, histograms_over_steps, per_example_spread, update_ratios
 from gradrunner.analysis.reading import load
 from gradrunner.analysis.summaries import (
     EXPLODE_ABOVE,
     VANISH_BELOW,
     compare_strategies,
     flow_steps,
+    pick_steps,
     run_columns,
     strategy_costs,
     tap_summary,
+    vanishing_boundary,
 )
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
+from gradrunner.records.atomic import write_atomically
+from gradrunner.records.columns import GRADS_FILE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -56,7 +60,7 @@ table { border-collapse: collapse; font-size: 0.85em; margin: 0.5em 0; }
 th, td { padding: 0.2em 0.6em; border-bottom: 1px solid #eee; text-align: right; }
 th { background: #f4f4f4; } img { max-width: 100%; } code { background: #f4f4f4; padding: 0 0.2em; }
 .findings li { margin: 0.2em 0; } .ok { color: #2a7; } .wide { overflow-x: auto; max-width: 100%; }
-.headline { font-size: 1.1em; } .bad { color: #fff; background: #c33; } h3 { font-size: 1em; margin-bottom: 0.2em; }
+.headline { font-size: 1.1em; } .answer { font-size: 1.2em; font-weight: 600; } .bad { color: #fff; background: #c33; } h3 { font-size: 1em; margin-bottom: 0.2em; }
 td:first-child, td code { word-break: break-all; }
 summary { cursor: pointer; color: #555; }
 """
@@ -101,28 +105,75 @@ def write_report(path: str | Path) -> Path:
     plots = _import_plots()
     root = Path(path)
     out_dir = root.parent if root.is_file() else root
-    grads = load(out_dir, values=True)
+    grads = load(out_dir)  # every column but `values`: those are read for the two steps drawn, below
     if grads.empty:
         raise GradrunnerError(f"the records in {out_dir} hold no rows (no step was captured); nothing to report")
     steps = _load_steps(out_dir)
     summary = tap_summary(grads)
-    flow_note = "Steps shown: the first, the largest change, the last finite one and the first with NaN/Inf."
-    sections = [
-        _section("Findings", _findings(summary)),
+    cmp = _compare(grads) if grads["strategy"].nunique() > 1 else None
+    shown, once = grads, ""
+    if isinstance(cmp, pd.DataFrame) and _identical(cmp):  # the same figures N times say nothing more
+        shown = grads[grads["run_id"] == grads["run_id"].iloc[0]]
+        once = (f" Identical for the strategies {', '.join(dict.fromkeys(grads['strategy'].astype(str)))}: "
+                f"shown once ({shown['strategy'].iloc[0]}).")  # fmt: skip
+    flow_note = "Steps shown, per run: the first, the largest change, the last finite one and the first with NaN/Inf."
+    sections = [_section("Findings", _findings(summary))]
+    if steps is not None and len(steps):
+        sections.append(_figure(out_dir, "loss", "Loss over the steps", plots.plot_loss(steps)))
+    sections += [
         _runs_section(grads, steps),
         _section("Per-tap summary", _summary_table(summary)),
-        _figure(out_dir, "grad_flow", "Gradient flow", plots.plot_grad_flow(grads, steps=flow_steps(grads)), flow_note),
-        _figure(out_dir, "norms", "Gradient norm over the steps", plots.plot_norms(grads)),
-    ]
-    if grads["strategy"].nunique() > 1:
-        sections += _strategy_sections(plots, grads, steps, out_dir)
-    if "values" in grads.columns and grads["values"].notna().any():
-        fig = plots.plot_value_distributions(grads)
+        _figure(out_dir, "grad_flow", "Gradient flow", plots.plot_grad_flow(shown, steps=_flow_steps(shown)),
+                flow_note + once),
+        _figure(out_dir, "norms", "Gradient norm over the steps", plots.plot_norms(shown), once.strip()),
+    ]  # fmt: skip
+    if cmp is not None:
+        sections += _strategy_sections(plots, cmp, steps, out_dir)
+    values = _drawn_values(out_dir, grads)
+    if values is not None:
+        fig = plots.plot_value_distributions(values)
         sections.append(_figure(out_dir, "values", "Gradient values", fig, "First and last captured step."))
     sections += _extra_sections(grads, out_dir)
     page = out_dir / REPORT_NAME
-    page.write_text(_page(out_dir, grads, sections), encoding="utf-8")
+    write_atomically(page, _page(out_dir, grads, sections, _answer(grads, steps, summary, cmp)))
     return page
+
+
+def _compare(grads: pd.DataFrame) -> pd.DataFrame | str:
+    """`compare_strategies`, or why the runs could not be compared."""
+    try:
+        return compare_strategies(grads)
+    except GradrunnerError as e:  # e.g. several runs per strategy that no swept value tells apart
+        return str(e)
+
+
+def _identical(cmp: pd.DataFrame) -> bool:
+    return not cmp[["abs_diff", "rel_diff"]].to_numpy().any()
+
+
+def _flow_steps(grads: pd.DataFrame) -> dict[str, list[int]] | list[int]:
+    """`flow_steps` of each run (a 5-step job and a 50-step job each get their own)."""
+    if grads["run_id"].nunique() < 2:
+        return flow_steps(grads)
+    return {str(r): flow_steps(rows) for r, rows in grads.groupby("run_id", sort=False)}
+
+
+def _drawn_values(out_dir: Path, grads: pd.DataFrame) -> pd.DataFrame | None:
+    """The `values` of the first run at its first and last captured step only (row groups filtered), or None."""
+    import pyarrow.parquet as pq
+
+    first = grads[grads["run_id"] == grads["run_id"].iloc[0]]
+    job = str(first["job"].iloc[0]) if "job" in first.columns else ""
+    file = (out_dir / job if job else out_dir) / GRADS_FILE
+    if not file.is_file() or "values" not in pq.read_schema(file).names:
+        return None
+    chosen = pick_steps(first["step"], n=2)
+    keys = ["step", "tap", "call"]
+    table = pq.read_table(file, columns=[*keys, "values"], filters=[("step", "in", chosen)])
+    if table.num_rows == 0 or table.column("values").null_count == table.num_rows:
+        return None
+    rows = first[first["step"].isin(chosen)].drop(columns=["values"], errors="ignore")
+    return rows.merge(table.to_pandas(), on=keys, how="left")
 
 
 def try_report(path: Path) -> Path | None:
@@ -171,7 +222,7 @@ def _figure(out_dir: Path, name: str, title: str, fig: Figure, note: str = "") -
     """Save `fig` as `report-<name>.png`; a section embedding the same PNG bytes."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
-    (out_dir / f"report-{name}.png").write_bytes(buffer.getvalue())
+    write_atomically(out_dir / f"report-{name}.png", buffer.getvalue())
     encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
     body = f'<img alt="{html.escape(title)}" src="data:image/png;base64,{encoded}">'
     return _section(title, f"<p>{html.escape(note)}</p>\n{body}" if note else body)
@@ -262,29 +313,97 @@ def _summary_table(summary: pd.DataFrame) -> str:
 
 
 def _strategy_sections(
-    plots: ModuleType, grads: pd.DataFrame, steps: pd.DataFrame | None, out_dir: Path
+    plots: ModuleType, cmp: pd.DataFrame | str, steps: pd.DataFrame | None, out_dir: Path
 ) -> list[str]:
     """Agreement between the strategies (largest differences) and their cost."""
-    try:
-        cmp = compare_strategies(grads)
-    except GradrunnerError as e:  # e.g. several runs per strategy that no swept value tells apart
-        return [_section("Do the strategies agree?", f"<p>Not compared: {html.escape(str(e))}</p>")]
+    if isinstance(cmp, str):
+        return [_section("Do the strategies agree?", f"<p>Not compared: {html.escape(cmp)}</p>")]
     worst = cmp.groupby("stat", sort=False)[["abs_diff", "rel_diff"]].max().reset_index()
-    verdict = "identical records" if not worst[["abs_diff", "rel_diff"]].to_numpy().any() else "they differ"
+    verdict = "identical records" if _identical(cmp) else "they differ"
     sections = [
         _section("Do the strategies agree?",
                  f"<p>Largest difference over every step, tap and call: <b>{verdict}</b>.</p>\n{_table(worst)}"),
-        _figure(out_dir, "agreement", "Strategy agreement", plots.plot_strategy_agreement(cmp)),
     ]  # fmt: skip
+    if not _identical(cmp):  # bars of zeros are an empty chart: the table above says it
+        sections.append(_figure(out_dir, "agreement", "Strategy agreement", plots.plot_strategy_agreement(cmp)))
     if steps is not None:
         costs = strategy_costs(steps)
         note = ("Medians over the captured steps. On CPU peak memory is the process's peak RSS, which "
                 "never goes down: jobs of a sweep run in one process see the earlier jobs' peaks.")  # fmt: skip
         sections += [
-            _section("What each strategy costs", f"<p>{html.escape(note)}</p>\n{_table(costs)}"),
+            _section("What each strategy costs", f"<p>{html.escape(note)}</p>\n{_table(_cost_table(costs))}"),
             _figure(out_dir, "cost", "Strategy cost", plots.plot_strategy_cost(costs)),
         ]
     return sections
+
+
+def _cost_table(costs: pd.DataFrame) -> pd.DataFrame:
+    """`strategy_costs` in units a reader takes in: ms, MiB, a percentage."""
+    out = costs.drop(columns=["step_time_s", "capture_time_s", "peak_memory_bytes", "capture_share"])
+    out["step (ms)"] = costs["step_time_s"] * 1e3
+    out["capture (ms)"] = costs["capture_time_s"] * 1e3
+    out["capture share"] = [f"{v:.0%}" if v == v else "" for v in costs["capture_share"]]
+    out["peak memory (MiB)"] = costs["peak_memory_bytes"] / 2**20
+    return out
+
+
+def _answer(
+    grads: pd.DataFrame, steps: pd.DataFrame | None, summary: pd.DataFrame, cmp: pd.DataFrame | str | None
+) -> str:
+    """The page's first paragraph: the strategies' agreement (a strategies sweep), then what happened in each run."""
+    lines = []
+    if isinstance(cmp, pd.DataFrame):
+        n = grads["strategy"].nunique()
+        if _identical(cmp):
+            lines.append(f"All {n} strategies agree (largest relative difference 0).")
+        else:
+            worst = cmp.iloc[int(np.argmax(cmp["rel_diff"].to_numpy(dtype=np.float64)))]
+            lines.append(f"The {n} strategies differ: largest relative difference {worst['rel_diff']:.3g}, "
+                         f"in {worst['stat']} of {worst['tap']} at step {int(worst['step'])}.")  # fmt: skip
+    run_cols = _run_cols(summary)
+    runs = list(summary.groupby(run_cols, sort=False, dropna=False)) if run_cols else [((), summary)]
+    said: list[tuple[str, str]] = []
+    for key, rows in runs:
+        values = dict(zip(run_cols, key if isinstance(key, tuple) else (key,), strict=True))
+        said.append((", ".join(f"{c}={v}" for c, v in values.items()), _run_sentence(rows, grads, steps, values)))
+    if len({text for _, text in said}) == 1:  # one run, or runs that read the same (agreeing strategies)
+        lines.append(said[0][1])
+    else:
+        lines += [f"{label}: {text}" for label, text in said]
+    return "<br>".join(html.escape(t) for t in lines)
+
+
+def _run_sentence(rows: pd.DataFrame, grads: pd.DataFrame, steps: pd.DataFrame | None, values: dict[str, object]) -> str:
+    """One run's loss and health, as the run's last word says them."""
+    mask = np.ones(len(grads), dtype=bool)
+    for c, v in values.items():
+        mask &= (grads[c] == v).to_numpy()
+    run_ids = set(grads.loc[mask, "run_id"])
+    parts = []
+    if steps is not None:
+        s = steps[steps["run_id"].isin(run_ids)].sort_values("step", kind="stable")
+        if len(s):
+            parts.append(f"loss {s['loss'].iloc[0]:.4g} → {s['loss'].iloc[-1]:.4g} over {len(s)} steps")
+    nonfinite = rows["first_nonfinite_step"].dropna()
+    if len(nonfinite):
+        first = rows[rows["first_nonfinite_step"] == nonfinite.min()].iloc[0]
+        parts.append(f"NaN/Inf from step {int(nonfinite.min())} (first in {first['tap']})")
+    boundary = vanishing_boundary(rows)
+    if boundary is not None:
+        parts.append(f"gradients vanish below {boundary[0]} from step {boundary[2]}")
+    elif rows["vanishing"].any():
+        v = rows[rows["vanishing"]]
+        parts.append(f"{len(v)} of {len(rows)} taps vanishing from step {int(v['first_vanishing_step'].min())}")
+    if rows["exploding"].any():
+        e = rows[rows["exploding"]]
+        parts.append(f"{len(e)} of {len(rows)} taps exploding from step {int(e['first_exploding_step'].min())}")
+    never = rows[rows["steps"] == 0]
+    if len(never):
+        parts.append(f"{len(never)} tap{'s' * (len(never) > 1)} never had a gradient")
+    if len(parts) == (1 if steps is not None else 0):
+        parts.append("no NaN/Inf, no vanishing or exploding gradient")
+    text = "; ".join(parts)
+    return text[0].upper() + text[1:] + "."
 
 
 def _first_run_with(grads: pd.DataFrame, column: str) -> pd.DataFrame | None:
@@ -297,7 +416,7 @@ def _first_run_with(grads: pd.DataFrame, column: str) -> pd.DataFrame | None:
 
 def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
     """The panels of the optional columns, when the records have them: histograms, update ratios, per-example norms."""
-    from gradrunner.analysis import plots_extras
+    from gradrunner.analysis import plots_optional
 
     which = " (the first run's that has them)" if grads["run_id"].nunique() > 1 else ""
     sections = []
@@ -305,7 +424,7 @@ def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
     if first is not None:
         note = (f"Share of |g| per log-spaced bin{which}: steps down, bins across; the first column counts "
                 "exact zeros, the last NaN/Inf; at most 8 taps are drawn. The table: every tap at the last captured step.")  # fmt: skip
-        fig = plots_extras.plot_histograms(first)
+        fig = plots_optional.plot_histograms(first)
         sections.append(_figure(out_dir, "histograms", "Gradient histograms over steps", fig, note)
                         + _table(_histogram_table(first)))  # fmt: skip
     first = _first_run_with(grads, "update_ratio")
@@ -315,7 +434,7 @@ def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
         note = (f"Norm of each optimiser step's change over the parameter's norm{which}; about "
                 f"{UPDATE_RATIO_GUIDE:g} per step is the usual guide (far below: learning too slowly, far above: "
                 "too fast). The table: the last captured step.")  # fmt: skip
-        fig = plots_extras.plot_update_ratios(first)
+        fig = plots_optional.plot_update_ratios(first)
         sections.append(_figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + _table(last))
     first = _first_run_with(grads, "per_example_norm")
     if first is not None:
@@ -326,7 +445,7 @@ def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
         ).reset_index()  # fmt: skip
         note = (f"Per tap, the largest example's gradient norm over the median example's, over the steps{which}: "
                 "1 means every example weighs the same. most_often_top is the batch row most often largest.")
-        fig = plots_extras.plot_per_example_spread(first)
+        fig = plots_optional.plot_per_example_spread(first)
         sections.append(_figure(out_dir, "per_example", "Per-example gradient norms", fig, note) + _table(table))
     return sections
 
@@ -344,7 +463,7 @@ def _histogram_table(run: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _page(out_dir: Path, grads: pd.DataFrame, sections: list[str]) -> str:
+def _page(out_dir: Path, grads: pd.DataFrame, sections: list[str], answer: str = "") -> str:
     experiments = ", ".join(sorted(grads["experiment"].astype(str).unique()))
     titles = [s[s.index(">") + 1 : s.index("</h2>")] for s in sections]
     nav = " · ".join(f'<a href="#{_anchor(html.unescape(t))}">{t}</a>' for t in titles)
@@ -358,6 +477,7 @@ def _page(out_dir: Path, grads: pd.DataFrame, sections: list[str]) -> str:
 </head>
 <body>
 <h1>gradrunner report: {html.escape(experiments)}</h1>
+<p class="answer">{answer}</p>
 <p>Records in <code>{html.escape(str(out_dir.resolve()))}</code>, written by gradrunner {__version__}.</p>
 <nav>{nav}</nav>
 {chr(10).join(sections)}

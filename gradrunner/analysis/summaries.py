@@ -7,6 +7,7 @@ Contents:
     flow_steps(df, n)                 -- the steps worth a look: first, around the first NaN/Inf, largest change, last finite
     measure(df, name)                 -- how large each gradient is: norm, rms, abs_max, mean_abs
     tap_summary(df)                   -- per tap: a statistic over steps, first NaN/Inf, vanishing/exploding
+    vanishing_boundary(summary)       -- the tap below which every gradient vanishes, if the flow stops at one
     grad_flow(df, steps)              -- a measure per tap in forward order, for a few steps
     compare_strategies(df)            -- per record and statistic, how far the strategies disagree
     strategy_costs(steps_df)          -- per strategy: step time, capture time, peak memory
@@ -348,3 +349,27 @@ def strategy_costs(steps: pd.DataFrame, by: str = "strategy") -> pd.DataFrame:
     )
     out["capture_share"] = out["capture_time_s"] / out["step_time_s"]
     return out.reset_index()
+
+
+#: Tap names that are parameters of the usual layers: left out of the flow's boundary (it is about activations).
+_PARAMETER_NAMES = frozenset({"weight", "bias"})
+
+
+def vanishing_boundary(summary: pd.DataFrame) -> tuple[str, int, int] | None:
+    """Where the flow of one run stops: (the first tap still carrying a gradient, taps before it vanishing, from step).
+
+    Example::
+
+        vanishing_boundary(tap_summary(load("outputs/dead-relu")))   # ('relu6:output', 11, 3)
+
+    Over the activation taps (names other than `weight` and `bias`) in forward order: when the
+    vanishing ones (`tap_summary`'s rule) are exactly the first k >= 1 of them and the rest are not,
+    the gradient vanishes below tap k: "gradients vanish below relu6:output from step 3". None
+    otherwise (no vanishing tap, or vanishing taps that are not a prefix). One run only.
+    """
+    acts = summary[~summary["tap"].str.rsplit(":", n=1).str[-1].isin(_PARAMETER_NAMES)].reset_index(drop=True)
+    flags = acts["vanishing"].to_numpy(dtype=bool)
+    k = int(np.argmin(flags)) if not flags.all() else len(flags)
+    if k == 0 or k == len(flags) or flags[k:].any():
+        return None
+    return str(acts["tap"].iloc[k]), k, int(acts["first_vanishing_step"].iloc[:k].min())

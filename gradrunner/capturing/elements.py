@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -75,3 +76,32 @@ def set_element(value: Any, path: tuple[str | int, ...], new: Any) -> Any:
         return dataclasses.replace(value, **{str(head): replaced})
     setattr(value, str(head), replaced)
     return value
+
+
+def _positions(forward: Any) -> dict[str, int]:
+    """Each argument of `forward` that can be passed positionally, by name: its position (self excluded)."""
+    try:
+        params = inspect.signature(forward).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    out: dict[str, int] = {}
+    for i, p in enumerate(params):
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        out[p.name] = i
+    return out
+
+
+def bind_input(module: Any, path: tuple[str | int, ...], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str | int, ...]:
+    """An `input.NAME` path bound to this call: `(NAME, ...)` when passed by keyword, `(position, ...)` when
+    passed positionally (the module's `forward()` signature says where), as written otherwise.
+
+    Example::
+
+        bind_input(layer, ("hidden_states",), (h,), {})   # (0,): layer(h) passed it first
+    """
+    head = path[0]
+    if isinstance(head, int) or head in kwargs:
+        return path
+    at = _positions(module.forward).get(head)
+    return (at, *path[1:]) if at is not None and at < len(args) else path

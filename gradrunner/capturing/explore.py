@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,15 @@ class TapListing:
 
     model: str
     modules: list[ModuleTaps]
+
+    def matching(self, pattern: str) -> TapListing:
+        """Only the module paths `pattern` matches (a glob, as in a tap spec; `''` is the root).
+
+        Example::
+
+            print(list_taps(model, x).matching("layers.0.*"))
+        """
+        return TapListing(self.model, [m for m in self.modules if fnmatch.fnmatchcase(m.path, pattern)])
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dicts and lists (`--format json`)."""

@@ -8,14 +8,17 @@ Example::
 
 from __future__ import annotations
 
-import sys
+from typing import Any
 
 import torch
-import torch.utils.checkpoint as checkpoint_module
 from torch import nn
 
 from gradrunner.capturing.elements import Missing
+from gradrunner.capturing.torch_compat import in_backward, is_functorch_wrapped, reentrant_checkpoint
 from gradrunner.errors import GradrunnerError
+
+__all__ = ["in_backward", "input_alias", "no_grad_reason", "reentrant_checkpoint", "refuse_compiled",
+           "refuse_transformed", "unwrap_compiled"]
 
 #: The `reason` of a record without gradient, where it is one of these fixed cases.
 NOT_CALLED = "module not called in this step"
@@ -23,6 +26,48 @@ NOT_ASSIGNED = "not assigned in this step (module not called, or its forward() d
 NO_PART = "takes no part in the loss"
 FROZEN = "parameter does not require grad (frozen)"
 MADE_UNDER_NO_GRAD = "made under no_grad"
+CHANGED_IN_PLACE = ("a view changed in place after it was tapped: autograd never computes the gradient of its value "
+                    "before the change; tap the tensor it is a view of, or the view after the change")
+GRAPH_FREED = "no forward since the last backward, which freed the graph (pass retain_graph=True to backward twice)"
+TRANSFORMED = "inside a torch.func transform (vmap, grad, jacrev, ...): not visible to autograd hooks"
+
+
+def refuse_transformed(tap: object, value: torch.Tensor) -> bool:
+    """A value inside `torch.vmap`/`torch.func`: refuse an explicit tap (True: a glob's, to record as `TRANSFORMED`)."""
+    if not is_functorch_wrapped(value):
+        return False
+    if getattr(tap, "from_glob", False):
+        return True
+    raise GradrunnerError(
+        f"tap {getattr(tap, 'tap', tap)!r} fired inside a torch.func transform (torch.vmap, torch.func.grad, jacrev, "
+        "...): there its value is the transform's per-sample wrapper tensor, whose gradient autograd's hooks never "
+        "see (the transform computes it inside its own levels), so gradrunner refuses the tap rather than record a "
+        "wrong or missing gradient. Tap the module that calls the transform instead (its output or input), or the "
+        "parameters used inside it (their gradient is captured as usual); for per-example gradient norms of taps "
+        "outside the transform use capture.per_example=true."
+    )
+
+
+class _InputAlias(torch.autograd.Function):
+    """Identity whose output shares its input's storage without being a view of a leaf (in-place ops stay allowed)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def input_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A stand-in for an input that does not require grad: same storage, requires grad, the caller's tensor untouched.
+
+    Example::
+
+        a = input_alias(x); a.sub_(a.mean())   # x changes too, as it would without capture; x.requires_grad stays False
+    """
+    return _InputAlias.apply(tensor.detach().requires_grad_())
 
 
 def no_grad_reason(value: object, is_input: bool) -> tuple[str, str] | None:
@@ -45,32 +90,6 @@ def no_grad_reason(value: object, is_input: bool) -> tuple[str, str] | None:
         short = MADE_UNDER_NO_GRAD if not torch.is_grad_enabled() else "does not require grad (detached, or frozen)"
         return short, ("a tensor that does not require grad (made under torch.no_grad(), detached, or computed only "
                        "from frozen parameters and inputs)")  # fmt: skip
-    return None
-
-
-_CURRENT_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def in_backward() -> bool:
-    """Whether autograd's engine is running a backward pass on this thread (e.g. recomputing a checkpoint)."""
-    return _CURRENT_GRAPH_TASK_ID is not None and _CURRENT_GRAPH_TASK_ID() != -1
-
-
-_CHECKPOINT_FUNCTION = getattr(checkpoint_module, "CheckpointFunction", None)
-
-
-def reentrant_checkpoint(phase: str) -> object | None:
-    """The autograd context of the `checkpoint(..., use_reentrant=True)` whose `phase` ("forward": the
-    first, no-grad pass; "backward": the recomputation) the caller runs in, or None.
-
-    The same context object is seen in both phases, so it pairs each recomputed call with its forward call.
-    """
-    code = getattr(getattr(_CHECKPOINT_FUNCTION, phase, None), "__code__", None)
-    frame = sys._getframe(1)
-    while frame is not None and code is not None:
-        if frame.f_code is code:
-            return frame.f_locals.get("ctx")
-        frame = frame.f_back  # type: ignore[assignment]
     return None
 
 

@@ -16,33 +16,38 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
-import types
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
-from gradrunner.capturing.elements import get_element, set_element
+from gradrunner.capturing.elements import bind_input, get_element, set_element
 from gradrunner.capturing.extras import value_norm
-from gradrunner.capturing.forward_locals import rewrite
+from gradrunner.capturing.forward_locals import patch_forward
 from gradrunner.capturing.grad_context import (
+    CHANGED_IN_PLACE,
     FROZEN,
+    GRAPH_FREED,
     NO_PART,
     NOT_ASSIGNED,
     NOT_CALLED,
+    TRANSFORMED,
     in_backward,
+    input_alias,
     no_grad_reason,
     reentrant_checkpoint,
     refuse_compiled,
+    refuse_transformed,
     unwrap_compiled,
 )
 from gradrunner.capturing.grads import Grads
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot, Strategy, get_strategy
 from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
+from gradrunner.capturing.torch_compat import is_view, version
 from gradrunner.choices import VALUES_MODES
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import StepRecords, TapKey
@@ -113,7 +118,6 @@ class Capture:
         self._param_slots: dict[str, Slot] = {}
         #: (slots, calls) as they were when the outermost forward began: restored if it fails.
         self._forward_mark: tuple[int, dict[str, int]] | None = None
-        self._made_leaf_require_grad: list[weakref.ref[torch.Tensor]] = []
         self._stack = contextlib.ExitStack()
         self._params: list[nn.Parameter] | None = None  # the model's parameters, listed once (`_watch_params`)
         self._last: list[Slot] = []
@@ -122,6 +126,13 @@ class Capture:
         self._grad_forward: list[bool] = []
         #: Slots opened in a reentrant checkpoint's no-grad forward, attached when backward recomputes them.
         self._deferred: dict[tuple[int, str], list[Slot]] = {}
+        #: The last forward's slots, kept after a `backward(retain_graph=True)`: a further backward without
+        #: a new forward (two losses, as in a GAN step) captures through them again.
+        self._retained: list[Slot] | None = None
+        #: Whether the root module's forward ran since the last backward.
+        self._forward_since_backward = False
+        #: How many backwards ran since the last forward: 0 for the first (`Capture.backward_index`).
+        self.backward_index = -1
 
     # -- opening and closing -------------------------------------------------------------------
     def __enter__(self) -> Capture:
@@ -143,7 +154,6 @@ class Capture:
     def _install(self) -> None:
         modules = dict(self.model.named_modules(remove_duplicate=False))
         self._stack.callback(self.strategy.close)
-        self._stack.callback(self._restore_inputs)
         self._watch_params()
         self._track_grad_mode()
         by_module: dict[str, list[Tap]] = {}
@@ -193,6 +203,10 @@ class Capture:
         def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
             if not self._grad_forward:
                 self._forward_mark = (len(self._slots), dict(self._calls))
+                self._forward_since_backward = True
+                for slot in self._retained or ():  # a new forward: the last one's graph is no longer held here
+                    slot.tensor, slot.edge, slot.view = None, None, None
+                self._retained = None
             self._grad_forward.append(torch.is_grad_enabled())
 
         def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -221,26 +235,8 @@ class Capture:
                 value = self._fire(tap, value)
             return value
 
-        fn = rewrite(type(module).forward, by_name, _eager(tap_fn))
-        had_instance_forward = "forward" in module.__dict__
-        previous = module.__dict__.get("forward")
-        module.forward = types.MethodType(fn, module)
-
-        def restore() -> None:
-            if had_instance_forward:
-                module.forward = previous  # type: ignore[assignment]
-            else:
-                module.__dict__.pop("forward", None)
-
-        self._stack.callback(restore)
-
-    def _restore_inputs(self) -> None:
-        """Inputs that an input tap made require grad go back as they were, with no .grad left on them."""
-        while self._made_leaf_require_grad:
-            tensor = self._made_leaf_require_grad.pop()()
-            if tensor is not None:
-                tensor.requires_grad_(False)
-                tensor.grad = None
+        # what is actually called (an instance-level forward kept), restored exactly on exit
+        self._stack.callback(patch_forward(module, by_name, _eager(tap_fn)))
 
     # -- forward pass ----------------------------------------------------------------------------
     def _output_hook(self, taps: list[Tap]) -> Any:
@@ -259,7 +255,7 @@ class Capture:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             changed = False
             for tap in taps:
-                path = tap.path or (0,)
+                path = bind_input(module, tap.path or (0,), args, kwargs)
                 source: Any = args if isinstance(path[0], int) else kwargs
                 element = get_element(source, path, tap.tap, tap.from_glob)
                 new = self._fire(tap, element, is_input=True)
@@ -311,6 +307,9 @@ class Capture:
         return self._attach(tap, waiting.pop(0), value, is_input)
 
     def _attach(self, tap: Tap, slot: Slot, value: object, is_input: bool) -> object:
+        if isinstance(value, torch.Tensor) and refuse_transformed(tap, value):
+            slot.reason = TRANSFORMED
+            return value
         why = no_grad_reason(value, is_input)
         if why is not None:
             if not tap.from_glob:
@@ -319,26 +318,38 @@ class Capture:
                     "Tap a tensor computed from parameters or from an input that requires grad (an input tap on "
                     "the root makes floating-point inputs require grad), or drop the tap."
                 )
-            slot.reason = why[0]  # a glob also matched this one: recorded as having no gradient
+            hint = _element_hint(tap, value).strip().rstrip(".")  # a tuple/dict: which element taps exist
+            slot.reason = f"{why[0]}; {hint[0].lower()}{hint[1:]}" if hint else why[0]  # from a glob: no gradient
             return value
         assert isinstance(value, torch.Tensor)
         if is_input and not value.is_leaf and tap.module == "" and len(self._grad_forward) == 1:
             # The caller's own tensor: tap an alias, so nothing (retains_grad, hooks) stays on theirs.
             value = value.view_as(value)
-        if not value.requires_grad:  # an input tap on a floating-point leaf: make it get a gradient
-            value.requires_grad_(True)
-            # weakly: a new input each step must not be kept alive by the session
-            self._made_leaf_require_grad = [r for r in self._made_leaf_require_grad if r() is not None]
-            self._made_leaf_require_grad.append(weakref.ref(value))
+        if not value.requires_grad:
+            # An input tap on a floating-point leaf: the model gets an alias that requires grad and shares
+            # the storage (writes, `x.sub_(mean)` included, reach the caller's tensor as without capture);
+            # the caller's tensor itself is left as it is.
+            value = input_alias(value)
         slot.leaf = value.is_leaf
+        if is_view(value):
+            slot.view, slot.version = value, version(value)
         slot.value_norm = value_norm(value)  # on the device, no sync: it goes to the host with the step
         return self.strategy.attach(value, slot)
 
     # -- backward pass ---------------------------------------------------------------------------
-    def _deliver(self, slot: Slot, grad: torch.Tensor | None) -> None:
+    def _deliver(self, slot: Slot, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """Every tapped gradient passes through here, once per slot and backward, whatever the strategy.
+
+        `grad` is the gradient flowing into the tapped value as autograd delivers it to the tensor's
+        `.grad` (after the model's own hooks on that tensor). The seam for gradient edits: with the
+        `hook` strategy a tensor returned here flows on in place of `grad`.
+        """
         if slot.delivered or grad is None:
-            return
+            return None
         slot.delivered = True
+        if grad.layout != torch.strided:
+            # sparse (nn.Embedding(sparse=True)): statistics over the dense gradient's elements, zeros included
+            grad = grad.to_dense()
         # A leaf's gradient may become its .grad, which can be changed in place later (zero_grad,
         # accumulation); an intermediate's gradient is handed to us alone.
         leaf = slot.param is not None or slot.leaf
@@ -348,6 +359,7 @@ class Capture:
                                 value_norm=slot.value_norm, batched=slot.param is None)  # fmt: skip
         if self.keep_grads:
             self._kept[slot.order] = grad.detach().clone() if leaf else grad.detach()
+        return None
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backward from `loss` the strategy's way; every parameter's `.grad` is filled as by `loss.backward()`.
@@ -359,7 +371,14 @@ class Capture:
         if not self.enabled:
             loss.backward(retain_graph=retain_graph)
             return
+        again = not self._forward_since_backward and not self._slots
+        if again and self._retained is not None:
+            # no forward since a backward(retain_graph=True): this backward's gradients, through the same taps
+            self._slots = [dataclasses.replace(s, delivered=False) for s in self._retained]
+        self.backward_index = self.backward_index + 1 if again else 0
+        self._retained, self._forward_since_backward = None, False
         slots, fired = self._slots, {s.key.tap for s in self._slots}
+        forward_slots = list(slots)
         self._slots, self._calls, self._forward_mark = [], {}, None
         for tap, param in self._tap_params:
             slot = Slot(TapKey(tap.module, tap.name, 0), order=len(slots), param=param, value_norm=value_norm(param))
@@ -368,7 +387,7 @@ class Capture:
             self._param_slots[tap.tap] = slot
         for tap in self.taps:  # resolved but did not fire: still a row, saying why
             if tap.kind != "param" and tap.tap not in fired:
-                why = NOT_ASSIGNED if tap.kind == "local" else NOT_CALLED
+                why = GRAPH_FREED if again else NOT_ASSIGNED if tap.kind == "local" else NOT_CALLED
                 slots.append(Slot(TapKey(tap.module, tap.name, 0), order=len(slots), reason=why, fired=False))
         self._kept = {}
         try:
@@ -378,18 +397,27 @@ class Capture:
             self.strategy.backward(loss, slots, params, retain_graph)
         except BaseException:
             # Nothing of a failed backward reaches the next step's records.
-            self._last, self._kept = [], {}
+            self._last, self._kept, retain_graph = [], {}, False
             if self._collector is not None:
                 self._collector = self._new_collector()
             raise
         finally:
             self._param_slots = {}
             self._deferred = {}
+            if retain_graph:
+                self._retained = forward_slots
+            else:  # the graph is freed: let go of the tensors and edges that hold it
+                for slot in slots:
+                    slot.tensor, slot.edge = None, None
         for slot in slots:
             if not slot.delivered:
+                if slot.view is not None and version(slot.view) != slot.version:
+                    slot.reason = slot.reason or CHANGED_IN_PLACE
                 slot.reason = slot.reason or NO_PART
                 if self._collector is not None:
                     self._collector.add(slot.key, None, order=slot.order, value_norm=slot.value_norm)
+            if not retain_graph:
+                slot.view = None
         self._last = slots
         if self.keep_grads:
             kept = [(s.key, self._kept.get(s.order)) for s in slots if s.fired]
@@ -486,7 +514,13 @@ class ParamSnapshot:
 
 
 def _element_hint(tap: Tap, value: object) -> str:
-    """For a tuple or dict value: the element taps that reach its tensors (`attn:output.0`, `:output.logits`)."""
+    """For a tuple or dict value: the element taps that reach its tensors (`attn:output.0`, `:output.logits`).
+
+    For None where attention weights are tapped: HF attention returns no weights under SDPA/flash.
+    """
+    if value is None and "attn" in tap.tap.lower():
+        return (" Attention weights are None unless the attention computes them: build the model with "
+                "attn_implementation=\"eager\" (in YAML, attn_implementation: eager in the model's config node).")  # fmt: skip
     if isinstance(value, Mapping):
         names = [f"{tap.tap}.{k}" for k, v in value.items() if isinstance(v, torch.Tensor)]
     elif isinstance(value, (tuple, list)):

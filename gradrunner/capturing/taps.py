@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names
 from gradrunner.errors import GradrunnerError
@@ -143,6 +144,15 @@ def _describe(module: nn.Module) -> str:
 
 
 def _unknown_name(module_path: str, module: nn.Module, name: str) -> GradrunnerError:
+    if parametrize.is_parametrized(module, name):
+        where = f"{module_path}.parametrizations.{name}" if module_path else f"parametrizations.{name}"
+        how = ", ".join(type(p).__name__ for p in module.parametrizations[name])  # type: ignore[index]
+        return GradrunnerError(
+            f"tap '{module_path}:{name}': {name!r} of module {module_path or '<root>'!r} is parametrized "
+            f"(torch.nn.utils.parametrize: {how}): it is computed from '{where}.original' each time it is read, "
+            f"so it is not a parameter of the module. Tap '{where}:original' for the gradient of the parameter the "
+            f"optimiser steps, or '{where}:output' for the gradient of the computed {name!r}."
+        )
     offers = module_offers(module)
     candidates = offers["parameters"] + offers["locals"] + ["output", "input"]
     close = difflib.get_close_matches(name, candidates, n=3)
@@ -168,10 +178,11 @@ def _match_modules(model: nn.Module, pattern: str, spec: object) -> list[tuple[s
         )
     matched = [(p, m) for p, m in modules.items() if p and fnmatch.fnmatchcase(p, pattern)]
     if not matched:
-        some = ", ".join(repr(p) for p in list(modules)[1:9])
+        close = difflib.get_close_matches(pattern, [p for p in modules if p], n=5, cutoff=0.4)
+        some = ", ".join(repr(p) for p in (close or list(modules)[1:9]))
         raise GradrunnerError(
             f"tap {spec!r}: the glob {pattern!r} matches no module of {type(model).__name__} "
-            f"(the root '' is never matched by a glob). Some paths: {some}."
+            f"(the root '' is never matched by a glob). {'Closest paths' if close else 'Some paths'}: {some}."
         )
     return matched
 

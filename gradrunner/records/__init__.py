@@ -1,14 +1,19 @@
-"""The records layer: the Parquet schema and writers, and the books of a run dir.
+"""The records layer: the Parquet schema and writers, and a run dir's state (read-only).
+
+Imports no OmegaConf either: writing a run dir's books, its lock and resume decisions are `gradrunner.run.resume`.
 
 Imports no torch and nothing of the capture layer, so a notebook reading records pays for neither.
 
 | module | what it holds |
 | --- | --- |
-| `writer` | `grads.parquet` / `steps.parquet`: schema and streamed writers |
-| `rundir` | a job's books: `done.json`, `failed.json`, resume decisions, which folders are jobs |
+| `schema` | the Parquet schemas of `grads.parquet` and `steps.parquet`, and their column encodings |
+| `writer` | `grads.parquet` / `steps.parquet`: streamed writers |
+| `rundir` | a job dir's state, read-only: `done.json`, `failed.json`, verified reading, which folders are jobs |
+| `atomic` | `write_atomically`: a small file whole or not at all |
+| `columns` | column and file names, temp names, the host-side records of a step |
 
 Example::
 
-    from gradrunner.records.writer import GRADS_SCHEMA
+    from gradrunner.records.schema import GRADS_SCHEMA
     GRADS_SCHEMA.names
 """

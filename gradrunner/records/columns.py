@@ -20,8 +20,10 @@ import numpy as np
 GRADS_FILE = "grads.parquet"
 STEPS_FILE = "steps.parquet"
 RECORD_FILES = (GRADS_FILE, STEPS_FILE)
-#: The run dir's lock (see `gradrunner.records.rundir.RunLock`): hidden, so readers never see it.
+#: The run dir's lock (see `gradrunner.run.resume.RunLock`): hidden, so readers never see it.
 LOCK_FILE = ".gradrunner.lock"
+#: Key of the records' Parquet metadata holding the job's own command-line overrides (a JSON list).
+OVERRIDES_KEY = "gradrunner.overrides"
 #: Every temp file ends so: neither pyarrow (leading ".") nor DuckDB (`*.parquet`) reads it.
 TEMP_SUFFIX = ".tmp"
 
@@ -49,17 +51,6 @@ def is_temp_of(filename: str, name: str) -> bool:
     """
     return (filename.startswith(f".{name}.") and filename.endswith(TEMP_SUFFIX)) or filename == f".{name}{TEMP_SUFFIX}"
 
-
-def temp_run_id(filename: str, name: str) -> str | None:
-    """The run id a temp file of `name` carries, or None if `filename` is not one.
-
-    Example::
-
-        temp_run_id(".grads.parquet.3f2a.tmp", "grads.parquet")   # '3f2a'
-    """
-    if not is_temp_of(filename, name) or filename == f".{name}{TEMP_SUFFIX}":
-        return None
-    return filename[len(name) + 2 : -len(TEMP_SUFFIX)] or None
 
 #: Columns repeated on every row of a job (taken from the writer's `constants`), then `rank`.
 CONSTANT_COLUMNS = ("run_id", "experiment", "strategy", "device", "dtype")

@@ -1,7 +1,6 @@
-"""Records on disk: the Parquet schemas (defined once) and the writers that stream a job's rows.
+"""Records on disk: the writers that stream a job's rows (the schemas: `records.schema`).
 
-Contents:
-    GRADS_SCHEMA, STEPS_SCHEMA   -- the columns of `grads.parquet` and `steps.parquet`
+Contents (the schemas themselves live in `records.schema`; GRADS_SCHEMA and STEPS_SCHEMA are re-exported):
     RecordWriter                 -- one row per step x tap x call, into `<job dir>/grads.parquet`
     StepsWriter                  -- one row per step (loss, timings, memory), `<job dir>/steps.parquet`
     run_metadata()               -- the file's key-value metadata: config YAML, versions, seed, commit
@@ -25,14 +24,12 @@ import importlib.metadata
 import json
 import os
 import platform
-import signal
 import subprocess
-import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -43,79 +40,36 @@ from gradrunner.records.columns import (
     CONSTANT_COLUMNS,
     COUNT_COLUMNS,
     EXTRA_FLOAT_COLUMNS,
+    GRADS_FILE,
     HIST_COLUMN,
     HIST_EDGES,
     HIST_EDGES_KEY,
+    OVERRIDES_KEY,
     PER_EXAMPLE_COLUMN,
     STAT_COLUMNS,
+    STEPS_FILE,
     StepRecords,
     temp_name,
 )
 
+# Defined in records/critical.py; re-exported for the modules that import it from the writer.
+from gradrunner.records.critical import deferred_signals as deferred_signals
+
+# The schemas are defined in records/schema.py; re-exported here for the modules that import them from the writer.
+from gradrunner.records.schema import GRADS_SCHEMA as GRADS_SCHEMA
+from gradrunner.records.schema import STEPS_SCHEMA as STEPS_SCHEMA
+from gradrunner.records.schema import grads_schema as grads_schema
+from gradrunner.records.schema import write_options
+
 _W = TypeVar("_W", bound="ParquetTableWriter")
-
-_CONSTANT_FIELDS = [pa.field(c, pa.string()) for c in CONSTANT_COLUMNS]
-
-#: `grads.parquet`: the contract's columns in the contract's order, then `has_grad`, `reason` and `rank`.
-GRADS_SCHEMA = pa.schema(
-    [
-        *_CONSTANT_FIELDS,
-        pa.field("step", pa.int64()),
-        pa.field("tap", pa.string()),
-        pa.field("module", pa.string()),
-        pa.field("name", pa.string()),
-        pa.field("call", pa.int64()),
-        pa.field("shape", pa.list_(pa.int64())),
-        pa.field("numel", pa.int64()),
-        *[pa.field(c, pa.float64()) for c in STAT_COLUMNS],
-        *[pa.field(c, pa.int64()) for c in COUNT_COLUMNS],
-        pa.field("values", pa.list_(pa.float32())),
-        pa.field("loss", pa.float64()),
-        # False for a tap that took no part in the loss: statistics null, counts 0, shape [], numel 0.
-        pa.field("has_grad", pa.bool_()),
-        # Why has_grad is false ("module not called in this step", ...); null when it is true.
-        pa.field("reason", pa.string()),
-        # Reserved for distributed runs; 0 otherwise.
-        pa.field("rank", pa.int64()),
-        # The tapped tensor's own norm; for parameter taps the optimiser step's change and its ratio
-        # to value_norm (null elsewhere, and where not finite).
-        *[pa.field(c, pa.float64()) for c in EXTRA_FLOAT_COLUMNS],
-    ]
-)
-
-
-def grads_schema(per_example: bool = False, histogram: bool = False) -> pa.Schema:
-    """`GRADS_SCHEMA` plus the optional columns of `capture.per_example` and `capture.histogram`.
-
-    Example::
-
-        grads_schema(histogram=True).names[-1]     # 'hist_counts'
-    """
-    schema = GRADS_SCHEMA
-    if per_example:
-        schema = schema.append(pa.field(PER_EXAMPLE_COLUMN, pa.list_(pa.float64())))
-    if histogram:
-        schema = schema.append(pa.field(HIST_COLUMN, pa.list_(pa.int64())))
-    return schema
-
-
-#: `steps.parquet`: one row per optimisation step, captured or not.
-STEPS_SCHEMA = pa.schema(
-    [
-        *_CONSTANT_FIELDS,
-        pa.field("rank", pa.int64()),
-        pa.field("step", pa.int64()),
-        pa.field("captured", pa.bool_()),
-        pa.field("loss", pa.float64()),
-        pa.field("step_time_s", pa.float64()),
-        pa.field("capture_time_s", pa.float64()),
-        pa.field("peak_memory_bytes", pa.int64()),
-    ]
-)
 
 
 def run_metadata(
-    config_yaml: str, seed: int, start_time: str | None = None, cwd: str | os.PathLike[str] | None = None
+    config_yaml: str,
+    seed: int,
+    start_time: str | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    overrides: Sequence[str] | None = None,
 ) -> dict[str, str]:
     """Key-value metadata for a job's Parquet files: what ran, with which versions, from which commit.
 
@@ -126,7 +80,9 @@ def run_metadata(
         pq.read_schema(job_dir / "grads.parquet").metadata[b"gradrunner.config"]
 
     `git.commit` is the HEAD of the repository holding `cwd` (default: the current directory), or
-    "" outside a repository; `gradrunner.start_time` defaults to now, ISO 8601 in UTC.
+    "" outside a repository; `gradrunner.start_time` defaults to now, ISO 8601 in UTC. `overrides` (the
+    job's own command-line overrides, `gradrunner.overrides`, a JSON list) are what `analysis.load`
+    labels a sweep's jobs by: they travel with the records, whatever later happens to `.hydra/`.
     """
     if start_time is None:
         start_time = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -138,6 +94,7 @@ def run_metadata(
         "git.commit": _git_commit(cwd),
         "gradrunner.seed": str(seed),
         "gradrunner.start_time": start_time,
+        **({OVERRIDES_KEY: json.dumps([str(o) for o in overrides])} if overrides is not None else {}),
     }
 
 
@@ -160,88 +117,8 @@ def _git_commit(cwd: str | os.PathLike[str] | None) -> str:
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
-def _leaf_paths(field: pa.Field) -> list[str]:
-    """Parquet column paths of a field (`values` is stored as `values.list.element`)."""
-    if pa.types.is_list(field.type):
-        return [f"{field.name}.list.element"]
-    return [field.name]
-
-
-def _write_options(schema: pa.Schema) -> dict[str, object]:
-    """Per-column encodings, measured on gradients (benchmarks/parquet_throughput.py).
-
-    Float statistics: zstd with byte stream split and no dictionary (smallest; byte stream split
-    does nothing while a dictionary is on). Gradient values (lists of floats): stored plain, since
-    random-looking float32 mantissas shrink by about 15% under zstd at a third of the write
-    throughput. Everything else: zstd with dictionaries.
-    """
-    split: list[str] = []
-    dictionary: list[str] = []
-    compression: dict[str, str] = {}
-    for field in schema:
-        leaf = field.type.value_type if pa.types.is_list(field.type) else field.type
-        for path in _leaf_paths(field):
-            if pa.types.is_floating(leaf) and pa.types.is_list(field.type):
-                compression[path] = "NONE"
-            elif pa.types.is_floating(leaf):
-                split.append(path)
-                compression[path] = "ZSTD"
-            else:
-                dictionary.append(path)
-                compression[path] = "ZSTD"
-    return {"use_byte_stream_split": split, "use_dictionary": dictionary, "compression": compression}
-
-
 #: Buffered batches are merged into one when this many have piled up.
 _COALESCE_BATCHES = 64
-
-#: The signals that end a run (Ctrl-C, SIGTERM of a scheduler, a closed terminal).
-_DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def deferred_signals() -> Iterator[None]:
-    """Hold SIGINT, SIGTERM and SIGHUP back while the block runs; they act (raise) when it ends.
-
-    Example::
-
-        with deferred_signals():
-            writer.write_table(rows)   # a Ctrl-C here waits until both lines ran
-            buffer.clear()
-
-    While the block runs, these signals only note that they came; at its end the previous handlers
-    come back and the first noted signal is handed to its handler (Ctrl-C raises KeyboardInterrupt
-    there). A Python-level handler, not a signal mask: the kernel gives a process-directed signal to
-    any thread not blocking it (torch's thread pools), so masking the main thread would not hold it.
-    Python runs signal handlers in the main thread only; elsewhere this does nothing.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    caught: list[int] = []
-
-    def note(signum: int, frame: object) -> None:
-        caught.append(signum)
-
-    previous: dict[signal.Signals, Any] = {}
-    try:
-        for sig in _DEFERRED:
-            previous[sig] = signal.signal(sig, note)
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if caught:
-            _redeliver(caught[0], previous.get(signal.Signals(caught[0])))
-
-
-def _redeliver(signum: int, handler: Any) -> None:
-    """Act on a signal held back by `deferred_signals` as its own handler would have."""
-    if callable(handler):
-        handler(signum, None)  # default_int_handler raises KeyboardInterrupt, SIGTERM's raises Terminated
-    elif handler == signal.SIG_DFL:
-        os.kill(os.getpid(), signum)  # the default action (end the process), now that the files are whole
-
 
 class ParquetTableWriter:
     """Streams record batches of one schema to a Parquet file, committed atomically on `close()`.
@@ -373,7 +250,7 @@ class ParquetTableWriter:
     def _open(self) -> pq.ParquetWriter:
         if self._writer is None:
             self.temp_path.parent.mkdir(parents=True, exist_ok=True)
-            options = _write_options(self.schema)
+            options = write_options(self.schema)
             checksums = self.page_checksums
             self._writer = pq.ParquetWriter(self.temp_path, self.schema, write_page_checksum=checksums, **options)
         return self._writer
@@ -523,7 +400,7 @@ class RecordWriter(_RunTableWriter):
     """
 
     table_schema = GRADS_SCHEMA
-    default_name = "grads.parquet"
+    default_name = GRADS_FILE
 
     def __init__(
         self,
@@ -627,7 +504,7 @@ class StepsWriter(_RunTableWriter):
     """
 
     table_schema = STEPS_SCHEMA
-    default_name = "steps.parquet"
+    default_name = STEPS_FILE
 
     def write(
         self,

@@ -168,7 +168,7 @@ def setup(cfg: DictConfig) -> Job:
     # Taps checked against the model now: a typo is answered before data, loss and optimizer are
     # built (the first optimizer imports torch._dynamo, about a second).
     resolve_taps(model, OmegaConf.to_container(cfg.taps, resolve=True))  # type: ignore[arg-type]
-    batches = as_batches(build(cfg, "data"), device, dtype)
+    batches = as_batches(build(cfg, "data"), device, dtype, cfg.get("forward_kwargs"))
     loss_fn = build(cfg, "loss")
     if isinstance(loss_fn, nn.Module):
         loss_fn.to(device=device)

@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradrunner.capturing.strategies.base import Slot, Strategy
 from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import GRADS_FILE, STEPS_FILE
 
 if TYPE_CHECKING:
     from gradrunner.records.writer import RecordWriter, StepsWriter  # pyarrow: imported when writing starts
@@ -293,13 +294,23 @@ class GatheredWriter:
 
     Example::
 
-        grads = GatheredWriter(d, RecordWriter(path, constants=c, metadata=m) if d.is_main else None)
+        grads, steps = open_writers(stack, d, directory, constants, meta)
         grads.write_step(step, records)        # on every rank, the same steps in the same order
+        steps.write(step, ...)                 # the step's grads rows are written now, with its steps row
+
+    A step's rows reach the files only once both tables' rows of that step are gathered (the grads
+    rows wait for the steps row), and then in one block with signals deferred: a rank that dies
+    between the two gathers leaves neither table with the step, as on the single-process path.
     """
 
-    def __init__(self, d: Distributed, writer: RecordWriter | StepsWriter | None) -> None:
+    def __init__(self, d: Distributed, writer: RecordWriter | StepsWriter | None,
+                 pending: list[tuple[GatheredWriter, str, list[Any]]] | None = None,
+                 completes_step: bool = False) -> None:  # fmt: skip
         self.dist, self.writer = d, writer
         self.steps_written = 0
+        #: Gathered calls waiting for the step's last table (shared by a job's two writers).
+        self.pending: list[tuple[GatheredWriter, str, list[Any]]] = [] if pending is None else pending
+        self.completes_step = completes_step
 
     def write_step(self, step: int, records: Any) -> None:
         self._write_all("write_step", step, records)
@@ -308,29 +319,40 @@ class GatheredWriter:
         self._write_all("write", *args)
 
     def _write_all(self, method: str, *args: Any) -> None:
-        for rank, rank_args in enumerate(self.dist.gather(args)):
-            assert self.writer is not None
-            self.writer.rank = rank
-            getattr(self.writer, method)(*rank_args)
+        gathered = self.dist.gather(args)
         self.steps_written += 1
+        if self.writer is None:
+            return
+        self.pending.append((self, method, gathered))
+        if not self.completes_step:
+            return
+        from gradrunner.records.writer import deferred_signals
 
-    def __enter__(self) -> GatheredWriter:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.writer is not None:
-            self.writer.__exit__(*exc)
+        queued, self.pending[:] = list(self.pending), []
+        with deferred_signals():  # both tables' rows of the step, or neither
+            for owner, name, per_rank in queued:
+                assert owner.writer is not None
+                for rank, rank_args in enumerate(per_rank):
+                    owner.writer.rank = rank
+                    getattr(owner.writer, name)(*rank_args)
 
 
 def open_writers(
     stack: contextlib.ExitStack, d: Distributed, directory: Path, constants: dict[str, str], meta: dict[str, str],
     per_example: bool = False, histogram: bool = False,
 ) -> tuple[GatheredWriter, GatheredWriter]:
-    """The job's grads and steps writers under DDP (real files on rank 0 only), closed by `stack`."""
-    from gradrunner.records.writer import RecordWriter, StepsWriter
+    """The job's grads and steps writers under DDP (real files on rank 0 only), closed by `stack` together.
+
+    Rank 0's two files are closed as the single-process path closes them (`closing_together`): both
+    kept, with the same steps, or both dropped.
+    """
+    from gradrunner.records.writer import RecordWriter, StepsWriter, closing_together
 
     main = d.is_main
-    grads = (RecordWriter(directory / "grads.parquet", constants=constants, metadata=meta, per_example=per_example,
+    grads = (RecordWriter(directory / GRADS_FILE, constants=constants, metadata=meta, per_example=per_example,
                           histogram=histogram) if main else None)  # fmt: skip
-    steps = StepsWriter(directory / "steps.parquet", constants=constants, metadata=meta) if main else None
-    return stack.enter_context(GatheredWriter(d, grads)), stack.enter_context(GatheredWriter(d, steps))
+    steps = StepsWriter(directory / STEPS_FILE, constants=constants, metadata=meta) if main else None
+    if grads is not None and steps is not None:
+        stack.enter_context(closing_together(grads, steps))
+    pending: list[tuple[GatheredWriter, str, list[Any]]] = []
+    return GatheredWriter(d, grads, pending), GatheredWriter(d, steps, pending, completes_step=True)

@@ -9,7 +9,7 @@
 | `check_finite` | `capture.on_nonfinite=stop`: a non-finite loss or captured gradient ends the run (`NonFinite`) |
 | `check_writable` | an output directory that cannot be written, before step 0 |
 | `write_errors` | an `OSError` while the records are written or closed (a full disk, a read-only dir) |
-| `sigterm_as_interrupt` | SIGTERM (a preempted job) ends the run like Ctrl-C: `Terminated`, completed steps kept |
+| `sigterm_as_interrupt` | SIGTERM or SIGHUP ends the run like Ctrl-C (`Terminated`; defined in `run.signals`, re-exported) |
 
 Example::
 
@@ -24,9 +24,7 @@ import dataclasses
 import errno
 import math
 import os
-import signal
 import tempfile
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,8 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradrunner.data import call
 from gradrunner.errors import GradrunnerError, one_paragraph
+from gradrunner.losses import output_hint
 from gradrunner.records.columns import RECORD_FILES, StepRecords, is_temp_of
+from gradrunner.run.signals import Terminated as Terminated  # re-exported: the loop and the CLI import it here
+from gradrunner.run.signals import sigterm_as_interrupt as sigterm_as_interrupt
 
 
 def describe(value: object) -> str:
@@ -90,7 +92,7 @@ def forward_loss(
 ) -> torch.Tensor:  # fmt: skip
     """`loss_fn(model(x), y)` (`model(**x)` for a dict of keyword arguments), failures of either explained."""
     try:
-        out = model(**x) if isinstance(x, Mapping) else model(x)
+        out = call(model, x)  # model(x), model(**x) for a dict, with the config's forward_kwargs
     except GradrunnerError:
         raise
     except Exception as e:
@@ -110,6 +112,8 @@ def forward_loss(
             "give it a loss that takes what the model returns (loss._target_=<your loss>), or make the model "
             "return a tensor"
         )  # fmt: skip
+        if not isinstance(out, torch.Tensor) and output_hint(out):
+            hint = f"{output_hint(out)}; or {hint}"
         raise GradrunnerError(
             f"step {step} failed in the loss: {loss_name} cannot take the model's output, {describe(out)}, with "
             f"targets {describe(y)}: {type(e).__name__}: {one_paragraph(e)}. To fix it, {hint}."
@@ -257,27 +261,3 @@ def _left_behind(directory: Path) -> str:
     else:
         said += " No half-written file is left."
     return said
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived (a preempted or cancelled job): handled like Ctrl-C, completed steps are kept."""
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """While open, SIGTERM raises `Terminated` (a KeyboardInterrupt), so the records are closed, not lost.
-
-    Only in the main thread (the only one Python delivers signals to); the previous handler comes back on exit.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        raise Terminated(f"terminated by signal {signum} (SIGTERM)")
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

@@ -24,8 +24,11 @@ from omegaconf import DictConfig
 from gradrunner.config import validate
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
+from gradrunner.records.columns import GRADS_FILE
 from gradrunner.run import distributed
+from gradrunner.run import resume as books
 from gradrunner.run.distributed import Distributed
+from gradrunner.run.hydra_adapter import task_overrides
 from gradrunner.run.loop import output_dir, train
 
 log = logging.getLogger(__name__)
@@ -34,15 +37,15 @@ log = logging.getLogger(__name__)
 def _decide(
     directory: Path, cfg: DictConfig, resume: bool, dist: Distributed | None, hold: Callable[[], object]
 ) -> str:
-    """`hold()` (take the run dir's lock) and `rundir.prepare` on rank 0 only; the answer (or error) on every rank."""
+    """`hold()` (take the run dir's lock) and `books.prepare` on rank 0 only; the answer (or error) on every rank."""
     if dist is None:
         hold()
-        return rundir.prepare(directory, cfg, resume=resume)
+        return books.prepare(directory, cfg, resume=resume)
     outcome: str | GradrunnerError = ""
     if dist.is_main:
         try:
             hold()
-            outcome = rundir.prepare(directory, cfg, resume=resume)
+            outcome = books.prepare(directory, cfg, resume=resume)
         except GradrunnerError as e:
             outcome = e
     outcome = dist.broadcast(outcome)
@@ -59,8 +62,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
         run(cfg)                            # in a Hydra app: the job's output dir
         run(cfg, out_dir="runs/a")          # anywhere else
 
-    - The run holds the run dir's `rundir.RunLock` throughout: a dir another live run holds is refused
-      (`rundir.LiveRun`), or, in a sweep, that job is skipped with a warning.
+    - The run holds the run dir's `books.RunLock` throughout: a dir another live run holds is refused
+      (`books.LiveRun`), or, in a sweep, that job is skipped with a warning.
     - A run dir that already holds records is refused, unless `resume=true` (a sweep always resumes):
       then a completed job (`done.json`, same config, files verified) is skipped, anything else runs again.
     - `done.json` is written last, once the records are closed: a job without it did not complete.
@@ -82,24 +85,24 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
         directory = dist.shared_dir(directory) if dist is not None else directory
         run_id = dist.run_id if dist is not None else uuid.uuid4().hex
         with contextlib.ExitStack() as held:
-            lock = rundir.RunLock(directory, run_id)
+            lock = books.RunLock(directory, run_id)
             try:
                 decision = _decide(directory, cfg, bool(cfg.resume) or multirun, dist, lambda: held.enter_context(lock))
-            except rundir.LiveRun as e:
+            except books.LiveRun as e:
                 if not multirun:
                     raise
                 log.warning("skipped: %s", one_paragraph(e))  # the sweep goes on; the live run completes the job
-                return directory / "grads.parquet"
-            except rundir.Refused:
+                return directory / GRADS_FILE
+            except books.Refused:
                 lock.leave_no_trace()
                 raise
             if decision == "skip":
-                return directory / "grads.parquet"
+                lock.leave_no_trace()  # Hydra rewrote .hydra/ of the completed job: put it back
+                return directory / GRADS_FILE
             path = train(cfg, out_dir=directory, run_id=run_id, dist=dist)
             main = dist is None or dist.is_main
             if main:
-                overrides = [str(o) for o in hydra.overrides.task] if hydra is not None else []
-                _mark_complete(directory, cfg, run_id, dist.world_size if dist is not None else 1, overrides)
+                _mark_complete(directory, cfg, run_id, dist.world_size if dist is not None else 1, task_overrides())
     if cfg.report and main and not multirun:
         from gradrunner.analysis.report import try_report
 
@@ -108,10 +111,10 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
 
 
 def _mark_complete(directory: Path, cfg: DictConfig, run_id: str, world: int, overrides: list[str]) -> None:
-    """`rundir.mark_complete`, with a filesystem failure told in one paragraph (the records stay)."""
+    """`books.mark_complete`, with a filesystem failure told in one paragraph (the records stay)."""
     files = [n for n in rundir.RECORD_NAMES if (directory / n).is_file()]
     try:
-        rundir.mark_complete(directory, cfg, files=files, run_id=run_id, world_size=world, overrides=overrides)
+        books.mark_complete(directory, cfg, files=files, run_id=run_id, world_size=world, overrides=overrides)
     except OSError as e:
         raise GradrunnerError(
             f"the records in {directory} ({', '.join(files)}) are complete, but the completion marker "

@@ -209,10 +209,12 @@ def train(
         "dtype": str(cfg.dtype),
     }
     from gradrunner.records.writer import run_metadata  # pyarrow: not needed to find a config mistake
+    from gradrunner.run.hydra_adapter import task_overrides
 
-    meta = run_metadata(OmegaConf.to_yaml(cfg, resolve=True), seed=int(cfg.seed))
+    meta = run_metadata(OmegaConf.to_yaml(cfg, resolve=True), seed=int(cfg.seed), overrides=task_overrides())
     taps = OmegaConf.to_container(cfg.taps, resolve=True)
     assert isinstance(taps, list), taps  # validate() checked it
+    watch.warn_nothing_captured(taps, int(cfg.steps))
     try:
         _train_in(cfg, job, directory, constants, meta, taps, dist)
     except KeyboardInterrupt:
@@ -221,8 +223,8 @@ def train(
         log.warning("interrupted; %s", f"the records of {steps_kept} completed step(s) are kept in {directory} "
                     f"({', '.join(kept)})" if kept else f"no records were kept in {directory}")  # fmt: skip
         raise
-    log.info("records: %s, %s in %s  (read the dir with gradrunner.analysis.load, a file with pandas.read_parquet)",
-             GRADS_FILE, STEPS_FILE, directory)  # fmt: skip
+    if dist is None or dist.is_main:
+        watch.last_word(directory)  # loss, NaN/Inf, vanishing/exploding taps, where the records are
     return directory / GRADS_FILE
 
 

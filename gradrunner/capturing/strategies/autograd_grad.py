@@ -1,9 +1,12 @@
 """`autograd_grad`: one `torch.autograd.grad(loss, [taps..., params...])` call per step.
 
-Taps are held as gradient edges taken when they fire (`torch.autograd.graph.get_gradient_edge`),
-so a later in-place op on the tensor does not change which value's gradient is returned.
-`autograd.grad` does not touch `.grad`, so parameter gradients are accumulated here exactly as
-`loss.backward()` would, and the optimiser step is the same as with the other strategies.
+Taps are held as gradient edges taken when they fire (`torch_compat.gradient_edge`), so a later
+in-place op on the tensor does not change which value's gradient is returned. Where autograd
+captures an edge before the tensor's own hooks ran (the edge's node also leads to a parameter),
+the gradient is read as the node receives it, after those hooks (`torch_compat.watch_edge`): the
+same gradient the other strategies see. `autograd.grad` does not touch `.grad`, so each parameter's
+gradient is accumulated through its own accumulator (`torch_compat.accumulate`), exactly as
+`loss.backward()` does, post-accumulate-grad hooks included (optimizer-in-backward, FSDP2).
 """
 
 from __future__ import annotations
@@ -12,11 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.strategies.base import Slot, Strategy
+from gradrunner.capturing.torch_compat import FEATURES, accumulate, backward_running, gradient_edge, watch_edge
 from gradrunner.errors import GradrunnerError
-
-_get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
 
 
 class AutogradGradStrategy(Strategy):
@@ -25,9 +28,9 @@ class AutogradGradStrategy(Strategy):
     name = "autograd_grad"
 
     def attach(self, tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
-        slot.tensor = tensor
-        if _get_edge is not None and not tensor.is_leaf:
-            slot.edge = _get_edge(tensor)
+        slot.edge = gradient_edge(tensor)
+        if not FEATURES["get_gradient_edge"]:  # autograd.grad takes edges only where torch has them
+            slot.tensor = tensor
         return tensor
 
     def backward(
@@ -35,26 +38,30 @@ class AutogradGradStrategy(Strategy):
     ) -> None:
         params = [p for p in params if p.requires_grad]
         param_index = {id(p): i for i, p in enumerate(params)}
-        tensor_slots = [s for s in slots if s.param is None and s.tensor is not None]
-        inputs: list[Any] = [s.tensor if s.edge is None else s.edge for s in tensor_slots] + list(params)
+        tensor_slots = [s for s in slots if s.param is None and s.edge is not None]
+        inputs: list[Any] = [s.edge if s.tensor is None else s.tensor for s in tensor_slots] + list(params)
+        seen: dict[int, list[torch.Tensor]] = {id(s): [] for s in tensor_slots}
+        handles: list[RemovableHandle] = [watch_edge(s.edge, seen[id(s)].append) for s in tensor_slots]  # type: ignore[arg-type]
         try:
             if not inputs:
-                loss.backward(retain_graph=retain_graph)
+                with backward_running():
+                    loss.backward(retain_graph=retain_graph)
                 return
-            grads = _grad(loss, inputs, retain_graph)
+            with backward_running():
+                grads = _grad(loss, inputs, retain_graph)
             for slot, grad in zip(tensor_slots, grads[: len(tensor_slots)], strict=True):
-                self.deliver(slot, grad)
+                # the node ran (it leads on to a parameter): what it received, after the tensor's hooks
+                self.deliver(slot, seen[id(slot)][0] if seen[id(slot)] else grad)
             param_grads = grads[len(tensor_slots) :]
             for slot in slots:
                 if slot.param is not None:
                     self.deliver(slot, param_grads[param_index[id(slot.param)]] if id(slot.param) in param_index else None)
             for p, g in zip(params, param_grads, strict=True):
                 if g is not None:
-                    p.grad = g if p.grad is None else p.grad + g
+                    accumulate(p, g)
         finally:
-            for slot in slots:
-                slot.tensor = None
-                slot.edge = None
+            for h in handles:
+                h.remove()
 
 
 def _grad(loss: torch.Tensor, inputs: list[Any], retain_graph: bool) -> tuple[torch.Tensor | None, ...]:

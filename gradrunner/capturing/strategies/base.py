@@ -49,11 +49,18 @@ class Slot:
     value_norm: torch.Tensor | None = None
     #: `autograd_grad`: the tensor's gradient edge, taken when the tap fired.
     edge: object | None = None
+    #: The tensor's in-place version when the tap fired.
+    version: int | None = None
+    #: The tapped tensor when it is a view: if written in place later, autograd never computes the
+    #: gradient of its value before the write (the record's `reason` says so).
+    view: torch.Tensor | None = None
     #: `hook`: a parameter's gradient, summed over the parts backward delivers.
     param_grad: torch.Tensor | None = None
 
 
-Deliver = Callable[[Slot, "torch.Tensor | None"], None]
+#: The session's `_deliver(slot, grad)`: every tapped gradient passes through it once. It returns None,
+#: or a gradient to flow on in place of `grad` where the strategy can pass one on (`hook`).
+Deliver = Callable[[Slot, "torch.Tensor | None"], "torch.Tensor | None"]
 
 
 class Strategy(ABC):

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gradrunner.analysis.extras import (
+from gradrunner.analysis.optional import (
     UPDATE_RATIO_GUIDE,
     hist_bin_labels,
     histograms_over_steps,
@@ -76,12 +76,14 @@ def _planted_records() -> pd.DataFrame:
 
 def test_figures_show_the_helpers_numbers() -> None:
     pytest.importorskip("matplotlib")
-    from gradrunner.analysis.plots_extras import plot_histograms, plot_per_example_spread, plot_update_ratios
+    from gradrunner.analysis.plots_optional import plot_histograms, plot_per_example_spread, plot_update_ratios
 
     df = _planted_records()
     hist = plot_histograms(df)
     image = hist.axes[0].images[0].get_array()
-    assert image.shape == (3, 11)  # steps x the bins from the first to the last non-empty one (80..90)
+    assert image.shape == (3, 4)  # steps x the bins ever non-empty (80, 81, 82, 90): empty ones are dropped
+    ticks = [t.get_text() for t in hist.axes[0].get_xticklabels()]
+    assert ticks == [hist_bin_labels()[b] for b in (80, 81, 82, 90)]
     np.testing.assert_allclose(image[1, 1], 0.75) and np.testing.assert_allclose(image[:, -1], 0.25)
     line = plot_update_ratios(df).axes[0].lines[0]
     np.testing.assert_allclose(line.get_ydata(), [1e-3, 2e-3, 3e-3])

@@ -6,7 +6,7 @@ Contents:
     plot_per_example_spread(df)         -- per tap, how much the largest example's norm exceeds the median
 
 Like `plots`, each returns a pyplot-free `matplotlib.figure.Figure` built from one helper's DataFrame
-(`gradrunner.analysis.extras`), so the numbers behind a picture are one call away.
+(`gradrunner.analysis.optional`), so the numbers behind a picture are one call away.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import numpy as np
 import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-from gradrunner.analysis.extras import (
+from gradrunner.analysis.optional import (
     UPDATE_RATIO_GUIDE,
     hist_bin_labels,
     histograms_over_steps,
@@ -39,7 +40,8 @@ def plot_histograms(df: pd.DataFrame, max_taps: int = 8) -> Figure:
 
         plot_histograms(load("outputs/2026-11-23/10-00-00")).savefig("hist.png")
 
-    Only the bins that are ever non-empty are drawn; the first column is exact zeros, the last NaN/Inf.
+    Only the bins that are ever non-empty are drawn (side by side, each labelled); exact zeros and NaN/Inf
+    have bins of their own, first and last.
     """
     run = df[df["run_id"] == df["run_id"].iloc[0]]
     order = forward_order(run[run["hist_counts"].notna()]).head(max_taps)
@@ -48,13 +50,13 @@ def plot_histograms(df: pd.DataFrame, max_taps: int = 8) -> Figure:
     labels = hist_bin_labels()
     for ax, (tap, call, label) in zip(axes, order[["tap", "call", "label"]].itertuples(index=False), strict=False):
         h = histograms_over_steps(run, tap, call)
-        used = np.flatnonzero(h.to_numpy().sum(axis=0))
-        lo, hi = (int(used.min()), int(used.max())) if used.size else (0, len(labels) - 1)
-        share = h.iloc[:, lo : hi + 1].div(h.sum(axis=1).replace(0, 1), axis=0).to_numpy(dtype=np.float64)
+        used = np.flatnonzero(h.to_numpy().sum(axis=0))  # bins empty at every step are left out
+        used = used if used.size else np.arange(len(labels))
+        share = h.iloc[:, used].div(h.sum(axis=1).replace(0, 1), axis=0).to_numpy(dtype=np.float64)
         image = ax.imshow(share, aspect="auto", interpolation="nearest", cmap=colormaps["magma"], vmin=0,
-                          extent=(lo - 0.5, hi + 0.5, h.index.max() + 0.5, h.index.min() - 0.5))  # fmt: skip
-        ticks = list(range(lo, hi + 1, max(1, (hi - lo) // 8)))
-        ax.set_xticks(ticks, [labels[t] for t in ticks], rotation=30, ha="right", fontsize="x-small")
+                          extent=(-0.5, len(used) - 0.5, h.index.max() + 0.5, h.index.min() - 0.5))  # fmt: skip
+        ticks = list(range(0, len(used), max(1, len(used) // 8)))
+        ax.set_xticks(ticks, [labels[used[t]] for t in ticks], rotation=30, ha="right", fontsize="x-small")
         ax.set_ylabel("step")
         ax.set_title(f"|g| histogram: {label}", fontsize="medium")
         fig.colorbar(image, ax=ax, label="share of elements")
@@ -79,7 +81,8 @@ def plot_update_ratios(df: pd.DataFrame) -> Figure:
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("update norm / weight norm")
-    ax.legend(fontsize="x-small", ncols=2)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no half-step ticks
+    ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # off the lines
     return fig
 
 

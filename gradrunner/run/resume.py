@@ -1,0 +1,371 @@
+"""A run's books in its run dir: the lock, what a rerun may do there (refuse, skip, resume), the markers it writes.
+
+Contents:
+    RunLock(dir, run_id)         -- the exclusive lock a run holds on its run dir for its whole life
+    Refused, LiveRun             -- a run refused because of what its dir holds, or because a live run holds it
+    prepare(dir, cfg, resume)    -- before a job writes: "run" (after removing partial records) or "skip"
+    mark_complete(dir, ...)      -- write `done.json` (row counts, footer digests) once the records are closed
+    mark_failed(dir, error)      -- write `failed.json` (the CLI and the sweep callback do, for a failed job)
+    restore_hydra(dir, snapshot) -- THE one way `.hydra/` is put back for a job that did not run
+
+The read-only side (job state, markers read, verification, which folders are jobs) is
+`gradrunner.records.rundir`; this side knows the config (OmegaConf) and the process.
+
+Example::
+
+    with RunLock(job_dir, run_id):
+        if prepare(job_dir, cfg, resume=True) == "run":
+            ...   # train, then mark_complete(job_dir, cfg, files=..., run_id=run_id, world_size=1, overrides=[])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow.parquet as pq
+from omegaconf import DictConfig, OmegaConf
+
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.atomic import write_atomically
+from gradrunner.records.columns import LOCK_FILE
+from gradrunner.records.rundir import (
+    DONE,
+    FAILED,
+    _present,
+    _temps,
+    footer_digest,
+    read_marker,
+    verify_job,
+    write_json,
+)
+
+log = logging.getLogger(__name__)
+
+#: Config keys that do not change the records: a rerun may differ in them and still resume.
+NEUTRAL_KEYS = ("resume", "report")
+#: Config keys added after records were first written, with the value that means "as before": a run
+#: recorded without the key matches a config that has it at this value (its records are the same).
+ADDED_KEYS: dict[str, Any] = {"capture.per_example": False, "capture.histogram": False}
+
+
+
+def config_dict(cfg: DictConfig) -> dict[str, Any]:
+    """The resolved job config as plain containers, without the `hydra` node.
+
+    Example::
+
+        config_dict(cfg)["capture"]["strategy"]   # 'hook'
+    """
+    data = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(data, dict), data
+    return {str(k): v for k, v in data.items() if k != "hydra"}
+
+
+def mark_complete(
+    directory: Path, cfg: DictConfig, *, files: list[str], run_id: str, world_size: int, overrides: list[str]
+) -> Path:
+    """Write `done.json`: the job's records (`files`) are closed and whole. Call it last.
+
+    Example::
+
+        mark_complete(job_dir, cfg, files=list(RECORD_FILES), run_id=rid, world_size=1, overrides=[])
+
+    It records each file's row count and `footer_digest`, which `verify_job` (a resume) and
+    `analysis.load` check.
+    """
+    return write_json(
+        directory / DONE,
+        {
+            "status": "completed",
+            "run_id": run_id,
+            "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "files": files,
+            "rows": {f: pq.read_metadata(directory / f).num_rows for f in files},
+            "footers": {f: footer_digest(directory / f) for f in files},
+            "world_size": world_size,
+            "overrides": overrides,
+            "config": config_dict(cfg),
+        },
+    )
+
+
+def mark_failed(directory: Path, error: str) -> Path:
+    """Write `failed.json` with the job's error message (one paragraph).
+
+    Example::
+
+        mark_failed(job_dir, "capture.strategy='bogus' is not allowed; ...")
+    """
+    return write_json(directory / FAILED, {"status": "failed", "error": " ".join(error.split())})
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for k, v in data.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for every leaf that differs, the keys of `NEUTRAL_KEYS` left out.
+
+    Example::
+
+        config_diff({"steps": 2, "resume": False}, {"steps": 3, "resume": True})   # ['steps: 2 -> 3']
+
+    A key of `ADDED_KEYS` missing on one side counts as its as-before value (records written before
+    the key existed match a config that leaves it at that value).
+    """
+    a, b = _flatten(old), _flatten(new)
+    missing = object()
+    keys = [k for k in sorted(set(a) | set(b)) if k.split(".")[0] not in NEUTRAL_KEYS]
+    return [
+        f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}"
+        for k in keys
+        if a.get(k, missing) != b.get(k, missing) and not _added_as_before(k, a, b)
+    ]
+
+
+def _added_as_before(key: str, old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """`key` is one of `ADDED_KEYS`, unset on one side and at its as-before value on the other."""
+    if key not in ADDED_KEYS:
+        return False
+    values = [d[key] for d in (old, new) if key in d]
+    return len(values) == 1 and values[0] == ADDED_KEYS[key]
+
+
+def _clean(directory: Path) -> list[str]:
+    """Remove a job's records, markers, temp files and report; return the names removed.
+
+    Only called with the dir's `RunLock` held: any temp file here belongs to a run that is dead.
+    """
+    names = [DONE, *_present(directory), FAILED, *_temps(directory, DONE), *_temps(directory, FAILED), "report.html"]
+    names += sorted(p.name for p in directory.glob("report-*.png"))
+    removed = []
+    for name in names:
+        path = directory / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)  # a done.json that is a directory: damage, removed like a file
+            removed.append(name)
+        elif os.path.lexists(path):
+            path.unlink()
+            removed.append(name)
+    return removed
+
+
+def prepare(directory: str | os.PathLike[str], cfg: DictConfig, *, resume: bool) -> Literal["run", "skip"]:
+    """Decide what a job does with its dir before writing: "run" (the dir is clean), or "skip" (done).
+
+    Example::
+
+        prepare(job_dir, cfg, resume=True)    # 'skip' when job_dir/done.json holds the same config
+
+    Without records there, "run". With records and `resume=False`, a GradrunnerError (records are
+    never overwritten). With `resume=True`: a completed job of the same config is skipped; of a
+    different config, a GradrunnerError naming the differences; anything else (partial records, no
+    completion marker, a failure) is removed and the job runs again from step 0.
+    """
+    d = Path(directory)
+    present = _present(d)
+    marker, damage = read_marker(d)
+    if damage is not None and resume:
+        log.warning("%s: %s; the job runs again (removed: %s)", d, damage, ", ".join(_clean(d)))
+        return "run"
+    if not present and marker is None and damage is None:
+        _clean(d)  # a stale failure record of a job that failed before writing anything
+        return "run"
+    if not resume:
+        what = "a completed run" if marker else "a run that did not complete (interrupted, failed or killed)"
+        way = "skip it" if marker else "delete its partial records and run it again from step 0"
+        raise Refused(
+            f"the run dir {d} already holds records ({', '.join(present) or DONE}) of {what}; gradrunner never "
+            f"overwrites records. Run into a new dir (drop hydra.run.dir=... or choose another), or pass "
+            f"resume=true to {way}."
+        )
+    if marker is not None:
+        diff = config_diff(marker.get("config") or {}, config_dict(cfg))
+        if diff:
+            raise Refused(
+                f"{d} holds a completed run of a different config ({'; '.join(diff)}); its records are kept and "
+                "this job did not run. Use a new dir for the new config (hydra.sweep.dir=... or hydra.run.dir=...), "
+                "or run the original config there to resume."
+            )
+        problem = verify_job(d, marker)
+        if problem is None:
+            (d / FAILED).unlink(missing_ok=True)  # a failure record left by an earlier attempt, if any
+            log.info("%s already completed (%s): skipped; its records are kept", d, DONE)
+            return "skip"
+        removed = _clean(d)
+        log.warning("%s is marked completed but %s: its records are not trusted (removed: %s); running again",
+                    d, problem, ", ".join(removed))  # fmt: skip
+        return "run"
+    removed = _clean(d)
+    log.warning("%s held partial records of an earlier attempt (%s): removed; running again", d, ", ".join(removed))
+    return "run"
+
+
+#: Hydra's files in a job dir (`hydra.output_subdir`'s default), rewritten by Hydra before a job starts.
+HYDRA_DIR = ".hydra"
+
+
+def hydra_snapshot(directory: Path) -> dict[str, str]:
+    """The text of `<directory>/.hydra/*.yaml`, by file name: what `restore_hydra` puts back."""
+    found: dict[str, str] = {}
+    hydra_dir = directory / HYDRA_DIR
+    for f in sorted(hydra_dir.glob("*.yaml")) if hydra_dir.is_dir() else []:
+        try:
+            found[f.name] = f.read_text(encoding="utf-8")
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def restore_hydra(directory: Path, snapshot: dict[str, Any]) -> None:
+    """THE one way `.hydra/` is put back: each file of `snapshot` whose text differs is rewritten atomically.
+
+    Example::
+
+        restore_hydra(job_dir, owner["hydra"])    # Hydra rewrote .hydra/ for a job that then did not run
+
+    Hydra writes a job's `.hydra/` before the job can look at its dir; a job that then does not run
+    (another live run holds the dir, or it holds a completed run) puts back what the dir's owner had.
+    Failures are ignored: the files only serve humans, `load()` labels from the records.
+    """
+    for name, text in snapshot.items():
+        path = directory / HYDRA_DIR / str(name)
+        if not isinstance(text, str) or "/" in str(name):
+            continue
+        try:
+            if path.read_text(encoding="utf-8") == text:
+                continue
+        except (OSError, ValueError):
+            pass
+        with contextlib.suppress(OSError):
+            write_atomically(path, text)
+
+
+class Refused(GradrunnerError):
+    """A run refused because of what its run dir holds; the dir is left as it was."""
+
+
+class LiveRun(Refused):
+    """A run refused because another run, still alive, holds the run dir's lock."""
+
+
+class RunLock:
+    """The exclusive lock a run holds on its run dir, from before it looks at the dir to after `done.json`.
+
+    Example::
+
+        with RunLock(job_dir, run_id):     # LiveRun if another live process holds job_dir
+            prepare(job_dir, cfg, resume=True); train(...); mark_complete(...)
+
+    An `fcntl.flock` on `<dir>/.gradrunner.lock`, which holds the owner's host, pid, start time and run
+    id for messages. The kernel drops the lock when its process dies (SIGKILL, a preempted node's
+    processes), so a dead owner never blocks a resume. It works between processes of one machine;
+    on NFS, Linux emulates `flock` with byte-range locks that every client sees (given a working lock
+    manager); on a filesystem without locks (Lustre mounted `noflock`) the run goes on unlocked,
+    with a warning; Lustre mounted `localflock` locks per node only.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], run_id: str) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / LOCK_FILE
+        self.run_id = run_id
+        self._fd: int | None = None
+        self._created = False
+        #: The lock file's record of the run that held the dir before this one ({} if none).
+        self.previous: dict[str, Any] = {}
+
+    def __enter__(self) -> RunLock:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                self._created = True
+            except FileExistsError:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                self._created = False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = self._read_owner(fd)
+                os.close(fd)
+                restore_hydra(self.directory, owner.get("hydra") or {})  # Hydra rewrote the live run's .hydra/
+                raise LiveRun(self._refusal(owner)) from None
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                    os.close(fd)
+                    raise
+                log.warning("%s: this filesystem has no file locks (%s); running without the run-dir lock, so "
+                            "nothing stops a second run into this dir", self.path, os.strerror(e.errno or 0))  # fmt: skip
+            try:  # the file we locked may have been replaced meanwhile: lock the one that is there
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        self._fd = fd
+        self.previous = self._read_owner(fd)
+        # The owner's `.hydra/` goes into the lock file too: a later run refused here puts it back.
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id,
+                 "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "hydra": hydra_snapshot(self.directory)}  # fmt: skip
+        self._write_owner(fd, owner)
+        return self
+
+    def leave_no_trace(self) -> None:
+        """The run did not run here: put back the previous owner's `.hydra/` and lock record (or remove the lock
+        file if this run created it), so that a refused or skipped run leaves the dir as it found it."""
+        if self._fd is None:
+            return
+        if self._created:
+            self.path.unlink(missing_ok=True)  # still locked: a run that opened it meanwhile retries (inode check)
+            return
+        restore_hydra(self.directory, self.previous.get("hydra") or {})
+        self._write_owner(self._fd, self.previous)
+
+    @staticmethod
+    def _write_owner(fd: int, owner: dict[str, Any]) -> None:
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(owner).encode(), 0)
+        except OSError:
+            pass  # the owner's record only serves messages; a full disk must not stop the lock
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # releases the lock; the file stays (removing it would race with a waiting run)
+            self._fd = None
+
+    @staticmethod
+    def _read_owner(fd: int) -> dict[str, Any]:
+        try:
+            data = json.loads(os.pread(fd, max(os.fstat(fd).st_size, 1), 0) or b"{}")
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _refusal(self, owner: dict[str, Any]) -> str:
+        who = (f"host {owner.get('host', '?')}, pid {owner.get('pid', '?')}, started {owner.get('started', '?')}, "
+               f"run id {owner.get('run_id', '?')}")  # fmt: skip
+        return (
+            f"the run dir {self.directory} is in use by a live run ({who}); gradrunner lets one run at a time "
+            f"write a run dir, and this one did not run and changed nothing there. Wait for that run to end, "
+            f"stop it (kill {owner.get('pid', '<pid>')} on {owner.get('host', 'its host')}), or run into another dir "
+            f"(hydra.run.dir=... or hydra.sweep.dir=...). The lock ({self.path}) is held only while that process "
+            "lives, so a killed run never blocks resume=true."
+        )

@@ -1,0 +1,140 @@
+"""The summary that ends every run: loss first/last, NaN/Inf, vanishing/exploding taps, taps never with a gradient.
+
+Each claim is checked against a reference worked out here: the plant (a loss that turns NaN at a known
+step, a ReLU dead from the start, traced with plain torch) or the records read with pandas.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from awkward import dead_relu_mlp
+from conftest import compose_cfg
+from planted import planted_sweep
+
+from gradrunner.run import watch
+from gradrunner.run.loop import train
+
+WATCH = "gradrunner.run.watch"
+
+
+def summary_of(caplog: pytest.LogCaptureFixture) -> tuple[int, list[str]]:
+    """The level and lines of the one "run summary" message logged."""
+    (record,) = [r for r in caplog.records if r.name == WATCH and r.getMessage().startswith("run summary:")]
+    head, *lines = record.getMessage().split("\n  ")
+    assert head == "run summary:"
+    return record.levelno, lines
+
+
+def test_a_healthy_run_says_so_with_its_loss_and_records(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        train(compose_cfg("+experiment=mlp", "steps=6"), out_dir=tmp_path)
+    level, lines = summary_of(caplog)
+    loss = pd.read_parquet(tmp_path / "steps.parquet")["loss"].tolist()
+    # the experiment's taps fc*:output, relu*:output, head:output, *:weight over the MLP's modules
+    modules = [n for n, _ in dead_relu_mlp().named_modules() if n]
+    taps = sum(fnmatch.fnmatchcase(m, p) for m in modules for p in ("fc*", "relu*", "head")) + sum(
+        1 for m in modules if m.startswith(("fc", "head"))
+    )
+    assert taps == 11
+    assert level == logging.INFO
+    assert lines == [
+        f"records: {tmp_path} (grads.parquet, steps.parquet; read the dir with gradrunner.analysis.load, "
+        "a file with pandas.read_parquet)",
+        f"loss: {loss[0]:.6g} at the first step, {loss[-1]:.6g} at the last (6 steps)",
+        f"healthy: no NaN/Inf; none of the {taps} taps vanishing, exploding or without gradient",
+    ]
+
+
+def test_a_run_that_turns_nan_names_the_step_and_the_first_tap(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # the loss is NaN from its 6th call (step 5) on; fc1 is the first module to fire in the forward pass
+    with caplog.at_level(logging.INFO):
+        train(compose_cfg("+experiment=mlp", "steps=8", "loss=nan_after", "loss.after=5"), out_dir=tmp_path)
+    level, lines = summary_of(caplog)
+    first = pd.read_parquet(tmp_path / "steps.parquet")["loss"].iloc[0]
+    assert level == logging.WARNING
+    assert lines[1] == f"loss: {first:.6g} at the first step, nan at the last (8 steps)"
+    assert lines[2] == "NaN/Inf: the loss from step 5; gradients from step 5, first in fc1:output"
+    assert len(lines) == 3  # NaN norms are neither vanishing nor exploding
+
+
+def _dead_upstream() -> list[str]:
+    """With plain torch: the taps of the experiment whose gradient is exactly 0 when relu2 is dead."""
+    model = dead_relu_mlp()
+    outputs: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):  # type: ignore[no-untyped-def]
+        def hook(_m: torch.nn.Module, _i: object, out: torch.Tensor) -> None:
+            out.retain_grad()
+            outputs[name] = out
+
+        return hook
+
+    for name, m in model.named_modules():
+        if name:
+            m.register_forward_hook(keep(name))
+    model(torch.randn(16, 8)).sub(torch.randn(16, 1)).pow(2).mean().backward()
+    dead = [f"{n}:output" for n, t in outputs.items() if t.grad is not None and not t.grad.any()]
+    dead += [f"{n}:weight" for n, m in model.named_modules() if hasattr(m, "weight") and not m.weight.grad.any()]
+    return dead
+
+
+def test_a_dead_relu_run_names_the_vanishing_taps(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    dead = _dead_upstream()
+    assert dead == ["fc1:output", "relu1:output", "fc2:output", "fc1:weight", "fc2:weight", "fc3:weight"]
+    with caplog.at_level(logging.INFO):
+        train(compose_cfg("+experiment=mlp", "steps=3", "model=dead_relu"), out_dir=tmp_path)
+    level, lines = summary_of(caplog)
+    assert level == logging.WARNING
+    assert lines[2:] == [
+        "vanishing (norm below 1e-06 at the last captured step): 6 of 11 taps: "
+        + ", ".join(f"{t} (from step 0)" for t in dead)
+    ]
+
+
+def test_planted_records_list_every_kind_of_trouble(tmp_path: Path) -> None:
+    # planted.py: fc1 vanishes from step 2, head NaN from step 2, fc2:weight explodes at step 3, unused never fires
+    job = planted_sweep(tmp_path) / "0"
+    h = watch.health(job)
+    assert (h.steps, h.taps) == (4, 7)
+    assert h.first_nonfinite == (2, "head:output")
+    assert h.vanishing == {"fc1:output": 2}
+    assert h.exploding == {"fc2:weight": 3}
+    assert list(h.without_grad) == ["unused:output"]
+    assert not h.healthy
+    lines = h.lines()
+    assert "exploding (norm above 1000): 1 of 7 taps: fc2:weight (from step 3)" in lines
+    assert lines[-1].startswith("never had a gradient: 1 of 7 taps: unused:output (")
+
+
+@pytest.mark.parametrize(("overrides", "start"), [(["taps=[]"], "taps=[]: this run captures no gradient"),
+                                                   (["steps=0"], "steps=0: this run takes no step")])  # fmt: skip
+def test_a_run_that_captures_nothing_warns_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, overrides: list[str], start: str
+) -> None:
+    with caplog.at_level(logging.INFO):
+        train(compose_cfg("+experiment=mlp", "steps=2", *overrides), out_dir=tmp_path)
+    warnings = [r.getMessage() for r in caplog.records if r.name == WATCH and r.levelno == logging.WARNING]
+    assert warnings[0].startswith(start), warnings
+    assert any("no tap was captured" in w or "no step completed" in w for w in warnings), warnings
+
+
+def test_a_sweep_ends_with_one_line_per_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    sweep = planted_sweep(tmp_path)
+    jobs = [(str(i), [f"capture.strategy={s}"]) for i, s in enumerate(("retain_grad", "hook", "autograd_grad"))]
+    with caplog.at_level(logging.INFO):
+        assert not watch.sweep_word(sweep, jobs)
+    (record,) = [r for r in caplog.records if r.name == WATCH]
+    loss = pd.read_parquet(sweep / "0" / "steps.parquet")["loss"]
+    head, *lines = record.getMessage().split("\n  ")
+    assert record.levelno == logging.WARNING and head == f"sweep summary ({sweep}):"
+    trouble = (f"loss {loss.iloc[0]:.4g} -> {loss.iloc[-1]:.4g}; NaN/Inf from step 2 (head:output), "
+               "1 of 7 taps vanishing, 1 of 7 taps exploding, 1 of 7 taps without gradient")  # fmt: skip
+    assert lines == [f"job {j} ({o[0]}): {trouble}" for j, o in jobs]

@@ -1,0 +1,335 @@
+"""Capture never changes what the model computes, and the three strategies agree everywhere.
+
+For a zoo of models (stock `torch.nn` layers, tiny random-init `transformers` models, and the patterns of
+issue 18: writes through views, an instance-level forward, the model's own tensor hooks, post-accumulate
+hooks, a sparse embedding), every strategy with every tap kind (output, input, parameter, local) gives a
+loss and parameter `.grad` bit-identical (`torch.equal`) to the uncaptured run, and each tap's gradient
+(every call) equal to a reference taken here with plain tensor hooks, which see what autograd delivers
+to the tensor's `.grad` when registered after the model's own hooks (no zoo model registers hooks on a
+tensor the reference hooks).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from conftest import leftover_hooks
+from torch import nn
+
+from gradrunner import capture
+from gradrunner.capturing.elements import get_element
+
+KINDS = ("output", "input", "param", "local")
+
+
+@dataclass
+class Zoo:
+    model: nn.Module
+    run: Callable[[], torch.Tensor]  # forward and loss
+    taps: dict[str, list[str]]  # kind -> taps
+    #: a local tap -> the module paths whose outputs are the local's successive values (the reference's hooks)
+    local_refs: dict[str, list[str]] = field(default_factory=dict)
+
+
+class Views(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        K = self.fc(x)
+        K.diagonal().add_(0.5)  # a write through a view of the tapped tensor
+        K[:, 0].mul_(2.0)
+        h = self.act(K)
+        return h
+
+
+class Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return self.out(h.tanh())
+
+
+def _wrapped() -> nn.Module:
+    m = Wrapped()
+    m.forward = types.MethodType(lambda self, x: Wrapped.forward(self, x) * 0.5, m)  # type: ignore[method-assign]
+    return m
+
+
+class Scaled(nn.Module):
+    """Gradient scaling inside the model, on a tensor the zoo does not tap (a tapped one is test_capture_findings')."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        g = h * 1.0
+        if g.requires_grad:
+            g.register_hook(lambda grad: grad * 0.25)
+        return self.b(g)
+
+
+def _x(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape)
+
+
+def _stock_mlp() -> Zoo:
+    m = nn.Sequential(nn.Linear(5, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3))
+    x = _x(4, 5)
+    return Zoo(m, lambda: m(x).pow(2).sum(), {"output": ["0:output", "*:output"], "input": ["2:input", ":input"],
+                                              "param": ["0:weight", "4:bias"], "local": []})  # fmt: skip
+
+
+def _conv() -> Zoo:
+    m = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                      nn.Linear(12, 2))  # fmt: skip
+    x = _x(2, 2, 4, 4)
+    return Zoo(m, lambda: m(x).pow(2).sum(), {"output": ["1:output", "3:output"], "input": ["5:input"],
+                                              "param": ["0:weight", "1:weight"], "local": []})  # fmt: skip
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(3, 4, batch_first=True)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        seq, _ = self.rnn(x)
+        last = self.head(seq[:, -1])
+        return last
+
+
+def _lstm() -> Zoo:
+    m = Recurrent()
+    x = _x(2, 5, 3)
+    return Zoo(m, lambda: m(x).pow(2).sum(), {"output": ["rnn:output.0", "rnn:output.1.0"], "input": ["head:input"],
+               "param": ["rnn:weight_hh_l0"], "local": [":last"]}, {":last": ["head"]})  # fmt: skip
+
+
+def _encoder_layer() -> Zoo:
+    m = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    x = _x(2, 3, 8)
+    return Zoo(m, lambda: m(x).pow(2).sum(), {"output": ["linear1:output", "norm2:output"], "input": ["linear2:input"],
+               "param": ["self_attn:in_proj_weight", "norm1:weight"], "local": []})  # fmt: skip
+
+
+def _views() -> Zoo:
+    m = Views()
+    x = _x(4, 4)
+    return Zoo(m, lambda: m(x).sum(), {"output": ["fc:output", "act:output"], "input": ["act:input"],
+                                       "param": ["fc:weight"], "local": [":h"]}, {":h": ["act"]})  # fmt: skip
+
+
+def _instance_forward() -> Zoo:
+    m = _wrapped()
+    x = _x(3, 4)
+    return Zoo(m, lambda: m(x).pow(2).sum(), {"output": ["fc:output"], "input": ["out:input"], "param": ["out:weight"],
+                                              "local": [":h"]}, {":h": ["fc"]})  # fmt: skip
+
+
+def _own_hooks() -> Zoo:
+    m = Scaled()
+    x = _x(3, 4)
+    return Zoo(m, lambda: m(x).pow(2).sum(), {"output": ["a:output"], "input": ["b:input"], "param": ["a:weight"],
+                                              "local": [":h"]}, {":h": ["a"]})  # fmt: skip
+
+
+def _post_accumulate() -> Zoo:
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    for p in m.parameters():  # optimizer-in-backward: the step happens as each gradient lands
+        opt = torch.optim.SGD([p], lr=0.5)
+        p.register_post_accumulate_grad_hook(lambda _p, opt=opt: opt.step())
+    x = _x(3, 4)
+    return Zoo(m, lambda: m(x).pow(2).sum(), {"output": ["0:output"], "input": ["2:input"], "param": ["2:weight"],
+                                              "local": []})  # fmt: skip
+
+
+def _sparse() -> Zoo:
+    m = nn.Sequential(nn.Embedding(12, 4, sparse=True), nn.Linear(4, 2))
+    idx = torch.tensor([[1, 3, 3], [0, 11, 1]])
+    return Zoo(m, lambda: m(idx).pow(2).sum(), {"output": ["0:output"], "input": ["1:input"],
+                                                "param": ["0:weight", "1:weight"], "local": []})  # fmt: skip
+
+
+def _tokens(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 6))
+
+
+def _gpt2() -> Zoo:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    m = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = _tokens(50)
+    return Zoo(m, lambda: m(ids).logits.pow(2).mean(),
+               {"output": ["transformer.h.0.mlp.c_fc:output", "transformer.ln_f:output"],
+                "input": ["transformer.h.1.mlp:input", "lm_head:input"],
+                "param": ["transformer.wte:weight", "transformer.h.0.mlp.c_proj:weight"],
+                "local": ["transformer.h.0.mlp:hidden_states"]},
+               {"transformer.h.0.mlp:hidden_states": ["transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.act",
+                                                      "transformer.h.0.mlp.c_proj", "transformer.h.0.mlp.dropout"]})  # fmt: skip
+
+
+def _bert() -> Zoo:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                                  vocab_size=50, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)  # fmt: skip
+    m = transformers.BertModel(cfg).eval()
+    ids = _tokens(50)
+    out = "encoder.layer.0.output"
+    return Zoo(m, lambda: m(ids).last_hidden_state.pow(2).mean(),
+               {"output": ["encoder.layer.0.intermediate:output", "pooler.dense:output"],
+                "input": ["encoder.layer.1.intermediate:input"],
+                "param": ["embeddings.word_embeddings:weight", f"{out}.dense:weight"],
+                "local": [f"{out}:hidden_states"]},
+               {f"{out}:hidden_states": [f"{out}.dense", f"{out}.dropout", f"{out}.LayerNorm"]})  # fmt: skip
+
+
+def _llama() -> Zoo:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
+                                   intermediate_size=32, vocab_size=50, max_position_embeddings=16)  # fmt: skip
+    m = transformers.LlamaForCausalLM(cfg).eval()
+    ids = _tokens(50)
+    return Zoo(m, lambda: m(ids).logits.pow(2).mean(),
+               {"output": ["model.layers.0.mlp:output", "model.norm:output"],
+                "input": ["model.layers.1.mlp.down_proj:input"],
+                "param": ["model.layers.0.self_attn.q_proj:weight", "model.embed_tokens:weight"],
+                "local": ["model.layers.1.mlp:down_proj"]},
+               {"model.layers.1.mlp:down_proj": ["model.layers.1.mlp.down_proj"]})  # fmt: skip
+
+
+ZOO: dict[str, Callable[[], Zoo]] = {
+    "mlp": _stock_mlp, "conv": _conv, "lstm": _lstm, "encoder_layer": _encoder_layer, "views": _views,
+    "instance_forward": _instance_forward, "own_hooks": _own_hooks, "post_accumulate": _post_accumulate,
+    "sparse": _sparse, "gpt2": _gpt2, "bert": _bert, "llama": _llama,
+}  # fmt: skip
+
+
+def _reference(zoo: Zoo, taps: list[str]) -> tuple[torch.Tensor, dict[str, list[torch.Tensor | None]]]:
+    """The loss and each tap's gradient per call, by plain tensor hooks registered as values appear."""
+    model = zoo.model
+    modules = dict(model.named_modules(remove_duplicate=False))
+    got: dict[str, list[torch.Tensor | None]] = {}
+    handles = []
+
+    def watch(tap: str, value: object) -> None:
+        calls = got.setdefault(tap, [])
+        calls.append(None)
+        at = len(calls) - 1
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            value.register_hook(lambda g: calls.__setitem__(at, g.clone()))
+
+    def on_output(tap: str, path: tuple[str | int, ...]) -> Callable[..., None]:
+        return lambda _m, _a, out: watch(tap, get_element(out, path, tap))
+
+    def on_input(tap: str, path: tuple[str | int, ...]) -> Callable[..., object]:
+        def hook(_m: nn.Module, args: tuple[object, ...]) -> object:
+            value = get_element(args, path or (0,), tap)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not value.requires_grad:
+                value = value.detach().requires_grad_()  # an input's own gradient: make it require grad here
+                watch(tap, value)
+                return (value, *args[1:]) if not path or path == (0,) else None
+            watch(tap, value)
+            return None
+
+        return hook
+
+    params = []
+    seen: set[str] = set()
+    for tap in taps:
+        module_path, _, name = tap.rpartition(":")
+        head, _, rest = name.partition(".")
+        path: tuple[str | int, ...] = tuple(int(p) for p in rest.split(".")) if rest else ()
+        if tap in zoo.local_refs:
+            for ref in zoo.local_refs[tap]:
+                handles.append(modules[ref].register_forward_hook(on_output(tap, ())))
+        elif head == "output":
+            matched = [p for p in modules if p and __import__("fnmatch").fnmatchcase(p, module_path)] \
+                if "*" in module_path else [module_path]  # fmt: skip
+            for p in matched:
+                if f"{p}:{name}" in seen:
+                    continue
+                seen.add(f"{p}:{name}")
+                handles.append(modules[p].register_forward_hook(on_output(f"{p}:{name}", path)))
+        elif head == "input":
+            handles.append(modules[module_path].register_forward_pre_hook(on_input(tap, path)))
+        else:
+            params.append((tap, getattr(modules[module_path], name)))
+    model.zero_grad(set_to_none=True)
+    try:
+        loss = zoo.run()
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    for tap, p in params:
+        got[tap] = [None if p.grad is None else p.grad.clone()]
+    return loss, got
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor | None]:
+    return [None if p.grad is None else _dense(p.grad).clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_dense() if t is not None and t.layout != torch.strided else t
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("name", list(ZOO))
+def test_capture_is_transparent(name: str, kind: str, strategy: str) -> None:
+    torch.manual_seed(0)
+    zoo = ZOO[name]()
+    taps = zoo.taps[kind]
+    if not taps:
+        pytest.skip(f"{name} has no {kind} tap in the zoo")
+    model = zoo.model
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    own = leftover_hooks(model)
+
+    torch.manual_seed(1)
+    model.zero_grad(set_to_none=True)
+    bare = zoo.run()
+    bare.backward()
+    want_params, want_state = _grads(model), {k: v.clone() for k, v in model.state_dict().items()}
+
+    model.load_state_dict(state)
+    torch.manual_seed(1)
+    ref_loss, ref = _reference(zoo, taps)
+    assert torch.equal(ref_loss, bare)
+
+    model.load_state_dict(state)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    with capture(model, taps, strategy=strategy) as cap:
+        loss = zoo.run()
+        cap.backward(loss)
+    assert torch.equal(loss, bare)
+    for got, want in zip(_grads(model), want_params, strict=True):
+        assert (got is None and want is None) or (got is not None and want is not None and torch.equal(got, want))
+    for k, v in model.state_dict().items():  # post-accumulate-hook steps, BatchNorm statistics
+        assert torch.equal(v, want_state[k]), k
+    assert leftover_hooks(model) == own
+    for tap, calls in ref.items():
+        captured = [_dense(g) for g in cap.grads.calls(tap)]
+        assert len(captured) == len(calls), tap
+        for c, (g, r) in enumerate(zip(captured, calls, strict=True)):
+            assert (g is None) == (r is None), (tap, c)
+            if g is not None:
+                torch.testing.assert_close(g, _dense(r), rtol=1e-6, atol=1e-7, msg=f"{tap} call {c}")
