@@ -11,6 +11,7 @@ checks it, see pyproject.toml):
 | `run/` | the job built from the config, the step loop, guards, DDP, the Hydra job |
 | `analysis/` | records read back into pandas, summaries, plots, the HTML report (no torch) |
 | `cli`, `callbacks` | the Hydra app (`python -m gradrunner`) and the sweep's bookkeeping |
+| `recording`, `integrations/`, `export` | `record(...)` in any loop, the Lightning and HF callbacks, `python -m gradrunner.export` |
 | `models/`, `data`, `losses` | built-in options for the config groups |
 
 Example::
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from gradrunner.capturing.explore import list_taps
     from gradrunner.capturing.session import Capture, Grads, capture
     from gradrunner.capturing.strategies import STRATEGIES
+    from gradrunner.recording import Recorder, record
 
 __version__ = "0.1.0"
 
@@ -45,9 +47,11 @@ _LAZY = {
     "capture": "gradrunner.capturing.session",
     "STRATEGIES": "gradrunner.capturing.strategies",
     "list_taps": "gradrunner.capturing.explore",
+    "Recorder": "gradrunner.recording",
+    "record": "gradrunner.recording",
 }
 
-__all__ = ["STRATEGIES", "Capture", "GradrunnerError", "Grads", "__version__", "capture", "list_taps"]
+__all__ = ["STRATEGIES", "Capture", "GradrunnerError", "Grads", "Recorder", "__version__", "capture", "list_taps", "record"]
 
 
 def __getattr__(name: str) -> Any:

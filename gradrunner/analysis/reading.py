@@ -61,6 +61,7 @@ def load(
     columns: Sequence[str] | None = None,
     values: bool = False,
     on_damaged: str = "raise",
+    live: bool = False,
 ) -> pd.DataFrame:
     """Every `<table>.parquet` below `path` as one DataFrame, with a column per swept override.
 
@@ -96,9 +97,18 @@ def load(
     GradrunnerError (`on_damaged="raise"`, the default), or left out with one `DamagedRecordsWarning`
     (`on_damaged="skip"`); their rows are never returned. Only the pages of the columns read are
     checked: a flip in the `values` pages of a load without `values` changes nothing it returns.
+
+    `live=True` reads a run dir whose job is still running: the steps completed so far (see
+    `gradrunner.analysis.live`).
     """
     if on_damaged not in ON_DAMAGED:
         raise GradrunnerError(f"on_damaged={on_damaged!r} is not allowed: allowed: {', '.join(map(repr, ON_DAMAGED))}")
+    if live and table in TABLES:  # a running job's closed segments: gradrunner.analysis.live
+        from gradrunner.analysis.live import load_live
+
+        running = load_live(path, table, columns, values)
+        if running is not None:
+            return running
     root = Path(path)
     files = _completed_only(root, _find_files(root, table))
     read = [_read(root, f, columns, values) for f in files]

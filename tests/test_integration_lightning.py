@@ -1,0 +1,169 @@
+"""The Lightning callback: records equal to plain torch under accumulation, clipping and DDP; refusals."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from gradrunner.analysis import load  # noqa: E402
+from gradrunner.errors import GradrunnerError  # noqa: E402
+from gradrunner.integrations.lightning import GradientCapture  # noqa: E402
+
+TAPS = ["net.0:output", "net.0:weight"]
+
+
+def by_micro_batch(rows: pd.DataFrame) -> pd.DataFrame:
+    """A tap's rows of one step in micro-batch order: `micro_step` where the records have it, else `call`."""
+    if "micro_step" in rows.columns and rows.micro_step.notna().any():
+        return rows.sort_values(["micro_step", "call"])
+    return rows.sort_values("call")
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _data(n: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(torch.randn(n * 5, 4, generator=g), torch.randn(n * 5, 2, generator=g))
+
+
+class Module(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _trainer(steps: int, callbacks: list[pl.Callback], **kwargs: object) -> pl.Trainer:
+    return pl.Trainer(max_steps=steps, callbacks=callbacks, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+                      **kwargs)  # fmt: skip
+
+
+def _reference(steps: int, accumulate: int, clip: float | None) -> tuple[list[dict[str, list[torch.Tensor]]], nn.Module]:
+    net, data = _net(), _data(steps * accumulate)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    out = []
+    losses: list[float] = []
+    for s in range(steps):
+        grads: dict[str, list[torch.Tensor]] = {"net.0:output": [], "net.0:weight": []}
+        for m in range(accumulate):
+            i = (s * accumulate + m) * 5
+            x, y = data.tensors[0][i : i + 5], data.tensors[1][i : i + 5]
+            h = net[0](x)
+            h.retain_grad()
+            before = net[0].weight.grad.clone() if net[0].weight.grad is not None else 0
+            loss = nn.functional.mse_loss(net[2](net[1](h)), y) / accumulate
+            loss.backward()
+            losses.append(float(loss.detach()) + (losses.pop() if m else 0.0))
+            grads["net.0:output"].append(h.grad.clone())
+            grads["net.0:weight"].append(net[0].weight.grad - before)
+        if clip is not None:
+            nn.utils.clip_grad_norm_(net.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        out.append(grads)
+        grads["loss"] = [torch.tensor(losses[-1])]
+    return out, net
+
+
+@pytest.mark.parametrize("strategy", ["hook", "retain_grad", "autograd_grad"])
+def test_lightning_accumulation_and_clipping_equal_plain_torch(tmp_path: Path, strategy: str) -> None:
+    module = Module()
+    loader = torch.utils.data.DataLoader(_data(6), batch_size=5, shuffle=False)
+    cb = GradientCapture(taps=TAPS, dir=tmp_path / "run", strategy=strategy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(3, [cb], accumulate_grad_batches=2, gradient_clip_val=0.05).fit(module, loader)
+    ref, net = _reference(3, 2, clip=0.05)
+    df = load(tmp_path / "run")
+    assert sorted(set(df.step)) == [0, 1, 2] and len(df) == 3 * 2 * 2
+    for s in range(3):
+        for tap in TAPS:
+            rows = df[(df.step == s) & (df.tap == tap)].pipe(by_micro_batch)
+            for call, g in enumerate(ref[s][tap]):
+                assert rows.iloc[call].norm == pytest.approx(float(g.norm()), rel=1e-5), (s, tap, call)
+                assert rows.iloc[call]["min"] == pytest.approx(float(g.min()), rel=1e-5)
+    # the capture changed nothing: the trained weights are plain torch's (clipped) ones
+    torch.testing.assert_close(module.net[0].weight, net[0].weight)
+    assert (tmp_path / "run" / "done.json").is_file()
+    steps = load(tmp_path / "run", table="steps")
+    assert list(steps.loss) == pytest.approx([float(ref[s]["loss"][0]) for s in range(3)], rel=1e-6)
+
+
+class PeekGrad(pl.Callback):
+    """The first layer's `.grad` as the optimiser gets it: Lightning has unscaled it by then."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, module: pl.LightningModule, optimizer: object) -> None:
+        self.norms.append(float(module.net[0].weight.grad.norm()))
+
+
+def test_lightning_fp16_grad_scaler_records_true_gradients(tmp_path: Path) -> None:
+    """16-mixed with a GradScaler (scale 1024): the records hold the unscaled gradients the optimiser steps with."""
+    module, peek = Module(), PeekGrad()
+    loader = torch.utils.data.DataLoader(_data(3), batch_size=5, shuffle=False)
+    plugin = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(3, [GradientCapture(taps=["net.0:weight"], dir=tmp_path / "r"), peek], plugins=[plugin]).fit(module, loader)
+    df = load(tmp_path / "r").sort_values("step")
+    assert list(df.norm) == pytest.approx(peek.norms, rel=1e-6)
+    assert max(peek.norms) < 10  # unscaled (a scaled gradient would be about 1024 times larger)
+
+
+def test_lightning_refuses_a_strategy_with_its_own_backward(tmp_path: Path) -> None:
+    cb = GradientCapture(taps=TAPS, dir=tmp_path / "r")
+
+    class Fake:
+        pass
+
+    trainer = type("T", (), {"strategy": Fake(), "world_size": 1})()
+    with pytest.raises(GradrunnerError, match="cannot run under Lightning's Fake.*Supported: a single device and DDP"):
+        cb._distributed(trainer)  # type: ignore[arg-type]
+
+
+def test_lightning_refuses_autograd_grad_under_ddp(tmp_path: Path) -> None:
+    DDPStrategy = type("DDPStrategy", (), {})
+    trainer = type("T", (), {"strategy": DDPStrategy(), "world_size": 2})()
+    cb = GradientCapture(taps=TAPS, dir=tmp_path / "r", strategy="autograd_grad")
+    with pytest.raises(GradrunnerError, match="autograd_grad.*DDP.*use one of hook, retain_grad"):
+        cb._distributed(trainer)  # type: ignore[arg-type]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_lightning_ddp_records_both_ranks(tmp_path: Path) -> None:
+    module = Module()
+    loader = torch.utils.data.DataLoader(_data(4), batch_size=5, shuffle=False)
+    cb = GradientCapture(taps=TAPS, dir=tmp_path / "ddp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(max_steps=2, callbacks=[cb], logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=2,
+                             strategy="ddp_spawn")  # fmt: skip
+        trainer.fit(module, loader)
+    df = pd.read_parquet(tmp_path / "ddp" / "grads.parquet")
+    assert set(df["rank"]) == {0, 1} and sorted(set(df.step)) == [0, 1]
+    w = df[df.tap == "net.0:weight"].pivot(index="step", columns="rank", values="norm")
+    assert (w[0] == w[1]).all()  # parameter gradients after DDP's all-reduce: the same on both ranks
+    out = df[df.tap == "net.0:output"].pivot(index="step", columns="rank", values="norm")
+    assert (out[0] != out[1]).all()  # activations: each rank's own batch
+    assert (tmp_path / "ddp" / "done.json").is_file()

@@ -1,0 +1,278 @@
+"""`gradrunner.record`: a user's own loop writes a run dir like a runner job's, checked against plain torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import gradrunner
+from gradrunner.analysis import load
+from gradrunner.errors import GradrunnerError
+
+
+def by_micro_batch(rows: pd.DataFrame) -> pd.DataFrame:
+    """A tap's rows of one step in micro-batch order: `micro_step` where the records have it, else `call`."""
+    if "micro_step" in rows.columns and rows.micro_step.notna().any():
+        return rows.sort_values(["micro_step", "call"])
+    return rows.sort_values("call")
+
+
+def _model(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)) for _ in range(n)]
+
+
+def _reference(steps: int, accumulate: int = 1) -> list[dict[str, list[torch.Tensor]]]:
+    """Plain torch: each step's gradients of the first layer's output (per micro-batch) and weight (per backward)."""
+    model, batches = _model(), _batches(steps * accumulate)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: list[dict[str, list[torch.Tensor]]] = []
+    for s in range(steps):
+        grads: dict[str, list[torch.Tensor]] = {"0:output": [], "0:weight": []}
+        for m in range(accumulate):
+            x, y = batches[s * accumulate + m]
+            h = model[0](x)
+            h.retain_grad()
+            before = model[0].weight.grad.clone() if model[0].weight.grad is not None else 0
+            loss = nn.functional.mse_loss(model[2](model[1](h)), y) / accumulate
+            loss.backward()
+            grads["0:output"].append(h.grad.clone())
+            grads["0:weight"].append(model[0].weight.grad - before)
+        opt.step()
+        opt.zero_grad()
+        out.append(grads)
+    return out
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_record_statistics_equal_plain_torch(tmp_path: Path, strategy: str, accumulate: int) -> None:
+    model, batches = _model(), _batches(3 * accumulate)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run", strategy=strategy) as rec:
+        for s in range(3):
+            for m in range(accumulate):
+                x, y = batches[s * accumulate + m]
+                loss = nn.functional.mse_loss(model(x), y) / accumulate
+                rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    df = load(tmp_path / "run")
+    ref = _reference(3, accumulate)
+    assert len(df) == 3 * 2 * accumulate
+    for s in range(3):
+        for tap in ("0:output", "0:weight"):
+            rows = df[(df.step == s) & (df.tap == tap)].pipe(by_micro_batch)
+            assert len(rows) == accumulate
+            for call, g in enumerate(ref[s][tap]):
+                row = rows.iloc[call]
+                assert row.norm == pytest.approx(float(g.norm()), rel=1e-5)
+                assert row["max"] == pytest.approx(float(g.max()), rel=1e-5)
+                assert row["mean"] == pytest.approx(float(g.mean()), rel=1e-5, abs=1e-9)
+    assert set(df.strategy) == {strategy} and set(df["rank"]) == {0}
+
+
+def test_record_run_dir_is_a_runner_job(tmp_path: Path) -> None:
+    model, batches = _model(), _batches(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "mine"
+    with gradrunner.record(model, ["*:output"], run, every=2, histogram=True) as rec:
+        assert (run / ".gradrunner.lock").exists()
+        for x, y in batches:
+            loss = nn.functional.mse_loss(model(x), y)
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+        assert not (run / "done.json").exists()
+    marker = json.loads((run / "done.json").read_text())
+    assert marker["files"] == ["grads.parquet", "steps.parquet"] and marker["rows"]["steps.parquet"] == 4
+    steps = load(run, table="steps")
+    assert list(steps.captured) == [True, False, True, False]
+    grads = pd.read_parquet(run / "grads.parquet")
+    assert sorted(set(grads.step)) == [0, 2] and set(grads.tap) == {"0:output", "1:output", "2:output"}
+    assert grads.hist_counts.map(sum).eq(grads.numel).all()
+    # the report reads it as it reads a runner job
+    pytest.importorskip("matplotlib")
+    done = subprocess.run([sys.executable, "-m", "gradrunner.report", str(run)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (run / "report.html").is_file()
+
+
+def test_record_keeps_completed_steps_without_done_on_error(tmp_path: Path) -> None:
+    model, batches = _model(), _batches(2)
+    with pytest.raises(RuntimeError, match="boom"), gradrunner.record(model, ["0:output"], tmp_path / "r") as rec:
+        x, y = batches[0]
+        loss = nn.functional.mse_loss(model(x), y)
+        rec.backward(loss)
+        rec.step(loss)
+        raise RuntimeError("boom")
+    assert not (tmp_path / "r" / "done.json").exists()
+    assert len(pd.read_parquet(tmp_path / "r" / "steps.parquet")) == 1
+
+
+def test_record_refuses_existing_records_and_bad_options(tmp_path: Path) -> None:
+    model = _model()
+    with gradrunner.record(model, ["0:output"], tmp_path / "r"):
+        pass
+    with pytest.raises(GradrunnerError, match="already holds records"):
+        gradrunner.record(model, ["0:output"], tmp_path / "r").__enter__()
+    with pytest.raises(GradrunnerError, match="values='all' is not allowed; allowed: none, full, sample"):
+        gradrunner.record(model, ["0:output"], tmp_path / "s", values="all")
+    with pytest.raises(GradrunnerError, match="every=0"):
+        gradrunner.record(model, ["0:output"], tmp_path / "s", every=0)
+    with pytest.raises(GradrunnerError, match="outside"):
+        gradrunner.record(model, ["0:output"], tmp_path / "s").step(1.0)
+    assert not (tmp_path / "s").exists()
+
+
+def test_unscaled_records_are_the_true_gradients(tmp_path: Path) -> None:
+    model, (x, y) = _model(), _batches(1)[0]
+    scale = torch.tensor(1024.0)
+    with gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "r", loss_scale=lambda: scale) as rec:
+        loss = nn.functional.mse_loss(model(x), y)
+        rec.backward(loss * scale)
+        rec.step(loss)
+    ref = _reference(1)[0]
+    df = load(tmp_path / "r").set_index("tap")
+    for tap in ("0:output", "0:weight"):
+        assert df.loc[tap, "norm"] == pytest.approx(float(ref[tap][0].norm()), rel=1e-5)
+    np.testing.assert_allclose(model[0].weight.grad, ref["0:weight"][0] * 1024, rtol=1e-5)  # .grad is untouched
+
+
+def test_live_load_reads_completed_steps_while_the_job_runs(tmp_path: Path) -> None:
+    model, batches = _model(), _batches(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "live"
+    seen = []
+    with gradrunner.record(model, ["0:output"], run, live_every=2) as rec:
+        for i, (x, y) in enumerate(batches):
+            loss = nn.functional.mse_loss(model(x), y)
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+            assert not (run / "grads.parquet").exists()  # the record file has no footer yet
+            if i == 0:
+                with pytest.raises(GradrunnerError, match="has not completed a segment yet"):
+                    load(run, live=True)
+            else:
+                partial = load(run, live=True)
+                seen.append((sorted(set(partial.step)), list(load(run, table="steps", live=True).step)))
+    assert seen == [([0, 1], [0, 1]), ([0, 1], [0, 1]), ([0, 1, 2, 3], [0, 1, 2, 3]), ([0, 1, 2, 3], [0, 1, 2, 3])]
+    final = load(run)
+    assert not (run / ".live").exists()  # the files hold everything now
+    live_rows = load(run, live=True)  # after the run: the record files themselves
+    pd.testing.assert_frame_equal(live_rows, final)
+    pd.testing.assert_frame_equal(partial, final[final.step < 4])  # the segments held the final rows
+
+
+@pytest.mark.parametrize("strategy", ["hook", "autograd_grad"])
+def test_record_writes_the_runners_records(tmp_path: Path, strategy: str) -> None:
+    """The runner's job (same model, data, seed) and a hand loop under record(): the same rows."""
+    from conftest import compose_cfg
+
+    from gradrunner.run.build import setup
+    from gradrunner.run.loop import train
+
+    cfg = compose_cfg("+experiment=mlp", "steps=3", f"capture.strategy={strategy}", "capture.histogram=true")
+    train(cfg, out_dir=tmp_path / "runner")
+    job = setup(cfg)  # built again from the seed: the runner's model, batches and optimiser
+    with gradrunner.record(job.model, list(cfg.taps), tmp_path / "mine", strategy=strategy, every=int(cfg.capture.every),
+                           seed=int(cfg.seed), histogram=True) as rec:  # fmt: skip
+        for _ in range(3):
+            x, y = next(job.batches)
+            loss = job.loss_fn(job.model(x), y)
+            rec.backward(loss)
+            job.optimizer.step()
+            job.optimizer.zero_grad(set_to_none=True)
+            rec.step(loss)
+    key = ["step", "tap", "call"]
+    ours = pd.read_parquet(tmp_path / "mine" / "grads.parquet").sort_values(key).reset_index(drop=True)
+    theirs = pd.read_parquet(tmp_path / "runner" / "grads.parquet").sort_values(key).reset_index(drop=True)
+    assert len(ours) == len(theirs) > 0
+    columns = [*key, "numel", "norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "nan_count", "loss",
+               "has_grad", "value_norm", "update_norm", "strategy", "rank"]  # fmt: skip
+    pd.testing.assert_frame_equal(ours[columns], theirs[columns])
+    assert ours.hist_counts.map(list).tolist() == theirs.hist_counts.map(list).tolist()
+
+
+def test_live_segments_survive_a_killed_job(tmp_path: Path) -> None:
+    """SIGKILL after 3 steps: no record file has a footer, the closed segments still read."""
+    code = f"""
+import os, signal, torch
+from torch import nn
+import gradrunner
+torch.manual_seed(0)
+model = nn.Linear(3, 1)
+with gradrunner.record(model, [":output"], {str(tmp_path / "k")!r}, live_every=1) as rec:
+    for _ in range(3):
+        loss = model(torch.randn(4, 3)).pow(2).mean()
+        rec.backward(loss)
+        rec.step(loss)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == -9, done.stderr
+    assert not (tmp_path / "k" / "grads.parquet").exists()
+    df = load(tmp_path / "k", live=True)
+    assert list(df.step) == [0, 1, 2] and df.norm.notna().all()
+
+
+def test_micro_batches_go_to_a_micro_step_column_where_the_records_have_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow as pa
+
+    from gradrunner.recording import write_micro_batches
+    from gradrunner.records import writer
+    from gradrunner.records.columns import StepRecords, TapKey
+
+    class Writer:
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, list[int], list[int] | None]] = []
+
+        def write_step(self, step: int, records: StepRecords, micro_step: list[int] | None = None) -> None:
+            self.calls.append((step, [k.call for k in records.keys], micro_step))
+
+    def micro() -> list[StepRecords]:
+        keys = [TapKey("a", "output", 0), TapKey("a", "output", 1), TapKey("b", "weight", 0)]
+        return [StepRecords(keys=list(keys)), StepRecords(keys=list(keys))]
+
+    schema = writer.GRADS_SCHEMA
+    if "micro_step" in schema.names:
+        schema = pa.schema([f for f in schema if f.name != "micro_step"])
+    monkeypatch.setattr(writer, "GRADS_SCHEMA", schema)
+    w = Writer()
+    write_micro_batches(w, 3, micro())  # type: ignore[arg-type]
+    assert w.calls == [(3, [0, 1, 0], None), (3, [2, 3, 1], None)]  # without the column: calls numbered on
+    monkeypatch.setattr(writer, "GRADS_SCHEMA", schema.append(pa.field("micro_step", pa.int64())))
+    w = Writer()
+    write_micro_batches(w, 3, micro())  # type: ignore[arg-type]
+    assert w.calls == [(3, [0, 1, 0], [0, 0, 0]), (3, [0, 1, 0], [1, 1, 1])]
+
+
+def test_every_captures_whole_steps(tmp_path: Path) -> None:
+    """every=2: the captured steps' taps fire in their forward passes (capture is switched on before them)."""
+    model, batches = _model(), _batches(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradrunner.record(model, ["*:output"], tmp_path / "r", every=2) as rec:
+        for x, y in batches:
+            loss = nn.functional.mse_loss(model(x), y)
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    df = load(tmp_path / "r")
+    assert sorted(set(df.step)) == [0, 2, 4] and df.has_grad.all() and df.norm.gt(0).all()
