@@ -80,6 +80,9 @@ GRADS_SCHEMA = pa.schema(
         # The tapped tensor's own norm; for parameter taps the optimiser step's change and its ratio
         # to value_norm (null elsewhere, and where not finite).
         *[pa.field(c, pa.float64()) for c in EXTRA_FLOAT_COLUMNS],
+        # train.accumulate > 1: the micro-batch of the step an activation record comes from (0, 1, ...);
+        # parameter taps are recorded once per optimisation step (the accumulated .grad): null there.
+        pa.field("micro_step", pa.int64()),
     ]
 )
 
@@ -110,6 +113,17 @@ STEPS_SCHEMA = pa.schema(
         pa.field("step_time_s", pa.float64()),
         pa.field("capture_time_s", pa.float64()),
         pa.field("peak_memory_bytes", pa.int64()),
+        # The training step (gradrunner.run.loop.train_step): learning rate of param group 0 used by this step,
+        # and of every group (`lrs`); total gradient norm over all parameters before clipping (true, unscaled);
+        # whether clipping changed the gradients; the GradScaler's scale (null without fp16) and whether it
+        # skipped the optimiser step (inf/NaN gradients); eval loss (null except every train.eval_every steps).
+        pa.field("lr", pa.float64()),
+        pa.field("lrs", pa.list_(pa.float64())),
+        pa.field("grad_norm", pa.float64()),
+        pa.field("clipped", pa.bool_()),
+        pa.field("loss_scale", pa.float64()),
+        pa.field("skipped", pa.bool_()),
+        pa.field("eval_loss", pa.float64()),
     ]
 )
 
@@ -542,10 +556,14 @@ class RecordWriter(_RunTableWriter):
         super().__init__(path, constants=constants, metadata=metadata, rows_per_group=rows_per_group, rank=rank,
                          schema=grads_schema(per_example, histogram))  # fmt: skip
 
-    def write_step(self, step: int, records: StepRecords) -> None:
-        """Append one row per record of `step` (the loss comes from `records.loss`)."""
+    def write_step(self, step: int, records: StepRecords, micro_step: list[int | None] | None = None) -> None:
+        """Append one row per record of `step` (the loss comes from `records.loss`); `micro_step` per record."""
         if len(records):
-            self.write_batch(self._grads_batch(step, records))
+            batch = self._grads_batch(step, records)
+            if micro_step is not None:
+                i = batch.schema.get_field_index("micro_step")
+                batch = batch.set_column(i, "micro_step", pa.array(micro_step, pa.int64()))
+            self.write_batch(batch)
         self.steps_written += 1
 
     def _grads_batch(self, step: int, recs: StepRecords) -> pa.RecordBatch:
@@ -573,6 +591,7 @@ class RecordWriter(_RunTableWriter):
             col = getattr(recs, c)
             v = np.full(n, np.nan) if col is None else np.asarray(col, dtype=np.float64)
             cols[c] = pa.array(v, mask=~np.isfinite(v))
+        cols["micro_step"] = pa.nulls(n, pa.int64())
         names = self.schema.names
         if PER_EXAMPLE_COLUMN in names:
             cols[PER_EXAMPLE_COLUMN] = _list_array(recs.per_example_norm or [None] * n, np.float64)
@@ -637,9 +656,15 @@ class StepsWriter(_RunTableWriter):
         step_time_s: float | None,
         capture_time_s: float | None,
         peak_memory_bytes: int | None,
+        **train: object,
     ) -> None:
-        """Append the row of `step` (None where a value is unknown, e.g. peak memory on CPU)."""
+        """Append the row of `step` (None where a value is unknown, e.g. peak memory on CPU).
+
+        `train` holds the training step's columns (`lr`, `lrs`, `grad_norm`, `clipped`, `loss_scale`,
+        `skipped`, `eval_loss`); those not given are null.
+        """
         row = dict(self.constants, rank=self.rank, step=step, captured=captured, loss=loss, step_time_s=step_time_s)
         row.update(capture_time_s=capture_time_s, peak_memory_bytes=peak_memory_bytes)
+        row.update(train)
         self.write_batch(pa.RecordBatch.from_pylist([row], schema=self.schema))
         self.steps_written += 1
