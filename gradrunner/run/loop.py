@@ -36,6 +36,7 @@ from gradrunner.capturing.session import Capture, capture
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
 from gradrunner.run import distributed, watch
 from gradrunner.run.build import Job, setup
+from gradrunner.run.checkpoint import Checkpointer, Tee
 from gradrunner.run.distributed import Distributed, GatheredWriter
 from gradrunner.run.guards import (
     NonFinite,
@@ -280,17 +281,25 @@ def evaluate(job: Job, cap: Capture, ctx: StepContext) -> float | None:
 
 
 def _run_steps(
-    cfg: DictConfig, job: Job, cap: Capture, grads: RecordWriter | GatheredWriter, steps: StepsWriter | GatheredWriter
-) -> None:
-    """The step loop: `train_step` for every step, with progress and the run's watches."""
+    cfg: DictConfig, job: Job, cap: Capture, grads: RecordWriter | GatheredWriter, steps: StepsWriter | GatheredWriter,
+    ckpt: Checkpointer | None = None, run_id: str = "",
+) -> None:  # fmt: skip
+    """The step loop: `train_step` for every step, with progress, the run's watches and checkpoints."""
     bar = Progress(cfg.steps)
     ctx = StepContext.of(cfg, job.device)
+    start = 0
+    if ckpt is not None:
+        start = ckpt.restore(job, ctx.scaler, grads, steps, run_id)  # a sweep re-run resumes too
+        ckpt.start(start)
+        grads, steps = Tee(grads, ckpt), Tee(steps, ckpt)  # type: ignore[assignment]
     on_nonfinite = str(cfg.capture.get("on_nonfinite", "record"))
     full_values, zeros = cfg.capture["values"] == "full", watch.ZeroWatch(int(cfg.steps))
     warned: set[str] = set()
     try:
-        for step in range(int(cfg.steps)):
+        for step in range(start, int(cfg.steps)):
             loss_value, recs = train_step(step, job, cap, ctx, grads, steps)
+            if ckpt is not None and step + 1 < int(cfg.steps):
+                ckpt.maybe_save(step, job, ctx.scaler)
             if recs is not None:
                 watch.warn_without_grad(recs, step, warned)
                 if full_values and step == 0:
@@ -378,11 +387,39 @@ def _train_in(
         # Before the writers, so that it still holds while they close: a preempted job keeps its steps.
         stack.enter_context(sigterm_as_interrupt())
         grads, steps = _open_writers(stack, directory, constants, meta, dist, per_example, histogram)
+        ckpt = _checkpointer(cfg, directory, constants, meta, per_example, histogram) if dist is None else None
         try:
-            _run_steps(cfg, job, cap, grads, steps)
+            _run_steps(cfg, job, cap, grads, steps, ckpt, constants["run_id"])
         except NonFinite as e:
             e.directory = directory
             raise
+        finally:
+            if ckpt is not None:
+                ckpt.abort()  # the segment after the last checkpoint: the job's own records hold its steps
+    if ckpt is not None:
+        ckpt.finish()  # the records are closed and whole: the checkpoint is not needed any more
+
+
+def _checkpointer(
+    cfg: DictConfig, directory: Path, constants: dict[str, str], meta: dict[str, str], per_example: bool,
+    histogram: bool,
+) -> Checkpointer | None:  # fmt: skip
+    """The job's `Checkpointer` when `train.checkpoint_every` is set (or a checkpoint waits to be resumed)."""
+    every = int(cfg.train.checkpoint_every)
+    if every <= 0:
+        return None
+    from gradrunner.records.rundir import NEUTRAL_KEYS, config_dict
+    from gradrunner.records.writer import RecordWriter, StepsWriter
+
+    def open_segment(path: Path, kind: str) -> RecordWriter | StepsWriter:
+        if kind == "grads":
+            return RecordWriter(path, constants=constants, metadata=meta, per_example=per_example, histogram=histogram)
+        return StepsWriter(path, constants=constants, metadata=meta)
+
+    config = OmegaConf.to_yaml({k: v for k, v in config_dict(cfg).items() if k not in NEUTRAL_KEYS})
+    t = cfg.train
+    return Checkpointer(directory, every, config, open_segment, batches_per_step=int(t.accumulate),
+                        eval_batches=int(t.eval_batches), eval_every=int(t.eval_every))  # fmt: skip
 
 
 def _open_writers(
