@@ -663,8 +663,8 @@ class StepsWriter(_RunTableWriter):
         `train` holds the training step's columns (`lr`, `lrs`, `grad_norm`, `clipped`, `loss_scale`,
         `skipped`, `eval_loss`); those not given are null.
         """
-        row = dict(self.constants, rank=self.rank, step=step, captured=captured, loss=loss, step_time_s=step_time_s)
-        row.update(capture_time_s=capture_time_s, peak_memory_bytes=peak_memory_bytes)
+        row: dict[str, object] = dict(self.constants, rank=self.rank, step=step, captured=captured, loss=loss)
+        row.update(step_time_s=step_time_s, capture_time_s=capture_time_s, peak_memory_bytes=peak_memory_bytes)
         row.update(train)
         self.write_batch(pa.RecordBatch.from_pylist([row], schema=self.schema))
         self.steps_written += 1

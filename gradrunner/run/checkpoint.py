@@ -50,7 +50,7 @@ STATE = "state.pt"
 
 def rng_state() -> dict[str, Any]:
     """Every generator's state as tensors and plain values (loadable with `weights_only=True`)."""
-    np_state = np.random.get_state()
+    np_state: tuple[Any, ...] = tuple(np.random.get_state())
     py_version, py_internal, py_gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),

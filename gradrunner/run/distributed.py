@@ -301,17 +301,17 @@ class GatheredWriter:
         self.dist, self.writer = d, writer
         self.steps_written = 0
 
-    def write_step(self, step: int, records: Any) -> None:
-        self._write_all("write_step", step, records)
+    def write_step(self, step: int, records: Any, **kwargs: Any) -> None:
+        self._write_all("write_step", step, records, **kwargs)
 
-    def write(self, *args: Any) -> None:
-        self._write_all("write", *args)
+    def write(self, *args: Any, **kwargs: Any) -> None:
+        self._write_all("write", *args, **kwargs)
 
-    def _write_all(self, method: str, *args: Any) -> None:
-        for rank, rank_args in enumerate(self.dist.gather(args)):
+    def _write_all(self, method: str, *args: Any, **kwargs: Any) -> None:
+        for rank, (rank_args, rank_kwargs) in enumerate(self.dist.gather((args, kwargs))):
             assert self.writer is not None
             self.writer.rank = rank
-            getattr(self.writer, method)(*rank_args)
+            getattr(self.writer, method)(*rank_args, **rank_kwargs)
         self.steps_written += 1
 
     def __enter__(self) -> GatheredWriter:

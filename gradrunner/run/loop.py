@@ -245,7 +245,9 @@ def total_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(grads, 2.0)
 
 
-def clip(params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float | None, max_value: float | None) -> torch.Tensor:
+def clip(
+    params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float | None, max_value: float | None
+) -> torch.Tensor:
     """Clip `.grad` in place as `clip_grad_norm_` (given the total `norm`) then `clip_grad_value_` do; whether it changed them."""
     clipped = torch.zeros((), dtype=torch.bool, device=norm.device)
     with_grad = [p for p in params if p.grad is not None]
@@ -303,7 +305,9 @@ def _run_steps(
             if recs is not None:
                 watch.warn_without_grad(recs, step, warned)
                 if full_values and step == 0:
-                    watch.warn_values_size(recs, watch.captured_steps(int(cfg.steps), ctx.every), int(cfg.capture.sample_size))
+                    watch.warn_values_size(
+                        recs, watch.captured_steps(int(cfg.steps), ctx.every), int(cfg.capture.sample_size)
+                    )
             bar.update(step, loss_value)
             zeros.step(step, loss_value, recs)
             check_finite(on_nonfinite, step, loss_value, recs)
@@ -436,4 +440,3 @@ def _open_writers(
     steps = StepsWriter(directory / STEPS_FILE, constants=constants, metadata=meta)
     stack.enter_context(closing_together(grads, steps))  # both kept (with the same steps) or both dropped
     return grads, steps
-
