@@ -23,7 +23,7 @@ GROUP_OPTIONS = {
     "optimizer": {"sgd", "adam"},
     "capture": {"default"},
     "scheduler": {"none", "cosine", "onecycle", "linear_warmup", "warmup_cosine"},
-    "experiment": {*EXPERIMENTS, "gpt2"},
+    "experiment": {*EXPERIMENTS, "gpt2", "gpt2_pretrain"},
 }
 
 

@@ -158,33 +158,36 @@ def test_bf16_autocast_runs_and_records_finite_gradients(tmp_path: Path) -> None
     assert np.isfinite(grads["norm"]).all() and (grads["norm"] > 0).all()
 
 
-def test_accumulation_records_per_micro_batch_and_the_update_of_their_sum(tmp_path: Path) -> None:
-    grads, steps = _run(tmp_path, "train.accumulate=3", steps=2)
+def test_accumulation_records_activations_per_micro_batch_and_parameters_once_from_grad(tmp_path: Path) -> None:
+    grads, steps = _run(tmp_path, "train.accumulate=3", "train.clip_grad_norm=0.01", steps=2)
     model = _reference(tmp_path / "init.pt")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = _xy()
+    ref_losses = []
     for step in range(2):
         opt.zero_grad()
-        outs, contributions = [], []
+        outs = []
+        ref_losses.append(nn.functional.mse_loss(model(x), y).item())  # each micro-batch is this batch
         for _ in range(3):
             out = model.fc1(x)
             out.retain_grad()
             loss = nn.functional.mse_loss(model.head(model.relu2(model.fc2(model.relu1(out)))), y) / 3
-            before = None if model.fc1.weight.grad is None else model.fc1.weight.grad.clone()
             loss.backward()
             outs.append(out.grad.clone())
-            contributions.append(model.fc1.weight.grad - (0 if before is None else before))
         rows = grads[grads.step == step]
         act = rows[rows.tap == "fc1:output"].sort_values("micro_step")
         assert act["micro_step"].tolist() == [0, 1, 2]
         for got, ref in zip(act["values"], outs, strict=True):
             np.testing.assert_allclose(got, ref.flatten().numpy(), rtol=1e-5, atol=1e-8)
-        w = rows[rows.tap == "fc1:weight"].sort_values("micro_step")
-        summed = np.sum([np.asarray(v, dtype=np.float64) for v in w["values"]], axis=0)
-        np.testing.assert_allclose(summed, model.fc1.weight.grad.flatten().numpy(), rtol=1e-5, atol=1e-8)
-        np.testing.assert_allclose(steps["grad_norm"].iloc[step],
-                                   float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])), rtol=1e-5)  # fmt: skip
+        w = rows[rows.tap == "fc1:weight"]
+        assert len(w) == 1 and w["micro_step"].isna().all()  # one record per optimisation step
+        # the summed .grad, before clipping (the clip at 0.01 fires)
+        np.testing.assert_allclose(w["values"].iloc[0], model.fc1.weight.grad.flatten().numpy(), rtol=1e-5, atol=1e-8)
+        total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+        np.testing.assert_allclose(steps["grad_norm"].iloc[step], float(total), rtol=1e-5)
+        assert steps["clipped"].iloc[step]
         opt.step()
+    np.testing.assert_allclose(steps["loss"], ref_losses, rtol=1e-5)  # the same clipped updates
 
 
 def test_eval_loss_every_k_steps_on_the_model_after_the_step(tmp_path: Path) -> None:
@@ -231,3 +234,13 @@ def test_init_from_refuses_a_mismatch_naming_the_keys(tmp_path: Path) -> None:
     msg = str(e.value)
     assert "missing keys: fc1.bias" in msg and "unexpected keys: extra.bias" in msg
     assert not (tmp_path / "run" / "grads.parquet").exists()
+
+
+def test_gpt2_pretrain_composes_with_the_recipes_options() -> None:
+    from gradrunner.config import validate
+
+    cfg = compose_cfg("+experiment=gpt2_pretrain")
+    validate(cfg)
+    t = cfg.train
+    assert (t.clip_grad_norm, t.autocast, t.accumulate, t.checkpoint_every) == (1.0, "bf16", 2, 50)
+    assert cfg.scheduler.lr_lambda._target_ == "gradrunner.run.schedules.WarmupCosine" and cfg.steps == 200

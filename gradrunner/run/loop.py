@@ -34,7 +34,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradrunner.capturing.session import Capture, capture
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
-from gradrunner.run import distributed, watch
+from gradrunner.run import accumulation, distributed, watch
 from gradrunner.run.build import Job, setup
 from gradrunner.run.checkpoint import Checkpointer, Tee
 from gradrunner.run.distributed import Distributed, GatheredWriter
@@ -172,9 +172,10 @@ def train_step(
        `train.clip_grad_value` as `clip_grad_value_`.
     5. `scaler.step` (skipped on inf/NaN gradients under fp16) and `scaler.update`; the scheduler steps
        once per optimisation step; `lr` is the rate this step used.
-    6. Records: per micro-batch (`micro_step`); statistics are those of the gradients backward produced,
-       i.e. BEFORE clipping (as `grad_norm`); parameter taps of micro-batch m hold that micro-batch's
-       contribution to `.grad` (their sum over micro-batches is the accumulated `.grad`).
+    6. Records hold gradients BEFORE clipping (as `grad_norm`). With accumulation, activation taps
+       are recorded per micro-batch (`micro_step`: the gradient of that micro-batch's loss / N) and
+       parameter taps once, on the last micro-batch, from the accumulated `.grad`
+       (`gradrunner.run.accumulation`).
     """
     t0 = time.perf_counter()
     captured = step % ctx.every == 0
@@ -193,9 +194,10 @@ def train_step(
         losses.append(loss.detach())
         last = m == ctx.accumulate - 1
         if captured and not last:  # the collector holds one backward's records: take them now
-            micro.append((m, loss, cap.records(loss.detach())))
+            micro.append((m, loss, accumulation.drop_param_rows(cap.records(loss.detach()), cap)))
     scale = scaler.get_scale() if scaler.is_enabled() else None  # one host sync per step, fp16 only
     scaler.unscale_(job.optimizer)
+    accumulated = accumulation.param_grad_records(cap) if captured and ctx.accumulate > 1 else None
     grad_norm = total_norm(params)
     clipped = clip(params, grad_norm, ctx.clip_norm, ctx.clip_value)
     before = cap.snapshot_params() if captured else None  # tapped parameters only: their update norms
@@ -209,6 +211,8 @@ def train_step(
     if captured:
         t1 = time.perf_counter()
         recs = cap.records(losses[-1], before)
+        if accumulated is not None:
+            recs = accumulation.replace_param_rows(recs, accumulated)
         micro.append((ctx.accumulate - 1, losses[-1], recs))
         capture_time = time.perf_counter() - t1
     job.optimizer.zero_grad(set_to_none=True)
@@ -222,7 +226,7 @@ def train_step(
         t2 = time.perf_counter()
         for m, _, r in micro:
             assert r is not None
-            grads.write_step(step, r, micro_step=[m] * len(r) if ctx.accumulate > 1 else None)
+            grads.write_step(step, r, micro_step=accumulation.micro_steps(r, m, cap) if ctx.accumulate > 1 else None)
         if captured:
             capture_time = (capture_time or 0.0) + time.perf_counter() - t2
         steps.write(step, captured, host[0], time.perf_counter() - t0, capture_time, peak, lr=lrs[0], lrs=lrs,
