@@ -244,3 +244,18 @@ def test_gpt2_pretrain_composes_with_the_recipes_options() -> None:
     t = cfg.train
     assert (t.clip_grad_norm, t.autocast, t.accumulate, t.checkpoint_every) == (1.0, "bf16", 2, 50)
     assert cfg.scheduler.lr_lambda._target_ == "gradrunner.run.schedules.WarmupCosine" and cfg.steps == 200
+
+
+def test_init_from_loads_a_safetensors_file(tmp_path: Path) -> None:
+    safetensors = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(7)
+    state = MLP(**SHAPE).state_dict()
+    path = tmp_path / "w.safetensors"
+    safetensors.save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    from gradrunner.run.build import setup
+
+    cfg = compose_cfg("+experiment=mlp", f"+model.init_from={path}", "model.in_features=4", "model.hidden=8",
+                      "model.depth=2", "device=cpu")  # fmt: skip
+    job = setup(cfg)
+    for k, v in job.model.state_dict().items():
+        assert torch.equal(v, state[k]), k

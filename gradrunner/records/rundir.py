@@ -56,6 +56,10 @@ NEUTRAL_KEYS = ("resume", "report")
 #: Config keys added after records were first written, with the value that means "as before": a run
 #: recorded without the key matches a config that has it at this value (its records are the same).
 ADDED_KEYS: dict[str, Any] = {"capture.per_example": False, "capture.histogram": False}
+# The training options (issue 20) at their defaults train as before they existed.
+ADDED_KEYS.update({"train.clip_grad_norm": None, "train.clip_grad_value": None, "train.autocast": "off",
+                   "train.accumulate": 1, "train.checkpoint_every": 0, "train.eval_every": 0,
+                   "train.eval_batches": 1, "eval_data": None})  # fmt: skip
 
 Status = Literal["completed", "failed", "missing"]
 

@@ -217,7 +217,9 @@ def train_step(
         capture_time = time.perf_counter() - t1
     job.optimizer.zero_grad(set_to_none=True)
     eval_loss = evaluate(job, cap, ctx) if ctx.eval_every and (step + 1) % ctx.eval_every == 0 else None
-    host = torch.stack([torch.stack(losses).float().mean(), grad_norm.float(), clipped.float()]).tolist()
+    wide = torch.float32 if job.device.type == "mps" else torch.float64  # MPS has no float64
+    on_host = [torch.stack(losses).to(wide).mean(), grad_norm.to(wide), clipped.to(wide)]
+    host = torch.stack([t.to(losses[0].device) for t in on_host]).tolist()  # the step's one transfer
     _sync(job.device)
     peak = peak_memory_bytes(job.device)
     from gradrunner.records.writer import deferred_signals  # pyarrow: imported once writing starts
