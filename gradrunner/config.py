@@ -106,7 +106,8 @@ class Config:
     # Tap specs: "<module path>:<name>" strings or {module: ..., name: ...} mappings.
     taps: list[Any] = field(default_factory=list)
     # A single run into a dir that already holds records: false refuses; true skips a completed run
-    # (done.json) and re-runs an incomplete one from step 0. A sweep always resumes (docs/scale-out.md).
+    # (done.json) and re-runs an incomplete one (from its last checkpoint with train.checkpoint_every,
+    # else from step 0). A sweep always resumes (docs/scale-out.md).
     resume: bool = False
     # Write the report (python -m gradrunner.report) when the run ends; a sweep writes one for the sweep dir.
     report: bool = False
@@ -231,7 +232,7 @@ def validate_train(cfg: DictConfig) -> None:
     _check_positive("train.clip_grad_norm", train.clip_grad_norm)
     _check_positive("train.clip_grad_value", train.clip_grad_value)
     if str(train.autocast) not in AUTOCAST_MODES:
-        raise _allowed("train.autocast", train.autocast, AUTOCAST_MODES)
+        raise _allowed("train.autocast", train.autocast, AUTOCAST_MODES, ' (In YAML quote it: autocast: "off".)')
     _check_int("train.accumulate", train.accumulate, 1)
     _check_int("train.checkpoint_every", train.checkpoint_every, 0)
     _check_int("train.eval_every", train.eval_every, 0)

@@ -272,7 +272,10 @@ def prepare(directory: str | os.PathLike[str], cfg: DictConfig, *, resume: bool)
         return "run"
     if not resume:
         what = "a completed run" if marker else "a run that did not complete (interrupted, failed or killed)"
-        way = "skip it" if marker else "delete its partial records and run it again from step 0"
+        way = "skip it" if marker else (
+            "delete its partial records and run it again (from its last mid-run checkpoint if it has one, else "
+            "from step 0)"
+        )
         raise Refused(
             f"the run dir {d} already holds records ({', '.join(present) or DONE}) of {what}; gradrunner never "
             f"overwrites records. Run into a new dir (drop hydra.run.dir=... or choose another), or pass "

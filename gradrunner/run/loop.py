@@ -398,6 +398,8 @@ def _train_in(
         stack.enter_context(sigterm_as_interrupt())
         grads, steps = _open_writers(stack, directory, constants, meta, dist, per_example, histogram)
         ckpt = _checkpointer(cfg, directory, constants, meta, per_example, histogram) if dist is None else None
+        if dist is not None and int(cfg.train.checkpoint_every) > 0:
+            log.warning("train.checkpoint_every is not supported under DDP yet: no checkpoints are written")
         try:
             _run_steps(cfg, job, cap, grads, steps, ckpt, constants["run_id"])
         except NonFinite as e:
