@@ -21,12 +21,15 @@ from gradrunner.data import Batch, Synthetic, as_batches
 class KillAt:
     """Example: `KillAt(at_batch=5, marker="/tmp/killed", seed=0, batch_size=4)`."""
 
-    def __init__(self, at_batch: int, marker: str, **synthetic: Any) -> None:
+    def __init__(self, at_batch: int, marker: str, fault: str = "sigkill", **synthetic: Any) -> None:
         self.at_batch, self.marker, self.inner = at_batch, Path(marker), Synthetic(**synthetic)
+        self.fault = fault  # sigkill, or keyboard_interrupt (for a test that runs in its own process)
 
     def batches(self, device: torch.device, dtype: torch.dtype) -> Iterator[Batch]:
         for i, batch in enumerate(as_batches(self.inner, device, dtype)):
             if i == self.at_batch and not self.marker.exists():
                 self.marker.touch()
+                if self.fault == "keyboard_interrupt":
+                    raise KeyboardInterrupt
                 os.kill(os.getpid(), signal.SIGKILL)
             yield batch

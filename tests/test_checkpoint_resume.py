@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pytest
@@ -55,6 +56,7 @@ def _kill_and_resume(tmp_path: Path, extra: tuple[str, ...], kills: list[int]) -
         assert not (out / CHECKPOINT_DIR).exists()  # removed once the records were closed
 
 
+@pytest.mark.slow  # three CLI runs: about 35 s on the shared 2-core machine
 def test_killed_and_resumed_with_scheduler_and_scaler_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     kills = random.Random(20).sample(range(1, 2 * STEPS), 1)
     _kill_and_resume(tmp_path, ("scheduler=warmup_cosine", "train.autocast=fp16", "train.accumulate=2"), kills)
@@ -68,3 +70,30 @@ def test_killed_at_several_random_steps_and_resumed_equals_an_uninterrupted_run(
     kills = random.Random(len(extra)).sample(range(1, STEPS), 2)
     assert any(k >= 3 for k in kills)
     _kill_and_resume(tmp_path, extra, kills)
+
+
+def test_interrupted_in_process_and_resumed_continues_from_the_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))  # killing_data, as the CLI tests have it on PYTHONPATH
+    from conftest import compose_cfg
+
+    from gradrunner.run.job import run
+
+    def cfg(out: Path, at: int, *extra: str) -> Any:
+        args = [a for a in _args(out, at, tmp_path / "marker") if not a.startswith("hydra.")]
+        return compose_cfg(*args, "+data.fault=keyboard_interrupt", "scheduler=cosine", "steps=8", "device=cpu", *extra)
+
+    run(cfg(tmp_path / "ref", -1), out_dir=tmp_path / "ref")
+    out = tmp_path / "cut"
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg(out, 7), out_dir=out)  # steps 0-6 done, a checkpoint after step 5
+    assert torch.load(out / CHECKPOINT_DIR / STATE, weights_only=True)["step"] == 6
+    with caplog.at_level("INFO", logger="gradrunner.run.checkpoint"):
+        run(cfg(out, 7, "resume=true"), out_dir=out)
+    assert "steps 0-5 replayed from it" in caplog.text  # it went on from step 6, not from step 0
+    for got, want in zip(_records(out), _records(tmp_path / "ref"), strict=True):
+        pd.testing.assert_frame_equal(got, want)
+    assert not (out / CHECKPOINT_DIR).exists()
