@@ -49,6 +49,26 @@ class CaptureConfig:
 
 
 @dataclass
+class TrainConfig:
+    """`train.*`: how each optimisation step is taken (see gradrunner.run.loop.train_step)."""
+
+    # Clip the total gradient norm (over all parameters) to this value, as torch.nn.utils.clip_grad_norm_; null: off.
+    clip_grad_norm: float | None = None
+    # Clamp every gradient element to [-v, v], as torch.nn.utils.clip_grad_value_; null: off.
+    clip_grad_value: float | None = None
+    # torch.autocast around forward and loss: bf16, fp16 (with a torch.amp.GradScaler) or off.
+    autocast: str = "off"
+    # Micro-batches per optimisation step (gradient accumulation); each micro-batch's loss is divided by it.
+    accumulate: int = 1
+    # Save a checkpoint in the job dir every K optimisation steps (0: never); resume=true continues from it.
+    checkpoint_every: int = 0
+    # Evaluate the loss on eval_data (or the training data) every K steps (0: never), without capture.
+    eval_every: int = 0
+    # Batches per evaluation.
+    eval_batches: int = 1
+
+
+@dataclass
 class Config:
     """The top level of the composed config (the `hydra` node is added by Hydra itself)."""
 
@@ -64,6 +84,12 @@ class Config:
     optimizer: Any = MISSING
     # Capture settings; config group `capture`.
     capture: CaptureConfig = field(default_factory=CaptureConfig)
+    # Learning-rate scheduler with `_partial_: true`, called with the optimizer; group `scheduler` (none: no _target_).
+    scheduler: Any = None
+    # How each optimisation step is taken: clipping, autocast, accumulation, checkpoints, evaluation.
+    train: TrainConfig = field(default_factory=TrainConfig)
+    # Instantiable data source for evaluation (train.eval_every); null: the training data's source, reseeded.
+    eval_data: Any = None
     # Name written to the records' `experiment` column; each experiment file sets its own.
     experiment: str = "default"
     # Number of optimisation steps.
@@ -77,7 +103,8 @@ class Config:
     # Tap specs: "<module path>:<name>" strings or {module: ..., name: ...} mappings.
     taps: list[Any] = field(default_factory=list)
     # A single run into a dir that already holds records: false refuses; true skips a completed run
-    # (done.json) and re-runs an incomplete one from step 0. A sweep always resumes (docs/scale-out.md).
+    # (done.json) and re-runs an incomplete one (from its last checkpoint with train.checkpoint_every,
+    # else from step 0). A sweep always resumes (docs/scale-out.md).
     resume: bool = False
     # Write the report (python -m gradrunner.report) when the run ends; a sweep writes one for the sweep dir.
     report: bool = False
@@ -170,7 +197,71 @@ def validate(cfg: DictConfig) -> None:
     for flag in ("per_example", "histogram"):
         if not isinstance(cfg.capture.get(flag, False), bool):
             raise _allowed(f"capture.{flag}", cfg.capture[flag], ["false", "true"])
+    validate_train(cfg)
     if not OmegaConf.is_list(cfg.taps):
         raise GradrunnerError(
             f"taps={cfg.taps!r} must be a list of tap specs, e.g. taps='[fc1:output,\"relu*:output\"]'."
+        )
+
+
+#: `train.autocast` values: bfloat16 or float16 autocast around forward and loss, or none.
+AUTOCAST_MODES = ("off", "bf16", "fp16")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value != value:
+        raise GradrunnerError(
+            f"{name}={value!r} is not allowed; {name} must be a number > 0, or null to turn it off."
+            f" Fix it on the command line, e.g. {name}=1.0, or in your config file."
+        )
+
+
+def validate_train(cfg: DictConfig) -> None:
+    """Check `train.*`, `scheduler`, `eval_data` and `model.init_from`; raise `GradrunnerError` naming the bad value.
+
+    Example::
+
+        validate_train(compose("config", overrides=["train.autocast=fp8"]))
+        # GradrunnerError: train.autocast='fp8' is not allowed; allowed: off, bf16, fp16. ...
+    """
+    train = cfg.get("train")
+    if train is None:
+        return
+    _check_keys("train.", train, [f.name for f in fields(TrainConfig)])
+    _check_positive("train.clip_grad_norm", train.clip_grad_norm)
+    _check_positive("train.clip_grad_value", train.clip_grad_value)
+    if str(train.autocast) not in AUTOCAST_MODES:
+        raise _allowed("train.autocast", train.autocast, AUTOCAST_MODES, ' (In YAML quote it: autocast: "off".)')
+    _check_int("train.accumulate", train.accumulate, 1)
+    _check_int("train.checkpoint_every", train.checkpoint_every, 0)
+    _check_int("train.eval_every", train.eval_every, 0)
+    _check_int("train.eval_batches", train.eval_batches, 1)
+    if train.autocast != "off" and cfg.dtype != "float32":
+        raise GradrunnerError(
+            f"train.autocast={train.autocast} needs dtype=float32 (got dtype={cfg.dtype}): autocast runs a float32"
+            " model's eligible ops in lower precision. Set dtype=float32, or train.autocast=off."
+        )
+    for group in ("scheduler", "eval_data"):
+        node = cfg.get(group)
+        if node is None or (isinstance(node, DictConfig) and len(node) == 0):
+            continue
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise GradrunnerError(
+                f"{group} has no _target_ (got {OmegaConf.to_container(node) if OmegaConf.is_config(node) else node!r});"
+                f" pick an option with {group}=<option> (scheduler: none, cosine, onecycle, linear_warmup,"
+                f" warmup_cosine) or give {group}._target_=<importable.Class>."
+            )
+    sched = cfg.get("scheduler")
+    if isinstance(sched, DictConfig) and "_target_" in sched and not sched.get("_partial_", False):
+        raise GradrunnerError(
+            f"scheduler {sched._target_!r} needs `_partial_: true`: the runner calls it with the optimizer."
+            " Add scheduler._partial_=true (+scheduler._partial_=true on the command line) or to your scheduler file."
+        )
+    init_from = OmegaConf.select(cfg, "model.init_from", default=None)
+    if init_from is not None and not isinstance(init_from, str):
+        raise GradrunnerError(
+            f"model.init_from={init_from!r} is not allowed; it must be the path of a local state_dict (.pt) or"
+            " safetensors file, or null."
         )

@@ -21,11 +21,11 @@ from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
-from gradrunner.config import CaptureConfig, Config
+from gradrunner.config import CaptureConfig, Config, TrainConfig
 from gradrunner.errors import closest, did_you_mean
 
 #: Config groups: a key under them belongs to the chosen option (model.depth, data.batch_size, ...).
-GROUPS = ("model", "data", "loss", "optimizer", "experiment", "hydra")
+GROUPS = ("model", "data", "loss", "optimizer", "experiment", "hydra", "scheduler", "eval_data")
 #: Hydra's command-line flags that take a value (`--config-dir my_conf`): the value is not an override.
 _FLAGS_WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--cfg", "-c",
                      "--package", "-p", "--info", "-i", "--experimental-rerun")  # fmt: skip
@@ -68,6 +68,12 @@ def misspelled_key(argv: Sequence[str]) -> str | None:
         if "/" in key:  # group choices such as hydra/launcher=joblib
             continue
         head, _, rest = key.partition(".")
+        if head == "train" and rest not in _fields(TrainConfig):
+            train = _fields(TrainConfig)
+            hint = did_you_mean(rest, train, prefix="train.")
+            return f"{key} is not a config key; train.* keys: {', '.join(train)}.{hint} Fix the override {arg!r}."
+        if head == "train":
+            continue
         if head in GROUPS or (head == "capture" and (not rest or rest in capture)) or (not rest and head in top):
             continue
         if head == "capture":

@@ -44,7 +44,7 @@ from gradrunner.capturing.taps import TapSpec
 from gradrunner.choices import NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
 from gradrunner.errors import GradrunnerError, not_allowed
 from gradrunner.records import rundir
-from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, StepRecords, TapKey
+from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, StepRecords
 from gradrunner.run import resume as books
 
 if TYPE_CHECKING:
@@ -322,24 +322,12 @@ def write_steps_row(
 
 
 def write_micro_batches(writer: RecordWriter | GatheredWriter, step: int, micro: list[StepRecords]) -> None:
-    """A step's records, one `StepRecords` per micro-batch: with the writer's `micro_step` column where it has
-    one (the runner's accumulation records), else each tap's calls numbered on across the micro-batches."""
-    from gradrunner.records.writer import GRADS_SCHEMA
-
+    """A step's records, one `StepRecords` per micro-batch, each with its `micro_step` (0, 1, ...)."""
     if len(micro) == 1:
         writer.write_step(step, micro[0])
         return
-    if "micro_step" in GRADS_SCHEMA.names:  # the same answer on every rank (a gathered write is a collective)
-        for m, r in enumerate(micro):
-            writer.write_step(step, r, micro_step=[m] * len(r))  # type: ignore[call-arg]
-        return
-    seen: dict[str, int] = {}
-    for r in micro:
-        counts = dict(seen)
-        r.keys = [TapKey(k.module, k.name, k.call + counts.get(k.tap, 0)) for k in r.keys]
-        for k in r.keys:
-            seen[k.tap] = max(seen.get(k.tap, 0), k.call + 1)
-        writer.write_step(step, r)
+    for m, r in enumerate(micro):
+        writer.write_step(step, r, micro_step=[m] * len(r))
 
 
 class Unscaled(Strategy):

@@ -59,7 +59,7 @@ def sweep_dir(root: Path) -> Path:
 def test_help_lists_the_config_groups(tmp_path: Path) -> None:
     result = gradrunner(tmp_path, "--help")
     check_ok(result)
-    assert "experiment: cnn, cosine, gpt2, mlp, sigmoid2, transformer" in result.stdout
+    assert "experiment: cnn, cosine, gpt2, gpt2_pretrain, mlp, sigmoid2, transformer" in result.stdout
     assert "data: digits, synthetic, tensors, tokens" in result.stdout
 
 

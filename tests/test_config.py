@@ -22,7 +22,8 @@ GROUP_OPTIONS = {
     "loss": {"mse", "cross_entropy", "half_sse", "model_loss", "lm_cross_entropy"},
     "optimizer": {"sgd", "adam"},
     "capture": {"default"},
-    "experiment": {*EXPERIMENTS, "gpt2"},
+    "scheduler": {"none", "cosine", "onecycle", "linear_warmup", "warmup_cosine"},
+    "experiment": {*EXPERIMENTS, "gpt2", "gpt2_pretrain"},
 }
 
 
@@ -43,7 +44,7 @@ def test_every_group_ships_its_options(group: str, options: set[str]) -> None:
 def test_primary_defaults_list_schema_then_self_then_groups_and_no_experiment() -> None:
     defaults = OmegaConf.load(CONF / "config.yaml").defaults
     assert list(defaults[:2]) == ["gradrunner_schema", "_self_"]
-    assert [next(iter(d)) for d in defaults[2:]] == ["model", "data", "loss", "optimizer", "capture"]
+    assert [next(iter(d)) for d in defaults[2:]] == ["model", "data", "loss", "optimizer", "capture", "scheduler"]
 
 
 def test_hydra_dirs_are_relative_to_the_cwd_with_one_dir_per_sweep_job() -> None:

@@ -109,6 +109,9 @@ class Capture:
         self.values, self.sample_size, self.seed = values, sample_size, seed
         self.per_example, self.histogram = per_example, histogram
         self.enabled = True
+        #: A 0-d tensor every captured gradient is multiplied by before its statistics (on its device, no
+        #: sync): the runner sets 1/loss scale under fp16 loss scaling, so records hold the true gradients.
+        self.grad_scale: torch.Tensor | None = None
         self.grads = Grads([t.tap for t in self.taps], [])
         self._collector: Collector | None = None if keep_grads else self._new_collector()
         self._slots: list[Slot] = []
@@ -347,6 +350,11 @@ class Capture:
         if slot.delivered or grad is None:
             return None
         slot.delivered = True
+        if self.grad_scale is not None:
+            # In float32 (statistics are float32 anyway): a float16 gradient divided by the scale could underflow.
+            # A new tensor: the caller's gradient is untouched.
+            wide = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+            grad = wide * self.grad_scale.to(device=grad.device, dtype=wide.dtype)
         # A leaf's gradient may become its .grad, which can be changed in place later (zero_grad,
         # accumulation); an intermediate's gradient is handed to us alone.
         leaf = slot.param is not None or slot.leaf

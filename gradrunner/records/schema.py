@@ -50,6 +50,9 @@ GRADS_SCHEMA = pa.schema(
         # The tapped tensor's own norm; for parameter taps the optimiser step's change and its ratio
         # to value_norm (null elsewhere, and where not finite).
         *[pa.field(c, pa.float64()) for c in EXTRA_FLOAT_COLUMNS],
+        # train.accumulate > 1: the micro-batch of the step an activation record comes from (0, 1, ...);
+        # parameter taps are recorded once per optimisation step (the accumulated .grad): null there.
+        pa.field("micro_step", pa.int64()),
     ]
 )
 
@@ -80,6 +83,17 @@ STEPS_SCHEMA = pa.schema(
         pa.field("step_time_s", pa.float64()),
         pa.field("capture_time_s", pa.float64()),
         pa.field("peak_memory_bytes", pa.int64()),
+        # The training step (gradrunner.run.loop.train_step): learning rate of param group 0 used by this step,
+        # and of every group (`lrs`); total gradient norm over all parameters before clipping (true, unscaled);
+        # whether clipping changed the gradients; the GradScaler's scale (null without fp16) and whether it
+        # skipped the optimiser step (inf/NaN gradients); eval loss (null except every train.eval_every steps).
+        pa.field("lr", pa.float64()),
+        pa.field("lrs", pa.list_(pa.float64())),
+        pa.field("grad_norm", pa.float64()),
+        pa.field("clipped", pa.bool_()),
+        pa.field("loss_scale", pa.float64()),
+        pa.field("skipped", pa.bool_()),
+        pa.field("eval_loss", pa.float64()),
     ]
 )
 

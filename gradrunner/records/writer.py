@@ -419,10 +419,14 @@ class RecordWriter(_RunTableWriter):
         super().__init__(path, constants=constants, metadata=metadata, rows_per_group=rows_per_group, rank=rank,
                          schema=grads_schema(per_example, histogram))  # fmt: skip
 
-    def write_step(self, step: int, records: StepRecords) -> None:
-        """Append one row per record of `step` (the loss comes from `records.loss`)."""
+    def write_step(self, step: int, records: StepRecords, micro_step: list[int | None] | None = None) -> None:
+        """Append one row per record of `step` (the loss comes from `records.loss`); `micro_step` per record."""
         if len(records):
-            self.write_batch(self._grads_batch(step, records))
+            batch = self._grads_batch(step, records)
+            if micro_step is not None:
+                i = batch.schema.get_field_index("micro_step")
+                batch = batch.set_column(i, "micro_step", pa.array(micro_step, pa.int64()))
+            self.write_batch(batch)
         self.steps_written += 1
 
     def _grads_batch(self, step: int, recs: StepRecords) -> pa.RecordBatch:
@@ -450,6 +454,7 @@ class RecordWriter(_RunTableWriter):
             col = getattr(recs, c)
             v = np.full(n, np.nan) if col is None else np.asarray(col, dtype=np.float64)
             cols[c] = pa.array(v, mask=~np.isfinite(v))
+        cols["micro_step"] = pa.nulls(n, pa.int64())
         names = self.schema.names
         if PER_EXAMPLE_COLUMN in names:
             cols[PER_EXAMPLE_COLUMN] = _list_array(recs.per_example_norm or [None] * n, np.float64)
@@ -514,9 +519,15 @@ class StepsWriter(_RunTableWriter):
         step_time_s: float | None,
         capture_time_s: float | None,
         peak_memory_bytes: int | None,
+        **train: object,
     ) -> None:
-        """Append the row of `step` (None where a value is unknown, e.g. peak memory on CPU)."""
-        row = dict(self.constants, rank=self.rank, step=step, captured=captured, loss=loss, step_time_s=step_time_s)
-        row.update(capture_time_s=capture_time_s, peak_memory_bytes=peak_memory_bytes)
+        """Append the row of `step` (None where a value is unknown, e.g. peak memory on CPU).
+
+        `train` holds the training step's columns (`lr`, `lrs`, `grad_norm`, `clipped`, `loss_scale`,
+        `skipped`, `eval_loss`); those not given are null.
+        """
+        row: dict[str, object] = dict(self.constants, rank=self.rank, step=step, captured=captured, loss=loss)
+        row.update(step_time_s=step_time_s, capture_time_s=capture_time_s, peak_memory_bytes=peak_memory_bytes)
+        row.update(train)
         self.write_batch(pa.RecordBatch.from_pylist([row], schema=self.schema))
         self.steps_written += 1

@@ -149,6 +149,10 @@ class Job:
     optimizer: torch.optim.Optimizer
     device: torch.device
     dtype: torch.dtype
+    #: `scheduler` group, built over `optimizer`; None without one.
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    #: `train.eval_every`: batches of `eval_data` (or a fresh stream of the training data); None without.
+    eval_batches: Iterator[Batch] | None = None
 
 
 def setup(cfg: DictConfig) -> Job:
@@ -161,9 +165,12 @@ def setup(cfg: DictConfig) -> Job:
     validate(cfg)
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
     seed_everything(cfg.seed)
-    model = build(cfg, "model")
+    init_from = OmegaConf.select(cfg, "model.init_from", default=None)
+    model = build(_without_init_from(cfg), "model")
     if not isinstance(model, nn.Module):
         raise GradrunnerError(f"model {cfg.model._target_!r} built a {type(model).__name__}, not a torch.nn.Module")
+    if init_from is not None:
+        load_weights(model, str(init_from))
     model.to(device=device, dtype=dtype)
     # Taps checked against the model now: a typo is answered before data, loss and optimizer are
     # built (the first optimizer imports torch._dynamo, about a second).
@@ -181,4 +188,71 @@ def setup(cfg: DictConfig) -> Job:
             f"could not build optimizer {cfg.optimizer._target_!r} over the model's parameters: {e}. "
             f"Check the optimizer.* keys{hint}."
         ) from e
-    return Job(model, batches, loss_fn, optimizer, device, dtype)
+    scheduler = None
+    if cfg.get("scheduler") and "_target_" in cfg.scheduler:
+        make_scheduler = build(cfg, "scheduler")
+        try:
+            scheduler = make_scheduler(optimizer)
+        except (TypeError, ValueError, KeyError) as e:
+            raise GradrunnerError(
+                f"could not build scheduler {cfg.scheduler._target_!r} over the optimizer: {one_paragraph(e)}. "
+                f"Check the scheduler.* keys, or pick another option with scheduler=<option> (built-in: "
+                f"{_options('scheduler')})."
+            ) from e
+    eval_batches = None
+    if int(cfg.train.eval_every) > 0:
+        eval_node = cfg.eval_data if cfg.get("eval_data") and "_target_" in cfg.eval_data else cfg.data
+        eval_batches = as_batches(build(OmegaConf.create({"eval_data": eval_node}), "eval_data"), device, dtype)
+    return Job(model, batches, loss_fn, optimizer, device, dtype, scheduler, eval_batches)
+
+
+def _without_init_from(cfg: DictConfig) -> DictConfig:
+    """`cfg` with `model.init_from` removed: it is the runner's key, not the model's constructor argument."""
+    if "init_from" not in cfg.model:
+        return cfg
+    model = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "init_from"])
+    return OmegaConf.create({"model": model})
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Load a local state_dict (`torch.load(weights_only=True)`) or safetensors file into `model`, strictly.
+
+    Example::
+
+        load_weights(model, "trained.pt")   # GradrunnerError naming missing/unexpected keys on a mismatch
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise GradrunnerError(f"model.init_from={path!r}: no such file. Give the path of a local state_dict (.pt) or "
+                              "safetensors file.")  # fmt: skip
+    try:
+        if file.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state = load_file(str(file))
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except ImportError:
+        raise GradrunnerError(f"model.init_from={path!r} is a safetensors file, but safetensors is not installed: "
+                              "pip install safetensors, or save a state_dict with torch.save.") from None  # fmt: skip
+    except Exception as e:
+        raise GradrunnerError(
+            f"model.init_from={path!r} could not be read as a state_dict: {one_paragraph(e)}. Only tensors are "
+            "loaded (torch.load(weights_only=True)); save the model with torch.save(model.state_dict(), path)."
+        ) from e
+    if not isinstance(state, dict):
+        raise GradrunnerError(f"model.init_from={path!r} holds a {type(state).__name__}, not a state_dict; save it "
+                              "with torch.save(model.state_dict(), path).")  # fmt: skip
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    shapes = sorted(k for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
+    if missing or unexpected or shapes:
+        def few(keys: list[str]) -> str:
+            return ", ".join(keys[:8]) + (f" (and {len(keys) - 8} more)" if len(keys) > 8 else "") if keys else "none"
+
+        raise GradrunnerError(
+            f"model.init_from={path!r} does not fit model {type(model).__name__}: missing keys: {few(missing)}; "
+            f"unexpected keys: {few(unexpected)}; shape mismatches: {few(shapes)}. Give the file saved from the same "
+            "model config, or change model.* to match it."
+        )
+    model.load_state_dict(state)

@@ -312,14 +312,14 @@ class GatheredWriter:
         self.pending: list[tuple[GatheredWriter, str, list[Any]]] = [] if pending is None else pending
         self.completes_step = completes_step
 
-    def write_step(self, step: int, records: Any) -> None:
-        self._write_all("write_step", step, records)
+    def write_step(self, step: int, records: Any, **kwargs: Any) -> None:
+        self._write_all("write_step", step, records, **kwargs)
 
-    def write(self, *args: Any) -> None:
-        self._write_all("write", *args)
+    def write(self, *args: Any, **kwargs: Any) -> None:
+        self._write_all("write", *args, **kwargs)
 
-    def _write_all(self, method: str, *args: Any) -> None:
-        gathered = self.dist.gather(args)
+    def _write_all(self, method: str, *args: Any, **kwargs: Any) -> None:
+        gathered = self.dist.gather((args, kwargs))
         self.steps_written += 1
         if self.writer is None:
             return
@@ -332,9 +332,9 @@ class GatheredWriter:
         with deferred_signals():  # both tables' rows of the step, or neither
             for owner, name, per_rank in queued:
                 assert owner.writer is not None
-                for rank, rank_args in enumerate(per_rank):
+                for rank, (rank_args, rank_kwargs) in enumerate(per_rank):
                     owner.writer.rank = rank
-                    getattr(owner.writer, name)(*rank_args)
+                    getattr(owner.writer, name)(*rank_args, **rank_kwargs)
 
 
 def open_writers(

@@ -137,7 +137,7 @@ def backward(run_backward: Callable[[torch.Tensor], None], loss: torch.Tensor, s
         ) from e
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, step: int) -> None:
+def optimizer_step(optimizer: torch.optim.Optimizer, step: int, scaler: torch.amp.GradScaler | None = None) -> None:
     """`optimizer.step()`, with a failure (float16 overflow of a huge learning rate, ...) explained.
 
     Example::
@@ -147,7 +147,10 @@ def optimizer_step(optimizer: torch.optim.Optimizer, step: int) -> None:
     It runs before the step's rows are written, so the records kept end with the step before.
     """
     try:
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)  # skips the step when the unscaled gradients hold inf/NaN
+        else:
+            optimizer.step()
     except GradrunnerError:
         raise
     except RuntimeError as e:

@@ -20,6 +20,7 @@ import resource
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -33,8 +34,9 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradrunner.capturing.session import Capture, capture
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
-from gradrunner.run import distributed, watch
+from gradrunner.run import accumulation, distributed, watch
 from gradrunner.run.build import Job, setup
+from gradrunner.run.checkpoint import Checkpointer, Tee
 from gradrunner.run.distributed import Distributed, GatheredWriter
 from gradrunner.run.guards import (
     NonFinite,
@@ -49,6 +51,7 @@ from gradrunner.run.guards import (
 )
 
 if TYPE_CHECKING:
+    from gradrunner.records.columns import StepRecords
     from gradrunner.records.writer import RecordWriter, StepsWriter
 
 log = logging.getLogger(__name__)
@@ -124,55 +127,196 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_steps(
-    cfg: DictConfig, job: Job, cap: Capture, grads: RecordWriter | GatheredWriter, steps: StepsWriter | GatheredWriter
-) -> None:
-    """The step loop: forward, loss, backward, optimizer step, records (on captured steps).
+@dataclass
+class StepContext:
+    """What every step of a job reads, taken from the config once (OmegaConf lookups cost more than a tiny step)."""
 
-    The records of a captured step are taken after the optimizer step, so that the tapped
-    parameters' update norms ride in the step's one transfer; nothing else they read changes
-    with the step (gradients are reduced or copied as they arrive).
+    every: int
+    accumulate: int
+    clip_norm: float | None
+    clip_value: float | None
+    autocast: str
+    eval_every: int
+    eval_batches: int
+    source: str
+    model_name: str
+    loss_name: str
+    scaler: torch.amp.GradScaler
+
+    @classmethod
+    def of(cls, cfg: DictConfig, device: torch.device) -> StepContext:
+        t = cfg.train
+        return cls(
+            every=int(cfg.capture.every), accumulate=int(t.accumulate),
+            clip_norm=None if t.clip_grad_norm is None else float(t.clip_grad_norm),
+            clip_value=None if t.clip_grad_value is None else float(t.clip_grad_value),
+            autocast=str(t.autocast), eval_every=int(t.eval_every), eval_batches=int(t.eval_batches),
+            source=str(cfg.data._target_), model_name=str(cfg.model._target_), loss_name=str(cfg.loss._target_),
+            scaler=torch.amp.GradScaler(device.type, enabled=str(t.autocast) == "fp16"),
+        )  # fmt: skip
+
+
+def train_step(
+    step: int, job: Job, cap: Capture, ctx: StepContext, grads: RecordWriter | GatheredWriter,
+    steps: StepsWriter | GatheredWriter,
+) -> tuple[float, StepRecords | None]:  # fmt: skip
+    """One optimisation step, top to bottom; returns its loss and (on a captured step) its last records.
+
+    1. `ctx.accumulate` micro-batches: forward and loss under `torch.autocast` (bf16, fp16 or off), the
+       loss divided by `accumulate` and multiplied by the GradScaler's scale (fp16 only), backward the
+       capture strategy's way. Parameter `.grad` accumulates over the micro-batches.
+    2. `scaler.unscale_`: `.grad` holds the true gradient. The capture multiplies every captured
+       gradient (activations too) by 1/scale on its device, so the records hold true gradients.
+    3. `grad_norm`: total 2-norm over all parameters' `.grad`, before clipping, on the device.
+    4. Clipping: `train.clip_grad_norm` exactly as `clip_grad_norm_` (with that norm), then
+       `train.clip_grad_value` as `clip_grad_value_`.
+    5. `scaler.step` (skipped on inf/NaN gradients under fp16) and `scaler.update`; the scheduler steps
+       once per optimisation step; `lr` is the rate this step used.
+    6. Records hold gradients BEFORE clipping (as `grad_norm`). With accumulation, activation taps
+       are recorded per micro-batch (`micro_step`: the gradient of that micro-batch's loss / N) and
+       parameter taps once, on the last micro-batch, from the accumulated `.grad`
+       (`gradrunner.run.accumulation`).
     """
+    t0 = time.perf_counter()
+    captured = step % ctx.every == 0
+    params = [p for g in job.optimizer.param_groups for p in g["params"]]
+    lrs = [float(g["lr"]) for g in job.optimizer.param_groups]  # the rates this step uses
+    scaler = ctx.scaler
+    micro: list[tuple[int, torch.Tensor, StepRecords | None]] = []
+    losses: list[torch.Tensor] = []
+    for m in range(ctx.accumulate):
+        x, y = next_batch(job.batches, step, source=ctx.source)
+        cap.enabled = captured
+        cap.grad_scale = scaler.scale(torch.ones((), device=job.device)).reciprocal() if scaler.is_enabled() else None
+        with autocast(job.device, ctx.autocast):
+            loss = forward_loss(job.model, job.loss_fn, x, y, step, model_name=ctx.model_name, loss_name=ctx.loss_name)
+        backward(cap.backward, scaler.scale(loss / ctx.accumulate), step)
+        losses.append(loss.detach())
+        last = m == ctx.accumulate - 1
+        if captured and not last:  # the collector holds one backward's records: take them now
+            micro.append((m, loss, accumulation.drop_param_rows(cap.records(loss.detach()), cap)))
+    scale = scaler.get_scale() if scaler.is_enabled() else None  # one host sync per step, fp16 only
+    scaler.unscale_(job.optimizer)
+    accumulated = accumulation.param_grad_records(cap) if captured and ctx.accumulate > 1 else None
+    grad_norm = total_norm(params)
+    clipped = clip(params, grad_norm, ctx.clip_norm, ctx.clip_value)
+    before = cap.snapshot_params() if captured else None  # tapped parameters only: their update norms
+    optimizer_step(job.optimizer, step, scaler if scaler.is_enabled() else None)
+    scaler.update()
+    skipped = scale is not None and scaler.get_scale() < scale  # the scaler backs off only after a skipped step
+    if job.scheduler is not None:
+        job.scheduler.step()
+    capture_time = None
+    recs = None
+    if captured:
+        t1 = time.perf_counter()
+        recs = cap.records(losses[-1], before)
+        if accumulated is not None:
+            recs = accumulation.replace_param_rows(recs, accumulated)
+        micro.append((ctx.accumulate - 1, losses[-1], recs))
+        capture_time = time.perf_counter() - t1
+    job.optimizer.zero_grad(set_to_none=True)
+    eval_loss = evaluate(job, cap, ctx) if ctx.eval_every and (step + 1) % ctx.eval_every == 0 else None
+    wide = torch.float32 if job.device.type == "mps" else torch.float64  # MPS has no float64
+    on_host = [torch.stack(losses).to(wide).mean(), grad_norm.to(wide), clipped.to(wide)]
+    host = torch.stack([t.to(losses[0].device) for t in on_host]).tolist()  # the step's one transfer
+    _sync(job.device)
+    peak = peak_memory_bytes(job.device)
     from gradrunner.records.writer import deferred_signals  # pyarrow: imported once writing starts
 
+    with deferred_signals():  # a step's rows go into both tables, or into neither
+        t2 = time.perf_counter()
+        for m, _, r in micro:
+            assert r is not None
+            grads.write_step(step, r, micro_step=accumulation.micro_steps(r, m, cap) if ctx.accumulate > 1 else None)
+        if captured:
+            capture_time = (capture_time or 0.0) + time.perf_counter() - t2
+        steps.write(step, captured, host[0], time.perf_counter() - t0, capture_time, peak, lr=lrs[0], lrs=lrs,
+                    grad_norm=host[1], clipped=bool(host[2]), loss_scale=scale, skipped=skipped if scale else None,
+                    eval_loss=eval_loss)  # fmt: skip
+    return host[0], recs
+
+
+def autocast(device: torch.device, mode: str) -> torch.autocast:
+    """`torch.autocast` for `train.autocast` (`bf16`, `fp16`; `off`: a disabled one)."""
+    dtype = torch.float16 if mode == "fp16" else torch.bfloat16
+    return torch.autocast(device.type, dtype=dtype, enabled=mode != "off")
+
+
+def total_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of all parameters' `.grad` together (0 without any), on their device, no host sync."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(grads, 2.0)
+
+
+def clip(
+    params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float | None, max_value: float | None
+) -> torch.Tensor:
+    """Clip `.grad` in place as `clip_grad_norm_` (given the total `norm`) then `clip_grad_value_` do; whether it changed them."""
+    clipped = torch.zeros((), dtype=torch.bool, device=norm.device)
+    with_grad = [p for p in params if p.grad is not None]
+    if max_norm is not None and with_grad:
+        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm)
+        clipped = clipped | (norm > max_norm)
+    if max_value is not None and with_grad:
+        peak = torch.stack([p.grad.detach().abs().max() for p in with_grad if p.grad is not None and p.grad.numel()])
+        clipped = clipped | (peak.max().to(clipped.device) > max_value)
+        torch.nn.utils.clip_grad_value_(with_grad, max_value)
+    return clipped
+
+
+def evaluate(job: Job, cap: Capture, ctx: StepContext) -> float | None:
+    """Mean loss over `ctx.eval_batches` batches of the eval data, in eval mode, without grad or capture."""
+    if job.eval_batches is None:
+        return None
+    was_training, enabled = job.model.training, cap.enabled
+    cap.enabled = False
+    job.model.eval()
+    try:
+        with torch.no_grad(), autocast(job.device, ctx.autocast):
+            total = torch.zeros((), dtype=torch.float64, device=job.device)
+            for _ in range(ctx.eval_batches):
+                x, y = next_batch(job.eval_batches, 0, source="eval_data")
+                out = job.model(**x) if isinstance(x, dict) else job.model(x)
+                total += job.loss_fn(out, y).double()
+        return float(total) / ctx.eval_batches
+    finally:
+        job.model.train(was_training)
+        cap.enabled = enabled
+        cap.reset()
+
+
+def _run_steps(
+    cfg: DictConfig, job: Job, cap: Capture, grads: RecordWriter | GatheredWriter, steps: StepsWriter | GatheredWriter,
+    ckpt: Checkpointer | None = None, run_id: str = "",
+) -> None:  # fmt: skip
+    """The step loop: `train_step` for every step, with progress, the run's watches and checkpoints."""
     bar = Progress(cfg.steps)
-    # Read from the config once: OmegaConf lookups cost more than a tiny model's step.
-    every, on_nonfinite = int(cfg.capture.every), str(cfg.capture.get("on_nonfinite", "record"))
+    ctx = StepContext.of(cfg, job.device)
+    start = 0
+    if ckpt is not None:
+        start = ckpt.restore(job, ctx.scaler, grads, steps, run_id)  # a sweep re-run resumes too
+        ckpt.start(start)
+        grads, steps = Tee(grads, ckpt), Tee(steps, ckpt)  # type: ignore[assignment]
+    on_nonfinite = str(cfg.capture.get("on_nonfinite", "record"))
     full_values, zeros = cfg.capture["values"] == "full", watch.ZeroWatch(int(cfg.steps))
-    source, model_name, loss_name = str(cfg.data._target_), str(cfg.model._target_), str(cfg.loss._target_)
     warned: set[str] = set()
     try:
-        for step in range(int(cfg.steps)):
-            t0 = time.perf_counter()
-            x, y = next_batch(job.batches, step, source=source)
-            cap.enabled = captured = step % every == 0
-            loss = forward_loss(job.model, job.loss_fn, x, y, step, model_name=model_name, loss_name=loss_name)
-            backward(cap.backward, loss, step)
-            capture_time = None
-            before = cap.snapshot_params() if captured else None  # tapped parameters only: their update norms
-            optimizer_step(job.optimizer, step)
-            if captured:
-                t1 = time.perf_counter()
-                recs = cap.records(loss, before)
+        for step in range(start, int(cfg.steps)):
+            loss_value, recs = train_step(step, job, cap, ctx, grads, steps)
+            if ckpt is not None and step + 1 < int(cfg.steps):
+                ckpt.maybe_save(step, job, ctx.scaler)
+            if recs is not None:
                 watch.warn_without_grad(recs, step, warned)
                 if full_values and step == 0:
-                    watch.warn_values_size(recs, watch.captured_steps(int(cfg.steps), every), int(cfg.capture.sample_size))
-                capture_time = time.perf_counter() - t1
-                loss_value = float("nan") if recs.loss is None else recs.loss
-            else:
-                loss_value = float(loss.detach())
-            job.optimizer.zero_grad(set_to_none=True)
-            _sync(job.device)
-            peak = peak_memory_bytes(job.device)
-            with deferred_signals():  # a step's rows go into both tables, or into neither
-                t2 = time.perf_counter()
-                if captured:
-                    grads.write_step(step, recs)
-                    capture_time = (capture_time or 0.0) + time.perf_counter() - t2
-                steps.write(step, captured, loss_value, time.perf_counter() - t0, capture_time, peak)
+                    watch.warn_values_size(
+                        recs, watch.captured_steps(int(cfg.steps), ctx.every), int(cfg.capture.sample_size)
+                    )
             bar.update(step, loss_value)
-            zeros.step(step, loss_value, recs if captured else None)
-            check_finite(on_nonfinite, step, loss_value, recs if captured else None)
+            zeros.step(step, loss_value, recs)
+            check_finite(on_nonfinite, step, loss_value, recs)
     finally:
         bar.close()
 
@@ -255,11 +399,41 @@ def _train_in(
         # Before the writers, so that it still holds while they close: a preempted job keeps its steps.
         stack.enter_context(sigterm_as_interrupt())
         grads, steps = _open_writers(stack, directory, constants, meta, dist, per_example, histogram)
+        ckpt = _checkpointer(cfg, directory, constants, meta, per_example, histogram) if dist is None else None
+        if dist is not None and int(cfg.train.checkpoint_every) > 0:
+            log.warning("train.checkpoint_every is not supported under DDP yet: no checkpoints are written")
         try:
-            _run_steps(cfg, job, cap, grads, steps)
+            _run_steps(cfg, job, cap, grads, steps, ckpt, constants["run_id"])
         except NonFinite as e:
             e.directory = directory
             raise
+        finally:
+            if ckpt is not None:
+                ckpt.abort()  # the segment after the last checkpoint: the job's own records hold its steps
+    if ckpt is not None:
+        ckpt.finish()  # the records are closed and whole: the checkpoint is not needed any more
+
+
+def _checkpointer(
+    cfg: DictConfig, directory: Path, constants: dict[str, str], meta: dict[str, str], per_example: bool,
+    histogram: bool,
+) -> Checkpointer | None:  # fmt: skip
+    """The job's `Checkpointer` when `train.checkpoint_every` is set (or a checkpoint waits to be resumed)."""
+    every = int(cfg.train.checkpoint_every)
+    if every <= 0:
+        return None
+    from gradrunner.records.writer import RecordWriter, StepsWriter
+    from gradrunner.run.resume import NEUTRAL_KEYS, config_dict
+
+    def open_segment(path: Path, kind: str) -> RecordWriter | StepsWriter:
+        if kind == "grads":
+            return RecordWriter(path, constants=constants, metadata=meta, per_example=per_example, histogram=histogram)
+        return StepsWriter(path, constants=constants, metadata=meta)
+
+    config = OmegaConf.to_yaml({k: v for k, v in config_dict(cfg).items() if k not in NEUTRAL_KEYS})
+    t = cfg.train
+    return Checkpointer(directory, every, config, open_segment, batches_per_step=int(t.accumulate),
+                        eval_batches=int(t.eval_batches), eval_every=int(t.eval_every))  # fmt: skip
 
 
 def _open_writers(
@@ -276,4 +450,3 @@ def _open_writers(
     steps = StepsWriter(directory / STEPS_FILE, constants=constants, metadata=meta)
     stack.enter_context(closing_together(grads, steps))  # both kept (with the same steps) or both dropped
     return grads, steps
-

@@ -56,6 +56,10 @@ NEUTRAL_KEYS = ("resume", "report")
 #: Config keys added after records were first written, with the value that means "as before": a run
 #: recorded without the key matches a config that has it at this value (its records are the same).
 ADDED_KEYS: dict[str, Any] = {"capture.per_example": False, "capture.histogram": False}
+# The training options (issue 20) at their defaults train as before they existed.
+ADDED_KEYS.update({"train.clip_grad_norm": None, "train.clip_grad_value": None, "train.autocast": "off",
+                   "train.accumulate": 1, "train.checkpoint_every": 0, "train.eval_every": 0,
+                   "train.eval_batches": 1, "eval_data": None})  # fmt: skip
 
 
 
@@ -188,7 +192,10 @@ def prepare(directory: str | os.PathLike[str], cfg: DictConfig, *, resume: bool)
         return "run"
     if not resume:
         what = "a completed run" if marker else "a run that did not complete (interrupted, failed or killed)"
-        way = "skip it" if marker else "delete its partial records and run it again from step 0"
+        way = "skip it" if marker else (
+            "delete its partial records and run it again (from its last mid-run checkpoint if it has one, else "
+            "from step 0)"
+        )
         raise Refused(
             f"the run dir {d} already holds records ({', '.join(present) or DONE}) of {what}; gradrunner never "
             f"overwrites records. Run into a new dir (drop hydra.run.dir=... or choose another), or pass "
