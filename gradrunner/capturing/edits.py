@@ -1,0 +1,416 @@
+"""Gradient edits: change the gradient flowing back through a tap, and record what arrived and what left.
+
+An edit is a tap spec and one operation on the gradient ``g`` that backward brings to that tap:
+
+| operation | value | the gradient becomes |
+| --- | --- | --- |
+| `scale` | a number `s` | `s * g` (`s = 0`: exact zeros, also where `g` was not finite; `-1`: gradient reversal) |
+| `clip_norm` | `c >= 0` | `g * min(1, c / (norm(g) + 1e-6))`, per call (as `torch.nn.utils.clip_grad_norm_`) |
+| `clip_value` | `v >= 0` | `g` clamped to `[-v, v]` |
+| `mask` | `{dim: d, keep: [i, ...]}` | `g` at the listed indices along dim `d`, zero elsewhere |
+| `dropout` | `0 <= p <= 1` | `g * m / (1 - p)`, `m` Bernoulli(1 - p) (`p = 1`: zeros) |
+| `noise_std` | `s >= 0` | `g + s * n`, `n` standard normal |
+
+`dropout` and `noise_std` draw from a `torch.Generator` on the gradient's device seeded from
+(seed, step, tap, call): the same numbers for every strategy and every re-run.
+
+How it is applied (one mechanism, whatever strategy reads the gradient):
+
+- an activation, input or local tap: when the tap fires, the value the model goes on with passes
+  through an identity node (`_EditNode`, no copy) whose backward applies the edit. The strategy
+  attaches to the node's output, so every strategy reads the gradient *before* the edit; what flows
+  on upstream (earlier layers, parameter `.grad`, the optimiser step) is the edited one. A hook on the
+  tapped tensor itself could not do this: `retain_grad`'s `.grad` and `torch.autograd.grad`'s result
+  are both taken after a tensor's hooks have run.
+- a parameter: a tensor hook on the parameter returns the edited gradient, so `.grad` (and the
+  optimiser step) get it under every strategy; the hook keeps the gradient that arrived, which the
+  session records in place of what the strategy read (`Edits.arrived`).
+
+Several edits on one tap apply in config order; edits on different taps of one tensor apply in
+firing order (a tap that fires later lies downstream). A parameter tied under several names is one
+tensor: an edit under any name edits it, and every name's record says so.
+
+Example::
+
+    edits = parse_edits([{"tap": "fc1:output", "scale": 0.0}, {"tap": "head:weight", "clip_norm": 1.0}])
+    with capture(model, ["fc*:output"], edits=edits) as cap:   # capture() also takes the plain dicts
+        cap.backward(loss_fn(model(x), y))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import hashlib
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradrunner.capturing.extras import value_norm
+from gradrunner.capturing.grad_context import in_backward, reentrant_checkpoint
+from gradrunner.capturing.taps import Tap, TapSpec, parse_spec, resolve_taps
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import TapKey
+
+#: The operations, in the order messages list them, with what each one's value must be.
+OPERATIONS: dict[str, str] = {
+    "scale": "a number (0: stop-gradient, -1: gradient reversal)",
+    "clip_norm": "a number >= 0 (the largest norm the gradient keeps, per call)",
+    "clip_value": "a number >= 0 (each element clamped to [-v, v])",
+    "mask": "{dim: <int>, keep: [<index>, ...]} (only these indices along dim keep their gradient)",
+    "dropout": "a probability 0 <= p <= 1 (each element zeroed with probability p, the rest scaled by 1/(1-p))",
+    "noise_std": "a number >= 0 (Gaussian noise of that standard deviation added)",
+}
+_EXAMPLE = "edits='[{tap:\"fc1:output\",scale:0.0}]'"
+
+
+@dataclass(frozen=True)
+class Mask:
+    """`mask`'s value: keep the gradient at indices `keep` along `dim` (negative counts from the end)."""
+
+    dim: int
+    keep: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One entry of `edits`: a tap spec and one operation with its value (`index`: its place in the list)."""
+
+    tap: TapSpec
+    op: str
+    value: float | Mask
+    index: int = 0
+
+    @property
+    def label(self) -> str:
+        """How messages name it: `edits[1] {tap: 'fc1:output', scale: 0.0}`."""
+        value = dataclasses.asdict(self.value) if isinstance(self.value, Mask) else self.value
+        return f"edits[{self.index}] {{tap: {self.tap!r}, {self.op}: {value!r}}}"
+
+
+def parse_edits(entries: object) -> list[Edit]:
+    """Check the `edits` list (plain Python values) and return one `Edit` per entry, in order.
+
+    Example::
+
+        parse_edits([{"tap": "relu2:output", "scale": 0.0}])[0].op    # 'scale'
+
+    Raises `GradrunnerError` (one paragraph) for anything but a list of `{tap, <one operation>}`
+    mappings with a valid value; what needs the model (tap names, mask indices) is checked when a
+    capture session opens (`Edits`) and when the tap first fires.
+    """
+    if entries is None:
+        return []
+    if isinstance(entries, (str, bytes, Mapping)) or not isinstance(entries, Sequence):
+        raise GradrunnerError(
+            f"edits={entries!r} must be a list of {{tap: <spec>, <operation>: <value>}} entries, e.g. {_EXAMPLE}; "
+            f"operations: {', '.join(OPERATIONS)}."
+        )
+    return [e if isinstance(e, Edit) else _parse_entry(i, e) for i, e in enumerate(entries)]
+
+
+def _parse_entry(i: int, entry: object) -> Edit:
+    where = f"edits[{i}]"
+    if not isinstance(entry, Mapping):
+        raise GradrunnerError(f"{where}={entry!r} is not a mapping; each edit is {{tap: <spec>, <operation>: <value>}}, "
+                              f"e.g. {_EXAMPLE}.")  # fmt: skip
+    keys = [str(k) for k in entry]
+    if "tap" not in entry:
+        raise GradrunnerError(f"{where}={dict(entry)!r} has no tap; each edit names the tap whose gradient it changes, "
+                              f"e.g. {_EXAMPLE}.")  # fmt: skip
+    tap = entry["tap"]
+    parse_spec(tap)  # a malformed spec: its own message
+    ops = [k for k in keys if k != "tap"]
+    unknown = [k for k in ops if k not in OPERATIONS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], list(OPERATIONS), n=1)
+        maybe = f" Did you mean {close[0]!r}?" if close else ""
+        raise GradrunnerError(
+            f"{where} (tap {tap!r}) has an unknown operation {unknown[0]!r}.{maybe} Allowed operations: "
+            f"{', '.join(OPERATIONS)}; an entry holds tap and one of them."
+        )
+    if not ops:
+        raise GradrunnerError(f"{where} (tap {tap!r}) names no operation; give one of {', '.join(OPERATIONS)}, "
+                              f"e.g. {_EXAMPLE}.")  # fmt: skip
+    if len(ops) > 1:
+        raise GradrunnerError(
+            f"{where} (tap {tap!r}) has {len(ops)} operations ({', '.join(ops)}); one entry takes one operation. "
+            "Write one entry per operation: several edits on one tap apply in config order."
+        )
+    op = ops[0]
+    return Edit(tap, op, _check_value(where, tap, op, entry[op]), i)
+
+
+def _check_value(where: str, tap: object, op: str, value: object) -> float | Mask:
+    def bad(why: str) -> GradrunnerError:
+        return GradrunnerError(f"{where} (tap {tap!r}): {op}={value!r} is not allowed: {why}. {op} takes "
+                               f"{OPERATIONS[op]}.")  # fmt: skip
+
+    if op == "mask":
+        if not isinstance(value, Mapping) or set(map(str, value)) != {"dim", "keep"}:
+            raise bad("it must be a mapping with exactly the keys dim and keep")
+        dim, keep = value["dim"], value["keep"]
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise bad(f"dim={dim!r} is not an integer")
+        if isinstance(keep, int) and not isinstance(keep, bool):
+            keep = [keep]
+        if isinstance(keep, (str, bytes)) or not isinstance(keep, Sequence) or not keep:
+            raise bad(f"keep={keep!r} must be a non-empty list of indices (to zero the whole gradient use scale: 0)")
+        if any(isinstance(k, bool) or not isinstance(k, int) for k in keep):
+            raise bad(f"keep={list(keep)!r} holds a non-integer")
+        return Mask(dim, tuple(keep))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad("it must be a finite number")
+    number = float(value)
+    if op in ("clip_norm", "clip_value", "noise_std") and number < 0:
+        raise bad("it must be >= 0")
+    if op == "dropout" and not 0.0 <= number <= 1.0:
+        raise bad("a probability is between 0 and 1")
+    return number
+
+
+# -- applying an edit to a gradient ------------------------------------------------------------------
+def generator_seed(seed: int, step: int, tap: str, call: int) -> int:
+    """The seed of the random numbers an edit draws at (seed, step, tap, call): the same everywhere.
+
+    Example::
+
+        generator_seed(0, 3, "fc1:output", 0)    # a fixed 63-bit integer
+    """
+    digest = hashlib.blake2b(f"{seed}|{step}|{tap}|{call}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _random(g: torch.Tensor, seed: int, normal: bool) -> torch.Tensor:
+    """float32 uniform or normal numbers of `g`'s shape on its device, from a generator seeded with `seed`."""
+    gen = torch.Generator(device=g.device)
+    gen.manual_seed(seed)
+    draw = torch.randn if normal else torch.rand
+    return draw(g.shape, generator=gen, device=g.device, dtype=torch.float32)
+
+
+def apply_edit(edit: Edit, g: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """`g` with `edit` applied (a new tensor; `g` is not changed). `seed`: for dropout and noise_std.
+
+    Example::
+
+        apply_edit(Edit("fc1:output", "clip_value", 0.5), torch.tensor([-2.0, 0.1]))   # tensor([-0.5, 0.1])
+
+    No host sync: every operation stays on `g`'s device.
+    """
+    op, v = edit.op, edit.value
+    if op == "scale":
+        assert isinstance(v, float)
+        return torch.zeros_like(g) if v == 0.0 else g * v
+    if op == "clip_norm":
+        assert isinstance(v, float)
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None)
+        return g * torch.clamp(v / (norm + 1e-6), max=1.0).to(g.dtype)
+    if op == "clip_value":
+        return g.clamp(-v, v)  # type: ignore[operator]
+    if op == "mask":
+        assert isinstance(v, Mask)
+        dim = v.dim % g.dim()
+        keep = torch.zeros(g.shape[dim], dtype=torch.bool)
+        keep[list(v.keep)] = True
+        shape = [1] * g.dim()
+        shape[dim] = -1
+        return torch.where(keep.to(g.device, non_blocking=True).view(shape), g, torch.zeros((), dtype=g.dtype, device=g.device))
+    if op == "dropout":
+        assert isinstance(v, float)
+        if v >= 1.0:
+            return torch.zeros_like(g)
+        kept = _random(g, seed, normal=False) >= v
+        return torch.where(kept, g * (1.0 / (1.0 - v)), torch.zeros((), dtype=g.dtype, device=g.device))
+    if op == "noise_std":
+        assert isinstance(v, float)
+        return g + v * _random(g, seed, normal=True).to(g.dtype)
+    raise AssertionError(op)
+
+
+def apply_all(edits: Sequence[Edit], g: torch.Tensor, seed: int, step: int, tap: str, call: int) -> torch.Tensor:
+    """`edits` applied to `g` one after the other (config order); random ones seeded per (seed, step, tap, call)."""
+    for k, edit in enumerate(edits):
+        # Two random edits on one tap draw different numbers: the entry's index is part of the seed.
+        g = apply_edit(edit, g, generator_seed(seed, step, f"{tap}#{edit.index}" if k else tap, call))
+    return g
+
+
+def _check_shape(edits: Sequence[Edit], tap: str, shape: torch.Size) -> None:
+    """A mask's dim and indices must exist in the gradient's shape (that of the tapped value)."""
+    for edit in edits:
+        m = edit.value
+        if not isinstance(m, Mask):
+            continue
+        if not -len(shape) <= m.dim < len(shape) or not shape:
+            raise GradrunnerError(
+                f"{edit.label}: the gradient of {tap} has shape {list(shape)}, which has no dim {m.dim}; "
+                f"mask.dim takes {'-' + str(len(shape)) + '..' + str(len(shape) - 1) if shape else 'nothing (0-d)'}."
+            )
+        size = shape[m.dim]
+        bad = [k for k in m.keep if not -size <= k < size]
+        if bad:
+            raise GradrunnerError(
+                f"{edit.label}: mask.keep index {bad[0]} is out of range for dim {m.dim} of {tap}'s gradient, shape "
+                f"{list(shape)} (size {size}); indices run 0..{size - 1} (negative ones count from the end)."
+            )
+
+
+class _EditNode(torch.autograd.Function):
+    """Identity forward (no copy); backward applies `edit` to the gradient and returns the result."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, edit: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ctx.edit = edit
+        # `detach()` shares the storage but is no differentiable view: the model may change it in place.
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.edit(grad), None
+
+
+# -- the session's side --------------------------------------------------------------------------------
+class Edits:
+    """The edits of one capture session, resolved on its model; `Capture` calls it at four points.
+
+    Example::
+
+        edits = Edits(model, [{"tap": "fc1:output", "scale": -1.0}], seed=0)
+        edits.taps          # [Tap('fc1', 'output', ...)]: the session taps these too (one row per firing)
+
+    - `on_fire(tap, value, key)` when a tap fires: the value the model goes on with;
+    - `begin_backward()` at the start of each backward (the step number that seeds random edits);
+    - `arrived(slot_param, key, grad)` when a parameter's gradient is delivered: the one before the edit;
+    - `norms`: the edited gradients' norms of the last backward, by record key (0-d, on the device).
+    """
+
+    def __init__(self, model: nn.Module, entries: object, seed: int = 0) -> None:
+        self.edits = parse_edits(entries)
+        self.seed = seed
+        #: resolved tap name -> its edits in config order
+        self.by_tap: dict[str, list[Edit]] = {}
+        self.taps: list[Tap] = []
+        modules = dict(model.named_modules(remove_duplicate=False))
+        #: id(parameter) -> (parameter, its edits, its tap names)
+        self._params: dict[int, tuple[nn.Parameter, list[Edit], list[str]]] = {}
+        for edit in self.edits:
+            try:
+                resolved = resolve_taps(model, [edit.tap])
+            except GradrunnerError as e:
+                raise GradrunnerError(f"{edit.label}: {e}") from None
+            for tap in resolved:
+                if tap.tap not in self.by_tap:
+                    self.taps.append(tap)
+                self.by_tap.setdefault(tap.tap, []).append(edit)
+                if tap.kind == "param":
+                    self._add_param(edit, tap, getattr(modules[tap.module], tap.name))
+        self.step = -1  # becomes 0 at the first backward
+        self._calls: dict[str, int] = {}
+        #: edited norms of the backward in progress / the last one, by record key
+        self._pending: dict[TapKey, torch.Tensor] = {}
+        self.norms: dict[TapKey, torch.Tensor] = {}
+        #: parameters' gradients as they arrived (before the edit), summed over the backward's parts
+        self._arrived: dict[int, torch.Tensor] = {}
+        self._parts: dict[int, int] = {}
+        self.capturing: Callable[[], bool] = lambda: True
+
+    def _add_param(self, edit: Edit, tap: Tap, param: nn.Parameter) -> None:
+        if not param.requires_grad:
+            if tap.from_glob:
+                return  # a glob also matched a frozen parameter: nothing to edit (its record says frozen)
+            raise GradrunnerError(
+                f"{edit.label}: {tap.tap} cannot carry a gradient: the parameter does not require grad (frozen). "
+                "Edit a parameter that trains, or unfreeze it, or drop the edit."
+            )
+        _check_shape([edit], tap.tap, param.shape)
+        entry = self._params.setdefault(id(param), (param, [], []))
+        if edit not in entry[1]:  # a glob naming one tied parameter twice edits it once
+            entry[1].append(edit)
+        entry[2].append(tap.tap)
+
+    def install(self, stack: contextlib.ExitStack, capturing: Callable[[], bool]) -> None:
+        """Hook every edited parameter (removed when `stack` closes); `capturing()`: keep what arrived?"""
+        self.capturing = capturing
+        for key, (param, edits, names) in self._params.items():
+            stack.callback(param.register_hook(self._param_hook(key, edits, names[0])).remove)
+
+    def _param_hook(self, key: int, edits: list[Edit], name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            # A parameter's gradient may come in parts (reentrant checkpointing): each part draws its own numbers.
+            part = self._parts.get(key, 0)
+            self._parts[key] = part + 1
+            if self.capturing():
+                before = self._arrived.get(key)
+                self._arrived[key] = grad.detach().clone() if before is None else before + grad
+            return apply_all(edits, grad, self.seed, max(self.step, 0), name, part)
+
+        return hook
+
+    def is_edited(self, tap: str) -> bool:
+        return tap in self.by_tap
+
+    def refuse(self, tap: Tap, why: str) -> None:
+        """An edited tap fired on a value without gradient: a named tap is a mistake (a glob's match is skipped)."""
+        edits = self.by_tap.get(tap.tap)
+        if edits and not tap.from_glob:
+            raise GradrunnerError(
+                f"{edits[0].label}: {tap.tap} cannot carry a gradient: its value is {why}. Edit a tensor computed "
+                "from parameters (or from an input that requires grad), or drop the edit."
+            )
+
+    def on_fire(self, tap: Tap, value: object, key: TapKey | None) -> object:
+        """The value the model goes on with: `value` through an edit node when `tap` is edited.
+
+        `key` is the record's key in a captured step (its edited norm is kept), None otherwise; then
+        the value is edited only where backward can reach it (not in evaluation, nor while backward
+        recomputes what a non-reentrant checkpoint captured already).
+        """
+        edits = self.by_tap.get(tap.tap)
+        if edits is None or not isinstance(value, torch.Tensor) or not value.requires_grad:
+            return value
+        if key is None and (
+            not torch.is_grad_enabled() or (in_backward() and reentrant_checkpoint("backward") is None)
+        ):
+            return value
+        _check_shape(edits, tap.tap, value.shape)
+        call = self._calls.get(tap.tap, 0)
+        self._calls[tap.tap] = call + 1
+        if key is not None:
+            call = key.call
+        step, seed, pending = max(self.step + 1, 0), self.seed, self._pending
+
+        def edit(grad: torch.Tensor) -> torch.Tensor:
+            new = apply_all(edits, grad, seed, step, tap.tap, call)
+            if key is not None:
+                pending[key] = value_norm(new)
+            return new
+
+        out: torch.Tensor = _EditNode.apply(value, edit)
+        return out
+
+    def begin_backward(self) -> None:
+        """A backward starts: it is step `self.step`; forget the previous step's calls and norms."""
+        self.step += 1
+        self._calls = {}
+        self._arrived, self._parts = {}, {}
+        self.norms = self._pending
+        self._pending = {}
+
+    def reset(self) -> None:
+        """The step in progress was abandoned (`Capture.reset`): its calls count from 0 again."""
+        self._calls = {}
+        self._pending = {}
+
+    def arrived(self, param: torch.Tensor, key: TapKey, grad: torch.Tensor) -> torch.Tensor:
+        """For a parameter's record: its gradient before the edit (`grad`, what the strategy read, is after)."""
+        before = self._arrived.get(id(param))
+        if before is None:
+            return grad
+        self.norms[key] = value_norm(grad)
+        return before
