@@ -280,3 +280,9 @@ def validate_edits(cfg: DictConfig) -> None:
 
     edits = cfg.get("edits")
     parse_edits(OmegaConf.to_container(edits, resolve=True) if OmegaConf.is_config(edits) else edits)
+
+
+def edit_list(cfg: DictConfig) -> list[Any] | None:
+    """`edits` as plain Python values for `capture(..., edits=...)`, None when there are none (validated already)."""
+    edits = OmegaConf.to_container(cfg.edits, resolve=True) if cfg.get("edits") else None
+    return edits if isinstance(edits, list) else None

@@ -63,9 +63,11 @@ def _sides(run: pd.DataFrame) -> pd.DataFrame:
     order["side"] = None
     if not edited.empty:
         at = order.loc[order["tap"] == edited.iloc[0], "position"].min()
-        pos = order["position"]
-        order["side"] = np.select([order["tap"] == edited.iloc[0], pos < at, pos > at], ["edited", "upstream", "downstream"],
-                                  default=None)  # fmt: skip
+        first = str(edited.iloc[0])
+        order["side"] = [
+            "edited" if t == first else "upstream" if p < at else "downstream" if p > at else None
+            for t, p in zip(order["tap"], order["position"], strict=True)
+        ]
     return order
 
 
@@ -122,9 +124,9 @@ def plot_edit_sweep(df: pd.DataFrame, column: str | None = None) -> Figure:
         ax_norm.plot(line["strength"], line["norm"], marker=".", linestyle="-" if side == "upstream" else "--",
                      label=f"{label} ({side})")  # fmt: skip
     for tap, line in edited.sort_values("strength").groupby("tap", sort=False):
-        ax_norm.plot(line["strength"], line["norm"], color="black", marker="o", label=f"{tap}: arrived")
+        ax_norm.plot(line["strength"], line["norm"], color="black", marker="o", label=f"{tap!s}: arrived")
         ax_norm.plot(line["strength"], line["edited_norm"], color="black", linestyle=":", marker="o",
-                     label=f"{tap}: after the edit")  # fmt: skip
+                     label=f"{tap!s}: after the edit")  # fmt: skip
     ax_norm.set_xlabel(column or "edit strength")
     ax_norm.set_ylabel("gradient norm, mean over captured steps")
     ax_norm.set_title("Gradients around the edit", fontsize="medium")

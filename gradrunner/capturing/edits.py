@@ -40,13 +40,12 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import difflib
 import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -66,6 +65,7 @@ OPERATIONS: dict[str, str] = {
     "dropout": "a probability 0 <= p <= 1 (each element zeroed with probability p, the rest scaled by 1/(1-p))",
     "noise_std": "a number >= 0 (Gaussian noise of that standard deviation added)",
 }
+_V = TypeVar("_V")
 _EXAMPLE = "edits='[{tap:\"fc1:output\",scale:0.0}]'"
 
 
@@ -89,7 +89,7 @@ class Edit:
     @property
     def label(self) -> str:
         """How messages name it: `edits[1] {tap: 'fc1:output', scale: 0.0}`."""
-        value = dataclasses.asdict(self.value) if isinstance(self.value, Mask) else self.value
+        value = {"dim": self.value.dim, "keep": list(self.value.keep)} if isinstance(self.value, Mask) else self.value
         return f"edits[{self.index}] {{tap: {self.tap!r}, {self.op}: {value!r}}}"
 
 
@@ -212,7 +212,8 @@ def apply_edit(edit: Edit, g: torch.Tensor, seed: int = 0) -> torch.Tensor:
         norm = torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None)
         return g * torch.clamp(v / (norm + 1e-6), max=1.0).to(g.dtype)
     if op == "clip_value":
-        return g.clamp(-v, v)  # type: ignore[operator]
+        assert isinstance(v, float)
+        return g.clamp(-v, v)
     if op == "mask":
         assert isinstance(v, Mask)
         dim = v.dim % g.dim()
@@ -364,7 +365,7 @@ class Edits:
                 "from parameters (or from an input that requires grad), or drop the edit."
             )
 
-    def on_fire(self, tap: Tap, value: object, key: TapKey | None) -> object:
+    def on_fire(self, tap: Tap, value: _V, key: TapKey | None) -> _V:
         """The value the model goes on with: `value` through an edit node when `tap` is edited.
 
         `key` is the record's key in a captured step (its edited norm is kept), None otherwise; then
@@ -391,8 +392,7 @@ class Edits:
                 pending[key] = value_norm(new)
             return new
 
-        out: torch.Tensor = _EditNode.apply(value, edit)
-        return out
+        return cast(_V, _EditNode.apply(value, edit))
 
     def begin_backward(self) -> None:
         """A backward starts: it is step `self.step`; forget the previous step's calls and norms."""
