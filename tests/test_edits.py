@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import check_ok, gradrunner, leftover_hooks
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from gradrunner import GradrunnerError, capture
 from gradrunner.capturing.edits import generator_seed
@@ -295,6 +296,48 @@ def test_a_transformers_model_is_edited_like_plain_hooks_edit_it(strategy: str) 
     check(recs, cap, arrived, {"transformer.h.0:output": stop, "transformer.h.1.mlp:output": keep, "lm_head:weight": noise})
     assert_same_grads(got, want)
     assert float(got["transformer.h.0.mlp.c_fc.weight"].abs().sum()) == 0  # stop-gradient: nothing reaches block 0
+
+
+class Checkpointed(nn.Module):
+    """`a` and `b` inside `torch.utils.checkpoint`: their forward runs again during backward."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = checkpoint(lambda t: torch.tanh(self.b(torch.tanh(self.a(t)))), x, use_reentrant=self.reentrant)
+        return self.head(inner)
+
+
+@pytest.mark.parametrize("captured_step", [True, False], ids=["captured", "uncaptured"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_an_edit_inside_a_checkpoint_is_applied_once(reentrant: bool, captured_step: bool) -> None:
+    model = Checkpointed(reentrant)
+    x = torch.randn(3, 4, requires_grad=reentrant)  # reentrant checkpointing needs an input that requires grad
+    by_hand = copy.deepcopy(model)
+    by_hand.a.register_forward_hook(lambda m, a, out: out.register_hook(lambda g: -2.0 * g) and None)
+    by_hand.head(torch.tanh(by_hand.b(torch.tanh(by_hand.a(x))))).sum().backward()
+    for strategy in STRATEGIES[:2] if reentrant else STRATEGIES:  # autograd.grad refuses reentrant checkpoints
+        model.zero_grad()
+        with capture(model, [], strategy, edits=[{"tap": "a:output", "scale": -2.0}]) as cap:
+            cap.enabled = captured_step
+            cap.backward(model(x).sum())
+        for (name, want), got in zip(by_hand.named_parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(got.grad, want.grad, msg=f"{strategy}: {name}")
+
+
+def test_a_glob_edit_skips_matches_that_cannot_carry_a_gradient() -> None:
+    model = nn.Sequential(Embed(), nn.Linear(4, 1))
+    ids = torch.tensor([1, 2, 3])
+    with capture(model, [], "hook", edits=[{"tap": "*:input", "scale": 0.5}]) as cap:
+        loss = model(ids).sum()
+        cap.backward(loss)
+        recs = cap.records(loss)
+    rows = {k.tap: i for i, k in enumerate(recs.keys)}
+    assert not recs.has_grad[rows["0.emb:input"]] and not recs.edited[rows["0.emb:input"]]
+    assert recs.edited[rows["1:input"]] and recs.edited_norm[rows["1:input"]] == pytest.approx(0.5 * recs.stats["norm"][rows["1:input"]])
 
 
 # -- what an edit leaves alone, and when it applies -----------------------------------------------------

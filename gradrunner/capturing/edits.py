@@ -217,11 +217,10 @@ def apply_edit(edit: Edit, g: torch.Tensor, seed: int = 0) -> torch.Tensor:
     if op == "mask":
         assert isinstance(v, Mask)
         dim = v.dim % g.dim()
-        keep = torch.zeros(g.shape[dim], dtype=torch.bool)
-        keep[list(v.keep)] = True
         shape = [1] * g.dim()
         shape[dim] = -1
-        return torch.where(keep.to(g.device, non_blocking=True).view(shape), g, torch.zeros((), dtype=g.dtype, device=g.device))
+        keep = _keep_mask(v.keep, g.shape[dim], g.device).view(shape)
+        return torch.where(keep, g, torch.zeros((), dtype=g.dtype, device=g.device))
     if op == "dropout":
         assert isinstance(v, float)
         if v >= 1.0:
@@ -232,6 +231,21 @@ def apply_edit(edit: Edit, g: torch.Tensor, seed: int = 0) -> torch.Tensor:
         assert isinstance(v, float)
         return g + v * _random(g, seed, normal=True).to(g.dtype)
     raise AssertionError(op)
+
+
+#: `mask`'s boolean vectors, made once per (indices, size, device): a copy to an accelerator from host
+#: memory waits for the device, which must not happen at every backward.
+_KEEP_MASKS: dict[tuple[tuple[int, ...], int, torch.device], torch.Tensor] = {}
+
+
+def _keep_mask(keep: tuple[int, ...], size: int, device: torch.device) -> torch.Tensor:
+    key = (keep, size, device)
+    mask = _KEEP_MASKS.get(key)
+    if mask is None:
+        host = torch.zeros(size, dtype=torch.bool)
+        host[list(keep)] = True
+        mask = _KEEP_MASKS[key] = host.to(device)
+    return mask
 
 
 def apply_all(edits: Sequence[Edit], g: torch.Tensor, seed: int, step: int, tap: str, call: int) -> torch.Tensor:
@@ -278,15 +292,18 @@ class _EditNode(torch.autograd.Function):
 
 # -- the session's side --------------------------------------------------------------------------------
 class Edits:
-    """The edits of one capture session, resolved on its model; `Capture` calls it at four points.
+    """The edits of one capture session, resolved on its model (the one seam `Capture` calls into).
 
     Example::
 
         edits = Edits(model, [{"tap": "fc1:output", "scale": -1.0}], seed=0)
         edits.taps          # [Tap('fc1', 'output', ...)]: the session taps these too (one row per firing)
 
-    - `on_fire(tap, value, key)` when a tap fires: the value the model goes on with;
-    - `begin_backward()` at the start of each backward (the step number that seeds random edits);
+    - `install(stack, capturing)` when the session opens: the parameters' hooks;
+    - `on_fire(tap, value, key)` when a tap fires: the value the model goes on with (`refuse` first,
+      for a value that cannot carry a gradient);
+    - `begin_backward()` at the start of each backward (the step number that seeds random edits),
+      `reset()` when the session forgets a step in progress;
     - `arrived(slot_param, key, grad)` when a parameter's gradient is delivered: the one before the edit;
     - `norms`: the edited gradients' norms of the last backward, by record key (0-d, on the device).
     """
@@ -352,9 +369,6 @@ class Edits:
             return apply_all(edits, grad, self.seed, max(self.step, 0), name, part)
 
         return hook
-
-    def is_edited(self, tap: str) -> bool:
-        return tap in self.by_tap
 
     def refuse(self, tap: Tap, why: str) -> None:
         """An edited tap fired on a value without gradient: a named tap is a mistake (a glob's match is skipped)."""
