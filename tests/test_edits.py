@@ -502,3 +502,32 @@ def test_a_glob_and_a_name_on_one_tap_both_apply_in_config_order() -> None:
     assert got["relu1:output"][1] == pytest.approx(got["relu1:output"][0])  # 2 * 0.5
     assert got["relu2:output"][1] == pytest.approx(2 * got["relu2:output"][0])
     assert list(got) == ["relu1:output", "relu2:output"]
+
+
+# -- CUDA (skipped without a GPU) ------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_edits_on_cuda_never_sync_the_host_and_match_cpu() -> None:
+    every_op = [{"tap": "fc1:output", "mask": {"dim": 1, "keep": [0, 3]}}, {"tap": "relu1:output", "clip_norm": 0.01},
+                {"tap": "fc2:output", "clip_value": 0.001}, {"tap": "head:weight", "scale": -1.0},
+                {"tap": "relu2:output", "dropout": 0.3}, {"tap": "fc2:weight", "noise_std": 1e-3}]  # fmt: skip
+    deterministic = {"fc1:output", "relu1:output", "fc2:output", "head:weight"}
+    x, y = torch.randn(16, 8), torch.randn(16, 1)
+    results = {}
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = MLP(in_features=8, hidden=32, depth=2).to(device)
+        with capture(model, ["fc*:output"], "hook", edits=every_op, keep_grads=False) as cap:
+            for step in range(3):
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error" if device == "cuda" and step > 0 else "default")
+                try:
+                    loss = ((model(x.to(device)) - y.to(device)) ** 2).mean()
+                    cap.backward(loss)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                recs = cap.records(loss)
+                model.zero_grad()
+        keep = [i for i, k in enumerate(recs.keys) if k.tap in deterministic]
+        results[device] = (recs.stats["norm"][keep], recs.edited_norm[keep])
+    for cpu, cuda in zip(results["cpu"], results["cuda"], strict=True):
+        np.testing.assert_allclose(cuda, cpu, rtol=1e-4)
