@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import check_ok, gradrunner, leftover_hooks
+from conftest import check_ok, compose_cfg, gradrunner, leftover_hooks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -457,6 +457,27 @@ def test_an_edit_on_a_frozen_parameter_is_refused() -> None:
     model.fc1.weight.requires_grad_(False)
     with pytest.raises(GradrunnerError, match=r"fc1:weight cannot carry a gradient: the parameter does not require grad"):
         capture(model, [], edits=[{"tap": "fc1:weight", "scale": 0.0}])
+
+
+# -- the runner and the command line ----------------------------------------------------------------------
+def test_the_runner_edits_every_step_and_writes_the_two_columns(tmp_path: Any) -> None:
+    import pandas as pd
+
+    from gradrunner.run.loop import train
+
+    cfg = compose_cfg("+experiment=mlp", "steps=3", "device=cpu", "capture.every=2",
+                      'edits=[{tap:"relu2:output",scale:0.0}]')  # fmt: skip
+    df = pd.read_parquet(train(cfg, out_dir=tmp_path))
+    assert sorted(set(df.step)) == [0, 2]
+    edited = df[df.edited]
+    assert set(edited.tap) == {"relu2:output"} and (edited.edited_norm == 0).all() and (edited.norm > 0).all()
+    assert df[~df.edited].edited_norm.isna().all()
+    fc1 = df[df.tap == "fc1:weight"].set_index("step")
+    assert (fc1.norm == 0).all()  # nothing reaches below the stopped gradient
+    # fc1's weight did not move at step 1 either, an uncaptured step: the edit applied there too
+    assert fc1.value_norm[2] == fc1.value_norm[0]
+    head = df[df.tap == "head:weight"].set_index("step")
+    assert head.value_norm[2] != head.value_norm[0]
 
 
 # -- the command line ------------------------------------------------------------------------------------
