@@ -330,8 +330,7 @@ class Edits:
                     self._add_param(edit, tap, getattr(modules[tap.module], tap.name))
         self.step = -1  # becomes 0 at the first backward
         self._calls: dict[str, int] = {}
-        #: edited norms of the backward in progress / the last one, by record key
-        self._pending: dict[TapKey, torch.Tensor] = {}
+        #: edited norms of the backward in progress (then: the last one), by record key
         self.norms: dict[TapKey, torch.Tensor] = {}
         #: parameters' gradients as they arrived (before the edit), summed over the backward's parts
         self._arrived: dict[int, torch.Tensor] = {}
@@ -398,12 +397,12 @@ class Edits:
         self._calls[tap.tap] = call + 1
         if key is not None:
             call = key.call
-        step, seed, pending = max(self.step + 1, 0), self.seed, self._pending
+        step = max(self.step + 1, 0)
 
         def edit(grad: torch.Tensor) -> torch.Tensor:
-            new = apply_all(edits, grad, seed, step, tap.tap, call)
-            if key is not None:
-                pending[key] = value_norm(new)
+            new = apply_all(edits, grad, self.seed, step, tap.tap, call)
+            if key is not None:  # into the norms of the backward running now (a second one too)
+                self.norms[key] = value_norm(new)
             return new
 
         return cast(_V, _EditNode.apply(value, edit))
@@ -413,13 +412,11 @@ class Edits:
         self.step += 1
         self._calls = {}
         self._arrived, self._parts = {}, {}
-        self.norms = self._pending
-        self._pending = {}
+        self.norms = {}
 
     def reset(self) -> None:
         """The step in progress was abandoned (`Capture.reset`): its calls count from 0 again."""
         self._calls = {}
-        self._pending = {}
 
     def arrived(self, param: torch.Tensor, key: TapKey, grad: torch.Tensor) -> torch.Tensor:
         """For a parameter's record: its gradient before the edit (`grad`, what the strategy read, is after)."""
