@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gradrunner import GradrunnerError, capture
 from gradrunner.capturing.edits import generator_seed
-from gradrunner.models import MLP
+from gradrunner.models import MLP, CosineRegression, SmallCNN, TinyTransformerBlock, TwoLayerSigmoid
 
 STRATEGIES = ["retain_grad", "hook", "autograd_grad"]
 MASK = {"dim": -1, "keep": [0, 5, 7]}
@@ -73,16 +73,17 @@ def reference(
     calls: dict[str, int] = {}
 
     def forward_hook(path: str, edit: Edit | None) -> Callable[..., Any]:
-        def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor | None:
+        def hook(mod: nn.Module, args: Any, output: Any) -> Any:
             call = calls[path] = calls.get(path, -1) + 1
-            tap = f"{path}:output"
+            tap = f"{path}:output.0" if isinstance(output, tuple) else f"{path}:output"
+            out = output[0] if isinstance(output, tuple) else output
             if edit is None:
                 out.register_hook(lambda g: arrived.__setitem__((tap, call), g))
                 return None
             out.register_hook(lambda g: edit(g, tap, call))  # what flows on: edited
             mid = out * 1.0
             mid.register_hook(lambda g: arrived.__setitem__((tap, call), g))  # what arrived
-            return mid
+            return (mid, *output[1:]) if isinstance(output, tuple) else mid
 
         return hook
 
@@ -90,7 +91,7 @@ def reference(
         handles.append(modules[path].register_forward_hook(forward_hook(path, edit)))
     named = dict(model.named_parameters(remove_duplicate=False))
     for name, edit in (params or {}).items():
-        tap = ":".join(name.rsplit(".", 1))
+        tap = ":".join(name.rsplit(".", 1)) if "." in name else f":{name}"
         handles.append(named[name].register_hook(lambda g, tap=tap: arrived.__setitem__((tap, 0), g)))
         handles.append(named[name].register_hook(lambda g, tap=tap, edit=edit: edit(g, tap, 0)))  # type: ignore[misc]
     run(model).backward()
@@ -175,6 +176,40 @@ def test_the_edited_taps_rows_exist_without_being_tapped_and_several_edits_apply
 
 
 # -- awkward places: module reuse, tied parameters, locals, a transformers model --------------------------
+BUILT_IN = {
+    "cnn": (lambda: SmallCNN(), (2, 1, 8, 8), {"relu1": ("clip_value", 0.01)}, {"fc.weight": ("mask", {"dim": 0, "keep": [1, 3]})}),
+    "transformer": (lambda: TinyTransformerBlock(reuse_act=True), (2, 5, 16), {"act": ("scale", -1.0), "attn": ("dropout", 0.5)},
+                    {"ff1.weight": ("clip_norm", 0.01)}),
+    "cosine": (lambda: CosineRegression(a=0.7, b=0.2), (5,), {}, {"a": ("scale", 2.0), "b": ("noise_std", 0.1)}),
+    "sigmoid2": (lambda: TwoLayerSigmoid(), (1, 1), {}, {"w1": ("noise_std", 0.1), "w2": ("clip_value", 0.01)}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("name", list(BUILT_IN))
+def test_the_built_in_models_are_edited_like_plain_hooks_edit_them(name: str, strategy: str) -> None:
+    make, shape, outputs, params = BUILT_IN[name]
+    model = make().double()
+    x = torch.randn(*shape, dtype=torch.float64)
+
+    def run(m: nn.Module) -> torch.Tensor:
+        return (m(x) ** 2).sum()
+
+    def tap_of(path: str) -> str:
+        return f"{path}:output.0" if path == "attn" else f"{path}:output"
+
+    ref_outputs = {path: ref_op(*op) for path, op in outputs.items()}
+    ref_params = {p: ref_op(*op) for p, op in params.items()}
+    arrived, want = reference(copy.deepcopy(model), run, dict(ref_outputs), dict(ref_params))
+    edits = [{"tap": tap_of(path), op: value} for path, (op, value) in outputs.items()]
+    edits += [{"tap": ":".join(p.rsplit(".", 1)) if "." in p else f":{p}", op: value} for p, (op, value) in params.items()]
+    cap, recs, got = captured(model, run, strategy, [], edits)
+    edited = {tap_of(path): f for path, f in ref_outputs.items()}
+    edited.update({":".join(p.rsplit(".", 1)) if "." in p else f":{p}": f for p, f in ref_params.items()})
+    check(recs, cap, arrived, edited)
+    assert_same_grads(got, want)
+
+
 class Twice(nn.Module):
     """One Linear called twice per forward."""
 
