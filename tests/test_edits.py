@@ -175,6 +175,30 @@ def test_the_edited_taps_rows_exist_without_being_tapped_and_several_edits_apply
     assert float(got["fc1.weight"].abs().max()) > 0  # clip then scale: 3x the clipped gradient, not clipped
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_edits_on_two_taps_of_one_tensor_apply_as_backward_meets_them(strategy: str) -> None:
+    model = MLP(in_features=8, hidden=16, depth=1).double()  # fc1's output is relu1's input
+    x = torch.randn(4, 8, dtype=torch.float64)
+    by_hand = copy.deepcopy(model)
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(m: nn.Module, a: Any, out: torch.Tensor) -> torch.Tensor:
+        out.register_hook(lambda g: seen.setdefault("fc1", g).clamp(-1e-3, 1e-3))  # fires first: edits last
+        mid = out * 1.0
+        mid.register_hook(lambda g: seen.setdefault("relu1", g) * 10.0)
+        return mid
+
+    by_hand.fc1.register_forward_hook(hook)
+    by_hand(x).sum().backward()
+    cap, recs, got = captured(model, lambda m: m(x).sum(), strategy, [], [{"tap": "fc1:output", "clip_value": 1e-3},
+                                                                          {"tap": "relu1:input", "scale": 10.0}])  # fmt: skip
+    row = {k.tap: i for i, k in enumerate(recs.keys)}
+    assert recs.stats["norm"][row["relu1:input"]] == pytest.approx(float(seen["relu1"].norm()))
+    assert recs.stats["norm"][row["fc1:output"]] == pytest.approx(float(seen["fc1"].norm()))  # 10x what relu1 got
+    assert recs.edited_norm[row["fc1:output"]] == pytest.approx(float(seen["fc1"].clamp(-1e-3, 1e-3).norm()))
+    assert_same_grads(got, {n: p.grad for n, p in by_hand.named_parameters()})
+
+
 # -- awkward places: module reuse, tied parameters, locals, a transformers model --------------------------
 BUILT_IN = {
     "cnn": (lambda: SmallCNN(), (2, 1, 8, 8), {"relu1": ("clip_value", 0.01)}, {"fc.weight": ("mask", {"dim": 0, "keep": [1, 3]})}),

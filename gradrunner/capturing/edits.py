@@ -26,8 +26,9 @@ How it is applied (one mechanism, whatever strategy reads the gradient):
   optimiser step) get it under every strategy; the hook keeps the gradient that arrived, which the
   session records in place of what the strategy read (`Edits.arrived`).
 
-Several edits on one tap apply in config order; edits on different taps of one tensor apply in
-firing order (a tap that fires later lies downstream). A parameter tied under several names is one
+Several edits on one tap apply in config order; edits on different taps of one tensor (`fc1:output`
+and `relu1:input`) apply as backward meets them: the tap that fires later lies downstream, its edit
+comes first and the other one edits what it let through. A parameter tied under several names is one
 tensor: an edit under any name edits it, and every name's record says so.
 
 Example::
