@@ -562,6 +562,7 @@ def test_a_sweep_over_an_edits_strength_from_the_command_line(tmp_path: Any) -> 
     assert "Gradient edits" in page and "The sweep over edits.0.scale" in page
 
 
+@pytest.mark.slow
 def test_a_bad_edit_on_the_command_line_is_one_paragraph_and_exit_2(tmp_path: Any) -> None:
     result = gradrunner(tmp_path, "+experiment=mlp", "steps=1", "device=cpu", 'edits=[{tap:"relu2:output",clip_norm:-1}]')
     assert result.returncode == 2, result.stderr
