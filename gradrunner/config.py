@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 # The allowed values live in choices.py (one source; re-exported here for `from gradrunner.config import DTYPES`).
 from gradrunner.choices import DEVICES, DTYPES, NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
+from gradrunner.edit_specs import parse_edits
 from gradrunner.errors import GradrunnerError, not_allowed
 
 #: Name of the schema in the ConfigStore; `conf/config.yaml` lists it first in its defaults.
@@ -276,8 +277,6 @@ def validate_edits(cfg: DictConfig) -> None:
 
         validate_edits(compose("config", overrides=['edits=[{tap:"fc1:output",scale:-1}]']))   # fine
     """
-    from gradrunner.capturing.edits import parse_edits  # lazy: the capture layer imports torch
-
     edits = cfg.get("edits")
     parse_edits(OmegaConf.to_container(edits, resolve=True) if OmegaConf.is_config(edits) else edits)
 
