@@ -479,6 +479,8 @@ class Capture:
         """
         updates = {} if before is None else before.update_norms()
         edited = None if self._edits is None else self._edits.norms
+        if edited and self.grad_scale is not None:  # fp16 loss scaling: after the edit, in true units too
+            edited = {k: v * self.grad_scale.to(device=v.device, dtype=v.dtype) for k, v in edited.items()}
         if self._collector is not None:
             recs = self._collector.finish(loss, updates, edited)
         else:
