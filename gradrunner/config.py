@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 # The allowed values live in choices.py (one source; re-exported here for `from gradrunner.config import DTYPES`).
 from gradrunner.choices import DEVICES, DTYPES, NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
+from gradrunner.edit_specs import parse_edits
 from gradrunner.errors import GradrunnerError, not_allowed
 
 #: Name of the schema in the ConfigStore; `conf/config.yaml` lists it first in its defaults.
@@ -108,6 +109,9 @@ class Config:
     resume: bool = False
     # Write the report (python -m gradrunner.report) when the run ends; a sweep writes one for the sweep dir.
     report: bool = False
+    # Gradient edits: {tap: <spec>, <operation>: <value>} entries (scale, clip_norm, clip_value, mask,
+    # dropout, noise_std), applied on every step in config order (gradrunner/capturing/edits.py).
+    edits: list[Any] = field(default_factory=list)
 
 
 def register_configs() -> None:
@@ -198,6 +202,7 @@ def validate(cfg: DictConfig) -> None:
         if not isinstance(cfg.capture.get(flag, False), bool):
             raise _allowed(f"capture.{flag}", cfg.capture[flag], ["false", "true"])
     validate_train(cfg)
+    validate_edits(cfg)
     if not OmegaConf.is_list(cfg.taps):
         raise GradrunnerError(
             f"taps={cfg.taps!r} must be a list of tap specs, e.g. taps='[fc1:output,\"relu*:output\"]'."
@@ -265,3 +270,18 @@ def validate_train(cfg: DictConfig) -> None:
             f"model.init_from={init_from!r} is not allowed; it must be the path of a local state_dict (.pt) or"
             " safetensors file, or null."
         )
+def validate_edits(cfg: DictConfig) -> None:
+    """Check `edits` (a list of `{tap, <one operation>: <value>}`) before anything is built.
+
+    Example::
+
+        validate_edits(compose("config", overrides=['edits=[{tap:"fc1:output",scale:-1}]']))   # fine
+    """
+    edits = cfg.get("edits")
+    parse_edits(OmegaConf.to_container(edits, resolve=True) if OmegaConf.is_config(edits) else edits)
+
+
+def edit_list(cfg: DictConfig) -> list[Any] | None:
+    """`edits` as plain Python values for `capture(..., edits=...)`, None when there are none (validated already)."""
+    edits = OmegaConf.to_container(cfg.edits, resolve=True) if cfg.get("edits") else None
+    return edits if isinstance(edits, list) else None

@@ -76,6 +76,8 @@ def misspelled_key(argv: Sequence[str]) -> str | None:
             continue
         if head in GROUPS or (head == "capture" and (not rest or rest in capture)) or (not rest and head in top):
             continue
+        if head == "edits":  # edits.0.scale=...: a list entry's value (validate_edits checks it)
+            continue
         if head == "capture":
             hint = did_you_mean(rest, capture, prefix="capture.")
             return f"{key} is not a config key; capture.* keys: {', '.join(capture)}.{hint} Fix the override {arg!r}."

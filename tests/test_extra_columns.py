@@ -202,7 +202,7 @@ def test_options_are_off_by_default_and_the_old_columns_are_as_before_this_issue
     train(cfg, out_dir=tmp_path)
     df = pd.read_parquet(tmp_path / "grads.parquet")
     assert "per_example_norm" not in df.columns and "hist_counts" not in df.columns
-    assert df.columns[-4:].tolist() == ["value_norm", "update_norm", "update_ratio", "micro_step"]
+    assert df.columns[-6:].tolist() == ["value_norm", "update_norm", "update_ratio", "micro_step", "edited", "edited_norm"]
     assert HIST_EDGES_KEY.encode() not in pq.read_schema(tmp_path / "grads.parquet").metadata
     # written by the commit before this issue (682a83f) with the same config and seed
     before = pd.DataFrame(json.loads((TESTS / "data" / "cosine_before_issue15.json").read_text()))

@@ -50,7 +50,8 @@ def write(path: Path, steps: list[StepRecords], **kw: object) -> Path:
 
 
 def test_schema_has_contract_columns_in_order_then_has_grad_reason_and_rank() -> None:
-    assert GRADS_SCHEMA.names == [*CONTRACT_COLUMNS, "has_grad", "reason", "rank", "value_norm", "update_norm", "update_ratio", "micro_step"]
+    assert GRADS_SCHEMA.names == [*CONTRACT_COLUMNS, "has_grad", "reason", "rank", "value_norm", "update_norm", "update_ratio",
+                                  "micro_step", "edited", "edited_norm"]
     types = {f.name: f.type for f in GRADS_SCHEMA}
     assert types["shape"] == pa.list_(pa.int64()) and types["values"] == pa.list_(pa.float32())
     assert all(types[c] == pa.float64() for c in [*STAT_COLUMNS, "loss"])

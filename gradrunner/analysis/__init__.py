@@ -8,6 +8,7 @@ Imports no torch (a test checks it in a fresh interpreter).
 | `summaries` | the helpers: tap summary, gradient flow, strategy agreement and cost |
 | `optional` | helpers over the optional columns: histograms over steps, update ratios, per-example spread |
 | `plots`, `plots_optional` | matplotlib figures drawn from those helpers' DataFrames |
+| `plots_edits` | a sweep over an edit's strength: its table (`edit_sweep`) and panel (`plot_edit_sweep`) |
 | `report` | `python -m gradrunner.report <dir>`: PNGs and one HTML page |
 
 Example::

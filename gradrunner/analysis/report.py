@@ -134,6 +134,7 @@ def write_report(path: str | Path) -> Path:
         fig = plots.plot_value_distributions(values)
         sections.append(_figure(out_dir, "values", "Gradient values", fig, "First and last captured step."))
     sections += _extra_sections(grads, out_dir)
+    sections += _edit_sections(grads, out_dir)
     page = out_dir / REPORT_NAME
     write_atomically(page, _page(out_dir, grads, sections, _answer(grads, steps, summary, cmp)))
     return page
@@ -447,6 +448,26 @@ def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
                 "1 means every example weighs the same. most_often_top is the batch row most often largest.")
         fig = plots_optional.plot_per_example_spread(first)
         sections.append(_figure(out_dir, "per_example", "Per-example gradient norms", fig, note) + _table(table))
+    return sections
+
+
+def _edit_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
+    """Gradient edits: which taps were edited and, for a sweep over an edit's strength, its panel."""
+    if "edited" not in grads.columns or not grads["edited"].fillna(False).astype(bool).any():
+        return []
+    from gradrunner.analysis import plots_edits
+
+    edited = grads[grads["edited"].fillna(False).astype(bool)]
+    table = edited.groupby([*run_columns(edited), "tap"], sort=False).agg(
+        rows=("edited", "size"), norm_before=("norm", "mean"), norm_after=("edited_norm", "mean")).reset_index()
+    note = ("Edited taps (edits=...): their records hold the gradient as it arrived (norm_before, mean over the "
+            "captured steps); norm_after is what the edit let through to the rest of backward.")
+    sections = [_section("Gradient edits", f"<p>{html.escape(note)}</p>\n{_table(table)}")]
+    column = plots_edits.edit_strength_column(grads)
+    if column is not None:
+        note = (f"The sweep over {column}: loss at the last step, and gradient norms of the taps upstream of the edit "
+                "(their gradient passes it, solid) and downstream (dashed).")
+        sections.append(_figure(out_dir, "edit_sweep", "Edit strength", plots_edits.plot_edit_sweep(grads, column), note))
     return sections
 
 

@@ -10,6 +10,7 @@ Knows nothing of Hydra, Parquet or the runner (import-linter checks it).
 | `grad_context` | autograd state: no_grad, checkpointing, backward, compiled modules |
 | `strategies` | `retain_grad`, `hook`, `autograd_grad`: one file each, one registry |
 | `stats` | statistics on the gradient's device, one host transfer per step |
+| `edits` | gradient edits (`edits=[...]`): one edit node per firing, a hook per edited parameter |
 | `session` | `capture(model, taps, strategy=...)`, the context manager |
 | `grads` | `Grads`: the last step's kept gradients, by tap and call |
 

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from gradrunner.capturing.edits import Edits
 from gradrunner.capturing.elements import bind_input, get_element, set_element
 from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.forward_locals import patch_forward
@@ -79,6 +80,9 @@ class Capture:
     `per_example=True` adds each record's per-row gradient norms (taps other than parameters),
     `histogram=True` counts of |g| in the fixed bins of `records.columns.HIST_EDGES`; every record
     carries `value_norm`, the tapped tensor's own norm (see `Capture.records` for update norms).
+    `edits` (`[{"tap": "fc1:output", "scale": 0.0}, ...]`, see `gradrunner.capturing.edits`) change the
+    gradients flowing back through those taps, on every step; each edited tap is tapped too, its record
+    holding the gradient before the edit, `edited` and `edited_norm` (the norm after it).
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class Capture:
         wrap_strategy: Callable[[Strategy], Strategy] | None = None,
         per_example: bool = False,
         histogram: bool = False,
+        edits: Sequence[Any] | None = None,
     ) -> None:
         model = unwrap_compiled(model)  # torch.compile(model): tap its eager modules, call the compiled one
         refuse_compiled(model)
@@ -101,6 +106,9 @@ class Capture:
             raise GradrunnerError(f"capture.values={values!r} is not a values mode; allowed: {', '.join(VALUES_MODES)}")
         self.model = model
         self.taps: list[Tap] = resolve_taps(model, taps)
+        self._edits = Edits(model, edits, seed) if edits else None
+        if self._edits is not None:  # an edited tap not tapped is tapped too: one row per firing
+            self.taps += [t for t in self._edits.taps if t.tap not in {k.tap for k in self.taps}]
         self.strategy = get_strategy(strategy)(self._deliver)
         if wrap_strategy is not None:  # e.g. DDP: parameters from `.grad` after the all-reduce
             self.strategy = wrap_strategy(self.strategy)
@@ -181,6 +189,8 @@ class Capture:
                 self._patch_forward(module, local_taps)
         self._tap_params = [(t, getattr(modules[t.module], t.name)) for t in self.taps if t.kind == "param"]
         self.strategy.install([(p, self._slot_lookup(t.tap)) for t, p in self._tap_params])
+        if self._edits is not None:
+            self._edits.install(self._stack, lambda: self.enabled)
 
     def _watch_params(self) -> None:
         """Forget the cached parameter list whenever any module registers a parameter or submodule.
@@ -275,7 +285,7 @@ class Capture:
     def _fire(self, tap: Tap, value: object, is_input: bool = False) -> object:
         """A tap fired in the forward pass: open a slot (one call) and let the strategy attach."""
         if not self.enabled:
-            return value
+            return value if self._edits is None else self._edits.on_fire(tap, value, None)
         if in_backward():
             return self._fire_recomputed(tap, value, is_input)
         if not torch.is_grad_enabled():
@@ -315,6 +325,8 @@ class Capture:
             return value
         why = no_grad_reason(value, is_input)
         if why is not None:
+            if self._edits is not None:
+                self._edits.refuse(tap, why[1])
             if not tap.from_glob:
                 raise GradrunnerError(
                     f"tap {tap.tap!r} cannot carry a gradient: its value is {why[1]}.{_element_hint(tap, value)} "
@@ -337,6 +349,8 @@ class Capture:
         if is_view(value):
             slot.view, slot.version = value, version(value)
         slot.value_norm = value_norm(value)  # on the device, no sync: it goes to the host with the step
+        if self._edits is not None:  # the strategy reads the gradient that arrives, the edit acts upstream of it
+            value = self._edits.on_fire(tap, value, slot.key)
         return self.strategy.attach(value, slot)
 
     # -- backward pass ---------------------------------------------------------------------------
@@ -350,6 +364,8 @@ class Capture:
         if slot.delivered or grad is None:
             return None
         slot.delivered = True
+        if slot.param is not None and self._edits is not None:
+            grad = self._edits.arrived(slot.param, slot.key, grad)  # recorded: the gradient before the edit
         if self.grad_scale is not None:
             # In float32 (statistics are float32 anyway): a float16 gradient divided by the scale could underflow.
             # A new tensor: the caller's gradient is untouched.
@@ -373,6 +389,8 @@ class Capture:
 
             cap.backward(loss_fn(model(x), y))
         """
+        if self._edits is not None:
+            self._edits.begin_backward()
         if not self.enabled:
             loss.backward(retain_graph=retain_graph)
             return
@@ -440,6 +458,8 @@ class Capture:
                 cap.reset()     # the retried step starts at call 0 again
         """
         self._slots, self._calls, self._deferred, self._forward_mark = [], {}, {}, None
+        if self._edits is not None:
+            self._edits.reset()
 
     def records(self, loss: torch.Tensor | None = None, before: ParamSnapshot | None = None) -> StepRecords:
         """Statistics (and values) of the last captured step, in one device-to-host transfer.
@@ -458,15 +478,18 @@ class Capture:
         arrive; tests/test_extra_columns.py checks this under Adam with weight decay and SGD momentum).
         """
         updates = {} if before is None else before.update_norms()
+        edited = None if self._edits is None else self._edits.norms
+        if edited and self.grad_scale is not None:  # fp16 loss scaling: after the edit, in true units too
+            edited = {k: v * self.grad_scale.to(device=v.device, dtype=v.dtype) for k, v in edited.items()}
         if self._collector is not None:
-            recs = self._collector.finish(loss, updates)
+            recs = self._collector.finish(loss, updates, edited)
         else:
             collector = self._new_collector()
             for slot in self._last:
                 grad = self.grads.calls(slot.key.tap)[slot.key.call] if slot.fired else None
                 collector.add(slot.key, grad.abs() if grad is not None and grad.is_complex() else grad,
                               order=slot.order, value_norm=slot.value_norm, batched=slot.param is None)  # fmt: skip
-            recs = collector.finish(loss, updates)
+            recs = collector.finish(loss, updates, edited)
         why = {s.key: s.reason for s in self._last}
         recs.reason = [None if g else why.get(k, NO_PART) for k, g in zip(recs.keys, recs.has_grad, strict=True)]
         return recs

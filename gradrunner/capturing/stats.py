@@ -263,10 +263,14 @@ class Collector:
             self._positions[cache_key] = (pos, torch.from_numpy(pos).to(flat.device))
         return flat.index_select(0, self._positions[cache_key][1]).float()
 
-    def finish(self, loss: torch.Tensor | None = None, updates: Mapping[TapKey, torch.Tensor] | None = None) -> StepRecords:
+    def finish(
+        self, loss: torch.Tensor | None = None, updates: Mapping[TapKey, torch.Tensor] | None = None,
+        edited: Mapping[TapKey, torch.Tensor] | None = None,
+    ) -> StepRecords:  # fmt: skip
         """Reduce what was deferred, move all reductions to the host in one transfer, derive statistics.
 
-        `updates` maps parameter taps to the 0-d norm of the optimiser step's change (`update_norm`):
+        `updates` maps parameter taps to the 0-d norm of the optimiser step's change (`update_norm`),
+        `edited` edited records to the 0-d norm of their gradient after the edit (`edited_norm`):
         they ride in the same transfer as everything else.
         """
         pending, self._pending = sorted(self._pending, key=lambda p: p.order), []
@@ -275,6 +279,10 @@ class Collector:
         parts = [b.reshape(-1) for b in blocks]
         n_red = sum(p.numel() for p in parts)
         extras = _extra_parts(pending, updates or {})
+        edited_at = n_red + sum(t.numel() for _, t in extras)
+        edited = {p.key: edited[p.key] for p in pending if p.key in edited} if edited else {}
+        if edited:
+            extras.append(("edited_norm", _stack(list(edited.values()))))
         parts += [t for _, t in extras]
         if loss is not None:
             parts.append(loss.detach().reshape(1))
@@ -288,6 +296,9 @@ class Collector:
         recs = _derive(pending, rows, flat[:n_red].reshape(-1, _N_REDUCTIONS))
         recs.loss = float(flat[-1]) if loss is not None else None
         _fill_extras(recs, pending, extras, flat[n_red:], updates or {}, self.per_example, self.histogram)
+        recs.edited = np.array([p.key in edited for p in pending], dtype=bool)
+        recs.edited_norm = np.full(len(pending), np.nan)
+        recs.edited_norm[recs.edited] = flat[edited_at : edited_at + len(edited)]
         if self.values != "none":
             recs.values = _values_to_host(pending)
             if self.values == "sample":

@@ -114,6 +114,10 @@ class StepRecords:
     per_example_norm: list[np.ndarray | None] | None = None
     #: `capture.histogram`: counts of |g| per `HIST_EDGES` bin (None where no gradient).
     hist_counts: list[np.ndarray | None] | None = None
+    #: Gradient edits (`capturing.edits`): whether an edit changed this record's gradient (the statistics
+    #: are of the gradient before it), and the norm after it (NaN where not edited).
+    edited: np.ndarray | None = None
+    edited_norm: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -138,4 +142,6 @@ class StepRecords:
             out[c] = float("nan") if col is None else float(col[i])
         out[PER_EXAMPLE_COLUMN] = None if self.per_example_norm is None else self.per_example_norm[i]
         out[HIST_COLUMN] = None if self.hist_counts is None else self.hist_counts[i]
+        out["edited"] = False if self.edited is None else bool(self.edited[i])
+        out["edited_norm"] = float("nan") if self.edited_norm is None else float(self.edited_norm[i])
         return out

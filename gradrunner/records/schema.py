@@ -53,6 +53,10 @@ GRADS_SCHEMA = pa.schema(
         # train.accumulate > 1: the micro-batch of the step an activation record comes from (0, 1, ...);
         # parameter taps are recorded once per optimisation step (the accumulated .grad): null there.
         pa.field("micro_step", pa.int64()),
+        # Gradient edits: whether an edit changed this record's gradient (the statistics above are of the
+        # gradient before it), and the norm after it (null where not edited).
+        pa.field("edited", pa.bool_()),
+        pa.field("edited_norm", pa.float64()),
     ]
 )
 

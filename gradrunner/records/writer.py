@@ -455,6 +455,9 @@ class RecordWriter(_RunTableWriter):
             v = np.full(n, np.nan) if col is None else np.asarray(col, dtype=np.float64)
             cols[c] = pa.array(v, mask=~np.isfinite(v))
         cols["micro_step"] = pa.nulls(n, pa.int64())
+        edited = np.zeros(n, dtype=bool) if recs.edited is None else np.asarray(recs.edited, dtype=bool)
+        cols["edited"] = pa.array(edited)
+        cols["edited_norm"] = pa.array(np.full(n, np.nan) if recs.edited_norm is None else recs.edited_norm, mask=~edited)
         names = self.schema.names
         if PER_EXAMPLE_COLUMN in names:
             cols[PER_EXAMPLE_COLUMN] = _list_array(recs.per_example_norm or [None] * n, np.float64)

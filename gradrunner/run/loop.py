@@ -33,6 +33,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradrunner.capturing.session import Capture, capture
+from gradrunner.config import edit_list
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
 from gradrunner.run import accumulation, distributed, watch
 from gradrunner.run.build import Job, setup
@@ -391,7 +392,8 @@ def _train_in(
         per_example, histogram = bool(c.get("per_example", False)), bool(c.get("histogram", False))
         cap = capture(distributed.unwrap(job.model), taps, c.strategy, values=c["values"],
                       sample_size=c.sample_size, seed=cfg.seed, keep_grads=False, wrap_strategy=wrap,
-                      per_example=per_example, histogram=histogram)  # fmt: skip
+                      per_example=per_example, histogram=histogram,
+                      edits=edit_list(cfg))  # fmt: skip
         stack.enter_context(cap)
         log.info("run %s: %d taps resolved (%s), %d steps on %s/%s", constants["run_id"], len(cap.taps),
                  ", ".join(t.tap for t in cap.taps[:6]) + (", ..." if len(cap.taps) > 6 else ""),

@@ -1,0 +1,314 @@
+"""Gradient edits: change the gradient flowing back through a tap, and record what arrived and what left.
+
+An edit is a tap spec and one operation on the gradient ``g`` that backward brings to that tap:
+
+| operation | value | the gradient becomes |
+| --- | --- | --- |
+| `scale` | a number `s` | `s * g` (`s = 0`: exact zeros, also where `g` was not finite; `-1`: gradient reversal) |
+| `clip_norm` | `c >= 0` | `g * min(1, c / (norm(g) + 1e-6))`, per call (as `torch.nn.utils.clip_grad_norm_`) |
+| `clip_value` | `v >= 0` | `g` clamped to `[-v, v]` |
+| `mask` | `{dim: d, keep: [i, ...]}` | `g` at the listed indices along dim `d`, zero elsewhere |
+| `dropout` | `0 <= p <= 1` | `g * m / (1 - p)`, `m` Bernoulli(1 - p) (`p = 1`: zeros) |
+| `noise_std` | `s >= 0` | `g + s * n`, `n` standard normal |
+
+`dropout` and `noise_std` draw from a `torch.Generator` on the gradient's device seeded from
+(seed, step, tap, call): the same numbers for every strategy and every re-run.
+
+How it is applied (one mechanism, whatever strategy reads the gradient):
+
+- an activation, input or local tap: when the tap fires, the value the model goes on with passes
+  through an identity node (`_EditNode`, no copy) whose backward applies the edit. The strategy
+  attaches to the node's output, so every strategy reads the gradient *before* the edit; what flows
+  on upstream (earlier layers, parameter `.grad`, the optimiser step) is the edited one. A hook on the
+  tapped tensor itself could not do this: `retain_grad`'s `.grad` and `torch.autograd.grad`'s result
+  are both taken after a tensor's hooks have run.
+- a parameter: a tensor hook on the parameter returns the edited gradient, so `.grad` (and the
+  optimiser step) get it under every strategy; the hook keeps the gradient that arrived, which the
+  session records in place of what the strategy read (`Edits.arrived`).
+
+Several edits on one tap apply in config order; edits on different taps of one tensor (`fc1:output`
+and `relu1:input`) apply as backward meets them: the tap that fires later lies downstream, its edit
+comes first and the other one edits what it let through. A parameter tied under several names is one
+tensor: an edit under any name edits it, and every name's record says so.
+
+Example::
+
+    edits = parse_edits([{"tap": "fc1:output", "scale": 0.0}, {"tap": "head:weight", "clip_norm": 1.0}])  # edit_specs
+    with capture(model, ["fc*:output"], edits=edits) as cap:   # capture() also takes the plain dicts
+        cap.backward(loss_fn(model(x), y))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
+
+import torch
+from torch import nn
+
+from gradrunner.capturing.extras import value_norm
+from gradrunner.capturing.grad_context import in_backward, reentrant_checkpoint
+from gradrunner.capturing.taps import Tap, resolve_taps
+
+# The spec side (what an entry may say) is torch-free, for the config layer: re-exported here.
+from gradrunner.edit_specs import OPERATIONS as OPERATIONS
+from gradrunner.edit_specs import Edit, Mask, parse_edits
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import TapKey
+
+_V = TypeVar("_V")
+
+
+# -- applying an edit to a gradient ------------------------------------------------------------------
+def generator_seed(seed: int, step: int, tap: str, call: int) -> int:
+    """The seed of the random numbers an edit draws at (seed, step, tap, call): the same everywhere.
+
+    Example::
+
+        generator_seed(0, 3, "fc1:output", 0)    # a fixed 63-bit integer
+    """
+    digest = hashlib.blake2b(f"{seed}|{step}|{tap}|{call}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _random(g: torch.Tensor, seed: int, normal: bool) -> torch.Tensor:
+    """float32 uniform or normal numbers of `g`'s shape on its device, from a generator seeded with `seed`."""
+    gen = torch.Generator(device=g.device)
+    gen.manual_seed(seed)
+    draw = torch.randn if normal else torch.rand
+    return draw(g.shape, generator=gen, device=g.device, dtype=torch.float32)
+
+
+def apply_edit(edit: Edit, g: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """`g` with `edit` applied (a new tensor; `g` is not changed). `seed`: for dropout and noise_std.
+
+    Example::
+
+        apply_edit(Edit("fc1:output", "clip_value", 0.5), torch.tensor([-2.0, 0.1]))   # tensor([-0.5, 0.1])
+
+    No host sync: every operation stays on `g`'s device.
+    """
+    op, v = edit.op, edit.value
+    if op == "scale":
+        assert isinstance(v, float)
+        return torch.zeros_like(g) if v == 0.0 else g * v
+    if op == "clip_norm":
+        assert isinstance(v, float)
+        norm = torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None)
+        return g * torch.clamp(v / (norm + 1e-6), max=1.0).to(g.dtype)
+    if op == "clip_value":
+        assert isinstance(v, float)
+        return g.clamp(-v, v)
+    if op == "mask":
+        assert isinstance(v, Mask)
+        dim = v.dim % g.dim()
+        shape = [1] * g.dim()
+        shape[dim] = -1
+        keep = _keep_mask(v.keep, g.shape[dim], g.device).view(shape)
+        return torch.where(keep, g, torch.zeros((), dtype=g.dtype, device=g.device))
+    if op == "dropout":
+        assert isinstance(v, float)
+        if v >= 1.0:
+            return torch.zeros_like(g)
+        kept = _random(g, seed, normal=False) >= v
+        return torch.where(kept, g * (1.0 / (1.0 - v)), torch.zeros((), dtype=g.dtype, device=g.device))
+    if op == "noise_std":
+        assert isinstance(v, float)
+        return g + v * _random(g, seed, normal=True).to(g.dtype)
+    raise AssertionError(op)
+
+
+#: `mask`'s boolean vectors, made once per (indices, size, device): a copy to an accelerator from host
+#: memory waits for the device, which must not happen at every backward.
+_KEEP_MASKS: dict[tuple[tuple[int, ...], int, torch.device], torch.Tensor] = {}
+
+
+def _keep_mask(keep: tuple[int, ...], size: int, device: torch.device) -> torch.Tensor:
+    key = (keep, size, device)
+    mask = _KEEP_MASKS.get(key)
+    if mask is None:
+        host = torch.zeros(size, dtype=torch.bool)
+        host[list(keep)] = True
+        mask = _KEEP_MASKS[key] = host.to(device)
+    return mask
+
+
+def apply_all(edits: Sequence[Edit], g: torch.Tensor, seed: int, step: int, tap: str, call: int) -> torch.Tensor:
+    """`edits` applied to `g` one after the other (config order); random ones seeded per (seed, step, tap, call)."""
+    for k, edit in enumerate(edits):
+        # Two random edits on one tap draw different numbers: the entry's index is part of the seed.
+        g = apply_edit(edit, g, generator_seed(seed, step, f"{tap}#{edit.index}" if k else tap, call))
+    return g
+
+
+def _check_shape(edits: Sequence[Edit], tap: str, shape: torch.Size) -> None:
+    """A mask's dim and indices must exist in the gradient's shape (that of the tapped value)."""
+    for edit in edits:
+        m = edit.value
+        if not isinstance(m, Mask):
+            continue
+        if not -len(shape) <= m.dim < len(shape) or not shape:
+            raise GradrunnerError(
+                f"{edit.label}: the gradient of {tap} has shape {list(shape)}, which has no dim {m.dim}; "
+                f"mask.dim takes {'-' + str(len(shape)) + '..' + str(len(shape) - 1) if shape else 'nothing (0-d)'}."
+            )
+        size = shape[m.dim]
+        bad = [k for k in m.keep if not -size <= k < size]
+        if bad:
+            raise GradrunnerError(
+                f"{edit.label}: mask.keep index {bad[0]} is out of range for dim {m.dim} of {tap}'s gradient, shape "
+                f"{list(shape)} (size {size}); indices run 0..{size - 1} (negative ones count from the end)."
+            )
+
+
+class _EditNode(torch.autograd.Function):
+    """Identity forward (no copy); backward applies `edit` to the gradient and returns the result."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, edit: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        ctx.edit = edit
+        # `detach()` shares the storage but is no differentiable view: the model may change it in place.
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.edit(grad), None
+
+
+# -- the session's side --------------------------------------------------------------------------------
+class Edits:
+    """The edits of one capture session, resolved on its model (the one seam `Capture` calls into).
+
+    Example::
+
+        edits = Edits(model, [{"tap": "fc1:output", "scale": -1.0}], seed=0)
+        edits.taps          # [Tap('fc1', 'output', ...)]: the session taps these too (one row per firing)
+
+    - `install(stack, capturing)` when the session opens: the parameters' hooks;
+    - `on_fire(tap, value, key)` when a tap fires: the value the model goes on with (`refuse` first,
+      for a value that cannot carry a gradient);
+    - `begin_backward()` at the start of each backward (the step number that seeds random edits),
+      `reset()` when the session forgets a step in progress;
+    - `arrived(slot_param, key, grad)` when a parameter's gradient is delivered: the one before the edit;
+    - `norms`: the edited gradients' norms of the last backward, by record key (0-d, on the device).
+    """
+
+    def __init__(self, model: nn.Module, entries: object, seed: int = 0) -> None:
+        self.edits = parse_edits(entries)
+        self.seed = seed
+        #: resolved tap name -> its edits in config order
+        self.by_tap: dict[str, list[Edit]] = {}
+        self.taps: list[Tap] = []
+        modules = dict(model.named_modules(remove_duplicate=False))
+        #: id(parameter) -> (parameter, its edits, its tap names)
+        self._params: dict[int, tuple[nn.Parameter, list[Edit], list[str]]] = {}
+        for edit in self.edits:
+            try:
+                resolved = resolve_taps(model, [edit.tap])
+            except GradrunnerError as e:
+                raise GradrunnerError(f"{edit.label}: {e}") from None
+            for tap in resolved:
+                if tap.tap not in self.by_tap:
+                    self.taps.append(tap)
+                self.by_tap.setdefault(tap.tap, []).append(edit)
+                if tap.kind == "param":
+                    self._add_param(edit, tap, getattr(modules[tap.module], tap.name))
+        self.step = -1  # becomes 0 at the first backward
+        self._calls: dict[str, int] = {}
+        #: edited norms of the backward in progress (then: the last one), by record key
+        self.norms: dict[TapKey, torch.Tensor] = {}
+        #: parameters' gradients as they arrived (before the edit), summed over the backward's parts
+        self._arrived: dict[int, torch.Tensor] = {}
+        self._parts: dict[int, int] = {}
+        self.capturing: Callable[[], bool] = lambda: True
+
+    def _add_param(self, edit: Edit, tap: Tap, param: nn.Parameter) -> None:
+        if not param.requires_grad:
+            if tap.from_glob:
+                return  # a glob also matched a frozen parameter: nothing to edit (its record says frozen)
+            raise GradrunnerError(
+                f"{edit.label}: {tap.tap} cannot carry a gradient: the parameter does not require grad (frozen). "
+                "Edit a parameter that trains, or unfreeze it, or drop the edit."
+            )
+        _check_shape([edit], tap.tap, param.shape)
+        entry = self._params.setdefault(id(param), (param, [], []))
+        if edit not in entry[1]:  # a glob naming one tied parameter twice edits it once
+            entry[1].append(edit)
+        entry[2].append(tap.tap)
+
+    def install(self, stack: contextlib.ExitStack, capturing: Callable[[], bool]) -> None:
+        """Hook every edited parameter (removed when `stack` closes); `capturing()`: keep what arrived?"""
+        self.capturing = capturing
+        for key, (param, edits, names) in self._params.items():
+            stack.callback(param.register_hook(self._param_hook(key, edits, names[0])).remove)
+
+    def _param_hook(self, key: int, edits: list[Edit], name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            # A parameter's gradient may come in parts (reentrant checkpointing): each part draws its own numbers.
+            part = self._parts.get(key, 0)
+            self._parts[key] = part + 1
+            if self.capturing():
+                before = self._arrived.get(key)
+                self._arrived[key] = grad.detach().clone() if before is None else before + grad
+            return apply_all(edits, grad, self.seed, max(self.step, 0), name, part)
+
+        return hook
+
+    def refuse(self, tap: Tap, why: str) -> None:
+        """An edited tap fired on a value without gradient: a named tap is a mistake (a glob's match is skipped)."""
+        edits = self.by_tap.get(tap.tap)
+        if edits and not tap.from_glob:
+            raise GradrunnerError(
+                f"{edits[0].label}: {tap.tap} cannot carry a gradient: its value is {why}. Edit a tensor computed "
+                "from parameters (or from an input that requires grad), or drop the edit."
+            )
+
+    def on_fire(self, tap: Tap, value: _V, key: TapKey | None) -> _V:
+        """The value the model goes on with: `value` through an edit node when `tap` is edited.
+
+        `key` is the record's key in a captured step (its edited norm is kept), None otherwise; then
+        the value is edited only where backward can reach it (not in evaluation, nor while backward
+        recomputes what a non-reentrant checkpoint captured already).
+        """
+        edits = self.by_tap.get(tap.tap)
+        if edits is None or not isinstance(value, torch.Tensor) or not value.requires_grad:
+            return value
+        if key is None and (
+            not torch.is_grad_enabled() or (in_backward() and reentrant_checkpoint("backward") is None)
+        ):
+            return value
+        _check_shape(edits, tap.tap, value.shape)
+        call = self._calls.get(tap.tap, 0)
+        self._calls[tap.tap] = call + 1
+        if key is not None:
+            call = key.call
+        step = max(self.step + 1, 0)
+
+        def edit(grad: torch.Tensor) -> torch.Tensor:
+            new = apply_all(edits, grad, self.seed, step, tap.tap, call)
+            if key is not None:  # into the norms of the backward running now (a second one too)
+                self.norms[key] = value_norm(new)
+            return new
+
+        return cast(_V, _EditNode.apply(value, edit))
+
+    def begin_backward(self) -> None:
+        """A backward starts: it is step `self.step`; forget the previous step's calls and norms."""
+        self.step += 1
+        self._calls = {}
+        self._arrived, self._parts = {}, {}
+        self.norms = {}
+
+    def reset(self) -> None:
+        """The step in progress was abandoned (`Capture.reset`): its calls count from 0 again."""
+        self._calls = {}
+
+    def arrived(self, param: torch.Tensor, key: TapKey, grad: torch.Tensor) -> torch.Tensor:
+        """For a parameter's record: its gradient before the edit (`grad`, what the strategy read, is after)."""
+        before = self._arrived.get(id(param))
+        if before is None:
+            return grad
+        self.norms[key] = value_norm(grad)
+        return before
