@@ -72,8 +72,17 @@ def test_killed_at_several_random_steps_and_resumed_equals_an_uninterrupted_run(
     _kill_and_resume(tmp_path, extra, kills)
 
 
+_SEEDED_EDITS = "edits=[{tap:'fc1:output',dropout:0.5},{tap:'head:weight',noise_std:0.01}]"
+
+
+@pytest.mark.parametrize(
+    ("edits", "resumed_at"),
+    # Interrupted at batch 7: step 7 (a checkpoint after step 5), or with accumulate=2 step 3 (one after step 2).
+    [((), 6), ((_SEEDED_EDITS,), 6), ((_SEEDED_EDITS, "capture.every=2", "train.accumulate=2"), 3)],
+    ids=["plain", "seeded-edits", "seeded-edits-every-2-accumulate-2"],
+)
 def test_interrupted_in_process_and_resumed_continues_from_the_checkpoint(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, edits: tuple[str, ...], resumed_at: int
 ) -> None:
     import sys
 
@@ -84,16 +93,16 @@ def test_interrupted_in_process_and_resumed_continues_from_the_checkpoint(
 
     def cfg(out: Path, at: int, *extra: str) -> Any:
         args = [a for a in _args(out, at, tmp_path / "marker") if not a.startswith("hydra.")]
-        return compose_cfg(*args, "+data.fault=keyboard_interrupt", "scheduler=cosine", "steps=8", "device=cpu", *extra)
+        return compose_cfg(*args, "+data.fault=keyboard_interrupt", "scheduler=cosine", "steps=8", "device=cpu", *edits, *extra)
 
     run(cfg(tmp_path / "ref", -1), out_dir=tmp_path / "ref")
     out = tmp_path / "cut"
     with pytest.raises(KeyboardInterrupt):
-        run(cfg(out, 7), out_dir=out)  # steps 0-6 done, a checkpoint after step 5
-    assert torch.load(out / CHECKPOINT_DIR / STATE, weights_only=True)["step"] == 6
+        run(cfg(out, 7), out_dir=out)
+    assert torch.load(out / CHECKPOINT_DIR / STATE, weights_only=True)["step"] == resumed_at
     with caplog.at_level("INFO", logger="gradrunner.run.checkpoint"):
         run(cfg(out, 7, "resume=true"), out_dir=out)
-    assert "steps 0-5 replayed from it" in caplog.text  # it went on from step 6, not from step 0
+    assert f"steps 0-{resumed_at - 1} replayed from it" in caplog.text  # it went on from there, not from step 0
     for got, want in zip(_records(out), _records(tmp_path / "ref"), strict=True):
         pd.testing.assert_frame_equal(got, want)
     assert not (out / CHECKPOINT_DIR).exists()

@@ -447,6 +447,19 @@ class Capture:
             self.grads = Grads([t.tap for t in self.taps], kept)
             self._kept = {}
 
+    def skip_backwards(self, n: int) -> None:
+        """Go on as if `n` backwards had already run (a job resumed mid-run from a checkpoint).
+
+        Example::
+
+            cap.skip_backwards(start_step * accumulate)
+
+        Seeded edits (`dropout`, `noise_std`) draw per backward: they then draw what the
+        uninterrupted run drew.
+        """
+        if self._edits is not None:
+            self._edits.step += n
+
     def reset(self) -> None:
         """Forget the step in progress (calls fired since the last `backward`), e.g. after the loss failed.
 

@@ -300,6 +300,7 @@ def _run_steps(
     if ckpt is not None:
         start = ckpt.restore(job, ctx.scaler, grads, steps, run_id)  # a sweep re-run resumes too
         ckpt.start(start)
+        cap.skip_backwards(start * ctx.accumulate)  # one backward per micro-batch: seeded edits draw on
         grads, steps = Tee(grads, ckpt), Tee(steps, ckpt)  # type: ignore[assignment]
     on_nonfinite = str(cfg.capture.get("on_nonfinite", "record"))
     full_values, zeros = cfg.capture["values"] == "full", watch.ZeroWatch(int(cfg.steps))
