@@ -155,6 +155,8 @@ def plot_norms(df: pd.DataFrame, stat: str = "norm", heatmap: bool | None = None
 
     `heatmap` defaults to more than `HEATMAP_ABOVE` taps. In the heatmap a gradient of exactly 0
     is black, a NaN/Inf one red, and a tap without gradient white; lines just leave gaps for them.
+    Tap labels lose their common dotted prefix (named as the legend's title, or the heatmap's y label);
+    the legend sits outside the axes.
     """
     order = forward_order(df)
     heatmap = len(order) > HEATMAP_ABOVE if heatmap is None else heatmap
@@ -164,16 +166,21 @@ def plot_norms(df: pd.DataFrame, stat: str = "norm", heatmap: bool | None = None
         fig, axes = _panels(len(runs), 10.0, max(2.5, 0.22 * len(order) + 1))
     else:
         fig, axes = _panels(len(runs), 9.0, 3.2)
+    labels, prefix = short_labels(order["label"])  # long HF names: the common prefix is said once
+    after = f"after {prefix!r}" if prefix else None
     for ax, (title, run) in zip(axes, runs, strict=True):
         values = _by_tap_and_step(run, order, "_v")
         if heatmap:
-            _heatmap(fig, ax, values, _by_tap_and_step(run, order, "_g"), order["label"].tolist(), stat)
+            _heatmap(fig, ax, values, _by_tap_and_step(run, order, "_g"), labels, stat)
+            ax.set_ylabel(f"tap ({after})" if after else "tap", fontsize="small")
         else:
-            for i, (label, row) in enumerate(zip(order["label"], values.to_numpy(), strict=True)):
+            for i, (label, row) in enumerate(zip(labels, values.to_numpy(), strict=True)):
                 ax.plot(values.columns, row, label=label, color=colormaps["tab20"](i % 20))
             ax.set_yscale("log")
             ax.set_ylabel(stat)
-            ax.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+            # outside the axes, right of the panel: it covers no line
+            ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+                      title=after, title_fontsize="x-small")  # fmt: skip
         ax.set_title(title, fontsize="medium")
     axes[-1].set_xlabel("step")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
