@@ -187,3 +187,18 @@ def test_a_steps_sweep_report_draws_every_job_and_reads_only_the_drawn_rows(
     assert {"Update-to-weight ratio", "Gradient histograms over steps", "Per-example gradient norms"} <= {
         html.unescape(i) for i in images
     }
+
+
+def test_the_norms_of_a_steps_sweep_give_each_job_its_own_whole_steps() -> None:
+    rows = [{"run_id": run, "experiment": "mlp", "override.steps": n, "step": s, "tap": tap, "call": 0,
+             "norm": 0.5 * (s + 1), "has_grad": True}
+            for run, n in (("a", 2), ("b", 5)) for s in range(n) for tap in ("fc1:output", "head:output")]  # fmt: skip
+    for heatmap in (False, True):
+        fig = plot_norms(pd.DataFrame(rows), heatmap=heatmap)
+        axes = [ax for ax in fig.axes if ax.get_title()]  # the panels, not the heatmap colour bars
+        assert [ax.get_title() for ax in axes] == ["override.steps=2", "override.steps=5"]
+        for ax, n in zip(axes, (2, 5), strict=True):
+            lo, hi = sorted(ax.get_xlim())
+            assert lo > -1 and n - 1 <= hi < n, (heatmap, ax.get_xlim())  # its own steps, not the longest job's
+            ticks = visible_ticks(ax)
+            assert ticks and all(t == int(t) for t in ticks), ticks

@@ -45,9 +45,9 @@ def _runs(df: pd.DataFrame, columns: list[str], records: pd.DataFrame | None = N
     return [(", ".join(f"{c}={v}" for c, v in zip(columns, key, strict=True)), rows) for key, rows in groups]
 
 
-def _panels(n: int, width: float, height: float, sharey: bool = False) -> tuple[Figure, np.ndarray]:
+def _panels(n: int, width: float, height: float, sharey: bool = False, sharex: bool = True) -> tuple[Figure, np.ndarray]:
     fig = Figure(figsize=(width, height * n), layout="constrained")
-    return fig, fig.subplots(n, 1, squeeze=False, sharex=True, sharey=sharey)[:, 0]
+    return fig, fig.subplots(n, 1, squeeze=False, sharex=sharex, sharey=sharey)[:, 0]
 
 
 #: Flow panels: a tap named like a parameter (`weight`, `bias`, `in_proj_weight`) goes in the second.
@@ -162,10 +162,11 @@ def plot_norms(df: pd.DataFrame, stat: str = "norm", heatmap: bool | None = None
     heatmap = len(order) > HEATMAP_ABOVE if heatmap is None else heatmap
     d = df.assign(_v=measure(df, stat), _g=df["has_grad"].fillna(False).astype(float))
     runs = _runs(d, run_columns(df))
+    # each run's panel spans its own steps (a 2-step job is not drawn on a 5-step job's axis)
     if heatmap:
-        fig, axes = _panels(len(runs), 10.0, max(2.5, 0.22 * len(order) + 1))
+        fig, axes = _panels(len(runs), 10.0, max(2.5, 0.22 * len(order) + 1), sharex=False)
     else:
-        fig, axes = _panels(len(runs), 9.0, 3.2)
+        fig, axes = _panels(len(runs), 9.0, 3.2, sharex=False)
     labels, prefix = short_labels(order["label"])  # long HF names: the common prefix is said once
     after = f"after {prefix!r}" if prefix else None
     for ax, (title, run) in zip(axes, runs, strict=True):
@@ -182,8 +183,8 @@ def plot_norms(df: pd.DataFrame, stat: str = "norm", heatmap: bool | None = None
             ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
                       title=after, title_fontsize="x-small")  # fmt: skip
         ax.set_title(title, fontsize="medium")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no half-step ticks
     axes[-1].set_xlabel("step")
-    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(f"{stat} per tap over the steps")
     return fig
 

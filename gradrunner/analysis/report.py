@@ -482,7 +482,10 @@ def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
             [_with_column(run, f, HIST_COLUMN, [("step", "==", int(run["step"].max()))]) for run, f in having]
         )
         if panels[HIST_COLUMN].notna().any() and last[HIST_COLUMN].notna().any():
-            note = (f"Share of |g| per log-spaced bin{' (a column per run)' if len(having) > 1 else ''}: steps down, "
+            runs = " (a column per run)" if len(having) > 1 else ""
+            if len(having) < grads["run_id"].nunique():  # a sweep that turned histograms on in some jobs only
+                runs += f" (the {len(having)} of {grads['run_id'].nunique()} runs that recorded them)"
+            note = (f"Share of |g| per log-spaced bin{runs}: steps down, "
                     f"bins across; the first column counts exact zeros, the last NaN/Inf; at most {_HIST_TAPS} taps "
                     "are drawn. The table: every tap at each run's last captured step.")  # fmt: skip
             fig = plots_optional.plot_histograms(panels, max_taps=_HIST_TAPS)
