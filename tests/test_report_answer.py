@@ -70,7 +70,9 @@ def real_sweeps(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             job = root / kind / str(i)
             (job / ".hydra").mkdir(parents=True)
             (job / ".hydra" / "overrides.yaml").write_text(f"- +experiment=mlp\n- {o}\n")
-            train(compose_cfg("+experiment=mlp", "steps=4", o), out_dir=job)
+            with pytest.MonkeyPatch.context() as mp:  # the records keep the job's overrides, as under Hydra
+                mp.setattr("gradrunner.run.hydra_adapter.task_overrides", lambda o=o: ["+experiment=mlp", o])
+                train(compose_cfg("+experiment=mlp", "steps=4", o), out_dir=job)
     return {kind: root / kind for kind in jobs}
 
 

@@ -45,9 +45,9 @@ def _runs(df: pd.DataFrame, columns: list[str], records: pd.DataFrame | None = N
     return [(", ".join(f"{c}={v}" for c, v in zip(columns, key, strict=True)), rows) for key, rows in groups]
 
 
-def _panels(n: int, width: float, height: float, sharey: bool = False) -> tuple[Figure, np.ndarray]:
+def _panels(n: int, width: float, height: float, sharey: bool = False, sharex: bool = True) -> tuple[Figure, np.ndarray]:
     fig = Figure(figsize=(width, height * n), layout="constrained")
-    return fig, fig.subplots(n, 1, squeeze=False, sharex=True, sharey=sharey)[:, 0]
+    return fig, fig.subplots(n, 1, squeeze=False, sharex=sharex, sharey=sharey)[:, 0]
 
 
 #: Flow panels: a tap named like a parameter (`weight`, `bias`, `in_proj_weight`) goes in the second.
@@ -155,28 +155,36 @@ def plot_norms(df: pd.DataFrame, stat: str = "norm", heatmap: bool | None = None
 
     `heatmap` defaults to more than `HEATMAP_ABOVE` taps. In the heatmap a gradient of exactly 0
     is black, a NaN/Inf one red, and a tap without gradient white; lines just leave gaps for them.
+    Tap labels lose their common dotted prefix (named as the legend's title, or the heatmap's y label);
+    the legend sits outside the axes.
     """
     order = forward_order(df)
     heatmap = len(order) > HEATMAP_ABOVE if heatmap is None else heatmap
     d = df.assign(_v=measure(df, stat), _g=df["has_grad"].fillna(False).astype(float))
     runs = _runs(d, run_columns(df))
+    # each run's panel spans its own steps (a 2-step job is not drawn on a 5-step job's axis)
     if heatmap:
-        fig, axes = _panels(len(runs), 10.0, max(2.5, 0.22 * len(order) + 1))
+        fig, axes = _panels(len(runs), 10.0, max(2.5, 0.22 * len(order) + 1), sharex=False)
     else:
-        fig, axes = _panels(len(runs), 9.0, 3.2)
+        fig, axes = _panels(len(runs), 9.0, 3.2, sharex=False)
+    labels, prefix = short_labels(order["label"])  # long HF names: the common prefix is said once
+    after = f"after {prefix!r}" if prefix else None
     for ax, (title, run) in zip(axes, runs, strict=True):
         values = _by_tap_and_step(run, order, "_v")
         if heatmap:
-            _heatmap(fig, ax, values, _by_tap_and_step(run, order, "_g"), order["label"].tolist(), stat)
+            _heatmap(fig, ax, values, _by_tap_and_step(run, order, "_g"), labels, stat)
+            ax.set_ylabel(f"tap ({after})" if after else "tap", fontsize="small")
         else:
-            for i, (label, row) in enumerate(zip(order["label"], values.to_numpy(), strict=True)):
+            for i, (label, row) in enumerate(zip(labels, values.to_numpy(), strict=True)):
                 ax.plot(values.columns, row, label=label, color=colormaps["tab20"](i % 20))
             ax.set_yscale("log")
             ax.set_ylabel(stat)
-            ax.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+            # outside the axes, right of the panel: it covers no line
+            ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0,
+                      title=after, title_fontsize="x-small")  # fmt: skip
         ax.set_title(title, fontsize="medium")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no half-step ticks
     axes[-1].set_xlabel("step")
-    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(f"{stat} per tap over the steps")
     return fig
 

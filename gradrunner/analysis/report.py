@@ -28,12 +28,14 @@ import pandas as pd
 
 from gradrunner import __version__
 from gradrunner.analysis.optional import UPDATE_RATIO_GUIDE, histograms_over_steps, per_example_spread, update_ratios
+from gradrunner.analysis.reading import VALUES as VALUES_COLUMN
 from gradrunner.analysis.reading import load
 from gradrunner.analysis.summaries import (
     EXPLODE_ABOVE,
     VANISH_BELOW,
     compare_strategies,
     flow_steps,
+    forward_order,
     pick_steps,
     run_columns,
     strategy_costs,
@@ -42,13 +44,15 @@ from gradrunner.analysis.summaries import (
 )
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.records.atomic import write_atomically
-from gradrunner.records.columns import GRADS_FILE
+from gradrunner.records.columns import GRADS_FILE, HIST_COLUMN, PER_EXAMPLE_COLUMN
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 log = logging.getLogger(__name__)
 
+#: The histogram panels drawn at most (their taps' `hist_counts` are the only ones read for every step).
+_HIST_TAPS = 8
 #: The page's file name, written next to the records (the run dir, or the sweep dir).
 REPORT_NAME = "report.html"
 INSTALL_HINT = "pip install 'gradrunner[report]'"
@@ -105,7 +109,9 @@ def write_report(path: str | Path) -> Path:
     plots = _import_plots()
     root = Path(path)
     out_dir = root.parent if root.is_file() else root
-    grads = load(out_dir)  # every column but `values`: those are read for the two steps drawn, below
+    # every column but the per-element ones (`values`, `hist_counts`, `per_example_norm`): those are read
+    # below for the rows drawn only (columns and row filters), never for every row
+    grads = load(out_dir, columns=_light_columns(out_dir))
     if grads.empty:
         raise GradrunnerError(f"the records in {out_dir} hold no rows (no step was captured); nothing to report")
     steps = _load_steps(out_dir)
@@ -157,6 +163,61 @@ def _flow_steps(grads: pd.DataFrame) -> dict[str, list[int]] | list[int]:
     if grads["run_id"].nunique() < 2:
         return flow_steps(grads)
     return {str(r): flow_steps(rows) for r, rows in grads.groupby("run_id", sort=False)}
+
+
+#: Columns with a list per row: read for the rows a figure draws, not with the rest of the records.
+_HEAVY = (VALUES_COLUMN, HIST_COLUMN, PER_EXAMPLE_COLUMN)
+
+
+def _grads_files(out_dir: Path) -> list[Path]:
+    """The grads files of the run or sweep at `out_dir` (hidden dirs, e.g. a running job's temp files, skipped)."""
+    if (out_dir / GRADS_FILE).is_file():
+        return [out_dir / GRADS_FILE]
+    return [f for f in sorted(out_dir.rglob(GRADS_FILE))
+            if not any(p.startswith((".", "_")) for p in f.relative_to(out_dir).parts)]  # fmt: skip
+
+
+def _light_columns(out_dir: Path) -> list[str] | None:
+    """Every column of the grads files but the per-element ones (None: let `load` say what is missing)."""
+    import pyarrow.parquet as pq
+
+    files = _grads_files(out_dir) if out_dir.is_dir() else []
+    if not files:
+        return None
+    try:
+        names = dict.fromkeys(n for f in files for n in pq.read_schema(f).names)
+    except Exception:  # a damaged footer: `load` names the file and why
+        return None
+    return [n for n in names if n not in _HEAVY]
+
+
+def _run_file(out_dir: Path, run: pd.DataFrame) -> Path:
+    job = str(run["job"].iloc[0]) if "job" in run.columns else ""
+    return (out_dir / job if job else out_dir) / GRADS_FILE
+
+
+def _runs_having(out_dir: Path, grads: pd.DataFrame, column: str) -> list[tuple[pd.DataFrame, Path]]:
+    """The rows of each run whose grads file has `column` (a sweep may turn an option on in some jobs), and that file."""
+    import pyarrow.parquet as pq
+
+    found = []
+    for _, run in grads.groupby("run_id", sort=False):
+        file = _run_file(out_dir, run)
+        if file.is_file() and column in pq.read_schema(file).names:
+            found.append((run, file))
+    return found
+
+
+def _with_column(run: pd.DataFrame, file: Path, column: str, filters: list[tuple[str, str, object]]) -> pd.DataFrame:
+    """`run`'s rows that match `filters`, with `column` read from `file` for those rows only (pyarrow filters)."""
+    import pyarrow.parquet as pq
+
+    keys = [k for k in ("run_id", "step", "tap", "call") if k in pq.read_schema(file).names]
+    table = pq.read_table(file, columns=[*keys, column], filters=filters or None)
+    rows = run
+    for name, op, value in filters:
+        rows = rows[rows[name].isin(value)] if op == "in" else rows[rows[name] == value]  # type: ignore[arg-type]
+    return rows.drop(columns=[column], errors="ignore").merge(table.to_pandas(), on=keys, how="inner")
 
 
 def _drawn_values(out_dir: Path, grads: pd.DataFrame) -> pd.DataFrame | None:
@@ -407,46 +468,57 @@ def _run_sentence(rows: pd.DataFrame, grads: pd.DataFrame, steps: pd.DataFrame |
     return text[0].upper() + text[1:] + "."
 
 
-def _first_run_with(grads: pd.DataFrame, column: str) -> pd.DataFrame | None:
-    """The rows of the first run whose records have `column` (a sweep may turn an option on in some jobs)."""
-    if column not in grads.columns:
-        return None
-    runs = grads.loc[grads[column].notna(), "run_id"]
-    return None if runs.empty else grads[grads["run_id"] == runs.iloc[0]]
-
-
 def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
     """The panels of the optional columns, when the records have them: histograms, update ratios, per-example norms."""
     from gradrunner.analysis import plots_optional
 
-    which = " (the first run's that has them)" if grads["run_id"].nunique() > 1 else ""
     sections = []
-    first = _first_run_with(grads, "hist_counts")
-    if first is not None:
-        note = (f"Share of |g| per log-spaced bin{which}: steps down, bins across; the first column counts "
-                "exact zeros, the last NaN/Inf; at most 8 taps are drawn. The table: every tap at the last captured step.")  # fmt: skip
-        fig = plots_optional.plot_histograms(first)
-        sections.append(_figure(out_dir, "histograms", "Gradient histograms over steps", fig, note)
-                        + _table(_histogram_table(first)))  # fmt: skip
-    first = _first_run_with(grads, "update_ratio")
-    if first is not None:
-        r = update_ratios(first)
-        last = r[r["step"] == r["step"].max()].drop(columns=["run_id", "log10_ratio"], errors="ignore")
-        note = (f"Norm of each optimiser step's change over the parameter's norm{which}; about "
+    having = _runs_having(out_dir, grads, HIST_COLUMN)
+    if having:
+        every = pd.concat([run for run, _ in having])
+        with_grad = every[every["has_grad"].fillna(False).astype(bool)]
+        drawn = sorted(set(forward_order(with_grad if len(with_grad) else every).head(_HIST_TAPS)["tap"]))
+        panels = pd.concat([_with_column(run, f, HIST_COLUMN, [("tap", "in", drawn)]) for run, f in having])
+        last = pd.concat(
+            [_with_column(run, f, HIST_COLUMN, [("step", "==", int(run["step"].max()))]) for run, f in having]
+        )
+        if panels[HIST_COLUMN].notna().any() and last[HIST_COLUMN].notna().any():
+            runs = " (a column per run)" if len(having) > 1 else ""
+            if len(having) < grads["run_id"].nunique():  # a sweep that turned histograms on in some jobs only
+                runs += f" (the {len(having)} of {grads['run_id'].nunique()} runs that recorded them)"
+            note = (f"Share of |g| per log-spaced bin{runs}: steps down, "
+                    f"bins across; the first column counts exact zeros, the last NaN/Inf; at most {_HIST_TAPS} taps "
+                    "are drawn. The table: every tap at each run's last captured step.")  # fmt: skip
+            fig = plots_optional.plot_histograms(panels, max_taps=_HIST_TAPS)
+            sections.append(_figure(out_dir, "histograms", "Gradient histograms over steps", fig, note)
+                            + _table(_histogram_table(last)))  # fmt: skip
+    if "update_ratio" in grads.columns and grads["update_ratio"].notna().any():
+        with_ratio = grads[grads["update_ratio"].notna()]
+        r = update_ratios(with_ratio)
+        named = [c for c in run_columns(with_ratio) if c != "run_id"]
+        r = r.merge(with_ratio[["run_id", *named]].drop_duplicates("run_id"), on="run_id")
+        last = r[r["step"] == r.groupby("run_id")["step"].transform("max")]  # each run's own last step
+        shown = [*named, *(["run_id"] if "run_id" in run_columns(with_ratio) else [])]
+        last = last[shown + [c for c in r.columns if c not in ("run_id", "log10_ratio", *named)]]
+        note = ("Norm of each optimiser step's change over the parameter's norm, a panel per run; about "
                 f"{UPDATE_RATIO_GUIDE:g} per step is the usual guide (far below: learning too slowly, far above: "
-                "too fast). The table: the last captured step.")  # fmt: skip
-        fig = plots_optional.plot_update_ratios(first)
+                "too fast). The table: each run's last captured step.")  # fmt: skip
+        fig = plots_optional.plot_update_ratios(with_ratio)
         sections.append(_figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + _table(last))
-    first = _first_run_with(grads, "per_example_norm")
-    if first is not None:
-        s = per_example_spread(first)
-        table = s.groupby(["tap", "call"], sort=False).agg(
+    having = _runs_having(out_dir, grads, PER_EXAMPLE_COLUMN)  # every step and tap is drawn: one column read
+    norms = pd.concat([_with_column(run, f, PER_EXAMPLE_COLUMN, []) for run, f in having]) if having else None
+    if norms is not None and norms[PER_EXAMPLE_COLUMN].notna().any():
+        with_norms = norms[norms[PER_EXAMPLE_COLUMN].notna()]
+        named = [c for c in run_columns(with_norms) if c != "run_id"]
+        s = per_example_spread(with_norms).merge(with_norms[["run_id", *named]].drop_duplicates("run_id"), on="run_id")
+        table = s.groupby([*named, "tap", "call"], sort=False).agg(
             median_dominance=("dominance", "median"), max_dominance=("dominance", "max"),
             max_top_share=("top_share", "max"), most_often_top=("top_example", lambda t: int(t.mode().iloc[0])),
         ).reset_index()  # fmt: skip
-        note = (f"Per tap, the largest example's gradient norm over the median example's, over the steps{which}: "
-                "1 means every example weighs the same. most_often_top is the batch row most often largest.")
-        fig = plots_optional.plot_per_example_spread(first)
+        note = ("Per tap, the largest example's gradient norm over the median example's, over the steps"
+                f"{' (a panel per run)' if len(having) > 1 else ''}: 1 means every example weighs the same. "
+                "most_often_top is the batch row most often largest.")  # fmt: skip
+        fig = plots_optional.plot_per_example_spread(with_norms)
         sections.append(_figure(out_dir, "per_example", "Per-example gradient norms", fig, note) + _table(table))
     return sections
 
@@ -471,16 +543,19 @@ def _edit_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
     return sections
 
 
-def _histogram_table(run: pd.DataFrame) -> pd.DataFrame:
-    """Per tap at the last captured step: the fullest bin, and the shares of zeros and NaN/Inf."""
+def _histogram_table(last: pd.DataFrame) -> pd.DataFrame:
+    """Per run and tap at its last captured step (the rows of `last`): the fullest bin, the shares of zeros and NaN/Inf."""
     rows = []
-    keys = run.loc[run["hist_counts"].notna(), ["tap", "call"]].drop_duplicates()
-    for tap, call in keys.itertuples(index=False):
-        h = histograms_over_steps(run, tap, call)
-        last = h.iloc[-1]
-        total = max(int(last.sum()), 1)
-        rows.append({"tap": tap, "call": call, "step": int(h.index[-1]), "fullest bin": str(last.idxmax()),
-                     "zero share": last.iloc[0] / total, "nan/inf share": last.iloc[-1] / total})  # fmt: skip
+    named = [c for c in run_columns(last) if c != "run_id"]
+    for _, run in last.groupby("run_id", sort=False):
+        keys = run.loc[run["hist_counts"].notna(), ["tap", "call"]].drop_duplicates()
+        for tap, call in keys.itertuples(index=False):
+            h = histograms_over_steps(run, tap, call)
+            counts = h.iloc[-1]
+            total = max(int(counts.sum()), 1)
+            rows.append({**{c: run[c].iloc[0] for c in named}, "tap": tap, "call": call, "step": int(h.index[-1]),
+                         "fullest bin": str(counts.idxmax()), "zero share": counts.iloc[0] / total,
+                         "nan/inf share": counts.iloc[-1] / total})  # fmt: skip
     return pd.DataFrame(rows)
 
 

@@ -1,8 +1,9 @@
 """Elements of a module's structured output or input: `output.0`, `output.logits`, `input.mask`.
 
 `get_element` follows a tap's element path through tuples, lists, namedtuples, dicts, dataclasses
-and attributes; `set_element` returns a copy with one element replaced (containers rebuilt, never
-mutated), for strategies that hand the model a stand-in tensor.
+and attributes; `set_element` returns the value with one element replaced, for strategies that hand the model a
+stand-in tensor: dicts, tuples, lists, namedtuples and dataclasses are rebuilt (never mutated); any
+other object reached by attribute is changed in place (`setattr`) and returned.
 
 Example::
 
@@ -55,7 +56,12 @@ def get_element(value: Any, path: tuple[str | int, ...], tap: str, missing_ok: b
 
 
 def set_element(value: Any, path: tuple[str | int, ...], new: Any) -> Any:
-    """A copy of `value` with the element at `path` replaced (containers rebuilt, never mutated)."""
+    """`value` with the element at `path` replaced.
+
+    Mappings, tuples, lists, namedtuples and dataclasses are copied (the original is never mutated); any
+    other object on the path (one reached by attribute, e.g. a `ModelOutput`-like class) has the attribute
+    set in place with `setattr`, and that same object is returned.
+    """
     if not path:
         return new
     head, rest = path[0], path[1:]
@@ -74,7 +80,7 @@ def set_element(value: Any, path: tuple[str | int, ...], new: Any) -> Any:
         return value._replace(**{str(head): replaced})
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.replace(value, **{str(head): replaced})
-    setattr(value, str(head), replaced)
+    setattr(value, str(head), replaced)  # mutated in place: a plain object has no general way to copy
     return value
 
 

@@ -1,0 +1,204 @@
+"""What a reader sees in the report's panels of a steps sweep: every job drawn with its own steps (integer
+ticks), legends beside the axes with short tap names, and the per-element columns read for the rows drawn only.
+
+References: planted DataFrames (their values written here), and for the real sweep the records read back
+with plain pyarrow/numpy.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from conftest import check_ok, gradrunner
+
+pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradrunner[report]")
+
+from matplotlib.axes import Axes
+
+from gradrunner.analysis.plots import plot_norms
+from gradrunner.analysis.plots_optional import plot_update_ratios
+
+
+def visible_ticks(ax: Axes, axis: str = "x") -> list[float]:
+    lo, hi = sorted(ax.get_xlim() if axis == "x" else ax.get_ylim())
+    ticks = ax.get_xticks() if axis == "x" else ax.get_yticks()
+    return [float(t) for t in ticks if lo - 1e-9 <= t <= hi + 1e-9]
+
+
+def test_update_ratios_of_a_steps_sweep_draw_every_job_with_its_own_whole_steps() -> None:
+    rows = [{"run_id": run, "experiment": "mlp", "override.steps": n, "step": s, "tap": tap, "call": 0,
+             "update_norm": 1.0, "value_norm": 1.0, "update_ratio": ratio * (s + 1)}
+            for run, n in (("a", 2), ("b", 5)) for s in range(n)
+            for tap, ratio in (("fc1:weight", 1e-3), ("head:weight", 1e-2))]  # fmt: skip
+    fig = plot_update_ratios(pd.DataFrame(rows))
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == ["override.steps=2", "override.steps=5"]
+    for ax, n in zip(axes, (2, 5), strict=True):
+        fc1, head, guide = ax.get_lines()
+        assert list(fc1.get_xdata()) == list(range(n)) and list(head.get_xdata()) == list(range(n))
+        np.testing.assert_allclose(fc1.get_ydata(), [1e-3 * (s + 1) for s in range(n)])
+        assert guide.get_ydata()[0] == 1e-3
+        ticks = visible_ticks(ax)
+        assert ticks and all(t == int(t) for t in ticks), ticks  # no half steps
+        assert set(range(n)) <= {int(t) for t in ticks}
+    fig.draw_without_rendering()
+    for ax in axes:  # the legend sits right of the axes: it covers no line
+        assert ax.get_legend().get_window_extent().x0 >= ax.get_window_extent().x1
+
+
+def _24_layers(steps: int = 3) -> pd.DataFrame:
+    taps = [f"model.layers.{i}.mlp:output" for i in range(24)]
+    return pd.DataFrame([{"run_id": "r", "experiment": "llama", "strategy": "hook", "step": s, "tap": t, "call": 0,
+                          "norm": (1.0 + i) * (s + 1), "has_grad": True}
+                         for s in range(steps) for i, t in enumerate(taps)])  # fmt: skip
+
+
+def test_the_norms_legend_sits_beside_the_lines_with_short_tap_names() -> None:
+    fig = plot_norms(_24_layers(), heatmap=False)
+    (ax,) = fig.axes
+    legend = ax.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == [f"{i}.mlp:output" for i in range(24)]
+    assert legend.get_title().get_text() == "after 'model.layers.'"
+    np.testing.assert_allclose(ax.get_lines()[23].get_ydata(), [24.0, 48.0, 72.0])
+    fig.draw_without_rendering()
+    assert legend.get_window_extent().x0 >= ax.get_window_extent().x1  # outside the axes: covers no data
+
+
+def test_the_norms_heatmap_labels_taps_without_their_common_prefix() -> None:
+    fig = plot_norms(_24_layers(), heatmap=True)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"{i}.mlp:output" for i in range(24)]
+    assert ax.get_ylabel() == "tap (after 'model.layers.')"
+
+
+@pytest.fixture(scope="module")
+def steps_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`-m +experiment=mlp steps=2,5` with histograms and per-example norms (a real Hydra multirun)."""
+    root = tmp_path_factory.mktemp("steps_sweep")
+    sweep = root / "sweep"
+    check_ok(gradrunner(root, "-m", "+experiment=mlp", "steps=2,5", "capture.histogram=true",
+                        "capture.per_example=true", "report=false", f"hydra.sweep.dir={sweep}"))  # fmt: skip
+    return sweep
+
+
+class _Tables(HTMLParser):
+    """The first <table> after a heading, as rows of cell texts (the standard library's parser: no lxml)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[list[str]] = []
+        self.cell: list[str] | None = None
+        self.done = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if self.done:
+            return
+        if tag == "tr":
+            self.rows.append([])
+        elif tag in ("td", "th"):
+            self.cell = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("td", "th") and self.cell is not None and not self.done:
+            self.rows[-1].append("".join(self.cell).strip())
+            self.cell = None
+        elif tag == "table":
+            self.done = True
+
+    def handle_data(self, data: str) -> None:
+        if self.cell is not None:
+            self.cell.append(data)
+
+
+def _tables_after(page: str, title: str) -> pd.DataFrame:
+    """The first table of the section titled `title`, numbers parsed."""
+    start = page.index(f">{title}</h2>")
+    end = page.find("<h2", start)
+    parser = _Tables()
+    parser.feed(page[start : end if end > 0 else None])
+    header, *body = parser.rows
+    df = pd.DataFrame(body, columns=header)
+    for c in df.columns:
+        try:
+            df[c] = pd.to_numeric(df[c])
+        except ValueError:  # text: a tap name, a bin label
+            pass
+    return df
+
+
+@pytest.mark.slow  # about 10 s: two short runs and a report with every optional panel
+def test_a_steps_sweep_report_draws_every_job_and_reads_only_the_drawn_rows(
+    steps_sweep: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gradrunner.analysis import report
+
+    loaded: list[Any] = []
+    real_load = report.load
+    monkeypatch.setattr(report, "load", lambda *a, **k: loaded.append(k.get("columns")) or real_load(*a, **k))
+    reads: list[tuple[list[str], Any, int]] = []
+    real_read = pq.read_table
+
+    def spy(*a: Any, **k: Any) -> Any:
+        table = real_read(*a, **k)
+        reads.append((list(k.get("columns") or []), k.get("filters"), table.num_rows))
+        return table
+
+    monkeypatch.setattr(pq, "read_table", spy)
+    page = report.write_report(steps_sweep).read_text()
+    monkeypatch.undo()
+
+    # the records' rows are loaded without the per-element columns
+    grads_columns = loaded[0]
+    assert grads_columns is not None and not {"values", "hist_counts", "per_example_norm"} & set(grads_columns)
+    # hist_counts: read with a filter (the drawn taps, or each job's last step), never every row
+    hist = [(f, n) for c, f, n in reads if "hist_counts" in c]
+    assert hist and all(f for f, _ in hist)
+    files = {n: pq.read_table(steps_sweep / str(i) / "grads.parquet", columns=["step", "tap", "hist_counts"])
+             .to_pandas() for i, n in enumerate((2, 5))}  # fmt: skip
+    n_taps = files[2]["tap"].nunique()
+    assert n_taps > 8  # the MLP's 11 taps: the histogram panels draw 8
+    assert sorted(n for _, n in hist) == sorted([8 * 2, n_taps, 8 * 5, n_taps])
+
+    # update ratios: a panel per job (the table: each job's own last step, both jobs)
+    ratios = _tables_after(page, "Update-to-weight ratio")
+    assert ratios.groupby("override.steps")["step"].max().to_dict() == {2: 1, 5: 4}
+    # histogram table: every tap at each job's last step; the shares match numpy on the records read back
+    table = _tables_after(page, "Gradient histograms over steps")
+    assert table.groupby("override.steps")["step"].max().to_dict() == {2: 1, 5: 4}
+    for n, df in files.items():
+        last = df[df["step"] == n - 1].set_index("tap")
+        shown = table[table["override.steps"] == n].set_index("tap")
+        assert set(shown.index) == set(last.index)
+        for tap, row in shown.iterrows():
+            counts = np.asarray(last.loc[tap, "hist_counts"], dtype=np.int64)
+            np.testing.assert_allclose(row["zero share"], counts[0] / counts.sum(), rtol=1e-3)
+    # per-example norms: both jobs in the table
+    per_example = _tables_after(page, "Per-example gradient norms")
+    assert set(per_example["override.steps"]) == {2, 5}
+    images = re.findall(r'<img alt="([^"]+)"', page)
+    assert {"Update-to-weight ratio", "Gradient histograms over steps", "Per-example gradient norms"} <= {
+        html.unescape(i) for i in images
+    }
+
+
+def test_the_norms_of_a_steps_sweep_give_each_job_its_own_whole_steps() -> None:
+    rows = [{"run_id": run, "experiment": "mlp", "override.steps": n, "step": s, "tap": tap, "call": 0,
+             "norm": 0.5 * (s + 1), "has_grad": True}
+            for run, n in (("a", 2), ("b", 5)) for s in range(n) for tap in ("fc1:output", "head:output")]  # fmt: skip
+    for heatmap in (False, True):
+        fig = plot_norms(pd.DataFrame(rows), heatmap=heatmap)
+        axes = [ax for ax in fig.axes if ax.get_title()]  # the panels, not the heatmap colour bars
+        assert [ax.get_title() for ax in axes] == ["override.steps=2", "override.steps=5"]
+        for ax, n in zip(axes, (2, 5), strict=True):
+            lo, hi = sorted(ax.get_xlim())
+            assert lo > -1 and n - 1 <= hi < n, (heatmap, ax.get_xlim())  # its own steps, not the longest job's
+            ticks = visible_ticks(ax)
+            assert ticks and all(t == int(t) for t in ticks), ticks
