@@ -17,9 +17,10 @@ Example::
             rec.step(loss)                     # closes the step: its records, one transfer
 
 A step is one optimiser step: several `rec.backward` calls before `rec.step` (gradient
-accumulation) are each captured, as the runner captures its micro-batches: their records carry
-`micro_step` where the records have that column, else each tap's firings are numbered on as further
-`call`s (the first micro-batch's first); a parameter tap has one row per backward (its part of `.grad`).
+accumulation) give the runner's records (`gradrunner.run.accumulation`, `train.accumulate=N`):
+activation, input and local taps one record per backward (`micro_step` 0, 1, ...); parameter taps
+one record per step, on the last backward's rows (`micro_step` null), from the accumulated `.grad`
+the optimiser uses (unscaled, before clipping: read after each backward, the latest kept).
 The Lightning and HF callbacks (`gradrunner.integrations`) drive this same `Recorder`.
 """
 
@@ -39,12 +40,14 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from gradrunner.capturing.session import Capture, ParamSnapshot
-from gradrunner.capturing.strategies.base import Slot, Strategy
+from gradrunner.capturing.stats import Collector
+from gradrunner.capturing.strategies.base import Strategy
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.choices import NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
 from gradrunner.errors import GradrunnerError, not_allowed
 from gradrunner.records import rundir
 from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, StepRecords
+from gradrunner.run import accumulation
 from gradrunner.run import resume as books
 
 if TYPE_CHECKING:
@@ -107,9 +110,8 @@ class Recorder:
             "capture": {"strategy": strategy, "values": values, "sample_size": int(sample_size), "every": int(every),
                         "per_example": bool(per_example), "histogram": bool(histogram), "on_nonfinite": on_nonfinite},
         })  # fmt: skip
-        wrap = _unscaling(loss_scale, wrap_strategy)
         self.capture = Capture(model, self.taps, strategy, values=values, sample_size=sample_size, seed=seed,
-                               keep_grads=False, wrap_strategy=wrap, per_example=per_example, histogram=histogram)  # fmt: skip
+                               keep_grads=False, wrap_strategy=wrap_strategy, per_example=per_example, histogram=histogram)  # fmt: skip
         self.step_index = 0
         self._stack = contextlib.ExitStack()
         self._grads: RecordWriter | GatheredWriter | None = None
@@ -117,6 +119,8 @@ class Recorder:
         self._backwards = 0
         #: Records of the step's earlier micro-batches (gradient accumulation), taken before the next backward.
         self._micro: list[StepRecords] = []
+        #: The parameter taps' accumulated `.grad` after the latest backward, reduced on the device (accumulation).
+        self._accumulated: Collector | None = None
         self._loss_scale = loss_scale
         self._loss_sum: torch.Tensor | None = None
         self._before: ParamSnapshot | None = None
@@ -227,13 +231,18 @@ class Recorder:
         assert self.captured == self.capture.enabled, "step_index changed outside start_at()"
         if self.captured and self._backwards > 0:  # the collector holds one backward's records: take them now
             self._micro.append(self.capture.records())
-        self.capture.backward(loss, retain_graph=retain_graph)
-        self._backwards += 1
         part = loss.detach().float()  # the step's loss, if `step` is given none: summed on the device, no sync
         scale = self._loss_scale() if self._loss_scale is not None else None
-        part = part / (scale.to(part.device) if isinstance(scale, torch.Tensor) else scale) if scale is not None else part
+        # As the runner: the capture multiplies every captured gradient by 1/scale on its device.
+        inverse = None if scale is None else torch.as_tensor(scale, device=part.device).detach().double().reciprocal()
+        self.capture.grad_scale = inverse
+        self.capture.backward(loss, retain_graph=retain_graph)
+        self._backwards += 1
+        part = part * inverse.to(part.dtype) if inverse is not None else part
         self._loss_sum = part if self._loss_sum is None else self._loss_sum + part
         if self.captured:
+            # `.grad` is now the running sum; `rec.step` comes after clipping and `zero_grad`: read it here.
+            self._accumulated = accumulation.param_grad_collector(self.capture, inverse)
             self._snapshot()
 
     def _snapshot(self) -> None:
@@ -269,6 +278,9 @@ class Recorder:
             loss_value = float("nan") if recs.loss is None else recs.loss
             if as_tensor is None and loss is not None:
                 loss_value = float(loss)
+            if self._micro and self._accumulated is not None:  # accumulation: parameter taps once, on the last
+                recs = accumulation.replace_param_rows(recs, self._accumulated.finish())
+                self._micro = [accumulation.drop_param_rows(r, self.capture) for r in self._micro]
             micro = [*self._micro, recs]
             for r in micro:
                 r.loss = loss_value  # every row of the step carries the step's loss
@@ -276,7 +288,7 @@ class Recorder:
             loss_value = float("nan") if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         with deferred_signals():  # a step's rows go into both tables, or into neither
             if micro:
-                write_micro_batches(self._grads, step, micro)
+                write_micro_batches(self._grads, step, micro, self.capture)
                 capture_time = time.perf_counter() - t1
             peak = _peak_memory(self.model)
             write_steps_row(self._steps, step, recs is not None, loss_value, time.perf_counter() - self._t0,
@@ -288,7 +300,7 @@ class Recorder:
                 self._live_log.write(step, r, loss_value)  # host values the writer just took: no device sync
         self._t0 = time.perf_counter()
         self.start_at(self.step_index + 1)
-        self._backwards, self._before, self._loss_sum, self._micro = 0, None, None, []
+        self._backwards, self._before, self._loss_sum, self._micro, self._accumulated = 0, None, None, [], None
         checks: list[StepRecords | None] = [*micro] or [None]
         for checked in checks:
             check_finite(self.on_nonfinite, step, loss_value, checked)
@@ -321,53 +333,13 @@ def write_steps_row(
     writer.write(step, captured, loss, step_time, capture_time, peak, **accepted)
 
 
-def write_micro_batches(writer: RecordWriter | GatheredWriter, step: int, micro: list[StepRecords]) -> None:
-    """A step's records, one `StepRecords` per micro-batch, each with its `micro_step` (0, 1, ...)."""
+def write_micro_batches(writer: RecordWriter | GatheredWriter, step: int, micro: list[StepRecords], cap: Capture) -> None:
+    """A step's records, one `StepRecords` per micro-batch: `micro_step` 0, 1, ... (null for parameter taps)."""
     if len(micro) == 1:
         writer.write_step(step, micro[0])
         return
     for m, r in enumerate(micro):
-        writer.write_step(step, r, micro_step=[m] * len(r))
-
-
-class Unscaled(Strategy):
-    """A strategy wrapper delivering gradients divided by the current loss scale (a GradScaler's), on the device.
-
-    Example::
-
-        Capture(model, taps, "hook", wrap_strategy=lambda s: Unscaled(s, lambda: scaler._scale))
-    """
-
-    name = "unscaled"
-
-    def __init__(self, inner: Strategy, scale: Callable[[], torch.Tensor | float | None]) -> None:
-        super().__init__(inner.deliver)
-        self.inner, self.scale = inner, scale
-        s: Any = inner
-        while isinstance(s, Strategy):  # every strategy of a wrapper chain delivers through us
-            s.deliver = self._unscaled
-            s = getattr(s, "inner", None)
-
-    def _unscaled(self, slot: Slot, grad: torch.Tensor | None) -> None:
-        scale = self.scale()
-        if grad is not None and scale is not None:
-            grad = grad / (scale.to(grad.device) if isinstance(scale, torch.Tensor) else float(scale))
-        self.deliver(slot, grad)
-
-    def attach(self, tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
-        return self.inner.attach(tensor, slot)
-
-    def install(self, params: Sequence[tuple[nn.Parameter, Callable[[], Slot | None]]]) -> None:
-        self.inner.install(params)
-
-    def backward(self, loss: torch.Tensor, slots: Sequence[Slot], params: Sequence[nn.Parameter], retain_graph: bool) -> None:
-        self.inner.backward(loss, slots, params, retain_graph)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def __getattr__(self, name: str) -> Any:  # strategy-specific attributes (tests, DDP) of the inner one
-        return getattr(self.__dict__["inner"], name)
+        writer.write_step(step, r, micro_step=accumulation.micro_steps(r, m, cap))
 
 
 def scaler_scale(scaler: Any) -> torch.Tensor | None:
@@ -381,14 +353,6 @@ def scaler_scale(scaler: Any) -> torch.Tensor | None:
         return None
     scale = getattr(scaler, "_scale", None)  # the device tensor behind get_scale(), which would sync
     return scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scaler.get_scale()))
-
-
-def _unscaling(
-    scale: Callable[[], torch.Tensor | float | None] | None, wrap: Callable[[Strategy], Strategy] | None
-) -> Callable[[Strategy], Strategy] | None:
-    if scale is None:
-        return wrap
-    return lambda s: Unscaled(wrap(s) if wrap is not None else s, scale)
 
 
 def _check_options(strategy: str, every: int, values: str, sample_size: int, on_nonfinite: str) -> None:

@@ -72,12 +72,11 @@ def _replay(batches: list[dict[str, torch.Tensor]], accumulate: int, clip: float
             h = mlp.register_forward_hook(keep)
             logits = model(input_ids=b["input_ids"]).logits
             h.remove()
-            before = c_fc.weight.grad.clone() if c_fc.weight.grad is not None else 0
             loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 50).float(), b["labels"][:, 1:].reshape(-1),
                                                reduction="sum") / items  # fmt: skip
             loss.backward()
             grads[TAPS[0]].append(kept[0].grad.clone())
-            grads[TAPS[1]].append(c_fc.weight.grad - before)
+        grads[TAPS[1]].append(c_fc.weight.grad.clone())  # one per step: the accumulated .grad, before clipping
         norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
@@ -103,10 +102,12 @@ def test_hf_trainer_accumulation_and_clipping_equal_plain_torch(tmp_path: Path) 
     assert len(seen.batches) == 6
     ref, norms = _replay(seen.batches, accumulate=2, clip=0.05, lr=0.05)
     df = load(tmp_path / "run")
-    assert sorted(set(df.step)) == [0, 1, 2] and len(df) == 3 * 2 * 2
+    assert sorted(set(df.step)) == [0, 1, 2] and len(df) == 3 * (2 + 1)
     for s in range(3):
         for tap in TAPS:
             rows = df[(df.step == s) & (df.tap == tap)].pipe(by_micro_batch)
+            assert len(rows) == len(ref[s][tap])  # activations per micro-batch, the weight once per step
+            assert rows.micro_step.isna().all() if tap == TAPS[1] else rows.micro_step.tolist() == [0, 1]
             for call, grad in enumerate(ref[s][tap]):
                 assert rows.iloc[call].norm == pytest.approx(float(grad.norm()), rel=1e-4), (s, tap, call)
                 assert rows.iloc[call].abs_max == pytest.approx(float(grad.abs().max()), rel=1e-4)

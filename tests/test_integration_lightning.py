@@ -67,12 +67,11 @@ def _reference(steps: int, accumulate: int, clip: float | None) -> tuple[list[di
             x, y = data.tensors[0][i : i + 5], data.tensors[1][i : i + 5]
             h = net[0](x)
             h.retain_grad()
-            before = net[0].weight.grad.clone() if net[0].weight.grad is not None else 0
             loss = nn.functional.mse_loss(net[2](net[1](h)), y) / accumulate
             loss.backward()
             losses.append(float(loss.detach()) + (losses.pop() if m else 0.0))
             grads["net.0:output"].append(h.grad.clone())
-            grads["net.0:weight"].append(net[0].weight.grad - before)
+        grads["net.0:weight"].append(net[0].weight.grad.clone())  # one per step: the accumulated .grad, before clipping
         if clip is not None:
             nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
@@ -92,10 +91,15 @@ def test_lightning_accumulation_and_clipping_equal_plain_torch(tmp_path: Path, s
         _trainer(3, [cb], accumulate_grad_batches=2, gradient_clip_val=0.05).fit(module, loader)
     ref, net = _reference(3, 2, clip=0.05)
     df = load(tmp_path / "run")
-    assert sorted(set(df.step)) == [0, 1, 2] and len(df) == 3 * 2 * 2
+    assert sorted(set(df.step)) == [0, 1, 2] and len(df) == 3 * (2 + 1)
     for s in range(3):
         for tap in TAPS:
             rows = df[(df.step == s) & (df.tap == tap)].pipe(by_micro_batch)
+            assert len(rows) == len(ref[s][tap])  # activations per micro-batch, the weight once per step
+            if tap == "net.0:weight":
+                assert rows.micro_step.isna().all()
+            else:
+                assert rows.micro_step.tolist() == [0, 1]
             for call, g in enumerate(ref[s][tap]):
                 assert rows.iloc[call].norm == pytest.approx(float(g.norm()), rel=1e-5), (s, tap, call)
                 assert rows.iloc[call]["min"] == pytest.approx(float(g.min()), rel=1e-5)

@@ -48,7 +48,9 @@ def test_lightning_snippet(tmp_path: Path) -> None:
     _run(_snippets()[1], tmp_path)
     df = load(tmp_path / "runs" / "lightning")
     per_step = df[df.tap == "net.0:weight"].groupby("step").size()
-    assert list(per_step.index) == [0, 2, 4, 6] and set(per_step) == {2}  # two micro-batches per step
+    assert list(per_step.index) == [0, 2, 4, 6] and set(per_step) == {1}  # a parameter: one row per optimiser step
+    acts = df[df.tap == "net.0:output"].groupby("step").size()
+    assert set(acts) == {2}  # an activation: one row per micro-batch
 
 
 @pytest.mark.slow

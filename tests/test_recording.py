@@ -35,8 +35,13 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)) for _ in range(n)]
 
 
+#: Clipping in the loops below: small enough to clip every step (the records hold the gradients before it).
+CLIP = 1e-2
+
+
 def _reference(steps: int, accumulate: int = 1) -> list[dict[str, list[torch.Tensor]]]:
-    """Plain torch: each step's gradients of the first layer's output (per micro-batch) and weight (per backward)."""
+    """Plain torch: each step's gradients of the first layer's output (one per micro-batch) and weight
+    (one per step: the accumulated `.grad` the optimiser uses, before clipping)."""
     model, batches = _model(), _batches(steps * accumulate)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out: list[dict[str, list[torch.Tensor]]] = []
@@ -46,11 +51,11 @@ def _reference(steps: int, accumulate: int = 1) -> list[dict[str, list[torch.Ten
             x, y = batches[s * accumulate + m]
             h = model[0](x)
             h.retain_grad()
-            before = model[0].weight.grad.clone() if model[0].weight.grad is not None else 0
             loss = nn.functional.mse_loss(model[2](model[1](h)), y) / accumulate
             loss.backward()
             grads["0:output"].append(h.grad.clone())
-            grads["0:weight"].append(model[0].weight.grad - before)
+        grads["0:weight"].append(model[0].weight.grad.clone())
+        assert float(nn.utils.clip_grad_norm_(model.parameters(), CLIP)) > CLIP  # it clipped
         opt.step()
         opt.zero_grad()
         out.append(grads)
@@ -67,16 +72,20 @@ def test_record_statistics_equal_plain_torch(tmp_path: Path, strategy: str, accu
                 x, y = batches[s * accumulate + m]
                 loss = nn.functional.mse_loss(model(x), y) / accumulate
                 rec.backward(loss)
+            nn.utils.clip_grad_norm_(model.parameters(), CLIP)
             opt.step()
             opt.zero_grad()
             rec.step(loss)
     df = load(tmp_path / "run")
     ref = _reference(3, accumulate)
-    assert len(df) == 3 * 2 * accumulate
+    assert len(df) == 3 * (accumulate + 1)
     for s in range(3):
-        for tap in ("0:output", "0:weight"):
-            rows = df[(df.step == s) & (df.tap == tap)].pipe(by_micro_batch)
-            assert len(rows) == accumulate
+        acts = df[(df.step == s) & (df.tap == "0:output")].pipe(by_micro_batch)
+        weight = df[(df.step == s) & (df.tap == "0:weight")]
+        assert len(acts) == accumulate and len(weight) == 1  # activations per micro-batch, parameters per step
+        if accumulate > 1:
+            assert acts.micro_step.tolist() == list(range(accumulate)) and weight.micro_step.isna().all()
+        for tap, rows in (("0:output", acts), ("0:weight", weight)):
             for call, g in enumerate(ref[s][tap]):
                 row = rows.iloc[call]
                 assert row.norm == pytest.approx(float(g.norm()), rel=1e-5)
@@ -153,6 +162,36 @@ def test_unscaled_records_are_the_true_gradients(tmp_path: Path) -> None:
     np.testing.assert_allclose(model[0].weight.grad, ref["0:weight"][0] * 1024, rtol=1e-5)  # .grad is untouched
 
 
+def test_accumulated_scaled_clipped_parameter_records_are_the_optimisers_gradient(tmp_path: Path) -> None:
+    """Two micro-batches, a loss scale, `unscale_`-like division, clipping and `zero_grad` before `rec.step`:
+    the weight's one row is the accumulated, unscaled, pre-clip `.grad`; activations one row per micro-batch."""
+    model, batches = _model(), _batches(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scale = torch.tensor(512.0)
+    with gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "r", loss_scale=lambda: scale) as rec:
+        for x, y in batches:
+            loss = nn.functional.mse_loss(model(x), y) / 2
+            rec.backward(loss * scale)
+        for p in model.parameters():
+            assert p.grad is not None
+            p.grad.div_(scale)  # what scaler.unscale_ does
+        nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # .grad zeroed in place before rec.step
+        rec.step(loss)
+    ref = _reference(1, accumulate=2)[0]
+    df = load(tmp_path / "r")
+    weight = df[df.tap == "0:weight"]
+    assert len(weight) == 1 and weight.micro_step.isna().all()
+    g = ref["0:weight"][0]
+    assert weight.norm.iloc[0] == pytest.approx(float(g.norm()), rel=1e-5)
+    assert weight["max"].iloc[0] == pytest.approx(float(g.max()), rel=1e-5)
+    acts = df[df.tap == "0:output"].sort_values("micro_step")
+    assert acts.micro_step.tolist() == [0, 1]
+    for row, g in zip(acts.itertuples(), ref["0:output"], strict=True):
+        assert row.norm == pytest.approx(float(g.norm()), rel=1e-5)
+
+
 def test_live_load_reads_completed_steps_while_the_job_runs(tmp_path: Path) -> None:
     model, batches = _model(), _batches(5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -180,32 +219,38 @@ def test_live_load_reads_completed_steps_while_the_job_runs(tmp_path: Path) -> N
     pd.testing.assert_frame_equal(partial, final[final.step < 4])  # the segments held the final rows
 
 
-@pytest.mark.parametrize("strategy", ["hook", "autograd_grad"])
-def test_record_writes_the_runners_records(tmp_path: Path, strategy: str) -> None:
-    """The runner's job (same model, data, seed) and a hand loop under record(): the same rows."""
+@pytest.mark.parametrize(("strategy", "accumulate"), [("hook", 1), ("autograd_grad", 1), ("hook", 2)])
+def test_record_writes_the_runners_records(tmp_path: Path, strategy: str, accumulate: int) -> None:
+    """The runner's job (same model, data, seed) and a hand loop under record(): the same rows, also under
+    `train.accumulate=2` (activations per micro-batch, parameters once per step from the accumulated .grad)."""
     from conftest import compose_cfg
 
     from gradrunner.run.build import setup
     from gradrunner.run.loop import train
 
-    cfg = compose_cfg("+experiment=mlp", "steps=3", f"capture.strategy={strategy}", "capture.histogram=true")
+    cfg = compose_cfg("+experiment=mlp", "steps=3", f"capture.strategy={strategy}", "capture.histogram=true",
+                      f"train.accumulate={accumulate}")  # fmt: skip
     train(cfg, out_dir=tmp_path / "runner")
     job = setup(cfg)  # built again from the seed: the runner's model, batches and optimiser
     with gradrunner.record(job.model, list(cfg.taps), tmp_path / "mine", strategy=strategy, every=int(cfg.capture.every),
                            seed=int(cfg.seed), histogram=True) as rec:  # fmt: skip
         for _ in range(3):
-            x, y = next(job.batches)
-            loss = job.loss_fn(job.model(x), y)
-            rec.backward(loss)
+            for _ in range(accumulate):
+                x, y = next(job.batches)
+                loss = job.loss_fn(job.model(x), y)
+                rec.backward(loss / accumulate)
             job.optimizer.step()
             job.optimizer.zero_grad(set_to_none=True)
             rec.step(loss)
-    key = ["step", "tap", "call"]
+    key = ["step", "tap", "call", "micro_step"]
     ours = pd.read_parquet(tmp_path / "mine" / "grads.parquet").sort_values(key).reset_index(drop=True)
     theirs = pd.read_parquet(tmp_path / "runner" / "grads.parquet").sort_values(key).reset_index(drop=True)
     assert len(ours) == len(theirs) > 0
-    columns = [*key, "numel", "norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "nan_count", "loss",
-               "has_grad", "value_norm", "update_norm", "strategy", "rank"]  # fmt: skip
+    if accumulate > 1:
+        assert theirs.micro_step.isna().any() and theirs.micro_step.notna().any()  # both kinds of row
+    # the runner's micro-batch rows carry that micro-batch's loss, record()'s the step's: compared without accumulation
+    columns = [*key, "numel", "norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "nan_count",
+               *(["loss"] if accumulate == 1 else []), "has_grad", "value_norm", "update_norm", "strategy", "rank"]  # fmt: skip
     pd.testing.assert_frame_equal(ours[columns], theirs[columns])
     assert ours.hist_counts.map(list).tolist() == theirs.hist_counts.map(list).tolist()
 
@@ -233,6 +278,8 @@ with gradrunner.record(model, [":output"], {str(tmp_path / "k")!r}, live_every=1
 
 
 def test_micro_batches_go_to_the_micro_step_column() -> None:
+    from types import SimpleNamespace
+
     from gradrunner.recording import write_micro_batches
     from gradrunner.records.columns import StepRecords, TapKey
 
@@ -247,11 +294,13 @@ def test_micro_batches_go_to_the_micro_step_column() -> None:
         keys = [TapKey("a", "output", 0), TapKey("a", "output", 1), TapKey("b", "weight", 0)]
         return [StepRecords(keys=list(keys)) for _ in range(n)]
 
+    cap = SimpleNamespace(taps=[SimpleNamespace(module="a", name="output", kind="output"),
+                                SimpleNamespace(module="b", name="weight", kind="param")])  # fmt: skip
     w = Writer()
-    write_micro_batches(w, 3, micro(2))  # type: ignore[arg-type]
-    assert w.calls == [(3, [0, 1, 0], [0, 0, 0]), (3, [0, 1, 0], [1, 1, 1])]
+    write_micro_batches(w, 3, micro(2), cap)  # type: ignore[arg-type]
+    assert w.calls == [(3, [0, 1, 0], [0, 0, None]), (3, [0, 1, 0], [1, 1, None])]  # parameter taps: null
     w = Writer()
-    write_micro_batches(w, 4, micro(1))  # type: ignore[arg-type]
+    write_micro_batches(w, 4, micro(1), cap)  # type: ignore[arg-type]
     assert w.calls == [(4, [0, 1, 0], None)]  # one micro-batch: no micro_step
 
 

@@ -13,8 +13,9 @@ A thin adapter over `gradrunner.recording.Recorder` (the runner's capture sessio
   accelerate, after the loss is divided for accumulation and, under fp16, scaled) is routed
   through the capture strategy (`integrations._backward.NextBackward`);
 - a step is one optimiser step (`state.global_step`): with `gradient_accumulation_steps=N` each
-  micro-batch's backward is captured, its tap firings numbered as further `call`s; the gradients
-  are those before clipping (`max_grad_norm`), and divided by a GradScaler's scale (fp16): true gradients;
+  micro-batch's backward is captured as the runner's `train.accumulate=N` (activation taps one
+  record per micro-batch, `micro_step`; parameter taps one per step from the accumulated `.grad`,
+  `micro_step` null); the gradients are those before clipping (`max_grad_norm`), and divided by a GradScaler's scale (fp16): true gradients;
 - `steps.parquet`'s `loss` is the sum of the micro-batches' backpropagated losses (unscaled), and
   the Trainer's own `grad_norm` (what it logs, the total norm before clipping) goes into the
   `grad_norm` column where the steps writer has it; log every step (`logging_steps=1`) to have it

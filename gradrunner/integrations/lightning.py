@@ -11,11 +11,12 @@ A thin adapter over `gradrunner.recording.Recorder` (the runner's capture sessio
 - `on_train_start` opens the recorder on the `LightningModule` (after Lightning's DDP wrapping);
 - `on_before_backward` routes Lightning's own `loss.backward()` through the capture strategy;
 - a step is one optimiser step (`trainer.global_step`): under `accumulate_grad_batches=N` each
-  micro-batch's backward is captured, its tap firings numbered as further `call`s (parameter taps:
-  one row per micro-batch, its part of `.grad`); the gradients are those before clipping
-  (`gradient_clip_val` clips after the records' gradients were reduced);
-- under a precision plugin with a GradScaler (`precision="16-mixed"`), gradients are divided by the
-  scale as they arrive: the records hold the true, unscaled gradients;
+  micro-batch's backward is captured as the runner's `train.accumulate=N`: activation taps one
+  record per micro-batch (`micro_step`), parameter taps one per step from the accumulated `.grad`
+  (`micro_step` null); the gradients are those before clipping (`gradient_clip_val` clips after
+  the records' gradients were reduced);
+- under a precision plugin with a GradScaler (`precision="16-mixed"`), gradients are multiplied by
+  1/scale as they arrive (the capture's `grad_scale`): the records hold the true, unscaled gradients;
 - `steps.parquet`'s `loss` is the sum of the losses Lightning backpropagated in the step (divided
   for accumulation, so their mean; unscaled);
 - under DDP every rank captures and rank 0 writes every rank's rows (`rank` column); parameter

@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+import torch
 
 from gradrunner.capturing.session import Capture
 from gradrunner.capturing.stats import Collector
@@ -59,12 +60,31 @@ def param_grad_records(cap: Capture) -> StepRecords:
 
     Call it after `scaler.unscale_` and before clipping (the records' meaning: true gradients, before clipping).
     """
+    return param_grad_collector(cap).finish()
+
+
+def param_grad_collector(cap: Capture, scale: torch.Tensor | None = None) -> Collector:
+    """Every parameter tap's `.grad` as it is now, reduced on its device (no host sync until `finish()`).
+
+    `scale` (0-d, e.g. 1/loss scale where `.grad` is not yet unscaled) multiplies each gradient first.
+    What is kept is a copy: a later in-place change of `.grad` (clipping, `zero_grad`) does not reach it.
+
+    Example::
+
+        acc = param_grad_collector(cap, cap.grad_scale)   # after each backward; keep the latest
+        recs = replace_param_rows(recs, acc.finish())
+    """
     col = Collector(cap.values, cap.sample_size, cap.seed, histogram=cap.histogram)
     for t in cap.taps:
         if t.kind == "param":
             grad = getattr(cap.model.get_submodule(t.module), t.name).grad
-            col.add(TapKey(t.module, t.name, 0), None if grad is None else grad.detach(), batched=False)
-    return col.finish()
+            if grad is not None:
+                grad = grad.detach()
+                if scale is not None:  # in float32 at least, as the capture's grad_scale: no float16 underflow
+                    wide = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+                    grad = wide * scale.to(device=grad.device, dtype=wide.dtype)
+            col.add(TapKey(t.module, t.name, 0), grad, batched=False)
+    return col
 
 
 def replace_param_rows(recs: StepRecords, acc: StepRecords) -> StepRecords:
