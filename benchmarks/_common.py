@@ -73,6 +73,16 @@ def no_context() -> AbstractContextManager[None]:
     return nullcontext()
 
 
+def synced(step: Callable[[], None]) -> Callable[[], None]:
+    """`step` followed by a CUDA synchronize, so a timer around it measures the GPU's work too."""
+
+    def run() -> None:
+        step()
+        torch.cuda.synchronize()
+
+    return run
+
+
 def median_ms(samples: Sequence[float]) -> float:
     return statistics.median(samples) * 1e3
 

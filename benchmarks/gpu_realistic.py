@@ -20,7 +20,7 @@ import argparse
 import importlib.util
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, median_ms, parse_args, report
+from _common import interleaved, median_ms, parse_args, report, synced
 from peers import Variant, activation_taps, gpt2, skipped, variants
 
 from gradrunner import capture
@@ -131,7 +131,7 @@ def main() -> None:
             found["wandb.watch"], run = _wandb_variant(model, x, bf16, folder)
         cuda = args.device.startswith("cuda")
         if cuda:
-            found = {k: (ctx, _synced(step)) for k, (ctx, step) in found.items()}
+            found = {k: (ctx, synced(step)) for k, (ctx, step) in found.items()}
         try:
             times = interleaved(found, repeats=repeats, steps_per_block=1 if args.tiny else 3, warmup=1)
             peaks = peak_memory(found) if cuda else {}
@@ -150,14 +150,6 @@ def main() -> None:
     print(config)
     report("gpu_realistic", rows, ["variant", "step_ms", "ratio", "peak_mib", "peak_vs_none", "syncs_in_backward",
                                    "skipped"], args.out, config=config)  # fmt: skip
-
-
-def _synced(step: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        step()
-        torch.cuda.synchronize()
-
-    return run
 
 
 if __name__ == "__main__":

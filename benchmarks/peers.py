@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, median_ms, no_context, parse_args, report
+from _common import interleaved, median_ms, no_context, parse_args, report, synced
 
 from gradrunner import capture
 
@@ -213,7 +213,7 @@ def main() -> None:
     taps = activation_taps(model)
     found = variants(model, x, taps)
     if args.device.startswith("cuda"):
-        found = {k: (ctx, _synced(step)) for k, (ctx, step) in found.items()}
+        found = {k: (ctx, synced(step)) for k, (ctx, step) in found.items()}
     times = interleaved(found, repeats=repeats, steps_per_block=3 if not args.tiny else 1, warmup=1)
     base = median_ms(times["none"])
     rows = [{"variant": k, "step_ms": median_ms(v), "ratio": median_ms(v) / base} for k, v in times.items()]
@@ -222,14 +222,6 @@ def main() -> None:
               "device": args.device}  # fmt: skip
     print(config)
     report("peers", rows, ["variant", "step_ms", "ratio", "skipped"], args.out, config=config)
-
-
-def _synced(step: Callable[[], None]) -> Callable[[], None]:
-    def run() -> None:
-        step()
-        torch.cuda.synchronize()
-
-    return run
 
 
 if __name__ == "__main__":
