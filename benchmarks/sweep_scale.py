@@ -81,15 +81,27 @@ def copy_job(source: Path, target: Path, num: int, run_id: str) -> None:
         pq.write_table(table, target / name, write_page_checksum=True, **write_options(table.schema))
         marker["footers"][name] = rundir.footer_digest(target / name)
         marker["rows"][name] = table.num_rows
-    marker["config"]["seed"] = num
+    _reseed(marker["config"], num)
     marker.update(run_id=run_id, overrides=overrides)
     (target / rundir.DONE).write_text(json.dumps(marker))
+
+
+def _reseed(config: Any, seed: int) -> None:
+    """Every `seed` key of the resolved config (`seed`, and `data.seed` interpolated from it) set to `seed`."""
+    if isinstance(config, dict):
+        for key, value in config.items():
+            if key == "seed" and isinstance(value, int):
+                config[key] = seed
+            else:
+                _reseed(value, seed)
 
 
 def timed(fn: Any) -> tuple[float, Any]:
     start = time.perf_counter()
     value = fn()
-    return time.perf_counter() - start, value
+    seconds = time.perf_counter() - start
+    print(f"  ({seconds:.3f} s)", file=sys.stderr, flush=True)  # a later failure does not lose the figures so far
+    return seconds, value
 
 
 def main() -> None:
