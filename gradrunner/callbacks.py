@@ -112,17 +112,20 @@ def build_manifest(sweep_dir: Path, expected: list[list[str]] | None) -> dict[st
     rest = [d for dirs in by_overrides.values() for d in dirs]
     # A job whose dir holds another config's completed run (a rerun with changed overrides, refused) is
     # that dir, found by job number: one entry per job, never a "missing" job plus a stray dir.
-    by_num = {n: d for d in rest if (n := _job_num(d)) is not None}
+    nums = {d: _job_num(d) for d in rest}  # each hydra.yaml parsed once, not once per use
+    by_num = {n: d for d, n in nums.items() if n is not None} if None in matched else {}
+    taken: set[Path] = set()
     jobs: list[dict[str, Any]] = []
     for num, overrides in enumerate(expected or []):
         job_dir = matched[num]
-        if job_dir is None and by_num.get(num) in rest:
+        if job_dir is None and num in by_num and by_num[num] not in taken:
             job_dir = by_num[num]
-            rest.remove(job_dir)
+            taken.add(job_dir)
             overrides = found[job_dir]  # what its records hold, not what the refused rerun asked for
         jobs.append(_entry(sweep_dir, job_dir, overrides, num))
-    for job_dir in sorted(rest, key=lambda d: (_job_num(d) is None, _job_num(d) or 0, str(d))):
-        jobs.append(_entry(sweep_dir, job_dir, found[job_dir], None))
+    rest = [d for d in rest if d not in taken]
+    for job_dir in sorted(rest, key=lambda d: (nums[d] is None, nums[d] or 0, str(d))):
+        jobs.append(_entry(sweep_dir, job_dir, found[job_dir], nums[job_dir]))
     counts = {s: sum(j["status"] == s for j in jobs) for s in ("completed", "failed", "missing")}
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"sweep_dir": str(sweep_dir.resolve()), "written": now, "counts": counts, "jobs": jobs}
