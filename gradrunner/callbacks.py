@@ -34,7 +34,7 @@ from gradrunner.errors import one_paragraph
 from gradrunner.overrides import sweep_jobs
 from gradrunner.records.rundir import job_dirs_below, job_state, write_json
 from gradrunner.run.hydra_adapter import JobFailed, JobRefused, job_error
-from gradrunner.run.resume import mark_failed
+from gradrunner.run.resume import Refused, mark_failed
 
 log = logging.getLogger(__name__)
 
@@ -105,14 +105,27 @@ def build_manifest(sweep_dir: Path, expected: list[list[str]] | None) -> dict[st
     by_overrides: dict[tuple[str, ...], list[Path]] = {}
     for d, o in found.items():  # several dirs may carry the same overrides (runs outside a sweep): keep each
         by_overrides.setdefault(tuple(sorted(o)), []).append(d)
+    matched: list[Path | None] = []
+    for overrides in expected or []:
+        same = by_overrides.get(tuple(sorted(overrides))) or []
+        matched.append(same.pop(0) if same else None)
+    rest = [d for dirs in by_overrides.values() for d in dirs]
+    # A job whose dir holds another config's completed run (a rerun with changed overrides, refused) is
+    # that dir, found by job number: one entry per job, never a "missing" job plus a stray dir.
+    nums = {d: _job_num(d) for d in rest}  # each hydra.yaml parsed once, not once per use
+    by_num = {n: d for d, n in nums.items() if n is not None} if None in matched else {}
+    taken: set[Path] = set()
     jobs: list[dict[str, Any]] = []
     for num, overrides in enumerate(expected or []):
-        same = by_overrides.get(tuple(sorted(overrides))) or []
-        job_dir = same.pop(0) if same else None
+        job_dir = matched[num]
+        if job_dir is None and num in by_num and by_num[num] not in taken:
+            job_dir = by_num[num]
+            taken.add(job_dir)
+            overrides = found[job_dir]  # what its records hold, not what the refused rerun asked for
         jobs.append(_entry(sweep_dir, job_dir, overrides, num))
-    rest = [d for dirs in by_overrides.values() for d in dirs]
-    for job_dir in sorted(rest, key=lambda d: (_job_num(d) is None, _job_num(d) or 0, str(d))):
-        jobs.append(_entry(sweep_dir, job_dir, found[job_dir], None))
+    rest = [d for d in rest if d not in taken]
+    for job_dir in sorted(rest, key=lambda d: (nums[d] is None, nums[d] or 0, str(d))):
+        jobs.append(_entry(sweep_dir, job_dir, found[job_dir], nums[job_dir]))
     counts = {s: sum(j["status"] == s for j in jobs) for s in ("completed", "failed", "missing")}
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {"sweep_dir": str(sweep_dir.resolve()), "written": now, "counts": counts, "jobs": jobs}
@@ -146,7 +159,7 @@ class SweepBookkeeping(Callback):
         if job_return.status != JobStatus.FAILED:
             return
         error = job_error(job_return)  # `return_value` would re-raise it
-        if isinstance(error, JobRefused):
+        if isinstance(error, (JobRefused, Refused)):  # Refused itself under HYDRA_FULL_ERROR=1 (`cli._fail`)
             return  # refused because of its dir (a live run, another config): that dir is not this job's to mark
         message = str(error) if isinstance(error, JobFailed) else f"{type(error).__name__}: {error}"
         out = Path(str(OmegaConf.select(config, "hydra.runtime.output_dir")))

@@ -38,6 +38,7 @@ from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.overrides import group_mistake, misspelled_key, sweep_jobs
 from gradrunner.records.columns import RECORD_FILES
 from gradrunner.records.rundir import FAILED
+from gradrunner.records.urls import url_scheme
 from gradrunner.run import signals
 from gradrunner.run.guards import check_writable
 from gradrunner.run.hydra_adapter import (
@@ -120,11 +121,25 @@ class OutputDirCheck(Callback):
 
     @staticmethod
     def _check(directory: str, where: str) -> None:
+        _refuse_url(str(directory), where.split("=")[0])
         remember_output_dir(str(Path(directory).absolute()))
         try:
             check_writable(Path(directory).absolute(), where)
         except GradrunnerError as e:
             _fail(e)
+
+
+def _refuse_url(directory: str, key: str) -> None:
+    """A URL run or sweep dir (`s3://...`, `memory://...`): one paragraph, exit 2, before Hydra makes a folder of it."""
+    scheme = url_scheme(directory)
+    if scheme is None:
+        return
+    _fail(GradrunnerError(
+        f"{key}={directory} is a URL ({scheme}://); gradrunner writes its records to a local path only (Hydra "
+        f"would have made a local folder named {str(Path(directory))!r}), so nothing was run or written. Pass a "
+        f"local path ({key}=/scratch/runs/...); for object storage, write locally and upload each completed job "
+        "dir (the ones holding done.json) yourself, e.g. with `aws s3 sync` or fsspec (docs/scale-out.md)."
+    ))  # fmt: skip
 
 
 class SweepCheck(Callback):

@@ -31,6 +31,7 @@ import yaml
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
 from gradrunner.records.columns import OVERRIDES_KEY
+from gradrunner.records.urls import local_path_of
 
 #: Tables a job writes, each as `<job dir>/<table>.parquet`.
 TABLES = ("grads", "steps")
@@ -98,11 +99,15 @@ def load(
     (`on_damaged="skip"`); their rows are never returned. Only the pages of the columns read are
     checked: a flip in the `values` pages of a load without `values` changes nothing it returns.
 
+    `path` may be a `file://` URL (read as the local path it names); any other URL (`s3://`, `gs://`,
+    `memory://`) is a GradrunnerError saying URLs are not read: download the dir first.
+
     `live=True` reads a run dir whose job is still running: the steps completed so far (see
     `gradrunner.analysis.live`).
     """
     if on_damaged not in ON_DAMAGED:
         raise GradrunnerError(f"on_damaged={on_damaged!r} is not allowed: allowed: {', '.join(map(repr, ON_DAMAGED))}")
+    path = local_path_of(os.fspath(path), "load()")  # a file:// URL is its local path; other URLs are refused
     if live and table in TABLES:  # a running job's closed segments: gradrunner.analysis.live
         from gradrunner.analysis.live import load_live
 
