@@ -202,3 +202,27 @@ def test_the_norms_of_a_steps_sweep_give_each_job_its_own_whole_steps() -> None:
             assert lo > -1 and n - 1 <= hi < n, (heatmap, ax.get_xlim())  # its own steps, not the longest job's
             ticks = visible_ticks(ax)
             assert ticks and all(t == int(t) for t in ticks), ticks
+
+
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [(("train.clip_grad_norm=0.5", "scheduler=cosine"), True), ((), False)],
+    ids=["clipping-and-a-scheduler", "plain-sgd"],
+)
+def test_a_runs_training_figure_shows_the_clip_threshold_and_lr_where_they_say_something(
+    tmp_path: Path, options: tuple[str, ...], shown: bool
+) -> None:
+    from conftest import compose_cfg
+
+    from gradrunner.analysis import report
+    from gradrunner.run.job import run
+
+    out = tmp_path / "run"
+    run(compose_cfg("+experiment=mlp", "steps=6", "device=cpu", *options), out_dir=out)
+    page = report.write_report(out).read_text(encoding="utf-8")
+    assert ("Training: grad norm and learning rate" in page) is shown
+    assert (out / "report-training.png").exists() is shown
+    if shown:
+        steps = pd.read_parquet(out / "steps.parquet")
+        assert report._config_value(out, ("train", "clip_grad_norm")) == 0.5  # the dashed line's value
+        assert steps["lr"].nunique() == 6 and steps["clipped"].any()  # what the figure draws is in the records

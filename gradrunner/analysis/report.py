@@ -126,6 +126,7 @@ def write_report(path: str | Path) -> Path:
     sections = [_section("Findings", _findings(summary))]
     if steps is not None and len(steps):
         sections.append(_figure(out_dir, "loss", "Loss over the steps", plots.plot_loss(steps)))
+        sections += _training_sections(out_dir, steps)
     sections += [
         _runs_section(grads, steps),
         _section("Per-tap summary", _summary_table(summary)),
@@ -466,6 +467,45 @@ def _run_sentence(rows: pd.DataFrame, grads: pd.DataFrame, steps: pd.DataFrame |
         parts.append("no NaN/Inf, no vanishing or exploding gradient")
     text = "; ".join(parts)
     return text[0].upper() + text[1:] + "."
+
+
+def _training_sections(out_dir: Path, steps: pd.DataFrame) -> list[str]:
+    """One run's training step as `steps.parquet` records it: grad norm with the clipping threshold and the
+    clipped steps, the learning rate, skipped fp16 steps, eval loss. Only where one of those says more than
+    the loss figure (a scheduler, clipping, a loss scaler or evaluation); a sweep's runs share the loss figure."""
+    if steps["run_id"].nunique() != 1 or not {"lr", "grad_norm"} <= set(steps.columns):
+        return []
+
+    def has(column: str) -> bool:
+        return column in steps.columns and bool(steps[column].fillna(False).astype(bool).any())
+
+    value = _config_value(out_dir, ("train", "clip_grad_norm"))
+    clip = float(value) if isinstance(value, (int, float)) else None
+    lr_varies = steps["lr"].nunique(dropna=True) > 1
+    if not (lr_varies or clip is not None or has("clipped") or has("skipped") or has("eval_loss")):
+        return []
+    from gradrunner.analysis import plots_training
+
+    note = ("The total gradient norm before clipping (log scale; clipped steps marked, the threshold dashed) and "
+            "the learning rate each step used (skipped fp16 steps marked; eval loss where evaluated).")  # fmt: skip
+    fig = plots_training.plot_training(steps.sort_values("step"), clip=clip)
+    return [_figure(out_dir, "training", "Training: grad norm and learning rate", fig, note)]
+
+
+def _config_value(out_dir: Path, keys: tuple[str, ...]) -> object:
+    """A value of the run's resolved config, as its grads file's metadata holds it (None where absent)."""
+    import pyarrow.parquet as pq
+    import yaml
+
+    files = _grads_files(out_dir) if out_dir.is_dir() else []
+    try:
+        meta = (pq.read_schema(files[0]).metadata or {}) if files else {}
+        node: object = yaml.safe_load(meta.get(b"gradrunner.config", b"") or "{}")
+    except Exception:  # a damaged footer: `load` has named it already
+        return None
+    for key in keys:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
 
 
 def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
