@@ -10,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -89,9 +90,11 @@ def test_a_file_swapped_in_from_another_run_is_refused_naming_it(tmp_path: Path)
 def test_skip_leaves_damaged_files_out_with_one_warning_naming_each(tmp_path: Path) -> None:
     for i in range(3):
         write_completed_job(tmp_path / str(i), f"run-{i}", seed=i)
-    data = bytearray((tmp_path / "1" / GRADS_FILE).read_bytes())
-    data[len(data) // 3] ^= 0xFF
-    (tmp_path / "1" / GRADS_FILE).write_bytes(bytes(data))
+    path = tmp_path / "1" / GRADS_FILE
+    norm = pq.ParquetFile(path).metadata.row_group(0).column(pq.read_schema(path).get_field_index("norm"))
+    data = bytearray(path.read_bytes())
+    data[norm.data_page_offset + norm.total_compressed_size - 2] ^= 0xFF  # in a page of a column load() reads
+    path.write_bytes(bytes(data))
     with pytest.warns(DamagedRecordsWarning) as caught:
         df = load(tmp_path, on_damaged="skip")
     assert sorted(df.job.unique()) == ["0", "2"] and sorted(df.run_id.unique()) == ["run-0", "run-2"]

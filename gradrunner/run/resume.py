@@ -60,6 +60,8 @@ ADDED_KEYS: dict[str, Any] = {"capture.per_example": False, "capture.histogram":
 ADDED_KEYS.update({"train.clip_grad_norm": None, "train.clip_grad_value": None, "train.autocast": "off",
                    "train.accumulate": 1, "train.checkpoint_every": 0, "train.eval_every": 0,
                    "train.eval_batches": 1, "eval_data": None})  # fmt: skip
+# Gradient edits (issue 22): none edits nothing.
+ADDED_KEYS["edits"] = []
 
 
 
