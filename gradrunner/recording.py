@@ -333,6 +333,23 @@ def write_steps_row(
     writer.write(step, captured, loss, step_time, capture_time, peak, **accepted)
 
 
+class CallbackOptions:
+    """What every framework callback takes: the taps, the run dir, how often, the strategy and `record`'s options.
+
+    Example::
+
+        class MyCallback(CallbackOptions, FrameworkCallback): ...
+        MyCallback(taps=["fc1:output"], dir="runs/a", every=10, histogram=True)
+    """
+
+    def __init__(
+        self, taps: list[TapSpec] | TapSpec, dir: str | os.PathLike[str], every: int = 1, strategy: str = "hook",
+        **options: Any,
+    ) -> None:  # fmt: skip
+        self.taps, self.dir, self.every, self.strategy, self.options = taps, dir, every, strategy, options
+        self.recorder: Recorder | None = None
+
+
 def write_micro_batches(writer: RecordWriter | GatheredWriter, step: int, micro: list[StepRecords], cap: Capture) -> None:
     """A step's records, one `StepRecords` per micro-batch: `micro_step` 0, 1, ... (null for parameter taps)."""
     if len(micro) == 1:

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_module
@@ -96,6 +97,13 @@ INTERRUPT_AT_STEP_3 = ("data=faulty", "data.at_batch=3", "data.fault=keyboard_in
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 SEARCHPATH = f"hydra.searchpath=[file://{TESTS / 'conf'}]"
+
+
+def by_micro_batch(rows: pd.DataFrame) -> pd.DataFrame:
+    """A tap's rows of one step in micro-batch order: `micro_step` where the records have it, else `call`."""
+    if "micro_step" in rows.columns and rows.micro_step.notna().any():
+        return rows.sort_values(["micro_step", "call"])
+    return rows.sort_values("call")
 
 
 def compose_cfg(*overrides: str, hydra: bool = False) -> DictConfig:

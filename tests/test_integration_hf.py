@@ -6,10 +6,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import by_micro_batch
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
@@ -19,13 +19,6 @@ from gradrunner.analysis import load  # noqa: E402
 from gradrunner.integrations.hf import GradientCaptureCallback  # noqa: E402
 
 TAPS = ["transformer.h.0.mlp:output", "transformer.h.0.mlp.c_fc:weight"]
-
-
-def by_micro_batch(rows: pd.DataFrame) -> pd.DataFrame:
-    """A tap's rows of one step in micro-batch order: `micro_step` where the records have it, else `call`."""
-    if "micro_step" in rows.columns and rows.micro_step.notna().any():
-        return rows.sort_values(["micro_step", "call"])
-    return rows.sort_values("call")
 
 
 def _gpt2() -> nn.Module:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from conftest import by_micro_batch
 from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -17,13 +18,6 @@ from gradrunner.errors import GradrunnerError  # noqa: E402
 from gradrunner.integrations.lightning import GradientCapture  # noqa: E402
 
 TAPS = ["net.0:output", "net.0:weight"]
-
-
-def by_micro_batch(rows: pd.DataFrame) -> pd.DataFrame:
-    """A tap's rows of one step in micro-batch order: `micro_step` where the records have it, else `call`."""
-    if "micro_step" in rows.columns and rows.micro_step.notna().any():
-        return rows.sort_values(["micro_step", "call"])
-    return rows.sort_values("call")
 
 
 def _net() -> nn.Sequential:

@@ -11,18 +11,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import by_micro_batch
 from torch import nn
 
 import gradrunner
 from gradrunner.analysis import load
 from gradrunner.errors import GradrunnerError
-
-
-def by_micro_batch(rows: pd.DataFrame) -> pd.DataFrame:
-    """A tap's rows of one step in micro-batch order: `micro_step` where the records have it, else `call`."""
-    if "micro_step" in rows.columns and rows.micro_step.notna().any():
-        return rows.sort_values(["micro_step", "call"])
-    return rows.sort_values("call")
 
 
 def _model(seed: int = 0) -> nn.Sequential:

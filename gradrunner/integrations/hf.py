@@ -37,10 +37,10 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.errors import GradrunnerError
 from gradrunner.integrations._backward import NextBackward
-from gradrunner.recording import Recorder, scaler_scale
+from gradrunner.recording import CallbackOptions, Recorder, scaler_scale
 
 
-class GradientCaptureCallback(TrainerCallback):
+class GradientCaptureCallback(CallbackOptions, TrainerCallback):
     """Capture gradients at `taps` in a `transformers.Trainer` run; records in `dir`, like a runner job's.
 
     Example::
@@ -55,8 +55,7 @@ class GradientCaptureCallback(TrainerCallback):
         self, taps: list[TapSpec] | TapSpec, dir: str | os.PathLike[str], every: int = 1, strategy: str = "hook",
         **options: Any,
     ) -> None:  # fmt: skip
-        self.taps, self.dir, self.every, self.strategy, self.options = taps, dir, every, strategy, options
-        self.recorder: Recorder | None = None
+        super().__init__(taps, dir, every, strategy, **options)
         self._stack = contextlib.ExitStack()
         self._pending = False
         self._grad_norm: float | None = None

@@ -37,7 +37,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.errors import GradrunnerError
 from gradrunner.integrations._backward import route
-from gradrunner.recording import Recorder, scaler_scale
+from gradrunner.recording import CallbackOptions, Recorder, scaler_scale
 
 #: Lightning strategies whose backward is the module's own `loss.backward()`.
 SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
@@ -45,7 +45,7 @@ SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
 DDP_CAPTURE_STRATEGIES = ("hook", "retain_grad")
 
 
-class GradientCapture(Callback):
+class GradientCapture(CallbackOptions, Callback):
     """Capture gradients at `taps` in a Lightning run; records in `dir`, like a runner job's.
 
     Example::
@@ -60,8 +60,7 @@ class GradientCapture(Callback):
         self, taps: list[TapSpec] | TapSpec, dir: str | os.PathLike[str], every: int = 1, strategy: str = "hook",
         **options: Any,
     ) -> None:  # fmt: skip
-        self.taps, self.dir, self.every, self.strategy, self.options = taps, dir, every, strategy, options
-        self.recorder: Recorder | None = None
+        super().__init__(taps, dir, every, strategy, **options)
         self._global_step = 0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
