@@ -73,6 +73,21 @@ def no_context() -> AbstractContextManager[None]:
     return nullcontext()
 
 
+def plain_step(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer,
+) -> Callable[[], None]:  # fmt: skip
+    """One training step without capture: forward, loss, backward, optimiser step, gradients dropped."""
+
+    def plain() -> None:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return plain
+
+
 def synced(step: Callable[[], None]) -> Callable[[], None]:
     """`step` followed by a CUDA synchronize, so a timer around it measures the GPU's work too."""
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import forward_hooks, interleaved, median_ms, no_context, parse_args, report
+from _common import forward_hooks, interleaved, median_ms, no_context, parse_args, plain_step, report
 
 from gradrunner import capture
 from gradrunner.capturing.stats import Collector
@@ -122,11 +122,7 @@ def variants_for(
     )
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
 
-    def plain() -> None:
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    plain = plain_step(model, x, y, loss_fn, opt)
 
     out: dict[str, tuple[Callable[[], AbstractContextManager[Any]], Callable[[], None]]] = {"none": (no_context, plain)}
     for strategy in STRATEGIES:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, median_ms, no_context, parse_args, report
+from _common import interleaved, median_ms, no_context, parse_args, plain_step, report
 from capture_overhead import _captured_step, workloads
 
 import gradrunner.capturing.session as session
@@ -53,11 +53,7 @@ def main() -> None:
     loss_fn = torch.nn.functional.mse_loss
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
 
-    def plain() -> None:
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    plain = plain_step(model, x, y, loss_fn, opt)
 
     cap = capture(model, taps, strategy="hook", values="none", keep_grads=False)
     pieces = {"statistics kernel": [0.0], "value_norm": [0.0], "records (finish)": [0.0]}

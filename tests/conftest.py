@@ -106,6 +106,24 @@ def by_micro_batch(rows: pd.DataFrame) -> pd.DataFrame:
     return rows.sort_values("call")
 
 
+def assert_accumulation_rows(df: pd.DataFrame, ref: list[dict[str, list[torch.Tensor]]], taps: list[str],
+                             param_tap: str, rel: float) -> None:
+    """Records under gradient accumulation equal a plain-torch reference `ref[step][tap]` (a gradient per row):
+    activation taps one row per micro-batch (`micro_step` 0, 1, ...), the parameter tap one per step (null)."""
+    for s in range(len(ref)):
+        for tap in taps:
+            rows = df[(df.step == s) & (df.tap == tap)].pipe(by_micro_batch)
+            assert len(rows) == len(ref[s][tap]), (s, tap)
+            if tap == param_tap:
+                assert rows.micro_step.isna().all(), (s, tap)
+            else:
+                assert rows.micro_step.tolist() == list(range(len(rows))), (s, tap)
+            for call, g in enumerate(ref[s][tap]):
+                assert rows.iloc[call].norm == pytest.approx(float(g.norm()), rel=rel), (s, tap, call)
+                assert rows.iloc[call].abs_max == pytest.approx(float(g.abs().max()), rel=rel), (s, tap, call)
+                assert rows.iloc[call]["min"] == pytest.approx(float(g.min()), rel=rel, abs=1e-12), (s, tap, call)
+
+
 def compose_cfg(*overrides: str, hydra: bool = False) -> DictConfig:
     """The composed config for `overrides`, as the app would see it (with `hydra.*` when `hydra`).
 

@@ -9,7 +9,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import by_micro_batch
+from conftest import assert_accumulation_rows
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
@@ -96,14 +96,7 @@ def test_hf_trainer_accumulation_and_clipping_equal_plain_torch(tmp_path: Path) 
     ref, norms = _replay(seen.batches, accumulate=2, clip=0.05, lr=0.05)
     df = load(tmp_path / "run")
     assert sorted(set(df.step)) == [0, 1, 2] and len(df) == 3 * (2 + 1)
-    for s in range(3):
-        for tap in TAPS:
-            rows = df[(df.step == s) & (df.tap == tap)].pipe(by_micro_batch)
-            assert len(rows) == len(ref[s][tap])  # activations per micro-batch, the weight once per step
-            assert rows.micro_step.isna().all() if tap == TAPS[1] else rows.micro_step.tolist() == [0, 1]
-            for call, grad in enumerate(ref[s][tap]):
-                assert rows.iloc[call].norm == pytest.approx(float(grad.norm()), rel=1e-4), (s, tap, call)
-                assert rows.iloc[call].abs_max == pytest.approx(float(grad.abs().max()), rel=1e-4)
+    assert_accumulation_rows(df, ref, TAPS, param_tap=TAPS[1], rel=1e-4)  # activations per micro-batch, the weight once
     assert seen.grad_norms == pytest.approx(norms, rel=1e-4)  # the Trainer's own grad_norm: before clipping
     steps = load(tmp_path / "run", table="steps")
     assert len(steps) == 3 and steps.captured.all() and steps.loss.notna().all()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import by_micro_batch
+from conftest import assert_accumulation_rows
 from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -86,17 +86,7 @@ def test_lightning_accumulation_and_clipping_equal_plain_torch(tmp_path: Path, s
     ref, net = _reference(3, 2, clip=0.05)
     df = load(tmp_path / "run")
     assert sorted(set(df.step)) == [0, 1, 2] and len(df) == 3 * (2 + 1)
-    for s in range(3):
-        for tap in TAPS:
-            rows = df[(df.step == s) & (df.tap == tap)].pipe(by_micro_batch)
-            assert len(rows) == len(ref[s][tap])  # activations per micro-batch, the weight once per step
-            if tap == "net.0:weight":
-                assert rows.micro_step.isna().all()
-            else:
-                assert rows.micro_step.tolist() == [0, 1]
-            for call, g in enumerate(ref[s][tap]):
-                assert rows.iloc[call].norm == pytest.approx(float(g.norm()), rel=1e-5), (s, tap, call)
-                assert rows.iloc[call]["min"] == pytest.approx(float(g.min()), rel=1e-5)
+    assert_accumulation_rows(df, [{t: r[t] for t in TAPS} for r in ref], TAPS, param_tap="net.0:weight", rel=1e-5)
     # the capture changed nothing: the trained weights are plain torch's (clipped) ones
     torch.testing.assert_close(module.net[0].weight, net[0].weight)
     assert (tmp_path / "run" / "done.json").is_file()

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -27,6 +28,16 @@ def _model(seed: int = 0) -> nn.Sequential:
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)) for _ in range(n)]
+
+
+def _train(rec: Any, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], opt: torch.optim.Optimizer) -> None:
+    """The README's loop: forward, `rec.backward`, the optimiser step, `rec.step`."""
+    for x, y in batches:
+        loss = nn.functional.mse_loss(model(x), y)
+        rec.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        rec.step(loss)
 
 
 #: Clipping in the loops below: small enough to clip every step (the records hold the gradients before it).
@@ -94,12 +105,7 @@ def test_record_run_dir_is_a_runner_job(tmp_path: Path) -> None:
     run = tmp_path / "mine"
     with gradrunner.record(model, ["*:output"], run, every=2, histogram=True) as rec:
         assert (run / ".gradrunner.lock").exists()
-        for x, y in batches:
-            loss = nn.functional.mse_loss(model(x), y)
-            rec.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            rec.step(loss)
+        _train(rec, model, batches, opt)
         assert not (run / "done.json").exists()
     marker = json.loads((run / "done.json").read_text())
     assert marker["files"] == ["grads.parquet", "steps.parquet"] and marker["rows"]["steps.parquet"] == 4
@@ -303,11 +309,6 @@ def test_every_captures_whole_steps(tmp_path: Path) -> None:
     model, batches = _model(), _batches(5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with gradrunner.record(model, ["*:output"], tmp_path / "r", every=2) as rec:
-        for x, y in batches:
-            loss = nn.functional.mse_loss(model(x), y)
-            rec.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            rec.step(loss)
+        _train(rec, model, batches, opt)
     df = load(tmp_path / "r")
     assert sorted(set(df.step)) == [0, 2, 4] and df.has_grad.all() and df.norm.gt(0).all()
