@@ -62,6 +62,20 @@ def _eager(fn: _F) -> _F:
     return torch.compiler.disable(fn)
 
 
+def unscaled(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`grad` times `scale` (0-d, e.g. 1/loss scale), on the gradient's device without a host sync.
+
+    Example::
+
+        unscaled(g, scaler.scale(torch.ones(())).reciprocal())   # the true gradient under fp16 loss scaling
+
+    In float32 at least (statistics are float32 anyway): a float16 gradient divided by the scale could
+    underflow. A new tensor: the caller's gradient is untouched.
+    """
+    wide = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+    return wide * scale.to(device=grad.device, dtype=wide.dtype)
+
+
 class Capture:
     """A capture session over one model: tap `model` and capture the gradients flowing through `taps`,
     the `strategy`'s way (`capture` is the same class, the documented spelling).
@@ -367,10 +381,7 @@ class Capture:
         if slot.param is not None and self._edits is not None:
             grad = self._edits.arrived(slot.param, slot.key, grad)  # recorded: the gradient before the edit
         if self.grad_scale is not None:
-            # In float32 (statistics are float32 anyway): a float16 gradient divided by the scale could underflow.
-            # A new tensor: the caller's gradient is untouched.
-            wide = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
-            grad = wide * self.grad_scale.to(device=grad.device, dtype=wide.dtype)
+            grad = unscaled(grad, self.grad_scale)
         # A leaf's gradient may become its .grad, which can be changed in place later (zero_grad,
         # accumulation); an intermediate's gradient is handed to us alone.
         leaf = slot.param is not None or slot.leaf

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradrunner.capturing.session import Capture
+from gradrunner.capturing.session import Capture, unscaled
 from gradrunner.capturing.stats import Collector
 from gradrunner.records.columns import StepRecords, TapKey
 
@@ -79,10 +79,7 @@ def param_grad_collector(cap: Capture, scale: torch.Tensor | None = None) -> Col
         if t.kind == "param":
             grad = getattr(cap.model.get_submodule(t.module), t.name).grad
             if grad is not None:
-                grad = grad.detach()
-                if scale is not None:  # in float32 at least, as the capture's grad_scale: no float16 underflow
-                    wide = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
-                    grad = wide * scale.to(device=grad.device, dtype=wide.dtype)
+                grad = grad.detach() if scale is None else unscaled(grad.detach(), scale)
             col.add(TapKey(t.module, t.name, 0), grad, batched=False)
     return col
 
