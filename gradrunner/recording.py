@@ -258,12 +258,13 @@ class Recorder:
 
         `loss` is the step's loss (a tensor rides in the records' transfer); without it, the sum of the
         losses given to `backward` since the last step (the mean, for a loss divided for accumulation). `extra` holds further
-        `steps.parquet` values (`grad_norm`) that the steps writer takes where it has the column.
+        `steps.parquet` values of the training step's columns (`grad_norm`, `lr`, ...); any other key is refused.
         """
         from gradrunner.records.critical import deferred_signals
         from gradrunner.run.guards import check_finite
 
         self._check_open("step")
+        _check_extra(extra)
         assert self._grads is not None and self._steps is not None
         step, captured = self.step_index, self.captured and self._backwards > 0
         if loss is None:
@@ -322,15 +323,25 @@ class Recorder:
 record = Recorder
 
 
+def _check_extra(extra: dict[str, Any] | None) -> None:
+    """`rec.step(extra=...)` takes only the training columns of `steps.parquet`: a misspelled key is no silent loss."""
+    from gradrunner.errors import did_you_mean
+    from gradrunner.records.schema import TRAIN_STEP_COLUMNS
+
+    for key in extra or {}:
+        if key not in TRAIN_STEP_COLUMNS:
+            raise GradrunnerError(
+                f"rec.step(extra=...) has the key {key!r}, which is no column of steps.parquet; allowed: "
+                f"{', '.join(TRAIN_STEP_COLUMNS)}.{did_you_mean(key, TRAIN_STEP_COLUMNS)}"
+            )
+
+
 def write_steps_row(
     writer: StepsWriter | GatheredWriter, step: int, captured: bool, loss: float, step_time: float,
     capture_time: float | None, peak: int | None, extra: dict[str, Any],
 ) -> None:  # fmt: skip
-    """One `steps.parquet` row through the writer's API; `extra` values (`grad_norm`) where the table has the column."""
-    from gradrunner.records.writer import STEPS_SCHEMA
-
-    accepted = {k: v for k, v in extra.items() if k in STEPS_SCHEMA.names}
-    writer.write(step, captured, loss, step_time, capture_time, peak, **accepted)
+    """One `steps.parquet` row through the writer's API, with the training columns in `extra` (`grad_norm`, ...)."""
+    writer.write(step, captured, loss, step_time, capture_time, peak, **extra)
 
 
 class CallbackOptions:

@@ -312,3 +312,22 @@ def test_every_captures_whole_steps(tmp_path: Path) -> None:
         _train(rec, model, batches, opt)
     df = load(tmp_path / "r")
     assert sorted(set(df.step)) == [0, 2, 4] and df.has_grad.all() and df.norm.gt(0).all()
+
+
+def test_step_extra_lands_in_steps_parquet_and_a_misspelled_key_is_refused(tmp_path: Path) -> None:
+    model, batches = _model(), _batches(2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradrunner.record(model, ["0:output"], tmp_path / "r") as rec:
+        (x, y), (x2, y2) = batches
+        loss = nn.functional.mse_loss(model(x), y)
+        rec.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        with pytest.raises(GradrunnerError, match=r"'grad_nrom'.*no column of steps.parquet.*Did you mean 'grad_norm'"):
+            rec.step(loss, extra={"grad_nrom": 2.5})
+        rec.step(loss, extra={"grad_norm": 2.5, "lr": 0.1})  # the refused call wrote nothing: this is step 0
+        rec.backward(nn.functional.mse_loss(model(x2), y2))
+        rec.step()
+    steps = load(tmp_path / "r", table="steps")
+    assert list(steps.step) == [0, 1]
+    assert steps.grad_norm.iloc[0] == 2.5 and steps.lr.iloc[0] == 0.1 and pd.isna(steps.grad_norm.iloc[1])

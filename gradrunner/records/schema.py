@@ -101,6 +101,9 @@ STEPS_SCHEMA = pa.schema(
     ]
 )
 
+#: The training step's columns of `steps.parquet` (null where a loop does not give them).
+TRAIN_STEP_COLUMNS = tuple(STEPS_SCHEMA.names[STEPS_SCHEMA.get_field_index("lr"):])
+
 
 def _leaf_paths(field: pa.Field) -> list[str]:
     """Parquet column paths of a field (`values` is stored as `values.list.element`)."""
