@@ -32,7 +32,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.errors import one_paragraph
 from gradrunner.overrides import sweep_jobs
-from gradrunner.records.rundir import job_dirs_below, job_state, write_json
+from gradrunner.records import catalogue
+from gradrunner.records.rundir import DONE, FAILED, job_dirs_below, job_state, write_json
 from gradrunner.run.hydra_adapter import JobFailed, JobRefused, job_error
 from gradrunner.run.resume import Refused, mark_failed
 
@@ -100,7 +101,72 @@ def build_manifest(sweep_dir: Path, expected: list[list[str]] | None) -> dict[st
     Example::
 
         build_manifest(Path("multirun/2024-05-01/12-00-00-123456"), None)["counts"]   # {'completed': 6, ...}
+
+    A view of the sweep catalogue (`records.catalogue`) when it lists every expected job with its
+    dir still holding that job's marker; otherwise the job dirs are read (`rundir.job_dirs_below`)
+    and the catalogue is completed from what they hold.
     """
+    rows = catalogue.read_jobs(sweep_dir)
+    jobs = _from_catalogue(sweep_dir, expected, rows) if rows and expected else None
+    if jobs is None:
+        jobs = _from_job_dirs(sweep_dir, expected)
+        _complete_catalogue(sweep_dir, jobs, rows or [])
+    counts = {s: sum(j["status"] == s for j in jobs) for s in ("completed", "failed", "missing")}
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return {"sweep_dir": str(sweep_dir.resolve()), "written": now, "counts": counts, "jobs": jobs}
+
+
+def _from_catalogue(
+    sweep_dir: Path, expected: list[list[str]], rows: list[catalogue.JobRow]
+) -> list[dict[str, Any]] | None:
+    """The manifest's entries from the catalogue's rows; None when a job has no row, or its dir disagrees."""
+    by_key = {(r.key(), r.num): r for r in rows}
+    jobs: list[dict[str, Any]] = []
+    used: set[str] = set()
+    for num, overrides in enumerate(expected):
+        row = by_key.get((tuple(sorted(overrides)), num))
+        if row is None:
+            return None
+        used.add(row.dir)
+        if row.status != "completed":
+            jobs.append(_entry(sweep_dir, sweep_dir / row.dir, overrides, num))  # failed: its files, as they are
+            continue
+        if not os.path.isfile(sweep_dir / row.dir / DONE) or os.path.lexists(sweep_dir / row.dir / FAILED):
+            return None
+        jobs.append({"num": num, "dir": row.dir, "overrides": overrides, "status": "completed", "files": row.files,
+                     "error": None})  # fmt: skip
+    for row in rows:  # jobs of the dir that this sweep does not list (an earlier sweep's overrides)
+        if row.dir not in used:
+            jobs.append(_entry(sweep_dir, sweep_dir / row.dir, row.overrides, row.num))
+    return jobs
+
+
+def _complete_catalogue(sweep_dir: Path, jobs: list[dict[str, Any]], rows: list[catalogue.JobRow]) -> None:
+    """Rows for the completed and failed jobs found in their dirs that the catalogue lacks (fingerprint unknown)."""
+    known = {(r.dir, r.status, r.run_id if r.status == "completed" else None) for r in rows}
+    new: list[catalogue.JobRow] = []
+    for job in jobs:
+        if job["dir"] is None or job["status"] not in ("completed", "failed"):
+            continue
+        marker = job_state(sweep_dir / job["dir"]).marker if job["status"] == "completed" else None
+        if job["status"] == "completed" and marker is None:
+            continue
+        run_id = str(marker["run_id"]) if marker else None
+        if (job["dir"], job["status"], run_id) in known:
+            continue
+        new.append(catalogue.JobRow(
+            dir=job["dir"], num=job["num"], overrides=job["overrides"], status=job["status"], run_id=run_id,
+            rows=sum(int(n) for n in (marker.get("rows") or {}).values()) if marker else None, files=job["files"],
+            error=job["error"], finished=str(marker.get("finished")) if marker and marker.get("finished") else None,
+        ))  # fmt: skip
+    try:
+        catalogue.record_jobs(sweep_dir, new)
+    except Exception as e:  # sqlite3.Error, OSError: the manifest does not depend on it
+        log.warning("could not complete the sweep catalogue %s: %s", sweep_dir / catalogue.CATALOGUE, one_paragraph(e))
+
+
+def _from_job_dirs(sweep_dir: Path, expected: list[list[str]] | None) -> list[dict[str, Any]]:
+    """The manifest's entries from the job dirs found below `sweep_dir`, matched to the expected jobs."""
     found = _job_dirs(sweep_dir)
     by_overrides: dict[tuple[str, ...], list[Path]] = {}
     for d, o in found.items():  # several dirs may carry the same overrides (runs outside a sweep): keep each
@@ -126,9 +192,7 @@ def build_manifest(sweep_dir: Path, expected: list[list[str]] | None) -> dict[st
     rest = [d for d in rest if d not in taken]
     for job_dir in sorted(rest, key=lambda d: (nums[d] is None, nums[d] or 0, str(d))):
         jobs.append(_entry(sweep_dir, job_dir, found[job_dir], nums[job_dir]))
-    counts = {s: sum(j["status"] == s for j in jobs) for s in ("completed", "failed", "missing")}
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return {"sweep_dir": str(sweep_dir.resolve()), "written": now, "counts": counts, "jobs": jobs}
+    return jobs
 
 
 def _summary(manifest: dict[str, Any]) -> str:
@@ -139,6 +203,23 @@ def _summary(manifest: dict[str, Any]) -> str:
                         for j in bad[:5])  # fmt: skip
     more = f"; and {len(bad) - 5} more" if len(bad) > 5 else ""
     return f"sweep {manifest['sweep_dir']}: {text}" + (f" -- {details}{more}" if bad else "")
+
+
+def _catalogue(config: DictConfig, status: str, error: str | None) -> None:
+    """The job's row in its sweep's catalogue (a sweep job on rank 0 only); a failure to write it is logged, never raised."""
+    if not str(OmegaConf.select(config, "hydra.mode", default="")).endswith("MULTIRUN"):
+        return
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return
+    from gradrunner.run.sweep_plan import catalogue_row  # the run package imports torch; the job has it already
+
+    try:
+        row = catalogue_row(config, status=status, error=error)
+        if row is not None:
+            catalogue.record_job(str(config.hydra.sweep.dir), row)
+    except Exception as e:  # sqlite3.Error, OSError: the job's records do not depend on its row
+        log.warning("could not write this job's row of the sweep catalogue (%s): %s; the manifest reads the job "
+                    "dirs instead", catalogue.CATALOGUE, one_paragraph(e))  # fmt: skip
 
 
 class SweepBookkeeping(Callback):
@@ -157,6 +238,7 @@ class SweepBookkeeping(Callback):
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if job_return.status != JobStatus.FAILED:
+            _catalogue(config, "completed", None)
             return
         error = job_error(job_return)  # `return_value` would re-raise it
         if isinstance(error, (JobRefused, Refused)):  # Refused itself under HYDRA_FULL_ERROR=1 (`cli._fail`)
@@ -168,6 +250,8 @@ class SweepBookkeeping(Callback):
                 mark_failed(out, message)
             except OSError as e:
                 log.error("could not write %s: %s", out / "failed.json", one_paragraph(e))
+                return
+            _catalogue(config, "failed", " ".join(message.split()))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._config = config
@@ -194,10 +278,17 @@ class SweepBookkeeping(Callback):
             return
         bad = manifest["counts"]["failed"] + manifest["counts"]["missing"]
         (log.warning if bad else log.info)("%s; manifest: %s", _summary(manifest), path)
-        done = [(j["dir"], j["overrides"]) for j in manifest["jobs"] if j["status"] == "completed"]
-        from gradrunner.run.watch import sweep_word  # the run package imports torch: only once a sweep ends
+        from gradrunner.run.sweep_plan import plan  # the run package imports torch: only once a sweep ends
+        from gradrunner.run.watch import sweep_word
 
-        sweep_word(sweep_dir, done)  # one line per job: its loss, NaN/Inf, vanishing/exploding taps
+        decided = plan(config)
+        skipped = decided.complete if decided is not None else frozenset()
+        done = [(j["dir"], j["overrides"]) for j in manifest["jobs"] if j["status"] == "completed"
+                and j["num"] not in skipped]  # fmt: skip
+        if skipped:
+            log.info("%d jobs completed in an earlier run of this sweep were skipped (their summary was logged then)",
+                     len(skipped))  # fmt: skip
+        sweep_word(sweep_dir, done)  # one line per job run now: its loss, NaN/Inf, vanishing/exploding taps
         if OmegaConf.select(config, "report", default=False):
             if manifest["counts"]["completed"]:
                 from gradrunner.analysis.report import try_report  # pandas and matplotlib only when asked

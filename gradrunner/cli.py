@@ -35,11 +35,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
-from gradrunner.overrides import group_mistake, misspelled_key, sweep_jobs
+from gradrunner.overrides import group_mistake, misspelled_key
 from gradrunner.records.columns import RECORD_FILES
 from gradrunner.records.rundir import FAILED
 from gradrunner.records.urls import url_scheme
-from gradrunner.run import signals
+from gradrunner.run import signals, sweep_plan
 from gradrunner.run.guards import check_writable
 from gradrunner.run.hydra_adapter import (
     JobFailed,
@@ -156,13 +156,11 @@ class SweepCheck(Callback):
     """
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        try:
-            jobs = sweep_jobs(config)
-        except Exception:  # an override Hydra's sweeper reports better itself
+        decided = sweep_plan.plan(config)  # jobs complete already are neither composed here nor launched
+        if decided is None or not decided.jobs or os.environ.get("HYDRA_FULL_ERROR") == "1":
             return
-        if not jobs or os.environ.get("HYDRA_FULL_ERROR") == "1":
-            return
-        problems = _job_problems(config, jobs)
+        jobs = decided.jobs
+        problems = _job_problems(config, jobs, skip=decided.complete)
         if problems:
             for message, numbers in problems.items():
                 which = f"job {numbers[0]}" if len(numbers) == 1 else f"jobs {', '.join(map(str, numbers))}"
@@ -170,16 +168,19 @@ class SweepCheck(Callback):
                       file=sys.stderr, flush=True)  # fmt: skip
             print("gradrunner: the sweep was checked before any job ran; nothing was run.", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
+        sweep_plan.mark_validated(config)  # the sweeper need not compose each job a second time
 
 
-def _job_problems(config: DictConfig, jobs: list[list[str]]) -> dict[str, list[int]]:
-    """Each distinct config mistake among the jobs, with the numbers of the jobs that have it."""
+def _job_problems(config: DictConfig, jobs: list[list[str]], skip: frozenset[int]) -> dict[str, list[int]]:
+    """Each distinct config mistake among the jobs not in `skip`, with the numbers of the jobs that have it."""
     from gradrunner.config import validate
 
     loader = config_loader()
     problems: dict[str, list[int]] = {}
     resolved: dict[str, str | None] = {}
     for number, overrides in enumerate(jobs):
+        if number in skip:
+            continue
         try:
             cfg = loader.load_sweep_config(config, list(overrides))
             validate(cfg)

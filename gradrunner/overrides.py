@@ -90,7 +90,7 @@ def misspelled_key(argv: Sequence[str]) -> str | None:
 
 
 def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
-    """Every job's override list, in job order, for a sweep run by Hydra's basic sweeper; else None.
+    """Every job's override list, in job order, for a sweep run by Hydra's basic sweeper (or gradrunner's); else None.
 
     Example::
 
@@ -99,7 +99,7 @@ def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
     Other sweepers (Optuna, Ax, ...) choose their jobs as they go: None.
     """
     sweeper = OmegaConf.select(config, "hydra.sweeper._target_", default="")
-    if not str(sweeper).endswith("BasicSweeper"):
+    if not str(sweeper).endswith(("BasicSweeper", "GradrunnerSweeper")):  # gradrunner's: the basic one, skipping
         return None
     from gradrunner.run.hydra_adapter import expand_sweep  # Hydra's own expansion rules (a private API)
 
