@@ -31,10 +31,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.errors import one_paragraph
-from gradrunner.overrides import sweep_jobs
 from gradrunner.records import catalogue
 from gradrunner.records.rundir import DONE, FAILED, job_dirs_below, job_state, write_json
-from gradrunner.run.hydra_adapter import JobFailed, JobRefused, job_error
+from gradrunner.run.hydra_adapter import JobFailed, JobRefused, job_error, sweep_jobs
 from gradrunner.run.resume import Refused, mark_failed
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,6 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.config import CaptureConfig, Config, TrainConfig
 from gradrunner.errors import closest, did_you_mean
@@ -87,25 +86,6 @@ def misspelled_key(argv: Sequence[str]) -> str | None:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         return f"{key} is not a config key; top-level keys: {', '.join(top)}.{hint} Fix the override {arg!r}."
     return None
-
-
-def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
-    """Every job's override list, in job order, for a sweep run by Hydra's basic sweeper (or gradrunner's); else None.
-
-    Example::
-
-        sweep_jobs(cfg)   # [['capture.strategy=hook', 'seed=0'], ['capture.strategy=hook', 'seed=1'], ...]
-
-    Other sweepers (Optuna, Ax, ...) choose their jobs as they go: None.
-    """
-    sweeper = OmegaConf.select(config, "hydra.sweeper._target_", default="")
-    if not str(sweeper).endswith(("BasicSweeper", "GradrunnerSweeper")):  # gradrunner's: the basic one, skipping
-        return None
-    from gradrunner.run.hydra_adapter import expand_sweep  # Hydra's own expansion rules (a private API)
-
-    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    arguments = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
-    return expand_sweep(OverridesParser.create().parse_overrides(arguments))
 
 
 #: The package's own config dir: one subdirectory per config group, one YAML file per option.

@@ -5,6 +5,7 @@ Contents:
     task_overrides()             -- this job's own command-line overrides ([] outside a Hydra app)
     job_error(job_return)        -- the exception a failed job raised, without re-raising it
     expand_sweep(overrides)      -- the basic sweeper's job list for parsed overrides
+    sweep_jobs(config)           -- every job's overrides of a sweep the basic sweeper (or gradrunner's) runs
     config_loader()              -- the running app's config loader (to compose a sweep's jobs up front)
     mistakes_as_one_paragraph()  -- errors Hydra meets before the job (composing, saving .hydra/) as one paragraph
 
@@ -25,9 +26,11 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.core.utils import JobReturn
 from hydra.errors import CompactHydraException
+from omegaconf import DictConfig, OmegaConf
 
 
 class JobFailed(CompactHydraException):
@@ -66,6 +69,23 @@ def expand_sweep(overrides: list[Override]) -> list[list[str]]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
     return [job for batch in BasicSweeper.split_arguments(overrides, None) for job in batch]
+
+
+def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
+    """Every job's override list, in job order, for a sweep run by Hydra's basic sweeper (or gradrunner's); else None.
+
+    Example::
+
+        sweep_jobs(cfg)   # [['capture.strategy=hook', 'seed=0'], ['capture.strategy=hook', 'seed=1'], ...]
+
+    Other sweepers (Optuna, Ax, ...) choose their jobs as they go: None.
+    """
+    sweeper = OmegaConf.select(config, "hydra.sweeper._target_", default="")
+    if not str(sweeper).endswith(("BasicSweeper", "GradrunnerSweeper")):  # gradrunner's: the basic one, skipping
+        return None
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    arguments = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    return expand_sweep(OverridesParser.create().parse_overrides(arguments))
 
 
 def config_loader() -> Any:

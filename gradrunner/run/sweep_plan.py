@@ -36,9 +36,9 @@ from omegaconf import DictConfig, OmegaConf
 
 import gradrunner
 from gradrunner import config as schema
-from gradrunner.overrides import sweep_jobs
 from gradrunner.records import catalogue
 from gradrunner.records.rundir import read_marker
+from gradrunner.run.hydra_adapter import sweep_jobs
 
 log = logging.getLogger(__name__)
 
