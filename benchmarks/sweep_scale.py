@@ -1,20 +1,22 @@
-"""A sweep at cluster scale: `load()`, the manifest, DuckDB / polars and a re-run's decision over N copied jobs.
+"""A sweep at cluster scale: the re-run, the catalogue, the manifest, `load()`, DuckDB / polars and the report over N copied jobs.
 
 A few real 2-step mlp jobs are run by the CLI as a sweep (seed=0,1,2), then copied into N job dirs
 with distinct seeds and run ids: each record file rewritten with its new `run_id` column and
 overrides metadata (the writer's encodings and page checksums), `.hydra/` given the job's number and
 overrides, `done.json` re-pinned (run id, rows, footers, overrides, `config.seed`), so that every
-job passes `verify_job` and a re-run of the same sweep finds it complete. Then, once each (a cold
-run of a shared machine, not a median):
+job passes `verify_job`; the sweep catalogue gets each copy's row as its job would have written it
+(the real jobs' config fingerprint). Then, once each (a cold run of a shared machine, not a median):
 
 - `load(sweep)`, statistics only (the verified reader: every page's checksum, run id, footer);
-- the manifest: `build_manifest` given the sweep's job list, and finding the job dirs itself;
+- the manifest: `build_manifest` given the sweep's job list (a view of the catalogue), and finding
+  the job dirs itself (no job list: every dir read);
 - DuckDB and polars (lazy) over `sweep/*/grads.parquet`: rows and mean norm per tap;
-- the re-run decision: the CLI re-run of the first job, then of the first `--rerun-jobs` jobs (seed=0..M-1,
-  the same config: every job is complete and skipped), wall seconds; the per-job cost is their
-  difference over M-1 jobs, and the full sweep's re-run is projected from it, labelled so.
+- reading the catalogue;
+- the CLI re-run of the whole sweep (seed=0..N-1, the same config): every job complete, none composed
+  or launched; wall seconds from the command to its exit, the end-of-sweep books included;
+- `python -m gradrunner.report <sweep>`, killed after `--report-timeout` seconds.
 
-    python benchmarks/sweep_scale.py --jobs 1000
+    python benchmarks/sweep_scale.py --jobs 10000
     python benchmarks/sweep_scale.py --tiny          # 5 jobs (CI smoke run)
 """
 
@@ -40,6 +42,7 @@ from _common import parse_args, report
 from gradrunner.analysis import load
 from gradrunner.callbacks import build_manifest
 from gradrunner.records import rundir
+from gradrunner.records.catalogue import JobRow, read_jobs, record_jobs
 from gradrunner.records.columns import OVERRIDES_KEY, RECORD_FILES
 from gradrunner.records.schema import write_options
 
@@ -86,6 +89,19 @@ def copy_job(source: Path, target: Path, num: int, run_id: str) -> None:
     (target / rundir.DONE).write_text(json.dumps(marker))
 
 
+def catalogue_copies(real_sweep: Path, sweep: Path, jobs: int) -> None:
+    """The copied sweep's catalogue, as its jobs would have written it: each copy's row, the real jobs' fingerprint."""
+    real_rows = read_jobs(real_sweep)
+    assert real_rows, f"the real sweep {real_sweep} has no catalogue"
+    rows = []
+    for i in range(jobs):
+        marker = json.loads((sweep / str(i) / rundir.DONE).read_text())
+        rows.append(JobRow(dir=str(i), num=i, overrides=marker["overrides"], status="completed", run_id=marker["run_id"],
+                           rows=sum(marker["rows"].values()), files=marker["files"],
+                           fingerprint=real_rows[0].fingerprint, finished=marker.get("finished")))  # fmt: skip
+    record_jobs(sweep, rows)
+
+
 def _reseed(config: Any, seed: int) -> None:
     """Every `seed` key of the resolved config (`seed`, and `data.seed` interpolated from it) set to `seed`."""
     if isinstance(config, dict):
@@ -107,18 +123,18 @@ def timed(fn: Any) -> tuple[float, Any]:
 def main() -> None:
     def extra(p: Any) -> None:
         p.add_argument("--jobs", type=int, default=1000, help="job dirs in the copied sweep")
-        p.add_argument("--rerun-jobs", type=int, default=20, help="jobs the timed CLI re-run covers")
+        p.add_argument("--report-timeout", type=float, default=600, help="seconds before the report is killed; 0: skip it")
 
     args = parse_args(__doc__ or "", extra)
     jobs = 5 if args.tiny else args.jobs
     real = min(3, jobs)
-    rerun = min(jobs, 2 if args.tiny else args.rerun_jobs)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         sources = run_real_jobs(Path(tmp) / "real", real)
         sweep = Path(tmp) / "sweep"
         build_s, _ = timed(lambda: [copy_job(sources[i % real], sweep / str(i), i, f"copy-{i:06d}")
                                     for i in range(jobs)])  # fmt: skip
+        catalogue_copies(sources[0].parent, sweep, jobs)
         assert all(rundir.verify_job(sweep / str(i), json.loads((sweep / str(i) / rundir.DONE).read_text())) is None
                    for i in (0, jobs - 1))  # fmt: skip
         rows.append({"operation": "build the copied sweep (not a gradrunner operation)", "s": build_s})
@@ -155,22 +171,31 @@ def main() -> None:
         except ImportError:
             rows.append({"operation": "polars lazy over the tree", "result": "polars not installed"})
 
+        s, listed = timed(lambda: read_jobs(sweep))
+        assert listed is not None and sum(r.status == "completed" for r in listed) == jobs
+        rows.append({"operation": "read the catalogue (every job's row)", "s": s, "result": f"{len(listed)} rows"})
+
         before = {f: f.stat().st_mtime_ns for f in sweep.glob("*/*.parquet")}
-        times = {}
-        for m in (1, rerun):  # one job: the start-up; `rerun` jobs: the start-up plus the per-job cost
-            s, result = timed(lambda m=m: cli("-m", f"hydra.sweep.dir={sweep}", *BASE,
-                                              "seed=" + ",".join(map(str, range(m)))))  # fmt: skip
-            if result.returncode != 0:
-                raise SystemExit(f"the re-run failed:\n{result.stderr[-3000:]}")
-            skipped = (result.stdout + result.stderr).count("already completed")
-            assert skipped == m, (skipped, m, result.stderr[-2000:])
-            times[m] = s
-            rows.append({"operation": f"CLI re-run of {m} completed job(s) (all skipped)", "s": s,
-                         "result": f"{skipped} skipped"})  # fmt: skip
+        s, result = timed(lambda: cli("-m", f"hydra.sweep.dir={sweep}", *BASE, "seed=" + ",".join(map(str, range(jobs)))))
+        if result.returncode != 0:
+            raise SystemExit(f"the re-run failed:\n{result.stderr[-3000:]}")
+        out = result.stdout + result.stderr
+        assert "Launching" not in out and f"{jobs} of {jobs} jobs completed before" in out, out[-3000:]
         assert all(f.stat().st_mtime_ns == t for f, t in before.items()), "the re-run rewrote a completed job"
-        per_job = (times[rerun] - times[1]) / max(rerun - 1, 1)
-        rows.append({"operation": f"re-run of all {jobs} jobs (projected: start-up + {per_job * 1e3:.0f} ms/job)",
-                     "s": times[1] + per_job * (jobs - 1), "result": "projected, not measured"})  # fmt: skip
+        rows.append({"operation": f"CLI re-run of all {jobs} completed jobs (every one skipped, none composed)", "s": s,
+                     "result": "0 launched"})  # fmt: skip
+
+        if args.report_timeout > 0:
+            start = time.perf_counter()
+            try:
+                done = subprocess.run([sys.executable, "-m", "gradrunner.report", str(sweep)], capture_output=True,
+                                      text=True, timeout=args.report_timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+                s = time.perf_counter() - start
+                what = "written" if done.returncode == 0 else f"exit {done.returncode}: {done.stderr.strip()[-300:]}"
+            except subprocess.TimeoutExpired:
+                s, what = time.perf_counter() - start, f"killed after {args.report_timeout} s"
+            print(f"  ({s:.3f} s)", file=sys.stderr, flush=True)
+            rows.append({"operation": "python -m gradrunner.report <sweep>", "s": s, "result": what})
     report("sweep_scale", rows, ["operation", "s", "result"], out=args.out, jobs=jobs, real_jobs=real)
 
 

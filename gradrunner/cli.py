@@ -148,7 +148,8 @@ class SweepCheck(Callback):
     Registered in `conf/config.yaml` under `hydra.callbacks.sweep_check`. Without it, job 0 runs to
     the end before job 1 fails on `capture.strategy=bogus`. Values are validated and the tap specs
     resolved against each distinct model, built on the meta device (no memory, no weights). Each
-    distinct mistake is reported once, with the jobs it affects.
+    distinct mistake is reported once, with the jobs it affects. Jobs the sweep catalogue shows
+    complete (`run.sweep_plan`) are not composed: gradrunner's sweeper does not launch them either.
 
     Example::
 
