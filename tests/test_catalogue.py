@@ -257,3 +257,22 @@ def test_the_fingerprint_follows_the_config_files_and_refuses_the_environment(tm
     exp.write_text("steps: 2\n")
     cfg.hydra.sweep.subdir = "${seed}"
     assert config_fingerprint(cfg) not in (None, first)
+
+
+def test_two_concurrent_launchers_with_parallel_jobs_lose_no_row(tmp_path: Path) -> None:
+    sweep = tmp_path / "s"
+    env = cli_env()
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "gradrunner", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *BASE,
+         f"seed={seeds}", f"hydra.sweep.dir={sweep}", f"hydra.sweep.subdir={name}${{hydra.job.num}}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    ) for name, seeds in (("a", "0,1,2,3"), ("b", "4,5,6,7"))]  # fmt: skip
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    rows = read_jobs(sweep)
+    assert rows is not None
+    assert sorted(r.dir for r in rows) == [f"{n}{i}" for n in "ab" for i in range(4)]
+    for row in rows:
+        marker = json.loads((sweep / row.dir / DONE).read_text())
+        assert (row.status, row.run_id, row.overrides) == ("completed", marker["run_id"], marker["overrides"])
+        assert f"seed={marker['config']['seed']}" in row.overrides
