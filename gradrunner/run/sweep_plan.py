@@ -114,8 +114,9 @@ class SweepPlan:
         return [n for n in range(len(self.jobs)) if n not in self.complete]
 
 
-#: `plan`'s answer per sweep dir: the up-front check and the sweeper share one decision.
-_PLANS: dict[str, SweepPlan | None] = {}
+#: `plan`'s answer per sweep dir, with the sweep's config object: the up-front check, the sweeper and the end of
+#: the sweep (handed the same object by Hydra) share one decision; another sweep in this process decides anew.
+_PLANS: dict[str, tuple[DictConfig, SweepPlan | None]] = {}
 
 
 def plan(config: DictConfig) -> SweepPlan | None:
@@ -126,9 +127,9 @@ def plan(config: DictConfig) -> SweepPlan | None:
         plan(cfg).to_run()       # [17, 18] when jobs 0-16 and 19 completed before
     """
     key = str(config.hydra.sweep.dir)
-    if key not in _PLANS:
-        _PLANS[key] = _decide(config)
-    return _PLANS[key]
+    if key not in _PLANS or _PLANS[key][0] is not config:
+        _PLANS[key] = (config, _decide(config))
+    return _PLANS[key][1]
 
 
 def _decide(config: DictConfig) -> SweepPlan | None:
@@ -191,15 +192,15 @@ def catalogue_row(config: DictConfig, *, status: str, error: str | None) -> cata
     return catalogue.JobRow(dir=relative, num=num, overrides=overrides, status=status, error=error)
 
 
-#: Sweep dirs whose every job the up-front check (`cli.SweepCheck`) composed and validated.
-_VALIDATED: set[str] = set()
+#: The configs of the sweeps whose every job the up-front check (`cli.SweepCheck`) composed and validated.
+_VALIDATED: list[DictConfig] = []
 
 
 def mark_validated(config: DictConfig) -> None:
     """The up-front check composed and validated every job of this sweep: the sweeper need not compose them again."""
-    _VALIDATED.add(str(config.hydra.sweep.dir))
+    _VALIDATED[:] = [config]  # one sweep at a time per process
 
 
 def validated(config: DictConfig) -> bool:
-    """Whether `mark_validated` was called for this sweep (in this process)."""
-    return str(config.hydra.sweep.dir) in _VALIDATED
+    """Whether `mark_validated` was called with this very config object (this sweep, in this process)."""
+    return any(c is config for c in _VALIDATED)
