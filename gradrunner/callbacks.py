@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 #: The sweep manifest's file name, in the sweep dir.
 MANIFEST = "manifest.json"
+#: libyaml's safe loader where PyYAML has it (about 10x faster: a manifest read from 10,000 job dirs parses each
+#: one's `.hydra/hydra.yaml`), else the pure-Python one; both accept the same documents.
+_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def expected_jobs(config: DictConfig) -> list[list[str]] | None:
@@ -66,7 +69,7 @@ def _job_dirs(sweep_dir: Path) -> dict[Path, list[str]]:
             continue
         f = job / ".hydra" / "overrides.yaml"
         try:
-            found[job] = [str(o) for o in (yaml.safe_load(f.read_text()) or [])]
+            found[job] = [str(o) for o in (yaml.load(f.read_text(), Loader=_LOADER) or [])]
         except (OSError, yaml.YAMLError):
             found[job] = []
     return found
@@ -74,7 +77,7 @@ def _job_dirs(sweep_dir: Path) -> dict[Path, list[str]]:
 
 def _job_num(job_dir: Path) -> int | None:
     try:
-        num = yaml.safe_load((job_dir / ".hydra" / "hydra.yaml").read_text())["hydra"]["job"]["num"]
+        num = yaml.load((job_dir / ".hydra" / "hydra.yaml").read_text(), Loader=_LOADER)["hydra"]["job"]["num"]
     except (OSError, KeyError, TypeError, yaml.YAMLError):
         return None
     return int(num) if isinstance(num, int) else None
