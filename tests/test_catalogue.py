@@ -21,10 +21,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import check_ok, cli_env
 
 from gradrunner.analysis import load
-from gradrunner.callbacks import MANIFEST, build_manifest
+from gradrunner.callbacks import MANIFEST, _job_num, build_manifest
 from gradrunner.records.catalogue import CATALOGUE, JobRow, read_jobs, record_job
 from gradrunner.records.rundir import DONE
 
@@ -203,6 +204,9 @@ def test_manifest_and_load_agree_with_the_catalogue_and_a_damaged_one_is_rebuilt
     for row in rows:
         marker = json.loads((sweep / row.dir / DONE).read_text())
         assert by_run[row.run_id] == marker["rows"]["grads.parquet"]
+    for row in rows:  # the job number read off Hydra's text is the one its YAML holds
+        hydra_yaml = yaml.safe_load((sweep / row.dir / ".hydra" / "hydra.yaml").read_text())
+        assert _job_num(sweep / row.dir) == hydra_yaml["hydra"]["job"]["num"] == row.num
     view = build_manifest(sweep, [r.overrides for r in rows])
     scanned = build_manifest(sweep, None)
     assert [(j["dir"], j["status"], j["files"]) for j in view["jobs"]] == [
