@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -41,16 +42,24 @@ def parse(argv: Sequence[str]) -> list[Override]:
 
         [o.key_or_group for o in parse(["-m", "+experiment=mlp", "steps=1,2"])]   # ['experiment', 'steps']
     """
-    parser, out, skip = OverridesParser.create(), [], False
+    out: list[Override] = []
+    skip = False
     for arg in argv:
         if skip or arg.startswith("-"):
             skip = not skip and arg in _FLAGS_WITH_VALUE
             continue
-        try:
-            out.extend(parser.parse_overrides([arg]))
-        except HydraException:
-            continue  # Hydra itself reports a malformed override, in its own words
+        out.extend(_parse_one(arg))
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_one(arg: str) -> tuple[Override, ...]:
+    """One override as Hydra parses it, () if Hydra would refuse it; cached: each check of the command line
+    parses the same arguments, and `seed=0,1,...,9999` costs Hydra's parser about a second each time."""
+    try:
+        return tuple(OverridesParser.create().parse_overrides([arg]))
+    except HydraException:
+        return ()  # Hydra itself reports a malformed override, in its own words
 
 
 def misspelled_key(argv: Sequence[str]) -> str | None:
