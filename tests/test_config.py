@@ -44,7 +44,15 @@ def test_every_group_ships_its_options(group: str, options: set[str]) -> None:
 def test_primary_defaults_list_schema_then_self_then_groups_and_no_experiment() -> None:
     defaults = OmegaConf.load(CONF / "config.yaml").defaults
     assert list(defaults[:2]) == ["gradrunner_schema", "_self_"]
-    assert [next(iter(d)) for d in defaults[2:]] == ["model", "data", "loss", "optimizer", "capture", "scheduler"]
+    assert [next(iter(d)) for d in defaults[2:]] == ["model", "data", "loss", "optimizer", "capture", "scheduler",
+                                                     "override hydra/sweeper"]  # fmt: skip
+    assert defaults[-1]["override hydra/sweeper"] == "gradrunner"
+
+
+def test_the_sweeper_is_gradrunners_basic_sweeper_and_basic_restores_hydras() -> None:
+    assert compose_cfg(hydra=True).hydra.sweeper._target_.endswith(".GradrunnerSweeper")
+    basic = compose_cfg("hydra/sweeper=basic", hydra=True).hydra.sweeper._target_
+    assert basic == "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 
 
 def test_hydra_dirs_are_relative_to_the_cwd_with_one_dir_per_sweep_job() -> None:
