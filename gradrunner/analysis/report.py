@@ -17,8 +17,10 @@ import base64
 import html
 import io
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -305,8 +307,12 @@ def _grads_files(out_dir: Path) -> list[Path]:
     """The grads files of the run or sweep at `out_dir` (hidden dirs, e.g. a running job's temp files, skipped)."""
     if (out_dir / GRADS_FILE).is_file():
         return [out_dir / GRADS_FILE]
-    return [f for f in sorted(out_dir.rglob(GRADS_FILE))
-            if not any(p.startswith((".", "_")) for p in f.relative_to(out_dir).parts)]  # fmt: skip
+    found = []
+    for here, dirs, files in os.walk(out_dir):  # hidden dirs pruned, not walked (a sweep's 10,000 .hydra/)
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+        if GRADS_FILE in files:
+            found.append(Path(here) / GRADS_FILE)
+    return sorted(found)
 
 
 def _light_columns(out_dir: Path) -> list[str] | None:
@@ -316,8 +322,9 @@ def _light_columns(out_dir: Path) -> list[str] | None:
     files = _grads_files(out_dir) if out_dir.is_dir() else []
     if not files:
         return None
-    try:
-        names = dict.fromkeys(n for f in files for n in pq.read_schema(f).names)
+    try:  # footers read on a few threads: a sweep's 10,000 files wait on the disk more than on Python
+        with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:
+            names = dict.fromkeys(n for schema in pool.map(pq.read_schema, files) for n in schema.names)
     except Exception:  # a damaged footer: `load` names the file and why
         return None
     return [n for n in names if n not in _HEAVY]
@@ -612,7 +619,8 @@ def _training_sections(out_dir: Path, steps: pd.DataFrame) -> list[str]:
         return []
 
     def has(column: str) -> bool:
-        return column in steps.columns and bool(steps[column].fillna(False).astype(bool).any())
+        values = steps[column] if column in steps.columns else pd.Series(dtype=bool)
+        return bool(values[values.notna()].astype(bool).any())  # NaN (a step without the column) is False
 
     value = _config_value(out_dir, ("train", "clip_grad_norm"))
     clip = float(value) if isinstance(value, (int, float)) else None
