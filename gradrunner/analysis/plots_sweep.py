@@ -191,7 +191,7 @@ def plot_flow_over_runs(table: pd.DataFrame, layout: SweepLayout, order: pd.Data
     labels, prefix = short_labels(order["label"])
     kinds = np.array([_kind(str(t).split(":", 1)[-1]) for t in order["tap"]])
     t = table.merge(order[["tap", "call", "position"]], on=["tap", "call"], how="inner")
-    fig, grid = _grid(len(steps), len(facets), 2.4, max(4.0, 0.3 * len(order)))
+    fig, grid = _grid(len(steps), len(facets), 2.4, max(5.0, 0.45 * len(order)))
     for row, step in enumerate(steps):
         for col, facet in enumerate(facets):
             ax = grid[row, col]
@@ -216,5 +216,5 @@ def plot_flow_over_runs(table: pd.DataFrame, layout: SweepLayout, order: pd.Data
     for ax in grid[-1]:
         ax.set_xlabel("tap, in forward order" + (f" (after {prefix!r})" if prefix else ""), fontsize="small")
     _legend(fig, grid[0, 0], layout)
-    fig.suptitle(f"Gradient flow: {layout.short()} (dashed: weights and biases)", fontsize="medium")
+    fig.suptitle(f"Gradient flow: {layout.short()}\n(dashed: weights and biases)", fontsize="medium")
     return fig

@@ -234,7 +234,7 @@ def _sweep_sections(
         fig = _import_plots().plot_value_distributions(values)
         sections.append(_figure(out_dir, "values", "Gradient values", fig, f"First and last captured step of {name}."))
     for section in _extra_sections(first, out_dir, only=(HIST_COLUMN, PER_EXAMPLE_COLUMN)):
-        one = f"One run, {name}, of {layout.runs:,}: "
+        one = f"One run, {name}, of {layout.runs:,}. "
         sections.append(section.replace("</h2>\n<p>", f"</h2>\n<p>{html.escape(one)}", 1))
     sections += _edit_sections(grads, out_dir, keys=layout.keys)
     return sections, "<br>".join(html.escape(t) for t in [said, *_sweep_answer(runs, layout)])
@@ -269,6 +269,9 @@ def _sweep_answer(runs: pd.DataFrame, layout: SweepLayout) -> list[str]:
         label = ", ".join(f"{c}={v}" for c, v in zip(layout.keys, values, strict=True))
         parts = [f"median loss {rows['first loss'].median():.4g} → {rows['last loss'].median():.4g} "
                  f"over {len(rows):,} runs"]  # fmt: skip
+        bad_loss = int((~np.isfinite(rows["last loss"].to_numpy(dtype=np.float64))).sum())
+        if bad_loss:
+            parts.append(f"last loss NaN/Inf in {bad_loss:,} run{'s' * (bad_loss > 1)} (left out of the median)")
         for column, what in (("nan/inf", "NaN/Inf"), ("vanishing", "vanishing taps"), ("exploding", "exploding taps")):
             n = int(rows[column].sum())
             if n:
