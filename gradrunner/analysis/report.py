@@ -6,7 +6,9 @@ Contents:
     main(argv) -> int            -- the command line
 
 The page embeds its images (base64 PNG) and its tables, loads nothing and runs no script, so it
-can be mailed or archived on its own. A user mistake (a path without records) or a missing
+can be mailed or archived on its own. A sweep of more than `AGGREGATE_ABOVE` runs is aggregated over its
+runs (`analysis.aggregate`, `plots_sweep`): a median line and band per swept value, never a panel per
+run; no PNG is larger than a page. A user mistake (a path without records) or a missing
 matplotlib prints one paragraph to stderr and exits with status 2.
 """
 
