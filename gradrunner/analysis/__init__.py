@@ -9,6 +9,7 @@ Imports no torch (a test checks it in a fresh interpreter).
 | `optional` | helpers over the optional columns: histograms over steps, update ratios, per-example spread |
 | `plots`, `plots_optional` | matplotlib figures drawn from those helpers' DataFrames |
 | `plots_edits` | a sweep over an edit's strength: its table (`edit_sweep`) and panel (`plot_edit_sweep`) |
+| `aggregate`, `plots_sweep` | a large sweep across its runs: the layout (`sweep_layout`), medians and bands (`over_runs`), their figures |
 | `report` | `python -m gradrunner.report <dir>`: PNGs and one HTML page |
 
 Example::

@@ -7,11 +7,12 @@ Contents:
     plot_strategy_cost(costs)                 -- step time, capture time and peak memory per strategy
     plot_value_distributions(df, steps)       -- histograms of the captured gradient values per tap
     plot_loss(steps_df)                       -- the loss (and grad_norm, when recorded) over the steps
+    fit_page(fig), PAGE_INCHES                -- a figure shrunk to at most a page (what the report saves)
 
 Every function returns a `matplotlib.figure.Figure` built without pyplot: no GUI backend, no
 global figure list, nothing to close; it works headless and in a notebook (the Figure displays
 itself). Save one with `fig.savefig("flow.png")`. Runs of a sweep get a panel each (titled by
-`analysis.run_columns`).
+`analysis.run_columns`); a large sweep is drawn aggregated over its runs by `plots_sweep` instead.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from gradrunner.analysis.summaries import forward_order, grad_flow, measure, pic
 
 #: Above this many taps, `plot_norms` draws a heatmap instead of one line per tap.
 HEATMAP_ABOVE = 12
+#: The largest figure the report saves, (width, height) in inches: a page (1600 x 1100 px at its 100 dpi).
+PAGE_INCHES = (16.0, 11.0)
 # Log-scale bars cannot show 0 or inf: they are drawn at these heights and labelled "0" / "inf".
 _ZERO_AT, _INF_AT = 1e-17, 1e3
 _FLOAT32_EPS = float(np.finfo(np.float32).eps)
@@ -45,7 +48,9 @@ def _runs(df: pd.DataFrame, columns: list[str], records: pd.DataFrame | None = N
     return [(", ".join(f"{c}={v}" for c, v in zip(columns, key, strict=True)), rows) for key, rows in groups]
 
 
-def _panels(n: int, width: float, height: float, sharey: bool = False, sharex: bool = True) -> tuple[Figure, np.ndarray]:
+def _panels(
+    n: int, width: float, height: float, sharey: bool = False, sharex: bool = True
+) -> tuple[Figure, np.ndarray]:
     fig = Figure(figsize=(width, height * n), layout="constrained")
     return fig, fig.subplots(n, 1, squeeze=False, sharex=sharex, sharey=sharey)[:, 0]
 
@@ -136,6 +141,19 @@ def plot_grad_flow(
                           rotation=60, ha="right", fontsize="small")  # fmt: skip
         grid[-1, col].set_xlabel("tap, in forward order" + (f" (after {prefix!r})" if prefix else ""))
     fig.suptitle(f"Gradient flow ({measure_name} per tap)")
+    return fig
+
+
+def fit_page(fig: Figure) -> Figure:
+    """`fig`, shrunk where it is wider or taller than `PAGE_INCHES` (its panels get smaller, the page does not grow).
+
+    Example::
+
+        fit_page(plot_norms(df)).savefig("norms.png", dpi=100)    # at most 1600 x 1100 px
+    """
+    width, height = fig.get_size_inches()
+    if width > PAGE_INCHES[0] or height > PAGE_INCHES[1]:
+        fig.set_size_inches(min(width, PAGE_INCHES[0]), min(height, PAGE_INCHES[1]))
     return fig
 
 
@@ -338,7 +356,9 @@ def plot_loss(steps: pd.DataFrame) -> Figure:
     """
     columns = [c for c in ("loss", "grad_norm") if c in steps.columns and steps[c].notna().any()]
     fig, axes = _panels(len(columns), 8, 2.6)
-    runs = _runs(steps, [c for c in run_columns(steps) if c != "run_id"] or ([] if steps["run_id"].nunique() < 2 else ["run_id"]))
+    runs = _runs(
+        steps, [c for c in run_columns(steps) if c != "run_id"] or ([] if steps["run_id"].nunique() < 2 else ["run_id"])
+    )
     for ax, column in zip(axes, columns, strict=True):
         for (title, run), color in zip(runs, _colors(len(runs)), strict=True):
             run = run.sort_values("step", kind="stable")

@@ -6,7 +6,9 @@ Contents:
     main(argv) -> int            -- the command line
 
 The page embeds its images (base64 PNG) and its tables, loads nothing and runs no script, so it
-can be mailed or archived on its own. A user mistake (a path without records) or a missing
+can be mailed or archived on its own. A sweep of more than `AGGREGATE_ABOVE` runs is aggregated over its
+runs (`analysis.aggregate`, `plots_sweep`): a median line and band per swept value, never a panel per
+run; no PNG is larger than a page. A user mistake (a path without records) or a missing
 matplotlib prints one paragraph to stderr and exits with status 2.
 """
 
@@ -17,8 +19,10 @@ import base64
 import html
 import io
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -27,6 +31,16 @@ import numpy as np
 import pandas as pd
 
 from gradrunner import __version__
+from gradrunner.analysis.aggregate import (
+    AGGREGATE_ABOVE,
+    SweepLayout,
+    over_runs,
+    per_run,
+    pick_taps,
+    runs_by_value,
+    sweep_layout,
+    taps_by_value,
+)
 from gradrunner.analysis.optional import UPDATE_RATIO_GUIDE, histograms_over_steps, per_example_spread, update_ratios
 from gradrunner.analysis.reading import VALUES as VALUES_COLUMN
 from gradrunner.analysis.reading import load
@@ -44,7 +58,7 @@ from gradrunner.analysis.summaries import (
 )
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.records.atomic import write_atomically
-from gradrunner.records.columns import GRADS_FILE, HIST_COLUMN, PER_EXAMPLE_COLUMN
+from gradrunner.records.columns import CONSTANT_COLUMNS, GRADS_FILE, HIST_COLUMN, PER_EXAMPLE_COLUMN
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -56,6 +70,8 @@ _HIST_TAPS = 8
 #: The page's file name, written next to the records (the run dir, or the sweep dir).
 REPORT_NAME = "report.html"
 INSTALL_HINT = "pip install 'gradrunner[report]'"
+#: The PNGs' resolution: a page (`plots.PAGE_INCHES`) is 1600 x 1100 px.
+DPI = 100
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; padding: 0 1em; color: #222; }
@@ -104,7 +120,10 @@ def write_report(path: str | Path) -> Path:
     The page holds: the runs, findings (vanishing, exploding, first NaN/Inf), the per-tap summary,
     gradient flow, the measure over the steps, and, when there are several strategies, their
     agreement and cost; value distributions when values were captured. The PNGs are
-    `report-<figure>.png`; an existing report is overwritten (records never are).
+    `report-<figure>.png`, none larger than a page (`plots.PAGE_INCHES` at `DPI`); an existing report is
+    overwritten (records never are). A sweep of more than `AGGREGATE_ABOVE` runs is aggregated over its runs
+    (`report_sweep`): a median line and 10-90% band per swept value, a table row per swept value, never a
+    panel per run; the page says what was aggregated.
     """
     plots = _import_plots()
     root = Path(path)
@@ -116,6 +135,19 @@ def write_report(path: str | Path) -> Path:
         raise GradrunnerError(f"the records in {out_dir} hold no rows (no step was captured); nothing to report")
     steps = _load_steps(out_dir)
     summary = tap_summary(grads)
+    if grads["run_id"].nunique() > AGGREGATE_ABOVE:  # a panel, a table row or a sentence per run would not be read
+        sections, answer = _sweep_sections(out_dir, grads, steps, summary)
+    else:
+        sections, answer = _run_sections(plots, out_dir, grads, steps, summary)
+    page = out_dir / REPORT_NAME
+    write_atomically(page, _page(out_dir, grads, sections, answer))
+    return page
+
+
+def _run_sections(
+    plots: ModuleType, out_dir: Path, grads: pd.DataFrame, steps: pd.DataFrame | None, summary: pd.DataFrame
+) -> tuple[list[str], str]:
+    """The sections and the first paragraph of a run, or of a sweep of at most `AGGREGATE_ABOVE` runs (a panel each)."""
     cmp = _compare(grads) if grads["strategy"].nunique() > 1 else None
     shown, once = grads, ""
     if isinstance(cmp, pd.DataFrame) and _identical(cmp):  # the same figures N times say nothing more
@@ -142,9 +174,115 @@ def write_report(path: str | Path) -> Path:
         sections.append(_figure(out_dir, "values", "Gradient values", fig, "First and last captured step."))
     sections += _extra_sections(grads, out_dir)
     sections += _edit_sections(grads, out_dir)
-    page = out_dir / REPORT_NAME
-    write_atomically(page, _page(out_dir, grads, sections, _answer(grads, steps, summary, cmp)))
-    return page
+    return sections, _answer(grads, steps, summary, cmp)
+
+
+#: Runs named in the list of runs with NaN/Inf at most (a large sweep); the rest are counted.
+_NAMED_RUNS = 10
+#: The steps table's columns kept for a large sweep's strategy costs: per strategy over every run, not per value.
+_COST_KEPT = frozenset(CONSTANT_COLUMNS) | {"step", "captured", "step_time_s", "capture_time_s", "peak_memory_bytes"}
+
+
+def _sweep_sections(
+    out_dir: Path, grads: pd.DataFrame, steps: pd.DataFrame | None, summary: pd.DataFrame
+) -> tuple[list[str], str]:
+    """The sections and first paragraph of a sweep of more than `AGGREGATE_ABOVE` runs: per value of the swept
+    override(s) `sweep_layout` keeps apart, the median over the runs and a 10-90% band (`over_runs`); a table row
+    per swept value (and tap), not per run; the page says what was aggregated. One run stands for the sweep in the
+    figures of captured values, histograms and per-example norms (named)."""
+    from gradrunner.analysis import plots_sweep
+
+    layout = sweep_layout(grads)
+    said = layout.describe()
+    with_grad = grads[grads["has_grad"].fillna(False).astype(bool)]
+    runs = per_run(grads, steps, summary, layout)
+    sections = [_section("Findings", _findings(summary))]
+    if steps is not None and len(steps):
+        tables = {c: over_runs(steps, c, layout, ["step"]) for c in ("loss", "grad_norm")
+                  if c in steps.columns and steps[c].notna().any()}  # fmt: skip
+        sections.append(_figure(out_dir, "loss", "Loss over the steps", plots_sweep.plot_loss_over_steps(tables, layout),
+                                said))  # fmt: skip
+    bad = runs[runs["nan/inf"] | ~np.isfinite(runs["last loss"].to_numpy(dtype=np.float64))]
+    named = ""
+    if len(bad):
+        names = ", ".join(str(n) for n in (bad["job"] if "job" in bad.columns else bad.index)[:_NAMED_RUNS])
+        more = f" and {len(bad) - _NAMED_RUNS:,} more" if len(bad) > _NAMED_RUNS else ""
+        named = f" Runs with NaN/Inf ({len(bad):,}): {names}{more}."
+    chosen = flow_steps(grads)
+    flow = over_runs(with_grad[with_grad["step"].isin(chosen)], "norm", layout, ["step", "tap", "call"])
+    order, taps = forward_order(with_grad), pick_taps(with_grad, plots_sweep.MAX_TAPS)
+    norms = over_runs(with_grad[with_grad["tap"].isin(taps["tap"])], "norm", layout, ["tap", "call", "step"])
+    which = (f" {len(taps)} of {len(order)} taps, spread over the forward order (first and last included); the "
+             "per-tap summary has every tap." if len(taps) < len(order) else "")  # fmt: skip
+    note = "Gradient norm over the captured steps: per swept value and tap, the median over the runs of each run's "
+    sections += [
+        _section("Runs", f"<p>{html.escape(said + ' A row per swept value; load() gives every run.' + named)}</p>\n"
+                         + _table(runs_by_value(runs, layout))),
+        _section("Per-tap summary", f"<p>{html.escape(note)}first, last and largest norm, and how many runs had the "
+                                    f"tap in trouble.</p>\n{_table(taps_by_value(summary, layout, grads))}"),
+        _figure(out_dir, "grad_flow", "Gradient flow", plots_sweep.plot_flow_over_runs(flow, layout, forward_order(grads)),
+                f"{said} Steps shown: the first, the largest change, the last finite one and the first with NaN/Inf."),
+        _figure(out_dir, "norms", "Gradient norm over the steps", plots_sweep.plot_over_steps(norms, layout, taps, "norm"),
+                said + which),
+    ]  # fmt: skip
+    if grads["strategy"].nunique() > 1:
+        cost_steps = None if steps is None else steps[[c for c in steps.columns if c in _COST_KEPT]]
+        sections += _strategy_sections(_import_plots(), _compare(grads), cost_steps, out_dir)
+    sections += _sweep_update_ratios(out_dir, grads, layout)
+    first = grads[grads["run_id"] == grads["run_id"].iloc[0]]
+    name = f"job {first['job'].iloc[0]}" if "job" in first.columns else f"run {first['run_id'].iloc[0]}"
+    values = _drawn_values(out_dir, first)
+    if values is not None:
+        fig = _import_plots().plot_value_distributions(values)
+        sections.append(_figure(out_dir, "values", "Gradient values", fig, f"First and last captured step of {name}."))
+    for section in _extra_sections(first, out_dir, only=(HIST_COLUMN, PER_EXAMPLE_COLUMN)):
+        one = f"One run, {name}, of {layout.runs:,}. "
+        sections.append(section.replace("</h2>\n<p>", f"</h2>\n<p>{html.escape(one)}", 1))
+    sections += _edit_sections(grads, out_dir, keys=layout.keys)
+    return sections, "<br>".join(html.escape(t) for t in [said, *_sweep_answer(runs, layout)])
+
+
+def _sweep_update_ratios(out_dir: Path, grads: pd.DataFrame, layout: SweepLayout) -> list[str]:
+    """A large sweep's update-to-weight ratios: per swept value and parameter tap, the median over runs and its band."""
+    from gradrunner.analysis import plots_sweep
+
+    if "update_ratio" not in grads.columns or not grads["update_ratio"].notna().any():
+        return []
+    ratios = update_ratios(grads[grads["update_ratio"].notna()])
+    ratios = ratios.merge(grads.drop_duplicates("run_id")[["run_id", *layout.keys]], on="run_id").assign(call=0)
+    taps = pick_taps(ratios, plots_sweep.MAX_TAPS)
+    table = over_runs(ratios, "update_ratio", layout, ["tap", "call", "step"])
+    fig = plots_sweep.plot_over_steps(table[table["tap"].isin(taps["tap"])], layout, taps, "update norm / weight norm",
+                                      guide=UPDATE_RATIO_GUIDE)  # fmt: skip
+    last = table[table["step"] == table.groupby([*layout.keys, "tap"], dropna=False)["step"].transform("max")]
+    note = (
+        f"{layout.describe()} Norm of each optimiser step's change over the parameter's norm; about "
+        f"{UPDATE_RATIO_GUIDE:g} per step is the usual guide (dashed). The table: the last captured step."
+    )
+    return [_figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + _table(last.drop(columns="call"))]
+
+
+def _sweep_answer(runs: pd.DataFrame, layout: SweepLayout) -> list[str]:
+    """A sentence per swept value: the median loss from the first to the last step, and how many runs were in trouble."""
+    lines = []
+    groups = runs.groupby(layout.keys, sort=True, dropna=False) if layout.keys else [((), runs)]
+    for key, rows in groups:
+        values = key if isinstance(key, tuple) else (key,)
+        label = ", ".join(f"{c}={v}" for c, v in zip(layout.keys, values, strict=True))
+        parts = [f"median loss {rows['first loss'].median():.4g} → {rows['last loss'].median():.4g} "
+                 f"over {len(rows):,} runs"]  # fmt: skip
+        bad_loss = int((~np.isfinite(rows["last loss"].to_numpy(dtype=np.float64))).sum())
+        if bad_loss:
+            parts.append(f"last loss NaN/Inf in {bad_loss:,} run{'s' * (bad_loss > 1)} (left out of the median)")
+        for column, what in (("nan/inf", "NaN/Inf"), ("vanishing", "vanishing taps"), ("exploding", "exploding taps")):
+            n = int(rows[column].sum())
+            if n:
+                parts.append(f"{what} in {n:,} run{'s' * (n > 1)}")
+        if len(parts) == 1:
+            parts.append("no NaN/Inf, no vanishing or exploding gradient")
+        text = "; ".join(parts)
+        lines.append(f"{label}: {text}." if label else text[0].upper() + text[1:] + ".")
+    return lines
 
 
 def _compare(grads: pd.DataFrame) -> pd.DataFrame | str:
@@ -174,8 +312,12 @@ def _grads_files(out_dir: Path) -> list[Path]:
     """The grads files of the run or sweep at `out_dir` (hidden dirs, e.g. a running job's temp files, skipped)."""
     if (out_dir / GRADS_FILE).is_file():
         return [out_dir / GRADS_FILE]
-    return [f for f in sorted(out_dir.rglob(GRADS_FILE))
-            if not any(p.startswith((".", "_")) for p in f.relative_to(out_dir).parts)]  # fmt: skip
+    found = []
+    for here, dirs, files in os.walk(out_dir):  # hidden dirs pruned, not walked (a sweep's 10,000 .hydra/)
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+        if GRADS_FILE in files:
+            found.append(Path(here) / GRADS_FILE)
+    return sorted(found)
 
 
 def _light_columns(out_dir: Path) -> list[str] | None:
@@ -185,8 +327,9 @@ def _light_columns(out_dir: Path) -> list[str] | None:
     files = _grads_files(out_dir) if out_dir.is_dir() else []
     if not files:
         return None
-    try:
-        names = dict.fromkeys(n for f in files for n in pq.read_schema(f).names)
+    try:  # footers read on a few threads: a sweep's 10,000 files wait on the disk more than on Python
+        with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:
+            names = dict.fromkeys(n for schema in pool.map(pq.read_schema, files) for n in schema.names)
     except Exception:  # a damaged footer: `load` names the file and why
         return None
     return [n for n in names if n not in _HEAVY]
@@ -282,9 +425,9 @@ def _table(df: pd.DataFrame, fold_above: int = 40) -> str:
 
 
 def _figure(out_dir: Path, name: str, title: str, fig: Figure, note: str = "") -> str:
-    """Save `fig` as `report-<name>.png`; a section embedding the same PNG bytes."""
+    """Save `fig`, at most a page (`plots.PAGE_INCHES` at `DPI`), as `report-<name>.png`; a section embedding the same PNG bytes."""
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
+    _import_plots().fit_page(fig).savefig(buffer, format="png", dpi=DPI)
     write_atomically(out_dir / f"report-{name}.png", buffer.getvalue())
     encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
     body = f'<img alt="{html.escape(title)}" src="data:image/png;base64,{encoded}">'
@@ -337,13 +480,15 @@ def _findings(summary: pd.DataFrame) -> str:
         items = []
         for (step, tap, call), group in rows.groupby([column, "tap", "call"], sort=True):
             label = f"<code>{html.escape(str(tap))}</code>" + (f" call {call}" if call else "")
-            if run_cols and len(group) < len(runs):  # only some runs: say which
+            if run_cols and len(group) < len(runs) and len(runs) > AGGREGATE_ABOVE:  # too many to name: count them
+                label += f" (in {len(group):,} of {len(runs):,} runs)"
+            elif run_cols and len(group) < len(runs):  # only some runs: say which
                 label += " (" + html.escape("; ".join(", ".join(f"{c}={r[c]}" for c in run_cols)
                                                       for r in group.to_dict("records"))) + ")"  # fmt: skip
             items.append((int(step), label))  # type: ignore[call-overload]
         by_step = pd.DataFrame(items, columns=["step", "label"]).groupby("step", sort=True)["label"]
         lines = [f"<li>{how} {step}: {', '.join(labels)}</li>" for step, labels in by_step]
-        details.append(f"<h3>{kind[0].upper() + kind[1:]}</h3>\n<ul class=\"findings\">\n" + "\n".join(lines) + "\n</ul>")
+        details.append(f'<h3>{kind[0].upper() + kind[1:]}</h3>\n<ul class="findings">\n' + "\n".join(lines) + "\n</ul>")
     if not headline:
         return (f'<p class="ok">No NaN or Inf; no vanishing (norm below {VANISH_BELOW:g} at the last step) '
                 f"or exploding (norm above {EXPLODE_ABOVE:g}) gradient.</p>")  # fmt: skip
@@ -436,7 +581,9 @@ def _answer(
     return "<br>".join(html.escape(t) for t in lines)
 
 
-def _run_sentence(rows: pd.DataFrame, grads: pd.DataFrame, steps: pd.DataFrame | None, values: dict[str, object]) -> str:
+def _run_sentence(
+    rows: pd.DataFrame, grads: pd.DataFrame, steps: pd.DataFrame | None, values: dict[str, object]
+) -> str:
     """One run's loss and health, as the run's last word says them."""
     mask = np.ones(len(grads), dtype=bool)
     for c, v in values.items():
@@ -477,7 +624,8 @@ def _training_sections(out_dir: Path, steps: pd.DataFrame) -> list[str]:
         return []
 
     def has(column: str) -> bool:
-        return column in steps.columns and bool(steps[column].fillna(False).astype(bool).any())
+        values = steps[column] if column in steps.columns else pd.Series(dtype=bool)
+        return bool(values[values.notna()].astype(bool).any())  # NaN (a step without the column) is False
 
     value = _config_value(out_dir, ("train", "clip_grad_norm"))
     clip = float(value) if isinstance(value, (int, float)) else None
@@ -508,12 +656,15 @@ def _config_value(out_dir: Path, keys: tuple[str, ...]) -> object:
     return node
 
 
-def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
-    """The panels of the optional columns, when the records have them: histograms, update ratios, per-example norms."""
+def _extra_sections(
+    grads: pd.DataFrame, out_dir: Path, only: tuple[str, ...] = (HIST_COLUMN, "update_ratio", PER_EXAMPLE_COLUMN)
+) -> list[str]:
+    """The panels of the optional columns (of `only`), when the records have them: histograms, update ratios,
+    per-example norms."""
     from gradrunner.analysis import plots_optional
 
     sections = []
-    having = _runs_having(out_dir, grads, HIST_COLUMN)
+    having = _runs_having(out_dir, grads, HIST_COLUMN) if HIST_COLUMN in only else []
     if having:
         every = pd.concat([run for run, _ in having])
         with_grad = every[every["has_grad"].fillna(False).astype(bool)]
@@ -532,7 +683,7 @@ def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
             fig = plots_optional.plot_histograms(panels, max_taps=_HIST_TAPS)
             sections.append(_figure(out_dir, "histograms", "Gradient histograms over steps", fig, note)
                             + _table(_histogram_table(last)))  # fmt: skip
-    if "update_ratio" in grads.columns and grads["update_ratio"].notna().any():
+    if "update_ratio" in only and "update_ratio" in grads.columns and grads["update_ratio"].notna().any():
         with_ratio = grads[grads["update_ratio"].notna()]
         r = update_ratios(with_ratio)
         named = [c for c in run_columns(with_ratio) if c != "run_id"]
@@ -545,7 +696,7 @@ def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
                 "too fast). The table: each run's last captured step.")  # fmt: skip
         fig = plots_optional.plot_update_ratios(with_ratio)
         sections.append(_figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + _table(last))
-    having = _runs_having(out_dir, grads, PER_EXAMPLE_COLUMN)  # every step and tap is drawn: one column read
+    having = _runs_having(out_dir, grads, PER_EXAMPLE_COLUMN) if PER_EXAMPLE_COLUMN in only else []  # one column read
     norms = pd.concat([_with_column(run, f, PER_EXAMPLE_COLUMN, []) for run, f in having]) if having else None
     if norms is not None and norms[PER_EXAMPLE_COLUMN].notna().any():
         with_norms = norms[norms[PER_EXAMPLE_COLUMN].notna()]
@@ -563,23 +714,33 @@ def _extra_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
     return sections
 
 
-def _edit_sections(grads: pd.DataFrame, out_dir: Path) -> list[str]:
-    """Gradient edits: which taps were edited and, for a sweep over an edit's strength, its panel."""
+def _edit_sections(grads: pd.DataFrame, out_dir: Path, keys: list[str] | None = None) -> list[str]:
+    """Gradient edits: which taps were edited (a row per run and tap, or per value of `keys` and tap) and, for a
+    sweep over an edit's strength, its panel."""
     if "edited" not in grads.columns or not grads["edited"].fillna(False).astype(bool).any():
         return []
     from gradrunner.analysis import plots_edits
 
     edited = grads[grads["edited"].fillna(False).astype(bool)]
-    table = edited.groupby([*run_columns(edited), "tap"], sort=False).agg(
-        rows=("edited", "size"), norm_before=("norm", "mean"), norm_after=("edited_norm", "mean")).reset_index()
-    note = ("Edited taps (edits=...): their records hold the gradient as it arrived (norm_before, mean over the "
-            "captured steps); norm_after is what the edit let through to the rest of backward.")
+    table = (
+        edited.groupby([*(run_columns(edited) if keys is None else keys), "tap"], sort=False, dropna=False)
+        .agg(rows=("edited", "size"), norm_before=("norm", "mean"), norm_after=("edited_norm", "mean"))
+        .reset_index()
+    )
+    note = (
+        "Edited taps (edits=...): their records hold the gradient as it arrived (norm_before, mean over the "
+        "captured steps); norm_after is what the edit let through to the rest of backward."
+    )
     sections = [_section("Gradient edits", f"<p>{html.escape(note)}</p>\n{_table(table)}")]
     column = plots_edits.edit_strength_column(grads)
     if column is not None:
-        note = (f"The sweep over {column}: loss at the last step, and gradient norms of the taps upstream of the edit "
-                "(their gradient passes it, solid) and downstream (dashed).")
-        sections.append(_figure(out_dir, "edit_sweep", "Edit strength", plots_edits.plot_edit_sweep(grads, column), note))
+        note = (
+            f"The sweep over {column}: loss at the last step, and gradient norms of the taps upstream of the edit "
+            "(their gradient passes it, solid) and downstream (dashed)."
+        )
+        sections.append(
+            _figure(out_dir, "edit_sweep", "Edit strength", plots_edits.plot_edit_sweep(grads, column), note)
+        )
     return sections
 
 
