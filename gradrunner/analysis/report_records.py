@@ -1,0 +1,123 @@
+"""What the report reads of the records beyond `load`: the grads files, their light columns, the rows a figure draws.
+
+Contents:
+    _grads_files(out_dir) -> [Path]           -- the grads files of a run or sweep dir (hidden dirs skipped)
+    _light_columns(out_dir) -> [str] | None   -- every column but the per-element ones (`_HEAVY`)
+    _config_value(out_dir, keys) -> object    -- a value of the run's resolved config (the grads file's metadata)
+    _runs_having(out_dir, grads, column)      -- each run whose grads file has `column`, and that file
+    _with_column(run, file, column, filters)  -- a run's rows with `column` read for the filtered rows only
+    _drawn_values(out_dir, grads)             -- the first run's `values` at its first and last step, or None
+
+The per-element columns (`values`, `hist_counts`, `per_example_norm`) are read with pyarrow filters for the
+rows drawn, never for every row of a sweep.
+
+Example::
+
+    grads = load(out_dir, columns=_light_columns(out_dir))
+    values = _drawn_values(out_dir, grads)     # None when no values were captured
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pandas as pd
+
+from gradrunner.analysis.reading import VALUES as VALUES_COLUMN
+from gradrunner.analysis.summaries import pick_steps
+from gradrunner.records.columns import GRADS_FILE, HIST_COLUMN, PER_EXAMPLE_COLUMN
+
+#: Columns with a list per row: read for the rows a figure draws, not with the rest of the records.
+_HEAVY = (VALUES_COLUMN, HIST_COLUMN, PER_EXAMPLE_COLUMN)
+
+
+def _grads_files(out_dir: Path) -> list[Path]:
+    """The grads files of the run or sweep at `out_dir` (hidden dirs, e.g. a running job's temp files, skipped)."""
+    if (out_dir / GRADS_FILE).is_file():
+        return [out_dir / GRADS_FILE]
+    found = []
+    for here, dirs, files in os.walk(out_dir):  # hidden dirs pruned, not walked (a sweep's 10,000 .hydra/)
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+        if GRADS_FILE in files:
+            found.append(Path(here) / GRADS_FILE)
+    return sorted(found)
+
+
+def _light_columns(out_dir: Path) -> list[str] | None:
+    """Every column of the grads files but the per-element ones (None: let `load` say what is missing)."""
+    import pyarrow.parquet as pq
+
+    files = _grads_files(out_dir) if out_dir.is_dir() else []
+    if not files:
+        return None
+    try:  # footers read on a few threads: a sweep's 10,000 files wait on the disk more than on Python
+        with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:
+            names = dict.fromkeys(n for schema in pool.map(pq.read_schema, files) for n in schema.names)
+    except Exception:  # a damaged footer: `load` names the file and why
+        return None
+    return [n for n in names if n not in _HEAVY]
+
+
+def _config_value(out_dir: Path, keys: tuple[str, ...]) -> object:
+    """A value of the run's resolved config, as its grads file's metadata holds it (None where absent)."""
+    import pyarrow.parquet as pq
+    import yaml
+
+    files = _grads_files(out_dir) if out_dir.is_dir() else []
+    try:
+        meta = (pq.read_schema(files[0]).metadata or {}) if files else {}
+        node: object = yaml.safe_load(meta.get(b"gradrunner.config", b"") or "{}")
+    except Exception:  # a damaged footer: `load` has named it already
+        return None
+    for key in keys:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def _run_file(out_dir: Path, run: pd.DataFrame) -> Path:
+    job = str(run["job"].iloc[0]) if "job" in run.columns else ""
+    return (out_dir / job if job else out_dir) / GRADS_FILE
+
+
+def _runs_having(out_dir: Path, grads: pd.DataFrame, column: str) -> list[tuple[pd.DataFrame, Path]]:
+    """The rows of each run whose grads file has `column` (a sweep may turn an option on in some jobs), and that file."""
+    import pyarrow.parquet as pq
+
+    found = []
+    for _, run in grads.groupby("run_id", sort=False):
+        file = _run_file(out_dir, run)
+        if file.is_file() and column in pq.read_schema(file).names:
+            found.append((run, file))
+    return found
+
+
+def _with_column(run: pd.DataFrame, file: Path, column: str, filters: list[tuple[str, str, object]]) -> pd.DataFrame:
+    """`run`'s rows that match `filters`, with `column` read from `file` for those rows only (pyarrow filters)."""
+    import pyarrow.parquet as pq
+
+    keys = [k for k in ("run_id", "step", "tap", "call") if k in pq.read_schema(file).names]
+    table = pq.read_table(file, columns=[*keys, column], filters=filters or None)
+    rows = run
+    for name, op, value in filters:
+        rows = rows[rows[name].isin(value)] if op == "in" else rows[rows[name] == value]  # type: ignore[arg-type]
+    return rows.drop(columns=[column], errors="ignore").merge(table.to_pandas(), on=keys, how="inner")
+
+
+def _drawn_values(out_dir: Path, grads: pd.DataFrame) -> pd.DataFrame | None:
+    """The `values` of the first run at its first and last captured step only (row groups filtered), or None."""
+    import pyarrow.parquet as pq
+
+    first = grads[grads["run_id"] == grads["run_id"].iloc[0]]
+    job = str(first["job"].iloc[0]) if "job" in first.columns else ""
+    file = (out_dir / job if job else out_dir) / GRADS_FILE
+    if not file.is_file() or "values" not in pq.read_schema(file).names:
+        return None
+    chosen = pick_steps(first["step"], n=2)
+    keys = ["step", "tap", "call"]
+    table = pq.read_table(file, columns=[*keys, "values"], filters=[("step", "in", chosen)])
+    if table.num_rows == 0 or table.column("values").null_count == table.num_rows:
+        return None
+    rows = first[first["step"].isin(chosen)].drop(columns=["values"], errors="ignore")
+    return rows.merge(table.to_pandas(), on=keys, how="left")

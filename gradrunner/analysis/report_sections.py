@@ -1,0 +1,240 @@
+"""The report's sections shared by a run (`report`) and a large sweep (`report_sweep`).
+
+Contents:
+    _findings(summary) -> str                    -- a headline, then the taps in trouble grouped by kind and step
+    _compare(grads) / _identical(cmp)            -- `compare_strategies`, or why not; whether they all agree
+    _strategy_sections(plots, cmp, steps, ...)   -- the strategies' agreement and cost
+    _extra_sections(grads, out_dir, ...)         -- histograms, update ratios, per-example norms (when recorded)
+    _edit_sections(grads, out_dir, ...)          -- gradient edits: the edited taps, an edit-strength sweep's panel
+
+A section is HTML that starts with its <h2> (`report_page._section`); the figures are drawn through the
+`figure` given (`report_page.FigureWriter`), so the caller decides how they are saved.
+
+Example::
+
+    sections = [_section("Findings", _findings(tap_summary(grads)))]
+    sections += _edit_sections(grads, out_dir, figure=_figure)
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from types import ModuleType
+
+import pandas as pd
+
+from gradrunner.analysis.aggregate import AGGREGATE_ABOVE
+from gradrunner.analysis.optional import UPDATE_RATIO_GUIDE, histograms_over_steps, per_example_spread, update_ratios
+from gradrunner.analysis.report_page import FigureWriter, _section, _table
+from gradrunner.analysis.report_records import _runs_having, _with_column
+from gradrunner.analysis.summaries import (
+    EXPLODE_ABOVE,
+    VANISH_BELOW,
+    compare_strategies,
+    forward_order,
+    run_columns,
+    strategy_costs,
+)
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import HIST_COLUMN, PER_EXAMPLE_COLUMN
+
+#: The histogram panels drawn at most (their taps' `hist_counts` are the only ones read for every step).
+_HIST_TAPS = 8
+
+
+_KINDS = (("first_nonfinite_step", "NaN or Inf", "from step"), ("first_vanishing_step", "vanishing",
+          f"norm below {VANISH_BELOW:g} at the last step; since step"),
+          ("first_exploding_step", "exploding", f"norm above {EXPLODE_ABOVE:g} from step"))  # fmt: skip
+
+
+def _run_cols(summary: pd.DataFrame) -> list[str]:
+    return list(summary.columns[: summary.columns.get_loc("tap")])
+
+
+def _findings(summary: pd.DataFrame) -> str:
+    """A headline (how many taps in each kind of trouble), then the taps grouped by kind and step."""
+    run_cols = _run_cols(summary)
+    runs = summary[run_cols].drop_duplicates() if run_cols else pd.DataFrame(index=[0])
+    summary = summary.assign(vanishing_at=summary["first_vanishing_step"].where(summary["vanishing"]))
+    headline, details = [], []
+    for column, kind, how in _KINDS:
+        column = "vanishing_at" if column == "first_vanishing_step" else column
+        rows = summary[summary[column].notna()]
+        if rows.empty:
+            continue
+        taps = rows.drop_duplicates(["tap", "call"])
+        headline.append(f"<b>{len(taps)} tap{'s' * (len(taps) > 1)} {kind}</b> (from step {int(rows[column].min())})")
+        items = []
+        for (step, tap, call), group in rows.groupby([column, "tap", "call"], sort=True):
+            label = f"<code>{html.escape(str(tap))}</code>" + (f" call {call}" if call else "")
+            if run_cols and len(group) < len(runs) and len(runs) > AGGREGATE_ABOVE:  # too many to name: count them
+                label += f" (in {len(group):,} of {len(runs):,} runs)"
+            elif run_cols and len(group) < len(runs):  # only some runs: say which
+                label += " (" + html.escape("; ".join(", ".join(f"{c}={r[c]}" for c in run_cols)
+                                                      for r in group.to_dict("records"))) + ")"  # fmt: skip
+            items.append((int(step), label))  # type: ignore[call-overload]
+        by_step = pd.DataFrame(items, columns=["step", "label"]).groupby("step", sort=True)["label"]
+        lines = [f"<li>{how} {step}: {', '.join(labels)}</li>" for step, labels in by_step]
+        details.append(f'<h3>{kind[0].upper() + kind[1:]}</h3>\n<ul class="findings">\n' + "\n".join(lines) + "\n</ul>")
+    if not headline:
+        return (f'<p class="ok">No NaN or Inf; no vanishing (norm below {VANISH_BELOW:g} at the last step) '
+                f"or exploding (norm above {EXPLODE_ABOVE:g}) gradient.</p>")  # fmt: skip
+    return f'<p class="headline">{" · ".join(headline)}.</p>\n' + "\n".join(details)
+
+
+def _compare(grads: pd.DataFrame) -> pd.DataFrame | str:
+    """`compare_strategies`, or why the runs could not be compared."""
+    try:
+        return compare_strategies(grads)
+    except GradrunnerError as e:  # e.g. several runs per strategy that no swept value tells apart
+        return str(e)
+
+
+def _identical(cmp: pd.DataFrame) -> bool:
+    return not cmp[["abs_diff", "rel_diff"]].to_numpy().any()
+
+
+def _strategy_sections(
+    plots: ModuleType, cmp: pd.DataFrame | str, steps: pd.DataFrame | None, out_dir: Path, *, figure: FigureWriter
+) -> list[str]:
+    """Agreement between the strategies (largest differences) and their cost."""
+    if isinstance(cmp, str):
+        return [_section("Do the strategies agree?", f"<p>Not compared: {html.escape(cmp)}</p>")]
+    worst = cmp.groupby("stat", sort=False)[["abs_diff", "rel_diff"]].max().reset_index()
+    verdict = "identical records" if _identical(cmp) else "they differ"
+    sections = [
+        _section("Do the strategies agree?",
+                 f"<p>Largest difference over every step, tap and call: <b>{verdict}</b>.</p>\n{_table(worst)}"),
+    ]  # fmt: skip
+    if not _identical(cmp):  # bars of zeros are an empty chart: the table above says it
+        sections.append(figure(out_dir, "agreement", "Strategy agreement", plots.plot_strategy_agreement(cmp)))
+    if steps is not None:
+        costs = strategy_costs(steps)
+        note = ("Medians over the captured steps. On CPU peak memory is the process's peak RSS, which "
+                "never goes down: jobs of a sweep run in one process see the earlier jobs' peaks.")  # fmt: skip
+        sections += [
+            _section("What each strategy costs", f"<p>{html.escape(note)}</p>\n{_table(_cost_table(costs))}"),
+            figure(out_dir, "cost", "Strategy cost", plots.plot_strategy_cost(costs)),
+        ]
+    return sections
+
+
+def _cost_table(costs: pd.DataFrame) -> pd.DataFrame:
+    """`strategy_costs` in units a reader takes in: ms, MiB, a percentage."""
+    out = costs.drop(columns=["step_time_s", "capture_time_s", "peak_memory_bytes", "capture_share"])
+    out["step (ms)"] = costs["step_time_s"] * 1e3
+    out["capture (ms)"] = costs["capture_time_s"] * 1e3
+    out["capture share"] = [f"{v:.0%}" if v == v else "" for v in costs["capture_share"]]
+    out["peak memory (MiB)"] = costs["peak_memory_bytes"] / 2**20
+    return out
+
+
+def _extra_sections(
+    grads: pd.DataFrame,
+    out_dir: Path,
+    only: tuple[str, ...] = (HIST_COLUMN, "update_ratio", PER_EXAMPLE_COLUMN),
+    *,
+    figure: FigureWriter,
+) -> list[str]:
+    """The panels of the optional columns (of `only`), when the records have them: histograms, update ratios,
+    per-example norms."""
+    from gradrunner.analysis import plots_optional
+
+    sections = []
+    having = _runs_having(out_dir, grads, HIST_COLUMN) if HIST_COLUMN in only else []
+    if having:
+        every = pd.concat([run for run, _ in having])
+        with_grad = every[every["has_grad"].fillna(False).astype(bool)]
+        drawn = sorted(set(forward_order(with_grad if len(with_grad) else every).head(_HIST_TAPS)["tap"]))
+        panels = pd.concat([_with_column(run, f, HIST_COLUMN, [("tap", "in", drawn)]) for run, f in having])
+        last = pd.concat(
+            [_with_column(run, f, HIST_COLUMN, [("step", "==", int(run["step"].max()))]) for run, f in having]
+        )
+        if panels[HIST_COLUMN].notna().any() and last[HIST_COLUMN].notna().any():
+            runs = " (a column per run)" if len(having) > 1 else ""
+            if len(having) < grads["run_id"].nunique():  # a sweep that turned histograms on in some jobs only
+                runs += f" (the {len(having)} of {grads['run_id'].nunique()} runs that recorded them)"
+            note = (f"Share of |g| per log-spaced bin{runs}: steps down, "
+                    f"bins across; the first column counts exact zeros, the last NaN/Inf; at most {_HIST_TAPS} taps "
+                    "are drawn. The table: every tap at each run's last captured step.")  # fmt: skip
+            fig = plots_optional.plot_histograms(panels, max_taps=_HIST_TAPS)
+            sections.append(figure(out_dir, "histograms", "Gradient histograms over steps", fig, note)
+                            + _table(_histogram_table(last)))  # fmt: skip
+    if "update_ratio" in only and "update_ratio" in grads.columns and grads["update_ratio"].notna().any():
+        with_ratio = grads[grads["update_ratio"].notna()]
+        r = update_ratios(with_ratio)
+        named = [c for c in run_columns(with_ratio) if c != "run_id"]
+        r = r.merge(with_ratio[["run_id", *named]].drop_duplicates("run_id"), on="run_id")
+        last = r[r["step"] == r.groupby("run_id")["step"].transform("max")]  # each run's own last step
+        shown = [*named, *(["run_id"] if "run_id" in run_columns(with_ratio) else [])]
+        last = last[shown + [c for c in r.columns if c not in ("run_id", "log10_ratio", *named)]]
+        note = ("Norm of each optimiser step's change over the parameter's norm, a panel per run; about "
+                f"{UPDATE_RATIO_GUIDE:g} per step is the usual guide (far below: learning too slowly, far above: "
+                "too fast). The table: each run's last captured step.")  # fmt: skip
+        fig = plots_optional.plot_update_ratios(with_ratio)
+        sections.append(figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + _table(last))
+    having = _runs_having(out_dir, grads, PER_EXAMPLE_COLUMN) if PER_EXAMPLE_COLUMN in only else []  # one column read
+    norms = pd.concat([_with_column(run, f, PER_EXAMPLE_COLUMN, []) for run, f in having]) if having else None
+    if norms is not None and norms[PER_EXAMPLE_COLUMN].notna().any():
+        with_norms = norms[norms[PER_EXAMPLE_COLUMN].notna()]
+        named = [c for c in run_columns(with_norms) if c != "run_id"]
+        s = per_example_spread(with_norms).merge(with_norms[["run_id", *named]].drop_duplicates("run_id"), on="run_id")
+        table = s.groupby([*named, "tap", "call"], sort=False).agg(
+            median_dominance=("dominance", "median"), max_dominance=("dominance", "max"),
+            max_top_share=("top_share", "max"), most_often_top=("top_example", lambda t: int(t.mode().iloc[0])),
+        ).reset_index()  # fmt: skip
+        note = ("Per tap, the largest example's gradient norm over the median example's, over the steps"
+                f"{' (a panel per run)' if len(having) > 1 else ''}: 1 means every example weighs the same. "
+                "most_often_top is the batch row most often largest.")  # fmt: skip
+        fig = plots_optional.plot_per_example_spread(with_norms)
+        sections.append(figure(out_dir, "per_example", "Per-example gradient norms", fig, note) + _table(table))
+    return sections
+
+
+def _histogram_table(last: pd.DataFrame) -> pd.DataFrame:
+    """Per run and tap at its last captured step (the rows of `last`): the fullest bin, the shares of zeros and NaN/Inf."""
+    rows = []
+    named = [c for c in run_columns(last) if c != "run_id"]
+    for _, run in last.groupby("run_id", sort=False):
+        keys = run.loc[run["hist_counts"].notna(), ["tap", "call"]].drop_duplicates()
+        for tap, call in keys.itertuples(index=False):
+            h = histograms_over_steps(run, tap, call)
+            counts = h.iloc[-1]
+            total = max(int(counts.sum()), 1)
+            rows.append({**{c: run[c].iloc[0] for c in named}, "tap": tap, "call": call, "step": int(h.index[-1]),
+                         "fullest bin": str(counts.idxmax()), "zero share": counts.iloc[0] / total,
+                         "nan/inf share": counts.iloc[-1] / total})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def _edit_sections(
+    grads: pd.DataFrame, out_dir: Path, keys: list[str] | None = None, *, figure: FigureWriter
+) -> list[str]:
+    """Gradient edits: which taps were edited (a row per run and tap, or per value of `keys` and tap) and, for a
+    sweep over an edit's strength, its panel."""
+    if "edited" not in grads.columns or not grads["edited"].fillna(False).astype(bool).any():
+        return []
+    from gradrunner.analysis import plots_edits
+
+    edited = grads[grads["edited"].fillna(False).astype(bool)]
+    table = (
+        edited.groupby([*(run_columns(edited) if keys is None else keys), "tap"], sort=False, dropna=False)
+        .agg(rows=("edited", "size"), norm_before=("norm", "mean"), norm_after=("edited_norm", "mean"))
+        .reset_index()
+    )
+    note = (
+        "Edited taps (edits=...): their records hold the gradient as it arrived (norm_before, mean over the "
+        "captured steps); norm_after is what the edit let through to the rest of backward."
+    )
+    sections = [_section("Gradient edits", f"<p>{html.escape(note)}</p>\n{_table(table)}")]
+    column = plots_edits.edit_strength_column(grads)
+    if column is not None:
+        note = (
+            f"The sweep over {column}: loss at the last step, and gradient norms of the taps upstream of the edit "
+            "(their gradient passes it, solid) and downstream (dashed)."
+        )
+        sections.append(
+            figure(out_dir, "edit_sweep", "Edit strength", plots_edits.plot_edit_sweep(grads, column), note)
+        )
+    return sections
