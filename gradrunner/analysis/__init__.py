@@ -10,7 +10,9 @@ Imports no torch (a test checks it in a fresh interpreter).
 | `plots`, `plots_optional` | matplotlib figures drawn from those helpers' DataFrames |
 | `plots_edits` | a sweep over an edit's strength: its table (`edit_sweep`) and panel (`plot_edit_sweep`) |
 | `aggregate`, `plots_sweep` | a large sweep across its runs: the layout (`sweep_layout`), medians and bands (`over_runs`), their figures |
-| `report` | `python -m gradrunner.report <dir>`: PNGs and one HTML page |
+| `report` | `python -m gradrunner.report <dir>`: PNGs and one HTML page; a run's sections |
+| `report_sweep`, `report_sections` | a large sweep's sections; the sections a run and a sweep share |
+| `report_records`, `report_page` | what the report reads beyond `load`; the page's HTML, embedded PNGs, atomic write |
 
 Example::
 
