@@ -9,7 +9,7 @@ Contents:
     write_page(out_dir, grads, sections, answer) -> Path  -- `report.html`, written atomically
 
 Used by `report` (the entry points, a run's sections), `report_sections` and `report_sweep`; it imports
-neither, so they import it without a cycle. The page loads nothing and runs no script.
+none of them, so each imports it without a cycle. The page loads nothing and runs no script.
 
 Example::
 
