@@ -26,10 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -120,22 +123,34 @@ def _present(directory: Path) -> list[str]:
     return [n for name in RECORD_NAMES for n in ([name] if (directory / name).exists() else []) + _temps(directory, name)]
 
 
-def job_state(directory: str | os.PathLike[str]) -> JobState:
+def job_state(directory: str | os.PathLike[str], entries: Mapping[str, os.DirEntry[str]] | None = None) -> JobState:
     """The job's status from its dir alone: failed (`failed.json`), completed (`done.json`), or missing.
 
     Example::
 
         job_state("outputs/2024-05-01/12-00-00-123456").status   # 'completed'
+
+    `entries` (the dir's `os.scandir` entries by name, from `list_tree`) spares a stat per name.
     """
     d = Path(directory)
-    files = [n for n in RECORD_NAMES if (d / n).is_file()]
-    failed = read_json(d / FAILED) if (d / FAILED).exists() else None
-    if failed is not None or (d / FAILED).exists():
+    if entries is None:
+        files = [n for n in RECORD_NAMES if (d / n).is_file()]
+        failed_there = (d / FAILED).exists()
+    else:
+        files = [n for n in RECORD_NAMES if n in entries and entries[n].is_file()]
+        failed_there = FAILED in entries and _exists(entries[FAILED])
+    failed = read_json(d / FAILED) if failed_there else None
+    if failed is not None or failed_there:
         return JobState(d, "failed", files, error=str((failed or {}).get("error", "unknown error")))
-    marker, _ = read_marker(d)
+    marker, _ = read_marker(d) if entries is None or DONE in entries else (None, None)
     if marker is not None:
         return JobState(d, "completed", [str(f) for f in marker.get("files", files)], marker=marker)
     return JobState(d, "missing", files)
+
+
+def _exists(entry: os.DirEntry[str]) -> bool:
+    """`Path.exists` of a scanned entry: a dangling symlink does not exist."""
+    return not entry.is_symlink() or os.path.exists(entry.path)
 
 
 def footer_digest(path: Path) -> str:
@@ -149,14 +164,40 @@ def footer_digest(path: Path) -> str:
     of its own, and page checksums cover page data only: this digest is what catches a change there,
     reading only the file's last bytes.
     """
+    return read_footer(path).digest
+
+
+@dataclass(frozen=True)
+class Footer:
+    """A record file's footer, read once: its `footer_digest`, and its bytes to parse only once that is checked."""
+
+    digest: str
+    #: The footer and the 8 bytes after it (its length and the magic), as `footer_digest` hashes them.
+    tail: bytes
+
+    @cached_property
+    def metadata(self) -> pq.FileMetaData:
+        """The parsed footer (what `pq.read_metadata` gives), parsed once; parse it only once its digest is trusted."""
+        return pq.read_metadata(pa.BufferReader(b"PAR1" + self.tail))
+
+
+def read_footer(path: Path) -> Footer:
+    """The footer of the Parquet file `path`, from one read of its last bytes.
+
+    Example::
+
+        footer = read_footer(job_dir / "grads.parquet")
+        footer.digest, footer.metadata.num_rows     # '20731:9f86d081...', 22
+    """
     with open(path, "rb") as f:
         size = f.seek(0, os.SEEK_END)
         if size < 12:
-            return f"{size}:"
+            return Footer(f"{size}:", b"")
         f.seek(size - 8)
         length = int.from_bytes(f.read(4), "little")
         f.seek(max(0, size - 8 - length))
-        return f"{size}:{hashlib.sha256(f.read()).hexdigest()}"
+        tail = f.read()
+    return Footer(f"{size}:{hashlib.sha256(tail).hexdigest()}", tail)
 
 
 def verify_job(directory: Path, marker: dict[str, Any]) -> str | None:
@@ -204,7 +245,13 @@ class Damaged(Exception):
     """A record file that does not verify; `str(e)` says why, starting with the file's name."""
 
 
-def read_verified(path: Path, marker: dict[str, Any] | None, columns: list[str] | None = None) -> pa.Table:
+def read_verified(
+    path: Path,
+    marker: dict[str, Any] | None,
+    columns: list[str] | None = None,
+    footer: Footer | None = None,
+    check_run_id: bool = True,
+) -> pa.Table:
     """`columns` of the record file `path` (all when None), every page read checked; `Damaged` if it does not verify.
 
     Example::
@@ -214,27 +261,35 @@ def read_verified(path: Path, marker: dict[str, Any] | None, columns: list[str] 
     Every page read has its CRC checked (`page_checksum_verification`; pages of columns not read are
     not). With the job's `done.json` (`marker`), the file must also hold only the marker's run id (a
     file of another run is refused), its row count and its footer (`footer_digest`: schema, metadata,
-    page offsets) must be those recorded when the job completed.
+    page offsets) must be those recorded when the job completed. `footer` is the file's footer when
+    already read (`read_footer`): it is then neither read nor parsed again. A caller that checks the
+    run id itself, over many files at once (`foreign_rows`), passes `check_run_id=False`: the table then
+    holds `run_id` (when the file does) even if `columns` does not name it.
     """
     name = path.name
     run_id = marker.get("run_id") if marker is not None else None
     footers = marker.get("footers") if marker is not None else None
-    if isinstance(footers, dict) and name in footers and footers[name] != footer_digest(path):
-        # Checked first: a damaged footer is never parsed (a flipped length could ask for any allocation).
-        other = _foreign_run(path, run_id)
-        raise Damaged(f"{name} holds rows of run(s) {other}, not of run {run_id} ({DONE}): a file of another run"
-                      if other else f"{name} is not the file {DONE} recorded (its size or footer changed since "
-                      "the job completed)")  # fmt: skip
+    checked = False
+    if isinstance(footers, dict) and name in footers:
+        checked, footer = True, footer or read_footer(path)
+        if footers[name] != footer.digest:
+            # Checked first: a damaged footer is never parsed (a flipped length could ask for any allocation).
+            other = _foreign_run(path, run_id)
+            raise Damaged(f"{name} holds rows of run(s) {other}, not of run {run_id} ({DONE}): a file of another run"
+                          if other else f"{name} is not the file {DONE} recorded (its size or footer changed since "
+                          "the job completed)")  # fmt: skip
     extra = ["run_id"] if run_id is not None and columns is not None and "run_id" not in columns else []
     try:
-        table = pq.ParquetFile(path, page_checksum_verification=True).read(
+        # A footer is parsed here only once its digest matched: an unchecked one is pyarrow's to read.
+        metadata = footer.metadata if footer is not None and checked else None
+        table = pq.ParquetFile(path, metadata=metadata, page_checksum_verification=True).read(
             columns=None if columns is None else [*columns, *extra]
         )
     except Exception as e:  # ArrowInvalid, OSError, UnicodeDecodeError (a flipped name), ...: a damaged file
         raise Damaged(f"{name} cannot be read ({type(e).__name__}: {' '.join(str(e).split())})") from e
     if marker is None:
         return table
-    if run_id is not None and "run_id" in table.column_names:
+    if check_run_id and run_id is not None and "run_id" in table.column_names:
         ids = {str(v) for v in pc.unique(table.column("run_id")).to_pylist()}
         if ids - {run_id}:
             raise Damaged(f"{name} holds rows of run(s) {', '.join(sorted(ids - {run_id}))}, not of run {run_id} "
@@ -242,7 +297,21 @@ def read_verified(path: Path, marker: dict[str, Any] | None, columns: list[str] 
     rows = marker.get("rows")
     if isinstance(rows, dict) and name in rows and rows[name] != table.num_rows:
         raise Damaged(f"{name} has {table.num_rows} rows where {DONE} recorded {rows[name]}")
-    return table.drop_columns(extra)
+    return table.drop_columns(extra) if check_run_id else table
+
+def foreign_rows(run_ids: pa.ChunkedArray | pa.Array, expected: pa.Array) -> np.ndarray:
+    """The positions of the rows whose `run_id` is not the one `expected` for them (null: not checked).
+
+    Example::
+
+        foreign_rows(table.column("run_id"), pa.array(["run-a"] * table.num_rows))   # array([], dtype=int64)
+
+    One vectorised comparison over the rows of many files (each file's rows expecting its marker's
+    run id): what `read_verified` checks per file. A null `run_id` where one is expected is foreign.
+    """
+    same = pc.fill_null(pc.equal(run_ids, expected), False)
+    wrong = pc.and_(pc.invert(same), pc.is_valid(expected))
+    return np.flatnonzero(np.asarray(wrong.to_numpy(zero_copy_only=False), dtype=bool))
 
 
 def _foreign_run(path: Path, run_id: Any) -> str | None:
@@ -301,8 +370,71 @@ def job_dirs_below(root: Path) -> list[Path]:
 
         job_dirs_below(Path("multirun/2024-05-01/12-00-00-123456"))   # [.../0, .../1, ...]
     """
-    found = {f.parent.parent for f in root.rglob(".hydra/overrides.yaml")}
-    found |= {f.parent for name in (DONE, FAILED, *RECORD_NAMES) for f in root.rglob(name)}
-    found |= {f.parent for name in RECORD_NAMES for f in root.rglob(f".{name}.*.tmp") if is_temp_of(f.name, name)}
-    found.discard(root)
-    return sorted(d for d in found if not any(p.startswith((".", "_")) for p in d.relative_to(root).parts))
+    return list_tree(root).job_dirs()
+
+
+@dataclass(frozen=True)
+class Tree:
+    """The dirs below a root, none of their parts hidden, each with its entries: one walk of the tree.
+
+    Example::
+
+        tree = list_tree(sweep_dir)
+        tree.job_dirs()                                  # [.../0, .../1, ...]: `job_dirs_below`'s rule
+        job_state(d, tree.dirs[d])                       # no stat per file name
+    """
+
+    root: Path
+    #: Every dir below `root` (`root` included) whose parts below `root` are not hidden, by path, with
+    #: its `os.scandir` entries by name; symlinked dirs are not entered (as `Path.rglob` does not).
+    dirs: dict[Path, dict[str, os.DirEntry[str]]]
+
+    def has(self, directory: Path, name: str, file: bool = False) -> bool:
+        """Whether `directory` holds `name` (`Path.exists`; a regular file or a link to one when `file`)."""
+        entry = self.dirs[directory].get(name)
+        return entry is not None and (entry.is_file() if file else _exists(entry))
+
+    def job_dirs(self) -> list[Path]:
+        """The job dirs among `dirs`, sorted: `job_dirs_below`'s rule."""
+        return sorted(d for d, entries in self.dirs.items() if d != self.root and _is_job(d, entries))
+
+
+def _is_job(directory: Path, entries: dict[str, os.DirEntry[str]]) -> bool:
+    """Whether a dir with these entries is a job's (`job_dirs_below`'s rule)."""
+    for name in (DONE, FAILED, *RECORD_NAMES):
+        if name in entries and _exists(entries[name]):
+            return True
+    if ".hydra" in entries and os.path.exists(os.path.join(entries[".hydra"].path, "overrides.yaml")):
+        return True
+    # The glob `.<name>.*.tmp` and `is_temp_of` both: `.grads.parquet.tmp` (no run id) is not taken.
+    return any(
+        is_temp_of(n, name) and n.startswith(f".{name}.") and len(n) >= len(name) + 6
+        for n in entries
+        if n.startswith(".") and n.endswith(".tmp")
+        for name in RECORD_NAMES
+    )
+
+
+def list_tree(root: Path) -> Tree:
+    """`root` and every dir below it whose parts below `root` are not hidden, with their entries (one `os.scandir` each)."""
+    dirs: dict[Path, dict[str, os.DirEntry[str]]] = {}
+    pending = [root]
+    while pending:
+        d = pending.pop()
+        try:
+            with os.scandir(d) as it:
+                entries = {e.name: e for e in it}
+        except OSError:  # gone, or not readable: as Path.rglob, a dir it cannot list has nothing below it
+            continue
+        dirs[d] = entries
+        for name, e in entries.items():
+            if not name.startswith((".", "_")) and _is_real_dir(e):
+                pending.append(d / name)
+    return Tree(root, dirs)
+
+
+def _is_real_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
