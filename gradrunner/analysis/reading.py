@@ -122,14 +122,12 @@ def load(
     if table not in TABLES:
         raise GradrunnerError(f"table={table!r} is not a gradrunner table; allowed: {', '.join(TABLES)}")
     files = _files_to_read(root, table)
-    read = _read_all(root, files, columns, values)
+    read, joined = _read_all(root, files, columns, values)
     damaged = [r for r in read if isinstance(r, str)]
     if damaged:
         files, read = _without_damaged(root, files, read, damaged, on_damaged)
-    tables = [t for t in read if isinstance(t, pa.Table)]
-    joined = _concat(tables)
     if root.is_dir() and any(f.path.parent != root for f in files):
-        joined = _with_job_columns(root, files, tables, joined)
+        joined = _with_job_columns(root, files, [r for r in read if isinstance(r, _Read)], joined)
     return joined.to_pandas()
 
 
@@ -165,6 +163,18 @@ class _Jobs:
     dirs: frozenset[Path]
 
 
+@dataclass(frozen=True)
+class _Read:
+    """What `load` keeps of a file that verified once its rows joined the others': their count, its columns, its overrides."""
+
+    rows: int
+    columns: tuple[str, ...]
+    #: The overrides the file's metadata holds (`OVERRIDES_KEY`, JSON), if any.
+    overrides: bytes | None
+
+
+#: Files read before their rows are joined into one table (their many small arrays then freed).
+_BATCH = 1024
 #: The keys of `done.json` that reading uses; the rest (the resolved config) is not kept per job.
 _MARKER_KEYS = ("status", "run_id", "files", "rows", "footers", "overrides")
 
@@ -210,11 +220,37 @@ def _files_to_read(root: Path, table: str) -> list[_File]:
 
 def _read_all(
     root: Path, files: list[_File], columns: Sequence[str] | None, values: bool
-) -> list[pa.Table | str]:
-    """Every file read and verified (a thread each, as pyarrow reads outside the GIL); the run ids checked at once.
+) -> tuple[list[_Read | str], pa.Table]:
+    """Every file read and verified, and the rows of those that verified as one table.
 
-    A file that does not verify is a sentence naming it, its job and why (`_read`'s).
+    A file that does not verify is a sentence naming it, its job and why (`_read`'s). Files are read
+    `_BATCH` at a time (a few threads: pyarrow reads outside the GIL), the run ids of a batch checked
+    in one comparison, and each batch's rows joined into one table at once: memory follows the rows
+    read, not the number of files.
     """
+    read: list[_Read | str] = []
+    joined: list[pa.Table] = []
+    for start in range(0, len(files), _BATCH):
+        batch = files[start : start + _BATCH]
+        tables = _read_batch(root, batch, columns, values)
+        extra = columns is not None and "run_id" not in columns  # read for the run id check only
+        kept = [t.drop_columns(["run_id"]) if extra and "run_id" in t.column_names else t
+                for t in tables if isinstance(t, pa.Table)]  # fmt: skip
+        it = iter(kept)
+        for t in tables:
+            if isinstance(t, str):
+                read.append(t)
+            else:
+                own = next(it)
+                read.append(_Read(own.num_rows, tuple(own.column_names), (own.schema.metadata or {}).get(OVERRIDES_KEY.encode())))
+        if kept:
+            joined.append(_concat(kept).combine_chunks())
+    return read, _concat(joined) if joined else pa.table({})
+
+
+def _read_batch(root: Path, files: list[_File], columns: Sequence[str] | None, values: bool) -> list[pa.Table | str]:
+    """`files` read and verified, the run ids of all their rows checked against their `done.json` in one comparison."""
+
     def one(f: _File) -> pa.Table | str:
         return _read(root, f, columns, values, check_run_id=False)
 
@@ -226,7 +262,6 @@ def _read_all(
         except RuntimeError:  # no new threads at interpreter shutdown (a sweep's report=true, written at exit)
             read = None
     read = read if read is not None else [one(f) for f in files]
-    # The run id of every row of every file against its job's done.json, in one comparison.
     checked = [i for i, (f, t) in enumerate(zip(files, read, strict=True))
                if isinstance(t, pa.Table) and f.marker is not None and f.marker.get("run_id") is not None
                and "run_id" in t.column_names]  # fmt: skip
@@ -243,9 +278,7 @@ def _read_all(
             suspect = {checked[int(k)] for k in np.searchsorted(np.cumsum(rows), foreign, side="right")}
     for i in sorted(suspect):
         read[i] = _read(root, files[i], columns, values)  # read again and checked alone: its own message
-    wanted_run_id = columns is None or "run_id" in columns
-    return [t if isinstance(t, str) or wanted_run_id or "run_id" not in t.column_names
-            else t.drop_columns(["run_id"]) for t in read]  # fmt: skip
+    return read
 
 
 def _as_string(column: pa.ChunkedArray) -> pa.ChunkedArray:
@@ -286,13 +319,13 @@ def _pinned(f: _File) -> bool:
 
 
 def _without_damaged(
-    root: Path, files: list[_File], read: list[pa.Table | str], damaged: list[str], on_damaged: str
-) -> tuple[list[_File], list[pa.Table | str]]:
+    root: Path, files: list[_File], read: list[_Read | str], damaged: list[str], on_damaged: str
+) -> tuple[list[_File], list[_Read | str]]:
     """Refuse (one paragraph naming every damaged file), or warn and keep the files that verified."""
     named = "; ".join(damaged[:10]) + (f"; and {len(damaged) - 10} more" if len(damaged) > 10 else "")
     fix = ("re-run those jobs with resume=true (it re-runs jobs whose files do not verify), or move their dirs "
            "away to load the others")  # fmt: skip
-    kept = [(f, t) for f, t in zip(files, read, strict=True) if isinstance(t, pa.Table)]
+    kept = [(f, t) for f, t in zip(files, read, strict=True) if isinstance(t, _Read)]
     if on_damaged == "raise" or not kept:
         raise GradrunnerError(
             f"cannot read {len(damaged)} record file(s) that do not verify (damaged: truncated, overwritten or "
@@ -348,15 +381,13 @@ def _natural_key(rel: Path) -> list[tuple[int, int | str]]:
     return [(0, int(t)) if t.isdigit() else (1, t) for part in rel.parts for t in re.split(r"(\d+)", part) if t]
 
 
-def _job_overrides(job_dir: Path, table: pa.Table) -> list[str]:
+def _job_overrides(job_dir: Path, raw: bytes | None) -> list[str]:
     """A job's own overrides, from its records: the file's metadata, else its `done.json`, else `.hydra/`.
 
     `.hydra/overrides.yaml` is read last: Hydra rewrites it for any later run into the dir, while the
     records (and `done.json`, which pins them) keep what this job was run with.
     """
-    meta = table.schema.metadata or {}
-    raw = meta.get(OVERRIDES_KEY.encode())
-    if raw is not None:
+    if raw is not None:  # the file's metadata
         with contextlib.suppress(ValueError):
             found = json.loads(raw)
             if isinstance(found, list):
@@ -407,8 +438,8 @@ def _swept_columns(overrides: list[dict[str, str | None]]) -> dict[str, pa.Array
     return columns
 
 
-def _with_job_columns(root: Path, files: list[_File], tables: list[pa.Table], joined: pa.Table) -> pa.Table:
-    """`joined` (the files' `tables`, concatenated) with `job` and the swept override columns, constant within each file's rows.
+def _with_job_columns(root: Path, files: list[_File], read: list[_Read], joined: pa.Table) -> pa.Table:
+    """`joined` (the rows of the files `read`, in order) with `job` and the swept override columns, constant within each file's rows.
 
     The columns come last, after each file's own (a column only later files have comes after them, as
     when each file's table carried them); a swept key named like a column only some files have is
@@ -416,24 +447,23 @@ def _with_job_columns(root: Path, files: list[_File], tables: list[pa.Table], jo
     """
     job_dirs = [f.path.parent for f in files]
     unique_dirs = sorted(set(job_dirs), key=lambda d: _natural_key(d.relative_to(root)))
-    first_table = {d: t for d, t in reversed(list(zip(job_dirs, tables, strict=True)))}
-    swept = _swept_columns([_parse_overrides(_job_overrides(d, first_table[d])) for d in unique_dirs])
+    first = {d: r for d, r in reversed(list(zip(job_dirs, read, strict=True)))}
+    swept = _swept_columns([_parse_overrides(_job_overrides(d, first[d].overrides)) for d in unique_dirs])
     index = {d: i for i, d in enumerate(unique_dirs)}
-    names_of = {names: [_override_name(key, names) for key in swept] for names in {tuple(t.column_names) for t in tables}}
-    per_file = [names_of[tuple(t.column_names)] for t in tables]
-    clash = {*per_file[0], "job"} & set(joined.column_names) or len(set(per_file[0])) < len(per_file[0])
-    if clash or any(names != per_file[0] for names in per_file):
-        return _concat(_per_table_job_columns(root, job_dirs, tables, swept, index))
-    row_dir = np.repeat(np.array([index[d] for d in job_dirs], np.int64), [t.num_rows for t in tables])
+    names_of = {names: [_override_name(key, names) for key in swept] for names in {r.columns for r in read}}
+    names = names_of[read[0].columns]
+    clash = {*names, "job"} & set(joined.column_names) or len(set(names)) < len(names)
+    if clash or any(names_of[r.columns] != names for r in read):
+        return _per_file_job_columns(root, job_dirs, read, joined, swept, index)
+    row_dir = np.repeat(np.array([index[d] for d in job_dirs], np.int64), [r.rows for r in read])
     jobs = pa.array([d.relative_to(root).as_posix() for d in unique_dirs], pa.string())
-    added = {"job": jobs.take(row_dir), **{name: column.take(row_dir) for name, column in zip(per_file[0], swept.values(), strict=True)}}
+    added = {"job": jobs.take(row_dir), **{n: c.take(row_dir) for n, c in zip(names, swept.values(), strict=True)}}
     order: dict[str, None] = {}
-    for names in dict.fromkeys(tuple(t.column_names) for t in tables):  # each file's columns, then the added ones
-        order.update(dict.fromkeys([*names, *added]))
-    out = joined
+    for columns in dict.fromkeys(r.columns for r in read):  # each file's columns, then the added ones
+        order.update(dict.fromkeys([*columns, *added]))
     for name, column in added.items():
-        out = out.append_column(name, column)
-    return out.select(list(order))
+        joined = joined.append_column(name, column)
+    return joined.select(list(order))
 
 
 def _override_name(key: str, columns: Sequence[str]) -> str:
@@ -441,18 +471,19 @@ def _override_name(key: str, columns: Sequence[str]) -> str:
     return f"override.{key}" if key in RESERVED_COLUMNS or key in columns else key
 
 
-def _per_table_job_columns(
-    root: Path, job_dirs: list[Path], tables: list[pa.Table], swept: dict[str, pa.Array], index: dict[Path, int]
-) -> list[pa.Table]:
-    """`job` and the swept override columns appended to each file's table (a key's column name differs between files)."""
-    out = []
-    for job_dir, t in zip(job_dirs, tables, strict=True):
-        i = index[job_dir]
+def _per_file_job_columns(
+    root: Path, job_dirs: list[Path], read: list[_Read], joined: pa.Table, swept: dict[str, pa.Array], index: dict[Path, int]
+) -> pa.Table:
+    """`job` and the swept override columns appended to each file's rows (a key's column name differs between files)."""
+    out, offset = [], 0
+    for job_dir, r in zip(job_dirs, read, strict=True):
+        i, t = index[job_dir], joined.slice(offset, r.rows).select(list(r.columns))
+        offset += r.rows
         t = t.append_column("job", pa.repeat(pa.scalar(job_dir.relative_to(root).as_posix()), t.num_rows))
         for key, column in swept.items():
             t = t.append_column(_override_name(key, t.column_names), pa.repeat(column[i], t.num_rows))
         out.append(t)
-    return out
+    return _concat(out)
 
 
 def _concat(tables: list[pa.Table]) -> pa.Table:
