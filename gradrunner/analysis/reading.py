@@ -290,21 +290,24 @@ def _read(
 ) -> pa.Table | str:
     """One record file, verified: the columns asked for (those it has), or all but `values` unless `values`.
 
-    A file that does not verify is returned as a sentence naming it, its job and why. Its footer is
-    read once: digest, schema and the reader's metadata all come from that one read.
+    A file that does not verify is returned as a sentence naming it, its job and why. A footer that
+    `done.json` pins is parsed once, after its digest matched: the schema and the read both use it.
     `check_run_id=False` leaves the run id to the caller (`_read_all`): `run_id` is then read too.
     """
     path, marker = f.path, f.marker
     try:
-        footer = rundir.read_footer(path) if _pinned(f) else None
-        trusted = footer is not None and marker is not None and marker["footers"][path.name] == footer.digest
-        # A footer whose digest does not match is never parsed here: read_verified says why it is refused.
-        names = footer.metadata.schema.to_arrow_schema().names if trusted and footer else pq.read_schema(path).names
+        digest = rundir.footer_digest(path) if _pinned(f) else None
+        opened = None
+        if digest is not None and marker is not None and marker["footers"][path.name] == digest:
+            # The footer is what the job wrote: parsed once, here, and read from by read_verified.
+            opened = pq.ParquetFile(path, page_checksum_verification=True)
+        # A footer whose digest does not match is read as before: read_verified then says why it is refused.
+        names = opened.schema_arrow.names if opened is not None else pq.read_schema(path).names
         if columns is None:
             wanted = [n for n in names if n != VALUES or values]
         else:
             wanted = [n for n in dict.fromkeys([*columns, *([VALUES] if values else [])]) if n in names]
-        return rundir.read_verified(path, marker, wanted, footer=footer, check_run_id=check_run_id)
+        return rundir.read_verified(path, marker, wanted, digest, opened, check_run_id)
     except Exception as e:  # rundir.Damaged, or what pyarrow raises on a damaged footer (UnicodeDecodeError too)
         job = path.parent.relative_to(root).as_posix() if root.is_dir() and path.parent != root else None
         where = f"job {job} of {root}" if job else f"the run {path.parent}"

@@ -28,7 +28,6 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -164,40 +163,14 @@ def footer_digest(path: Path) -> str:
     of its own, and page checksums cover page data only: this digest is what catches a change there,
     reading only the file's last bytes.
     """
-    return read_footer(path).digest
-
-
-@dataclass(frozen=True)
-class Footer:
-    """A record file's footer, read once: its `footer_digest`, and its bytes to parse only once that is checked."""
-
-    digest: str
-    #: The footer and the 8 bytes after it (its length and the magic), as `footer_digest` hashes them.
-    tail: bytes
-
-    @cached_property
-    def metadata(self) -> pq.FileMetaData:
-        """The parsed footer (what `pq.read_metadata` gives), parsed once; parse it only once its digest is trusted."""
-        return pq.read_metadata(pa.BufferReader(b"PAR1" + self.tail))
-
-
-def read_footer(path: Path) -> Footer:
-    """The footer of the Parquet file `path`, from one read of its last bytes.
-
-    Example::
-
-        footer = read_footer(job_dir / "grads.parquet")
-        footer.digest, footer.metadata.num_rows     # '20731:9f86d081...', 22
-    """
     with open(path, "rb") as f:
         size = f.seek(0, os.SEEK_END)
         if size < 12:
-            return Footer(f"{size}:", b"")
+            return f"{size}:"
         f.seek(size - 8)
         length = int.from_bytes(f.read(4), "little")
         f.seek(max(0, size - 8 - length))
-        tail = f.read()
-    return Footer(f"{size}:{hashlib.sha256(tail).hexdigest()}", tail)
+        return f"{size}:{hashlib.sha256(f.read()).hexdigest()}"
 
 
 def verify_job(directory: Path, marker: dict[str, Any]) -> str | None:
@@ -249,7 +222,8 @@ def read_verified(
     path: Path,
     marker: dict[str, Any] | None,
     columns: list[str] | None = None,
-    footer: Footer | None = None,
+    digest: str | None = None,
+    opened: pq.ParquetFile | None = None,
     check_run_id: bool = True,
 ) -> pa.Table:
     """`columns` of the record file `path` (all when None), every page read checked; `Damaged` if it does not verify.
@@ -261,28 +235,26 @@ def read_verified(
     Every page read has its CRC checked (`page_checksum_verification`; pages of columns not read are
     not). With the job's `done.json` (`marker`), the file must also hold only the marker's run id (a
     file of another run is refused), its row count and its footer (`footer_digest`: schema, metadata,
-    page offsets) must be those recorded when the job completed. `footer` is the file's footer when
-    already read (`read_footer`): it is then neither read nor parsed again. A caller that checks the
-    run id itself, over many files at once (`foreign_rows`), passes `check_run_id=False`: the table then
-    holds `run_id` (when the file does) even if `columns` does not name it.
+    page offsets) must be those recorded when the job completed.
+
+    A caller that has read the file's footer already passes its `digest`, and `opened`: the file
+    opened with `page_checksum_verification=True` once that digest matched the marker's (a footer is
+    parsed only then); neither is read again. A caller that checks the run id itself, over many files
+    at once (`foreign_rows`), passes `check_run_id=False`: the table then holds `run_id` (when the
+    file does) even if `columns` does not name it.
     """
     name = path.name
     run_id = marker.get("run_id") if marker is not None else None
     footers = marker.get("footers") if marker is not None else None
-    checked = False
-    if isinstance(footers, dict) and name in footers:
-        checked, footer = True, footer or read_footer(path)
-        if footers[name] != footer.digest:
-            # Checked first: a damaged footer is never parsed (a flipped length could ask for any allocation).
-            other = _foreign_run(path, run_id)
-            raise Damaged(f"{name} holds rows of run(s) {other}, not of run {run_id} ({DONE}): a file of another run"
-                          if other else f"{name} is not the file {DONE} recorded (its size or footer changed since "
-                          "the job completed)")  # fmt: skip
+    if isinstance(footers, dict) and name in footers and footers[name] != (digest or footer_digest(path)):
+        # Checked first: a damaged footer is never parsed (a flipped length could ask for any allocation).
+        other = _foreign_run(path, run_id)
+        raise Damaged(f"{name} holds rows of run(s) {other}, not of run {run_id} ({DONE}): a file of another run"
+                      if other else f"{name} is not the file {DONE} recorded (its size or footer changed since "
+                      "the job completed)")  # fmt: skip
     extra = ["run_id"] if run_id is not None and columns is not None and "run_id" not in columns else []
     try:
-        # A footer is parsed here only once its digest matched: an unchecked one is pyarrow's to read.
-        metadata = footer.metadata if footer is not None and checked else None
-        table = pq.ParquetFile(path, metadata=metadata, page_checksum_verification=True).read(
+        table = (opened or pq.ParquetFile(path, page_checksum_verification=True)).read(
             columns=None if columns is None else [*columns, *extra]
         )
     except Exception as e:  # ArrowInvalid, OSError, UnicodeDecodeError (a flipped name), ...: a damaged file
@@ -298,6 +270,7 @@ def read_verified(
     if isinstance(rows, dict) and name in rows and rows[name] != table.num_rows:
         raise Damaged(f"{name} has {table.num_rows} rows where {DONE} recorded {rows[name]}")
     return table.drop_columns(extra) if check_run_id else table
+
 
 def foreign_rows(run_ids: pa.ChunkedArray | pa.Array, expected: pa.Array) -> np.ndarray:
     """The positions of the rows whose `run_id` is not the one `expected` for them (null: not checked).
