@@ -251,8 +251,8 @@ def _read_all(
 def _read_batch(root: Path, files: list[_File], columns: Sequence[str] | None, values: bool) -> list[pa.Table | str]:
     """`files` read and verified, the run ids of all their rows checked against their `done.json` in one comparison."""
 
-    def one(f: _File) -> pa.Table | str:
-        return _read(root, f, columns, values, check_run_id=False)
+    def one(f: _File) -> pa.Table | str:  # several files: one thread each, not one per column of a small file
+        return _read(root, f, columns, values, check_run_id=False, threads=len(files) == 1)
 
     read: list[pa.Table | str] | None = None
     if len(files) > 1:
@@ -286,13 +286,14 @@ def _as_string(column: pa.ChunkedArray) -> pa.ChunkedArray:
 
 
 def _read(
-    root: Path, f: _File, columns: Sequence[str] | None, values: bool, check_run_id: bool = True
+    root: Path, f: _File, columns: Sequence[str] | None, values: bool, check_run_id: bool = True, threads: bool = True
 ) -> pa.Table | str:
     """One record file, verified: the columns asked for (those it has), or all but `values` unless `values`.
 
     A file that does not verify is returned as a sentence naming it, its job and why. A footer that
     `done.json` pins is parsed once, after its digest matched: the schema and the read both use it.
     `check_run_id=False` leaves the run id to the caller (`_read_all`): `run_id` is then read too.
+    `threads=False` decodes the file's columns one after the other (the caller reads files in parallel).
     """
     path, marker = f.path, f.marker
     try:
@@ -307,7 +308,7 @@ def _read(
             wanted = [n for n in names if n != VALUES or values]
         else:
             wanted = [n for n in dict.fromkeys([*columns, *([VALUES] if values else [])]) if n in names]
-        return rundir.read_verified(path, marker, wanted, digest, opened, check_run_id)
+        return rundir.read_verified(path, marker, wanted, digest, opened, check_run_id, use_threads=threads)
     except Exception as e:  # rundir.Damaged, or what pyarrow raises on a damaged footer (UnicodeDecodeError too)
         job = path.parent.relative_to(root).as_posix() if root.is_dir() and path.parent != root else None
         where = f"job {job} of {root}" if job else f"the run {path.parent}"

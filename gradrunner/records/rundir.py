@@ -225,6 +225,7 @@ def read_verified(
     digest: str | None = None,
     opened: pq.ParquetFile | None = None,
     check_run_id: bool = True,
+    use_threads: bool = True,
 ) -> pa.Table:
     """`columns` of the record file `path` (all when None), every page read checked; `Damaged` if it does not verify.
 
@@ -241,7 +242,8 @@ def read_verified(
     opened with `page_checksum_verification=True` once that digest matched the marker's (a footer is
     parsed only then); neither is read again. A caller that checks the run id itself, over many files
     at once (`foreign_rows`), passes `check_run_id=False`: the table then holds `run_id` (when the
-    file does) even if `columns` does not name it.
+    file does) even if `columns` does not name it. `use_threads=False` reads the columns one after the
+    other (cheaper for a small file, when the caller reads many files in parallel).
     """
     name = path.name
     run_id = marker.get("run_id") if marker is not None else None
@@ -255,7 +257,7 @@ def read_verified(
     extra = ["run_id"] if run_id is not None and columns is not None and "run_id" not in columns else []
     try:
         table = (opened or pq.ParquetFile(path, page_checksum_verification=True)).read(
-            columns=None if columns is None else [*columns, *extra]
+            columns=None if columns is None else [*columns, *extra], use_threads=use_threads
         )
     except Exception as e:  # ArrowInvalid, OSError, UnicodeDecodeError (a flipped name), ...: a damaged file
         raise Damaged(f"{name} cannot be read ({type(e).__name__}: {' '.join(str(e).split())})") from e
