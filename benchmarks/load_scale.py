@@ -4,8 +4,9 @@ The sweep is N copies of real 2-step mlp jobs run by the CLI (`sweep_scale.copy_
 run id, seed and `done.json`, so every file verifies), built once into `--sweep DIR` (reused when it
 holds N jobs already; a temporary dir otherwise). Each measurement is a fresh Python process that
 imports gradrunner, then times `load(sweep)` statistics-only (every column but `values`) or
-`load(sweep, columns=["step", "tap", "norm"])`: wall seconds, and the process's peak RSS
-(`ru_maxrss`) after the imports and after the load. `--code DIR ...` reads with the gradrunner
+`load(sweep, columns=["step", "tap", "norm"])`: wall seconds, the process's RSS before the load,
+and its peak RSS during the load (Linux: the peak is reset before the load through
+`/proc/self/clear_refs`; elsewhere `ru_maxrss`, which counts the imports' peak too). `--code DIR ...` reads with the gradrunner
 package found in each DIR (e.g. an export of an older commit) instead of this checkout's; the
 variants run interleaved, `--repeats` times each.
 
@@ -37,13 +38,26 @@ sys.path.insert(0, sys.argv[1])
 from gradrunner.analysis import load
 import gradrunner
 columns = json.loads(sys.argv[3])
-rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def status(key):  # kB figures of /proc/self/status, as MiB; None off Linux
+    try:
+        lines = open("/proc/self/status").read().splitlines()
+    except OSError:
+        return None
+    return next(int(l.split()[1]) / 1024 for l in lines if l.startswith(key + ":"))
+
+rss0 = status("VmRSS")
+try:  # reset the peak RSS to the current one: VmHWM after the load is the load's own peak
+    open("/proc/self/clear_refs", "w").write("5")
+    reset = True
+except OSError:
+    reset = False
 start = time.perf_counter()
 df = load(sys.argv[2], columns=columns)
 s = time.perf_counter() - start
-rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"s": s, "rss_import_mib": rss0 / 1024, "rss_peak_mib": rss1 / 1024, "rows": len(df),
-                  "columns": df.shape[1], "package": os.path.dirname(gradrunner.__file__),
+peak = status("VmHWM") if reset else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps({"s": s, "rss_before_mib": rss0, "rss_peak_mib": peak, "peak_is_the_loads": reset,
+                  "rows": len(df), "columns": df.shape[1], "package": os.path.dirname(gradrunner.__file__),
                   "loadavg": os.getloadavg()[0]}))
 """
 
@@ -91,7 +105,7 @@ def main() -> None:
                     m = measure(code.resolve(), sweep, columns)
                     print(f"  {name} with {m['package']}: {m['s']:.2f} s, peak {m['rss_peak_mib']:.0f} MiB", file=sys.stderr)
                     rows.append({"load": name, "code": str(code), "repeat": repeat, **m})
-    report("load_scale", rows, ["load", "code", "repeat", "s", "rss_import_mib", "rss_peak_mib", "rows", "loadavg"],
+    report("load_scale", rows, ["load", "code", "repeat", "s", "rss_before_mib", "rss_peak_mib", "rows", "loadavg"],
            out=args.out, jobs=jobs)  # fmt: skip
 
 

@@ -375,11 +375,6 @@ def _completed_only(root: Path, jobs: _Jobs, holding: list[rundir.JobState]) -> 
     return kept
 
 
-def _hidden(rel: Path) -> bool:
-    # Temp files of running jobs and Hydra's .hydra dirs start with "."; "_" by pyarrow's convention.
-    return any(part.startswith((".", "_")) for part in rel.parts)
-
-
 def _natural_key(rel: Path) -> list[tuple[int, int | str]]:
     """Sort key putting job 2 before job 10."""
     return [(0, int(t)) if t.isdigit() else (1, t) for part in rel.parts for t in re.split(r"(\d+)", part) if t]

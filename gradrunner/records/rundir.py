@@ -7,8 +7,10 @@ Contents:
     footer_digest(path)          -- size and footer hash of a record file, pinned by `done.json`
     verify_job(dir, marker)      -- why a "completed" job's files cannot be trusted, or None
     read_verified(path, marker)  -- a record file read with every page, its run id and footer checked
+    foreign_rows(ids, expected)  -- the rows of many files whose run id is not their job's, in one comparison
     job_dirs_below(root)         -- THE rule for which folders below a sweep dir are jobs
-    unfinished_jobs(dirs)        -- the jobs of a sweep that did not complete (for `analysis.load`)
+    Tree, list_tree(root)        -- one walk of a sweep dir: its dirs and their entries, the rule over them
+    unfinished_jobs(dirs)        -- the jobs of a sweep that did not complete
 
 Status comes from files in the job dir, so it is the same whichever launcher ran the job and
 in whichever process or machine: `done.json` is written by the runner after every record file is
