@@ -172,6 +172,7 @@ def test_the_one_walk_finds_the_job_dirs_the_globs_find(tmp_path: Path) -> None:
         "0", "1", "15/x/16", "17", "18", "2", "3", "4", "5", "7", "a/b/10"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_job_state_from_scanned_entries_is_job_state_from_the_dir(copied: Path, tmp_path: Path) -> None:
     shutil.copytree(copied / "0", tmp_path / "0")
     shutil.copytree(copied / "1", tmp_path / "1")
