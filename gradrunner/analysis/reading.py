@@ -300,8 +300,9 @@ def _read(
         digest = rundir.footer_digest(path) if _pinned(f) else None
         opened = None
         if digest is not None and marker is not None and marker["footers"][path.name] == digest:
-            # The footer is what the job wrote: parsed once, here, and read from by read_verified.
-            opened = pq.ParquetFile(path, page_checksum_verification=True)
+            # The footer is what the job wrote: parsed once, here, and read from by read_verified (an OSFile:
+            # no filesystem lookup per file).
+            opened = pq.ParquetFile(pa.OSFile(os.fspath(path)), page_checksum_verification=True)
         # A footer whose digest does not match is read as before: read_verified then says why it is refused.
         names = opened.schema_arrow.names if opened is not None else pq.read_schema(path).names
         if columns is None:
