@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -57,11 +58,15 @@ def copy_job(source: Path, target: Path, run_id: str, seed: int) -> None:
     (target / rundir.DONE).write_text(json.dumps(marker))
 
 
-def unverified_read(root: Path, f: Path, columns: Sequence[str] | None, values: bool) -> pa.Table:
-    """`reading._read` before verification (commit 815a200): schema, then the columns, nothing checked."""
-    names = pq.read_schema(f).names
+def unverified_read(root: Path, f: Any, columns: Sequence[str] | None, values: bool, **_: Any) -> pa.Table:
+    """`reading._read` before verification (commit 815a200): schema, then the columns, nothing checked.
+
+    `f` is the file to read (`reading._File`: its `path`); the keywords `load` passes (whether it checks
+    the run ids itself, threads) change nothing here.
+    """
+    names = pq.read_schema(f.path).names
     wanted = [n for n in names if n != reading.VALUES or values] if columns is None else list(columns)
-    return pq.read_table(f, columns=wanted)
+    return pq.read_table(f.path, columns=wanted)
 
 
 @contextmanager

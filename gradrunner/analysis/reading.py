@@ -21,8 +21,12 @@ import os
 import re
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -115,16 +119,16 @@ def load(
         if running is not None:
             return running
     root = Path(path)
-    files = _completed_only(root, _find_files(root, table))
-    read = [_read(root, f, columns, values) for f in files]
+    if table not in TABLES:
+        raise GradrunnerError(f"table={table!r} is not a gradrunner table; allowed: {', '.join(TABLES)}")
+    files = _files_to_read(root, table)
+    read, joined = _read_all(root, files, columns, values)
     damaged = [r for r in read if isinstance(r, str)]
     if damaged:
         files, read = _without_damaged(root, files, read, damaged, on_damaged)
-    tables = [t for t in read if isinstance(t, pa.Table)]
-    job_dirs = [f.parent for f in files]
-    if root.is_dir() and any(d != root for d in job_dirs):
-        tables = _with_job_columns(root, job_dirs, tables)
-    return _concat(tables).to_pandas()
+    if root.is_dir() and any(f.path.parent != root for f in files):
+        joined = _with_job_columns(root, files, [r for r in read if isinstance(r, _Read)], joined)
+    return joined.to_pandas()
 
 
 class IncompleteSweepWarning(UserWarning):
@@ -135,34 +139,198 @@ class DamagedRecordsWarning(UserWarning):
     """`load(..., on_damaged="skip")` left out record files that do not verify; the message names them."""
 
 
-def _read(root: Path, f: Path, columns: Sequence[str] | None, values: bool) -> pa.Table | str:
+@dataclass(frozen=True)
+class _File:
+    """A record file to read, and the `done.json` of its job (None without one) that it is checked against."""
+
+    path: Path
+    marker: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class _Jobs:
+    """What `load` needs to know of a sweep's (or a run's) jobs before reading any record."""
+
+    #: The job dirs below the root (`rundir.job_dirs_below`'s rule), with their state.
+    states: list[rundir.JobState]
+    #: The state of the root itself (a run dir holding its own records).
+    root: rundir.JobState
+    #: The record files (final names) in each of those dirs, root included.
+    present: dict[Path, list[str]]
+    #: Whether any job dir holds a marker (`done.json` or `failed.json`, damaged ones too).
+    marked: bool
+    #: The dirs found (root included): a manifest's job dir is looked up here before on disk.
+    dirs: frozenset[Path]
+
+
+@dataclass(frozen=True)
+class _Read:
+    """What `load` keeps of a file that verified once its rows joined the others': their count, its columns, its overrides."""
+
+    rows: int
+    columns: tuple[str, ...]
+    #: The overrides the file's metadata holds (`OVERRIDES_KEY`, JSON), if any.
+    overrides: bytes | None
+
+
+#: Files read before their rows are joined into one table (their many small arrays then freed).
+_BATCH = 1024
+#: The keys of `done.json` that reading uses; the rest (the resolved config) is not kept per job.
+_MARKER_KEYS = ("status", "run_id", "files", "rows", "footers", "overrides")
+
+
+def _jobs_of(root: Path) -> _Jobs:
+    """THE one place `load` learns a sweep's jobs: their dirs, status and `done.json`, from one walk of the tree."""
+    tree = rundir.list_tree(root)
+
+    def state(d: Path) -> rundir.JobState:
+        s = rundir.job_state(d, tree.dirs[d])
+        if s.marker is not None:  # a smaller copy: ten thousand resolved configs are not kept
+            s.marker = {k: s.marker[k] for k in _MARKER_KEYS if k in s.marker}
+        return s
+
+    dirs = tree.job_dirs()
+    present = {d: [n for n in rundir.RECORD_NAMES if tree.has(d, n, file=True)] for d in [root, *dirs]}
+    marked = any(tree.has(d, rundir.DONE) or tree.has(d, rundir.FAILED) for d in dirs)
+    return _Jobs([state(d) for d in dirs], state(root), present, marked, frozenset(tree.dirs))
+
+
+def _files_to_read(root: Path, table: str) -> list[_File]:
+    """The `<table>.parquet` files to read below `root` (or `root` itself), in natural job order, each with
+    its job's `done.json`: only completed jobs' when the sweep's jobs carry markers (a warning names the others).
+    """
+    name = f"{table}.parquet"
+    if root.is_file():
+        if root.suffix != ".parquet":
+            raise GradrunnerError(f"{root} is not a .parquet file; pass a run dir, a sweep dir or a .parquet file")
+        return [_File(root, rundir.job_state(root.parent).marker)]
+    if not root.is_dir():
+        raise GradrunnerError(f"{root} does not exist; pass a run dir, a sweep dir or a .parquet file")
+    jobs = _jobs_of(root)
+    holding = [s for s in [jobs.root, *jobs.states] if name in jobs.present[s.directory]]
+    if not holding:
+        raise GradrunnerError(
+            f"no {name} found in {root} or its subdirectories; pass a run dir (holding {name}), "
+            "a sweep dir (holding job dirs 0/, 1/, ...) or a .parquet file"
+        )
+    kept = _completed_only(root, jobs, holding)
+    files = [_File(s.directory / name, s.marker) for s in kept]
+    return sorted(files, key=lambda f: _natural_key(f.path.relative_to(root)))
+
+
+def _read_all(
+    root: Path, files: list[_File], columns: Sequence[str] | None, values: bool
+) -> tuple[list[_Read | str], pa.Table]:
+    """Every file read and verified, and the rows of those that verified as one table.
+
+    A file that does not verify is a sentence naming it, its job and why (`_read`'s). Files are read
+    `_BATCH` at a time (a few threads: pyarrow reads outside the GIL), the run ids of a batch checked
+    in one comparison, and each batch's rows joined into one table at once: memory follows the rows
+    read, not the number of files.
+    """
+    read: list[_Read | str] = []
+    joined: list[pa.Table] = []
+    for start in range(0, len(files), _BATCH):
+        batch = files[start : start + _BATCH]
+        tables = _read_batch(root, batch, columns, values)
+        extra = columns is not None and "run_id" not in columns  # read for the run id check only
+        kept = [t.drop_columns(["run_id"]) if extra and "run_id" in t.column_names else t
+                for t in tables if isinstance(t, pa.Table)]  # fmt: skip
+        it = iter(kept)
+        for t in tables:
+            if isinstance(t, str):
+                read.append(t)
+            else:
+                own = next(it)
+                read.append(_Read(own.num_rows, tuple(own.column_names), (own.schema.metadata or {}).get(OVERRIDES_KEY.encode())))
+        if kept:
+            joined.append(_concat(kept).combine_chunks())
+    return read, _concat(joined) if joined else pa.table({})
+
+
+def _read_batch(root: Path, files: list[_File], columns: Sequence[str] | None, values: bool) -> list[pa.Table | str]:
+    """`files` read and verified, the run ids of all their rows checked against their `done.json` in one comparison."""
+
+    def one(f: _File) -> pa.Table | str:  # several files: one thread each, not one per column of a small file
+        return _read(root, f, columns, values, check_run_id=False, threads=len(files) == 1)
+
+    read: list[pa.Table | str] | None = None
+    if len(files) > 1:
+        try:
+            with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+                read = list(pool.map(one, files))
+        except RuntimeError:  # no new threads at interpreter shutdown (a sweep's report=true, written at exit)
+            read = None
+    read = read if read is not None else [one(f) for f in files]
+    checked = [i for i, (f, t) in enumerate(zip(files, read, strict=True))
+               if isinstance(t, pa.Table) and f.marker is not None and f.marker.get("run_id") is not None
+               and "run_id" in t.column_names]  # fmt: skip
+    suspect = set()
+    if checked:
+        try:
+            ids = pa.chunked_array([_as_string(read[i].column("run_id")) for i in checked], pa.string())  # type: ignore[union-attr]
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):  # a run_id column of another type: file by file
+            suspect = set(checked)
+        else:
+            rows = np.array([read[i].num_rows for i in checked])  # type: ignore[union-attr]
+            expected = pa.array([files[i].marker["run_id"] for i in checked], pa.string())  # type: ignore[index]
+            foreign = rundir.foreign_rows(ids, expected.take(np.repeat(np.arange(len(checked)), rows)))
+            suspect = {checked[int(k)] for k in np.searchsorted(np.cumsum(rows), foreign, side="right")}
+    for i in sorted(suspect):
+        read[i] = _read(root, files[i], columns, values)  # read again and checked alone: its own message
+    return read
+
+
+def _as_string(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    return column if column.type == pa.string() else column.cast(pa.string())
+
+
+def _read(
+    root: Path, f: _File, columns: Sequence[str] | None, values: bool, check_run_id: bool = True, threads: bool = True
+) -> pa.Table | str:
     """One record file, verified: the columns asked for (those it has), or all but `values` unless `values`.
 
-    A file that does not verify is returned as a sentence naming it, its job and why.
+    A file that does not verify is returned as a sentence naming it, its job and why. A footer that
+    `done.json` pins is parsed once, after its digest matched: the schema and the read both use it.
+    `check_run_id=False` leaves the run id to the caller (`_read_all`): `run_id` is then read too.
+    `threads=False` decodes the file's columns one after the other (the caller reads files in parallel).
     """
-    marker = rundir.job_state(f.parent).marker if f.parent.is_dir() else None
+    path, marker = f.path, f.marker
     try:
-        names = pq.read_schema(f).names
+        digest = rundir.footer_digest(path) if _pinned(f) else None
+        opened = None
+        if digest is not None and marker is not None and marker["footers"][path.name] == digest:
+            # The footer is what the job wrote: parsed once, here, and read from by read_verified (an OSFile:
+            # no filesystem lookup per file).
+            opened = pq.ParquetFile(pa.OSFile(os.fspath(path)), page_checksum_verification=True)
+        # A footer whose digest does not match is read as before: read_verified then says why it is refused.
+        names = opened.schema_arrow.names if opened is not None else pq.read_schema(path).names
         if columns is None:
             wanted = [n for n in names if n != VALUES or values]
         else:
             wanted = [n for n in dict.fromkeys([*columns, *([VALUES] if values else [])]) if n in names]
-        return rundir.read_verified(f, marker, wanted)
+        return rundir.read_verified(path, marker, wanted, digest, opened, check_run_id, use_threads=threads)
     except Exception as e:  # rundir.Damaged, or what pyarrow raises on a damaged footer (UnicodeDecodeError too)
-        job = f.parent.relative_to(root).as_posix() if root.is_dir() and f.parent != root else None
-        where = f"job {job} of {root}" if job else f"the run {f.parent}"
+        job = path.parent.relative_to(root).as_posix() if root.is_dir() and path.parent != root else None
+        where = f"job {job} of {root}" if job else f"the run {path.parent}"
         why = str(e) if isinstance(e, rundir.Damaged) else f"{type(e).__name__}: {one_paragraph(e)}"
-        return f"{f} ({where}): {why.rstrip('.')}"
+        return f"{path} ({where}): {why.rstrip('.')}"
+
+
+def _pinned(f: _File) -> bool:
+    """Whether the file's `done.json` pins its footer (`footer_digest`)."""
+    footers = f.marker.get("footers") if f.marker is not None else None
+    return isinstance(footers, dict) and f.path.name in footers
 
 
 def _without_damaged(
-    root: Path, files: list[Path], read: list[pa.Table | str], damaged: list[str], on_damaged: str
-) -> tuple[list[Path], list[pa.Table | str]]:
+    root: Path, files: list[_File], read: list[_Read | str], damaged: list[str], on_damaged: str
+) -> tuple[list[_File], list[_Read | str]]:
     """Refuse (one paragraph naming every damaged file), or warn and keep the files that verified."""
     named = "; ".join(damaged[:10]) + (f"; and {len(damaged) - 10} more" if len(damaged) > 10 else "")
     fix = ("re-run those jobs with resume=true (it re-runs jobs whose files do not verify), or move their dirs "
            "away to load the others")  # fmt: skip
-    kept = [(f, t) for f, t in zip(files, read, strict=True) if isinstance(t, pa.Table)]
+    kept = [(f, t) for f, t in zip(files, read, strict=True) if isinstance(t, _Read)]
     if on_damaged == "raise" or not kept:
         raise GradrunnerError(
             f"cannot read {len(damaged)} record file(s) that do not verify (damaged: truncated, overwritten or "
@@ -174,7 +342,7 @@ def _without_damaged(
     return [f for f, _ in kept], [t for _, t in kept]
 
 
-def _missing_from_manifest(root: Path) -> list[str]:
+def _missing_from_manifest(root: Path, dirs: frozenset[Path]) -> list[str]:
     """Jobs the sweep's manifest lists that have no job dir (or whose dir is gone), as `job N (overrides)`."""
     data = rundir.read_json(root / "manifest.json")
     jobs = data.get("jobs") if data else None
@@ -182,58 +350,30 @@ def _missing_from_manifest(root: Path) -> list[str]:
         return []
     out = []
     for j in jobs:
-        if isinstance(j, dict) and (not j.get("dir") or not (root / str(j["dir"])).is_dir()):
+        if isinstance(j, dict) and (not j.get("dir") or not (root / str(j["dir"]) in dirs or (root / str(j["dir"])).is_dir())):
             out.append(f"job {j.get('num', '?')} ({' '.join(map(str, j.get('overrides') or [])) or 'no overrides'})")
     return out
 
 
-def _completed_only(root: Path, files: list[Path]) -> list[Path]:
-    """The files of completed jobs when the sweep's jobs carry markers; warn naming the jobs left out."""
-    if not root.is_dir():
-        return files
-    if (root / rundir.FAILED).exists():  # a single run asked for by name: read it, but say it failed
-        warnings.warn(f"{root} is a failed run ({rundir.job_state(root).error}); its records are partial",
-                      IncompleteSweepWarning, stacklevel=3)  # fmt: skip
-    dirs = rundir.job_dirs_below(root)
-    unfinished = rundir.unfinished_jobs(dirs)
-    missing = _missing_from_manifest(root)
+def _completed_only(root: Path, jobs: _Jobs, holding: list[rundir.JobState]) -> list[rundir.JobState]:
+    """Those of `holding` that completed when the sweep's jobs carry markers; warn naming the jobs left out."""
+    if jobs.root.status == "failed":  # a single run asked for by name: read it, but say it failed
+        warnings.warn(f"{root} is a failed run ({jobs.root.error}); its records are partial",
+                      IncompleteSweepWarning, stacklevel=4)  # fmt: skip
+    missing = _missing_from_manifest(root, jobs.dirs)
     if missing:
         warnings.warn(f"{len(missing)} job(s) of the sweep in {root} have no job dir and are left out: "
                       f"{'; '.join(missing[:10])}. Re-run the sweep into the same dir (hydra.sweep.dir={root}) "
-                      "to run them.", IncompleteSweepWarning, stacklevel=3)  # fmt: skip
+                      "to run them.", IncompleteSweepWarning, stacklevel=4)  # fmt: skip
+    unfinished = [s for s in jobs.states if s.status != "completed"] if jobs.marked else []
     if not unfinished:
-        return files
-    warnings.warn(rundir.describe_unfinished(root, unfinished, len(dirs)), IncompleteSweepWarning, stacklevel=3)
+        return holding
+    warnings.warn(rundir.describe_unfinished(root, unfinished, len(jobs.states)), IncompleteSweepWarning, stacklevel=4)
     left_out = {s.directory for s in unfinished}
-    kept = [f for f in files if f.parent not in left_out]
+    kept = [s for s in holding if s.directory not in left_out]
     if not kept:
-        raise GradrunnerError(f"no job in {root} completed; {rundir.describe_unfinished(root, unfinished, len(dirs))}")
+        raise GradrunnerError(f"no job in {root} completed; {rundir.describe_unfinished(root, unfinished, len(jobs.states))}")
     return kept
-
-
-def _find_files(root: Path, table: str) -> list[Path]:
-    """The `<table>.parquet` files below `root` (or `root` itself), in natural job order."""
-    if table not in TABLES:
-        raise GradrunnerError(f"table={table!r} is not a gradrunner table; allowed: {', '.join(TABLES)}")
-    if root.is_file():
-        if root.suffix != ".parquet":
-            raise GradrunnerError(f"{root} is not a .parquet file; pass a run dir, a sweep dir or a .parquet file")
-        return [root]
-    if not root.is_dir():
-        raise GradrunnerError(f"{root} does not exist; pass a run dir, a sweep dir or a .parquet file")
-    name = f"{table}.parquet"
-    files = [f for f in root.rglob(name) if f.is_file() and not _hidden(f.relative_to(root))]
-    if not files:
-        raise GradrunnerError(
-            f"no {name} found in {root} or its subdirectories; pass a run dir (holding {name}), "
-            "a sweep dir (holding job dirs 0/, 1/, ...) or a .parquet file"
-        )
-    return sorted(files, key=lambda f: _natural_key(f.relative_to(root)))
-
-
-def _hidden(rel: Path) -> bool:
-    # Temp files of running jobs and Hydra's .hydra dirs start with "."; "_" by pyarrow's convention.
-    return any(part.startswith((".", "_")) for part in rel.parts)
 
 
 def _natural_key(rel: Path) -> list[tuple[int, int | str]]:
@@ -241,15 +381,13 @@ def _natural_key(rel: Path) -> list[tuple[int, int | str]]:
     return [(0, int(t)) if t.isdigit() else (1, t) for part in rel.parts for t in re.split(r"(\d+)", part) if t]
 
 
-def _job_overrides(job_dir: Path, table: pa.Table) -> list[str]:
+def _job_overrides(job_dir: Path, raw: bytes | None) -> list[str]:
     """A job's own overrides, from its records: the file's metadata, else its `done.json`, else `.hydra/`.
 
     `.hydra/overrides.yaml` is read last: Hydra rewrites it for any later run into the dir, while the
     records (and `done.json`, which pins them) keep what this job was run with.
     """
-    meta = table.schema.metadata or {}
-    raw = meta.get(OVERRIDES_KEY.encode())
-    if raw is not None:
+    if raw is not None:  # the file's metadata
         with contextlib.suppress(ValueError):
             found = json.loads(raw)
             if isinstance(found, list):
@@ -300,21 +438,52 @@ def _swept_columns(overrides: list[dict[str, str | None]]) -> dict[str, pa.Array
     return columns
 
 
-def _with_job_columns(root: Path, job_dirs: list[Path], tables: list[pa.Table]) -> list[pa.Table]:
-    """Append `job` and the swept override columns, constant within each job's table."""
+def _with_job_columns(root: Path, files: list[_File], read: list[_Read], joined: pa.Table) -> pa.Table:
+    """`joined` (the rows of the files `read`, in order) with `job` and the swept override columns, constant within each file's rows.
+
+    The columns come last, after each file's own (a column only later files have comes after them, as
+    when each file's table carried them); a swept key named like a column only some files have is
+    `override.<key>` in those files' rows only (`_override_name`), which takes a table per file.
+    """
+    job_dirs = [f.path.parent for f in files]
     unique_dirs = sorted(set(job_dirs), key=lambda d: _natural_key(d.relative_to(root)))
-    first_table = {d: t for d, t in reversed(list(zip(job_dirs, tables, strict=True)))}
-    swept = _swept_columns([_parse_overrides(_job_overrides(d, first_table[d])) for d in unique_dirs])
+    first = {d: r for d, r in reversed(list(zip(job_dirs, read, strict=True)))}
+    swept = _swept_columns([_parse_overrides(_job_overrides(d, first[d].overrides)) for d in unique_dirs])
     index = {d: i for i, d in enumerate(unique_dirs)}
-    out = []
-    for job_dir, t in zip(job_dirs, tables, strict=True):
-        i = index[job_dir]
+    names_of = {names: [_override_name(key, names) for key in swept] for names in {r.columns for r in read}}
+    names = names_of[read[0].columns]
+    clash = {*names, "job"} & set(joined.column_names) or len(set(names)) < len(names)
+    if clash or any(names_of[r.columns] != names for r in read):
+        return _per_file_job_columns(root, job_dirs, read, joined, swept, index)
+    row_dir = np.repeat(np.array([index[d] for d in job_dirs], np.int64), [r.rows for r in read])
+    jobs = pa.array([d.relative_to(root).as_posix() for d in unique_dirs], pa.string())
+    added = {"job": jobs.take(row_dir), **{n: c.take(row_dir) for n, c in zip(names, swept.values(), strict=True)}}
+    order: dict[str, None] = {}
+    for columns in dict.fromkeys(r.columns for r in read):  # each file's columns, then the added ones
+        order.update(dict.fromkeys([*columns, *added]))
+    for name, column in added.items():
+        joined = joined.append_column(name, column)
+    return joined.select(list(order))
+
+
+def _override_name(key: str, columns: Sequence[str]) -> str:
+    """The column of a swept override `key` in a file with `columns`: `override.<key>` when it would clash."""
+    return f"override.{key}" if key in RESERVED_COLUMNS or key in columns else key
+
+
+def _per_file_job_columns(
+    root: Path, job_dirs: list[Path], read: list[_Read], joined: pa.Table, swept: dict[str, pa.Array], index: dict[Path, int]
+) -> pa.Table:
+    """`job` and the swept override columns appended to each file's rows (a key's column name differs between files)."""
+    out, offset = [], 0
+    for job_dir, r in zip(job_dirs, read, strict=True):
+        i, t = index[job_dir], joined.slice(offset, r.rows).select(list(r.columns))
+        offset += r.rows
         t = t.append_column("job", pa.repeat(pa.scalar(job_dir.relative_to(root).as_posix()), t.num_rows))
         for key, column in swept.items():
-            name = f"override.{key}" if key in RESERVED_COLUMNS or key in t.column_names else key
-            t = t.append_column(name, pa.repeat(column[i], t.num_rows))
+            t = t.append_column(_override_name(key, t.column_names), pa.repeat(column[i], t.num_rows))
         out.append(t)
-    return out
+    return _concat(out)
 
 
 def _concat(tables: list[pa.Table]) -> pa.Table:

@@ -7,8 +7,10 @@ Contents:
     footer_digest(path)          -- size and footer hash of a record file, pinned by `done.json`
     verify_job(dir, marker)      -- why a "completed" job's files cannot be trusted, or None
     read_verified(path, marker)  -- a record file read with every page, its run id and footer checked
+    foreign_rows(ids, expected)  -- the rows of many files whose run id is not their job's, in one comparison
     job_dirs_below(root)         -- THE rule for which folders below a sweep dir are jobs
-    unfinished_jobs(dirs)        -- the jobs of a sweep that did not complete (for `analysis.load`)
+    Tree, list_tree(root)        -- one walk of a sweep dir: its dirs and their entries, the rule over them
+    unfinished_jobs(dirs)        -- the jobs of a sweep that did not complete
 
 Status comes from files in the job dir, so it is the same whichever launcher ran the job and
 in whichever process or machine: `done.json` is written by the runner after every record file is
@@ -26,10 +28,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -120,22 +124,34 @@ def _present(directory: Path) -> list[str]:
     return [n for name in RECORD_NAMES for n in ([name] if (directory / name).exists() else []) + _temps(directory, name)]
 
 
-def job_state(directory: str | os.PathLike[str]) -> JobState:
+def job_state(directory: str | os.PathLike[str], entries: Mapping[str, os.DirEntry[str]] | None = None) -> JobState:
     """The job's status from its dir alone: failed (`failed.json`), completed (`done.json`), or missing.
 
     Example::
 
         job_state("outputs/2024-05-01/12-00-00-123456").status   # 'completed'
+
+    `entries` (the dir's `os.scandir` entries by name, from `list_tree`) spares a stat per name.
     """
     d = Path(directory)
-    files = [n for n in RECORD_NAMES if (d / n).is_file()]
-    failed = read_json(d / FAILED) if (d / FAILED).exists() else None
-    if failed is not None or (d / FAILED).exists():
+    if entries is None:
+        files = [n for n in RECORD_NAMES if (d / n).is_file()]
+        failed_there = (d / FAILED).exists()
+    else:
+        files = [n for n in RECORD_NAMES if n in entries and entries[n].is_file()]
+        failed_there = FAILED in entries and _exists(entries[FAILED])
+    failed = read_json(d / FAILED) if failed_there else None
+    if failed is not None or failed_there:
         return JobState(d, "failed", files, error=str((failed or {}).get("error", "unknown error")))
-    marker, _ = read_marker(d)
+    marker, _ = read_marker(d) if entries is None or DONE in entries else (None, None)
     if marker is not None:
         return JobState(d, "completed", [str(f) for f in marker.get("files", files)], marker=marker)
     return JobState(d, "missing", files)
+
+
+def _exists(entry: os.DirEntry[str]) -> bool:
+    """`Path.exists` of a scanned entry: a dangling symlink does not exist."""
+    return not entry.is_symlink() or os.path.exists(entry.path)
 
 
 def footer_digest(path: Path) -> str:
@@ -204,7 +220,15 @@ class Damaged(Exception):
     """A record file that does not verify; `str(e)` says why, starting with the file's name."""
 
 
-def read_verified(path: Path, marker: dict[str, Any] | None, columns: list[str] | None = None) -> pa.Table:
+def read_verified(
+    path: Path,
+    marker: dict[str, Any] | None,
+    columns: list[str] | None = None,
+    digest: str | None = None,
+    opened: pq.ParquetFile | None = None,
+    check_run_id: bool = True,
+    use_threads: bool = True,
+) -> pa.Table:
     """`columns` of the record file `path` (all when None), every page read checked; `Damaged` if it does not verify.
 
     Example::
@@ -215,11 +239,18 @@ def read_verified(path: Path, marker: dict[str, Any] | None, columns: list[str] 
     not). With the job's `done.json` (`marker`), the file must also hold only the marker's run id (a
     file of another run is refused), its row count and its footer (`footer_digest`: schema, metadata,
     page offsets) must be those recorded when the job completed.
+
+    A caller that has read the file's footer already passes its `digest`, and `opened`: the file
+    opened with `page_checksum_verification=True` once that digest matched the marker's (a footer is
+    parsed only then); neither is read again. A caller that checks the run id itself, over many files
+    at once (`foreign_rows`), passes `check_run_id=False`: the table then holds `run_id` (when the
+    file does) even if `columns` does not name it. `use_threads=False` reads the columns one after the
+    other (cheaper for a small file, when the caller reads many files in parallel).
     """
     name = path.name
     run_id = marker.get("run_id") if marker is not None else None
     footers = marker.get("footers") if marker is not None else None
-    if isinstance(footers, dict) and name in footers and footers[name] != footer_digest(path):
+    if isinstance(footers, dict) and name in footers and footers[name] != (digest or footer_digest(path)):
         # Checked first: a damaged footer is never parsed (a flipped length could ask for any allocation).
         other = _foreign_run(path, run_id)
         raise Damaged(f"{name} holds rows of run(s) {other}, not of run {run_id} ({DONE}): a file of another run"
@@ -227,14 +258,14 @@ def read_verified(path: Path, marker: dict[str, Any] | None, columns: list[str] 
                       "the job completed)")  # fmt: skip
     extra = ["run_id"] if run_id is not None and columns is not None and "run_id" not in columns else []
     try:
-        table = pq.ParquetFile(path, page_checksum_verification=True).read(
-            columns=None if columns is None else [*columns, *extra]
+        table = (opened or pq.ParquetFile(path, page_checksum_verification=True)).read(
+            columns=None if columns is None else [*columns, *extra], use_threads=use_threads
         )
     except Exception as e:  # ArrowInvalid, OSError, UnicodeDecodeError (a flipped name), ...: a damaged file
         raise Damaged(f"{name} cannot be read ({type(e).__name__}: {' '.join(str(e).split())})") from e
     if marker is None:
         return table
-    if run_id is not None and "run_id" in table.column_names:
+    if check_run_id and run_id is not None and "run_id" in table.column_names:
         ids = {str(v) for v in pc.unique(table.column("run_id")).to_pylist()}
         if ids - {run_id}:
             raise Damaged(f"{name} holds rows of run(s) {', '.join(sorted(ids - {run_id}))}, not of run {run_id} "
@@ -242,7 +273,22 @@ def read_verified(path: Path, marker: dict[str, Any] | None, columns: list[str] 
     rows = marker.get("rows")
     if isinstance(rows, dict) and name in rows and rows[name] != table.num_rows:
         raise Damaged(f"{name} has {table.num_rows} rows where {DONE} recorded {rows[name]}")
-    return table.drop_columns(extra)
+    return table.drop_columns(extra) if check_run_id else table
+
+
+def foreign_rows(run_ids: pa.ChunkedArray | pa.Array, expected: pa.Array) -> np.ndarray:
+    """The positions of the rows whose `run_id` is not the one `expected` for them (null: not checked).
+
+    Example::
+
+        foreign_rows(table.column("run_id"), pa.array(["run-a"] * table.num_rows))   # array([], dtype=int64)
+
+    One vectorised comparison over the rows of many files (each file's rows expecting its marker's
+    run id): what `read_verified` checks per file. A null `run_id` where one is expected is foreign.
+    """
+    same = pc.fill_null(pc.equal(run_ids, expected), False)
+    wrong = pc.and_(pc.invert(same), pc.is_valid(expected))
+    return np.flatnonzero(np.asarray(wrong.to_numpy(zero_copy_only=False), dtype=bool))
 
 
 def _foreign_run(path: Path, run_id: Any) -> str | None:
@@ -301,8 +347,71 @@ def job_dirs_below(root: Path) -> list[Path]:
 
         job_dirs_below(Path("multirun/2024-05-01/12-00-00-123456"))   # [.../0, .../1, ...]
     """
-    found = {f.parent.parent for f in root.rglob(".hydra/overrides.yaml")}
-    found |= {f.parent for name in (DONE, FAILED, *RECORD_NAMES) for f in root.rglob(name)}
-    found |= {f.parent for name in RECORD_NAMES for f in root.rglob(f".{name}.*.tmp") if is_temp_of(f.name, name)}
-    found.discard(root)
-    return sorted(d for d in found if not any(p.startswith((".", "_")) for p in d.relative_to(root).parts))
+    return list_tree(root).job_dirs()
+
+
+@dataclass(frozen=True)
+class Tree:
+    """The dirs below a root, none of their parts hidden, each with its entries: one walk of the tree.
+
+    Example::
+
+        tree = list_tree(sweep_dir)
+        tree.job_dirs()                                  # [.../0, .../1, ...]: `job_dirs_below`'s rule
+        job_state(d, tree.dirs[d])                       # no stat per file name
+    """
+
+    root: Path
+    #: Every dir below `root` (`root` included) whose parts below `root` are not hidden, by path, with
+    #: its `os.scandir` entries by name; symlinked dirs are not entered (as `Path.rglob` does not).
+    dirs: dict[Path, dict[str, os.DirEntry[str]]]
+
+    def has(self, directory: Path, name: str, file: bool = False) -> bool:
+        """Whether `directory` holds `name` (`Path.exists`; a regular file or a link to one when `file`)."""
+        entry = self.dirs[directory].get(name)
+        return entry is not None and (entry.is_file() if file else _exists(entry))
+
+    def job_dirs(self) -> list[Path]:
+        """The job dirs among `dirs`, sorted: `job_dirs_below`'s rule."""
+        return sorted(d for d, entries in self.dirs.items() if d != self.root and _is_job(d, entries))
+
+
+def _is_job(directory: Path, entries: dict[str, os.DirEntry[str]]) -> bool:
+    """Whether a dir with these entries is a job's (`job_dirs_below`'s rule)."""
+    for name in (DONE, FAILED, *RECORD_NAMES):
+        if name in entries and _exists(entries[name]):
+            return True
+    if ".hydra" in entries and os.path.exists(os.path.join(entries[".hydra"].path, "overrides.yaml")):
+        return True
+    # The glob `.<name>.*.tmp` and `is_temp_of` both: `.grads.parquet.tmp` (no run id) is not taken.
+    return any(
+        is_temp_of(n, name) and n.startswith(f".{name}.") and len(n) >= len(name) + 6
+        for n in entries
+        if n.startswith(".") and n.endswith(".tmp")
+        for name in RECORD_NAMES
+    )
+
+
+def list_tree(root: Path) -> Tree:
+    """`root` and every dir below it whose parts below `root` are not hidden, with their entries (one `os.scandir` each)."""
+    dirs: dict[Path, dict[str, os.DirEntry[str]]] = {}
+    pending = [root]
+    while pending:
+        d = pending.pop()
+        try:
+            with os.scandir(d) as it:
+                entries = {e.name: e for e in it}
+        except OSError:  # gone, or not readable: as Path.rglob, a dir it cannot list has nothing below it
+            continue
+        dirs[d] = entries
+        for name, e in entries.items():
+            if not name.startswith((".", "_")) and _is_real_dir(e):
+                pending.append(d / name)
+    return Tree(root, dirs)
+
+
+def _is_real_dir(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir(follow_symlinks=False)
+    except OSError:
+        return False
