@@ -14,9 +14,21 @@ counts: what gradrunner derives its nine statistics from), moved to the host onc
 - `plain_hooks`: forward hooks registering tensor hooks that reduce each gradient with torch ops;
 - `nnsight`: `NNsight(model).trace(...)` with the same reductions on `.output.grad` inside
   `loss.backward()` (when nnsight is installed: `pip install gradrunner[peers]`);
-- TransformerLens and torchlens are listed as skipped: TransformerLens is not installed here
-  (its dependencies would change the shared environment), torchlens 2.x's `trace` API takes
-  gradients through options this script does not wire yet.
+- `torchlens`: `torchlens.trace(model, ..., capture=CaptureOptions(layers_to_save=paths,
+  save_grads=paths, backward_ready=True, unwrap_when_done=True), save=SaveOptions(grad_transform=
+  reductions, save_raw_gradients=False))`, then `trace.log_backward(loss)`: its gradient hooks on
+  the same modules' output operations apply the same reductions, read from each module's output
+  layer's `transformed_grad` (when torchlens is installed). The loss is the trace's first output
+  layer, which torchlens only keeps when layers are saved, so it also copies the tapped activations
+  (`layers_to_save`; with no layer saved the trace's output is None and backward cannot start).
+  `unwrap_when_done=True` restores torch's functions after each trace, so the variants after it
+  run unwrapped torch; torchlens pays for wrapping them again on its next step. Checked once by
+  hand (2-layer GPT-2, torchlens 2.36.1): with the same dropout seed its seven reductions equal
+  `plain_hooks`' exactly. With dropout off (eval, or p=0) the attention and MLP outputs, whose
+  last operation is then an identity dropout, get no gradient from torchlens (`transformed_grad`
+  None), so this variant needs the model's dropout on, as GPT-2's default config has it;
+- TransformerLens is listed as skipped when not installed (its dependencies would change the
+  shared environment here).
 
 Variants run interleaved (`_common.interleaved`); ratios are to `none`.
 """
@@ -145,7 +157,29 @@ def variants(model: nn.Module, x: torch.Tensor, taps: list[str], *, params: bool
     out["plain_hooks"] = (lambda: tensor_hooks(model, paths, sink, params), hooked)
     if peers and importlib.util.find_spec("nnsight") is not None:
         out["nnsight"] = (no_context, _nnsight_step(model, x, paths, autocast, finish))
+    if peers and importlib.util.find_spec("torchlens") is not None:
+        out["torchlens"] = (no_context, _torchlens_step(model, x, paths, autocast, finish))
     return out
+
+
+def _torchlens_step(model: nn.Module, x: torch.Tensor, paths: list[str], autocast: torch.dtype | None,
+                    finish: Callable[[], None]) -> Callable[[], None]:  # fmt: skip
+    """torchlens 2.x: trace the forward, backward from the traced loss; its gradient hooks reduce."""
+    import torchlens as tl
+
+    save = tl.options.SaveOptions(grad_transform=reductions, save_raw_gradients=False)
+    options = tl.options.CaptureOptions(layers_to_save=paths, save_grads=paths, backward_ready=True,
+                                        unwrap_when_done=True)  # fmt: skip
+
+    def step() -> None:
+        with torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
+            trace = tl.trace(model, input_args=[x], input_kwargs={"labels": x}, save=save, capture=options)
+        trace.log_backward(trace[trace.output_layers[0]].out)  # output 0 of a causal LM with labels: the loss
+        rows = [trace[trace.modules[p].output_ops[0]].transformed_grad for p in paths]  # "add_3_37:2": one pass
+        torch.stack(rows).cpu()
+        finish()
+
+    return step
 
 
 def _nnsight_step(model: nn.Module, x: torch.Tensor, paths: list[str], autocast: torch.dtype | None,
@@ -187,9 +221,7 @@ def skipped() -> dict[str, str]:
         why["nnsight"] = "not installed (pip install gradrunner[peers])"
     if importlib.util.find_spec("transformer_lens") is None:
         why["transformer_lens"] = "not installed (pip install gradrunner[peers])"
-    if importlib.util.find_spec("torchlens") is not None:
-        why["torchlens"] = "installed; its 2.x trace() takes gradients through options not wired here"
-    else:
+    if importlib.util.find_spec("torchlens") is None:
         why["torchlens"] = "not installed (pip install gradrunner[peers])"
     return why
 
