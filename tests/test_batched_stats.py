@@ -127,9 +127,26 @@ def test_batched_histograms_equal_the_per_tap_counts(dtype: torch.dtype, monkeyp
         np.testing.assert_array_equal(counts, histogram_counts(g).numpy())
 
 
+def test_batched_per_example_norms_equal_the_per_tap_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    grads = [_gradient(n, torch.float32, "zeros", seed=n).reshape(r, -1) for n, r in ((6, 3), (4096, 8), (7, 7), (DEFER_NUMEL, 2))]
+    grads.append(_gradient(DEFER_NUMEL + 4, torch.float32, "plain", seed=1).reshape(4, -1))  # not batched
+    monkeypatch.setattr(stats, "DEFER_NUMEL", DEFER_NUMEL)
+    col = Collector(values="none", per_example=True)
+    for i, g in enumerate(grads):
+        col.add(TapKey(f"t{i}", "output", 0), g, mutable=False, batched=i != 2)  # t2: a parameter, no rows
+    recs = col.finish()
+    assert recs.per_example_norm is not None
+    for i, (g, got) in enumerate(zip(grads, recs.per_example_norm, strict=True)):
+        if i == 2:
+            assert got is None
+            continue
+        assert got is not None
+        np.testing.assert_allclose(got, torch.linalg.vector_norm(g.double(), dim=1).numpy(), rtol=1e-12)
+
+
 #: ops that make a new view of the same memory: no kernel is launched for them
 _VIEWS = {"aten.detach.default", "aten.view.default", "aten._reshape_alias.default", "aten.alias.default",
-          "aten.select.int"}
+          "aten.select.int", "aten.slice.Tensor"}
 
 
 class _CountOps(TorchDispatchMode):
@@ -157,8 +174,8 @@ def test_ops_per_step_do_not_grow_with_the_number_of_small_gradients(histogram: 
     """No op when a small gradient arrives; the same ops at flush for 3 gradients as for 60."""
     counts = []
     for k in (3, 60):
-        col = Collector(values="none", histogram=histogram)
-        grads = [torch.randn(5 + 37 * i) for i in range(k)]
+        col = Collector(values="none", histogram=histogram, per_example=histogram)
+        grads = [torch.randn(i + 1, 7) for i in range(k)]
         with _counting() as arriving:
             for i, g in enumerate(grads):
                 col.add(TapKey(f"t{i}", "output", 0), g, mutable=False)

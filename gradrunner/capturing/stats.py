@@ -90,6 +90,8 @@ class _Pending(NamedTuple):
     #: `per_example`: float64 norm per row; `histogram`: int64 counts per bin (both on the device)
     per_example: torch.Tensor | None = None
     hist: torch.Tensor | None = None
+    #: a deferred gradient's number of rows (dim 0) when its per-example norms are to come from `flush`
+    rows: int | None = None
 
 
 #: "Small": gradients up to this many elements are not reduced when they arrive but kept, and
@@ -169,7 +171,19 @@ class Collector:
                 self._add_sparse(key, grad, order, value_norm)
                 return
             grad = grad.to_dense()  # every element was asked for (values, histogram, per-example norms)
-        per_example = per_example_norms(grad) if self.per_example and batched else None
+        n = grad.numel()
+        want_rows = self.per_example and batched and grad.dim() > 0
+        if 0 < n <= DEFER_NUMEL and not (grad.is_cpu and self._cpu_kernel_for(grad.dtype)):
+            # Small: kept as it is (copied only if it may change before `flush`) and reduced with the rest,
+            # histogram and per-example norms too. No op on it now.
+            flat = grad.detach().reshape(-1)
+            kept = flat.clone() if mutable and not settled else flat
+            self._pending.append(_Pending(
+                order, key, tuple(grad.shape), n, True, None, kept, self._keep_values(key, flat, mutable), value_norm,
+                rows=grad.shape[0] if want_rows else None,
+            ))  # fmt: skip
+            return
+        per_example = per_example_norms(grad) if want_rows else None
         if grad.is_cpu and self._fused and self._values_none and grad.is_contiguous():
             # The hot path: one read of the gradient where it lies, no copy, no view; small ones
             # too, as a kernel call costs about 2 µs. With `histogram`, its counts in the same read.
@@ -202,13 +216,6 @@ class Collector:
                     values = self._keep_values(key, flat, mutable)
                     self._pending.append(_Pending(order, key, tuple(g.shape), n, True, out, None, values, *extra))
                     return
-        if 0 < n <= DEFER_NUMEL:
-            # Small: kept as it is (copied only if it may change before `flush`), reduced with the rest;
-            # its histogram too. No op on it now.
-            kept = flat.clone() if mutable and not settled else flat
-            values = self._keep_values(key, flat, mutable)
-            self._pending.append(_Pending(order, key, tuple(g.shape), n, True, None, kept, values, value_norm, per_example))
-            return
         extra = (value_norm, per_example, histogram_counts(grad) if self.histogram else None)
         if flat.dtype not in _INT_VIEW:  # float16, bfloat16: statistics in float32
             flat = flat.float()
@@ -234,16 +241,26 @@ class Collector:
             if p.deferred is not None:
                 groups.setdefault((p.deferred.dtype, p.deferred.device), []).append(i)
         for idx in groups.values():
-            xs = [self._pending[i].deferred for i in idx]
-            ids = self._segment_ids(tuple(x.numel() for x in xs), xs[0].device)  # type: ignore[union-attr]
-            block, hist = _reduce_batch(xs, ids, self.histogram)  # type: ignore[arg-type]
+            xs: list[torch.Tensor] = [self._pending[i].deferred for i in idx]  # type: ignore[misc]
+            sizes = tuple(x.numel() for x in xs)
+            ids = self._segment_ids(sizes, xs[0].device)
+            # per-example norms: every tensor's rows (one row for a tensor without them), numbered
+            n_rows = [self._pending[i].rows or 1 for i in idx]
+            row_ids = None
+            if any(self._pending[i].rows is not None for i in idx):
+                row_sizes = tuple(n // r for n, r in zip(sizes, n_rows, strict=True) for _ in range(r))
+                row_ids = self._segment_ids(row_sizes, xs[0].device)
+            block, hist, row_norms = _reduce_batch(xs, ids, self.histogram, row_ids, sum(n_rows))
             self._batches.append(block)
-            for j, i in enumerate(idx):
+            at = 0
+            for j, (i, r) in enumerate(zip(idx, n_rows, strict=True)):
                 p = self._pending[i]
                 self._pending[i] = p._replace(
-                    reductions=_BatchRow(len(self._batches) - 1, j), deferred=None,
+                    reductions=_BatchRow(len(self._batches) - 1, j), deferred=None, rows=None,
                     hist=None if hist is None else hist[j],
+                    per_example=row_norms[at : at + r] if row_norms is not None and p.rows is not None else p.per_example,
                 )  # fmt: skip
+                at += r
 
     def _segment_ids(self, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """int64 segment number of each element of the concatenated batch, on `device`; kept per sizes.
@@ -282,6 +299,15 @@ class Collector:
                 mn, mx = torch.clamp(mn, max=0), torch.clamp(mx, min=0)
             floats = [s, ss, mn, mx]
         self._pending.append(_Pending(order, key, tuple(grad.shape), n, True, (floats, ints), None, None, value_norm))
+
+    def _cpu_kernel_for(self, dtype: torch.dtype) -> bool:
+        """Whether the C kernel takes a CPU gradient of `dtype` (its histogram variant with `histogram`)."""
+        if not self._fused:
+            return False
+        if self._cpu_kernels is None:
+            self._cpu_kernels = fused_stats.cpu_kernels()
+            self._cpu_hist = fused_stats.cpu_hist_kernels() if self.histogram else {}
+        return dtype in (self._cpu_hist if self.histogram else self._cpu_kernels)
 
     def _cpu_reduce(self, flat: torch.Tensor, n: int) -> tuple[int, torch.Tensor | None] | None:
         """The C kernel on contiguous CPU `flat` into a fresh row: (row, histogram counts or None).
@@ -430,13 +456,14 @@ def _reduction_blocks(
 
 
 def _reduce_batch(
-    xs: list[torch.Tensor], ids: torch.Tensor, histogram: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    xs: list[torch.Tensor], ids: torch.Tensor, histogram: bool, row_ids: torch.Tensor | None = None, n_rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Reductions of each flat tensor of `xs` (one dtype, one device, none empty), all at once.
 
     Returns the (k, 7) wide-float reductions `[sum, sumsq, min, max, nonzero, nan, inf]` per tensor
-    and, with `histogram`, their (k, HIST_BINS) int64 counts. `ids` numbers each element of the
-    concatenation by its tensor (`Collector._segment_ids`). One `cat`, a widening, and a fixed
+    and, with `histogram`, their (k, HIST_BINS) int64 counts; with `row_ids` (each element's row,
+    of `n_rows`) the L2 norm of every row (per-example norms, float64). `ids` numbers each element
+    of the concatenation by its tensor (`Collector._segment_ids`). One `cat`, a widening, and a fixed
     number of segmented reductions (`index_add_`, `scatter_reduce_`): the number of ops does not
     depend on k, and nothing is read on the host. The sums are accumulated in float64 (float32 on
     mps) from widened elements: small tensors, so the widened copy is small.
@@ -452,7 +479,8 @@ def _reduce_batch(
     w = x.to(wide)
     acc = torch.zeros((5, k), dtype=wide, device=x.device)
     acc[0].index_add_(0, ids, w)
-    acc[1].index_add_(0, ids, w * w)
+    squares = w * w
+    acc[1].index_add_(0, ids, squares)
     acc[2].index_add_(0, ids, (x != 0).to(wide))  # -0.0 is a zero; NaN is not (as count_nonzero)
     acc[3].index_add_(0, ids, torch.isnan(x).to(wide))
     acc[4].index_add_(0, ids, torch.isinf(x).to(wide))
@@ -460,7 +488,10 @@ def _reduce_batch(
     mn = torch.full((k,), math.inf, dtype=wide, device=x.device).scatter_reduce_(0, ids, w, "amin")
     mx = torch.full((k,), -math.inf, dtype=wide, device=x.device).scatter_reduce_(0, ids, w, "amax")
     block = torch.stack([acc[0], acc[1], mn, mx, acc[2], acc[3], acc[4]], dim=1)
-    return block, histogram_batch(x, ids, k) if histogram else None
+    rows = None
+    if row_ids is not None:
+        rows = torch.zeros(n_rows, dtype=wide, device=x.device).index_add_(0, row_ids, squares).sqrt_()
+    return block, histogram_batch(x, ids, k) if histogram else None, rows
 
 
 def _reduce(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
