@@ -22,7 +22,8 @@ counts: what gradrunner derives its nine statistics from), moved to the host onc
   layer, which torchlens only keeps when layers are saved, so it also copies the tapped activations
   (`layers_to_save`; with no layer saved the trace's output is None and backward cannot start).
   `unwrap_when_done=True` restores torch's functions after each trace, so the variants after it
-  run unwrapped torch; torchlens pays for wrapping them again on its next step. Checked once by
+  run unwrapped torch; torchlens pays for wrapping them again on its next step (`--torchlens-wrapped`
+  leaves them wrapped, torchlens' default, and then every variant runs on wrapped torch). Checked once by
   hand (2-layer GPT-2, torchlens 2.36.1): with the same dropout seed its seven reductions equal
   `plain_hooks`' exactly. With dropout off (eval, or p=0) the attention and MLP outputs, whose
   last operation is then an identity dropout, get no gradient from torchlens (`transformed_grad`
@@ -116,7 +117,7 @@ def tensor_hooks(model: nn.Module, paths: list[str], sink: list[torch.Tensor], p
 
 def variants(model: nn.Module, x: torch.Tensor, taps: list[str], *, params: bool = False,
              autocast: torch.dtype | None = None, peers: bool = True,
-             strategies: tuple[str, ...] = ("hook",)) -> dict[str, Variant]:  # fmt: skip
+             strategies: tuple[str, ...] = ("hook",), torchlens_unwrap: bool = True) -> dict[str, Variant]:  # fmt: skip
     """`none`, gradrunner (`gradrunner`, or each of `strategies` by name), `plain_hooks` and the installed
     peers, one AdamW step each; `params` also reduces every parameter's gradient in `plain_hooks`."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -158,18 +159,18 @@ def variants(model: nn.Module, x: torch.Tensor, taps: list[str], *, params: bool
     if peers and importlib.util.find_spec("nnsight") is not None:
         out["nnsight"] = (no_context, _nnsight_step(model, x, paths, autocast, finish))
     if peers and importlib.util.find_spec("torchlens") is not None:
-        out["torchlens"] = (no_context, _torchlens_step(model, x, paths, autocast, finish))
+        out["torchlens"] = (no_context, _torchlens_step(model, x, paths, autocast, finish, torchlens_unwrap))
     return out
 
 
 def _torchlens_step(model: nn.Module, x: torch.Tensor, paths: list[str], autocast: torch.dtype | None,
-                    finish: Callable[[], None]) -> Callable[[], None]:  # fmt: skip
+                    finish: Callable[[], None], unwrap: bool = True) -> Callable[[], None]:  # fmt: skip
     """torchlens 2.x: trace the forward, backward from the traced loss; its gradient hooks reduce."""
     import torchlens as tl
 
     save = tl.options.SaveOptions(grad_transform=reductions, save_raw_gradients=False)
     options = tl.options.CaptureOptions(layers_to_save=paths, save_grads=paths, backward_ready=True,
-                                        unwrap_when_done=True)  # fmt: skip
+                                        unwrap_when_done=unwrap)  # fmt: skip
 
     def step() -> None:
         with torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
@@ -234,6 +235,9 @@ def main() -> None:
         p.add_argument("--width", type=int, default=256)
         p.add_argument("--batch", type=int, default=8)
         p.add_argument("--seq", type=int, default=128)
+        p.add_argument("--torchlens-wrapped", action="store_true",
+                       help="leave torch's functions wrapped after torchlens' first trace (its default): every "
+                            "variant then runs on wrapped torch")  # fmt: skip
 
     args = parse_args(__doc__.splitlines()[0], extra)
     torch.set_num_threads(args.threads)
@@ -243,7 +247,7 @@ def main() -> None:
     model = gpt2(args.layers, args.width, max(2, args.width // 64), 1000, args.seq, args.device)
     x = torch.randint(0, 1000, (args.batch, args.seq), device=args.device)
     taps = activation_taps(model)
-    found = variants(model, x, taps)
+    found = variants(model, x, taps, torchlens_unwrap=not args.torchlens_wrapped)
     if args.device.startswith("cuda"):
         found = {k: (ctx, synced(step)) for k, (ctx, step) in found.items()}
     times = interleaved(found, repeats=repeats, steps_per_block=3 if not args.tiny else 1, warmup=1)
