@@ -23,7 +23,8 @@ counts: what gradrunner derives its nine statistics from), moved to the host onc
   (`layers_to_save`; with no layer saved the trace's output is None and backward cannot start).
   `unwrap_when_done=True` restores torch's functions after each trace, so the variants after it
   run unwrapped torch; torchlens pays for wrapping them again on its next step (`--torchlens-wrapped`
-  leaves them wrapped, torchlens' default, and then every variant runs on wrapped torch). Checked once by
+  leaves them wrapped, torchlens' default, and then every variant runs on wrapped torch, nnsight
+  left out: under wrapped torch its `with loss.backward():` gets None). Checked once by
   hand (2-layer GPT-2, torchlens 2.36.1): with the same dropout seed its seven reductions equal
   `plain_hooks`' exactly. With dropout off (eval, or p=0) the attention and MLP outputs, whose
   last operation is then an identity dropout, get no gradient from torchlens (`transformed_grad`
@@ -248,12 +249,17 @@ def main() -> None:
     x = torch.randint(0, 1000, (args.batch, args.seq), device=args.device)
     taps = activation_taps(model)
     found = variants(model, x, taps, torchlens_unwrap=not args.torchlens_wrapped)
+    why = skipped()
+    if args.torchlens_wrapped and found.pop("nnsight", None) is not None:
+        # seen with nnsight 0.8.1 and torchlens 2.36.1: `with loss.backward():` inside nnsight's trace
+        # gets None ("'NoneType' object does not support the context manager protocol")
+        why["nnsight"] = "not run with --torchlens-wrapped: torchlens' wrapped torch breaks its loss.backward() context"
     if args.device.startswith("cuda"):
         found = {k: (ctx, synced(step)) for k, (ctx, step) in found.items()}
     times = interleaved(found, repeats=repeats, steps_per_block=3 if not args.tiny else 1, warmup=1)
     base = median_ms(times["none"])
     rows = [{"variant": k, "step_ms": median_ms(v), "ratio": median_ms(v) / base} for k, v in times.items()]
-    rows += [{"variant": k, "skipped": why} for k, why in skipped().items()]
+    rows += [{"variant": k, "skipped": reason} for k, reason in why.items()]
     config = {"layers": args.layers, "width": args.width, "batch": args.batch, "seq": args.seq, "taps": len(taps),
               "device": args.device}  # fmt: skip
     print(config)
