@@ -238,6 +238,30 @@ def test_capture_with_every_option_equals_the_per_tap_path(strategy: str, monkey
         np.testing.assert_array_equal(a, b)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("strategy", ["hook", "retain_grad", "autograd_grad"])
+def test_gradients_zeroed_in_place_by_post_accumulate_hooks_do_not_reach_the_batch(
+    strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Optimizer-in-backward style hooks that zero `.grad` in place as soon as it is accumulated: the
+    parameters' small gradients kept uncopied for the batch must still be what was delivered."""
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    out = {}
+    for batched in (True, False):
+        monkeypatch.setattr(stats, "DEFER_NUMEL", DEFER_NUMEL if batched else 0)
+        model = _mlp()
+        def zero(p: torch.Tensor) -> None:
+            p.grad.zero_()  # type: ignore[union-attr]
+
+        for param in model.parameters():
+            param.register_post_accumulate_grad_hook(zero)
+        with capture(model, ["*:weight", "*:bias"], strategy=strategy, keep_grads=False) as cap:
+            loss = nn.functional.mse_loss(model(x), y)
+            cap.backward(loss)
+            out[batched] = cap.records(loss)
+    for i in range(len(out[True].keys)):
+        _assert_close(out[True].row(i), out[False].row(i), 2e-6, str(out[True].keys[i]))
+
+
 def test_batched_value_norms_equal_one_by_one() -> None:
     torch.manual_seed(1)
     ts = [torch.randn(n) for n in (1, 7, 5000, 70000)] + [torch.randn(3, dtype=torch.float64), torch.zeros(0)]

@@ -271,8 +271,8 @@ class Collector:
         key = (sizes, device)
         ids = self._ids.get(key)
         if ids is None:
-            if len(self._ids) >= 4:
-                self._ids.clear()  # sizes change from step to step (variable-length batches): keep few
+            if len(self._ids) >= 8:
+                self._ids.clear()  # sizes change from step to step (variable-length batches): keep a few
             host = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.int64))
             if device.type == "cuda":
                 host = host.pin_memory()
