@@ -14,9 +14,23 @@ counts: what gradrunner derives its nine statistics from), moved to the host onc
 - `plain_hooks`: forward hooks registering tensor hooks that reduce each gradient with torch ops;
 - `nnsight`: `NNsight(model).trace(...)` with the same reductions on `.output.grad` inside
   `loss.backward()` (when nnsight is installed: `pip install gradrunner[peers]`);
-- TransformerLens and torchlens are listed as skipped: TransformerLens is not installed here
-  (its dependencies would change the shared environment), torchlens 2.x's `trace` API takes
-  gradients through options this script does not wire yet.
+- `torchlens`: `torchlens.trace(model, ..., capture=CaptureOptions(layers_to_save=paths,
+  save_grads=paths, backward_ready=True, unwrap_when_done=True), save=SaveOptions(grad_transform=
+  reductions, save_raw_gradients=False))`, then `trace.log_backward(loss)`: its gradient hooks on
+  the same modules' output operations apply the same reductions, read from each module's output
+  layer's `transformed_grad` (when torchlens is installed). The loss is the trace's first output
+  layer, which torchlens only keeps when layers are saved, so it also copies the tapped activations
+  (`layers_to_save`; with no layer saved the trace's output is None and backward cannot start).
+  `unwrap_when_done=True` restores torch's functions after each trace, so the variants after it
+  run unwrapped torch; torchlens pays for wrapping them again on its next step (`--torchlens-wrapped`
+  leaves them wrapped, torchlens' default, and then every variant runs on wrapped torch, nnsight
+  left out: under wrapped torch its `with loss.backward():` gets None). Checked once by
+  hand (2-layer GPT-2, torchlens 2.36.1): with the same dropout seed its seven reductions equal
+  `plain_hooks`' exactly. With dropout off (eval, or p=0) the attention and MLP outputs, whose
+  last operation is then an identity dropout, get no gradient from torchlens (`transformed_grad`
+  None), so this variant needs the model's dropout on, as GPT-2's default config has it;
+- TransformerLens is listed as skipped when not installed (its dependencies would change the
+  shared environment here).
 
 Variants run interleaved (`_common.interleaved`); ratios are to `none`.
 """
@@ -104,7 +118,7 @@ def tensor_hooks(model: nn.Module, paths: list[str], sink: list[torch.Tensor], p
 
 def variants(model: nn.Module, x: torch.Tensor, taps: list[str], *, params: bool = False,
              autocast: torch.dtype | None = None, peers: bool = True,
-             strategies: tuple[str, ...] = ("hook",)) -> dict[str, Variant]:  # fmt: skip
+             strategies: tuple[str, ...] = ("hook",), torchlens_unwrap: bool = True) -> dict[str, Variant]:  # fmt: skip
     """`none`, gradrunner (`gradrunner`, or each of `strategies` by name), `plain_hooks` and the installed
     peers, one AdamW step each; `params` also reduces every parameter's gradient in `plain_hooks`."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -145,7 +159,29 @@ def variants(model: nn.Module, x: torch.Tensor, taps: list[str], *, params: bool
     out["plain_hooks"] = (lambda: tensor_hooks(model, paths, sink, params), hooked)
     if peers and importlib.util.find_spec("nnsight") is not None:
         out["nnsight"] = (no_context, _nnsight_step(model, x, paths, autocast, finish))
+    if peers and importlib.util.find_spec("torchlens") is not None:
+        out["torchlens"] = (no_context, _torchlens_step(model, x, paths, autocast, finish, torchlens_unwrap))
     return out
+
+
+def _torchlens_step(model: nn.Module, x: torch.Tensor, paths: list[str], autocast: torch.dtype | None,
+                    finish: Callable[[], None], unwrap: bool = True) -> Callable[[], None]:  # fmt: skip
+    """torchlens 2.x: trace the forward, backward from the traced loss; its gradient hooks reduce."""
+    import torchlens as tl
+
+    save = tl.options.SaveOptions(grad_transform=reductions, save_raw_gradients=False)
+    options = tl.options.CaptureOptions(layers_to_save=paths, save_grads=paths, backward_ready=True,
+                                        unwrap_when_done=unwrap)  # fmt: skip
+
+    def step() -> None:
+        with torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
+            trace = tl.trace(model, input_args=[x], input_kwargs={"labels": x}, save=save, capture=options)
+        trace.log_backward(trace[trace.output_layers[0]].out)  # output 0 of a causal LM with labels: the loss
+        rows = [trace[trace.modules[p].output_ops[0]].transformed_grad for p in paths]  # "add_3_37:2": one pass
+        torch.stack(rows).cpu()
+        finish()
+
+    return step
 
 
 def _nnsight_step(model: nn.Module, x: torch.Tensor, paths: list[str], autocast: torch.dtype | None,
@@ -187,9 +223,7 @@ def skipped() -> dict[str, str]:
         why["nnsight"] = "not installed (pip install gradrunner[peers])"
     if importlib.util.find_spec("transformer_lens") is None:
         why["transformer_lens"] = "not installed (pip install gradrunner[peers])"
-    if importlib.util.find_spec("torchlens") is not None:
-        why["torchlens"] = "installed; its 2.x trace() takes gradients through options not wired here"
-    else:
+    if importlib.util.find_spec("torchlens") is None:
         why["torchlens"] = "not installed (pip install gradrunner[peers])"
     return why
 
@@ -202,6 +236,9 @@ def main() -> None:
         p.add_argument("--width", type=int, default=256)
         p.add_argument("--batch", type=int, default=8)
         p.add_argument("--seq", type=int, default=128)
+        p.add_argument("--torchlens-wrapped", action="store_true",
+                       help="leave torch's functions wrapped after torchlens' first trace (its default): every "
+                            "variant then runs on wrapped torch")  # fmt: skip
 
     args = parse_args(__doc__.splitlines()[0], extra)
     torch.set_num_threads(args.threads)
@@ -211,13 +248,18 @@ def main() -> None:
     model = gpt2(args.layers, args.width, max(2, args.width // 64), 1000, args.seq, args.device)
     x = torch.randint(0, 1000, (args.batch, args.seq), device=args.device)
     taps = activation_taps(model)
-    found = variants(model, x, taps)
+    found = variants(model, x, taps, torchlens_unwrap=not args.torchlens_wrapped)
+    why = skipped()
+    if args.torchlens_wrapped and found.pop("nnsight", None) is not None:
+        # seen with nnsight 0.8.1 and torchlens 2.36.1: `with loss.backward():` inside nnsight's trace
+        # gets None ("'NoneType' object does not support the context manager protocol")
+        why["nnsight"] = "not run with --torchlens-wrapped: torchlens' wrapped torch breaks its loss.backward() context"
     if args.device.startswith("cuda"):
         found = {k: (ctx, synced(step)) for k, (ctx, step) in found.items()}
     times = interleaved(found, repeats=repeats, steps_per_block=3 if not args.tiny else 1, warmup=1)
     base = median_ms(times["none"])
     rows = [{"variant": k, "step_ms": median_ms(v), "ratio": median_ms(v) / base} for k, v in times.items()]
-    rows += [{"variant": k, "skipped": why} for k, why in skipped().items()]
+    rows += [{"variant": k, "skipped": reason} for k, reason in why.items()]
     config = {"layers": args.layers, "width": args.width, "batch": args.batch, "seq": args.seq, "taps": len(taps),
               "device": args.device}  # fmt: skip
     print(config)

@@ -70,7 +70,35 @@ def histogram_counts(grad: torch.Tensor) -> torch.Tensor:
     search per element), then is corrected by one comparison with each neighbouring float32 edge,
     since float32 `log10` may round a value next to an edge into the neighbouring bin.
     """
-    a = grad.detach().reshape(-1).abs()
+    raw = _raw_bins(grad.detach().reshape(-1))
+    if raw.device.type == "cpu":
+        counts = torch.bincount(raw, minlength=_RAW)
+    else:  # bincount sizes its output from the data, which syncs with the host on CUDA (seen on an H100)
+        counts = torch.zeros(_RAW, dtype=torch.int64, device=raw.device).scatter_add_(0, raw, torch.ones_like(raw))
+    return _fold(counts)
+
+
+def histogram_batch(flat: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """`histogram_counts` of k tensors concatenated in `flat` at once: (k, HIST_BINS) int64.
+
+    `ids` (int64, like `flat`) is the number of the tensor each element belongs to. The same ops as
+    one tensor's counts, whatever k: the bins are counted into k * raw-bin cells in one scatter.
+
+    Example::
+
+        histogram_batch(torch.tensor([0.0, 1.0, 1.0]), torch.tensor([0, 0, 1]), 2)[:, 0]   # zeros: [1, 0]
+    """
+    cell = _raw_bins(flat).add_(ids * _RAW)
+    if cell.device.type == "cpu":
+        counts = torch.bincount(cell, minlength=k * _RAW)
+    else:  # no bincount on CUDA: it syncs (see histogram_counts)
+        counts = torch.zeros(k * _RAW, dtype=torch.int64, device=cell.device).scatter_add_(0, cell, torch.ones_like(cell))
+    return _fold(counts.view(k, _RAW))
+
+
+def _raw_bins(flat: torch.Tensor) -> torch.Tensor:
+    """The raw bin (int64, 0 to _RAW - 1) of each element's |g|, compared in float32."""
+    a = flat.abs()
     if a.dtype != torch.float32:
         a = a.float()
     lower, upper = _lower_edges(a.device)
@@ -78,15 +106,16 @@ def histogram_counts(grad: torch.Tensor) -> torch.Tensor:
     raw = torch.nan_to_num_(raw, nan=_RAW - 1, posinf=_RAW - 1, neginf=0).clamp_(0, _RAW - 1).long()
     raw += a >= upper.index_select(0, raw)  # index_select: several times faster than indexing on CPU
     raw -= (a < lower.index_select(0, raw)).long()
-    if a.device.type == "cpu":
-        raw = torch.bincount(raw, minlength=_RAW)
-    else:  # bincount sizes its output from the data, which syncs with the host on CUDA (seen on an H100)
-        raw = torch.zeros(_RAW, dtype=torch.int64, device=a.device).scatter_add_(0, raw, torch.ones_like(raw))
+    return raw
+
+
+def _fold(raw: torch.Tensor) -> torch.Tensor:
+    """Raw-bin counts (last dim _RAW) folded into the HIST_BINS bins of `HIST_EDGES` (last dim)."""
     n_inner = len(HIST_EDGES) - 1
     return torch.cat([
-        raw[:1], raw[1:_FIRST].sum().reshape(1), raw[_FIRST : _FIRST + n_inner],
-        raw[_FIRST + n_inner : _RAW - 1].sum().reshape(1), raw[_RAW - 1 :],
-    ])  # fmt: skip
+        raw[..., :1], raw[..., 1:_FIRST].sum(-1, keepdim=True), raw[..., _FIRST : _FIRST + n_inner],
+        raw[..., _FIRST + n_inner : _RAW - 1].sum(-1, keepdim=True), raw[..., _RAW - 1 :],
+    ], dim=-1)  # fmt: skip
 
 
 def value_norm(value: torch.Tensor) -> torch.Tensor:
@@ -122,3 +151,29 @@ def value_norm(value: torch.Tensor) -> torch.Tensor:
 
 
 _CHUNK = 4096
+
+
+def value_norms(values: list[torch.Tensor], *, batch: bool | None = None) -> list[torch.Tensor]:
+    """`value_norm` of each tensor, the float32 ones on an accelerator in one multi-tensor op per device.
+
+    Example::
+
+        value_norms([torch.tensor([3.0, 4.0]), torch.ones(4)])   # [tensor(5., dtype=float64), tensor(2., ...)]
+
+    `torch._foreach_norm` reduces every tensor of a list in a launch or two on CUDA, where one
+    `value_norm` per tensor is one launch each (a model's parameters: hundreds). Its results are
+    those of `value_norm` there: float32 accumulation, widened with the step's values. `batch`
+    forces the batched path on (tests, on CPU) or off; by default it is taken off the CPU only.
+    """
+    out: list[torch.Tensor | None] = [None] * len(values)
+    groups: dict[torch.device, list[int]] = {}
+    for i, v in enumerate(values):
+        usable = v.dtype == torch.float32 and v.numel() > 0 and v.layout == torch.strided
+        if usable and (batch if batch is not None else not v.is_cpu):
+            groups.setdefault(v.device, []).append(i)
+        else:
+            out[i] = value_norm(v)
+    for idx in groups.values():
+        for i, norm in zip(idx, torch._foreach_norm([values[i].detach() for i in idx], 2), strict=True):
+            out[i] = norm
+    return out  # type: ignore[return-value]

@@ -26,7 +26,7 @@ from torch import nn
 
 from gradrunner.capturing.edits import Edits
 from gradrunner.capturing.elements import bind_input, get_element, set_element
-from gradrunner.capturing.extras import value_norm
+from gradrunner.capturing.extras import value_norm, value_norms
 from gradrunner.capturing.forward_locals import patch_forward
 from gradrunner.capturing.grad_context import (
     CHANGED_IN_PLACE,
@@ -387,8 +387,11 @@ class Capture:
         leaf = slot.param is not None or slot.leaf
         if self._collector is not None:
             # A complex gradient's statistics are those of its magnitude |z| (documented in the README).
+            # Handed over after autograd's backward returned (a parameter's, or `.grad` read by a strategy):
+            # nothing changes it before `backward` flushes the collector, so a small one is not copied.
             self._collector.add(slot.key, grad.abs() if grad.is_complex() else grad, order=slot.order, mutable=leaf,
-                                value_norm=slot.value_norm, batched=slot.param is None)  # fmt: skip
+                                value_norm=slot.value_norm, batched=slot.param is None,
+                                settled=not in_backward())  # fmt: skip
         if self.keep_grads:
             self._kept[slot.order] = grad.detach().clone() if leaf else grad.detach()
         return None
@@ -414,8 +417,9 @@ class Capture:
         slots, fired = self._slots, {s.key.tap for s in self._slots}
         forward_slots = list(slots)
         self._slots, self._calls, self._forward_mark = [], {}, None
-        for tap, param in self._tap_params:
-            slot = Slot(TapKey(tap.module, tap.name, 0), order=len(slots), param=param, value_norm=value_norm(param))
+        norms = value_norms([p for _, p in self._tap_params])  # batched on an accelerator: a few launches for all
+        for (tap, param), norm in zip(self._tap_params, norms, strict=True):
+            slot = Slot(TapKey(tap.module, tap.name, 0), order=len(slots), param=param, value_norm=norm)
             slot.reason = None if param.requires_grad else FROZEN
             slots.append(slot)
             self._param_slots[tap.tap] = slot
@@ -452,6 +456,8 @@ class Capture:
                     self._collector.add(slot.key, None, order=slot.order, value_norm=slot.value_norm)
             if not retain_graph:
                 slot.view = None
+        if self._collector is not None:
+            self._collector.flush()  # the step's small gradients, reduced together; let go of them
         self._last = slots
         if self.keep_grads:
             kept = [(s.key, self._kept.get(s.order)) for s in slots if s.fired]
@@ -512,7 +518,8 @@ class Capture:
             for slot in self._last:
                 grad = self.grads.calls(slot.key.tap)[slot.key.call] if slot.fired else None
                 collector.add(slot.key, grad.abs() if grad is not None and grad.is_complex() else grad,
-                              order=slot.order, value_norm=slot.value_norm, batched=slot.param is None)  # fmt: skip
+                              order=slot.order, value_norm=slot.value_norm, batched=slot.param is None,
+                              settled=True)  # fmt: skip  (finished right below: nothing changes it)
             recs = collector.finish(loss, updates, edited)
         why = {s.key: s.reason for s in self._last}
         recs.reason = [None if g else why.get(k, NO_PART) for k, g in zip(recs.keys, recs.has_grad, strict=True)]
@@ -556,13 +563,15 @@ class ParamSnapshot:
 
     def update_norms(self) -> dict[TapKey, torch.Tensor]:
         """||p now - p before|| per parameter tap: 0-d float64 tensors on the parameter's device."""
-        out: dict[TapKey, torch.Tensor] = {}
-        done: dict[int, torch.Tensor] = {}
-        for key, param, old in self.kept:
-            if id(param) not in done:
-                done[id(param)] = value_norm(param.detach() - old)
-            out[key] = done[id(param)]
-        return out
+        first: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # a tied parameter once
+        for _, param, old in self.kept:
+            first.setdefault(id(param), (param, old))
+        now = [p.detach() for p, _ in first.values()]
+        olds = [o for _, o in first.values()]
+        # one subtraction for all on an accelerator (multi-tensor ops), then the norms batched likewise
+        diffs = torch._foreach_sub(now, olds) if now and not now[0].is_cpu else [a - b for a, b in zip(now, olds, strict=True)]
+        done = dict(zip(first, value_norms(list(diffs)), strict=True))
+        return {key: done[id(param)] for key, param, _ in self.kept}
 
 
 def _element_hint(tap: Tap, value: object) -> str:

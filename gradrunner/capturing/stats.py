@@ -12,7 +12,10 @@ Example::
 
 The reductions (sum, sum of squares, min, max, non-zero, NaN and Inf counts) come from one read of
 the gradient by `fused_stats` (a C kernel on CPU, Triton on CUDA) where it is available: on CPU
-every gradient goes straight to it and its 7 float64 results land in one buffer per step. Else
+every gradient goes straight to it and its 7 float64 results land in one buffer per step. Off the
+CPU (or without the kernel), a small gradient (`DEFER_NUMEL`) is only kept when it arrives; when
+backward ends, `Collector.flush` reduces all of them, histograms included, in one batch per dtype
+and device (`_reduce_batch`: a fixed number of ops, however many taps). Else
 each statistic is derived from four reductions per gradient (sum, sum of squares, min/max,
 non-zero count): norm = sqrt(sum of squares), std from sum and sum of squares (Bessel-corrected,
 as `torch.std`), abs_max from min and max, zero_frac from the non-zero count. NaN and Inf counts
@@ -36,7 +39,7 @@ import numpy as np
 import torch
 
 from gradrunner.capturing import fused_stats
-from gradrunner.capturing.extras import histogram_counts, per_example_norms
+from gradrunner.capturing.extras import histogram_batch, histogram_counts, per_example_norms
 from gradrunner.choices import VALUES_MODES
 from gradrunner.records.columns import HIST_BINS, StepRecords, TapKey
 
@@ -61,6 +64,13 @@ def sample_positions(tap: str, numel: int, size: int, seed: int) -> np.ndarray:
     return np.sort(rng.choice(numel, size=size, replace=False)).astype(np.int64)
 
 
+class _BatchRow(NamedTuple):
+    """Where a deferred gradient's reductions are: row `row` of the collector's batch `batch`."""
+
+    batch: int
+    row: int
+
+
 class _Pending(NamedTuple):
     order: int
     key: TapKey
@@ -68,10 +78,11 @@ class _Pending(NamedTuple):
     numel: int
     has_grad: bool
     #: [sum, sumsq, min, max] and [nonzero, nan, inf] as 0-d tensors, or all seven in one float64 tensor
-    #: from the fused kernel (on CPU: the row number in the collector's buffer); None while deferred
-    #: or without gradient
-    reductions: tuple[list[torch.Tensor], list[torch.Tensor]] | torch.Tensor | int | None
-    #: a small gradient kept until `finish`, to be reduced with others of its size in a few batched ops
+    #: from the fused kernel (on CPU: the row number in the collector's buffer), or a row of a batch
+    #: (`Collector.flush`); None while deferred or without gradient
+    reductions: tuple[list[torch.Tensor], list[torch.Tensor]] | torch.Tensor | int | _BatchRow | None
+    #: a small gradient (flat, its own dtype) kept until `flush`, to be reduced with every other small
+    #: gradient of its dtype and device in a fixed number of ops
     deferred: torch.Tensor | None
     values: torch.Tensor | None  # flat float32, on device
     #: 0-d float64 norm of the tapped tensor itself (taken in the forward pass), on its device
@@ -79,11 +90,16 @@ class _Pending(NamedTuple):
     #: `per_example`: float64 norm per row; `histogram`: int64 counts per bin (both on the device)
     per_example: torch.Tensor | None = None
     hist: torch.Tensor | None = None
+    #: a deferred gradient's number of rows (dim 0) when its per-example norms are to come from `flush`
+    rows: int | None = None
 
 
-#: Gradients up to this many elements are reduced in batches at the end of the step: for them the
-#: cost of one op call, not the reading of elements, is what counts. At most this many elements
-#: (64 KiB in float32) per tap are held until then.
+#: "Small": gradients up to this many elements are not reduced when they arrive but kept, and
+#: reduced all together at the end of backward (`Collector.flush`): one batch per dtype and device,
+#: a fixed number of ops (about 20 launches on a GPU) whatever the number of taps; for them the cost
+#: of one op call, not the reading of elements, is what counts. At most this many elements (64 KiB
+#: in float32) per tap are held until then; larger gradients are reduced as they arrive, so memory
+#: does not grow with them. The one threshold of the batched path.
 DEFER_NUMEL = 1 << 14
 
 
@@ -119,13 +135,17 @@ class Collector:
         #: the CPU kernel's output rows, 7 float64 each; a record's `reductions` is its row number
         self._rows = torch.empty((64, _N_REDUCTIONS), dtype=torch.float64)
         self._n_rows = 0
+        #: (k, 7) reductions of each batch of small gradients reduced by `flush` (on their device)
+        self._batches: list[torch.Tensor] = []
+        #: per-element segment numbers of a batch, by the batch's gradient sizes and device (`_segment_ids`)
+        self._ids: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
 
     def add(
         self, key: TapKey, grad: torch.Tensor | None, order: int | None = None, mutable: bool = True, *,
-        value_norm: torch.Tensor | None = None, batched: bool = True,
+        value_norm: torch.Tensor | None = None, batched: bool = True, settled: bool = False,
     ) -> None:  # fmt: skip
         """Reduce `grad` (or record that the tap got none) without leaving its device.
 
@@ -135,7 +155,10 @@ class Collector:
         intermediate's gradient; a leaf's may become its `.grad`): what is kept is then not copied.
         `value_norm` (0-d, on any device) is the tapped tensor's own norm; `batched=False` (a
         parameter) means dim 0 is no batch: no per-example norms. The extras are reduced here, so
-        a gradient changed in place after `add` cannot change them.
+        a gradient changed in place after `add` cannot change them. `settled=True` promises that
+        nothing changes `grad` in place before the next `flush` (a gradient handed over after
+        autograd's backward returned, the session flushing before it returns): a small gradient kept
+        for the batch is then not copied either.
         """
         order = len(self._pending) if order is None else order
         if grad is None:
@@ -148,7 +171,19 @@ class Collector:
                 self._add_sparse(key, grad, order, value_norm)
                 return
             grad = grad.to_dense()  # every element was asked for (values, histogram, per-example norms)
-        per_example = per_example_norms(grad) if self.per_example and batched else None
+        n = grad.numel()
+        want_rows = self.per_example and batched and grad.dim() > 0
+        if 0 < n <= DEFER_NUMEL and not (grad.is_cpu and self._cpu_kernel_for(grad.dtype)):
+            # Small: kept as it is (copied only if it may change before `flush`) and reduced with the rest,
+            # histogram and per-example norms too. No op on it now.
+            flat = grad.detach().reshape(-1)
+            kept = flat.clone() if mutable and not settled else flat
+            self._pending.append(_Pending(
+                order, key, tuple(grad.shape), n, True, None, kept, self._keep_values(key, flat, mutable), value_norm,
+                rows=grad.shape[0] if want_rows else None,
+            ))  # fmt: skip
+            return
+        per_example = per_example_norms(grad) if want_rows else None
         if grad.is_cpu and self._fused and self._values_none and grad.is_contiguous():
             # The hot path: one read of the gradient where it lies, no copy, no view; small ones
             # too, as a kernel call costs about 2 µs. With `histogram`, its counts in the same read.
@@ -184,12 +219,65 @@ class Collector:
         extra = (value_norm, per_example, histogram_counts(grad) if self.histogram else None)
         if flat.dtype not in _INT_VIEW:  # float16, bfloat16: statistics in float32
             flat = flat.float()
-        small = 0 < n <= DEFER_NUMEL
-        kept = flat.clone() if small and mutable and flat.dtype == g.dtype else flat  # .float() copied already
         self._pending.append(_Pending(
-            order, key, tuple(g.shape), n, True, None if small or n == 0 else _reduce(flat, self._scratch_for(flat)),
-            kept if small else None, self._keep_values(key, flat, mutable), *extra,
+            order, key, tuple(g.shape), n, True, None if n == 0 else _reduce(flat, self._scratch_for(flat)),
+            None, self._keep_values(key, flat, mutable), *extra,
         ))  # fmt: skip
+
+    def flush(self) -> None:
+        """Reduce every small gradient kept so far: one batch per dtype and device, no host sync.
+
+        Example::
+
+            col.add(key, small_grad)
+            col.flush()          # the session calls this when backward ends; `finish` calls it too
+
+        Each batch is one concatenation and a fixed number of segmented reductions (`_reduce_batch`),
+        so a step's small gradients cost the same few launches whether there are 3 or 300 of them;
+        the kept gradients are let go here.
+        """
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+        for i, p in enumerate(self._pending):
+            if p.deferred is not None:
+                groups.setdefault((p.deferred.dtype, p.deferred.device), []).append(i)
+        for idx in groups.values():
+            xs: list[torch.Tensor] = [self._pending[i].deferred for i in idx]  # type: ignore[misc]
+            sizes = tuple(x.numel() for x in xs)
+            ids = self._segment_ids(sizes, xs[0].device)
+            # per-example norms: every tensor's rows (one row for a tensor without them), numbered
+            n_rows = [self._pending[i].rows or 1 for i in idx]
+            row_ids = None
+            if any(self._pending[i].rows is not None for i in idx):
+                row_sizes = tuple(n // r for n, r in zip(sizes, n_rows, strict=True) for _ in range(r))
+                row_ids = self._segment_ids(row_sizes, xs[0].device)
+            block, hist, row_norms = _reduce_batch(xs, ids, self.histogram, row_ids, sum(n_rows))
+            self._batches.append(block)
+            at = 0
+            for j, (i, r) in enumerate(zip(idx, n_rows, strict=True)):
+                p = self._pending[i]
+                self._pending[i] = p._replace(
+                    reductions=_BatchRow(len(self._batches) - 1, j), deferred=None, rows=None,
+                    hist=None if hist is None else hist[j],
+                    per_example=row_norms[at : at + r] if row_norms is not None and p.rows is not None else p.per_example,
+                )  # fmt: skip
+                at += r
+
+    def _segment_ids(self, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """int64 segment number of each element of the concatenated batch, on `device`; kept per sizes.
+
+        Built on the host and copied without blocking (from pinned memory on CUDA): no host sync, and
+        once per set of sizes (a training step repeats its sizes).
+        """
+        key = (sizes, device)
+        ids = self._ids.get(key)
+        if ids is None:
+            if len(self._ids) >= 8:
+                self._ids.clear()  # sizes change from step to step (variable-length batches): keep a few
+            host = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.int64))
+            if device.type == "cuda":
+                host = host.pin_memory()
+            ids = self._ids[key] = host.to(device, non_blocking=True) if device.type != "cpu" else host
+        return ids
 
     def _add_sparse(self, key: TapKey, grad: torch.Tensor, order: int, value_norm: torch.Tensor | None) -> None:
         """A sparse COO gradient (`nn.Embedding(sparse=True)`): statistics over the dense gradient's
@@ -211,6 +299,15 @@ class Collector:
                 mn, mx = torch.clamp(mn, max=0), torch.clamp(mx, min=0)
             floats = [s, ss, mn, mx]
         self._pending.append(_Pending(order, key, tuple(grad.shape), n, True, (floats, ints), None, None, value_norm))
+
+    def _cpu_kernel_for(self, dtype: torch.dtype) -> bool:
+        """Whether the C kernel takes a CPU gradient of `dtype` (its histogram variant with `histogram`)."""
+        if not self._fused:
+            return False
+        if self._cpu_kernels is None:
+            self._cpu_kernels = fused_stats.cpu_kernels()
+            self._cpu_hist = fused_stats.cpu_hist_kernels() if self.histogram else {}
+        return dtype in (self._cpu_hist if self.histogram else self._cpu_kernels)
 
     def _cpu_reduce(self, flat: torch.Tensor, n: int) -> tuple[int, torch.Tensor | None] | None:
         """The C kernel on contiguous CPU `flat` into a fresh row: (row, histogram counts or None).
@@ -273,9 +370,10 @@ class Collector:
         `edited` edited records to the 0-d norm of their gradient after the edit (`edited_norm`):
         they ride in the same transfer as everything else.
         """
+        self.flush()
         pending, self._pending = sorted(self._pending, key=lambda p: p.order), []
-        rows, blocks = _reduction_blocks(pending, self._rows)
-        self._n_rows = 0
+        rows, blocks = _reduction_blocks(pending, self._rows, self._batches)
+        self._n_rows, self._batches = 0, []
         parts = [b.reshape(-1) for b in blocks]
         n_red = sum(p.numel() for p in parts)
         extras = _extra_parts(pending, updates or {})
@@ -313,10 +411,13 @@ _N_REDUCTIONS = 7
 _CPU_ZERO = torch.zeros((), dtype=torch.int64)
 
 
-def _reduction_blocks(pending: list[_Pending], cpu_rows: torch.Tensor) -> tuple[dict[int, int], list[torch.Tensor]]:
+def _reduction_blocks(
+    pending: list[_Pending], cpu_rows: torch.Tensor, batches: list[torch.Tensor],
+) -> tuple[dict[int, int], list[torch.Tensor]]:  # fmt: skip
     """(k, 7) float64 blocks of reductions (float32 on mps), and which block row each record is.
 
     `cpu_rows` holds the CPU kernel's output; a record whose `reductions` is an int is that row.
+    `batches` are `Collector.flush`'s blocks, which a `_BatchRow` points into.
     """
     rows: dict[int, int] = {}
     blocks: list[torch.Tensor] = []
@@ -335,35 +436,62 @@ def _reduction_blocks(pending: list[_Pending], cpu_rows: torch.Tensor) -> tuple[
             blocks.extend(pending[i].reductions.reshape(1, -1) for i in fused)  # type: ignore[union-attr]
         rows.update((i, at + j) for j, i in enumerate(fused))
         at += len(fused)
-    reduced = [i for i, p in enumerate(pending) if isinstance(p.reductions, tuple)]
+    reduced = [i for i, p in enumerate(pending)
+               if isinstance(p.reductions, tuple) and not isinstance(p.reductions, _BatchRow)]  # fmt: skip
     if reduced:
-        floats = torch.stack([r for i in reduced for r in pending[i].reductions[0]])  # type: ignore[index]
-        ints = torch.stack([r for i in reduced for r in pending[i].reductions[1]])  # type: ignore[index]
+        floats = torch.stack([r for i in reduced for r in pending[i].reductions[0]])  # type: ignore[index,union-attr]
+        ints = torch.stack([r for i in reduced for r in pending[i].reductions[1]])  # type: ignore[index,union-attr]
         wide = torch.float32 if floats.device.type == "mps" else torch.float64
         blocks.append(torch.cat([floats.to(wide).view(-1, 4), ints.to(wide).view(-1, 3)], dim=1))
         rows.update((i, at + j) for j, i in enumerate(reduced))
         at += len(reduced)
-    groups: dict[tuple[int, torch.dtype, torch.device], list[int]] = {}
-    for i, p in enumerate(pending):
-        if p.deferred is not None:
-            groups.setdefault((p.numel, p.deferred.dtype, p.deferred.device), []).append(i)
-    for idx in groups.values():
-        blocks.append(_reduce_rows(torch.stack([pending[i].deferred for i in idx])))  # type: ignore[misc]
-        rows.update((i, at + j) for j, i in enumerate(idx))
-        at += len(idx)
+    start = []
+    for b in batches:
+        start.append(at)
+        blocks.append(b)
+        at += b.shape[0]
+    rows.update((i, start[p.reductions.batch] + p.reductions.row)
+                for i, p in enumerate(pending) if isinstance(p.reductions, _BatchRow))  # fmt: skip
     return rows, blocks
 
 
-def _reduce_rows(x: torch.Tensor) -> torch.Tensor:
-    """Reductions of each row of `x` (k, n) in a few batched ops: (k, 7) wide floats."""
+def _reduce_batch(
+    xs: list[torch.Tensor], ids: torch.Tensor, histogram: bool, row_ids: torch.Tensor | None = None, n_rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Reductions of each flat tensor of `xs` (one dtype, one device, none empty), all at once.
+
+    Returns the (k, 7) wide-float reductions `[sum, sumsq, min, max, nonzero, nan, inf]` per tensor
+    and, with `histogram`, their (k, HIST_BINS) int64 counts; with `row_ids` (each element's row,
+    of `n_rows`) the L2 norm of every row (per-example norms, float64). `ids` numbers each element
+    of the concatenation by its tensor (`Collector._segment_ids`). One `cat`, a widening, and a fixed
+    number of segmented reductions (`index_add_`, `scatter_reduce_`): the number of ops does not
+    depend on k, and nothing is read on the host. The sums are accumulated in float64 (float32 on
+    mps) from widened elements: small tensors, so the widened copy is small.
+
+    Example::
+
+        ids = torch.tensor([0, 0, 1])
+        _reduce_batch([torch.tensor([1.0, -2.0]), torch.tensor([0.0])], ids, False)[0][:, 0]  # sums: [-1, 0]
+    """
+    k = len(xs)
+    x = torch.cat(xs) if k > 1 else xs[0]
     wide = torch.float32 if x.device.type == "mps" else torch.float64
-    w = x.to(wide)  # small: widening costs little and makes sums exact enough for any n here
-    nonzero = torch.count_nonzero(x.abs().view(_INT_VIEW[x.dtype]), dim=1)
-    cols = [w.sum(1), (w * w).sum(1), x.amin(1).to(wide), x.amax(1).to(wide), nonzero.to(wide)]
-    if x.device.type == "cpu" and math.isfinite(float(cols[1].sum().numpy())):
-        zeros = torch.zeros_like(cols[0])
-        return torch.stack([*cols, zeros, zeros], dim=1)
-    return torch.stack([*cols, torch.isnan(x).sum(1).to(wide), torch.isinf(x).sum(1).to(wide)], dim=1)
+    w = x.to(wide)
+    acc = torch.zeros((5, k), dtype=wide, device=x.device)
+    acc[0].index_add_(0, ids, w)
+    squares = w * w
+    acc[1].index_add_(0, ids, squares)
+    acc[2].index_add_(0, ids, (x != 0).to(wide))  # -0.0 is a zero; NaN is not (as count_nonzero)
+    acc[3].index_add_(0, ids, torch.isnan(x).to(wide))
+    acc[4].index_add_(0, ids, torch.isinf(x).to(wide))
+    # min and max with NaN are set to NaN from the NaN count when the statistics are derived
+    mn = torch.full((k,), math.inf, dtype=wide, device=x.device).scatter_reduce_(0, ids, w, "amin")
+    mx = torch.full((k,), -math.inf, dtype=wide, device=x.device).scatter_reduce_(0, ids, w, "amax")
+    block = torch.stack([acc[0], acc[1], mn, mx, acc[2], acc[3], acc[4]], dim=1)
+    rows = None
+    if row_ids is not None:
+        rows = torch.zeros(n_rows, dtype=wide, device=x.device).index_add_(0, row_ids, squares).sqrt_()
+    return block, histogram_batch(x, ids, k) if histogram else None, rows
 
 
 def _reduce(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
