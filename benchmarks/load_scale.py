@@ -7,11 +7,13 @@ imports gradrunner, then times `load(sweep)` statistics-only (every column but `
 `load(sweep, columns=["step", "tap", "norm"])`: wall seconds, the process's RSS before the load,
 and its peak RSS during the load (Linux: the peak is reset before the load through
 `/proc/self/clear_refs`; elsewhere `ru_maxrss`, which counts the imports' peak too). `--code DIR ...` reads with the gradrunner
-package found in each DIR (e.g. an export of an older commit) instead of this checkout's; the
-variants run interleaved, `--repeats` times each.
+package found in each DIR (e.g. an export of an older commit) instead of this checkout's, and
+`--sweep DIR ...` times each sweep given (e.g. one built by an older commit's writer); the variants
+run interleaved, `--repeats` times each. Each row names the codecs of the sweep's record files.
 
     python benchmarks/load_scale.py --jobs 10000 --sweep /tmp/sweep10k
     python benchmarks/load_scale.py --jobs 10000 --sweep /tmp/sweep10k --code /tmp/before . --repeats 2
+    python benchmarks/load_scale.py --jobs 10000 --sweep /tmp/sweep10k-zstd /tmp/sweep10k --repeats 2
     python benchmarks/load_scale.py --tiny
 """
 
@@ -24,6 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parse_args, report
@@ -76,6 +80,12 @@ def build(sweep: Path, jobs: int) -> None:
             copy_job(sources[i % real], sweep / str(i), i, f"copy-{i:06d}")
 
 
+def codecs(sweep: Path) -> str:
+    """The codecs of job 0's `grads.parquet` (a sweep written before or after small files became snappy)."""
+    meta = pq.ParquetFile(sweep / "0" / "grads.parquet").metadata
+    return "+".join(sorted({meta.row_group(0).column(i).compression for i in range(meta.num_columns)}))
+
+
 def measure(code: Path, sweep: Path, columns: list[str] | None) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
@@ -89,7 +99,8 @@ def measure(code: Path, sweep: Path, columns: list[str] | None) -> dict[str, Any
 def main() -> None:
     def extra(p: Any) -> None:
         p.add_argument("--jobs", type=int, default=10000, help="job dirs in the copied sweep")
-        p.add_argument("--sweep", type=Path, default=None, help="build the sweep here, or reuse it (default: a temp dir)")
+        p.add_argument("--sweep", type=Path, nargs="+", default=None,
+                       help="build the sweep here, or reuse it (default: a temp dir); several: each timed, interleaved")
         p.add_argument("--code", type=Path, nargs="+", default=[CHECKOUT], help="dirs holding the gradrunner package to time")
 
     args = parse_args(__doc__ or "", extra)
@@ -97,15 +108,19 @@ def main() -> None:
     repeats = 1 if args.tiny else (args.repeats or 1)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        sweep = Path(tmp) / "sweep" if args.sweep is None or args.tiny else args.sweep.resolve()
-        build(sweep, jobs)
+        sweeps = [Path(tmp) / "sweep"] if args.sweep is None or args.tiny else [s.resolve() for s in args.sweep]
+        for sweep in sweeps:
+            build(sweep, jobs)
         for repeat in range(repeats):
             for name, columns in VARIANTS.items():
                 for code in args.code:
-                    m = measure(code.resolve(), sweep, columns)
-                    print(f"  {name} with {m['package']}: {m['s']:.2f} s, peak {m['rss_peak_mib']:.0f} MiB", file=sys.stderr)
-                    rows.append({"load": name, "code": str(code), "repeat": repeat, **m})
-    report("load_scale", rows, ["load", "code", "repeat", "s", "rss_before_mib", "rss_peak_mib", "rows", "loadavg"],
+                    for sweep in sweeps:
+                        m = measure(code.resolve(), sweep, columns)
+                        print(f"  {name} of {sweep} with {m['package']}: {m['s']:.2f} s, peak {m['rss_peak_mib']:.0f} MiB",
+                              file=sys.stderr)  # fmt: skip
+                        rows.append({"load": name, "sweep": str(sweep), "code": str(code), "repeat": repeat,
+                                     "codecs": codecs(sweep), **m})  # fmt: skip
+    report("load_scale", rows, ["load", "sweep", "codecs", "code", "repeat", "s", "rss_before_mib", "rss_peak_mib", "rows", "loadavg"],
            out=args.out, jobs=jobs)  # fmt: skip
 
 

@@ -52,7 +52,7 @@ def copy_job(source: Path, target: Path, run_id: str, seed: int) -> None:
         table = pq.read_table(source / name)
         table = table.set_column(table.schema.get_field_index("run_id"), "run_id",
                                  pa.array([run_id] * table.num_rows, pa.string()))  # fmt: skip
-        pq.write_table(table, target / name, write_page_checksum=True, **write_options(table.schema))
+        pq.write_table(table, target / name, write_page_checksum=True, **write_options(table.schema, rows=table.num_rows))
         marker["footers"][name] = rundir.footer_digest(target / name)
     marker.update(run_id=run_id, overrides=["+experiment=mlp", f"seed={seed}"])
     (target / rundir.DONE).write_text(json.dumps(marker))

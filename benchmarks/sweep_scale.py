@@ -81,7 +81,7 @@ def copy_job(source: Path, target: Path, num: int, run_id: str) -> None:
         meta = dict(table.schema.metadata or {})
         meta[OVERRIDES_KEY.encode()] = json.dumps(overrides).encode()
         table = table.replace_schema_metadata(meta)
-        pq.write_table(table, target / name, write_page_checksum=True, **write_options(table.schema))
+        pq.write_table(table, target / name, write_page_checksum=True, **write_options(table.schema, rows=table.num_rows))
         marker["footers"][name] = rundir.footer_digest(target / name)
         marker["rows"][name] = table.num_rows
     _reseed(marker["config"], num)

@@ -87,7 +87,7 @@ def test_load_of_some_columns_reads_those_with_the_labels(copied: Path) -> None:
 
 def rewrite(path: Path, table: pa.Table) -> None:
     """`table` written over the record file `path` as the writer writes it (page checksums included)."""
-    pq.write_table(table, path, write_page_checksum=True, **write_options(table.schema))
+    pq.write_table(table, path, write_page_checksum=True, **write_options(table.schema, rows=table.num_rows))
 
 
 def repin(job: Path) -> None:

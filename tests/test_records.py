@@ -21,6 +21,7 @@ import torch
 from gradrunner.capturing.stats import Collector
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS, StepRecords, TapKey, temp_name
+from gradrunner.records.schema import SMALL_FILE_ROWS, write_options
 from gradrunner.records.writer import GRADS_SCHEMA, STEPS_SCHEMA, RecordWriter, StepsWriter, run_metadata
 
 CONSTANTS = {"run_id": "run-1", "experiment": "mlp", "strategy": "hook", "device": "cpu", "dtype": "float32"}
@@ -177,12 +178,37 @@ def test_encodings_follow_field_notes(tmp_path: Path) -> None:
     enc = {meta.column(i).path_in_schema: meta.column(i).encodings for i in range(meta.num_columns)}
     codec = {meta.column(i).path_in_schema: meta.column(i).compression for i in range(meta.num_columns)}
     assert codec.pop("values.list.element") == "UNCOMPRESSED"  # gradients barely compress: kept plain, fast
-    assert set(codec.values()) == {"ZSTD"}
+    assert set(codec.values()) == {"SNAPPY"}  # 4 rows, all known when the file is opened: a small file
     assert "BYTE_STREAM_SPLIT" not in enc["values.list.element"] and "RLE_DICTIONARY" not in enc["values.list.element"]
     for c in [*STAT_COLUMNS, "loss"]:
         assert "BYTE_STREAM_SPLIT" in enc[c] and "RLE_DICTIONARY" not in enc[c], c
     for c in [*CONSTANTS, "tap", "module", "name"]:
         assert "RLE_DICTIONARY" in enc[c], c
+
+
+def codecs(path: Path) -> set[str]:
+    meta = pq.ParquetFile(path).metadata
+    return {meta.row_group(g).column(i).compression for g in range(meta.num_row_groups) for i in range(meta.num_columns)}
+
+
+def test_small_files_are_snappy_and_the_rest_zstd(tmp_path: Path) -> None:
+    # A file whose rows are all buffered until close, and fewer than SMALL_FILE_ROWS: snappy (no zstd context per page).
+    small = write(tmp_path / "a" / "grads.parquet", [make_step(i) for i in range(3)])
+    assert pq.ParquetFile(small).metadata.num_rows == 12
+    assert codecs(small) == {"SNAPPY", "UNCOMPRESSED"}
+    # A row group written before the end: the file's size is unknown when it is opened, so zstd throughout.
+    early = write(tmp_path / "b" / "grads.parquet", [make_step(i) for i in range(3)], rows_per_group=4)
+    meta = pq.ParquetFile(early).metadata
+    assert meta.num_row_groups == 3 and codecs(early) == {"ZSTD", "UNCOMPRESSED"}
+    # The threshold, and the same rows read back from both.
+    assert {write_options(GRADS_SCHEMA, rows=n)["compression"]["norm"] for n in (0, SMALL_FILE_ROWS - 1)} == {"SNAPPY"}
+    assert {write_options(GRADS_SCHEMA, rows=n)["compression"]["norm"] for n in (SMALL_FILE_ROWS, None)} == {"ZSTD"}
+    pd.testing.assert_frame_equal(pq.read_table(small).to_pandas(), pq.read_table(early).to_pandas())
+
+
+def test_a_file_without_rows_is_valid(tmp_path: Path) -> None:
+    empty = write(tmp_path / "grads.parquet", [])
+    assert pq.ParquetFile(empty).metadata.num_rows == 0 and pq.read_table(empty).schema.names == GRADS_SCHEMA.names
 
 
 def test_temp_file_is_hidden_until_close(tmp_path: Path) -> None:

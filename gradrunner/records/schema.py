@@ -3,7 +3,7 @@
 Contents:
     GRADS_SCHEMA, grads_schema()   -- the columns of `grads.parquet` (plus the optional ones)
     STEPS_SCHEMA                   -- the columns of `steps.parquet`
-    write_options(schema)          -- per-column compression, dictionary and byte-stream-split choices
+    write_options(schema, rows)    -- per-column compression, dictionary and byte-stream-split choices
 
 Example::
 
@@ -112,14 +112,28 @@ def _leaf_paths(field: pa.Field) -> list[str]:
     return [field.name]
 
 
-def write_options(schema: pa.Schema) -> dict[str, object]:
+#: A file known to hold fewer rows than this when it is opened is compressed with snappy, not zstd.
+SMALL_FILE_ROWS = 1024
+
+
+def write_options(schema: pa.Schema, rows: int | None = None) -> dict[str, object]:
     """Per-column encodings, measured on gradients (benchmarks/parquet_throughput.py).
 
-    Float statistics: zstd with byte stream split and no dictionary (smallest; byte stream split
-    does nothing while a dictionary is on). Gradient values (lists of floats): stored plain, since
+    Example::
+
+        pq.ParquetWriter(path, schema, **write_options(schema))            # rows not known yet: zstd
+        pq.write_table(table, path, **write_options(schema, rows=22))      # a small file: snappy
+
+    Float statistics: byte stream split and no dictionary (smallest; byte stream split does
+    nothing while a dictionary is on). Gradient values (lists of floats): stored plain, since
     random-looking float32 mantissas shrink by about 15% under zstd at a third of the write
-    throughput. Everything else: zstd with dictionaries.
+    throughput. Everything else: dictionaries. Compressed with zstd, except in a file of fewer
+    than `SMALL_FILE_ROWS` rows (`rows`, when the whole file is known before it is written):
+    there each page is tiny, zstd sets up a fresh context for every page it decompresses (about
+    20 µs, which dominates reading many small files), and snappy, which sets up nothing, leaves
+    the file at most about 11% larger, smaller under 100 rows (BENCHMARKS.md, "load() at 10,000 jobs").
     """
+    codec = "SNAPPY" if rows is not None and rows < SMALL_FILE_ROWS else "ZSTD"
     split: list[str] = []
     dictionary: list[str] = []
     compression: dict[str, str] = {}
@@ -130,8 +144,8 @@ def write_options(schema: pa.Schema) -> dict[str, object]:
                 compression[path] = "NONE"
             elif pa.types.is_floating(leaf):
                 split.append(path)
-                compression[path] = "ZSTD"
+                compression[path] = codec
             else:
                 dictionary.append(path)
-                compression[path] = "ZSTD"
+                compression[path] = codec
     return {"use_byte_stream_split": split, "use_dictionary": dictionary, "compression": compression}

@@ -195,9 +195,9 @@ class ParquetTableWriter:
     def finish_temp(self) -> None:
         """Write what is buffered and the footer into the temp file (first half of `close`)."""
         assert self._state == "open", f"{self.path}: close after {self._state}"
-        self._flush(everything=True)
+        self._flush(everything=True, last=True)
         try:
-            self._open().close()  # opening here too, so a run without rows still leaves a valid file
+            self._open(rows=0).close()  # opening here too, so a run without rows still leaves a valid file
         except BaseException:
             self._state = "broken"
             raise
@@ -247,16 +247,20 @@ class ParquetTableWriter:
                 "Write to a new output directory (e.g. hydra.run.dir=...) or move the old file away."
             )
 
-    def _open(self) -> pq.ParquetWriter:
+    def _open(self, rows: int | None = None) -> pq.ParquetWriter:
+        """The Parquet writer, opened on first use; `rows`: the whole file's row count, when it is known."""
         if self._writer is None:
             self.temp_path.parent.mkdir(parents=True, exist_ok=True)
-            options = write_options(self.schema)
+            options = write_options(self.schema, rows=rows)
             checksums = self.page_checksums
             self._writer = pq.ParquetWriter(self.temp_path, self.schema, write_page_checksum=checksums, **options)
         return self._writer
 
-    def _flush(self, everything: bool) -> None:
+    def _flush(self, everything: bool, last: bool = False) -> None:
         """Write full row groups (and, if `everything`, the partial last one) from the buffer.
+
+        `last`: no rows come after these (the file is being finished), so a file opened here holds
+        exactly these rows, and a small one is written with the codec for small files (`write_options`).
 
         Writing the rows and dropping them from the buffer happen with signals deferred, so a row
         group is never written twice; a write that fails leaves the writer "broken" (only `abort`).
@@ -269,7 +273,8 @@ class ParquetTableWriter:
         with deferred_signals():
             if cut:
                 try:
-                    self._open().write_table(table.slice(0, cut), row_group_size=self.rows_per_group)
+                    writer = self._open(rows=table.num_rows if last else None)
+                    writer.write_table(table.slice(0, cut), row_group_size=self.rows_per_group)
                 except BaseException:
                     self._state = "broken"
                     raise
