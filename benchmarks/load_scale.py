@@ -111,6 +111,7 @@ def main() -> None:
         sweeps = [Path(tmp) / "sweep"] if args.sweep is None or args.tiny else [s.resolve() for s in args.sweep]
         for sweep in sweeps:
             build(sweep, jobs)
+        codec = {sweep: codecs(sweep) for sweep in sweeps}
         for repeat in range(repeats):
             for name, columns in VARIANTS.items():
                 for code in args.code:
@@ -119,7 +120,7 @@ def main() -> None:
                         print(f"  {name} of {sweep} with {m['package']}: {m['s']:.2f} s, peak {m['rss_peak_mib']:.0f} MiB",
                               file=sys.stderr)  # fmt: skip
                         rows.append({"load": name, "sweep": str(sweep), "code": str(code), "repeat": repeat,
-                                     "codecs": codecs(sweep), **m})  # fmt: skip
+                                     "codecs": codec[sweep], **m})  # fmt: skip
     report("load_scale", rows, ["load", "sweep", "codecs", "code", "repeat", "s", "rss_before_mib", "rss_peak_mib", "rows", "loadavg"],
            out=args.out, jobs=jobs)  # fmt: skip
 

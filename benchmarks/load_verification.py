@@ -34,7 +34,7 @@ from _common import parse_args, report
 from gradrunner.analysis import reading
 from gradrunner.records import rundir
 from gradrunner.records.columns import RECORD_FILES
-from gradrunner.records.schema import write_options
+from gradrunner.records.writer import write_whole
 
 
 def run_one_job(directory: Path, steps: int) -> None:
@@ -52,7 +52,7 @@ def copy_job(source: Path, target: Path, run_id: str, seed: int) -> None:
         table = pq.read_table(source / name)
         table = table.set_column(table.schema.get_field_index("run_id"), "run_id",
                                  pa.array([run_id] * table.num_rows, pa.string()))  # fmt: skip
-        pq.write_table(table, target / name, write_page_checksum=True, **write_options(table.schema, rows=table.num_rows))
+        write_whole(table, target / name)
         marker["footers"][name] = rundir.footer_digest(target / name)
     marker.update(run_id=run_id, overrides=["+experiment=mlp", f"seed={seed}"])
     (target / rundir.DONE).write_text(json.dumps(marker))

@@ -44,7 +44,7 @@ from gradrunner.callbacks import build_manifest
 from gradrunner.records import rundir
 from gradrunner.records.catalogue import JobRow, read_jobs, record_jobs
 from gradrunner.records.columns import OVERRIDES_KEY, RECORD_FILES
-from gradrunner.records.schema import write_options
+from gradrunner.records.writer import write_whole
 
 #: The overrides every job shares; a job adds `seed=<i>`.
 BASE = ["+experiment=mlp", "steps=2", "device=cpu"]
@@ -81,7 +81,7 @@ def copy_job(source: Path, target: Path, num: int, run_id: str) -> None:
         meta = dict(table.schema.metadata or {})
         meta[OVERRIDES_KEY.encode()] = json.dumps(overrides).encode()
         table = table.replace_schema_metadata(meta)
-        pq.write_table(table, target / name, write_page_checksum=True, **write_options(table.schema, rows=table.num_rows))
+        write_whole(table, target / name)
         marker["footers"][name] = rundir.footer_digest(target / name)
         marker["rows"][name] = table.num_rows
     _reseed(marker["config"], num)

@@ -25,7 +25,7 @@ from gradrunner.analysis import DamagedRecordsWarning, load
 from gradrunner.errors import GradrunnerError
 from gradrunner.records import rundir
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, is_temp_of
-from gradrunner.records.schema import write_options
+from gradrunner.records.writer import write_whole
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from sweep_scale import copy_job, run_real_jobs
@@ -87,7 +87,7 @@ def test_load_of_some_columns_reads_those_with_the_labels(copied: Path) -> None:
 
 def rewrite(path: Path, table: pa.Table) -> None:
     """`table` written over the record file `path` as the writer writes it (page checksums included)."""
-    pq.write_table(table, path, write_page_checksum=True, **write_options(table.schema, rows=table.num_rows))
+    write_whole(table, path)
 
 
 def repin(job: Path) -> None:

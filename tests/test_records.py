@@ -22,7 +22,7 @@ from gradrunner.capturing.stats import Collector
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS, StepRecords, TapKey, temp_name
 from gradrunner.records.schema import SMALL_FILE_ROWS, write_options
-from gradrunner.records.writer import GRADS_SCHEMA, STEPS_SCHEMA, RecordWriter, StepsWriter, run_metadata
+from gradrunner.records.writer import GRADS_SCHEMA, STEPS_SCHEMA, RecordWriter, StepsWriter, run_metadata, write_whole
 
 CONSTANTS = {"run_id": "run-1", "experiment": "mlp", "strategy": "hook", "device": "cpu", "dtype": "float32"}
 CONTRACT_COLUMNS = [
@@ -204,6 +204,21 @@ def test_small_files_are_snappy_and_the_rest_zstd(tmp_path: Path) -> None:
     assert {write_options(GRADS_SCHEMA, rows=n)["compression"]["norm"] for n in (0, SMALL_FILE_ROWS - 1)} == {"SNAPPY"}
     assert {write_options(GRADS_SCHEMA, rows=n)["compression"]["norm"] for n in (SMALL_FILE_ROWS, None)} == {"ZSTD"}
     pd.testing.assert_frame_equal(pq.read_table(small).to_pandas(), pq.read_table(early).to_pandas())
+
+
+def test_write_whole_writes_a_file_as_the_writer_does(tmp_path: Path) -> None:
+    for n in (3, 600):  # 12 rows (snappy) and 2,400 rows (zstd), all written at close as one row group
+        streamed = write(tmp_path / str(n) / "grads.parquet", [make_step(i) for i in range(n)])
+        table = pq.read_table(streamed)
+        write_whole(table, tmp_path / f"{n}.parquet")
+        a, b = pq.ParquetFile(streamed).metadata, pq.ParquetFile(tmp_path / f"{n}.parquet").metadata
+        assert a.num_row_groups == b.num_row_groups == 1
+        layout = [[(m.row_group(0).column(i).path_in_schema, m.row_group(0).column(i).compression,
+                    sorted(m.row_group(0).column(i).encodings)) for i in range(m.num_columns)] for m in (a, b)]  # fmt: skip
+        assert layout[0] == layout[1]
+        assert {c for _, c, _ in layout[0]} == ({"SNAPPY", "UNCOMPRESSED"} if n == 3 else {"ZSTD", "UNCOMPRESSED"})
+        reread = pq.ParquetFile(tmp_path / f"{n}.parquet", page_checksum_verification=True).read()
+        pd.testing.assert_frame_equal(reread.to_pandas(), table.to_pandas())
 
 
 def test_a_file_without_rows_is_valid(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ Contents (the schemas themselves live in `records.schema`; GRADS_SCHEMA and STEP
     StepsWriter                  -- one row per step (loss, timings, memory), `<job dir>/steps.parquet`
     run_metadata()               -- the file's key-value metadata: config YAML, versions, seed, commit
     closing_together(*writers)   -- close (or abort) a job's writers as one, signals deferred
+    write_whole(table, path)     -- a table written in one go, as the writers write a file of those rows
     deferred_signals()           -- SIGINT/SIGTERM/SIGHUP held back while a critical section runs
 
 Both writers stream complete row groups through one `pq.ParquetWriter` into a hidden temp file that
@@ -117,6 +118,9 @@ def _git_commit(cwd: str | os.PathLike[str] | None) -> str:
     return out.stdout.strip() if out.returncode == 0 else ""
 
 
+#: Rows per row group (the writers' default `rows_per_group`).
+ROWS_PER_GROUP = 8192
+
 #: Buffered batches are merged into one when this many have piled up.
 _COALESCE_BATCHES = 64
 
@@ -146,7 +150,7 @@ class ParquetTableWriter:
         schema: pa.Schema,
         *,
         metadata: dict[str, str],
-        rows_per_group: int = 8192,
+        rows_per_group: int = ROWS_PER_GROUP,
         max_buffer_bytes: int = 64 << 20,
         run_id: str | None = None,
     ) -> None:
@@ -334,6 +338,20 @@ def closing_together(*writers: ParquetTableWriter) -> Iterator[None]:
     finish_all(writers, None)
 
 
+def write_whole(table: pa.Table, path: str | os.PathLike[str]) -> None:
+    """`table` written to `path` in one go, as `ParquetTableWriter` writes a file of exactly these rows.
+
+    Example::
+
+        write_whole(pq.read_table(job / "grads.parquet"), copy / "grads.parquet")   # a copied job's file
+
+    The same encodings, codec (chosen by the row count: `write_options`), row groups and page
+    checksums; no temp file, no atomic rename (for copies and rewrites made by benchmarks and tests).
+    """
+    pq.write_table(table, path, row_group_size=ROWS_PER_GROUP, write_page_checksum=ParquetTableWriter.page_checksums,
+                   **write_options(table.schema, rows=table.num_rows))  # fmt: skip
+
+
 class _RunTableWriter(ParquetTableWriter):
     """A table of one job: the constant columns (run_id, ..., rank) are repeated on every row.
 
@@ -351,7 +369,7 @@ class _RunTableWriter(ParquetTableWriter):
         *,
         constants: dict[str, str],
         metadata: dict[str, str],
-        rows_per_group: int = 8192,
+        rows_per_group: int = ROWS_PER_GROUP,
         rank: int = 0,
         schema: pa.Schema | None = None,
     ) -> None:
@@ -413,7 +431,7 @@ class RecordWriter(_RunTableWriter):
         *,
         constants: dict[str, str],
         metadata: dict[str, str],
-        rows_per_group: int = 8192,
+        rows_per_group: int = ROWS_PER_GROUP,
         rank: int = 0,
         per_example: bool = False,
         histogram: bool = False,
