@@ -33,7 +33,7 @@ from _common import parse_args, report
 from sweep_scale import copy_job, run_real_jobs, timed
 
 from gradrunner.analysis import load
-from gradrunner.analysis.report import write_report
+from gradrunner.report.write import write_report
 
 #: The learning rates of the copied sweep (a job's is `LRS[num % len(LRS)]`).
 LRS = ("0.1", "0.05", "0.02", "0.01")

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parse_args, report
 
 from gradrunner.analysis import load
-from gradrunner.callbacks import build_manifest
+from gradrunner.cli.sweep_books import build_manifest
 from gradrunner.records import rundir
 from gradrunner.records.catalogue import JobRow, read_jobs, record_jobs
 from gradrunner.records.columns import OVERRIDES_KEY, RECORD_FILES

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from gradrunner.capturing.explore import list_taps
     from gradrunner.capturing.session import Capture, Grads, capture
     from gradrunner.capturing.strategies import STRATEGIES
-    from gradrunner.recording import Recorder, record
+    from gradrunner.run.recording import Recorder, record
 
 __version__ = "0.1.0"
 
@@ -47,8 +47,8 @@ _LAZY = {
     "capture": "gradrunner.capturing.session",
     "STRATEGIES": "gradrunner.capturing.strategies",
     "list_taps": "gradrunner.capturing.explore",
-    "Recorder": "gradrunner.recording",
-    "record": "gradrunner.recording",
+    "Recorder": "gradrunner.run.recording",
+    "record": "gradrunner.run.recording",
 }
 
 __all__ = ["STRATEGIES", "Capture", "GradrunnerError", "Grads", "Recorder", "__version__", "capture", "list_taps", "record"]

@@ -1,4 +1,4 @@
-"""`python -m gradrunner ...` and the `gradrunner` console script: `entry()` runs the app of `gradrunner.cli`.
+"""`python -m gradrunner ...` and the `gradrunner` console script: `entry()` runs the app of `gradrunner.cli.app`.
 
 `entry` adds what only a real process needs: Ctrl-C while Python is still importing, between jobs,
 or after the run ended (its `atexit` callbacks) is one line on stderr and exit status 130, never a
@@ -9,9 +9,9 @@ import sys
 
 
 def entry() -> None:
-    """The program: `gradrunner.cli.main`, with Ctrl-C outside a run reported in one line."""
+    """The program: `gradrunner.cli.app.main`, with Ctrl-C outside a run reported in one line."""
     try:
-        from gradrunner.cli import main
+        from gradrunner.cli.app import main
         from gradrunner.run import signals
     except KeyboardInterrupt:
         print("gradrunner: interrupted while starting; nothing ran", file=sys.stderr, flush=True)

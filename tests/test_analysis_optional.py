@@ -76,7 +76,7 @@ def _planted_records() -> pd.DataFrame:
 
 def test_figures_show_the_helpers_numbers() -> None:
     pytest.importorskip("matplotlib")
-    from gradrunner.analysis.plots_optional import plot_histograms, plot_per_example_spread, plot_update_ratios
+    from gradrunner.report.plots_optional import plot_histograms, plot_per_example_spread, plot_update_ratios
 
     df = _planted_records()
     hist = plot_histograms(df)

@@ -20,7 +20,7 @@ from gradrunner.run.job import run
 CODE = """
 import json, resource, sys, logging
 from pathlib import Path
-from gradrunner.analysis.report import try_report
+from gradrunner.report.write import try_report
 logging.basicConfig(level=logging.WARNING)
 for limit, job in json.loads(sys.argv[1]):
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))

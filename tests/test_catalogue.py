@@ -25,7 +25,7 @@ import yaml
 from conftest import check_ok, cli_env
 
 from gradrunner.analysis import load
-from gradrunner.callbacks import MANIFEST, _job_num, build_manifest
+from gradrunner.cli.sweep_books import MANIFEST, _job_num, build_manifest
 from gradrunner.records.catalogue import CATALOGUE, JobRow, read_jobs, record_job
 from gradrunner.records.rundir import DONE
 

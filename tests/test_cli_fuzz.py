@@ -18,9 +18,9 @@ from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from gradrunner.config import validate
+from gradrunner.config.overrides import group_mistake, misspelled_key
+from gradrunner.config.schema import validate
 from gradrunner.errors import GradrunnerError
-from gradrunner.overrides import group_mistake, misspelled_key
 from gradrunner.run.hydra_adapter import _describe
 
 KEYS = ["steps", "seed", "capture.every", "capture.sample_size", "capture.strategy", "capture.values", "dtype",

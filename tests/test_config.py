@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from gradrunner.capturing.strategies import STRATEGIES
-from gradrunner.config import DTYPES, CaptureConfig, Config, validate
+from gradrunner.config.schema import DTYPES, CaptureConfig, Config, validate
 from gradrunner.errors import GradrunnerError
 
 CONF = Path(__file__).resolve().parents[1] / "gradrunner" / "conf"

@@ -556,7 +556,7 @@ def test_a_sweep_over_an_edits_strength_from_the_command_line(tmp_path: Any) -> 
     below = df[(df.tap == "fc1:weight") & (df.step == 0)].set_index("edits.0.scale").norm
     assert below[0.0] == 0 and below[0.5] == pytest.approx(below[1.0] / 2, rel=1e-5)  # step 0: all else equal
     pytest.importorskip("matplotlib")
-    from gradrunner.analysis.report import write_report
+    from gradrunner.report.write import write_report
 
     page = write_report(tmp_path / "sweep").read_text()
     assert "Gradient edits" in page and "The sweep over edits.0.scale" in page

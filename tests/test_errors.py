@@ -31,7 +31,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from torch import nn
 
-from gradrunner import cli
+from gradrunner.cli import app as cli
 from gradrunner.errors import GradrunnerError
 from gradrunner.run import build as job_build
 from gradrunner.run import loop as runner

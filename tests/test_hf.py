@@ -11,10 +11,10 @@ import torch
 from conftest import check_ok, compose_cfg, gradrunner
 
 from gradrunner.analysis import compare_strategies, load
+from gradrunner.cli.explore import listing
 from gradrunner.data import Tokens
 from gradrunner.errors import GradrunnerError
 from gradrunner.losses import LMCrossEntropy, ModelLoss
-from gradrunner.taps import listing
 
 transformers = pytest.importorskip("transformers")
 

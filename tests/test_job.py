@@ -24,7 +24,7 @@ def test_report_true_writes_the_report_when_the_run_ends(tmp_path: Path) -> None
 
 def test_a_failing_report_logs_the_command_and_keeps_the_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("matplotlib")
-    with caplog.at_level(logging.WARNING, logger="gradrunner.run.resume"):
+    with caplog.at_level(logging.WARNING, logger="gradrunner.run.books"):
         run(compose_cfg("+experiment=cosine", "steps=0", "report=true"), out_dir=tmp_path)  # no rows to report
     assert f"write it with: python -m gradrunner.report {tmp_path}" in caplog.text
     assert (tmp_path / DONE).is_file() and not (tmp_path / "report.html").exists()
@@ -32,7 +32,7 @@ def test_a_failing_report_logs_the_command_and_keeps_the_run(tmp_path: Path, cap
 
 def test_report_true_without_matplotlib_fails_before_step_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
-    monkeypatch.delitem(sys.modules, "gradrunner.analysis.plots", raising=False)
+    monkeypatch.delitem(sys.modules, "gradrunner.report.plots", raising=False)
     monkeypatch.delattr(gradrunner.analysis, "plots", raising=False)
     with pytest.raises(GradrunnerError, match=r"matplotlib, which is not installed: pip install"):
         run(compose_cfg("+experiment=cosine", "steps=2", "report=true"), out_dir=tmp_path)

@@ -14,7 +14,7 @@ from conftest import SEARCHPATH, check_ok, gradrunner
 from gradrunner.analysis import IncompleteSweepWarning, load
 from gradrunner.records.columns import GRADS_FILE, OVERRIDES_KEY, STEPS_FILE
 from gradrunner.records.rundir import DONE
-from gradrunner.run.resume import RunLock
+from gradrunner.run.books import RunLock
 
 
 def hydra_files(job: Path) -> dict[str, bytes]:

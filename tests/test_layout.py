@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from gradrunner.capturing.strategies import STRATEGIES
-from gradrunner.choices import STRATEGY_NAMES
+from gradrunner.config.choices import STRATEGY_NAMES
 
 
 def _modules_after(statement: str) -> set[str]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gradrunner.overrides import misspelled_key
+from gradrunner.config.overrides import misspelled_key
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gradrunner.analysis.plots_edits import edit_strength_column, edit_sweep
+from gradrunner.report.plots_edits import edit_strength_column, edit_sweep
 
 
 def _sweep() -> pd.DataFrame:

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from gradrunner.analysis.plots_training import plot_training
+from gradrunner.report.plots_training import plot_training
 
 
 def test_plot_training_draws_grad_norm_clip_line_and_lr() -> None:

@@ -280,8 +280,8 @@ with gradrunner.record(model, [":output"], {str(tmp_path / "k")!r}, live_every=1
 def test_micro_batches_go_to_the_micro_step_column() -> None:
     from types import SimpleNamespace
 
-    from gradrunner.recording import write_micro_batches
     from gradrunner.records.columns import StepRecords, TapKey
+    from gradrunner.run.recording import write_micro_batches
 
     class Writer:
         def __init__(self) -> None:

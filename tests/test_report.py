@@ -1,4 +1,4 @@
-"""gradrunner.analysis.plots and gradrunner.analysis.report: figures checked through matplotlib's objects, the page
+"""gradrunner.report.plots and gradrunner.report.write: figures checked through matplotlib's objects, the page
 through its HTML (and headless Chromium where installed), the command through a subprocess."""
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradr
 from matplotlib.image import AxesImage
 
 from gradrunner.analysis import compare_strategies, forward_order, load, strategy_costs
-from gradrunner.analysis.plots import (
+from gradrunner.capturing.stats import Collector
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import TapKey
+from gradrunner.records.writer import RecordWriter
+from gradrunner.report.plots import (
     plot_grad_flow,
     plot_norms,
     plot_strategy_agreement,
     plot_strategy_cost,
     plot_value_distributions,
 )
-from gradrunner.analysis.report import REPORT_NAME, write_report
-from gradrunner.capturing.stats import Collector
-from gradrunner.errors import GradrunnerError
-from gradrunner.records.columns import TapKey
-from gradrunner.records.writer import RecordWriter
+from gradrunner.report.write import REPORT_NAME, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -20,8 +20,8 @@ from planted import planted_sweep, write_planted_job
 pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradrunner[report]")
 
 from gradrunner.analysis import load
-from gradrunner.analysis.plots import plot_grad_flow, short_labels
-from gradrunner.analysis.report import write_report
+from gradrunner.report.plots import plot_grad_flow, short_labels
+from gradrunner.report.write import write_report
 from gradrunner.run.loop import train
 
 
@@ -137,7 +137,7 @@ def test_a_24_layer_flow_labels_taps_without_their_common_prefix() -> None:
 
 
 def test_the_loss_figure_adds_a_grad_norm_panel_when_the_steps_table_has_it() -> None:
-    from gradrunner.analysis.plots import plot_loss
+    from gradrunner.report.plots import plot_loss
 
     steps = pd.DataFrame({"run_id": "r", "step": range(4), "loss": [2.0, 1.0, float("nan"), float("nan")]})
     (ax,) = plot_loss(steps).axes

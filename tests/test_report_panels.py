@@ -23,8 +23,8 @@ pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradr
 
 from matplotlib.axes import Axes
 
-from gradrunner.analysis.plots import plot_norms
-from gradrunner.analysis.plots_optional import plot_update_ratios
+from gradrunner.report.plots import plot_norms
+from gradrunner.report.plots_optional import plot_update_ratios
 
 
 def visible_ticks(ax: Axes, axis: str = "x") -> list[float]:
@@ -138,7 +138,7 @@ def _tables_after(page: str, title: str) -> pd.DataFrame:
 def test_a_steps_sweep_report_draws_every_job_and_reads_only_the_drawn_rows(
     steps_sweep: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gradrunner.analysis import report
+    from gradrunner.report import write as report
 
     loaded: list[Any] = []
     real_load = report.load
@@ -214,7 +214,7 @@ def test_a_runs_training_figure_shows_the_clip_threshold_and_lr_where_they_say_s
 ) -> None:
     from conftest import compose_cfg
 
-    from gradrunner.analysis import report
+    from gradrunner.report import write as report
     from gradrunner.run.job import run
 
     out = tmp_path / "run"
@@ -224,5 +224,5 @@ def test_a_runs_training_figure_shows_the_clip_threshold_and_lr_where_they_say_s
     assert (out / "report-training.png").exists() is shown
     if shown:
         steps = pd.read_parquet(out / "steps.parquet")
-        assert report._config_value(out, ("train", "clip_grad_norm")) == 0.5  # the dashed line's value
+        assert report.config_value(out, ("train", "clip_grad_norm")) == 0.5  # the dashed line's value
         assert steps["lr"].nunique() == 6 and steps["clipped"].any()  # what the figure draws is in the records

@@ -24,13 +24,13 @@ pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradr
 from matplotlib.figure import Figure
 
 from gradrunner.analysis import load, run_columns
-from gradrunner.analysis import report as report_module
 from gradrunner.analysis.aggregate import AGGREGATE_ABOVE, sweep_layout
-from gradrunner.analysis.plots import PAGE_INCHES
-from gradrunner.analysis.report import DPI, write_report
 from gradrunner.capturing.stats import Collector
 from gradrunner.records.columns import TapKey
 from gradrunner.records.writer import RecordWriter, StepsWriter
+from gradrunner.report import write as report_module
+from gradrunner.report.plots import PAGE_INCHES
+from gradrunner.report.write import DPI, write_report
 
 LRS = (0.1, 0.01, 0.001)
 BATCHES = (8, 16)
@@ -94,14 +94,14 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def written(sweep: Path) -> dict[str, Any]:
     """The report of the sweep, with every figure it saved (by name)."""
     figures: dict[str, Figure] = {}
-    original = report_module._figure
+    original = report_module.figure_section
 
     def keep(out_dir: Path, name: str, title: str, fig: Figure, note: str = "") -> str:
         figures[name] = fig
         return original(out_dir, name, title, fig, note)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(report_module, "_figure", keep)
+        mp.setattr(report_module, "figure_section", keep)
         page = write_report(sweep)
     return {"page": page, "html": page.read_text(encoding="utf-8"), "figures": figures}
 

@@ -24,8 +24,8 @@ from gradrunner.analysis import load
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import LOCK_FILE
 from gradrunner.records.rundir import DONE, FAILED, job_state
+from gradrunner.run.books import LiveRun, RunLock
 from gradrunner.run.job import run
-from gradrunner.run.resume import LiveRun, RunLock
 
 RECORDS = ("grads.parquet", "steps.parquet", DONE)
 STRATEGIES = "hook,retain_grad,autograd_grad"
@@ -62,7 +62,7 @@ def test_a_second_run_into_the_same_dir_is_refused(tmp_path: Path) -> None:
 def test_resume_skips_a_completed_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     run(compose_cfg("+experiment=cosine", "steps=1"), out_dir=tmp_path)
     before = stamps(tmp_path)
-    with caplog.at_level(logging.INFO, logger="gradrunner.run.resume"):
+    with caplog.at_level(logging.INFO, logger="gradrunner.run.books"):
         path = run(compose_cfg("+experiment=cosine", "steps=1", "resume=true"), out_dir=tmp_path)
     assert path == tmp_path / "grads.parquet"
     assert "already completed (done.json): skipped" in caplog.text
@@ -194,7 +194,7 @@ def test_resume_reruns_a_completed_job_whose_files_do_not_verify_and_says_why(
     first = json.loads((tmp_path / DONE).read_text())["run_id"]
     name, harm, reason = DAMAGES[damage]
     harm(tmp_path / name)
-    with caplog.at_level(logging.WARNING, logger="gradrunner.run.resume"):
+    with caplog.at_level(logging.WARNING, logger="gradrunner.run.books"):
         run(compose_cfg("+experiment=cosine", "steps=3", "resume=true"), out_dir=tmp_path)
     assert f"{tmp_path} is marked completed but {reason}" in caplog.text and "running again" in caplog.text
     done = json.loads((tmp_path / DONE).read_text())

@@ -15,7 +15,7 @@ import pytest
 from conftest import check_ok, cli_env
 
 from gradrunner.analysis import load
-from gradrunner.callbacks import MANIFEST
+from gradrunner.cli.sweep_books import MANIFEST
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.rundir import DONE, FAILED
 

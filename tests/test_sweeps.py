@@ -16,7 +16,7 @@ import pytest
 from conftest import check_ok, gradrunner
 
 from gradrunner.analysis import IncompleteSweepWarning, load
-from gradrunner.callbacks import MANIFEST, build_manifest
+from gradrunner.cli.sweep_books import MANIFEST, build_manifest
 from gradrunner.records.rundir import DONE, FAILED
 
 STRATEGIES = "hook,retain_grad,autograd_grad"
@@ -175,7 +175,7 @@ def test_a_manifest_the_disk_refuses_is_one_logged_line_and_leaves_no_temp_file(
 
     from omegaconf import OmegaConf
 
-    from gradrunner.callbacks import SweepBookkeeping
+    from gradrunner.cli.sweep_books import SweepBookkeeping
 
     def no_space(self: Path, *args: object, **kwargs: object) -> int:
         Path.touch(self)  # the temp file exists, as after a partial write
@@ -184,7 +184,7 @@ def test_a_manifest_the_disk_refuses_is_one_logged_line_and_leaves_no_temp_file(
     books = SweepBookkeeping()
     books.on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "report": False}))
     monkeypatch.setattr(Path, "write_bytes", no_space)  # records.atomic.write_atomically writes the temp file so
-    with caplog.at_level(logging.ERROR, logger="gradrunner.callbacks"):
+    with caplog.at_level(logging.ERROR, logger="gradrunner.cli.sweep_books"):
         books.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}, "report": False}))
     (record,) = caplog.records
     assert record.getMessage() == (

@@ -16,9 +16,9 @@ from torch import nn
 from gradrunner import list_taps
 from gradrunner.capturing.explore import TapListing
 from gradrunner.capturing.taps import resolve_taps
+from gradrunner.cli.explore import listing
 from gradrunner.errors import GradrunnerError
 from gradrunner.run.build import setup
-from gradrunner.taps import listing
 
 BUILT_IN = ["mlp", "cnn", "transformer", "cosine", "sigmoid2"]
 

@@ -216,7 +216,7 @@ def test_eval_loss_every_k_steps_on_the_model_after_the_step(tmp_path: Path) -> 
     ],
 )
 def test_bad_train_options_are_one_paragraph(override: str, words: str) -> None:
-    from gradrunner.config import validate
+    from gradrunner.config.schema import validate
 
     extra = ["scheduler=cosine"] if "scheduler" in override else []
     with pytest.raises(GradrunnerError) as e:
@@ -237,7 +237,7 @@ def test_init_from_refuses_a_mismatch_naming_the_keys(tmp_path: Path) -> None:
 
 
 def test_gpt2_pretrain_composes_with_the_recipes_options() -> None:
-    from gradrunner.config import validate
+    from gradrunner.config.schema import validate
 
     cfg = compose_cfg("+experiment=gpt2_pretrain")
     validate(cfg)

@@ -21,7 +21,7 @@ from gradrunner.capturing.stats import Collector
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, TapKey
 from gradrunner.records.writer import RecordWriter, StepsWriter
-from gradrunner.run.resume import mark_complete
+from gradrunner.run.books import mark_complete
 
 
 def write_completed_job(job_dir: Path, run_id: str, seed: int, steps: int = 6) -> None:

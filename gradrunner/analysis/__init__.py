@@ -1,18 +1,14 @@
-"""The analysis layer: records read back into pandas, summaries, plots and the HTML report.
+"""The analysis layer: records read back into pandas, summaries, aggregates over a sweep.
 
-Imports no torch (a test checks it in a fresh interpreter).
+Imports no torch (a test checks it in a fresh interpreter). The figures and the HTML page are `gradrunner.report`.
 
 | module | what it holds |
 | --- | --- |
 | `reading` | `load(run or sweep dir)`: records into one DataFrame |
 | `summaries` | the helpers: tap summary, gradient flow, strategy agreement and cost |
 | `optional` | helpers over the optional columns: histograms over steps, update ratios, per-example spread |
-| `plots`, `plots_optional` | matplotlib figures drawn from those helpers' DataFrames |
-| `plots_edits` | a sweep over an edit's strength: its table (`edit_sweep`) and panel (`plot_edit_sweep`) |
-| `aggregate`, `plots_sweep` | a large sweep across its runs: the layout (`sweep_layout`), medians and bands (`over_runs`), their figures |
-| `report` | `python -m gradrunner.report <dir>`: PNGs and one HTML page; a run's sections |
-| `report_sweep`, `report_sections` | a large sweep's sections; the sections a run and a sweep share |
-| `report_records`, `report_page` | what the report reads beyond `load`; the page's HTML, embedded PNGs, atomic write |
+| `aggregate` | a large sweep across its runs: the layout (`sweep_layout`), medians and bands (`over_runs`) |
+| `live` | `load(dir, live=True)`: the closed segments of a running or killed `record()` job |
 
 Example::
 

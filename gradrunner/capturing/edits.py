@@ -33,7 +33,7 @@ tensor: an edit under any name edits it, and every name's record says so.
 
 Example::
 
-    edits = parse_edits([{"tap": "fc1:output", "scale": 0.0}, {"tap": "head:weight", "clip_norm": 1.0}])  # edit_specs
+    edits = parse_edits([{"tap": "fc1:output", "scale": 0.0}, {"tap": "head:weight", "clip_norm": 1.0}])  # config.edits
     with capture(model, ["fc*:output"], edits=edits) as cap:   # capture() also takes the plain dicts
         cap.backward(loss_fn(model(x), y))
 """
@@ -53,8 +53,8 @@ from gradrunner.capturing.grad_context import in_backward, reentrant_checkpoint
 from gradrunner.capturing.taps import Tap, resolve_taps
 
 # The spec side (what an entry may say) is torch-free, for the config layer: re-exported here.
-from gradrunner.edit_specs import OPERATIONS as OPERATIONS
-from gradrunner.edit_specs import Edit, Mask, parse_edits
+from gradrunner.config.edits import OPERATIONS as OPERATIONS
+from gradrunner.config.edits import Edit, Mask, parse_edits
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import TapKey
 

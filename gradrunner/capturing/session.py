@@ -49,7 +49,7 @@ from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot, Strategy, get_strategy
 from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
 from gradrunner.capturing.torch_compat import is_view, version
-from gradrunner.choices import VALUES_MODES
+from gradrunner.config.choices import VALUES_MODES
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import StepRecords, TapKey
 

@@ -40,7 +40,7 @@ import torch
 
 from gradrunner.capturing import fused_stats
 from gradrunner.capturing.extras import histogram_batch, histogram_counts, per_example_norms
-from gradrunner.choices import VALUES_MODES
+from gradrunner.config.choices import VALUES_MODES
 from gradrunner.records.columns import HIST_BINS, StepRecords, TapKey
 
 _INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}

@@ -4,6 +4,6 @@ Importing this package (Hydra does, to read the YAML files) registers the schema
 `config.yaml` lists first in its defaults.
 """
 
-from gradrunner.config import register_configs
+from gradrunner.config.schema import register_configs
 
 register_configs()

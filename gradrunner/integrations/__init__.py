@@ -5,7 +5,7 @@
 | `lightning` | `GradientCapture`, a Lightning callback (`gradrunner[lightning]`) |
 | `hf` | `GradientCaptureCallback`, a `transformers.TrainerCallback` (`gradrunner[hf]`) |
 
-Each opens one `gradrunner.recording.Recorder` (the runner's capture session and writers) and
+Each opens one `gradrunner.run.recording.Recorder` (the runner's capture session and writers) and
 routes the framework's own backward call through it; nothing of capture or records is done twice.
 The modules import their framework only when imported themselves.
 """

@@ -7,7 +7,7 @@ Example::
                       callbacks=[GradientCaptureCallback(taps=["transformer.h.*.mlp:output"], dir="runs/gpt2")])
     trainer.train()                     # runs/gpt2/grads.parquet, steps.parquet, done.json
 
-A thin adapter over `gradrunner.recording.Recorder` (the runner's capture session and writers):
+A thin adapter over `gradrunner.run.recording.Recorder` (the runner's capture session and writers):
 
 - `on_train_begin` opens the recorder on the model; the Trainer's own `loss.backward()` (through
   accelerate, after the loss is divided for accumulation and, under fp16, scaled) is routed
@@ -37,7 +37,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.errors import GradrunnerError
 from gradrunner.integrations._backward import NextBackward
-from gradrunner.recording import CallbackOptions, Recorder, scaler_scale
+from gradrunner.run.recording import CallbackOptions, Recorder, scaler_scale
 
 
 class GradientCaptureCallback(CallbackOptions, TrainerCallback):

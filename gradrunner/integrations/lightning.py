@@ -6,7 +6,7 @@ Example::
     trainer = Trainer(callbacks=[GradientCapture(taps=["*:output", "*:weight"], dir="runs/mine", every=10)])
     trainer.fit(module, loader)           # runs/mine/grads.parquet, steps.parquet, done.json
 
-A thin adapter over `gradrunner.recording.Recorder` (the runner's capture session and writers):
+A thin adapter over `gradrunner.run.recording.Recorder` (the runner's capture session and writers):
 
 - `on_train_start` opens the recorder on the `LightningModule` (after Lightning's DDP wrapping);
 - `on_before_backward` routes Lightning's own `loss.backward()` through the capture strategy;
@@ -37,7 +37,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.errors import GradrunnerError
 from gradrunner.integrations._backward import route
-from gradrunner.recording import CallbackOptions, Recorder, scaler_scale
+from gradrunner.run.recording import CallbackOptions, Recorder, scaler_scale
 
 #: Lightning strategies whose backward is the module's own `loss.backward()`.
 SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")

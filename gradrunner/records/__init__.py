@@ -1,6 +1,6 @@
 """The records layer: the Parquet schema and writers, and a run dir's state (read-only).
 
-Imports no OmegaConf either: writing a run dir's books, its lock and resume decisions are `gradrunner.run.resume`.
+Imports no OmegaConf either: writing a run dir's books, its lock and resume decisions are `gradrunner.run.books`.
 
 Imports no torch and nothing of the capture layer, so a notebook reading records pays for neither.
 

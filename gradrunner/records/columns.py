@@ -20,7 +20,7 @@ import numpy as np
 GRADS_FILE = "grads.parquet"
 STEPS_FILE = "steps.parquet"
 RECORD_FILES = (GRADS_FILE, STEPS_FILE)
-#: The run dir's lock (see `gradrunner.run.resume.RunLock`): hidden, so readers never see it.
+#: The run dir's lock (see `gradrunner.run.books.RunLock`): hidden, so readers never see it.
 LOCK_FILE = ".gradrunner.lock"
 #: Key of the records' Parquet metadata holding the job's own command-line overrides (a JSON list).
 OVERRIDES_KEY = "gradrunner.overrides"

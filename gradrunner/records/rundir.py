@@ -16,7 +16,7 @@ Status comes from files in the job dir, so it is the same whichever launcher ran
 in whichever process or machine: `done.json` is written by the runner after every record file is
 closed (with their run id, row counts and footer digests, which a resume and `analysis.load` check),
 `failed.json` when the job raised. Neither means the job never ran, was killed, or is still running:
-"missing". Writing these files, the run dir's lock and what a rerun may do: `gradrunner.run.resume`.
+"missing". Writing these files, the run dir's lock and what a rerun may do: `gradrunner.run.books`.
 
 Example::
 

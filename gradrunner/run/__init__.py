@@ -4,13 +4,20 @@ May use every other layer; nothing below imports it.
 
 | module | what it holds |
 | --- | --- |
-| `loop` | the job built from the config and the step loop: `train(cfg)` |
+| `build` | model, data, loss, optimizer and scheduler built from the config (`setup(cfg)`) |
+| `loop` | the step loop: `train(cfg)`, `train_step` |
+| `accumulation` | what a record is under gradient accumulation |
+| `schedules` | LambdaLR multipliers of the scheduler configs |
 | `guards` | one-paragraph errors around the user's data, model, loss and the disk |
 | `signals` | every signal handler of the runner: SIGTERM/SIGHUP as Ctrl-C, exit statuses, quiet exits |
-| `resume` | the run dir's lock, refuse/skip/resume decisions, `done.json`/`failed.json` written, `.hydra/` restored |
+| `books` | a run dir's books: the lock, refuse/skip/resume decisions, `done.json`/`failed.json` written, `.hydra/` restored |
+| `checkpoint` | mid-run checkpoints and resume from the last one |
+| `recording` | `gradrunner.record(...)`: the runner's session and writers in any training loop |
+| `watch` | watches during a run (a tap that stays zero, warnings) over `analysis.health` |
 | `hydra_adapter` | every use of Hydra's private APIs, and errors before the job as one paragraph |
 | `distributed` | DDP inside a job under `torchrun` |
 | `job` | one Hydra job: the run dir's books around `train` (`run(cfg)`) |
+| `sweep_plan` | which jobs of a re-run sweep are complete, from the catalogue |
 
 Example::
 

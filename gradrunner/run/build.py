@@ -27,8 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from gradrunner.capturing.taps import resolve_taps
-from gradrunner.choices import DTYPES
-from gradrunner.config import validate
+from gradrunner.config.choices import DTYPES
+from gradrunner.config.schema import validate
 from gradrunner.data import Batch, as_batches
 from gradrunner.errors import GradrunnerError, did_you_mean, not_allowed, one_paragraph
 

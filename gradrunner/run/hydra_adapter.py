@@ -38,7 +38,7 @@ class JobFailed(CompactHydraException):
 
 
 class JobRefused(JobFailed):
-    """A sweep job refused because of its dir (`resume.Refused`): no `failed.json` is written for it."""
+    """A sweep job refused because of its dir (`books.Refused`): no `failed.json` is written for it."""
 
 
 def task_overrides() -> list[str]:

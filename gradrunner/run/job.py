@@ -21,12 +21,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from gradrunner.config import validate
+from gradrunner.config.schema import validate
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
 from gradrunner.records.columns import GRADS_FILE
-from gradrunner.run import distributed
-from gradrunner.run import resume as books
+from gradrunner.run import books, distributed
 from gradrunner.run.distributed import Distributed
 from gradrunner.run.hydra_adapter import task_overrides
 from gradrunner.run.loop import output_dir, train
@@ -68,12 +67,12 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
       then a completed job (`done.json`, same config, files verified) is skipped, anything else runs again.
     - `done.json` is written last, once the records are closed: a job without it did not complete.
     - `report=true`: matplotlib is checked before step 0 and a single run writes its report at the end
-      (a sweep writes one for the sweep dir, in `gradrunner.callbacks`); a failing report never fails the run.
+      (a sweep writes one for the sweep dir, in `gradrunner.cli.sweep_books`); a failing report never fails the run.
     - Under torchrun (`WORLD_SIZE > 1`) the job is one DDP rank; see `gradrunner.run.distributed`.
     """
     validate(cfg)
     if cfg.report:
-        from gradrunner.analysis.report import check_available
+        from gradrunner.report.write import check_available
 
         check_available()
     hydra = HydraConfig.get() if HydraConfig.initialized() else None
@@ -104,7 +103,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
             if main:
                 _mark_complete(directory, cfg, run_id, dist.world_size if dist is not None else 1, task_overrides())
     if cfg.report and main and not multirun:
-        from gradrunner.analysis.report import try_report
+        from gradrunner.report.write import try_report
 
         try_report(directory)
     return path

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradrunner.capturing.session import Capture, capture
-from gradrunner.config import edit_list
+from gradrunner.config.schema import edit_list
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
 from gradrunner.run import accumulation, distributed, watch
 from gradrunner.run.build import Job, setup
@@ -426,7 +426,7 @@ def _checkpointer(
     if every <= 0:
         return None
     from gradrunner.records.writer import RecordWriter, StepsWriter
-    from gradrunner.run.resume import NEUTRAL_KEYS, config_dict
+    from gradrunner.run.books import NEUTRAL_KEYS, config_dict
 
     def open_segment(path: Path, kind: str) -> RecordWriter | StepsWriter:
         if kind == "grads":

@@ -11,7 +11,7 @@ check, Hydra's batch check and the job itself) only for the job to find `done.js
 complete when its row has the same overrides, the same job number, status `completed`, the same
 config fingerprint, and its dir still holds that run's `done.json` (same run id). Those jobs are
 neither composed by the up-front check (`cli.SweepCheck`) nor launched (`gradrunner`'s sweeper,
-`hydra_plugins/gradrunner_sweeper`); every other job goes the usual way, where `resume.prepare` still
+`hydra_plugins/gradrunner_sweeper`); every other job goes the usual way, where `books.prepare` still
 decides from the dir itself, so the shortcut can only skip work, never hide a difference: a changed
 config file, a changed gradrunner, a config that reads the environment (`${oc.env:...}`, custom
 resolvers) give no fingerprint match, and those jobs are composed and checked one by one.
@@ -35,7 +35,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 import gradrunner
-from gradrunner import config as schema
+from gradrunner.config import schema
 from gradrunner.records import catalogue
 from gradrunner.records.rundir import read_marker
 from gradrunner.run.hydra_adapter import sweep_jobs
@@ -167,7 +167,7 @@ def catalogue_row(config: DictConfig, *, status: str, error: str | None) -> cata
         catalogue_row(cfg, status="completed", error=None)    # in SweepBookkeeping.on_job_end
 
     A completed job's row comes from its `done.json` (run id, overrides, files, rows); a job that
-    ended without one (skipped as complete by `resume.prepare` reads it the same way) is "completed"
+    ended without one (skipped as complete by `books.prepare` reads it the same way) is "completed"
     only when `done.json` is there.
     """
     out = Path(str(OmegaConf.select(config, "hydra.runtime.output_dir")))

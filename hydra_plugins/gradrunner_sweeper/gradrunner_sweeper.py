@@ -2,7 +2,7 @@
 
 Selected by gradrunner's primary config (`override hydra/sweeper: gradrunner`); `hydra/sweeper=basic`
 on the command line restores Hydra's own. The decision is `gradrunner.run.sweep_plan.plan`, shared
-with the up-front sweep check (`gradrunner.cli.SweepCheck`). The remaining jobs keep their numbers:
+with the up-front sweep check (`gradrunner.cli.app.SweepCheck`). The remaining jobs keep their numbers:
 they are launched in runs of consecutive numbers (`initial_job_idx`), at most `max_batch_size` at a
 time, so each runs into the dir it always had. When the up-front check composed and validated every
 job already, Hydra's second composition of each batch (`validate_batch_is_legal`) is not repeated.

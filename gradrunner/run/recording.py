@@ -43,12 +43,11 @@ from gradrunner.capturing.session import Capture, ParamSnapshot
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies.base import Strategy
 from gradrunner.capturing.taps import TapSpec
-from gradrunner.choices import NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
+from gradrunner.config.choices import NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
 from gradrunner.errors import GradrunnerError, not_allowed
 from gradrunner.records import rundir
 from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, StepRecords
-from gradrunner.run import accumulation
-from gradrunner.run import resume as books
+from gradrunner.run import accumulation, books
 
 if TYPE_CHECKING:
     from gradrunner.records.writer import RecordWriter, StepsWriter

@@ -2,18 +2,18 @@
 
 Contents:
     REPORT_NAME, DPI, INSTALL_HINT              -- the page's file name, the PNGs' resolution, the extra to install
-    _import_plots() -> module                   -- `analysis.plots`, or GradrunnerError with the install hint
-    _section(title, body) / _table(df) -> str   -- an <h2> with its anchor; a table (scrolling, folded when long)
-    _figure(out_dir, name, title, fig, note)    -- `report-<name>.png` saved, a section embedding the same bytes
-    FigureWriter                                -- `_figure`'s signature (the sections draw through the one given)
+    import_plots() -> module                   -- `report.plots`, or GradrunnerError with the install hint
+    html_section(title, body) / html_table(df) -> str   -- an <h2> with its anchor; a table (scrolling, folded when long)
+    figure_section(out_dir, name, title, fig, note)    -- `report-<name>.png` saved, a section embedding the same bytes
+    FigureWriter                                -- `figure_section`'s signature (the sections draw through the one given)
     write_page(out_dir, grads, sections, answer) -> Path  -- `report.html`, written atomically
 
-Used by `report` (the entry points, a run's sections), `report_sections` and `report_sweep`; it imports
+Used by `write` (the entry points, a run's sections), `sections` and `sweep`; it imports
 none of them, so each imports it without a cycle. The page loads nothing and runs no script.
 
 Example::
 
-    body = _section("Runs", _table(runs)) + _figure(out_dir, "loss", "Loss over the steps", fig)
+    body = html_section("Runs", html_table(runs)) + figure_section(out_dir, "loss", "Loss over the steps", fig)
     write_page(out_dir, grads, [body], answer="Loss 0.9 → 0.1 over 3 steps.")   # out_dir/report.html
 """
 
@@ -55,14 +55,15 @@ summary { cursor: pointer; color: #555; }
 
 
 class FigureWriter(Protocol):
-    """`_figure`'s signature: the section builders draw through the writer they are given (`report` passes its own)."""
+    """`figure_section`'s signature: the section builders draw through the writer they are given (`report` passes its own)."""
 
     def __call__(self, out_dir: Path, name: str, title: str, fig: Figure, note: str = "") -> str: ...
 
 
-def _import_plots() -> ModuleType:
+def import_plots() -> ModuleType:
+    """`gradrunner.report.plots` (matplotlib), or one GradrunnerError paragraph with the install hint."""
     try:
-        from gradrunner.analysis import plots
+        from gradrunner.report import plots
     except ImportError as e:
         if not (e.name or "").startswith("matplotlib"):
             raise
@@ -75,11 +76,12 @@ def _anchor(title: str) -> str:
     return "-".join(title.lower().replace("?", "").split())
 
 
-def _section(title: str, body: str) -> str:
+def html_section(title: str, body: str) -> str:
+    """`body` under an <h2> titled `title`, with an anchor the page's contents link to."""
     return f'<h2 id="{_anchor(title)}">{html.escape(title)}</h2>\n{body}'
 
 
-def _table(df: pd.DataFrame, fold_above: int = 40) -> str:
+def html_table(df: pd.DataFrame, fold_above: int = 40) -> str:
     """The table as HTML, scrolling sideways if wide, folded (<details>) when it has many rows."""
     df = df.apply(lambda c: c.astype("float64") if str(c.dtype) == "Int64" else c)  # <NA> shown as ""
     table = df.to_html(index=False, border=0, na_rep="", float_format=lambda x: f"{x:.4g}")
@@ -89,14 +91,14 @@ def _table(df: pd.DataFrame, fold_above: int = 40) -> str:
     return table
 
 
-def _figure(out_dir: Path, name: str, title: str, fig: Figure, note: str = "") -> str:
+def figure_section(out_dir: Path, name: str, title: str, fig: Figure, note: str = "") -> str:
     """Save `fig`, at most a page (`plots.PAGE_INCHES` at `DPI`), as `report-<name>.png`; a section embedding the same PNG bytes."""
     buffer = io.BytesIO()
-    _import_plots().fit_page(fig).savefig(buffer, format="png", dpi=DPI)
+    import_plots().fit_page(fig).savefig(buffer, format="png", dpi=DPI)
     write_atomically(out_dir / f"report-{name}.png", buffer.getvalue())
     encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
     body = f'<img alt="{html.escape(title)}" src="data:image/png;base64,{encoded}">'
-    return _section(title, f"<p>{html.escape(note)}</p>\n{body}" if note else body)
+    return html_section(title, f"<p>{html.escape(note)}</p>\n{body}" if note else body)
 
 
 def write_page(out_dir: Path, grads: pd.DataFrame, sections: list[str], answer: str = "") -> Path:

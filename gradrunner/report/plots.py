@@ -38,7 +38,7 @@ _ZERO_AT, _INF_AT = 1e-17, 1e3
 _FLOAT32_EPS = float(np.finfo(np.float32).eps)
 
 
-def _runs(df: pd.DataFrame, columns: list[str], records: pd.DataFrame | None = None) -> list[tuple[str, pd.DataFrame]]:
+def titled_runs(df: pd.DataFrame, columns: list[str], records: pd.DataFrame | None = None) -> list[tuple[str, pd.DataFrame]]:
     """(title, rows) per run of `df`, in record order; the title names the run's distinguishing
     values, or for a single run its experiment and strategy (taken from `records`, default `df`)."""
     if not columns:
@@ -59,7 +59,8 @@ def _panels(
 ACTIVATIONS, WEIGHTS = "outputs, inputs and locals", "weights and biases"
 
 
-def _kind(name: str) -> str:
+def tap_kind(name: str) -> str:
+    """`WEIGHTS` for a parameter tap name (`weight`, `bias`, `*_weight`, `*_bias`), else `ACTIVATIONS`."""
     return WEIGHTS if name in ("weight", "bias") or name.endswith(("_weight", "_bias")) else ACTIVATIONS
 
 
@@ -106,10 +107,10 @@ def plot_grad_flow(
     else:
         flow = grad_flow(df, steps, measure_name)
     order = forward_order(df)
-    order["kind"] = [_kind(t.split(":", 1)[1]) for t in order["tap"]]
+    order["kind"] = [tap_kind(t.split(":", 1)[1]) for t in order["tap"]]
     kinds = [k for k in (ACTIVATIONS, WEIGHTS) if (order["kind"] == k).any()]
     flow = flow.merge(order[["tap", "call", "kind"]], on=["tap", "call"], how="left")
-    runs = _runs(flow, run_columns(df), records=df)
+    runs = titled_runs(flow, run_columns(df), records=df)
     widths = [max(3.0, 0.45 * int((order["kind"] == k).sum()) + 1.5) for k in kinds]
     fig = Figure(figsize=(max(6.0, sum(widths)), 3.0 * len(runs)), layout="constrained")
     grid = fig.subplots(len(runs), len(kinds), squeeze=False, sharey=True, width_ratios=widths)
@@ -179,7 +180,7 @@ def plot_norms(df: pd.DataFrame, stat: str = "norm", heatmap: bool | None = None
     order = forward_order(df)
     heatmap = len(order) > HEATMAP_ABOVE if heatmap is None else heatmap
     d = df.assign(_v=measure(df, stat), _g=df["has_grad"].fillna(False).astype(float))
-    runs = _runs(d, run_columns(df))
+    runs = titled_runs(d, run_columns(df))
     # each run's panel spans its own steps (a 2-step job is not drawn on a 5-step job's axis)
     if heatmap:
         fig, axes = _panels(len(runs), 10.0, max(2.5, 0.22 * len(order) + 1), sharex=False)
@@ -313,7 +314,7 @@ def plot_value_distributions(df: pd.DataFrame, steps: Iterable[int] | None = Non
     At most `max_taps` panels, in forward order; the title says when taps were left out.
     """
     measure(df, "mean_abs")  # the check that values were captured, with its message
-    title, run = _runs(df, run_columns(df))[0]
+    title, run = titled_runs(df, run_columns(df))[0]
     chosen = pick_steps(run["step"], n=2) if steps is None else [int(s) for s in steps]
     everything = forward_order(run)
     order = everything.head(max_taps)
@@ -356,7 +357,7 @@ def plot_loss(steps: pd.DataFrame) -> Figure:
     """
     columns = [c for c in ("loss", "grad_norm") if c in steps.columns and steps[c].notna().any()]
     fig, axes = _panels(len(columns), 8, 2.6)
-    runs = _runs(
+    runs = titled_runs(
         steps, [c for c in run_columns(steps) if c != "run_id"] or ([] if steps["run_id"].nunique() < 2 else ["run_id"])
     )
     for ax, column in zip(axes, columns, strict=True):

@@ -6,7 +6,7 @@ traceback, and exits with status 2. A sweep (`-m`) is checked before its first j
 job's config validated, its taps resolved): a bad value is one paragraph, status 2, nothing run; a job
 that fails later fails alone, the other jobs still run, and Hydra reports it at the end (status 1).
 A misspelled top-level or `capture.*` key on the command line is refused before Hydra runs
-(`gradrunner.overrides`), in one paragraph with status 2; other mistakes Hydra finds while composing
+(`gradrunner.config.overrides`), in one paragraph with status 2; other mistakes Hydra finds while composing
 (an unknown option, a misspelled key inside a YAML file) get Hydra's own short message and status 1. `HYDRA_FULL_ERROR=1` shows the full traceback instead. Ctrl-C and SIGTERM
 keep the completed steps' records and exit with 130 and 143. A single run that fails writes `failed.json` and
 its error into `gradrunner.log`; one refused because of its run dir (records there, or a live run) changes
@@ -34,12 +34,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from gradrunner.config.overrides import group_mistake, misspelled_key
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
-from gradrunner.overrides import group_mistake, misspelled_key
 from gradrunner.records.columns import RECORD_FILES
 from gradrunner.records.rundir import FAILED
 from gradrunner.records.urls import url_scheme
 from gradrunner.run import signals, sweep_plan
+from gradrunner.run.books import Refused, mark_failed
 from gradrunner.run.guards import check_writable
 from gradrunner.run.hydra_adapter import (
     JobFailed,
@@ -50,7 +51,6 @@ from gradrunner.run.hydra_adapter import (
     remember_output_dir,
 )
 from gradrunner.run.job import run
-from gradrunner.run.resume import Refused, mark_failed
 from gradrunner.run.signals import Terminated
 
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it (`run.signals.exit_status`: 128 + N after signal N).
@@ -174,7 +174,7 @@ class SweepCheck(Callback):
 
 def _job_problems(config: DictConfig, jobs: list[list[str]], skip: frozenset[int]) -> dict[str, list[int]]:
     """Each distinct config mistake among the jobs not in `skip`, with the numbers of the jobs that have it."""
-    from gradrunner.config import validate
+    from gradrunner.config.schema import validate
 
     loader = config_loader()
     problems: dict[str, list[int]] = {}

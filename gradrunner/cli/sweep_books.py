@@ -34,8 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 from gradrunner.errors import one_paragraph
 from gradrunner.records import catalogue
 from gradrunner.records.rundir import DONE, FAILED, job_dirs_below, job_state, write_json
+from gradrunner.run.books import Refused, mark_failed
 from gradrunner.run.hydra_adapter import JobFailed, JobRefused, job_error, sweep_jobs
-from gradrunner.run.resume import Refused, mark_failed
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,7 @@ class SweepBookkeeping(Callback):
         hydra:
           callbacks:
             gradrunner:
-              _target_: gradrunner.callbacks.SweepBookkeeping
+              _target_: gradrunner.cli.sweep_books.SweepBookkeeping
     """
 
     def __init__(self) -> None:
@@ -306,7 +306,7 @@ class SweepBookkeeping(Callback):
         sweep_word(sweep_dir, done)  # one line per job run now: its loss, NaN/Inf, vanishing/exploding taps
         if OmegaConf.select(config, "report", default=False):
             if manifest["counts"]["completed"]:
-                from gradrunner.analysis.report import try_report  # pandas and matplotlib only when asked
+                from gradrunner.report.write import try_report  # pandas and matplotlib only when asked
 
                 try_report(sweep_dir)
             else:

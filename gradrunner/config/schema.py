@@ -5,7 +5,7 @@ checks what types cannot: strategy names, the device grammar, dtypes, values mod
 
 Example::
 
-    from gradrunner.config import validate
+    from gradrunner.config.schema import validate
     validate(cfg)   # raises GradrunnerError("capture.strategy='hooks' is not ... allowed: ...")
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-# The allowed values live in choices.py (one source; re-exported here for `from gradrunner.config import DTYPES`).
-from gradrunner.choices import DEVICES, DTYPES, NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
-from gradrunner.edit_specs import parse_edits
+# The allowed values live in choices.py (one source; re-exported here for `from gradrunner.config.schema import DTYPES`).
+from gradrunner.config.choices import DEVICES, DTYPES, NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
+from gradrunner.config.edits import parse_edits
 from gradrunner.errors import GradrunnerError, not_allowed
 
 #: Name of the schema in the ConfigStore; `conf/config.yaml` lists it first in its defaults.

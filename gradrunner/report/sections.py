@@ -1,19 +1,19 @@
-"""The report's sections shared by a run (`report`) and a large sweep (`report_sweep`).
+"""The report's sections shared by a run (`write`) and a large sweep (`sweep`).
 
 Contents:
-    _findings(summary) -> str                    -- a headline, then the taps in trouble grouped by kind and step
-    _compare(grads) / _identical(cmp)            -- `compare_strategies`, or why not; whether they all agree
-    _strategy_sections(plots, cmp, steps, ...)   -- the strategies' agreement and cost
-    _extra_sections(grads, out_dir, ...)         -- histograms, update ratios, per-example norms (when recorded)
-    _edit_sections(grads, out_dir, ...)          -- gradient edits: the edited taps, an edit-strength sweep's panel
+    findings_html(summary) -> str                    -- a headline, then the taps in trouble grouped by kind and step
+    compare(grads) / identical(cmp)            -- `compare_strategies`, or why not; whether they all agree
+    strategy_sections(plots, cmp, steps, ...)   -- the strategies' agreement and cost
+    extra_sections(grads, out_dir, ...)         -- histograms, update ratios, per-example norms (when recorded)
+    edit_sections(grads, out_dir, ...)          -- gradient edits: the edited taps, an edit-strength sweep's panel
 
-A section is HTML that starts with its <h2> (`report_page._section`); the figures are drawn through the
-`figure` given (`report_page.FigureWriter`), so the caller decides how they are saved.
+A section is HTML that starts with its <h2> (`page.html_section`); the figures are drawn through the
+`figure` given (`page.FigureWriter`), so the caller decides how they are saved.
 
 Example::
 
-    sections = [_section("Findings", _findings(tap_summary(grads)))]
-    sections += _edit_sections(grads, out_dir, figure=_figure)
+    sections = [html_section("Findings", findings_html(tap_summary(grads)))]
+    sections += edit_sections(grads, out_dir, figure=figure_section)
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import pandas as pd
 
 from gradrunner.analysis.aggregate import AGGREGATE_ABOVE
 from gradrunner.analysis.optional import UPDATE_RATIO_GUIDE, histograms_over_steps, per_example_spread, update_ratios
-from gradrunner.analysis.report_page import FigureWriter, _section, _table
-from gradrunner.analysis.report_records import _runs_having, _with_column
 from gradrunner.analysis.summaries import (
     EXPLODE_ABOVE,
     VANISH_BELOW,
@@ -38,6 +36,8 @@ from gradrunner.analysis.summaries import (
 )
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import HIST_COLUMN, PER_EXAMPLE_COLUMN
+from gradrunner.report.page import FigureWriter, html_section, html_table
+from gradrunner.report.records import runs_having, with_column
 
 #: The histogram panels drawn at most (their taps' `hist_counts` are the only ones read for every step).
 _HIST_TAPS = 8
@@ -48,13 +48,14 @@ _KINDS = (("first_nonfinite_step", "NaN or Inf", "from step"), ("first_vanishing
           ("first_exploding_step", "exploding", f"norm above {EXPLODE_ABOVE:g} from step"))  # fmt: skip
 
 
-def _run_cols(summary: pd.DataFrame) -> list[str]:
+def run_label_columns(summary: pd.DataFrame) -> list[str]:
+    """The columns of a tap summary before `tap`: those naming the run."""
     return list(summary.columns[: summary.columns.get_loc("tap")])
 
 
-def _findings(summary: pd.DataFrame) -> str:
+def findings_html(summary: pd.DataFrame) -> str:
     """A headline (how many taps in each kind of trouble), then the taps grouped by kind and step."""
-    run_cols = _run_cols(summary)
+    run_cols = run_label_columns(summary)
     runs = summary[run_cols].drop_duplicates() if run_cols else pd.DataFrame(index=[0])
     summary = summary.assign(vanishing_at=summary["first_vanishing_step"].where(summary["vanishing"]))
     headline, details = [], []
@@ -83,7 +84,7 @@ def _findings(summary: pd.DataFrame) -> str:
     return f'<p class="headline">{" · ".join(headline)}.</p>\n' + "\n".join(details)
 
 
-def _compare(grads: pd.DataFrame) -> pd.DataFrame | str:
+def compare(grads: pd.DataFrame) -> pd.DataFrame | str:
     """`compare_strategies`, or why the runs could not be compared."""
     try:
         return compare_strategies(grads)
@@ -91,30 +92,31 @@ def _compare(grads: pd.DataFrame) -> pd.DataFrame | str:
         return str(e)
 
 
-def _identical(cmp: pd.DataFrame) -> bool:
+def identical(cmp: pd.DataFrame) -> bool:
+    """True when a strategy comparison (`compare`) shows no difference at all."""
     return not cmp[["abs_diff", "rel_diff"]].to_numpy().any()
 
 
-def _strategy_sections(
+def strategy_sections(
     plots: ModuleType, cmp: pd.DataFrame | str, steps: pd.DataFrame | None, out_dir: Path, *, figure: FigureWriter
 ) -> list[str]:
     """Agreement between the strategies (largest differences) and their cost."""
     if isinstance(cmp, str):
-        return [_section("Do the strategies agree?", f"<p>Not compared: {html.escape(cmp)}</p>")]
+        return [html_section("Do the strategies agree?", f"<p>Not compared: {html.escape(cmp)}</p>")]
     worst = cmp.groupby("stat", sort=False)[["abs_diff", "rel_diff"]].max().reset_index()
-    verdict = "identical records" if _identical(cmp) else "they differ"
+    verdict = "identical records" if identical(cmp) else "they differ"
     sections = [
-        _section("Do the strategies agree?",
-                 f"<p>Largest difference over every step, tap and call: <b>{verdict}</b>.</p>\n{_table(worst)}"),
+        html_section("Do the strategies agree?",
+                 f"<p>Largest difference over every step, tap and call: <b>{verdict}</b>.</p>\n{html_table(worst)}"),
     ]  # fmt: skip
-    if not _identical(cmp):  # bars of zeros are an empty chart: the table above says it
+    if not identical(cmp):  # bars of zeros are an empty chart: the table above says it
         sections.append(figure(out_dir, "agreement", "Strategy agreement", plots.plot_strategy_agreement(cmp)))
     if steps is not None:
         costs = strategy_costs(steps)
         note = ("Medians over the captured steps. On CPU peak memory is the process's peak RSS, which "
                 "never goes down: jobs of a sweep run in one process see the earlier jobs' peaks.")  # fmt: skip
         sections += [
-            _section("What each strategy costs", f"<p>{html.escape(note)}</p>\n{_table(_cost_table(costs))}"),
+            html_section("What each strategy costs", f"<p>{html.escape(note)}</p>\n{html_table(_cost_table(costs))}"),
             figure(out_dir, "cost", "Strategy cost", plots.plot_strategy_cost(costs)),
         ]
     return sections
@@ -130,7 +132,7 @@ def _cost_table(costs: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _extra_sections(
+def extra_sections(
     grads: pd.DataFrame,
     out_dir: Path,
     only: tuple[str, ...] = (HIST_COLUMN, "update_ratio", PER_EXAMPLE_COLUMN),
@@ -139,17 +141,17 @@ def _extra_sections(
 ) -> list[str]:
     """The panels of the optional columns (of `only`), when the records have them: histograms, update ratios,
     per-example norms."""
-    from gradrunner.analysis import plots_optional
+    from gradrunner.report import plots_optional
 
     sections = []
-    having = _runs_having(out_dir, grads, HIST_COLUMN) if HIST_COLUMN in only else []
+    having = runs_having(out_dir, grads, HIST_COLUMN) if HIST_COLUMN in only else []
     if having:
         every = pd.concat([run for run, _ in having])
         with_grad = every[every["has_grad"].fillna(False).astype(bool)]
         drawn = sorted(set(forward_order(with_grad if len(with_grad) else every).head(_HIST_TAPS)["tap"]))
-        panels = pd.concat([_with_column(run, f, HIST_COLUMN, [("tap", "in", drawn)]) for run, f in having])
+        panels = pd.concat([with_column(run, f, HIST_COLUMN, [("tap", "in", drawn)]) for run, f in having])
         last = pd.concat(
-            [_with_column(run, f, HIST_COLUMN, [("step", "==", int(run["step"].max()))]) for run, f in having]
+            [with_column(run, f, HIST_COLUMN, [("step", "==", int(run["step"].max()))]) for run, f in having]
         )
         if panels[HIST_COLUMN].notna().any() and last[HIST_COLUMN].notna().any():
             runs = " (a column per run)" if len(having) > 1 else ""
@@ -160,7 +162,7 @@ def _extra_sections(
                     "are drawn. The table: every tap at each run's last captured step.")  # fmt: skip
             fig = plots_optional.plot_histograms(panels, max_taps=_HIST_TAPS)
             sections.append(figure(out_dir, "histograms", "Gradient histograms over steps", fig, note)
-                            + _table(_histogram_table(last)))  # fmt: skip
+                            + html_table(_histogram_table(last)))  # fmt: skip
     if "update_ratio" in only and "update_ratio" in grads.columns and grads["update_ratio"].notna().any():
         with_ratio = grads[grads["update_ratio"].notna()]
         r = update_ratios(with_ratio)
@@ -173,9 +175,9 @@ def _extra_sections(
                 f"{UPDATE_RATIO_GUIDE:g} per step is the usual guide (far below: learning too slowly, far above: "
                 "too fast). The table: each run's last captured step.")  # fmt: skip
         fig = plots_optional.plot_update_ratios(with_ratio)
-        sections.append(figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + _table(last))
-    having = _runs_having(out_dir, grads, PER_EXAMPLE_COLUMN) if PER_EXAMPLE_COLUMN in only else []  # one column read
-    norms = pd.concat([_with_column(run, f, PER_EXAMPLE_COLUMN, []) for run, f in having]) if having else None
+        sections.append(figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + html_table(last))
+    having = runs_having(out_dir, grads, PER_EXAMPLE_COLUMN) if PER_EXAMPLE_COLUMN in only else []  # one column read
+    norms = pd.concat([with_column(run, f, PER_EXAMPLE_COLUMN, []) for run, f in having]) if having else None
     if norms is not None and norms[PER_EXAMPLE_COLUMN].notna().any():
         with_norms = norms[norms[PER_EXAMPLE_COLUMN].notna()]
         named = [c for c in run_columns(with_norms) if c != "run_id"]
@@ -188,7 +190,7 @@ def _extra_sections(
                 f"{' (a panel per run)' if len(having) > 1 else ''}: 1 means every example weighs the same. "
                 "most_often_top is the batch row most often largest.")  # fmt: skip
         fig = plots_optional.plot_per_example_spread(with_norms)
-        sections.append(figure(out_dir, "per_example", "Per-example gradient norms", fig, note) + _table(table))
+        sections.append(figure(out_dir, "per_example", "Per-example gradient norms", fig, note) + html_table(table))
     return sections
 
 
@@ -208,14 +210,14 @@ def _histogram_table(last: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _edit_sections(
+def edit_sections(
     grads: pd.DataFrame, out_dir: Path, keys: list[str] | None = None, *, figure: FigureWriter
 ) -> list[str]:
     """Gradient edits: which taps were edited (a row per run and tap, or per value of `keys` and tap) and, for a
     sweep over an edit's strength, its panel."""
     if "edited" not in grads.columns or not grads["edited"].fillna(False).astype(bool).any():
         return []
-    from gradrunner.analysis import plots_edits
+    from gradrunner.report import plots_edits
 
     edited = grads[grads["edited"].fillna(False).astype(bool)]
     table = (
@@ -227,7 +229,7 @@ def _edit_sections(
         "Edited taps (edits=...): their records hold the gradient as it arrived (norm_before, mean over the "
         "captured steps); norm_after is what the edit let through to the rest of backward."
     )
-    sections = [_section("Gradient edits", f"<p>{html.escape(note)}</p>\n{_table(table)}")]
+    sections = [html_section("Gradient edits", f"<p>{html.escape(note)}</p>\n{html_table(table)}")]
     column = plots_edits.edit_strength_column(grads)
     if column is not None:
         note = (

@@ -21,7 +21,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import HydraException
 
-from gradrunner.config import CaptureConfig, Config, TrainConfig
+from gradrunner.config.schema import CaptureConfig, Config, TrainConfig
 from gradrunner.errors import closest, did_you_mean
 
 #: Config groups: a key under them belongs to the chosen option (model.depth, data.batch_size, ...).
@@ -98,7 +98,7 @@ def misspelled_key(argv: Sequence[str]) -> str | None:
 
 
 #: The package's own config dir: one subdirectory per config group, one YAML file per option.
-_PACKAGE_CONF = Path(__file__).resolve().parent / "conf"
+_PACKAGE_CONF = Path(__file__).resolve().parent.parent / "conf"
 
 
 def _search_dirs(argv: Sequence[str]) -> list[Path] | None:

@@ -1,11 +1,11 @@
-"""`python -m gradrunner.report <run or sweep dir>`: the figures and one self-contained HTML page.
+"""The report's entry points (`python -m gradrunner.report <run or sweep dir>`): figures and one HTML page.
 
 Contents:
     write_report(path) -> Path   -- PNGs and `report.html` next to the records; returns the HTML path
     try_report(path) -> Path | None  -- the same, logging how to write it later instead of raising
     check_available() -> None    -- raise GradrunnerError (with the install hint) if matplotlib is missing
     main(argv) -> int            -- the command line
-    REPORT_NAME, DPI             -- the page's file name; the PNGs' resolution (`report_page`)
+    REPORT_NAME, DPI             -- the page's file name; the PNGs' resolution (`page`)
 
 The page embeds its images (base64 PNG) and its tables, loads nothing and runs no script, so it
 can be mailed or archived on its own. A sweep of more than `AGGREGATE_ABOVE` runs is aggregated over its
@@ -14,14 +14,7 @@ run; no PNG is larger than a page. A user mistake (a path without records) or a 
 matplotlib prints one paragraph to stderr and exits with status 2.
 
 This module holds the entry points and a run's sections (or those of a sweep of at most `AGGREGATE_ABOVE`
-runs, a panel each). The rest of the report, importing downward only:
-
-| module | what it holds |
-| --- | --- |
-| `report_sweep` | a large sweep's sections, drawn across its runs |
-| `report_sections` | sections a run and a sweep share: findings, strategies, optional columns, edits |
-| `report_records` | what the report reads beyond `load`: light columns, the rows a figure draws |
-| `report_page` | the page: sections, tables, figures embedded as PNG, the page written atomically |
+runs, a panel each); the rest of the report is listed in `gradrunner.report`'s table.
 
 Example::
 
@@ -43,29 +36,29 @@ import pandas as pd
 
 from gradrunner.analysis.aggregate import AGGREGATE_ABOVE
 from gradrunner.analysis.reading import load
-from gradrunner.analysis.report_page import (
+from gradrunner.analysis.summaries import flow_steps, run_columns, tap_summary, vanishing_boundary
+from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
+from gradrunner.report.page import (
     DPI,
     INSTALL_HINT,
     REPORT_NAME,
-    _figure,
-    _import_plots,
-    _section,
-    _table,
+    figure_section,
+    html_section,
+    html_table,
+    import_plots,
     write_page,
 )
-from gradrunner.analysis.report_records import _config_value, _drawn_values, _light_columns
-from gradrunner.analysis.report_sections import (
-    _compare,
-    _edit_sections,
-    _extra_sections,
-    _findings,
-    _identical,
-    _run_cols,
-    _strategy_sections,
+from gradrunner.report.records import config_value, drawn_values, light_columns
+from gradrunner.report.sections import (
+    compare,
+    edit_sections,
+    extra_sections,
+    findings_html,
+    identical,
+    run_label_columns,
+    strategy_sections,
 )
-from gradrunner.analysis.report_sweep import sweep_sections
-from gradrunner.analysis.summaries import flow_steps, run_columns, tap_summary, vanishing_boundary
-from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
+from gradrunner.report.sweep import sweep_sections
 
 __all__ = ["DPI", "INSTALL_HINT", "REPORT_NAME", "check_available", "main", "try_report", "write_report"]
 
@@ -80,7 +73,7 @@ def check_available() -> None:
         if cfg.report:
             check_available()      # fail before step 0, not after the last one
     """
-    _import_plots()
+    import_plots()
 
 
 def write_report(path: str | Path) -> Path:
@@ -97,22 +90,22 @@ def write_report(path: str | Path) -> Path:
     agreement and cost; value distributions when values were captured. The PNGs are
     `report-<figure>.png`, none larger than a page (`plots.PAGE_INCHES` at `DPI`); an existing report is
     overwritten (records never are). A sweep of more than `AGGREGATE_ABOVE` runs is aggregated over its runs
-    (`report_sweep`): a median line and 10-90% band per swept value, a table row per swept value, never a
+    (`sweep`): a median line and 10-90% band per swept value, a table row per swept value, never a
     panel per run; the page says what was aggregated.
     """
-    plots = _import_plots()
+    plots = import_plots()
     root = Path(path)
     out_dir = root.parent if root.is_file() else root
     # every column but the per-element ones (`values`, `hist_counts`, `per_example_norm`): those are read
     # below for the rows drawn only (columns and row filters), never for every row
-    grads = load(out_dir, columns=_light_columns(out_dir))
+    grads = load(out_dir, columns=light_columns(out_dir))
     if grads.empty:
         raise GradrunnerError(f"the records in {out_dir} hold no rows (no step was captured); nothing to report")
     steps = _load_steps(out_dir)
     summary = tap_summary(grads)
-    # every section draws through this module's `_figure`, looked up at each call (a test may wrap it)
+    # every section draws through this module's `figure_section`, looked up at each call (a test may wrap it)
     if grads["run_id"].nunique() > AGGREGATE_ABOVE:  # a panel, a table row or a sentence per run would not be read
-        sections, answer = sweep_sections(out_dir, grads, steps, summary, _figure)
+        sections, answer = sweep_sections(out_dir, grads, steps, summary, figure_section)
     else:
         sections, answer = _run_sections(plots, out_dir, grads, steps, summary)
     return write_page(out_dir, grads, sections, answer)
@@ -122,32 +115,32 @@ def _run_sections(
     plots: ModuleType, out_dir: Path, grads: pd.DataFrame, steps: pd.DataFrame | None, summary: pd.DataFrame
 ) -> tuple[list[str], str]:
     """The sections and the first paragraph of a run, or of a sweep of at most `AGGREGATE_ABOVE` runs (a panel each)."""
-    cmp = _compare(grads) if grads["strategy"].nunique() > 1 else None
+    cmp = compare(grads) if grads["strategy"].nunique() > 1 else None
     shown, once = grads, ""
-    if isinstance(cmp, pd.DataFrame) and _identical(cmp):  # the same figures N times say nothing more
+    if isinstance(cmp, pd.DataFrame) and identical(cmp):  # the same figures N times say nothing more
         shown = grads[grads["run_id"] == grads["run_id"].iloc[0]]
         once = (f" Identical for the strategies {', '.join(dict.fromkeys(grads['strategy'].astype(str)))}: "
                 f"shown once ({shown['strategy'].iloc[0]}).")  # fmt: skip
     flow_note = "Steps shown, per run: the first, the largest change, the last finite one and the first with NaN/Inf."
-    sections = [_section("Findings", _findings(summary))]
+    sections = [html_section("Findings", findings_html(summary))]
     if steps is not None and len(steps):
-        sections.append(_figure(out_dir, "loss", "Loss over the steps", plots.plot_loss(steps)))
+        sections.append(figure_section(out_dir, "loss", "Loss over the steps", plots.plot_loss(steps)))
         sections += _training_sections(out_dir, steps)
     sections += [
         _runs_section(grads, steps),
-        _section("Per-tap summary", _summary_table(summary)),
-        _figure(out_dir, "grad_flow", "Gradient flow", plots.plot_grad_flow(shown, steps=_flow_steps(shown)),
+        html_section("Per-tap summary", _summary_table(summary)),
+        figure_section(out_dir, "grad_flow", "Gradient flow", plots.plot_grad_flow(shown, steps=_flow_steps(shown)),
                 flow_note + once),
-        _figure(out_dir, "norms", "Gradient norm over the steps", plots.plot_norms(shown), once.strip()),
+        figure_section(out_dir, "norms", "Gradient norm over the steps", plots.plot_norms(shown), once.strip()),
     ]  # fmt: skip
     if cmp is not None:
-        sections += _strategy_sections(plots, cmp, steps, out_dir, figure=_figure)
-    values = _drawn_values(out_dir, grads)
+        sections += strategy_sections(plots, cmp, steps, out_dir, figure=figure_section)
+    values = drawn_values(out_dir, grads)
     if values is not None:
         fig = plots.plot_value_distributions(values)
-        sections.append(_figure(out_dir, "values", "Gradient values", fig, "First and last captured step."))
-    sections += _extra_sections(grads, out_dir, figure=_figure)
-    sections += _edit_sections(grads, out_dir, figure=_figure)
+        sections.append(figure_section(out_dir, "values", "Gradient values", fig, "First and last captured step."))
+    sections += extra_sections(grads, out_dir, figure=figure_section)
+    sections += edit_sections(grads, out_dir, figure=figure_section)
     return sections, _answer(grads, steps, summary, cmp)
 
 
@@ -196,7 +189,7 @@ def _runs_section(grads: pd.DataFrame, steps: pd.DataFrame | None) -> str:
         runs["steps run"] = by_run["step"].size().reindex(g.size().index).to_numpy()
         runs["last loss"] = by_run["loss"].agg(lambda s: s.iloc[-1]).reindex(g.size().index).to_numpy()
     runs["last loss"] = [f"{v:.6g}" if v == v else "NaN" for v in runs["last loss"]]  # NaN shown, not blank
-    return _section("Runs", _table(runs))
+    return html_section("Runs", html_table(runs))
 
 
 #: The per-tap summary's columns as the page shows them (the rest stay in `tap_summary`).
@@ -207,10 +200,10 @@ _SHOWN = {"tap": "tap", "call": "call", "steps": "steps", "first": "first", "las
 
 def _summary_table(summary: pd.DataFrame) -> str:
     """One table: a row per tap; strategies side by side (differences marked) unless they all agree."""
-    run_cols = _run_cols(summary)
+    run_cols = run_label_columns(summary)
     note = "Gradient norm over the captured steps."
     if "strategy" not in run_cols or summary["strategy"].nunique() < 2:
-        return f"<p>{note}</p>\n{_table(summary[run_cols + list(_SHOWN)].rename(columns=_SHOWN))}"
+        return f"<p>{note}</p>\n{html_table(summary[run_cols + list(_SHOWN)].rename(columns=_SHOWN))}"
     strategies = list(dict.fromkeys(summary["strategy"]))
     keys = [c for c in run_cols if c != "strategy"] + ["tap", "call"]
     numeric = [c for c in _SHOWN if c not in ("tap", "call")]
@@ -221,12 +214,12 @@ def _summary_table(summary: pd.DataFrame) -> str:
     first = summary.drop_duplicates(keys).set_index(keys)[numeric]
     if agree.to_numpy().all():
         table = first.reset_index()[keys + numeric].rename(columns=_SHOWN)
-        return f"<p>{note} Identical for the strategies {', '.join(strategies)}.</p>\n{_table(table)}"
+        return f"<p>{note} Identical for the strategies {', '.join(strategies)}.</p>\n{html_table(table)}"
     wide = summary.pivot_table(index=keys, columns="strategy", values="last", sort=False, dropna=False)
     wide = wide.reindex(columns=strategies).rename(columns=lambda c: f"last ({c})")
     table = first.drop(columns="last").join(wide)
     table.insert(0, "agree", np.where(agree.all(axis=1).reindex(table.index), "yes", "DIFFER"))
-    body = _table(table.reset_index().rename(columns=_SHOWN)).replace("<td>DIFFER</td>", '<td class="bad">differ</td>')
+    body = html_table(table.reset_index().rename(columns=_SHOWN)).replace("<td>DIFFER</td>", '<td class="bad">differ</td>')
     return f"<p>{note} The strategies disagree on the rows marked <b>differ</b>.</p>\n{body}"
 
 
@@ -237,13 +230,13 @@ def _answer(
     lines = []
     if isinstance(cmp, pd.DataFrame):
         n = grads["strategy"].nunique()
-        if _identical(cmp):
+        if identical(cmp):
             lines.append(f"All {n} strategies agree (largest relative difference 0).")
         else:
             worst = cmp.iloc[int(np.argmax(cmp["rel_diff"].to_numpy(dtype=np.float64)))]
             lines.append(f"The {n} strategies differ: largest relative difference {worst['rel_diff']:.3g}, "
                          f"in {worst['stat']} of {worst['tap']} at step {int(worst['step'])}.")  # fmt: skip
-    run_cols = _run_cols(summary)
+    run_cols = run_label_columns(summary)
     runs = list(summary.groupby(run_cols, sort=False, dropna=False)) if run_cols else [((), summary)]
     said: list[tuple[str, str]] = []
     for key, rows in runs:
@@ -302,17 +295,17 @@ def _training_sections(out_dir: Path, steps: pd.DataFrame) -> list[str]:
         values = steps[column] if column in steps.columns else pd.Series(dtype=bool)
         return bool(values[values.notna()].astype(bool).any())  # NaN (a step without the column) is False
 
-    value = _config_value(out_dir, ("train", "clip_grad_norm"))
+    value = config_value(out_dir, ("train", "clip_grad_norm"))
     clip = float(value) if isinstance(value, (int, float)) else None
     lr_varies = steps["lr"].nunique(dropna=True) > 1
     if not (lr_varies or clip is not None or has("clipped") or has("skipped") or has("eval_loss")):
         return []
-    from gradrunner.analysis import plots_training
+    from gradrunner.report import plots_training
 
     note = ("The total gradient norm before clipping (log scale; clipped steps marked, the threshold dashed) and "
             "the learning rate each step used (skipped fp16 steps marked; eval loss where evaluated).")  # fmt: skip
     fig = plots_training.plot_training(steps.sort_values("step"), clip=clip)
-    return [_figure(out_dir, "training", "Training: grad norm and learning rate", fig, note)]
+    return [figure_section(out_dir, "training", "Training: grad norm and learning rate", fig, note)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -26,8 +26,8 @@ from gradrunner.analysis.optional import (
     per_example_spread,
     update_ratios,
 )
-from gradrunner.analysis.plots import _runs
 from gradrunner.analysis.summaries import forward_order, run_columns
+from gradrunner.report.plots import titled_runs
 
 
 def plot_histograms(df: pd.DataFrame, max_taps: int = 8) -> Figure:
@@ -43,7 +43,7 @@ def plot_histograms(df: pd.DataFrame, max_taps: int = 8) -> Figure:
     """
     with_hist = df[df["hist_counts"].notna()]
     order = forward_order(with_hist).head(max_taps)
-    runs = _runs(with_hist, run_columns(with_hist)) if len(with_hist) else [("", with_hist)]
+    runs = titled_runs(with_hist, run_columns(with_hist)) if len(with_hist) else [("", with_hist)]
     n = max(len(order), 1)
     fig = Figure(figsize=(max(9.0, 6.0 * len(runs)), 2.2 * n), layout="constrained")
     grid = fig.subplots(n, len(runs), squeeze=False)
@@ -84,7 +84,7 @@ def plot_update_ratios(df: pd.DataFrame) -> Figure:
     """
     update_ratios(df)  # raises, naming the option, when no row has one
     rows_with = df[df["update_ratio"].notna()]
-    runs = [(t, rows) for t, rows in _runs(rows_with, run_columns(rows_with))]
+    runs = [(t, rows) for t, rows in titled_runs(rows_with, run_columns(rows_with))]
     fig = Figure(figsize=(8, 3.2 * len(runs)), layout="constrained")
     axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
     for ax, (title, run) in zip(axes, runs, strict=True):
@@ -116,7 +116,7 @@ def plot_per_example_spread(df: pd.DataFrame) -> Figure:
     """
     per_example_spread(df)  # raises, naming the option, when no row has one
     rows_with = df[df["per_example_norm"].notna()]
-    runs = _runs(rows_with, run_columns(rows_with))
+    runs = titled_runs(rows_with, run_columns(rows_with))
     taps = list(dict.fromkeys(rows_with["tap"]))
     fig = Figure(figsize=(max(5.0, 0.6 * len(taps) + 2), 4 * len(runs)), layout="constrained")
     axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]

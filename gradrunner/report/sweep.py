@@ -6,12 +6,12 @@ Contents:
            and a 10-90% band (`aggregate.over_runs`, drawn by `plots_sweep`); a table row per swept value
 
 `report.write_report` calls it for a large sweep; a run, or a smaller sweep, gets `report`'s own sections.
-The sections a run and a sweep share come from `report_sections`, the page helpers from `report_page`.
+The sections a run and a sweep share come from `sections`, the page helpers from `page`.
 
 Example::
 
     grads = load(sweep_dir)
-    sections, answer = sweep_sections(sweep_dir, grads, load(sweep_dir, table="steps"), tap_summary(grads), _figure)
+    sections, answer = sweep_sections(sweep_dir, grads, load(sweep_dir, table="steps"), tap_summary(grads), figure_section)
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from gradrunner.analysis.aggregate import (
     taps_by_value,
 )
 from gradrunner.analysis.optional import UPDATE_RATIO_GUIDE, update_ratios
-from gradrunner.analysis.report_page import FigureWriter, _import_plots, _section, _table
-from gradrunner.analysis.report_records import _drawn_values
-from gradrunner.analysis.report_sections import _compare, _edit_sections, _extra_sections, _findings, _strategy_sections
 from gradrunner.analysis.summaries import flow_steps, forward_order
 from gradrunner.records.columns import CONSTANT_COLUMNS, HIST_COLUMN, PER_EXAMPLE_COLUMN
+from gradrunner.report.page import FigureWriter, html_section, html_table, import_plots
+from gradrunner.report.records import drawn_values
+from gradrunner.report.sections import compare, edit_sections, extra_sections, findings_html, strategy_sections
 
 #: Runs named in the list of runs with NaN/Inf at most (a large sweep); the rest are counted.
 _NAMED_RUNS = 10
@@ -53,13 +53,13 @@ def sweep_sections(
     override(s) `sweep_layout` keeps apart, the median over the runs and a 10-90% band (`over_runs`); a table row
     per swept value (and tap), not per run; the page says what was aggregated. One run stands for the sweep in the
     figures of captured values, histograms and per-example norms (named)."""
-    from gradrunner.analysis import plots_sweep
+    from gradrunner.report import plots_sweep
 
     layout = sweep_layout(grads)
     said = layout.describe()
     with_grad = grads[grads["has_grad"].fillna(False).astype(bool)]
     runs = per_run(grads, steps, summary, layout)
-    sections = [_section("Findings", _findings(summary))]
+    sections = [html_section("Findings", findings_html(summary))]
     if steps is not None and len(steps):
         tables = {c: over_runs(steps, c, layout, ["step"]) for c in ("loss", "grad_norm")
                   if c in steps.columns and steps[c].notna().any()}  # fmt: skip
@@ -79,10 +79,10 @@ def sweep_sections(
              "per-tap summary has every tap." if len(taps) < len(order) else "")  # fmt: skip
     note = "Gradient norm over the captured steps: per swept value and tap, the median over the runs of each run's "
     sections += [
-        _section("Runs", f"<p>{html.escape(said + ' A row per swept value; load() gives every run.' + named)}</p>\n"
-                         + _table(runs_by_value(runs, layout))),
-        _section("Per-tap summary", f"<p>{html.escape(note)}first, last and largest norm, and how many runs had the "
-                                    f"tap in trouble.</p>\n{_table(taps_by_value(summary, layout, grads))}"),
+        html_section("Runs", f"<p>{html.escape(said + ' A row per swept value; load() gives every run.' + named)}</p>\n"
+                         + html_table(runs_by_value(runs, layout))),
+        html_section("Per-tap summary", f"<p>{html.escape(note)}first, last and largest norm, and how many runs had the "
+                                    f"tap in trouble.</p>\n{html_table(taps_by_value(summary, layout, grads))}"),
         figure(out_dir, "grad_flow", "Gradient flow", plots_sweep.plot_flow_over_runs(flow, layout, forward_order(grads)),
                f"{said} Steps shown: the first, the largest change, the last finite one and the first with NaN/Inf."),
         figure(out_dir, "norms", "Gradient norm over the steps", plots_sweep.plot_over_steps(norms, layout, taps, "norm"),
@@ -90,24 +90,24 @@ def sweep_sections(
     ]  # fmt: skip
     if grads["strategy"].nunique() > 1:
         cost_steps = None if steps is None else steps[[c for c in steps.columns if c in _COST_KEPT]]
-        sections += _strategy_sections(_import_plots(), _compare(grads), cost_steps, out_dir, figure=figure)
+        sections += strategy_sections(import_plots(), compare(grads), cost_steps, out_dir, figure=figure)
     sections += _sweep_update_ratios(out_dir, grads, layout, figure)
     first = grads[grads["run_id"] == grads["run_id"].iloc[0]]
     name = f"job {first['job'].iloc[0]}" if "job" in first.columns else f"run {first['run_id'].iloc[0]}"
-    values = _drawn_values(out_dir, first)
+    values = drawn_values(out_dir, first)
     if values is not None:
-        fig = _import_plots().plot_value_distributions(values)
+        fig = import_plots().plot_value_distributions(values)
         sections.append(figure(out_dir, "values", "Gradient values", fig, f"First and last captured step of {name}."))
-    for section in _extra_sections(first, out_dir, only=(HIST_COLUMN, PER_EXAMPLE_COLUMN), figure=figure):
+    for section in extra_sections(first, out_dir, only=(HIST_COLUMN, PER_EXAMPLE_COLUMN), figure=figure):
         one = f"One run, {name}, of {layout.runs:,}. "
         sections.append(section.replace("</h2>\n<p>", f"</h2>\n<p>{html.escape(one)}", 1))
-    sections += _edit_sections(grads, out_dir, keys=layout.keys, figure=figure)
+    sections += edit_sections(grads, out_dir, keys=layout.keys, figure=figure)
     return sections, "<br>".join(html.escape(t) for t in [said, *_sweep_answer(runs, layout)])
 
 
 def _sweep_update_ratios(out_dir: Path, grads: pd.DataFrame, layout: SweepLayout, figure: FigureWriter) -> list[str]:
     """A large sweep's update-to-weight ratios: per swept value and parameter tap, the median over runs and its band."""
-    from gradrunner.analysis import plots_sweep
+    from gradrunner.report import plots_sweep
 
     if "update_ratio" not in grads.columns or not grads["update_ratio"].notna().any():
         return []
@@ -122,7 +122,7 @@ def _sweep_update_ratios(out_dir: Path, grads: pd.DataFrame, layout: SweepLayout
         f"{layout.describe()} Norm of each optimiser step's change over the parameter's norm; about "
         f"{UPDATE_RATIO_GUIDE:g} per step is the usual guide (dashed). The table: the last captured step."
     )
-    return [figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + _table(last.drop(columns="call"))]
+    return [figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + html_table(last.drop(columns="call"))]
 
 
 def _sweep_answer(runs: pd.DataFrame, layout: SweepLayout) -> list[str]:

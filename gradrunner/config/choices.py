@@ -6,7 +6,7 @@ holds the two equal.
 
 Example::
 
-    from gradrunner.choices import DTYPES
+    from gradrunner.config.choices import DTYPES
     assert "bfloat16" in DTYPES
 """
 

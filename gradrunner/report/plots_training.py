@@ -5,7 +5,7 @@ Example::
     steps = pd.read_parquet("runs/pre/steps.parquet")
     plot_training(steps, clip=1.0).savefig("training.png")
 
-Built without pyplot, like every figure of `gradrunner.analysis.plots` (the `gradrunner[report]` extra).
+Built without pyplot, like every figure of `gradrunner.report.plots` (the `gradrunner[report]` extra).
 """
 
 from __future__ import annotations

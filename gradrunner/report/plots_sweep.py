@@ -29,7 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from gradrunner.analysis.aggregate import SweepLayout
-from gradrunner.analysis.plots import PAGE_INCHES, short_labels
+from gradrunner.report.plots import PAGE_INCHES, short_labels
 
 #: Rows of panels (taps) drawn at most; the report says which taps were picked.
 MAX_TAPS = 8
@@ -183,13 +183,13 @@ def plot_flow_over_runs(table: pd.DataFrame, layout: SweepLayout, order: pd.Data
 
     Parameter taps (`weight`, `bias`) are drawn with dashed lines, apart from the activations'.
     """
-    from gradrunner.analysis.plots import WEIGHTS, _kind
+    from gradrunner.report.plots import WEIGHTS, tap_kind
 
     steps = sorted(int(s) for s in pd.unique(table["step"]))
     facets, hues = _levels(table, layout.facet), _levels(table, layout.hue)
     colors = _hue_colors(hues)
     labels, prefix = short_labels(order["label"])
-    kinds = np.array([_kind(str(t).split(":", 1)[-1]) for t in order["tap"]])
+    kinds = np.array([tap_kind(str(t).split(":", 1)[-1]) for t in order["tap"]])
     t = table.merge(order[["tap", "call", "position"]], on=["tap", "call"], how="inner")
     fig, grid = _grid(len(steps), len(facets), 2.4, max(5.0, 0.45 * len(order)))
     for row, step in enumerate(steps):

@@ -2,19 +2,19 @@
 
 Contents:
     _grads_files(out_dir) -> [Path]           -- the grads files of a run or sweep dir (hidden dirs skipped)
-    _light_columns(out_dir) -> [str] | None   -- every column but the per-element ones (`_HEAVY`)
-    _config_value(out_dir, keys) -> object    -- a value of the run's resolved config (the grads file's metadata)
-    _runs_having(out_dir, grads, column)      -- each run whose grads file has `column`, and that file
-    _with_column(run, file, column, filters)  -- a run's rows with `column` read for the filtered rows only
-    _drawn_values(out_dir, grads)             -- the first run's `values` at its first and last step, or None
+    light_columns(out_dir) -> [str] | None   -- every column but the per-element ones (`_HEAVY`)
+    config_value(out_dir, keys) -> object    -- a value of the run's resolved config (the grads file's metadata)
+    runs_having(out_dir, grads, column)      -- each run whose grads file has `column`, and that file
+    with_column(run, file, column, filters)  -- a run's rows with `column` read for the filtered rows only
+    drawn_values(out_dir, grads)             -- the first run's `values` at its first and last step, or None
 
 The per-element columns (`values`, `hist_counts`, `per_example_norm`) are read with pyarrow filters for the
 rows drawn, never for every row of a sweep.
 
 Example::
 
-    grads = load(out_dir, columns=_light_columns(out_dir))
-    values = _drawn_values(out_dir, grads)     # None when no values were captured
+    grads = load(out_dir, columns=light_columns(out_dir))
+    values = drawn_values(out_dir, grads)     # None when no values were captured
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _grads_files(out_dir: Path) -> list[Path]:
     return sorted(found)
 
 
-def _light_columns(out_dir: Path) -> list[str] | None:
+def light_columns(out_dir: Path) -> list[str] | None:
     """Every column of the grads files but the per-element ones (None: let `load` say what is missing)."""
     import pyarrow.parquet as pq
 
@@ -60,7 +60,7 @@ def _light_columns(out_dir: Path) -> list[str] | None:
     return [n for n in names if n not in _HEAVY]
 
 
-def _config_value(out_dir: Path, keys: tuple[str, ...]) -> object:
+def config_value(out_dir: Path, keys: tuple[str, ...]) -> object:
     """A value of the run's resolved config, as its grads file's metadata holds it (None where absent)."""
     import pyarrow.parquet as pq
     import yaml
@@ -81,7 +81,7 @@ def _run_file(out_dir: Path, run: pd.DataFrame) -> Path:
     return (out_dir / job if job else out_dir) / GRADS_FILE
 
 
-def _runs_having(out_dir: Path, grads: pd.DataFrame, column: str) -> list[tuple[pd.DataFrame, Path]]:
+def runs_having(out_dir: Path, grads: pd.DataFrame, column: str) -> list[tuple[pd.DataFrame, Path]]:
     """The rows of each run whose grads file has `column` (a sweep may turn an option on in some jobs), and that file."""
     import pyarrow.parquet as pq
 
@@ -93,7 +93,7 @@ def _runs_having(out_dir: Path, grads: pd.DataFrame, column: str) -> list[tuple[
     return found
 
 
-def _with_column(run: pd.DataFrame, file: Path, column: str, filters: list[tuple[str, str, object]]) -> pd.DataFrame:
+def with_column(run: pd.DataFrame, file: Path, column: str, filters: list[tuple[str, str, object]]) -> pd.DataFrame:
     """`run`'s rows that match `filters`, with `column` read from `file` for those rows only (pyarrow filters)."""
     import pyarrow.parquet as pq
 
@@ -105,7 +105,7 @@ def _with_column(run: pd.DataFrame, file: Path, column: str, filters: list[tuple
     return rows.drop(columns=[column], errors="ignore").merge(table.to_pandas(), on=keys, how="inner")
 
 
-def _drawn_values(out_dir: Path, grads: pd.DataFrame) -> pd.DataFrame | None:
+def drawn_values(out_dir: Path, grads: pd.DataFrame) -> pd.DataFrame | None:
     """The `values` of the first run at its first and last captured step only (row groups filtered), or None."""
     import pyarrow.parquet as pq
 

@@ -1,0 +1,136 @@
+"""`python -m gradrunner.taps <the same overrides as a run>`: the taps the model offers, with shapes.
+
+Builds the model and the data the config names, runs one forward pass on the first batch
+(`gradrunner.capturing.explore.list_taps`) and prints every module path in forward order: class,
+calls, output and input shapes, parameters, forward() locals; modules not called are marked.
+Nothing is written (no output dir, no records). `--format json` prints the same for scripts.
+
+Example::
+
+    python -m gradrunner.taps +experiment=transformer
+    python -m gradrunner.taps +experiment=gpt2 --format json | jq '.modules[].path'
+    python -m gradrunner.taps +experiment=gpt2 --match 'transformer.h.0.*'    # only the paths the glob matches
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+
+import hydra
+from omegaconf import DictConfig
+
+from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
+
+#: `--format` values.
+FORMATS = ("text", "json")
+#: Hydra settings that keep a listing from writing anything: no run dir contents, no log file, no callbacks.
+_QUIET = ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none", "hydra.run.dir=.",
+          "~hydra.callbacks.gradrunner", "~hydra.callbacks.output_dir"]  # fmt: skip
+_format = "text"
+#: `--match GLOB`: only the module paths it matches are listed.
+_match: str | None = None
+
+
+def _pop_option(argv: list[str], option: str, default: str | None) -> tuple[str | None, list[str]]:
+    """`--option X` / `--option=X` taken out of `argv` (Hydra does not know it)."""
+    value, rest, i = default, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == option and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith(f"{option}="):
+            value = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return value, rest
+
+
+def _pop_format(argv: list[str]) -> tuple[str, list[str]]:
+    """`--format X` taken out of `argv`, checked."""
+    fmt, rest = _pop_option(argv, "--format", "text")
+    if fmt not in FORMATS:
+        raise GradrunnerError(f"--format {fmt!r} is not allowed; allowed: {', '.join(FORMATS)}.")
+    return fmt, rest
+
+
+def listing(cfg: DictConfig) -> object:
+    """The `TapListing` of the model `cfg` names, on its first batch (no records written).
+
+    Example::
+
+        print(listing(compose("config", overrides=["+experiment=mlp"])))
+    """
+    from gradrunner.capturing.explore import list_taps
+    from gradrunner.data import ForwardInputs
+    from gradrunner.run.build import setup
+    from gradrunner.run.guards import next_batch
+
+    job = setup(cfg)
+    x, _ = next_batch(job.batches, 0, source=str(cfg.data._target_))
+    args, kwargs = (x.args, x.kwargs) if isinstance(x, ForwardInputs) else ((), x) if isinstance(x, Mapping) else ((x,), {})
+    try:
+        return list_taps(job.model, *args, **kwargs)
+    except GradrunnerError:
+        raise
+    except Exception as e:
+        raise GradrunnerError(
+            f"the model's forward() raised {type(e).__name__}: {one_paragraph(e)} on the first batch; "
+            "check that the data fits the model (data.* shapes), as a run would"
+        ) from e
+
+
+def main() -> None:
+    """Entry point: take `--format` out of argv, keep Hydra from writing anything, run the app.
+
+    Example::
+
+        python -m gradrunner.taps +experiment=mlp --format json
+    """
+    global _format, _match
+    try:
+        _format, argv = _pop_format(sys.argv[1:])
+        _match, argv = _pop_option(argv, "--match", None)
+    except GradrunnerError as e:
+        print(f"gradrunner.taps: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+    if "-m" in argv or "--multirun" in argv:
+        print("gradrunner.taps: error: -m/--multirun is not allowed; list one config's taps at a time.",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(EXIT_USER_ERROR)
+    sys.argv = [sys.argv[0], *argv, *([] if "--help" in argv or "-h" in argv else _QUIET)]
+    app()
+
+
+@hydra.main(version_base="1.3", config_path="pkg://gradrunner.conf", config_name="config")
+def app(cfg: DictConfig) -> None:
+    """Print the listing of `cfg`'s model; a user mistake is one paragraph and exit status 2."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        result = listing(cfg)
+    except (GradrunnerError, OmegaConfBaseException) as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"gradrunner.taps: error: {one_paragraph(e)}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USER_ERROR)
+    if _match is not None:
+        result = result.matching(_match)  # type: ignore[attr-defined]
+        if not result.modules:
+            print(f"gradrunner.taps: error: --match {_match!r} matches no module path of {result.model}; "
+                  "it is a glob over paths as model.named_modules() prints them, e.g. --match 'layers.0.*'",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            sys.exit(EXIT_USER_ERROR)
+    text = json.dumps(result.to_dict(), indent=1) if _format == "json" else str(result)  # type: ignore[attr-defined]
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+if __name__ == "__main__":
+    main()
