@@ -315,5 +315,3 @@ def _check_library(target: str) -> None:
                               f"pip install 'gradrunner[{target}]' and run the export again.")  # fmt: skip
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
