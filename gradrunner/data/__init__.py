@@ -1,18 +1,17 @@
-"""Data sources for the runner (config group `data`); `gradrunner.data.X` stays the `_target_` of each option."""
+"""Data for the runner (config group `data`): `gradrunner.data.X` is each option's `_target_`, as records store it.
 
-from gradrunner.data.batches import (
-    TASKS,
-    Batch,
-    DataSource,
-    Digits,
-    ForwardInputs,
-    Synthetic,
-    Tensors,
-    Tokens,
-    as_batches,
-    call,
-    cast,
-    with_kwargs,
-)
+| module | what it holds |
+| --- | --- |
+| `batches` | the `DataSource` protocol, `as_batches` (any source or iterable, cycled), `cast`, `ForwardInputs`, `call` |
+| `sources` | the built-in sources: `Synthetic`, `Tensors`, `Digits`, `Tokens` |
+
+Example::
+
+    from gradrunner.data import Synthetic, as_batches
+    x, y = next(as_batches(Synthetic(input_shape=[8]), torch.device("cpu"), torch.float32))
+"""
+
+from gradrunner.data.batches import Batch, DataSource, ForwardInputs, as_batches, call, cast, with_kwargs
+from gradrunner.data.sources import TASKS, Digits, Synthetic, Tensors, Tokens
 
 __all__ = ["TASKS", "Batch", "DataSource", "Digits", "ForwardInputs", "Synthetic", "Tensors", "Tokens", "as_batches", "call", "cast", "with_kwargs"]

@@ -188,7 +188,7 @@ class Recorder:
             stack.enter_context(closing_together(grads, steps))
             self._grads, self._steps = grads, steps
         if self.log_to == "tensorboard" and self.main:
-            from gradrunner.export import LiveTensorBoard
+            from gradrunner.export.tensorboard import LiveTensorBoard
 
             self._live_log = stack.enter_context(contextlib.closing(LiveTensorBoard(self.directory / "tensorboard")))
         real = {t: getattr(w, "writer", w) for t, w in (("grads", self._grads), ("steps", self._steps))}

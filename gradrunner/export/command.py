@@ -1,0 +1,66 @@
+"""The command line of `python -m gradrunner.export <target> <dir>`: the records where people look.
+
+Example::
+
+    python -m gradrunner.export tensorboard multirun/2024-05-01/12-00-00
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from gradrunner.errors import GradrunnerError, one_paragraph
+from gradrunner.export.jobs import jobs
+from gradrunner.export.mlflow import to_mlflow
+from gradrunner.export.tensorboard import to_tensorboard
+from gradrunner.export.wandb import to_wandb
+
+TARGETS = ("tensorboard", "wandb", "mlflow")
+#: Exit code of a user mistake (as the CLI's).
+USAGE_EXIT = 2
+_DESCRIPTION = "`python -m gradrunner.export tensorboard|wandb|mlflow <run or sweep dir>`: the records where people look."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m gradrunner.export <target> <dir> [--out DIR] [--uri URI]`; exit 2 on a user mistake."""
+    parser = argparse.ArgumentParser(prog="python -m gradrunner.export", description=_DESCRIPTION)
+    parser.add_argument("target", help=f"one of {', '.join(TARGETS)}")
+    parser.add_argument("dir", help="a run dir or a sweep dir")
+    parser.add_argument("--out", help="where to write (default: <dir>/<target>, for mlflow <dir>/mlruns)")
+    parser.add_argument("--uri", help="mlflow: a tracking URI instead of the local file store")
+    parser.add_argument("--project", default="gradrunner", help="wandb project / mlflow experiment name")
+    args = parser.parse_args(argv)
+    try:
+        if args.target not in TARGETS:
+            raise GradrunnerError(f"target {args.target!r} is not an export target; allowed: {', '.join(TARGETS)} "
+                                  "(e.g. python -m gradrunner.export tensorboard runs/mine).")  # fmt: skip
+        found = jobs(args.dir)
+        _check_library(args.target)
+        out = Path(args.out) if args.out else Path(args.dir) / ("mlruns" if args.target == "mlflow" else args.target)
+        if args.target == "tensorboard":
+            where = to_tensorboard(found, out)
+            print(f"wrote {len(where)} run(s) to {out}; view with: tensorboard --logdir {out}")
+        elif args.target == "mlflow":
+            to_mlflow(found, out, args.uri, args.project)
+            print(f"wrote {len(found)} run(s) to {args.uri or out}; view with: mlflow ui --backend-store-uri {args.uri or out}")
+        else:
+            to_wandb(found, out, args.project)
+            print(f"wrote {len(found)} offline run(s) to {out / 'wandb'}; upload with: wandb sync {out / 'wandb'}/offline-run-*")
+    except GradrunnerError as e:
+        print(f"gradrunner.export: {one_paragraph(e)}", file=sys.stderr)
+        return USAGE_EXIT
+    return 0
+
+
+_EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def _check_library(target: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(_EXTRAS[target]) is None:
+        raise GradrunnerError(f"exporting to {target} needs the {_EXTRAS[target]} package, which is not installed; "
+                              f"pip install 'gradrunner[{target}]' and run the export again.")  # fmt: skip

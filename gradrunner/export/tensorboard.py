@@ -1,0 +1,100 @@
+"""The TensorBoard target: event files per job (`to_tensorboard`), and live logging from `record()` (`LiveTensorBoard`).
+
+Needs the `tensorboard` package only (`gradrunner[tensorboard]`), imported when a function runs.
+
+Example::
+
+    to_tensorboard(jobs("runs/mine"), Path("runs/mine/tensorboard"))
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from gradrunner.export.jobs import Job, tag_prefix
+from gradrunner.records.columns import COUNT_COLUMNS, EXTRA_FLOAT_COLUMNS, STAT_COLUMNS
+
+
+def to_tensorboard(all_jobs: Sequence[Job], out: Path) -> list[Path]:
+    """One event file per job under `out/<job>`; scalars, histograms and the hparams plugin's records."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    written = []
+    for job in all_jobs:
+        writer = EventFileWriter(str(out / job.name))
+        now = time.time()
+        for s in _hparams_summaries(job.params):
+            writer.add_event(Event(wall_time=now, step=0, summary=s))
+        for tag, step, value in job.scalars:
+            writer.add_event(Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])))
+        for tag, step, limits, counts in job.histograms:
+            nz = [(lim, c) for lim, c in zip(limits, counts, strict=True) if c]
+            histo = HistogramProto(min=0.0, max=max((lim for lim, _ in nz), default=0.0), num=float(sum(counts)),
+                                   bucket_limit=limits, bucket=[float(c) for c in counts])  # fmt: skip
+            writer.add_event(Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=tag, histo=histo)])))
+        writer.close()
+        written.append(Path(writer.get_logdir()))
+    return written
+
+
+def _hparams_summaries(params: dict[str, str]) -> Iterator[Any]:
+    """The hparams plugin's experiment and session-start records (what `SummaryWriter.add_hparams` writes)."""
+    from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+
+    start = plugin_data_pb2.SessionStartInfo()
+    for k, v in params.items():
+        start.hparams[k].string_value = v
+    experiment = api_pb2.Experiment(hparam_infos=[api_pb2.HParamInfo(name=k, type=api_pb2.DATA_TYPE_STRING) for k in params])
+    for tag, content in (("_hparams_/experiment", plugin_data_pb2.HParamsPluginData(experiment=experiment, version=0)),
+                         ("_hparams_/session_start_info", plugin_data_pb2.HParamsPluginData(session_start_info=start, version=0))):  # fmt: skip
+        meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="hparams", content=content.SerializeToString()))
+        yield Summary(value=[Summary.Value(tag=tag, metadata=meta)])
+
+
+class LiveTensorBoard:
+    """Live logging from `record(..., log_to="tensorboard")`: each captured step's statistics as it is written.
+
+    Example::
+
+        live = LiveTensorBoard(run_dir / "tensorboard")
+        live.write(step, records)      # the host-side StepRecords the writer just took: no device sync
+        live.close()
+
+    Tags are the export's (`grads/<tap>/<stat>`, `steps/loss`), so a live log and a later export agree.
+    """
+
+    def __init__(self, logdir: str | os.PathLike[str]) -> None:
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self.writer = EventFileWriter(str(logdir))
+
+    def write(self, step: int, recs: Any, loss: float | None) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = []
+        for i, key in enumerate(recs.keys):
+            prefix = tag_prefix(key.tap, key.call, 0)
+            for c in STAT_COLUMNS:
+                if recs.has_grad[i]:
+                    values.append(Summary.Value(tag=f"{prefix}/{c}", simple_value=float(recs.stats[c][i])))
+            for c in COUNT_COLUMNS:
+                values.append(Summary.Value(tag=f"{prefix}/{c}", simple_value=float(recs.counts[c][i])))
+            for c in EXTRA_FLOAT_COLUMNS:
+                col = getattr(recs, c)
+                if col is not None and math.isfinite(float(col[i])):
+                    values.append(Summary.Value(tag=f"{prefix}/{c}", simple_value=float(col[i])))
+        if loss is not None and math.isfinite(loss):
+            values.append(Summary.Value(tag="steps/loss", simple_value=float(loss)))
+        self.writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+
+    def close(self) -> None:
+        self.writer.close()
