@@ -17,15 +17,17 @@ from awkward import dead_relu_mlp
 from conftest import compose_cfg
 from planted import planted_sweep
 
-from gradrunner.run import watch
+from gradrunner.analysis import health
 from gradrunner.run.loop import train
 
+HEALTH = "gradrunner.analysis.health"
+#: The run-time warnings (nothing captured, ...) come from here, the summary from `HEALTH`.
 WATCH = "gradrunner.run.watch"
 
 
 def summary_of(caplog: pytest.LogCaptureFixture) -> tuple[int, list[str]]:
     """The level and lines of the one "run summary" message logged."""
-    (record,) = [r for r in caplog.records if r.name == WATCH and r.getMessage().startswith("run summary:")]
+    (record,) = [r for r in caplog.records if r.name == HEALTH and r.getMessage().startswith("run summary:")]
     head, *lines = record.getMessage().split("\n  ")
     assert head == "run summary:"
     return record.levelno, lines
@@ -102,7 +104,7 @@ def test_a_dead_relu_run_names_the_vanishing_taps(tmp_path: Path, caplog: pytest
 def test_planted_records_list_every_kind_of_trouble(tmp_path: Path) -> None:
     # planted.py: fc1 vanishes from step 2, head NaN from step 2, fc2:weight explodes at step 3, unused never fires
     job = planted_sweep(tmp_path) / "0"
-    h = watch.health(job)
+    h = health.health(job)
     assert (h.steps, h.taps) == (4, 7)
     assert h.first_nonfinite == (2, "head:output")
     assert h.vanishing == {"fc1:output": 2}
@@ -121,7 +123,7 @@ def test_a_run_that_captures_nothing_warns_first(
 ) -> None:
     with caplog.at_level(logging.INFO):
         train(compose_cfg("+experiment=mlp", "steps=2", *overrides), out_dir=tmp_path)
-    warnings = [r.getMessage() for r in caplog.records if r.name == WATCH and r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in caplog.records if r.name in (WATCH, HEALTH) and r.levelno == logging.WARNING]
     assert warnings[0].startswith(start), warnings
     assert any("no tap was captured" in w or "no step completed" in w for w in warnings), warnings
 
@@ -130,8 +132,8 @@ def test_a_sweep_ends_with_one_line_per_job(tmp_path: Path, caplog: pytest.LogCa
     sweep = planted_sweep(tmp_path)
     jobs = [(str(i), [f"capture.strategy={s}"]) for i, s in enumerate(("retain_grad", "hook", "autograd_grad"))]
     with caplog.at_level(logging.INFO):
-        assert not watch.sweep_word(sweep, jobs)
-    (record,) = [r for r in caplog.records if r.name == WATCH]
+        assert not health.sweep_word(sweep, jobs)
+    (record,) = [r for r in caplog.records if r.name == HEALTH]
     loss = pd.read_parquet(sweep / "0" / "steps.parquet")["loss"]
     head, *lines = record.getMessage().split("\n  ")
     assert record.levelno == logging.WARNING and head == f"sweep summary ({sweep}):"

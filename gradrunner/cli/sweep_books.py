@@ -293,8 +293,8 @@ class SweepBookkeeping(Callback):
             return
         bad = manifest["counts"]["failed"] + manifest["counts"]["missing"]
         (log.warning if bad else log.info)("%s; manifest: %s", _summary(manifest), path)
+        from gradrunner.analysis.health import sweep_word
         from gradrunner.run.sweep_plan import plan  # the run package imports torch: only once a sweep ends
-        from gradrunner.run.watch import sweep_word
 
         decided = plan(config)
         skipped = decided.complete if decided is not None else frozenset()

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from gradrunner.analysis import health
 from gradrunner.capturing.session import Capture, capture
 from gradrunner.config.schema import edit_list
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
@@ -370,7 +371,7 @@ def train(
                     f"({', '.join(kept)})" if kept else f"no records were kept in {directory}")  # fmt: skip
         raise
     if dist is None or dist.is_main:
-        watch.last_word(directory)  # loss, NaN/Inf, vanishing/exploding taps, where the records are
+        health.last_word(directory)  # loss, NaN/Inf, vanishing/exploding taps, where the records are
     return directory / GRADS_FILE
 
 
