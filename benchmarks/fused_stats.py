@@ -4,7 +4,7 @@
     python benchmarks/fused_stats.py --tiny     # CI smoke run
 
 17 float32 gradients of 256x512 (one 8x512 MLP step's tapped outputs), reduced by: the fused CPU
-kernel (`fused_stats`, one read, float64 sums), the torch path `stats._reduce` (four reductions and
+kernel (`fused_stats`, one read, float64 sums), the torch path `reductions.reduce_one` (four reductions and
 an `abs` pass), and `torch.sum` alone (one read, float32: the floor any statistics pay). Variants
 interleaved, medians, at torch's thread count and at one thread.
 """
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parse_args, report
 
-from gradrunner.capturing import fused_stats, stats
+from gradrunner.capturing import fused_stats, reductions
 from gradrunner.capturing.extras import histogram_counts
 from gradrunner.records.columns import HIST_BINS
 
@@ -42,7 +42,7 @@ def main() -> None:
 
     def torch_path() -> None:
         for g in grads:
-            stats._reduce(g, scratch)
+            reductions.reduce_one(g, scratch)
 
     def floor() -> None:
         for g in grads:
@@ -59,7 +59,7 @@ def main() -> None:
         for g in grads:
             hist_fn(g.data_ptr(), g.numel(), out.data_ptr(), counts.data_ptr())  # type: ignore[misc]
 
-    variants: dict[str, Callable[[], None]] = {"torch path (stats._reduce)": torch_path, "torch.sum only": floor,
+    variants: dict[str, Callable[[], None]] = {"torch path (reductions.reduce_one)": torch_path, "torch.sum only": floor,
                                                "torch histogram (extras.histogram_counts)": torch_hist}  # fmt: skip
     if fn is not None:
         variants = {"fused kernel": fused, **variants}

@@ -34,7 +34,7 @@ from _common import parse_args, report
 from gradrunner.analysis import reading
 from gradrunner.records import rundir
 from gradrunner.records.columns import RECORD_FILES
-from gradrunner.records.writer import write_whole
+from gradrunner.records.table_writer import write_whole
 
 
 def run_one_job(directory: Path, steps: int) -> None:

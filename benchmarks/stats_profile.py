@@ -28,6 +28,7 @@ os.environ["GRADRUNNER_FUSED"] = "0"  # read on each gradient: the torch path, w
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import interleaved, median_ms, no_context, parse_args, report
 
+import gradrunner.capturing.reductions as reductions
 import gradrunner.capturing.stats as stats
 from gradrunner import capture
 from gradrunner.models import MLP
@@ -51,7 +52,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     taps = ["fc*:output", "relu*:output", "head:output"]
-    real = stats._reduce
+    real = stats.reduce_one
     if args.tiny:
         stats.DEFER_NUMEL = 0  # tiny gradients would be reduced in batches; profile the per-gradient path
     rows = []
@@ -65,9 +66,9 @@ def main() -> None:
             spent.append(time.perf_counter() - start)
             if op is None:
                 return out
-            return [flat[:1].sum()] * 4, [stats._CPU_ZERO] * 3  # stand-in results: the op alone was timed
+            return [flat[:1].sum()] * 4, [reductions._CPU_ZERO] * 3  # stand-in results: the op alone was timed
 
-        stats._reduce = timed  # type: ignore[assignment]
+        stats.reduce_one = timed  # type: ignore[assignment]
         try:
             with capture(model, taps, strategy="hook", keep_grads=False) as cap:
                 for _ in range(steps):
@@ -77,7 +78,7 @@ def main() -> None:
                     opt.step()
                     opt.zero_grad(set_to_none=True)
         finally:
-            stats._reduce = real
+            stats.reduce_one = real
         per_step = statistics.median(spent) * 17 * 1e3
         rows.append({"op": name, "ms_per_step": per_step})
 

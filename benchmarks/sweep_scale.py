@@ -44,7 +44,7 @@ from gradrunner.cli.sweep_books import build_manifest
 from gradrunner.records import rundir
 from gradrunner.records.catalogue import JobRow, read_jobs, record_jobs
 from gradrunner.records.columns import OVERRIDES_KEY, RECORD_FILES
-from gradrunner.records.writer import write_whole
+from gradrunner.records.table_writer import write_whole
 
 #: The overrides every job shares; a job adds `seed=<i>`.
 BASE = ["+experiment=mlp", "steps=2", "device=cpu"]

@@ -268,7 +268,7 @@ def test_every_helper_works_on_a_sweep_over_names_the_helpers_use(colliding_swee
 
 def test_helper_outputs_use_only_reserved_column_names(colliding_sweep: Path) -> None:
     """A new helper column must join RESERVED_COLUMNS, or a swept key of that name would clash with it."""
-    from gradrunner.analysis.reading import RESERVED_COLUMNS
+    from gradrunner.analysis.labels import RESERVED_COLUMNS
 
     df = load(colliding_sweep, values=True)
     runs = set(run_columns(df))

@@ -812,7 +812,7 @@ def test_host_transfers_per_step_do_not_grow_with_taps_when_sampling(
 
 def test_host_traffic_check_catches_a_per_tap_read(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
     """The check above can fail: a reduction that reads one value per tap is seen."""
-    real_reduce = gradrunner.capturing.stats._reduce
+    real_reduce = gradrunner.capturing.stats.reduce_one
 
     def reduce_and_peek(
         flat: torch.Tensor, scratch: torch.Tensor | None = None
@@ -821,7 +821,7 @@ def test_host_traffic_check_catches_a_per_tap_read(monkeypatch: pytest.MonkeyPat
         out[0][0].item()
         return out
 
-    monkeypatch.setattr(gradrunner.capturing.stats, "_reduce", reduce_and_peek)
+    monkeypatch.setattr(gradrunner.capturing.stats, "reduce_one", reduce_and_peek)
     monkeypatch.setattr(gradrunner.capturing.stats, "DEFER_NUMEL", 0)  # every gradient reduced on its own
     monkeypatch.setenv("GRADRUNNER_FUSED", "0")  # through `_reduce`, not the fused kernel
     few = _step_traffic(monkeypatch, strategy, FEW_TAPS, "none")

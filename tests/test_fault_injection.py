@@ -26,7 +26,8 @@ from records_check import check_records, temp_files
 from gradrunner.errors import GradrunnerError
 from gradrunner.records import rundir
 from gradrunner.records.columns import StepRecords, TapKey
-from gradrunner.records.writer import RecordWriter, StepsWriter, closing_together, deferred_signals
+from gradrunner.records.table_writer import closing_together
+from gradrunner.records.writer import RecordWriter, StepsWriter, deferred_signals
 from gradrunner.run.guards import Terminated, sigterm_as_interrupt
 from gradrunner.run.job import run
 from gradrunner.run.loop import train

@@ -25,7 +25,7 @@ from gradrunner.analysis import DamagedRecordsWarning, load
 from gradrunner.errors import GradrunnerError
 from gradrunner.records import rundir
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, is_temp_of
-from gradrunner.records.writer import write_whole
+from gradrunner.records.table_writer import write_whole
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from sweep_scale import copy_job, run_real_jobs

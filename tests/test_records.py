@@ -22,7 +22,8 @@ from gradrunner.capturing.stats import Collector
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS, StepRecords, TapKey, temp_name
 from gradrunner.records.schema import SMALL_FILE_ROWS, write_options
-from gradrunner.records.writer import GRADS_SCHEMA, STEPS_SCHEMA, RecordWriter, StepsWriter, run_metadata, write_whole
+from gradrunner.records.table_writer import write_whole
+from gradrunner.records.writer import GRADS_SCHEMA, STEPS_SCHEMA, RecordWriter, StepsWriter, run_metadata
 
 CONSTANTS = {"run_id": "run-1", "experiment": "mlp", "strategy": "hook", "device": "cpu", "dtype": "float32"}
 CONTRACT_COLUMNS = [

@@ -5,6 +5,8 @@ Imports no torch (a test checks it in a fresh interpreter). The figures and the 
 | module | what it holds |
 | --- | --- |
 | `reading` | `load(run or sweep dir)`: records into one DataFrame |
+| `labels` | a sweep's `job` column and its swept overrides as typed columns (`RESERVED_COLUMNS`) |
+| `health` | what a finished job's records say: the summary that ends every run (`last_word`), a sweep's |
 | `summaries` | the helpers: tap summary, gradient flow, strategy agreement and cost |
 | `optional` | helpers over the optional columns: histograms over steps, update ratios, per-example spread |
 | `aggregate` | a large sweep across its runs: the layout (`sweep_layout`), medians and bands (`over_runs`) |

@@ -5,7 +5,6 @@ Contents:
     IncompleteSweepWarning            -- `load` left out failed or unfinished jobs of a sweep
     DamagedRecordsWarning             -- `load(..., on_damaged="skip")` left out files that do not verify
     TABLES                            -- the tables a job writes
-    RESERVED_COLUMNS                  -- names a swept override's column never takes (`override.<key>` then)
 
 Example::
 
@@ -15,10 +14,7 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import re
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +26,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-import yaml
 
+from gradrunner.analysis.labels import FileRead, concat, natural_key, with_job_columns
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
 from gradrunner.records.columns import OVERRIDES_KEY
@@ -41,21 +37,6 @@ from gradrunner.records.urls import local_path_of
 TABLES = ("grads", "steps")
 #: The captured elements: large (every element of every gradient), so read only when asked for.
 VALUES = "values"
-#: Columns that the records, `load` and the helpers in `gradrunner.analysis.summaries` produce: a swept
-#: override with one of these names (`steps=5,10`, `seed` is fine) becomes the column `override.<key>`.
-RESERVED_COLUMNS = frozenset({
-    # records (grads and steps tables) and load's own
-    "run_id", "experiment", "strategy", "device", "dtype", "step", "tap", "module", "name", "call", "shape",
-    "numel", "norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "nan_count", "inf_count", "values",
-    "loss", "has_grad", "reason", "rank", "per_example_norm", "hist_counts", "value_norm", "update_norm",
-    "update_ratio", "captured", "step_time_s", "capture_time_s", "peak_memory_bytes", "job",
-    # the helpers' outputs: measures, tap_summary, grad_flow/forward_order, compare_strategies, strategy_costs
-    "rms", "mean_abs", "steps", "first", "last", "median", "first_nonfinite_step", "first_vanishing_step",
-    "first_exploding_step", "vanishing", "exploding", "position", "label", "stat", "abs_diff", "rel_diff",
-    "strategies", "captured_steps", "capture_share", "index", "level_0",
-})  # fmt: skip
-
-
 #: What `load` does with a file that does not verify.
 ON_DAMAGED = ("raise", "skip")
 
@@ -86,7 +67,7 @@ def load(
     to `path`, and every override of the job (from its records: the files' metadata, else `done.json`,
     else `<job>/.hydra/overrides.yaml` for records written before overrides travelled with them) whose value differs
     between jobs becomes a column named after its key, or `override.<key>` when the key is one of
-    `RESERVED_COLUMNS` (`steps=5,10` gives `override.steps`, never clashing with a record or a
+    `labels.RESERVED_COLUMNS` (`steps=5,10` gives `override.steps`, never clashing with a record or a
     helper's column), as int or float when every value parses so, else as string. Hidden files and
     directories are skipped.
 
@@ -127,7 +108,7 @@ def load(
     if damaged:
         files, read = _without_damaged(root, files, read, damaged, on_damaged)
     if root.is_dir() and any(f.path.parent != root for f in files):
-        joined = _with_job_columns(root, files, [r for r in read if isinstance(r, _Read)], joined)
+        joined = with_job_columns(root, [f.path.parent for f in files], [r for r in read if isinstance(r, FileRead)], joined)
     return joined.to_pandas()
 
 
@@ -161,16 +142,6 @@ class _Jobs:
     marked: bool
     #: The dirs found (root included): a manifest's job dir is looked up here before on disk.
     dirs: frozenset[Path]
-
-
-@dataclass(frozen=True)
-class _Read:
-    """What `load` keeps of a file that verified once its rows joined the others': their count, its columns, its overrides."""
-
-    rows: int
-    columns: tuple[str, ...]
-    #: The overrides the file's metadata holds (`OVERRIDES_KEY`, JSON), if any.
-    overrides: bytes | None
 
 
 #: Files read before their rows are joined into one table (their many small arrays then freed).
@@ -215,12 +186,12 @@ def _files_to_read(root: Path, table: str) -> list[_File]:
         )
     kept = _completed_only(root, jobs, holding)
     files = [_File(s.directory / name, s.marker) for s in kept]
-    return sorted(files, key=lambda f: _natural_key(f.path.relative_to(root)))
+    return sorted(files, key=lambda f: natural_key(f.path.relative_to(root)))
 
 
 def _read_all(
     root: Path, files: list[_File], columns: Sequence[str] | None, values: bool
-) -> tuple[list[_Read | str], pa.Table]:
+) -> tuple[list[FileRead | str], pa.Table]:
     """Every file read and verified, and the rows of those that verified as one table.
 
     A file that does not verify is a sentence naming it, its job and why (`_read`'s). Files are read
@@ -228,7 +199,7 @@ def _read_all(
     in one comparison, and each batch's rows joined into one table at once: memory follows the rows
     read, not the number of files.
     """
-    read: list[_Read | str] = []
+    read: list[FileRead | str] = []
     joined: list[pa.Table] = []
     for start in range(0, len(files), _BATCH):
         batch = files[start : start + _BATCH]
@@ -242,10 +213,10 @@ def _read_all(
                 read.append(t)
             else:
                 own = next(it)
-                read.append(_Read(own.num_rows, tuple(own.column_names), (own.schema.metadata or {}).get(OVERRIDES_KEY.encode())))
+                read.append(FileRead(own.num_rows, tuple(own.column_names), (own.schema.metadata or {}).get(OVERRIDES_KEY.encode())))
         if kept:
-            joined.append(_concat(kept).combine_chunks())
-    return read, _concat(joined) if joined else pa.table({})
+            joined.append(concat(kept).combine_chunks())
+    return read, concat(joined) if joined else pa.table({})
 
 
 def _read_batch(root: Path, files: list[_File], columns: Sequence[str] | None, values: bool) -> list[pa.Table | str]:
@@ -324,13 +295,13 @@ def _pinned(f: _File) -> bool:
 
 
 def _without_damaged(
-    root: Path, files: list[_File], read: list[_Read | str], damaged: list[str], on_damaged: str
-) -> tuple[list[_File], list[_Read | str]]:
+    root: Path, files: list[_File], read: list[FileRead | str], damaged: list[str], on_damaged: str
+) -> tuple[list[_File], list[FileRead | str]]:
     """Refuse (one paragraph naming every damaged file), or warn and keep the files that verified."""
     named = "; ".join(damaged[:10]) + (f"; and {len(damaged) - 10} more" if len(damaged) > 10 else "")
     fix = ("re-run those jobs with resume=true (it re-runs jobs whose files do not verify), or move their dirs "
            "away to load the others")  # fmt: skip
-    kept = [(f, t) for f, t in zip(files, read, strict=True) if isinstance(t, _Read)]
+    kept = [(f, t) for f, t in zip(files, read, strict=True) if isinstance(t, FileRead)]
     if on_damaged == "raise" or not kept:
         raise GradrunnerError(
             f"cannot read {len(damaged)} record file(s) that do not verify (damaged: truncated, overwritten or "
@@ -374,118 +345,3 @@ def _completed_only(root: Path, jobs: _Jobs, holding: list[rundir.JobState]) -> 
     if not kept:
         raise GradrunnerError(f"no job in {root} completed; {rundir.describe_unfinished(root, unfinished, len(jobs.states))}")
     return kept
-
-
-def _natural_key(rel: Path) -> list[tuple[int, int | str]]:
-    """Sort key putting job 2 before job 10."""
-    return [(0, int(t)) if t.isdigit() else (1, t) for part in rel.parts for t in re.split(r"(\d+)", part) if t]
-
-
-def _job_overrides(job_dir: Path, raw: bytes | None) -> list[str]:
-    """A job's own overrides, from its records: the file's metadata, else its `done.json`, else `.hydra/`.
-
-    `.hydra/overrides.yaml` is read last: Hydra rewrites it for any later run into the dir, while the
-    records (and `done.json`, which pins them) keep what this job was run with.
-    """
-    if raw is not None:  # the file's metadata
-        with contextlib.suppress(ValueError):
-            found = json.loads(raw)
-            if isinstance(found, list):
-                return [str(o) for o in found]
-    marker = rundir.read_json(job_dir / rundir.DONE)
-    if marker is not None and isinstance(marker.get("overrides"), list):
-        return [str(o) for o in marker["overrides"]]
-    f = job_dir / ".hydra" / "overrides.yaml"
-    if not f.is_file():
-        return []
-    try:
-        items = yaml.safe_load(f.read_text())
-    except (OSError, yaml.YAMLError):
-        return []
-    return [str(o) for o in items] if isinstance(items, list) else []
-
-
-def _parse_overrides(items: list[str]) -> dict[str, str | None]:
-    """`key -> value` of a job's Hydra overrides (`+key=v`, `++key=v` -> `key`; `~key` -> None)."""
-    out: dict[str, str | None] = {}
-    for item in items:
-        key, sep, value = str(item).partition("=")
-        out[key.lstrip("+~")] = value if sep and not key.startswith("~") else None
-    return out
-
-
-def _typed_array(values: list[str | None]) -> pa.Array:
-    """Override values as int64, else float64, else string: the first type every value parses as."""
-    present = [v for v in values if v is not None]
-    for parse, typ in ((int, pa.int64()), (float, pa.float64())):
-        try:
-            parsed = [parse(v) for v in present]
-        except ValueError:
-            continue
-        it = iter(parsed)
-        return pa.array([None if v is None else next(it) for v in values], typ)
-    return pa.array(values, pa.string())
-
-
-def _swept_columns(overrides: list[dict[str, str | None]]) -> dict[str, pa.Array]:
-    """One value per job for each override key whose value differs between jobs."""
-    keys = sorted({k for o in overrides for k in o})
-    columns: dict[str, pa.Array] = {}
-    for key in keys:
-        values = [o.get(key) for o in overrides]
-        if len(set(values)) > 1:
-            columns[key] = _typed_array(values)
-    return columns
-
-
-def _with_job_columns(root: Path, files: list[_File], read: list[_Read], joined: pa.Table) -> pa.Table:
-    """`joined` (the rows of the files `read`, in order) with `job` and the swept override columns, constant within each file's rows.
-
-    The columns come last, after each file's own (a column only later files have comes after them, as
-    when each file's table carried them); a swept key named like a column only some files have is
-    `override.<key>` in those files' rows only (`_override_name`), which takes a table per file.
-    """
-    job_dirs = [f.path.parent for f in files]
-    unique_dirs = sorted(set(job_dirs), key=lambda d: _natural_key(d.relative_to(root)))
-    first = {d: r for d, r in reversed(list(zip(job_dirs, read, strict=True)))}
-    swept = _swept_columns([_parse_overrides(_job_overrides(d, first[d].overrides)) for d in unique_dirs])
-    index = {d: i for i, d in enumerate(unique_dirs)}
-    names_of = {names: [_override_name(key, names) for key in swept] for names in {r.columns for r in read}}
-    names = names_of[read[0].columns]
-    clash = {*names, "job"} & set(joined.column_names) or len(set(names)) < len(names)
-    if clash or any(names_of[r.columns] != names for r in read):
-        return _per_file_job_columns(root, job_dirs, read, joined, swept, index)
-    row_dir = np.repeat(np.array([index[d] for d in job_dirs], np.int64), [r.rows for r in read])
-    jobs = pa.array([d.relative_to(root).as_posix() for d in unique_dirs], pa.string())
-    added = {"job": jobs.take(row_dir), **{n: c.take(row_dir) for n, c in zip(names, swept.values(), strict=True)}}
-    order: dict[str, None] = {}
-    for columns in dict.fromkeys(r.columns for r in read):  # each file's columns, then the added ones
-        order.update(dict.fromkeys([*columns, *added]))
-    for name, column in added.items():
-        joined = joined.append_column(name, column)
-    return joined.select(list(order))
-
-
-def _override_name(key: str, columns: Sequence[str]) -> str:
-    """The column of a swept override `key` in a file with `columns`: `override.<key>` when it would clash."""
-    return f"override.{key}" if key in RESERVED_COLUMNS or key in columns else key
-
-
-def _per_file_job_columns(
-    root: Path, job_dirs: list[Path], read: list[_Read], joined: pa.Table, swept: dict[str, pa.Array], index: dict[Path, int]
-) -> pa.Table:
-    """`job` and the swept override columns appended to each file's rows (a key's column name differs between files)."""
-    out, offset = [], 0
-    for job_dir, r in zip(job_dirs, read, strict=True):
-        i, t = index[job_dir], joined.slice(offset, r.rows).select(list(r.columns))
-        offset += r.rows
-        t = t.append_column("job", pa.repeat(pa.scalar(job_dir.relative_to(root).as_posix()), t.num_rows))
-        for key, column in swept.items():
-            t = t.append_column(_override_name(key, t.column_names), pa.repeat(column[i], t.num_rows))
-        out.append(t)
-    return _concat(out)
-
-
-def _concat(tables: list[pa.Table]) -> pa.Table:
-    """Concatenate tables whose schemas differ: a column some lack is null there, types are promoted."""
-    return pa.concat_tables([t.replace_schema_metadata(None) for t in tables], promote_options="permissive")

@@ -7,6 +7,7 @@ Knows nothing of Hydra, Parquet or the runner (import-linter checks it).
 | `taps` | tap specs (`"<module>:<name>"`) resolved against a model, before the first step |
 | `elements` | `output.N` / `output.KEY` elements of tuple, dict and dataclass values |
 | `forward_locals` | local variables of a `forward()`, tapped by rewriting its source |
+| `forward_patch` | a module's `forward()` calls sent to the rewritten copy, and back (`patch_forward`) |
 | `grad_context` | autograd state: no_grad, checkpointing, backward, compiled modules |
 | `strategies` | `retain_grad`, `hook`, `autograd_grad`: one file each, one registry |
 | `stats` | statistics on the gradient's device, one host transfer per step |

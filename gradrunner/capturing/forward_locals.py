@@ -5,6 +5,8 @@
 followed by `name = tap(name_str, name)`. Untapped code is unchanged, line numbers still point
 at the user's file, and zero-argument `super()` keeps working (the `__class__` cell is reused).
 
+Putting the rewritten copy where a module's calls reach it (and taking it away) is `forward_patch`.
+
 Example::
 
     fn = rewrite(type(model).forward, {"hidden"}, lambda name, value: value)
@@ -16,7 +18,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import copy
-import functools
 import inspect
 import linecache
 import types
@@ -358,117 +359,3 @@ def _as_list(node: ast.AST | list[ast.stmt] | None) -> list[ast.stmt]:
     if node is None:
         return []
     return node if isinstance(node, list) else [node]  # type: ignore[list-item]
-
-
-_ROUTES = "__gradrunner_routes__"
-_ORIGINAL = "__gradrunner_original__"
-
-
-def class_forward(cls: type) -> Callable[..., object]:
-    """`cls.forward` as the class defines it (through a dispatcher `patch_forward` may have put there)."""
-    fwd: Callable[..., object] = cls.forward  # type: ignore[attr-defined]
-    return getattr(fwd, _ORIGINAL, fwd)
-
-
-def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[[], None]:
-    """Make `module`'s calls of its class's `forward()` run a copy rewritten by `rewrite`; returns the undo.
-
-    Example::
-
-        undo = patch_forward(model.block, {"h"}, lambda n, v: v)
-        ...
-        undo()     # every attribute, closure cell and class attribute as it was
-
-    Without an instance-level `forward`, the rewritten copy becomes one. With one (monkeypatched,
-    accelerate- or PEFT-style wrappers), it is kept, being what `module(x)` calls, and what it can
-    reach of the class's `forward()` is routed to the copy: a bound `forward` of this module held in an
-    attribute (`_old_forward`), in its closure cells or `functools.partial` arguments, and
-    `Class.forward(self, ...)` or `super().forward(...)` through a dispatcher on the class that sends
-    only this instance to the copy.
-    """
-    cls = type(module)
-    original = class_forward(cls)
-    bound = types.MethodType(rewrite(original, names, tap), module)
-    state = module.__dict__
-    undo: list[Callable[[], None]] = []
-
-    def is_original(value: object) -> bool:
-        return isinstance(value, types.MethodType) and value.__self__ is module and value.__func__ is original
-
-    if "forward" not in state:
-        state["forward"] = bound
-
-        def drop() -> None:
-            state.pop("forward", None)
-
-        return drop
-    current = state["forward"]
-    for key, value in list(state.items()):
-        if is_original(value):  # the instance forward itself, or `_old_forward`
-            state[key] = bound
-            undo.append(functools.partial(state.__setitem__, key, value))
-    if not is_original(current):
-        for cell in _reachable_cells(current):
-            with contextlib.suppress(ValueError):
-                if is_original(cell.cell_contents):
-                    old = cell.cell_contents
-                    cell.cell_contents = bound
-                    undo.append(functools.partial(setattr, cell, "cell_contents", old))
-        undo.append(_route_class(cls, module, original, bound.__func__))
-
-    def restore() -> None:
-        while undo:
-            undo.pop()()
-
-    return restore
-
-
-def _reachable_cells(fn: object, depth: int = 4) -> list[types.CellType]:
-    """Closure cells of `fn`, of what it wraps (`__wrapped__`, `__func__`, `functools.partial`), a few levels down."""
-    cells: list[types.CellType] = []
-    todo, seen = [(fn, 0)], set()
-    while todo:
-        f, d = todo.pop()
-        if id(f) in seen or d > depth:
-            continue
-        seen.add(id(f))
-        cells.extend(getattr(f, "__closure__", None) or ())
-        for attr in ("__wrapped__", "__func__", "func"):
-            inner = getattr(f, attr, None)
-            if inner is not None:
-                todo.append((inner, d + 1))
-    return cells
-
-
-def _route_class(cls: type, module: object, original: Callable[..., object], new: Callable[..., object]) -> Callable[[], None]:
-    """Put a dispatcher on `cls.forward` sending `module` (only) to `new`; returns the undo."""
-    dispatcher = cls.__dict__.get("forward")
-    routes: dict[int, Callable[..., object]] | None = getattr(dispatcher, _ROUTES, None)
-    if routes is None:
-        previous = cls.__dict__.get("forward", _NOTHING)
-        table: dict[int, Callable[..., object]] = {}
-        routes = table
-
-        def forward(self: object, *args: object, **kwargs: object) -> object:
-            return table.get(id(self), original)(self, *args, **kwargs)
-
-        setattr(forward, _ROUTES, routes)
-        setattr(forward, _ORIGINAL, original)
-        forward.__gradrunner_previous__ = previous  # type: ignore[attr-defined]
-        cls.forward = forward  # type: ignore[attr-defined]
-        dispatcher = forward
-    routes[id(module)] = new
-
-    def undo() -> None:
-        routes.pop(id(module), None)
-        if not routes and cls.__dict__.get("forward") is dispatcher:
-            previous = dispatcher.__gradrunner_previous__  # type: ignore[union-attr]
-            if previous is _NOTHING:
-                delattr(cls, "forward")
-            else:
-                cls.forward = previous  # type: ignore[attr-defined]
-
-    return undo
-
-
-_NOTHING = object()

@@ -27,7 +27,7 @@ from torch import nn
 from gradrunner.capturing.edits import Edits
 from gradrunner.capturing.elements import bind_input, get_element, set_element
 from gradrunner.capturing.extras import value_norm, value_norms
-from gradrunner.capturing.forward_locals import patch_forward
+from gradrunner.capturing.forward_patch import patch_forward
 from gradrunner.capturing.grad_context import (
     CHANGED_IN_PLACE,
     FROZEN,

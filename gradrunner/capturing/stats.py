@@ -15,7 +15,7 @@ the gradient by `fused_stats` (a C kernel on CPU, Triton on CUDA) where it is av
 every gradient goes straight to it and its 7 float64 results land in one buffer per step. Off the
 CPU (or without the kernel), a small gradient (`DEFER_NUMEL`) is only kept when it arrives; when
 backward ends, `Collector.flush` reduces all of them, histograms included, in one batch per dtype
-and device (`_reduce_batch`: a fixed number of ops, however many taps). Else
+and device (`reductions.reduce_batch`: a fixed number of ops, however many taps). Else
 each statistic is derived from four reductions per gradient (sum, sum of squares, min/max,
 non-zero count): norm = sqrt(sum of squares), std from sum and sum of squares (Bessel-corrected,
 as `torch.std`), abs_max from min and max, zero_frac from the non-zero count. NaN and Inf counts
@@ -30,20 +30,29 @@ the reductions in the step's one transfer.
 
 from __future__ import annotations
 
-import math
 import zlib
 from collections.abc import Mapping
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from gradrunner.capturing import fused_stats
-from gradrunner.capturing.extras import histogram_batch, histogram_counts, per_example_norms
+from gradrunner.capturing.extras import histogram_counts, per_example_norms
+from gradrunner.capturing.reductions import (
+    INT_VIEW,
+    N_REDUCTIONS,
+    BatchRow,
+    Pending,
+    derive,
+    extra_parts,
+    fill_extras,
+    reduce_batch,
+    reduce_one,
+    reduction_blocks,
+    stack,
+)
 from gradrunner.config.choices import VALUES_MODES
 from gradrunner.records.columns import HIST_BINS, StepRecords, TapKey
-
-_INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -62,36 +71,6 @@ def sample_positions(tap: str, numel: int, size: int, seed: int) -> np.ndarray:
         return np.arange(numel, dtype=np.int64)
     rng = np.random.default_rng([seed & 0xFFFFFFFF, zlib.crc32(tap.encode())])
     return np.sort(rng.choice(numel, size=size, replace=False)).astype(np.int64)
-
-
-class _BatchRow(NamedTuple):
-    """Where a deferred gradient's reductions are: row `row` of the collector's batch `batch`."""
-
-    batch: int
-    row: int
-
-
-class _Pending(NamedTuple):
-    order: int
-    key: TapKey
-    shape: tuple[int, ...]
-    numel: int
-    has_grad: bool
-    #: [sum, sumsq, min, max] and [nonzero, nan, inf] as 0-d tensors, or all seven in one float64 tensor
-    #: from the fused kernel (on CPU: the row number in the collector's buffer), or a row of a batch
-    #: (`Collector.flush`); None while deferred or without gradient
-    reductions: tuple[list[torch.Tensor], list[torch.Tensor]] | torch.Tensor | int | _BatchRow | None
-    #: a small gradient (flat, its own dtype) kept until `flush`, to be reduced with every other small
-    #: gradient of its dtype and device in a fixed number of ops
-    deferred: torch.Tensor | None
-    values: torch.Tensor | None  # flat float32, on device
-    #: 0-d float64 norm of the tapped tensor itself (taken in the forward pass), on its device
-    value_norm: torch.Tensor | None = None
-    #: `per_example`: float64 norm per row; `histogram`: int64 counts per bin (both on the device)
-    per_example: torch.Tensor | None = None
-    hist: torch.Tensor | None = None
-    #: a deferred gradient's number of rows (dim 0) when its per-example norms are to come from `flush`
-    rows: int | None = None
 
 
 #: "Small": gradients up to this many elements are not reduced when they arrive but kept, and
@@ -124,7 +103,7 @@ class Collector:
         self.sample_size = sample_size
         self.seed = seed
         self.per_example, self.histogram = per_example, histogram
-        self._pending: list[_Pending] = []
+        self._pending: list[Pending] = []
         self._positions: dict[tuple[str, int, torch.device], tuple[np.ndarray, torch.Tensor]] = {}
         self._scratch: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         #: whether to try the one-pass kernels (`fused_stats`); tests turn them off to compare paths
@@ -133,7 +112,7 @@ class Collector:
         self._cpu_kernels: dict[torch.dtype, fused_stats.Kernel] | None = None  # loaded on first use
         self._cpu_hist: dict[torch.dtype, fused_stats.HistKernel] = {}
         #: the CPU kernel's output rows, 7 float64 each; a record's `reductions` is its row number
-        self._rows = torch.empty((64, _N_REDUCTIONS), dtype=torch.float64)
+        self._rows = torch.empty((64, N_REDUCTIONS), dtype=torch.float64)
         self._n_rows = 0
         #: (k, 7) reductions of each batch of small gradients reduced by `flush` (on their device)
         self._batches: list[torch.Tensor] = []
@@ -162,7 +141,7 @@ class Collector:
         """
         order = len(self._pending) if order is None else order
         if grad is None:
-            self._pending.append(_Pending(order, key, (), 0, False, None, None, None, value_norm))
+            self._pending.append(Pending(order, key, (), 0, False, None, None, None, value_norm))
             return
         if grad.layout != torch.strided:
             if grad.layout == torch.sparse_coo and self._values_none and not self.histogram and not (
@@ -178,7 +157,7 @@ class Collector:
             # histogram and per-example norms too. No op on it now.
             flat = grad.detach().reshape(-1)
             kept = flat.clone() if mutable and not settled else flat
-            self._pending.append(_Pending(
+            self._pending.append(Pending(
                 order, key, tuple(grad.shape), n, True, None, kept, self._keep_values(key, flat, mutable), value_norm,
                 rows=grad.shape[0] if want_rows else None,
             ))  # fmt: skip
@@ -192,7 +171,7 @@ class Collector:
                 done = self._cpu_reduce(grad, n)
                 if done is not None:
                     row, hist = done
-                    self._pending.append(_Pending(
+                    self._pending.append(Pending(
                         order, key, tuple(grad.shape), n, True, row, None, None, value_norm, per_example, hist,
                     ))  # fmt: skip
                     return
@@ -205,22 +184,22 @@ class Collector:
                 if done is not None:
                     row, hist = done
                     values = self._keep_values(key, flat, mutable)
-                    self._pending.append(_Pending(
+                    self._pending.append(Pending(
                         order, key, tuple(g.shape), n, True, row, None, values, value_norm, per_example, hist,
                     ))  # fmt: skip
                     return
             elif n > DEFER_NUMEL:
-                out = torch.empty(_N_REDUCTIONS, dtype=torch.float64, device=flat.device)
+                out = torch.empty(N_REDUCTIONS, dtype=torch.float64, device=flat.device)
                 extra = (value_norm, per_example, histogram_counts(grad) if self.histogram else None)
                 if fused_stats.reduce_into(flat, out):
                     values = self._keep_values(key, flat, mutable)
-                    self._pending.append(_Pending(order, key, tuple(g.shape), n, True, out, None, values, *extra))
+                    self._pending.append(Pending(order, key, tuple(g.shape), n, True, out, None, values, *extra))
                     return
         extra = (value_norm, per_example, histogram_counts(grad) if self.histogram else None)
-        if flat.dtype not in _INT_VIEW:  # float16, bfloat16: statistics in float32
+        if flat.dtype not in INT_VIEW:  # float16, bfloat16: statistics in float32
             flat = flat.float()
-        self._pending.append(_Pending(
-            order, key, tuple(g.shape), n, True, None if n == 0 else _reduce(flat, self._scratch_for(flat)),
+        self._pending.append(Pending(
+            order, key, tuple(g.shape), n, True, None if n == 0 else reduce_one(flat, self._scratch_for(flat)),
             None, self._keep_values(key, flat, mutable), *extra,
         ))  # fmt: skip
 
@@ -232,7 +211,7 @@ class Collector:
             col.add(key, small_grad)
             col.flush()          # the session calls this when backward ends; `finish` calls it too
 
-        Each batch is one concatenation and a fixed number of segmented reductions (`_reduce_batch`),
+        Each batch is one concatenation and a fixed number of segmented reductions (`reduce_batch`),
         so a step's small gradients cost the same few launches whether there are 3 or 300 of them;
         the kept gradients are let go here.
         """
@@ -250,13 +229,13 @@ class Collector:
             if any(self._pending[i].rows is not None for i in idx):
                 row_sizes = tuple(n // r for n, r in zip(sizes, n_rows, strict=True) for _ in range(r))
                 row_ids = self._segment_ids(row_sizes, xs[0].device)
-            block, hist, row_norms = _reduce_batch(xs, ids, self.histogram, row_ids, sum(n_rows))
+            block, hist, row_norms = reduce_batch(xs, ids, self.histogram, row_ids, sum(n_rows))
             self._batches.append(block)
             at = 0
             for j, (i, r) in enumerate(zip(idx, n_rows, strict=True)):
                 p = self._pending[i]
                 self._pending[i] = p._replace(
-                    reductions=_BatchRow(len(self._batches) - 1, j), deferred=None, rows=None,
+                    reductions=BatchRow(len(self._batches) - 1, j), deferred=None, rows=None,
                     hist=None if hist is None else hist[j],
                     per_example=row_norms[at : at + r] if row_norms is not None and p.rows is not None else p.per_example,
                 )  # fmt: skip
@@ -287,18 +266,18 @@ class Collector:
         not stored they are zeros, so the minimum is at most 0 and the maximum at least 0.
         """
         vals = grad.detach().coalesce().values().reshape(-1)  # coalesce sums repeated indices, as to_dense
-        if vals.dtype not in _INT_VIEW:
+        if vals.dtype not in INT_VIEW:
             vals = vals.float()
         n = grad.numel()
         if vals.numel() == 0:
             zero = torch.zeros((), dtype=torch.float64, device=vals.device)
             floats, ints = [zero, zero, zero, zero], [zero, zero, zero]
         else:
-            (s, ss, mn, mx), ints = _reduce(vals)
+            (s, ss, mn, mx), ints = reduce_one(vals)
             if vals.numel() < n:
                 mn, mx = torch.clamp(mn, max=0), torch.clamp(mx, min=0)
             floats = [s, ss, mn, mx]
-        self._pending.append(_Pending(order, key, tuple(grad.shape), n, True, (floats, ints), None, None, value_norm))
+        self._pending.append(Pending(order, key, tuple(grad.shape), n, True, (floats, ints), None, None, value_norm))
 
     def _cpu_kernel_for(self, dtype: torch.dtype) -> bool:
         """Whether the C kernel takes a CPU gradient of `dtype` (its histogram variant with `histogram`)."""
@@ -323,19 +302,19 @@ class Collector:
                 return None
             row = self._next_row()
             counts = torch.zeros(HIST_BINS, dtype=torch.int64)
-            fh(flat.data_ptr(), n, self._rows.data_ptr() + row * _N_REDUCTIONS * 8, counts.data_ptr())
+            fh(flat.data_ptr(), n, self._rows.data_ptr() + row * N_REDUCTIONS * 8, counts.data_ptr())
             return row, counts
         fn = self._cpu_kernels.get(flat.dtype)
         if fn is None:
             return None
         row = self._next_row()
-        fn(flat.data_ptr(), n, self._rows.data_ptr() + row * _N_REDUCTIONS * 8)
+        fn(flat.data_ptr(), n, self._rows.data_ptr() + row * N_REDUCTIONS * 8)
         return row, None
 
     def _next_row(self) -> int:
         """The number of a fresh output row for the CPU kernel (the buffer doubles when full)."""
         if self._n_rows == self._rows.shape[0]:
-            grown = torch.empty((2 * self._n_rows, _N_REDUCTIONS), dtype=torch.float64)
+            grown = torch.empty((2 * self._n_rows, N_REDUCTIONS), dtype=torch.float64)
             grown[: self._n_rows] = self._rows
             self._rows = grown
         self._n_rows += 1
@@ -372,15 +351,15 @@ class Collector:
         """
         self.flush()
         pending, self._pending = sorted(self._pending, key=lambda p: p.order), []
-        rows, blocks = _reduction_blocks(pending, self._rows, self._batches)
+        rows, blocks = reduction_blocks(pending, self._rows, self._batches)
         self._n_rows, self._batches = 0, []
         parts = [b.reshape(-1) for b in blocks]
         n_red = sum(p.numel() for p in parts)
-        extras = _extra_parts(pending, updates or {})
+        extras = extra_parts(pending, updates or {})
         edited_at = n_red + sum(t.numel() for _, t in extras)
         edited = {p.key: edited[p.key] for p in pending if p.key in edited} if edited else {}
         if edited:
-            extras.append(("edited_norm", _stack(list(edited.values()))))
+            extras.append(("edited_norm", stack(list(edited.values()))))
         parts += [t for _, t in extras]
         if loss is not None:
             parts.append(loss.detach().reshape(1))
@@ -391,9 +370,9 @@ class Collector:
             if any(p.device != device or p.dtype != wide for p in parts):  # a model spread over devices; counts
                 parts = [p.to(device, wide) for p in parts]
             flat = to_host(torch.cat(parts) if len(parts) > 1 else parts[0]).double().numpy()
-        recs = _derive(pending, rows, flat[:n_red].reshape(-1, _N_REDUCTIONS))
+        recs = derive(pending, rows, flat[:n_red].reshape(-1, N_REDUCTIONS))
         recs.loss = float(flat[-1]) if loss is not None else None
-        _fill_extras(recs, pending, extras, flat[n_red:], updates or {}, self.per_example, self.histogram)
+        fill_extras(recs, pending, extras, flat[n_red:], updates or {}, self.per_example, self.histogram)
         recs.edited = np.array([p.key in edited for p in pending], dtype=bool)
         recs.edited_norm = np.full(len(pending), np.nan)
         recs.edited_norm[recs.edited] = flat[edited_at : edited_at + len(edited)]
@@ -407,239 +386,7 @@ class Collector:
         return recs
 
 
-_N_REDUCTIONS = 7
-_CPU_ZERO = torch.zeros((), dtype=torch.int64)
-
-
-def _reduction_blocks(
-    pending: list[_Pending], cpu_rows: torch.Tensor, batches: list[torch.Tensor],
-) -> tuple[dict[int, int], list[torch.Tensor]]:  # fmt: skip
-    """(k, 7) float64 blocks of reductions (float32 on mps), and which block row each record is.
-
-    `cpu_rows` holds the CPU kernel's output; a record whose `reductions` is an int is that row.
-    `batches` are `Collector.flush`'s blocks, which a `_BatchRow` points into.
-    """
-    rows: dict[int, int] = {}
-    blocks: list[torch.Tensor] = []
-    at = 0
-    on_cpu = [i for i, p in enumerate(pending) if isinstance(p.reductions, int)]
-    if on_cpu:
-        blocks.append(cpu_rows[[pending[i].reductions for i in on_cpu]])
-        rows.update((i, at + j) for j, i in enumerate(on_cpu))
-        at += len(on_cpu)
-    fused = [i for i, p in enumerate(pending) if isinstance(p.reductions, torch.Tensor)]
-    if fused:
-        devices = {pending[i].reductions.device for i in fused}  # type: ignore[union-attr]
-        if len(devices) == 1:
-            blocks.append(torch.stack([pending[i].reductions for i in fused]))  # type: ignore[misc]
-        else:
-            blocks.extend(pending[i].reductions.reshape(1, -1) for i in fused)  # type: ignore[union-attr]
-        rows.update((i, at + j) for j, i in enumerate(fused))
-        at += len(fused)
-    reduced = [i for i, p in enumerate(pending)
-               if isinstance(p.reductions, tuple) and not isinstance(p.reductions, _BatchRow)]  # fmt: skip
-    if reduced:
-        floats = torch.stack([r for i in reduced for r in pending[i].reductions[0]])  # type: ignore[index,union-attr]
-        ints = torch.stack([r for i in reduced for r in pending[i].reductions[1]])  # type: ignore[index,union-attr]
-        wide = torch.float32 if floats.device.type == "mps" else torch.float64
-        blocks.append(torch.cat([floats.to(wide).view(-1, 4), ints.to(wide).view(-1, 3)], dim=1))
-        rows.update((i, at + j) for j, i in enumerate(reduced))
-        at += len(reduced)
-    start = []
-    for b in batches:
-        start.append(at)
-        blocks.append(b)
-        at += b.shape[0]
-    rows.update((i, start[p.reductions.batch] + p.reductions.row)
-                for i, p in enumerate(pending) if isinstance(p.reductions, _BatchRow))  # fmt: skip
-    return rows, blocks
-
-
-def _reduce_batch(
-    xs: list[torch.Tensor], ids: torch.Tensor, histogram: bool, row_ids: torch.Tensor | None = None, n_rows: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Reductions of each flat tensor of `xs` (one dtype, one device, none empty), all at once.
-
-    Returns the (k, 7) wide-float reductions `[sum, sumsq, min, max, nonzero, nan, inf]` per tensor
-    and, with `histogram`, their (k, HIST_BINS) int64 counts; with `row_ids` (each element's row,
-    of `n_rows`) the L2 norm of every row (per-example norms, float64). `ids` numbers each element
-    of the concatenation by its tensor (`Collector._segment_ids`). One `cat`, a widening, and a fixed
-    number of segmented reductions (`index_add_`, `scatter_reduce_`): the number of ops does not
-    depend on k, and nothing is read on the host. The sums are accumulated in float64 (float32 on
-    mps) from widened elements: small tensors, so the widened copy is small.
-
-    Example::
-
-        ids = torch.tensor([0, 0, 1])
-        _reduce_batch([torch.tensor([1.0, -2.0]), torch.tensor([0.0])], ids, False)[0][:, 0]  # sums: [-1, 0]
-    """
-    k = len(xs)
-    x = torch.cat(xs) if k > 1 else xs[0]
-    wide = torch.float32 if x.device.type == "mps" else torch.float64
-    w = x.to(wide)
-    acc = torch.zeros((5, k), dtype=wide, device=x.device)
-    acc[0].index_add_(0, ids, w)
-    squares = w * w
-    acc[1].index_add_(0, ids, squares)
-    acc[2].index_add_(0, ids, (x != 0).to(wide))  # -0.0 is a zero; NaN is not (as count_nonzero)
-    acc[3].index_add_(0, ids, torch.isnan(x).to(wide))
-    acc[4].index_add_(0, ids, torch.isinf(x).to(wide))
-    # min and max with NaN are set to NaN from the NaN count when the statistics are derived
-    mn = torch.full((k,), math.inf, dtype=wide, device=x.device).scatter_reduce_(0, ids, w, "amin")
-    mx = torch.full((k,), -math.inf, dtype=wide, device=x.device).scatter_reduce_(0, ids, w, "amax")
-    block = torch.stack([acc[0], acc[1], mn, mx, acc[2], acc[3], acc[4]], dim=1)
-    rows = None
-    if row_ids is not None:
-        rows = torch.zeros(n_rows, dtype=wide, device=x.device).index_add_(0, row_ids, squares).sqrt_()
-    return block, histogram_batch(x, ids, k) if histogram else None, rows
-
-
-def _reduce(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The per-gradient device work: four reductions, plus NaN/Inf counts when they can be non-zero.
-
-    Returns 0-d tensors `[sum, sum of squares, min, max]` and `[non-zero count, nan count, inf count]`.
-    `scratch` (same size and dtype as `flat`) takes the one elementwise temporary: a fresh large
-    allocation in the middle of a training step costs more than the reduction itself (page faults).
-    """
-    mn, mx = torch.aminmax(flat)
-    # abs() folds -0.0 into +0.0, so a zero is exactly an all-zero bit pattern; counting non-zero
-    # integers is several times faster than comparing floats with 0 on CPU.
-    magnitude = flat.abs() if scratch is None else torch.abs(flat, out=scratch)
-    nonzero = torch.count_nonzero(magnitude.view(_INT_VIEW[flat.dtype]))
-    if flat.device.type != "cpu":
-        # No branching on values here (it would sync per tap): sums wide, counts always.
-        s, ss = _device_sums(flat)
-        return [s, ss, mn, mx], [nonzero, torch.isnan(flat).sum(), torch.isinf(flat).sum()]
-    s, ss = flat.sum(), torch.dot(flat, flat)
-    # On CPU the sums are already in host memory (numpy() cannot cross devices): branch for free.
-    s_host, ss_host = float(s.numpy()), float(ss.numpy())
-    nan = inf = _CPU_ZERO
-    if not math.isfinite(ss_host):
-        nan, inf = torch.isnan(flat).sum(), torch.isinf(flat).sum()
-    n = flat.numel()
-    if flat.dtype != torch.float64 and (
-        not math.isfinite(ss_host) or (n > 1 and ss_host - s_host * s_host / n < 1e-3 * ss_host)
-    ):
-        # float32 sum of squares overflowed, or most of its digits cancel in the variance: redo wide.
-        wide = flat.double()
-        s, ss = wide.sum(), torch.dot(wide, wide)
-    return [s, ss, mn, mx], [nonzero, nan, inf]
-
-
-def _device_sums(flat: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum and sum of squares on an accelerator without a float64 copy of the gradient.
-
-    Chunks of `chunk` elements are reduced in the gradient's dtype (on CUDA in a tree, so their
-    error stays near the dtype's rounding), the chunk results are added in float64.
-    """
-    if flat.dtype == torch.float64 or flat.device.type == "mps":
-        return flat.sum(), torch.dot(flat, flat)
-    k = flat.numel() // chunk
-    head, tail = flat[: k * chunk].view(k, chunk), flat[k * chunk :].double()  # the tail is under `chunk`
-    s = head.sum(1).double().sum() + tail.sum()
-    ss = torch.linalg.vector_norm(head, dim=1).double().square().sum() + torch.dot(tail, tail)
-    return s, ss
-
-
-def _derive(pending: list[_Pending], rows: dict[int, int], host: np.ndarray) -> StepRecords:
-    n = len(pending)
-    recs = StepRecords(
-        keys=[p.key for p in pending],
-        shape=[p.shape for p in pending],
-        numel=np.array([p.numel for p in pending], dtype=np.int64),
-        has_grad=np.array([p.has_grad for p in pending], dtype=bool),
-    )
-    raw = np.full((n, _N_REDUCTIONS), np.nan)
-    if rows:
-        mine = np.fromiter(rows.keys(), dtype=np.int64, count=len(rows))
-        raw[mine] = host[np.fromiter(rows.values(), dtype=np.int64, count=len(rows))]
-    s, ss, mn, mx, nonzero, nan, inf = raw.T
-    numel = recs.numel.astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = s / numel
-        var = (ss - s * mean) / (numel - 1)
-        recs.stats = {
-            "norm": np.where(recs.has_grad & (numel == 0), 0.0, np.sqrt(ss)),
-            "mean": mean,
-            "std": np.where(numel > 1, np.sqrt(np.maximum(var, 0.0)), np.nan),
-            # NaN makes min and max NaN, as torch.aminmax (a kernel's own min/max may skip NaN)
-            "min": np.where(nan > 0, np.nan, mn),
-            "max": np.where(nan > 0, np.nan, mx),
-            "abs_max": np.where(nan > 0, np.nan, np.maximum(np.abs(mn), np.abs(mx))),
-            "zero_frac": 1.0 - nonzero / numel,
-        }
-    recs.counts = {
-        "nan_count": np.nan_to_num(nan).astype(np.int64),
-        "inf_count": np.nan_to_num(inf).astype(np.int64),
-    }
-    return recs
-
-
-def _stack(ts: list[torch.Tensor]) -> torch.Tensor:
-    device = ts[0].device
-    return torch.stack([t if t.device == device else t.to(device) for t in ts])
-
-
-def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
-    device = ts[0].device
-    return torch.cat([t.reshape(-1) if t.device == device else t.reshape(-1).to(device) for t in ts])
-
-
-def _extra_parts(pending: list[_Pending], updates: Mapping[TapKey, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """The step's extras as a few flat device tensors, named: value norms, update norms, per-example, counts."""
-    parts: list[tuple[str, torch.Tensor]] = []
-    norms = [p.value_norm for p in pending if p.value_norm is not None]
-    if norms:
-        parts.append(("value_norm", _stack(norms)))
-    ups = [updates[p.key] for p in pending if p.key in updates]
-    if ups:
-        parts.append(("update_norm", _stack(ups)))
-    rows = [p.per_example for p in pending if p.per_example is not None]
-    if rows:
-        parts.append(("per_example", _cat(rows)))
-    hists = [p.hist for p in pending if p.hist is not None]
-    if hists:
-        parts.append(("hist", _cat(hists)))
-    return parts
-
-
-def _fill_extras(
-    recs: StepRecords, pending: list[_Pending], parts: list[tuple[str, torch.Tensor]], host: np.ndarray,
-    updates: Mapping[TapKey, torch.Tensor], per_example: bool, histogram: bool,
-) -> None:  # fmt: skip
-    """Split the host copy of `_extra_parts` back into the records' extra columns."""
-    n = len(pending)
-    at, chunk = 0, {}
-    for name, t in parts:
-        chunk[name] = host[at : at + t.numel()]
-        at += t.numel()
-    recs.value_norm, recs.update_norm = np.full(n, np.nan), np.full(n, np.nan)
-    if "value_norm" in chunk:
-        recs.value_norm[[i for i, p in enumerate(pending) if p.value_norm is not None]] = chunk["value_norm"]
-    if "update_norm" in chunk:
-        recs.update_norm[[i for i, p in enumerate(pending) if p.key in updates]] = chunk["update_norm"]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        recs.update_ratio = recs.update_norm / recs.value_norm
-    if per_example:
-        recs.per_example_norm = _split(pending, chunk.get("per_example"), "per_example", np.float64)
-    if histogram:
-        recs.hist_counts = _split(pending, chunk.get("hist"), "hist", np.int64)
-
-
-def _split(pending: list[_Pending], flat: np.ndarray | None, field: str, dtype: type[np.generic]) -> list[np.ndarray | None]:
-    out: list[np.ndarray | None] = []
-    at = 0
-    for p in pending:
-        t = getattr(p, field)
-        if t is None or flat is None:
-            out.append(None)
-        else:
-            out.append(flat[at : at + t.numel()].astype(dtype))
-            at += t.numel()
-    return out
-
-
-def _values_to_host(pending: list[_Pending]) -> list[np.ndarray | None]:
+def _values_to_host(pending: list[Pending]) -> list[np.ndarray | None]:
     kept = [p.values for p in pending if p.values is not None]
     if not kept:
         return [None] * len(pending)

@@ -7,7 +7,8 @@ Imports no torch and nothing of the capture layer, so a notebook reading records
 | module | what it holds |
 | --- | --- |
 | `schema` | the Parquet schemas of `grads.parquet` and `steps.parquet`, and their column encodings |
-| `writer` | `grads.parquet` / `steps.parquet`: streamed writers |
+| `writer` | `grads.parquet` / `steps.parquet`: streamed writers, the files' metadata |
+| `table_writer` | one Parquet table streamed to a temp file and committed atomically; a job's writers closed as one |
 | `rundir` | a job dir's state, read-only: `done.json`, `failed.json`, verified reading, which folders are jobs |
 | `atomic` | `write_atomically`: a small file whole or not at all |
 | `columns` | column and file names, temp names, the host-side records of a step |

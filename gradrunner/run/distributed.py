@@ -346,7 +346,8 @@ def open_writers(
     Rank 0's two files are closed as the single-process path closes them (`closing_together`): both
     kept, with the same steps, or both dropped.
     """
-    from gradrunner.records.writer import RecordWriter, StepsWriter, closing_together
+    from gradrunner.records.table_writer import closing_together
+    from gradrunner.records.writer import RecordWriter, StepsWriter
 
     main = d.is_main
     grads = (RecordWriter(directory / GRADS_FILE, constants=constants, metadata=meta, per_example=per_example,

@@ -445,7 +445,8 @@ def _open_writers(
     dist: Distributed | None, per_example: bool = False, histogram: bool = False,
 ) -> tuple[RecordWriter | GatheredWriter, StepsWriter | GatheredWriter]:  # fmt: skip
     """The job's grads and steps writers, closed by `stack`; under DDP rank 0 writes every rank's rows."""
-    from gradrunner.records.writer import RecordWriter, StepsWriter, closing_together
+    from gradrunner.records.table_writer import closing_together
+    from gradrunner.records.writer import RecordWriter, StepsWriter
 
     if dist is not None:
         return distributed.open_writers(stack, dist, directory, constants, meta, per_example, histogram)

@@ -154,7 +154,8 @@ class Recorder:
         return self
 
     def _enter(self) -> None:
-        from gradrunner.records.writer import RecordWriter, StepsWriter, closing_together, run_metadata
+        from gradrunner.records.table_writer import closing_together
+        from gradrunner.records.writer import RecordWriter, StepsWriter, run_metadata
         from gradrunner.run.guards import check_writable, write_errors
         from gradrunner.run.signals import ending_signals_as_interrupt
 

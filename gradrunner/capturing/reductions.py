@@ -1,0 +1,294 @@
+"""A step's gradient reductions on their device, and the statistics derived from them on the host.
+
+The seven reductions of a gradient, `[sum, sumsq, min, max, nonzero, nan, inf]` (`N_REDUCTIONS`),
+come from `reduce_one` (one large gradient, as it arrives), `reduce_batch` (every small gradient of
+a dtype and device at once, a fixed number of ops) or the fused kernel (`fused_stats`).
+`reduction_blocks` gathers them into a few (k, 7) blocks for the step's one host transfer;
+`derive` turns the host copy into the statistics (norm, mean, std, min, max, abs_max, zero_frac,
+NaN/Inf counts), and `extra_parts` / `fill_extras` carry the extra columns (value and update
+norms, per-example norms, histograms) through the same transfer. `stats.Collector` drives them.
+
+Example::
+
+    sums, counts = reduce_one(torch.tensor([1.0, -2.0, 0.0]))   # [sum, sumsq, min, max], [nonzero, nan, inf]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from gradrunner.capturing.extras import histogram_batch
+from gradrunner.records.columns import StepRecords, TapKey
+
+INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+class BatchRow(NamedTuple):
+    """Where a deferred gradient's reductions are: row `row` of the collector's batch `batch`."""
+
+    batch: int
+    row: int
+
+
+class Pending(NamedTuple):
+    """One record of the step while it is collected: its key and shape, and where its reductions are."""
+
+    order: int
+    key: TapKey
+    shape: tuple[int, ...]
+    numel: int
+    has_grad: bool
+    #: [sum, sumsq, min, max] and [nonzero, nan, inf] as 0-d tensors, or all seven in one float64 tensor
+    #: from the fused kernel (on CPU: the row number in the collector's buffer), or a row of a batch
+    #: (`Collector.flush`); None while deferred or without gradient
+    reductions: tuple[list[torch.Tensor], list[torch.Tensor]] | torch.Tensor | int | BatchRow | None
+    #: a small gradient (flat, its own dtype) kept until `flush`, to be reduced with every other small
+    #: gradient of its dtype and device in a fixed number of ops
+    deferred: torch.Tensor | None
+    values: torch.Tensor | None  # flat float32, on device
+    #: 0-d float64 norm of the tapped tensor itself (taken in the forward pass), on its device
+    value_norm: torch.Tensor | None = None
+    #: `per_example`: float64 norm per row; `histogram`: int64 counts per bin (both on the device)
+    per_example: torch.Tensor | None = None
+    hist: torch.Tensor | None = None
+    #: a deferred gradient's number of rows (dim 0) when its per-example norms are to come from `flush`
+    rows: int | None = None
+
+
+N_REDUCTIONS = 7
+_CPU_ZERO = torch.zeros((), dtype=torch.int64)
+
+
+def reduction_blocks(
+    pending: list[Pending], cpu_rows: torch.Tensor, batches: list[torch.Tensor],
+) -> tuple[dict[int, int], list[torch.Tensor]]:  # fmt: skip
+    """(k, 7) float64 blocks of reductions (float32 on mps), and which block row each record is.
+
+    `cpu_rows` holds the CPU kernel's output; a record whose `reductions` is an int is that row.
+    `batches` are `Collector.flush`'s blocks, which a `BatchRow` points into.
+    """
+    rows: dict[int, int] = {}
+    blocks: list[torch.Tensor] = []
+    at = 0
+    on_cpu = [i for i, p in enumerate(pending) if isinstance(p.reductions, int)]
+    if on_cpu:
+        blocks.append(cpu_rows[[pending[i].reductions for i in on_cpu]])
+        rows.update((i, at + j) for j, i in enumerate(on_cpu))
+        at += len(on_cpu)
+    fused = [i for i, p in enumerate(pending) if isinstance(p.reductions, torch.Tensor)]
+    if fused:
+        devices = {pending[i].reductions.device for i in fused}  # type: ignore[union-attr]
+        if len(devices) == 1:
+            blocks.append(torch.stack([pending[i].reductions for i in fused]))  # type: ignore[misc]
+        else:
+            blocks.extend(pending[i].reductions.reshape(1, -1) for i in fused)  # type: ignore[union-attr]
+        rows.update((i, at + j) for j, i in enumerate(fused))
+        at += len(fused)
+    reduced = [i for i, p in enumerate(pending)
+               if isinstance(p.reductions, tuple) and not isinstance(p.reductions, BatchRow)]  # fmt: skip
+    if reduced:
+        floats = torch.stack([r for i in reduced for r in pending[i].reductions[0]])  # type: ignore[index,union-attr]
+        ints = torch.stack([r for i in reduced for r in pending[i].reductions[1]])  # type: ignore[index,union-attr]
+        wide = torch.float32 if floats.device.type == "mps" else torch.float64
+        blocks.append(torch.cat([floats.to(wide).view(-1, 4), ints.to(wide).view(-1, 3)], dim=1))
+        rows.update((i, at + j) for j, i in enumerate(reduced))
+        at += len(reduced)
+    start = []
+    for b in batches:
+        start.append(at)
+        blocks.append(b)
+        at += b.shape[0]
+    rows.update((i, start[p.reductions.batch] + p.reductions.row)
+                for i, p in enumerate(pending) if isinstance(p.reductions, BatchRow))  # fmt: skip
+    return rows, blocks
+
+
+def reduce_batch(
+    xs: list[torch.Tensor], ids: torch.Tensor, histogram: bool, row_ids: torch.Tensor | None = None, n_rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Reductions of each flat tensor of `xs` (one dtype, one device, none empty), all at once.
+
+    Returns the (k, 7) wide-float reductions `[sum, sumsq, min, max, nonzero, nan, inf]` per tensor
+    and, with `histogram`, their (k, HIST_BINS) int64 counts; with `row_ids` (each element's row,
+    of `n_rows`) the L2 norm of every row (per-example norms, float64). `ids` numbers each element
+    of the concatenation by its tensor (`Collector._segment_ids`). One `cat`, a widening, and a fixed
+    number of segmented reductions (`index_add_`, `scatter_reduce_`): the number of ops does not
+    depend on k, and nothing is read on the host. The sums are accumulated in float64 (float32 on
+    mps) from widened elements: small tensors, so the widened copy is small.
+
+    Example::
+
+        ids = torch.tensor([0, 0, 1])
+        reduce_batch([torch.tensor([1.0, -2.0]), torch.tensor([0.0])], ids, False)[0][:, 0]  # sums: [-1, 0]
+    """
+    k = len(xs)
+    x = torch.cat(xs) if k > 1 else xs[0]
+    wide = torch.float32 if x.device.type == "mps" else torch.float64
+    w = x.to(wide)
+    acc = torch.zeros((5, k), dtype=wide, device=x.device)
+    acc[0].index_add_(0, ids, w)
+    squares = w * w
+    acc[1].index_add_(0, ids, squares)
+    acc[2].index_add_(0, ids, (x != 0).to(wide))  # -0.0 is a zero; NaN is not (as count_nonzero)
+    acc[3].index_add_(0, ids, torch.isnan(x).to(wide))
+    acc[4].index_add_(0, ids, torch.isinf(x).to(wide))
+    # min and max with NaN are set to NaN from the NaN count when the statistics are derived
+    mn = torch.full((k,), math.inf, dtype=wide, device=x.device).scatter_reduce_(0, ids, w, "amin")
+    mx = torch.full((k,), -math.inf, dtype=wide, device=x.device).scatter_reduce_(0, ids, w, "amax")
+    block = torch.stack([acc[0], acc[1], mn, mx, acc[2], acc[3], acc[4]], dim=1)
+    rows = None
+    if row_ids is not None:
+        rows = torch.zeros(n_rows, dtype=wide, device=x.device).index_add_(0, row_ids, squares).sqrt_()
+    return block, histogram_batch(x, ids, k) if histogram else None, rows
+
+
+def reduce_one(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The per-gradient device work: four reductions, plus NaN/Inf counts when they can be non-zero.
+
+    Returns 0-d tensors `[sum, sum of squares, min, max]` and `[non-zero count, nan count, inf count]`.
+    `scratch` (same size and dtype as `flat`) takes the one elementwise temporary: a fresh large
+    allocation in the middle of a training step costs more than the reduction itself (page faults).
+    """
+    mn, mx = torch.aminmax(flat)
+    # abs() folds -0.0 into +0.0, so a zero is exactly an all-zero bit pattern; counting non-zero
+    # integers is several times faster than comparing floats with 0 on CPU.
+    magnitude = flat.abs() if scratch is None else torch.abs(flat, out=scratch)
+    nonzero = torch.count_nonzero(magnitude.view(INT_VIEW[flat.dtype]))
+    if flat.device.type != "cpu":
+        # No branching on values here (it would sync per tap): sums wide, counts always.
+        s, ss = _device_sums(flat)
+        return [s, ss, mn, mx], [nonzero, torch.isnan(flat).sum(), torch.isinf(flat).sum()]
+    s, ss = flat.sum(), torch.dot(flat, flat)
+    # On CPU the sums are already in host memory (numpy() cannot cross devices): branch for free.
+    s_host, ss_host = float(s.numpy()), float(ss.numpy())
+    nan = inf = _CPU_ZERO
+    if not math.isfinite(ss_host):
+        nan, inf = torch.isnan(flat).sum(), torch.isinf(flat).sum()
+    n = flat.numel()
+    if flat.dtype != torch.float64 and (
+        not math.isfinite(ss_host) or (n > 1 and ss_host - s_host * s_host / n < 1e-3 * ss_host)
+    ):
+        # float32 sum of squares overflowed, or most of its digits cancel in the variance: redo wide.
+        wide = flat.double()
+        s, ss = wide.sum(), torch.dot(wide, wide)
+    return [s, ss, mn, mx], [nonzero, nan, inf]
+
+
+def _device_sums(flat: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum and sum of squares on an accelerator without a float64 copy of the gradient.
+
+    Chunks of `chunk` elements are reduced in the gradient's dtype (on CUDA in a tree, so their
+    error stays near the dtype's rounding), the chunk results are added in float64.
+    """
+    if flat.dtype == torch.float64 or flat.device.type == "mps":
+        return flat.sum(), torch.dot(flat, flat)
+    k = flat.numel() // chunk
+    head, tail = flat[: k * chunk].view(k, chunk), flat[k * chunk :].double()  # the tail is under `chunk`
+    s = head.sum(1).double().sum() + tail.sum()
+    ss = torch.linalg.vector_norm(head, dim=1).double().square().sum() + torch.dot(tail, tail)
+    return s, ss
+
+
+def derive(pending: list[Pending], rows: dict[int, int], host: np.ndarray) -> StepRecords:
+    """The records' statistics and NaN/Inf counts from the host copy `host` of the (k, 7) reductions (`rows`: whose row)."""
+    n = len(pending)
+    recs = StepRecords(
+        keys=[p.key for p in pending],
+        shape=[p.shape for p in pending],
+        numel=np.array([p.numel for p in pending], dtype=np.int64),
+        has_grad=np.array([p.has_grad for p in pending], dtype=bool),
+    )
+    raw = np.full((n, N_REDUCTIONS), np.nan)
+    if rows:
+        mine = np.fromiter(rows.keys(), dtype=np.int64, count=len(rows))
+        raw[mine] = host[np.fromiter(rows.values(), dtype=np.int64, count=len(rows))]
+    s, ss, mn, mx, nonzero, nan, inf = raw.T
+    numel = recs.numel.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = s / numel
+        var = (ss - s * mean) / (numel - 1)
+        recs.stats = {
+            "norm": np.where(recs.has_grad & (numel == 0), 0.0, np.sqrt(ss)),
+            "mean": mean,
+            "std": np.where(numel > 1, np.sqrt(np.maximum(var, 0.0)), np.nan),
+            # NaN makes min and max NaN, as torch.aminmax (a kernel's own min/max may skip NaN)
+            "min": np.where(nan > 0, np.nan, mn),
+            "max": np.where(nan > 0, np.nan, mx),
+            "abs_max": np.where(nan > 0, np.nan, np.maximum(np.abs(mn), np.abs(mx))),
+            "zero_frac": 1.0 - nonzero / numel,
+        }
+    recs.counts = {
+        "nan_count": np.nan_to_num(nan).astype(np.int64),
+        "inf_count": np.nan_to_num(inf).astype(np.int64),
+    }
+    return recs
+
+
+def stack(ts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.stack` of 0-d tensors on the first one's device (a model spread over devices)."""
+    device = ts[0].device
+    return torch.stack([t if t.device == device else t.to(device) for t in ts])
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    device = ts[0].device
+    return torch.cat([t.reshape(-1) if t.device == device else t.reshape(-1).to(device) for t in ts])
+
+
+def extra_parts(pending: list[Pending], updates: Mapping[TapKey, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The step's extras as a few flat device tensors, named: value norms, update norms, per-example, counts."""
+    parts: list[tuple[str, torch.Tensor]] = []
+    norms = [p.value_norm for p in pending if p.value_norm is not None]
+    if norms:
+        parts.append(("value_norm", stack(norms)))
+    ups = [updates[p.key] for p in pending if p.key in updates]
+    if ups:
+        parts.append(("update_norm", stack(ups)))
+    rows = [p.per_example for p in pending if p.per_example is not None]
+    if rows:
+        parts.append(("per_example", _cat(rows)))
+    hists = [p.hist for p in pending if p.hist is not None]
+    if hists:
+        parts.append(("hist", _cat(hists)))
+    return parts
+
+
+def fill_extras(
+    recs: StepRecords, pending: list[Pending], parts: list[tuple[str, torch.Tensor]], host: np.ndarray,
+    updates: Mapping[TapKey, torch.Tensor], per_example: bool, histogram: bool,
+) -> None:  # fmt: skip
+    """Split the host copy of `extra_parts` back into the records' extra columns."""
+    n = len(pending)
+    at, chunk = 0, {}
+    for name, t in parts:
+        chunk[name] = host[at : at + t.numel()]
+        at += t.numel()
+    recs.value_norm, recs.update_norm = np.full(n, np.nan), np.full(n, np.nan)
+    if "value_norm" in chunk:
+        recs.value_norm[[i for i, p in enumerate(pending) if p.value_norm is not None]] = chunk["value_norm"]
+    if "update_norm" in chunk:
+        recs.update_norm[[i for i, p in enumerate(pending) if p.key in updates]] = chunk["update_norm"]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        recs.update_ratio = recs.update_norm / recs.value_norm
+    if per_example:
+        recs.per_example_norm = _split(pending, chunk.get("per_example"), "per_example", np.float64)
+    if histogram:
+        recs.hist_counts = _split(pending, chunk.get("hist"), "hist", np.int64)
+
+
+def _split(pending: list[Pending], flat: np.ndarray | None, field: str, dtype: type[np.generic]) -> list[np.ndarray | None]:
+    out: list[np.ndarray | None] = []
+    at = 0
+    for p in pending:
+        t = getattr(p, field)
+        if t is None or flat is None:
+            out.append(None)
+        else:
+            out.append(flat[at : at + t.numel()].astype(dtype))
+            at += t.numel()
+    return out
