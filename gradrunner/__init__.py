@@ -5,14 +5,16 @@ checks it, see pyproject.toml):
 
 | where | what it holds |
 | --- | --- |
-| `config`, `choices`, `errors` | the config schema, the allowed values, the one user-error type |
+| `errors` | the one user-error type and its exit status |
+| `config/` | the config schema and validation, the allowed values, edits and command-line checks (`conf/`: the YAML) |
 | `capturing/` | taps resolved against a model, forward locals, the three strategies, statistics |
-| `records/` | record column names, the Parquet writers, a run dir's books |
-| `run/` | the job built from the config, the step loop, guards, DDP, the Hydra job |
-| `analysis/` | records read back into pandas, summaries, plots, the HTML report (no torch) |
-| `cli`, `callbacks` | the Hydra app (`python -m gradrunner`) and the sweep's bookkeeping |
-| `recording`, `integrations/`, `export` | `record(...)` in any loop, the Lightning and HF callbacks, `python -m gradrunner.export` |
-| `models/`, `data`, `losses` | built-in options for the config groups |
+| `records/` | record column names, the Parquet writers, a run dir's state |
+| `analysis/` | records read back into pandas, summaries, the health of a run (no torch) |
+| `report/`, `export/` | `python -m gradrunner.report` (figures, the HTML page), `python -m gradrunner.export` (no torch) |
+| `run/` | the job built from the config, the step loop, guards, DDP, a run dir's books, `record(...)` in any loop |
+| `integrations/` | the Lightning and HF callbacks over `record` |
+| `cli/` | the Hydra app (`python -m gradrunner`), the tap explorer (`python -m gradrunner.taps`), the sweep's books |
+| `models/`, `data/`, `losses` | built-in options for the config groups |
 
 Example::
 

@@ -1,6 +1,6 @@
 """Random, seeded command lines: no traceback, no hang; every mistake is one paragraph with exit 2.
 
-Most lines are checked in-process, the way `cli.main` handles them (the command-line checks, Hydra
+Most lines are checked in-process, the way `cli.app.main` handles them (the command-line checks, Hydra
 composing, `validate`), since a subprocess costs seconds on a loaded machine; a handful go through the
 real CLI, which must agree.
 """
@@ -40,7 +40,7 @@ def command_line(rng: random.Random) -> list[str]:
 
 
 def in_process(argv: list[str]) -> str | None:
-    """What `cli.main` reports for `argv` before a job runs: a one-paragraph message, or None (it would run).
+    """What `cli.app.main` reports for `argv` before a job runs: a one-paragraph message, or None (it would run).
 
     Call it inside `initialize_config_module(config_module="gradrunner.conf", version_base="1.3")`.
     """

@@ -1,4 +1,4 @@
-"""gradrunner.config and gradrunner/conf: the schema, the shipped config tree, `validate`."""
+"""gradrunner.config.schema and gradrunner/conf: the schema, the shipped config tree, `validate`."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Contents:
     record_jobs(sweep_dir, rows) -- the same for several rows, in one transaction
     read_jobs(sweep_dir)         -- every row, or None when there is no catalogue (or it is damaged)
 
-Each job writes its own row when it ends (`callbacks.SweepBookkeeping.on_job_end`, in the job's
+Each job writes its own row when it ends (`cli.sweep_books.SweepBookkeeping.on_job_end`, in the job's
 process, whichever launcher), so the catalogue is safe under concurrent writers: every write is one
 SQLite transaction (`BEGIN IMMEDIATE`, rollback journal, a 60 s busy timeout), and the file is never
 rewritten whole. SQLite's locks are the filesystem's POSIX locks: on a local disk and on NFS with a

@@ -341,7 +341,7 @@ def describe_unfinished(root: Path, unfinished: list[JobState], total: int) -> s
 def job_dirs_below(root: Path) -> list[Path]:
     """THE rule for which folders are jobs: dirs below `root`, none of their parts hidden (`.`, `_`),
     that hold Hydra's `.hydra/overrides.yaml`, a marker (`done.json`, `failed.json`) or a record file,
-    final or temp. The sweep manifest, `resume` and `analysis.load` all use it.
+    final or temp. The sweep manifest, `run.books` and `analysis.load` all use it.
 
     Example::
 

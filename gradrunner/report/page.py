@@ -55,7 +55,7 @@ summary { cursor: pointer; color: #555; }
 
 
 class FigureWriter(Protocol):
-    """`figure_section`'s signature: the section builders draw through the writer they are given (`report` passes its own)."""
+    """`figure_section`'s signature: the section builders draw through the writer they are given (`write` passes its own)."""
 
     def __call__(self, out_dir: Path, name: str, title: str, fig: Figure, note: str = "") -> str: ...
 

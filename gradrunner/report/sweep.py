@@ -5,7 +5,7 @@ Contents:
         -- per value of the swept override(s) `aggregate.sweep_layout` keeps apart: the median over the runs
            and a 10-90% band (`aggregate.over_runs`, drawn by `plots_sweep`); a table row per swept value
 
-`report.write_report` calls it for a large sweep; a run, or a smaller sweep, gets `report`'s own sections.
+`write.write_report` calls it for a large sweep; a run, or a smaller sweep, gets `write`'s own sections.
 The sections a run and a sweep share come from `sections`, the page helpers from `page`.
 
 Example::

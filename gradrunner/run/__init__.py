@@ -13,7 +13,7 @@ May use every other layer; nothing below imports it.
 | `books` | a run dir's books: the lock, refuse/skip/resume decisions, `done.json`/`failed.json` written, `.hydra/` restored |
 | `checkpoint` | mid-run checkpoints and resume from the last one |
 | `recording` | `gradrunner.record(...)`: the runner's session and writers in any training loop |
-| `watch` | watches during a run (a tap that stays zero, warnings) over `analysis.health` |
+| `watch` | warnings during a run: records that will be huge, a loss or gradients stuck at zero, taps without gradient (the summary at the end: `analysis.health`) |
 | `hydra_adapter` | every use of Hydra's private APIs, and errors before the job as one paragraph |
 | `distributed` | DDP inside a job under `torchrun` |
 | `job` | one Hydra job: the run dir's books around `train` (`run(cfg)`) |

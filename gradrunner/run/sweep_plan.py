@@ -3,14 +3,14 @@
 Contents:
     config_fingerprint(config)   -- a hash of everything a job's config is composed from, besides its overrides
     SweepPlan, plan(config)      -- the sweep's jobs and which of them the catalogue shows complete (cached per sweep)
-    catalogue_row(config, ...)   -- the catalogue row of a job that just ended (`callbacks.SweepBookkeeping`)
+    catalogue_row(config, ...)   -- the catalogue row of a job that just ended (`cli.sweep_books.SweepBookkeeping`)
 
 A re-run of a sweep into the same dir used to compose every job's config three times (the up-front
 check, Hydra's batch check and the job itself) only for the job to find `done.json` and skip: at
 10,000 jobs, half an hour. `plan` reads the sweep catalogue (`records.catalogue`) once: a job is
 complete when its row has the same overrides, the same job number, status `completed`, the same
 config fingerprint, and its dir still holds that run's `done.json` (same run id). Those jobs are
-neither composed by the up-front check (`cli.SweepCheck`) nor launched (`gradrunner`'s sweeper,
+neither composed by the up-front check (`cli.app.SweepCheck`) nor launched (`gradrunner`'s sweeper,
 `hydra_plugins/gradrunner_sweeper`); every other job goes the usual way, where `books.prepare` still
 decides from the dir itself, so the shortcut can only skip work, never hide a difference: a changed
 config file, a changed gradrunner, a config that reads the environment (`${oc.env:...}`, custom
@@ -192,7 +192,7 @@ def catalogue_row(config: DictConfig, *, status: str, error: str | None) -> cata
     return catalogue.JobRow(dir=relative, num=num, overrides=overrides, status=status, error=error)
 
 
-#: The configs of the sweeps whose every job the up-front check (`cli.SweepCheck`) composed and validated.
+#: The configs of the sweeps whose every job the up-front check (`cli.app.SweepCheck`) composed and validated.
 _VALIDATED: list[DictConfig] = []
 
 
