@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import cli_env, compose_cfg
 
-import gradrunner.analysis
+import gradrunner.report
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.rundir import DONE
 from gradrunner.run.job import run
@@ -33,7 +33,7 @@ def test_a_failing_report_logs_the_command_and_keeps_the_run(tmp_path: Path, cap
 def test_report_true_without_matplotlib_fails_before_step_0(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
     monkeypatch.delitem(sys.modules, "gradrunner.report.plots", raising=False)
-    monkeypatch.delattr(gradrunner.analysis, "plots", raising=False)
+    monkeypatch.delattr(gradrunner.report, "plots", raising=False)
     with pytest.raises(GradrunnerError, match=r"matplotlib, which is not installed: pip install"):
         run(compose_cfg("+experiment=cosine", "steps=2", "report=true"), out_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
