@@ -166,8 +166,12 @@ def run_case(case: str, out: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
+    import os
+
     import torch.distributed as dist
 
+    # torchrun starts each rank in a session of its own: the test kills leftovers by these pids
+    (Path(argv[0]) / f"pid.rank{os.environ['RANK']}").write_text(str(os.getpid()))
     dist.init_process_group("gloo")
     try:
         for case in argv[1:]:

@@ -13,10 +13,12 @@ parameter gradient's statistics. Here they are checked against two references co
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,22 +53,51 @@ MERGE_RTOL = 1e-13
 E2E_RTOL = {"float64": 1e-13, "float32": 1e-6}
 
 
-def torchrun(world: int, out: Path, cases: list[str]) -> None:
-    """torchrun in a session of its own; the whole group is killed on a time-out or failure, and none is left."""
+def torchrun(world: int, out: Path, cases: list[str], timeout: float = 300) -> None:
+    """torchrun in a session of its own; on a time-out or failure torchrun and every rank are killed.
+
+    torchrun starts each rank in a session of its own (`start_new_session`), so killing torchrun's group
+    does not reach them: SIGTERM lets torchrun stop its ranks, then every rank still running (found by
+    the pid each wrote, checked to be our `sharded_ranks.py` with this `out`) is killed with its group.
+    """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            str(HERE / "sharded_ranks.py"), str(out), *cases]  # fmt: skip
     proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
+    log = ""
     try:
-        log, _ = proc.communicate(timeout=300)
+        log, _ = proc.communicate(timeout=timeout)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank: nothing outlives the test
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+        for pid in ranks_left(out):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while ranks_left(out) and time.monotonic() < deadline:  # killed: gone as soon as they are reaped
+            time.sleep(0.1)
+        assert not ranks_left(out), "ranks outlived the test"
     errors = [line for line in log.splitlines() if line.startswith("[rank") and "Error" in line]
     assert proc.returncode == 0, "\n".join(errors[:8]) + "\n" + log[-3000:]
+
+
+def ranks_left(out: Path) -> list[int]:
+    """The pids of this run's ranks that still run (a pid reused by another program is not ours)."""
+    alive = []
+    for f in out.glob("pid.rank*"):
+        pid = int(f.read_text())
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"sharded_ranks.py" in cmdline and os.fsencode(out) in cmdline:
+            alive.append(pid)
+    return alive
 
 
 @pytest.fixture(scope="module")
