@@ -36,7 +36,7 @@ import pandas as pd
 
 from gradrunner.analysis.reading import load
 from gradrunner.errors import GradrunnerError, one_paragraph
-from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS
+from gradrunner.records.columns import COUNT_COLUMNS, GRADS_FILE, STAT_COLUMNS, STEPS_FILE
 
 #: Default tolerances (see the module docstring for why).
 RTOL, ATOL = 1e-5, 1e-8
@@ -234,9 +234,13 @@ def _read(run: str | os.PathLike[str], notes: list[str]) -> tuple[pd.DataFrame, 
     What `load` warns of (a failed run's records are partial) is added to `notes`.
     """
     path = Path(run)
-    if not path.is_dir():
-        raise GradrunnerError(f"{run} is not a run dir ({'a file' if path.exists() else 'it does not exist'}); "
-                              "pass the dir a run wrote its grads.parquet and steps.parquet into")  # fmt: skip
+    why = ("a file" if path.exists() else "it does not exist") if not path.is_dir() else None
+    if why is None and not (path / GRADS_FILE).is_file():
+        sweep = any(path.glob(f"*/{GRADS_FILE}"))
+        why = f"no {GRADS_FILE} in it" + ("; its subdirs hold a sweep's jobs: pass one of them" if sweep else "")
+    if why is not None:
+        raise GradrunnerError(f"{run} is not a run dir ({why}); pass the dir a run wrote its {GRADS_FILE} and "
+                              f"{STEPS_FILE} into")  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         grads, steps = load(path), load(path, table="steps")
