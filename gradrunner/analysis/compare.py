@@ -1,0 +1,301 @@
+"""Do two runs' records agree? The parity certificate: sharded vs single process, fsdp2 vs ddp, eager vs compile.
+
+`compare_runs(run_a, run_b)` reads both run dirs with `load` (so a damaged or foreign file is refused as
+`load` refuses it) and compares every record both have, matched on (step, tap, call, rank, micro_step), over
+the gradient's statistics, and each step's loss; `python -m gradrunner.compare RUN_A RUN_B` prints the
+first difference in step order and the worst taps (`main`).
+
+Example::
+
+    c = compare_runs("outputs/fsdp2", "outputs/ddp")
+    c.agree                    # True when every value is within the tolerance and no record is missing
+    c.rel_error()              # tap x step: the largest relative difference (a heat map's data)
+    print(c.summary())
+
+A value of run B agrees with run A's when |a - b| <= atol + rtol * |a| (numpy's `isclose`, run A the
+reference), or both are NaN, or both are the same infinity. The defaults, `RTOL` 1e-5 and `ATOL` 1e-8,
+are for float32 records: a run repeated gives identical records, and two runs whose float32 gradients
+differ only in the order of their additions (an all-reduce against a reduce-scatter, another kernel)
+differ by a few float32 roundings (2**-24, about 6e-8 each) per element, far below 1e-5; a real change
+(a learning rate, a bug) moves the next step's statistics by far more. `atol` keeps statistics that are
+zero up to rounding (the mean of a gradient whose elements cancel) from failing on a relative test;
+1e-8 is below the smallest gradient statistic worth reading in float32 training. Loosen both for
+bf16 runs or compiled kernels (`--rtol 1e-2`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from gradrunner.analysis.reading import load
+from gradrunner.errors import GradrunnerError, one_paragraph
+from gradrunner.records.columns import COUNT_COLUMNS, GRADS_FILE, STAT_COLUMNS, STEPS_FILE
+
+#: Default tolerances (see the module docstring for why).
+RTOL, ATOL = 1e-5, 1e-8
+#: What identifies a record in both runs (a missing `micro_step` or `rank` is taken as -1 and 0).
+KEY = ("step", "tap", "call", "rank", "micro_step")
+#: Compared on every record: the gradient's statistics, and whether it had one, and its size.
+STATS = (*STAT_COLUMNS, *COUNT_COLUMNS, "numel", "has_grad")
+#: Compared where both runs have the column. `update_norm` and `update_ratio` are left out on purpose: they
+#: are the optimiser's step, which a setting (the learning rate) changes at once; its effect on the model
+#: shows in the next step's gradients and `value_norm`s, which are compared.
+OPTIONAL = ("value_norm", "edited_norm")
+#: Compared per (step, rank) from the steps table, where both runs have them.
+STEP_STATS = ("loss", "grad_norm")
+#: The order differences are told in: by step, a step's loss first, then taps in run A's order.
+ORDER = ["step", "tap_order", "call", "rank", "micro_step", "stat_order"]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Two runs' records side by side (`compare_runs`' result).
+
+    Example::
+
+        c = compare_runs(a, b)
+        c.values[c.values.differs]          # every value beyond the tolerance
+        c.first()                           # the first difference in step order, or None
+    """
+
+    run_a: str
+    run_b: str
+    rtol: float
+    atol: float
+    #: One row per value compared: the key columns (`tap` null for a step's `loss`), `stat`, `a`, `b`,
+    #: `rel` (|a - b| / |a|; 0 when they are equal, inf when a is 0 or one of them NaN) and `differs`.
+    values: pd.DataFrame
+    #: One row per record (or step's loss) only one run has: the key columns, `stat`, and `only_in` ("a" or "b").
+    missing: pd.DataFrame
+    #: Records (step x tap x call x rank x micro_step) both runs have.
+    records: int
+    #: What `load` warned of while reading either run (a failed run's partial records, ...).
+    notes: tuple[str, ...] = ()
+
+    @property
+    def agree(self) -> bool:
+        return not bool(self.values["differs"].any()) and self.missing.empty
+
+    def rel_error(self) -> pd.DataFrame:
+        """The largest relative difference per tap (rows, in run A's order) and step (columns): a heat map's data.
+
+        Example::
+
+            c.rel_error().loc["fc1:output", 1]     # the worst statistic of fc1:output at step 1
+        """
+        taps = self.values.dropna(subset=["tap"])
+        table = taps.pivot_table(index="tap", columns="step", values="rel", aggfunc="max", sort=False)
+        return table.reindex(index=list(dict.fromkeys(taps.sort_values("tap_order", kind="stable")["tap"])))
+
+    def first(self) -> pd.Series | None:
+        """The first difference in step order (a step's loss before its taps, taps in run A's order), or None."""
+        both = pd.concat([self.values[self.values["differs"]], self.missing], ignore_index=True)
+        return None if both.empty else both.sort_values(ORDER, kind="stable").iloc[0]
+
+    def worst_taps(self, n: int = 5) -> pd.DataFrame:
+        """The `n` taps with the largest relative difference: where, which statistic, both values."""
+        taps = self.values.dropna(subset=["tap"])
+        worst = _by_rel(taps[taps["differs"]] if taps["differs"].any() else taps).drop_duplicates("tap")
+        return worst.head(n)[["tap", "step", "stat", "a", "b", "rel"]].reset_index(drop=True)
+
+    def summary(self) -> str:
+        """What `python -m gradrunner.compare` prints: the verdict, the first difference, the worst taps."""
+        tol = f"rtol={self.rtol:g}, atol={self.atol:g}"
+        notes = [f"note: {n}" for n in self.notes]
+        steps = self.values[self.values["tap"].isna()]["step"].nunique()
+        if self.agree:
+            worst = _by_rel(self.values)
+            largest = "" if worst.empty or worst["rel"].iloc[0] == 0 else f"; largest relative difference {_where(worst.iloc[0])}"
+            return "\n".join([*notes, f"agree: {self.records} records and {steps} steps' loss within {tol}{largest}"])
+        bad = self.values[self.values["differs"]]
+        n_bad = bad.dropna(subset=["tap"])[list(KEY)].drop_duplicates().shape[0]
+        lines = [*notes, f"differ beyond {tol}: {n_bad} of {self.records} records and "
+                 f"{bad[bad['tap'].isna()]['step'].nunique()} of {steps} steps' loss; {len(self.missing)} only in one run"]  # fmt: skip
+        first = self.first()
+        assert first is not None
+        lines.append(f"first difference: {_where(first)}")
+        taps = bad.dropna(subset=["tap"])
+        if not isinstance(first["tap"], str) and not taps.empty:  # a step's loss: and the first tap to move
+            lines.append(f"first tap difference: {_where(taps.sort_values(ORDER, kind='stable').iloc[0])}")
+        lines += _describe_missing(self.missing)
+        worst = self.worst_taps()
+        if not taps.empty:
+            lines.append("worst taps (largest relative difference):")
+            lines.append(worst.to_string(index=False, float_format=lambda v: f"{v:.6g}"))
+        return "\n".join(lines)
+
+
+def _by_rel(values: pd.DataFrame) -> pd.DataFrame:
+    """Largest relative difference first; ties in step order."""
+    return values.sort_values(["rel", *ORDER], ascending=[False] + [True] * len(ORDER), kind="stable")
+
+
+def _where(row: pd.Series) -> str:
+    """`step 1, tap fc1:output, norm: 0.0123 vs 0.0456 (rel 2.7)`; a missing record says which run has it."""
+    at = f"step {int(row['step'])}"
+    if isinstance(row["tap"], str):
+        at += f", tap {row['tap']}"
+        extra = [f"call {int(row['call'])}"] if row["call"] else []
+        extra += [f"rank {int(row['rank'])}"] if row["rank"] else []
+        extra += [f"micro_step {int(row['micro_step'])}"] if row["micro_step"] >= 0 else []
+        at += f" ({', '.join(extra)})" if extra else ""
+    elif row["rank"]:
+        at += f", rank {int(row['rank'])}"
+    if isinstance(row.get("only_in"), str):
+        return f"{at}: {'the record' if isinstance(row['tap'], str) else row['stat']} is only in run {row['only_in'].upper()}"
+    a, b = (bool(row["a"]), bool(row["b"])) if row["stat"] == "has_grad" else (f"{row['a']:.6g}", f"{row['b']:.6g}")
+    return f"{at}, {row['stat']}: {a} vs {b} (rel {row['rel']:.2g})"
+
+
+def _describe_missing(missing: pd.DataFrame, most: int = 6) -> list[str]:
+    """One line per tap (or the steps table) that only one run has records of, with the steps."""
+    lines = []
+    for (only, tap), rows in missing.groupby(["only_in", missing["tap"].fillna("")], sort=False):
+        steps = sorted(rows["step"].unique())
+        span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]} ({len(steps)})"
+        lines.append(f"only in run {str(only).upper()}: {f'tap {tap}' if tap else 'loss'}, {span}")
+    return lines[:most] + ([f"... and {len(lines) - most} more"] if len(lines) > most else [])
+
+
+def check_tolerance(name: str, value: object) -> float:
+    """`value` as a tolerance: a finite number >= 0, else a GradrunnerError naming it.
+
+    Example::
+
+        check_tolerance("rtol", "1e-4")      # 0.0001
+    """
+    try:
+        tol = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        tol = math.nan
+    if not math.isfinite(tol) or tol < 0:
+        example = {"rtol": RTOL, "atol": ATOL}.get(name, RTOL)
+        raise GradrunnerError(f"{name}={value!r} is not a tolerance; allowed: a finite number >= 0, e.g. {name}={example:g}")
+    return tol
+
+
+def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str], rtol: float = RTOL,
+                 atol: float = ATOL) -> Comparison:  # fmt: skip
+    """Compare the records of two run dirs (run A the reference); a GradrunnerError for bad input.
+
+    Example::
+
+        c = compare_runs("runs/fsdp2", "runs/ddp", rtol=1e-5)
+        c.agree, c.first()
+
+    Bad input, each one paragraph: a path that is not a run dir (a sweep dir: pass one of its jobs),
+    records `load` refuses, two records with one key in a run, runs without a tap in common, a
+    tolerance that is not a finite number >= 0.
+    """
+    rtol, atol = check_tolerance("rtol", rtol), check_tolerance("atol", atol)
+    notes: list[str] = []
+    grads_a, steps_a = _read(run_a, notes)
+    grads_b, steps_b = _read(run_b, notes)
+    common = set(grads_a["tap"]) & set(grads_b["tap"])
+    if not common:
+        raise GradrunnerError(
+            f"the runs have no tap in common ({run_a}: {_few(grads_a['tap'])}; {run_b}: {_few(grads_b['tap'])}); "
+            "compare runs of the same taps"
+        )
+    tap_order = {t: i for i, t in enumerate(dict.fromkeys([*grads_a["tap"], *grads_b["tap"]]))}
+    stats = [*STATS, *(c for c in OPTIONAL if c in grads_a.columns and c in grads_b.columns)]
+    step_stats = [c for c in STEP_STATS if c in steps_a.columns and c in steps_b.columns]
+    values_g, missing_g = _pair(grads_a, grads_b, list(KEY), stats, rtol, atol)
+    values_s, missing_s = _pair(steps_a, steps_b, ["step", "rank"], step_stats, rtol, atol)
+    values = pd.concat([values_s, values_g], ignore_index=True)
+    missing = pd.concat([missing_s, missing_g], ignore_index=True)
+    stat_order = {s: i for i, s in enumerate(["loss", *step_stats, *stats])}
+    for frame in (values, missing):
+        if "tap" not in frame.columns:
+            frame["tap"] = None
+        for col, fill in (("call", 0), ("micro_step", -1)):
+            frame[col] = frame[col].fillna(fill) if col in frame.columns else fill
+        frame["tap_order"] = frame["tap"].map(tap_order).fillna(-1)  # a step's loss comes before its taps
+        frame["stat_order"] = frame["stat"].map(stat_order).fillna(len(stat_order))
+    records = int(values_g[list(KEY)].drop_duplicates().shape[0]) if not values_g.empty else 0
+    return Comparison(os.fspath(run_a), os.fspath(run_b), rtol, atol, values, missing, records, tuple(notes))
+
+
+def _few(taps: pd.Series) -> str:
+    names = list(dict.fromkeys(taps))
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _read(run: str | os.PathLike[str], notes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A run dir's records and steps, keyed: refused as `load` refuses them, or when it is no single run.
+
+    What `load` warns of (a failed run's records are partial) is added to `notes`.
+    """
+    path = Path(run)
+    why = ("a file" if path.exists() else "it does not exist") if not path.is_dir() else None
+    if why is None and not (path / GRADS_FILE).is_file():
+        sweep = any(path.glob(f"*/{GRADS_FILE}"))
+        why = f"no {GRADS_FILE} in it" + ("; its subdirs hold a sweep's jobs: pass one of them" if sweep else "")
+    if why is not None:
+        raise GradrunnerError(f"{run} is not a run dir ({why}); pass the dir a run wrote its {GRADS_FILE} and "
+                              f"{STEPS_FILE} into")  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads, steps = load(path), load(path, table="steps")
+    notes.extend(dict.fromkeys(one_paragraph(str(w.message)) for w in caught))
+    if "job" in grads.columns:
+        raise GradrunnerError(f"{run} holds several jobs ({_few(grads['job'])}): a sweep; compare one job dir "
+                              "with another")  # fmt: skip
+    for frame in (grads, steps):
+        if "rank" not in frame.columns:
+            frame["rank"] = 0
+    grads["micro_step"] = grads["micro_step"].fillna(-1) if "micro_step" in grads.columns else -1
+    twice = grads.duplicated(list(KEY))
+    if twice.any():
+        row = grads[twice].iloc[0]
+        raise GradrunnerError(f"{run} holds {int(twice.sum())} records twice (e.g. step {row['step']}, tap {row['tap']}): "
+                              "not the records of one run")  # fmt: skip
+    return grads, steps
+
+
+def _pair(a: pd.DataFrame, b: pd.DataFrame, key: list[str], stats: list[str], rtol: float,
+          atol: float) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
+    """Long frames of the values both have (with `rel`, `differs`) and of the keys only one has."""
+    both = a[key + stats].merge(b[key + stats], on=key, how="outer", suffixes=("@a", "@b"), indicator=True, sort=False)
+    only = both[both["_merge"] != "both"]
+    missing = only[key].assign(stat="record" if "tap" in key else "loss",
+                               only_in=np.where(only["_merge"] == "left_only", "a", "b"))  # fmt: skip
+    matched = both[both["_merge"] == "both"]
+    parts = []
+    for stat in stats:
+        va = pd.to_numeric(matched[f"{stat}@a"], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+        vb = pd.to_numeric(matched[f"{stat}@b"], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+        parts.append(matched[key].assign(stat=stat, a=va, b=vb, rel=relative(va, vb), differs=~agrees(va, vb, rtol, atol)))
+    values = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*key, "stat", "a", "b", "rel", "differs"])
+    return values, missing.reset_index(drop=True)
+
+
+def agrees(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> np.ndarray:
+    """Elementwise: |a - b| <= atol + rtol * |a|, or both NaN, or equal (the same infinity).
+
+    Example::
+
+        agrees(np.array([1.0, np.nan]), np.array([1.0 + 1e-9, np.nan]), 1e-5, 1e-8)   # [True, True]
+    """
+    with np.errstate(invalid="ignore"):
+        return (a == b) | (np.isnan(a) & np.isnan(b)) | (np.abs(a - b) <= atol + rtol * np.abs(a))
+
+
+def relative(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b| / |a| elementwise: 0 where they are equal (NaN and NaN too), inf where a is 0 or only one is NaN.
+
+    Example::
+
+        relative(np.array([0.0123]), np.array([0.0456]))     # [2.707...]
+    """
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.abs(a - b) / np.abs(a)
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    return np.where(same, 0.0, np.where(np.isnan(rel), np.inf, rel))

@@ -1,0 +1,425 @@
+"""Statistics of sharded gradients (FSDP2, HSDP, tensor parallel): local pieces, one packed merge per step.
+
+A gradient that is a `DTensor` lives as one local piece per rank. Every statistic gradrunner records
+is made from mergeable pieces: the seven reductions `[sum, sumsq, min, max, nonzero, nan, inf]`, the
+|g| histogram counts, the squared value norm. Each rank reduces its own piece (`local_rows`), then
+`merge_rows` merges the whole step's rows with one SUM and one MAX all-reduce (min as the max of its
+negation), as torchtitan's tensor logging does; a full gradient is never gathered. Which pieces count
+is read from the placement (`placement_of`): `Shard` pieces are summed along their mesh dim, a
+`Replicate` dim counts only its coordinate 0 (a replica is not counted twice), uneven and empty shards
+are what `to_local()` holds (no padding). Captured values (`values="full"` / `"sample"`, at global
+positions) ride in the same SUM all-reduce, as float32 bit patterns, only when asked for.
+
+| name | what it does |
+| --- | --- |
+| `Piece`, `placement_of(t)` | whether this rank's local piece counts, and the whole tensor's shape |
+| `local_of(t)` | the rank's local piece (`to_local()` of a DTensor, the tensor itself otherwise) |
+| `local_rows(pieces)` | the seven reductions of each local piece (float64), histogram counts |
+| `merge_rows(rows, pieces)` | one SUM and one MAX all-reduce: the whole tensors' reductions |
+| `sharded_records(keys, grads)` | all of it, derived into `StepRecords` as `Collector.finish` does |
+| `on_sharded_grads(params, fn)` | post-accumulate-grad hooks handing each local gradient piece out |
+
+Example::
+
+    with on_sharded_grads(model.named_parameters(), lambda g: got.append(g)):
+        loss.backward()                          # FSDP2 reduce-scatters; each hook hands its piece out
+    recs = sharded_records([TapKey(*g.name.rsplit(".", 1), 0) for g in got], [g.grad for g in got])
+    recs.stats["norm"]                           # the whole gradients' norms, equal on every rank
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.utils.hooks import RemovableHandle
+
+from gradrunner.capturing import fused_stats
+from gradrunner.capturing.extras import histogram_counts, value_norm
+from gradrunner.capturing.stats import _N_REDUCTIONS, _derive, _Pending, _reduce_batch, sample_positions
+from gradrunner.records.columns import HIST_BINS, StepRecords, TapKey
+
+#: Columns of a merged row summed over ranks: sum, sumsq, nonzero, nan, inf (in `local_rows`' order), count.
+_SUMMED = (0, 1, 4, 5, 6)
+_IDENTITY = (0.0, 0.0, math.inf, -math.inf, 0.0, 0.0, 0.0)
+
+
+class Piece(NamedTuple):
+    """How one rank's local piece of a tensor relates to the whole tensor.
+
+    Example::
+
+        placement_of(p.grad)    # Piece(counted=True, shape=(3, 4)) on a rank holding rows of a Shard(0) grad
+    """
+
+    #: Whether this rank's piece is counted in the merge (False: a replica that another rank counts).
+    counted: bool
+    #: Shape of the whole tensor (its global shape); its number of elements is checked against the merge.
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def placement_of(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> Piece:
+    """Whether this rank's local piece of `t` counts in a merge over `group` (default: the world).
+
+    Example::
+
+        placement_of(fsdp_param.grad)     # Shard(0): every rank counts its rows
+        placement_of(torch.ones(3))       # a plain tensor: a replica, counted on rank 0 of `group` only
+
+    A `DTensor` counts on the ranks whose mesh coordinate is 0 along every `Replicate` mesh dim, so
+    each distinct piece is counted once (HSDP `(Replicate, Shard(0))`: the first replica group). Its
+    mesh must span `group`. A plain tensor is taken as replicated on every rank of `group` (a DDP
+    parameter); outside a process group it counts. A `Partial` placement raises `ValueError`: the
+    statistics of a sum are not made from the statistics of its terms (redistribute it first).
+    """
+    if not isinstance(t, DTensor):
+        alone = not dist.is_available() or not dist.is_initialized()
+        return Piece(alone or dist.get_rank(group) == 0, tuple(t.shape))
+    mesh, placements = t.device_mesh, t.placements
+    if any(isinstance(p, Partial) for p in placements):
+        raise ValueError(
+            f"a DTensor with placements {placements} is a sum of pieces whose statistics do not merge (the sum of "
+            "squares of a sum is not the sum of the pieces' squares); call t.redistribute(placements=[Replicate()]) "
+            "first"
+        )
+    world = dist.get_world_size(group)
+    if mesh.size() != world:
+        raise ValueError(f"a DTensor on a mesh of {mesh.size()} ranks cannot be merged over a group of {world}; "
+                         "pass the group of its mesh")  # fmt: skip
+    coord = mesh.get_coordinate()
+    assert coord is not None, "this rank holds a piece, so it is in the mesh"
+    counted = all(c == 0 for c, p in zip(coord, placements, strict=True) if isinstance(p, Replicate))
+    return Piece(counted, tuple(t.shape))
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `t`: `to_local()` of a DTensor (uneven shards unpadded, maybe empty), else `t`.
+
+    Example::
+
+        local_of(fsdp_param.grad).shape     # (2, 4) on rank 0, (1, 4) on rank 1 for a (3, 4) weight
+    """
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_rows(
+    pieces: Sequence[torch.Tensor | None], *, histogram: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The seven reductions `[sum, sumsq, min, max, nonzero, nan, inf]` of each local piece, float64 (k, 7).
+
+    Example::
+
+        rows, hist = local_rows([torch.tensor([1.0, -2.0]), None], histogram=True)
+        rows[0].tolist()     # [-1.0, 5.0, -2.0, 1.0, 2.0, 0.0, 0.0]; row 1 is the merge's identity
+
+    A missing or empty piece gets the merge's identity `[0, 0, inf, -inf, 0, 0, 0]`. Each piece is
+    read once by the collector's own reductions (`fused_stats`, else `stats._reduce_batch`), so the
+    statistics follow the same rules as `Collector` (-0.0 is a zero, sums in float64). With
+    `histogram`, (k, HIST_BINS) int64 counts (`extras.histogram_counts`), zeros for a missing piece.
+    """
+    k = len(pieces)
+    device = next((p.device for p in pieces if p is not None), torch.device("cpu"))
+    rows = torch.tensor([_IDENTITY] * k, dtype=torch.float64, device=device).reshape(k, _N_REDUCTIONS)
+    hist = torch.zeros((k, HIST_BINS), dtype=torch.int64, device=device) if histogram else None
+    for i, piece in enumerate(pieces):
+        if piece is None or piece.numel() == 0:
+            continue
+        flat = piece.detach().reshape(-1)
+        if not (flat.is_contiguous() and fused_stats.reduce_into(flat, rows[i])):
+            block, _, _ = _reduce_batch([flat], torch.zeros(flat.numel(), dtype=torch.int64, device=flat.device), False)
+            rows[i] = block[0].to(torch.float64)
+        if hist is not None:
+            hist[i] = histogram_counts(flat)
+    return rows, hist
+
+
+class Merged(NamedTuple):
+    """The whole tensors' reductions, the same on every rank (`merge_rows`' result)."""
+
+    #: (k, 7) float64 `[sum, sumsq, min, max, nonzero, nan, inf]` of each whole tensor.
+    rows: torch.Tensor
+    #: (k,) float64: how many elements the counted pieces held (equal to the whole tensor's numel).
+    numel: torch.Tensor
+    #: (k, HIST_BINS) int64 counts, when histograms were merged.
+    hist: torch.Tensor | None
+    #: (k,) float64 norms of the whole tapped tensors, when value norms were merged.
+    value_norms: torch.Tensor | None
+    #: Per row: float32 values at the asked positions (row-major), or None where none were asked for.
+    values: list[torch.Tensor | None]
+
+
+def merge_rows(
+    rows: torch.Tensor, pieces: Sequence[Piece | None], *, counts: Sequence[int], hist: torch.Tensor | None = None,
+    value_norms: torch.Tensor | None = None, values: Sequence[ValuesAsked | None] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> Merged:  # fmt: skip
+    """Merge each rank's local rows into the whole tensors' rows: one SUM and one MAX all-reduce in all.
+
+    Example::
+
+        rows, hist = local_rows([local_of(g) for g in grads], histogram=True)
+        m = merge_rows(rows, [placement_of(g) for g in grads], counts=[local_of(g).numel() for g in grads], hist=hist)
+        m.rows[:, 1].sqrt()      # the whole gradients' norms
+
+    Every rank of `group` must call it with the same rows in the same order (one per tap). `counts`
+    are the local pieces' element counts, `value_norms` the local pieces' norms of the tapped tensors,
+    `values` what each row's values are asked for (`ValuesAsked`). A row whose piece is None, or not
+    counted on this rank, adds nothing. Sums, counts, histogram bins, squared value norms and value
+    bit patterns are packed into one float64 tensor for the SUM all-reduce; max and -min into one for
+    the MAX all-reduce (NaN taken out first: the NaN count says it). No collective outside a process
+    group of more than one rank.
+    """
+    k = rows.shape[0]
+    device = rows.device
+    use = torch.tensor([p is not None and p.counted for p in pieces], dtype=torch.bool, device=device)
+    local = torch.where(
+        use[:, None], rows.to(torch.float64), torch.tensor(_IDENTITY, dtype=torch.float64, device=device)
+    )
+    summed = [local[:, _SUMMED], torch.tensor(counts, dtype=torch.float64, device=device)[:, None] * use[:, None]]
+    if hist is not None:
+        summed.append(hist.to(torch.float64) * use[:, None])
+    if value_norms is not None:
+        summed.append((value_norms.to(torch.float64).square() * use)[:, None])
+    flat_values, value_sizes = _pack_values(values or [None] * k, pieces, device)
+    packed = torch.cat([torch.cat(summed, dim=1).reshape(-1), flat_values])
+    extremes = torch.nan_to_num(torch.stack([local[:, 3], -local[:, 2]], dim=1), nan=-math.inf)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    width = len(_SUMMED) + 1 + (HIST_BINS if hist is not None else 0) + (value_norms is not None)
+    table = packed[: k * width].view(k, width)
+    s, ss, nonzero, nan, inf, count = table[:, :6].unbind(1)
+    merged = torch.stack([s, ss, -extremes[:, 1], extremes[:, 0], nonzero, nan, inf], dim=1)
+    at = 6
+    out_hist = None
+    if hist is not None:
+        out_hist = table[:, at : at + HIST_BINS].round().to(torch.int64)
+        at += HIST_BINS
+    out_norms = table[:, at].sqrt() if value_norms is not None else None
+    return Merged(merged, count, out_hist, out_norms, _unpack_values(packed[k * width :], value_sizes))
+
+
+class ValuesAsked(NamedTuple):
+    """Which elements of a row's whole tensor to bring back: global flat positions, and the local piece."""
+
+    #: Sorted global positions (row-major) of the whole tensor; `None`: every element.
+    positions: np.ndarray | None
+    #: The rank's local piece (its elements are sent as float32), and the tensor it is a piece of.
+    piece: torch.Tensor
+    whole: torch.Tensor
+
+
+def _pack_values(
+    asked: Sequence[ValuesAsked | None], pieces: Sequence[Piece | None], device: torch.device
+) -> tuple[torch.Tensor, list[int | None]]:
+    """The values asked for, as float32 bit patterns in float64 (exact), each at its global position; zeros elsewhere.
+
+    One rank owns each element (a replica counts once), so the SUM all-reduce adds zeros to each bit
+    pattern: the values come back exactly, -0.0 and NaN payloads included.
+    """
+    parts: list[torch.Tensor] = []
+    sizes: list[int | None] = []
+    for a, piece in zip(asked, pieces, strict=True):
+        if a is None or piece is None:
+            sizes.append(None)
+            continue
+        n = piece.numel if a.positions is None else len(a.positions)
+        part = torch.zeros(n, dtype=torch.float64, device=device)
+        if piece.counted and a.piece.numel():
+            where = global_positions(a.whole).to(device)
+            bits = a.piece.detach().reshape(-1).float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+            if a.positions is None:
+                part[where] = bits.to(torch.float64)
+            else:
+                wanted = torch.from_numpy(np.asarray(a.positions, dtype=np.int64)).to(device)
+                slot = torch.searchsorted(wanted, where).clamp_(max=max(n - 1, 0))
+                hit = wanted[slot] == where if n else torch.zeros_like(where, dtype=torch.bool)
+                part[slot[hit]] = bits[hit].to(torch.float64)
+        parts.append(part)
+        sizes.append(n)
+    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+    return flat, sizes
+
+
+def _unpack_values(flat: torch.Tensor, sizes: list[int | None]) -> list[torch.Tensor | None]:
+    out: list[torch.Tensor | None] = []
+    at = 0
+    for n in sizes:
+        if n is None:
+            out.append(None)
+            continue
+        bits = flat[at : at + n].to(torch.int64)
+        out.append(torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32).view(torch.float32))
+        at += n
+    return out
+
+
+_POSITIONS: dict[tuple[object, ...], torch.Tensor] = {}
+
+
+def global_positions(t: torch.Tensor) -> torch.Tensor:
+    """The global row-major position of each element of `t`'s local piece, int64, flat.
+
+    Example::
+
+        global_positions(fc2_weight_grad)     # Shard(1) of a (3, 6) weight on rank 1: [3, 4, 5, 9, 10, 11, ...]
+
+    From `distribute_tensor(..., src_data_rank=None)` of the positions: each rank takes its own chunk,
+    no collective, and the chunks follow DTensor's own rule (`torch.chunk`, uneven shards unpadded).
+    Kept per shape, mesh and placements (a training step repeats them).
+    """
+    if not isinstance(t, DTensor):
+        return torch.arange(t.numel(), device=t.device)
+    key = (tuple(t.shape), t.device_mesh, t.placements, tuple(t.device_mesh.get_coordinate() or ()))
+    found = _POSITIONS.get(key)
+    if found is None:
+        whole = torch.arange(t.numel(), device=t.to_local().device).reshape(t.shape)
+        found = _POSITIONS[key] = (
+            distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local().reshape(-1)
+        )
+    return found
+
+
+def sharded_records(
+    keys: Sequence[TapKey], grads: Sequence[torch.Tensor | None], *, tensors: Sequence[torch.Tensor | None] | None = None,
+    values: str = "none", sample_size: int = 64, seed: int = 0, histogram: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> StepRecords:  # fmt: skip
+    """The step's records of whole (possibly sharded) gradients, the same on every rank: local rows, one merge.
+
+    Example::
+
+        recs = sharded_records([TapKey("fc1", "weight", 0)], [model.fc1.weight.grad], histogram=True)
+        recs.stats["norm"][0], recs.hist_counts[0]     # of the whole gradient, as `Collector` gives unsharded
+
+    `grads` may mix DTensors and plain tensors (taken as replicated); None is a record without gradient.
+    `tensors` are the tapped tensors themselves (parameters) for `value_norm`. `values`, `sample_size`
+    and `seed` mean what they mean to `Collector`: the sample positions are global positions of the
+    whole gradient (the same as unsharded), and only those elements travel. Statistics are derived
+    from the merged reductions by `Collector`'s own rule (`stats._derive`). Two all-reduces in all.
+    """
+    pieces = [None if g is None else placement_of(g, group) for g in grads]
+    local = [None if g is None else local_of(g) for g in grads]
+    rows, hist = local_rows([x if p is not None and p.counted else None for x, p in zip(local, pieces, strict=True)],
+                            histogram=histogram)  # fmt: skip
+    norms = None
+    if tensors is not None:
+        norms = torch.stack([
+            torch.zeros((), dtype=torch.float64, device=rows.device) if t is None or local_of(t).numel() == 0
+            else value_norm(local_of(t)).to(rows.device, torch.float64) for t in tensors
+        ])  # fmt: skip
+    asked: list[ValuesAsked | None] = [None] * len(grads)
+    if values != "none":
+        for i, (key, g, p) in enumerate(zip(keys, grads, pieces, strict=True)):
+            if g is not None and p is not None:
+                pos = None if values == "full" else sample_positions(key.tap, p.numel, sample_size, seed)
+                asked[i] = ValuesAsked(pos, local_of(g), g)
+    counts = [0 if x is None else x.numel() for x in local]
+    m = merge_rows(rows, pieces, counts=counts, hist=hist, value_norms=norms, values=asked, group=group)
+    assert all(p is None or int(c) == p.numel for p, c in zip(pieces, m.numel.tolist(), strict=True)), (
+        "the counted pieces do not add up to the whole tensors", m.numel.tolist(), [p and p.numel for p in pieces],
+    )  # fmt: skip
+    pending = [
+        _Pending(i, key, () if p is None else p.shape, 0 if p is None else p.numel, p is not None, None, None, None)
+        for i, (key, p) in enumerate(zip(keys, pieces, strict=True))
+    ]
+    host = m.rows.cpu().numpy()
+    host[[p is None or p.numel == 0 for p in pieces]] = np.nan  # as `Collector`: nothing was reduced
+    recs = _derive(pending, {i: i for i in range(len(pending))}, host)
+    recs.value_norm = np.full(len(keys), np.nan) if m.value_norms is None else m.value_norms.cpu().numpy()
+    if tensors is not None:
+        recs.value_norm[[t is None for t in tensors]] = np.nan
+    if histogram:
+        assert m.hist is not None
+        recs.hist_counts = [None if p is None else h for p, h in zip(pieces, m.hist.cpu().numpy(), strict=True)]
+    if values != "none":
+        recs.values = [None if v is None else v.cpu().numpy() for v in m.values]
+        if values == "sample":
+            recs.positions = [None if a is None else a.positions for a in asked]
+    return recs
+
+
+class ShardedGrad(NamedTuple):
+    """One parameter's gradient as a post-accumulate-grad hook hands it out (`on_sharded_grads`)."""
+
+    #: The parameter's name, as `named_parameters()` gives it.
+    name: str
+    #: The whole gradient: a `DTensor` under FSDP2/HSDP/TP (its `placements` say how it is split), else a tensor.
+    grad: torch.Tensor
+    #: This rank's piece (`local_of(grad)`): what is reduced locally.
+    local: torch.Tensor
+    #: How the piece counts in a merge (`placement_of(grad)`).
+    piece: Piece
+
+
+class HookSet:
+    """The post-accumulate-grad hooks `on_sharded_grads` registered; `remove()` (or leaving `with`) takes them off."""
+
+    def __init__(self, handles: list[RemovableHandle]) -> None:
+        self.handles = handles
+
+    def remove(self) -> None:
+        """Remove every hook, last registered first (idempotent, as `RemovableHandle.remove`)."""
+        for h in reversed(self.handles):
+            h.remove()
+
+    def __enter__(self) -> HookSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def on_sharded_grads(
+    params: Iterable[tuple[str, nn.Parameter]], fn: Callable[[ShardedGrad], None],
+    group: dist.ProcessGroup | None = None,
+) -> HookSet:  # fmt: skip
+    """Call `fn(ShardedGrad(...))` with each parameter's gradient once it is complete: after FSDP2's reduce-scatter.
+
+    Example::
+
+        got = []
+        with on_sharded_grads(model.named_parameters(), got.append):
+            loss.backward()
+        [g.name for g in got]       # in the order gradients became final (FSDP2: the root's params last)
+
+    `register_hook` on a sharded parameter never fires (FSDP2 computes with a fresh unsharded tensor);
+    `register_post_accumulate_grad_hook` fires once per parameter when FSDP2 has assigned the reduced
+    shard to `.grad`, also for the root's parameters at the very end of backward. Under
+    `set_requires_gradient_sync(False)` nothing fires until the syncing backward, which hands out the
+    accumulated sum. Under tensor parallel (and for plain parameters) it fires after autograd's
+    accumulation into `.grad`. A parameter whose `.grad` is None then is not handed out.
+    """
+    cached: dict[int, Piece] = {}
+
+    def hook(name: str) -> Callable[[torch.Tensor], None]:
+        def handed(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is None:
+                return
+            piece = cached.get(id(param))
+            if piece is None or piece.shape != tuple(grad.shape):
+                piece = cached[id(param)] = placement_of(grad, group)
+            fn(ShardedGrad(name, grad, local_of(grad), piece))
+
+        return handed
+
+    handles = []
+    try:
+        for name, p in params:
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(hook(name)))
+    except BaseException:
+        HookSet(handles).remove()
+        raise
+    return HookSet(handles)

@@ -1,0 +1,185 @@
+"""`python -m gradrunner.compare RUN_A RUN_B`: runs of one config agree, a changed learning rate differs from step 1.
+
+Real runs of the runner (`train`), compared in-process through `main` and `compare_runs`; the command runs once
+in a subprocess. Bad input is exit 2 with one paragraph.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import cli_env, compose_cfg
+
+from gradrunner.analysis import load
+from gradrunner.analysis.compare import ATOL, RTOL, agrees, compare_runs, relative
+from gradrunner.compare import main
+from gradrunner.run.loop import train
+
+MLP = ("+experiment=mlp", "steps=3")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("compare")
+    configs = {
+        "a": MLP,
+        "b": MLP,
+        "lr": (*MLP, "optimizer.lr=0.05"),
+        "fewer_taps": (*MLP, "taps=[fc1:output,head:weight]"),
+        "other_taps": (*MLP, "taps=[fc1:bias]"),
+        "nan_1": ("loss=nan_after", "steps=3"),
+        "nan_2": ("loss=nan_after", "steps=3"),
+    }
+    for name, overrides in configs.items():
+        train(compose_cfg(*overrides), out_dir=root / name)
+    return {name: root / name for name in configs}
+
+
+def run_main(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_two_runs_of_one_config_agree_bit_for_bit(runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    c = compare_runs(runs["a"], runs["b"])
+    assert c.agree and c.missing.empty
+    assert c.records == len(load(runs["a"])) > 0
+    assert set(c.values["stat"]) >= {"norm", "std", "abs_max", "nan_count", "loss", "value_norm"}
+    assert (c.values["rel"] == 0).all()  # the same seed, the same machine: identical records
+    code, out, err = run_main(capsys, runs["a"], runs["b"])
+    assert code == 0 and out.startswith(f"agree: {c.records} records and 3 steps' loss") and err == ""
+
+
+def test_a_different_learning_rate_first_differs_at_step_1(runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    c = compare_runs(runs["a"], runs["lr"])
+    assert not c.agree and c.missing.empty
+    assert not c.values[c.values["step"] == 0]["differs"].any()  # step 0: the same weights, the same gradients
+    first = c.first()
+    assert first is not None and first["step"] == 1
+    code, out, _ = run_main(capsys, runs["a"], runs["lr"])
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[1].startswith("first difference: step 1, loss: ")
+    # the first tap to move, with both runs' values as the records hold them
+    tap_line = lines[2]
+    assert tap_line.startswith("first tap difference: step 1, tap ")
+    tap, stat = tap_line.split(", tap ")[1].split(", ")[0], tap_line.split(", ")[2].split(":")[0]
+    rec = {k: load(runs[k]).set_index(["step", "tap"]).loc[(1, tap), stat] for k in ("a", "lr")}
+    assert f"{stat}: {rec['a']:.6g} vs {rec['lr']:.6g} (rel {abs(rec['a'] - rec['lr']) / abs(rec['a']):.2g})" in tap_line
+    assert "worst taps (largest relative difference):" in out
+
+
+def test_the_relative_error_by_tap_and_step_is_a_heat_map(runs: dict[str, Path]) -> None:
+    c = compare_runs(runs["a"], runs["lr"])
+    heat = c.rel_error()
+    assert list(heat.columns) == [0, 1, 2]
+    assert list(heat.index) == list(dict.fromkeys(load(runs["a"])["tap"]))  # taps in the records' order
+    assert (heat[0] == 0).all() and (heat[1] > RTOL).any()
+    norm = c.values[(c.values["tap"] == "fc1:weight") & (c.values["step"] == 2)]
+    assert heat.loc["fc1:weight", 2] == norm["rel"].max()
+
+
+def test_tolerances_decide(runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    worst = compare_runs(runs["a"], runs["lr"]).values
+    loose = worst["rel"].replace(np.inf, np.nan).max() * 2
+    assert compare_runs(runs["a"], runs["lr"], rtol=loose, atol=1.0).agree
+    assert run_main(capsys, runs["a"], runs["lr"], "--rtol", loose, "--atol", 1)[0] == 0
+
+
+def test_a_tap_or_a_step_only_one_run_has_is_a_difference(runs: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    c = compare_runs(runs["a"], runs["fewer_taps"])
+    assert not c.agree and not c.values["differs"].any()  # the taps both have agree
+    only_a = set(c.missing[c.missing["only_in"] == "a"]["tap"])
+    assert only_a == set(load(runs["a"])["tap"]) - {"fc1:output", "head:weight"}
+    code, out, _ = run_main(capsys, runs["a"], runs["fewer_taps"])
+    assert code == 1
+    assert "first difference: step 0, tap relu1:output: the record is only in run A" in out
+    assert "only in run A: tap fc2:output, steps 0-2 (3)" in out
+    reverse = compare_runs(runs["fewer_taps"], runs["a"])
+    assert set(reverse.missing["only_in"]) == {"b"}
+
+
+def test_nan_equals_nan(runs: dict[str, Path]) -> None:
+    c = compare_runs(runs["nan_1"], runs["nan_2"])
+    assert c.values["a"].isna().any() and c.agree  # NaN gradients from step 1 on, in both
+    np.testing.assert_array_equal(agrees(np.array([np.nan, np.inf, 1.0, 0.0]), np.array([np.nan, np.inf, np.nan, 1e-9]),
+                                         RTOL, ATOL), [True, True, False, True])  # fmt: skip
+    np.testing.assert_allclose(relative(np.array([0.0123, 0.0, np.nan, 2.0]), np.array([0.0456, 1.0, np.nan, 2.0])),
+                               [0.0333 / 0.0123, np.inf, 0.0, 0.0])  # fmt: skip
+
+
+def _sweep_of(runs: dict[str, Path], root: Path) -> Path:
+    for i, name in enumerate(("a", "b")):
+        shutil.copytree(runs[name], root / "sweep" / str(i))
+    return root / "sweep"
+
+
+def _truncated(runs: dict[str, Path], root: Path) -> Path:
+    shutil.copytree(runs["a"], root / "damaged")
+    f = root / "damaged" / "grads.parquet"
+    f.write_bytes(f.read_bytes()[:-100])
+    return root / "damaged"
+
+
+def _twice(runs: dict[str, Path], root: Path) -> Path:
+    shutil.copytree(runs["a"], root / "twice")
+    f = root / "twice" / "grads.parquet"
+    t = pq.read_table(f)
+    pq.write_table(pa.concat_tables([t, t.slice(0, 1)]), f)
+    return root / "twice"
+
+
+@pytest.mark.parametrize(
+    ("make", "args", "says"),
+    [
+        (lambda runs, root: root / "nothing", (), "is not a run dir (it does not exist)"),
+        (lambda runs, root: runs["a"] / "grads.parquet", (), "is not a run dir (a file)"),
+        (_sweep_of, (), "is not a run dir (no grads.parquet in it; its subdirs hold a sweep's jobs: pass one of them)"),
+        (lambda runs, root: root, (), "is not a run dir (no grads.parquet in it)"),
+        (_truncated, (), "do not verify"),
+        (_twice, (), "holds 1 records twice"),
+        (lambda runs, root: runs["other_taps"], (), "no tap in common"),
+        (lambda runs, root: runs["b"], ("--rtol", "-1"), "rtol='-1' is not a tolerance"),
+        (lambda runs, root: runs["b"], ("--atol", "nan"), "atol='nan' is not a tolerance"),
+        (lambda runs, root: runs["b"], ("--rtol", "1e-5x"), "rtol='1e-5x' is not a tolerance"),
+    ],
+    ids=["missing", "file", "sweep", "empty", "truncated", "duplicated", "disjoint_taps", "negative", "nan", "not_a_number"],
+)
+def test_bad_input_is_one_paragraph_and_exit_2(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               make: object, args: tuple[str, ...], says: str) -> None:  # fmt: skip
+    other = make(runs, tmp_path)  # type: ignore[operator]
+    code, out, err = run_main(capsys, runs["a"], other, *args)
+    assert code == 2 and out == ""
+    assert err.startswith("gradrunner.compare: error: ") and err.count("\n") == 1 and says in err, err
+    assert "Traceback" not in err
+
+
+def test_the_command_runs_as_a_module(runs: dict[str, Path]) -> None:
+    cmd = [sys.executable, "-m", "gradrunner.compare", str(runs["a"]), str(runs["lr"])]
+    result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "first difference: step 1" in result.stdout and result.stderr == ""
+
+
+def test_the_analysis_side_imports_no_torch() -> None:
+    code = "import sys, gradrunner.compare, gradrunner.analysis.compare; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_a_comparison_frame_holds_both_values(runs: dict[str, Path]) -> None:
+    c = compare_runs(runs["a"], runs["lr"])
+    a, b = load(runs["a"]), load(runs["lr"])
+    got = c.values[c.values["stat"] == "norm"].set_index(["step", "tap"])
+    for frame, col in ((a, "a"), (b, "b")):
+        want = frame.set_index(["step", "tap"])["norm"]
+        pd.testing.assert_series_equal(got[col].sort_index(), want.sort_index(), check_names=False)
