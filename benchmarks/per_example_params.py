@@ -119,7 +119,6 @@ def backpack_variant(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
         return None
     from backpack import backpack, extend
     from backpack.extensions import BatchL2Grad
-
     from backpack.extensions.backprop_extension import FAIL_SILENT
 
     twin = extend(copy.deepcopy(model), use_converter=False)

@@ -39,6 +39,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -48,7 +49,7 @@ import torch
 from torch import nn
 
 from gradrunner.capturing.per_example_layers import ROLES, Call, autocast_dtype, call_reason, kind_of, mixes_rows, share
-from gradrunner.capturing.per_example_math import Form, projection, row_sq
+from gradrunner.capturing.per_example_math import Dense, Form, projection, row_sq
 from gradrunner.capturing.torch_compat import gradient_edge, in_backward, reentrant_checkpoint, version, watch_edge
 
 #: |g's projection - the calls' projections| above this fraction of the projections' magnitudes: not all of it is theirs.
@@ -152,7 +153,8 @@ class PerExampleNorms:
         self._stack = contextlib.ExitStack()
         self._calls: list[_CallRecord] = []
         self._micros: list[_Micro] = []
-        self._clock, self._grad_seen, self._active, self._forward_rows = 0, False, False, None
+        self._clock, self._grad_seen, self._active = 0, False, False
+        self._forward_rows: int | None = None
         self._last: tuple[dict[str, torch.Tensor | None], dict[str, str | None]] | None = None
 
     def _find_holders(self, by_id: dict[int, _Tracked]) -> list[_Holder]:
@@ -259,7 +261,7 @@ class PerExampleNorms:
         assert x is not None
         call = Call(x.detach(), version(x), autocast_dtype(h.kind, x.device))
         rec = _CallRecord(h, call, micro, self._clock, rows)
-        rec.handle = watch_edge(gradient_edge(output), lambda g, rec=rec: self._on_grad(rec, g))
+        rec.handle = watch_edge(gradient_edge(output), functools.partial(self._on_grad, rec))
         self._calls.append(rec)
 
     def _on_grad(self, rec: _CallRecord, grad: torch.Tensor) -> None:
@@ -423,7 +425,7 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _dtype(form: Form) -> torch.dtype:
-    return form.rows.dtype if hasattr(form, "rows") else form.right.dtype  # type: ignore[union-attr]
+    return form.rows.dtype if isinstance(form, Dense) else form.right.dtype
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:

@@ -106,9 +106,11 @@ def autocast_dtype(kind: str, device: torch.device) -> torch.dtype | None:
 
 def call_reason(kind: str, module: nn.Module, x: torch.Tensor, rows: int) -> str | None:
     """Why this call's input has no per-row share (unbatched, dim 0 not the batch), or None."""
-    least = {"conv": module.weight.dim(), "group_norm": 2, "batch_norm": 2, "embedding": 1}.get(kind, 2)
-    if kind in ("layer_norm", "rms_norm"):
-        least = len(module.normalized_shape) + 1  # type: ignore[arg-type]
+    least = {"group_norm": 2, "batch_norm": 2, "embedding": 1}.get(kind, 2)
+    if isinstance(module, _CONVS):
+        least = module.weight.dim()
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        least = len(module.normalized_shape) + 1
     if kind == "conv" and x.dim() != least:
         return f"called with an unbatched input of shape {tuple(x.shape)}"
     if x.dim() < least:
@@ -136,40 +138,37 @@ def share(kind: str, module: nn.Module, role: str, call: Call, grad: torch.Tenso
         return Factors(g, a, g.shape[-1]) if kind == "linear" else Factors(a, g, a.shape[-1])
     if kind == "conv":
         return _conv_share(module, role, x, grad, dt)  # type: ignore[arg-type]
-    if kind == "embedding":
+    if isinstance(module, nn.Embedding):
         ids = x.reshape(b, 1, -1)
         g = grad.reshape(b, 1, ids.shape[-1], -1).to(dt)
-        pad = module.padding_idx  # type: ignore[union-attr]
-        if pad is not None:
-            g = g * (ids != pad).unsqueeze(-1).to(dt)
-        return Factors(ids, g, module.num_embeddings)  # type: ignore[arg-type]
+        if module.padding_idx is not None:
+            g = g * torch.ne(ids, module.padding_idx).unsqueeze(-1).to(dt)
+        return Factors(ids, g, module.num_embeddings)
     return _norm_share(kind, module, role, x.to(dt), grad.to(dt), call.x.dtype)
 
 
 def _norm_share(kind: str, module: nn.Module, role: str, x: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> Dense:
     """`dtype`: the call's input dtype (RMSNorm's default eps is that dtype's)."""
     b = g.shape[0]
-    if kind in ("layer_norm", "rms_norm"):
-        width = 1
-        for n in module.normalized_shape:  # type: ignore[union-attr]
-            width *= n
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        shape = tuple(module.normalized_shape)
+        width = math.prod(shape)
         if role == "bias":
             return _summed(g.reshape(b, -1, width))
-        shape = tuple(module.normalized_shape)  # type: ignore[arg-type]
-        if kind == "layer_norm":
-            xhat = F.layer_norm(x, shape, None, None, module.eps)  # type: ignore[arg-type]
+        if isinstance(module, nn.LayerNorm):
+            xhat = F.layer_norm(x, shape, None, None, module.eps)
         else:
-            eps = module.eps if module.eps is not None else torch.finfo(dtype).eps  # type: ignore[union-attr]
-            xhat = F.rms_norm(x, shape, None, eps)  # type: ignore[arg-type]
+            xhat = F.rms_norm(x, shape, None, module.eps if module.eps is not None else torch.finfo(dtype).eps)
         return _summed((g * xhat).reshape(b, -1, width))
     channels = g.shape[1]
     if role == "bias":
         return _summed(g.reshape(b, channels, -1).transpose(1, 2))
-    if kind == "group_norm":
-        xhat = F.group_norm(x, module.num_groups, None, None, module.eps)  # type: ignore[arg-type]
+    if isinstance(module, nn.GroupNorm):
+        xhat = F.group_norm(x, module.num_groups, None, None, module.eps)
     else:
-        xhat = F.batch_norm(x, module.running_mean.to(x.dtype), module.running_var.to(x.dtype),  # type: ignore[union-attr]
-                            None, None, False, 0.0, module.eps)  # type: ignore[arg-type]  # fmt: skip
+        assert isinstance(module, _BatchNorm) and module.running_mean is not None and module.running_var is not None
+        xhat = F.batch_norm(x, module.running_mean.to(x.dtype), module.running_var.to(x.dtype), None, None, False, 0.0,
+                            module.eps)  # fmt: skip
     return _summed((g * xhat).reshape(b, channels, -1).transpose(1, 2))
 
 

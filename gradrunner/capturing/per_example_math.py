@@ -98,13 +98,13 @@ def row_sq(forms: list[Form]) -> torch.Tensor:
     facs = [f for f in forms if isinstance(f, Factors)]
     if len(facs) == len(forms) and _compatible(facs) and _pairs_ghost_cheaper(facs):
         total = sum(_self_sq(f) for f in facs)
-        for a, b in itertools.combinations(facs, 2):
-            total = total + 2 * _cross(a, b)
+        for fa, fb in itertools.combinations(facs, 2):
+            total = total + 2 * _cross(fa, fb)
         return total  # type: ignore[return-value]
-    b, width = _rows(forms[0]), _width(forms[0])
+    rows, width = _rows(forms[0]), _width(forms[0])
     step = max(1, CHUNK_ELEMENTS // max(1, width))
     parts = []
-    for i in range(0, b, step):
+    for i in range(0, rows, step):
         dense = to_dense(_slice(forms[0], i, i + step))
         for f in forms[1:]:
             dense = dense + to_dense(_slice(f, i, i + step))
@@ -151,7 +151,7 @@ def projection(f: Form, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor,
             terms = f.rows * w
             return terms.sum(), torch.linalg.vector_norm(terms, 1)
         return (f.rows @ w).sum(), (f.magnitude @ w.abs()).sum()
-    b, g, t, p, q = f.shape
+    _, g, _, p, q = f.shape
     lu = u[f.left] if f.index else _contract(f.left, u.view(g, 1, p))
     prod = lu * _contract(f.right, v.view(1, 1, q))
     return prod.sum(), torch.linalg.vector_norm(prod, 1)
