@@ -285,6 +285,10 @@ def test_accumulation_concatenates_micro_batches() -> None:
         got, reasons = pex.norms(), pex.reasons()
     refs = [loop(model, {"x": x}, lambda out, i: sq_loss(out, i) / len(xs), params)[0] for x in xs]
     assert_matches(got, {n: torch.cat([r[n] for r in refs]) for n in refs[0]}, reasons)
+    with PerExampleNorms(model, params) as pex:  # head only in the second micro-batch: zeros for the first's rows
+        model.lin(xs[0]).sum().backward()
+        model(xs[1]).sum().backward()
+        assert torch.equal(pex.norms()["head:weight"][:3], torch.zeros(3, dtype=torch.float64))  # type: ignore[index]
 
 
 def test_transparent_and_hooks_removed() -> None:
@@ -345,11 +349,13 @@ def test_unsupported_and_unbatched_get_reasons() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.rnn = nn.GRU(3, 4, batch_first=True)
+            self.mha = nn.MultiheadAttention(4, 2, batch_first=True)  # calls out_proj's weight functionally
             self.flat = nn.Linear(4, 4)
             self.unused = nn.Linear(4, 4)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.rnn(x)[0]
+            h = self.mha(h, h, h)[0]
             return self.flat(h.reshape(-1, 4)).view(x.shape[0], -1)  # (B*T, 4): dim 0 is not the batch
 
     model = Model()
@@ -357,6 +363,8 @@ def test_unsupported_and_unbatched_get_reasons() -> None:
     assert got["rnn:weight_ih_l0"] is None and "GRU is not a layer" in str(reasons["rnn:weight_ih_l0"])
     assert got["flat:weight"] is None and "dim 0 (20) is not the batch (4 rows)" in str(reasons["flat:weight"])
     assert got["unused:weight"] is None and reasons["unused:weight"] == NO_GRAD
+    assert "MultiheadAttention is not a layer" in str(reasons["mha:in_proj_weight"])
+    assert reasons["mha.out_proj:weight"] == OUTSIDE
 
 
 def test_norms_end_the_step_and_no_grad_forwards_are_ignored() -> None:
