@@ -1,0 +1,167 @@
+"""Per-example parameter-gradient norms (`PerExampleNorms`) against a plain backward, and BackPACK's `BatchL2Grad`.
+
+    python benchmarks/per_example_params.py             # MLP, GPT-2 (2 layers, d=128, 8 x 64 tokens), CNN; CPU
+    python benchmarks/per_example_params.py --tiny      # smoke run (a test runs it)
+    python benchmarks/per_example_params.py --device cuda
+
+Every variant takes the same step of the same randomly initialised model: forward, loss (mean over
+rows), backward, `.grad` dropped. Variants, interleaved (`_common.interleaved`), ratios to `plain`:
+
+- `plain`: the step alone;
+- `per_example`: inside `PerExampleNorms(model, every parameter)`, then `norms()` (every parameter's
+  per-row norms, with the check's one device-to-host transfer);
+- `per_example_nocheck`: the same with `check=False` (no projection check: what the check costs);
+- `backpack`: BackPACK's `BatchL2Grad` (`extend(copy of the model)`, `with backpack(BatchL2Grad())`),
+  when `backpack-for-pytorch` is installed; on GPT-2 it covers only the parameters of the modules it
+  supports (fail mode "SILENT": Linear and Embedding; not transformers' Conv1D or LayerNorm), so
+  its figure there is not a like-for-like one (the row says how many parameters it covered).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import logging
+import sys
+import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import interleaved, median_ms, no_context, parse_args, report, synced
+
+from gradrunner.capturing.per_example import PerExampleNorms
+from gradrunner.models import MLP, SmallCNN
+
+Variant = tuple[Callable[[], AbstractContextManager[Any]], Callable[[], None]]
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def models(tiny: bool, device: str) -> dict[str, tuple[nn.Module, Batch, Callable[[Any, torch.Tensor], torch.Tensor]]]:
+    """name: (model, (input, target), loss of (output, target)): a mean over rows."""
+    torch.manual_seed(0)
+    b, width, seq = (4, 16, 8) if tiny else (128, 512, 64)
+    mlp = MLP(in_features=256 if not tiny else 8, hidden=width, depth=3, out_features=10).to(device)
+    mlp_batch = (torch.randn(b, mlp[0].in_features, device=device), torch.randint(0, 10, (b,), device=device))
+    cnn = SmallCNN(in_channels=3, num_classes=10, channels=4 if tiny else 16).to(device)
+    side = 8 if tiny else 32
+    cnn_batch = (torch.randn(b // 4 or 1, 3, side, side, device=device), torch.randint(0, 10, (b // 4 or 1,), device=device))
+    gpt, vocab = gpt2(tiny, seq, device)
+    tokens = torch.randint(0, vocab, (2 if tiny else 8, seq), device=device)
+    ce = nn.functional.cross_entropy
+
+    def lm(out: Any, labels: torch.Tensor) -> torch.Tensor:
+        return ce(out.logits[:, :-1].reshape(-1, vocab), labels[:, 1:].reshape(-1))
+
+    return {"mlp": (mlp, mlp_batch, ce), "gpt2": (gpt, (tokens, tokens), lm), "cnn": (cnn, cnn_batch, ce)}
+
+
+def gpt2(tiny: bool, seq: int, device: str) -> tuple[nn.Module, int]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    vocab = 64 if tiny else 512
+    cfg = GPT2Config(n_layer=2, n_embd=16 if tiny else 128, n_head=2 if tiny else 4, vocab_size=vocab,
+                     n_positions=seq, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return GPT2LMHeadModel(cfg).to(device), vocab
+
+
+def params_of(model: nn.Module) -> list[tuple[str, nn.Module, nn.Parameter]]:
+    return [(f"{mn}:{pn}", m, p) for mn, m in model.named_modules() for pn, p in m.named_parameters(recurse=False)]
+
+
+def call(model: nn.Module, x: torch.Tensor) -> Any:
+    """GPT-2 gets position_ids with the batch dim, so that wpe's rows are per example too."""
+    if x.dtype == torch.long:
+        return model(x, position_ids=torch.arange(x.shape[1], device=x.device).expand_as(x))
+    return model(x)
+
+
+def variants(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> tuple[dict[str, Variant], dict[str, Any]]:
+    x, y = batch
+    params = params_of(model)
+    info: dict[str, Any] = {}
+
+    def plain() -> None:
+        loss_fn(call(model, x), y).backward()
+        model.zero_grad(set_to_none=True)
+
+    out: dict[str, Variant] = {"plain": (no_context, plain)}
+    for name, check in (("per_example", True), ("per_example_nocheck", False)):
+        pex = PerExampleNorms(model, params, check=check)
+
+        def ours(pex: PerExampleNorms = pex) -> None:
+            loss_fn(call(model, x), y).backward()
+            pex.norms()
+            model.zero_grad(set_to_none=True)
+
+        out[name] = (lambda pex=pex: pex, ours)
+    with PerExampleNorms(model, params) as pex:
+        plain_loss = loss_fn(call(model, x), y)
+        plain_loss.backward()
+        info["none_params"] = sorted(k for k, v in pex.norms().items() if v is None)
+        model.zero_grad(set_to_none=True)
+    bp = backpack_variant(model, x, y, loss_fn)
+    if bp is not None:
+        out["backpack"], info["backpack_covered"] = bp[0], bp[1]
+    return out, info
+
+
+def backpack_variant(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> tuple[Variant, str] | None:  # fmt: skip
+    """BackPACK's BatchL2Grad on a copy of the model (`extend` leaves hooks on the module it extends)."""
+    if importlib.util.find_spec("backpack") is None:
+        return None
+    from backpack import backpack, extend
+    from backpack.extensions import BatchL2Grad
+    from backpack.extensions.backprop_extension import FAIL_SILENT
+
+    twin = extend(copy.deepcopy(model), use_converter=False)
+    ext = BatchL2Grad()
+    ext._fail_mode = FAIL_SILENT  # skip the modules it does not support (its constructor takes no fail_mode)
+
+    def step() -> None:
+        with warnings.catch_warnings(), backpack(ext):
+            warnings.simplefilter("ignore")
+            loss_fn(call(twin, x), y).backward()
+        twin.zero_grad(set_to_none=True)
+
+    with warnings.catch_warnings(), backpack(ext):
+        warnings.simplefilter("ignore")
+        loss_fn(call(twin, x), y).backward()
+    covered = sum(hasattr(p, "batch_l2") for p in twin.parameters())
+    twin.zero_grad(set_to_none=True)
+    return (no_context, step), f"{covered}/{len(list(twin.parameters()))}"
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument("--device", default="cpu"))
+    repeats = args.repeats or (2 if args.tiny else 20)
+    rows: list[dict[str, Any]] = []
+    for name, (model, batch, loss_fn) in models(args.tiny, args.device).items():
+        vs, info = variants(model, batch, loss_fn)
+        if args.device != "cpu":
+            vs = {k: (c, synced(s)) for k, (c, s) in vs.items()}
+        times = interleaved(vs, repeats=repeats, steps_per_block=2 if args.tiny else 5)
+        base = median_ms(times["plain"])
+        for variant, samples in times.items():
+            ms = median_ms(samples)
+            row = {"model": name, "variant": variant, "ms": ms, "ratio": ms / base, "rows": int(batch[0].shape[0])}
+            if variant == "backpack":
+                row["note"] = f"BatchL2Grad on {info['backpack_covered']} parameters"
+            elif variant.startswith("per_example") and info["none_params"]:
+                row["note"] = f"None for {info['none_params']}"
+            rows.append(row)
+    if importlib.util.find_spec("backpack") is None:
+        print("BackPACK not installed (pip install --no-deps backpack-for-pytorch einops unfoldNd): skipped", file=sys.stderr)
+    report("per_example_params", rows, ["model", "variant", "rows", "ms", "ratio", "note"], args.out,
+           repeats=repeats, device=args.device)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""The gradient noise scale per step and parameter tap, from the recorded norms and per-example norms.
+
+McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", Appendix A: with per-example
+gradients g_i of mean G and covariance Sigma, the gradient of a batch of B examples, G_B = (1/B) sum g_i,
+has E|G_B|^2 = |G|^2 + tr(Sigma) / B. Two batch sizes give unbiased estimates of |G|^2 and tr(Sigma);
+here B_small = 1 (one example) and B_big = B (the step's batch):
+
+    |G_B|^2  = norm^2                                 (the recorded `norm`: the batch gradient, `.grad`)
+    |G_1|^2  = (1/B) sum_i |g_i|^2 = B sum_i s_i^2     (g_i = B s_i; s_i: `per_example_norm`, row i's share)
+    g2          = (B |G_B|^2 - |G_1|^2) / (B - 1)      estimates |G|^2
+    trace_sigma = (|G_1|^2 - |G_B|^2) / (1 - 1/B)      estimates tr(Sigma)
+    b_simple    = trace_sigma / g2                     the simple noise scale B_simple = tr(Sigma) / |G|^2
+
+`per_example_norm` is each row's *share* of `.grad` (the shares sum to `.grad`). For a mean-reduced
+loss the share is g_i / B, so g_i = B s_i as above. For a sum-reduced loss the share is g_i itself
+and `.grad` = B G_B: read with the formulas above, |G_B|^2 and |G_1|^2 are then both B^2 times
+larger, and so are g2 and trace_sigma (in units of the sum's gradient), while b_simple, their ratio,
+is the same: any constant factor c on the loss (the reduction, a loss scale, 1/N of accumulation)
+multiplies both by c^2. b_simple never depends on it; g2 and trace_sigma are those of a mean loss
+exactly when the loss is one. (In closed form: b_simple = (B S - N) / (N - S), S = sum_i s_i^2, N = norm^2.)
+
+Rows: per (run, step, tap), the per-example norms of every rank (DDP: each rank's rows, shares of
+the all-reduced `.grad`) make the batch of B rows; `norm` is the lowest rank's. The whole model's row,
+tap `"*"`, pools the parameter taps of that step (the squared norms of disjoint parameters add: N and
+S are sums over taps): it is the noise scale of the concatenation of the taps recorded, which is the
+whole model when every parameter is tapped. `b_simple_ema` (with `ema=beta`) is
+EMA(trace_sigma) / EMA(g2) over the steps of each run and tap, each EMA m_t = beta m_(t-1) + (1 - beta) x_t
+from m = 0 (the bias correction cancels in the ratio): McCandlish et al. smooth the numerator and
+denominator separately, since the ratio of two noisy unbiased estimates is biased.
+
+Parameter taps are those with an `update_norm` (what records hold for parameters), or those named in `taps`.
+
+Example::
+
+    from gradrunner.analysis import load
+    from gradrunner.analysis.noise_scale import noise_scale
+    ns = noise_scale(load("outputs/2026-11-25/10-00-00"), ema=0.9)
+    ns[ns.tap == "*"][["step", "b_simple", "b_simple_ema"]]    # the critical batch size's estimate over steps
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+
+from gradrunner.errors import GradrunnerError
+
+#: The tap of the whole-model rows.
+WHOLE_MODEL = "*"
+_ENABLE = "capture.per_example=true (Python: capture(..., per_example=True))"
+
+
+def noise_scale(df: pd.DataFrame, ema: float | None = None, taps: Sequence[str] | None = None) -> pd.DataFrame:
+    """Per run, step and parameter tap (and `"*"`, the taps pooled): `rows`, `g2`, `trace_sigma`, `b_simple`.
+
+    Example::
+
+        ns = noise_scale(df, ema=0.95)
+        ns.pivot(index="step", columns="tap", values="b_simple_ema")    # per layer over steps
+
+    `ema` (0 <= ema < 1) adds `b_simple_ema`; `taps` picks the parameter taps (default: those with an
+    `update_norm`). `run_id` is a column when the records hold it. With one row (B = 1) nothing can
+    be estimated: NaN. Raises GradrunnerError when a chosen tap's records carry no per-example norms.
+    """
+    if ema is not None and not 0 <= ema < 1:
+        raise GradrunnerError(f"ema={ema!r} must be a number in [0, 1) (the weight of the previous steps, e.g. 0.9)")
+    rows = _parameter_rows(df, taps)
+    per_tap = _per_tap(rows)
+    whole = _whole_model(per_tap)
+    out = pd.concat([per_tap, whole], ignore_index=True) if len(whole) else per_tap
+    out = _estimates(out)
+    if ema is not None:
+        out["b_simple_ema"] = _ema_ratio(out, ema)
+    keys = [c for c in ("run_id", "step", "tap") if c in out.columns]
+    order = out["tap"].eq(WHOLE_MODEL).astype(int)  # "*" after the taps of its step
+    out = out.assign(_star=order).sort_values([*keys[:-1], "_star", "tap"]).drop(columns=["_star", "sq_norm", "sq_rows"])
+    return out.reset_index(drop=True)
+
+
+def _parameter_rows(df: pd.DataFrame, taps: Sequence[str] | None) -> pd.DataFrame:
+    """The records of the parameter taps that got a gradient, each with its per-example norms (else an error)."""
+    missing = [c for c in ("step", "tap", "norm") if c not in df.columns]
+    if missing:
+        raise GradrunnerError(f"noise_scale needs the columns {missing}; pass the frame gradrunner.analysis.load() returns")
+    if taps is not None:
+        unknown = sorted(set(taps) - set(df["tap"]))
+        if unknown:
+            raise GradrunnerError(f"taps {unknown} are not in these records; taps there: {sorted(set(df['tap']))}")
+        chosen = list(taps)
+    elif "update_norm" in df.columns and df["update_norm"].notna().any():
+        chosen = sorted(set(df.loc[df["update_norm"].notna(), "tap"]))
+    else:
+        raise GradrunnerError(
+            "noise_scale found no parameter taps (records with an update_norm); tap parameters (e.g. "
+            "taps=['*:weight', '*:bias']) and run with " + _ENABLE + ", or name them: noise_scale(df, taps=[...])"
+        )
+    rows = df[df["tap"].isin(chosen)]
+    if "has_grad" in rows.columns:
+        rows = rows[rows["has_grad"].fillna(True).astype(bool)]
+    pen = rows["per_example_norm"] if "per_example_norm" in rows.columns else pd.Series(None, index=rows.index)
+    lacking = rows.loc[pen.isna(), ["tap", "step"]]
+    if len(lacking):
+        names = ", ".join(f"{t!r} (steps {_span(s)})" for t, s in lacking.groupby("tap")["step"])
+        why = ""
+        if "reason" in rows.columns and rows.loc[pen.isna(), "reason"].notna().any():
+            why = f" (recorded reason: {rows.loc[pen.isna(), 'reason'].dropna().iloc[0]})"
+        raise GradrunnerError(
+            f"noise_scale needs per_example_norm on every parameter tap it uses; these records have none for "
+            f"{names}{why}. Turn them on with {_ENABLE}, or leave those taps out: noise_scale(df, taps=[...])."
+        )
+    return rows
+
+
+def _span(steps: pd.Series) -> str:
+    s = sorted(set(int(x) for x in steps))
+    return f"{s[0]}-{s[-1]}" if len(s) > 1 else str(s[0])
+
+
+def _per_tap(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per (run, step, tap): B, N = norm^2 (the lowest rank's), S = sum of squared per-example norms (all ranks)."""
+    keys = [c for c in ("run_id", "step", "tap") if c in rows.columns]
+    by = [*keys, "rank"] if "rank" in rows.columns else keys
+    dup = rows.duplicated(by, keep=False)
+    if dup.any():
+        first = rows.loc[dup, by].iloc[0].to_dict()
+        raise GradrunnerError(
+            f"noise_scale expects one record per step and parameter tap (and rank); {first} has several. "
+            "Pass the records of one run, or keep their run_id column."
+        )
+    sq = [np.square(np.asarray(v, dtype=np.float64)) for v in rows["per_example_norm"]]
+    frame = pd.DataFrame({k: rows[k].to_numpy() for k in by})
+    frame["n"] = [a.size for a in sq]
+    frame["s"] = [float(a.sum()) for a in sq]
+    frame["norm2"] = np.square(rows["norm"].to_numpy(dtype=np.float64))
+    frame = frame.sort_values(by)
+    grouped = frame.groupby(keys, sort=True)
+    return pd.DataFrame({"rows": grouped["n"].sum(), "sq_rows": grouped["s"].sum(), "sq_norm": grouped["norm2"].first()}).reset_index()
+
+
+def _whole_model(per_tap: pd.DataFrame) -> pd.DataFrame:
+    """The taps of each (run, step) pooled: N and S add over disjoint parameters; B must agree."""
+    keys = [c for c in ("run_id", "step") if c in per_tap.columns]
+    if per_tap.empty:
+        return per_tap
+    grouped = per_tap.groupby(keys, sort=True)
+    rows = grouped["rows"].agg(["min", "max"])
+    bad = rows[rows["min"] != rows["max"]]
+    if len(bad):
+        raise GradrunnerError(
+            f"the parameter taps of step {bad.index[0]} have different numbers of per-example norms "
+            f"({int(bad['min'].iloc[0])} and {int(bad['max'].iloc[0])}): they are not one batch's rows"
+        )
+    whole = pd.DataFrame({"rows": rows["min"], "sq_rows": grouped["sq_rows"].sum(), "sq_norm": grouped["sq_norm"].sum()})
+    return whole.reset_index().assign(tap=WHOLE_MODEL)
+
+
+def _estimates(frame: pd.DataFrame) -> pd.DataFrame:
+    b = frame["rows"].to_numpy(dtype=np.float64)
+    n, s = frame["sq_norm"].to_numpy(), frame["sq_rows"].to_numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        g_big, g_one = n, b * s  # |G_B|^2, |G_1|^2 (g_i = B s_i)
+        ok = b > 1
+        g2 = np.where(ok, (b * g_big - g_one) / (b - 1), np.nan)
+        trace = np.where(ok, (g_one - g_big) / (1 - 1 / b), np.nan)
+        frame = frame.assign(g2=g2, trace_sigma=trace, b_simple=trace / g2)
+    return frame
+
+
+def _ema_ratio(frame: pd.DataFrame, beta: float) -> pd.Series:
+    """EMA(trace_sigma) / EMA(g2) along the steps of each (run, tap); a step with NaN leaves the EMAs as they were."""
+    keys = [c for c in ("run_id", "tap") if c in frame.columns]
+    out = pd.Series(np.nan, index=frame.index)
+    for _, part in frame.sort_values("step").groupby(keys, sort=False):
+        num = den = 0.0
+        for idx, t, g in zip(part.index, part["trace_sigma"], part["g2"], strict=True):
+            if np.isfinite(t) and np.isfinite(g):
+                num, den = beta * num + (1 - beta) * t, beta * den + (1 - beta) * g
+            out[idx] = num / den if den != 0 else np.nan
+    return out

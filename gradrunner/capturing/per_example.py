@@ -1,0 +1,440 @@
+"""Exact per-example gradient norms of parameters: `PerExampleNorms`, hooks on the layers that use them.
+
+The norm of batch row i is that of row i's share of the parameter's `.grad` (the shares of all
+rows sum to `.grad`; for a mean-reduced loss, row i's share is its own gradient / B). A forward
+hook on every module holding a tracked parameter keeps the call's input (detached); a pre-hook on
+the autograd node of the call's output (`torch_compat.watch_edge`) receives the output's gradient,
+and `per_example_layers.share` + `per_example_math.row_sq` turn the two into each row's squared
+norm, ghost or materialised (the rule: `per_example_math`), during backward. Nothing changes a
+gradient, an output or another hook's behaviour: every hook returns None and no global RNG is used.
+
+A step is everything between two `norms()` calls: each backward is a micro-batch (a forward after a
+backward starts the next) and the rows of its batch follow those of the previous one. Several calls
+of one parameter in a micro-batch (tied weights, a module called twice) add up exactly (cross terms).
+
+`None` with a reason, never a wrong number, for a parameter:
+
+- held by a module per-example norms do not support (`per_example_layers.kind_of`), or frozen;
+- whose module was called on an unbatched input, or one whose dim 0 is not the batch (the first
+  tensor given to `model`; without a call of `model`, the dim 0 all calls must share);
+- called before a module that mixes rows (batch norm on batch statistics) in the same forward, or
+  of such a module: its rows' shares are not per-example gradients;
+- whose gradient does not add up to its calls' shares: checked on a random projection per step
+  (`check=True`): u^T g v against the calls' sum, one device-to-host transfer in `norms()`. This
+  catches a parameter also used outside its modules' calls (`x @ lin.weight`, a penalty in the loss);
+- that got no gradient this step.
+
+Under a GradScaler the shares carry the scale (as `.grad` does); under DDP they are each rank's
+shares of its local gradient, before the all-reduce (divide by the world size for shares of the
+averaged `.grad`). Shares assume the loss is a sum of per-row terms; a loss that mixes rows
+(contrastive) is not detected.
+
+Example::
+
+    with PerExampleNorms(model, [("fc1:weight", model.fc1, model.fc1.weight)]) as pex:
+        loss_fn(model(x), y).backward()
+        norms = pex.norms()     # {"fc1:weight": tensor of B float64 norms}; pex.reasons() says why a None
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradrunner.capturing.per_example_layers import ROLES, Call, autocast_dtype, call_reason, kind_of, mixes_rows, share
+from gradrunner.capturing.per_example_math import Dense, Form, projection, row_sq
+from gradrunner.capturing.torch_compat import gradient_edge, in_backward, reentrant_checkpoint, version, watch_edge
+
+#: |g's projection - the calls' projections| above this fraction of the projections' magnitudes: not all of it is theirs.
+CHECK_TOL = 1e-4
+#: The same where a gradient is bfloat16/float16 (autograd rounds its weight gradient there; ours is float32).
+CHECK_TOL_LOW = 3e-2
+NO_GRAD = "no gradient reached it in this step (its module was not called, or its output took no part in the loss)"
+OUTSIDE = ("its gradient is not the sum of its modules' calls' shares: it is also used outside them (a functional "
+           "use such as x @ module.weight, or a term of the loss such as a weight penalty)")  # fmt: skip
+
+
+@dataclass
+class _Micro:
+    """One backward's micro-batch: the batch sizes of its fired calls, where a row-mixing module was called last."""
+
+    rows: set[int] = field(default_factory=set)
+    mix_clock: int = -1
+    mix_name: str = ""
+
+
+@dataclass
+class _Tracked:
+    """One parameter object: its names, its holders, and this step's shares and check."""
+
+    param: nn.Parameter
+    names: list[str]
+    reason: str | None = None
+    u: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    step_reason: str | None = None
+    expected: dict[int, int] = field(default_factory=dict)
+    pending: dict[int, list[Form]] = field(default_factory=dict)
+    sq: dict[int, torch.Tensor] = field(default_factory=dict)
+    first_clock: dict[int, int] = field(default_factory=dict)
+    low_precision: bool = False
+    #: The check, device scalars summed on the host: each call's projection and its terms' magnitude, each gradient's.
+    calls: list[torch.Tensor] = field(default_factory=list)
+    mags: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)
+    uv: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.step_reason, self.low_precision, self.calls, self.mags, self.grads = None, False, [], [], []
+        self.expected, self.pending, self.sq, self.first_clock = {}, {}, {}, {}
+
+    def projector(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The check's u and v in `dtype` (converted once)."""
+        uv = self.uv.get(dtype)
+        if uv is None:
+            assert self.u is not None and self.v is not None
+            uv = self.uv[dtype] = (self.u.to(dtype), self.v.to(dtype))
+        return uv
+        self.expected, self.pending, self.sq, self.first_clock = {}, {}, {}, {}
+
+
+@dataclass
+class _Holder:
+    module: nn.Module
+    path: str
+    kind: str
+    tracked: list[tuple[_Tracked, str]]
+
+
+@dataclass
+class _CallRecord:
+    holder: _Holder
+    call: Call | None
+    micro: int
+    clock: int
+    rows: int
+    handle: Any = None
+    fired: bool = False
+
+
+class PerExampleNorms:
+    """Per-example gradient norms of `params` (`(name, module, parameter)`) of `model`, while open.
+
+    Example::
+
+        with PerExampleNorms(model, [(n, m, p) for n, m, p in my_params]) as pex:
+            for x, y in micro_batches:
+                (loss_fn(model(x), y) / len(micro_batches)).backward()
+            norms, reasons = pex.norms(), pex.reasons()   # the step's rows, micro-batch after micro-batch
+
+    `norms()` ends the step (the next forward starts another) and returns `{name: (rows,) float64
+    tensor on the parameter's device, or None}`; `reasons()` says why each None is. All hooks are
+    removed when the context closes, normally or by an exception.
+    """
+
+    def __init__(self, model: nn.Module, params: Sequence[tuple[str, nn.Module, nn.Parameter]], *, check: bool = True) -> None:
+        self.model, self.check = model, check
+        self._tracked: list[_Tracked] = []
+        by_id: dict[int, _Tracked] = {}
+        for name, _module, param in params:
+            if id(param) in by_id:
+                by_id[id(param)].names.append(name)
+            else:
+                by_id[id(param)] = _Tracked(param, [name])
+                self._tracked.append(by_id[id(param)])
+        self._holders = self._find_holders(by_id)
+        self._stack = contextlib.ExitStack()
+        self._calls: list[_CallRecord] = []
+        self._micros: list[_Micro] = []
+        self._clock, self._grad_seen, self._active = 0, False, False
+        self._forward_rows: int | None = None
+        self._last: tuple[dict[str, torch.Tensor | None], dict[str, str | None]] | None = None
+
+    def _find_holders(self, by_id: dict[int, _Tracked]) -> list[_Holder]:
+        holders: list[_Holder] = []
+        held: set[int] = set()
+        for path, module in self.model.named_modules():
+            mine = [(by_id[id(p)], role) for role, p in module._parameters.items() if p is not None and id(p) in by_id]
+            if not mine:
+                continue
+            kind, why = kind_of(module)
+            for t, role in mine:
+                held.add(id(t.param))
+                if kind is None or role not in ROLES[kind]:
+                    what = why if kind is None else f"{type(module).__name__}.{role} is not one of {ROLES[kind]}"
+                    t.reason = t.reason or f"held by {path or 'the model'!r}: {what}"
+            if kind is not None:
+                holders.append(_Holder(module, path, kind, [(t, r) for t, r in mine if r in ROLES[kind]]))
+        for t in self._tracked:
+            if id(t.param) not in held:
+                t.reason = "not a parameter of any module of the model (used directly in a forward?)"
+            elif not t.param.requires_grad:
+                t.reason = "parameter does not require grad (frozen)"
+        return holders
+
+    def __enter__(self) -> PerExampleNorms:
+        try:
+            for h in self._holders:
+                self._stack.enter_context(h.module.register_forward_hook(
+                    lambda m, a, k, out, h=h: self._on_call(h, a, k, out), with_kwargs=True, prepend=True))  # fmt: skip
+            for path, module in self.model.named_modules():
+                if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                    self._stack.enter_context(module.register_forward_hook(
+                        lambda m, a, out, path=path: self._on_mixing(m, path, out)))  # fmt: skip
+            self._stack.enter_context(self.model.register_forward_pre_hook(self._on_root, with_kwargs=True))
+            for i, t in enumerate(self._tracked):
+                if t.reason is None:
+                    self._prepare_check(t, i)
+            self._stack.callback(self._drop_calls)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._stack.close()
+
+    def _prepare_check(self, t: _Tracked, index: int) -> None:
+        """The check's random projection u v^T (its own generator: the global RNG is not touched) and the hook."""
+        p = t.param
+        gen = torch.Generator(device=p.device).manual_seed(0x9E37 + index)
+        dt = torch.float64 if p.dtype == torch.float64 else torch.float32
+        t.u = torch.randn(p.shape[0] if p.dim() else 1, generator=gen, device=p.device, dtype=dt)
+        t.v = torch.randn(max(1, p.numel() // max(1, t.u.numel())), generator=gen, device=p.device, dtype=dt)
+        if self.check:
+            self._stack.enter_context(p.register_hook(lambda g, t=t: self._on_param_grad(t, g)))
+
+    # -- hooks (each returns None: nothing they see changes) --
+
+    def _tick(self) -> int:
+        """The current micro-batch, starting a new step after `norms()` and a new micro-batch after a backward."""
+        if not self._active:
+            self._active, self._micros, self._clock, self._grad_seen = True, [_Micro()], 0, False
+            self._forward_rows = None
+            self._drop_calls()
+            for t in self._tracked:
+                t.reset()
+        elif self._grad_seen and not in_backward():
+            self._micros.append(_Micro())
+            self._grad_seen, self._forward_rows = False, None
+        self._clock += 1
+        return len(self._micros) - 1
+
+    def _on_root(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled() or (in_backward() and reentrant_checkpoint("backward") is None):
+            return
+        self._tick()
+        x = _first_tensor(args, kwargs)
+        self._forward_rows = x.shape[0] if x is not None and x.dim() > 0 else None
+
+    def _on_mixing(self, module: nn.Module, path: str, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad and mixes_rows(module):
+            m = self._micros[self._tick()]
+            m.mix_clock, m.mix_name = self._clock, f"{path!r} ({type(module).__name__} normalising with batch statistics)"
+
+    def _on_call(self, h: _Holder, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        if in_backward() and reentrant_checkpoint("backward") is None:
+            return  # a non-reentrant checkpoint recomputing: the first call's hook gets the gradient
+        micro = self._tick()
+        x = _first_tensor(args, kwargs)
+        rows = self._forward_rows if self._forward_rows is not None else (x.shape[0] if x is not None and x.dim() else 0)
+        reason = "called without a tensor input" if x is None else call_reason(h.kind, h.module, x, rows)
+        if reason is None and mixes_rows(h.module):
+            reason = "normalises with the batch's statistics (training mode): its rows mix"
+        for t, _role in h.tracked:
+            if t.reason is None:
+                t.expected[micro] = t.expected.get(micro, 0) + 1
+                t.first_clock.setdefault(micro, self._clock)
+                if reason is not None and t.step_reason is None:
+                    t.step_reason = f"{h.path!r} {reason}"
+        if reason is not None or all(t.reason or t.step_reason for t, _ in h.tracked):
+            return
+        assert x is not None
+        call = Call(x.detach(), version(x), autocast_dtype(h.kind, x.device))
+        rec = _CallRecord(h, call, micro, self._clock, rows)
+        rec.handle = watch_edge(gradient_edge(output), functools.partial(self._on_grad, rec))
+        self._calls.append(rec)
+
+    def _on_grad(self, rec: _CallRecord, grad: torch.Tensor) -> None:
+        with _no_autocast(grad.device):  # a backward inside autocast runs hooks under it: compute as written
+            self._on_grad_body(rec, grad)
+
+    def _on_grad_body(self, rec: _CallRecord, grad: torch.Tensor) -> None:
+        self._grad_seen = True
+        h, call = rec.holder, rec.call
+        if rec.fired or call is None:
+            for t, _ in h.tracked:
+                t.step_reason = t.step_reason or (f"{h.path!r}'s output got gradients from two backward passes "
+                                                  "(retain_graph=True): not supported")  # fmt: skip
+            return
+        rec.fired = True
+        self._micros[rec.micro].rows.add(rec.rows)
+        changed = call.version is not None and version(call.x) != call.version
+        for t, role in h.tracked:
+            if t.reason or t.step_reason:
+                continue
+            if changed or rec.micro in t.sq:
+                t.step_reason = (f"the input of {h.path!r} was changed in place after its call" if changed else
+                                 f"{h.path!r} was called again after its micro-batch's shares were summed")  # fmt: skip
+                continue
+            try:
+                form = share(h.kind, h.module, role, call, grad)
+                if self.check:
+                    proj, mag = projection(form, *t.projector(_dtype(form)))
+                    t.calls.append(proj)
+                    t.mags.append(mag)
+            except (RuntimeError, ValueError, IndexError) as exc:  # inside the user's backward: a reason, not a crash
+                t.step_reason = f"computing the share of {h.path!r} failed: {exc}"
+                continue
+            t.low_precision |= grad.dtype in (torch.bfloat16, torch.float16) or call.autocast is not None
+            t.pending.setdefault(rec.micro, []).append(form)
+            if len(t.pending[rec.micro]) == t.expected[rec.micro]:
+                self._settle(t, rec.micro)
+        rec.call = None
+
+    def _on_param_grad(self, t: _Tracked, grad: torch.Tensor) -> None:
+        self._grad_seen = True
+        if t.reason is not None or t.u is None or t.v is None:
+            return
+        u, v = t.projector(t.u.dtype)
+        with _no_autocast(grad.device):
+            if grad.is_sparse:
+                g = grad.coalesce()
+                proj = torch.dot(u[g.indices()[0]], g.values().reshape(g.values().shape[0], -1).to(u.dtype) @ v)
+            else:  # two matrix-vector products: one read of the gradient, no temporary of its size
+                proj = torch.dot(u, _as(grad.reshape(u.numel(), -1), u.dtype) @ v)
+        t.grads.append(proj)
+        t.low_precision |= grad.dtype in (torch.bfloat16, torch.float16)
+
+    def _settle(self, t: _Tracked, micro: int) -> None:
+        forms = t.pending.pop(micro, [])
+        if forms and t.step_reason is None:
+            try:
+                t.sq[micro] = row_sq(forms)
+            except (RuntimeError, ValueError, IndexError) as exc:
+                t.step_reason = f"summing the shares failed: {exc}"
+
+    def _drop_calls(self) -> None:
+        for rec in self._calls:
+            if rec.handle is not None:
+                rec.handle.remove()
+        self._calls = []
+
+    # -- the step's result --
+
+    def norms(self) -> dict[str, torch.Tensor | None]:
+        """Each name's per-row norms for the step so far (float64, rows of every micro-batch in order), or None.
+
+        Ends the step: the next forward starts a new one. Called again without a new forward, it
+        returns the same. Makes one device-to-host transfer (the check's sums) per device.
+        """
+        if self._active or self._last is None:
+            with contextlib.ExitStack() as stack:
+                for device in {t.param.device for t in self._tracked}:
+                    stack.enter_context(_no_autocast(device))
+                self._last = self._finish()
+            self._active = False
+            self._drop_calls()
+        return dict(self._last[0])
+
+    def reasons(self) -> dict[str, str | None]:
+        """Why each name's norms are None (None where they are not), for the step `norms()` ended."""
+        if self._last is None:
+            self.norms()
+        assert self._last is not None
+        return dict(self._last[1])
+
+    def _finish(self) -> tuple[dict[str, torch.Tensor | None], dict[str, str | None]]:
+        for t in self._tracked:
+            for micro in list(t.pending):
+                self._settle(t, micro)
+        checked = self._checked()
+        norms: dict[str, torch.Tensor | None] = {}
+        reasons: dict[str, str | None] = {}
+        for t in self._tracked:
+            value, why = self._result(t, checked.get(id(t)))
+            for name in t.names:
+                norms[name], reasons[name] = value, why
+        return norms, reasons
+
+    def _checked(self) -> dict[int, tuple[float, float, float]]:
+        """Every tracked parameter's check sums (calls' projection, its magnitude, the gradients'), on the host.
+
+        All the step's device scalars go in one stack and one transfer per device (and dtype); the sums are the host's.
+        """
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        where: list[tuple[_Tracked, int, tuple[torch.device, torch.dtype], int, int]] = []
+        for t in self._tracked:
+            for k, part in enumerate((t.calls, t.mags, t.grads)):
+                if part:
+                    key = (part[0].device, part[0].dtype)
+                    where.append((t, k, key, len(groups.setdefault(key, [])), len(part)))
+                    groups[key].extend(part)
+        host = {key: torch.stack(vals).cpu().tolist() for key, vals in groups.items()}
+        out: dict[int, list[float]] = {}
+        for t, k, key, start, n in where:
+            out.setdefault(id(t), [0.0, 0.0, 0.0])[k] = float(sum(host[key][start : start + n]))
+        return {i: (v[0], v[1], v[2]) for i, v in out.items()}
+
+    def _result(self, t: _Tracked, sums: tuple[float, float, float] | None) -> tuple[torch.Tensor | None, str | None]:
+        if t.reason or t.step_reason:
+            return None, t.reason or t.step_reason
+        if not self._active:
+            return None, "no forward and backward since the last norms()"
+        mixed = [m for m, c in t.first_clock.items() if c < self._micros[m].mix_clock]
+        if mixed:
+            return None, f"called before {self._micros[mixed[0]].mix_name}, which mixes rows: no per-example share"
+        conflicts = [sorted(m.rows) for m in self._micros if len(m.rows) > 1]
+        if conflicts:
+            return None, f"forwards backwarded together had different batch sizes {conflicts[0]}: rows are ambiguous"
+        if not t.sq:
+            return None, OUTSIDE if t.grads else NO_GRAD
+        if self.check:
+            if not t.grads:
+                return None, "its modules' outputs got gradients but it did not (a backward that did not ask for it)"
+            tol = CHECK_TOL_LOW if t.low_precision else CHECK_TOL
+            if sums is None or abs(sums[0] - sums[2]) > tol * sums[1]:
+                return None, OUTSIDE
+        if len(self._micros) == 1:
+            sq = t.sq[0]
+        else:
+            first = next(iter(t.sq.values()))
+            sq = torch.cat([t.sq[i] if i in t.sq else first.new_zeros(next(iter(m.rows), 0))
+                            for i, m in enumerate(self._micros)])  # fmt: skip
+        return sq.to(torch.float64).clamp_min_(0).sqrt_(), None
+
+
+def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Autocast off on `device` (hooks of a backward run inside `torch.autocast` run under it)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _dtype(form: Form) -> torch.dtype:
+    return form.rows.dtype if isinstance(form, Dense) else form.right.dtype
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The first tensor among a call's positional then keyword arguments (one level into lists, tuples, dicts)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+        inner = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else ()
+        for item in inner:
+            if isinstance(item, torch.Tensor):
+                return item
+    return None

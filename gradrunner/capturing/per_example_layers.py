@@ -1,0 +1,213 @@
+"""The layers whose parameters get exact per-example gradient norms, and each one's share of a row.
+
+`kind_of(module)` names a supported layer (or gives why not); `call_reason` checks one call's input
+(batched, dim 0 the batch); `share(kind, module, role, call, grad)` turns a call's saved input and
+its output's gradient into the `per_example_math` form of every row's share of `module.<role>`'s `.grad`:
+
+| kind | modules | weight share of row i (positions t: all dims between batch and features) | bias |
+| --- | --- | --- | --- |
+| `linear` | `nn.Linear` | sum_t g_t (outer) x_t (`Factors`) | sum_t g_t |
+| `conv1d_hf` | `transformers.pytorch_utils.Conv1D` (GPT-2's: weight (in, out)) | sum_t x_t (outer) g_t | sum_t g_t |
+| `conv` | `nn.Conv1d/2d/3d` (any padding and padding mode, stride, dilation, groups) | per group, sum over output positions of g (outer) the input patch | sum over positions of g |
+| `embedding` | `nn.Embedding` (padding_idx rows get nothing, as in its backward) | sum_t onehot(id_t) (outer) g_t | - |
+| `layer_norm`, `rms_norm` | `nn.LayerNorm`, `nn.RMSNorm` | sum_t g_t * xhat_t (`Dense`) | sum_t g_t |
+| `group_norm` | `nn.GroupNorm` | per channel, sum over positions of g * xhat | per channel sum of g |
+| `batch_norm` | `nn.BatchNorm1d/2d/3d` in eval mode with running statistics | as group_norm | as group_norm |
+
+xhat is the normalised input, recomputed from the saved input by the same functional without affine
+parameters. A module whose forward mixes rows (`mixes_rows`: batch norm using batch statistics) has
+no per-example share; neither has `Embedding(scale_grad_by_freq=True)` (its gradient divides by
+counts over the whole batch). Subclasses that override `forward` are not assumed to compute the same.
+
+Under autocast, Linear/Conv1D/conv compute with their input cast to the autocast dtype: the share is
+computed from that cast (upcast to float32), as autograd's own weight gradient is.
+
+Example::
+
+    kind, why = kind_of(nn.Linear(4, 3))        # ('linear', None)
+    form = share("linear", lin, "weight", call, grad)   # Factors over (B, 1, T, 3) x (B, 1, T, 4)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from gradrunner.capturing.per_example_math import Dense, Factors, Form
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+#: The parameters each kind has a share for.
+ROLES: dict[str, tuple[str, ...]] = {
+    "linear": ("weight", "bias"), "conv1d_hf": ("weight", "bias"), "conv": ("weight", "bias"),
+    "embedding": ("weight",), "layer_norm": ("weight", "bias"), "rms_norm": ("weight",),
+    "group_norm": ("weight", "bias"), "batch_norm": ("weight", "bias"),
+}  # fmt: skip
+#: Kinds whose weight gradient is a matmul that autocast runs in its lower precision.
+_AUTOCAST_KINDS = frozenset({"linear", "conv1d_hf", "conv"})
+
+
+@dataclass
+class Call:
+    """What a forward hook keeps of one module call: its input (detached), what it needs to recompute the share."""
+
+    x: torch.Tensor
+    #: The input's in-place version at the call (None where torch does not expose it).
+    version: int | None
+    #: The autocast dtype the call ran under (None outside autocast, or for kinds autocast does not cast).
+    autocast: torch.dtype | None
+
+
+def kind_of(module: nn.Module) -> tuple[str | None, str | None]:
+    """(kind, None) for a supported module, else (None, why not).
+
+    Example::
+
+        kind_of(nn.LSTM(3, 4))[1]     # 'LSTM is not a layer per-example norms support (...)'
+    """
+    t = type(module)
+    if isinstance(module, nn.Linear) and t.forward is nn.Linear.forward:
+        return "linear", None
+    if t.__name__ == "Conv1D" and t.__module__.startswith("transformers.") and hasattr(module, "nf"):
+        return "conv1d_hf", None
+    if isinstance(module, _CONVS) and t.forward in tuple(c.forward for c in _CONVS):
+        return "conv", None
+    if isinstance(module, nn.Embedding) and t.forward is nn.Embedding.forward:
+        if module.scale_grad_by_freq:
+            return None, "Embedding(scale_grad_by_freq=True) divides by token counts over the whole batch: rows mix"
+        return "embedding", None
+    if isinstance(module, nn.LayerNorm) and t.forward is nn.LayerNorm.forward:
+        return "layer_norm", None
+    if isinstance(module, nn.RMSNorm) and t.forward is nn.RMSNorm.forward:
+        return "rms_norm", None
+    if isinstance(module, nn.GroupNorm) and t.forward is nn.GroupNorm.forward:
+        return "group_norm", None
+    if isinstance(module, _BatchNorm) and t.forward is _BatchNorm.forward:
+        return "batch_norm", None
+    return None, (f"{t.__name__} is not a layer per-example norms support (Linear, transformers' Conv1D, Conv1d/2d/3d, "
+                  "Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm in eval mode)")  # fmt: skip
+
+
+def mixes_rows(module: nn.Module) -> bool:
+    """Whether this call of `module` mixes batch rows: batch norm normalising by the batch's statistics."""
+    return isinstance(module, _BatchNorm) and (module.training or module.running_mean is None)
+
+
+def autocast_dtype(kind: str, device: torch.device) -> torch.dtype | None:
+    """The dtype autocast gives this kind's matmul now, or None."""
+    if kind not in _AUTOCAST_KINDS or not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
+def call_reason(kind: str, module: nn.Module, x: torch.Tensor, rows: int) -> str | None:
+    """Why this call's input has no per-row share (unbatched, dim 0 not the batch), or None."""
+    least = {"group_norm": 2, "batch_norm": 2, "embedding": 1}.get(kind, 2)
+    if isinstance(module, _CONVS):
+        least = module.weight.dim()
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        least = len(module.normalized_shape) + 1
+    if kind == "conv" and x.dim() != least:
+        return f"called with an unbatched input of shape {tuple(x.shape)}"
+    if x.dim() < least:
+        return f"called with an unbatched input of shape {tuple(x.shape)}"
+    if x.shape[0] != rows:
+        return f"called with an input of shape {tuple(x.shape)} whose dim 0 ({x.shape[0]}) is not the batch ({rows} rows)"
+    return None
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any of them is float64, else float32 (never lower: bf16/fp16 inputs are upcast)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def share(kind: str, module: nn.Module, role: str, call: Call, grad: torch.Tensor) -> Form:
+    """Every row's share of `module.<role>`'s gradient from one call: its saved input and its output's gradient."""
+    dt = compute_dtype(call.x, grad)
+    x = call.x if call.autocast is None else call.x.to(call.autocast)
+    b = grad.shape[0]
+    if kind in ("linear", "conv1d_hf"):
+        g = _as(grad.reshape(b, 1, -1, grad.shape[-1]), dt)
+        if role == "bias":
+            return _summed(g.reshape(b, -1, g.shape[-1]))
+        a = _as(x.reshape(b, 1, -1, x.shape[-1]), dt)
+        return Factors(g, a, g.shape[-1]) if kind == "linear" else Factors(a, g, a.shape[-1])
+    if kind == "conv":
+        return _conv_share(module, role, x, grad, dt)  # type: ignore[arg-type]
+    if isinstance(module, nn.Embedding):
+        ids = x.reshape(b, 1, -1)
+        g = grad.reshape(b, 1, ids.shape[-1], -1).to(dt)
+        if module.padding_idx is not None:
+            g = g * torch.ne(ids, module.padding_idx).unsqueeze(-1).to(dt)
+        return Factors(ids, g, module.num_embeddings)
+    return _norm_share(kind, module, role, x.to(dt), grad.to(dt), call.x.dtype)
+
+
+def _norm_share(kind: str, module: nn.Module, role: str, x: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> Dense:
+    """`dtype`: the call's input dtype (RMSNorm's default eps is that dtype's)."""
+    b = g.shape[0]
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        shape = tuple(module.normalized_shape)
+        width = math.prod(shape)
+        if role == "bias":
+            return _summed(g.reshape(b, -1, width))
+        if isinstance(module, nn.LayerNorm):
+            xhat = F.layer_norm(x, shape, None, None, module.eps)
+        else:
+            xhat = F.rms_norm(x, shape, None, module.eps if module.eps is not None else torch.finfo(dtype).eps)
+        return _summed((g * xhat).reshape(b, -1, width))
+    channels = g.shape[1]
+    if role == "bias":
+        return _summed(g.reshape(b, channels, -1).transpose(1, 2))
+    if isinstance(module, nn.GroupNorm):
+        xhat = F.group_norm(x, module.num_groups, None, None, module.eps)
+    else:
+        assert isinstance(module, _BatchNorm) and module.running_mean is not None and module.running_var is not None
+        xhat = F.batch_norm(x, module.running_mean.to(x.dtype), module.running_var.to(x.dtype), None, None, False, 0.0,
+                            module.eps)  # fmt: skip
+    return _summed((g * xhat).reshape(b, channels, -1).transpose(1, 2))
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _summed(terms: torch.Tensor) -> Dense:
+    """Each row's share as the sum over positions of (B, T, P) `terms`, with the magnitude of what it sums."""
+    if terms.shape[1] == 1:
+        return Dense(terms[:, 0])
+    return Dense(terms.sum(1), terms.abs().sum(1))
+
+
+def _conv_share(module: nn.Conv1d, role: str, x: torch.Tensor, grad: torch.Tensor, dt: torch.dtype) -> Form:
+    b, c_out = grad.shape[0], grad.shape[1]
+    if role == "bias":
+        return _summed(grad.reshape(b, c_out, -1).transpose(1, 2).to(dt))
+    groups = module.groups
+    g = grad.reshape(b, groups, c_out // groups, -1).to(dt)  # (B, G, c_out/G, T)
+    patches = _patches(x.to(dt), module).reshape(b, groups, -1, g.shape[-1])  # (B, G, c_in/G K, T)
+    return Factors(g.transpose(-1, -2), patches.transpose(-1, -2), c_out // groups)
+
+
+def _patches(x: torch.Tensor, module: nn.Conv1d) -> torch.Tensor:
+    """The input patch of every output position: (B, C_in K, T), channel-major then kernel offsets, as the weight.
+
+    Padded as the module pads (any padding mode; 'same' may pad one more on the right), then im2col
+    (`F.unfold`, a 1-D conv as a 2-D one of height 1); 3-D convolutions by strided views.
+    """
+    pad = list(module._reversed_padding_repeated_twice)
+    if any(pad):
+        x = F.pad(x, pad, mode="constant" if module.padding_mode == "zeros" else module.padding_mode)
+    nd = len(module.kernel_size)
+    if nd <= 2:
+        lift = (lambda t: t) if nd == 2 else (lambda t: (1, *t))
+        x4 = x if nd == 2 else x.unsqueeze(2)
+        return F.unfold(x4, lift(module.kernel_size), dilation=lift(module.dilation), stride=lift(module.stride))
+    for d, (k, s, dil) in enumerate(zip(module.kernel_size, module.stride, module.dilation, strict=True)):
+        x = x.unfold(2 + d, dil * (k - 1) + 1, s)[..., ::dil]
+    spatial, kernel = tuple(range(2, 2 + nd)), tuple(range(2 + nd, 2 + 2 * nd))
+    return x.permute(0, 1, *kernel, *spatial).reshape(x.shape[0], -1, math.prod(x.shape[2 : 2 + nd]))

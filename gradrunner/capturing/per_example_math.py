@@ -1,0 +1,250 @@
+"""Per-row squared norms of a parameter's gradient shares, from the factors a layer gives: ghost or materialised.
+
+One call of a module that uses a parameter gives each batch row i a share S_i of the parameter's
+`.grad` (the shares of all rows and all calls sum to `.grad`), in one of two forms:
+
+| form | share of row i | layers |
+| --- | --- | --- |
+| `Factors(left, right)` | S_i = sum over groups g and positions t of left[i,g,t] (outer) right[i,g,t] | Linear, HF Conv1D, Conv1d/2d/3d (weights), Embedding (left: token ids, one-hot) |
+| `Dense(rows)` | S_i = rows[i], flattened in the parameter's layout | biases, LayerNorm, RMSNorm, GroupNorm, BatchNorm (eval) |
+
+`row_sq(forms)` gives ||sum over calls of S_i||^2 per row. For one `Factors` call it takes the
+cheaper of two exact forms, by the shapes alone (`ghost_is_cheaper`):
+
+- ghost norm (Goodfellow 2015; Li et al. 2022, "Large language models can be strong differentially
+  private learners", ghost clipping): ||S_i||^2 = sum_{s,t} (left_s . left_t)(right_s . right_t), two
+  T x T Gram matrices per row and group, never forming S_i: cost G T^2 (p + q);
+- materialised: S_i = left_i^T right_i (a batched matmul, p x q per row and group), then its squared
+  sum: cost G T p q.
+
+Ghost when T (p + q) <= p q (the time form of Bu et al.'s mixed ghost clipping rule, whose space form
+is 2 T^2 <= p q; the two pick the same side unless p and q differ a lot). T = 1 (a Linear on 2-D
+input) is always ghost and costs B (p + q). Embeddings (left = token ids, p = vocabulary): the ghost
+Gram of the ids is an equality test; it is used for T <= `INDEX_GHOST_MAX_T`, past that the
+materialised form groups equal tokens of a row by sorting (cost B T q + a sort), never a B x V x q tensor.
+Several calls of one parameter in a micro-batch (tied weights, a module called twice) add the
+cross terms 2 <S_i^(a), S_i^(b)>: ghost inner products between every pair of calls when all are
+`Factors` of one layout and that is cheaper, else every call materialised and summed.
+
+Everything is computed in float32 (float64 when the tensors are float64) on the tensors' device, with
+no host synchronisation (no data-dependent shapes: the embedding's sort uses fixed sizes).
+
+Example::
+
+    f = Factors(left=g.reshape(B, 1, T, d_out), right=x.reshape(B, 1, T, d_in), size=d_out)
+    row_sq([f])          # (B,) squared norms of each row's share of a Linear's weight gradient
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+#: Up to this many positions an embedding's rows take the ghost form (an ids equality Gram); past it, sorting.
+INDEX_GHOST_MAX_T = 32
+#: Materialised shares are formed this many elements at a time at most (rows are chunked), bounding memory.
+CHUNK_ELEMENTS = 1 << 24
+
+
+@dataclass
+class Factors:
+    """S_i = sum_{g,t} left[i,g,t] (outer) right[i,g,t]; `left` (B, G, T, p) float, or (B, 1, T) int64 ids (one-hot of width `size`)."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+    size: int
+
+    @property
+    def index(self) -> bool:
+        return not self.left.is_floating_point()
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """(B, G, T, p, q)."""
+        b, g, t, q = self.right.shape
+        return b, g, t, self.size, q
+
+
+@dataclass
+class Dense:
+    """S_i = rows[i]: (B, P), the parameter's layout flattened.
+
+    `magnitude` (B, P): the sum of the absolute values of the terms each entry sums (over positions),
+    so that the check measures rounding against the terms, not against a sum that cancels.
+    """
+
+    rows: torch.Tensor
+    magnitude: torch.Tensor | None = None
+
+
+Form = Factors | Dense
+
+
+def ghost_is_cheaper(f: Factors) -> bool:
+    """The per-layer rule: the ghost form when its cost G T^2 (p + q) is at most the materialised G T p q."""
+    _, _, t, p, q = f.shape
+    if f.index:
+        return t <= INDEX_GHOST_MAX_T
+    return t * (p + q) <= p * q
+
+
+def row_sq(forms: list[Form]) -> torch.Tensor:
+    """||sum of the forms' shares of row i||^2 for every row i: (B,), in the forms' dtype."""
+    if len(forms) == 1:
+        f = forms[0]
+        return _dense_sq(f.rows) if isinstance(f, Dense) else _self_sq(f)
+    facs = [f for f in forms if isinstance(f, Factors)]
+    if len(facs) == len(forms) and _compatible(facs) and _pairs_ghost_cheaper(facs):
+        total = sum(_self_sq(f) for f in facs)
+        for fa, fb in itertools.combinations(facs, 2):
+            total = total + 2 * _cross(fa, fb)
+        return total  # type: ignore[return-value]
+    rows, width = _rows(forms[0]), _width(forms[0])
+    step = max(1, CHUNK_ELEMENTS // max(1, width))
+    parts = []
+    for i in range(0, rows, step):
+        dense = to_dense(_slice(forms[0], i, i + step))
+        for f in forms[1:]:
+            dense = dense + to_dense(_slice(f, i, i + step))
+        parts.append(_dense_sq(dense))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _rows(f: Form) -> int:
+    return f.rows.shape[0] if isinstance(f, Dense) else f.right.shape[0]
+
+
+def _width(f: Form) -> int:
+    if isinstance(f, Dense):
+        return f.rows.shape[1]
+    _, g, _, p, q = f.shape
+    return g * p * q
+
+
+def _slice(f: Form, i: int, j: int) -> Form:
+    return Dense(f.rows[i:j], None) if isinstance(f, Dense) else Factors(f.left[i:j], f.right[i:j], f.size)
+
+
+def to_dense(f: Form) -> torch.Tensor:
+    """The per-row shares materialised: (B, P) in the parameter's layout (G p rows of q, group-major)."""
+    if isinstance(f, Dense):
+        return f.rows
+    b, g, t, p, q = f.shape
+    if f.index:
+        flat = (torch.arange(b, device=f.left.device).view(b, 1) * p + f.left.reshape(b, t)).reshape(-1)
+        out = torch.zeros(b * p, q, dtype=f.right.dtype, device=f.right.device)
+        return out.index_add_(0, flat, f.right.reshape(b * t, q)).view(b, p * q)
+    return torch.matmul(f.left.transpose(-1, -2), f.right).reshape(b, g * p * q)
+
+
+def projection(f: Form, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over rows of <S_i, u v^T>, the sum of the magnitudes of its terms): one call's part of the check.
+
+    `u` spans the parameter's first dimension (G p), `v` the rest (q); both in the forms' dtype. Costs
+    matrix-vector products over the factors (one read of each), nothing of the parameter's size per row.
+    """
+    if isinstance(f, Dense):
+        w = torch.outer(u, v).reshape(-1)
+        if f.magnitude is None:
+            terms = f.rows * w
+            return terms.sum(), torch.linalg.vector_norm(terms, 1)
+        return (f.rows @ w).sum(), (f.magnitude @ w.abs()).sum()
+    _, g, _, p, q = f.shape
+    lu = u[f.left] if f.index else _contract(f.left, u.view(g, 1, p))
+    prod = lu * _contract(f.right, v.view(1, 1, q))
+    return prod.sum(), torch.linalg.vector_norm(prod, 1)
+
+
+def _contract(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """(B, G, T, k) x (G or 1, 1, k) -> (B, G, T) summed over k, reading x in its own layout (no copy of a transposed view)."""
+    if x.stride(-1) == 1:
+        return torch.matmul(x, w.transpose(-1, -2)).squeeze(-1)
+    return torch.matmul(w, x.transpose(-1, -2)).squeeze(-2)
+
+
+def _dense_sq(rows: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vecdot(rows, rows)
+
+
+def _self_sq(f: Factors) -> torch.Tensor:
+    b, g, t, p, q = f.shape
+    if f.index:
+        if t == 1:
+            return torch.linalg.vecdot(f.right, f.right).sum((1, 2))
+        if ghost_is_cheaper(f):
+            return (_ids_gram(f.left, f.left, f.right.dtype) * _gram(f.right, f.right)).sum((1, 2, 3))
+        return _segment_sq(f.left.reshape(b, t), f.right.reshape(b, t, q), p)
+    if t == 1:
+        return (torch.linalg.vecdot(f.left, f.left) * torch.linalg.vecdot(f.right, f.right)).sum((1, 2))
+    if ghost_is_cheaper(f):
+        return (_gram(f.left, f.left) * _gram(f.right, f.right)).sum((1, 2, 3))
+    step = max(1, CHUNK_ELEMENTS // max(1, g * p * q))
+    parts = [torch.matmul(f.left[i : i + step].transpose(-1, -2), f.right[i : i + step]).square().sum((1, 2, 3))
+             for i in range(0, b, step)]  # fmt: skip
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(B, G, Ta, Tb) inner products of the positions of a and b."""
+    return torch.matmul(a, b.transpose(-1, -2))
+
+
+def _ids_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, Ta, Tb): 1 where the one-hot rows meet (the same token), else 0."""
+    return (a.unsqueeze(-1) == b.unsqueeze(-2)).to(dtype)
+
+
+def _left_gram(a: Factors, b: Factors) -> torch.Tensor:
+    """<left_a[s], left_b[t]> for every pair of positions, whichever of the two is one-hot."""
+    if a.index and b.index:
+        return _ids_gram(a.left, b.left, a.right.dtype)
+    if a.index:
+        return _left_gram(b, a).transpose(-1, -2)
+    if b.index:
+        bb, _, ta, _ = a.left.shape
+        tb = b.left.shape[-1]
+        return a.left.gather(-1, b.left.unsqueeze(2).expand(bb, 1, ta, tb))  # left_a[s][id_t]
+    return _gram(a.left, b.left)
+
+
+def _cross(a: Factors, b: Factors) -> torch.Tensor:
+    """<S_i^(a), S_i^(b)> per row: the ghost inner product of two calls' shares."""
+    return (_left_gram(a, b) * _gram(a.right, b.right)).sum((1, 2, 3))
+
+
+def _compatible(facs: list[Factors]) -> bool:
+    """One layout (groups, p, q) for all, so that their factors meet position by position."""
+    first = facs[0].shape
+    return all(f.shape[0] == first[0] and f.shape[1] == first[1] and f.shape[3:] == first[3:] for f in facs)
+
+
+def _pairs_ghost_cheaper(facs: list[Factors]) -> bool:
+    """Cross terms included: all pairs' Gram matrices against every call materialised (the same rule as one call)."""
+    _, g, _, p, q = facs[0].shape
+    ts = [f.shape[2] for f in facs]
+    ghost = sum(ta * tb for ta in ts for tb in ts) * (p + q)
+    dense = sum(ts) * p * q + len(ts) * p * q
+    return g * ghost <= g * dense
+
+
+def _segment_sq(ids: torch.Tensor, right: torch.Tensor, size: int) -> torch.Tensor:
+    """Per row: sum over its distinct tokens of ||sum of `right` at that token's positions||^2, by sorting.
+
+    Fixed sizes throughout (no `unique`, which would wait for the device): the (row, token) keys are
+    sorted, each position is added into the slot of its run of equal keys, and the slots' squared
+    norms are added per row.
+    """
+    b, t, q = right.shape
+    n = b * t
+    rows = torch.arange(b, device=ids.device).repeat_interleave(t)
+    key = rows * size + ids.reshape(-1)
+    order = torch.argsort(key)
+    sorted_key = key[order]
+    starts = torch.ones(n, dtype=torch.bool, device=ids.device)
+    starts[1:] = sorted_key[1:] != sorted_key[:-1]
+    slot = torch.cumsum(starts, 0) - 1
+    sums = torch.zeros(n, q, dtype=right.dtype, device=right.device).index_add_(0, slot, right.reshape(n, q)[order])
+    slot_row = torch.zeros(n, dtype=torch.long, device=ids.device).scatter_(0, slot, rows[order])
+    return torch.zeros(b, dtype=right.dtype, device=right.device).index_add_(0, slot_row, sums.square().sum(1))

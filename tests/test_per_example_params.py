@@ -1,0 +1,432 @@
+"""`PerExampleNorms`: per-example parameter-gradient norms against a per-example loop, on stock layers and transformers.
+
+The reference (`loop`) feeds each batch row alone through the model and backwards its own loss
+scaled to its share (a mean loss: loss_i / B), with plain autograd. Tolerance: both sides are float32
+(rtol 1e-5 of the norm, atol 1e-5 of the parameter's largest row norm): they compute the same sums in
+different orders (Gram matrices over positions against autograd's matmuls on one row), whose rounding
+is ~1e-7 of the terms; any wrong term (a position, a padded token, a group, a cross term of tied
+weights) moves a norm by far more. Every layer runs under each form: the rule's choice, ghost, materialised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import leftover_hooks
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gradrunner.capturing import per_example_math as pem
+from gradrunner.capturing import torch_compat
+from gradrunner.capturing.per_example import NO_GRAD, OUTSIDE, PerExampleNorms
+
+B = 4
+Params = list[tuple[str, nn.Module, nn.Parameter]]
+RowsLoss = Callable[[torch.Tensor], torch.Tensor]
+
+
+def all_params(model: nn.Module) -> Params:
+    return [(f"{mn}:{pn}", m, p) for mn, m in model.named_modules() for pn, p in m.named_parameters(recurse=False)]
+
+
+def loop(model: nn.Module, inputs: dict[str, torch.Tensor], rows_loss: Callable[..., torch.Tensor],
+         params: Params) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:  # fmt: skip
+    """Each row alone: its norms per parameter (float64), and the sum over rows of its gradients."""
+    norms: dict[str, list[float]] = {n: [] for n, _, _ in params}
+    total = {n: torch.zeros_like(p) for n, _, p in params}
+    rows = next(iter(inputs.values())).shape[0]
+    for i in range(rows):
+        model.zero_grad(set_to_none=True)
+        (rows_loss(model(**{k: v[i : i + 1] for k, v in inputs.items()}), i) / rows).backward()
+        for n, _, p in params:
+            norms[n].append(0.0 if p.grad is None else p.grad.double().norm().item())
+            total[n] += 0 if p.grad is None else p.grad
+    model.zero_grad(set_to_none=True)
+    return {n: torch.tensor(v, dtype=torch.float64) for n, v in norms.items()}, total
+
+
+def row(out: object, i: int) -> object:
+    """Row i of a batched output (a tensor, or a transformers output's logits), as the loop's one-row forward gives it."""
+    if isinstance(out, torch.Tensor):
+        return out[i : i + 1]
+    return SimpleNamespace(logits=out.logits[i : i + 1])  # type: ignore[attr-defined]
+
+
+def batched(model: nn.Module, inputs: dict[str, torch.Tensor], rows_loss: Callable[..., torch.Tensor],
+            params: Params, check: bool = True) -> tuple[dict[str, torch.Tensor | None], dict[str, str | None]]:  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    with PerExampleNorms(model, params, check=check) as pex:
+        out = model(**inputs)
+        rows = next(iter(inputs.values())).shape[0]
+        loss = sum(rows_loss(row(out, i), i) for i in range(rows)) / rows
+        loss.backward()
+        norms, reasons = pex.norms(), pex.reasons()
+    assert not leftover_hooks(model)
+    return norms, reasons
+
+
+def assert_matches(got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor], reasons: dict[str, str | None],
+                   rtol: float = 1e-5) -> None:  # fmt: skip
+    """rtol of each norm, atol rtol x the parameter's largest row norm; and a floor 1e-9 x the model's largest norm
+    for parameters whose true gradient is zero (BERT's key bias: softmax ignores a shift), rounding noise on both sides."""
+    floor = 1e-9 * max(float(r.max()) for r in ref.values())
+    for name, expected in ref.items():
+        actual = got[name]
+        assert actual is not None, f"{name}: {reasons[name]}"
+        assert actual.dtype == torch.float64 and actual.shape == expected.shape
+        atol = max(rtol * float(expected.max()), floor)
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.fixture(params=["rule", "ghost", "materialised"])
+def form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    if request.param != "rule":
+        ghost = request.param == "ghost"
+        monkeypatch.setattr(pem, "ghost_is_cheaper", lambda f: ghost)
+        monkeypatch.setattr(pem, "_pairs_ghost_cheaper", lambda facs: ghost)
+    yield str(request.param)
+
+
+class Net(nn.Module):
+    """body, then the sum of squares of (output - fixed target) per row: every layer's share is non-trivial."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def sq_loss(out: torch.Tensor, i: int) -> torch.Tensor:
+    target = torch.linspace(-1, 1, out[0].numel()).view(out.shape[1:]) * (i + 1)
+    return (out - target).square().sum()
+
+
+def ids(shape: tuple[int, ...], vocab: int) -> torch.Tensor:
+    t = torch.randint(0, vocab, shape)
+    t.view(-1)[::3] = 0  # the padding token, several times
+    t.view(-1)[1::5] = 5  # a repeated token
+    return t
+
+
+LAYERS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
+    "linear_2d": lambda: (nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)), torch.randn(B, 6)),
+    "linear_seq": lambda: (nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3)), torch.randn(B, 7, 6)),
+    "linear_4d": lambda: (nn.Sequential(nn.Linear(6, 5, bias=False), nn.Tanh(), nn.Linear(5, 3)), torch.randn(B, 2, 3, 6)),
+    "embedding_pad": lambda: (nn.Sequential(nn.Embedding(11, 4, padding_idx=0), nn.Tanh(), nn.Linear(4, 3)),
+                              ids((B, 9), 11)),
+    "embedding_1d": lambda: (nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 3)), ids((B,), 11)),
+    "conv1d": lambda: (nn.Sequential(nn.Conv1d(3, 4, 3, stride=2, padding=2, dilation=2), nn.Tanh(), nn.Flatten(),
+                                     nn.Linear(24, 2)), torch.randn(B, 3, 11)),
+    "conv2d_groups": lambda: (nn.Sequential(nn.Conv2d(4, 6, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2),
+                                                      groups=2), nn.Tanh(), nn.Conv2d(6, 2, 1)), torch.randn(B, 4, 7, 6)),
+    "conv2d_same_reflect": lambda: (nn.Sequential(nn.Conv2d(3, 4, 4, padding="same"), nn.Tanh(),
+                                                  nn.Conv2d(4, 2, 3, padding=2, padding_mode="reflect")),
+                                    torch.randn(B, 3, 6, 5)),
+    "conv2d_circular_depthwise": lambda: (nn.Sequential(nn.Conv2d(3, 3, 3, padding=1, padding_mode="circular",
+                                                                  groups=3)), torch.randn(B, 3, 5, 5)),
+    "conv3d": lambda: (nn.Sequential(nn.Conv3d(2, 3, 2, padding=1, stride=(1, 2, 1))), torch.randn(B, 2, 3, 4, 3)),
+    "layer_norm": lambda: (nn.Sequential(nn.Linear(4, 4), nn.LayerNorm((3, 4)), nn.Tanh(), nn.Linear(4, 2)),
+                           torch.randn(B, 5, 3, 4)),
+    "rms_norm": lambda: (nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.RMSNorm(6, eps=1e-3), nn.Linear(6, 2)),
+                         torch.randn(B, 5, 4)),
+    "group_norm": lambda: (nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Tanh(), nn.GroupNorm(4, 4)),
+                           torch.randn(B, 2, 5, 5)),
+    "batch_norm_eval": lambda: (_eval_bn(), torch.randn(B, 3, 4, 4)),
+}
+
+
+def _eval_bn() -> nn.Module:
+    bn = nn.BatchNorm2d(3)
+    bn.running_mean.uniform_(-1, 1)
+    bn.running_var.uniform_(0.5, 2)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+    return nn.Sequential(nn.Conv2d(3, 3, 1), bn.eval(), nn.Tanh())
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_every_layer_matches_the_per_example_loop(layer: str, form: str) -> None:
+    body, x = LAYERS[layer]()
+    model = Net(body)
+    params = all_params(model)
+    ref, total = loop(model, {"x": x}, sq_loss, params)
+    got, reasons = batched(model, {"x": x}, sq_loss, params)
+    assert_matches(got, ref, reasons)
+    for name, _, p in params:  # the shares sum to .grad: the loop's rows add up to the batch's gradient
+        torch.testing.assert_close(total[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_float64_agrees_to_rounding(form: str) -> None:
+    """In float64 the shares are computed in float64: the math itself agrees with the loop to 1e-10."""
+    for layer in ("linear_seq", "embedding_pad", "conv2d_groups", "layer_norm"):
+        body, x = LAYERS[layer]()
+        model = Net(body).double()
+        x = x.double() if x.is_floating_point() else x
+        params = all_params(model)
+        got, reasons = batched(model, {"x": x}, sq_loss, params)
+        assert_matches(got, loop(model, {"x": x}, sq_loss, params)[0], reasons, rtol=1e-10)
+
+
+class TwiceLinear(nn.Module):
+    """One Linear used twice per forward, with a different input each time (its shares add, cross terms too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.lin(torch.tanh(self.lin(x)))))
+
+
+@pytest.mark.parametrize("shape", [(B, 5), (B, 6, 5)])
+def test_a_module_called_twice(shape: tuple[int, ...], form: str) -> None:
+    model = TwiceLinear()
+    x = torch.randn(shape)
+    params = all_params(model)
+    got, reasons = batched(model, {"x": x}, sq_loss, params)
+    assert_matches(got, loop(model, {"x": x}, sq_loss, params)[0], reasons)
+
+
+def gpt2(dropout: float = 0.0) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    cfg = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=40, n_positions=16, resid_pdrop=dropout,
+                     embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    return GPT2LMHeadModel(cfg)
+
+
+def lm_loss(out: object, i: int) -> torch.Tensor:
+    logits = out.logits  # type: ignore[attr-defined]
+    labels = torch.arange(logits.shape[1]).roll(i) % logits.shape[-1]
+    return nn.functional.cross_entropy(logits[0], labels, reduction="sum") / logits.shape[1]
+
+
+def test_gpt2_every_parameter_tied_lm_head(form: str) -> None:
+    """GPT-2 from transformers: Conv1D, LayerNorm, Embedding, and lm_head tied to wte (the shares of both uses summed)."""
+    pytest.importorskip("transformers")
+    model = gpt2()
+    t = 7
+    tokens = ids((B, t), 40)
+    inputs = {"input_ids": tokens, "position_ids": torch.arange(t).expand(B, t)}  # position rows per example
+    params = all_params(model)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ref, total = loop(model, inputs, lm_loss, params)
+    got, reasons = batched(model, inputs, lm_loss, params)
+    assert_matches(got, ref, reasons)
+    assert torch.equal(got["lm_head:weight"], got["transformer.wte:weight"])  # type: ignore[arg-type]
+    torch.testing.assert_close(total["lm_head:weight"], model.lm_head.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_gpt2_default_positions_are_not_per_example() -> None:
+    """Without position_ids, GPT-2 calls wpe on (1, T): dim 0 is not the batch, so its norms are None, the rest exact."""
+    pytest.importorskip("transformers")
+    model = gpt2()
+    inputs = {"input_ids": ids((B, 6), 40)}
+    got, reasons = batched(model, inputs, lm_loss, all_params(model))
+    assert got["transformer.wpe:weight"] is None
+    assert "dim 0 (1) is not the batch (4 rows)" in str(reasons["transformer.wpe:weight"])
+    assert sum(v is None for v in got.values()) == 1
+
+
+def test_bert_every_parameter() -> None:
+    transformers = pytest.importorskip("transformers")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    cfg = transformers.BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=24, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, num_labels=3)  # fmt: skip
+    model = transformers.BertForSequenceClassification(cfg)
+    t = 6
+    inputs = {"input_ids": ids((B, t), 30), "position_ids": torch.arange(t).expand(B, t),
+              "token_type_ids": (torch.arange(t) > 2).long().expand(B, t)}  # fmt: skip
+
+    def cls_loss(out: object, i: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.logits, torch.tensor([i % 3]), reduction="sum")  # type: ignore[attr-defined]
+
+    params = all_params(model)
+    got, reasons = batched(model, inputs, cls_loss, params)
+    assert_matches(got, loop(model, inputs, cls_loss, params)[0], reasons)
+
+
+def test_batch_norm_in_training_mixes_rows() -> None:
+    """BatchNorm on batch statistics: its parameters and those called before it get None; the head after it is exact."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(B, 3)
+    params = all_params(model)
+    got, reasons = batched(model, {"input": x}, sq_loss, params)
+    for name in ("1:weight", "1:bias"):
+        assert got[name] is None and "batch's statistics" in str(reasons[name])
+    for name in ("0:weight", "0:bias"):
+        assert got[name] is None and "mixes rows" in str(reasons[name]) and "'1'" in str(reasons[name])
+    out = model(x)  # the head's rows: each row's loss backwarded alone through the batch's forward
+    for name in ("3:weight", "3:bias"):
+        p = dict((n, p) for n, _, p in params)[name]
+        ref = torch.stack([torch.autograd.grad(sq_loss(out[i : i + 1], i) / B, p, retain_graph=True)[0].double().norm()
+                           for i in range(B)])  # fmt: skip
+        torch.testing.assert_close(got[name], ref, rtol=1e-5, atol=1e-7)
+
+
+def test_accumulation_concatenates_micro_batches() -> None:
+    model = TwiceLinear()
+    xs = [torch.randn(3, 6, 5), torch.randn(2, 6, 5)]
+    params = all_params(model)
+    with PerExampleNorms(model, params) as pex:
+        for x in xs:
+            (sum(sq_loss(model(x)[i : i + 1], i) for i in range(x.shape[0])) / x.shape[0] / len(xs)).backward()
+        got, reasons = pex.norms(), pex.reasons()
+    refs = [loop(model, {"x": x}, lambda out, i: sq_loss(out, i) / len(xs), params)[0] for x in xs]
+    assert_matches(got, {n: torch.cat([r[n] for r in refs]) for n in refs[0]}, reasons)
+    with PerExampleNorms(model, params) as pex:  # head only in the second micro-batch: zeros for the first's rows
+        model.lin(xs[0]).sum().backward()
+        model(xs[1]).sum().backward()
+        assert torch.equal(pex.norms()["head:weight"][:3], torch.zeros(3, dtype=torch.float64))  # type: ignore[index]
+
+
+def test_transparent_and_hooks_removed() -> None:
+    """Loss and every .grad bit-identical with and without, dropout on (no RNG drawn), in-place ReLU after a Linear."""
+    pytest.importorskip("transformers")
+    gpt_inputs = {"input_ids": ids((B, 6), 40), "position_ids": torch.arange(6).expand(B, 6)}
+    for make, inputs in ((lambda: gpt2(dropout=0.1), gpt_inputs),
+                         (lambda: nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)),
+                          {"input": torch.randn(B, 4)})):  # fmt: skip
+        results = []
+        for on in (False, True):
+            torch.manual_seed(0)
+            model = make()
+            with PerExampleNorms(model, all_params(model)) if on else contextlib.nullcontext() as pex:
+                out = model(**inputs)
+                loss = sum(sq_loss(o.unsqueeze(0), i) for i, o in enumerate(getattr(out, "logits", out)))
+                loss.backward()
+                if pex is not None:
+                    assert all(v is not None for v in pex.norms().values()), pex.reasons()
+            results.append((loss, [p.grad for p in model.parameters()]))
+            assert not leftover_hooks(model)
+        (l0, g0), (l1, g1) = results
+        assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
+
+
+def test_hooks_removed_on_exception() -> None:
+    model = TwiceLinear()
+    with pytest.raises(KeyError), PerExampleNorms(model, all_params(model)):
+        model(torch.randn(B, 5)).sum().backward()
+        raise KeyError("boom")
+    assert not leftover_hooks(model)
+
+
+class OutsideUse(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lin(x) + x @ self.lin.weight.T)  # lin.weight also used outside lin's call
+
+
+def test_parameter_used_outside_its_module_gets_none() -> None:
+    model = OutsideUse()
+    got, reasons = batched(model, {"x": torch.randn(B, 4)}, sq_loss, all_params(model))
+    assert got["lin:weight"] is None and reasons["lin:weight"] == OUTSIDE
+    assert got["lin:bias"] is not None and got["head:weight"] is not None
+    plain = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 1))
+    with PerExampleNorms(plain, all_params(plain)) as pex:  # a weight penalty in the loss: not a row's
+        (plain(torch.randn(B, 4)).square().mean() + 1e-2 * plain[0].weight.square().sum()).backward()
+        assert pex.norms()["0:weight"] is None and pex.reasons()["0:weight"] == OUTSIDE
+        assert pex.norms()["1:weight"] is not None
+
+
+def test_unsupported_and_unbatched_get_reasons() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = nn.GRU(3, 4, batch_first=True)
+            self.mha = nn.MultiheadAttention(4, 2, batch_first=True)  # calls out_proj's weight functionally
+            self.flat = nn.Linear(4, 4)
+            self.unused = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.rnn(x)[0]
+            h = self.mha(h, h, h)[0]
+            return self.flat(h.reshape(-1, 4)).view(x.shape[0], -1)  # (B*T, 4): dim 0 is not the batch
+
+    model = Model()
+    got, reasons = batched(model, {"x": torch.randn(B, 5, 3)}, sq_loss, all_params(model))
+    assert got["rnn:weight_ih_l0"] is None and "GRU is not a layer" in str(reasons["rnn:weight_ih_l0"])
+    assert got["flat:weight"] is None and "dim 0 (20) is not the batch (4 rows)" in str(reasons["flat:weight"])
+    assert got["unused:weight"] is None and reasons["unused:weight"] == NO_GRAD
+    assert "MultiheadAttention is not a layer" in str(reasons["mha:in_proj_weight"])
+    assert reasons["mha.out_proj:weight"] == OUTSIDE
+
+
+def test_norms_end_the_step_and_no_grad_forwards_are_ignored() -> None:
+    model = nn.Sequential(nn.Linear(3, 2))
+    x = torch.randn(B, 3)
+    with PerExampleNorms(model, all_params(model)) as pex:
+        model(x).square().sum().backward()
+        first = pex.norms()["0:weight"]
+        assert torch.equal(pex.norms()["0:weight"], first)  # type: ignore[arg-type]
+        with torch.no_grad():
+            model(torch.randn(7, 3))
+        model(x[:2]).square().sum().backward()
+        second = pex.norms()["0:weight"]
+    assert second is not None and second.shape == (2,)
+    torch.testing.assert_close(second, first[:2])  # type: ignore[index]
+
+
+def test_checkpointing_and_torch_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under activation checkpointing (non-reentrant: the recomputed calls ignored; reentrant: they are the calls
+    backward sees) and with torch internals forced to their fallbacks."""
+    block = nn.Sequential(nn.Linear(5, 5), nn.LayerNorm(5), nn.Tanh())
+    head = nn.Linear(5, 2)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block, self.head, self.reentrant = block, head, False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+    model, x = Model(), torch.randn(B, 3, 5, requires_grad=True)
+    params = all_params(model)
+    for model.reentrant in (False, True):
+        ref = loop(model, {"x": x}, sq_loss, params)[0]
+        got, reasons = batched(model, {"x": x}, sq_loss, params)
+        assert_matches(got, ref, reasons)
+    monkeypatch.setitem(torch_compat.FEATURES, "get_gradient_edge", False)
+    monkeypatch.setitem(torch_compat.FEATURES, "tensor_version", False)
+    plain = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 2))
+    p2 = all_params(plain)
+    got, reasons = batched(plain, {"input": x}, sq_loss, p2)
+    assert_matches(got, loop(plain, {"input": x}, sq_loss, p2)[0], reasons)
+
+
+def test_autocast_bfloat16_close_to_the_loop_under_autocast() -> None:
+    """Under CPU autocast the Linear runs in bf16: shares from the bf16 input cast, to bf16's rounding (2e-2)."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(B, 5, 6)
+    params = all_params(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = loop(model, {"input": x}, lambda o, i: sq_loss(o.float(), i), params)[0]
+        got, reasons = batched(model, {"input": x}, lambda o, i: sq_loss(o.float(), i), params)
+    assert_matches(got, ref, reasons, rtol=2e-2)
+
+
+def test_the_rule_picks_ghost_for_short_sequences_and_materialises_long_ones() -> None:
+    def f(t: int, p: int, q: int) -> pem.Factors:
+        return pem.Factors(torch.zeros(1, 1, t, p), torch.zeros(1, 1, t, q), p)
+
+    assert pem.ghost_is_cheaper(f(1, 3, 3))  # a 2-D Linear: always
+    assert pem.ghost_is_cheaper(f(128, 768, 3072))  # T (p + q) = 491k <= p q = 2.4M
+    assert not pem.ghost_is_cheaper(f(1024, 64, 64))  # a conv's 32x32 positions over 64 channels
+    index = pem.Factors(torch.zeros(1, 1, 64, dtype=torch.long), torch.zeros(1, 1, 64, 8), 100)
+    assert not pem.ghost_is_cheaper(index) and pem.ghost_is_cheaper(pem.Factors(index.left[..., :8], index.right[:, :, :8], 100))
