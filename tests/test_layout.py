@@ -21,7 +21,7 @@ def _modules_after(statement: str) -> set[str]:
 
 @pytest.mark.parametrize(
     "statement",
-    ["import gradrunner.analysis", "import gradrunner.report", "import gradrunner.export", "import gradrunner.records.writer",
+    ["import gradrunner.analysis", "import gradrunner.report", "import gradrunner.export", "import gradrunner.compare", "import gradrunner.records.writer",
      "import gradrunner"],
 )
 def test_reading_side_imports_no_torch(statement: str) -> None:

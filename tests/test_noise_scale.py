@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradrunner.analysis.noise_scale import WHOLE_MODEL, noise_scale
+from gradrunner.analysis.noise import WHOLE_MODEL, noise_scale
 from gradrunner.capturing.per_example import PerExampleNorms
 from gradrunner.errors import GradrunnerError
 

@@ -11,6 +11,9 @@ Imports no torch (a test checks it in a fresh interpreter). The figures and the 
 | `optional` | helpers over the optional columns: histograms over steps, update ratios, per-example spread |
 | `aggregate` | a large sweep across its runs: the layout (`sweep_layout`), medians and bands (`over_runs`) |
 | `live` | `load(dir, live=True)`: the closed segments of a running or killed `record()` job |
+| `compare` | two runs' records side by side (`compare_runs`; `python -m gradrunner.compare`) |
+| `noise` | the gradient noise scale per step and parameter tap (`noise_scale`, McCandlish et al. 2018) |
+| `anomalies`, `anomaly_signals` | the spike detector and `anomalies.parquet` (read with `read_anomalies`) |
 
 Example::
 
@@ -19,6 +22,8 @@ Example::
     tap_summary(df)
 """
 
+from gradrunner.analysis.compare import compare_runs
+from gradrunner.analysis.noise import noise_scale
 from gradrunner.analysis.optional import (
     UPDATE_RATIO_GUIDE,
     hist_bin_labels,
@@ -46,6 +51,7 @@ __all__ = [
     "UPDATE_RATIO_GUIDE",
     "DamagedRecordsWarning",
     "IncompleteSweepWarning",
+    "compare_runs",
     "compare_strategies",
     "flow_steps",
     "forward_order",
@@ -54,6 +60,7 @@ __all__ = [
     "histograms_over_steps",
     "load",
     "measure",
+    "noise_scale",
     "per_example_spread",
     "pick_steps",
     "run_columns",

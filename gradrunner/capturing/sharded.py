@@ -42,7 +42,8 @@ from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing import fused_stats
 from gradrunner.capturing.extras import histogram_counts, value_norm
-from gradrunner.capturing.stats import _N_REDUCTIONS, _derive, _Pending, _reduce_batch, sample_positions
+from gradrunner.capturing.reductions import N_REDUCTIONS, Pending, derive, reduce_batch
+from gradrunner.capturing.stats import sample_positions
 from gradrunner.records.columns import HIST_BINS, StepRecords, TapKey
 
 #: Columns of a merged row summed over ranks: sum, sumsq, nonzero, nan, inf (in `local_rows`' order), count.
@@ -123,20 +124,20 @@ def local_rows(
         rows[0].tolist()     # [-1.0, 5.0, -2.0, 1.0, 2.0, 0.0, 0.0]; row 1 is the merge's identity
 
     A missing or empty piece gets the merge's identity `[0, 0, inf, -inf, 0, 0, 0]`. Each piece is
-    read once by the collector's own reductions (`fused_stats`, else `stats._reduce_batch`), so the
+    read once by the collector's own reductions (`fused_stats`, else `reductions.reduce_batch`), so the
     statistics follow the same rules as `Collector` (-0.0 is a zero, sums in float64). With
     `histogram`, (k, HIST_BINS) int64 counts (`extras.histogram_counts`), zeros for a missing piece.
     """
     k = len(pieces)
     device = next((p.device for p in pieces if p is not None), torch.device("cpu"))
-    rows = torch.tensor([_IDENTITY] * k, dtype=torch.float64, device=device).reshape(k, _N_REDUCTIONS)
+    rows = torch.tensor([_IDENTITY] * k, dtype=torch.float64, device=device).reshape(k, N_REDUCTIONS)
     hist = torch.zeros((k, HIST_BINS), dtype=torch.int64, device=device) if histogram else None
     for i, piece in enumerate(pieces):
         if piece is None or piece.numel() == 0:
             continue
         flat = piece.detach().reshape(-1)
         if not (flat.is_contiguous() and fused_stats.reduce_into(flat, rows[i])):
-            block, _, _ = _reduce_batch([flat], torch.zeros(flat.numel(), dtype=torch.int64, device=flat.device), False)
+            block, _, _ = reduce_batch([flat], torch.zeros(flat.numel(), dtype=torch.int64, device=flat.device), False)
             rows[i] = block[0].to(torch.float64)
         if hist is not None:
             hist[i] = histogram_counts(flat)
@@ -306,7 +307,7 @@ def sharded_records(
     `tensors` are the tapped tensors themselves (parameters) for `value_norm`. `values`, `sample_size`
     and `seed` mean what they mean to `Collector`: the sample positions are global positions of the
     whole gradient (the same as unsharded), and only those elements travel. Statistics are derived
-    from the merged reductions by `Collector`'s own rule (`stats._derive`). Two all-reduces in all.
+    from the merged reductions by `Collector`'s own rule (`reductions.derive`). Two all-reduces in all.
     """
     pieces = [None if g is None else placement_of(g, group) for g in grads]
     local = [None if g is None else local_of(g) for g in grads]
@@ -330,12 +331,12 @@ def sharded_records(
         "the counted pieces do not add up to the whole tensors", m.numel.tolist(), [p and p.numel for p in pieces],
     )  # fmt: skip
     pending = [
-        _Pending(i, key, () if p is None else p.shape, 0 if p is None else p.numel, p is not None, None, None, None)
+        Pending(i, key, () if p is None else p.shape, 0 if p is None else p.numel, p is not None, None, None, None)
         for i, (key, p) in enumerate(zip(keys, pieces, strict=True))
     ]
     host = m.rows.cpu().numpy()
     host[[p is None or p.numel == 0 for p in pieces]] = np.nan  # as `Collector`: nothing was reduced
-    recs = _derive(pending, {i: i for i in range(len(pending))}, host)
+    recs = derive(pending, {i: i for i in range(len(pending))}, host)
     recs.value_norm = np.full(len(keys), np.nan) if m.value_norms is None else m.value_norms.cpu().numpy()
     if tensors is not None:
         recs.value_norm[[t is None for t in tensors]] = np.nan

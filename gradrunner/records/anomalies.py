@@ -32,7 +32,7 @@ import pyarrow.compute as pc
 from gradrunner.records import rundir
 from gradrunner.records.atomic import write_atomically
 from gradrunner.records.columns import GRADS_FILE, STEPS_FILE
-from gradrunner.records.writer import write_whole
+from gradrunner.records.table_writer import write_whole
 
 #: The file in the run dir.
 ANOMALIES_FILE = "anomalies.parquet"
@@ -90,7 +90,7 @@ def write_anomalies(
         write_anomalies(run_dir, anomaly_rows(det.anomalies, det.window, det.taps()), run_id,
                         settings={"z": det.z, "window": det.window, "warmup": det.warmup})
 
-    Encoded as the other record files (`records.writer.write_whole`: codecs, page checksums); an
+    Encoded as the other record files (`records.table_writer.write_whole`: codecs, page checksums); an
     existing file is replaced (the file is derived from the run's records: `analysis.anomaly_signals.detect_run`
     rebuilds it), never left half-written.
     """

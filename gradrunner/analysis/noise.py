@@ -33,7 +33,7 @@ Parameter taps are those with an `update_norm` (what records hold for parameters
 Example::
 
     from gradrunner.analysis import load
-    from gradrunner.analysis.noise_scale import noise_scale
+    from gradrunner.analysis.noise import noise_scale
     ns = noise_scale(load("outputs/2026-11-25/10-00-00"), ema=0.9)
     ns[ns.tap == "*"][["step", "b_simple", "b_simple_ema"]]    # the critical batch size's estimate over steps
 """
