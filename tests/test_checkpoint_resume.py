@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import check_ok, gradrunner
 
-from gradrunner.run.checkpoint import CHECKPOINT_DIR, STATE
+from gradrunner.records.checkpoint_files import CHECKPOINT_DIR, read_manifest
 
 #: Columns that differ between any two runs: who ran, and how long things took.
 RUN_COLUMNS = ["run_id", "step_time_s", "capture_time_s", "peak_memory_bytes"]
@@ -25,6 +25,16 @@ def _args(out: Path, at_batch: int, marker: Path, *extra: str) -> list[str]:
         f"+data.marker={marker}", "data.batch_size=4", "train.checkpoint_every=3", "capture.values=sample",
         "capture.sample_size=4", f"hydra.run.dir={out}", *extra,
     ]  # fmt: skip
+
+
+def saved_step(out: Path) -> int:
+    """The step count of the checkpoint in `out`, from its verified manifest; its state file holds only tensors
+    and plain values (it loads with `weights_only=True`) and says the same."""
+    manifest, problem = read_manifest(out)
+    assert manifest is not None, problem
+    state = torch.load(out / CHECKPOINT_DIR / manifest["state"]["name"], weights_only=True)
+    assert state["step"] == manifest["step"]
+    return int(manifest["step"])
 
 
 def _records(out: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -41,11 +51,10 @@ def _kill_and_resume(tmp_path: Path, extra: tuple[str, ...], kills: list[int]) -
         out, marker = tmp_path / f"killed-{at}", tmp_path / f"marker-{at}"
         first = gradrunner(tmp_path, *_args(out, at, marker, *extra))
         assert first.returncode == -9 and marker.exists(), first.stderr[-2000:]
-        state = out / CHECKPOINT_DIR / STATE
         per_step = int(dict(a.split("=", 1) for a in extra).get("train.accumulate", "1"))
         saved = (at // per_step) // 3 * 3  # steps done at the last checkpoint before the kill
-        if saved:  # it holds only tensors and plain values
-            assert torch.load(state, weights_only=True)["step"] == saved
+        if saved:
+            assert saved_step(out) == saved
         second = gradrunner(tmp_path, *_args(out, at, marker, *extra), "resume=true")
         check_ok(second)
         if saved:  # it went on from the checkpoint rather than from step 0
@@ -99,7 +108,7 @@ def test_interrupted_in_process_and_resumed_continues_from_the_checkpoint(
     out = tmp_path / "cut"
     with pytest.raises(KeyboardInterrupt):
         run(cfg(out, 7), out_dir=out)
-    assert torch.load(out / CHECKPOINT_DIR / STATE, weights_only=True)["step"] == resumed_at
+    assert saved_step(out) == resumed_at
     with caplog.at_level("INFO", logger="gradrunner.run.checkpoint"):
         run(cfg(out, 7, "resume=true"), out_dir=out)
     assert f"steps 0-{resumed_at - 1} replayed from it" in caplog.text  # it went on from there, not from step 0

@@ -4,48 +4,63 @@ A checkpoint lives in the job dir's hidden `.checkpoint/` folder (pyarrow and Du
 
 | file | what |
 | --- | --- |
-| `state.pt` | model, optimizer, scheduler and GradScaler state dicts, RNG states (torch, cuda, numpy, random), the next step and the batches consumed; tensors and plain values only |
+| `checkpoint.json` | written last, the commit point: the step, the config, the state file and every segment with its SHA-256, row count and run id; the SHA-256 of its own content |
+| `state-<step>.pt` | model, optimizer, scheduler and GradScaler state dicts, RNG states (torch, cuda, numpy, random), where each data stream is (`run.data_position`); tensors and plain values only |
 | `grads-<step>.parquet`, `steps-<step>.parquet` | the records of the steps since the checkpoint before (complete Parquet files) |
 
-Every file is written under a temp name and moved into place (`os.replace`); `state.pt` last, and it
-lists the segments it needs, so a kill at any moment leaves the previous checkpoint whole. It is read
-with `torch.load(weights_only=True)`: no pickle of arbitrary objects. A resumed job rebuilds the job
-from its config (seeded as the first run), loads the state, replays the saved records into its fresh
-writers (with its own run id), skips the batches already consumed (the data source is replayed from
-its seed: cheap for generated data, a re-read for a file) and goes on: its records are those of an
-uninterrupted run. The folder is removed once the job's records are closed.
+Every file is written under a temp name and moved into place, `checkpoint.json` last, so a kill at
+any moment leaves the previous checkpoint whole. A checkpoint is used only if it verifies
+(`records.checkpoint_files`: every file's digest, as `analysis.load` verifies finished records) and
+was written with the same config (`train.checkpoint_every` aside); otherwise a warning names the
+file and why, or the changed keys with both values, the checkpoint is removed and the job runs from
+step 0 (its records are then those of an uninterrupted run). `state-*.pt` is read with
+`torch.load(weights_only=True)`: no pickle of arbitrary objects.
+
+A resumed job rebuilds the job from its config (seeded as the first run), loads the state, replays
+the data streams to where the checkpoint left them (`run.data_position`: a shuffling DataLoader
+starts each epoch as in the first run), replays the saved records into its fresh writers (with its
+own run id; each segment pair of the two tables in one deferred-signal block, so an interrupt
+leaves both tables with the same steps) and goes on: its records are those of an uninterrupted run.
+The folder is removed once the job's records are closed.
 
 Example::
 
     ckpt = Checkpointer(job_dir, every=50, ...)
-    start = ckpt.restore(job, scaler, grads, steps)   # 0 without a checkpoint
+    start = ckpt.restore(job, scaler, grads, steps, run_id)   # 0 without a usable checkpoint
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 import torch
+import yaml
 
-from gradrunner.errors import GradrunnerError, one_paragraph
+from gradrunner.records.checkpoint_files import CHECKPOINT_DIR as CHECKPOINT_DIR
+from gradrunner.records.checkpoint_files import MANIFEST, file_digest, read_manifest, segment_problem, write_manifest
+from gradrunner.run.books import config_diff
+from gradrunner.run.data_position import MAX_DRAWS, Watched
 
 if TYPE_CHECKING:
+    import pyarrow as pa
+
     from gradrunner.records.columns import StepRecords
     from gradrunner.records.writer import RecordWriter, StepsWriter
     from gradrunner.run.build import Job
 
 log = logging.getLogger(__name__)
 
-#: The checkpoint folder inside a job dir.
-CHECKPOINT_DIR = ".checkpoint"
-STATE = "state.pt"
+#: Config keys a checkpoint may differ in and still be resumed (how often to checkpoint changes no record).
+NEUTRAL = ("train.checkpoint_every",)
 
 
 def rng_state() -> dict[str, Any]:
@@ -74,22 +89,40 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class _Hashing:
+    """A write-only file that hashes what goes through it (`torch.save` into it: the digest without a re-read)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 @dataclass
 class Checkpointer:
     """Saves a checkpoint every `every` steps and restores the last one; tees the records into segments.
 
-    `config` (the resolved config's YAML, without `resume`/`report`) must match for a checkpoint to be used.
+    `config` (the resolved config's YAML, without `resume`/`report`) must match for a checkpoint to be
+    used. `every <= 0` resumes a checkpoint that is there and writes no new one.
     """
 
     directory: Path
     every: int
     config: str
     open_segment: Any  # (path, kind) -> a RecordWriter or StepsWriter writing a complete segment file
-    #: Batches each step takes (train.accumulate), evaluation's batches and period: the data position.
+    #: Kept for callers; the data's position is counted batch by batch (`run.data_position`), not derived.
     batches_per_step: int = 1
     eval_batches: int = 0
     eval_every: int = 0
-    _segments: list[str] = field(default_factory=list)
+    _segments: list[dict[str, Any]] = field(default_factory=list)
+    _state_name: str = ""
+    _run_id: str = ""
+    _data: dict[str, Watched] = field(default_factory=dict)
     _grads: RecordWriter | None = None
     _steps: StepsWriter | None = None
 
@@ -108,8 +141,8 @@ class Checkpointer:
 
     def _open_segments(self, end: int) -> None:
         self.folder.mkdir(exist_ok=True)
-        keep = {STATE, *self._segments}
-        for stale in self.folder.iterdir():  # temp files of a killed run, segments no state.pt lists
+        keep = {MANIFEST, self._state_name, *(s["name"] for s in self._segments)}
+        for stale in self.folder.iterdir():  # temp files of a killed run, files no checkpoint.json lists
             if stale.name not in keep:
                 stale.unlink(missing_ok=True)
         self._grads = self.open_segment(self.folder / f"grads-{end:09d}.parquet", "grads")
@@ -117,7 +150,8 @@ class Checkpointer:
 
     def start(self, step: int) -> None:
         """Open the segment that the checkpoint after `step` closes (nothing if none comes)."""
-        self._open_segments(self._next_end(step))
+        if self.every > 0:
+            self._open_segments(self._next_end(step))
 
     def _next_end(self, step: int) -> int:
         return (step // self.every + 1) * self.every
@@ -126,32 +160,56 @@ class Checkpointer:
     def maybe_save(self, step: int, job: Job, scaler: torch.amp.GradScaler) -> None:
         """After `step` completed (its records written): save a checkpoint if one is due."""
         done = step + 1
-        if done % self.every:
+        if self.every <= 0 or done % self.every:
             return
         assert self._grads is not None and self._steps is not None
         self._grads.close()
         self._steps.close()
-        self._segments += [f"grads-{done:09d}.parquet", f"steps-{done:09d}.parquet"]
+        self._segments += [self._entry(f"{kind}-{done:09d}.parquet") for kind in ("grads", "steps")]
         state = {
             "step": done,
-            "config": self.config,
-            "segments": list(self._segments),
-            "batches_consumed": done * self.batches_per_step,
-            "eval_batches_consumed": (done // self.eval_every) * self.eval_batches if self.eval_every else 0,
+            "data": {name: w.state() for name, w in self._data.items()},
             "model": _unwrap(job.model).state_dict(),
             "optimizer": job.optimizer.state_dict(),
             "scheduler": None if job.scheduler is None else job.scheduler.state_dict(),
             "scaler": scaler.state_dict(),
             "rng": rng_state(),
         }
-        temp = self.folder / f".{STATE}.{os.getpid()}.tmp"
-        try:
-            torch.save(state, temp)
-            os.replace(temp, self.folder / STATE)
-        finally:
-            temp.unlink(missing_ok=True)
+        name = f"state-{done:09d}.pt"
+        digest = self._save(state, name)
+        write_manifest(self.folder, {"step": done, "config": self._config(), "state": {"name": name, "sha256": digest},
+                                     "segments": self._segments})  # fmt: skip
+        self._state_name = name
+        for old in self.folder.glob("state-*.pt"):
+            if old.name != name:
+                old.unlink(missing_ok=True)
         log.info("checkpoint after step %d in %s", step, self.folder)
         self._open_segments(self._next_end(done))
+
+    def _entry(self, name: str) -> dict[str, Any]:
+        """A closed segment as `checkpoint.json` lists it: what verifies it when resuming."""
+        import pyarrow.parquet as pq
+
+        path = self.folder / name
+        return {"name": name, "sha256": file_digest(path), "rows": pq.read_metadata(path).num_rows,
+                "run_id": self._run_id}  # fmt: skip
+
+    def _save(self, state: dict[str, Any], name: str) -> str:
+        """`torch.save` under a temp name, then moved into place; the file's SHA-256."""
+        temp = self.folder / f".{name}.{os.getpid()}.tmp"
+        try:
+            with open(temp, "wb") as f:
+                hashing = _Hashing(f)
+                torch.save(state, hashing)  # type: ignore[arg-type]  # a file-like object with write()
+            os.replace(temp, self.folder / name)
+        finally:
+            temp.unlink(missing_ok=True)
+        return hashing.sha.hexdigest()
+
+    def _config(self) -> dict[str, Any]:
+        data = yaml.safe_load(self.config) or {}
+        assert isinstance(data, dict), type(data)
+        return data
 
     def abort(self) -> None:
         """Drop the open segment (the job ends between checkpoints)."""
@@ -168,48 +226,114 @@ class Checkpointer:
     # -- restoring --------------------------------------------------------------------------------
     def restore(self, job: Job, scaler: torch.amp.GradScaler, grads: Any, steps: Any, run_id: str) -> int:
         """Load the last checkpoint, if any, into `job` and `scaler`, replay its records into `grads`/`steps`;
-        return the step to start from (0 without a usable checkpoint)."""
-        path = self.folder / STATE
-        if not path.is_file():
+        return the step to start from (0 without a usable checkpoint). Call it before the first step."""
+        self._run_id = run_id
+        self._watch(job)
+        usable = self._usable()
+        if usable is None:
             return 0
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise GradrunnerError(
-                f"the checkpoint {path} cannot be read ({one_paragraph(e)}); delete {self.folder} to run the job "
-                "again from step 0."
-            ) from e
-        if state["config"] != self.config:
-            log.warning("the checkpoint in %s is of another config: not used, the job runs from step 0", self.folder)
-            shutil.rmtree(self.folder, ignore_errors=True)
-            return 0
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        for name in state["segments"]:
-            writer = grads if name.startswith("grads-") else steps
-            table = pq.read_table(self.folder / name)
-            table = table.set_column(table.schema.get_field_index("run_id"), "run_id",
-                                     pa.array([run_id] * table.num_rows, pa.string()))  # fmt: skip
-            for batch in table.cast(writer.schema).to_batches():
-                writer.write_batch(batch)
-            if name.startswith("steps-"):
-                grads.steps_written += table.num_rows
-                steps.steps_written += table.num_rows
+        manifest, state = usable
         _unwrap(job.model).load_state_dict(state["model"])
         job.optimizer.load_state_dict(state["optimizer"])
         if job.scheduler is not None and state["scheduler"] is not None:
             job.scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-        for _ in range(state["batches_consumed"]):
-            next(job.batches)
-        if job.eval_batches is not None:
-            for _ in range(state["eval_batches_consumed"]):
-                next(job.eval_batches)
-        self._segments = list(state["segments"])
+        for name, watched in self._data.items():
+            watched.replay(state["data"][name])
+        self._replay_records(manifest["segments"], grads, steps, run_id)
+        self._segments, self._state_name = list(manifest["segments"]), str(manifest["state"]["name"])
         set_rng_state(state["rng"])
         log.info("resumed from the checkpoint in %s: steps 0-%d replayed from it", self.folder, state["step"] - 1)
         return int(state["step"])
+
+    def _watch(self, job: Job) -> None:
+        """Count the data streams' batches from the start (`run.data_position`), to save and replay their position."""
+        self._data = {"train": Watched(job.batches, "training data")}
+        job.batches = self._data["train"]
+        if isinstance(job.eval_batches, Iterator):
+            self._data["eval"] = Watched(job.eval_batches, "eval data")
+            job.eval_batches = self._data["eval"]
+
+    def _usable(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The verified manifest and the loaded state of the checkpoint here; None (said why, removed) if unusable."""
+        found = self._verified()
+        if isinstance(found, str):
+            log.warning("the checkpoint in %s is not used: %s. It is removed, and the job runs from step 0 (its "
+                        "records will be those of an uninterrupted run).", self.folder, found.rstrip("."))  # fmt: skip
+            shutil.rmtree(self.folder, ignore_errors=True)
+            return None
+        return found
+
+    def _verified(self) -> tuple[dict[str, Any], dict[str, Any]] | str | None:
+        """The checkpoint here, verified and loaded; why it cannot be used; or None without one."""
+        manifest, problem = read_manifest(self.directory)
+        if problem is not None:
+            return problem
+        if manifest is None:
+            return None
+        diff = config_diff(_without(manifest.get("config") or {}), _without(self._config()))
+        if diff:
+            return f"it was written by a run of another config ({'; '.join(diff)})"
+        entry = manifest["state"]
+        path = self.folder / str(entry["name"])
+        if not path.is_file() or file_digest(path) != entry["sha256"]:
+            what = "is missing" if not path.is_file() else f"is not the file {MANIFEST} recorded (its bytes changed)"
+            return f"{path.name} {what}"
+        for segment in manifest["segments"]:
+            problem = segment_problem(self.folder / str(segment["name"]), segment)
+            if problem is not None:
+                return problem
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # verified bytes that still do not load: a torch that cannot read them
+            return f"{path.name} cannot be loaded ({type(e).__name__}: {' '.join(str(e).split())})"
+        overflow = [name for name, data in state["data"].items() if data["overflow"]]
+        if overflow or set(state["data"]) != set(self._data):
+            return (
+                f"the {' and '.join(overflow)} data drew from torch's random generator at more than {MAX_DRAWS} "
+                "batches (a random transform in the main process?), too many to replay exactly; give the DataLoader "
+                "workers (num_workers > 0) so that transforms draw in them"
+                if overflow else "it was written by a job with other data streams (train.eval_every)"
+            )  # fmt: skip
+        return manifest, state
+
+    def _replay_records(self, segments: list[dict[str, Any]], grads: Any, steps: Any, run_id: str) -> None:
+        """Each pair of segments (the two tables' rows of the same steps) into the writers, signals deferred meanwhile."""
+        from gradrunner.records.writer import deferred_signals
+
+        for g, s in zip(segments[0::2], segments[1::2], strict=True):
+            assert str(g["name"]).startswith("grads-") and str(s["name"]).startswith("steps-"), (g, s)
+            rows = [_read_segment(self.folder / str(e["name"]), writer.schema, run_id)
+                    for e, writer in ((g, grads), (s, steps))]  # fmt: skip
+            with deferred_signals():  # an interrupt leaves both tables with the same steps
+                for table, writer in zip(rows, (grads, steps), strict=True):
+                    for batch in table.to_batches():
+                        writer.write_batch(batch)
+                grads.steps_written += rows[1].num_rows
+                steps.steps_written += rows[1].num_rows
+
+
+def _read_segment(path: Path, schema: pa.Schema, run_id: str) -> pa.Table:
+    """A verified segment's rows, every page's checksum checked, as `run_id`'s rows in `schema`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.ParquetFile(path, page_checksum_verification=True).read()
+    table = table.set_column(table.schema.get_field_index("run_id"), "run_id",
+                             pa.array([run_id] * table.num_rows, pa.string()))  # fmt: skip
+    return table.cast(schema)
+
+
+def _without(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` without the `NEUTRAL` keys (dotted paths)."""
+    out = dict(config)
+    for key in NEUTRAL:
+        head, _, rest = key.partition(".")
+        if rest and isinstance(out.get(head), dict):
+            out[head] = {k: v for k, v in out[head].items() if k != rest}
+        elif not rest:
+            out.pop(head, None)
+    return out
 
 
 class Tee:
