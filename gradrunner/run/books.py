@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.atomic import write_atomically
+from gradrunner.records.checkpoint_files import CHECKPOINT_DIR, LEGACY_STATE, MANIFEST, read_manifest
 from gradrunner.records.columns import LOCK_FILE
 from gradrunner.records.rundir import (
     DONE,
@@ -171,6 +172,34 @@ def _clean(directory: Path) -> list[str]:
     return removed
 
 
+def checkpoint_held(directory: Path) -> str | None:
+    """The mid-run checkpoint in `directory`, as a message names it; None when there is none.
+
+    Example::
+
+        checkpoint_held(job_dir)     # 'a mid-run checkpoint after step 5 (.checkpoint/)'
+
+    A checkpoint is there once one was written (`checkpoint.json`, or an older gradrunner's
+    `state.pt`); a `.checkpoint/` folder without either holds only a killed run's open segment.
+    """
+    folder = directory / CHECKPOINT_DIR
+    if not ((folder / MANIFEST).exists() or (folder / LEGACY_STATE).exists()):
+        return None
+    manifest, _ = read_manifest(directory)
+    if manifest is None:
+        return f"a mid-run checkpoint that does not verify ({CHECKPOINT_DIR}/)"
+    return f"a mid-run checkpoint after step {int(manifest['step']) - 1} ({CHECKPOINT_DIR}/)"
+
+
+def _drop_checkpoint(directory: Path) -> list[str]:
+    """Remove the checkpoint of a job that completed (it is stale); the names removed."""
+    folder = directory / CHECKPOINT_DIR
+    if not folder.is_dir():
+        return []
+    shutil.rmtree(folder, ignore_errors=True)
+    return [f"{CHECKPOINT_DIR}/"]
+
+
 def prepare(directory: str | os.PathLike[str], cfg: DictConfig, *, resume: bool) -> Literal["run", "skip"]:
     """Decide what a job does with its dir before writing: "run" (the dir is clean), or "skip" (done).
 
@@ -178,18 +207,21 @@ def prepare(directory: str | os.PathLike[str], cfg: DictConfig, *, resume: bool)
 
         prepare(job_dir, cfg, resume=True)    # 'skip' when job_dir/done.json holds the same config
 
-    Without records there, "run". With records and `resume=False`, a GradrunnerError (records are
-    never overwritten). With `resume=True`: a completed job of the same config is skipped; of a
-    different config, a GradrunnerError naming the differences; anything else (partial records, no
-    completion marker, a failure) is removed and the job runs again from step 0.
+    Without records there, "run". With records (or a mid-run checkpoint) and `resume=False`, a
+    GradrunnerError (records are never overwritten, a checkpoint never silently resumed). With
+    `resume=True`: a completed job of the same config is skipped (a stale checkpoint there removed);
+    of a different config, a GradrunnerError naming the differences; anything else (partial records, no
+    completion marker, a failure) is removed and the job runs again, from its mid-run checkpoint when
+    one is there and verifies (`run.checkpoint`), else from step 0.
     """
     d = Path(directory)
     present = _present(d)
+    checkpoint = checkpoint_held(d)
     marker, damage = read_marker(d)
     if damage is not None and resume:
         log.warning("%s: %s; the job runs again (removed: %s)", d, damage, ", ".join(_clean(d)))
         return "run"
-    if not present and marker is None and damage is None:
+    if not present and marker is None and damage is None and checkpoint is None:
         _clean(d)  # a stale failure record of a job that failed before writing anything
         return "run"
     if not resume:
@@ -198,8 +230,9 @@ def prepare(directory: str | os.PathLike[str], cfg: DictConfig, *, resume: bool)
             "delete its partial records and run it again (from its last mid-run checkpoint if it has one, else "
             "from step 0)"
         )
+        held = [*present, *([checkpoint] if checkpoint and not marker else [])] or [DONE]
         raise Refused(
-            f"the run dir {d} already holds records ({', '.join(present) or DONE}) of {what}; gradrunner never "
+            f"the run dir {d} already holds records ({', '.join(held)}) of {what}; gradrunner never "
             f"overwrites records. Run into a new dir (drop hydra.run.dir=... or choose another), or pass "
             f"resume=true to {way}."
         )
@@ -214,13 +247,19 @@ def prepare(directory: str | os.PathLike[str], cfg: DictConfig, *, resume: bool)
         problem = verify_job(d, marker)
         if problem is None:
             (d / FAILED).unlink(missing_ok=True)  # a failure record left by an earlier attempt, if any
+            if _drop_checkpoint(d):
+                log.info("%s: removed the mid-run checkpoint of the completed run (%s/)", d, CHECKPOINT_DIR)
             log.info("%s already completed (%s): skipped; its records are kept", d, DONE)
             return "skip"
-        removed = _clean(d)
+        removed = _clean(d) + _drop_checkpoint(d)
         log.warning("%s is marked completed but %s: its records are not trusted (removed: %s); running again",
                     d, problem, ", ".join(removed))  # fmt: skip
         return "run"
     removed = _clean(d)
+    if checkpoint is not None:
+        log.warning("%s: resuming the run that did not complete there from %s, if it verifies (removed its partial "
+                    "records: %s)", d, checkpoint, ", ".join(removed) or "none")  # fmt: skip
+        return "run"
     log.warning("%s held partial records of an earlier attempt (%s): removed; running again", d, ", ".join(removed))
     return "run"
 
