@@ -38,7 +38,7 @@ from gradrunner.config.schema import edit_list
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
 from gradrunner.run import accumulation, distributed, watch
 from gradrunner.run.build import Job, setup
-from gradrunner.run.checkpoint import Checkpointer, Tee
+from gradrunner.run.checkpoint import CHECKPOINT_DIR, Checkpointer, Tee
 from gradrunner.run.distributed import Distributed, GatheredWriter
 from gradrunner.run.guards import (
     NonFinite,
@@ -424,7 +424,7 @@ def _checkpointer(
 ) -> Checkpointer | None:  # fmt: skip
     """The job's `Checkpointer` when `train.checkpoint_every` is set (or a checkpoint waits to be resumed)."""
     every = int(cfg.train.checkpoint_every)
-    if every <= 0:
+    if every <= 0 and not (directory / CHECKPOINT_DIR).is_dir():  # one that is there is resumed, then removed
         return None
     from gradrunner.records.writer import RecordWriter, StepsWriter
     from gradrunner.run.books import NEUTRAL_KEYS, config_dict
