@@ -58,7 +58,7 @@ def deferred_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    if all(getattr(signal.getsignal(s), _MARK, False) for s in DEFERRED):
+    if all(getattr(signal.getsignal(s), _MARK, False) or signal.getsignal(s) == signal.SIG_IGN for s in DEFERRED):
         _depth += 1
         try:
             yield
