@@ -37,7 +37,7 @@ from omegaconf.errors import OmegaConfBaseException
 from gradrunner.config.overrides import group_mistake, misspelled_key
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.records.columns import RECORD_FILES
-from gradrunner.records.rundir import FAILED
+from gradrunner.records.rundir import DONE, FAILED
 from gradrunner.records.urls import url_scheme
 from gradrunner.run import signals, sweep_plan
 from gradrunner.run.books import Refused, mark_failed
@@ -233,6 +233,7 @@ def main() -> None:
 
         gradrunner +experiment=mlp steps=10
     """
+    signals.between_runs()  # SIGTERM between a sweep's jobs: a message and 143, not a silent death
     message = misspelled_key(sys.argv[1:]) or group_mistake(sys.argv[1:])
     if message is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
         print(f"gradrunner: error: {message}", file=sys.stderr, flush=True)
@@ -242,6 +243,27 @@ def main() -> None:
             app()
     except BrokenPipeError:  # `gradrunner --help | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except KeyboardInterrupt as e:  # outside any job: a job's own is reported by `app`
+        signals.ignore_further_signals()
+        print(f"gradrunner: {_outside_jobs(e)}", file=sys.stderr, flush=True)
+        sys.exit(signals.exit_status(e))
+
+
+#: Jobs this process started and ended (`app`), and whether of a sweep: the message of a signal between them.
+_JOBS = {"started": 0, "ended": 0, "sweep": 0}
+
+
+def _outside_jobs(interrupt: KeyboardInterrupt) -> str:
+    """What a Ctrl-C (or SIGTERM, SIGHUP) that landed outside any job left: one line."""
+    what = f"terminated ({interrupt.signal_name})" if isinstance(interrupt, Terminated) else "interrupted"
+    ended = _JOBS["ended"]
+    if not _JOBS["started"]:
+        return f"{what} before any job started; nothing ran"
+    if not _JOBS["sweep"]:
+        return f"{what} after the run ended; its records are complete"
+    return (f"{what} between the jobs of the sweep; the {ended} job(s) that ran are kept as they ended ({DONE} marks "
+            "each completed one) and the others did not start: run the same command again to run them (completed "
+            "jobs are skipped)")  # fmt: skip
 
 
 @hydra.main(version_base="1.3", config_path="pkg://gradrunner.conf", config_name="config")
@@ -253,6 +275,8 @@ def app(cfg: DictConfig) -> None:
         python -m gradrunner +experiment=sigmoid2 steps=1 capture.values=full
     """
     mark_task_started()
+    _JOBS["started"] += 1
+    _JOBS["sweep"] = int(HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN)
     try:
         run(cfg)
     except (GradrunnerError, OmegaConfBaseException) as e:
@@ -265,3 +289,5 @@ def app(cfg: DictConfig) -> None:
         signals.ignore_further_signals()
         print(f"gradrunner: {_kept('interrupted')}", file=sys.stderr, flush=True)
         sys.exit(signals.exit_status(e))
+    finally:
+        _JOBS["ended"] += 1

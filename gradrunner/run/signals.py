@@ -4,6 +4,7 @@ Contents:
     ENDING_SIGNALS                  -- SIGTERM (a scheduler cancelling or preempting) and SIGHUP (a closed terminal)
     Terminated                      -- raised by those signals: a KeyboardInterrupt, so records are kept as on Ctrl-C
     ending_signals_as_interrupt()   -- while open, SIGTERM and SIGHUP raise `Terminated`
+    between_runs()                  -- the CLI's process, outside any run: SIGTERM and SIGHUP raise `Terminated` too
     exit_status(interrupt)          -- 130 after Ctrl-C, 128 + N after signal N
     ignore_further_signals()        -- the run is ending: a second signal must not cut its last message
     quiet_interrupts(message)       -- Ctrl-C before the app runs or after it ended: one line, exit 130
@@ -11,6 +12,9 @@ Contents:
 While a run is open Ctrl-C raises KeyboardInterrupt, as Python's own handler does. While a step's rows
 or a file's close are written, all three are held back (`records.critical.deferred_signals`) and act
 once that ends; the handlers installed here are the only ones, for the whole run.
+
+A signal the process was started with ignored stays ignored, as Python keeps an inherited `SIG_IGN`
+for SIGINT: SIGHUP under `nohup`, SIGINT for a background job of a non-interactive shell.
 
 Example::
 
@@ -33,6 +37,13 @@ from gradrunner.records.critical import DEFERRED, defers, hold
 ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 #: Exit status after Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 128 + signal.SIGINT
+#: Signals gradrunner itself set to SIG_IGN (`ignore_further_signals`): those are not the process's choice.
+_IGNORED_HERE: set[int] = set()
+
+
+def ignored(sig: int) -> bool:
+    """Whether `sig` is ignored by the process's own choice (`nohup`, a background job): gradrunner keeps it so."""
+    return signal.getsignal(sig) == signal.SIG_IGN and sig not in _IGNORED_HERE
 
 
 class Terminated(KeyboardInterrupt):
@@ -68,12 +79,32 @@ def ending_signals_as_interrupt() -> Iterator[None]:
             raise KeyboardInterrupt
         raise Terminated(signum=signum)
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in DEFERRED}
+    previous = {sig: signal.signal(sig, on_signal) for sig in DEFERRED if not ignored(sig)}
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def between_runs() -> None:
+    """From now on SIGTERM and SIGHUP raise `Terminated` outside a run too (Ctrl-C raises KeyboardInterrupt already).
+
+    Example::
+
+        between_runs()       # the CLI, first thing: a sweep's SIGTERM between two jobs is a message and exit 143
+
+    A run's own handlers (`ending_signals_as_interrupt`) replace these while it runs and put them
+    back after; a signal the process started with ignored stays ignored. Main thread only.
+    """
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        raise Terminated(signum=signum)
+
+    for sig in ENDING_SIGNALS:
+        if not ignored(sig):
+            with contextlib.suppress(ValueError, OSError):  # not the main thread
+                signal.signal(sig, on_signal)
 
 
 def exit_status(interrupt: KeyboardInterrupt) -> int:
@@ -85,6 +116,8 @@ def ignore_further_signals() -> None:
     """The records are closed and the run is ending: another signal must not cut the message with a traceback."""
     for sig in (signal.SIGINT, *ENDING_SIGNALS):
         with contextlib.suppress(ValueError, OSError):  # not the main thread
+            if signal.getsignal(sig) != signal.SIG_IGN:
+                _IGNORED_HERE.add(sig)
             signal.signal(sig, signal.SIG_IGN)
 
 
@@ -100,8 +133,9 @@ def quiet_interrupts(message: str) -> None:
         os._exit(128 + signum)
 
     for sig in (signal.SIGINT, *ENDING_SIGNALS):
-        with contextlib.suppress(ValueError, OSError):
-            signal.signal(sig, on_signal)
+        if not ignored(sig):
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, on_signal)
 
 
 #: The name the step loop has used (`run.guards` re-exports both).
