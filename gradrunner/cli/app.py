@@ -106,6 +106,48 @@ def _kept(what: str) -> str:
     return f"{what}; the records of completed steps are kept in {directory} ({', '.join(kept)})"
 
 
+class LogFile(logging.FileHandler):
+    """`gradrunner.log`: a write that fails (a full disk, a file-size limit) is said once on stderr, not as
+    Python's "--- Logging error ---" traceback for every message; the file is then left as it is and the
+    run's messages go on to the console."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        error = sys.exc_info()[1]
+        if not isinstance(error, OSError):
+            super().handleError(record)
+            return
+        self.failed = True
+        print(f"gradrunner: cannot write the log file {self.baseFilename} ({one_paragraph(error)}); from here on "
+              "this run's messages go to the console only", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def guard_log_files() -> None:
+    """Replace the root logger's plain `FileHandler`s (Hydra's `gradrunner.log`) by `LogFile`s, same file and format.
+
+    Example::
+
+        guard_log_files()      # first thing in a job: a full disk then costs the log one line, not tracebacks
+    """
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if type(handler) is not logging.FileHandler:
+            continue
+        guarded = LogFile(handler.baseFilename, mode="a", encoding=handler.encoding, delay=True)
+        guarded.setLevel(handler.level)
+        guarded.setFormatter(handler.formatter)
+        for f in handler.filters:
+            guarded.addFilter(f)
+        root.removeHandler(handler)
+        handler.close()
+        root.addHandler(guarded)
+
+
 class OutputDirCheck(Callback):
     """Checks that the run (or sweep) dir can be written before Hydra creates it and logs into it.
 
@@ -277,6 +319,7 @@ def app(cfg: DictConfig) -> None:
     mark_task_started()
     _JOBS["started"] += 1
     _JOBS["sweep"] = int(HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN)
+    guard_log_files()
     try:
         run(cfg)
     except (GradrunnerError, OmegaConfBaseException) as e:
