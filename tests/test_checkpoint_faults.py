@@ -13,13 +13,13 @@ import os
 import random
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import pytest
-from conftest import compose_cfg
+from conftest import check_ok, compose_cfg, gradrunner
 from records_check import check_records
 
 from gradrunner.errors import GradrunnerError
@@ -181,6 +181,26 @@ def test_a_rerun_without_resume_that_finds_a_checkpoint_is_refused_naming_it(tmp
     assert sorted(p.name for p in (out / CHECKPOINT_DIR).iterdir()) == before  # nothing changed
 
 
+@pytest.mark.slow  # three CLI runs: about 15 s on the shared 2-core machine
+def test_the_cli_says_the_checkpoint_is_kept_refuses_a_rerun_without_resume_and_resumes_with_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = ["+experiment=mlp", "steps=12", "data._target_=killing_data.KillAt", "+data.at_batch=7",
+            f"+data.marker={tmp_path / 'cut'}", "+data.fault=keyboard_interrupt", "data.batch_size=4",
+            f"train.checkpoint_every={EVERY}", "device=cpu", "hydra.run.dir=run"]  # fmt: skip
+    checkpoint = "a mid-run checkpoint after step 5 (.checkpoint/)"
+    first = gradrunner(tmp_path, *args)
+    assert first.returncode == 130 and [x for x in first.stderr.splitlines() if x.strip()] == [
+        f"gradrunner: interrupted; the records of completed steps are kept in {run_dir} (grads.parquet, "
+        f"steps.parquet); {checkpoint} is kept too: resume=true goes on from it"
+    ], first.stderr
+    refused = gradrunner(tmp_path, *args)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert f"already holds records (grads.parquet, steps.parquet, {checkpoint})" in refused.stderr
+    resumed = gradrunner(tmp_path, *args, "resume=true")
+    check_ok(resumed)
+    assert "steps 0-5 replayed from it" in resumed.stdout and check_records(run_dir) == list(range(12))
+
+
 @pytest.mark.parametrize("every", [0, 3])
 def test_resuming_with_another_checkpoint_every_resumes_and_leaves_no_checkpoint(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, every: int
@@ -241,3 +261,40 @@ def test_resume_inside_a_later_epoch_of_a_shuffling_dataloader_with_dropout_is_e
         run(loader_cfg(out, at, *extra), out_dir=out)
     run(loader_cfg(out, at, "resume=true", *extra), out_dir=out)
     assert_same_records(out, ref)
+
+
+def test_a_data_source_drawing_more_often_than_a_checkpoint_keeps_runs_from_step_0_saying_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from gradrunner.run import checkpoint, data_position
+
+    for module in (checkpoint, data_position):  # the shuffle draws at batches 0, 5, 10: more than one
+        monkeypatch.setattr(module, "MAX_DRAWS", 1)
+    ref, out = tmp_path / "ref", tmp_path / "cut"
+    run(loader_cfg(ref, -1), out_dir=ref)
+    with pytest.raises(KeyboardInterrupt):
+        run(loader_cfg(out, 12), out_dir=out)
+    with caplog.at_level(logging.WARNING):
+        run(loader_cfg(out, 12, "resume=true"), out_dir=out)
+    assert "is not used: the train data drew from torch's random generator at more than 1 batches" in caplog.text
+    assert_same_records(out, ref)
+
+
+def test_a_data_source_that_replays_other_draws_is_refused_in_one_paragraph() -> None:
+    import torch
+
+    from gradrunner.run.data_position import Watched
+
+    def stream(draw_at: int) -> Iterator[int]:
+        for i in range(10):
+            if i == draw_at:
+                torch.rand(1)  # as a sampler drawing an epoch's order
+            yield i
+
+    first = Watched(stream(2))
+    for _ in range(5):
+        next(first)
+    assert [i for i, _ in first.state()["draws"]] == [2]
+    with pytest.raises(GradrunnerError, match=r"did not draw from torch's random generator at batch 2, where the "
+                       r"first run did: it is not the same sequence"):  # fmt: skip
+        Watched(stream(3)).replay(first.state())

@@ -40,7 +40,7 @@ from gradrunner.records.columns import RECORD_FILES
 from gradrunner.records.rundir import DONE, FAILED
 from gradrunner.records.urls import url_scheme
 from gradrunner.run import signals, sweep_plan
-from gradrunner.run.books import Refused, mark_failed
+from gradrunner.run.books import Refused, checkpoint_held, mark_failed
 from gradrunner.run.guards import check_writable
 from gradrunner.run.hydra_adapter import (
     JobFailed,
@@ -101,9 +101,11 @@ def _kept(what: str) -> str:
         return what
     directory = Path(HydraConfig.get().runtime.output_dir)
     kept = [n for n in RECORD_FILES if (directory / n).is_file()]
+    checkpoint = checkpoint_held(directory)
+    also = f"; {checkpoint} is kept too: resume=true goes on from it" if checkpoint else ""
     if not kept:
-        return f"{what}; no step completed, so no records were kept"
-    return f"{what}; the records of completed steps are kept in {directory} ({', '.join(kept)})"
+        return f"{what}; no step completed, so no records were kept{also}"
+    return f"{what}; the records of completed steps are kept in {directory} ({', '.join(kept)}){also}"
 
 
 class LogFile(logging.FileHandler):

@@ -117,8 +117,11 @@ def segment_problem(path: Path, entry: dict[str, Any]) -> str | None:
     name = path.name
     if not path.is_file():
         return f"{name} is missing"
-    if file_digest(path) == entry.get("sha256"):
-        return None
+    try:
+        if file_digest(path) == entry.get("sha256"):
+            return None
+    except OSError as e:
+        return f"{name} cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"
     run_id = entry.get("run_id")
     try:
         f = pq.ParquetFile(path, page_checksum_verification=True)

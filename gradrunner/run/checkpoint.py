@@ -276,9 +276,9 @@ class Checkpointer:
             return f"it was written by a run of another config ({'; '.join(diff)})"
         entry = manifest["state"]
         path = self.folder / str(entry["name"])
-        if not path.is_file() or file_digest(path) != entry["sha256"]:
-            what = "is missing" if not path.is_file() else f"is not the file {MANIFEST} recorded (its bytes changed)"
-            return f"{path.name} {what}"
+        problem = segment_problem(path, entry) if not path.is_file() else _state_problem(path, entry["sha256"])
+        if problem is not None:
+            return problem
         for segment in manifest["segments"]:
             problem = segment_problem(self.folder / str(segment["name"]), segment)
             if problem is not None:
@@ -311,6 +311,15 @@ class Checkpointer:
                         writer.write_batch(batch)
                 grads.steps_written += rows[1].num_rows
                 steps.steps_written += rows[1].num_rows
+
+
+def _state_problem(path: Path, sha256: str) -> str | None:
+    """Why the state file at `path` is not the one `checkpoint.json` recorded, or None."""
+    try:
+        same = file_digest(path) == sha256
+    except OSError as e:
+        return f"{path.name} cannot be read ({type(e).__name__}: {' '.join(str(e).split())})"
+    return None if same else f"{path.name} is not the file {MANIFEST} recorded (its bytes changed)"
 
 
 def _read_segment(path: Path, schema: pa.Schema, run_id: str) -> pa.Table:
