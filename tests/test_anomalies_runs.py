@@ -40,9 +40,13 @@ def run(tmp_path: Path, name: str, *overrides: str, data: dict[str, Any] | None 
             cfg.data = OmegaConf.create(data | {"inner": OmegaConf.to_container(cfg.data)})
         if model is not None:
             cfg.model = OmegaConf.create(OmegaConf.to_container(cfg.model) | model)
-    logging.getLogger("gradrunner").setLevel(logging.WARNING)
     (tmp_path / name).mkdir()  # train.checkpoint_every (gpt2_pretrain) fails on a dir not there yet
-    train(cfg, out_dir=tmp_path / name)
+    quiet, level = logging.getLogger("gradrunner"), logging.getLogger("gradrunner").level
+    quiet.setLevel(logging.WARNING)  # long runs: no progress lines; put back so later tests' caplog sees INFO
+    try:
+        train(cfg, out_dir=tmp_path / name)
+    finally:
+        quiet.setLevel(level)
     return tmp_path / name
 
 
