@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import inspect
+import logging
 import random
 import re
 from collections.abc import Callable, Iterator
@@ -31,9 +32,11 @@ from gradrunner.config.choices import DTYPES
 from gradrunner.config.schema import validate
 from gradrunner.data import Batch, as_batches
 from gradrunner.errors import GradrunnerError, did_you_mean, not_allowed, one_paragraph
+from gradrunner.run import evaluation
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 _CONF_DIR = Path(__file__).parent.parent / "conf"
+log = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int) -> None:
@@ -151,8 +154,8 @@ class Job:
     dtype: torch.dtype
     #: `scheduler` group, built over `optimizer`; None without one.
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-    #: `train.eval_every`: batches of `eval_data` (or a fresh stream of the training data); None without.
-    eval_batches: Iterator[Batch] | None = None
+    #: `train.eval_every`: the fixed evaluation set (`run.evaluation`), the same batches every time; None without.
+    eval_set: list[Batch] | None = None
 
 
 def setup(cfg: DictConfig) -> Job:
@@ -175,7 +178,8 @@ def setup(cfg: DictConfig) -> Job:
     # Taps checked against the model now: a typo is answered before data, loss and optimizer are
     # built (the first optimizer imports torch._dynamo, about a second).
     resolve_taps(model, OmegaConf.to_container(cfg.taps, resolve=True))  # type: ignore[arg-type]
-    batches = as_batches(build(cfg, "data"), device, dtype, cfg.get("forward_kwargs"))
+    source = build(cfg, "data")
+    batches = as_batches(source, device, dtype, cfg.get("forward_kwargs"))
     loss_fn = build(cfg, "loss")
     if isinstance(loss_fn, nn.Module):
         loss_fn.to(device=device)
@@ -199,11 +203,19 @@ def setup(cfg: DictConfig) -> Job:
                 f"Check the scheduler.* keys, or pick another option with scheduler=<option> (built-in: "
                 f"{_options('scheduler')})."
             ) from e
-    eval_batches = None
-    if int(cfg.train.eval_every) > 0:
-        eval_node = cfg.eval_data if cfg.get("eval_data") and "_target_" in cfg.eval_data else cfg.data
-        eval_batches = as_batches(build(OmegaConf.create({"eval_data": eval_node}), "eval_data"), device, dtype)
-    return Job(model, batches, loss_fn, optimizer, device, dtype, scheduler, eval_batches)
+    eval_set = _eval_set(cfg, source, device, dtype) if int(cfg.train.eval_every) > 0 else None
+    return Job(model, batches, loss_fn, optimizer, device, dtype, scheduler, eval_set)
+
+
+def _eval_set(cfg: DictConfig, source: object, device: torch.device, dtype: torch.dtype) -> list[Batch]:
+    """The fixed evaluation set of `train.eval_every` (`gradrunner.run.evaluation` says which batches)."""
+    src = evaluation.eval_source(cfg, source)
+    held = src.source if src.source is not None else build(OmegaConf.create({src.group: src.node}), src.group)
+    n, seed = int(cfg.train.eval_batches), evaluation.held_out_seed(int(cfg.seed))
+    batches = evaluation.fixed_batches(held, n, seed, device, dtype, cfg.get("forward_kwargs"))
+    log.info("evaluation every %d steps on a fixed set of %d batch(es): %s", int(cfg.train.eval_every), len(batches),
+             src.what)  # fmt: skip
+    return batches
 
 
 def _without_init_from(cfg: DictConfig) -> DictConfig:
