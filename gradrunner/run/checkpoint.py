@@ -203,9 +203,6 @@ class Checkpointer:
         scaler.load_state_dict(state["scaler"])
         for _ in range(state["batches_consumed"]):
             next(job.batches)
-        if job.eval_batches is not None:
-            for _ in range(state["eval_batches_consumed"]):
-                next(job.eval_batches)
         self._segments = list(state["segments"])
         set_rng_state(state["rng"])
         log.info("resumed from the checkpoint in %s: steps 0-%d replayed from it", self.folder, state["step"] - 1)
