@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from gradrunner.analysis.aggregate import AGGREGATE_ABOVE
+from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.analysis.reading import load
 from gradrunner.analysis.summaries import flow_steps, run_columns, tap_summary, vanishing_boundary
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
@@ -98,7 +99,8 @@ def write_report(path: str | Path) -> Path:
     out_dir = root.parent if root.is_file() else root
     # every column but the per-element ones (`values`, `hist_counts`, `per_example_norm`): those are read
     # below for the rows drawn only (columns and row filters), never for every row
-    grads = load(out_dir, columns=light_columns(out_dir))
+    # one record per step under accumulation: a step's micro-batches combined (the whole batch's gradient)
+    grads = combine_micro_steps(load(out_dir, columns=light_columns(out_dir)))
     if grads.empty:
         raise GradrunnerError(f"the records in {out_dir} hold no rows (no step was captured); nothing to report")
     steps = _load_steps(out_dir)
