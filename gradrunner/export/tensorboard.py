@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -19,29 +20,57 @@ from typing import Any
 from gradrunner.export.jobs import Job, tag_prefix
 from gradrunner.records.columns import COUNT_COLUMNS, EXTRA_FLOAT_COLUMNS, STAT_COLUMNS
 
+#: The names TensorBoard's event files start with.
+_EVENTS = "events.out.tfevents."
+
 
 def to_tensorboard(all_jobs: Sequence[Job], out: Path) -> list[Path]:
-    """One event file per job under `out/<job>`; scalars, histograms and the hparams plugin's records."""
+    """One event file per job under `out/<job>`; scalars, histograms and the hparams plugin's records.
+
+    Example::
+
+        to_tensorboard(jobs("runs/mine"), Path("runs/mine/tensorboard"))   # [Path('runs/mine/tensorboard/run')]
+
+    A re-export replaces a job's event files (written beside them first, then swapped in): TensorBoard
+    reads every event file of a dir, so appending would draw every point twice.
+    """
     from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
     written = []
     for job in all_jobs:
-        writer = EventFileWriter(str(out / job.name))
-        now = time.time()
-        for s in _hparams_summaries(job.params):
-            writer.add_event(Event(wall_time=now, step=0, summary=s))
-        for tag, step, value in job.scalars:
-            writer.add_event(Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])))
-        for tag, step, limits, counts in job.histograms:
-            nz = [(lim, c) for lim, c in zip(limits, counts, strict=True) if c]
-            histo = HistogramProto(min=0.0, max=max((lim for lim, _ in nz), default=0.0), num=float(sum(counts)),
-                                   bucket_limit=limits, bucket=[float(c) for c in counts])  # fmt: skip
-            writer.add_event(Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=tag, histo=histo)])))
-        writer.close()
-        written.append(Path(writer.get_logdir()))
+        target = out / job.name
+        fresh = target.parent / f".{target.name}.gradrunner-export"
+        shutil.rmtree(fresh, ignore_errors=True)  # a killed export's leftovers
+        writer = EventFileWriter(str(fresh))
+        try:
+            now = time.time()
+            for s in _hparams_summaries(job.params):
+                writer.add_event(Event(wall_time=now, step=0, summary=s))
+            for tag, step, value in job.scalars:
+                writer.add_event(Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])))
+            for tag, step, limits, counts in job.histograms:
+                nz = [(lim, c) for lim, c in zip(limits, counts, strict=True) if c]
+                histo = HistogramProto(min=0.0, max=max((lim for lim, _ in nz), default=0.0), num=float(sum(counts)),
+                                       bucket_limit=limits, bucket=[float(c) for c in counts])  # fmt: skip
+                writer.add_event(Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=tag, histo=histo)])))
+            writer.close()
+            _swap_in(fresh, target)
+        finally:
+            writer.close()
+            shutil.rmtree(fresh, ignore_errors=True)
+        written.append(target)
     return written
+
+
+def _swap_in(fresh: Path, target: Path) -> None:
+    """Replace `target`'s event files with those written in `fresh` (other files in `target` are left alone)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for old in target.glob(f"{_EVENTS}*"):
+        old.unlink()
+    for new in fresh.glob(f"{_EVENTS}*"):
+        os.replace(new, target / new.name)
 
 
 def _hparams_summaries(params: dict[str, str]) -> Iterator[Any]:
