@@ -39,6 +39,7 @@ from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.analysis.reading import load
 from gradrunner.analysis.summaries import flow_steps, run_columns, tap_summary, vanishing_boundary
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
+from gradrunner.records.columns import CONSTANT_COLUMNS
 from gradrunner.report.page import (
     DPI,
     INSTALL_HINT,
@@ -179,8 +180,7 @@ def _load_steps(out_dir: Path) -> pd.DataFrame | None:
 
 def _runs_section(grads: pd.DataFrame, steps: pd.DataFrame | None) -> str:
     """One row per run: what distinguishes it, what ran, how many steps, the last loss."""
-    columns = [c for c in ["job", *run_columns(grads), "run_id", "experiment", "strategy", "device", "dtype"]
-               if c in grads.columns]  # fmt: skip
+    columns = [c for c in ["job", *run_columns(grads), *CONSTANT_COLUMNS] if c in grads.columns]
     g = grads.groupby("run_id", sort=False)
     runs = g[list(dict.fromkeys(columns))].first().reset_index(drop=True)
     runs["captured steps"] = g["step"].nunique().to_numpy()
