@@ -33,6 +33,7 @@ from gradrunner.config.schema import validate
 from gradrunner.data import Batch, as_batches
 from gradrunner.errors import GradrunnerError, did_you_mean, not_allowed, one_paragraph
 from gradrunner.run import evaluation
+from gradrunner.run.param_groups import decay_groups
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 _CONF_DIR = Path(__file__).parent.parent / "conf"
@@ -169,7 +170,7 @@ def setup(cfg: DictConfig) -> Job:
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
     seed_everything(cfg.seed)
     init_from = OmegaConf.select(cfg, "model.init_from", default=None)
-    model = build(_without_init_from(cfg), "model")
+    model = build(_without(cfg, "model", "init_from"), "model")
     if not isinstance(model, nn.Module):
         raise GradrunnerError(f"model {cfg.model._target_!r} built a {type(model).__name__}, not a torch.nn.Module")
     if init_from is not None:
@@ -183,9 +184,11 @@ def setup(cfg: DictConfig) -> Job:
     loss_fn = build(cfg, "loss")
     if isinstance(loss_fn, nn.Module):
         loss_fn.to(device=device)
-    make_optimizer = build(cfg, "optimizer")
+    make_optimizer = build(_without(cfg, "optimizer", "no_decay"), "optimizer")
+    no_decay = OmegaConf.select(cfg, "optimizer.no_decay", default=None)
+    params = decay_groups(model, list(no_decay)) if no_decay else model.parameters()  # run/param_groups.py
     try:
-        optimizer = make_optimizer(model.parameters())
+        optimizer = make_optimizer(params)
     except (TypeError, ValueError) as e:
         hint = _optimizer_hint(cfg.optimizer, e)
         raise GradrunnerError(
@@ -218,12 +221,14 @@ def _eval_set(cfg: DictConfig, source: object, device: torch.device, dtype: torc
     return batches
 
 
-def _without_init_from(cfg: DictConfig) -> DictConfig:
-    """`cfg` with `model.init_from` removed: it is the runner's key, not the model's constructor argument."""
-    if "init_from" not in cfg.model:
+def _without(cfg: DictConfig, group: str, key: str) -> DictConfig:
+    """`cfg` with `group.key` removed: a runner's key (`model.init_from`, `optimizer.no_decay`), not a constructor argument."""
+    if key not in cfg[group]:
         return cfg
-    model = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "init_from"])
-    return OmegaConf.create({"model": model})
+    node = OmegaConf.to_container(cfg[group], resolve=True)  # resolved here: its ${...} need the whole config
+    assert isinstance(node, dict), node
+    node.pop(key)
+    return OmegaConf.create({group: node})
 
 
 def load_weights(model: nn.Module, path: str) -> None:
