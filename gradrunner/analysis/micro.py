@@ -29,6 +29,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pandas as pd
 
@@ -142,25 +144,26 @@ def _combine_lists(out: pd.DataFrame, parts: pd.DataFrame, group: np.ndarray) ->
     rows = [indices[g] for g in range(len(out))]
     if "shape" in parts.columns:
         shapes = parts["shape"].to_numpy()
-        out["shape"] = [_side_by_side([shapes[i] for i in r]) for r in rows]
+        out["shape"] = pd.Series([_side_by_side([shapes[i] for i in r]) for r in rows], index=out.index, dtype=object)
     if PER_EXAMPLE_COLUMN in parts.columns:
         pe = parts[PER_EXAMPLE_COLUMN].to_numpy()
-        out[PER_EXAMPLE_COLUMN] = [None if any(pe[i] is None for i in r) else np.concatenate([pe[i] for i in r]) for r in rows]
+        joined = [None if any(pe[i] is None for i in r) else np.concatenate([pe[i] for i in r]) for r in rows]
+        out[PER_EXAMPLE_COLUMN] = pd.Series(joined, index=out.index, dtype=object)
     if HIST_COLUMN in parts.columns:
         hist = parts[HIST_COLUMN].to_numpy()
-        out[HIST_COLUMN] = [_summed([hist[i] for i in r]) for r in rows]
+        out[HIST_COLUMN] = pd.Series([_summed([hist[i] for i in r]) for r in rows], index=out.index, dtype=object)
     if "values" in parts.columns:
         out["values"] = None
 
 
-def _side_by_side(shapes: list[object]) -> object:
+def _side_by_side(shapes: list[Any]) -> Any:
     dims = [list(s) for s in shapes if s is not None and len(s)]
     if not dims or any(d[1:] != dims[0][1:] for d in dims):
         return shapes[0]
     return np.array([sum(d[0] for d in dims), *dims[0][1:]], dtype=np.int64)
 
 
-def _summed(counts: list[object]) -> object:
+def _summed(counts: list[Any]) -> np.ndarray | None:
     arrays = [np.asarray(c, dtype=np.int64) for c in counts if c is not None]
     if not arrays or len({a.size for a in arrays}) > 1:
         return None

@@ -132,8 +132,9 @@ def _reachable_partials(fn: object, depth: int = 4) -> list[functools.partial[ob
 def _swap_partial(p: functools.partial[object], func: Callable[..., object]) -> Callable[[], None]:
     """Make `p` call `func` (same arguments); returns the undo."""
     state = p.__reduce__()[2]
-    p.__setstate__((func, *state[1:]))
-    return functools.partial(p.__setstate__, state)
+    set_state: Callable[[tuple[object, ...]], None] = p.__setstate__  # type: ignore[attr-defined]
+    set_state((func, *state[1:]))
+    return functools.partial(set_state, state)
 
 
 def _route_class(cls: type, module: object, original: Callable[..., object], new: Callable[..., object]) -> Callable[[], None]:
