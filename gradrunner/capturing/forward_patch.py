@@ -131,7 +131,9 @@ def _reachable_partials(fn: object, depth: int = 4) -> list[functools.partial[ob
 
 def _swap_partial(p: functools.partial[object], func: Callable[..., object]) -> Callable[[], None]:
     """Make `p` call `func` (same arguments); returns the undo."""
-    state = p.__reduce__()[2]
+    reduced = p.__reduce__()
+    assert isinstance(reduced, tuple)
+    state: tuple[object, ...] = reduced[2]  # (func, args, keywords, dict)
     set_state: Callable[[tuple[object, ...]], None] = p.__setstate__  # type: ignore[attr-defined]
     set_state((func, *state[1:]))
     return functools.partial(set_state, state)
