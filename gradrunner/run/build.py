@@ -27,7 +27,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from gradrunner.capturing.taps import resolve_taps
+from gradrunner.capturing.taps import glob_reach, resolve_taps
 from gradrunner.config.choices import DTYPES
 from gradrunner.config.schema import validate
 from gradrunner.data import Batch, as_batches
@@ -178,7 +178,10 @@ def setup(cfg: DictConfig) -> Job:
     model.to(device=device, dtype=dtype)
     # Taps checked against the model now: a typo is answered before data, loss and optimizer are
     # built (the first optimizer imports torch._dynamo, about a second).
-    resolve_taps(model, OmegaConf.to_container(cfg.taps, resolve=True))  # type: ignore[arg-type]
+    specs = OmegaConf.to_container(cfg.taps, resolve=True)
+    resolve_taps(model, specs)  # type: ignore[arg-type]
+    for reach in glob_reach(model, specs):  # type: ignore[arg-type]  # how far each glob reached, depth by depth
+        log.info("taps: %s", reach)
     source = build(cfg, "data")
     batches = as_batches(source, device, dtype, cfg.get("forward_kwargs"))
     loss_fn = build(cfg, "loss")
