@@ -142,7 +142,7 @@ def _run_sections(
     if values is not None:
         fig = plots.plot_value_distributions(values)
         sections.append(figure_section(out_dir, "values", "Gradient values", fig, "First and last captured step."))
-    sections += extra_sections(grads, out_dir, figure=figure_section)
+    sections += extra_sections(shown, out_dir, figure=figure_section)  # once, like the flow, when strategies agree
     sections += edit_sections(grads, out_dir, figure=figure_section)
     return sections, _answer(grads, steps, summary, cmp)
 
