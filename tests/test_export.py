@@ -402,3 +402,29 @@ def test_the_printed_mlflow_command_shows_the_runs(sweep: Path, tmp_path: Path, 
     finally:
         os.killpg(ui.pid, 15)
         ui.wait(timeout=60)
+
+
+def test_live_tensorboard_writes_one_value_per_step_for_micro_batches(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from gradrunner.export.tensorboard import LiveTensorBoard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    x = torch.randn(8, 3)
+    micro = []
+    with gradrunner.capture(model, ["0:output"], strategy="hook", keep_grads=False) as cap:
+        for part in (x[:4], x[4:]):
+            loss = model(part).pow(2).mean() / 2
+            cap.backward(loss)
+            micro.append(cap.records(loss.detach()))
+    h = model[0](x)
+    h.retain_grad()
+    (model[2](model[1](h[:4])).pow(2).mean() / 2 + model[2](model[1](h[4:])).pow(2).mean() / 2).backward()
+    live = LiveTensorBoard(tmp_path)
+    live.write_step(3, micro, float("nan"))
+    live.close()
+    scalars = _tensorboard_scalars(tmp_path)
+    (point,) = scalars["grads/0:output/norm"]
+    assert point[0] == 3 and point[1] == pytest.approx(float(h.grad.norm()), rel=1e-6)  # the whole batch's gradient
+    (loss_point,) = scalars["steps/loss"]
+    assert np.isnan(loss_point[1])  # NaN kept

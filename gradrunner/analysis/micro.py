@@ -69,8 +69,11 @@ def combine_micro_steps(df: pd.DataFrame) -> pd.DataFrame:
     keys = [k for k in _KEYS if k in df.columns]
     group = parts.groupby(keys, sort=False, dropna=False).ngroup().to_numpy()
     first = parts.index.to_numpy()[np.unique(group, return_index=True)[1]]
-    combined = df.loc[first].copy().reset_index(drop=True)
+    original = df.loc[first].reset_index(drop=True)
+    combined = original.copy()
     _combine_into(combined, parts, group)
+    alone = np.bincount(group) == 1  # a tap that fired in one micro-batch only: its record as it is
+    combined.loc[alone] = original.loc[alone]
     combined.index = first
     out = pd.concat([df[~micro], combined]).sort_index(kind="stable")
     out.loc[first, "micro_step"] = None

@@ -110,7 +110,7 @@ def jobs(path: str | os.PathLike[str], on_damaged: str = "raise", notes: list[st
         d = root / name if name != "run" else root
         job = Job(name, d, _params(d, said), run_id=str(rows["run_id"].iloc[0]))
         per_step = combine_micro_steps(rows)
-        job.scalars = _grad_scalars(per_step)
+        job.scalars = grad_scalars(per_step)
         job.histograms = _histograms(d, per_step)
         if steps is not None:
             job.scalars += _steps_scalars(d, steps[steps["_job"] == name])
@@ -176,8 +176,13 @@ def _expected(d: Path, marker: dict[str, Any] | None) -> list[str]:
     return [f for f in (GRADS_FILE, STEPS_FILE) if f == GRADS_FILE or (d / f).is_file()]
 
 
-def _grad_scalars(rows: pd.DataFrame) -> list[tuple[str, int, float]]:
-    """(tag, step, value) of each record's statistics: where it has a gradient, NaN and Inf kept."""
+def grad_scalars(rows: pd.DataFrame) -> list[tuple[str, int, float]]:
+    """(tag, step, value) of each record's statistics: where it has a gradient, NaN and Inf kept.
+
+    Example::
+
+        grad_scalars(combine_micro_steps(load(run_dir)))[:1]    # [('grads/fc1:output/norm', 0, 0.0427)]
+    """
     prefixes = [tag_prefix(t, c, r) for t, c, r in zip(rows["tap"].astype(str), rows["call"].astype(int),
                                                           rows["rank"].fillna(0).astype(int), strict=True)]  # fmt: skip
     steps = rows["step"].astype(int).tolist()

@@ -17,7 +17,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from gradrunner.export.jobs import Job, tag_prefix
+from gradrunner.analysis.micro import combine_micro_steps
+from gradrunner.export.jobs import Job, grad_scalars, tag_prefix
 from gradrunner.records.columns import COUNT_COLUMNS, EXTRA_FLOAT_COLUMNS, STAT_COLUMNS
 
 #: The names TensorBoard's event files start with.
@@ -95,6 +96,7 @@ class LiveTensorBoard:
 
         live = LiveTensorBoard(run_dir / "tensorboard")
         live.write(step, records)      # the host-side StepRecords the writer just took: no device sync
+        live.write_step(step, [micro_0, micro_1], loss)   # under accumulation: one value per tap and step
         live.close()
 
     Tags are the export's (`grads/<tap>/<stat>`, `steps/loss`), so a live log and a later export agree.
@@ -121,7 +123,31 @@ class LiveTensorBoard:
                 col = getattr(recs, c)
                 if col is not None and math.isfinite(float(col[i])):
                     values.append(Summary.Value(tag=f"{prefix}/{c}", simple_value=float(col[i])))
-        if loss is not None and math.isfinite(loss):
+        if loss is not None:  # NaN kept, as the export keeps it
+            values.append(Summary.Value(tag="steps/loss", simple_value=float(loss)))
+        self.writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+
+    def write_step(self, step: int, micro: Sequence[Any], loss: float | None) -> None:
+        """One event for a step whose records came in several micro-batches (`micro`, in order), combined.
+
+        Example::
+
+            live.write_step(step, [recs_micro_0, recs_micro_1], loss)   # one value per tap, as the export writes
+
+        The micro-batches are combined as `analysis.micro.combine_micro_steps` combines them (the whole
+        batch's gradient); one part is `write` itself.
+        """
+        if len(micro) == 1:
+            self.write(step, micro[0], loss)
+            return
+        import pandas as pd
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        rows = [{**r.row(i), "step": step, "rank": 0, "micro_step": m} for m, r in enumerate(micro) for i in range(len(r))]
+        per_step = combine_micro_steps(pd.DataFrame(rows).drop(columns=["values", "shape"]))
+        values = [Summary.Value(tag=t, simple_value=v) for t, _, v in grad_scalars(per_step)]
+        if loss is not None:
             values.append(Summary.Value(tag="steps/loss", simple_value=float(loss)))
         self.writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
 
