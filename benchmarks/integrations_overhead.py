@@ -8,6 +8,8 @@ alternated for the frameworks), per-step medians:
 - Lightning: `Trainer.fit` bare · with `GradientCapture` (step = `on_train_batch_start` to `on_train_batch_end`);
 - HF Trainer: tiny GPT-2, bare · with `GradientCaptureCallback` (step = one `on_step_begin` to the next).
 
+Each row states the taps its specs resolve to (`resolved_taps`): globs expanded as the capture expands them.
+
 Example::
 
     OMP_NUM_THREADS=2 python benchmarks/integrations_overhead.py          # CPU figures in BENCHMARKS.md
@@ -35,6 +37,26 @@ from _common import interleaved, median_ms, no_context, parse_args, report
 import gradrunner
 
 TAPS = ["*:output", "*:weight"]
+#: The HF Trainer's taps: `*` matches dots too, so `transformer.h.*` reaches every submodule of every block.
+HF_TAPS = ["transformer.h.*:output", "transformer.h.*.mlp.c_fc:weight"]
+
+
+def gpt2(tiny: bool) -> nn.Module:
+    import transformers
+
+    size = dict(n_layer=1, n_embd=16, n_head=2) if tiny else dict(n_layer=2, n_embd=128, n_head=4)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_positions=64, **size))
+
+
+def resolved_taps(width: int, depth: int, tiny: bool) -> dict[str, int]:
+    """How many taps each loop's specs resolve to (what BENCHMARKS.md states), per loop."""
+    from gradrunner.capturing.taps import resolve_taps
+
+    counts = {"plain": len(resolve_taps(mlp(width, depth), TAPS))}
+    counts["lightning"] = counts["plain"]  # the same MLP as `net`, the same specs under "net."
+    with contextlib.suppress(ImportError):
+        counts["hf"] = len(resolve_taps(gpt2(tiny), HF_TAPS))
+    return counts
 
 
 def mlp(width: int, depth: int) -> nn.Sequential:
@@ -185,18 +207,16 @@ def hf_rows(steps: int, repeats: int, tmp: Path, tiny: bool) -> list[dict[str, A
         def on_train_end(self, *a: Any, **k: Any) -> None:
             self.t.stop()
 
-    size = dict(n_layer=1, n_embd=16, n_head=2) if tiny else dict(n_layer=2, n_embd=128, n_head=4)
     times: dict[str, list[float]] = {"HF Trainer bare": [], "HF Trainer + GradientCaptureCallback": []}
     for r in range(repeats):
         for name in list(times)[r % 2 :] + list(times)[: r % 2]:
             torch.manual_seed(0)
-            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=256, n_positions=64, **size))
+            model = gpt2(tiny)
             data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (8 * steps, 64))]
             timer = Timer()
             cbs: list[Any] = [timer]
             if "Capture" in name:
-                cbs = [GradientCaptureCallback(taps=["transformer.h.*:output", "transformer.h.*.mlp.c_fc:weight"],
-                                               dir=tmp / f"hf{r}", live_every=0), timer]  # fmt: skip
+                cbs = [GradientCaptureCallback(taps=HF_TAPS, dir=tmp / f"hf{r}", live_every=0), timer]
             args = transformers.TrainingArguments(str(tmp / f"hfout{r}{name[-3:]}"), max_steps=steps,
                                                   per_device_train_batch_size=8, report_to="none", save_strategy="no",
                                                   use_cpu=True, disable_tqdm=True, logging_steps=10**6)  # fmt: skip
@@ -221,7 +241,10 @@ def main() -> None:
             rows += lightning_rows(width, depth, batch, steps, max(2, repeats // 4), tmp)
         with contextlib.suppress(ImportError):
             rows += hf_rows(steps, max(2, repeats // 4), tmp, tiny)
-    report("integrations_overhead", rows, ["loop", "variant", "ms_per_step", "ratio"], out=args.out,
+    taps = resolved_taps(width, depth, tiny)
+    for row in rows:  # every variant of a loop captures the same resolved taps (bare ones none)
+        row["taps"] = 0 if "bare" in str(row["variant"]) else taps[str(row["loop"])]
+    report("integrations_overhead", rows, ["loop", "variant", "taps", "ms_per_step", "ratio"], out=args.out,
            sizes={"width": width, "depth": depth, "batch": batch, "steps": steps, "repeats": repeats})  # fmt: skip
 
 

@@ -20,7 +20,7 @@ GROUP_OPTIONS = {
     "model": {"mlp", "cnn", "transformer", "cosine", "sigmoid2", "gpt2"},
     "data": {"synthetic", "tensors", "digits", "tokens"},
     "loss": {"mse", "cross_entropy", "half_sse", "model_loss", "lm_cross_entropy"},
-    "optimizer": {"sgd", "adam"},
+    "optimizer": {"sgd", "adam", "adamw"},
     "capture": {"default"},
     "scheduler": {"none", "cosine", "onecycle", "linear_warmup", "warmup_cosine"},
     "experiment": {*EXPERIMENTS, "gpt2", "gpt2_pretrain"},

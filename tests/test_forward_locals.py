@@ -322,3 +322,47 @@ def test_rewritten_function_is_a_plain_function() -> None:
     assert isinstance(fn, types.FunctionType)
     assert fn.__name__ == "forward" and fn.__qualname__ == CosineRegression.forward.__qualname__
     assert fn.__code__.co_filename == CosineRegression.forward.__code__.co_filename
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        h = self.fc(x)
+        h = torch.tanh(h) * scale
+        return h.sum()
+
+
+@pytest.mark.parametrize("how", ["partial of the class forward", "partial of the bound forward"])
+def test_an_instance_forward_wrapping_the_class_forward_in_a_partial_is_tapped(strategy: str, how: str) -> None:
+    """Issue 36 item 9: `module.forward = functools.partial(Class.forward, module, ...)`, a common monkeypatch."""
+    import functools
+
+    from conftest import leftover_hooks
+
+    torch.manual_seed(0)
+    net, x = _Scaled(), torch.randn(4, 3)
+    target = _Scaled.forward if how.endswith("class forward") else net.forward
+    patched = functools.partial(target, net, scale=2.0) if target is _Scaled.forward else functools.partial(target, scale=2.0)
+    net.forward = patched  # type: ignore[method-assign]
+    # the reference: both values of `h`, retained, in plain torch
+    h0 = net.fc(x)
+    h0.retain_grad()
+    h1 = torch.tanh(h0) * 2.0
+    h1.retain_grad()
+    h1.sum().backward()
+    with capture(net, [":h"], strategy=strategy) as cap:
+        loss = net(x)
+        cap.backward(loss)
+        recs = cap.records(loss.detach())
+    rows = [recs.row(i) for i in range(len(recs))]
+    assert [(r["call"], r["has_grad"]) for r in rows] == [(0, True), (1, True)]
+    assert rows[0]["norm"] == pytest.approx(float(h0.grad.norm()), rel=1e-6)
+    assert rows[1]["norm"] == pytest.approx(float(h1.grad.norm()), rel=1e-6)
+    # put back: the user's partial (its own function and arguments), the class's forward, no hooks
+    assert net.__dict__["forward"] is patched and patched.func is target
+    assert patched.args == ((net,) if target is _Scaled.forward else ()) and patched.keywords == {"scale": 2.0}
+    assert _Scaled.__dict__["forward"] is (target if target is _Scaled.forward else target.__func__)
+    assert [h for h in leftover_hooks(net) if "instance attribute forward = functools.partial" not in h] == []

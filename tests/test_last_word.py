@@ -10,6 +10,7 @@ import fnmatch
 import logging
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -49,7 +50,7 @@ def test_a_healthy_run_says_so_with_its_loss_and_records(tmp_path: Path, caplog:
         f"records: {tmp_path} (grads.parquet, steps.parquet; read the dir with gradrunner.analysis.load, "
         "a file with pandas.read_parquet)",
         f"loss: {loss[0]:.6g} at the first step, {loss[-1]:.6g} at the last (6 steps)",
-        f"healthy: no NaN/Inf; none of the {taps} taps vanishing, exploding or without gradient",
+        f"healthy: no NaN/Inf, no diverging loss; none of the {taps} taps vanishing, exploding or without gradient",
     ]
 
 
@@ -140,3 +141,84 @@ def test_a_sweep_ends_with_one_line_per_job(tmp_path: Path, caplog: pytest.LogCa
     trouble = (f"loss {loss.iloc[0]:.4g} -> {loss.iloc[-1]:.4g}; NaN/Inf from step 2 (head:output), "
                "1 of 7 taps vanishing, 1 of 7 taps exploding, 1 of 7 taps without gradient")  # fmt: skip
     assert lines == [f"job {j} ({o[0]}): {trouble}" for j, o in jobs]
+
+
+def test_a_diverging_gpt2_says_so_in_the_last_word(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("transformers")
+    with caplog.at_level(logging.INFO):
+        train(compose_cfg("+experiment=gpt2", "optimizer.lr=10", "steps=20", "device=cpu"), out_dir=tmp_path)
+    level, lines = summary_of(caplog)
+    loss = pd.read_parquet(tmp_path / "steps.parquet")["loss"]
+    start, end = float(loss.iloc[:3].min()), float(loss.iloc[-3:].median())  # a tenth of 20 steps, at least 3
+    assert end > 100 * start  # the plant: lr=10 blows the loss up
+    assert level == logging.WARNING
+    assert lines[2] == (f"loss diverging: {end:.6g} at the end (the median of the last 3 finite steps) against "
+                        f"{start:.6g} at the start (the lowest of the first 3): x{end / start:.3g}")  # fmt: skip
+
+
+class FlipAfter:
+    """A LambdaLR multiplier: 1 for the first `after` steps, then -1 (a negative learning rate)."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+
+    def __call__(self, step: int) -> float:
+        return 1.0 if step < self.after else -1.0
+
+
+def test_a_negative_learning_rate_is_named(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        train(compose_cfg("+experiment=mlp", "steps=30", "optimizer.lr=0.05", "scheduler=warmup_cosine",
+                          "scheduler.lr_lambda._target_=test_last_word.FlipAfter", "~scheduler.lr_lambda.warmup_steps",
+                          "~scheduler.lr_lambda.total_steps", "~scheduler.lr_lambda.min_ratio",
+                          "+scheduler.lr_lambda.after=3"), out_dir=tmp_path)  # fmt: skip
+    level, lines = summary_of(caplog)
+    steps = pd.read_parquet(tmp_path / "steps.parquet")
+    assert steps["lr"].tolist() == [0.05] * 3 + [-0.05] * 27
+    assert level == logging.WARNING
+    assert "negative learning rate from step 3 (lr -0.05): the optimiser climbs the loss" in lines
+    h = health.health(tmp_path)
+    assert h.negative_lr == (3, -0.05) and not h.healthy
+    finite = steps["loss"][np.isfinite(steps["loss"])]
+    start, end = float(finite.iloc[:3].min()), float(finite.iloc[-3:].median())
+    assert end > 2 * start and h.loss_diverging == pytest.approx((start, end))  # climbing the loss diverges
+
+
+def _zero_upstream_of(edited: str) -> list[str]:
+    """With plain torch: the experiment's taps whose gradient is exactly 0 when `edited`'s output gradient is zeroed."""
+    torch.manual_seed(0)
+    model = dead_relu_mlp(dead=1)
+    with torch.no_grad():
+        model.fc1.bias.zero_()  # alive again: only the edit zeroes anything
+    outputs: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):  # type: ignore[no-untyped-def]
+        def hook(_m: torch.nn.Module, _i: object, out: torch.Tensor) -> None:
+            out.retain_grad()
+            outputs[name] = out
+            if name == edited:
+                out.register_hook(torch.zeros_like)
+
+        return hook
+
+    for name, m in model.named_modules():
+        if name:
+            m.register_forward_hook(keep(name))
+    model(torch.randn(16, 8)).sub(torch.randn(16, 1)).pow(2).mean().backward()
+    zero = [f"{n}:output" for n, t in outputs.items() if n != edited and t.grad is not None and not t.grad.any()]
+    zero += [f"{n}:weight" for n, m in model.named_modules() if hasattr(m, "weight") and not m.weight.grad.any()]
+    return zero
+
+
+def test_taps_an_edit_zeroes_are_not_vanishing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    zero = _zero_upstream_of("relu2")
+    assert zero == ["fc1:output", "relu1:output", "fc2:output", "fc1:weight", "fc2:weight"]
+    with caplog.at_level(logging.INFO):
+        train(compose_cfg("+experiment=mlp", "steps=4", 'edits=[{tap: "relu2:output", scale: 0.0}]'), out_dir=tmp_path)
+    h = health.health(tmp_path)
+    assert h.vanishing == {} and h.zeroing_edits == ["relu2:output"]
+    assert h.zeroed_by_edit == dict.fromkeys(zero, 0)
+    level, lines = summary_of(caplog)
+    assert ("zero by an edit (the edit on relu2:output leaves a zero gradient; taps upstream get none), not vanishing: "
+            "5 of 11 taps: " + ", ".join(f"{t} (from step 0)" for t in zero)) in lines  # fmt: skip
+    assert (level == logging.INFO) == h.healthy and h.loss_diverging is None

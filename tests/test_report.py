@@ -76,7 +76,7 @@ def test_grad_flow_marks_zero_gradients_on_the_bottom_edge(tmp_path: Path) -> No
     df = load(tmp_path)
     df.loc[(df.tap == "fc2:output") & (df.step == 1), "norm"] = 0.0
     ax, weights = plot_grad_flow(df, steps=[1]).axes
-    assert ax.get_title() == "planted · hook: outputs, inputs and locals"
+    assert ax.get_title() == "outputs, inputs and locals"  # the run is named in the figure title (no overlap)
     line, zeros = ax.get_lines()
     assert zeros.get_label() == "exactly 0" and list(zeros.get_xdata()) == [2] and list(zeros.get_ydata()) == [0.03]
     legend = weights.get_legend()  # the last column's, outside the axes: it covers no point

@@ -8,6 +8,7 @@ Imports no torch (a test checks it in a fresh interpreter). The figures and the 
 | `labels` | a sweep's `job` column and its swept overrides as typed columns (`RESERVED_COLUMNS`) |
 | `health` | what a finished job's records say: the summary that ends every run (`last_word`), a sweep's |
 | `summaries` | the helpers: tap summary, gradient flow, strategy agreement and cost |
+| `micro` | `combine_micro_steps(df)`: under gradient accumulation, one record per step (the whole batch's gradient) |
 | `optional` | helpers over the optional columns: histograms over steps, update ratios, per-example spread |
 | `aggregate` | a large sweep across its runs: the layout (`sweep_layout`), medians and bands (`over_runs`) |
 | `live` | `load(dir, live=True)`: the closed segments of a running or killed `record()` job |
@@ -23,6 +24,7 @@ Example::
 """
 
 from gradrunner.analysis.compare import compare_runs
+from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.analysis.noise import noise_scale
 from gradrunner.analysis.optional import (
     UPDATE_RATIO_GUIDE,
@@ -51,6 +53,7 @@ __all__ = [
     "UPDATE_RATIO_GUIDE",
     "DamagedRecordsWarning",
     "IncompleteSweepWarning",
+    "combine_micro_steps",
     "compare_runs",
     "compare_strategies",
     "flow_steps",

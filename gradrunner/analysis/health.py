@@ -5,7 +5,7 @@ Reads back only the few columns it needs (pyarrow; no torch) and judges them by 
 
 | function | what it does |
 | --- | --- |
-| `health(job_dir)` | `Health`: loss first/last, NaN/Inf, vanishing/exploding taps, taps never with a gradient |
+| `health(job_dir)` | `Health`: loss first/last, diverging, NaN/Inf, negative lr, vanishing/exploding taps, taps never with a gradient, taps zeroed by an edit |
 | `last_word(job_dir)` | logs that summary at the end of every run (a warning when something is wrong) |
 | `brief(h)`, `sweep_word(sweep_dir, jobs)` | one line per job of a sweep, logged at the end of the sweep |
 
@@ -57,11 +57,21 @@ class Health:
     exploding: dict[str, int] = field(default_factory=dict)
     #: tap label -> the reason of its first record (it never had a gradient).
     without_grad: dict[str, str] = field(default_factory=dict)
+    #: (the lowest of the first k finite losses, the median of the last k) when the latter is above
+    #: `DIVERGE_FACTOR` x the former (k: a tenth of the steps, at least 3; a positive start only).
+    loss_diverging: tuple[float, float] | None = None
+    #: (the first step, its rate) when a learning rate of the run was negative (`steps.parquet`'s `lr`).
+    negative_lr: tuple[int, float] | None = None
+    #: taps whose gradient is exactly 0 at the last captured step because an edit zeroed it (not vanishing):
+    #: tap label -> its first step at 0; `zeroing_edits`: the taps whose edit left 0.
+    zeroed_by_edit: dict[str, int] = field(default_factory=dict)
+    zeroing_edits: list[str] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
         nonfinite = self.first_nonfinite is not None or self.loss_nonfinite_step is not None
-        return not (nonfinite or self.vanishing or self.exploding or self.without_grad or self.taps == 0)
+        diverging = self.loss_diverging is not None or self.negative_lr is not None
+        return not (nonfinite or diverging or self.vanishing or self.exploding or self.without_grad or self.taps == 0)
 
     def lines(self) -> list[str]:
         """The summary, one claim a line (the first says where the records are)."""
@@ -74,6 +84,14 @@ class Health:
         else:
             out.append(f"loss: {self.loss_first:.6g} at the first step, {self.loss_last:.6g} at the last "
                        f"({self.steps} steps)")  # fmt: skip
+        if self.loss_diverging is not None:
+            start, end = self.loss_diverging
+            k = _level_steps(self.steps)
+            out.append(f"loss diverging: {end:.6g} at the end (the median of the last {k} finite steps) against "
+                       f"{start:.6g} at the start (the lowest of the first {k}): x{end / start:.3g}")  # fmt: skip
+        if self.negative_lr is not None:
+            out.append(f"negative learning rate from step {self.negative_lr[0]} (lr {self.negative_lr[1]:.6g}): "
+                       "the optimiser climbs the loss")  # fmt: skip
         if self.loss_nonfinite_step is not None or self.first_nonfinite is not None:
             parts = []
             if self.loss_nonfinite_step is not None:
@@ -93,8 +111,13 @@ class Health:
         if self.without_grad:
             out.append(f"never had a gradient: {_count(self.without_grad, self.taps)}: "
                        f"{_listed(self.without_grad, '')}")  # fmt: skip
+        if self.zeroed_by_edit:
+            out.append(f"zero by an edit (the edit on {', '.join(self.zeroing_edits)} leaves a zero gradient; taps "
+                       f"upstream get none), not vanishing: {_count(self.zeroed_by_edit, self.taps)}: "
+                       f"{_listed(self.zeroed_by_edit, 'from step')}")  # fmt: skip
         if self.healthy:
-            out.append(f"healthy: no NaN/Inf; none of the {self.taps} taps vanishing, exploding or without gradient")
+            out.append(f"healthy: no NaN/Inf, no diverging loss; none of the {self.taps} taps vanishing, exploding "
+                       "or without gradient")  # fmt: skip
         return out
 
     def __str__(self) -> str:
@@ -111,7 +134,38 @@ def _listed(taps: dict[str, Any], prefix: str) -> str:
     return ", ".join(shown) + (f", and {more} more" if more > 0 else "")
 
 
-_HEALTH_COLUMNS = ["step", "tap", "call", "norm", "has_grad", "nan_count", "inf_count", "reason"]
+_HEALTH_COLUMNS = ["step", "tap", "call", "rank", "micro_step", "norm", "has_grad", "nan_count", "inf_count", "reason",
+                   "edited", "edited_norm"]  # fmt: skip
+#: The loss is diverging when its level at the end is above this many times its level at the start.
+DIVERGE_FACTOR = 2.0
+
+
+def _level_steps(steps: int) -> int:
+    """Steps that set the loss's level at the start (their lowest) and at the end (their median): a tenth of the
+    run, at least 3, so one batch's noise is not a trend."""
+    return max(3, steps // 10)
+
+
+def _judge_loss(h: Health, steps: Any) -> None:
+    """Fill `h`'s loss fields from `steps.parquet`'s rows (step order): first/last, NaN/Inf, diverging, negative lr."""
+    h.steps = len(steps)
+    if not len(steps):
+        return
+    loss = steps["loss"].to_numpy(dtype=np.float64)
+    h.loss_first, h.loss_last = float(loss[0]), float(loss[-1])
+    bad = steps["step"].to_numpy()[~np.isfinite(loss)]
+    h.loss_nonfinite_step = int(bad[0]) if len(bad) else None
+    finite = loss[np.isfinite(loss)]
+    if len(finite) > 1:
+        k = _level_steps(len(steps))
+        start, end = float(finite[:k].min()), float(np.median(finite[-k:]))
+        if start > 0 and end > DIVERGE_FACTOR * start:
+            h.loss_diverging = (start, end)
+    if "lr" in steps.columns:
+        lr = steps["lr"].to_numpy(dtype=np.float64, na_value=np.nan)
+        negative = np.flatnonzero(lr < 0)
+        if len(negative):
+            h.negative_lr = (int(steps["step"].iloc[negative[0]]), float(lr[negative[0]]))
 
 
 def health(directory: Path) -> Health:
@@ -128,12 +182,8 @@ def health(directory: Path) -> Health:
     h = Health(directory=directory)
     steps_file, grads_file = directory / STEPS_FILE, directory / GRADS_FILE
     if steps_file.is_file():
-        steps = pq.read_table(steps_file, columns=["step", "loss"]).to_pandas().sort_values("step", kind="stable")
-        h.steps = len(steps)
-        if len(steps):
-            h.loss_first, h.loss_last = float(steps["loss"].iloc[0]), float(steps["loss"].iloc[-1])
-            bad = steps.loc[~np.isfinite(steps["loss"].to_numpy(dtype=np.float64)), "step"]
-            h.loss_nonfinite_step = int(bad.iloc[0]) if len(bad) else None
+        wanted = [c for c in ("step", "loss", "lr") if c in pq.read_schema(steps_file).names]
+        _judge_loss(h, pq.read_table(steps_file, columns=wanted).to_pandas().sort_values("step", kind="stable"))
     if not grads_file.is_file():
         return h
     names = set(pq.read_schema(grads_file).names)
@@ -144,9 +194,12 @@ def health(directory: Path) -> Health:
     labels = {(str(t), int(c)): str(label) for t, c, label in zip(order.tap, order.call, order.label, strict=True)}
     summary = tap_summary(df)
     h.taps = len(summary)
+    h.zeroing_edits = _zeroing_edits(df)
     for row in summary.to_dict("records"):
         label = labels[(str(row["tap"]), int(row["call"]))]
-        if row["vanishing"]:
+        if row["vanishing"] and h.zeroing_edits and row["last"] == 0.0:
+            h.zeroed_by_edit[label] = int(row["first_vanishing_step"])
+        elif row["vanishing"]:
             h.vanishing[label] = int(row["first_vanishing_step"])
         if row["exploding"]:
             h.exploding[label] = int(row["first_exploding_step"])
@@ -158,6 +211,15 @@ def health(directory: Path) -> Health:
         first = bad_rows[bad_rows["step"] == bad_rows["step"].min()].iloc[0]  # record order within the step
         h.first_nonfinite = (int(first["step"]), labels[(str(first["tap"]), int(first["call"]))])
     return h
+
+
+def _zeroing_edits(df: Any) -> list[str]:
+    """The taps whose edit left an exactly zero gradient at the last captured step (`scale: 0`, `dropout: 1`, ...)."""
+    if "edited" not in df.columns or "edited_norm" not in df.columns:
+        return []
+    last = df[df["step"] == df["step"].max()]
+    zeroed = last[last["edited"].fillna(False).astype(bool) & (last["edited_norm"] == 0)]
+    return list(dict.fromkeys(zeroed["tap"].astype(str)))
 
 
 def last_word(directory: Path) -> Health:
@@ -185,6 +247,10 @@ def brief(h: Health) -> str:
     if nonfinite:
         where = f" ({h.first_nonfinite[1]})" if h.first_nonfinite else ""
         trouble.append(f"NaN/Inf from step {min(nonfinite)}{where}")
+    if h.loss_diverging is not None:
+        trouble.append(f"loss diverging (x{h.loss_diverging[1] / h.loss_diverging[0]:.3g})")
+    if h.negative_lr is not None:
+        trouble.append(f"negative lr from step {h.negative_lr[0]}")
     for what, taps in (("vanishing", h.vanishing), ("exploding", h.exploding), ("without gradient", h.without_grad)):
         if taps:
             trouble.append(f"{_count(taps, h.taps)} {what}")

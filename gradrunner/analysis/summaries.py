@@ -26,6 +26,7 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
+from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import CONSTANT_COLUMNS, STAT_COLUMNS
 from gradrunner.records.writer import STEPS_SCHEMA, grads_schema
@@ -190,7 +191,10 @@ def tap_summary(
     `vanishing` (the last value is below `vanish_below`), `exploding` (some value is above
     `explode_above`). The default thresholds (norm below 1e-6, above 1e3) are rough heuristics for
     float32 models of moderate size: set them for yours. Rows come in forward order per run.
+    Under gradient accumulation a step's micro-batch records are first combined into one
+    (`combine_micro_steps`: the whole batch's gradient), so `steps` counts steps.
     """
+    df = combine_micro_steps(df)
     keys = [*run_columns(df), "tap", "call"]
     d = df.assign(_v=measure(df, stat)).sort_values("step", kind="stable")
     with_grad = d[d["has_grad"].fillna(False).astype(bool)]

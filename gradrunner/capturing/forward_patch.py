@@ -42,7 +42,8 @@ def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[
     Without an instance-level `forward`, the rewritten copy becomes one. With one (monkeypatched,
     accelerate- or PEFT-style wrappers), it is kept, being what `module(x)` calls, and what it can
     reach of the class's `forward()` is routed to the copy: a bound `forward` of this module held in an
-    attribute (`_old_forward`), in its closure cells or `functools.partial` arguments, and
+    attribute (`_old_forward`), in its closure cells, a `functools.partial` of it or of the class's
+    `forward` with this module as first argument (its `func` swapped), and
     `Class.forward(self, ...)` or `super().forward(...)` through a dispatcher on the class that sends
     only this instance to the copy.
     """
@@ -74,6 +75,13 @@ def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[
                     old = cell.cell_contents
                     cell.cell_contents = bound
                     undo.append(functools.partial(setattr, cell, "cell_contents", old))
+        for p in _reachable_partials(current):
+            # `partial(Class.forward, module, ...)` holds the class's function itself, so no dispatcher on the
+            # class reaches it: its `func` is swapped (a partial's state can be set, its attributes not)
+            if p.func is original and p.args[:1] == (module,):
+                undo.append(_swap_partial(p, bound.__func__))
+            elif is_original(p.func):
+                undo.append(_swap_partial(p, bound))
         undo.append(_route_class(cls, module, original, bound.__func__))
 
     def restore() -> None:
@@ -98,6 +106,37 @@ def _reachable_cells(fn: object, depth: int = 4) -> list[types.CellType]:
             if inner is not None:
                 todo.append((inner, d + 1))
     return cells
+
+
+def _reachable_partials(fn: object, depth: int = 4) -> list[functools.partial[object]]:
+    """The `functools.partial`s `fn` is or reaches (through `__wrapped__`, `func`, closure cells), a few levels down."""
+    found: list[functools.partial[object]] = []
+    todo, seen = [(fn, 0)], set()
+    while todo:
+        f, d = todo.pop()
+        if id(f) in seen or d > depth:
+            continue
+        seen.add(id(f))
+        if isinstance(f, functools.partial):
+            found.append(f)
+        for attr in ("__wrapped__", "__func__", "func"):
+            inner = getattr(f, attr, None)
+            if inner is not None:
+                todo.append((inner, d + 1))
+        for cell in getattr(f, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):
+                todo.append((cell.cell_contents, d + 1))
+    return found
+
+
+def _swap_partial(p: functools.partial[object], func: Callable[..., object]) -> Callable[[], None]:
+    """Make `p` call `func` (same arguments); returns the undo."""
+    reduced = p.__reduce__()
+    assert isinstance(reduced, tuple)
+    state: tuple[object, ...] = reduced[2]  # (func, args, keywords, dict)
+    set_state: Callable[[tuple[object, ...]], None] = p.__setstate__  # type: ignore[attr-defined]
+    set_state((func, *state[1:]))
+    return functools.partial(set_state, state)
 
 
 def _route_class(cls: type, module: object, original: Callable[..., object], new: Callable[..., object]) -> Callable[[], None]:

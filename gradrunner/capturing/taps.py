@@ -218,3 +218,49 @@ def resolve_taps(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[T
         for t in found:
             resolved.setdefault(t.tap, dataclasses.replace(t, from_glob=is_glob))
     return list(resolved.values())
+
+
+@dataclass(frozen=True)
+class GlobReach:
+    """What one glob spec resolved to: its taps, counted by module depth (path components), a path at each depth."""
+
+    spec: str
+    #: depth -> (taps at that depth, the first such module path)
+    by_depth: dict[int, tuple[int, str]]
+
+    @property
+    def taps(self) -> int:
+        return sum(n for n, _ in self.by_depth.values())
+
+    def __str__(self) -> str:
+        depths = ", ".join(f"{n} at depth {d} ({path}{', ...' if n > 1 else ''})" for d, (n, path) in sorted(self.by_depth.items()))
+        deeper = (" (a glob's * and ? also match dots: it reaches the submodules below too; spell each level, "
+                  "e.g. 'h.?:output' for the blocks only)") if len(self.by_depth) > 1 else ""  # fmt: skip
+        return f"{self.spec} resolves to {self.taps} tap(s): {depths}{deeper}"
+
+
+def glob_reach(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[GlobReach]:
+    """For each glob spec of `specs`, how many taps it resolved to at each module depth.
+
+    Example::
+
+        [str(r) for r in glob_reach(gpt2, ["transformer.h.*:output"])]
+        # ['transformer.h.*:output resolves to 26 tap(s): 2 at depth 3 (transformer.h.0, ...), 12 at depth 4 (...), ...']
+
+    Depth counts a path's components (`transformer.h.0` is 3): `*` and `?` match dots too, so
+    `transformer.h.*` reaches every submodule of every block, not only the blocks.
+    """
+    if isinstance(specs, (str, Mapping)):
+        specs = [specs]
+    out = []
+    for spec in specs:
+        pattern, _ = parse_spec(spec)
+        if not any(c in pattern for c in _GLOB_CHARS):
+            continue
+        by_depth: dict[int, tuple[int, str]] = {}
+        for t in resolve_taps(model, [spec]):
+            depth = t.module.count(".") + 1
+            n, first = by_depth.get(depth, (0, t.module))
+            by_depth[depth] = (n + 1, first)
+        out.append(GlobReach(spec if isinstance(spec, str) else f"{pattern}:{spec['name']}", by_depth))
+    return out

@@ -2,7 +2,9 @@
 
 Builds the model and the data the config names, runs one forward pass on the first batch
 (`gradrunner.capturing.explore.list_taps`) and prints every module path in forward order: class,
-calls, output and input shapes, parameters, forward() locals; modules not called are marked.
+calls, output and input shapes, parameters, forward() locals; modules not called are marked. Then,
+for each glob of the config's `taps`, how many taps it resolves to at each module depth (`*` and `?`
+match dots: `transformer.h.*` reaches every submodule of every block).
 Nothing is written (no output dir, no records). `--format json` prints the same for scripts.
 
 Example::
@@ -18,9 +20,10 @@ import json
 import os
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 
@@ -66,6 +69,7 @@ def listing(cfg: DictConfig) -> object:
         print(listing(compose("config", overrides=["+experiment=mlp"])))
     """
     from gradrunner.capturing.explore import list_taps
+    from gradrunner.capturing.taps import glob_reach
     from gradrunner.data import ForwardInputs
     from gradrunner.run.build import setup
     from gradrunner.run.guards import next_batch
@@ -74,7 +78,9 @@ def listing(cfg: DictConfig) -> object:
     x, _ = next_batch(job.batches, 0, source=str(cfg.data._target_))
     args, kwargs = (x.args, x.kwargs) if isinstance(x, ForwardInputs) else ((), x) if isinstance(x, Mapping) else ((x,), {})
     try:
-        return list_taps(job.model, *args, **kwargs)
+        found = list_taps(job.model, *args, **kwargs)
+        found.reach = glob_reach(job.model, OmegaConf.to_container(cfg.taps, resolve=True))  # type: ignore[attr-defined,arg-type]
+        return found
     except GradrunnerError:
         raise
     except Exception as e:
@@ -125,11 +131,29 @@ def app(cfg: DictConfig) -> None:
                   "it is a glob over paths as model.named_modules() prints them, e.g. --match 'layers.0.*'",
                   file=sys.stderr, flush=True)  # fmt: skip
             sys.exit(EXIT_USER_ERROR)
-    text = json.dumps(result.to_dict(), indent=1) if _format == "json" else str(result)  # type: ignore[attr-defined]
+    text = json.dumps(_with_reach(result), indent=1) if _format == "json" else _text(result)
     try:
         print(text, flush=True)
     except BrokenPipeError:  # `| head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _reach(result: object) -> list[Any]:
+    return list(getattr(result, "reach", []))
+
+
+def _text(result: object) -> str:
+    """The listing, then how far each glob of the config's `taps` reached (taps per module depth)."""
+    reach = _reach(result)
+    lines = [f"  {r}" for r in reach]
+    return str(result) + (("\n\nThe config's globs (taps=...):\n" + "\n".join(lines)) if lines else "")
+
+
+def _with_reach(result: object) -> dict[str, Any]:
+    out: dict[str, Any] = result.to_dict()  # type: ignore[attr-defined]
+    out["globs"] = [{"spec": r.spec, "taps": r.taps, "by_depth": {str(d): n for d, (n, _) in sorted(r.by_depth.items())}}
+                    for r in _reach(result)]  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@
 | `Digits` | `data=digits` | scikit-learn's bundled 8x8 digits, (N, 1, 8, 8) in [0, 1], int64 labels |
 | `Tokens` | `data=tokens` | seeded random token ids as keyword arguments (`model(**inputs)`), labels as targets |
 
+`Synthetic` and `Tokens` also offer `held_out(seed)`: new examples of the same task, the default
+evaluation set (`gradrunner.run.evaluation`); `Tensors` and `Digits` have none to offer.
+
 Example::
 
     source = Synthetic(input_shape=[8], target_shape=[1], batch_size=4, seed=0)
@@ -90,13 +93,28 @@ class Synthetic(_Dataset):
         x = torch.randn((num_samples, *in_shape), generator=gen, dtype=torch.float64)
         d_in, d_out = math.prod(in_shape), math.prod(out_shape)
         width = d_out * (num_classes if task == "classification" else 1)
-        teacher = torch.randn((d_in, width), generator=gen, dtype=torch.float64) / math.sqrt(d_in)
-        h = x.reshape(num_samples, d_in) @ teacher
-        if task == "classification":
-            y = h.reshape(num_samples, *out_shape, num_classes).argmax(dim=-1)
-        else:
-            y = (h + noise * torch.randn(h.shape, generator=gen, dtype=torch.float64)).reshape(num_samples, *out_shape)
-        super().__init__(x, y, batch_size, shuffle, seed)
+        self.teacher = torch.randn((d_in, width), generator=gen, dtype=torch.float64) / math.sqrt(d_in)
+        self.task, self.num_classes, self.noise, self.out_shape = task, num_classes, noise, out_shape
+        super().__init__(x, self._targets(x, gen), batch_size, shuffle, seed)
+
+    def _targets(self, x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        """The teacher's targets for inputs `x` (regression noise drawn from `gen`)."""
+        n = x.shape[0]
+        h = x.reshape(n, -1) @ self.teacher
+        if self.task == "classification":
+            return h.reshape(n, *self.out_shape, self.num_classes).argmax(dim=-1)
+        return (h + self.noise * torch.randn(h.shape, generator=gen, dtype=torch.float64)).reshape(n, *self.out_shape)
+
+    def held_out(self, seed: int) -> _Dataset:
+        """As many new examples of the same task (the same teacher), inputs and noise drawn from `seed`.
+
+        Example::
+
+            train = Synthetic(seed=0); test = train.held_out(1_000_000)   # same teacher, other inputs
+        """
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(tuple(self.inputs.shape), generator=gen, dtype=torch.float64)
+        return _Dataset(x, self._targets(x, gen), self.batch_size, False, seed)
 
 
 class Tensors:
@@ -196,7 +214,17 @@ class Tokens:
                 )
         gen = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, vocab_size, (num_batches, batch_size, seq_len), generator=gen)
-        self.labels_in_inputs = labels_in_inputs
+        self.vocab_size, self.labels_in_inputs = vocab_size, labels_in_inputs
+
+    def held_out(self, seed: int) -> Tokens:
+        """Other token ids of the same shapes, drawn from `seed`.
+
+        Example::
+
+            Tokens(seed=0).held_out(1_000_000).ids.shape     # torch.Size([8, 4, 16])
+        """
+        n, batch, seq = self.ids.shape
+        return Tokens(self.vocab_size, seq, batch, n, seed, self.labels_in_inputs)
 
     def batches(self, device: torch.device, dtype: torch.dtype) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """Endless `(inputs, labels)` batches on `device`; token ids stay int64 whatever the run's dtype."""

@@ -1,17 +1,21 @@
 """The export: `python -m gradrunner.export tensorboard|wandb|mlflow <run or sweep dir>`: the records where people look.
 
 Each job (a run dir, or every job of a sweep) becomes one run of the target, its overrides as
-hyper-parameters; each tap's statistics become scalars over steps (`grads/<tap>/<stat>`, a tap's
-later calls `grads/<tap>@<call>/...`, other ranks `rank<N>/grads/...`), `steps.parquet`'s numeric
-columns `steps/<column>`, and `hist_counts` (with `capture.histogram=true`) histograms
-(`grads/<tap>/hist`, the records' own bins). Reading the records needs no torch; each target needs
-its library only (extras `gradrunner[tensorboard]`, `[wandb]`, `[mlflow]`).
+hyper-parameters; each tap's statistics become scalars over steps, one value per step (`grads/<tap>/<stat>`,
+a tap's later calls `grads/<tap>@<call>/...`, other ranks `rank<N>/grads/...`; under gradient
+accumulation the micro-batches combined, `analysis.micro`), NaN and Inf as they are;
+`steps.parquet`'s numeric columns `steps/<column>`, and `hist_counts` (with `capture.histogram=true`)
+histograms (`grads/<tap>/hist`, the records' own bins). The records are read through
+`gradrunner.analysis.load`: a damaged, foreign or partial job is refused by name (exit 2, nothing
+written), or left out with a warning (`--on-damaged skip`). Exporting again replaces what the last
+export of a job wrote. Reading the records needs no torch; each target needs its library only
+(extras `gradrunner[tensorboard]`, `[wandb]`, `[mlflow]`).
 
 | target | written to (default) | read back with |
 | --- | --- | --- |
 | `tensorboard` | `<dir>/tensorboard/<job>/events.out.tfevents.*` | TensorBoard, `EventAccumulator` |
 | `wandb` | `<dir>/wandb/` in offline mode (`wandb sync` uploads it) | `wandb sync`, the `.wandb` files |
-| `mlflow` | the MLflow local file store `<dir>/mlruns` (or `--uri`) | `mlflow ui`, `MlflowClient` |
+| `mlflow` | the MLflow local file store `<dir>/mlruns` (or `--uri`) | `MLFLOW_ALLOW_FILE_STORE=true mlflow ui` (full `mlflow`), `MlflowClient` |
 
 Example::
 
@@ -21,7 +25,7 @@ Example::
 | module | what it holds |
 | --- | --- |
 | `jobs` | `jobs(dir)`: each job's name, hyper-parameters, scalars and histograms read from its records |
-| `tensorboard`, `mlflow`, `wandb` | `to_tensorboard` (and `LiveTensorBoard` for `record(log_to=...)`), `to_mlflow`, `to_wandb` |
+| `tensorboard`, `mlflow`, `wandb` | `to_tensorboard` (and `LiveTensorBoard` for `record(log_to=...)`), `to_mlflow` (and `view_command`), `to_wandb` |
 | `command` | `main`: the command line (`python -m gradrunner.export`, in `__main__`) |
 """
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gradrunner.errors import GradrunnerError, one_paragraph
-from gradrunner.export.jobs import jobs
-from gradrunner.export.mlflow import to_mlflow
+from gradrunner.export.jobs import Job, jobs
+from gradrunner.export.mlflow import to_mlflow, view_command
 from gradrunner.export.tensorboard import to_tensorboard
 from gradrunner.export.wandb import to_wandb
 
@@ -25,34 +25,53 @@ _DESCRIPTION = "`python -m gradrunner.export tensorboard|wandb|mlflow <run or sw
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m gradrunner.export <target> <dir> [--out DIR] [--uri URI]`; exit 2 on a user mistake."""
+    """`python -m gradrunner.export <target> <dir> [--out DIR] [--uri URI] [--on-damaged raise|skip]`.
+
+    Example::
+
+        main(["tensorboard", "runs/mine"])      # 0; 2 on a user mistake or records that do not verify
+
+    Exit 0 when every job it read was exported (a warning on stderr for each left out); 2 when it
+    refuses (a bad value, no records, records that do not verify under `--on-damaged raise`).
+    """
     parser = argparse.ArgumentParser(prog="python -m gradrunner.export", description=_DESCRIPTION)
     parser.add_argument("target", help=f"one of {', '.join(TARGETS)}")
     parser.add_argument("dir", help="a run dir or a sweep dir")
     parser.add_argument("--out", help="where to write (default: <dir>/<target>, for mlflow <dir>/mlruns)")
     parser.add_argument("--uri", help="mlflow: a tracking URI instead of the local file store")
     parser.add_argument("--project", default="gradrunner", help="wandb project / mlflow experiment name")
+    parser.add_argument("--on-damaged", default="raise", dest="on_damaged",
+                        help="records that do not verify (damaged, foreign, partial): raise (refuse, the default) "
+                             "or skip (export the rest, a warning naming each)")  # fmt: skip
     args = parser.parse_args(argv)
     try:
         if args.target not in TARGETS:
             raise GradrunnerError(f"target {args.target!r} is not an export target; allowed: {', '.join(TARGETS)} "
                                   "(e.g. python -m gradrunner.export tensorboard runs/mine).")  # fmt: skip
-        found = jobs(args.dir)
+        notes: list[str] = []
+        found = jobs(args.dir, on_damaged=args.on_damaged, notes=notes)
         _check_library(args.target)
-        out = Path(args.out) if args.out else Path(args.dir) / ("mlruns" if args.target == "mlflow" else args.target)
-        if args.target == "tensorboard":
-            where = to_tensorboard(found, out)
-            print(f"wrote {len(where)} run(s) to {out}; view with: tensorboard --logdir {out}")
-        elif args.target == "mlflow":
-            to_mlflow(found, out, args.uri, args.project)
-            print(f"wrote {len(found)} run(s) to {args.uri or out}; view with: mlflow ui --backend-store-uri {args.uri or out}")
-        else:
-            to_wandb(found, out, args.project)
-            print(f"wrote {len(found)} offline run(s) to {out / 'wandb'}; upload with: wandb sync {out / 'wandb'}/offline-run-*")
+        for note in notes:
+            print(f"gradrunner.export: warning: {note}", file=sys.stderr)
+        print(_write(args, found))
     except GradrunnerError as e:
         print(f"gradrunner.export: {one_paragraph(e)}", file=sys.stderr)
         return USAGE_EXIT
     return 0
+
+
+def _write(args: argparse.Namespace, found: list[Job]) -> str:
+    """Write `found` to the target; the line saying where, and how to look at it."""
+    out = Path(args.out) if args.out else Path(args.dir) / ("mlruns" if args.target == "mlflow" else args.target)
+    if args.target == "tensorboard":
+        where = to_tensorboard(found, out)
+        return f"wrote {len(where)} run(s) to {out}; view with: tensorboard --logdir {out}"
+    if args.target == "mlflow":
+        to_mlflow(found, out, args.uri, args.project)
+        uri = args.uri or out.resolve().as_uri()
+        return f"wrote {len(found)} run(s) to {uri}; view with: {view_command(uri)}"
+    to_wandb(found, out, args.project)
+    return f"wrote {len(found)} offline run(s) to {out / 'wandb'}; upload with: wandb sync {out / 'wandb'}/offline-run-*"
 
 
 _EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}

@@ -1,5 +1,15 @@
 """The jobs of a run or sweep dir as an exporter needs them: a name, hyper-parameters, scalars, histograms.
 
+Records are read through `gradrunner.analysis.load`, so they are verified as `load` verifies them
+(page checksums; run id, rows and footer against `done.json`): a damaged, foreign or partial job is
+refused by name, or left out with a warning under `on_damaged="skip"`, never exported wrong. Then
+
+- under gradient accumulation a step's micro-batch records are combined into one per (step, tap,
+  call, rank): the whole batch's gradient (`analysis.micro.combine_micro_steps`);
+- a statistic is exported where the record has a gradient (`has_grad`), NaN and Inf included as
+  they are; `value_norm`, `update_norm`, `update_ratio` where not null; `nan_count`, `inf_count` always;
+- `steps.parquet`'s numeric columns (`STEPS_SCALARS`, derived from the schema) where not null, NaN kept.
+
 Reading the records needs no torch (pyarrow and pandas only); each target (`tensorboard`, `mlflow`,
 `wandb`) writes these `Job`s its own way.
 
@@ -13,22 +23,46 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gradrunner.errors import GradrunnerError
+from gradrunner.analysis.micro import combine_micro_steps
+from gradrunner.analysis.reading import ON_DAMAGED, DamagedRecordsWarning, IncompleteSweepWarning, load
+from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
-from gradrunner.records.columns import COUNT_COLUMNS, EXTRA_FLOAT_COLUMNS, HIST_COLUMN, HIST_EDGES_KEY, STAT_COLUMNS
+from gradrunner.records.columns import (
+    CONSTANT_COLUMNS,
+    COUNT_COLUMNS,
+    EXTRA_FLOAT_COLUMNS,
+    GRADS_FILE,
+    HIST_COLUMN,
+    HIST_EDGES_KEY,
+    OVERRIDES_KEY,
+    PER_EXAMPLE_COLUMN,
+    STAT_COLUMNS,
+    STEPS_FILE,
+)
+from gradrunner.records.schema import STEPS_SCHEMA, grads_schema
 
 #: Per-record columns exported as scalars, in this order.
 SCALAR_COLUMNS = (*STAT_COLUMNS, *COUNT_COLUMNS, *EXTRA_FLOAT_COLUMNS)
-#: `steps.parquet` columns that are not a scalar over steps.
-_STEPS_SKIP = frozenset({"step", "rank", "run_id", "experiment", "strategy", "device", "dtype", "captured"})
-#: Exit code of a user mistake (as the CLI's).
-USAGE_EXIT = 2
+#: Which row of `steps.parquet` it is, not a value over steps.
+STEPS_ROW_KEYS = ("step", "rank")
+#: `steps.parquet`'s columns exported as scalars over steps: the schema's numbers (not bools, lists or
+#: strings), less the run's constant columns and the row keys. Derived here, the one place.
+STEPS_SCALARS = tuple(
+    f.name for f in STEPS_SCHEMA
+    if f.name not in (*CONSTANT_COLUMNS, *STEPS_ROW_KEYS) and (pa.types.is_integer(f.type) or pa.types.is_floating(f.type))
+)  # fmt: skip
+#: What an exporter reads of `grads.parquet` (the per-element columns `values`, `per_example_norm` are not exported).
+_GRADS_READ = [n for n in grads_schema(histogram=True).names if n not in ("values", PER_EXAMPLE_COLUMN)]
 
 
 @dataclass
@@ -38,60 +72,161 @@ class Job:
     name: str
     directory: Path
     params: dict[str, str]
-    #: (tag, step, value), in step order.
+    #: (tag, step, value), in step order; one per (tag, step).
     scalars: list[tuple[str, int, float]] = field(default_factory=list)
     #: (tag, step, bin right edges, counts), bins as the records count them (non-finite left out).
     histograms: list[tuple[str, int, list[float], list[int]]] = field(default_factory=list)
+    #: The run id of its records (an exporter keys its own runs by it, so a re-export replaces them).
+    run_id: str = ""
 
 
-def jobs(path: str | os.PathLike[str]) -> list[Job]:
+def jobs(path: str | os.PathLike[str], on_damaged: str = "raise", notes: list[str] | None = None) -> list[Job]:
     """The jobs below `path` (a run dir or a sweep dir), each with what a target writes.
 
     Example::
 
         [j.name for j in jobs("multirun/2024-05-01/12-00-00")]     # ['0', '1', '2']
+        notes: list[str] = []
+        jobs(sweep, on_damaged="skip", notes=notes)                 # notes: what was left out, and why
+
+    A job whose files do not verify is refused (`on_damaged="raise"`: one GradrunnerError naming each
+    file), or left out with its reason appended to `notes` (`"skip"`); so are the failed or unfinished
+    jobs of a sweep (`load`'s rule) and a job whose other table did not verify.
     """
+    if on_damaged not in ON_DAMAGED:
+        raise GradrunnerError(f"--on-damaged {on_damaged!r} is not allowed; allowed: {', '.join(ON_DAMAGED)}")
     root = Path(path)
     if not root.is_dir():
         raise GradrunnerError(f"{root} is not a directory; pass a run dir (holding grads.parquet) or a sweep dir.")
-    dirs = [root] if (root / "grads.parquet").is_file() else [d for d in rundir.job_dirs_below(root) if (d / "grads.parquet").is_file()]
-    if not dirs:
+    said = notes if notes is not None else []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads = load(root, columns=_GRADS_READ, on_damaged=on_damaged)
+        steps = _load_steps(root, on_damaged)
+    said += [one_paragraph(w.message) for w in caught if issubclass(w.category, (DamagedRecordsWarning, IncompleteSweepWarning))]
+    grads, steps = _same_jobs(root, grads, steps, on_damaged, said)
+    found = []
+    for name, rows in _by_job(grads):
+        d = root / name if name != "run" else root
+        job = Job(name, d, _params(d, said), run_id=str(rows["run_id"].iloc[0]))
+        per_step = combine_micro_steps(rows)
+        job.scalars = grad_scalars(per_step)
+        job.histograms = _histograms(d, per_step)
+        if steps is not None:
+            job.scalars += _steps_scalars(d, steps[steps["_job"] == name])
+        job.scalars.sort(key=lambda s: s[1])
+        found.append(job)
+    return found
+
+
+def _load_steps(root: Path, on_damaged: str) -> pd.DataFrame | None:
+    """`load(root, table="steps")`, or None when no job has a steps table (records written without one)."""
+    if not any(p.name == STEPS_FILE for p in _record_files(root)):
+        return None
+    return load(root, table="steps", on_damaged=on_damaged)
+
+
+def _record_files(root: Path) -> list[Path]:
+    return [d / n for d in [root, *rundir.job_dirs_below(root)] for n in (GRADS_FILE, STEPS_FILE) if (d / n).is_file()]
+
+
+def _job_names(df: pd.DataFrame) -> pd.Series:
+    return df["job"].astype(str) if "job" in df.columns else pd.Series("run", index=df.index)
+
+
+def _by_job(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    names = _job_names(df)
+    return [(str(n), rows) for n, rows in df.groupby(names, sort=False)]
+
+
+def _same_jobs(
+    root: Path, grads: pd.DataFrame, steps: pd.DataFrame | None, on_damaged: str, notes: list[str]
+) -> tuple[pd.DataFrame, pd.DataFrame | None]:
+    """Only jobs whose every table was read: a job missing from a table it has (or, completed, that its
+    `done.json` lists), the file gone or skipped as damaged, is refused under "raise", left out with a note
+    under "skip"."""
+    names = _job_names(grads)
+    read = {GRADS_FILE: set(names), STEPS_FILE: set(_job_names(steps)) if steps is not None else set()}
+    dirs = {d.relative_to(root).as_posix(): d for d in rundir.job_dirs_below(root) if d != root} | {"run": root}
+    markers = {n: rundir.read_marker(d)[0] for n, d in dirs.items()}
+    lacking = {}
+    for name in sorted(read[GRADS_FILE] | read[STEPS_FILE] | {n for n, m in markers.items() if m is not None}):
+        d = dirs.get(name, root / name)
+        missing = [f for f in _expected(d, markers.get(name)) if name not in read[f]]
+        if missing:
+            lacking[name] = f"{d}: its {' and '.join(missing)} could not be read"
+    if lacking and on_damaged == "raise":
         raise GradrunnerError(
-            f"no grads.parquet found in {root} or its job dirs; pass a run dir (holding grads.parquet) or a sweep dir "
-            "(holding job dirs 0/, 1/, ...). A job that is still running has not closed its records yet."
+            f"cannot export {len(lacking)} job(s) whose records are missing or do not verify: {'; '.join(lacking.values())}"
+            ". Re-run them (resume=true), move their dirs away, or pass --on-damaged skip to export the rest."
         )
-    return [_job(root, d) for d in dirs]
+    notes += [f"not exported: {why}" for why in lacking.values()]
+    kept = read[GRADS_FILE] - set(lacking)
+    if not kept:
+        raise GradrunnerError(f"no job in {root} has records that verify; nothing exported.")
+    kept_steps = None if steps is None else steps.assign(_job=_job_names(steps))
+    return grads[names.isin(kept)], None if kept_steps is None else kept_steps[kept_steps["_job"].isin(kept)]
 
 
-def _job(root: Path, d: Path) -> Job:
-    name = "run" if d == root else d.relative_to(root).as_posix()
-    job = Job(name, d, _params(d))
-    grads = pq.read_table(d / "grads.parquet", columns=[c for c in pq.read_schema(d / "grads.parquet").names
-                                                        if c != "values"]).to_pandas()  # fmt: skip
-    for row in grads.itertuples(index=False):
-        prefix = tag_prefix(str(row.tap), int(row.call), int(row.rank))
-        for c in SCALAR_COLUMNS:
-            v = getattr(row, c, None)
-            if v is not None and not pd.isna(v):
-                job.scalars.append((f"{prefix}/{c}", int(row.step), float(v)))
-    if HIST_COLUMN in grads.columns:
-        edges = json.loads(pq.read_schema(d / "grads.parquet").metadata[HIST_EDGES_KEY.encode()])
-        limits = [0.0, *edges, sys.float_info.max]  # exact zeros, (0, e0), ..., [e_last, inf)
-        for row in grads.itertuples(index=False):
-            counts = getattr(row, HIST_COLUMN)
-            if counts is not None and len(counts):
-                job.histograms.append((f"{tag_prefix(str(row.tap), int(row.call), int(row.rank))}/hist", int(row.step),
-                                       limits, [int(c) for c in counts[: len(limits)]]))  # fmt: skip
-    if (d / "steps.parquet").is_file():
-        steps = pq.read_table(d / "steps.parquet").to_pandas()
-        for col in steps.columns:
-            if col in _STEPS_SKIP or not pd.api.types.is_numeric_dtype(steps[col]) or pd.api.types.is_bool_dtype(steps[col]):
-                continue
-            for step, rank, v in zip(steps.step, steps["rank"], steps[col], strict=True):
-                if not pd.isna(v):
-                    job.scalars.append((f"{'' if rank == 0 else f'rank{rank}/'}steps/{col}", int(step), float(v)))
-    job.scalars.sort(key=lambda s: s[1])
-    return job
+def _expected(d: Path, marker: dict[str, Any] | None) -> list[str]:
+    """The tables a job has: those its `done.json` lists (a completed job), else grads and those present."""
+    listed = (marker or {}).get("files")
+    if isinstance(listed, list) and listed:
+        return [f for f in (GRADS_FILE, STEPS_FILE) if f in listed]
+    return [f for f in (GRADS_FILE, STEPS_FILE) if f == GRADS_FILE or (d / f).is_file()]
+
+
+def grad_scalars(rows: pd.DataFrame) -> list[tuple[str, int, float]]:
+    """(tag, step, value) of each record's statistics: where it has a gradient, NaN and Inf kept.
+
+    Example::
+
+        grad_scalars(combine_micro_steps(load(run_dir)))[:1]    # [('grads/fc1:output/norm', 0, 0.0427)]
+    """
+    prefixes = [tag_prefix(t, c, r) for t, c, r in zip(rows["tap"].astype(str), rows["call"].astype(int),
+                                                          rows["rank"].fillna(0).astype(int), strict=True)]  # fmt: skip
+    steps = rows["step"].astype(int).tolist()
+    has_grad = rows["has_grad"].fillna(False).to_numpy(dtype=bool)
+    out: list[tuple[str, int, float]] = []
+    for c in SCALAR_COLUMNS:
+        if c not in rows.columns:
+            continue
+        v = rows[c].to_numpy(dtype=np.float64, na_value=np.nan)
+        keep = has_grad if c in STAT_COLUMNS else ~np.isnan(v) if c in EXTRA_FLOAT_COLUMNS else np.ones(len(v), bool)
+        out += [(f"{prefixes[i]}/{c}", steps[i], float(v[i])) for i in np.flatnonzero(keep)]
+    return out
+
+
+def _histograms(d: Path, rows: pd.DataFrame) -> list[tuple[str, int, list[float], list[int]]]:
+    if HIST_COLUMN not in rows.columns or rows[HIST_COLUMN].isna().all():
+        return []
+    edges = json.loads((pq.read_schema(d / GRADS_FILE).metadata or {})[HIST_EDGES_KEY.encode()])
+    limits = [0.0, *edges, sys.float_info.max]  # exact zeros, (0, e0), ..., [e_last, inf)
+    out = []
+    for row in rows.itertuples(index=False):
+        counts = getattr(row, HIST_COLUMN)
+        if counts is not None and len(counts):
+            out.append((f"{tag_prefix(str(row.tap), int(row.call), int(row.rank))}/hist", int(row.step), limits,  # type: ignore[arg-type]
+                        [int(c) for c in counts[: len(limits)]]))  # fmt: skip
+    return out
+
+
+def _steps_scalars(d: Path, rows: pd.DataFrame) -> list[tuple[str, int, float]]:
+    """(tag, step, value) of `steps.parquet`'s `STEPS_SCALARS`: where not null (a NaN loss is kept, a column a
+    loop does not fill is left out). Null is told from NaN in the file itself, which `load` just verified."""
+    names = pq.read_schema(d / STEPS_FILE).names
+    wanted = [c for c in STEPS_SCALARS if c in names]
+    table = pq.read_table(d / STEPS_FILE, columns=wanted)
+    if table.num_rows != len(rows):
+        raise GradrunnerError(f"{d / STEPS_FILE} changed while it was exported (a job still writing?); export again.")
+    prefixes = ["" if r == 0 else f"rank{r}/" for r in rows["rank"].fillna(0).astype(int)]
+    steps = rows["step"].astype(int).tolist()
+    out = []
+    for c in wanted:
+        valid = table.column(c).is_valid().to_numpy(zero_copy_only=False)
+        v = rows[c].to_numpy(dtype=np.float64, na_value=np.nan)
+        out += [(f"{prefixes[i]}steps/{c}", steps[i], float(v[i])) for i in np.flatnonzero(valid)]
+    return out
 
 
 def tag_prefix(tap: str, call: int, rank: int) -> str:
@@ -104,21 +239,31 @@ def tag_prefix(tap: str, call: int, rank: int) -> str:
     return f"{'' if rank == 0 else f'rank{rank}/'}grads/{tap}{'' if call == 0 else f'@{call}'}"
 
 
-def _params(d: Path) -> dict[str, str]:
-    """The job's overrides (Hydra's, or `done.json`'s), else the capture settings `record` wrote."""
+def _params(d: Path, notes: list[str]) -> dict[str, str]:
+    """The job's overrides (its records' metadata, else `done.json`, else Hydra's), else the capture settings `record` wrote."""
+    overrides: object = None
+    try:
+        raw = (pq.read_schema(d / GRADS_FILE).metadata or {}).get(OVERRIDES_KEY.encode())
+        overrides = json.loads(raw) if raw else None
+    except (OSError, ValueError, pa.ArrowException):
+        overrides = None
     marker = rundir.read_json(d / rundir.DONE) or {}
-    overrides = marker.get("overrides") or []
+    overrides = overrides or marker.get("overrides")
     f = d / ".hydra" / "overrides.yaml"
     if not overrides and f.is_file():
         import yaml
 
-        overrides = yaml.safe_load(f.read_text()) or []
+        try:
+            overrides = yaml.safe_load(f.read_text())
+        except (OSError, ValueError, yaml.YAMLError) as e:
+            notes.append(f"{f} could not be read ({type(e).__name__}): job {d.name}'s hyper-parameters are left out")
     params = {}
-    for o in overrides:
+    for o in overrides if isinstance(overrides, list) else []:
         key, _, value = str(o).partition("=")
         params[key.lstrip("+~")] = value
     if not params and isinstance(marker.get("config"), dict):
         cfg = marker["config"]
-        params = {f"capture.{k}": str(v) for k, v in (cfg.get("capture") or {}).items()}
+        capture = cfg.get("capture") if isinstance(cfg.get("capture"), dict) else {}
+        params = {f"capture.{k}": str(v) for k, v in capture.items()}
         params["experiment"] = str(cfg.get("experiment", ""))
     return params

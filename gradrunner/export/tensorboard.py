@@ -11,37 +11,67 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from gradrunner.export.jobs import Job, tag_prefix
+from gradrunner.analysis.micro import combine_micro_steps
+from gradrunner.export.jobs import Job, grad_scalars, tag_prefix
 from gradrunner.records.columns import COUNT_COLUMNS, EXTRA_FLOAT_COLUMNS, STAT_COLUMNS
+
+#: The names TensorBoard's event files start with.
+_EVENTS = "events.out.tfevents."
 
 
 def to_tensorboard(all_jobs: Sequence[Job], out: Path) -> list[Path]:
-    """One event file per job under `out/<job>`; scalars, histograms and the hparams plugin's records."""
+    """One event file per job under `out/<job>`; scalars, histograms and the hparams plugin's records.
+
+    Example::
+
+        to_tensorboard(jobs("runs/mine"), Path("runs/mine/tensorboard"))   # [Path('runs/mine/tensorboard/run')]
+
+    A re-export replaces a job's event files (written beside them first, then swapped in): TensorBoard
+    reads every event file of a dir, so appending would draw every point twice.
+    """
     from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
     written = []
     for job in all_jobs:
-        writer = EventFileWriter(str(out / job.name))
-        now = time.time()
-        for s in _hparams_summaries(job.params):
-            writer.add_event(Event(wall_time=now, step=0, summary=s))
-        for tag, step, value in job.scalars:
-            writer.add_event(Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])))
-        for tag, step, limits, counts in job.histograms:
-            nz = [(lim, c) for lim, c in zip(limits, counts, strict=True) if c]
-            histo = HistogramProto(min=0.0, max=max((lim for lim, _ in nz), default=0.0), num=float(sum(counts)),
-                                   bucket_limit=limits, bucket=[float(c) for c in counts])  # fmt: skip
-            writer.add_event(Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=tag, histo=histo)])))
-        writer.close()
-        written.append(Path(writer.get_logdir()))
+        target = out / job.name
+        fresh = target.parent / f".{target.name}.gradrunner-export"
+        shutil.rmtree(fresh, ignore_errors=True)  # a killed export's leftovers
+        writer = EventFileWriter(str(fresh))
+        try:
+            now = time.time()
+            for s in _hparams_summaries(job.params):
+                writer.add_event(Event(wall_time=now, step=0, summary=s))
+            for tag, step, value in job.scalars:
+                writer.add_event(Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])))
+            for tag, step, limits, counts in job.histograms:
+                nz = [(lim, c) for lim, c in zip(limits, counts, strict=True) if c]
+                histo = HistogramProto(min=0.0, max=max((lim for lim, _ in nz), default=0.0), num=float(sum(counts)),
+                                       bucket_limit=limits, bucket=[float(c) for c in counts])  # fmt: skip
+                writer.add_event(Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=tag, histo=histo)])))
+            writer.close()
+            _swap_in(fresh, target)
+        finally:
+            writer.close()
+            shutil.rmtree(fresh, ignore_errors=True)
+        written.append(target)
     return written
+
+
+def _swap_in(fresh: Path, target: Path) -> None:
+    """Replace `target`'s event files with those written in `fresh` (other files in `target` are left alone)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for old in target.glob(f"{_EVENTS}*"):
+        old.unlink()
+    for new in fresh.glob(f"{_EVENTS}*"):
+        os.replace(new, target / new.name)
 
 
 def _hparams_summaries(params: dict[str, str]) -> Iterator[Any]:
@@ -66,6 +96,7 @@ class LiveTensorBoard:
 
         live = LiveTensorBoard(run_dir / "tensorboard")
         live.write(step, records)      # the host-side StepRecords the writer just took: no device sync
+        live.write_step(step, [micro_0, micro_1], loss)   # under accumulation: one value per tap and step
         live.close()
 
     Tags are the export's (`grads/<tap>/<stat>`, `steps/loss`), so a live log and a later export agree.
@@ -92,7 +123,31 @@ class LiveTensorBoard:
                 col = getattr(recs, c)
                 if col is not None and math.isfinite(float(col[i])):
                     values.append(Summary.Value(tag=f"{prefix}/{c}", simple_value=float(col[i])))
-        if loss is not None and math.isfinite(loss):
+        if loss is not None:  # NaN kept, as the export keeps it
+            values.append(Summary.Value(tag="steps/loss", simple_value=float(loss)))
+        self.writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+
+    def write_step(self, step: int, micro: Sequence[Any], loss: float | None) -> None:
+        """One event for a step whose records came in several micro-batches (`micro`, in order), combined.
+
+        Example::
+
+            live.write_step(step, [recs_micro_0, recs_micro_1], loss)   # one value per tap, as the export writes
+
+        The micro-batches are combined as `analysis.micro.combine_micro_steps` combines them (the whole
+        batch's gradient); one part is `write` itself.
+        """
+        if len(micro) == 1:
+            self.write(step, micro[0], loss)
+            return
+        import pandas as pd
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        rows = [{**r.row(i), "step": step, "rank": 0, "micro_step": m} for m, r in enumerate(micro) for i in range(len(r))]
+        per_step = combine_micro_steps(pd.DataFrame(rows).drop(columns=["values", "shape"]))
+        values = [Summary.Value(tag=t, simple_value=v) for t, _, v in grad_scalars(per_step)]
+        if loss is not None:
             values.append(Summary.Value(tag="steps/loss", simple_value=float(loss)))
         self.writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
 

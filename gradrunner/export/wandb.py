@@ -9,6 +9,8 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,14 +20,37 @@ import numpy as np
 from gradrunner.export.jobs import Job
 
 
+def run_id_of(job: Job) -> str:
+    """The W&B run id of a job's export: fixed by its records' run id, so a re-export is the same W&B run.
+
+    Example::
+
+        run_id_of(job)     # 'gr-3f2a9c0d1e4b5a67'
+    """
+    return "gr-" + hashlib.sha256(f"{job.directory.resolve()}#{job.run_id}".encode()).hexdigest()[:16]
+
+
 def to_wandb(all_jobs: Sequence[Job], out: Path, project: str = "gradrunner") -> list[Path]:
-    """One offline W&B run per job under `out/wandb` (upload later with `wandb sync`)."""
+    """One offline W&B run per job under `out/wandb` (upload later with `wandb sync`).
+
+    Example::
+
+        to_wandb(jobs("runs/gpt2"), Path("runs/gpt2"))    # [Path('runs/gpt2/wandb/offline-run-...-gr-...')]
+
+    Each step is one `run.log` call holding every value of that step (NaN and Inf as they are). A
+    job's run id is `run_id_of(job)`; the offline run dirs an earlier export wrote for it are removed
+    first, so `wandb sync out/wandb/offline-run-*` uploads it once.
+    """
     import wandb
 
     out.mkdir(parents=True, exist_ok=True)
     dirs = []
     for job in all_jobs:
-        run = wandb.init(project=project, name=job.name, config=job.params, dir=str(out), mode="offline", reinit="create_new")
+        rid = run_id_of(job)
+        for old in (out / "wandb").glob(f"offline-run-*-{rid}"):
+            shutil.rmtree(old)
+        run = wandb.init(project=project, name=job.name, id=rid, config=job.params, dir=str(out), mode="offline",
+                         reinit="create_new")  # fmt: skip
         try:
             by_step: dict[int, dict[str, Any]] = {}
             for tag, step, value in job.scalars:

@@ -133,15 +133,16 @@ def plot_grad_flow(
             ax.set_yscale("log", nonpositive="mask")
             ax.set_ylabel((f"{title}\n" if title and len(runs) > 1 else "") + measure_name if col == 0 else "",
                           fontsize="small")  # fmt: skip
-            if row == 0:
-                ax.set_title(kind if len(runs) > 1 or not title else f"{title}: {kind}", fontsize="medium")
+            if row == 0:  # the run's name goes in the figure's title: two long panel titles would overlap
+                ax.set_title(kind, fontsize="medium")
             ax.grid(True, which="major", alpha=0.3)
             if col == len(kinds) - 1:  # outside the axes, right of the last column: it covers no point
                 ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
             ax.set_xticks(range(len(positions)), labels if row == len(runs) - 1 else [],
                           rotation=60, ha="right", fontsize="small")  # fmt: skip
         grid[-1, col].set_xlabel("tap, in forward order" + (f" (after {prefix!r})" if prefix else ""))
-    fig.suptitle(f"Gradient flow ({measure_name} per tap)")
+    single = runs[0][0] if len(runs) == 1 and runs[0][0] else ""
+    fig.suptitle(f"Gradient flow ({measure_name} per tap)" + (f": {single}" if single else ""))
     return fig
 
 

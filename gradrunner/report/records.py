@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.analysis.reading import VALUES as VALUES_COLUMN
 from gradrunner.analysis.summaries import pick_steps
 from gradrunner.records.columns import GRADS_FILE, HIST_COLUMN, PER_EXAMPLE_COLUMN
@@ -97,12 +98,15 @@ def with_column(run: pd.DataFrame, file: Path, column: str, filters: list[tuple[
     """`run`'s rows that match `filters`, with `column` read from `file` for those rows only (pyarrow filters)."""
     import pyarrow.parquet as pq
 
-    keys = [k for k in ("run_id", "step", "tap", "call") if k in pq.read_schema(file).names]
-    table = pq.read_table(file, columns=[*keys, column], filters=filters or None)
+    names = pq.read_schema(file).names
+    keys = [k for k in ("run_id", "step", "tap", "call") if k in names]
+    micro = [c for c in ("micro_step", "has_grad") if c in names]  # combined per step, as `run`'s rows are
+    read = pq.read_table(file, columns=[*keys, *micro, column], filters=filters or None).to_pandas()
+    read = combine_micro_steps(read).drop(columns=micro)
     rows = run
     for name, op, value in filters:
         rows = rows[rows[name].isin(value)] if op == "in" else rows[rows[name] == value]  # type: ignore[arg-type]
-    return rows.drop(columns=[column], errors="ignore").merge(table.to_pandas(), on=keys, how="inner")
+    return rows.drop(columns=[column], errors="ignore").merge(read, on=keys, how="inner")
 
 
 def drawn_values(out_dir: Path, grads: pd.DataFrame) -> pd.DataFrame | None:

@@ -35,9 +35,11 @@ import numpy as np
 import pandas as pd
 
 from gradrunner.analysis.aggregate import AGGREGATE_ABOVE
+from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.analysis.reading import load
 from gradrunner.analysis.summaries import flow_steps, run_columns, tap_summary, vanishing_boundary
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
+from gradrunner.records.columns import CONSTANT_COLUMNS
 from gradrunner.report.page import (
     DPI,
     INSTALL_HINT,
@@ -98,7 +100,8 @@ def write_report(path: str | Path) -> Path:
     out_dir = root.parent if root.is_file() else root
     # every column but the per-element ones (`values`, `hist_counts`, `per_example_norm`): those are read
     # below for the rows drawn only (columns and row filters), never for every row
-    grads = load(out_dir, columns=light_columns(out_dir))
+    # one record per step under accumulation: a step's micro-batches combined (the whole batch's gradient)
+    grads = combine_micro_steps(load(out_dir, columns=light_columns(out_dir)))
     if grads.empty:
         raise GradrunnerError(f"the records in {out_dir} hold no rows (no step was captured); nothing to report")
     steps = _load_steps(out_dir)
@@ -139,7 +142,7 @@ def _run_sections(
     if values is not None:
         fig = plots.plot_value_distributions(values)
         sections.append(figure_section(out_dir, "values", "Gradient values", fig, "First and last captured step."))
-    sections += extra_sections(grads, out_dir, figure=figure_section)
+    sections += extra_sections(shown, out_dir, figure=figure_section)  # once, like the flow, when strategies agree
     sections += edit_sections(grads, out_dir, figure=figure_section)
     return sections, _answer(grads, steps, summary, cmp)
 
@@ -177,8 +180,7 @@ def _load_steps(out_dir: Path) -> pd.DataFrame | None:
 
 def _runs_section(grads: pd.DataFrame, steps: pd.DataFrame | None) -> str:
     """One row per run: what distinguishes it, what ran, how many steps, the last loss."""
-    columns = [c for c in ["job", *run_columns(grads), "run_id", "experiment", "strategy", "device", "dtype"]
-               if c in grads.columns]  # fmt: skip
+    columns = [c for c in ["job", *run_columns(grads), *CONSTANT_COLUMNS] if c in grads.columns]
     g = grads.groupby("run_id", sort=False)
     runs = g[list(dict.fromkeys(columns))].first().reset_index(drop=True)
     runs["captured steps"] = g["step"].nunique().to_numpy()

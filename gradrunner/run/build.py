@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import inspect
+import logging
 import random
 import re
 from collections.abc import Callable, Iterator
@@ -26,14 +27,17 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from gradrunner.capturing.taps import resolve_taps
+from gradrunner.capturing.taps import glob_reach, resolve_taps
 from gradrunner.config.choices import DTYPES
 from gradrunner.config.schema import validate
 from gradrunner.data import Batch, as_batches
 from gradrunner.errors import GradrunnerError, did_you_mean, not_allowed, one_paragraph
+from gradrunner.run import evaluation
+from gradrunner.run.param_groups import decay_groups
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 _CONF_DIR = Path(__file__).parent.parent / "conf"
+log = logging.getLogger(__name__)
 
 
 def seed_everything(seed: int) -> None:
@@ -151,8 +155,8 @@ class Job:
     dtype: torch.dtype
     #: `scheduler` group, built over `optimizer`; None without one.
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
-    #: `train.eval_every`: batches of `eval_data` (or a fresh stream of the training data); None without.
-    eval_batches: Iterator[Batch] | None = None
+    #: `train.eval_every`: the fixed evaluation set (`run.evaluation`), the same batches every time; None without.
+    eval_set: list[Batch] | None = None
 
 
 def setup(cfg: DictConfig) -> Job:
@@ -166,7 +170,7 @@ def setup(cfg: DictConfig) -> Job:
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
     seed_everything(cfg.seed)
     init_from = OmegaConf.select(cfg, "model.init_from", default=None)
-    model = build(_without_init_from(cfg), "model")
+    model = build(_without(cfg, "model", "init_from"), "model")
     if not isinstance(model, nn.Module):
         raise GradrunnerError(f"model {cfg.model._target_!r} built a {type(model).__name__}, not a torch.nn.Module")
     if init_from is not None:
@@ -174,14 +178,20 @@ def setup(cfg: DictConfig) -> Job:
     model.to(device=device, dtype=dtype)
     # Taps checked against the model now: a typo is answered before data, loss and optimizer are
     # built (the first optimizer imports torch._dynamo, about a second).
-    resolve_taps(model, OmegaConf.to_container(cfg.taps, resolve=True))  # type: ignore[arg-type]
-    batches = as_batches(build(cfg, "data"), device, dtype, cfg.get("forward_kwargs"))
+    specs = OmegaConf.to_container(cfg.taps, resolve=True)
+    resolve_taps(model, specs)  # type: ignore[arg-type]
+    for reach in glob_reach(model, specs):  # type: ignore[arg-type]  # how far each glob reached, depth by depth
+        log.info("taps: %s", reach)
+    source = build(cfg, "data")
+    batches = as_batches(source, device, dtype, cfg.get("forward_kwargs"))
     loss_fn = build(cfg, "loss")
     if isinstance(loss_fn, nn.Module):
         loss_fn.to(device=device)
-    make_optimizer = build(cfg, "optimizer")
+    make_optimizer = build(_without(cfg, "optimizer", "no_decay"), "optimizer")
+    no_decay = OmegaConf.select(cfg, "optimizer.no_decay", default=None)
+    params = decay_groups(model, list(no_decay)) if no_decay else model.parameters()  # run/param_groups.py
     try:
-        optimizer = make_optimizer(model.parameters())
+        optimizer = make_optimizer(params)
     except (TypeError, ValueError) as e:
         hint = _optimizer_hint(cfg.optimizer, e)
         raise GradrunnerError(
@@ -199,19 +209,29 @@ def setup(cfg: DictConfig) -> Job:
                 f"Check the scheduler.* keys, or pick another option with scheduler=<option> (built-in: "
                 f"{_options('scheduler')})."
             ) from e
-    eval_batches = None
-    if int(cfg.train.eval_every) > 0:
-        eval_node = cfg.eval_data if cfg.get("eval_data") and "_target_" in cfg.eval_data else cfg.data
-        eval_batches = as_batches(build(OmegaConf.create({"eval_data": eval_node}), "eval_data"), device, dtype)
-    return Job(model, batches, loss_fn, optimizer, device, dtype, scheduler, eval_batches)
+    eval_set = _eval_set(cfg, source, device, dtype) if int(cfg.train.eval_every) > 0 else None
+    return Job(model, batches, loss_fn, optimizer, device, dtype, scheduler, eval_set)
 
 
-def _without_init_from(cfg: DictConfig) -> DictConfig:
-    """`cfg` with `model.init_from` removed: it is the runner's key, not the model's constructor argument."""
-    if "init_from" not in cfg.model:
+def _eval_set(cfg: DictConfig, source: object, device: torch.device, dtype: torch.dtype) -> list[Batch]:
+    """The fixed evaluation set of `train.eval_every` (`gradrunner.run.evaluation` says which batches)."""
+    src = evaluation.eval_source(cfg, source)
+    held = src.source if src.source is not None else build(OmegaConf.create({src.group: src.node}), src.group)
+    n, seed = int(cfg.train.eval_batches), evaluation.held_out_seed(int(cfg.seed))
+    batches = evaluation.fixed_batches(held, n, seed, device, dtype, cfg.get("forward_kwargs"))
+    log.info("evaluation every %d steps on a fixed set of %d batch(es): %s", int(cfg.train.eval_every), len(batches),
+             src.what)  # fmt: skip
+    return batches
+
+
+def _without(cfg: DictConfig, group: str, key: str) -> DictConfig:
+    """`cfg` with `group.key` removed: a runner's key (`model.init_from`, `optimizer.no_decay`), not a constructor argument."""
+    if key not in cfg[group]:
         return cfg
-    model = OmegaConf.masked_copy(cfg.model, [k for k in cfg.model if k != "init_from"])
-    return OmegaConf.create({"model": model})
+    node = OmegaConf.to_container(cfg[group], resolve=True)  # resolved here: its ${...} need the whole config
+    assert isinstance(node, dict), node
+    node.pop(key)
+    return OmegaConf.create({group: node})
 
 
 def load_weights(model: nn.Module, path: str) -> None:

@@ -40,6 +40,7 @@ from gradrunner.run import accumulation, distributed, watch
 from gradrunner.run.build import Job, setup
 from gradrunner.run.checkpoint import CHECKPOINT_DIR, Checkpointer, Tee
 from gradrunner.run.distributed import Distributed, GatheredWriter
+from gradrunner.run.evaluation import evaluate
 from gradrunner.run.guards import (
     NonFinite,
     backward,
@@ -218,7 +219,7 @@ def train_step(
         micro.append((ctx.accumulate - 1, losses[-1], recs))
         capture_time = time.perf_counter() - t1
     job.optimizer.zero_grad(set_to_none=True)
-    eval_loss = evaluate(job, cap, ctx) if ctx.eval_every and (step + 1) % ctx.eval_every == 0 else None
+    eval_loss = evaluate(job, cap, autocast(job.device, ctx.autocast)) if ctx.eval_every and (step + 1) % ctx.eval_every == 0 else None
     wide = torch.float32 if job.device.type == "mps" else torch.float64  # MPS has no float64
     on_host = [torch.stack(losses).to(wide).mean(), grad_norm.to(wide), clipped.to(wide)]
     host = torch.stack([t.to(losses[0].device) for t in on_host]).tolist()  # the step's one transfer
@@ -267,27 +268,6 @@ def clip(
         clipped = clipped | (peak.max().to(clipped.device) > max_value)
         torch.nn.utils.clip_grad_value_(with_grad, max_value)
     return clipped
-
-
-def evaluate(job: Job, cap: Capture, ctx: StepContext) -> float | None:
-    """Mean loss over `ctx.eval_batches` batches of the eval data, in eval mode, without grad or capture."""
-    if job.eval_batches is None:
-        return None
-    was_training, enabled = job.model.training, cap.enabled
-    cap.enabled = False
-    job.model.eval()
-    try:
-        with torch.no_grad(), autocast(job.device, ctx.autocast):
-            total = torch.zeros((), dtype=torch.float64, device=job.device)
-            for _ in range(ctx.eval_batches):
-                x, y = next_batch(job.eval_batches, 0, source="eval_data")
-                out = job.model(**x) if isinstance(x, dict) else job.model(x)
-                total += job.loss_fn(out, y).double()
-        return float(total) / ctx.eval_batches
-    finally:
-        job.model.train(was_training)
-        cap.enabled = enabled
-        cap.reset()
 
 
 def _run_steps(

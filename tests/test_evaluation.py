@@ -1,0 +1,127 @@
+"""`train.eval_every` (issue 36 items 1, 2): a fixed held-out set, the same batches every evaluation.
+
+The reference is written here in plain torch: the synthetic task's teacher and its held-out inputs
+drawn from `seed + 1000000` as the README says, an SGD loop over the training batches, the held-out
+batches' MSE in eval mode after each evaluated step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import compose_cfg
+from torch import nn
+
+from gradrunner.models import MLP
+from gradrunner.run.loop import train
+
+SHAPE = {"in_features": 8, "hidden": 8, "depth": 2, "out_features": 1}
+
+
+def _weights(tmp_path: Path) -> Path:
+    torch.manual_seed(7)
+    path = tmp_path / "init.pt"
+    torch.save(MLP(**SHAPE).state_dict(), path)
+    return path
+
+
+def _mlp_run(tmp_path: Path, *overrides: str, steps: int = 6) -> pd.DataFrame:
+    cfg = compose_cfg(
+        "+experiment=mlp", f"steps={steps}", f"+model.init_from={_weights(tmp_path)}", "model.hidden=8", "model.depth=2",
+        "taps=[fc1:output]", "device=cpu", "data.batch_size=16", "data.num_samples=64", *overrides,
+    )  # fmt: skip
+    out = tmp_path / "run"
+    train(cfg, out_dir=out)
+    return pd.read_parquet(out / "steps.parquet")
+
+
+def _synthetic(seed: int, teacher_seed: int, n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic regression as the README describes it: inputs N(0, 1), targets x @ teacher + 0.1 noise."""
+    gen = torch.Generator().manual_seed(teacher_seed)
+    x_train = torch.randn((n, 8), generator=gen, dtype=torch.float64)
+    teacher = torch.randn((8, 1), generator=gen, dtype=torch.float64) / math.sqrt(8)
+    if seed == teacher_seed:
+        x, noise_gen = x_train, gen
+    else:
+        noise_gen = torch.Generator().manual_seed(seed)
+        x = torch.randn((n, 8), generator=noise_gen, dtype=torch.float64)
+    y = x @ teacher + 0.1 * torch.randn((n, 1), generator=noise_gen, dtype=torch.float64)
+    return x.float(), y.float()
+
+
+def test_default_eval_set_is_fixed_held_out_data_from_another_seed(tmp_path: Path) -> None:
+    steps = _mlp_run(tmp_path, "train.eval_every=2", "train.eval_batches=2", "optimizer.lr=0.05")
+    model = MLP(**SHAPE)
+    model.load_state_dict(torch.load(tmp_path / "init.pt", weights_only=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    x, y = _synthetic(0, 0)
+    xe, ye = _synthetic(1_000_000, 0)  # the same teacher, other inputs and noise
+    expected = []
+    for step in range(6):
+        b = slice((step % 4) * 16, (step % 4 + 1) * 16)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[b]), y[b]).backward()
+        opt.step()
+        with torch.no_grad():
+            held = [nn.functional.mse_loss(model(xe[i * 16 : (i + 1) * 16]), ye[i * 16 : (i + 1) * 16]).double() for i in (0, 1)]
+        expected.append(float(sum(held)) / 2 if step % 2 == 1 else math.nan)
+    np.testing.assert_allclose(steps["eval_loss"], expected, rtol=1e-5)
+    assert steps["eval_loss"].iloc[5] < steps["eval_loss"].iloc[1]  # it learns the teacher, not the training set
+
+
+def test_eval_loss_does_not_move_when_the_model_does_not(tmp_path: Path) -> None:
+    steps = _mlp_run(tmp_path, "train.eval_every=1", "train.eval_batches=3", "optimizer.lr=0", steps=5)
+    assert steps["eval_loss"].notna().all()
+    assert steps["eval_loss"].nunique() == 1, steps["eval_loss"].tolist()  # the same batches every time
+    assert steps["loss"].nunique() > 1  # while the training batches change
+
+
+@pytest.mark.parametrize("experiment", ["mlp", "gpt2", "gpt2_pretrain"])
+def test_eval_every_runs_on_every_builtin_data_source_that_interpolates_seed(tmp_path: Path, experiment: str) -> None:
+    if experiment.startswith("gpt2"):
+        pytest.importorskip("transformers")
+    cfg = compose_cfg(f"+experiment={experiment}", "steps=2", "train.eval_every=1", "device=cpu", "taps=[]",
+                      "train.checkpoint_every=0")  # fmt: skip
+    out = tmp_path / "run"
+    train(cfg, out_dir=out)
+    eval_loss = pd.read_parquet(out / "steps.parquet")["eval_loss"]
+    assert eval_loss.notna().all() and (eval_loss > 0).all()
+
+
+def test_eval_data_may_interpolate_seed(tmp_path: Path) -> None:
+    steps = _mlp_run(tmp_path, "train.eval_every=1", "optimizer.lr=0",
+                     "+eval_data={_target_: gradrunner.data.Synthetic, num_samples: 64, batch_size: 16, seed: '${seed}'}",
+                     steps=2)  # fmt: skip
+    model = MLP(**SHAPE)
+    model.load_state_dict(torch.load(tmp_path / "init.pt", weights_only=True))
+    x, y = _synthetic(0, 0)  # eval_data with seed=${seed}: the training data's own first batch
+    with torch.no_grad():
+        expected = nn.functional.mse_loss(model(x[:16]), y[:16]).item()
+    np.testing.assert_allclose(steps["eval_loss"], [expected] * 2, rtol=1e-6)
+
+
+def test_evaluation_changes_nothing_of_training(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    runs = []
+    for i, extra in enumerate([[], ["train.eval_every=1", "train.eval_batches=2"]]):
+        cfg = compose_cfg("+experiment=gpt2", "steps=3", "device=cpu", "taps=[lm_head:output]",
+                          "+model.config.resid_pdrop=0.5", *extra)  # fmt: skip  dropout draws from torch's RNG
+        train(cfg, out_dir=tmp_path / str(i))
+        runs.append(pd.read_parquet(tmp_path / str(i) / "grads.parquet"))
+    assert runs[0]["norm"].tolist() == runs[1]["norm"].tolist()
+    assert runs[0]["loss"].tolist() == runs[1]["loss"].tolist()
+
+
+def test_a_source_without_held_out_data_is_said(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = compose_cfg("+experiment=mlp", "steps=1", "data=tensors", "model.in_features=1", "train.eval_every=1",
+                      "taps=[]", "device=cpu")  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        train(cfg, out_dir=tmp_path / "run")
+    assert "offers no held-out examples" in caplog.text and "rebuilt with seed 1000000" in caplog.text
+    assert "evaluation every 1 steps on a fixed set of 1 batch(es)" in caplog.text

@@ -1,0 +1,102 @@
+"""Records under accumulation, one per step (issue 36 items 7, 8): `combine_micro_steps` against plain torch.
+
+The reference: the same MLP, the step's two micro-batches side by side as one batch, the loss the mean
+of the two micro-batches' MSE (what `train.accumulate=2` optimises); the gradient of that loss with
+respect to the whole batch's activations, and its statistics, computed with torch here.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from conftest import compose_cfg
+from torch import nn
+
+from gradrunner.analysis import load, tap_summary
+from gradrunner.analysis.micro import combine_micro_steps
+from gradrunner.models import MLP
+from gradrunner.run.loop import train
+
+SHAPE = {"in_features": 8, "hidden": 8, "depth": 2, "out_features": 1}
+TAPS = ["fc1:output", "relu1:output", "fc2:weight"]
+
+
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("acc")
+    torch.manual_seed(3)
+    torch.save(MLP(**SHAPE).state_dict(), tmp / "init.pt")
+    cfg = compose_cfg(
+        "+experiment=mlp", "steps=3", f"+model.init_from={tmp / 'init.pt'}", "model.hidden=8", "model.depth=2",
+        f"taps=[{','.join(TAPS)}]", "device=cpu", "data.batch_size=8", "data.num_samples=64", "train.accumulate=2",
+        "optimizer.lr=0.1", "capture.histogram=true", "capture.per_example=true",
+    )  # fmt: skip
+    train(cfg, out_dir=tmp / "run")
+    return tmp
+
+
+def _reference(tmp: Path) -> list[dict[str, torch.Tensor]]:
+    """Per step, the gradient of each activation tap over the whole batch (both micro-batches), plain torch."""
+    model = MLP(**SHAPE)
+    model.load_state_dict(torch.load(tmp / "init.pt", weights_only=True))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn((64, 8), generator=gen, dtype=torch.float64)
+    teacher = torch.randn((8, 1), generator=gen, dtype=torch.float64) / math.sqrt(8)
+    y = (x @ teacher + 0.1 * torch.randn((64, 1), generator=gen, dtype=torch.float64)).float()
+    x = x.float()
+    out = []
+    for step in range(3):
+        xb, yb = x[step * 16 : step * 16 + 16], y[step * 16 : step * 16 + 16]
+        h1 = model.fc1(xb)
+        h1.retain_grad()
+        r1 = model.relu1(h1)
+        r1.retain_grad()
+        pred = model.head(model.relu2(model.fc2(r1)))
+        loss = (nn.functional.mse_loss(pred[:8], yb[:8]) + nn.functional.mse_loss(pred[8:], yb[8:])) / 2
+        opt.zero_grad()
+        loss.backward()
+        out.append({"fc1:output": h1.grad.clone(), "relu1:output": r1.grad.clone(), "fc2:weight": model.fc2.weight.grad.clone(),
+                    "loss": loss.detach()})  # fmt: skip
+        opt.step()
+    return out
+
+
+def test_combined_records_are_the_whole_batch_gradient(accumulated: Path) -> None:
+    df = load(accumulated / "run")
+    assert df.micro_step.notna().any()
+    per_step = combine_micro_steps(df)
+    assert len(per_step) == 3 * len(TAPS) and not per_step.duplicated(["step", "tap", "call"]).any()
+    assert per_step.micro_step.isna().all()
+    for step, ref in enumerate(_reference(accumulated)):
+        for tap in TAPS:
+            row = per_step[(per_step.step == step) & (per_step.tap == tap)].iloc[0]
+            g = ref[tap].double()
+            assert row.numel == g.numel() and list(row["shape"]) == list(g.shape)
+            for stat, want in (("norm", g.norm()), ("mean", g.mean()), ("std", g.std()), ("min", g.min()),
+                               ("max", g.max()), ("abs_max", g.abs().max()), ("zero_frac", (g == 0).double().mean())):  # fmt: skip
+                assert row[stat] == pytest.approx(float(want), rel=1e-5, abs=1e-9), (step, tap, stat)
+            if tap != "fc2:weight":
+                np.testing.assert_allclose(row["per_example_norm"], g.norm(dim=1).numpy(), rtol=1e-5)
+            assert int(np.sum(row["hist_counts"])) == g.numel()
+        assert per_step[per_step.step == step].loss.iloc[0] == pytest.approx(float(ref["loss"]), rel=1e-6)
+    assert (per_step.loc[per_step.tap == "fc1:output", "zero_frac"] > 0).any()  # dead units: zeros were counted
+
+
+def test_tap_summary_counts_steps_not_micro_batches(accumulated: Path) -> None:
+    summary = tap_summary(load(accumulated / "run")).set_index("tap")
+    assert summary.loc[["fc1:output", "relu1:output", "fc2:weight"], "steps"].tolist() == [3, 3, 3]  # not 6 for activations
+    ref = _reference(accumulated)
+    assert summary.loc["fc1:output", "first"] == pytest.approx(float(ref[0]["fc1:output"].norm()), rel=1e-5)
+    assert summary.loc["fc1:output", "last"] == pytest.approx(float(ref[2]["fc1:output"].norm()), rel=1e-5)
+
+
+def test_without_micro_steps_nothing_changes() -> None:
+    df = pd.DataFrame({"step": [0, 0], "tap": ["a:output", "b:output"], "call": [0, 0], "norm": [1.0, 2.0],
+                       "has_grad": [True, True], "micro_step": [None, None]})  # fmt: skip
+    assert combine_micro_steps(df) is df
