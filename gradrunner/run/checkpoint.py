@@ -36,7 +36,6 @@ import logging
 import os
 import random
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -249,10 +248,7 @@ class Checkpointer:
     def _watch(self, job: Job) -> None:
         """Count the data streams' batches from the start (`run.data_position`), to save and replay their position."""
         self._data = {"train": Watched(job.batches, "training data")}
-        job.batches = self._data["train"]
-        if isinstance(job.eval_batches, Iterator):
-            self._data["eval"] = Watched(job.eval_batches, "eval data")
-            job.eval_batches = self._data["eval"]
+        job.batches = self._data["train"]  # the eval set is drawn once before step 0 (`run.evaluation`): nothing to replay
 
     def _usable(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """The verified manifest and the loaded state of the checkpoint here; None (said why, removed) if unusable."""
@@ -293,7 +289,7 @@ class Checkpointer:
                 f"the {' and '.join(overflow)} data drew from torch's random generator at more than {MAX_DRAWS} "
                 "batches (a random transform in the main process?), too many to replay exactly; give the DataLoader "
                 "workers (num_workers > 0) so that transforms draw in them"
-                if overflow else "it was written by a job with other data streams (train.eval_every)"
+                if overflow else "it was written by a job with other data streams (an older gradrunner)"
             )  # fmt: skip
         return manifest, state
 
