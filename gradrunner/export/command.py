@@ -12,15 +12,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gradrunner.errors import GradrunnerError, one_paragraph
+from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.export.jobs import jobs
 from gradrunner.export.mlflow import to_mlflow
 from gradrunner.export.tensorboard import to_tensorboard
 from gradrunner.export.wandb import to_wandb
 
 TARGETS = ("tensorboard", "wandb", "mlflow")
-#: Exit code of a user mistake (as the CLI's).
-USAGE_EXIT = 2
 _DESCRIPTION = "`python -m gradrunner.export tensorboard|wandb|mlflow <run or sweep dir>`: the records where people look."
 
 
@@ -51,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {len(found)} offline run(s) to {out / 'wandb'}; upload with: wandb sync {out / 'wandb'}/offline-run-*")
     except GradrunnerError as e:
         print(f"gradrunner.export: {one_paragraph(e)}", file=sys.stderr)
-        return USAGE_EXIT
+        return EXIT_USER_ERROR
     return 0
 
 

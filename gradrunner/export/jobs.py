@@ -27,8 +27,6 @@ from gradrunner.records.columns import COUNT_COLUMNS, EXTRA_FLOAT_COLUMNS, HIST_
 SCALAR_COLUMNS = (*STAT_COLUMNS, *COUNT_COLUMNS, *EXTRA_FLOAT_COLUMNS)
 #: `steps.parquet` columns that are not a scalar over steps.
 _STEPS_SKIP = frozenset({"step", "rank", "run_id", "experiment", "strategy", "device", "dtype", "captured"})
-#: Exit code of a user mistake (as the CLI's).
-USAGE_EXIT = 2
 
 
 @dataclass
