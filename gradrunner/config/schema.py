@@ -302,11 +302,12 @@ def _check_can_finish(cfg: DictConfig) -> None:
 #: user's) and at any depth (`scheduler.lr_lambda.warmup_steps`): what each allows, as (kind, low, high) with
 #: kind "int" (an integer from low to high), "rate" (a number > low, no upper bound) or "range" (a number
 #: from low to high). Anything else a scheduler takes is left to it, and to the check before step 0.
+_STEP_COUNTS = ("total_steps", "T_max", "T_0", "T_mult", "total_iters", "step_size", "step_size_up",
+                "steps_per_epoch", "epochs")  # fmt: skip
 SCHEDULER_RANGES: dict[str, tuple[str, float, float]] = {
     **{k: ("rate", 0.0, math.inf) for k in ("max_lr", "base_lr", "gamma", "div_factor", "final_div_factor")},
     **{k: ("range", 0.0, math.inf) for k in ("eta_min", "min_lr")},
-    **{k: ("int", 1, STEPS_MAX) for k in ("total_steps", "T_max", "T_0", "T_mult", "total_iters", "step_size",
-                                          "step_size_up", "steps_per_epoch", "epochs")},  # fmt: skip
+    **{k: ("int", 1, STEPS_MAX) for k in _STEP_COUNTS},
     "warmup_steps": ("int", 0, STEPS_MAX),
     **{k: ("range", 0.0, 1.0) for k in ("pct_start", "end_factor", "min_ratio")},
     "start_factor": ("rate", 0.0, 1.0),
@@ -376,7 +377,7 @@ def validate_scheduler(cfg: DictConfig) -> None:
             f"command line, e.g. {key}={example}, or in your scheduler file."
         )
     if str(settings["_target_"]).rsplit(".", 1)[-1] == "OneCycleLR":
-        _check_covers_steps(settings, int(cfg.steps))
+        _check_covers_steps({str(k): v for k, v in settings.items()}, int(cfg.steps))
 
 
 def _check_covers_steps(settings: dict[str, Any], steps: int) -> None:

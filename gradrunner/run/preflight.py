@@ -45,7 +45,7 @@ def _stand_in(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer | None:
     for g in groups:
         g.pop("initial_lr", None)
     try:
-        return type(optimizer)(groups)
+        return type(optimizer)(groups)  # type: ignore[call-arg]  # every subclass takes its params first
     except Exception:  # an optimizer that cannot be built this way: the run itself will tell
         return None
 
