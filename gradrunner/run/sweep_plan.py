@@ -75,7 +75,8 @@ def _impure(text: bytes) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def code_digest() -> str:
-    """sha256 of every Python file of the installed gradrunner package (the schema's among them), by relative path.
+    """sha256 of every source file (Python, and the C of the fused statistics) of the installed gradrunner package
+    (the schema's among them), by relative path.
 
     Example::
 
@@ -86,7 +87,7 @@ def code_digest() -> str:
     """
     root = Path(gradrunner.__file__).resolve().parent
     digest = hashlib.sha256()
-    for f in sorted(root.rglob("*.py")):
+    for f in sorted([*root.rglob("*.py"), *root.rglob("*.c")]):
         if "__pycache__" not in f.parts:
             data = f.read_bytes()
             digest.update(f"{f.relative_to(root).as_posix()} {len(data)}\n".encode() + data)
