@@ -441,3 +441,22 @@ def test_a_held_lock_costs_one_bounded_wait_and_names_its_holder(
     assert [r.dir for r in read_jobs(tmp_path) or []] == ["0"]  # released: the try without waiting succeeds
     read_jobs(tmp_path)
     assert waits[-2:] == [0.0, 1.0]  # and the access after it waits again as usual
+
+
+def test_a_catalogue_of_the_layout_before_stamps_is_read_and_upgraded_in_place(tmp_path: Path) -> None:
+    con = sqlite3.connect(tmp_path / CATALOGUE)
+    con.execute("create table jobs (dir text primary key, num integer, overrides text not null, status text not null, "
+                "run_id text, rows integer, files text not null, error text, fingerprint text, finished text)")  # fmt: skip
+    con.execute("""insert into jobs values ('0', 0, '["seed=0"]', 'completed', 'r0', 22, '["grads.parquet"]', """
+                "null, 'sha256:x', null)")  # fmt: skip
+    con.execute("pragma user_version = 1")
+    con.commit()
+    con.close()
+    (old,) = read_jobs(tmp_path) or []
+    assert (old.dir, old.run_id, old.stamps) == ("0", "r0", None)
+    record_job(tmp_path, JobRow(dir="1", num=1, overrides=["seed=1"], status="completed", run_id="r1",
+                                stamps={"grads.parquet": "10:20"}))  # fmt: skip
+    assert [(r.dir, r.stamps) for r in read_jobs(tmp_path) or []] == [("0", None), ("1", {"grads.parquet": "10:20"})]
+    assert not list(tmp_path.glob(f"{CATALOGUE}.damaged-*"))
+    with sqlite3.connect(tmp_path / CATALOGUE) as con:
+        assert con.execute("pragma user_version").fetchone()[0] == 2
