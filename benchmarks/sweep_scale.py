@@ -42,7 +42,7 @@ from _common import parse_args, report
 from gradrunner.analysis import load
 from gradrunner.cli.sweep_books import build_manifest
 from gradrunner.records import rundir
-from gradrunner.records.catalogue import JobRow, read_jobs, record_jobs
+from gradrunner.records.catalogue import JobRow, read_jobs, record_jobs, stamps
 from gradrunner.records.columns import OVERRIDES_KEY, RECORD_FILES
 from gradrunner.records.table_writer import write_whole
 
@@ -98,7 +98,8 @@ def catalogue_copies(real_sweep: Path, sweep: Path, jobs: int) -> None:
         marker = json.loads((sweep / str(i) / rundir.DONE).read_text())
         rows.append(JobRow(dir=str(i), num=i, overrides=marker["overrides"], status="completed", run_id=marker["run_id"],
                            rows=sum(marker["rows"].values()), files=marker["files"],
-                           fingerprint=real_rows[0].fingerprint, finished=marker.get("finished")))  # fmt: skip
+                           fingerprint=real_rows[0].fingerprint, finished=marker.get("finished"),
+                           stamps=stamps(sweep / str(i), marker["files"])))  # fmt: skip
     record_jobs(sweep, rows)
 
 

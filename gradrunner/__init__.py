@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from gradrunner.capturing.strategies import STRATEGIES
     from gradrunner.run.recording import Recorder, record
 
-__version__ = "0.1.0"
+#: `gradrunner.__version__`: the installed distribution's version (pyproject.toml's, its one home), read on first use.
+_UNKNOWN_VERSION = "0+unknown"
 
 #: Lazily imported public names: name -> module holding it.
 _LAZY = {
@@ -57,6 +58,15 @@ __all__ = ["STRATEGIES", "Capture", "GradrunnerError", "Grads", "Recorder", "__v
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from importlib import metadata
+
+        try:
+            version = metadata.version("gradrunner")
+        except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+            version = _UNKNOWN_VERSION
+        globals()["__version__"] = version
+        return version
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value  # later lookups skip __getattr__

@@ -14,11 +14,13 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import sqlite3
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -280,3 +282,181 @@ def test_two_concurrent_launchers_with_parallel_jobs_lose_no_row(tmp_path: Path)
         marker = json.loads((sweep / row.dir / DONE).read_text())
         assert (row.status, row.run_id, row.overrides) == ("completed", marker["run_id"], marker["overrides"])
         assert f"seed={marker['config']['seed']}" in row.overrides
+
+
+# --- the catalogue is a cache (issue 38 items 2 and 6) ----------------------------------------------
+
+
+def _damage_files(sweep: Path, rng: random.Random) -> dict[str, str]:
+    """Jobs 0-3's grads.parquet deleted, flipped, truncated and swapped for job 4's, at seeded points."""
+    grads = [sweep / str(n) / "grads.parquet" for n in range(5)]
+    grads[0].unlink()
+    data = bytearray(grads[1].read_bytes())
+    at = rng.randrange(len(data))
+    data[at] ^= 1 << rng.randrange(8)
+    grads[1].write_bytes(bytes(data))
+    kept = rng.randrange(1, grads[2].stat().st_size)
+    with open(grads[2], "r+b") as f:
+        f.truncate(kept)
+    shutil.copy2(grads[4], grads[3])  # size, mtime and all: only the footer digest tells it apart
+    return {"0": "deleted", "1": f"bit flipped at byte {at}", "2": f"truncated to {kept} bytes", "3": "job 4's file"}
+
+
+@pytest.mark.parametrize("seed", [3, 38])
+def test_a_rerun_reruns_completed_jobs_whose_files_do_not_verify(tmp_path: Path, seed: int) -> None:
+    """The catalogue is a cache: a listed job whose files were deleted, flipped, truncated or swapped runs again."""
+    sweep = tmp_path / "s"
+    args = ["-m", *BASE, "seed=0,1,2,3,4", f"hydra.sweep.dir={sweep}"]
+    check_ok(run_counted(tmp_path, *args)[0])
+    before = {r.dir: r.run_id for r in read_jobs(sweep) or []}
+    intact = digests(sweep / "4")
+    damage = _damage_files(sweep, random.Random(seed))
+
+    again, composed = run_counted(tmp_path, *args)
+    check_ok(again)
+    assert "no longer are" in again.stderr + again.stdout
+    after = {r.dir: r.run_id for r in read_jobs(sweep) or []}
+    assert digests(sweep / "4") == intact and after["4"] == before["4"]  # the intact job: skipped, untouched
+    df = load(sweep)  # every job verifies: nothing refused
+    assert sorted(df.job.unique()) == [str(n) for n in range(5)]
+    for job, what in damage.items():
+        marker = json.loads((sweep / job / DONE).read_text())
+        rows = df[df.job == job]
+        if marker["run_id"] == before[job]:  # only a flip in bytes nothing reads can leave a job verified as it was
+            assert what.startswith("bit flipped"), (job, what)
+        assert set(rows.run_id) == {marker["run_id"]} and len(rows) == marker["rows"]["grads.parquet"], (job, what)
+    assert composed <= 2 * 4  # the damaged jobs, each composed by the up-front check and the job (at most)
+
+
+def _rename_column(sweep: Path) -> None:
+    con = sqlite3.connect(sweep / CATALOGUE)
+    con.execute("alter table jobs rename column files to filez")
+    con.commit()
+    con.close()
+
+
+def test_a_catalogue_damaged_into_operational_errors_is_moved_aside_once_and_the_shortcut_returns(
+    tmp_path: Path,
+) -> None:
+    sweep = tmp_path / "s"
+    args = ["-m", *BASE, "seed=0,1,2", f"hydra.sweep.dir={sweep}"]
+    check_ok(run_counted(tmp_path, *args)[0])
+    _rename_column(sweep)  # every select and insert is now an OperationalError ("no such column")
+    with sqlite3.connect(sweep / CATALOGUE) as con, pytest.raises(sqlite3.OperationalError):
+        con.execute("select files from jobs").fetchall()
+
+    again, composed = run_counted(tmp_path, *args)
+    check_ok(again)
+    output = again.stdout + again.stderr
+    assert output.count("is damaged") == 1, output  # moved aside once, with one warning
+    assert "could not write" not in output and "could not read" not in output
+    assert len(list(sweep.glob(f"{CATALOGUE}.damaged-*"))) == 1
+    assert composed >= 3  # nothing to trust: each job checked by itself, and each wrote its row anew
+
+    third, composed = run_counted(tmp_path, *args)
+    check_ok(third)
+    assert composed == 0 and "is damaged" not in third.stdout + third.stderr  # the fast path is back
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_operational_damage_is_moved_aside_and_the_next_write_starts_anew(
+    tmp_path: Path, seed: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    for n in range(3):
+        record_job(tmp_path, JobRow(dir=str(n), num=n, overrides=[f"seed={n}"], status="completed", run_id=f"r{n}"))
+    rng = random.Random(seed)
+    con = sqlite3.connect(tmp_path / CATALOGUE)
+    column = rng.choice(["overrides", "status", "files", "fingerprint", "finished", "stamps"])
+    how = rng.choice(["rename", "drop"])
+    con.execute(f"alter table jobs rename column {column} to x_{column}" if how == "rename"
+                else f"alter table jobs drop column {column}")  # fmt: skip
+    con.commit()
+    con.close()
+    first = read_jobs(tmp_path) if seed % 2 else None
+    if seed % 2 == 0:  # the first access a write: it moves the file aside and writes its row anew
+        record_job(tmp_path, JobRow(dir="9", num=9, overrides=["seed=9"], status="completed", run_id="r9"))
+    assert first is None
+    assert caplog.text.count("is damaged") == 1 and column in caplog.text
+    assert len(list(tmp_path.glob(f"{CATALOGUE}.damaged-*"))) == 1
+    record_job(tmp_path, JobRow(dir="8", num=8, overrides=["seed=8"], status="completed", run_id="r8"))
+    assert sorted(r.dir for r in read_jobs(tmp_path) or []) == (["8", "9"] if seed % 2 == 0 else ["8"])
+    assert caplog.text.count("is damaged") == 1
+
+
+def _damaged_then_written(sweep_dir: str, who: int, start: Any) -> None:
+    start.wait()
+    record_job(sweep_dir, JobRow(dir=f"w{who}", num=100 + who, overrides=[f"w={who}"], status="completed"))
+
+
+def test_concurrent_writers_move_a_damaged_catalogue_aside_once(tmp_path: Path) -> None:
+    record_job(tmp_path, JobRow(dir="0", num=0, overrides=["seed=0"], status="completed", run_id="r0"))
+    _rename_column(tmp_path)
+    ctx = multiprocessing.get_context("spawn")
+    start = ctx.Event()
+    procs = [ctx.Process(target=_damaged_then_written, args=(str(tmp_path), w, start)) for w in range(3)]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    assert len(list(tmp_path.glob(f"{CATALOGUE}.damaged-*"))) == 1
+    assert sorted(r.dir for r in read_jobs(tmp_path) or []) == ["w0", "w1", "w2"]
+
+
+HOLDER = """
+import sqlite3, sys
+con = sqlite3.connect(sys.argv[1], isolation_level=None)
+con.execute("begin exclusive")
+print("held", flush=True)
+sys.stdin.read()   # holds the lock until the test closes stdin
+"""
+
+
+def test_a_held_lock_costs_one_bounded_wait_and_names_its_holder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from gradrunner.records import catalogue
+
+    record_job(tmp_path, JobRow(dir="0", num=0, overrides=["seed=0"], status="completed", run_id="r0"))
+    monkeypatch.setattr(catalogue, "LOCK_WAIT_S", 1.0)
+    waits: list[float] = []
+    connect = sqlite3.connect
+    monkeypatch.setattr(catalogue.sqlite3, "connect", lambda *a, **k: waits.append(k["timeout"]) or connect(*a, **k))
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / CATALOGUE)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert read_jobs(tmp_path) is None  # the job dirs are read instead
+        assert f"pid {holder.pid}" in caplog.text and "locked by" in caplog.text
+        with pytest.raises(catalogue.CatalogueBusy, match=f"pid {holder.pid}"):
+            record_job(tmp_path, JobRow(dir="1", num=1, overrides=["seed=1"], status="failed", error="x"))
+        assert read_jobs(tmp_path) is None
+        assert waits == [1.0, 0.0, 0.0]  # one bounded wait, then no more waiting while it is held
+        assert not list(tmp_path.glob(f"{CATALOGUE}.damaged-*"))  # a held lock is not damage
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert [r.dir for r in read_jobs(tmp_path) or []] == ["0"]  # released: the try without waiting succeeds
+    read_jobs(tmp_path)
+    assert waits[-2:] == [0.0, 1.0]  # and the access after it waits again as usual
+
+
+def test_a_catalogue_of_the_layout_before_stamps_is_read_and_upgraded_in_place(tmp_path: Path) -> None:
+    con = sqlite3.connect(tmp_path / CATALOGUE)
+    con.execute("create table jobs (dir text primary key, num integer, overrides text not null, status text not null, "
+                "run_id text, rows integer, files text not null, error text, fingerprint text, finished text)")  # fmt: skip
+    con.execute("""insert into jobs values ('0', 0, '["seed=0"]', 'completed', 'r0', 22, '["grads.parquet"]', """
+                "null, 'sha256:x', null)")  # fmt: skip
+    con.execute("pragma user_version = 1")
+    con.commit()
+    con.close()
+    (old,) = read_jobs(tmp_path) or []
+    assert (old.dir, old.run_id, old.stamps) == ("0", "r0", None)
+    record_job(tmp_path, JobRow(dir="1", num=1, overrides=["seed=1"], status="completed", run_id="r1",
+                                stamps={"grads.parquet": "10:20"}))  # fmt: skip
+    assert [(r.dir, r.stamps) for r in read_jobs(tmp_path) or []] == [("0", None), ("1", {"grads.parquet": "10:20"})]
+    assert not list(tmp_path.glob(f"{CATALOGUE}.damaged-*"))
+    with sqlite3.connect(tmp_path / CATALOGUE) as con:
+        assert con.execute("pragma user_version").fetchone()[0] == 2

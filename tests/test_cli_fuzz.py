@@ -7,6 +7,7 @@ real CLI, which must agree.
 
 from __future__ import annotations
 
+import math
 import random
 import subprocess
 import sys
@@ -89,3 +90,146 @@ def test_a_few_random_command_lines_through_the_real_cli(tmp_path: Path) -> None
         errors = [x for x in result.stderr.splitlines() if x.startswith("gradrunner: error: ")]
         assert result.returncode == 2 and len(errors) == 1, (argv, result.returncode, result.stderr)
     assert expected[-2] is not None and expected[-1] is None
+
+
+# --- the new keys (issue 38 items 13-15): every line refused before step 0, or run with sane values ----------
+
+#: Values per key: the plausible, the bad and the absurd. Any key may also draw from `ANY`.
+NEW_KEYS: dict[str, list[str]] = {
+    "scheduler": ["none", "cosine", "onecycle", "linear_warmup", "warmup_cosine", "null", "bogus", "3"],
+    "scheduler.max_lr": ["0.05", "1e-3", "0", "-1", "[0.1,0.2]"],
+    "scheduler.total_steps": ["${steps}", "1", "2", "100", "0", "-3"],
+    "scheduler.T_max": ["${steps}", "1", "0", "-1", "2.5"],
+    "scheduler.eta_min": ["0.0", "1e-4", "-0.5"],
+    "scheduler.pct_start": ["0.3", "0", "1", "1.5", "-0.1"],
+    "scheduler.start_factor": ["0.01", "1.0", "0", "2", "-1"],
+    "scheduler.total_iters": ["2", "10", "0", "-2"],
+    "scheduler.lr_lambda.warmup_steps": ["0", "2", "-3"],
+    "scheduler.lr_lambda.min_ratio": ["0.1", "0", "1.5", "-1"],
+    "+scheduler._target_": ["torch.optim.lr_scheduler.ReduceLROnPlateau", "torch.optim.lr_scheduler.StepLR",
+                            "torch.optim.lr_scheduler.CosineAnnealingLR"],
+    "+scheduler._partial_": ["true"],
+    "+scheduler.step_size": ["1", "0", "-1"],
+    "train.clip_grad_norm": ["1.0", "0", "-1", "null"],
+    "train.clip_grad_value": ["0.5", "0", "-2", "null"],
+    "train.autocast": ["off", "bf16", "fp16", "fp8"],
+    "train.accumulate": ["1", "2", "3", "0", "-1"],
+    "train.checkpoint_every": ["0", "1", "2", "-1"],
+    "train.eval_every": ["0", "1", "2", "-1"],
+    "train.eval_batches": ["1", "2", "0", "-1"],
+    "+eval_data._target_": ["gradrunner.data.Synthetic", "gradrunner.data.Nope"],
+    "+eval_data.input_shape": ["[8]", "[5]", "[2,4]"],
+    "steps": ["1", "2", "3", "0", "-1"],
+    "+model.init_from": ["INIT:good", "INIT:ints", "INIT:numbers", "INIT:garbage", "INIT:missing"],
+}
+ANY = ["null", "abc", "nan", "inf", "-1", "0", str(2**31), str(2**63 - 1), "true", "[]", "{a:1}"]
+
+
+def init_files(where: Path) -> dict[str, str]:
+    """`model.init_from` files: the mlp's own weights, integer tensors, plain numbers, garbage, none."""
+    import torch
+
+    from gradrunner.models import MLP
+
+    state = MLP(depth=3).state_dict()
+    files = {"good": state, "ints": {k: v.long() for k, v in state.items()}, "numbers": {k: 3 for k in state}}
+    for name, content in files.items():
+        torch.save(content, where / f"{name}.pt")
+    (where / "garbage.pt").write_bytes(b"\x00not a pickle" * 10)
+    return {name: str(where / f"{name}.pt") for name in [*files, "garbage", "missing"]}
+
+
+#: The option a key belongs to, put before it on most lines (a key of another option is a mistake too).
+OPTION_OF = {"scheduler.max_lr": ["scheduler=onecycle"], "scheduler.total_steps": ["scheduler=onecycle"],
+             "scheduler.pct_start": ["scheduler=onecycle"], "scheduler.T_max": ["scheduler=cosine"],
+             "scheduler.eta_min": ["scheduler=cosine"], "scheduler.start_factor": ["scheduler=linear_warmup"],
+             "scheduler.total_iters": ["scheduler=linear_warmup"],
+             "scheduler.lr_lambda.warmup_steps": ["scheduler=warmup_cosine"],
+             "scheduler.lr_lambda.min_ratio": ["scheduler=warmup_cosine"],
+             "+scheduler._target_": ["+scheduler._partial_=true"],
+             "+eval_data._target_": ["train.eval_every=1"],
+             "+eval_data.input_shape": ["+eval_data._target_=gradrunner.data.Synthetic", "train.eval_every=2"]}  # fmt: skip
+
+
+def new_key_line(rng: random.Random, files: dict[str, str]) -> list[str]:
+    line = ["+experiment=mlp", "device=cpu", "steps=3"]
+    for _ in range(rng.randint(1, 3)):
+        key = rng.choice(list(NEW_KEYS))
+        value = rng.choice(NEW_KEYS[key] if rng.random() < 0.8 else ANY)
+        before = OPTION_OF.get(key, []) if rng.random() < 0.85 else []
+        line += [b for b in before if b not in line] + [f"{key}={files[value[5:]] if value.startswith('INIT:') else value}"]
+    return line
+
+
+class Hang(Exception):
+    pass
+
+
+def run_in_process(argv: list[str], out: Path) -> str | None:
+    """The line run as the app runs it, in this process: its one-paragraph refusal, or None when it ran."""
+    import signal
+
+    from hydra import compose
+
+    from gradrunner.run.job import run
+
+    def hung(*_: object) -> None:
+        raise Hang(f"{argv} still running after 300 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(300)  # a hang detector, far above the second or so a line takes
+    try:
+        run(compose("config", overrides=[SEARCHPATH, *argv]), out_dir=out)
+    except (GradrunnerError, OmegaConfBaseException) as e:
+        return " ".join(str(e).split())
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    return None
+
+
+@pytest.mark.slow  # about 0.3-1 s per line (composing, and running the accepted ones for up to 3 steps)
+@pytest.mark.parametrize("seed", [38])
+def test_random_lines_over_the_new_keys_are_refused_before_step_0_or_run_sanely(tmp_path: Path, seed: int) -> None:
+    """A seeded fuzz over the scheduler, train.*, eval_data and init_from keys: 0 tracebacks, 0 hangs. A refused
+    line wrote no records; an accepted one ran every step with finite, non-negative learning rates."""
+    import pandas as pd
+
+    from gradrunner.records.columns import RECORD_FILES
+
+    rng = random.Random(seed)
+    files = init_files(tmp_path)
+    outcomes = {"refused": 0, "ran": 0}
+    with initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
+        for n in range(120):
+            argv = new_key_line(rng, files)
+            out = tmp_path / f"r{n}"
+            message = in_process(argv)
+            if message is None:  # anything raised here but a refusal is a traceback on the command line
+                message = run_in_process(argv, out)
+            if message is not None:
+                outcomes["refused"] += 1
+                assert message and "Traceback" not in message, (argv, message)
+                written = [p.name for p in out.glob("*")] if out.is_dir() else []
+                assert not [w for w in written if w.endswith((".parquet", ".tmp", ".json"))], (argv, message, written)
+                continue
+            outcomes["ran"] += 1
+            steps = pd.read_parquet(out / RECORD_FILES[1])
+            expected = int(next(a.split("=")[1] for a in reversed(argv) if a.startswith("steps=")))
+            assert list(steps.step) == list(range(expected)), argv
+            assert ((steps.lr >= 0) & steps.lr.map(math.isfinite)).all(), (argv, steps.lr.tolist())
+    assert outcomes["refused"] > 40 and outcomes["ran"] > 15, outcomes  # both kinds of line were drawn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("line", [["scheduler=onecycle", "scheduler.max_lr=-1"],
+                                  ["scheduler=onecycle", "scheduler.total_steps=2"],
+                                  [f"train.accumulate={2**63 - 1}"]])  # fmt: skip
+def test_new_key_refusals_through_the_real_cli(tmp_path: Path, line: list[str]) -> None:
+    result = subprocess.run([sys.executable, "-m", "gradrunner", "+experiment=mlp", "device=cpu", "steps=3", *line,
+                             "hydra.run.dir=r"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    errors = [x for x in result.stderr.splitlines() if x.startswith("gradrunner: error: ")]
+    assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert line[-1].split("=")[0] in errors[0]
+    assert not [p.name for p in (tmp_path / "r").glob("*.parquet")]

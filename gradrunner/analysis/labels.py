@@ -17,26 +17,28 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import yaml
 
 from gradrunner.records import rundir
+from gradrunner.records.schema import STEPS_SCHEMA, grads_schema
 
-#: Columns that the records, `load` and the helpers in `gradrunner.analysis.summaries` produce: a swept
-#: override with one of these names (`steps=5,10`, `seed` is fine) becomes the column `override.<key>`.
-RESERVED_COLUMNS = frozenset({
-    # records (grads and steps tables) and load's own
-    "run_id", "experiment", "strategy", "device", "dtype", "step", "tap", "module", "name", "call", "shape",
-    "numel", "norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "nan_count", "inf_count", "values",
-    "loss", "has_grad", "reason", "rank", "per_example_norm", "hist_counts", "value_norm", "update_norm",
-    "update_ratio", "captured", "step_time_s", "capture_time_s", "peak_memory_bytes", "job",
-    # the helpers' outputs: measures, tap_summary, grad_flow/forward_order, compare_strategies, strategy_costs
-    "rms", "mean_abs", "steps", "first", "last", "median", "first_nonfinite_step", "first_vanishing_step",
+#: Columns of `load`'s results besides the records' own, and of the helpers in `gradrunner.analysis.summaries`
+#: (measures, tap_summary, grad_flow/forward_order, compare_strategies, strategy_costs).
+HELPER_COLUMNS = frozenset({
+    "job", "rms", "mean_abs", "steps", "first", "last", "median", "first_nonfinite_step", "first_vanishing_step",
     "first_exploding_step", "vanishing", "exploding", "position", "label", "stat", "abs_diff", "rel_diff",
     "strategies", "captured_steps", "capture_share", "index", "level_0",
 })  # fmt: skip
+#: Every column a record table can hold (`records.schema`: both tables, the optional columns too) and the
+#: helpers' (`HELPER_COLUMNS`): a swept override with one of these names (`steps=5,10`, `lr=0.1,0.2`; `seed` is
+#: fine) becomes the column `override.<key>`. Derived from the schema, so a new record column is reserved with it.
+RESERVED_COLUMNS = frozenset(
+    {*grads_schema(per_example=True, histogram=True).names, *STEPS_SCHEMA.names, *HELPER_COLUMNS}
+)
 
 
 @dataclass(frozen=True)
@@ -54,32 +56,45 @@ def natural_key(rel: Path) -> list[tuple[int, int | str]]:
     return [(0, int(t)) if t.isdigit() else (1, t) for part in rel.parts for t in re.split(r"(\d+)", part) if t]
 
 
-def job_overrides(job_dir: Path, raw: bytes | None) -> list[str]:
-    """A job's own overrides, from its records: the file's metadata, else its `done.json`, else `.hydra/`.
+#: libyaml's safe loader where PyYAML has it (about 10x faster over 10,000 job dirs), else the pure-Python one.
+YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def job_overrides(job_dir: Path, raw: bytes | None = None, marker: dict[str, Any] | None = None) -> list[str]:
+    """THE rule for a job's own overrides: its records' (the file's metadata `raw`), else its `done.json`'s, else
+    `.hydra/overrides.yaml`'s. `load`, the sweep manifest and the exporters read them here.
+
+    Example::
+
+        job_overrides(sweep / "3")      # ['+experiment=mlp', 'seed=3']
 
     `.hydra/overrides.yaml` is read last: Hydra rewrites it for any later run into the dir, while the
-    records (and `done.json`, which pins them) keep what this job was run with.
+    records (and `done.json`, which pins them) keep what this job was run with. `marker` is the job's
+    `done.json` when the caller has read it already (`rundir.read_marker`); else it is read here.
     """
     if raw is not None:  # the file's metadata
         with contextlib.suppress(ValueError):
             found = json.loads(raw)
             if isinstance(found, list):
                 return [str(o) for o in found]
-    marker = rundir.read_json(job_dir / rundir.DONE)
+    if marker is None:
+        marker, _ = rundir.read_marker(job_dir)
     if marker is not None and isinstance(marker.get("overrides"), list):
         return [str(o) for o in marker["overrides"]]
-    f = job_dir / ".hydra" / "overrides.yaml"
-    if not f.is_file():
-        return []
     try:
-        items = yaml.safe_load(f.read_text())
-    except (OSError, yaml.YAMLError):
+        items = yaml.load((job_dir / ".hydra" / "overrides.yaml").read_text(), Loader=YAML_LOADER)
+    except (OSError, ValueError, yaml.YAMLError):
         return []
     return [str(o) for o in items] if isinstance(items, list) else []
 
 
 def parse_overrides(items: list[str]) -> dict[str, str | None]:
-    """`key -> value` of a job's Hydra overrides (`+key=v`, `++key=v` -> `key`; `~key` -> None)."""
+    """THE parse of a job's Hydra overrides into `key -> value`: `+key=v`, `++key=v` -> `key`; `~key`, `~key=v` -> None.
+
+    Example::
+
+        parse_overrides(["++optimizer.lr=0.1", "~seed"])    # {'optimizer.lr': '0.1', 'seed': None}
+    """
     out: dict[str, str | None] = {}
     for item in items:
         key, sep, value = str(item).partition("=")

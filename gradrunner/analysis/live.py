@@ -2,7 +2,11 @@
 
 A running job's `grads.parquet` has no footer yet (see `gradrunner.records.segments`); what it
 has completed so far lies in closed segments under `<run dir>/.live/<run id>/`. `load_live` reads
-those; once the job's record files exist, `load` reads the record files themselves.
+those of the live run only (`segments.live_run_id`: the run holding, or last holding, the dir's lock),
+never a killed run's left in the same dir; once the job's record files exist, `load` reads the record
+files themselves. A job closing its files while they are read (its segments removed) is looked at
+again, up to `ATTEMPTS` times; what still does not settle is a GradrunnerError, never a raw
+`FileNotFoundError` or a shorter result.
 
 Example::
 
@@ -17,12 +21,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import LOCK_FILE, is_temp_of
-from gradrunner.records.segments import LIVE_DIR, SEGMENT_SUFFIX
+from gradrunner.records.segments import LIVE_DIR, SegmentDamaged, SegmentsGone, live_run_id, read_segments
+
+#: How many times a read that met a job closing its files looks again.
+ATTEMPTS = 20
 
 
 def load_live(
@@ -35,19 +40,53 @@ def load_live(
         load_live("runs/mine").groupby("step").norm.mean()
     """
     d = Path(path)
-    # A run started here (its lock file, its temp file) whose record file is not closed yet.
-    running = d.is_dir() and any(f.name == LOCK_FILE or is_temp_of(f.name, f"{table}.parquet") for f in d.iterdir())
-    if (d / f"{table}.parquet").is_file() or not (running or (d / LIVE_DIR).is_dir()):
-        return None
+    gone = ""
+    for _ in range(ATTEMPTS):
+        if not _running(d, table):
+            return None
+        run_id = live_run_id(d)
+        if run_id is None:
+            raise GradrunnerError(_unknown_run(d, table))
+        try:
+            t = read_segments(d, run_id, table)
+        except SegmentsGone as e:  # the job is closing its files: its record files hold every row now
+            gone = str(e)
+            continue
+        except SegmentDamaged as e:
+            raise GradrunnerError(f"cannot read the live records of {d}: {e}. Their rows are not returned; wait "
+                                  f"for the job to end and load({str(d)!r}) its record files.") from None  # fmt: skip
+        if (d / f"{table}.parquet").is_file():
+            continue  # closed while the segments were read: read the record file, which holds them all
+        if t is None:
+            raise GradrunnerError(
+                f"{d} has no {table}.parquet and its running job (run {run_id}) has not completed a segment yet "
+                "(one is written every few steps); try again in a moment, or lower the segment length "
+                "(record(..., live_every=1))."
+            )
+        keep = [n for n in t.column_names if (columns is None or n in columns) and (n != "values" or values)]
+        return t.select(keep).to_pandas()
+    raise GradrunnerError(
+        f"the live records of {d} kept changing while they were read ({ATTEMPTS} attempts; last: {gone}): the job "
+        f"is closing its files. Load {d} again once it has ended (its record files then hold every row)."
+    )
+
+
+def _running(d: Path, table: str) -> bool:
+    """A run started here (its lock file, its temp file, its segments) whose record file is not closed yet."""
+    if (d / f"{table}.parquet").is_file() or not d.is_dir():
+        return False
+    try:
+        names = [e.name for e in os.scandir(d)]
+    except OSError:
+        return False
+    return any(n == LOCK_FILE or n == LIVE_DIR or is_temp_of(n, f"{table}.parquet") for n in names)
+
+
+def _unknown_run(d: Path, table: str) -> str:
     live = d / LIVE_DIR
-    runs = sorted((r for r in live.iterdir() if r.is_dir()), key=lambda r: r.stat().st_mtime) if live.is_dir() else []
-    files = sorted(runs[-1].glob(f"{table}-*{SEGMENT_SUFFIX}")) if runs else []
-    if not files:
-        raise GradrunnerError(
-            f"{d} has no {table}.parquet and its running job has not completed a segment yet (one is written every "
-            "few steps); try again in a moment, or lower the segment length (record(..., live_every=1))."
-        )
-    parts = [pq.read_table(f) for f in files]
-    t = pa.concat_tables(parts)
-    keep = [n for n in t.column_names if (columns is None or n in columns) and (n != "values" or values)]
-    return t.select(keep).to_pandas()
+    runs = sorted(r.name for r in live.iterdir() if r.is_dir()) if live.is_dir() else []
+    return (
+        f"{d} has no {table}.parquet and no lock file naming its live run, so the live rows cannot be told from "
+        f"those a killed run left there (segments of run(s) {', '.join(runs) or 'none'} in {live}). Load the "
+        f"run's segments directly (pd.read_parquet on {live}/<run id>/{table}-*.parquet.seg), or wait for the job."
+    )

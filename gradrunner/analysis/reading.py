@@ -75,7 +75,8 @@ def load(
     jobs are read: failed jobs (`failed.json`) and jobs without a marker (killed, still running) are
     left out and named in an `IncompleteSweepWarning`; `pd.read_parquet` still reads their partial files.
     Jobs the sweep's `manifest.json` lists but that have no dir are named in that warning too. A file
-    that cannot be read is a GradrunnerError naming it and its job: never a silently shorter result.
+    that cannot be read is a GradrunnerError naming it and its job: never a silently shorter result. A
+    completed job whose file is gone (its `done.json` lists it) is such a file too.
 
     Every file is verified as it is read: each page's CRC checksum, and, for a job with `done.json`,
     its run id (a file swapped in from another run is refused), row count and footer against what
@@ -178,7 +179,9 @@ def _files_to_read(root: Path, table: str) -> list[_File]:
     if not root.is_dir():
         raise GradrunnerError(f"{root} does not exist; pass a run dir, a sweep dir or a .parquet file")
     jobs = _jobs_of(root)
-    holding = [s for s in [jobs.root, *jobs.states] if name in jobs.present[s.directory]]
+    # A completed job whose `done.json` lists the file is read even when the file is gone: it is then named as
+    # damaged (refused, or left out with a warning), never silently missing from the result.
+    holding = [s for s in [jobs.root, *jobs.states] if name in jobs.present[s.directory] or _listed(s, name)]
     if not holding:
         raise GradrunnerError(
             f"no {name} found in {root} or its subdirectories; pass a run dir (holding {name}), "
@@ -187,6 +190,12 @@ def _files_to_read(root: Path, table: str) -> list[_File]:
     kept = _completed_only(root, jobs, holding)
     files = [_File(s.directory / name, s.marker) for s in kept]
     return sorted(files, key=lambda f: natural_key(f.path.relative_to(root)))
+
+
+def _listed(state: rundir.JobState, name: str) -> bool:
+    """Whether the job's `done.json` lists the record file `name`."""
+    files = state.marker.get("files") if state.marker is not None else None
+    return isinstance(files, list) and name in files
 
 
 def _read_all(
@@ -268,6 +277,8 @@ def _read(
     """
     path, marker = f.path, f.marker
     try:
+        if marker is not None and not path.is_file():
+            raise rundir.Damaged(f"{path.name} is missing, though {rundir.DONE} lists it (deleted or moved away)")
         digest = rundir.footer_digest(path) if _pinned(f) else None
         opened = None
         if digest is not None and marker is not None and marker["footers"][path.name] == digest:

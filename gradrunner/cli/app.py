@@ -53,12 +53,6 @@ from gradrunner.run.hydra_adapter import (
 from gradrunner.run.job import run
 from gradrunner.run.signals import Terminated
 
-#: Exit status after Ctrl-C (128 + SIGINT), as shells report it (`run.signals.exit_status`: 128 + N after signal N).
-EXIT_INTERRUPTED = 130
-#: Exit status after SIGTERM (128 + SIGTERM): a preempted or cancelled job.
-EXIT_TERMINATED = 143
-
-
 log = logging.getLogger(__name__)
 
 

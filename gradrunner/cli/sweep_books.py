@@ -31,9 +31,10 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from gradrunner.analysis.labels import YAML_LOADER, job_overrides
 from gradrunner.errors import one_paragraph
 from gradrunner.records import catalogue
-from gradrunner.records.rundir import DONE, FAILED, job_dirs_below, job_state, write_json
+from gradrunner.records.rundir import job_dirs_below, job_state, read_marker, write_json
 from gradrunner.run.books import Refused, mark_failed
 from gradrunner.run.hydra_adapter import JobFailed, JobRefused, job_error, sweep_jobs
 
@@ -41,9 +42,6 @@ log = logging.getLogger(__name__)
 
 #: The sweep manifest's file name, in the sweep dir.
 MANIFEST = "manifest.json"
-#: libyaml's safe loader where PyYAML has it (about 10x faster: a manifest read from 10,000 job dirs parses each
-#: one's `.hydra/hydra.yaml`), else the pure-Python one; both accept the same documents.
-_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def expected_jobs(config: DictConfig) -> list[list[str]] | None:
@@ -61,18 +59,11 @@ def expected_jobs(config: DictConfig) -> list[list[str]] | None:
 
 
 def _job_dirs(sweep_dir: Path) -> dict[Path, list[str]]:
-    """Job dirs below `sweep_dir` (`rundir.job_dirs_below`, the one rule) and their overrides (`done.json`'s, else `.hydra/`'s)."""
+    """Job dirs below `sweep_dir` (`rundir.job_dirs_below`, the one rule) and their overrides (`labels.job_overrides`)."""
     found: dict[Path, list[str]] = {}
     for job in job_dirs_below(sweep_dir):
-        marker = job_state(job).marker  # a completed job's own overrides; .hydra/ is Hydra's to rewrite
-        if marker is not None and isinstance(marker.get("overrides"), list):
-            found[job] = [str(o) for o in marker["overrides"]]
-            continue
-        f = job / ".hydra" / "overrides.yaml"
-        try:
-            found[job] = [str(o) for o in (yaml.load(f.read_text(), Loader=_LOADER) or [])]
-        except (OSError, yaml.YAMLError):
-            found[job] = []
+        marker, _ = read_marker(job)  # a completed job's own overrides; .hydra/ is Hydra's to rewrite
+        found[job] = job_overrides(job, None, marker)
     return found
 
 
@@ -90,7 +81,7 @@ def _job_num(job_dir: Path) -> int | None:
     if found:
         return int(found.group(1))
     try:
-        num = yaml.load(text, Loader=_LOADER)["hydra"]["job"]["num"]
+        num = yaml.load(text, Loader=YAML_LOADER)["hydra"]["job"]["num"]
     except (KeyError, TypeError, yaml.YAMLError):
         return None
     return int(num) if isinstance(num, int) else None
@@ -146,7 +137,7 @@ def _from_catalogue(
         if row.status != "completed":
             jobs.append(_entry(sweep_dir, sweep_dir / row.dir, overrides, num))  # failed: its files, as they are
             continue
-        if not os.path.isfile(sweep_dir / row.dir / DONE) or os.path.lexists(sweep_dir / row.dir / FAILED):
+        if catalogue.still_complete(sweep_dir, row, files=False) is not None:  # the one rule, on the markers
             return None
         jobs.append({"num": num, "dir": row.dir, "overrides": overrides, "status": "completed", "files": row.files,
                      "error": None})  # fmt: skip

@@ -12,15 +12,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gradrunner.errors import GradrunnerError, one_paragraph
+from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.export.jobs import Job, jobs
 from gradrunner.export.mlflow import to_mlflow, view_command
 from gradrunner.export.tensorboard import to_tensorboard
 from gradrunner.export.wandb import to_wandb
 
 TARGETS = ("tensorboard", "wandb", "mlflow")
-#: Exit code of a user mistake (as the CLI's).
-USAGE_EXIT = 2
 _DESCRIPTION = "`python -m gradrunner.export tensorboard|wandb|mlflow <run or sweep dir>`: the records where people look."
 
 
@@ -56,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_write(args, found))
     except GradrunnerError as e:
         print(f"gradrunner.export: {one_paragraph(e)}", file=sys.stderr)
-        return USAGE_EXIT
+        return EXIT_USER_ERROR
     return 0
 
 

@@ -33,6 +33,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from gradrunner.analysis.labels import job_overrides, parse_overrides
 from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.analysis.reading import ON_DAMAGED, DamagedRecordsWarning, IncompleteSweepWarning, load
 from gradrunner.errors import GradrunnerError, one_paragraph
@@ -241,26 +242,14 @@ def tag_prefix(tap: str, call: int, rank: int) -> str:
 
 def _params(d: Path, notes: list[str]) -> dict[str, str]:
     """The job's overrides (its records' metadata, else `done.json`, else Hydra's), else the capture settings `record` wrote."""
-    overrides: object = None
     try:
         raw = (pq.read_schema(d / GRADS_FILE).metadata or {}).get(OVERRIDES_KEY.encode())
-        overrides = json.loads(raw) if raw else None
-    except (OSError, ValueError, pa.ArrowException):
-        overrides = None
+    except (OSError, pa.ArrowException):
+        raw = None
     marker = rundir.read_json(d / rundir.DONE) or {}
-    overrides = overrides or marker.get("overrides")
-    f = d / ".hydra" / "overrides.yaml"
-    if not overrides and f.is_file():
-        import yaml
-
-        try:
-            overrides = yaml.safe_load(f.read_text())
-        except (OSError, ValueError, yaml.YAMLError) as e:
-            notes.append(f"{f} could not be read ({type(e).__name__}): job {d.name}'s hyper-parameters are left out")
-    params = {}
-    for o in overrides if isinstance(overrides, list) else []:
-        key, _, value = str(o).partition("=")
-        params[key.lstrip("+~")] = value
+    overrides = job_overrides(d, raw, marker if isinstance(marker, dict) else None)  # unreadable ones: []
+    # A removed key (`~key`) is a hyper-parameter without a value, as `load` reads it.
+    params = {k: "" if v is None else v for k, v in parse_overrides(overrides).items()}
     if not params and isinstance(marker.get("config"), dict):
         cfg = marker["config"]
         capture = cfg.get("capture") if isinstance(cfg.get("capture"), dict) else {}

@@ -8,8 +8,14 @@ pyarrow datasets and DuckDB globs never read it as records). When the writers ha
 segments are removed; a job killed outright keeps them. `gradrunner.analysis.live` reads them.
 Nothing about the record files themselves changes (docs/what-survives.md).
 
+Reading side (`read_segments`): only the segments of the run that holds (or last held) the run dir
+(`live_run_id`: its lock file's run id) are read, never a dead run's left in the same dir; they must be
+numbered 0, 1, ... without a gap, and hold that run id only. A segment that disappears while it is read
+(the job closing its files) is `SegmentsGone`, which the reader answers by looking again.
+
 Example::
 
+    read_segments(run_dir, live_run_id(run_dir), "grads")   # the rows of the completed steps so far
     seg = Segments(run_dir, run_id, {"grads": grads_writer, "steps": steps_writer}, every=10)
     ...; seg.step_done()          # after each step's rows are written
     seg.close()                   # after the writers closed
@@ -17,13 +23,18 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+
+from gradrunner.records.columns import LOCK_FILE, TEMP_SUFFIX
 
 #: The hidden dir of a run dir holding running jobs' segments, one subdir per run id.
 LIVE_DIR = ".live"
@@ -34,8 +45,99 @@ SEGMENT_SUFFIX = ".parquet.seg"
 
 
 def segment_name(table: str, n: int) -> str:
-    """The file name of segment `n` of `table` (zero-padded: names sort in order)."""
+    """The file name of segment `n` of `table` (zero-padded: names sort in order).
+
+    Example::
+
+        segment_name("grads", 3)      # 'grads-000003.parquet.seg'
+    """
     return f"{table}-{n:06d}{SEGMENT_SUFFIX}"
+
+
+def segment_number(filename: str, table: str) -> int | None:
+    """The `n` of a segment file name of `table` (`segment_name`'s inverse); None for any other name.
+
+    Example::
+
+        segment_number("grads-000003.parquet.seg", "grads")     # 3
+    """
+    found = re.fullmatch(rf"{re.escape(table)}-(\d+){re.escape(SEGMENT_SUFFIX)}", filename)
+    return int(found.group(1)) if found else None
+
+
+class SegmentsGone(Exception):
+    """A segment disappeared while the segments were read: the job removed them (its record files are closed)."""
+
+
+class SegmentDamaged(Exception):
+    """A segment that does not verify (unreadable, another run's rows, a gap in the numbering); `str(e)` says why."""
+
+
+def live_run_id(directory: str | os.PathLike[str]) -> str | None:
+    """The run id of the run that holds, or last held, the run dir: the one whose segments are live.
+
+    Example::
+
+        live_run_id("runs/mine")      # '9f2c...' (its lock file's run id); None: no run took this dir
+
+    The run dir's lock file (`run.books.RunLock`) names the run that took the dir last, alive or killed;
+    without one, the run whose temp record files are there (`.<file>.<run id>.tmp`), if only one is.
+    A new job started in a killed job's dir takes the lock first: the dead run's segments are then
+    never the live ones.
+    """
+    d = Path(directory)
+    try:
+        owner = json.loads((d / LOCK_FILE).read_bytes() or b"{}")
+    except (OSError, ValueError):
+        owner = None
+    if isinstance(owner, dict) and isinstance(owner.get("run_id"), str) and owner["run_id"]:
+        return str(owner["run_id"])
+    try:
+        names = [e.name for e in os.scandir(d)]
+    except OSError:
+        return None
+    ids = {m.group(1) for n in names if (m := re.fullmatch(rf"\.\w+\.parquet\.([\w-]+){re.escape(TEMP_SUFFIX)}", n))}
+    return ids.pop() if len(ids) == 1 else None
+
+
+def read_segments(directory: str | os.PathLike[str], run_id: str, table: str) -> pa.Table | None:
+    """Every segment of `table` that run `run_id` wrote in `directory`, verified, as one table; None if it wrote none.
+
+    Example::
+
+        read_segments("runs/mine", live_run_id("runs/mine"), "steps").num_rows   # the steps completed so far
+
+    Raises `SegmentsGone` when a segment disappears while being read (the job closed its files: read
+    its record files instead), `SegmentDamaged` when one does not read, holds rows of another run, or
+    the numbering has a gap (each checked page's CRC is verified where the writer wrote one).
+    """
+    where = Path(directory) / LIVE_DIR / run_id
+    try:
+        numbered = sorted((n, e.name) for e in os.scandir(where) if (n := segment_number(e.name, table)) is not None)
+    except FileNotFoundError:
+        return None
+    if not numbered:
+        return None
+    if [n for n, _ in numbered] != list(range(len(numbered))):
+        missing = sorted(set(range(numbered[-1][0] + 1)) - {n for n, _ in numbered})
+        raise SegmentsGone(f"segment(s) {', '.join(map(str, missing[:5]))} of {table} in {where} are gone")
+    parts = []
+    for _, name in numbered:
+        path = where / name
+        try:
+            part = pq.ParquetFile(path, page_checksum_verification=True).read()
+        except FileNotFoundError:
+            raise SegmentsGone(f"{path} is gone") from None
+        except Exception as e:  # ArrowInvalid, OSError: a damaged segment
+            if not path.exists():
+                raise SegmentsGone(f"{path} is gone") from None
+            raise SegmentDamaged(f"{path} cannot be read ({type(e).__name__}: {' '.join(str(e).split())})") from e
+        if "run_id" in part.column_names:
+            ids = {str(v) for v in pc.unique(part.column("run_id")).to_pylist()} - {run_id}
+            if ids:
+                raise SegmentDamaged(f"{path} holds rows of run(s) {', '.join(sorted(ids))}, not of run {run_id}")
+        parts.append(part)
+    return pa.concat_tables(parts, promote_options="permissive")
 
 
 class Segments:

@@ -5,6 +5,7 @@ May use every other layer; nothing below imports it.
 | module | what it holds |
 | --- | --- |
 | `build` | model, data, loss, optimizer and scheduler built from the config (`setup(cfg)`) |
+| `preflight` | what only the built job can tell, checked before step 0: the schedule through the run, the eval data, the weights file |
 | `loop` | the step loop: `train(cfg)`, `train_step` |
 | `accumulation` | what a record is under gradient accumulation |
 | `schedules` | LambdaLR multipliers of the scheduler configs |

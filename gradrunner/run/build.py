@@ -1,7 +1,9 @@
 """The job a config describes, built before any file is written: model, data, loss, optimizer.
 
 `setup(cfg)` validates the config, seeds every generator, resolves device and dtype and
-instantiates the four config groups; a failure is one `GradrunnerError` naming the group.
+instantiates the four config groups; a failure is one `GradrunnerError` naming the group. What only
+the built job can tell (the schedule through the run, the eval data against the model, the weights
+file) is checked before it returns (`gradrunner.run.preflight`).
 
 Example::
 
@@ -32,7 +34,7 @@ from gradrunner.config.choices import DTYPES
 from gradrunner.config.schema import validate
 from gradrunner.data import Batch, as_batches
 from gradrunner.errors import GradrunnerError, did_you_mean, not_allowed, one_paragraph
-from gradrunner.run import evaluation
+from gradrunner.run import evaluation, preflight
 from gradrunner.run.param_groups import decay_groups
 
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
@@ -209,8 +211,11 @@ def setup(cfg: DictConfig) -> Job:
                 f"Check the scheduler.* keys, or pick another option with scheduler=<option> (built-in: "
                 f"{_options('scheduler')})."
             ) from e
+        preflight.check_schedule(make_scheduler, optimizer, scheduler, int(cfg.steps), str(cfg.scheduler._target_))
     eval_set = _eval_set(cfg, source, device, dtype) if int(cfg.train.eval_every) > 0 else None
-    return Job(model, batches, loss_fn, optimizer, device, dtype, scheduler, eval_set)
+    job = Job(model, batches, loss_fn, optimizer, device, dtype, scheduler, eval_set)
+    preflight.check_eval_data(job, str(cfg.model._target_), str(cfg.loss._target_))
+    return job
 
 
 def _eval_set(cfg: DictConfig, source: object, device: torch.device, dtype: torch.dtype) -> list[Batch]:
@@ -264,6 +269,7 @@ def load_weights(model: nn.Module, path: str) -> None:
         raise GradrunnerError(f"model.init_from={path!r} holds a {type(state).__name__}, not a state_dict; save it "
                               "with torch.save(model.state_dict(), path).")  # fmt: skip
     own = model.state_dict()
+    preflight.check_weights(state, own, path)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     shapes = sorted(k for k in set(own) & set(state) if tuple(own[k].shape) != tuple(state[k].shape))
     if missing or unexpected or shapes:

@@ -9,7 +9,8 @@ A re-run of a sweep into the same dir used to compose every job's config three t
 check, Hydra's batch check and the job itself) only for the job to find `done.json` and skip: at
 10,000 jobs, half an hour. `plan` reads the sweep catalogue (`records.catalogue`) once: a job is
 complete when its row has the same overrides, the same job number, status `completed`, the same
-config fingerprint, and its dir still holds that run's `done.json` (same run id). Those jobs are
+config fingerprint, and `catalogue.still_complete` (its dir still holds that run's `done.json`, no
+`failed.json`, and each record file unchanged: size, modification time, footer). Those jobs are
 neither composed by the up-front check (`cli.app.SweepCheck`) nor launched (`gradrunner`'s sweeper,
 `hydra_plugins/gradrunner_sweeper`); every other job goes the usual way, where `books.prepare` still
 decides from the dir itself, so the shortcut can only skip work, never hide a difference: a changed
@@ -24,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.resources
 import logging
@@ -35,7 +37,6 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 import gradrunner
-from gradrunner.config import schema
 from gradrunner.records import catalogue
 from gradrunner.records.rundir import read_marker
 from gradrunner.run.hydra_adapter import sweep_jobs
@@ -52,7 +53,7 @@ def _source_files(source: dict[str, Any]) -> list[tuple[str, bytes]] | None:
     """(relative path, bytes) of every YAML file of one config source; None if it cannot be read."""
     scheme, where = source.get("schema"), str(source.get("path") or "")
     if scheme == "structured":
-        return []  # the schema's dataclasses: their module's source is hashed instead
+        return []  # the schema's dataclasses: their module's source is in `code_digest`
     try:
         if scheme == "pkg":
             root: Any = importlib.resources.files(where.replace("/", "."))
@@ -72,8 +73,29 @@ def _impure(text: bytes) -> bool:
     return any(m.group(1) not in PURE_RESOLVERS for m in _RESOLVER.finditer(body))
 
 
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """sha256 of every source file (Python, and the C of the fused statistics) of the installed gradrunner package
+    (the schema's among them), by relative path.
+
+    Example::
+
+        code_digest()     # 'c0ffee...': changes with any edit of gradrunner's code, released or not
+
+    gradrunner's version alone says nothing of an editable install or a patched copy; the files do.
+    Read once per process (about 150 files, a few milliseconds).
+    """
+    root = Path(gradrunner.__file__).resolve().parent
+    digest = hashlib.sha256()
+    for f in sorted([*root.rglob("*.py"), *root.rglob("*.c")]):
+        if "__pycache__" not in f.parts:
+            data = f.read_bytes()
+            digest.update(f"{f.relative_to(root).as_posix()} {len(data)}\n".encode() + data)
+    return digest.hexdigest()
+
+
 def config_fingerprint(config: DictConfig) -> str | None:
-    """A hash of the config sources (every YAML file), the schema's source, gradrunner's version and the sweep's
+    """A hash of the config sources (every YAML file), gradrunner's version and code (`code_digest`) and the sweep's
     subdir pattern; None when those cannot determine a job's config (a source unreadable, or reading the environment).
 
     Example::
@@ -84,8 +106,7 @@ def config_fingerprint(config: DictConfig) -> str | None:
     if not sources:
         return None
     digest = hashlib.sha256()
-    digest.update(f"gradrunner {gradrunner.__version__}\n".encode())
-    digest.update(Path(schema.__file__).read_bytes())
+    digest.update(f"gradrunner {gradrunner.__version__} {code_digest()}\n".encode())
     sweep = OmegaConf.to_container(config.hydra.sweep, resolve=False) if "sweep" in config.hydra else {}
     digest.update(f"subdir {sweep.get('subdir') if isinstance(sweep, dict) else None}\n".encode())
     for source in OmegaConf.to_container(sources, resolve=True):  # type: ignore[union-attr]
@@ -146,13 +167,20 @@ def _decide(config: DictConfig) -> SweepPlan | None:
         return SweepPlan(sweep_dir, jobs, frozenset(), fingerprint)
     by_key = {r.key(): r for r in rows if r.status == "completed" and r.fingerprint == fingerprint}
     complete = set()
+    changed: list[str] = []
     for num, overrides in enumerate(jobs):
         row = by_key.get(tuple(sorted(overrides)))
         if row is None or row.num != num:
             continue
-        marker, _ = read_marker(sweep_dir / row.dir)
-        if marker is not None and marker.get("run_id") == row.run_id:
+        why = catalogue.still_complete(sweep_dir, row)  # the one rule: the dir, its markers and its files
+        if why is None:
             complete.add(num)
+        else:
+            changed.append(f"job {row.dir}: {why}")
+    if changed:
+        log.warning("sweep %s: %d job(s) the catalogue lists completed no longer are, so they run again (each verifies "
+                    "its files first): %s%s", sweep_dir, len(changed), "; ".join(changed[:10]),
+                    f"; and {len(changed) - 10} more" if len(changed) > 10 else "")  # fmt: skip
     if complete:
         log.info("sweep %s: %d of %d jobs completed before with this config (%s): skipped without composing them; "
                  "%d to run", sweep_dir, len(complete), len(jobs), catalogue.CATALOGUE, len(jobs) - len(complete))  # fmt: skip
@@ -183,10 +211,11 @@ def catalogue_row(config: DictConfig, *, status: str, error: str | None) -> cata
         if marker is None:
             return None
         rows = marker.get("rows") or {}
+        files = [str(f) for f in marker["files"]]
         return catalogue.JobRow(
             dir=relative, num=num, overrides=[str(o) for o in marker.get("overrides", overrides)],
             status="completed", run_id=str(marker["run_id"]), rows=sum(int(n) for n in rows.values()),
-            files=[str(f) for f in marker["files"]], fingerprint=config_fingerprint(config),
+            files=files, fingerprint=config_fingerprint(config), stamps=catalogue.stamps(out, files),
             finished=str(marker.get("finished")) if marker.get("finished") else None,
         )  # fmt: skip
     return catalogue.JobRow(dir=relative, num=num, overrides=overrides, status=status, error=error)
