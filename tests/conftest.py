@@ -4,6 +4,7 @@ Test modules import helpers from here (`from conftest import compose_cfg`), neve
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -50,6 +51,26 @@ def strategy(request: pytest.FixtureRequest) -> str:
 def _seed() -> Iterator[None]:
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """Put the logging set-up back after each test: the Hydra app run in-process (`cli.app.main()`) configures
+    logging with handlers on the streams of that moment (pytest's captures, closed once the test ends); a
+    handler left on a closed stream makes every later log call print "--- Logging error ---" and a traceback."""
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    before = {id(lg): (list(lg.handlers), lg.level, lg.propagate, lg.disabled) for lg in loggers}
+    yield
+    for lg in loggers:  # loggers made during the test are a library's own: left as they are
+        handlers, level, propagate, disabled = before[id(lg)]
+        for h in [h for h in lg.handlers if h not in handlers]:
+            lg.removeHandler(h)
+            h.close()
+        for h in handlers:
+            if h not in lg.handlers:
+                lg.addHandler(h)
+        lg.setLevel(level)
+        lg.propagate, lg.disabled = propagate, disabled
 
 
 def leftover_hooks(model: nn.Module) -> list[str]:
