@@ -614,7 +614,6 @@ def test_edits_on_cuda_never_sync_the_host_and_match_cpu() -> None:
         np.testing.assert_allclose(cuda, cpu, rtol=1e-4)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 33: parameter rows patched from the edited .grad")  # XFAIL-ISSUE-33
 def test_a_parameter_edit_under_accumulation_records_the_steps_gradient_before_and_after_it(tmp_path: Any) -> None:
     """train.accumulate=2 and `scale: 0.5` on fc1's weight: its one row per step holds the gradient that arrived
     over both micro-batches (before the edit) and `edited_norm` the same after it, as plain hooks see them."""

@@ -360,14 +360,10 @@ def _accumulate(strategy: str | None, taps: list[str]) -> tuple[list[tuple[str, 
 
 
 @pytest.mark.parametrize("taps", [["0:output", "0:weight", "2:bias"], ["0:weight", "0:bias", "2:weight", "2:bias"]])
-def test_post_accumulate_grad_hooks_see_the_accumulated_grad_under_accumulation(
-    strategy: str, taps: list[str], request: pytest.FixtureRequest
-) -> None:
+def test_post_accumulate_grad_hooks_see_the_accumulated_grad_under_accumulation(strategy: str, taps: list[str]) -> None:
     """Each post-accumulate-grad hook sees `.grad` as without capture (the running sum over the backwards), and
     `.grad` stays one tensor object across the backwards, as in torch (retain_grad set `.grad` aside and
     added it back, so the hook saw only one backward's gradient and `.grad` became a new tensor)."""
-    if strategy == "retain_grad":  # XFAIL-ISSUE-33: the step engine's capture fixes it
-        request.applymarker(pytest.mark.xfail(strict=True, reason="issue 33: retain_grad sets .grad aside"))
     bare, bare_grads = _accumulate(None, taps)
     got, grads = _accumulate(strategy, taps)
     for name in {n for n, _, _ in bare}:  # per parameter (autograd_grad accumulates after its engine call)
@@ -381,7 +377,6 @@ def test_post_accumulate_grad_hooks_see_the_accumulated_grad_under_accumulation(
         assert torch.equal(g, w)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 33: records() covers only the last backward")  # XFAIL-ISSUE-33
 def test_a_parameter_edit_under_accumulation_records_the_steps_gradient_before_and_after_the_edit(strategy: str) -> None:
     """`norm` is the gradient that arrived over the whole step (before the edit), `edited_norm` the same after it
     (with accumulation, `norm` was the already-edited `.grad` and `edited_norm` the last backward's part)."""
