@@ -110,6 +110,7 @@ class Backwards:
             if self._closed:
                 return
             if self.strategy.owns_backward:
+                self._forget_forward()  # that backward fails, and frees the graph those calls were in
                 raise GradrunnerError(OWN_BACKWARD_ONLY)
             p = self._begin(explicit=False, retain_graph=False)
         if not p.armed:

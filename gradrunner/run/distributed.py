@@ -47,7 +47,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.records.columns import GRADS_FILE, STEPS_FILE
 
 if TYPE_CHECKING:
     from gradrunner.records.writer import RecordWriter, StepsWriter  # pyarrow: imported when writing starts
@@ -259,7 +258,7 @@ class GatheredWriter:
 
     Example::
 
-        grads, steps = open_writers(stack, d, directory, constants, meta)
+        grads, steps = engine.open_writers(stack, files, d)     # (gradrunner.run.engine)
         grads.write_step(step, records)        # on every rank, the same steps in the same order
         steps.write(step, ...)                 # the step's grads rows are written now, with its steps row
 
@@ -300,25 +299,3 @@ class GatheredWriter:
                 for rank, (rank_args, rank_kwargs) in enumerate(per_rank):
                     owner.writer.rank = rank
                     getattr(owner.writer, name)(*rank_args, **rank_kwargs)
-
-
-def open_writers(
-    stack: contextlib.ExitStack, d: Distributed, directory: Path, constants: dict[str, str], meta: dict[str, str],
-    per_example: bool = False, histogram: bool = False,
-) -> tuple[GatheredWriter, GatheredWriter]:
-    """The job's grads and steps writers under DDP (real files on rank 0 only), closed by `stack` together.
-
-    Rank 0's two files are closed as the single-process path closes them (`closing_together`): both
-    kept, with the same steps, or both dropped.
-    """
-    from gradrunner.records.table_writer import closing_together
-    from gradrunner.records.writer import RecordWriter, StepsWriter
-
-    main = d.is_main
-    grads = (RecordWriter(directory / GRADS_FILE, constants=constants, metadata=meta, per_example=per_example,
-                          histogram=histogram) if main else None)  # fmt: skip
-    steps = StepsWriter(directory / STEPS_FILE, constants=constants, metadata=meta) if main else None
-    if grads is not None and steps is not None:
-        stack.enter_context(closing_together(grads, steps))
-    pending: list[tuple[GatheredWriter, str, list[Any]]] = []
-    return GatheredWriter(d, grads, pending), GatheredWriter(d, steps, pending, completes_step=True)
