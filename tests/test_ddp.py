@@ -122,7 +122,7 @@ def test_accumulation_under_ddp_syncs_once_per_step_and_records_the_averaged_ste
     for step in range(3):
         rows = df[df.step == step]
         out = rows[rows.tap == "head:output"]
-        assert sorted(zip(out["rank"], out.micro_step)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert sorted(zip(out["rank"], out.micro_step, strict=True)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
         head = rows[rows.tap == "head:bias"]
         assert len(head) == 2 and head.micro_step.isna().all()
         np.testing.assert_array_equal(head["values"].iloc[0], head["values"].iloc[1])  # the same on both ranks

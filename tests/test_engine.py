@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pandas as pd
@@ -213,7 +213,7 @@ def test_record_on_cpu_writes_peak_memory_as_the_runner_does(tmp_path: Path) -> 
 class PeekLive:
     """Synthetic batches that read the running job's records live (`load(dir, live=True)`) at batch `at_batch`."""
 
-    seen: dict[str, Any] = {}
+    seen: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, run_dir: str, at_batch: int, **synthetic: Any) -> None:
         self.run_dir, self.at_batch, self.inner = run_dir, at_batch, Synthetic(**synthetic)
