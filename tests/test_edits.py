@@ -642,3 +642,23 @@ def test_a_parameter_edit_under_accumulation_records_the_steps_gradient_before_a
         assert row.edited_norm == pytest.approx(float(0.5 * want.norm()), rel=1e-5)
         job.optimizer.step()
         job.optimizer.zero_grad(set_to_none=True)
+
+
+def test_every_operation_is_named_checked_and_applied_in_one_list_each() -> None:
+    """config.edits.OPERATIONS names and checks the operations, capturing.edits.APPLY applies them; a name in one
+    and not the other fails at import (here: the check itself, and each operation applied to a gradient)."""
+    from gradrunner.capturing.edits import APPLY, apply_edit
+    from gradrunner.config.edits import OPERATIONS, Edit, parse_edits
+
+    assert list(APPLY) == list(OPERATIONS)
+    g = torch.randn(3, 4)
+    values = {"scale": 0.5, "clip_norm": 0.1, "clip_value": 0.1, "mask": {"dim": 0, "keep": [1]}, "dropout": 0.5,
+              "noise_std": 0.1}  # fmt: skip
+    assert set(values) == set(OPERATIONS)
+    for op, value in values.items():
+        (edit,) = parse_edits([{"tap": "fc1:output", op: value}])
+        out = apply_edit(edit, g, seed=3)
+        assert out.shape == g.shape and not torch.equal(out, g), op
+        with pytest.raises(GradrunnerError, match=f"{op}=.*is not allowed"):
+            parse_edits([{"tap": "fc1:output", op: "x" if op != "mask" else 1.0}])
+    assert isinstance(Edit("t", "scale", 1.0).label, str)

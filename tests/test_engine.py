@@ -262,3 +262,14 @@ def test_a_parameter_changed_between_steps_is_read_from_its_new_accumulator(stra
             for tap, p in (("0:weight", model[0].weight), ("2:bias", model[2].bias)):
                 assert p.grad is not None
                 assert recs.stats["norm"][rows[tap]] == pytest.approx(float(p.grad.double().norm()), rel=1e-6), (step, tap)
+
+
+def test_the_run_id_goes_to_every_rank_in_one_place() -> None:
+    """Issue 33 item 6: the runner, record() under DDP and both callbacks take the run id from
+    `Distributed.joined` (rank 0's, broadcast); no second copy of the broadcast."""
+    package = Path(gradrunner.__file__).parent
+    users = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py")
+                   if "broadcast_object_list" in p.read_text() or "urandom" in p.read_text())  # fmt: skip
+    assert users == ["run/distributed.py"]
+    for name in ("integrations/lightning.py", "integrations/hf.py", "run/distributed.py"):
+        assert "Distributed.joined(" in (package / name).read_text(), name

@@ -81,6 +81,53 @@ def _random(g: torch.Tensor, seed: int, normal: bool) -> torch.Tensor:
     return draw(g.shape, generator=gen, device=g.device, dtype=torch.float32)
 
 
+def _scale(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+    assert isinstance(v, float)
+    return torch.zeros_like(g) if v == 0.0 else g * v
+
+
+def _clip_norm(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+    assert isinstance(v, float)
+    norm = torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None)
+    return g * torch.clamp(v / (norm + 1e-6), max=1.0).to(g.dtype)
+
+
+def _clip_value(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+    assert isinstance(v, float)
+    return g.clamp(-v, v)
+
+
+def _mask(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+    assert isinstance(v, Mask)
+    dim = v.dim % g.dim()
+    shape = [1] * g.dim()
+    shape[dim] = -1
+    keep = _keep_mask(v.keep, g.shape[dim], g.device).view(shape)
+    return torch.where(keep, g, torch.zeros((), dtype=g.dtype, device=g.device))
+
+
+def _dropout(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+    assert isinstance(v, float)
+    if v >= 1.0:
+        return torch.zeros_like(g)
+    kept = _random(g, seed, normal=False) >= v
+    return torch.where(kept, g * (1.0 / (1.0 - v)), torch.zeros((), dtype=g.dtype, device=g.device))
+
+
+def _noise_std(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+    assert isinstance(v, float)
+    return g + v * _random(g, seed, normal=True).to(g.dtype)
+
+
+#: How each operation of `config.edits.OPERATIONS` (the one list of names and checks) changes a gradient.
+APPLY: dict[str, Callable[[float | Mask, torch.Tensor, int], torch.Tensor]] = {
+    "scale": _scale, "clip_norm": _clip_norm, "clip_value": _clip_value, "mask": _mask, "dropout": _dropout,
+    "noise_std": _noise_std,
+}  # fmt: skip
+if APPLY.keys() != OPERATIONS.keys():  # a name added to one list and not the other fails at import, not at use
+    raise ImportError(f"edit operations out of step: checked {sorted(OPERATIONS)}, applied {sorted(APPLY)}")
+
+
 def apply_edit(edit: Edit, g: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """`g` with `edit` applied (a new tensor; `g` is not changed). `seed`: for dropout and noise_std.
 
@@ -90,34 +137,7 @@ def apply_edit(edit: Edit, g: torch.Tensor, seed: int = 0) -> torch.Tensor:
 
     No host sync: every operation stays on `g`'s device.
     """
-    op, v = edit.op, edit.value
-    if op == "scale":
-        assert isinstance(v, float)
-        return torch.zeros_like(g) if v == 0.0 else g * v
-    if op == "clip_norm":
-        assert isinstance(v, float)
-        norm = torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None)
-        return g * torch.clamp(v / (norm + 1e-6), max=1.0).to(g.dtype)
-    if op == "clip_value":
-        assert isinstance(v, float)
-        return g.clamp(-v, v)
-    if op == "mask":
-        assert isinstance(v, Mask)
-        dim = v.dim % g.dim()
-        shape = [1] * g.dim()
-        shape[dim] = -1
-        keep = _keep_mask(v.keep, g.shape[dim], g.device).view(shape)
-        return torch.where(keep, g, torch.zeros((), dtype=g.dtype, device=g.device))
-    if op == "dropout":
-        assert isinstance(v, float)
-        if v >= 1.0:
-            return torch.zeros_like(g)
-        kept = _random(g, seed, normal=False) >= v
-        return torch.where(kept, g * (1.0 / (1.0 - v)), torch.zeros((), dtype=g.dtype, device=g.device))
-    if op == "noise_std":
-        assert isinstance(v, float)
-        return g + v * _random(g, seed, normal=True).to(g.dtype)
-    raise AssertionError(op)
+    return APPLY[edit.op](edit.value, g, seed)
 
 
 #: `mask`'s boolean vectors, made once per (indices, size, device): a copy to an accelerator from host
