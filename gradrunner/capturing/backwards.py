@@ -290,8 +290,11 @@ class Backwards:
         `grad` is the gradient flowing into the tapped value as autograd delivers it to the tensor's
         `.grad` (after the model's own hooks on that tensor).
         """
-        self._seen()
-        if slot.delivered or grad is None or self._pass is None or not self._pass.captured:
+        p = self._pass
+        if p is None or not p.armed:
+            self._seen()
+            p = self._pass
+        if slot.delivered or grad is None or p is None or not p.captured:
             return None
         slot.delivered = True
         if self.grad_scale is not None:

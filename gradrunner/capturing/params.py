@@ -236,7 +236,7 @@ class ParamBackward:
 
     def arrived(self, grads: list[torch.Tensor | None]) -> None:
         """`edges()`'s gradients, in its order: recorded for tapped parameters, accumulated into every `.grad`."""
-        for h, g in zip(self._order, grads, strict=True):
-            if g is not None:
-                self._taps.arrived(h.param, g)
-                accumulate(h.edge[0], g)  # type: ignore[index]
+        arrived = [(h, g) for h, g in zip(self._order, grads, strict=True) if g is not None]
+        for h, g in arrived:
+            self._taps.arrived(h.param, g)
+        accumulate((h.edge[0], g) for h, g in arrived)  # type: ignore[index]

@@ -4,7 +4,7 @@
 | --- | --- | --- |
 | `gradient_edge(t)` | none: `torch.autograd.graph.get_gradient_edge` (public) | `(t.grad_fn, t.output_nr)`; a leaf's accumulator through `t.view_as(t)`; `autograd_grad` passes the tensor |
 | `watch_edge(edge, fn)` | none: `Node.register_prehook` (public) | - |
-| `accumulate(node, grad)` | calling a parameter's held `AccumulateGrad` node: `.grad` filled as backward fills it, post-accumulate-grad hooks included | `autograd_grad` runs `loss.backward()` for the parameters (a second engine pass) |
+| `accumulate([(node, grad), ...])` | calling a parameter's held `AccumulateGrad` node: `.grad` filled as backward fills it, post-accumulate-grad hooks included | `autograd_grad` runs `loss.backward()` for the parameters (a second engine pass) |
 | `at_backward_end(fn)` | `Variable._execution_engine.queue_callback` (what DDP and FSDP use): `fn` runs once the backward finished, after every callback queued before | False: the session finishes the backward at its next `records()`, forward or `backward()` |
 | `has_own_hooks(t)` | `t._backward_hooks`: `autograd_grad` reads a tap at its node only where the tensor has hooks | True: always read at the node |
 | `version(t)` | `t._version`: retain_grad reads `.grad` unless the tensor changed in place | None: assume it changed, read the gradient edge |
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -114,15 +114,17 @@ def watch_edge(edge: Edge, fn: Callable[[torch.Tensor], torch.Tensor | None]) ->
     return node.register_prehook(prehook)
 
 
-def accumulate(node: Any, grad: torch.Tensor) -> None:
-    """Add `grad` to the `.grad` of the parameter whose `AccumulateGrad` node is `node`, as backward would.
+def accumulate(pairs: Iterable[tuple[Any, torch.Tensor]]) -> None:
+    """For each (node, grad): add `grad` to the `.grad` of the parameter whose `AccumulateGrad` node is `node`,
+    as backward would.
 
     The node does what the engine does (layout, in-place add, post-accumulate-grad hooks). Only where
     `FEATURES["call_accumulate_grad"]`; without it `autograd_grad` lets `loss.backward()` fill `.grad`.
     """
     assert FEATURES["call_accumulate_grad"]
     with torch.no_grad():
-        node(grad)
+        for node, grad in pairs:
+            node(grad)
 
 
 def at_backward_end(fn: Callable[[], None]) -> bool:

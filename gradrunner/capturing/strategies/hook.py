@@ -2,7 +2,7 @@
 
 The cheapest strategy: each gradient is reduced inside its hook and dropped, so memory does not grow
 with the number of taps. The hook is registered when the tap fires, on the tensor's gradient edge
-taken then (`torch_compat.watch_edge`): it receives the gradient of that value even when the model
+taken then (a node pre-hook, as `torch_compat.watch_edge` registers): it receives the gradient of that value even when the model
 later changes the tensor in place, and it runs after the tensor's own hooks (the model's gradient
 scaling or clipping), so it sees what autograd delivers to the tensor's `.grad`, as `retain_grad`
 does. Whoever runs the backward (the session, the user, a framework), the hooks see it.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from gradrunner.capturing.strategies.base import Slot, Strategy
-from gradrunner.capturing.torch_compat import gradient_edge, watch_edge
+from gradrunner.capturing.torch_compat import gradient_edge
 
 
 class HookStrategy(Strategy):
@@ -22,7 +22,14 @@ class HookStrategy(Strategy):
     name = "hook"
 
     def attach(self, tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
-        slot.edge = gradient_edge(tensor)
-        deliver = self.deliver
-        slot.handle = watch_edge(slot.edge, lambda grad: deliver(slot, grad))
+        slot.edge = edge = gradient_edge(tensor)
+        nr, deliver = edge[1], self.deliver
+
+        def prehook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            # `torch_compat.watch_edge`'s pre-hook, inlined: one Python call less per fire (never replaces the gradient)
+            grad = grad_outputs[nr]
+            if grad is not None:
+                deliver(slot, grad)
+
+        slot.handle = edge[0].register_prehook(prehook)
         return tensor
