@@ -202,8 +202,9 @@ class Backwards:
                 self._release(self._retained)
             forward = self._forward_slots()
         self._retained = None
-        scale = None if self.loss_scale is None else self.loss_scale()
-        self.grad_scale = None if scale is None else torch.as_tensor(scale).detach().double().reciprocal()
+        if self.loss_scale is not None:  # else `grad_scale` stays as the caller set it (None by default)
+            scale = self.loss_scale()
+            self.grad_scale = None if scale is None else torch.as_tensor(scale).detach().double().reciprocal()
         fired = {s.key.tap for s in forward}
         unfired = [Slot(TapKey(t.module, t.name, 0), 0, reason=GRAPH_FREED if again else NOT_ASSIGNED
                         if t.kind == "local" else NOT_CALLED, fired=False)
