@@ -34,6 +34,7 @@ class Seen(transformers.TrainerCallback):
     def __init__(self, model: nn.Module) -> None:
         self.batches: list[dict[str, torch.Tensor]] = []
         self.grad_norms: list[float] = []
+        self.losses: list[float] = []
         model.register_forward_pre_hook(self._keep, with_kwargs=True)
 
     def _keep(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
@@ -43,6 +44,7 @@ class Seen(transformers.TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
         if logs and "grad_norm" in logs:
             self.grad_norms.append(float(logs["grad_norm"]))
+            self.losses.append(float(logs["loss"]))
 
 
 def _replay(batches: list[dict[str, torch.Tensor]], accumulate: int, clip: float, lr: float) -> tuple[list[dict[str, list[torch.Tensor]]], list[float]]:
@@ -100,6 +102,7 @@ def test_hf_trainer_accumulation_and_clipping_equal_plain_torch(tmp_path: Path) 
     assert seen.grad_norms == pytest.approx(norms, rel=1e-4)  # the Trainer's own grad_norm: before clipping
     steps = load(tmp_path / "run", table="steps")
     assert len(steps) == 3 and steps.captured.all() and steps.loss.notna().all()
+    assert list(steps.loss) == pytest.approx(seen.losses, rel=1e-5)  # what the Trainer backpropagated: its own loss
     assert (tmp_path / "run" / "done.json").is_file()
     if "grad_norm" not in pq.read_schema(tmp_path / "run" / "steps.parquet").names:
         pytest.skip("steps.parquet has no grad_norm column yet (issue 20 adds it); the rest of the records checked")
