@@ -256,7 +256,7 @@ class StepEngine:
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """Count `loss` (a backpropagated loss, scaled by the GradScaler if there is one) into the step's loss."""
-        part = loss.detach().float().sum()
+        part = loss.detach().sum(dtype=torch.promote_types(loss.dtype, torch.float32))  # a float64 loss stays float64
         scale = self.capture.loss_scale() if self.capture.loss_scale is not None else None
         if scale is not None:
             part = part / torch.as_tensor(scale).to(device=part.device, dtype=part.dtype)
