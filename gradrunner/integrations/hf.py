@@ -80,9 +80,8 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         if model is None:
             raise GradrunnerError("GradientCaptureCallback got no model from the Trainer; pass model= to Trainer(...).")
         dist, synced = _distributed()
-        rec = Recorder(model, self.taps, self.dir, strategy=self.strategy, every=self.every, dist=dist,
-                       scaler=getattr(optimizer, "scaler", None),  # accelerate's optimizer holds the GradScaler
-                       params_synced=synced, experiment=type(model).__name__, **self.options)  # fmt: skip
+        rec = self._recorder(model, dist=dist, params_synced=synced,
+                             scaler=getattr(optimizer, "scaler", None))  # accelerate's optimizer holds the GradScaler
         stack = contextlib.ExitStack()
         stack.enter_context(rec)
         stack.enter_context(_loss_from_output(model, rec.engine))

@@ -38,7 +38,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.errors import GradrunnerError
-from gradrunner.run.recording import CallbackOptions, Recorder
+from gradrunner.run.recording import CallbackOptions
 
 #: Lightning strategies whose backward is the module's own `loss.backward()`.
 SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
@@ -68,9 +68,8 @@ class GradientCapture(CallbackOptions, Callback):
         if dist is not None:
             ddp = trainer.strategy.model  # the DDP wrapper Lightning put around the module
             synced = lambda: bool(getattr(ddp, "require_backward_grad_sync", True))  # noqa: E731
-        rec = Recorder(pl_module, self.taps, self.dir, strategy=self.strategy, every=self.every, dist=dist,
-                       scaler=getattr(trainer.precision_plugin, "scaler", None), params_synced=synced,
-                       experiment=type(pl_module).__name__, **self.options)  # fmt: skip
+        rec = self._recorder(pl_module, dist=dist, scaler=getattr(trainer.precision_plugin, "scaler", None),
+                             params_synced=synced)  # fmt: skip
         rec.__enter__()
         self._global_step = trainer.global_step
         rec.start_at(trainer.global_step)
