@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pandas as pd
@@ -128,7 +127,7 @@ def test_edits_equal_plain_hooks(tmp_path: Path) -> None:
     for x, y in ref_batches:
         h = ref[0](x)
         kept: list[torch.Tensor] = []
-        h.register_hook(lambda g: (kept.append(g.detach().clone()), g * 0.5)[1])
+        h.register_hook(lambda g, kept=kept: (kept.append(g.detach().clone()), g * 0.5)[1])
         nn.functional.mse_loss(ref[2](ref[1](h)), y).backward()
         out_norms.append(float(kept[0].norm()))
         weight_norms.append(float(ref[0].weight.grad.norm()))

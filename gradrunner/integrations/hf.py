@@ -38,6 +38,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,8 +69,9 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         super().__init__(taps, dir, every, strategy, **options)
         self._stack = contextlib.ExitStack()
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        #: a step the Trainer completed whose row waits for its log (grad_norm): [pending, grad_norm]
-        self._step: list[Any] = [False, None]
+        #: a step the Trainer completed whose row waits for its log (grad_norm): [pending, grad_norm, lrs, clip]
+        self._step: list[Any] = [False, None, None, 0.0]
+        self._lrs: list[float] | None = None
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
@@ -77,6 +79,9 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
     ) -> None:  # fmt: skip
         if self.recorder is not None:  # a train() that raised never ended its session: close it now
             self.close()
+        unfinished = _UNFINISHED.pop(_key(self.dir), None)
+        if unfinished is not None:  # another callback's session on this dir, whose train() raised: end it first
+            unfinished()
         if model is None:
             raise GradrunnerError("GradientCaptureCallback got no model from the Trainer; pass model= to Trainer(...).")
         dist, synced = _distributed()
@@ -85,19 +90,32 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         stack = contextlib.ExitStack()
         stack.enter_context(rec)
         stack.enter_context(_loss_from_output(model, rec.engine))
-        rec.start_at(state.global_step)
+        try:
+            rec.start_at(state.global_step)  # resume=True with resume_from_checkpoint: the records before it kept
+        except BaseException as e:
+            stack.__exit__(type(e), e, None)
+            raise
         self.recorder, self._stack = rec, stack
         # The Trainer says nothing when train() raises: the session ends at the process's exit (or when this
         # callback is collected) unless on_train_end or close() ended it first.
-        self._step = [False, None]
+        self._step, self._lrs = [False, None, None, float(args.max_grad_norm or 0.0)], None
         self._finalizer = weakref.finalize(self, _end_unfinished, stack, rec, self._step)
+        _UNFINISHED[_key(self.dir)] = self._finalizer
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._flush()
 
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        if optimizer is not None:
+            self._lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the rates this step uses
+
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         # Written at the Trainer's log of this step (it carries grad_norm), or before the next step begins.
-        self._step[:] = [self.recorder is not None, None]
+        self._step[:3] = [self.recorder is not None, None, self._lrs]
+        self._lrs = None
 
     def on_log(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, Any] | None = None,
@@ -137,20 +155,34 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
 
     def _close(self, error: BaseException | None) -> None:
         self.recorder = None
-        self._step[:] = [False, None]
+        self._step[:3] = [False, None, None]
         if self._finalizer is not None:
             self._finalizer.detach()
+            if _UNFINISHED.get(_key(self.dir)) is self._finalizer:
+                del _UNFINISHED[_key(self.dir)]
             self._finalizer = None
         stack, self._stack = self._stack, contextlib.ExitStack()
         stack.__exit__(type(error) if error is not None else None, error, None)
 
 
+#: The session of each run dir whose Trainer has not ended it (its train() raised), by resolved dir: a new
+#: callback's train() into that dir ends it first (a notebook cell run again needs no `close()`).
+_UNFINISHED: dict[str, weakref.finalize[Any, Any]] = {}
+
+
+def _key(directory: str | os.PathLike[str]) -> str:
+    return str(Path(directory).resolve())
+
+
 def _write_completed(rec: Recorder, pending: list[Any]) -> None:
     """Write the row of the step the Trainer completed, if it waits (with the grad_norm its log gave, if any)."""
     if pending[0]:
-        grad_norm = pending[1]
-        pending[:] = [False, None]
-        rec.step(extra={} if grad_norm is None else {"grad_norm": grad_norm})
+        grad_norm, lrs, clip = pending[1:4]
+        pending[:3] = [False, None, None]
+        extra: dict[str, Any] = {} if lrs is None else {"lr": lrs[0], "lrs": lrs}
+        if grad_norm is not None:
+            extra.update(grad_norm=grad_norm, clipped=bool(clip > 0 and grad_norm > clip))  # the Trainer clips so
+        rec.step(extra=extra)
 
 
 def _end_unfinished(stack: contextlib.ExitStack, rec: Recorder, pending: list[Any]) -> None:

@@ -61,6 +61,8 @@ class GradientCapture(CallbackOptions, Callback):
     ) -> None:  # fmt: skip
         super().__init__(taps, dir, every, strategy, **options)
         self._global_step = 0
+        #: the step's training columns, from Lightning's on_before_optimizer_step (lr, grad_norm, clipped)
+        self._train: dict[str, Any] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         dist = self._distributed(trainer)
@@ -71,8 +73,12 @@ class GradientCapture(CallbackOptions, Callback):
         rec = self._recorder(pl_module, dist=dist, scaler=getattr(trainer.precision_plugin, "scaler", None),
                              params_synced=synced)  # fmt: skip
         rec.__enter__()
-        self._global_step = trainer.global_step
-        rec.start_at(trainer.global_step)
+        self._global_step, self._train = trainer.global_step, {}
+        try:
+            rec.start_at(trainer.global_step)  # resume=True with ckpt_path=: the records before it are kept
+        except BaseException as e:
+            rec.__exit__(type(e), e, None)
+            raise
         self.recorder = rec
 
     def _distributed(self, trainer: Trainer) -> Any:
@@ -98,6 +104,12 @@ class GradientCapture(CallbackOptions, Callback):
         if self.recorder is not None:
             self.recorder.capture.finish_backward()
 
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self.recorder is None or self._train:
+            return  # the first optimiser of a step gives the step's rates
+        lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the rates this step uses
+        self._train = {"lr": lrs[0], "lrs": lrs, **_norm_and_clipped(trainer, pl_module)}
+
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -107,7 +119,8 @@ class GradientCapture(CallbackOptions, Callback):
         if trainer.global_step == self._global_step:
             return  # a micro-batch of an accumulating step: the optimiser has not stepped yet
         self._global_step = trainer.global_step
-        rec.step()  # the step's loss: the sum of the (unscaled) losses Lightning backpropagated, on the device
+        train, self._train = self._train, {}
+        rec.step(extra=train)  # the step's loss: the sum of the (unscaled) losses Lightning backpropagated, on the device
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close(None)
@@ -122,3 +135,19 @@ class GradientCapture(CallbackOptions, Callback):
         rec, self.recorder = self.recorder, None
         if rec is not None:
             rec.__exit__(type(error) if error is not None else None, error, None)
+
+
+def _norm_and_clipped(trainer: Trainer, module: LightningModule) -> dict[str, Any]:
+    """`grad_norm` (the total 2-norm of `.grad` before clipping, as the runner's) and whether Lightning's
+    `gradient_clip_val` clips it (`gradient_clip_algorithm` "norm": the norm above it; "value": an element above it)."""
+    from gradrunner.run.numerics import total_norm
+
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm = total_norm(params)
+    limit, algorithm = trainer.gradient_clip_val, str(trainer.gradient_clip_algorithm or "norm")
+    if limit is None or not params:
+        return {"grad_norm": norm, "clipped": False}
+    if algorithm == "value":
+        peak = torch.stack([p.grad.detach().abs().max() for p in params if p.grad is not None and p.grad.numel()])
+        return {"grad_norm": norm, "clipped": peak.max() > float(limit)}
+    return {"grad_norm": norm, "clipped": norm > float(limit)}
