@@ -110,3 +110,31 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_records(tmp_path: Path) 
     assert (run / "done.json").is_file()
     _same(load(tmp_path / "whole"), load(run))
     _same(load(tmp_path / "whole", table="steps"), load(run, table="steps"))
+
+
+class HalveMlpGradient(transformers.TrainerCallback):
+    """A plain tensor hook: the first block's MLP output gradient times 0.5 (what the edit below does)."""
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+            if output.requires_grad:
+                output.register_hook(lambda g: g * 0.5)
+
+        self.handle = model.transformer.h[0].mlp.register_forward_hook(hook)
+
+
+@pytest.mark.slow
+def test_edits_through_the_callback_equal_a_plain_hook(tmp_path: Path) -> None:
+    """`edits=` in the HF callback trains as a plain tensor hook does (the Trainer's logged losses and grad norms
+    equal), and the records hold the gradient before the edit (`norm`) and after it (`edited_norm`)."""
+    plain, edited = Logged(), Logged()
+    _train(tmp_path / "a", [plain, HalveMlpGradient()])
+    cb = GradientCaptureCallback(taps=TAPS, dir=tmp_path / "run", edits=[{"tap": TAPS[0], "scale": 0.5}])
+    _train(tmp_path / "b", [edited, cb])
+    assert edited.grad_norms == pytest.approx(plain.grad_norms, rel=1e-6)
+    assert edited.losses == pytest.approx(plain.losses, rel=1e-6)
+    out = load(tmp_path / "run").query(f"tap == '{TAPS[0]}'")
+    assert len(out) == 4 and list(out.edited_norm) == pytest.approx(list(0.5 * out.norm), rel=1e-6)

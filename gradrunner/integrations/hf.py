@@ -26,8 +26,11 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
   before clipping) goes into the `grad_norm` column where it logs the step (`logging_steps=1`: every row);
 - the session ends with the Trainer's `on_train_end` (`done.json`). The Trainer has no event for a
   `train()` that raised (an exception, Ctrl-C): then the session ends, keeping the completed steps'
-  records without `done.json`, when the process exits, when the callback is garbage-collected, at
-  the next `train()`, or at `callback.close()` (in a notebook, call it to have the records now);
+  records without `done.json`, when the process exits, when the callback is garbage-collected, when
+  the next `train()` into the same dir begins (with this or a new callback), or at `callback.close()`;
+- `lr`/`lrs` are the rates of the step's optimizer step (`on_pre_optimizer_step`), `clipped` the
+  logged `grad_norm` above `max_grad_norm`; `resume=True` with `train(resume_from_checkpoint=...)`
+  keeps the records of the steps before the checkpoint's `global_step`;
 - under multi-process training (`torchrun`) rank 0 writes every rank's rows (`rank` column), and
   parameter taps are read after the backward that synchronised (accelerate's last micro-batch).
 """
@@ -59,7 +62,8 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         Trainer(..., callbacks=[GradientCaptureCallback(taps=["lm_head:input"], dir="runs/a", every=10)])
 
     `strategy` (`hook` or `retain_grad`) and the options (`values`, `sample_size`, `per_example`,
-    `histogram`, `on_nonfinite`, `seed`, `update_norms`, `live_every`, `log_to`) are `gradrunner.record`'s.
+    `histogram`, `on_nonfinite`, `seed`, `update_norms`, `live_every`, `log_to`, `edits`, `resume`,
+    `overwrite`) are `gradrunner.record`'s, checked here in the constructor.
     """
 
     def __init__(

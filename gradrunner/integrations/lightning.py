@@ -21,7 +21,11 @@ backward runs unchanged, nothing of Lightning or torch is patched:
 - under a precision plugin with a GradScaler (`precision="16-mixed"`), gradients are divided by its
   scale on their device: the records hold the true, unscaled gradients;
 - `steps.parquet`'s `loss` is the sum of the losses Lightning backpropagated in the step (divided
-  for accumulation, so their mean; unscaled);
+  for accumulation, so their mean; unscaled); `lr`/`lrs` the rates of the step's optimizer step,
+  `grad_norm` the total norm before clipping and `clipped` whether `gradient_clip_val` clipped
+  (read at `on_before_optimizer_step`, after a GradScaler's unscale, before Lightning clips);
+- `resume=True` with `fit(ckpt_path=...)`: the records of the steps before the checkpoint's
+  `global_step` are kept, the rest recorded again;
 - under DDP every rank captures and rank 0 writes every rank's rows (`rank` column); parameter
   taps are read from `.grad` after the backward that synchronised (DDP's all-reduce, on the step's
   last micro-batch). Strategies other than a single device, `ddp` and `ddp_spawn` (FSDP, DeepSpeed)
@@ -52,7 +56,8 @@ class GradientCapture(CallbackOptions, Callback):
         Trainer(callbacks=[GradientCapture(taps=["net.0:output"], dir="runs/a", every=5, histogram=True)])
 
     `strategy` (`hook` or `retain_grad`) and the options (`values`, `sample_size`, `per_example`,
-    `histogram`, `on_nonfinite`, `seed`, `update_norms`, `live_every`, `log_to`) are `gradrunner.record`'s.
+    `histogram`, `on_nonfinite`, `seed`, `update_norms`, `live_every`, `log_to`, `edits`, `resume`,
+    `overwrite`) are `gradrunner.record`'s, checked here in the constructor.
     """
 
     def __init__(

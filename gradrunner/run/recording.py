@@ -74,7 +74,13 @@ class Recorder:
     it is written (the export's tags; no extra device sync). `dist` (a `run.distributed.Distributed`)
     records every rank's rows in rank 0's run dir; a `DistributedDataParallel` model has its parameter
     taps read after DDP's all-reduce (`params_synced`: the same for a wrapper `record` is not given, as
-    the callbacks use it).
+    the callbacks use it). `edits` are the runner's gradient edits (`[{"tap": ..., "scale": 0.5}]`).
+
+    A run dir that holds records is refused (one paragraph) unless `overwrite=True` (delete them, record
+    from step 0) or `resume=True` (continue an interrupted session's records: `run.record_books`; the
+    rows before `start_at(step)` are kept). Every option is checked here, before anything is written.
+    When the block ends (also by an error) the runner's last word, the health summary, is logged on
+    the console and into `<run_dir>/gradrunner.log` (`run.session_log`).
     """
 
     def __init__(
