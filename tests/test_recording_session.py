@@ -175,6 +175,8 @@ def test_overwrite_records_again_from_step_0(tmp_path: Path) -> None:
     model = _model()
     _train(tmp_path / "b", range(2), _model(), torch.optim.SGD(model.parameters(), lr=0.1))
     _train(tmp_path / "b", range(3), model, torch.optim.SGD(model.parameters(), lr=0.1), overwrite=True)
+    log_text = (tmp_path / "b" / LOG_FILE).read_text()
+    assert log_text.count("run summary:") == 1 and "(3 steps)" in log_text  # the deleted run's log went with it
     _same(load(tmp_path / "a"), load(tmp_path / "b"))
 
 

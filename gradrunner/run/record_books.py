@@ -39,6 +39,7 @@ from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
 from gradrunner.records.critical import deferred_signals
 from gradrunner.records.rundir import DONE, _present, read_marker
 from gradrunner.run import books
+from gradrunner.run.session_log import LOG_FILE
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ def prepare(directory: Path, config: DictConfig, *, resume: bool, overwrite: boo
         removed = books._clean(directory) + books._drop_checkpoint(directory)
         for n in kept_copies:
             (directory / f"{KEPT_PREFIX}{n}").unlink()
+        if (directory / LOG_FILE).is_file():  # the log of the records deleted: the new session starts its own
+            (directory / LOG_FILE).unlink()
+            removed.append(LOG_FILE)
         log.warning("overwrite=True: deleted the records of the earlier run in %s (%s); recording from step 0",
                     directory, ", ".join(removed + kept_copies) or "none")  # fmt: skip
         return None
