@@ -44,7 +44,7 @@ def test_any_loop_snippet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     # the section's promises: the last word in the run dir's log; a second run into the dir is refused naming
     # record()'s own options, before anything is written
     assert "run summary:" in (tmp_path / "runs" / "mine" / "gradrunner.log").read_text()
-    with pytest.raises(GradrunnerError, match=r"record\(\) with resume=True .* or overwrite=True"):
+    with pytest.raises(GradrunnerError, match=r"completed run; .* Pass record\(\) overwrite=True"):
         exec(compile(_snippets()[0], "README.md", "exec"), {})
     assert len(load(tmp_path / "runs" / "mine")) == len(df)
 

@@ -164,7 +164,13 @@ def test_a_used_dir_is_refused_naming_records_options(tmp_path: Path) -> None:
     with pytest.raises(GradrunnerError) as e:
         _train(tmp_path / "run", range(2), model, torch.optim.SGD(model.parameters(), lr=0.1))
     msg = str(e.value)
-    assert "resume=True" in msg and "overwrite=True" in msg and "record()" in msg and "hydra" not in msg
+    assert "record() overwrite=True" in msg and "of a completed run" in msg and "hydra" not in msg
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "cut", range(3), model, torch.optim.SGD(model.parameters(), lr=0.1), crash_at=1)
+    with pytest.raises(GradrunnerError) as e:
+        _train(tmp_path / "cut", range(3), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    msg = str(e.value)
+    assert "record() with resume=True" in msg and "or overwrite=True" in msg and "hydra" not in msg
     with pytest.raises(GradrunnerError, match="overwrite=True instead of resume=True"):
         _train(tmp_path / "run", range(2), model, torch.optim.SGD(model.parameters(), lr=0.1), resume=True)
 

@@ -92,10 +92,16 @@ def prepare(directory: Path, config: DictConfig, *, resume: bool, overwrite: boo
         return None
     held = ", ".join(present or [DONE])
     if not resume:
-        what = "a completed run" if marker else "a run that did not complete (interrupted, failed or killed)"
+        if marker is not None:
+            raise books.Refused(
+                f"the run dir {directory} already holds records ({held}) of a completed run; gradrunner never "
+                f"overwrites records silently. Pass {who} overwrite=True (delete them and record from step 0), or "
+                "record into a new dir (resume=True continues only a run that did not complete)."
+            )
         raise books.Refused(
-            f"the run dir {directory} already holds records ({held}) of {what}; gradrunner never overwrites "
-            f"records silently. Pass {_options(who)} (delete them and record from step 0), or record into a new dir."
+            f"the run dir {directory} already holds records ({held}) of a run that did not complete (interrupted, "
+            f"failed or killed); gradrunner never overwrites records silently. Pass {_options(who)} (delete them "
+            "and record from step 0), or record into a new dir."
         )
     if marker is not None:
         raise books.Refused(
