@@ -224,3 +224,33 @@ def test_resume_by_default_continues_after_the_last_recorded_step(tmp_path: Path
     with gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run", resume=True) as rec:
         assert rec.step_index == 2  # the step after the last recorded one
     assert sorted(set(load(tmp_path / "run", table="steps").step)) == [0, 1]
+
+
+def test_a_resumed_session_that_fails_before_its_first_step_loses_nothing(tmp_path: Path) -> None:
+    """The interrupted session's files stay (hidden) until the resumed one's files are closed: a resume that fails
+    at once and a second resume still give the uninterrupted records."""
+    model = _model()
+    _train(tmp_path / "whole", range(6), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model, saved = _model(), {}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "run", range(6), model, opt, crash_at=4, saved=saved)
+    with pytest.raises(RuntimeError, match="at once"), gradrunner.record(model, ["0:output", "0:weight"],
+                                                                         tmp_path / "run", resume=True):  # fmt: skip
+        raise RuntimeError("failed at once")
+    model = _model()
+    model.load_state_dict(saved)
+    _train(tmp_path / "run", range(3, 6), model, torch.optim.SGD(model.parameters(), lr=0.1), resume=True)
+    _same(load(tmp_path / "whole"), load(tmp_path / "run"))
+
+
+def test_files_a_killed_process_left_are_not_resumed(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".grads.parquet.dead.tmp").write_bytes(b"PAR1 no footer")  # what a SIGKILL leaves
+    with pytest.raises(GradrunnerError, match="cannot be continued: grads.parquet does not read") as e:
+        gradrunner.record(_model(), ["0:output"], run, resume=True).__enter__()
+    assert "overwrite=True" in str(e.value) and (run / ".grads.parquet.dead.tmp").exists()
+    with gradrunner.record(_model(), ["0:output"], run, overwrite=True):
+        pass
+    assert not (run / ".grads.parquet.dead.tmp").exists() and (run / "done.json").is_file()
