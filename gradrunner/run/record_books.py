@@ -71,6 +71,10 @@ def _options(who: str) -> str:
 def prepare(directory: Path, config: DictConfig, *, resume: bool, overwrite: bool, who: str) -> Kept | None:
     """Before a session writes into `directory` (its lock held): None to start from step 0, or what it resumes.
 
+    Example::
+
+        prepare(run_dir, config, resume=False, overwrite=True, who="record()")   # None: the old records deleted
+
     Raises `books.Refused` (one paragraph naming `resume=`/`overwrite=` of `who`) where the dir holds
     records this session may not touch.
     """

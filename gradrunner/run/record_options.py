@@ -30,7 +30,12 @@ def check_options(
     on_nonfinite: str = "record", log_to: str | None = None, scaler: Any = None, live_every: int = 10,
     edits: Any = None, **flags: Any,
 ) -> None:  # fmt: skip
-    """Every option of `record` and the callbacks, checked before anything is opened; `flags`: the booleans."""
+    """Every option of `record` and the callbacks, checked before anything is opened; `flags`: the booleans.
+
+    Example::
+
+        check_options(every=0)     # GradrunnerError: every=0 is not allowed; it must be a whole number of at least 1 ...
+    """
     if strategy not in STRATEGY_NAMES:
         raise not_allowed("strategy", strategy, STRATEGY_NAMES)
     if values not in VALUES_MODES:
