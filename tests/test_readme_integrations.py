@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gradrunner.analysis import load
+from gradrunner.errors import GradrunnerError
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -40,6 +41,12 @@ def test_any_loop_snippet(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     df = load(tmp_path / "runs" / "mine")
     assert sorted(set(df.step)) == [0, 10] and (tmp_path / "runs" / "mine" / "done.json").is_file()
     assert set(df.tap) == {"0:output", "1:output", "2:output", "0:weight", "2:weight"}
+    # the section's promises: the last word in the run dir's log; a second run into the dir is refused naming
+    # record()'s own options, before anything is written
+    assert "run summary:" in (tmp_path / "runs" / "mine" / "gradrunner.log").read_text()
+    with pytest.raises(GradrunnerError, match=r"completed run; .* Pass record\(\) overwrite=True"):
+        exec(compile(_snippets()[0], "README.md", "exec"), {})
+    assert len(load(tmp_path / "runs" / "mine")) == len(df)
 
 
 @pytest.mark.slow
@@ -51,6 +58,8 @@ def test_lightning_snippet(tmp_path: Path) -> None:
     assert list(per_step.index) == [0, 2, 4, 6] and set(per_step) == {1}  # a parameter: one row per optimiser step
     acts = df[df.tap == "net.0:output"].groupby("step").size()
     assert set(acts) == {2}  # an activation: one row per micro-batch
+    steps = load(tmp_path / "runs" / "lightning", table="steps")
+    assert (steps.lr == 0.1).all() and steps.grad_norm.gt(0).all() and steps.clipped.notna().all()
 
 
 @pytest.mark.slow
@@ -59,4 +68,5 @@ def test_hf_trainer_snippet(tmp_path: Path) -> None:
     _run(_snippets()[2], tmp_path)
     df = load(tmp_path / "runs" / "gpt2")
     assert sorted(set(df.step)) == [0, 1, 2, 3] and df.has_grad.all()
-    assert len(load(tmp_path / "runs" / "gpt2", table="steps")) == 4
+    steps = load(tmp_path / "runs" / "gpt2", table="steps")
+    assert len(steps) == 4 and steps.lr.gt(0).all() and steps.clipped.notna().all()

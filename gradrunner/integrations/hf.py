@@ -26,8 +26,11 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
   before clipping) goes into the `grad_norm` column where it logs the step (`logging_steps=1`: every row);
 - the session ends with the Trainer's `on_train_end` (`done.json`). The Trainer has no event for a
   `train()` that raised (an exception, Ctrl-C): then the session ends, keeping the completed steps'
-  records without `done.json`, when the process exits, when the callback is garbage-collected, at
-  the next `train()`, or at `callback.close()` (in a notebook, call it to have the records now);
+  records without `done.json`, when the process exits, when the callback is garbage-collected, when
+  the next `train()` into the same dir begins (with this or a new callback), or at `callback.close()`;
+- `lr`/`lrs` are the rates of the step's optimizer step (`on_pre_optimizer_step`), `clipped` the
+  logged `grad_norm` above `max_grad_norm`; `resume=True` with `train(resume_from_checkpoint=...)`
+  keeps the records of the steps before the checkpoint's `global_step`;
 - under multi-process training (`torchrun`) rank 0 writes every rank's rows (`rank` column), and
   parameter taps are read after the backward that synchronised (accelerate's last micro-batch).
 """
@@ -38,6 +41,7 @@ import contextlib
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,7 +62,8 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         Trainer(..., callbacks=[GradientCaptureCallback(taps=["lm_head:input"], dir="runs/a", every=10)])
 
     `strategy` (`hook` or `retain_grad`) and the options (`values`, `sample_size`, `per_example`,
-    `histogram`, `on_nonfinite`, `seed`, `update_norms`, `live_every`, `log_to`) are `gradrunner.record`'s.
+    `histogram`, `on_nonfinite`, `seed`, `update_norms`, `live_every`, `log_to`, `edits`, `resume`,
+    `overwrite`) are `gradrunner.record`'s, checked here in the constructor.
     """
 
     def __init__(
@@ -68,8 +73,9 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         super().__init__(taps, dir, every, strategy, **options)
         self._stack = contextlib.ExitStack()
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        #: a step the Trainer completed whose row waits for its log (grad_norm): [pending, grad_norm]
-        self._step: list[Any] = [False, None]
+        #: a step the Trainer completed whose row waits for its log (grad_norm): [pending, grad_norm, lrs, clip]
+        self._step: list[Any] = [False, None, None, 0.0]
+        self._lrs: list[float] | None = None
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
@@ -77,28 +83,43 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
     ) -> None:  # fmt: skip
         if self.recorder is not None:  # a train() that raised never ended its session: close it now
             self.close()
+        unfinished = _UNFINISHED.pop(_key(self.dir), None)
+        if unfinished is not None:  # another callback's session on this dir, whose train() raised: end it first
+            unfinished()
         if model is None:
             raise GradrunnerError("GradientCaptureCallback got no model from the Trainer; pass model= to Trainer(...).")
         dist, synced = _distributed()
-        rec = Recorder(model, self.taps, self.dir, strategy=self.strategy, every=self.every, dist=dist,
-                       scaler=getattr(optimizer, "scaler", None),  # accelerate's optimizer holds the GradScaler
-                       params_synced=synced, experiment=type(model).__name__, **self.options)  # fmt: skip
+        rec = self._recorder(model, dist=dist, params_synced=synced,
+                             scaler=getattr(optimizer, "scaler", None))  # accelerate's optimizer holds the GradScaler
         stack = contextlib.ExitStack()
         stack.enter_context(rec)
         stack.enter_context(_loss_from_output(model, rec.engine))
-        rec.start_at(state.global_step)
+        try:
+            rec.start_at(state.global_step)  # resume=True with resume_from_checkpoint: the records before it kept
+        except BaseException as e:
+            stack.__exit__(type(e), e, None)
+            raise
         self.recorder, self._stack = rec, stack
         # The Trainer says nothing when train() raises: the session ends at the process's exit (or when this
         # callback is collected) unless on_train_end or close() ended it first.
-        self._step = [False, None]
+        self._step, self._lrs = [False, None, None, float(args.max_grad_norm or 0.0)], None
         self._finalizer = weakref.finalize(self, _end_unfinished, stack, rec, self._step)
+        _UNFINISHED[_key(self.dir)] = self._finalizer
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._flush()
 
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        if optimizer is not None:
+            self._lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the rates this step uses
+
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         # Written at the Trainer's log of this step (it carries grad_norm), or before the next step begins.
-        self._step[:] = [self.recorder is not None, None]
+        self._step[:3] = [self.recorder is not None, None, self._lrs]
+        self._lrs = None
 
     def on_log(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, Any] | None = None,
@@ -138,20 +159,34 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
 
     def _close(self, error: BaseException | None) -> None:
         self.recorder = None
-        self._step[:] = [False, None]
+        self._step[:3] = [False, None, None]
         if self._finalizer is not None:
             self._finalizer.detach()
+            if _UNFINISHED.get(_key(self.dir)) is self._finalizer:
+                del _UNFINISHED[_key(self.dir)]
             self._finalizer = None
         stack, self._stack = self._stack, contextlib.ExitStack()
         stack.__exit__(type(error) if error is not None else None, error, None)
 
 
+#: The session of each run dir whose Trainer has not ended it (its train() raised), by resolved dir: a new
+#: callback's train() into that dir ends it first (a notebook cell run again needs no `close()`).
+_UNFINISHED: dict[str, weakref.finalize[Any, Any]] = {}
+
+
+def _key(directory: str | os.PathLike[str]) -> str:
+    return str(Path(directory).resolve())
+
+
 def _write_completed(rec: Recorder, pending: list[Any]) -> None:
     """Write the row of the step the Trainer completed, if it waits (with the grad_norm its log gave, if any)."""
     if pending[0]:
-        grad_norm = pending[1]
-        pending[:] = [False, None]
-        rec.step(extra={} if grad_norm is None else {"grad_norm": grad_norm})
+        grad_norm, lrs, clip = pending[1:4]
+        pending[:3] = [False, None, None]
+        extra: dict[str, Any] = {} if lrs is None else {"lr": lrs[0], "lrs": lrs}
+        if grad_norm is not None:
+            extra.update(grad_norm=grad_norm, clipped=bool(clip > 0 and grad_norm > clip))  # the Trainer clips so
+        rec.step(extra=extra)
 
 
 def _end_unfinished(stack: contextlib.ExitStack, rec: Recorder, pending: list[Any]) -> None:

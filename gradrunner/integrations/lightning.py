@@ -21,7 +21,11 @@ backward runs unchanged, nothing of Lightning or torch is patched:
 - under a precision plugin with a GradScaler (`precision="16-mixed"`), gradients are divided by its
   scale on their device: the records hold the true, unscaled gradients;
 - `steps.parquet`'s `loss` is the sum of the losses Lightning backpropagated in the step (divided
-  for accumulation, so their mean; unscaled);
+  for accumulation, so their mean; unscaled); `lr`/`lrs` the rates of the step's optimizer step,
+  `grad_norm` the total norm before clipping and `clipped` whether `gradient_clip_val` clipped
+  (read at `on_before_optimizer_step`, after a GradScaler's unscale, before Lightning clips);
+- `resume=True` with `fit(ckpt_path=...)`: the records of the steps before the checkpoint's
+  `global_step` are kept, the rest recorded again;
 - under DDP every rank captures and rank 0 writes every rank's rows (`rank` column); parameter
   taps are read from `.grad` after the backward that synchronised (DDP's all-reduce, on the step's
   last micro-batch). Strategies other than a single device, `ddp` and `ddp_spawn` (FSDP, DeepSpeed)
@@ -38,7 +42,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.errors import GradrunnerError
-from gradrunner.run.recording import CallbackOptions, Recorder
+from gradrunner.run.recording import CallbackOptions
 
 #: Lightning strategies whose backward is the module's own `loss.backward()`.
 SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
@@ -52,7 +56,8 @@ class GradientCapture(CallbackOptions, Callback):
         Trainer(callbacks=[GradientCapture(taps=["net.0:output"], dir="runs/a", every=5, histogram=True)])
 
     `strategy` (`hook` or `retain_grad`) and the options (`values`, `sample_size`, `per_example`,
-    `histogram`, `on_nonfinite`, `seed`, `update_norms`, `live_every`, `log_to`) are `gradrunner.record`'s.
+    `histogram`, `on_nonfinite`, `seed`, `update_norms`, `live_every`, `log_to`, `edits`, `resume`,
+    `overwrite`) are `gradrunner.record`'s, checked here in the constructor.
     """
 
     def __init__(
@@ -61,6 +66,8 @@ class GradientCapture(CallbackOptions, Callback):
     ) -> None:  # fmt: skip
         super().__init__(taps, dir, every, strategy, **options)
         self._global_step = 0
+        #: the step's training columns, from Lightning's on_before_optimizer_step (lr, grad_norm, clipped)
+        self._train: dict[str, Any] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         dist = self._distributed(trainer)
@@ -68,12 +75,15 @@ class GradientCapture(CallbackOptions, Callback):
         if dist is not None:
             ddp = trainer.strategy.model  # the DDP wrapper Lightning put around the module
             synced = lambda: bool(getattr(ddp, "require_backward_grad_sync", True))  # noqa: E731
-        rec = Recorder(pl_module, self.taps, self.dir, strategy=self.strategy, every=self.every, dist=dist,
-                       scaler=getattr(trainer.precision_plugin, "scaler", None), params_synced=synced,
-                       experiment=type(pl_module).__name__, **self.options)  # fmt: skip
+        rec = self._recorder(pl_module, dist=dist, scaler=getattr(trainer.precision_plugin, "scaler", None),
+                             params_synced=synced)  # fmt: skip
         rec.__enter__()
-        self._global_step = trainer.global_step
-        rec.start_at(trainer.global_step)
+        self._global_step, self._train = trainer.global_step, {}
+        try:
+            rec.start_at(trainer.global_step)  # resume=True with ckpt_path=: the records before it are kept
+        except BaseException as e:
+            rec.__exit__(type(e), e, None)
+            raise
         self.recorder = rec
 
     def _distributed(self, trainer: Trainer) -> Any:
@@ -99,6 +109,12 @@ class GradientCapture(CallbackOptions, Callback):
         if self.recorder is not None:
             self.recorder.capture.finish_backward()
 
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        if self.recorder is None or self._train:
+            return  # the first optimiser of a step gives the step's rates
+        lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the rates this step uses
+        self._train = {"lr": lrs[0], "lrs": lrs, **_norm_and_clipped(trainer, pl_module)}
+
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -108,7 +124,8 @@ class GradientCapture(CallbackOptions, Callback):
         if trainer.global_step == self._global_step:
             return  # a micro-batch of an accumulating step: the optimiser has not stepped yet
         self._global_step = trainer.global_step
-        rec.step()  # the step's loss: the sum of the (unscaled) losses Lightning backpropagated, on the device
+        train, self._train = self._train, {}
+        rec.step(extra=train)  # the step's loss: the sum of the (unscaled) losses Lightning backpropagated, on the device
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close(None)
@@ -123,3 +140,19 @@ class GradientCapture(CallbackOptions, Callback):
         rec, self.recorder = self.recorder, None
         if rec is not None:
             rec.__exit__(type(error) if error is not None else None, error, None)
+
+
+def _norm_and_clipped(trainer: Trainer, module: LightningModule) -> dict[str, Any]:
+    """`grad_norm` (the total 2-norm of `.grad` before clipping, as the runner's) and whether Lightning's
+    `gradient_clip_val` clips it (`gradient_clip_algorithm` "norm": the norm above it; "value": an element above it)."""
+    from gradrunner.run.numerics import total_norm
+
+    params = [p for p in module.parameters() if p.grad is not None]
+    norm = total_norm(params)
+    limit, algorithm = trainer.gradient_clip_val, str(trainer.gradient_clip_algorithm or "norm")
+    if limit is None or not params:
+        return {"grad_norm": norm, "clipped": False}
+    if algorithm == "value":
+        peak = torch.stack([p.grad.detach().abs().max() for p in params if p.grad is not None and p.grad.numel()])
+        return {"grad_norm": norm, "clipped": peak.max() > float(limit)}
+    return {"grad_norm": norm, "clipped": norm > float(limit)}

@@ -38,11 +38,12 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from gradrunner.capturing.taps import TapSpec
-from gradrunner.config.choices import NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
-from gradrunner.errors import GradrunnerError, not_allowed
+from gradrunner.errors import GradrunnerError
 from gradrunner.records import rundir
-from gradrunner.run import books
+from gradrunner.run import books, record_books
 from gradrunner.run.engine import LIVE_EVERY, RunFiles, StepEngine, StepResult
+from gradrunner.run.record_options import check_callback_options, check_options
+from gradrunner.run.session_log import session_log
 
 if TYPE_CHECKING:
     from gradrunner.run.distributed import Distributed
@@ -73,7 +74,13 @@ class Recorder:
     it is written (the export's tags; no extra device sync). `dist` (a `run.distributed.Distributed`)
     records every rank's rows in rank 0's run dir; a `DistributedDataParallel` model has its parameter
     taps read after DDP's all-reduce (`params_synced`: the same for a wrapper `record` is not given, as
-    the callbacks use it).
+    the callbacks use it). `edits` are the runner's gradient edits (`[{"tap": ..., "scale": 0.5}]`).
+
+    A run dir that holds records is refused (one paragraph) unless `overwrite=True` (delete them, record
+    from step 0) or `resume=True` (continue an interrupted session's records: `run.record_books`; the
+    rows before `start_at(step)` are kept). Every option is checked here, before anything is written.
+    When the block ends (also by an error) the runner's last word, the health summary, is logged on
+    the console and into `<run_dir>/gradrunner.log` (`run.session_log`).
     """
 
     def __init__(
@@ -98,8 +105,14 @@ class Recorder:
         live_every: int = LIVE_EVERY,
         log_to: str | None = None,
         params_synced: Callable[[], bool] | None = None,
+        edits: Sequence[Any] | None = None,
+        resume: bool = False,
+        overwrite: bool = False,
     ) -> None:
-        _check_options(strategy, every, values, sample_size, on_nonfinite, log_to, scaler)
+        check_options(strategy=strategy, every=every, values=values, sample_size=sample_size, seed=seed,
+                      on_nonfinite=on_nonfinite, log_to=log_to, scaler=scaler, live_every=live_every, edits=edits,
+                      per_example=per_example, histogram=histogram, update_norms=update_norms, resume=resume,
+                      overwrite=overwrite)  # fmt: skip
         self.model, self.directory = model, Path(run_dir).resolve()
         self.taps = [taps] if isinstance(taps, (str, dict)) else list(taps)
         self.strategy, self.dist = strategy, dist
@@ -108,12 +121,18 @@ class Recorder:
             "experiment": experiment, "source": "gradrunner.record", "seed": int(seed), "taps": self.taps,
             "capture": {"strategy": strategy, "values": values, "sample_size": int(sample_size), "every": int(every),
                         "per_example": bool(per_example), "histogram": bool(histogram), "on_nonfinite": on_nonfinite},
+            "edits": [dict(e) for e in edits or []],
         })  # fmt: skip
+        self.resume, self.overwrite = resume, overwrite
+        #: who the messages name (`record()`, or the callback that drives this recorder)
+        self.who = "record()"
+        self._kept: record_books.Kept | None = None
+        self._log: Any = None
         self.engine = StepEngine(model, self.taps, strategy=strategy, every=every, values=values,
                                  sample_size=sample_size, seed=seed, per_example=per_example, histogram=histogram,
                                  on_nonfinite=on_nonfinite, update_norms=update_norms, scaler=scaler,
                                  loss_scale=loss_scale, dist=dist, live_every=live_every, log_to=log_to,
-                                 params_synced=params_synced)  # fmt: skip
+                                 params_synced=params_synced, edits=list(edits or []))  # fmt: skip
         self.capture = self.engine.capture
         self._stack = contextlib.ExitStack()
         self._open = False
@@ -140,6 +159,9 @@ class Recorder:
             self._enter()
         except BaseException:
             self._stack.close()
+            if self._log is not None:
+                self._log.__exit__(None, None, None)
+                self._log = None
             raise
         self._open = True
         return self
@@ -152,10 +174,13 @@ class Recorder:
             check_writable(self.directory, where="the run_dir argument")
             lock = self._stack.enter_context(books.RunLock(self.directory, self.run_id))
             try:
-                books.prepare(self.directory, self.config, resume=False)  # records are never overwritten
+                self._kept = record_books.prepare(self.directory, self.config, resume=self.resume,
+                                                  overwrite=self.overwrite, who=self.who)  # fmt: skip
             except books.Refused:
                 lock.leave_no_trace()
                 raise
+            self._log = session_log(self.directory)
+            self._log.__enter__()
         device, dtype = self.engine.device, _dtype_of(self.model)
         constants = {"run_id": self.run_id, "experiment": str(self.config.experiment), "strategy": self.strategy,
                      "device": str(device), "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
@@ -163,26 +188,58 @@ class Recorder:
         files = RunFiles(self.directory, constants, run_metadata(OmegaConf.to_yaml(self.config), seed=int(self.config.seed)),
                          per_example=bool(c.per_example), histogram=bool(c.histogram))  # fmt: skip
         self.engine.open(self._stack, files)
+        if self._kept is not None:
+            self.engine.start_at(self._kept.next_step)  # by default, the step after the last one recorded
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self._open = False
         pending = self.engine.pending_backwards
         try:
+            if self._kept is not None and self.main and exc_type is None:
+                self._carry(self.engine.step)  # a resumed session that closed no step keeps the earlier records
             self._stack.__exit__(exc_type, exc, tb)  # type: ignore[arg-type]
         finally:
             self._stack = contextlib.ExitStack()
-        if exc_type is None and self.main:
-            if pending:
+            if self.main and self._log is not None:
+                self._end(exc_type, pending)
+
+    def _end(self, exc_type: type[BaseException] | None, pending: int) -> None:
+        """The books after the files closed, then the last word (as a runner job's: console and run dir's log)."""
+        from gradrunner.analysis import health
+
+        assert self._log is not None
+        try:
+            if exc_type is None and pending:
                 log.warning(
                     "%d backward(s) were captured after the last rec.step() but no step closed them: their records "
                     "were not written and %s is not marked complete. Call rec.step() after each optimiser step.",
                     pending, self.directory,
                 )  # fmt: skip
-            else:
+            elif exc_type is None:
                 self._mark_complete()
-        elif exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
-            log.warning("interrupted; the records of %d completed step(s) are kept in %s", self.engine.steps_written,
-                        self.directory)  # fmt: skip
+            else:
+                how = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else f"ended by {exc_type.__name__}"
+                log.warning("%s; the records of %d completed step(s) are kept in %s (not marked complete; %s with "
+                            "resume=True continues them)", how, self.engine.steps_written, self.directory,
+                            self.who)  # fmt: skip
+            if self._kept is not None and all((self.directory / n).is_file() for n in rundir.RECORD_NAMES):
+                self._kept.drop()
+            try:
+                health.last_word(self.directory)
+            except Exception as e:  # the summary only reads the records: it never hides how the session ended
+                log.warning("no run summary: the records in %s could not be read (%s)", self.directory, e)
+        finally:
+            self._log.__exit__(None, None, None)
+            self._log = None
+
+    def _carry(self, start: int) -> None:
+        """A resumed session: the kept rows of the steps before `start` go into this session's writers (once)."""
+        if self._kept is None or self._kept.carried or not self.main:
+            return
+        real = [getattr(w, "writer", w) for w in (self.engine.grads, self.engine.steps)]
+        before = real[1].steps_written
+        record_books.carry(self._kept, start, real[0], real[1], self.run_id)
+        self.engine.steps_written += real[1].steps_written - before
 
     def _mark_complete(self) -> None:
         files = [n for n in rundir.RECORD_NAMES if (self.directory / n).is_file()]
@@ -220,6 +277,7 @@ class Recorder:
         """
         self._check_open("step")
         _check_extra(extra)
+        self._carry(self.engine.step)
         if loss is None and self.engine.pending_backwards and not self.engine.has_loss and not self._warned_loss:
             self._warned_loss = True
             log.warning("rec.step() got no loss and saw no rec.backward(loss): the steps' loss is null; pass the "
@@ -227,7 +285,13 @@ class Recorder:
         return self.engine.end_step(loss, **(extra or {}))
 
     def start_at(self, step: int) -> None:
-        """Number the next step `step` (a resumed run's first); capture is on for its forward when it is captured."""
+        """Number the next step `step` (a resumed run's first); capture is on for its forward when it is captured.
+
+        Under `resume=True` the kept records of the steps before `step` stay, those from `step` on are
+        recorded again (a training resumed from a checkpoint before the last recorded step).
+        """
+        if self._open:
+            self._carry(step)
         self.engine.start_at(step)
 
     def _check_open(self, what: str) -> None:
@@ -263,48 +327,27 @@ class CallbackOptions:
         class MyCallback(CallbackOptions, FrameworkCallback): ...
         MyCallback(taps=["fc1:output"], dir="runs/a", every=10, histogram=True)
 
-    `strategy="autograd_grad"` is refused: it computes the gradients with an engine call of its own,
-    which would bypass the framework's `loss.backward()` (precision plugins, DDP's reducer, accelerate);
-    `hook` and `retain_grad` read the same gradients around the framework's own backward.
+    Every option is checked here, in the constructor (`record_options.check_callback_options`): a typo
+    or a bad value is one paragraph before training starts. `strategy="autograd_grad"` is refused: it
+    computes the gradients with an engine call of its own, which would bypass the framework's
+    `loss.backward()` (precision plugins, DDP's reducer, accelerate); `hook` and `retain_grad` read the
+    same gradients around the framework's own backward.
     """
 
     def __init__(
         self, taps: list[TapSpec] | TapSpec, dir: str | os.PathLike[str], every: int = 1, strategy: str = "hook",
         **options: Any,
     ) -> None:  # fmt: skip
-        if strategy == "autograd_grad":
-            raise GradrunnerError(
-                f"{type(self).__name__}(strategy='autograd_grad') is not possible: autograd_grad computes the "
-                "gradients with its own torch.autograd.grad call, which would bypass the framework's own "
-                "loss.backward() (its precision plugin and loss scaler, DDP's reducer, accelerate). Use strategy "
-                "'hook' (the default) or 'retain_grad': they read the same gradients around the framework's backward."
-            )
-        _check_options(strategy, every, options.get("values", "none"), options.get("sample_size", 64),
-                       options.get("on_nonfinite", "record"), options.get("log_to"), None)  # fmt: skip
+        check_callback_options(type(self).__name__, strategy, every, options)
         self.taps, self.dir, self.every, self.strategy, self.options = taps, dir, every, strategy, options
         self.recorder: Recorder | None = None
 
-
-def _check_options(
-    strategy: str, every: int, values: str, sample_size: int, on_nonfinite: str, log_to: str | None, scaler: Any
-) -> None:
-    """Every option of `record` and the callbacks, checked in one place before anything is opened."""
-    if strategy not in STRATEGY_NAMES:
-        raise not_allowed("strategy", strategy, STRATEGY_NAMES)
-    if values not in VALUES_MODES:
-        raise not_allowed("values", values, VALUES_MODES)
-    if on_nonfinite not in NONFINITE_MODES:
-        raise not_allowed("on_nonfinite", on_nonfinite, NONFINITE_MODES)
-    if log_to not in (None, "tensorboard"):
-        raise not_allowed("log_to", log_to, ("tensorboard",), hint=" Leave it out to write the records only.")
-    for name, v in (("every", every), ("sample_size", sample_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise GradrunnerError(f"{name}={v!r} is not allowed; it must be a whole number of at least 1 (e.g. {name}=10).")
-    if scaler is not None and not (callable(getattr(scaler, "is_enabled", None)) and callable(getattr(scaler, "scale", None))):
-        raise GradrunnerError(
-            f"scaler={scaler!r} is not a loss scaler; pass the torch.amp.GradScaler whose scale multiplies the loss "
-            "(or loss_scale=<a callable giving the scale>)."
-        )
+    def _recorder(self, model: nn.Module, **given: Any) -> Recorder:
+        """The session's `Recorder` on `model` (`given`: what the callback knows of the framework's run)."""
+        rec = Recorder(model, self.taps, self.dir, strategy=self.strategy, every=self.every, experiment=type(model).__name__,
+                       **given, **self.options)  # fmt: skip
+        rec.who = f"{type(self).__name__}(...)"
+        return rec
 
 
 def _dtype_of(model: nn.Module) -> torch.dtype:

@@ -1,0 +1,182 @@
+"""What `record()` and the callbacks do with a run dir that already holds records: refuse, overwrite or resume.
+
+The runner's rule (`books.prepare`) speaks of `hydra.run.dir` and `resume=true`; `record()` and the
+Lightning/HF callbacks have their own two options, `resume=True` and `overwrite=True`, and this module
+is their rule:
+
+- an empty dir (or one that never got records) is used as it is;
+- `overwrite=True`: the records, markers and report there are deleted and the session starts again;
+- `resume=True`: the records of a session that did not complete (an exception, Ctrl-C, a train()
+  that raised; the files were closed) are continued: the new session keeps their rows of the steps
+  before the one training resumes at (`rec.start_at(step)`; the callbacks pass the framework's
+  restored step, Lightning `ckpt_path=`, HF `resume_from_checkpoint`; by default the step after the
+  last one recorded) and writes the rest, so the run dir ends as an uninterrupted run's. A completed
+  run (`done.json`) is not resumed, nor records of other options (named), nor files a killed process
+  left without their footer;
+- neither: one paragraph naming these two options.
+
+Example::
+
+    kept = prepare(run_dir, config, resume=True, overwrite=False, who="record()")   # with the dir's lock held
+    ...   # open the writers, then carry(kept, start, grads_writer, steps_writer, run_id)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from omegaconf import DictConfig, OmegaConf
+
+from gradrunner.errors import GradrunnerError, one_paragraph
+from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
+from gradrunner.records.critical import deferred_signals
+from gradrunner.records.rundir import DONE, _present, read_marker
+from gradrunner.run import books
+from gradrunner.run.session_log import LOG_FILE
+
+log = logging.getLogger(__name__)
+
+#: Where a resumed session keeps the interrupted session's files until its own are closed.
+KEPT_PREFIX = ".resumed-"
+
+
+@dataclass
+class Kept:
+    """The records of an interrupted session that this one continues (in their kept files until carried)."""
+
+    directory: Path
+    next_step: int
+    carried: bool = False
+
+    def path(self, name: str) -> Path:
+        return self.directory / f"{KEPT_PREFIX}{name}"
+
+    def drop(self) -> None:
+        """The new session's files are closed: the kept copies are no longer needed."""
+        for name in RECORD_FILES:
+            self.path(name).unlink(missing_ok=True)
+
+
+def _options(who: str) -> str:
+    return f"{who} with resume=True (continue the records of the run that did not complete) or overwrite=True"
+
+
+def prepare(directory: Path, config: DictConfig, *, resume: bool, overwrite: bool, who: str) -> Kept | None:
+    """Before a session writes into `directory` (its lock held): None to start from step 0, or what it resumes.
+
+    Example::
+
+        prepare(run_dir, config, resume=False, overwrite=True, who="record()")   # None: the old records deleted
+
+    Raises `books.Refused` (one paragraph naming `resume=`/`overwrite=` of `who`) where the dir holds
+    records this session may not touch.
+    """
+    kept_copies = [n for n in RECORD_FILES if (directory / f"{KEPT_PREFIX}{n}").is_file()]
+    present = _present(directory)
+    marker, damage = read_marker(directory)
+    if not present and not kept_copies and marker is None and damage is None and books.checkpoint_held(directory) is None:
+        books._clean(directory)  # a stale failure record, nothing else
+        return None
+    if overwrite:
+        removed = books._clean(directory) + books._drop_checkpoint(directory)
+        for n in kept_copies:
+            (directory / f"{KEPT_PREFIX}{n}").unlink()
+        if (directory / LOG_FILE).is_file():  # the log of the records deleted: the new session starts its own
+            (directory / LOG_FILE).unlink()
+            removed.append(LOG_FILE)
+        log.warning("overwrite=True: deleted the records of the earlier run in %s (%s); recording from step 0",
+                    directory, ", ".join(removed + kept_copies) or "none")  # fmt: skip
+        return None
+    held = ", ".join(present or [DONE])
+    if not resume:
+        if marker is not None:
+            raise books.Refused(
+                f"the run dir {directory} already holds records ({held}) of a completed run; gradrunner never "
+                f"overwrites records silently. Pass {who} overwrite=True (delete them and record from step 0), or "
+                "record into a new dir (resume=True continues only a run that did not complete)."
+            )
+        raise books.Refused(
+            f"the run dir {directory} already holds records ({held}) of a run that did not complete (interrupted, "
+            f"failed or killed); gradrunner never overwrites records silently. Pass {_options(who)} (delete them "
+            "and record from step 0), or record into a new dir."
+        )
+    if marker is not None:
+        raise books.Refused(
+            f"the run dir {directory} holds a completed run ({DONE}); resume=True continues only a run that did not "
+            f"complete. Pass {who} overwrite=True instead of resume=True to record it again, or record into a new dir."
+        )
+    return _kept(directory, config, who)
+
+
+def _kept(directory: Path, config: DictConfig, who: str) -> Kept:
+    """Move the interrupted session's closed files aside (hidden) after checking they read and match `config`."""
+    tables: dict[str, pa.Table] = {}
+    for name in RECORD_FILES:
+        source = directory / name if (directory / name).is_file() else directory / f"{KEPT_PREFIX}{name}"
+        try:
+            tables[name] = pq.read_table(source)
+        except (OSError, pa.ArrowException) as e:
+            raise books.Refused(
+                f"resume=True: the records in {directory} cannot be continued: {name} does not read "
+                f"({one_paragraph(e)}); a process that was killed leaves its files without their footer. Pass "
+                f"{who} overwrite=True to record from step 0 there, or record into a new dir."
+            ) from e
+    raw = (tables[GRADS_FILE].schema.metadata or {}).get(b"gradrunner.config")
+    old = OmegaConf.to_container(OmegaConf.create(raw.decode())) if raw else {}
+    assert isinstance(old, dict), old
+    diff = books.config_diff({str(k): v for k, v in old.items()}, books.config_dict(config)) if old else []
+    if diff:
+        raise books.Refused(
+            f"resume=True: {directory} holds records of other options ({'; '.join(diff)}); they are kept and nothing "
+            f"was written. Resume with the same options, pass {who} overwrite=True, or record into a new dir."
+        )
+    steps = tables[STEPS_FILE].column("step").to_pylist()
+    for name in RECORD_FILES:
+        if (directory / name).is_file():
+            os.replace(directory / name, directory / f"{KEPT_PREFIX}{name}")
+    books._clean(directory)  # markers of the interrupted run, temp files of a killed one
+    log.warning("resume=True: continuing the %d recorded step(s) of the run that did not complete in %s",
+                len(steps), directory)  # fmt: skip
+    return Kept(directory, next_step=max(steps) + 1 if steps else 0)
+
+
+def carry(kept: Kept, start: int, grads: Any, steps: Any, run_id: str) -> None:
+    """Write the kept rows of the steps before `start` into this session's writers (as this run's rows).
+
+    Example::
+
+        carry(kept, trainer.global_step, grads_writer, steps_writer, run_id)   # once, before the first step
+
+    A gap (`start` after the step following the last recorded one) is refused: those steps' records
+    would be missing without a word.
+    """
+    if kept.carried:
+        return
+    if start > kept.next_step:
+        raise GradrunnerError(
+            f"resume=True: the records in {kept.directory} end at step {kept.next_step - 1} but training resumes at "
+            f"step {start}: the records of steps {kept.next_step}..{start - 1} would be missing. Resume training from "
+            "a checkpoint at or before the last recorded step, or record into a new dir."
+        )
+    rows = {}
+    for name, writer in ((GRADS_FILE, grads), (STEPS_FILE, steps)):
+        table = pq.read_table(kept.path(name))
+        table = table.filter(pc.less(table.column("step"), start))
+        at = table.schema.get_field_index("run_id")
+        table = table.set_column(at, "run_id", pa.array([run_id] * table.num_rows, pa.string()))
+        rows[name] = table.select(writer.schema.names).cast(writer.schema)
+    with deferred_signals():  # both tables get the same steps, or neither
+        for name, writer in ((GRADS_FILE, grads), (STEPS_FILE, steps)):
+            for batch in rows[name].to_batches():
+                writer.write_batch(batch)
+            writer.steps_written += rows[STEPS_FILE].num_rows
+    kept.carried = True
+    if start < kept.next_step:
+        log.info("resume=True: kept the records of steps 0..%d; steps from %d are recorded again", start - 1, start)

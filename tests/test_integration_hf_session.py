@@ -1,0 +1,140 @@
+"""The HF Trainer callback's session (issue 36 items 11, 12, 14, 16) on a tiny random-init GPT-2: the last word,
+`lr`/`grad_norm`/`clipped`, options checked in the constructor, resume with `resume_from_checkpoint`."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from gradrunner.analysis import load  # noqa: E402
+from gradrunner.errors import GradrunnerError  # noqa: E402
+from gradrunner.integrations.hf import GradientCaptureCallback  # noqa: E402
+from gradrunner.run.session_log import LOG_FILE  # noqa: E402
+
+TAPS = ["transformer.h.0.mlp:output", "transformer.h.0.mlp.c_fc:weight"]
+CLIP, LR = 0.05, 0.05
+
+
+def _gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=8,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _data() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 40, (16, 8), generator=g)]
+
+
+class Logged(transformers.TrainerCallback):
+    """The Trainer's own logged loss and grad_norm, one per step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+        if logs and "grad_norm" in logs:
+            self.grad_norms.append(float(logs["grad_norm"]))
+            self.losses.append(float(logs["loss"]))
+
+
+class Crash(transformers.TrainerCallback):
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == 3:
+            raise RuntimeError("crash")
+
+
+def _train(out: Path, callbacks: list, resume_from: str | None = None, **kwargs: Any) -> None:
+    args = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=4, max_steps=4, max_grad_norm=CLIP, learning_rate=LR,
+        optim="sgd", lr_scheduler_type="linear", weight_decay=0.0, logging_steps=1, report_to="none",
+        use_cpu=True, seed=0, disable_tqdm=True, **{"save_strategy": "no", **kwargs},
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = transformers.Trainer(model=_gpt2(), args=args, train_dataset=_data(), callbacks=callbacks)
+        trainer.train(resume_from_checkpoint=resume_from)
+
+
+@pytest.mark.slow
+def test_last_word_lr_grad_norm_and_clipped(tmp_path: Path) -> None:
+    logged = Logged()
+    _train(tmp_path / "hf", [logged, GradientCaptureCallback(taps=TAPS, dir=tmp_path / "run")])
+    steps = load(tmp_path / "run", table="steps").sort_values("step")
+    assert list(steps.lr) == pytest.approx([LR * (4 - k) / 4 for k in range(4)], rel=1e-9)  # linear, no warmup
+    assert list(steps.grad_norm) == pytest.approx(logged.grad_norms, rel=1e-6)
+    assert list(steps.clipped) == [n > CLIP for n in logged.grad_norms] and any(steps.clipped)
+    text = (tmp_path / "run" / LOG_FILE).read_text()
+    m = re.search(r"loss: (\S+) at the first step, (\S+) at the last \((\d+) steps\)", text)
+    assert m and int(m[3]) == 4
+    assert [float(m[1]), float(m[2])] == pytest.approx([logged.losses[0], logged.losses[-1]], rel=1e-5)
+
+
+@pytest.mark.parametrize(("options", "says"), [({"histogramm": True}, "Did you mean 'histogram'"),
+                                               ({"resume": "yes"}, "resume='yes'"), ({"every": 0}, "every=0")])
+def test_option_mistakes_fail_in_the_constructor(tmp_path: Path, options: dict, says: str) -> None:
+    with pytest.raises(GradrunnerError, match=re.escape(says)) as e:
+        GradientCaptureCallback(taps=TAPS, dir=tmp_path / "run", **options)
+    assert "\n" not in str(e.value)
+
+
+def _same(a: pd.DataFrame, b: pd.DataFrame) -> None:
+    cols = [c for c in a.columns if c not in {"run_id", "step_time_s", "capture_time_s", "peak_memory_bytes"}]
+    key = [c for c in ("step", "tap", "call", "micro_step") if c in a.columns]
+    pd.testing.assert_frame_equal(a[cols].sort_values(key).reset_index(drop=True),
+                                  b[cols].sort_values(key).reset_index(drop=True))  # fmt: skip
+
+
+@pytest.mark.slow
+def test_resume_from_checkpoint_gives_the_uninterrupted_records(tmp_path: Path) -> None:
+    """A crash at step 3 after the Trainer's checkpoint-2; a new callback (no close() of the old one) with
+    resume=True and train(resume_from_checkpoint=...): the records equal an uninterrupted run's."""
+    _train(tmp_path / "whole-hf", [GradientCaptureCallback(taps=TAPS, dir=tmp_path / "whole")])
+    run, out = tmp_path / "run", tmp_path / "hf"
+    with pytest.raises(RuntimeError, match="crash"):
+        _train(out, [GradientCaptureCallback(taps=TAPS, dir=run), Crash()], save_strategy="steps", save_steps=2)
+    _train(out, [GradientCaptureCallback(taps=TAPS, dir=run, resume=True)], resume_from=str(out / "checkpoint-2"),
+           save_strategy="steps", save_steps=2)  # fmt: skip
+    assert (run / "done.json").is_file()
+    _same(load(tmp_path / "whole"), load(run))
+    _same(load(tmp_path / "whole", table="steps"), load(run, table="steps"))
+
+
+class HalveMlpGradient(transformers.TrainerCallback):
+    """A plain tensor hook: the first block's MLP output gradient times 0.5 (what the edit below does)."""
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+            if output.requires_grad:
+                output.register_hook(lambda g: g * 0.5)
+
+        self.handle = model.transformer.h[0].mlp.register_forward_hook(hook)
+
+
+@pytest.mark.slow
+def test_edits_through_the_callback_equal_a_plain_hook(tmp_path: Path) -> None:
+    """`edits=` in the HF callback trains as a plain tensor hook does (the Trainer's logged losses and grad norms
+    equal), and the records hold the gradient before the edit (`norm`) and after it (`edited_norm`)."""
+    plain, edited = Logged(), Logged()
+    _train(tmp_path / "a", [plain, HalveMlpGradient()])
+    cb = GradientCaptureCallback(taps=TAPS, dir=tmp_path / "run", edits=[{"tap": TAPS[0], "scale": 0.5}])
+    _train(tmp_path / "b", [edited, cb])
+    assert edited.grad_norms == pytest.approx(plain.grad_norms, rel=1e-6)
+    assert edited.losses == pytest.approx(plain.losses, rel=1e-6)
+    out = load(tmp_path / "run").query(f"tap == '{TAPS[0]}'")
+    assert len(out) == 4 and list(out.edited_norm) == pytest.approx(list(0.5 * out.norm), rel=1e-6)

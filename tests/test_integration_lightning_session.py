@@ -1,0 +1,172 @@
+"""The Lightning callback's session (issue 36 items 11, 12, 14, 16): the last word, options checked in the
+constructor, `lr`/`grad_norm`/`clipped`, `edits=`, and resume with Lightning's own `ckpt_path=`."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from gradrunner.analysis import load  # noqa: E402
+from gradrunner.errors import GradrunnerError  # noqa: E402
+from gradrunner.integrations.lightning import GradientCapture  # noqa: E402
+from gradrunner.run.session_log import LOG_FILE  # noqa: E402
+
+TAPS = ["net.0:output", "net.0:weight"]
+CLIP = 0.05
+
+
+def _net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _data(batches: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.TensorDataset(torch.randn(batches * 5, 4, generator=g), torch.randn(batches * 5, 2, generator=g))
+
+
+class Module(pl.LightningModule):
+    def __init__(self, nan_at: int = -1) -> None:
+        super().__init__()
+        self.net, self.nan_at, self.losses = _net(), nan_at, []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        if self.global_step == self.nan_at:
+            loss = loss * float("nan")
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self) -> object:
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+                                                   "interval": "step"}}  # fmt: skip
+
+
+def _fit(module: Module, callbacks: list, steps: int, batches: int = 6, ckpt_path: str | None = None,
+         **kwargs: object) -> pl.Trainer:  # fmt: skip
+    loader = torch.utils.data.DataLoader(_data(batches), batch_size=5, shuffle=False)
+    trainer = pl.Trainer(max_steps=steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", devices=1,
+                         **{"enable_checkpointing": False, **kwargs})  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.mark.parametrize("nan_at", [-1, 2])
+def test_the_last_word_ends_a_lightning_run(tmp_path: Path, nan_at: int) -> None:
+    module = Module(nan_at)
+    _fit(module, [GradientCapture(taps=TAPS, dir=tmp_path / "run")], steps=4)
+    text = (tmp_path / "run" / LOG_FILE).read_text()
+    m = re.search(r"loss: (\S+) at the first step, (\S+) at the last \((\d+) steps\)", text)
+    assert m and int(m[3]) == 4 and float(m[1]) == pytest.approx(module.losses[0], rel=1e-5)
+    if nan_at < 0:
+        assert float(m[2]) == pytest.approx(module.losses[-1], rel=1e-5) and "healthy: no NaN/Inf" in text
+    else:
+        assert "NaN/Inf: the loss from step 2" in text
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [({"histogramm": True}, "Did you mean 'histogram'"), ({"every": 0}, "every=0"), ({"values": "ful"}, "values='ful'"),
+     ({"update_norms": "yes"}, "update_norms='yes'"), ({"edits": [{"tap": "net.0:output", "scal": 1}]}, "edits[0]"),
+     ({"strategy": "autograd_grad"}, "autograd_grad")],
+)  # fmt: skip
+def test_option_mistakes_fail_in_the_constructor(tmp_path: Path, options: dict, says: str) -> None:
+    with pytest.raises(GradrunnerError, match=re.escape(says)) as e:
+        GradientCapture(taps=TAPS, dir=tmp_path / "run", **options)
+    assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
+
+
+def _replay(steps: int, scale: float = 1.0) -> tuple[nn.Module, list[float], list[float]]:
+    """Plain torch: each step's total norm as clip_grad_norm_ returns it, and the rate the step used (StepLR)."""
+    net, data = _net(), _data(6)  # the loader of `_fit`: the same draws
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    norms, lrs = [], []
+    for s in range(steps):
+        x, y = data.tensors[0][s * 5 : s * 5 + 5], data.tensors[1][s * 5 : s * 5 + 5]
+        h = net[0](x)
+        if scale != 1.0:
+            h.register_hook(lambda g: g * scale)
+        nn.functional.mse_loss(net[2](net[1](h)), y).backward()
+        norms.append(float(nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return net, norms, lrs
+
+
+def test_lr_grad_norm_and_clipped_equal_plain_torch(tmp_path: Path) -> None:
+    module = Module()
+    _fit(module, [GradientCapture(taps=TAPS, dir=tmp_path / "run")], steps=4, gradient_clip_val=CLIP)
+    net, norms, lrs = _replay(4)
+    steps = load(tmp_path / "run", table="steps").sort_values("step")
+    assert list(steps.lr) == pytest.approx(lrs, rel=1e-12) and lrs == pytest.approx([0.1, 0.05, 0.025, 0.0125])
+    assert list(steps.grad_norm) == pytest.approx(norms, rel=1e-5)
+    assert list(steps.clipped) == [n > CLIP for n in norms] and any(steps.clipped)
+    torch.testing.assert_close(module.net[0].weight, net[0].weight)
+
+
+def test_edits_through_the_callback_equal_a_plain_hook(tmp_path: Path) -> None:
+    module = Module()
+    cb = GradientCapture(taps=TAPS, dir=tmp_path / "run", edits=[{"tap": "net.0:output", "scale": 0.5}])
+    _fit(module, [cb], steps=3, gradient_clip_val=CLIP)
+    net, norms, _ = _replay(3, scale=0.5)
+    torch.testing.assert_close(module.net[0].weight, net[0].weight)
+    steps = load(tmp_path / "run", table="steps").sort_values("step")
+    assert list(steps.grad_norm) == pytest.approx(norms, rel=1e-5)  # the edited gradients the optimiser got
+    out = load(tmp_path / "run").query("tap == 'net.0:output'")
+    assert list(out.edited_norm) == pytest.approx(list(0.5 * out.norm), rel=1e-6)
+
+
+class Crash(pl.Callback):
+    """Raises once the optimiser has made `at` steps (after Lightning's checkpoint of an earlier epoch end)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_step == self.at:
+            raise RuntimeError("crash")
+
+
+def _same(a: pd.DataFrame, b: pd.DataFrame) -> None:
+    cols = [c for c in a.columns if c not in {"run_id", "step_time_s", "capture_time_s", "peak_memory_bytes"}]
+    key = [c for c in ("step", "tap", "call", "micro_step") if c in a.columns]
+    pd.testing.assert_frame_equal(a[cols].sort_values(key).reset_index(drop=True),
+                                  b[cols].sort_values(key).reset_index(drop=True))  # fmt: skip
+
+
+def test_resume_with_ckpt_path_gives_the_uninterrupted_records(tmp_path: Path) -> None:
+    """Two steps an epoch, a Lightning checkpoint every 2 steps; a crash at step 5 (steps 0..4 recorded), then
+    `fit(ckpt_path=<the step-4 checkpoint>)` with resume=True: the records equal an uninterrupted run's."""
+    whole = tmp_path / "whole"
+    _fit(Module(), [GradientCapture(taps=TAPS, dir=whole)], steps=6, batches=2, gradient_clip_val=CLIP)
+    run, ckpts = tmp_path / "run", tmp_path / "ckpt"
+    # every_n_train_steps: Lightning's own resume is exact from these (from an epoch-end checkpoint,
+    # save_on_train_epoch_end=True, Lightning 2.6 trains the next epoch's first batch twice: not ours to fix)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=ckpts, save_top_k=-1, every_n_train_steps=2)
+    with pytest.raises(RuntimeError, match="crash"):
+        _fit(Module(), [GradientCapture(taps=TAPS, dir=run), Crash(5), saver], steps=6, batches=2,
+             gradient_clip_val=CLIP, enable_checkpointing=True)  # fmt: skip
+    assert sorted(set(load(run, table="steps").step)) == [0, 1, 2, 3, 4] and not (run / "done.json").exists()
+    with pytest.raises(GradrunnerError, match=r"GradientCapture\(\.\.\.\) with resume=True"):
+        _fit(Module(), [GradientCapture(taps=TAPS, dir=run)], steps=6, batches=2, ckpt_path=str(ckpts / "epoch=1-step=4.ckpt"))
+    _fit(Module(), [GradientCapture(taps=TAPS, dir=run, resume=True)], steps=6, batches=2, gradient_clip_val=CLIP,
+         ckpt_path=str(ckpts / "epoch=1-step=4.ckpt"))  # fmt: skip
+    assert (run / "done.json").is_file()
+    _same(load(whole), load(run))
+    _same(load(whole, table="steps"), load(run, table="steps"))

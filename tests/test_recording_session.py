@@ -1,0 +1,256 @@
+"""`record()`'s session (issue 36 items 11, 12, 14, 16): the last word, options checked up front, `edits=`,
+`resume=`/`overwrite=` into a used dir; each checked against plain torch or the loop's own values."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import gradrunner
+from gradrunner.analysis import load
+from gradrunner.errors import GradrunnerError
+from gradrunner.run.session_log import LOG_FILE
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)) for _ in range(n)]
+
+
+def _loss_line(text: str) -> tuple[float, float, int]:
+    m = re.search(r"loss: (\S+) at the first step, (\S+) at the last \((\d+) steps\)", text)
+    assert m, text
+    return float(m[1]), float(m[2]), int(m[3])
+
+
+SCRIPT = """
+import torch
+from torch import nn
+from gradrunner import record
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(1)
+with record(model, ["0:output", "0:weight"], {dir!r}) as rec:
+    for s in range(4):
+        x, y = torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)
+        loss = nn.functional.mse_loss(model(x), y)
+        if s == {nan_at}:
+            loss = loss * float("nan")
+        loss.backward(); opt.step(); opt.zero_grad()
+        rec.step(loss)
+        print("LOSS", repr(float(loss)))
+"""
+
+
+@pytest.mark.parametrize("nan_at", [-1, 2])
+def test_a_plain_script_ends_with_the_runners_last_word_on_the_console_and_in_the_log(tmp_path: Path, nan_at: int) -> None:
+    """A user's script (no logging configured): the health summary on stderr and in <run dir>/gradrunner.log,
+    its losses the script's own; with a NaN loss at step 2 it says so."""
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(dir=str(run), nan_at=nan_at)], capture_output=True,
+                         text=True, timeout=300, check=True)  # fmt: skip
+    losses = [float(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("LOSS")]
+    assert len(losses) == 4
+    log_text = (run / LOG_FILE).read_text()
+    for text in (out.stderr, log_text):
+        assert "run summary:" in text and f"records: {run}" in text
+        first, last, n = _loss_line(text)
+        assert n == 4 and first == pytest.approx(losses[0], rel=1e-5)
+        if nan_at < 0:
+            assert last == pytest.approx(losses[-1], rel=1e-5) and "healthy: no NaN/Inf" in text
+        else:
+            assert "NaN/Inf: the loss from step 2" in text and "healthy" not in text
+    assert (run / "done.json").is_file()
+
+
+def test_a_session_that_recorded_nothing_says_so(tmp_path: Path) -> None:
+    with gradrunner.record(_model(), ["0:output"], tmp_path / "run"):
+        pass
+    text = (tmp_path / "run" / LOG_FILE).read_text()
+    assert "run summary:" in text and "loss: no step completed" in text and "no tap was captured" in text
+
+
+def test_a_session_ended_by_an_error_keeps_its_steps_and_says_what_happened(tmp_path: Path) -> None:
+    model, batches = _model(), _batches(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(GradrunnerError, match="non-finite"), gradrunner.record(
+        model, ["0:output"], tmp_path / "run", on_nonfinite="stop"
+    ) as rec:
+        for s, (x, y) in enumerate(batches):
+            loss = nn.functional.mse_loss(model(x), y) * (float("inf") if s == 1 else 1.0)
+            loss.backward(); opt.step(); opt.zero_grad()  # noqa: E702
+            rec.step(loss)
+    text = (tmp_path / "run" / LOG_FILE).read_text()
+    assert "ended by NonFinite; the records of 2 completed step(s) are kept" in text
+    assert "resume=True continues them" in text and "NaN/Inf: the loss from step 1" in text
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [({"every": 0}, "every=0"), ({"seed": "1"}, "seed='1'"), ({"histogram": "yes"}, "histogram='yes'"),
+     ({"live_every": -1}, "live_every=-1"), ({"resume": True, "overwrite": True}, "together"),
+     ({"edits": [{"tap": "0:output", "scal": 0.5}]}, "edits")],
+)  # fmt: skip
+def test_bad_options_are_one_paragraph_before_anything_is_written(tmp_path: Path, options: dict, says: str) -> None:
+    with pytest.raises(GradrunnerError, match=re.escape(says)) as e:
+        gradrunner.record(_model(), ["0:output"], tmp_path / "run", **options)
+    assert "\n" not in str(e.value) and not (tmp_path / "run").exists()
+
+
+def test_edits_equal_plain_hooks(tmp_path: Path) -> None:
+    """`edits=` is the runner's: the first layer's output gradient scaled by 0.5 changes training exactly as a plain
+    tensor hook does; the records hold the gradient before the edit (`norm`) and after it (`edited_norm`)."""
+    model, batches = _model(), _batches(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run",
+                           edits=[{"tap": "0:output", "scale": 0.5}]) as rec:  # fmt: skip
+        for x, y in batches:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward(); opt.step(); opt.zero_grad()  # noqa: E702
+            rec.step(loss)
+    ref, ref_batches = _model(), _batches(3)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    out_norms, weight_norms = [], []
+    for x, y in ref_batches:
+        h = ref[0](x)
+        kept: list[torch.Tensor] = []
+        h.register_hook(lambda g, kept=kept: (kept.append(g.detach().clone()), g * 0.5)[1])
+        nn.functional.mse_loss(ref[2](ref[1](h)), y).backward()
+        out_norms.append(float(kept[0].norm()))
+        weight_norms.append(float(ref[0].weight.grad.norm()))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    torch.testing.assert_close(model[0].weight, ref[0].weight, rtol=0, atol=0)
+    df = load(tmp_path / "run").sort_values("step")
+    out = df[df.tap == "0:output"]
+    assert list(out.norm) == pytest.approx(out_norms, rel=1e-5)
+    assert list(out.edited_norm) == pytest.approx([0.5 * n for n in out_norms], rel=1e-5)
+    assert list(df[df.tap == "0:weight"].norm) == pytest.approx(weight_norms, rel=1e-5)
+
+
+def _train(run: Path, steps: range, model: nn.Module, opt: torch.optim.Optimizer, crash_at: int = -1,
+           saved: dict | None = None, **options: object) -> None:  # fmt: skip
+    """The loop from `steps.start`: Ctrl-C in step `crash_at` (before its `rec.step`); `saved`: the model at step 3."""
+    batches = _batches(6)
+    with gradrunner.record(model, ["0:output", "0:weight"], run, **options) as rec:
+        rec.start_at(steps.start)
+        for s in steps:
+            if s == 3 and saved is not None:
+                saved.update({k: v.clone() for k, v in model.state_dict().items()})  # a checkpoint before step 3
+            x, y = batches[s]
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward(); opt.step(); opt.zero_grad()  # noqa: E702
+            if s == crash_at:
+                raise KeyboardInterrupt
+            rec.step(loss)
+
+
+def test_a_used_dir_is_refused_naming_records_options(tmp_path: Path) -> None:
+    model = _model()
+    _train(tmp_path / "run", range(2), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(GradrunnerError) as e:
+        _train(tmp_path / "run", range(2), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    msg = str(e.value)
+    assert "record() overwrite=True" in msg and "of a completed run" in msg and "hydra" not in msg
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "cut", range(3), model, torch.optim.SGD(model.parameters(), lr=0.1), crash_at=1)
+    with pytest.raises(GradrunnerError) as e:
+        _train(tmp_path / "cut", range(3), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    msg = str(e.value)
+    assert "record() with resume=True" in msg and "or overwrite=True" in msg and "hydra" not in msg
+    with pytest.raises(GradrunnerError, match="overwrite=True instead of resume=True"):
+        _train(tmp_path / "run", range(2), model, torch.optim.SGD(model.parameters(), lr=0.1), resume=True)
+
+
+def test_overwrite_records_again_from_step_0(tmp_path: Path) -> None:
+    model = _model()
+    _train(tmp_path / "a", range(3), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model = _model()
+    _train(tmp_path / "b", range(2), _model(), torch.optim.SGD(model.parameters(), lr=0.1))
+    _train(tmp_path / "b", range(3), model, torch.optim.SGD(model.parameters(), lr=0.1), overwrite=True)
+    log_text = (tmp_path / "b" / LOG_FILE).read_text()
+    assert log_text.count("run summary:") == 1 and "(3 steps)" in log_text  # the deleted run's log went with it
+    _same(load(tmp_path / "a"), load(tmp_path / "b"))
+
+
+def _same(a: pd.DataFrame, b: pd.DataFrame) -> None:
+    skip = {"run_id", "step_time_s", "capture_time_s", "peak_memory_bytes"}
+    cols = [c for c in a.columns if c not in skip]
+    key = [c for c in ("step", "tap", "call", "micro_step") if c in a.columns]
+    pd.testing.assert_frame_equal(a[cols].sort_values(key).reset_index(drop=True),
+                                  b[cols].sort_values(key).reset_index(drop=True))  # fmt: skip
+
+
+def test_resume_from_a_checkpoint_gives_the_uninterrupted_records(tmp_path: Path) -> None:
+    """Ctrl-C in step 4 (steps 0..3 recorded), the training resumed from its checkpoint before step 3 with
+    resume=True: the run dir's records equal an uninterrupted run's (step 3's first records replaced)."""
+    model = _model()
+    _train(tmp_path / "whole", range(6), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model, saved = _model(), {}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "run", range(6), model, opt, crash_at=4, saved=saved)
+    assert sorted(set(load(tmp_path / "run", table="steps").step)) == [0, 1, 2, 3]
+    assert not (tmp_path / "run" / "done.json").exists()
+    model = _model()
+    model.load_state_dict(saved)
+    _train(tmp_path / "run", range(3, 6), model, torch.optim.SGD(model.parameters(), lr=0.1), resume=True)
+    assert (tmp_path / "run" / "done.json").is_file()
+    _same(load(tmp_path / "whole"), load(tmp_path / "run"))
+    _same(load(tmp_path / "whole", table="steps"), load(tmp_path / "run", table="steps"))
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".resumed")) == []
+
+
+def test_resume_by_default_continues_after_the_last_recorded_step(tmp_path: Path) -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "run", range(6), model, opt, crash_at=2)
+    with pytest.raises(GradrunnerError, match=r"other options \(capture.histogram: False -> True\)"):
+        gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run", resume=True, histogram=True).__enter__()
+    with gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run", resume=True) as rec:
+        assert rec.step_index == 2  # the step after the last recorded one
+    assert sorted(set(load(tmp_path / "run", table="steps").step)) == [0, 1]
+
+
+def test_a_resumed_session_that_fails_before_its_first_step_loses_nothing(tmp_path: Path) -> None:
+    """The interrupted session's files stay (hidden) until the resumed one's files are closed: a resume that fails
+    at once and a second resume still give the uninterrupted records."""
+    model = _model()
+    _train(tmp_path / "whole", range(6), model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model, saved = _model(), {}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "run", range(6), model, opt, crash_at=4, saved=saved)
+    with pytest.raises(RuntimeError, match="at once"), gradrunner.record(model, ["0:output", "0:weight"],
+                                                                         tmp_path / "run", resume=True):  # fmt: skip
+        raise RuntimeError("failed at once")
+    model = _model()
+    model.load_state_dict(saved)
+    _train(tmp_path / "run", range(3, 6), model, torch.optim.SGD(model.parameters(), lr=0.1), resume=True)
+    _same(load(tmp_path / "whole"), load(tmp_path / "run"))
+
+
+def test_files_a_killed_process_left_are_not_resumed(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".grads.parquet.dead.tmp").write_bytes(b"PAR1 no footer")  # what a SIGKILL leaves
+    with pytest.raises(GradrunnerError, match="cannot be continued: grads.parquet does not read") as e:
+        gradrunner.record(_model(), ["0:output"], run, resume=True).__enter__()
+    assert "overwrite=True" in str(e.value) and (run / ".grads.parquet.dead.tmp").exists()
+    with gradrunner.record(_model(), ["0:output"], run, overwrite=True):
+        pass
+    assert not (run / ".grads.parquet.dead.tmp").exists() and (run / "done.json").is_file()
