@@ -228,3 +228,21 @@ def test_taps_an_edit_zeroes_are_not_vanishing(tmp_path: Path, caplog: pytest.Lo
     assert ("zero by an edit (the edit on relu2:output leaves a zero gradient; taps upstream get none), not vanishing: "
             "5 of 11 taps: " + ", ".join(f"{t} (from step 0)" for t in zero)) in lines  # fmt: skip
     assert (level == logging.INFO) == h.healthy and h.loss_diverging is None
+
+
+@pytest.mark.parametrize("losses, diverging", [
+    ([3.1, 0.91], False), ([0.9, 3.1], False), ([1.0, 1.0, 9.0, 9.0, 9.0], False),  # under 6 steps: not judged
+    ([1.0, 1.1, 1.2, 1.5, 1.9, 1.9], False), ([1.0, 1.0, 1.0, 9.0, 9.0, 9.0], True), ([2.0, 1.0, 3.0, 1.0, 9.0, 2.5], True),
+])
+def test_short_runs_judge_the_loss_by_windows_that_do_not_overlap(
+    tmp_path: Path, losses: list[float], diverging: bool
+) -> None:
+    """A falling 2-step run (3.1 -> 0.91) was called diverging: its start and end windows both held both steps.
+    Each window is at least 3 steps (one batch's noise is not a trend), so runs under 6 steps are not judged."""
+    pd.DataFrame({"step": range(len(losses)), "loss": losses}).to_parquet(tmp_path / "steps.parquet")
+    h = health.health(tmp_path)
+    assert (h.loss_diverging is not None) == diverging
+    if diverging:
+        k = 3
+        assert h.loss_diverging == (min(losses[:k]), float(np.median(losses[-k:])))
+        assert f"the median of the last {k} finite steps" in "\n".join(h.lines())

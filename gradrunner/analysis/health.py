@@ -60,6 +60,7 @@ class Health:
     #: (the lowest of the first k finite losses, the median of the last k) when the latter is above
     #: `DIVERGE_FACTOR` x the former (k: a tenth of the steps, at least 3; a positive start only).
     loss_diverging: tuple[float, float] | None = None
+    loss_level_steps: int = 0  # the steps each end of `loss_diverging` is judged by
     #: (the first step, its rate) when a learning rate of the run was negative (`steps.parquet`'s `lr`).
     negative_lr: tuple[int, float] | None = None
     #: taps whose gradient is exactly 0 at the last captured step because an edit zeroed it (not vanishing):
@@ -86,7 +87,7 @@ class Health:
                        f"({self.steps} steps)")  # fmt: skip
         if self.loss_diverging is not None:
             start, end = self.loss_diverging
-            k = _level_steps(self.steps)
+            k = self.loss_level_steps
             out.append(f"loss diverging: {end:.6g} at the end (the median of the last {k} finite steps) against "
                        f"{start:.6g} at the start (the lowest of the first {k}): x{end / start:.3g}")  # fmt: skip
         if self.negative_lr is not None:
@@ -142,8 +143,10 @@ DIVERGE_FACTOR = 2.0
 
 def _level_steps(steps: int) -> int:
     """Steps that set the loss's level at the start (their lowest) and at the end (their median): a tenth of the
-    run, at least 3, so one batch's noise is not a trend."""
-    return max(3, steps // 10)
+    run, at least 3, so one batch's noise is not a trend; 0 (not judged) where the two windows would overlap:
+    a falling 2-step run was judged by its own last step as both its start and its end."""
+    k = max(3, steps // 10)
+    return k if steps >= 2 * k else 0
 
 
 def _judge_loss(h: Health, steps: Any) -> None:
@@ -156,11 +159,11 @@ def _judge_loss(h: Health, steps: Any) -> None:
     bad = steps["step"].to_numpy()[~np.isfinite(loss)]
     h.loss_nonfinite_step = int(bad[0]) if len(bad) else None
     finite = loss[np.isfinite(loss)]
-    if len(finite) > 1:
-        k = _level_steps(len(steps))
+    k = _level_steps(len(finite))
+    if k:
         start, end = float(finite[:k].min()), float(np.median(finite[-k:]))
         if start > 0 and end > DIVERGE_FACTOR * start:
-            h.loss_diverging = (start, end)
+            h.loss_diverging, h.loss_level_steps = (start, end), k
     if "lr" in steps.columns:
         lr = steps["lr"].to_numpy(dtype=np.float64, na_value=np.nan)
         negative = np.flatnonzero(lr < 0)
