@@ -71,6 +71,16 @@ class TrainConfig:
 
 
 @dataclass
+class AnomalyConfig:
+    """`anomaly.*`: loss-spike detection and what is done about a spike (docs/autopsy.md)."""
+
+    # After the run, re-run the K steps before each flagged loss spike (and the spike's step) from the last
+    # checkpoint at or before them, with capture.values=full, into <run dir>/replay/step<S>/ (0: off; needs
+    # train.checkpoint_every; keeps the checkpoints that needs).
+    replay: int = 0
+
+
+@dataclass
 class Config:
     """The top level of the composed config (the `hydra` node is added by Hydra itself)."""
 
@@ -110,6 +120,8 @@ class Config:
     resume: bool = False
     # Write the report (python -m gradrunner.report) when the run ends; a sweep writes one for the sweep dir.
     report: bool = False
+    # Loss-spike detection and replay; config group `anomaly`.
+    anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
     # Gradient edits: {tap: <spec>, <operation>: <value>} entries (scale, clip_norm, clip_value, mask,
     # dropout, noise_std), applied on every step in config order (gradrunner/capturing/edits.py).
     edits: list[Any] = field(default_factory=list)
@@ -203,6 +215,7 @@ def validate(cfg: DictConfig) -> None:
         if not isinstance(cfg.capture.get(flag, False), bool):
             raise _allowed(f"capture.{flag}", cfg.capture[flag], ["false", "true"])
     validate_train(cfg)
+    validate_replay(cfg)
     validate_edits(cfg)
     if not OmegaConf.is_list(cfg.taps):
         raise GradrunnerError(
@@ -396,6 +409,26 @@ def _check_covers_steps(settings: dict[str, Any], steps: int) -> None:
             f"{given} is less than steps={steps}: OneCycleLR is stepped once per optimisation step and fails "
             f"past its last one (at step {covered + 1}). Set scheduler.total_steps to at least {steps} "
             "(scheduler.total_steps=${steps}, as scheduler=onecycle does), or lower steps."
+        )
+
+
+def validate_replay(cfg: DictConfig) -> None:
+    """Check `anomaly.replay`: an integer >= 0, and > 0 only with `train.checkpoint_every` (replay starts from a checkpoint).
+
+    Example::
+
+        validate_replay(compose("config", overrides=["anomaly.replay=5"]))
+        # GradrunnerError: anomaly.replay=5 needs train.checkpoint_every ...
+    """
+    replay = OmegaConf.select(cfg, "anomaly.replay", default=0)
+    _check_int("anomaly.replay", replay, 0)
+    every = int(OmegaConf.select(cfg, "train.checkpoint_every", default=0) or 0)
+    if replay > 0 and every <= 0:
+        raise GradrunnerError(
+            f"anomaly.replay={replay} needs train.checkpoint_every: a replay re-runs the steps before a loss spike "
+            "from the last mid-run checkpoint at or before them, and this run writes none (train.checkpoint_every=0). "
+            f"Set train.checkpoint_every=K (e.g. train.checkpoint_every={max(replay, 10)}; the replay starts at most K "
+            "steps earlier than it needs), or anomaly.replay=0 to turn replay off."
         )
 
 
