@@ -23,6 +23,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 # The allowed values live in choices.py (one source; re-exported here for `from gradrunner.config.schema import DTYPES`).
 from gradrunner.config.choices import DEVICES, DTYPES, NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
 from gradrunner.config.edits import parse_edits
+from gradrunner.config.replay import check_branch, validate_replay
 from gradrunner.errors import GradrunnerError, not_allowed
 
 #: Name of the schema in the ConfigStore; `conf/config.yaml` lists it first in its defaults.
@@ -68,6 +69,11 @@ class TrainConfig:
     eval_every: int = 0
     # Batches per evaluation.
     eval_batches: int = 1
+    # Start from another run's kept checkpoint, "<run dir>:<step>" (docs/autopsy.md): its model, optimizer,
+    # scheduler, data position and generators before <step>, this config from there on; null: from step 0.
+    branch_from: str | None = None
+    # With branch_from: drop the optimizer's per-parameter state (Adam's moments and step count) at the branch.
+    branch_reset_moments: bool = False
 
 
 @dataclass
@@ -215,6 +221,7 @@ def validate(cfg: DictConfig) -> None:
         if not isinstance(cfg.capture.get(flag, False), bool):
             raise _allowed(f"capture.{flag}", cfg.capture[flag], ["false", "true"])
     validate_train(cfg)
+    _check_int("anomaly.replay", OmegaConf.select(cfg, "anomaly.replay", default=0), 0)
     validate_replay(cfg)
     validate_edits(cfg)
     if not OmegaConf.is_list(cfg.taps):
@@ -265,6 +272,7 @@ def validate_train(cfg: DictConfig) -> None:
     _check_int("train.eval_every", train.eval_every, 0)
     _check_int("train.eval_batches", train.eval_batches, 1)
     _check_can_finish(cfg)
+    check_branch(train)
     if train.autocast != "off" and cfg.dtype != "float32":
         raise GradrunnerError(
             f"train.autocast={train.autocast} needs dtype=float32 (got dtype={cfg.dtype}): autocast runs a float32"
@@ -409,26 +417,6 @@ def _check_covers_steps(settings: dict[str, Any], steps: int) -> None:
             f"{given} is less than steps={steps}: OneCycleLR is stepped once per optimisation step and fails "
             f"past its last one (at step {covered + 1}). Set scheduler.total_steps to at least {steps} "
             "(scheduler.total_steps=${steps}, as scheduler=onecycle does), or lower steps."
-        )
-
-
-def validate_replay(cfg: DictConfig) -> None:
-    """Check `anomaly.replay`: an integer >= 0, and > 0 only with `train.checkpoint_every` (replay starts from a checkpoint).
-
-    Example::
-
-        validate_replay(compose("config", overrides=["anomaly.replay=5"]))
-        # GradrunnerError: anomaly.replay=5 needs train.checkpoint_every ...
-    """
-    replay = OmegaConf.select(cfg, "anomaly.replay", default=0)
-    _check_int("anomaly.replay", replay, 0)
-    every = int(OmegaConf.select(cfg, "train.checkpoint_every", default=0) or 0)
-    if replay > 0 and every <= 0:
-        raise GradrunnerError(
-            f"anomaly.replay={replay} needs train.checkpoint_every: a replay re-runs the steps before a loss spike "
-            "from the last mid-run checkpoint at or before them, and this run writes none (train.checkpoint_every=0). "
-            f"Set train.checkpoint_every=K (e.g. train.checkpoint_every={max(replay, 10)}; the replay starts at most K "
-            "steps earlier than it needs), or anomaly.replay=0 to turn replay off."
         )
 
 
