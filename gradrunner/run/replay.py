@@ -125,7 +125,7 @@ def replay_config(cfg: DictConfig, run_dir: Path, start: int, end: int, **change
 
 def replay_spike(cfg: DictConfig, run_dir: Path, step: int, k: int, start: int) -> Replayed:
     """Re-run steps `start`..`step` of `run_dir` with full values into `replay/step<step>/`; compare with the original."""
-    from gradrunner.analysis.compare import compare_runs
+    from gradrunner.analysis.compare import KEY, compare_runs
     from gradrunner.run.job import run
 
     out = run_dir / REPLAY_DIR / f"step{step}"
@@ -140,7 +140,8 @@ def replay_spike(cfg: DictConfig, run_dir: Path, step: int, k: int, start: int) 
         tap = row["tap"] if isinstance(row["tap"], str) else "the step"
         first = (f"step {int(row['step'])}, {tap}, {row['stat']}: {row['a']!r} vs {row['b']!r}" if "a" in row.index
                  and not pd.isna(row.get("a")) else f"step {int(row['step'])}, {tap}: only in one run")  # fmt: skip
-    records = int(c.values[span]["tap"].notna().sum())
+    taps = c.values[span & c.values["tap"].notna()]
+    records = int(taps[[k for k in KEY if k in taps.columns]].drop_duplicates().shape[0])  # step x tap x call x ...
     result = Replayed(step, start, str(out), differs.empty and missing.empty, records, first)
     write_atomically(out / VERDICT_FILE, json.dumps({**asdict(result), "k": k}, indent=1) + "\n")
     return result
