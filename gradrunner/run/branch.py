@@ -197,3 +197,16 @@ class SkipBatches:
         for i, batch in enumerate(as_batches(self.inner, device, dtype)):
             if i not in self.skip:
                 yield batch
+
+
+def skipping(skip_target: str, skip_batches: Sequence[int], **options: Any) -> SkipBatches:
+    """The data source `skip_target(**options)` without the batches `skip_batches`: a data option with two more keys.
+
+    Example::
+
+        # data: {_target_: gradrunner.run.branch.skipping, skip_target: gradrunner.data.Synthetic,
+        #        skip_batches: [30], batch_size: 32, ...}     (the autopsy's skip_batch)
+    """
+    from hydra.utils import get_method
+
+    return SkipBatches(get_method(skip_target)(**options), skip_batches)
