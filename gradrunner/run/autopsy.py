@@ -145,7 +145,8 @@ def plan(spike: Spike, names: Sequence[str] | None, custom: dict[str, list[str]]
     if unknown:
         raise GradrunnerError(f"unknown intervention {unknown[0]!r}; the interventions: {', '.join(INTERVENTIONS)} "
                               "(or your own: --override NAME KEY=VALUE ...)")  # fmt: skip
-    chosen, notes = {}, []
+    chosen: dict[str, Any] = {}
+    notes: list[str] = []
     for name in names if names is not None else DEFAULT:
         try:
             chosen[name] = INTERVENTIONS[name](spike)

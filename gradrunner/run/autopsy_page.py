@@ -52,7 +52,7 @@ def _svg(curves: dict[str, pd.Series], spike: Spike) -> str:
     parts.append(f'<line x1="{sx}" x2="{sx}" y1="{_PAD}" y2="{_H - _PAD}" stroke="#999" stroke-dasharray="4"/>')
     for i, (name, c) in enumerate(curves.items()):
         colour = _COLOURS[i % len(_COLOURS)]
-        points = " ".join(xy(int(s), float(v)) for s, v in c.items() if math.isfinite(v) and v > 0)
+        points = " ".join(xy(int(str(s)), float(v)) for s, v in c.items() if math.isfinite(v) and v > 0)
         parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{points}"/>')
         parts.append(f'<text x="{_W - _PAD - 100}" y="{_PAD + 14 * i}" fill="{colour}">{html.escape(name)}</text>')
     parts.append("</svg>")

@@ -107,7 +107,7 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
     if main and dist is None and int(OmegaConf.select(cfg, "anomaly.replay", default=0) or 0) > 0:
         from gradrunner.run.replay import after_run
 
-        after_run(directory, cfg)  # the replays of the run's loss spikes (run.replay), once its records are complete
+        after_run(directory, cfg, run)  # the replays of the run's loss spikes (run.replay), once its records are complete
     if cfg.report and main and not multirun:
         from gradrunner.report.write import try_report
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -113,20 +114,25 @@ class Replayed:
 
 def replay_config(cfg: DictConfig, run_dir: Path, start: int, end: int, **changes: Any) -> DictConfig:
     """`cfg` as a branch of `run_dir` from `start` that runs to step `end` (inclusive), `changes` (dotted keys) applied."""
-    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(plain, dict)
+    plain.pop("hydra", None)
+    out = OmegaConf.create(plain)
     sets = {"steps": end + 1, "train.branch_from": f"{run_dir}:{start}", "train.checkpoint_every": 0,
             "anomaly.replay": 0, "report": False, "resume": True, **changes}  # fmt: skip
     with open_dict(out):
-        out.pop("hydra", None)
         for key, value in sets.items():
             OmegaConf.update(out, key, value, merge=False, force_add=True)
     return out
 
 
-def replay_spike(cfg: DictConfig, run_dir: Path, step: int, k: int, start: int) -> Replayed:
+#: `run.job.run` (passed in: the job calls the replay, the replay runs jobs).
+Runner = Callable[..., Path]
+
+
+def replay_spike(run: Runner, cfg: DictConfig, run_dir: Path, step: int, k: int, start: int) -> Replayed:
     """Re-run steps `start`..`step` of `run_dir` with full values into `replay/step<step>/`; compare with the original."""
     from gradrunner.analysis.compare import KEY, compare_runs
-    from gradrunner.run.job import run
 
     out = run_dir / REPLAY_DIR / f"step{step}"
     run(replay_config(cfg, run_dir, start, step, **{"capture.values": "full"}), out_dir=out)
@@ -147,12 +153,12 @@ def replay_spike(cfg: DictConfig, run_dir: Path, step: int, k: int, start: int) 
     return result
 
 
-def after_run(run_dir: Path, cfg: DictConfig) -> list[Replayed]:
+def after_run(run_dir: Path, cfg: DictConfig, run: Runner) -> list[Replayed]:
     """Replay every flagged loss spike of the finished run in `run_dir` (`anomaly.replay=K`); prune the checkpoints.
 
     Example::
 
-        after_run(job_dir, cfg)     # [Replayed(step=30, start=25, exact=True, ...)]; each said in the log
+        after_run(job_dir, cfg, run.job.run)     # [Replayed(step=30, start=25, exact=True, ...)]; each said in the log
 
     A replay that fails is told (one paragraph) and the others go on: the run itself is complete.
     """
@@ -166,7 +172,7 @@ def after_run(run_dir: Path, cfg: DictConfig) -> list[Replayed]:
     done = []
     for s, start in starts.items():
         try:
-            done.append(replay_spike(cfg, run_dir, s, k, start))
+            done.append(replay_spike(run, cfg, run_dir, s, k, start))
             log.warning("%s", done[-1].line)
         except GradrunnerError as e:
             log.warning("replay of the loss spike at step %d failed: %s", s, one_paragraph(e))
