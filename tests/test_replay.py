@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pandas as pd
@@ -109,3 +110,19 @@ def test_a_planted_nondeterminism_does_not_replay_exactly(tmp_path: Path, caplog
     assert verdict["exact"] is False and verdict["start"] == 25
     assert verdict["first_difference"].startswith("step 25")  # the first replayed step already differs
     assert "does not replay exactly: not exact (transient" in caplog.text
+
+
+def test_the_spikes_come_from_anomalies_parquet_when_the_run_wrote_one(source: Path, tmp_path: Path) -> None:
+    from gradrunner.analysis.anomalies import Detector
+    from gradrunner.analysis.anomaly_signals import detect_run, save_anomalies
+    from gradrunner.run.replay import loss_spikes, spike_starts
+
+    offline = loss_spikes(source)  # no anomalies.parquet: the detector over the records
+    assert spike_starts(offline) == [30] and offline["step"].iloc[0] == 30 and offline.attrs["z"] == 6.0
+    copy = tmp_path / "run"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("replay", "checkpoints"))
+    run_id = json.loads((copy / "done.json").read_text())["run_id"]
+    save_anomalies(copy, detect_run(copy, Detector(z=5.0)), run_id)  # as the loop writes it, at z = 5
+    written = loss_spikes(copy)
+    assert written.attrs["z"] == 5.0 and spike_starts(written) == [30]
+    assert written["first_tap"].iloc[0] == offline["first_tap"].iloc[0]

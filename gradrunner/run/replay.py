@@ -74,21 +74,19 @@ def spike_starts(spikes: pd.DataFrame) -> list[int]:
 
 
 def _z_setting(run_dir: Path) -> float:
-    """The detector's z the run's `anomalies.parquet` was written with (its metadata), else the default."""
+    """The detector's z the run's `anomalies.parquet` was written with (its settings metadata), else the default."""
     import pyarrow.parquet as pq
 
     from gradrunner.analysis.anomalies import Detector
-    from gradrunner.records.anomalies import ANOMALIES_FILE
+    from gradrunner.records.anomalies import ANOMALIES_FILE, SETTINGS_KEY
 
     meta = pq.read_schema(run_dir / ANOMALIES_FILE).metadata or {}
-    for value in meta.values():
-        try:
-            settings = json.loads(value)
-        except ValueError:
-            continue
-        if isinstance(settings, dict) and isinstance(settings.get("z"), (int, float)):
-            return float(settings["z"])
-    return float(Detector().z)
+    raw = meta.get(SETTINGS_KEY.encode())
+    try:
+        z = json.loads(raw).get("z") if raw else None
+    except (ValueError, AttributeError):
+        z = None
+    return float(z) if isinstance(z, (int, float)) else float(Detector().z)
 
 
 @dataclass(frozen=True)
@@ -165,7 +163,11 @@ def after_run(run_dir: Path, cfg: DictConfig, run: Runner) -> list[Replayed]:
     k = int(OmegaConf.select(cfg, "anomaly.replay", default=0) or 0)
     if k <= 0:
         return []
-    spikes = spike_starts(loss_spikes(run_dir))
+    try:
+        spikes = spike_starts(loss_spikes(run_dir))
+    except GradrunnerError as e:
+        log.warning("replay: the run's loss spikes could not be read, nothing replayed: %s", one_paragraph(e))
+        return []
     states = _kept_steps(run_dir)
     starts = {s: max([c for c in states if c <= s - k], default=0) for s in spikes}
     prune(run_dir, set(starts.values()))
