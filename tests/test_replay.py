@@ -126,3 +126,15 @@ def test_the_spikes_come_from_anomalies_parquet_when_the_run_wrote_one(source: P
     written = loss_spikes(copy)
     assert written.attrs["z"] == 5.0 and spike_starts(written) == [30]
     assert written["first_tap"].iloc[0] == offline["first_tap"].iloc[0]
+
+
+def test_a_kept_state_whose_bytes_changed_is_refused_by_name(source: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "source"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("replay"))
+    state = copy / "checkpoints" / "state-000000025.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit
+    state.write_bytes(bytes(data))
+    with pytest.raises(GradrunnerError, match=r"state-000000025.pt is not the file kept.json recorded"):
+        _run(tmp_path / "branch", *SOURCE[:-1], f"train.branch_from={copy}:25")
+    assert not (tmp_path / "branch" / "grads.parquet").exists()
