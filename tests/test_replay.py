@@ -12,6 +12,7 @@ import logging
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from conftest import compose_cfg
@@ -138,3 +139,18 @@ def test_a_kept_state_whose_bytes_changed_is_refused_by_name(source: Path, tmp_p
     with pytest.raises(GradrunnerError, match=r"state-000000025.pt is not the file kept.json recorded"):
         _run(tmp_path / "branch", *SOURCE[:-1], f"train.branch_from={copy}:25")
     assert not (tmp_path / "branch" / "grads.parquet").exists()
+
+
+def test_reset_moments_makes_the_branch_step_adams_first(tmp_path: Path) -> None:
+    """Adam's first step (no moments): each weight moves by lr x g / (|g| + eps), from the captured gradient g."""
+    adam = (*SOURCE[:-1], "anomaly.replay=3", "optimizer=adam", "optimizer.lr=0.01")
+    source = _run(tmp_path / "adam", *adam)
+    out = _run(tmp_path / "reset", *adam, f"train.branch_from={source}:25", "train.branch_reset_moments=true",
+               "capture.values=full")  # fmt: skip
+    g = pd.read_parquet(out / "grads.parquet")
+    g = g[(g["step"] == 25) & g["tap"].str.endswith(":weight")].set_index("tap")
+    first = g["values"].map(lambda v: 0.01 * float(np.linalg.norm(v / (np.abs(v) + 1e-8))))  # torch.optim.Adam's eps
+    np.testing.assert_allclose(g["update_norm"], first, rtol=1e-4)
+    theirs = pd.read_parquet(source / "grads.parquet").query("step == 25").set_index("tap")
+    assert (g["norm"] == theirs.loc[g.index, "norm"]).all()  # the same gradient at step 25 ...
+    assert not np.allclose(theirs.loc[g.index, "update_norm"], first, rtol=1e-2)  # ... 25 steps of moments in the run
