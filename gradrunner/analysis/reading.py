@@ -161,12 +161,7 @@ def _jobs_of(root: Path) -> _Jobs:
             s.marker = {k: s.marker[k] for k in _MARKER_KEYS if k in s.marker}
         return s
 
-    found = tree.job_dirs()
-    # A run's own dirs below it (`replay/step<S>/`, `autopsy/...`: run.replay) are runs of their own, not its jobs.
-    runs = {d for d in found if any(tree.has(d, n, file=True) for n in rundir.RECORD_NAMES)}
-    if any(tree.has(root, n, file=True) for n in rundir.RECORD_NAMES):
-        runs.add(root)
-    dirs = [d for d in found if not any(p in runs for p in d.parents)]
+    dirs = tree.job_dirs()
     present = {d: [n for n in rundir.RECORD_NAMES if tree.has(d, n, file=True)] for d in [root, *dirs]}
     marked = any(tree.has(d, rundir.DONE) or tree.has(d, rundir.FAILED) for d in dirs)
     return _Jobs([state(d) for d in dirs], state(root), present, marked, frozenset(tree.dirs))
