@@ -44,7 +44,7 @@ def test_every_group_ships_its_options(group: str, options: set[str]) -> None:
 def test_primary_defaults_list_schema_then_self_then_groups_and_no_experiment() -> None:
     defaults = OmegaConf.load(CONF / "config.yaml").defaults
     assert list(defaults[:2]) == ["gradrunner_schema", "_self_"]
-    assert [next(iter(d)) for d in defaults[2:]] == ["model", "data", "loss", "optimizer", "capture", "scheduler",
+    assert [next(iter(d)) for d in defaults[2:]] == ["model", "data", "loss", "optimizer", "capture", "scheduler", "anomaly",
                                                      "override hydra/sweeper"]  # fmt: skip
     assert defaults[-1]["override hydra/sweeper"] == "gradrunner"
 

@@ -23,6 +23,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 # The allowed values live in choices.py (one source; re-exported here for `from gradrunner.config.schema import DTYPES`).
 from gradrunner.config.choices import DEVICES, DTYPES, NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
 from gradrunner.config.edits import parse_edits
+from gradrunner.config.replay import check_branch, validate_replay
 from gradrunner.errors import GradrunnerError, not_allowed
 
 #: Name of the schema in the ConfigStore; `conf/config.yaml` lists it first in its defaults.
@@ -68,6 +69,21 @@ class TrainConfig:
     eval_every: int = 0
     # Batches per evaluation.
     eval_batches: int = 1
+    # Start from another run's kept checkpoint, "<run dir>:<step>" (docs/autopsy.md): its model, optimizer,
+    # scheduler, data position and generators before <step>, this config from there on; null: from step 0.
+    branch_from: str | None = None
+    # With branch_from: drop the optimizer's per-parameter state (Adam's moments and step count) at the branch.
+    branch_reset_moments: bool = False
+
+
+@dataclass
+class AnomalyConfig:
+    """`anomaly.*`: loss-spike detection and what is done about a spike (docs/autopsy.md)."""
+
+    # After the run, re-run the K steps before each flagged loss spike (and the spike's step) from the last
+    # checkpoint at or before them, with capture.values=full, into <run dir>/replay/step<S>/ (0: off; needs
+    # train.checkpoint_every; keeps the checkpoints that needs).
+    replay: int = 0
 
 
 @dataclass
@@ -110,6 +126,8 @@ class Config:
     resume: bool = False
     # Write the report (python -m gradrunner.report) when the run ends; a sweep writes one for the sweep dir.
     report: bool = False
+    # Loss-spike detection and replay; config group `anomaly`.
+    anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
     # Gradient edits: {tap: <spec>, <operation>: <value>} entries (scale, clip_norm, clip_value, mask,
     # dropout, noise_std), applied on every step in config order (gradrunner/capturing/edits.py).
     edits: list[Any] = field(default_factory=list)
@@ -203,6 +221,8 @@ def validate(cfg: DictConfig) -> None:
         if not isinstance(cfg.capture.get(flag, False), bool):
             raise _allowed(f"capture.{flag}", cfg.capture[flag], ["false", "true"])
     validate_train(cfg)
+    _check_int("anomaly.replay", OmegaConf.select(cfg, "anomaly.replay", default=0), 0)
+    validate_replay(cfg)
     validate_edits(cfg)
     if not OmegaConf.is_list(cfg.taps):
         raise GradrunnerError(
@@ -252,6 +272,7 @@ def validate_train(cfg: DictConfig) -> None:
     _check_int("train.eval_every", train.eval_every, 0)
     _check_int("train.eval_batches", train.eval_batches, 1)
     _check_can_finish(cfg)
+    check_branch(train)
     if train.autocast != "off" and cfg.dtype != "float32":
         raise GradrunnerError(
             f"train.autocast={train.autocast} needs dtype=float32 (got dtype={cfg.dtype}): autocast runs a float32"

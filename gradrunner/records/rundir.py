@@ -341,7 +341,7 @@ def describe_unfinished(root: Path, unfinished: list[JobState], total: int) -> s
 def job_dirs_below(root: Path) -> list[Path]:
     """THE rule for which folders are jobs: dirs below `root`, none of their parts hidden (`.`, `_`),
     that hold Hydra's `.hydra/overrides.yaml`, a marker (`done.json`, `failed.json`) or a record file,
-    final or temp. The sweep manifest, `run.books` and `analysis.load` all use it.
+    final or temp, and are not below a dir (`root` included) that holds records (a run's replays). The sweep manifest, `run.books` and `analysis.load` all use it.
 
     Example::
 
@@ -372,8 +372,14 @@ class Tree:
         return entry is not None and (entry.is_file() if file else _exists(entry))
 
     def job_dirs(self) -> list[Path]:
-        """The job dirs among `dirs`, sorted: `job_dirs_below`'s rule."""
-        return sorted(d for d, entries in self.dirs.items() if d != self.root and _is_job(d, entries))
+        """The job dirs among `dirs`, sorted: `job_dirs_below`'s rule.
+
+        A run's own dirs below it (`replay/step<S>/`, `autopsy/step<S>/<job>/`: `run.replay`, `run.autopsy`)
+        are runs of their own, not jobs of the dir above: below a dir holding records, nothing is a job.
+        """
+        found = sorted(d for d, entries in self.dirs.items() if d != self.root and _is_job(d, entries))
+        runs = {d for d in [self.root, *found] if any(self.has(d, n, file=True) for n in RECORD_NAMES)}
+        return [d for d in found if not any(p in runs for p in d.parents)]
 
 
 def _is_job(directory: Path, entries: dict[str, os.DirEntry[str]]) -> bool:

@@ -63,6 +63,8 @@ ADDED_KEYS.update({"train.clip_grad_norm": None, "train.clip_grad_value": None, 
                    "train.eval_batches": 1, "eval_data": None})  # fmt: skip
 # Gradient edits (issue 22): none edits nothing.
 ADDED_KEYS["edits"] = []
+# Spike replay and branching (issue 35): off, and no branch, record as before.
+ADDED_KEYS.update({"anomaly.replay": 0, "train.branch_from": None, "train.branch_reset_moments": False})
 
 
 

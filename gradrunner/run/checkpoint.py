@@ -23,6 +23,11 @@ own run id; each segment pair of the two tables in one deferred-signal block, so
 leaves both tables with the same steps) and goes on: its records are those of an uninterrupted run.
 The folder is removed once the job's records are closed.
 
+Retention (`anomaly.replay=K`): every checkpoint's state file is kept while the job runs, and when the
+records are closed they move to `<job dir>/checkpoints/` (`KEPT_DIR`, with `kept.json`: each state's
+step and SHA-256, the run id and config); the replay (`run.replay`) then keeps only the ones a replay
+or an autopsy of a flagged spike starts from. `train.branch_from` (`run.branch`) starts a new run there.
+
 Example::
 
     ckpt = Checkpointer(job_dir, every=50, ...)
@@ -32,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import random
@@ -58,8 +64,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Where a finished job keeps the checkpoints `anomaly.replay` needs, and their manifest there.
+KEPT_DIR, KEPT_MANIFEST = "checkpoints", "kept.json"
+
 #: Config keys a checkpoint may differ in and still be resumed (how often to checkpoint changes no record).
 NEUTRAL = ("train.checkpoint_every",)
+
+
+def _is_state(name: str) -> bool:
+    """A complete state file's name (`state-<step>.pt`; temp names start with a dot)."""
+    return name.startswith("state-") and name.endswith(".pt")
 
 
 def rng_state() -> dict[str, Any]:
@@ -125,6 +139,11 @@ class Checkpointer:
     def folder(self) -> Path:
         return self.directory / CHECKPOINT_DIR
 
+    @property
+    def keeps(self) -> bool:
+        """Whether every checkpoint's state is kept for replay (`anomaly.replay > 0` in the job's config)."""
+        return int((self._config().get("anomaly") or {}).get("replay") or 0) > 0
+
     # -- records -------------------------------------------------------------------------------
     def write_step(self, step: int, records: StepRecords, micro_step: list[int | None] | None = None) -> None:
         if self._grads is not None:
@@ -137,8 +156,9 @@ class Checkpointer:
     def _open_segments(self, end: int) -> None:
         self.folder.mkdir(exist_ok=True)
         keep = {MANIFEST, self._state_name, *(s["name"] for s in self._segments)}
+        kept = self.keeps
         for stale in self.folder.iterdir():  # temp files of a killed run, files no checkpoint.json lists
-            if stale.name not in keep:
+            if stale.name not in keep and not (kept and _is_state(stale.name)):
                 stale.unlink(missing_ok=True)
         self._grads = self.open_segment(self.folder / f"grads-{end:09d}.parquet", "grads")
         self._steps = self.open_segment(self.folder / f"steps-{end:09d}.parquet", "steps")
@@ -175,7 +195,7 @@ class Checkpointer:
         write_manifest(self.folder, {"step": done, "config": self._config(), "state": {"name": name, "sha256": digest},
                                      "segments": self._segments})  # fmt: skip
         self._state_name = name
-        for old in self.folder.glob("state-*.pt"):
+        for old in [] if self.keeps else self.folder.glob("state-*.pt"):
             if old.name != name:
                 old.unlink(missing_ok=True)
         log.info("checkpoint after step %d in %s", step, self.folder)
@@ -214,9 +234,24 @@ class Checkpointer:
         self._grads = self._steps = None
 
     def finish(self) -> None:
-        """The job's records are closed: the checkpoint is no longer needed."""
+        """The job's records are closed: the checkpoint is no longer needed (its states kept, with `keeps`)."""
         self.abort()
+        if self.keeps and self.folder.is_dir():
+            self._keep_states()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _keep_states(self) -> None:
+        """Move every state file into `KEPT_DIR`, listed with its digest in `KEPT_MANIFEST` (written last)."""
+        from gradrunner.records.atomic import write_atomically
+
+        kept = self.directory / KEPT_DIR
+        kept.mkdir(exist_ok=True)
+        states = []
+        for path in sorted(p for p in self.folder.iterdir() if _is_state(p.name)):
+            os.replace(path, kept / path.name)
+            states.append({"step": int(path.stem.split("-")[1]), "name": path.name, "sha256": file_digest(kept / path.name)})
+        body = {"run_id": self._run_id, "config": self._config(), "states": states}
+        write_atomically(kept / KEPT_MANIFEST, json.dumps(body, indent=1) + "\n")
 
     # -- restoring --------------------------------------------------------------------------------
     def restore(self, job: Job, scaler: torch.amp.GradScaler, grads: Any, steps: Any, run_id: str) -> int:

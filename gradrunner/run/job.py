@@ -19,13 +19,13 @@ from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.config.schema import validate
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
 from gradrunner.records.columns import GRADS_FILE
-from gradrunner.run import books, distributed
+from gradrunner.run import books, branch, distributed
 from gradrunner.run.distributed import Distributed
 from gradrunner.run.hydra_adapter import task_overrides
 from gradrunner.run.loop import output_dir, train
@@ -98,10 +98,16 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
             if decision == "skip":
                 lock.leave_no_trace()  # Hydra rewrote .hydra/ of the completed job: put it back
                 return directory / GRADS_FILE
+            if dist is None:
+                branch.seed(directory, cfg)  # train.branch_from: the state it starts from (run.branch)
             path = train(cfg, out_dir=directory, run_id=run_id, dist=dist)
             main = dist is None or dist.is_main
             if main:
                 _mark_complete(directory, cfg, run_id, dist.world_size if dist is not None else 1, task_overrides())
+    if main and dist is None and int(OmegaConf.select(cfg, "anomaly.replay", default=0) or 0) > 0:
+        from gradrunner.run.replay import after_run
+
+        after_run(directory, cfg, run)  # the replays of the run's loss spikes (run.replay), once its records are complete
     if cfg.report and main and not multirun:
         from gradrunner.report.write import try_report
 

@@ -1,0 +1,56 @@
+"""The checks of `anomaly.replay` and `train.branch_from` (docs/autopsy.md), called by `config.schema.validate`.
+
+Example::
+
+    validate_replay(cfg)       # GradrunnerError: anomaly.replay=5 needs train.checkpoint_every ...
+"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from gradrunner.errors import GradrunnerError, not_allowed
+
+
+def validate_replay(cfg: DictConfig) -> None:
+    """Check `anomaly.replay` > 0 comes with `train.checkpoint_every` (replay starts from a checkpoint).
+
+    Example::
+
+        validate_replay(compose("config", overrides=["anomaly.replay=5"]))
+        # GradrunnerError: anomaly.replay=5 needs train.checkpoint_every ...
+    """
+    replay = OmegaConf.select(cfg, "anomaly.replay", default=0)  # an integer >= 0: `schema.validate` checked it
+    every = int(OmegaConf.select(cfg, "train.checkpoint_every", default=0) or 0)
+    if replay > 0 and every <= 0:
+        raise GradrunnerError(
+            f"anomaly.replay={replay} needs train.checkpoint_every: a replay re-runs the steps before a loss spike "
+            "from the last mid-run checkpoint at or before them, and this run writes none (train.checkpoint_every=0). "
+            f"Set train.checkpoint_every=K (e.g. train.checkpoint_every={max(replay, 10)}; the replay starts at most K "
+            "steps earlier than it needs), or anomaly.replay=0 to turn replay off."
+        )
+
+
+def check_branch(train: DictConfig) -> None:
+    """`train.branch_from` is null or "<run dir>:<step>" (what is there is checked when the job starts).
+
+    Example::
+
+        check_branch(cfg.train)     # GradrunnerError for train.branch_from='runs/a' (no step)
+    """
+    branch = train.get("branch_from")
+    reset = train.get("branch_reset_moments", False)
+    if not isinstance(reset, bool):
+        raise not_allowed("train.branch_reset_moments", reset, ["false", "true"])
+    if branch is None:
+        if reset:
+            raise GradrunnerError("train.branch_reset_moments=true needs train.branch_from=<run dir>:<step> (the "
+                                  "moments are dropped where the branch starts); set both, or neither.")  # fmt: skip
+        return
+    where, _, step = str(branch).rpartition(":")
+    if not isinstance(branch, str) or not where or not step.isdigit():
+        raise GradrunnerError(
+            f"train.branch_from={branch!r} is not allowed; it must be '<run dir>:<step>', a run dir and a step that "
+            "has a kept checkpoint there, e.g. train.branch_from='outputs/2026-11-26/10-00-00-000000:25' "
+            "(python -m gradrunner.autopsy lists them), or null."
+        )

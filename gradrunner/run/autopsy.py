@@ -1,0 +1,261 @@
+"""`python -m gradrunner.autopsy RUN_DIR [--step S] [--horizon H]`: branch from before a loss spike to find what saves it.
+
+From the run's last kept checkpoint at or before the spike step S (default: the first flagged loss
+spike; `anomaly.replay=K` keeps it), one Hydra sweep (`python -m gradrunner -m`, into
+`<run dir>/autopsy/step<S>/`) runs a branch (`train.branch_from`, `run.branch`) per intervention to
+step S+H (default H = 20), each an ordinary job (`+autopsy=<name>`: `load()` labels it, a re-run of
+the autopsy skips the completed ones and resumes the others):
+
+| intervention | what the branch changes, from the checkpoint on |
+| --- | --- |
+| `baseline` | nothing: it must reproduce the spike |
+| `skip_batch` | leaves out the batch(es) of step S (`run.branch.skipping`) |
+| `lr_half` | `optimizer.lr` halved |
+| `clip` | `train.clip_grad_norm` at the median `grad_norm` of the steps before S |
+| `zero_tap` | the first-moving tap's gradient zeroed (an edit, `scale: 0`) |
+| `reset_moments` | the optimizer's moments dropped (`train.branch_reset_moments`; Adam-like optimizers) |
+
+`--override NAME KEY=VALUE ...` adds an intervention of your own. Then `autopsy.parquet`
+(`intervention`, `max_loss`, `final_loss`, `avoided`: the loss stayed below the spike rule's threshold,
+mean + z x std of the window before S, over S..S+H; `reproduces`, `job`) and `autopsy.html` (the
+interventions ranked, loss curves overlaid) in the sweep dir. Bad input is one paragraph, exit 2.
+
+Example::
+
+    python -m gradrunner.autopsy outputs/2026-11-26/10-00-00-000000 --horizon 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import yaml
+from omegaconf import OmegaConf
+
+from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
+from gradrunner.records import rundir
+from gradrunner.run import branch
+from gradrunner.run.replay import loss_spikes, spike_starts
+
+AUTOPSY_DIR, RESULT_FILE, PAGE_FILE, CONF_DIR = "autopsy", "autopsy.parquet", "autopsy.html", ".autopsy_conf"
+#: Source overrides a branch sets itself.
+_OWN_KEYS = ("steps", "train.branch_from", "train.branch_reset_moments", "anomaly.replay", "resume", "report")
+
+
+@dataclass
+class Spike:
+    """What the interventions are made from: the source run, the spike, the branch step and the source's config."""
+
+    run_dir: Path
+    step: int
+    start: int
+    horizon: int
+    threshold: float
+    config: dict[str, Any]
+    first_tap: str | None
+    losses: pd.Series = field(repr=False)
+
+    def median_grad_norm(self) -> float:
+        steps = pd.read_parquet(self.run_dir / "steps.parquet", columns=["step", "grad_norm"])
+        before = steps[(steps["step"] < self.step) & steps["grad_norm"].map(math.isfinite)]
+        return float(before["grad_norm"].median())
+
+
+def _skip_batch(s: Spike) -> dict[str, Any]:
+    n = int(s.config["train"].get("accumulate", 1))
+    return {"data": {"_target_": "gradrunner.run.branch.skipping", "skip_target": s.config["data"]["_target_"],
+                     "skip_batches": list(range(s.step * n, s.step * n + n))}}  # fmt: skip
+
+
+def _zero_tap(s: Spike) -> dict[str, Any]:
+    if s.first_tap is None:
+        raise GradrunnerError(f"zero_tap: no tap moved before the loss spike at step {s.step} (no first mover in the "
+                              "run's anomalies); leave zero_tap out, or zero a tap of your choice with --override")  # fmt: skip
+    return {"edits": [*(s.config.get("edits") or []), {"tap": s.first_tap, "scale": 0.0}]}
+
+
+def _reset_moments(s: Spike) -> dict[str, Any]:
+    target = str(s.config["optimizer"]["_target_"])
+    if "adam" not in target.rsplit(".", 1)[-1].lower():
+        raise GradrunnerError(f"reset_moments needs an Adam-like optimizer (moments to reset); the run's is {target}")
+    return {"train": {"branch_reset_moments": True}}
+
+
+#: The built-in interventions: the config each one's branch changes (a `# @package _global_` file's content).
+INTERVENTIONS: dict[str, Callable[[Spike], dict[str, Any]]] = {
+    "baseline": lambda s: {},
+    "skip_batch": _skip_batch,
+    "lr_half": lambda s: {"optimizer": {"lr": float(s.config["optimizer"]["lr"]) / 2}},
+    "clip": lambda s: {"train": {"clip_grad_norm": s.median_grad_norm()}},
+    "zero_tap": _zero_tap,
+    "reset_moments": _reset_moments,
+}
+#: The interventions run by default (those that do not apply to the run are left out, and said so).
+DEFAULT = tuple(INTERVENTIONS)
+
+
+def find_spike(run_dir: Path, step: int | None, horizon: int) -> Spike:
+    """The spike to autopsy in `run_dir` and the kept checkpoint a branch starts from; one paragraph for bad input."""
+    state = rundir.job_state(run_dir) if run_dir.is_dir() else None
+    if state is None or state.marker is None or not (run_dir / "steps.parquet").is_file():
+        raise GradrunnerError(f"{run_dir} is not a completed run dir (no done.json and steps.parquet); pass the dir "
+                              "of a run made with train.checkpoint_every=N anomaly.replay=K")  # fmt: skip
+    if horizon < 1:
+        raise GradrunnerError(f"--horizon {horizon} is not allowed; it must be an integer >= 1 (steps after the spike)")
+    spikes = loss_spikes(run_dir)
+    starts = spike_starts(spikes)
+    if step is None:
+        if not starts:
+            raise GradrunnerError(f"{run_dir} has no flagged loss spike; pass the step to autopsy with --step S")
+        step = starts[0]
+    kept = sorted(branch.kept(run_dir).states) if (run_dir / "checkpoints").is_dir() else []
+    start = max([c for c in kept if 0 < c <= step], default=None)
+    if start is None:
+        can = ", ".join(f"{c} and later" for c in kept) if kept else "none (the run kept no checkpoint)"
+        raise GradrunnerError(
+            f"--step {step}: {run_dir} has no kept checkpoint at or before step {step}, and an autopsy branches from "
+            f"one; the steps that can be autopsied: {can}. Make the run again with train.checkpoint_every=N and "
+            "anomaly.replay=K (it keeps the checkpoint before each loss spike)"
+        )
+    config = dict(state.marker["config"])
+    losses = pd.read_parquet(run_dir / "steps.parquet", columns=["step", "loss"]).set_index("step")["loss"]
+    row = spikes[spikes["step"] == step] if len(spikes) else spikes
+    z = float(spikes.attrs.get("z", 6.0))
+    if len(row):
+        threshold = float(row["mean"].iloc[0] + z * row["std"].iloc[0])
+    else:  # a step that was not flagged: the rule's band over the losses before it
+        window = losses[losses.index < step].tail(128)
+        threshold = float(window.mean() + z * max(window.std(ddof=0), 1e-3 * abs(window.mean())))
+    first = row["first_tap"].iloc[0] if len(row) and "first_tap" in row else None
+    return Spike(run_dir, step, start, horizon, threshold, config, first if isinstance(first, str) else None, losses)
+
+
+def plan(spike: Spike, names: Sequence[str] | None, custom: dict[str, list[str]]) -> tuple[dict[str, Any], list[str]]:
+    """Each intervention's config changes, and the notes on default ones that do not apply to this run."""
+    unknown = [n for n in names or () if n not in INTERVENTIONS]
+    if unknown:
+        raise GradrunnerError(f"unknown intervention {unknown[0]!r}; the interventions: {', '.join(INTERVENTIONS)} "
+                              "(or your own: --override NAME KEY=VALUE ...)")  # fmt: skip
+    chosen: dict[str, Any] = {}
+    notes: list[str] = []
+    for name in names if names is not None else DEFAULT:
+        try:
+            chosen[name] = INTERVENTIONS[name](spike)
+        except GradrunnerError as e:
+            if names is not None:
+                raise
+            notes.append(f"{name} left out: {one_paragraph(e)}")
+    for name, overrides in custom.items():
+        if not name.isidentifier() or name in chosen:
+            raise GradrunnerError(f"--override {name!r}: an intervention's name is a new identifier, e.g. "
+                                  "--override lr_tenth optimizer.lr=0.01")  # fmt: skip
+        chosen[name] = OmegaConf.to_container(OmegaConf.from_dotlist(overrides))
+    return chosen, notes
+
+
+def _hydra_searchpath(run_dir: Path) -> list[str]:
+    try:
+        data = yaml.safe_load((run_dir / ".hydra" / "hydra.yaml").read_text(encoding="utf-8"))
+        return [str(p) for p in data["hydra"].get("searchpath") or []]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return []
+
+
+def sweep(spike: Spike, chosen: dict[str, Any], sweep_dir: Path) -> subprocess.CompletedProcess[str]:
+    """Write each intervention as `+autopsy=<name>` and run the branches as one `python -m gradrunner -m` sweep."""
+    group = sweep_dir / CONF_DIR / "autopsy"
+    group.mkdir(parents=True, exist_ok=True)
+    for name, changes in chosen.items():
+        (group / f"{name}.yaml").write_text("# @package _global_\n" + yaml.safe_dump(changes or {}), encoding="utf-8")
+    marker = rundir.job_state(spike.run_dir).marker or {}
+    source = [o for o in marker.get("overrides") or [] if o.split("=")[0].lstrip("+~") not in _OWN_KEYS]
+    search = [*_hydra_searchpath(spike.run_dir), f"file://{sweep_dir / CONF_DIR}"]
+    args = [sys.executable, "-m", "gradrunner", "-m", *source, f"steps={spike.step + spike.horizon + 1}",
+            f"train.branch_from='{spike.run_dir}:{spike.start}'", "anomaly.replay=0",
+            f"hydra.searchpath=[{','.join(search)}]", f"hydra.sweep.dir={sweep_dir}", f"+autopsy={','.join(chosen)}"]  # fmt: skip
+    return subprocess.run(args, capture_output=True, text=True, env=os.environ.copy())
+
+
+def results(spike: Spike, sweep_dir: Path, names: Sequence[str]) -> pd.DataFrame:
+    """One row per intervention from its job's steps (in the sweep's job order), ranked: avoided first, then by max loss."""
+    rows = []
+    for job, name in enumerate(names):
+        path = sweep_dir / str(job) / "steps.parquet"
+        losses = pd.read_parquet(path, columns=["step", "loss"]).set_index("step")["loss"] if path.is_file() else None
+        span = losses.loc[spike.step:spike.step + spike.horizon] if losses is not None else pd.Series(dtype=float)
+        worst = float("inf") if span.empty or not span.map(math.isfinite).all() else float(span.max())
+        rows.append({"intervention": name, "max_loss": worst, "final_loss": float(span.iloc[-1]) if len(span) else math.nan,
+                     "avoided": bool(worst < spike.threshold), "job": str(job),
+                     "reproduces": bool(losses is not None and spike.step in losses.index
+                                        and losses[spike.step] == spike.losses.get(spike.step))})  # fmt: skip
+    table = pd.DataFrame(rows)
+    return table.sort_values(["avoided", "max_loss"], ascending=[False, True], kind="stable").reset_index(drop=True)
+
+
+def autopsy(run_dir: str | os.PathLike[str], step: int | None = None, horizon: int = 20,
+            names: Sequence[str] | None = None, custom: dict[str, list[str]] | None = None) -> pd.DataFrame:  # fmt: skip
+    """Run the autopsy of `run_dir` (see the module's docstring); the ranked table (also in `autopsy.parquet`).
+
+    Example::
+
+        autopsy("outputs/a", horizon=10)[["intervention", "max_loss", "avoided"]]
+    """
+    from gradrunner.run.autopsy_page import write_page
+
+    spike = find_spike(Path(run_dir).resolve(), step, horizon)
+    chosen, notes = plan(spike, names, custom or {})
+    sweep_dir = spike.run_dir / AUTOPSY_DIR / f"step{spike.step}"
+    done = sweep(spike, chosen, sweep_dir)
+    if done.returncode != 0:
+        raise GradrunnerError(f"the autopsy's sweep in {sweep_dir} failed (exit {done.returncode}): "
+                              f"{one_paragraph(done.stderr[-2000:] or done.stdout[-2000:])}")  # fmt: skip
+    table = results(spike, sweep_dir, list(chosen))
+    table.to_parquet(sweep_dir / RESULT_FILE, index=False)
+    write_page(sweep_dir / PAGE_FILE, spike, table, notes)
+    table.attrs.update(notes=notes, sweep_dir=str(sweep_dir), spike=spike)
+    return table
+
+
+def last_word(table: pd.DataFrame) -> str:
+    """What the command prints: the spike, whether the baseline reproduced it, each intervention ranked."""
+    s: Spike = table.attrs["spike"]
+    base = table[table["intervention"] == "baseline"]
+    repro = ("" if base.empty else "; baseline reproduces the spike" if bool(base["reproduces"].iloc[0])
+             else "; baseline does NOT reproduce the spike (the run is not deterministic: see anomaly.replay)")  # fmt: skip
+    lines = [f"autopsy of the loss spike at step {s.step} (loss {float(s.losses.get(s.step, math.nan)):.6g}, threshold {s.threshold:.6g}), "
+             f"branches from the checkpoint before step {s.start} to step {s.step + s.horizon}{repro}:"]  # fmt: skip
+    for r in table.itertuples():
+        lines.append(f"  {r.intervention:<14} {'avoided' if r.avoided else 'not avoided':<12} max loss {r.max_loss:.6g}"
+                     f"  final loss {r.final_loss:.6g}")  # fmt: skip
+    lines += [f"  note: {n}" for n in table.attrs.get("notes", [])]
+    lines.append(f"  {table.attrs['sweep_dir']}/{RESULT_FILE}, {PAGE_FILE}; the branches: load('{table.attrs['sweep_dir']}')")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command; exit 0, or 2 with one paragraph on bad input."""
+    p = argparse.ArgumentParser(prog="python -m gradrunner.autopsy", description=__doc__.split("\n")[0])
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--step", type=int, default=None, help="the spike's step (default: the first flagged loss spike)")
+    p.add_argument("--horizon", type=int, default=20, help="steps after the spike each branch runs (default 20)")
+    p.add_argument("--interventions", default=None, help=f"comma-separated, of: {', '.join(INTERVENTIONS)}")
+    p.add_argument("--override", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
+                   help="an intervention of your own: its name and the config overrides of its branch")
+    args = p.parse_args(argv)
+    try:
+        names = args.interventions.split(",") if args.interventions else None
+        custom = {o[0]: list(o[1:]) for o in args.override}
+        print(last_word(autopsy(args.run_dir, args.step, args.horizon, names, custom)))
+    except GradrunnerError as e:
+        print(f"gradrunner.autopsy: error: {one_paragraph(e)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0

@@ -1,0 +1,212 @@
+"""Branching: a new run that starts from another run's kept checkpoint with a changed config (`train.branch_from`).
+
+A run made with `anomaly.replay=K` keeps the checkpoints a replay or an autopsy starts from in
+`<run dir>/checkpoints/` (`run.checkpoint.KEPT_DIR`). `train.branch_from='<run dir>:<step>'` starts a
+new run (its own dir and run id) from the kept state before `<step>`: model, optimizer, scheduler,
+GradScaler, generators and data position, as `resume=true` continues a run. From there the branch runs
+its own config; a change of an `optimizer.*` hyperparameter (`lr`, `weight_decay`, `betas`, ...) is put
+into the loaded optimizer state (a changed `lr` scales the scheduled rate and the scheduler's base
+rates by new/old), and `train.branch_reset_moments=true` drops the optimizer's per-parameter state.
+`<step>` 0 needs no checkpoint: the branch is the config run from its seed.
+
+The branch's records start at `<step>` (the steps before are the source run's records, not the
+branch's). Its provenance is its config (`done.json`) and `branch.json`: the source dir, run id and
+step, the state file's SHA-256 and the changed keys. `seed(dir, cfg)` puts the state into the new
+dir's `.checkpoint/` as the checkpoint a resume would use, so an interrupted branch resumes from its
+own later checkpoints like any run, and a sweep of branches is re-runnable like any sweep.
+
+`SkipBatches` (a data source) leaves out given batches of another source: a branch that skips a step.
+
+Example::
+
+    python -m gradrunner +experiment=mlp train.branch_from=outputs/a:25 optimizer.lr=0.05
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from gradrunner.data import Batch, as_batches
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.atomic import write_atomically
+from gradrunner.records.checkpoint_files import CHECKPOINT_DIR, file_digest, read_manifest, write_manifest
+from gradrunner.run.books import NEUTRAL_KEYS, config_dict, config_diff
+from gradrunner.run.checkpoint import KEPT_DIR, KEPT_MANIFEST
+
+log = logging.getLogger(__name__)
+
+#: The branch's provenance in its run dir.
+BRANCH_FILE = "branch.json"
+#: Keys a branch differs in by being a branch (left out of `branch.json`'s changed keys).
+BRANCH_KEYS = ("train.branch_from", "train.branch_reset_moments", "steps", "train.checkpoint_every", "anomaly.replay")
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A run's kept checkpoints (`kept.json`): its run id and config, and each state file by step."""
+
+    run_dir: Path
+    run_id: str
+    config: dict[str, Any]
+    states: dict[int, dict[str, Any]]
+
+    def path(self, step: int) -> Path:
+        return self.run_dir / KEPT_DIR / str(self.states[step]["name"])
+
+    def before(self, step: int) -> int | None:
+        """The last kept step at or before `step` (a branch from it reaches `step`), or None."""
+        at = [s for s in self.states if s <= step]
+        return max(at) if at else None
+
+
+def kept(run_dir: str | Path) -> Kept:
+    """The kept checkpoints of `run_dir`; `GradrunnerError` (one paragraph) when it has none.
+
+    Example::
+
+        kept("outputs/a").states.keys()     # dict_keys([25])
+    """
+    d = Path(run_dir)
+    path = d / KEPT_DIR / KEPT_MANIFEST
+    if not d.is_dir():
+        raise GradrunnerError(f"{d} does not exist; give the dir of a run made with anomaly.replay=K and "
+                              "train.checkpoint_every=N (it keeps the checkpoints a branch starts from)")  # fmt: skip
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        states = {int(s["step"]): s for s in data["states"]}
+        return Kept(d, str(data["run_id"]), dict(data["config"]), states)
+    except FileNotFoundError:
+        raise GradrunnerError(
+            f"{d} has no kept checkpoints ({KEPT_DIR}/{KEPT_MANIFEST}); a branch starts from one. Run the source "
+            "with train.checkpoint_every=N and anomaly.replay=K (it keeps the checkpoints before its loss spikes), "
+            "or branch from step 0 (train.branch_from=<run dir>:0)"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise GradrunnerError(f"{path} cannot be read ({type(e).__name__}: {e}); it is not a manifest gradrunner "
+                              "wrote. Make the source run again with anomaly.replay=K") from e  # fmt: skip
+
+
+def parse(branch_from: str) -> tuple[Path, int]:
+    """`'<run dir>:<step>'` as (dir, step) (`config.replay.check_branch` checked the form)."""
+    where, _, step = branch_from.rpartition(":")
+    return Path(where).expanduser().resolve(), int(step)
+
+
+def _job_config(cfg: DictConfig) -> dict[str, Any]:
+    """The config as `run.loop` writes it into a checkpoint (neutral keys left out), as plain values."""
+    text = OmegaConf.to_yaml({k: v for k, v in config_dict(cfg).items() if k not in NEUTRAL_KEYS})
+    data = yaml.safe_load(text) or {}
+    assert isinstance(data, dict)
+    return data
+
+
+def seed(directory: Path, cfg: DictConfig) -> None:
+    """Before the branch's first step: its starting state as the checkpoint in `directory`, and `branch.json`.
+
+    Example::
+
+        seed(job_dir, cfg)     # nothing without train.branch_from; a checkpoint of the branch's own is kept
+
+    A checkpoint the branch wrote itself (an interrupted branch) is left for `resume` to continue from.
+    Bad input is one paragraph: a source with no kept checkpoints, a step with none (the kept steps
+    listed), a state file whose bytes changed.
+    """
+    branch_from = OmegaConf.select(cfg, "train.branch_from", default=None)
+    if branch_from is None:
+        return
+    source, step = parse(str(branch_from))
+    manifest, _ = read_manifest(directory)
+    if manifest is not None and int(manifest.get("step", -1)) >= step:
+        return  # the branch's own checkpoint (or its seed): a resume continues from there
+    own = _job_config(cfg)
+    provenance: dict[str, Any] = {"from": str(source), "step": step, "run_id": None, "state_sha256": None}
+    if step > 0:
+        k = kept(source)
+        if step not in k.states:
+            steps = ", ".join(map(str, sorted(k.states))) or "none"
+            raise GradrunnerError(
+                f"train.branch_from={branch_from!r}: {source} has no kept checkpoint before step {step}; it keeps the "
+                f"checkpoints before steps {steps} (or branch from step 0: the config run from its seed)"
+            )
+        path = k.path(step)
+        if file_digest(path) != k.states[step]["sha256"]:
+            raise GradrunnerError(f"train.branch_from={branch_from!r}: {path} is not the file {KEPT_MANIFEST} recorded "
+                                  "(its bytes changed after it was written); make the source run again")  # fmt: skip
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        _apply_changes(state, k.config, own, bool(OmegaConf.select(cfg, "train.branch_reset_moments", default=False)))
+        folder = directory / CHECKPOINT_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"state-{step:09d}.pt"
+        torch.save(state, folder / f".{name}.tmp")
+        (folder / f".{name}.tmp").replace(folder / name)
+        write_manifest(folder, {"step": step, "config": own, "state": {"name": name, "sha256": file_digest(folder / name)},
+                                "segments": []})  # fmt: skip
+        provenance.update(run_id=k.run_id, state_sha256=k.states[step]["sha256"],
+                          changed=[d for d in config_diff(k.config, own) if d.split(":")[0] not in BRANCH_KEYS])  # fmt: skip
+    write_atomically(directory / BRANCH_FILE, json.dumps(provenance, indent=1) + "\n")
+    log.info("branch from %s before step %d (%s)", source, step, ", ".join(provenance.get("changed") or []) or "no change")
+
+
+def _apply_changes(state: dict[str, Any], old: dict[str, Any], new: dict[str, Any], reset: bool) -> None:
+    """The branch config's optimizer hyperparameters (and a moments reset) put into the loaded state."""
+    groups = state["optimizer"]["param_groups"]
+    before, after = old.get("optimizer") or {}, new.get("optimizer") or {}
+    for key, value in after.items():
+        if key.startswith("_") or before.get(key) == value or not all(key in g for g in groups):
+            continue
+        if key == "lr":
+            ratio = float(value) / float(before["lr"])
+            for g in groups:
+                g["lr"] *= ratio
+                if "initial_lr" in g:
+                    g["initial_lr"] *= ratio
+            sched = state.get("scheduler")
+            for name in ("base_lrs", "_last_lr"):
+                if sched is not None and isinstance(sched.get(name), list):
+                    sched[name] = [float(v) * ratio for v in sched[name]]
+        else:
+            for g in groups:
+                g[key] = tuple(value) if isinstance(value, list) else value
+    if reset:
+        state["optimizer"]["state"] = {}
+
+
+class SkipBatches:
+    """The batches of `inner` without those numbered in `skip` (counted from 0 over `inner`'s batches).
+
+    Example::
+
+        SkipBatches(inner=Synthetic(), skip=[30])    # a branch that leaves out step 30's batch
+
+    With `train.accumulate=N`, step S takes batches S*N .. S*N+N-1.
+    """
+
+    def __init__(self, inner: object, skip: Sequence[int]) -> None:
+        self.inner, self.skip = inner, frozenset(int(i) for i in skip)
+
+    def batches(self, device: torch.device, dtype: torch.dtype) -> Iterator[Batch]:
+        for i, batch in enumerate(as_batches(self.inner, device, dtype)):
+            if i not in self.skip:
+                yield batch
+
+
+def skipping(skip_target: str, skip_batches: Sequence[int], **options: Any) -> SkipBatches:
+    """The data source `skip_target(**options)` without the batches `skip_batches`: a data option with two more keys.
+
+    Example::
+
+        # data: {_target_: gradrunner.run.branch.skipping, skip_target: gradrunner.data.Synthetic,
+        #        skip_batches: [30], batch_size: 32, ...}     (the autopsy's skip_batch)
+    """
+    from hydra.utils import get_method
+
+    return SkipBatches(get_method(skip_target)(**options), skip_batches)
