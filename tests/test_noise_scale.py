@@ -189,3 +189,25 @@ def test_from_a_recorded_gpt2_run_against_per_example_gradients(tmp_path: Path) 
         assert row.trace_sigma == pytest.approx(trace, rel=1e-4)
         assert row.g2 == pytest.approx(g2, rel=1e-3, abs=1e-4 * trace)
         assert row.b_simple == pytest.approx(trace / g2, rel=1e-3)
+
+
+def test_the_run_report_draws_the_noise_scale_per_layer(tmp_path: Path) -> None:
+    """A runner job with capture.per_example=true: the report's noise-scale section, its table noise_scale's last step."""
+    pytest.importorskip("matplotlib")
+    from conftest import compose_cfg
+    from test_report_panels import _tables_after
+
+    from gradrunner.analysis import load
+    from gradrunner.report import write_report
+    from gradrunner.run.loop import train
+
+    train(compose_cfg("+experiment=mlp", "steps=4", "capture.per_example=true", "report=false"), out_dir=tmp_path)
+    page = write_report(tmp_path).read_text()
+    assert ">Gradient noise scale</h2>" in page and (tmp_path / "report-noise_scale.png").is_file()
+    table = _tables_after(page, "Gradient noise scale")
+    want = noise_scale(load(tmp_path), ema=0.9)
+    want = want[want.step == want.step.max()]
+    assert sorted(table.tap) == sorted(want.tap) and WHOLE_MODEL in set(table.tap) and len(want) >= 4
+    for _, row in want.iterrows():
+        got = table[table.tap == row.tap].iloc[0]
+        assert got.b_simple_ema == pytest.approx(row.b_simple_ema, rel=1e-3)
