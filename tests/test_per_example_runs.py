@@ -291,3 +291,21 @@ def test_ddp_two_ranks_rows_are_shares_of_the_averaged_grad(tmp_path: Path) -> N
         assert_matches(res["got"], res["ref"], {t: None for t in res["ref"]})
         assert res["norms"] == pytest.approx(res["grads"], rel=1e-6)  # the record: the averaged .grad
     assert not torch.equal(results[0]["got"]["0:weight"], results[1]["got"]["0:weight"])  # each rank its own rows
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_loss_scale_is_divided_out_of_the_rows(strategy: str) -> None:
+    """A loss multiplied by a scaler's scale (fp16 style): the rows are the true ones, as every captured gradient."""
+    model = mlp()
+    taps = ["0:weight", "1:bias", "3:weight"]
+    x, y = torch.randn(5, 4), torch.randn(5, 2)
+    scale = torch.tensor(1024.0)
+    rows = []
+    for loss_scale in (None, lambda: scale):
+        model.zero_grad(set_to_none=True)
+        with capture(model, taps, strategy=strategy, per_example=True, loss_scale=loss_scale) as cap:
+            loss = mse_rows(model(x), y)
+            cap.backward(loss if loss_scale is None else loss * scale)
+            rows.append(cap.records(loss).per_example_norm)
+    for plain, scaled in zip(*rows, strict=True):
+        np.testing.assert_allclose(scaled, plain, rtol=1e-6)
