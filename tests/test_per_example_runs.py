@@ -265,7 +265,18 @@ def _rank(rank: int, port: int, out: str) -> None:
         norms = {recs.keys[i].tap: float(recs.stats["norm"][i]) for i in range(len(recs))}
         grads = {t: float(dict(all_params_of(model))[t].grad.double().norm()) for t in taps}
         ref = reference(twin, [x], [y], 1 / 3 / 2, taps)
-        torch.save({"got": got, "ref": ref, "norms": norms, "grads": grads}, os.path.join(out, f"rank{rank}.pt"))
+        # accumulation: two micro-batches of 3 rows, DDP synchronising on the last only (no_sync before it)
+        model.zero_grad(set_to_none=True)
+        xs, ys = [x, torch.randn(3, 4, generator=g)], [y, torch.randn(3, 2, generator=g)]
+        with capture(inner, taps, per_example=True, params_synced=synced) as cap:
+            with ddp.no_sync():
+                (mse_rows(ddp(xs[0]), ys[0]) / 2).backward()
+            (mse_rows(ddp(xs[1]), ys[1]) / 2).backward()
+            recs = cap.records()
+        acc = {recs.keys[i].tap: torch.from_numpy(recs.per_example_norm[i]) for i in range(len(recs))}  # type: ignore[index, arg-type]
+        acc_ref = reference(twin, xs, ys, 1 / 6 / 2, taps)
+        torch.save({"got": got, "ref": ref, "norms": norms, "grads": grads, "acc": acc, "acc_ref": acc_ref},
+                   os.path.join(out, f"rank{rank}.pt"))  # fmt: skip
     finally:
         dist.destroy_process_group()
 
@@ -274,7 +285,7 @@ def all_params_of(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, _, p in all_params(model)]
 
 
-def test_ddp_two_ranks_rows_are_shares_of_the_averaged_grad(tmp_path: Path) -> None:
+def test_ddp_two_ranks_rows_are_shares_of_the_averaged_grad_with_and_without_accumulation(tmp_path: Path) -> None:
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import torch.multiprocessing as mp, test_per_example_runs as t; "
             "mp.spawn(t._rank, args=(int(sys.argv[2]), sys.argv[3]), nprocs=2, join=True)")  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-c", code, str(TESTS), str(_free_port()), str(tmp_path)],
@@ -290,6 +301,8 @@ def test_ddp_two_ranks_rows_are_shares_of_the_averaged_grad(tmp_path: Path) -> N
     for res in results:
         assert_matches(res["got"], res["ref"], {t: None for t in res["ref"]})
         assert res["norms"] == pytest.approx(res["grads"], rel=1e-6)  # the record: the averaged .grad
+        assert all(v.shape == (6,) for v in res["acc"].values())  # both micro-batches' rows, in order
+        assert_matches(res["acc"], res["acc_ref"], {t: None for t in res["acc_ref"]})
     assert not torch.equal(results[0]["got"]["0:weight"], results[1]["got"]["0:weight"])  # each rank its own rows
 
 
