@@ -33,6 +33,13 @@ counts: what gradrunner derives its nine statistics from), moved to the host onc
   shared environment here).
 
 Variants run interleaved (`_common.interleaved`); ratios are to `none`.
+
+`--per-example` (issue 37) compares per-example gradient norms of every parameter instead, each
+variant one AdamW step: `none`; `gradrunner_params` (`capture` of every parameter tap, per_example
+off); `gradrunner_per_example` (the same with `per_example=True`: each row's share of every
+parameter's `.grad`, exact, null with a reason where not); `backpack` (BackPACK's `BatchL2Grad` on
+an `extend`ed copy, fail mode silent: it covers only the parameters of modules it supports, on GPT-2
+the Linear/Embedding ones, not transformers' Conv1D or LayerNorm: the row says how many).
 """
 
 from __future__ import annotations
@@ -216,6 +223,41 @@ def _envoy(wrapped: Any, path: str) -> Any:
     return wrapped
 
 
+def per_example_variants(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, Variant], str]:
+    """`none`, gradrunner on every parameter tap without and with per_example, BackPACK's BatchL2Grad (when installed)."""
+    from per_example_params import backpack_variant
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    positions = torch.arange(x.shape[1], device=x.device).expand_as(x)  # wpe's rows per example too
+
+    def loss_of(m: nn.Module) -> torch.Tensor:
+        return m(x, position_ids=positions, labels=x).loss
+
+    def plain() -> None:
+        loss_of(model).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    out: dict[str, Variant] = {"none": (no_context, plain)}
+    taps = [f"{mn}:{pn}" for mn, m in model.named_modules() for pn, _ in m.named_parameters(recurse=False)]
+    for name, on in (("gradrunner_params", False), ("gradrunner_per_example", True)):
+        cap = capture(model, taps, strategy="hook", keep_grads=False, per_example=on)
+
+        def ours(cap: Any = cap) -> None:
+            loss = loss_of(model)
+            cap.backward(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            cap.records(loss)
+
+        out[name] = (lambda cap=cap: cap, ours)
+    covered = "BackPACK not installed"
+    bp = backpack_variant(model, x, x, lambda out, y: out.loss, call=lambda m, t: m(t, position_ids=positions, labels=t))
+    if bp is not None:
+        out["backpack"], covered = bp[0], f"BatchL2Grad on {bp[1]} parameters (the other modules unsupported)"
+    return out, covered
+
+
 def skipped() -> dict[str, str]:
     """Peers not run here, and why."""
     why = {}
@@ -236,6 +278,8 @@ def main() -> None:
         p.add_argument("--width", type=int, default=256)
         p.add_argument("--batch", type=int, default=8)
         p.add_argument("--seq", type=int, default=128)
+        p.add_argument("--per-example", action="store_true",
+                       help="per-example norms of every parameter: gradrunner against BackPACK's BatchL2Grad")
         p.add_argument("--torchlens-wrapped", action="store_true",
                        help="leave torch's functions wrapped after torchlens' first trace (its default): every "
                             "variant then runs on wrapped torch")  # fmt: skip
@@ -248,8 +292,12 @@ def main() -> None:
     model = gpt2(args.layers, args.width, max(2, args.width // 64), 1000, args.seq, args.device)
     x = torch.randint(0, 1000, (args.batch, args.seq), device=args.device)
     taps = activation_taps(model)
-    found = variants(model, x, taps, torchlens_unwrap=not args.torchlens_wrapped)
-    why = skipped()
+    if args.per_example:
+        found, covered = per_example_variants(model, x)
+        why = {"backpack": covered}
+    else:
+        found = variants(model, x, taps, torchlens_unwrap=not args.torchlens_wrapped)
+        why = skipped()
     if args.torchlens_wrapped and found.pop("nnsight", None) is not None:
         # seen with nnsight 0.8.1 and torchlens 2.36.1: `with loss.backward():` inside nnsight's trace
         # gets None ("'NoneType' object does not support the context manager protocol")
@@ -259,11 +307,13 @@ def main() -> None:
     times = interleaved(found, repeats=repeats, steps_per_block=3 if not args.tiny else 1, warmup=1)
     base = median_ms(times["none"])
     rows = [{"variant": k, "step_ms": median_ms(v), "ratio": median_ms(v) / base} for k, v in times.items()]
-    rows += [{"variant": k, "skipped": reason} for k, reason in why.items()]
+    rows += [{"variant": k, "skipped": reason} for k, reason in why.items() if not args.per_example]
+    if args.per_example:
+        rows = [{**r, "note": why["backpack"]} if r["variant"] == "backpack" else r for r in rows]
     config = {"layers": args.layers, "width": args.width, "batch": args.batch, "seq": args.seq, "taps": len(taps),
-              "device": args.device}  # fmt: skip
+              "device": args.device, "per_example": args.per_example}  # fmt: skip
     print(config)
-    report("peers", rows, ["variant", "step_ms", "ratio", "skipped"], args.out, config=config)
+    report("peers", rows, ["variant", "step_ms", "ratio", "skipped", "note"], args.out, config=config)
 
 
 if __name__ == "__main__":

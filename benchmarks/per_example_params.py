@@ -11,6 +11,10 @@ rows), backward, `.grad` dropped. Variants, interleaved (`_common.interleaved`),
 - `per_example`: inside `PerExampleNorms(model, every parameter)`, then `norms()` (every parameter's
   per-row norms, with the check's one device-to-host transfer);
 - `per_example_nocheck`: the same with `check=False` (no projection check: what the check costs);
+- `capture`: `capture(model, every parameter tap, "hook", keep_grads=False)`, `cap.backward`,
+  `cap.records` (statistics of every parameter's `.grad`, one transfer), per_example off;
+- `capture+per_example`: the same with `per_example=True` (issue 37: every parameter tap's rows in
+  the same transfer); its ratio to `capture` is what turning per_example on costs a captured run;
 - `backpack`: BackPACK's `BatchL2Grad` (`extend(copy of the model)`, `with backpack(BatchL2Grad())`),
   when `backpack-for-pytorch` is installed; on GPT-2 it covers only the parameters of the modules it
   supports (fail mode "SILENT": Linear and Embedding; not transformers' Conv1D or LayerNorm), so
@@ -35,6 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import interleaved, median_ms, no_context, parse_args, report, synced
 
+from gradrunner import capture
 from gradrunner.capturing.per_example import PerExampleNorms
 from gradrunner.models import MLP, SmallCNN
 
@@ -101,6 +106,17 @@ def variants(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, torch.Tenso
             model.zero_grad(set_to_none=True)
 
         out[name] = (lambda pex=pex: pex, ours)
+    taps = [n for n, _, p in params if p.requires_grad]
+    for name, on in (("capture", False), ("capture+per_example", True)):
+        cap = capture(model, taps, strategy="hook", keep_grads=False, per_example=on)
+
+        def captured(cap: Any = cap) -> None:
+            loss = loss_fn(call(model, x), y)
+            cap.backward(loss)
+            cap.records(loss)
+            model.zero_grad(set_to_none=True)
+
+        out[name] = (lambda cap=cap: cap, captured)
     with PerExampleNorms(model, params) as pex:
         plain_loss = loss_fn(call(model, x), y)
         plain_loss.backward()
@@ -113,7 +129,8 @@ def variants(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, torch.Tenso
 
 
 def backpack_variant(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> tuple[Variant, str] | None:  # fmt: skip
+                     loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+                     call: Callable[[nn.Module, torch.Tensor], Any] = call) -> tuple[Variant, str] | None:  # fmt: skip
     """BackPACK's BatchL2Grad on a copy of the model (`extend` leaves hooks on the module it extends)."""
     if importlib.util.find_spec("backpack") is None:
         return None
@@ -148,10 +165,11 @@ def main() -> None:
         if args.device != "cpu":
             vs = {k: (c, synced(s)) for k, (c, s) in vs.items()}
         times = interleaved(vs, repeats=repeats, steps_per_block=2 if args.tiny else 5)
-        base = median_ms(times["plain"])
+        base, captured = median_ms(times["plain"]), median_ms(times["capture"])
         for variant, samples in times.items():
             ms = median_ms(samples)
-            row = {"model": name, "variant": variant, "ms": ms, "ratio": ms / base, "rows": int(batch[0].shape[0])}
+            row = {"model": name, "variant": variant, "ms": ms, "ratio": ms / base, "rows": int(batch[0].shape[0]),
+                   "vs_capture": ms / captured}  # fmt: skip
             if variant == "backpack":
                 row["note"] = f"BatchL2Grad on {info['backpack_covered']} parameters"
             elif variant.startswith("per_example") and info["none_params"]:
@@ -159,7 +177,7 @@ def main() -> None:
             rows.append(row)
     if importlib.util.find_spec("backpack") is None:
         print("BackPACK not installed (pip install --no-deps backpack-for-pytorch einops unfoldNd): skipped", file=sys.stderr)
-    report("per_example_params", rows, ["model", "variant", "rows", "ms", "ratio", "note"], args.out,
+    report("per_example_params", rows, ["model", "variant", "rows", "ms", "ratio", "vs_capture", "note"], args.out,
            repeats=repeats, device=args.device)  # fmt: skip
 
 

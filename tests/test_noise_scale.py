@@ -6,6 +6,9 @@ Records are built as the capture writes them for parameter taps: `norm` the `.gr
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -137,3 +140,74 @@ def test_ranks_pool_their_rows() -> None:
     split = pd.concat([frame.assign(per_example_norm=[p[:2] for p in frame.per_example_norm], rank=0),
                        frame.assign(per_example_norm=[p[2:] for p in frame.per_example_norm], rank=1)])  # fmt: skip
     pd.testing.assert_frame_equal(noise_scale(split), noise_scale(frame))
+
+
+def test_from_a_recorded_gpt2_run_against_per_example_gradients(tmp_path: Path) -> None:
+    """record(per_example=True) of a tiny random-init GPT-2 (every parameter tapped, lm_head tied to wte: counted
+    once in "*"), 2 SGD steps; each step's whole-model estimates against per-example gradients of a twin in lockstep."""
+    from test_per_example_params import gpt2
+
+    from gradrunner import record
+    from gradrunner.analysis import load
+
+    torch.manual_seed(6)
+    model = gpt2()
+    twin = copy.deepcopy(model)
+    taps = [f"{mn}:{pn}" for mn, m in model.named_modules() for pn, _ in m.named_parameters(recurse=False)]
+    assert "lm_head:weight" in taps and "transformer.wte:weight" in taps
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, twin)]
+    batches = [torch.randint(0, 40, (5, 6)) for _ in range(2)]
+    pos = torch.arange(6).expand(5, 6)
+
+    def lm(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        logits = m(input_ids=ids, position_ids=pos[: ids.shape[0]]).logits
+        return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 40), ids[:, 1:].reshape(-1))
+
+    want = []
+    with record(model, taps, tmp_path / "run", per_example=True, update_norms=True) as rec:
+        for ids in batches:
+            rows = []
+            for i in range(ids.shape[0]):  # each example's own gradient (its mean over tokens), every parameter once
+                twin.zero_grad(set_to_none=True)
+                lm(twin, ids[i : i + 1]).backward()
+                rows.append(torch.cat([p.grad.reshape(-1) for p in twin.parameters()]).double())
+            g = torch.stack(rows)
+            trace = float(((g - g.mean(0)) ** 2).sum() / (g.shape[0] - 1))
+            want.append((float(g.mean(0).square().sum()) - trace / g.shape[0], trace))
+            twin.zero_grad(set_to_none=True)
+            lm(twin, ids).backward()
+            opts[1].step()
+            loss = lm(model, ids)
+            loss.backward()
+            opts[0].step()
+            opts[0].zero_grad(set_to_none=True)
+            rec.step(loss)
+    ns = noise_scale(load(tmp_path / "run"))
+    whole = ns[ns.tap == WHOLE_MODEL].sort_values("step")
+    assert len(whole) == 2 and (whole.rows == 5).all()
+    for (g2, trace), (_, row) in zip(want, whole.iterrows(), strict=True):
+        assert row.trace_sigma == pytest.approx(trace, rel=1e-4)
+        assert row.g2 == pytest.approx(g2, rel=1e-3, abs=1e-4 * trace)
+        assert row.b_simple == pytest.approx(trace / g2, rel=1e-3)
+
+
+def test_the_run_report_draws_the_noise_scale_per_layer(tmp_path: Path) -> None:
+    """A runner job with capture.per_example=true: the report's noise-scale section, its table noise_scale's last step."""
+    pytest.importorskip("matplotlib")
+    from conftest import compose_cfg
+    from test_report_panels import _tables_after
+
+    from gradrunner.analysis import load
+    from gradrunner.report import write_report
+    from gradrunner.run.loop import train
+
+    train(compose_cfg("+experiment=mlp", "steps=4", "capture.per_example=true", "report=false"), out_dir=tmp_path)
+    page = write_report(tmp_path).read_text()
+    assert ">Gradient noise scale</h2>" in page and (tmp_path / "report-noise_scale.png").is_file()
+    table = _tables_after(page, "Gradient noise scale")
+    want = noise_scale(load(tmp_path), ema=0.9)
+    want = want[want.step == want.step.max()]
+    assert sorted(table.tap) == sorted(want.tap) and WHOLE_MODEL in set(table.tap) and len(want) >= 4
+    for _, row in want.iterrows():
+        got = table[table.tap == row.tap].iloc[0]
+        assert got.b_simple_ema == pytest.approx(row.b_simple_ema, rel=1e-3)

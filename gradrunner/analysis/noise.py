@@ -23,7 +23,10 @@ Rows: per (run, step, tap), the per-example norms of every rank (DDP: each rank'
 the all-reduced `.grad`) make the batch of B rows; `norm` is the lowest rank's. The whole model's row,
 tap `"*"`, pools the parameter taps of that step (the squared norms of disjoint parameters add: N and
 S are sums over taps): it is the noise scale of the concatenation of the taps recorded, which is the
-whole model when every parameter is tapped. `b_simple_ema` (with `ema=beta`) is
+whole model when every parameter is tapped. Two paths of one tied `Parameter` (GPT-2's `lm_head:weight`
+and `transformer.wte:weight`) hold the same gradient and identical rows: a tap whose N, S and B equal
+another's in the step counts once there (distinct parameters give equal floats only when both are zero,
+which add nothing). `b_simple_ema` (with `ema=beta`) is
 EMA(trace_sigma) / EMA(g2) over the steps of each run and tap, each EMA m_t = beta m_(t-1) + (1 - beta) x_t
 from m = 0 (the bias correction cancels in the ratio): McCandlish et al. smooth the numerator and
 denominator separately, since the ratio of two noisy unbiased estimates is biased.
@@ -93,7 +96,8 @@ def _parameter_rows(df: pd.DataFrame, taps: Sequence[str] | None) -> pd.DataFram
         chosen = sorted(set(df.loc[df["update_norm"].notna(), "tap"]))
     else:
         raise GradrunnerError(
-            "noise_scale found no parameter taps (records with an update_norm); tap parameters (e.g. "
+            "noise_scale found no parameter taps (records with an update_norm: a runner job's, or "
+            "record(..., update_norms=True)); tap parameters (e.g. "
             "taps=['*:weight', '*:bias']) and run with " + _ENABLE + ", or name them: noise_scale(df, taps=[...])"
         )
     rows = df[df["tap"].isin(chosen)]
@@ -152,7 +156,8 @@ def _whole_model(per_tap: pd.DataFrame) -> pd.DataFrame:
             f"the parameter taps of step {bad.index[0]} have different numbers of per-example norms "
             f"({int(bad['min'].iloc[0])} and {int(bad['max'].iloc[0])}): they are not one batch's rows"
         )
-    whole = pd.DataFrame({"rows": rows["min"], "sq_rows": grouped["sq_rows"].sum(), "sq_norm": grouped["sq_norm"].sum()})
+    once = per_tap.drop_duplicates([*keys, "rows", "sq_rows", "sq_norm"]).groupby(keys, sort=True)  # tied: once
+    whole = pd.DataFrame({"rows": rows["min"], "sq_rows": once["sq_rows"].sum(), "sq_norm": once["sq_norm"].sum()})
     return whole.reset_index().assign(tap=WHOLE_MODEL)
 
 

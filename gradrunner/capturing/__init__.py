@@ -18,6 +18,9 @@ Knows nothing of Hydra, Parquet or the runner (import-linter checks it).
 | `backwards` | the session's backward side: each backward's begin and end (its own or the user's), the step's records |
 | `params` | parameter taps, read one way: held gradient edges, or `.grad` after DDP's synchronisation |
 | `grads` | `Grads`: the last backward's kept gradients, by tap and call |
+| `per_example` | per-example norms of parameters (`PerExampleNorms`): each row's share of `.grad`, during backward |
+| `per_example_layers`, `per_example_math` | the supported layers' shares, and their row norms (ghost or materialised) |
+| `per_example_check` | the per-step check that a parameter's gradient is its calls' shares; the null rows' warning |
 
 Example::
 

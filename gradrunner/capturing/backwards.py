@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_ASSIGNED, NOT_CALLED
+from gradrunner.capturing.per_example_check import OUTSIDE, PEX_NULL, PerExampleWarning, failed
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot
 from gradrunner.capturing.torch_compat import at_backward_end, in_backward, reentrant_checkpoint, version
@@ -101,6 +103,9 @@ class Backwards:
         self._edited: dict[int, torch.Tensor] = {}
         #: Called at the end of every backward, with whether it was captured (the step engine's update norms).
         self.backward_ended: Callable[[bool], None] | None = None
+        #: Per-example norms of parameters: why each None is (this step), and the taps already named in a warning.
+        self._pex_reasons: dict[str, str | None] = {}
+        self._pex_warned: set[str] = set()
 
     # -- a backward is seen ---------------------------------------------------------------------------
     def _seen(self: Capture) -> None:  # type: ignore[misc]
@@ -315,6 +320,7 @@ class Backwards:
         at, added = self._param_rows
         self._collector.discard(added)  # DDP: a later synchronised backward replaces an earlier one
         added = set()
+        rows = self._per_example_params()
         for i, key, param, grad, reason in self._params.rows():
             order = at + i
             before = self.edits.step_arrived(param) if self.edits is not None else None
@@ -327,9 +333,24 @@ class Backwards:
             if grad is not None and grad.is_complex():
                 grad = grad.abs()
             self._collector.add(key, grad, order=order, mutable=self._params.synced is not None, batched=False,
-                                value_norm=self._params.value_norm(param), settled=True, reason=reason)  # fmt: skip
+                                value_norm=self._params.value_norm(param), settled=True, reason=reason,
+                                per_example=None if grad is None else rows.get(key.tap))  # fmt: skip
             added.add(order)
         self._param_rows = (at, added)
+
+    def _per_example_params(self: Capture) -> dict[str, torch.Tensor | None]:  # type: ignore[misc]
+        """Each parameter tap's per-example norms so far, on the device, in true units (`PerExampleNorms`).
+
+        Under a GradScaler times 1/scale, as every captured gradient; under DDP divided by the world
+        size: each rank's rows are then their shares of the averaged `.grad` the record holds.
+        """
+        if self._pex is None:
+            return {}
+        scale = self.grad_scale
+        if self._params.synced is not None and _world_size() > 1:
+            scale = torch.tensor(1.0 / _world_size(), dtype=torch.float64) * (1.0 if scale is None else scale)
+        norms, self._pex_reasons = self._pex.device_norms(scale=scale)
+        return norms
 
     def _finish_step(self: Capture, loss: torch.Tensor | None, updates: Mapping[TapKey, torch.Tensor]) -> StepRecords:  # type: ignore[misc]
         edited = self._edited
@@ -340,14 +361,45 @@ class Backwards:
             recs.micro_step = None
         if recs.reason is None:
             recs.reason = [None] * len(recs)
+        if self._pex is not None:
+            self._settle_per_example(recs)
         self._new_step()
         return recs
 
+    def _settle_per_example(self: Capture, recs: StepRecords) -> None:  # type: ignore[misc]
+        """Parameter taps' rows after the transfer: a failed check's become None, with why in `reason` (the
+        gradient itself is there: `has_grad` stays true); each tap left None is named once in a warning."""
+        assert recs.per_example_norm is not None and recs.reason is not None
+        params = set(self._params.keys)
+        reasons = dict(self._pex_reasons)
+        for i, key in enumerate(recs.keys):
+            if key not in params:
+                continue
+            rows = recs.per_example_norm[i]
+            if rows is not None and failed(rows):
+                recs.per_example_norm[i], reasons[key.tap] = None, OUTSIDE
+            if recs.per_example_norm[i] is not None or not recs.has_grad[i]:
+                continue
+            why = reasons.get(key.tap) or "no per-example shares were computed"
+            recs.reason[i] = f"{PEX_NULL}{why}"
+            if key.tap not in self._pex_warned:
+                self._pex_warned.add(key.tap)
+                warnings.warn(f"per_example_norm of parameter tap {key.tap} is null: {why}", PerExampleWarning,
+                              stacklevel=2)  # fmt: skip
+
     def _new_step(self: Capture) -> None:  # type: ignore[misc]
         self._backwards_in_step, self._next_order, self._param_rows, self._edited = 0, 0, None, {}
+        if self._pex is not None:
+            self._pex.end_step()
         self._params.forget()
         if self.edits is not None:
             self.edits.forget_step()
+
+
+def _world_size() -> int:
+    """The processes DDP averages a synchronised gradient over (its default: the whole world)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _tensors(output: Any, depth: int = 2) -> list[torch.Tensor]:

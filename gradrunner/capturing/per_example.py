@@ -20,14 +20,20 @@ of one parameter in a micro-batch (tied weights, a module called twice) add up e
 - called before a module that mixes rows (batch norm on batch statistics) in the same forward, or
   of such a module: its rows' shares are not per-example gradients;
 - whose gradient does not add up to its calls' shares: checked on a random projection per step
-  (`check=True`): u^T g v against the calls' sum, one device-to-host transfer in `norms()`. This
-  catches a parameter also used outside its modules' calls (`x @ lin.weight`, a penalty in the loss);
+  (`check=True`, `per_example_check`). This catches a parameter also used outside its modules'
+  calls (`x @ lin.weight`, a penalty in the loss);
 - that got no gradient this step.
 
+Two ways to take a step's norms: `norms()` (standalone: one device-to-host transfer per device for
+the check's verdicts), or `device_norms()` (a capture session: no transfer; a failed check's rows
+are `per_example_check.FAILED`, which the host turns into None after the step's one transfer) then
+`end_step()`. `enabled` (a callable) lets a capture session switch the hooks off on steps it does
+not capture: nothing is computed then.
+
 Under a GradScaler the shares carry the scale (as `.grad` does); under DDP they are each rank's
-shares of its local gradient, before the all-reduce (divide by the world size for shares of the
-averaged `.grad`). Shares assume the loss is a sum of per-row terms; a loss that mixes rows
-(contrastive) is not detected.
+shares of its local gradient, before the all-reduce (the capture session divides them by the world
+size: shares of the averaged `.grad`). Shares assume the loss is a sum of per-row terms; a loss that
+mixes rows (contrastive) is not detected.
 
 Example::
 
@@ -40,7 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -48,17 +54,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradrunner.capturing.per_example_check import FAILED, OUTSIDE, Projection, host_verdicts, verdicts
 from gradrunner.capturing.per_example_layers import ROLES, Call, autocast_dtype, call_reason, kind_of, mixes_rows, share
-from gradrunner.capturing.per_example_math import Dense, Form, projection, row_sq
+from gradrunner.capturing.per_example_math import Form, row_sq
 from gradrunner.capturing.torch_compat import gradient_edge, in_backward, reentrant_checkpoint, version, watch_edge
 
-#: |g's projection - the calls' projections| above this fraction of the projections' magnitudes: not all of it is theirs.
-CHECK_TOL = 1e-4
-#: The same where a gradient is bfloat16/float16 (autograd rounds its weight gradient there; ours is float32).
-CHECK_TOL_LOW = 3e-2
 NO_GRAD = "no gradient reached it in this step (its module was not called, or its output took no part in the loss)"
-OUTSIDE = ("its gradient is not the sum of its modules' calls' shares: it is also used outside them (a functional "
-           "use such as x @ module.weight, or a term of the loss such as a weight penalty)")  # fmt: skip
 
 
 @dataclass
@@ -77,32 +78,18 @@ class _Tracked:
     param: nn.Parameter
     names: list[str]
     reason: str | None = None
-    u: torch.Tensor | None = None
-    v: torch.Tensor | None = None
+    check: Projection | None = None
     step_reason: str | None = None
     expected: dict[int, int] = field(default_factory=dict)
     pending: dict[int, list[Form]] = field(default_factory=dict)
     sq: dict[int, torch.Tensor] = field(default_factory=dict)
     first_clock: dict[int, int] = field(default_factory=dict)
-    low_precision: bool = False
-    #: The check, device scalars summed on the host: each call's projection and its terms' magnitude, each gradient's.
-    calls: list[torch.Tensor] = field(default_factory=list)
-    mags: list[torch.Tensor] = field(default_factory=list)
-    grads: list[torch.Tensor] = field(default_factory=list)
-    uv: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def reset(self) -> None:
-        self.step_reason, self.low_precision, self.calls, self.mags, self.grads = None, False, [], [], []
+        self.step_reason = None
         self.expected, self.pending, self.sq, self.first_clock = {}, {}, {}, {}
-
-    def projector(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The check's u and v in `dtype` (converted once)."""
-        uv = self.uv.get(dtype)
-        if uv is None:
-            assert self.u is not None and self.v is not None
-            uv = self.uv[dtype] = (self.u.to(dtype), self.v.to(dtype))
-        return uv
-        self.expected, self.pending, self.sq, self.first_clock = {}, {}, {}, {}
+        if self.check is not None:
+            self.check.reset()
 
 
 @dataclass
@@ -136,11 +123,16 @@ class PerExampleNorms:
 
     `norms()` ends the step (the next forward starts another) and returns `{name: (rows,) float64
     tensor on the parameter's device, or None}`; `reasons()` says why each None is. All hooks are
-    removed when the context closes, normally or by an exception.
+    removed when the context closes, normally or by an exception. `enabled()` False: the hooks do
+    nothing (a forward then is no part of any step).
     """
 
-    def __init__(self, model: nn.Module, params: Sequence[tuple[str, nn.Module, nn.Parameter]], *, check: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, params: Sequence[tuple[str, nn.Module, nn.Parameter]], *, check: bool = True,
+        enabled: Callable[[], bool] | None = None,
+    ) -> None:  # fmt: skip
         self.model, self.check = model, check
+        self._enabled = enabled or (lambda: True)
         self._tracked: list[_Tracked] = []
         by_id: dict[int, _Tracked] = {}
         for name, _module, param in params:
@@ -190,8 +182,9 @@ class PerExampleNorms:
                         lambda m, a, out, path=path: self._on_mixing(m, path, out)))  # fmt: skip
             self._stack.enter_context(self.model.register_forward_pre_hook(self._on_root, with_kwargs=True))
             for i, t in enumerate(self._tracked):
-                if t.reason is None:
-                    self._prepare_check(t, i)
+                if t.reason is None and self.check:
+                    t.check = Projection(t.param, i)
+                    self._stack.enter_context(t.param.register_hook(lambda g, t=t: self._on_param_grad(t, g)))
             self._stack.callback(self._drop_calls)
         except BaseException:
             self._stack.close()
@@ -200,16 +193,6 @@ class PerExampleNorms:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._stack.close()
-
-    def _prepare_check(self, t: _Tracked, index: int) -> None:
-        """The check's random projection u v^T (its own generator: the global RNG is not touched) and the hook."""
-        p = t.param
-        gen = torch.Generator(device=p.device).manual_seed(0x9E37 + index)
-        dt = torch.float64 if p.dtype == torch.float64 else torch.float32
-        t.u = torch.randn(p.shape[0] if p.dim() else 1, generator=gen, device=p.device, dtype=dt)
-        t.v = torch.randn(max(1, p.numel() // max(1, t.u.numel())), generator=gen, device=p.device, dtype=dt)
-        if self.check:
-            self._stack.enter_context(p.register_hook(lambda g, t=t: self._on_param_grad(t, g)))
 
     # -- hooks (each returns None: nothing they see changes) --
 
@@ -230,17 +213,19 @@ class PerExampleNorms:
     def _on_root(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not torch.is_grad_enabled() or (in_backward() and reentrant_checkpoint("backward") is None):
             return
+        if not self._enabled():
+            return
         self._tick()
         x = _first_tensor(args, kwargs)
         self._forward_rows = x.shape[0] if x is not None and x.dim() > 0 else None
 
     def _on_mixing(self, module: nn.Module, path: str, output: Any) -> None:
-        if isinstance(output, torch.Tensor) and output.requires_grad and mixes_rows(module):
+        if isinstance(output, torch.Tensor) and output.requires_grad and mixes_rows(module) and self._enabled():
             m = self._micros[self._tick()]
             m.mix_clock, m.mix_name = self._clock, f"{path!r} ({type(module).__name__} normalising with batch statistics)"
 
     def _on_call(self, h: _Holder, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        if not isinstance(output, torch.Tensor) or not output.requires_grad:
+        if not isinstance(output, torch.Tensor) or not output.requires_grad or not self._enabled():
             return
         if in_backward() and reentrant_checkpoint("backward") is None:
             return  # a non-reentrant checkpoint recomputing: the first call's hook gets the gradient
@@ -279,6 +264,7 @@ class PerExampleNorms:
         rec.fired = True
         self._micros[rec.micro].rows.add(rec.rows)
         changed = call.version is not None and version(call.x) != call.version
+        low = grad.dtype in (torch.bfloat16, torch.float16) or call.autocast is not None
         for t, role in h.tracked:
             if t.reason or t.step_reason:
                 continue
@@ -288,32 +274,22 @@ class PerExampleNorms:
                 continue
             try:
                 form = share(h.kind, h.module, role, call, grad)
-                if self.check:
-                    proj, mag = projection(form, *t.projector(_dtype(form)))
-                    t.calls.append(proj)
-                    t.mags.append(mag)
+                if t.check is not None:
+                    t.check.add_call(form, low)
             except (RuntimeError, ValueError, IndexError) as exc:  # inside the user's backward: a reason, not a crash
                 t.step_reason = f"computing the share of {h.path!r} failed: {exc}"
                 continue
-            t.low_precision |= grad.dtype in (torch.bfloat16, torch.float16) or call.autocast is not None
             t.pending.setdefault(rec.micro, []).append(form)
             if len(t.pending[rec.micro]) == t.expected[rec.micro]:
                 self._settle(t, rec.micro)
         rec.call = None
 
     def _on_param_grad(self, t: _Tracked, grad: torch.Tensor) -> None:
-        self._grad_seen = True
-        if t.reason is not None or t.u is None or t.v is None:
+        if t.check is None or not self._enabled():
             return
-        u, v = t.projector(t.u.dtype)
+        self._grad_seen = True
         with _no_autocast(grad.device):
-            if grad.is_sparse:
-                g = grad.coalesce()
-                proj = torch.dot(u[g.indices()[0]], g.values().reshape(g.values().shape[0], -1).to(u.dtype) @ v)
-            else:  # two matrix-vector products: one read of the gradient, no temporary of its size
-                proj = torch.dot(u, _as(grad.reshape(u.numel(), -1), u.dtype) @ v)
-        t.grads.append(proj)
-        t.low_precision |= grad.dtype in (torch.bfloat16, torch.float16)
+            t.check.add_grad(grad)
 
     def _settle(self, t: _Tracked, micro: int) -> None:
         forms = t.pending.pop(micro, [])
@@ -329,21 +305,40 @@ class PerExampleNorms:
                 rec.handle.remove()
         self._calls = []
 
+    def forget_forward(self) -> None:
+        """Forget the calls of a forward whose backward will not come (its loss failed): the micro-batch starts again.
+
+        Example::
+
+            try:
+                loss = loss_fn(model(x), y)
+            except ValueError:
+                pex.forget_forward()
+        """
+        if not self._active or self._grad_seen:
+            return
+        micro = len(self._micros) - 1
+        for rec in [r for r in self._calls if r.micro == micro]:
+            if rec.handle is not None:
+                rec.handle.remove()
+        self._calls = [r for r in self._calls if r.micro != micro]
+        self._micros[micro] = _Micro()
+        for t in self._tracked:
+            t.expected.pop(micro, None)
+            t.first_clock.pop(micro, None)
+            t.pending.pop(micro, None)
+
     # -- the step's result --
 
     def norms(self) -> dict[str, torch.Tensor | None]:
         """Each name's per-row norms for the step so far (float64, rows of every micro-batch in order), or None.
 
         Ends the step: the next forward starts a new one. Called again without a new forward, it
-        returns the same. Makes one device-to-host transfer (the check's sums) per device.
+        returns the same. Makes one device-to-host transfer per device (the check's verdicts).
         """
         if self._active or self._last is None:
-            with contextlib.ExitStack() as stack:
-                for device in {t.param.device for t in self._tracked}:
-                    stack.enter_context(_no_autocast(device))
-                self._last = self._finish()
-            self._active = False
-            self._drop_calls()
+            self._last = host_verdicts(*self.device_norms())
+            self.end_step()
         return dict(self._last[0])
 
     def reasons(self) -> dict[str, str | None]:
@@ -353,39 +348,68 @@ class PerExampleNorms:
         assert self._last is not None
         return dict(self._last[1])
 
-    def _finish(self) -> tuple[dict[str, torch.Tensor | None], dict[str, str | None]]:
+    def device_norms(
+        self, scale: torch.Tensor | float | None = None,
+    ) -> tuple[dict[str, torch.Tensor | None], dict[str, str | None]]:  # fmt: skip
+        """The step so far, on the device and without a host sync: (norms, reasons of the Nones).
+
+        Example::
+
+            norms, reasons = pex.device_norms()    # a failed check: every row per_example_check.FAILED
+            ...                                    # the norms ride in the step's one transfer
+            pex.end_step()
+
+        `scale` (a 0-d tensor or a number) multiplies every norm (1/loss scale, 1/world size).
+        Does not end the step (a later backward of the same step adds its rows; call again).
+        """
+        with contextlib.ExitStack() as stack:
+            for device in {t.param.device for t in self._tracked}:
+                stack.enter_context(_no_autocast(device))
+            return self._finish(scale)
+
+    def end_step(self) -> None:
+        """The step is over: the next forward starts a new one."""
+        self._active = False
+        self._drop_calls()
+
+    def _finish(self, scale: torch.Tensor | float | None) -> tuple[dict[str, torch.Tensor | None], dict[str, str | None]]:
         for t in self._tracked:
             for micro in list(t.pending):
                 self._settle(t, micro)
-        checked = self._checked()
+        squares: list[tuple[_Tracked, torch.Tensor]] = []
+        reasons: dict[int, str | None] = {}
+        for t in self._tracked:
+            sq, reasons[id(t)] = self._result(t)
+            if sq is not None:
+                squares.append((t, sq))
+        values = self._rooted(squares, scale)
         norms: dict[str, torch.Tensor | None] = {}
-        reasons: dict[str, str | None] = {}
+        named: dict[str, str | None] = {}
         for t in self._tracked:
-            value, why = self._result(t, checked.get(id(t)))
             for name in t.names:
-                norms[name], reasons[name] = value, why
-        return norms, reasons
+                norms[name], named[name] = values.get(id(t)), reasons[id(t)]
+        return norms, named
 
-    def _checked(self) -> dict[int, tuple[float, float, float]]:
-        """Every tracked parameter's check sums (calls' projection, its magnitude, the gradients'), on the host.
+    def _rooted(self, squares: list[tuple[_Tracked, torch.Tensor]], scale: torch.Tensor | float | None) -> dict[int, torch.Tensor]:
+        """sqrt of every parameter's squared row norms, a failed check's rows `FAILED`: a few ops per device and size."""
+        groups: dict[tuple[torch.device, int], list[tuple[_Tracked, torch.Tensor]]] = {}
+        for t, sq in squares:
+            groups.setdefault((sq.device, sq.shape[0]), []).append((t, sq))
+        out: dict[int, torch.Tensor] = {}
+        for group in groups.values():
+            stacked = torch.stack([sq if sq.dtype == torch.float64 else sq.double() for _, sq in group])
+            rooted = stacked.clamp_min_(0).sqrt_()
+            if scale is not None:
+                rooted.mul_(scale.to(rooted.device, torch.float64) if isinstance(scale, torch.Tensor) else scale)
+            checks = [t.check for t, _ in group if t.check is not None]
+            if checks:
+                assert len(checks) == len(group)  # a check is on for every tracked parameter, or for none
+                rooted = torch.where(verdicts(checks).unsqueeze(1), rooted, FAILED)
+            out.update((id(t), rooted[j]) for j, (t, _) in enumerate(group))
+        return out
 
-        All the step's device scalars go in one stack and one transfer per device (and dtype); the sums are the host's.
-        """
-        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        where: list[tuple[_Tracked, int, tuple[torch.device, torch.dtype], int, int]] = []
-        for t in self._tracked:
-            for k, part in enumerate((t.calls, t.mags, t.grads)):
-                if part:
-                    key = (part[0].device, part[0].dtype)
-                    where.append((t, k, key, len(groups.setdefault(key, [])), len(part)))
-                    groups[key].extend(part)
-        host = {key: torch.stack(vals).cpu().tolist() for key, vals in groups.items()}
-        out: dict[int, list[float]] = {}
-        for t, k, key, start, n in where:
-            out.setdefault(id(t), [0.0, 0.0, 0.0])[k] = float(sum(host[key][start : start + n]))
-        return {i: (v[0], v[1], v[2]) for i, v in out.items()}
-
-    def _result(self, t: _Tracked, sums: tuple[float, float, float] | None) -> tuple[torch.Tensor | None, str | None]:
+    def _result(self, t: _Tracked) -> tuple[torch.Tensor | None, str | None]:
+        """This step's squared row norms of `t` (device, its compute dtype), or None and why."""
         if t.reason or t.step_reason:
             return None, t.reason or t.step_reason
         if not self._active:
@@ -397,20 +421,14 @@ class PerExampleNorms:
         if conflicts:
             return None, f"forwards backwarded together had different batch sizes {conflicts[0]}: rows are ambiguous"
         if not t.sq:
-            return None, OUTSIDE if t.grads else NO_GRAD
-        if self.check:
-            if not t.grads:
-                return None, "its modules' outputs got gradients but it did not (a backward that did not ask for it)"
-            tol = CHECK_TOL_LOW if t.low_precision else CHECK_TOL
-            if sums is None or abs(sums[0] - sums[2]) > tol * sums[1]:
-                return None, OUTSIDE
+            return None, OUTSIDE if t.check is not None and t.check.grads else NO_GRAD
+        if t.check is not None and not t.check.grads:
+            return None, "its modules' outputs got gradients but it did not (a backward that did not ask for it)"
         if len(self._micros) == 1:
-            sq = t.sq[0]
-        else:
-            first = next(iter(t.sq.values()))
-            sq = torch.cat([t.sq[i] if i in t.sq else first.new_zeros(next(iter(m.rows), 0))
-                            for i, m in enumerate(self._micros)])  # fmt: skip
-        return sq.to(torch.float64).clamp_min_(0).sqrt_(), None
+            return t.sq[0], None
+        first = next(iter(t.sq.values()))
+        return torch.cat([t.sq[i] if i in t.sq else first.new_zeros(next(iter(m.rows), 0))
+                          for i, m in enumerate(self._micros)]), None  # fmt: skip
 
 
 def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -418,14 +436,6 @@ def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]
     if torch.is_autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
-
-
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def _dtype(form: Form) -> torch.dtype:
-    return form.rows.dtype if isinstance(form, Dense) else form.right.dtype
 
 
 def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:

@@ -36,6 +36,7 @@ from gradrunner.capturing.firing import Firing
 from gradrunner.capturing.grad_context import refuse_compiled
 from gradrunner.capturing.grads import Grads
 from gradrunner.capturing.params import ParamBackward, ParamTaps
+from gradrunner.capturing.per_example import PerExampleNorms
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot, get_strategy
 from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
@@ -61,7 +62,9 @@ class Capture(Backwards):
     `keep_grads=False` keeps only statistics (and `values`: `none`, `full` or a fixed `sample`),
     reduced on the gradient's device as it arrives: what the runner uses. Every tap is resolved
     here, before any forward pass: a bad tap raises `GradrunnerError`.
-    `per_example=True` adds each record's per-row gradient norms (taps other than parameters),
+    `per_example=True` adds each record's per-row gradient norms: an activation's row norms, and for a
+    parameter each batch row's share of `.grad` (`capturing.per_example`; None, with a warning naming
+    the tap and why, for a parameter whose shares cannot be computed exactly),
     `histogram=True` counts of |g| in the fixed bins of `records.columns.HIST_EDGES`; every record
     carries `value_norm`, the tapped tensor's own norm (see `Capture.records` for update norms).
     `edits` (`[{"tap": "fc1:output", "scale": 0.0}, ...]`, see `gradrunner.capturing.edits`) change the
@@ -109,6 +112,8 @@ class Capture(Backwards):
         modules = dict(model.named_modules(remove_duplicate=False))
         tap_params = [(t, getattr(modules[t.module], t.name)) for t in self.taps if t.kind == "param"]
         self._params = ParamTaps(tap_params, seen=self._seen, capturing=lambda: self.enabled, synced=params_synced)
+        self._pex = PerExampleNorms(model, [(t.tap, modules[t.module], p) for t, p in tap_params],
+                                    enabled=lambda: self.enabled) if per_example and tap_params else None  # fmt: skip
         self._param_backward: ParamBackward | None = None
         self._model_params: list[nn.Parameter] | None = None  # listed once (`_watch_params`)
         self._firing = Firing(self)
@@ -143,6 +148,8 @@ class Capture(Backwards):
         self._watch_params()
         self._firing.install(self.model, [t for t in self.taps if t.kind != "param"], self._stack)
         self._params.install(self._stack)
+        if self._pex is not None:  # before the edits' hooks: its check sees a parameter's gradient before an edit
+            self._stack.enter_context(self._pex)
         if self.edits is not None:
             self.edits.install(self._stack, lambda: self.enabled, self._seen)
 
@@ -221,6 +228,8 @@ class Capture(Backwards):
                 cap.reset()     # the retried step starts at call 0 again
         """
         self._firing.reset()
+        if self._pex is not None:
+            self._pex.forget_forward()
         if self.edits is not None:
             self.edits.reset()
 

@@ -134,7 +134,7 @@ class Collector:
     def add(
         self, key: TapKey, grad: torch.Tensor | None, order: int | None = None, mutable: bool = True, *,
         value_norm: torch.Tensor | None = None, batched: bool = True, settled: bool = False, micro: int | None = None,
-        reason: str | None = None,
+        reason: str | None = None, per_example: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """Reduce `grad` (or record that the tap got none) without leaving its device.
 
@@ -143,7 +143,8 @@ class Collector:
         `mutable=False` promises that nothing changes `grad` in place before `finish` (true of an
         intermediate's gradient; a leaf's may become its `.grad`): what is kept is then not copied.
         `value_norm` (0-d, on any device) is the tapped tensor's own norm; `batched=False` (a
-        parameter) means dim 0 is no batch: no per-example norms. The extras are reduced here, so
+        parameter) means dim 0 is no batch: no per-example norms of its own, but `per_example` (float64
+        norms on the device, a parameter's from `capturing.per_example`) may be given. The extras are reduced here, so
         a gradient changed in place after `add` cannot change them. `settled=True` promises that
         nothing changes `grad` in place before the next `flush` (a gradient handed over after
         autograd's backward returned, the session flushing before it returns): a small gradient kept
@@ -160,7 +161,7 @@ class Collector:
             if grad.layout == torch.sparse_coo and self._values_none and not self.histogram and not (
                 self.per_example and batched
             ):
-                self._add_sparse(key, grad, order, value_norm)
+                self._add_sparse(key, grad, order, value_norm, per_example)
                 return
             grad = grad.to_dense()  # every element was asked for (values, histogram, per-example norms)
         n = grad.numel()
@@ -172,10 +173,11 @@ class Collector:
             kept = flat.clone() if mutable and not settled else flat
             self._pending.append(Pending(
                 order, key, tuple(grad.shape), n, True, None, kept, self._keep_values(key, flat, mutable), value_norm,
-                rows=grad.shape[0] if want_rows else None,
+                per_example, rows=grad.shape[0] if want_rows else None,
             ))  # fmt: skip
             return
-        per_example = per_example_norms(grad) if want_rows else None
+        if want_rows:
+            per_example = per_example_norms(grad)
         if grad.is_cpu and self._fused and self._values_none and grad.is_contiguous():
             # The hot path: one read of the gradient where it lies, no copy, no view; small ones
             # too, as a kernel call costs about 2 µs. With `histogram`, its counts in the same read.
@@ -271,7 +273,9 @@ class Collector:
             ids = self._ids[key] = host.to(device, non_blocking=True) if device.type != "cpu" else host
         return ids
 
-    def _add_sparse(self, key: TapKey, grad: torch.Tensor, order: int, value_norm: torch.Tensor | None) -> None:
+    def _add_sparse(
+        self, key: TapKey, grad: torch.Tensor, order: int, value_norm: torch.Tensor | None, per_example: torch.Tensor | None,
+    ) -> None:  # fmt: skip
         """A sparse COO gradient (`nn.Embedding(sparse=True)`): statistics over the dense gradient's
         elements, zeros included, from its stored values alone (a huge table is never made dense).
 
@@ -290,7 +294,8 @@ class Collector:
             if vals.numel() < n:
                 mn, mx = torch.clamp(mn, max=0), torch.clamp(mx, min=0)
             floats = [s, ss, mn, mx]
-        self._pending.append(Pending(order, key, tuple(grad.shape), n, True, (floats, ints), None, None, value_norm))
+        self._pending.append(Pending(order, key, tuple(grad.shape), n, True, (floats, ints), None, None, value_norm,
+                                     per_example))  # fmt: skip
 
     def _cpu_kernel_for(self, dtype: torch.dtype) -> bool:
         """Whether the C kernel takes a CPU gradient of `dtype` (its histogram variant with `histogram`)."""

@@ -4,6 +4,7 @@ Contents:
     plot_histograms(df, max_taps)       -- per tap, a heat map of the |g| histogram over steps (as TensorBoard's)
     plot_update_ratios(df)              -- update / weight norm per parameter tap over steps, with the 1e-3 guide
     plot_per_example_spread(df)         -- per tap, how much the largest example's norm exceeds the median
+    plot_noise_scale(ns)                -- the smoothed gradient noise scale per parameter tap over steps
 
 A sweep gets a panel (or a column of panels) per run that has the column, each with its own steps.
 
@@ -130,4 +131,36 @@ def plot_per_example_spread(df: pd.DataFrame) -> Figure:
         ax.tick_params(axis="x", rotation=45, labelsize="x-small")
         if len(runs) > 1 and title:
             ax.set_title(title, fontsize="medium")
+    return fig
+
+
+def plot_noise_scale(ns: pd.DataFrame) -> Figure:
+    """`b_simple_ema` per parameter tap over steps (log scale), the whole model (`"*"`) in black; `ns` is
+    `gradrunner.analysis.noise_scale(df, ema=...)`'s frame.
+
+    Example::
+
+        plot_noise_scale(noise_scale(load("outputs/2026-11-25/10-00-00"), ema=0.9)).savefig("noise.png")
+
+    A sweep gets a panel per run (titled by its run id); non-positive estimates (a noisy g2 on a small
+    batch) are left out of the log axis.
+    """
+    runs = list(ns.groupby("run_id", sort=False)) if "run_id" in ns.columns else [("", ns)]
+    fig = Figure(figsize=(8, 3.2 * len(runs)), layout="constrained")
+    axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
+    for ax, (run_id, run) in zip(axes, runs, strict=True):
+        taps = [t for t in dict.fromkeys(run["tap"]) if t != "*"]
+        colors = colormaps["viridis"](np.linspace(0, 0.9, max(len(taps), 1)))
+        for tap, color in [*zip(taps, colors, strict=False), ("*", "black")]:
+            rows = run[run["tap"] == tap].sort_values("step", kind="stable")
+            y = rows["b_simple_ema"].where(rows["b_simple_ema"] > 0)
+            ax.plot(rows["step"], y, label="whole model (*)" if tap == "*" else tap, color=color,
+                    linewidth=2 if tap == "*" else 1)  # fmt: skip
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("B_simple (smoothed)")
+        if len(runs) > 1:
+            ax.set_title(str(run_id), fontsize="medium")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     return fig

@@ -191,7 +191,38 @@ def extra_sections(
                 "most_often_top is the batch row most often largest.")  # fmt: skip
         fig = plots_optional.plot_per_example_spread(with_norms)
         sections.append(figure(out_dir, "per_example", "Per-example gradient norms", fig, note) + html_table(table))
+        sections += _noise_section(with_norms, out_dir, figure)
     return sections
+
+
+#: The smoothing of the report's noise-scale panel (`noise_scale(..., ema=)`).
+NOISE_EMA = 0.9
+
+
+def _noise_section(norms: pd.DataFrame, out_dir: Path, figure: FigureWriter) -> list[str]:
+    """The gradient noise scale per parameter tap over steps (issue 37), where parameter taps have per-example rows."""
+    from gradrunner.analysis.noise import noise_scale
+    from gradrunner.report import plots_optional
+
+    if "update_norm" not in norms.columns:
+        return []
+    params = norms[norms["update_norm"].notna()]  # what records hold for parameter taps only
+    whole = params.groupby("tap")[PER_EXAMPLE_COLUMN].apply(lambda s: bool(s.notna().all()))
+    taps = sorted(whole[whole].index)
+    if not taps:
+        return []
+    try:
+        ns = noise_scale(norms, ema=NOISE_EMA, taps=taps)
+    except GradrunnerError:  # rows that are not one batch's (taps of different batch sizes): no panel
+        return []
+    keys = [c for c in ("run_id", "tap") if c in ns.columns]
+    last = ns[ns["step"] == ns.groupby(keys)["step"].transform("max")]
+    note = ("McCandlish et al.'s simple noise scale B_simple = tr(Σ)/|G|² per parameter tap and for the taps "
+            f"together (*), its two estimates smoothed over steps (EMA {NOISE_EMA}) before the ratio: about the "
+            "batch size past which a larger batch stops buying fewer steps. README: how to read the noise scale. "
+            "The table: each run's last step (b_simple is that step's own, noisy, estimate).")  # fmt: skip
+    fig = plots_optional.plot_noise_scale(ns)
+    return [figure(out_dir, "noise_scale", "Gradient noise scale", fig, note) + html_table(last)]
 
 
 def _histogram_table(last: pd.DataFrame) -> pd.DataFrame:

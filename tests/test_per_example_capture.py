@@ -1,0 +1,129 @@
+"""`capture(..., per_example=True)` on parameter taps: each row's share of `.grad`, against a per-example loop.
+
+The reference is `test_per_example_params.loop` (each row alone through the model, its own loss
+scaled to its share, plain autograd); the layers are its `LAYERS` (stock torch.nn: Linear on 2-D
+and sequence inputs, Embedding with padding_idx, Conv1d/2d/3d with every padding mode, LayerNorm,
+RMSNorm, GroupNorm, eval BatchNorm) and a tiny random-init GPT-2 (transformers' Conv1D, a tied
+lm_head). Every strategy. Tolerance as there: float32 both sides, rtol 1e-5.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from test_per_example_params import LAYERS, Net, Params, all_params, assert_matches, gpt2, lm_loss, loop, row, sq_loss
+from torch import nn
+
+from gradrunner import capture
+from gradrunner.capturing.per_example_check import PEX_NULL, PerExampleWarning
+from gradrunner.records.columns import StepRecords
+
+STRATEGIES = ["retain_grad", "hook", "autograd_grad"]
+
+
+def by_tap(recs: StepRecords) -> dict[str, dict[str, object]]:
+    return {recs.row(i)["tap"]: recs.row(i) for i in range(len(recs))}  # type: ignore[misc]
+
+
+def captured(model: nn.Module, inputs: dict[str, torch.Tensor], rows_loss, params: Params,  # type: ignore[no-untyped-def]
+             strategy: str, taps: list[str] | None = None) -> tuple[dict[str, torch.Tensor | None], dict[str, str | None], StepRecords]:  # fmt: skip
+    """One step under capture: each parameter tap's `per_example_norm` (float64 tensor or None) and `reason`."""
+    model.zero_grad(set_to_none=True)
+    with capture(model, taps or [n for n, _, _ in params], strategy=strategy, per_example=True) as cap:
+        out = model(**inputs)
+        rows = next(iter(inputs.values())).shape[0]
+        loss = sum(rows_loss(row(out, i), i) for i in range(rows)) / rows
+        cap.backward(loss)
+        recs = cap.records(loss)
+    got: dict[str, torch.Tensor | None] = {}
+    why: dict[str, str | None] = {}
+    for tap, r in by_tap(recs).items():
+        pe = r["per_example_norm"]
+        got[tap] = None if pe is None else torch.from_numpy(np.asarray(pe, dtype=np.float64))
+        why[tap] = r["reason"]  # type: ignore[assignment]
+    return got, why, recs
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_every_layer_through_capture(layer: str, strategy: str) -> None:
+    torch.manual_seed(0)
+    body, x = LAYERS[layer]()
+    model = Net(body)
+    params = all_params(model)
+    ref, _ = loop(model, {"x": x}, sq_loss, params)
+    got, why, recs = captured(model, {"x": x}, sq_loss, params, strategy)
+    assert_matches(got, ref, why)
+    assert all(r is None for r in why.values())
+    for name, _, p in params:  # the record is still the whole .grad's
+        rec = by_tap(recs)[name]
+        assert rec["has_grad"] and rec["norm"] == pytest.approx(p.grad.double().norm().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_tiny_gpt2_tied_lm_head_through_capture(strategy: str) -> None:
+    """transformers' GPT-2 (random init): Conv1D, LayerNorm, both embeddings, and lm_head tied to wte (both uses summed)."""
+    torch.manual_seed(0)
+    model = gpt2()
+    params = all_params(model)  # lm_head:weight and transformer.wte:weight: one Parameter
+    assert model.lm_head.weight is model.transformer.wte.weight
+    inputs = {"input_ids": torch.randint(0, 40, (3, 6)), "position_ids": torch.arange(6).expand(3, 6)}
+    ref, _ = loop(model, inputs, lm_loss, params)
+    got, why, _ = captured(model, inputs, lm_loss, params, strategy)
+    assert_matches(got, ref, why)
+    torch.testing.assert_close(got["lm_head:weight"], got["transformer.wte:weight"], rtol=0, atol=0)
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_batch_norm_in_training_gives_null_with_the_reason(strategy: str) -> None:
+    """Rows mix through batch statistics: fc1 (before it) and bn itself are null with why; fc2 (after it) is exact."""
+    torch.manual_seed(0)
+    model = BNNet()
+    x = torch.randn(5, 4)
+    taps = ["fc1:weight", "bn:weight", "fc2:weight", "fc2:bias"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, why, recs = captured(model, {"x": x}, sq_loss, all_params(model), strategy, taps)
+    for tap in ("fc1:weight", "bn:weight"):
+        assert got[tap] is None and by_tap(recs)[tap]["has_grad"]
+        assert why[tap] is not None and why[tap].startswith(PEX_NULL) and "statistics" in why[tap]
+    named = sorted(str(w.message).split()[4] for w in caught if issubclass(w.category, PerExampleWarning))
+    assert named == ["bn:weight", "fc1:weight"]
+    # fc2's rows: a per-example loop with bn's batch statistics frozen at this batch's (the mixing is upstream)
+    assert got["fc2:weight"] is not None and got["fc2:weight"].shape == (5,) and why["fc2:weight"] is None
+    h = torch.tanh(model.bn(model.fc1(x))).detach()
+    head = Net(model.fc2)
+    ref, _ = loop(head, {"x": h}, sq_loss, [("fc2:weight", model.fc2, model.fc2.weight), ("fc2:bias", model.fc2, model.fc2.bias)])
+    assert_matches({k: got[k] for k in ref}, ref, why)
+
+
+class Outside(nn.Module):
+    """fc's weight also used directly in the forward: its gradient is not its calls' shares."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + x @ self.fc.weight
+
+
+def test_a_parameter_used_outside_its_module_is_null_never_wrong() -> None:
+    model = Outside()
+    with pytest.warns(PerExampleWarning, match="fc:weight"):
+        got, why, recs = captured(model, {"x": torch.randn(3, 4)}, sq_loss, all_params(model), "hook")
+    assert got["fc:weight"] is None and "outside" in str(why["fc:weight"]) and by_tap(recs)["fc:weight"]["has_grad"]
+    assert got["fc:bias"] is not None
