@@ -31,7 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_ASSIGNED, NOT_CALLED
-from gradrunner.capturing.per_example_check import OUTSIDE, PEX_NULL, PerExampleWarning, failed
+from gradrunner.capturing.per_example_check import OUTSIDE, PerExampleWarning, failed
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot
 from gradrunner.capturing.torch_compat import at_backward_end, in_backward, reentrant_checkpoint, version
@@ -367,8 +367,9 @@ class Backwards:
         return recs
 
     def _settle_per_example(self: Capture, recs: StepRecords) -> None:  # type: ignore[misc]
-        """Parameter taps' rows after the transfer: a failed check's become None, with why in `reason` (the
-        gradient itself is there: `has_grad` stays true); each tap left None is named once in a warning."""
+        """Parameter taps' rows after the transfer: a failed check's become None; each tap left None is named once,
+        with why, in a warning. `reason` stays null (the contract: it says why `has_grad` is false, and the
+        gradient itself is there)."""
         assert recs.per_example_norm is not None and recs.reason is not None
         params = set(self._params.keys)
         reasons = dict(self._pex_reasons)
@@ -381,7 +382,6 @@ class Backwards:
             if recs.per_example_norm[i] is not None or not recs.has_grad[i]:
                 continue
             why = reasons.get(key.tap) or "no per-example shares were computed"
-            recs.reason[i] = f"{PEX_NULL}{why}"
             if key.tap not in self._pex_warned:
                 self._pex_warned.add(key.tap)
                 warnings.warn(f"per_example_norm of parameter tap {key.tap} is null: {why}", PerExampleWarning,

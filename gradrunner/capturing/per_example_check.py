@@ -43,10 +43,6 @@ OUTSIDE = ("its gradient is not the sum of its modules' calls' shares: it is als
            "use such as x @ module.weight, or a term of the loss such as a weight penalty)")  # fmt: skip
 
 
-#: How a record's `reason` starts where its gradient is there but its per-example norms are null.
-PEX_NULL = "per_example_norm is null: "
-
-
 class PerExampleWarning(UserWarning):
     """A parameter tap's per-example norms are null (said once per tap and session, with the reason)."""
 
