@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradrunner.analysis.noise import WHOLE_MODEL, noise_scale
+from gradrunner.analysis.noise import WHOLE_MODEL, NoiseScaleWarning, noise_scale
 from gradrunner.capturing.per_example import PerExampleNorms
 from gradrunner.errors import GradrunnerError
 
@@ -127,8 +127,15 @@ def test_missing_per_example_norms_name_the_tap_and_the_option() -> None:
         noise_scale(frame.drop(columns=["per_example_norm"]))
     frame.loc[frame.tap == "0:bias", "per_example_norm"] = None
     with pytest.raises(GradrunnerError, match=r"'0:bias' \(steps 0\).*capture\.per_example=true"):
-        noise_scale(frame)
-    assert set(noise_scale(frame, taps=["0:weight"]).tap) == {"0:weight", WHOLE_MODEL}
+        noise_scale(frame, taps=["0:weight", "0:bias"])  # named: an error
+    with pytest.warns(NoiseScaleWarning, match=r"leaves out '0:bias' \(steps 0\)"):
+        left_out = noise_scale(frame)  # chosen by default: left out, said
+    named = noise_scale(frame, taps=["0:weight"])
+    assert set(named.tap) == {"0:weight", WHOLE_MODEL}
+    pd.testing.assert_frame_equal(left_out, named)
+    frame["per_example_norm"] = None
+    with pytest.raises(GradrunnerError, match=r"capture\.per_example=true"):
+        noise_scale(frame)  # no tap has them: an error
     with pytest.raises(GradrunnerError, match=r"ema=1.5"):
         noise_scale(frame, ema=1.5)
 

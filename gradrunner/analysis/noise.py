@@ -43,6 +43,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -52,6 +53,12 @@ from gradrunner.errors import GradrunnerError
 
 #: The tap of the whole-model rows.
 WHOLE_MODEL = "*"
+
+
+class NoiseScaleWarning(UserWarning):
+    """Parameter taps left out of `noise_scale` (chosen by default) because their records hold no per-example norms."""
+
+
 _ENABLE = "capture.per_example=true (Python: capture(..., per_example=True))"
 
 
@@ -65,7 +72,9 @@ def noise_scale(df: pd.DataFrame, ema: float | None = None, taps: Sequence[str] 
 
     `ema` (0 <= ema < 1) adds `b_simple_ema`; `taps` picks the parameter taps (default: those with an
     `update_norm`). `run_id` is a column when the records hold it. With one row (B = 1) nothing can
-    be estimated: NaN. Raises GradrunnerError when a chosen tap's records carry no per-example norms.
+    be estimated: NaN. Taps chosen by default whose records carry no per-example norms (a layer type
+    without them) are left out with a `NoiseScaleWarning` naming them; a tap named in `taps` without
+    them, or no tap with them, raises GradrunnerError.
     """
     if ema is not None and not 0 <= ema < 1:
         raise GradrunnerError(f"ema={ema!r} must be a number in [0, 1) (the weight of the previous steps, e.g. 0.9)")
@@ -107,12 +116,15 @@ def _parameter_rows(df: pd.DataFrame, taps: Sequence[str] | None) -> pd.DataFram
     lacking = rows.loc[pen.isna(), ["tap", "step"]]
     if len(lacking):
         names = ", ".join(f"{t!r} (steps {_span(s)})" for t, s in lacking.groupby("tap")["step"])
-        why = ""
-        if "reason" in rows.columns and rows.loc[pen.isna(), "reason"].notna().any():
-            why = f" (recorded reason: {rows.loc[pen.isna(), 'reason'].dropna().iloc[0]})"
+        if taps is None and len(set(lacking["tap"])) < len(set(rows["tap"])):
+            # Taps chosen for the user: leave out those without norms (GPT-2's wpe without position_ids), saying so.
+            warnings.warn(f"noise_scale leaves out {names}: no per_example_norm there (the PerExampleWarning of the "
+                          f"run said why); the whole-model row {WHOLE_MODEL!r} pools the other taps only",
+                          NoiseScaleWarning, stacklevel=3)  # fmt: skip
+            return rows[~rows["tap"].isin(set(lacking["tap"]))]
         raise GradrunnerError(
             f"noise_scale needs per_example_norm on every parameter tap it uses; these records have none for "
-            f"{names}{why}. Turn them on with {_ENABLE}, or leave those taps out: noise_scale(df, taps=[...])."
+            f"{names}. Turn them on with {_ENABLE}, or leave those taps out: noise_scale(df, taps=[...])."
         )
     return rows
 
