@@ -20,7 +20,7 @@ from conftest import compose_cfg
 from omegaconf import OmegaConf, open_dict
 
 from gradrunner.analysis import load
-from gradrunner.analysis.anomalies import summary_lines
+from gradrunner.analysis.anomaly_summary import summary_lines
 from gradrunner.analysis.anomaly_signals import TAP_COLUMNS, detect_run, read_anomalies, run_signals, save_anomalies
 from gradrunner.records import rundir
 from gradrunner.run.loop import train

@@ -29,7 +29,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from gradrunner.analysis.anomalies import GRAD_NORM, LOSS, Detector, anomaly_rows
+from gradrunner.analysis.anomalies import GRAD_NORM, LOSS, Detector
+from gradrunner.analysis.anomaly_summary import anomaly_rows
 from gradrunner.analysis.reading import load
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
