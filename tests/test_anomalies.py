@@ -15,8 +15,8 @@ from planted import STEPS, planted_step, write_planted_job
 
 from gradrunner.analysis import load
 from gradrunner.analysis.anomalies import Anomaly, Detector, check_settings
-from gradrunner.analysis.anomaly_summary import first_mover, summary_lines
 from gradrunner.analysis.anomaly_signals import TAP_COLUMNS, read_anomalies, run_signals, save_anomalies, step_signals
+from gradrunner.analysis.anomaly_summary import first_mover, summary_lines
 from gradrunner.capturing.stats import Collector
 from gradrunner.errors import GradrunnerError
 from gradrunner.records import rundir

@@ -20,8 +20,8 @@ from conftest import compose_cfg
 from omegaconf import OmegaConf, open_dict
 
 from gradrunner.analysis import load
-from gradrunner.analysis.anomaly_summary import summary_lines
 from gradrunner.analysis.anomaly_signals import TAP_COLUMNS, detect_run, read_anomalies, run_signals, save_anomalies
+from gradrunner.analysis.anomaly_summary import summary_lines
 from gradrunner.records import rundir
 from gradrunner.run.loop import train
 
@@ -68,6 +68,9 @@ def reference_z(
 
 SMOOTH = [
     ("mlp", 300), ("cosine", 300), ("transformer", 300),
+    # cnn (Adam, lr 0.01, digits) climbs out of its initial plateau between steps ~30 and ~130 in grad-norm
+    # jumps of 2.5-10x in one step: tens of sigma on a linear scale, a few on the log scale norms are judged on.
+    pytest.param("cnn", 300, marks=pytest.mark.skipif(not HAS_SKLEARN, reason="needs scikit-learn (digits)")),
     pytest.param("gpt2", 300, marks=pytest.mark.skipif(not HAS_HF, reason="needs transformers")),
     # warm-up then cosine decay, clipping, bf16 autocast, 2 micro-batches, taps every 5th step (default 200 steps)
     pytest.param("gpt2_pretrain", None, marks=pytest.mark.skipif(not HAS_HF, reason="needs transformers")),
@@ -84,22 +87,6 @@ def test_no_false_alarm_over_smooth_runs_of_the_built_in_experiments(
         det = detect_run(run_dir)
         assert len(det.signals) >= 6 and "grad_norm" in det.signals and any(":norm" in s for s in det.signals)
         assert det.anomalies == [], summary_lines(det.anomalies, det.window)
-
-
-@pytest.mark.skipif(not HAS_SKLEARN, reason="needs scikit-learn (digits)")
-def test_the_cnn_run_flags_only_the_grad_norm_jumps_of_its_plateau_escape(tmp_path: Path) -> None:
-    # cnn (Adam, lr 0.01, digits) is not smooth: between steps ~30 and ~130 its grad norm climbs out of
-    # the initial plateau in jumps of 2.5-10x in one step. The rule flags some of them (as the plain rule
-    # does); the loss is never flagged.
-    run_dir = run(tmp_path, "cnn", "+experiment=cnn", "steps=300", "seed=1")
-    det = detect_run(run_dir)
-    values = series(run_dir)
-    assert det.anomalies, "the cnn run became smooth: move it to SMOOTH"
-    assert {a.signal for a in det.anomalies} <= {"grad_norm", "conv1:weight:norm"}
-    flagged = {(a.step, a.signal) for a in det.anomalies}
-    for a in det.anomalies:
-        assert a.value > 2 * a.mean and a.z > 6
-        assert reference_z([v for _, v in values], a.step, flagged)[a.signal] == pytest.approx(a.z, rel=1e-9)
 
 
 def test_a_planted_bad_batch_is_flagged_at_its_step_and_not_before(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 Contents:
     Detector(z, window, warmup)       -- `observe(step, values)` once per step; the flagged values
     Anomaly                           -- one flagged value: step, signal, value, mean, std, z, space, streak, through
-    check_settings(z, window, warmup) -- THE rule for allowed settings (one paragraph for a bad one)
+    check_settings(z, window, warmup) -- the allowed settings (`gradrunner.config.anomaly_settings`, re-exported)
     space_of(signal)                  -- THE rule for which signals are judged on a log scale
     LOSS, GRAD_NORM, TAP_STATISTICS, tap_of(signal)  -- the signals' names
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from gradrunner.errors import GradrunnerError
+from gradrunner.config.anomaly_settings import WARMUP, WINDOW, Z, check_settings
 
 #: The run's loss and its total gradient norm (before clipping): the signals a spike is reported on.
 LOSS = "loss"
@@ -69,27 +69,6 @@ def space_of(signal: str) -> str:
     log-likelihood), and a loss spike of x2 over a converged loss is what the rule must catch.
     """
     return LOG if signal == GRAD_NORM or tap_of(signal) is not None else LINEAR
-
-
-def check_settings(z: float, window: int, warmup: int) -> None:
-    """Raise one paragraph (`GradrunnerError`) for settings the rule cannot use.
-
-    Example::
-
-        check_settings(6.0, 128, 20)       # fine
-        check_settings(6.0, 10, 20)        # GradrunnerError: anomaly.warmup=20 is not allowed with anomaly.window=10 ...
-    """
-    if isinstance(z, bool) or not (isinstance(z, int | float) and math.isfinite(z) and z > 0):
-        raise GradrunnerError(f"anomaly.z={z!r} is not allowed; it must be a number > 0 (standard deviations), "
-                              "e.g. anomaly.z=6")  # fmt: skip
-    if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-        raise GradrunnerError(f"anomaly.window={window!r} is not allowed; it must be an integer >= 2 (values per "
-                              "signal), e.g. anomaly.window=128")  # fmt: skip
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 2 or warmup > window:
-        raise GradrunnerError(
-            f"anomaly.warmup={warmup!r} is not allowed with anomaly.window={window}: it must be an integer from 2 to "
-            f"the window (a window shorter than the warm-up never fills before the rule starts), e.g. anomaly.warmup=20"
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +141,7 @@ class Detector:
     (values near 1e154 and above) are summed with scaling on every value (O(window), for them only).
     """
 
-    def __init__(self, z: float = 6.0, window: int = 128, warmup: int = 20, rel_floor: float = REL_FLOOR,
+    def __init__(self, z: float = Z, window: int = WINDOW, warmup: int = WARMUP, rel_floor: float = REL_FLOOR,
                  space: Callable[[str], str] = space_of) -> None:  # fmt: skip
         check_settings(z, window, warmup)
         assert rel_floor >= 0, rel_floor

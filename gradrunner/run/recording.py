@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +73,9 @@ class Recorder:
     it is written (the export's tags; no extra device sync). `dist` (a `run.distributed.Distributed`)
     records every rank's rows in rank 0's run dir; a `DistributedDataParallel` model has its parameter
     taps read after DDP's all-reduce (`params_synced`: the same for a wrapper `record` is not given, as
-    the callbacks use it).
+    the callbacks use it). `anomaly` (default True: on) is the spike detector: False turns it off, a dict
+    of `z`, `window`, `warmup` sets it (as `anomaly.*` in the config); `anomalies.parquet` and the spikes'
+    lines (logged as a warning) come at the close of the block, however it ends.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class Recorder:
         live_every: int = LIVE_EVERY,
         log_to: str | None = None,
         params_synced: Callable[[], bool] | None = None,
+        anomaly: bool | Mapping[str, Any] = True,
     ) -> None:
         _check_options(strategy, every, values, sample_size, on_nonfinite, log_to, scaler)
         self.model, self.directory = model, Path(run_dir).resolve()
@@ -113,7 +116,7 @@ class Recorder:
                                  sample_size=sample_size, seed=seed, per_example=per_example, histogram=histogram,
                                  on_nonfinite=on_nonfinite, update_norms=update_norms, scaler=scaler,
                                  loss_scale=loss_scale, dist=dist, live_every=live_every, log_to=log_to,
-                                 params_synced=params_synced)  # fmt: skip
+                                 params_synced=params_synced, anomaly=anomaly)  # fmt: skip
         self.capture = self.engine.capture
         self._stack = contextlib.ExitStack()
         self._open = False

@@ -1,0 +1,102 @@
+"""Spike detection on by default in every step path (the step engine's one seam): anomalies.parquet online.
+
+The runner and `record()` feed the engine's detector the step's host values; the file is written at
+the close on every path (a normal end, Ctrl-C) and equals what `detect_run` rebuilds from the records.
+Bad settings are one paragraph before any step.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import compose_cfg, gradrunner
+from omegaconf import OmegaConf, open_dict
+from torch import nn
+
+from gradrunner import record
+from gradrunner.analysis.anomaly_signals import detect_run, read_anomalies
+from gradrunner.analysis.anomaly_summary import anomaly_rows
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.anomalies import ANOMALIES_FILE
+from gradrunner.run.loop import train
+
+
+def test_the_runner_flags_a_planted_bad_batch_online_as_the_records_say(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = compose_cfg("+experiment=mlp", "steps=40")
+    with open_dict(cfg):  # batch 30's inputs x 1e3 (tests/planted_spikes.py)
+        cfg.data = OmegaConf.create({"_target_": "planted_spikes.SpikyData", "at_batch": 30, "scale": 1e3,
+                                     "inner": OmegaConf.to_container(cfg.data)})  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="gradrunner"):
+        train(cfg, out_dir=tmp_path)
+    df = read_anomalies(tmp_path)
+    assert df.step.min() == 30  # flagged at its step, not before
+    loss = df[(df.signal == "loss") & (df.step == 30)].iloc[0]
+    assert loss.z > 1e3 and loss.space == "linear" and loss.lead == 0 and isinstance(loss.first_tap, str)
+    assert set(df[df.step == 30].signal) >= {"loss", "grad_norm", "fc1:output:norm", "fc1:weight:norm"}
+    # online == offline: the rows the loop wrote are the rows the same rule gives from the written records
+    offline = detect_run(tmp_path)
+    want = anomaly_rows(offline.anomalies, offline.window, offline.taps())
+    got = df.drop(columns=["run_id"]).to_dict("records")
+    assert [(r["step"], r["signal"]) for r in got] == [(r["step"], r["signal"]) for r in want]
+    assert [r["z"] for r in got] == pytest.approx([r["z"] for r in want], rel=1e-9)
+    # the last word (the health summary: console and the run dir's log) says it, once
+    said = [r.getMessage() for r in caplog.records if "loss spike at step 30 (z = " in r.getMessage()]
+    assert len(said) == 1 and f"first to move: {loss.first_tap} (lead 0 steps)" in said[0]
+
+
+def _loop(rec: record, steps: int, bad: int, stop_at: int | None = None) -> None:
+    torch.manual_seed(0)
+    model, (x, y) = rec.model, (torch.randn(64, 8), torch.randn(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        if step == stop_at:
+            raise KeyboardInterrupt
+        i = torch.randint(0, 64, (16,))
+        loss = nn.functional.mse_loss(model(x[i] * (1e3 if step == bad else 1.0)), y[i])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rec.step(loss)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def test_record_detects_by_default_and_writes_the_file_when_interrupted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="gradrunner"), pytest.raises(KeyboardInterrupt):
+        with record(_model(), ["*:output", "0:weight"], tmp_path / "r") as rec:
+            _loop(rec, 60, bad=35, stop_at=45)
+    df = read_anomalies(tmp_path / "r")  # no done.json: checked against the steps' run id
+    assert df.step.min() == 35 and {"loss", "grad_norm"} & set(df[df.step == 35].signal) == {"loss"}  # no grad_norm given
+    assert {"0:output:norm", "0:weight:norm"} <= set(df[df.step == 35].signal)
+    said = [r.getMessage() for r in caplog.records if "spikes (anomalies.parquet):" in r.getMessage()]
+    assert len(said) == 1 and "loss spike at step 35 (z = " in said[0]
+
+
+def test_record_without_detection_and_bad_settings_refused_before_the_dir(tmp_path: Path) -> None:
+    with record(_model(), ["*:output"], tmp_path / "off", anomaly=False) as rec:
+        _loop(rec, 30, bad=25)
+    assert (tmp_path / "off" / "steps.parquet").is_file() and not (tmp_path / "off" / ANOMALIES_FILE).exists()
+    with record(_model(), ["*:output"], tmp_path / "z4", anomaly={"z": 4.0, "window": 16, "warmup": 8}) as rec:
+        _loop(rec, 30, bad=25)
+    assert read_anomalies(tmp_path / "z4").step.min() == 25
+    for bad, named in (({"window": 10}, "anomaly.warmup=20 is not allowed with anomaly.window=10"),
+                       ({"z": -1}, "anomaly.z=-1 is not allowed"), ({"zz": 1}, "unknown key(s) zz")):  # fmt: skip
+        with pytest.raises(GradrunnerError, match=named.replace("(", r"\(").replace(")", r"\)")):
+            record(_model(), ["*:output"], tmp_path / "bad", anomaly=bad)
+        assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize(("override", "named"), [("anomaly.window=10", "anomaly.warmup=20 is not allowed with anomaly.window=10"),
+                                                 ("anomaly.z=0", "anomaly.z=0.0 is not allowed")])  # fmt: skip
+def test_bad_settings_exit_2_with_one_paragraph_before_any_step(tmp_path: Path, override: str, named: str) -> None:
+    result = gradrunner(tmp_path, "+experiment=mlp", "steps=2", override)
+    assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
+    (line,) = [s for s in result.stderr.splitlines() if s.strip()]
+    assert line.startswith("gradrunner: error: ") and named in line
+    assert list(tmp_path.rglob("*.parquet*")) == []
