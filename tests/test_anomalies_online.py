@@ -17,10 +17,12 @@ from omegaconf import OmegaConf, open_dict
 from torch import nn
 
 from gradrunner import record
+from gradrunner.analysis.anomaly_context import z_around
 from gradrunner.analysis.anomaly_signals import detect_run, read_anomalies
 from gradrunner.analysis.anomaly_summary import anomaly_rows
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.anomalies import ANOMALIES_FILE
+from gradrunner.report.write import write_report
 from gradrunner.run.loop import train
 
 
@@ -45,6 +47,15 @@ def test_the_runner_flags_a_planted_bad_batch_online_as_the_records_say(tmp_path
     # the last word (the health summary: console and the run dir's log) says it, once
     said = [r.getMessage() for r in caplog.records if "loss spike at step 30 (z = " in r.getMessage()]
     assert len(said) == 1 and f"first to move: {loss.first_tap} (lead 0 steps)" in said[0]
+    # the report: the spike with every signal's z around it (the z of the flagged values as the file has them)
+    [(spike, table)] = [(s, t) for s, t in z_around(tmp_path) if s.signal == "loss"]
+    assert spike.step == 30 and list(table.columns) == list(range(25, 33))
+    assert table.loc["loss", 30] == pytest.approx(loss.z, rel=1e-9) and (table.loc[:, 25:29].abs() < 6).all().all()
+    flagged = df[df.step == 30].set_index("signal").z
+    assert table.loc[flagged.index, 30].tolist() == pytest.approx(flagged.tolist(), rel=1e-9)
+    page = write_report(tmp_path).read_text()
+    assert '<h2 id="spikes">Spikes</h2>' in page and "loss spike at step 30 (z = " in page
+    assert f"step 30: loss spike; first to move: {loss.first_tap}" in page
 
 
 def _loop(rec: record, steps: int, bad: int, stop_at: int | None = None) -> None:

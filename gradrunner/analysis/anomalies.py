@@ -171,6 +171,36 @@ class Detector:
         """The taps of the tap signals seen so far, in order of first sight (a tie-break order for `first_mover`)."""
         return list(dict.fromkeys(t for s in self._index if (t := tap_of(s)) is not None))
 
+    def score(self, values: Mapping[str, float]) -> dict[str, float]:
+        """The z each value would get now, on its signal's scale, without observing it (NaN: not judged yet).
+
+        Example::
+
+            det.score({"loss": 0.9, "fc1:output:norm": 2.0})     # {'loss': 1.3, 'fc1:output:norm': -0.4}
+
+        NaN for a signal in warm-up or never seen, and for a value with no place on its scale (0 on the
+        log scale); +inf for a NaN or infinite value. The report's spike tables use it (`anomaly_context`).
+        """
+        out = {}
+        for name, x in values.items():
+            j = self._index.get(name)
+            if j is None or self._state[j, _ACC] < self.warmup:
+                out[name] = math.nan
+                continue
+            log = bool(self._log[j])
+            if not math.isfinite(x):
+                out[name] = math.inf
+                continue
+            if log and x <= 0:
+                out[name] = math.nan
+                continue
+            rows, logs = np.array([j], np.intp), np.array([log])
+            with np.errstate(all="ignore"):
+                mean, std = self._stats(rows, self._state[rows], logs)
+                z = ((math.log(x) if log else x) - mean[0]) / std[0]
+            out[name] = 0.0 if math.isnan(z) else float(z)
+        return out
+
     def _rows(self, names: tuple[str, ...]) -> np.ndarray:
         if names == self._last_key:  # the same signals as the last step (the usual case): no lookups
             return self._last_idx
