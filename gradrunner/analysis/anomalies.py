@@ -398,3 +398,12 @@ def _exact(vals: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         dscale = np.where(dscale > 0, dscale, 1.0)
         std = dscale * np.sqrt(((dev / dscale[:, None]) ** 2).sum(axis=1) / n)
     return mean, std
+
+
+def __getattr__(name: str) -> Any:
+    """`first_mover`, `anomaly_rows`, `summary_lines`, `FirstMover`: moved to `anomaly_summary`, still importable here."""
+    if name in ("first_mover", "anomaly_rows", "summary_lines", "FirstMover"):
+        from gradrunner.analysis import anomaly_summary
+
+        return getattr(anomaly_summary, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

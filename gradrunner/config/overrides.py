@@ -25,7 +25,7 @@ from gradrunner.config.schema import CaptureConfig, Config, TrainConfig
 from gradrunner.errors import closest, did_you_mean
 
 #: Config groups: a key under them belongs to the chosen option (model.depth, data.batch_size, ...).
-GROUPS = ("model", "data", "loss", "optimizer", "experiment", "hydra", "scheduler", "eval_data", "anomaly")
+GROUPS = ("model", "data", "loss", "optimizer", "experiment", "hydra", "scheduler", "eval_data")
 #: Hydra's command-line flags that take a value (`--config-dir my_conf`): the value is not an override.
 _FLAGS_WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--cfg", "-c",
                      "--package", "-p", "--info", "-i", "--experimental-rerun")  # fmt: skip

@@ -372,6 +372,8 @@ class StepEngine:
         from gradrunner.analysis.anomaly_signals import finish_anomalies
 
         assert self.detector is not None and self.files is not None
+        if not self._observed:  # no step completed: no records are kept, and no anomalies file
+            return False
         try:
             lines = finish_anomalies(self.files.directory, self.detector, self.run_id, rebuild=self._resumed)
         except Exception as e:
