@@ -21,7 +21,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override, OverrideType
 from hydra.errors import HydraException
 
-from gradrunner.config.schema import CaptureConfig, Config, TrainConfig
+from gradrunner.config.schema import AnomalyConfig, CaptureConfig, Config, TrainConfig
 from gradrunner.errors import closest, did_you_mean
 
 #: Config groups: a key under them belongs to the chosen option (model.depth, data.batch_size, ...).
@@ -81,6 +81,12 @@ def misspelled_key(argv: Sequence[str]) -> str | None:
             hint = did_you_mean(rest, train, prefix="train.")
             return f"{key} is not a config key; train.* keys: {', '.join(train)}.{hint} Fix the override {arg!r}."
         if head == "train":
+            continue
+        if head == "anomaly" and rest and rest not in _fields(AnomalyConfig):
+            keys = _fields(AnomalyConfig)
+            hint = did_you_mean(rest, keys, prefix="anomaly.")
+            return f"{key} is not a config key; anomaly.* keys: {', '.join(keys)}.{hint} Fix the override {arg!r}."
+        if head == "anomaly":
             continue
         if head in GROUPS or (head == "capture" and (not rest or rest in capture)) or (not rest and head in top):
             continue
