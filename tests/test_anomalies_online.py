@@ -111,3 +111,35 @@ def test_bad_settings_exit_2_with_one_paragraph_before_any_step(tmp_path: Path, 
     (line,) = [s for s in result.stderr.splitlines() if s.strip()]
     assert line.startswith("gradrunner: error: ") and named in line
     assert list(tmp_path.rglob("*.parquet*")) == []
+
+
+def test_corrupted_changes_one_batch_only_and_refuses_integer_inputs() -> None:
+    from gradrunner.data import Corrupted, Synthetic, Tokens, as_batches
+
+    cpu = torch.device("cpu")
+    inner = [b for _, b in zip(range(6), as_batches(Synthetic(input_shape=[4], seed=3), cpu, torch.float32), strict=False)]
+    got = [b for _, b in zip(range(6), Corrupted(Synthetic(input_shape=[4], seed=3), at_batch=4, scale=10.0).batches(cpu, torch.float32), strict=False)]  # fmt: skip
+    for i, ((x0, y0), (x1, y1)) in enumerate(zip(inner, got, strict=True)):
+        assert torch.equal(x1, x0 * 10.0 if i == 4 else x0) and torch.equal(y1, y0)
+    nan = Corrupted(Synthetic(input_shape=[4], seed=3), at_batch=0, nan=True).batches(cpu, torch.float32)
+    assert torch.isnan(next(nan)[0]).all()
+    with pytest.raises(GradrunnerError, match="corrupts floating-point input tensors"):
+        next(Corrupted(Tokens(), at_batch=0).batches(cpu, torch.float32))
+    with pytest.raises(GradrunnerError, match="data.at_batch=-1 is not allowed"):
+        Corrupted(Synthetic(), at_batch=-1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", ["spike_data", "spike_attention"])
+def test_the_shipped_planted_spikes_are_flagged_where_the_loss_jumps(tmp_path: Path, experiment: str) -> None:
+    import pandas as pd
+
+    train(compose_cfg(f"+experiment={experiment}"), out_dir=tmp_path)
+    df, steps = read_anomalies(tmp_path), pd.read_parquet(tmp_path / "steps.parquet").set_index("step")
+    first = int(df[df.signal == "loss"].step.min())
+    if experiment == "spike_data":  # batch 60 of 80 corrupted: flagged there and not before
+        assert first == 60 and df.step.min() == 60
+    before = steps.loss.loc[first - 20 : first - 1]
+    # the loss flagged is a real jump (plain pandas): beyond 6 sigma of the 20 steps before, and it did not happen before
+    assert steps.loss.loc[first] > before.mean() + 6 * before.std(ddof=0) and first >= 40
+    assert not df[(df.signal == "loss") & (df.step < first)].shape[0]
