@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from conftest import compose_cfg, gradrunner
@@ -143,3 +144,22 @@ def test_the_shipped_planted_spikes_are_flagged_where_the_loss_jumps(tmp_path: P
     # the loss flagged is a real jump (plain pandas): beyond 6 sigma of the 20 steps before, and it did not happen before
     assert steps.loss.loc[first] > before.mean() + 6 * before.std(ddof=0) and first >= 40
     assert not df[(df.signal == "loss") & (df.step < first)].shape[0]
+
+
+def test_a_resumed_run_writes_the_anomalies_of_the_uninterrupted_one(tmp_path: Path) -> None:
+    from gradrunner.run.job import run
+
+    def cfg(at: int, *extra: str) -> object:  # z = 2: the noise of a smooth run is flagged, rows to compare
+        return compose_cfg("+experiment=mlp", "steps=40", "data._target_=killing_data.KillAt", f"+data.at_batch={at}",
+                           f"+data.marker={tmp_path / 'marker'}", "+data.fault=keyboard_interrupt",
+                           "train.checkpoint_every=10", "anomaly.z=2", "anomaly.warmup=5", "device=cpu", *extra)  # fmt: skip
+
+    run(cfg(-1), out_dir=tmp_path / "ref")
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg(27), out_dir=tmp_path / "cut")
+    cut = read_anomalies(tmp_path / "cut")  # written at the interrupt: steps 0-26
+    run(cfg(27, "resume=true"), out_dir=tmp_path / "cut")  # from the checkpoint at step 20
+    want, got = read_anomalies(tmp_path / "ref"), read_anomalies(tmp_path / "cut")
+    assert len(want) > 5 and cut.step.max() <= 26
+    columns = ["step", "signal", "value", "z", "streak", "first_tap", "lead"]
+    pd.testing.assert_frame_equal(got[columns], want[columns])
