@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from gradrunner.analysis.anomalies import LOSS, SPIKE_SIGNALS, Anomaly, tap_of
+from gradrunner.analysis.anomaly_names import LOSS, SPIKE_SIGNALS, Anomaly, tap_of
 
 
 class FirstMover(NamedTuple):

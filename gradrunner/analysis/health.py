@@ -72,7 +72,8 @@ class Health:
     @property
     def healthy(self) -> bool:
         nonfinite = self.first_nonfinite is not None or self.loss_nonfinite_step is not None
-        diverging = self.loss_diverging is not None or self.negative_lr is not None or bool(self.spikes)
+        spiked = any("first to move" in line or "cannot be read" in line for line in self.spikes)  # not lone tap flags
+        diverging = self.loss_diverging is not None or self.negative_lr is not None or spiked
         return not (nonfinite or diverging or self.vanishing or self.exploding or self.without_grad or self.taps == 0)
 
     def lines(self) -> list[str]:
@@ -272,6 +273,9 @@ def brief(h: Health) -> str:
         trouble.append(f"loss diverging (x{h.loss_diverging[1] / h.loss_diverging[0]:.3g})")
     if h.negative_lr is not None:
         trouble.append(f"negative lr from step {h.negative_lr[0]}")
+    spikes = [line for line in h.spikes if "first to move" in line]
+    if spikes:
+        trouble.append(f"spikes flagged, the first: {spikes[0].split(' (')[0].split(';')[0]}")
     for what, taps in (("vanishing", h.vanishing), ("exploding", h.exploding), ("without gradient", h.without_grad)):
         if taps:
             trouble.append(f"{_count(taps, h.taps)} {what}")
