@@ -163,3 +163,30 @@ def test_a_resumed_run_writes_the_anomalies_of_the_uninterrupted_one(tmp_path: P
     assert len(want) > 5 and cut.step.max() <= 26
     columns = ["step", "signal", "value", "z", "streak", "first_tap", "lead"]
     pd.testing.assert_frame_equal(got[columns], want[columns])
+
+
+def test_the_lightning_callback_flags_a_planted_bad_batch(tmp_path: Path) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from gradrunner.integrations.lightning import GradientCapture
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(40 * 8, 8, generator=g), torch.randn(40 * 8, 1, generator=g)
+    x[30 * 8 : 31 * 8] *= 1e3  # batch 30 (of 8 rows, not shuffled): the step-30 batch
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    trainer = pl.Trainer(max_steps=40, callbacks=[GradientCapture(["net.0:output", "net.0:weight"], tmp_path / "r")],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", devices=1)  # fmt: skip
+    trainer.fit(Module(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8))
+    df = read_anomalies(tmp_path / "r")
+    assert df.step.min() == 30 and {"loss", "net.0:output:norm", "net.0:weight:norm"} <= set(df[df.step == 30].signal)
