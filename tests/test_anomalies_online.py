@@ -190,3 +190,26 @@ def test_the_lightning_callback_flags_a_planted_bad_batch(tmp_path: Path) -> Non
     trainer.fit(Module(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8))
     df = read_anomalies(tmp_path / "r")
     assert df.step.min() == 30 and {"loss", "net.0:output:norm", "net.0:weight:norm"} <= set(df[df.step == 30].signal)
+
+
+def test_the_hf_callback_flags_a_planted_gradient_spike_on_one_tap(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from gradrunner.integrations.hf import GradientCaptureCallback
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30,
+                                                                 n_positions=8, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                                 attn_pdrop=0.0))  # fmt: skip
+    weight, forwards = model.transformer.h[0].mlp.c_fc.weight, [0]
+    model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    weight.register_hook(lambda g: g * 1e3 if forwards[0] == 31 else g)  # the backward of step 30 only
+    g = torch.Generator().manual_seed(3)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 30, (80, 8), generator=g)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=2, max_steps=40,
+                                          learning_rate=1e-3, optim="sgd", report_to="none", save_strategy="no",
+                                          use_cpu=True, seed=0, disable_tqdm=True)  # fmt: skip
+    cb = GradientCaptureCallback(taps=["transformer.h.0.mlp:output", "transformer.h.0.mlp.c_fc:weight"], dir=tmp_path / "r")
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
+    df = read_anomalies(tmp_path / "r")
+    assert df.step.min() == 30
+    assert set(df[df.step == 30].signal) == {"transformer.h.0.mlp.c_fc:weight:norm"}  # the planted tap alone
