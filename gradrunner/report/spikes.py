@@ -35,7 +35,11 @@ def spike_sections(out_dir: Path) -> list[str]:
 
     if not (out_dir / ANOMALIES_FILE).is_file():
         return []
-    table = read_anomalies_table(out_dir)
+    try:
+        table = read_anomalies_table(out_dir)
+    except Exception as e:
+        return [html_section("Spikes", f"<p>{ANOMALIES_FILE} cannot be read ({html.escape(type(e).__name__)}: "
+                                       f"{html.escape(str(e))}); the rest of the report does not use it.</p>")]  # fmt: skip
     settings = json.loads((table.schema.metadata or {}).get(SETTINGS_KEY.encode(), b"{}") or b"{}")
     lines = spike_lines(table.to_pylist(), int(settings.get("window", 128)))
     around = z_around(out_dir)
