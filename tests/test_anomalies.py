@@ -14,8 +14,9 @@ import torch
 from planted import STEPS, planted_step, write_planted_job
 
 from gradrunner.analysis import load
-from gradrunner.analysis.anomalies import Anomaly, Detector, check_settings, first_mover, summary_lines
+from gradrunner.analysis.anomalies import Anomaly, Detector, check_settings
 from gradrunner.analysis.anomaly_signals import TAP_COLUMNS, read_anomalies, run_signals, save_anomalies, step_signals
+from gradrunner.analysis.anomaly_summary import first_mover, summary_lines
 from gradrunner.capturing.stats import Collector
 from gradrunner.errors import GradrunnerError
 from gradrunner.records import rundir
@@ -23,23 +24,39 @@ from gradrunner.records.anomalies import ANOMALIES_FILE, ANOMALIES_SCHEMA, write
 
 
 def reference(series: list[dict[str, float]], z: float, window: int, warmup: int, floor: float = 1e-3) -> list[tuple]:
-    """The rule written plainly: per signal a list of accepted values, np.mean / np.std of its last `window`."""
+    """The rule written plainly: per signal a list of accepted values (ln of them for a norm signal), np.mean /
+    np.std of its last `window`; a run of consecutive flags writes its first `warmup`, and `warmup` finite
+    flagged values in a row become the window."""
     accepted: dict[str, list[float]] = {}
+    runs: dict[str, list[float]] = {}
+    streak: dict[str, int] = {}
     out = []
     for step, values in enumerate(series):
         for name, x in values.items():
+            log = name == "grad_norm" or name.count(":") >= 2
+            if log and math.isfinite(x) and x <= 0:
+                continue  # no logarithm: not observed
+            y = (math.log(x) if x > 0 else math.nan) if log else x
             kept = accepted.setdefault(name, [])
             last = np.array(kept[-window:])
             scale = float(np.abs(last).max()) if len(last) else 1.0  # values near 1e200: no square overflows
             mean = scale * float((last / scale).mean()) if len(last) else math.nan
-            std = max(scale * float((last / scale).std()), floor * abs(mean)) if len(last) else math.nan
+            std = max(scale * float((last / scale).std()), floor * (1.0 if log else abs(mean))) if len(last) else math.nan
             score = (
-                math.inf if not math.isfinite(x) else (x - mean) / std if std > 0 else (math.inf if x > mean else 0.0)
+                math.inf if not math.isfinite(y) else (y - mean) / std if std > 0 else (math.inf if y > mean else 0.0)
             )
-            if not math.isfinite(x) or (len(kept) >= warmup and score > z):
-                out.append((step, name, x, mean, std, score))
+            if not math.isfinite(y) or (len(kept) >= warmup and score > z):
+                streak[name] = streak.get(name, 0) + 1
+                run = runs.setdefault(name, [])
+                run[:] = [*run, y] if math.isfinite(y) else []
+                if streak[name] <= warmup:
+                    out.append((step, name, x, mean, std, score))
+                if len(run) >= warmup:
+                    accepted[name] = run[-warmup:]
+                    streak[name], runs[name] = 0, []
             else:
-                kept.append(x)
+                kept.append(y)
+                streak[name], runs[name] = 0, []
     return out
 
 
@@ -68,7 +85,15 @@ def test_matches_the_plain_rule_over_long_noisy_series_with_spikes_drift_and_hug
     huge = 1e200 * rng.normal(5.0, 0.5, n)
     huge[900] *= 30
     shift = np.where(np.arange(n) < 1500, 1e6, 1.0) + rng.normal(0, 1e-2, n)
-    series = [{"noise": noise[i], "decay": decay[i], "huge": huge[i], "shift": shift[i]} for i in range(n)]
+    # A norm (log scale): jumps x1.3 now and then (a few sigma of its log), x1e3 at 2200, 0 at 100 (not
+    # observed), and a level shift up x50 from 2500 on (with the NaN probes between them, the run of flags
+    # never holds 4 finite values in a row: its first 4 flags are written, steps 2500 and 2501, and no more).
+    norm = np.exp(rng.normal(0, 0.1, n)) * np.where(np.arange(n) < 2500, 1.0, 50.0)
+    norm[::97] *= 1.3
+    norm[2200] *= 1e3
+    norm[100] = 0.0
+    series = [{"noise": noise[i], "decay": decay[i], "huge": huge[i], "shift": shift[i], "t:output:norm": norm[i]}
+              for i in range(n)]  # fmt: skip
     series[7]["noise"] = math.nan
     series[2]["noise"] = 1e8  # accepted in warm-up; when it leaves the window, the running sums must not keep it
     del series[40]["decay"]  # absent on a step: not observed
@@ -79,8 +104,25 @@ def test_matches_the_plain_rule_over_long_noisy_series_with_spikes_drift_and_hug
     got = feed(Detector(z=6.0, window=16, warmup=4), probed)
     assert_same(got, want)
     flagged = {(a.step // 2, a.signal) for a in got if a.step % 2}
-    assert flagged == {(7, "noise"), (500, "decay"), (501, "decay"), (1700, "decay"), (900, "huge")}
+    shifted = {(2500, "t:output:norm"), (2501, "t:output:norm")}
+    assert flagged == {(7, "noise"), (500, "decay"), (501, "decay"), (1700, "decay"), (900, "huge"),
+                       (2200, "t:output:norm")} | shifted  # fmt: skip
+    assert {a.space for a in got if a.signal == "t:output:norm"} == {"log"} and {a.space for a in got[:4]} == {"linear"}
+    assert [a.through for a in got if a.signal == "t:output:norm" and a.step >= 5000] == [None, None, None, 2 * n - 1]
     assert all(math.isfinite(a.std) for a in got[8:] if a.signal == "huge")  # no overflow: std near 5e199
+
+
+def test_a_run_of_flags_writes_its_first_warmup_values_then_the_held_level_becomes_the_window() -> None:
+    det = Detector(z=6.0, window=32, warmup=5)
+    rng = np.random.default_rng(4)
+    feed(det, [{"loss": math.nan if i >= 50 else 1 + rng.normal(0, 0.01),
+                "grad_norm": (100.0 if i >= 40 else 1.0) * math.exp(rng.normal(0, 0.05))} for i in range(80)])  # fmt: skip
+    norm = [a for a in det.anomalies if a.signal == "grad_norm"]
+    assert [(a.step, a.streak, a.space) for a in norm] == [(s, s - 39, "log") for s in range(40, 45)]
+    assert norm[-1].through == 44  # then its new level: steps 45.. are quiet
+    assert det.observe(80, {"grad_norm": 100.0}) == [] and det.observe(81, {"grad_norm": 1e4}) != []
+    nan = [a for a in det.anomalies if a.signal == "loss"]
+    assert [a.step for a in nan] == list(range(50, 55)) and nan[-1].through == 79  # a NaN loss for 30 steps: 5 rows
 
 
 def test_nan_and_inf_are_flagged_in_warm_up_with_z_inf_and_never_enter_the_window() -> None:
@@ -118,8 +160,8 @@ def test_a_constant_signal_ignores_float_noise_but_flags_a_real_move() -> None:
         (window.mean(), 1e-3 * window.mean(), (0.26 / window.mean() - 1) * 1e3)
     )
     zero = Detector()
-    feed(zero, [{"dead:output:norm": 0.0} for _ in range(30)])
-    [b] = zero.observe(30, {"dead:output:norm": 1e-30})  # a window of exact zeros has no floor: z = inf
+    feed(zero, [{"dead": 0.0} for _ in range(30)])
+    [b] = zero.observe(30, {"dead": 1e-30})  # a linear window of exact zeros has no floor: z = inf
     assert (b.mean, b.std, b.z) == (0.0, 0.0, math.inf)
 
 
@@ -185,8 +227,8 @@ def test_summary_lines_name_each_spike_its_z_and_the_first_tap_to_move() -> None
     assert m is not None, lines[0]
     z = next(a.z for a in det.anomalies if a.signal == "loss")
     assert float(f"{m[1]}e{m[2]}") == pytest.approx(z, rel=0.05) and z > 1e4
-    # fc2 stays up: its values from step 102 on have no loss spike after them
-    assert re.fullmatch(r"18 tap anomalies with no loss or grad_norm spike after them \(first: fc2:output:norm at "
+    # fc2 stays up: its values from step 102 to 117 (a run of flags writes 20 rows, 98..117, then it is the new level)
+    assert re.fullmatch(r"16 tap anomalies with no loss or grad_norm spike after them \(first: fc2:output:norm at "
                         r"step 102, z = [\d.e]+\)", lines[1]), lines[1]  # fmt: skip
     assert summary_lines([], 128) == []
 

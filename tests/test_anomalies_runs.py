@@ -20,8 +20,9 @@ from conftest import compose_cfg
 from omegaconf import OmegaConf, open_dict
 
 from gradrunner.analysis import load
-from gradrunner.analysis.anomalies import summary_lines
+from gradrunner.analysis.anomalies import space_of
 from gradrunner.analysis.anomaly_signals import TAP_COLUMNS, detect_run, read_anomalies, run_signals, save_anomalies
+from gradrunner.analysis.anomaly_summary import summary_lines
 from gradrunner.records import rundir
 from gradrunner.run.loop import train
 
@@ -58,16 +59,23 @@ def series(run_dir: Path) -> list[tuple[int, dict[str, float]]]:
 def reference_z(
     values: list[dict[str, float]], at: int, flagged: set[tuple[int, str]] = frozenset()
 ) -> dict[str, float]:  # type: ignore[assignment]
-    """z of every signal at index `at`: against the plain mean/std of its last 128 values before, those `flagged` left out."""
+    """z of every signal at index `at`: against the plain mean/std of its last 128 values before (ln of them for a
+    norm signal, 0 left out there), those `flagged` left out."""
     out = {}
     for name, x in values[at].items():
-        last = np.array([v[name] for i, v in enumerate(values[:at]) if name in v and (i, name) not in flagged][-128:])
-        out[name] = (x - last.mean()) / max(last.std(), 1e-3 * abs(last.mean()))
+        log = space_of(name) == "log"
+        scale = math.log if log else float
+        last = np.array([scale(v[name]) for i, v in enumerate(values[:at])
+                         if name in v and (i, name) not in flagged and not (log and v[name] <= 0)][-128:])  # fmt: skip
+        out[name] = (scale(x) - last.mean()) / max(last.std(), 1e-3 * (1.0 if log else abs(last.mean())))
     return out
 
 
 SMOOTH = [
     ("mlp", 300), ("cosine", 300), ("transformer", 300),
+    # cnn (Adam, lr 0.01, digits) climbs out of its initial plateau between steps ~30 and ~130 in grad-norm
+    # jumps of 2.5-10x in one step: tens of sigma on a linear scale, a few on the log scale norms are judged on.
+    pytest.param("cnn", 300, marks=pytest.mark.skipif(not HAS_SKLEARN, reason="needs scikit-learn (digits)")),
     pytest.param("gpt2", 300, marks=pytest.mark.skipif(not HAS_HF, reason="needs transformers")),
     # warm-up then cosine decay, clipping, bf16 autocast, 2 micro-batches, taps every 5th step (default 200 steps)
     pytest.param("gpt2_pretrain", None, marks=pytest.mark.skipif(not HAS_HF, reason="needs transformers")),
@@ -86,22 +94,6 @@ def test_no_false_alarm_over_smooth_runs_of_the_built_in_experiments(
         assert det.anomalies == [], summary_lines(det.anomalies, det.window)
 
 
-@pytest.mark.skipif(not HAS_SKLEARN, reason="needs scikit-learn (digits)")
-def test_the_cnn_run_flags_only_the_grad_norm_jumps_of_its_plateau_escape(tmp_path: Path) -> None:
-    # cnn (Adam, lr 0.01, digits) is not smooth: between steps ~30 and ~130 its grad norm climbs out of
-    # the initial plateau in jumps of 2.5-10x in one step. The rule flags some of them (as the plain rule
-    # does); the loss is never flagged.
-    run_dir = run(tmp_path, "cnn", "+experiment=cnn", "steps=300", "seed=1")
-    det = detect_run(run_dir)
-    values = series(run_dir)
-    assert det.anomalies, "the cnn run became smooth: move it to SMOOTH"
-    assert {a.signal for a in det.anomalies} <= {"grad_norm", "conv1:weight:norm"}
-    flagged = {(a.step, a.signal) for a in det.anomalies}
-    for a in det.anomalies:
-        assert a.value > 2 * a.mean and a.z > 6
-        assert reference_z([v for _, v in values], a.step, flagged)[a.signal] == pytest.approx(a.z, rel=1e-9)
-
-
 def test_a_planted_bad_batch_is_flagged_at_its_step_and_not_before(tmp_path: Path) -> None:
     # Batch 150's inputs x 1e3: the loss and every gradient blow up at step 150 (then the model is wrecked).
     bad = {"_target_": "planted_spikes.SpikyData", "at_batch": 150, "scale": 1e3}
@@ -113,14 +105,13 @@ def test_a_planted_bad_batch_is_flagged_at_its_step_and_not_before(tmp_path: Pat
     assert set(at) == set(values[150])  # every signal: loss, grad_norm, each tap's norm and update ratio
     want = reference_z(values, 150)
     assert {s: a.z for s, a in at.items()} == pytest.approx(want, rel=1e-9)
-    # The inputs' scale enters the first layer's weight gradient once more than any other: it moves most.
-    assert max(want, key=lambda s: want[s] if ":" in s else 0) == "fc1:weight:norm"
+    moved_most = max((s for s in want if ":" in s), key=lambda s: want[s])  # the first mover: the largest z of the step
     save_anomalies(run_dir, det, run_id=str(load(run_dir, table="steps").run_id[0]))
     df = read_anomalies(run_dir)
     loss = df[(df.signal == "loss") & (df.step == 150)].iloc[0]
-    assert (loss.first_tap, loss.lead, loss.value) == ("fc1:weight", 0, values[150]["loss"])
+    assert (loss.first_tap, loss.lead, loss.value) == (moved_most.rsplit(":", 1)[0], 0, values[150]["loss"])
     [line, grad_line] = summary_lines(det.anomalies, det.window, det.taps())
-    assert line.startswith("loss spike at step 150 (z = ") and line.endswith("first to move: fc1:weight (lead 0 steps)")
+    assert line.startswith("loss spike at step 150 (z = ") and line.endswith(f"first to move: {loss.first_tap} (lead 0 steps)")
     assert grad_line.startswith("grad_norm spike at step 150 (z = ")
 
 

@@ -64,7 +64,7 @@ def test_on_nonfinite_stop_ends_the_run_at_that_step_and_keeps_what_was_written(
     assert isinstance(info.value, GradrunnerError) and info.value.step == 1
     grads, steps = records(tmp_path)
     assert sorted(grads.step.unique()) == [0, 1] and steps.step.tolist() == [0, 1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.parquet", "steps.parquet"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["anomalies.parquet", "grads.parquet", "steps.parquet"]
 
 
 def test_on_nonfinite_stop_checks_the_loss_of_steps_it_does_not_capture(tmp_path: Path) -> None:

@@ -59,8 +59,8 @@ def sweep_dir(root: Path) -> Path:
 def test_help_lists_the_config_groups(tmp_path: Path) -> None:
     result = gradrunner(tmp_path, "--help")
     check_ok(result)
-    assert "experiment: cnn, cosine, gpt2, gpt2_pretrain, mlp, sigmoid2, transformer" in result.stdout
-    assert "data: digits, synthetic, tensors, tokens" in result.stdout
+    assert "experiment: cnn, cosine, gpt2, gpt2_pretrain, mlp, sigmoid2, spike_attention, spike_data, transformer" in result.stdout
+    assert "data: corrupted, digits, synthetic, tensors, tokens" in result.stdout
 
 
 def test_cfg_job_prints_the_composed_config_and_runs_nothing(tmp_path: Path) -> None:

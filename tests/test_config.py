@@ -18,12 +18,13 @@ CONF = Path(__file__).resolve().parents[1] / "gradrunner" / "conf"
 EXPERIMENTS = ["mlp", "cnn", "transformer", "cosine", "sigmoid2"]
 GROUP_OPTIONS = {
     "model": {"mlp", "cnn", "transformer", "cosine", "sigmoid2", "gpt2"},
-    "data": {"synthetic", "tensors", "digits", "tokens"},
+    "data": {"synthetic", "tensors", "digits", "tokens", "corrupted"},
     "loss": {"mse", "cross_entropy", "half_sse", "model_loss", "lm_cross_entropy"},
     "optimizer": {"sgd", "adam", "adamw"},
     "capture": {"default"},
     "scheduler": {"none", "cosine", "onecycle", "linear_warmup", "warmup_cosine"},
-    "experiment": {*EXPERIMENTS, "gpt2", "gpt2_pretrain"},
+    "experiment": {*EXPERIMENTS, "gpt2", "gpt2_pretrain", "spike_data", "spike_attention"},
+    "anomaly": {"default"},
 }
 
 
@@ -44,8 +45,8 @@ def test_every_group_ships_its_options(group: str, options: set[str]) -> None:
 def test_primary_defaults_list_schema_then_self_then_groups_and_no_experiment() -> None:
     defaults = OmegaConf.load(CONF / "config.yaml").defaults
     assert list(defaults[:2]) == ["gradrunner_schema", "_self_"]
-    assert [next(iter(d)) for d in defaults[2:]] == ["model", "data", "loss", "optimizer", "capture", "scheduler", "anomaly",
-                                                     "override hydra/sweeper"]  # fmt: skip
+    assert [next(iter(d)) for d in defaults[2:]] == ["model", "data", "loss", "optimizer", "capture", "scheduler",
+                                                     "anomaly", "override hydra/sweeper"]  # fmt: skip
     assert defaults[-1]["override hydra/sweeper"] == "gradrunner"
 
 

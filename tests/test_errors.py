@@ -329,7 +329,7 @@ def check_records(case: Case, root: Path) -> None:
     if not case.keeps_records:
         assert found == [], f"{case.id} left records behind: {found}"
         return
-    assert found == ["grads.parquet", "steps.parquet"], found  # complete files, no temp file
+    assert found == ["anomalies.parquet", "grads.parquet", "steps.parquet"], found  # complete files, no temp file
     (grads,) = root.rglob("grads.parquet")
     assert len(pd.read_parquet(grads)) > 0
 

@@ -41,7 +41,7 @@ def test_sigterm_in_train_keeps_the_completed_steps(tmp_path: Path) -> None:
     cfg = compose_cfg("+experiment=cosine", "steps=100", "data=faulty", "data.at_batch=3", "data.fault=sigterm")
     with pytest.raises(Terminated):
         train(cfg, out_dir=tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["grads.parquet", "steps.parquet"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["anomalies.parquet", "grads.parquet", "steps.parquet"]
     assert check_records(tmp_path) == [0, 1, 2]  # steps 0-2 in both tables: step 3 never completed
     assert signal.getsignal(signal.SIGTERM) == before
 

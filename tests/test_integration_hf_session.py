@@ -83,7 +83,8 @@ def test_last_word_lr_grad_norm_and_clipped(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("options", "says"), [({"histogramm": True}, "Did you mean 'histogram'"),
-                                               ({"resume": "yes"}, "resume='yes'"), ({"every": 0}, "every=0")])
+                                               ({"resume": "yes"}, "resume='yes'"), ({"every": 0}, "every=0"),
+                                               ({"anomaly": {"window": 10}}, "anomaly.warmup=20")])
 def test_option_mistakes_fail_in_the_constructor(tmp_path: Path, options: dict, says: str) -> None:
     with pytest.raises(GradrunnerError, match=re.escape(says)) as e:
         GradientCaptureCallback(taps=TAPS, dir=tmp_path / "run", **options)

@@ -81,7 +81,8 @@ def test_the_last_word_ends_a_lightning_run(tmp_path: Path, nan_at: int) -> None
     ("options", "says"),
     [({"histogramm": True}, "Did you mean 'histogram'"), ({"every": 0}, "every=0"), ({"values": "ful"}, "values='ful'"),
      ({"update_norms": "yes"}, "update_norms='yes'"), ({"edits": [{"tap": "net.0:output", "scal": 1}]}, "edits[0]"),
-     ({"strategy": "autograd_grad"}, "autograd_grad")],
+     ({"strategy": "autograd_grad"}, "autograd_grad"), ({"anomaly": {"z": 0}}, "anomaly.z=0"),
+     ({"anomaly": {"windw": 10}}, "windw")],
 )  # fmt: skip
 def test_option_mistakes_fail_in_the_constructor(tmp_path: Path, options: dict, says: str) -> None:
     with pytest.raises(GradrunnerError, match=re.escape(says)) as e:

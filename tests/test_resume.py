@@ -56,7 +56,7 @@ def test_a_second_run_into_the_same_dir_is_refused(tmp_path: Path) -> None:
     with pytest.raises(GradrunnerError, match=named):
         run(compose_cfg("+experiment=cosine", "steps=1"), out_dir=tmp_path)
     assert stamps(tmp_path) == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(RECORDS)  # no lock file left by the refused run
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*RECORDS, "anomalies.parquet"])  # no lock file left by the refused run
 
 
 def test_resume_skips_a_completed_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -84,7 +84,7 @@ def test_resume_reruns_an_incomplete_run_from_step_0(tmp_path: Path) -> None:
     with pytest.raises(GradrunnerError, match="did not complete"):
         run(compose_cfg("+experiment=cosine", "steps=2"), out_dir=tmp_path)
     run(compose_cfg("+experiment=cosine", "steps=2", "resume=true"), out_dir=tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*RECORDS, LOCK_FILE])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*RECORDS, LOCK_FILE, "anomalies.parquet"])
     assert pd.read_parquet(tmp_path / "steps.parquet").step.tolist() == [0, 1]
 
 

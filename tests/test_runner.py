@@ -138,7 +138,7 @@ def test_progress_draws_a_tqdm_bar_on_a_terminal_without_stale_characters_and_st
 def test_train_writes_grads_and_steps_with_the_contract_columns(tmp_path: Path) -> None:
     path = train(compose_cfg("+experiment=mlp", "steps=3"), out_dir=tmp_path)
     assert path == tmp_path / "grads.parquet"
-    assert files(tmp_path) == ["grads.parquet", "steps.parquet"]
+    assert files(tmp_path) == ["anomalies.parquet", "grads.parquet", "steps.parquet"]
     df = pd.read_parquet(path)
     assert df.columns[: len(CONTRACT_COLUMNS)].tolist() == CONTRACT_COLUMNS
     assert sorted(df.step.unique()) == [0, 1, 2]
@@ -234,7 +234,7 @@ def test_an_existing_grads_file_is_never_overwritten(tmp_path: Path) -> None:
 def test_interrupt_keeps_the_completed_steps_readable(tmp_path: Path) -> None:
     with pytest.raises(KeyboardInterrupt):
         train(compose_cfg("+experiment=cosine", "steps=100", *INTERRUPT_AT_STEP_3), out_dir=tmp_path)
-    assert files(tmp_path) == ["grads.parquet", "steps.parquet"]
+    assert files(tmp_path) == ["anomalies.parquet", "grads.parquet", "steps.parquet"]
     assert pd.read_parquet(tmp_path / "steps.parquet").step.tolist() == [0, 1, 2]
     assert sorted(pd.read_parquet(tmp_path / "grads.parquet").step.unique()) == [0, 1, 2]
 

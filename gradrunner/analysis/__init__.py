@@ -14,7 +14,7 @@ Imports no torch (a test checks it in a fresh interpreter). The figures and the 
 | `live` | `load(dir, live=True)`: the closed segments of a running or killed `record()` job |
 | `compare` | two runs' records side by side (`compare_runs`; `python -m gradrunner.compare`) |
 | `noise` | the gradient noise scale per step and parameter tap (`noise_scale`, McCandlish et al. 2018) |
-| `anomalies`, `anomaly_signals` | the spike detector and `anomalies.parquet` (read with `read_anomalies`) |
+| `anomalies`, `anomaly_names`, `anomaly_signals`, `anomaly_summary`, `anomaly_context` | the spike detector (its rule, signal names, what the loop feeds it), `anomalies.parquet` (read with `read_anomalies`), first movers and the last word, the z around each spike (the report) |
 
 Example::
 

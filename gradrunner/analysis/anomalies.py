@@ -1,20 +1,21 @@
-"""Spike detection: a streaming z-score rule over a run's per-step signals, and what it says about a spike.
+"""Spike detection: a streaming z-score rule over a run's per-step signals.
 
 Contents:
     Detector(z, window, warmup)       -- `observe(step, values)` once per step; the flagged values
-    Anomaly                           -- one flagged value: step, signal, value, mean, std, z
-    check_settings(z, window, warmup) -- THE rule for allowed settings (one paragraph for a bad one)
-    first_mover(anomalies, step, window, order)  -- the tap signal that crossed first before a spike
-    anomaly_rows(anomalies, window, order)       -- the rows of `anomalies.parquet` (`records.anomalies`)
-    summary_lines(anomalies, window, order)      -- the run's last word about its spikes
+    Anomaly                           -- one flagged value: step, signal, value, mean, std, z, space, streak, through
+    check_settings(z, window, warmup) -- the allowed settings (`gradrunner.config.anomaly_settings`, re-exported)
+    space_of(signal)                  -- THE rule for which signals are judged on a log scale
     LOSS, GRAD_NORM, TAP_STATISTICS, tap_of(signal)  -- the signals' names
+
+What a spike says (first movers, the rows of `anomalies.parquet`, the last word) is
+`gradrunner.analysis.anomaly_summary`.
 
 Example::
 
     det = Detector()                                     # z=6, window=128, warmup=20
     for step, values in enumerate(per_step_values):      # {"loss": 0.7, "grad_norm": 1.2, "fc1:output:norm": ...}
         det.observe(step, values)
-    summary_lines(det.anomalies, det.window)             # ['loss spike at step 40 (z = 3e4); first to move: ...']
+    det.anomalies                                        # [Anomaly(step=40, signal='loss', ...)]
 
 Signals are the loss, `grad_norm` and `<tap>:<statistic>` (`fc1:output:norm`, `fc1:weight:update_ratio`;
 see `gradrunner.analysis.anomaly_signals` for what the loop feeds). Imports no torch.
@@ -22,78 +23,29 @@ see `gradrunner.analysis.anomaly_signals` for what the loop feeds). Imports no t
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
-from gradrunner.errors import GradrunnerError
+from gradrunner.analysis.anomaly_names import (
+    GRAD_NORM,
+    LINEAR,
+    LOG,
+    LOSS,
+    REL_FLOOR,
+    SPIKE_SIGNALS,
+    TAP_STATISTICS,
+    Anomaly,
+    space_of,
+    tap_of,
+)
+from gradrunner.config.anomaly_settings import WARMUP, WINDOW, Z, check_settings
 
-#: The run's loss and its total gradient norm (before clipping): the signals a spike is reported on.
-LOSS = "loss"
-GRAD_NORM = "grad_norm"
-SPIKE_SIGNALS = (LOSS, GRAD_NORM)
-#: The statistics of a tap that are signals: `<tap>:norm` (captured steps) and `<tap>:update_ratio` (parameters).
-TAP_STATISTICS = ("norm", "update_ratio")
-#: A window whose std is below this share of |mean| is taken to have this std (see `Detector`).
-REL_FLOOR = 1e-3
-
-
-def tap_of(signal: str) -> str | None:
-    """The tap of a tap signal, None for `loss` and `grad_norm`.
-
-    Example::
-
-        tap_of("fc1:output:norm"), tap_of(":h:norm"), tap_of("loss")     # ('fc1:output', ':h', None)
-    """
-    return signal.rsplit(":", 1)[0] if signal.count(":") >= 2 else None
-
-
-def check_settings(z: float, window: int, warmup: int) -> None:
-    """Raise one paragraph (`GradrunnerError`) for settings the rule cannot use.
-
-    Example::
-
-        check_settings(6.0, 128, 20)       # fine
-        check_settings(6.0, 10, 20)        # GradrunnerError: anomaly.window=10 is shorter than anomaly.warmup=20 ...
-    """
-    if not (isinstance(z, int | float) and math.isfinite(z) and z > 0):
-        raise GradrunnerError(f"anomaly.z={z!r} is not allowed; it must be a number > 0 (standard deviations), "
-                              "e.g. anomaly.z=6")  # fmt: skip
-    if not isinstance(window, int) or window < 2:
-        raise GradrunnerError(f"anomaly.window={window!r} is not allowed; it must be an integer >= 2 (values per "
-                              "signal), e.g. anomaly.window=128")  # fmt: skip
-    if not isinstance(warmup, int) or warmup < 2 or warmup > window:
-        raise GradrunnerError(
-            f"anomaly.warmup={warmup!r} is not allowed with anomaly.window={window}: it must be an integer from 2 to "
-            f"the window (a window shorter than the warm-up never fills before the rule starts), e.g. anomaly.warmup=20"
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Anomaly:
-    """One flagged value: `z = (value - mean) / std`, against the last accepted values of its signal.
-
-    `mean`, `std`: the window's (std floored, see `Detector`); NaN when the window was empty.
-    `z` is +inf for a NaN or infinite value (always flagged).
-    """
-
-    step: int
-    signal: str
-    value: float
-    mean: float
-    std: float
-    z: float
-
-    @property
-    def tap(self) -> str | None:
-        """The tap of a tap signal (`fc1:output` of `fc1:output:norm`); None for loss and grad_norm."""
-        return tap_of(self.signal)
-
+__all__ = ["GRAD_NORM", "LINEAR", "LOG", "LOSS", "REL_FLOOR", "SPIKE_SIGNALS", "TAP_STATISTICS", "Anomaly", "Detector",
+           "check_settings", "space_of", "tap_of"]  # fmt: skip
 
 class Detector:
     """Flags a value beyond `z` standard deviations above the mean of its signal's last `window` accepted values.
@@ -106,22 +58,30 @@ class Detector:
 
     The rule, per signal (a signal absent from a step's `values` is simply not observed):
 
+    - Each signal is judged on its scale (`space`, default `space_of`): the loss as it is, the norms
+      and update ratios by their natural log (a jump x10 is the same number of sigma at any size). On
+      the log scale a value of 0 (or below) has no place: it is not observed (a tap whose gradient is
+      exactly zero on a step, an edit that zeroes it).
     - A NaN or infinite value is always flagged (even in warm-up), with z = +inf.
     - Otherwise, once the signal has `warmup` accepted values, a value is flagged when
-      `(value - mean) / std > z`, mean and std (population) over its last `window` accepted values.
+      `(x - mean) / std > z`, mean and std (population) over its last `window` accepted values.
     - A flagged value is not added to the window, so a spike does not widen the band it is judged by.
       Everything else is accepted (warm-up values too: a huge early value widens the band until it
       leaves the window, `window` values later).
     - One-sided: only upward moves are spikes. A loss, a gradient norm, a tap's norm or update ratio
       that jumps up is a blow-up; one that drops is learning (or vanishing gradients, which the health
-      summary reports with its own rule). A signal that decays steadily (a loss going down) sits below
-      its window's mean, so its z is negative and never alarms; one that grows steadily has z about
-      sqrt(3) (linear growth) or sqrt((a^2 - 1) * window) (growth by a factor `a` per value: at window
-      128 only a > 1.13, 13% a step sustained, passes z = 6, which is an explosion).
-    - The std is floored at `rel_floor` x |mean|: a constant signal (std 0) or one still to float
-      rounding would otherwise make the next ulp of change infinitely many sigma. So a move smaller than
-      z x rel_floor (0.6% by default) of the mean is never a spike. A window that is exactly 0
-      throughout has no floor: any positive value there is z = +inf (a dead signal coming to life).
+      summary reports with its own rule). A signal that decays steadily sits below its window's mean,
+      so its z is negative and never alarms.
+    - The std is floored: at `rel_floor` x |mean| on the linear scale, at `rel_floor` on the log scale
+      (the same relative move): a constant signal (std 0) or one still to float rounding would
+      otherwise make the next ulp of change infinitely many sigma. So a move smaller than z x
+      rel_floor (0.6% by default) is never a spike. A linear window that is exactly 0 throughout has
+      no floor: any positive value there is z = +inf (a dead signal coming to life).
+    - A level shift is bounded: `warmup` consecutive flagged finite values of a signal are its new
+      level: its window becomes those values (they were kept out while flagged) and the next values
+      are judged against them, so a permanent shift writes `warmup` rows, not one per later step. A run
+      of consecutive flagged values writes its first `warmup` values only (a NaN loss for the rest of a
+      run is `warmup` rows); the last of them carries `through`: the run's last flagged step.
 
     Cost: O(1) amortised per value, vectorised over a step's signals: running sums of each signal's
     deviations from a shift (its window's mean at the last exact pass) over a ring buffer, recomputed
@@ -130,11 +90,13 @@ class Detector:
     (values near 1e154 and above) are summed with scaling on every value (O(window), for them only).
     """
 
-    def __init__(self, z: float = 6.0, window: int = 128, warmup: int = 20, rel_floor: float = REL_FLOOR) -> None:
+    def __init__(self, z: float = Z, window: int = WINDOW, warmup: int = WARMUP, rel_floor: float = REL_FLOOR,
+                 space: Callable[[str], str] = space_of) -> None:  # fmt: skip
         check_settings(z, window, warmup)
         assert rel_floor >= 0, rel_floor
         self.z, self.window, self.warmup, self.rel_floor = float(z), window, warmup, float(rel_floor)
-        #: Every value flagged so far, in order of observation.
+        self.space = space
+        #: Every value flagged so far (a run's first `warmup`), in order of observation.
         self.anomalies: list[Anomaly] = []
         self._index: dict[str, int] = {}
         self._last_key: tuple[str, ...] = ()
@@ -144,6 +106,10 @@ class Detector:
         # the last exact pass, the shift, sum of (x - shift) and of (x - shift)^2 over the window. A
         # non-finite sum of squares marks a window whose squares overflow: its stats are exact, scaled.
         self._state = np.zeros((16, _FIELDS))
+        self._log = np.zeros(16, bool)  # judged on the log scale
+        self._streak = np.zeros(16, np.int64)  # consecutive flagged values so far
+        self._run: dict[int, list[float]] = {}  # row -> its trailing consecutive flagged finite values (its scale)
+        self._held: dict[int, int] = {}  # row -> index in `anomalies` of the last row written of its run
 
     @property
     def signals(self) -> list[str]:
@@ -153,6 +119,36 @@ class Detector:
     def taps(self) -> list[str]:
         """The taps of the tap signals seen so far, in order of first sight (a tie-break order for `first_mover`)."""
         return list(dict.fromkeys(t for s in self._index if (t := tap_of(s)) is not None))
+
+    def score(self, values: Mapping[str, float]) -> dict[str, float]:
+        """The z each value would get now, on its signal's scale, without observing it (NaN: not judged yet).
+
+        Example::
+
+            det.score({"loss": 0.9, "fc1:output:norm": 2.0})     # {'loss': 1.3, 'fc1:output:norm': -0.4}
+
+        NaN for a signal in warm-up or never seen, and for a value with no place on its scale (0 on the
+        log scale); +inf for a NaN or infinite value. The report's spike tables use it (`anomaly_context`).
+        """
+        out = {}
+        for name, x in values.items():
+            j = self._index.get(name)
+            if j is None or self._state[j, _ACC] < self.warmup:
+                out[name] = math.nan
+                continue
+            log = bool(self._log[j])
+            if not math.isfinite(x):
+                out[name] = math.inf
+                continue
+            if log and x <= 0:
+                out[name] = math.nan
+                continue
+            rows, logs = np.array([j], np.intp), np.array([log])
+            with np.errstate(all="ignore"):
+                mean, std = self._stats(rows, self._state[rows], logs)
+                z = ((math.log(x) if log else x) - mean[0]) / std[0]
+            out[name] = 0.0 if math.isnan(z) else float(z)
+        return out
 
     def _rows(self, names: tuple[str, ...]) -> np.ndarray:
         if names == self._last_key:  # the same signals as the last step (the usual case): no lookups
@@ -165,7 +161,10 @@ class Detector:
                 if j == len(self._state):
                     self._ring = np.concatenate([self._ring, np.zeros_like(self._ring)])
                     self._state = np.concatenate([self._state, np.zeros_like(self._state)])
+                    self._log = np.concatenate([self._log, np.zeros_like(self._log)])
+                    self._streak = np.concatenate([self._streak, np.zeros_like(self._streak)])
                 self._index[name] = j
+                self._log[j] = self.space(name) == LOG
             idx[i] = j
         self._last_key, self._last_idx = names, idx
         return idx
@@ -176,31 +175,91 @@ class Detector:
         Example::
 
             det.observe(7, {"loss": 0.41, "grad_norm": 2.3, "fc1:output:norm": 0.02})    # [] on a quiet step
+
+        Returns the values flagged at this step that were written (a run's first `warmup`).
         """
         if not values:
             return []
         names = tuple(values)
         idx = self._rows(names)
         x = np.fromiter(values.values(), np.float64, len(names))
+        logs = self._log[idx]
+        y = x
+        if logs.any():
+            with np.errstate(all="ignore"):  # 0 and negative values: left out below
+                y = np.where(logs, np.log(np.where(logs, x, 1.0)), x)
+            there = ~(logs & (x <= 0) & np.isfinite(x))
+            if not there.all():  # no logarithm: not observed (-inf is, as a NaN)
+                x, y, idx, logs = x[there], y[there], idx[there], logs[there]
+                names = tuple(n for n, t in zip(names, there.tolist(), strict=True) if t)
         state = self._state[idx]
         with np.errstate(all="ignore"):  # empty windows (NaN), std 0 (inf z), overflowing squares: handled
-            mean, std = self._stats(idx, state)
-            z = (x - mean) / std
+            mean, std = self._stats(idx, state, logs)
+            z = (y - mean) / std
             z[np.isnan(z)] = 0.0  # 0/0 (a window of zeros), or no window yet
-            finite = np.isfinite(x)
+            finite = np.isfinite(y)
             z[~finite] = np.inf
             flag = ~finite | ((state[:, _ACC] >= self.warmup) & (z > self.z))
             if not flag.all():
                 keep = ~flag
-                self._add(idx[keep], x[keep], state[keep])
+                self._add(idx[keep], y[keep], state[keep], logs[keep])
+                ended = idx[keep][self._streak[idx[keep]] > 0]
+                for row in ended.tolist():  # a run of flagged values ends (rare): forget it
+                    self._end_run(row)
         if not flag.any():
             return []
-        new = [Anomaly(int(step), names[i], float(x[i]), float(mean[i]), float(std[i]), float(z[i]))
-               for i in np.flatnonzero(flag)]  # fmt: skip
-        self.anomalies.extend(new)
+        new = []
+        for i in np.flatnonzero(flag).tolist():
+            a = self._flagged(step, names[i], int(idx[i]), float(x[i]), float(y[i]), float(mean[i]), float(std[i]),
+                              float(z[i]), bool(logs[i]))  # fmt: skip
+            if a is not None:
+                new.append(a)
         return new
 
-    def _stats(self, idx: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _flagged(self, step: int, name: str, row: int, x: float, y: float, mean: float, std: float, z: float,
+                 log: bool) -> Anomaly | None:  # fmt: skip
+        """One flagged value: written while its run is at most `warmup` long; a level held `warmup` times re-baselines."""
+        streak = int(self._streak[row]) + 1
+        self._streak[row] = streak
+        run = self._run.setdefault(row, [])
+        if math.isfinite(y):
+            run.append(y)
+        else:
+            run.clear()
+        out = None
+        if streak <= self.warmup:
+            out = Anomaly(int(step), name, x, mean, std, z, LOG if log else LINEAR, streak,
+                          int(step) if streak == self.warmup else None)  # fmt: skip
+            self.anomalies.append(out)
+            if streak == self.warmup:
+                self._held[row] = len(self.anomalies) - 1
+        else:
+            j = self._held[row]
+            self.anomalies[j] = dataclasses.replace(self.anomalies[j], through=int(step))
+        if len(run) >= self.warmup:  # the signal held this level for `warmup` flagged values: its new level
+            self._rebaseline(row, run[-self.warmup :])
+            self._end_run(row)
+        return out
+
+    def _end_run(self, row: int) -> None:
+        self._streak[row] = 0
+        self._run.pop(row, None)
+        self._held.pop(row, None)
+
+    def _rebaseline(self, row: int, values: list[float]) -> None:
+        """The window of `row` becomes `values` (its new level), as if it had accepted only them."""
+        n = len(values)
+        self._ring[row] = 0.0
+        self._ring[row, :n] = values
+        self._state[row] = 0.0
+        self._state[row, _ACC] = n
+        self._recompute(np.array([row], np.intp))
+
+    def _floor(self, mean: np.ndarray, logs: np.ndarray) -> np.ndarray:
+        """The std's floor: `rel_floor` x |mean| on the linear scale, `rel_floor` on the log scale."""
+        return np.where(logs, self.rel_floor, self.rel_floor * np.abs(mean))
+
+    def _stats(self, idx: np.ndarray, state: np.ndarray, logs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Mean and floored std of each row's window (NaN for an empty window)."""
         n = np.minimum(state[:, _ACC], self.window)
         d = state[:, _S] / n
@@ -209,9 +268,9 @@ class Detector:
         slow = ~np.isfinite(state[:, _Q])
         if slow.any():
             mean[slow], std[slow] = _exact(self._ring[idx[slow]], n[slow])
-        return mean, np.maximum(std, self.rel_floor * np.abs(mean))
+        return mean, np.maximum(std, self._floor(mean, logs))
 
-    def _add(self, rows: np.ndarray, v: np.ndarray, state: np.ndarray) -> None:
+    def _add(self, rows: np.ndarray, v: np.ndarray, state: np.ndarray, logs: np.ndarray) -> None:
         """Put accepted values `v` into the windows of `rows` (distinct; `state`: theirs), keeping the running sums."""
         acc, since, shift, s, q = state.T  # views: updated in place, then written back in one go
         first = acc == 0
@@ -227,7 +286,7 @@ class Detector:
         self._state[rows] = state
         n = np.minimum(acc, self.window)
         d = s / n
-        floor = self.rel_floor * (shift + d)
+        floor = self._floor(shift + d, logs)
         # Exact every `window` values; at once when the mean has moved far from the shift (a big value left
         # the window, or the signal drifted): var = q/n - d^2 would lose more than 8 of its 16 digits.
         redo = (since >= self.window) | ~np.isfinite(q) | (d * d > 1e8 * np.maximum(q / n - d * d, floor * floor))
@@ -254,8 +313,9 @@ class Detector:
         """
         n = len(self._index)
         return {"settings": (self.z, self.window, self.warmup, self.rel_floor), "signals": list(self._index),
-                "ring": self._ring[:n].copy(), "state": self._state[:n].copy(),
-                "anomalies": [dataclasses.astuple(a) for a in self.anomalies]}  # fmt: skip
+                "ring": self._ring[:n].copy(), "state": self._state[:n].copy(), "log": self._log[:n].copy(),
+                "streak": self._streak[:n].copy(), "run": {r: list(v) for r, v in self._run.items()},
+                "held": dict(self._held), "anomalies": [dataclasses.astuple(a) for a in self.anomalies]}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()`; its settings must be this detector's."""
@@ -263,6 +323,9 @@ class Detector:
         self._index = {s: i for i, s in enumerate(state["signals"])}
         self._last_key, self._last_idx = (), np.zeros(0, np.intp)
         self._ring, self._state = np.array(state["ring"]), np.array(state["state"])
+        self._log, self._streak = np.array(state["log"], bool), np.array(state["streak"], np.int64)
+        self._run = {int(r): list(v) for r, v in state["run"].items()}
+        self._held = {int(r): int(j) for r, j in state["held"].items()}
         self.anomalies = [Anomaly(*row) for row in state["anomalies"]]
 
 
@@ -286,138 +349,10 @@ def _exact(vals: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean, std
 
 
-class FirstMover(NamedTuple):
-    """The tap signal that crossed first before a spike: its tap, signal, step, lead (spike step - its step) and z."""
+def __getattr__(name: str) -> Any:
+    """`first_mover`, `anomaly_rows`, `summary_lines`, `FirstMover`: moved to `anomaly_summary`, still importable here."""
+    if name in ("first_mover", "anomaly_rows", "summary_lines", "FirstMover"):
+        from gradrunner.analysis import anomaly_summary
 
-    tap: str
-    signal: str
-    step: int
-    lead: int
-    z: float
-
-
-class _Movers:
-    """The tap anomalies by step, built once: `first_mover` for many spikes in O(log n) each."""
-
-    def __init__(self, anomalies: Iterable[Anomaly], order: Sequence[str] | None) -> None:
-        rank = {t: i for i, t in enumerate(order or ())}
-        by_step: dict[int, tuple[tuple[float, int, str], Anomaly]] = {}
-        for a in anomalies:
-            tap = a.tap
-            if tap is None:
-                continue
-            key = (-a.z, rank.get(tap, len(rank)), a.signal)
-            if a.step not in by_step or key < by_step[a.step][0]:
-                by_step[a.step] = (key, a)
-        self.steps = sorted(by_step)
-        self.best = [by_step[s][1] for s in self.steps]
-
-    def at(self, spike_step: int, window: int) -> FirstMover | None:
-        i = bisect.bisect_left(self.steps, spike_step - window)
-        if i == len(self.steps) or self.steps[i] > spike_step:
-            return None
-        a = self.best[i]
-        return FirstMover(str(a.tap), a.signal, a.step, spike_step - a.step, a.z)
-
-
-def first_mover(
-    anomalies: Iterable[Anomaly], spike_step: int, window: int, order: Sequence[str] | None = None
-) -> FirstMover | None:
-    """For a loss or grad_norm spike at `spike_step`: the tap signal flagged first in the `window` steps up to it.
-
-    Example::
-
-        first_mover(det.anomalies, 40, det.window)     # FirstMover(tap='fc1:output', signal='fc1:output:norm', step=38, lead=2, z=51.0)
-
-    Candidates: tap signals flagged at a step from `spike_step - window` to `spike_step` (a tap
-    that moved in the same step counts, lead 0). The earliest wins; among those of one step, the
-    larger z (a NaN/Inf: +inf), then the tap earlier in `order` (taps, e.g. `Detector.taps()` or
-    the records' forward order; taps not in it come after), then the signal's name. None when no
-    tap signal was flagged in that span.
-    """
-    return _Movers(anomalies, order).at(spike_step, window)
-
-
-def anomaly_rows(anomalies: Sequence[Anomaly], window: int, order: Sequence[str] | None = None) -> list[dict[str, Any]]:
-    """The rows of `anomalies.parquet`: each anomaly, and for loss/grad_norm ones the first mover and its lead.
-
-    Example::
-
-        write_anomalies(run_dir, anomaly_rows(det.anomalies, det.window, det.taps()), run_id)
-    """
-    movers = _Movers(anomalies, order)
-    rows = []
-    for a in anomalies:
-        mover = movers.at(a.step, window) if a.signal in SPIKE_SIGNALS else None
-        rows.append({"step": a.step, "signal": a.signal, "value": a.value, "mean": a.mean, "std": a.std, "z": a.z,
-                     "first_tap": mover.tap if mover else None, "lead": mover.lead if mover else None})  # fmt: skip
-    return rows
-
-
-def summary_lines(
-    anomalies: Sequence[Anomaly], window: int, order: Sequence[str] | None = None, limit: int = 5
-) -> list[str]:
-    """The run's last word about spikes: one line per loss/grad_norm spike (a run of flagged steps), at most `limit`.
-
-    Example::
-
-        summary_lines(det.anomalies, det.window)
-        # ['loss spike at step 40 (z = 3e4); first to move: fc1:output (lead 0 steps)',
-        #  'grad_norm NaN/Inf at step 52 (flagged through step 60, 9 steps); first to move: none of the taps']
-
-    A spike is a run of consecutive flagged steps of one signal, named by its first step and z (and,
-    for more than one step, its last step and where it turned NaN/Inf); the first mover is
-    `first_mover`'s at its first step. Tap anomalies with no loss/grad_norm spike in the `window` steps after them get one line.
-    [] when nothing was flagged.
-    """
-    spikes: list[list[Anomaly]] = []
-    for signal in SPIKE_SIGNALS:
-        for a in sorted((a for a in anomalies if a.signal == signal), key=lambda a: a.step):
-            if spikes and spikes[-1][0].signal == signal and a.step == spikes[-1][-1].step + 1:
-                spikes[-1].append(a)
-            else:
-                spikes.append([a])
-    spikes.sort(key=lambda run: (run[0].step, run[0].signal != LOSS))
-    movers = _Movers(anomalies, order)
-    lines = [_spike_line(run, movers.at(run[0].step, window)) for run in spikes[:limit]]
-    if len(spikes) > limit:
-        lines.append(f"... and {len(spikes) - limit} more spike(s): anomalies.parquet lists them all")
-    flagged = sorted({a.step for run in spikes for a in run})
-    lone = [a for a in anomalies if a.tap is not None and not _spike_within(flagged, a.step, window)]
-    if lone:
-        first = min(lone, key=lambda a: (a.step, -a.z))
-        lines.append(f"{len(lone)} tap anomal{'y' if len(lone) == 1 else 'ies'} with no loss or grad_norm spike "
-                     f"after them (first: {first.signal} at step {first.step}, z = {_short(first.z)})")  # fmt: skip
-    return lines
-
-
-def _spike_within(flagged: list[int], step: int, window: int) -> bool:
-    """Whether a loss/grad_norm step of `flagged` (sorted) lies in `step .. step + window`."""
-    i = bisect.bisect_left(flagged, step)
-    return i < len(flagged) and flagged[i] <= step + window
-
-
-def _spike_line(run: list[Anomaly], mover: FirstMover | None) -> str:
-    """`<signal> spike at step S (z = ...; flagged through step E, N steps; NaN/Inf from step F); first to move: ...`."""
-    head = run[0]
-    finite = math.isfinite(head.value)
-    details = [f"z = {_short(head.z)}"] if finite else []
-    if len(run) > 1:
-        details.append(f"flagged through step {run[-1].step}, {len(run)} steps")
-    bad = next((a.step for a in run if not math.isfinite(a.value)), None)
-    if finite and bad is not None:
-        details.append(f"NaN/Inf from step {bad}")
-    line = f"{head.signal} {'spike' if finite else 'NaN/Inf'} at step {head.step}"
-    line += f" ({'; '.join(details)})" if details else ""
-    moved = f"{mover.tap} (lead {mover.lead} step{'' if mover.lead == 1 else 's'})" if mover else "none of the taps"
-    return f"{line}; first to move: {moved}"
-
-
-def _short(z: float) -> str:
-    """A z-score in a few characters: 7.3, 412, 3.1e4, inf."""
-    if not math.isfinite(z):
-        return "inf" if z > 0 else str(z)
-    if abs(z) < 1000:
-        return f"{z:.3g}"
-    mantissa, exponent = f"{z:.1e}".split("e")
-    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+        return getattr(anomaly_summary, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,6 +6,7 @@ Contents:
     run_signals(grads, steps)                         -- every step's signals, offline, from a run's records
     detect_run(run_dir, detector)                     -- a finished run fed through a detector, as the loop feeds it
     save_anomalies(run_dir, detector, run_id)         -- `anomalies.parquet` from a detector
+    finish_anomalies(run_dir, detector, run_id)       -- at a run's close: the file, and the spikes' last-word lines
     read_anomalies(run_dir)                           -- `anomalies.parquet` as a DataFrame, refused if not this run's
 
 Example::
@@ -29,7 +30,8 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from gradrunner.analysis.anomalies import GRAD_NORM, LOSS, Detector, anomaly_rows
+from gradrunner.analysis.anomalies import GRAD_NORM, LOSS, Detector
+from gradrunner.analysis.anomaly_summary import anomaly_rows, spike_lines
 from gradrunner.analysis.reading import load
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
@@ -194,6 +196,27 @@ def save_anomalies(
     order = detector.taps() if order is None else order
     settings = {"z": detector.z, "window": detector.window, "warmup": detector.warmup, "rel_floor": detector.rel_floor}
     return write_anomalies(run_dir, anomaly_rows(detector.anomalies, detector.window, order), run_id, settings)
+
+
+def finish_anomalies(
+    run_dir: str | os.PathLike[str], detector: Detector, run_id: str, rebuild: bool = False
+) -> list[str]:
+    """At a run's close (every path): `save_anomalies`, then the spikes' last-word lines (`spike_lines`).
+
+    Example::
+
+        finish_anomalies(run_dir, det, run_id)     # ['loss spike at step 40 (z = 3e4); first to move: ...']
+
+    `rebuild`: the detector did not see every step (a resumed run): a fresh one with its settings is fed
+    the run's closed records first (`detect_run`: the same rule, the same values).
+    """
+    if rebuild:
+        detector = detect_run(run_dir, Detector(detector.z, detector.window, detector.warmup, detector.rel_floor))
+    order = detector.taps()
+    rows = anomaly_rows(detector.anomalies, detector.window, order)
+    settings = {"z": detector.z, "window": detector.window, "warmup": detector.warmup, "rel_floor": detector.rel_floor}
+    write_anomalies(run_dir, rows, run_id, settings)
+    return spike_lines(rows, detector.window)
 
 
 def read_anomalies(run_dir: str | os.PathLike[str]) -> pd.DataFrame:

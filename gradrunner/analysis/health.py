@@ -67,11 +67,14 @@ class Health:
     #: tap label -> its first step at 0; `zeroing_edits`: the taps whose edit left 0.
     zeroed_by_edit: dict[str, int] = field(default_factory=dict)
     zeroing_edits: list[str] = field(default_factory=list)
+    #: The spike detector's last word (`anomaly_summary.spike_lines` of anomalies.parquet): one line per spike.
+    spikes: list[str] = field(default_factory=list)
 
     @property
     def healthy(self) -> bool:
         nonfinite = self.first_nonfinite is not None or self.loss_nonfinite_step is not None
-        diverging = self.loss_diverging is not None or self.negative_lr is not None
+        spiked = any("first to move" in line or "cannot be read" in line for line in self.spikes)  # not lone tap flags
+        diverging = self.loss_diverging is not None or self.negative_lr is not None or spiked
         return not (nonfinite or diverging or self.vanishing or self.exploding or self.without_grad or self.taps == 0)
 
     def lines(self) -> list[str]:
@@ -100,6 +103,7 @@ class Health:
             if self.first_nonfinite is not None:
                 parts.append(f"gradients from step {self.first_nonfinite[0]}, first in {self.first_nonfinite[1]}")
             out.append("NaN/Inf: " + "; ".join(parts))
+        out.extend(self.spikes)
         if self.taps == 0:
             out.append("no tap was captured (taps=[], or no captured step)")
             return out
@@ -183,6 +187,7 @@ def health(directory: Path) -> Health:
     from gradrunner.analysis.summaries import forward_order, tap_summary  # the one rule for vanishing/exploding
 
     h = Health(directory=directory)
+    h.spikes = _spikes(directory)
     steps_file, grads_file = directory / STEPS_FILE, directory / GRADS_FILE
     if steps_file.is_file():
         wanted = [c for c in ("step", "loss", "lr") if c in pq.read_schema(steps_file).names]
@@ -214,6 +219,23 @@ def health(directory: Path) -> Health:
         first = bad_rows[bad_rows["step"] == bad_rows["step"].min()].iloc[0]  # record order within the step
         h.first_nonfinite = (int(first["step"]), labels[(str(first["tap"]), int(first["call"]))])
     return h
+
+
+def _spikes(directory: Path) -> list[str]:
+    """The spike lines of `directory`'s anomalies.parquet ([] without one; one line when it does not verify)."""
+    import json
+
+    from gradrunner.analysis.anomaly_summary import spike_lines
+    from gradrunner.records.anomalies import ANOMALIES_FILE, SETTINGS_KEY, read_anomalies_table
+
+    if not (directory / ANOMALIES_FILE).is_file():
+        return []
+    try:
+        table = read_anomalies_table(directory)
+    except Exception as e:
+        return [f"spikes: {ANOMALIES_FILE} cannot be read ({type(e).__name__}: {e})"]
+    settings = json.loads((table.schema.metadata or {}).get(SETTINGS_KEY.encode(), b"{}") or b"{}")
+    return spike_lines(table.to_pylist(), int(settings.get("window", 128)))
 
 
 def _zeroing_edits(df: Any) -> list[str]:
@@ -254,6 +276,9 @@ def brief(h: Health) -> str:
         trouble.append(f"loss diverging (x{h.loss_diverging[1] / h.loss_diverging[0]:.3g})")
     if h.negative_lr is not None:
         trouble.append(f"negative lr from step {h.negative_lr[0]}")
+    spikes = [line for line in h.spikes if "first to move" in line]
+    if spikes:
+        trouble.append(f"spikes flagged, the first: {spikes[0].split(' (')[0].split(';')[0]}")
     for what, taps in (("vanishing", h.vanishing), ("exploding", h.exploding), ("without gradient", h.without_grad)):
         if taps:
             trouble.append(f"{_count(taps, h.taps)} {what}")

@@ -21,6 +21,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 # The allowed values live in choices.py (one source; re-exported here for `from gradrunner.config.schema import DTYPES`).
+from gradrunner.config.anomaly_settings import check_settings
 from gradrunner.config.choices import DEVICES, DTYPES, NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
 from gradrunner.config.edits import parse_edits
 from gradrunner.config.replay import check_branch, validate_replay
@@ -78,11 +79,19 @@ class TrainConfig:
 
 @dataclass
 class AnomalyConfig:
-    """`anomaly.*`: loss-spike detection and what is done about a spike (docs/autopsy.md)."""
+    """`anomaly.*`: loss-spike detection and what is done about a spike (README "Spike detection")."""
 
+    # Spike detection on every step (anomalies.parquet, the last word); false: off.
+    enabled: bool = True
+    # A value beyond z standard deviations of its signal's window is a spike (norms: on a log scale).
+    z: float = 6.0
+    # Values per signal the mean and std are taken over.
+    window: int = 128
+    # Values of a signal before it is judged (at most the window); NaN/Inf are flagged from the start.
+    warmup: int = 20
     # After the run, re-run the K steps before each flagged loss spike (and the spike's step) from the last
     # checkpoint at or before them, with capture.values=full, into <run dir>/replay/step<S>/ (0: off; needs
-    # train.checkpoint_every; keeps the checkpoints that needs).
+    # train.checkpoint_every; keeps the checkpoints that needs; docs/autopsy.md).
     replay: int = 0
 
 
@@ -221,6 +230,7 @@ def validate(cfg: DictConfig) -> None:
         if not isinstance(cfg.capture.get(flag, False), bool):
             raise _allowed(f"capture.{flag}", cfg.capture[flag], ["false", "true"])
     validate_train(cfg)
+    validate_anomaly(cfg)
     _check_int("anomaly.replay", OmegaConf.select(cfg, "anomaly.replay", default=0), 0)
     validate_replay(cfg)
     validate_edits(cfg)
@@ -418,6 +428,21 @@ def _check_covers_steps(settings: dict[str, Any], steps: int) -> None:
             f"past its last one (at step {covered + 1}). Set scheduler.total_steps to at least {steps} "
             "(scheduler.total_steps=${steps}, as scheduler=onecycle does), or lower steps."
         )
+
+
+def validate_anomaly(cfg: DictConfig) -> None:
+    """Check `anomaly.*` (the detector's rule: `config.anomaly_settings.check_settings`).
+
+    Example::
+
+        validate_anomaly(compose("config", overrides=["anomaly.window=10"]))
+        # GradrunnerError: anomaly.warmup=20 is not allowed with anomaly.window=10 ...
+    """
+    node = OmegaConf.select(cfg, "anomaly", default=None) or {"enabled": False}
+    if not isinstance(node.get("enabled", True), bool):
+        raise _allowed("anomaly.enabled", node["enabled"], ["false", "true"])
+    if node["enabled"]:
+        check_settings(node["z"], node["window"], node["warmup"])
 
 
 def validate_edits(cfg: DictConfig) -> None:

@@ -4,6 +4,7 @@
 | --- | --- |
 | `batches` | the `DataSource` protocol, `as_batches` (any source or iterable, cycled), `cast`, `ForwardInputs`, `call` |
 | `sources` | the built-in sources: `Synthetic`, `Tensors`, `Digits`, `Tokens` |
+| `corrupt` | `Corrupted`: another source with one batch corrupted (a planted loss spike) |
 
 Example::
 
@@ -12,6 +13,7 @@ Example::
 """
 
 from gradrunner.data.batches import Batch, DataSource, ForwardInputs, as_batches, call, cast, with_kwargs
+from gradrunner.data.corrupt import Corrupted
 from gradrunner.data.sources import TASKS, Digits, Synthetic, Tensors, Tokens
 
-__all__ = ["TASKS", "Batch", "DataSource", "Digits", "ForwardInputs", "Synthetic", "Tensors", "Tokens", "as_batches", "call", "cast", "with_kwargs"]
+__all__ = ["TASKS", "Batch", "Corrupted", "DataSource", "Digits", "ForwardInputs", "Synthetic", "Tensors", "Tokens", "as_batches", "call", "cast", "with_kwargs"]

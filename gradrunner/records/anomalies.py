@@ -10,10 +10,10 @@ Contents:
 Example::
 
     write_anomalies(run_dir, [{"step": 40, "signal": "loss", "value": 9e3, "mean": 0.3, "std": 0.01, "z": 9e5,
-                               "first_tap": "fc1:output", "lead": 0}], run_id="3f2a")
+                               "space": "linear", "streak": 1, "first_tap": "fc1:output", "lead": 0}], run_id="3f2a")
     read_anomalies_table(run_dir).column("signal").to_pylist()      # ['loss']
 
-The rows come from `gradrunner.analysis.anomalies.anomaly_rows` (the detection rule lives there); this
+The rows come from `gradrunner.analysis.anomaly_summary.anomaly_rows` (the detection rule: `analysis.anomalies`); this
 module knows only the file. Every row carries the run's `run_id`, and the file's metadata too (so that
 a file without rows is checked as well): reading refuses a file of another run.
 """
@@ -40,21 +40,27 @@ ANOMALIES_FILE = "anomalies.parquet"
 RUN_ID_KEY = "gradrunner.run_id"
 SETTINGS_KEY = "gradrunner.anomaly"
 
-#: One row per flagged value. `first_tap` and `lead` are set on loss and grad_norm rows only (null
-#: elsewhere, and where no tap moved in the window before): the tap whose signal was flagged first, and
-#: how many steps before this row's step.
+#: One row per flagged value (a run of consecutive flagged values of a signal: its first `warmup`).
+#: `first_tap` and `lead` are set on loss and grad_norm rows only (null elsewhere, and where no tap moved
+#: in the window before): the tap whose signal was flagged first, and how many steps before this row's step.
 ANOMALIES_SCHEMA = pa.schema(
     [
         pa.field("run_id", pa.string()),
         pa.field("step", pa.int64()),
         # `loss`, `grad_norm`, or `<tap>:<statistic>` (`fc1:output:norm`, `fc1:weight:update_ratio`).
         pa.field("signal", pa.string()),
-        # The value, and the mean and (floored) std of the window it was judged against: z = (value - mean) / std,
-        # +inf for a NaN or infinite value.
+        # The value as recorded; the mean and (floored) std of the window it was judged against, on the
+        # signal's scale (`space`): z = (x - mean) / std with x the value (`linear`) or ln(value) (`log`);
+        # z is +inf for a NaN or infinite value.
         pa.field("value", pa.float64()),
         pa.field("mean", pa.float64()),
         pa.field("std", pa.float64()),
         pa.field("z", pa.float64()),
+        pa.field("space", pa.string()),
+        # Its place in the run of consecutive flagged values of its signal (1, 2, ...); on the last row
+        # written of a run that reached `warmup` values, `through` is the run's last flagged step.
+        pa.field("streak", pa.int64()),
+        pa.field("through", pa.int64()),
         pa.field("first_tap", pa.string()),
         pa.field("lead", pa.int64()),
     ]

@@ -60,6 +60,7 @@ from gradrunner.report.sections import (
     run_label_columns,
     strategy_sections,
 )
+from gradrunner.report.spikes import spike_sections
 from gradrunner.report.sweep import sweep_sections
 
 __all__ = ["DPI", "INSTALL_HINT", "REPORT_NAME", "check_available", "main", "try_report", "write_report"]
@@ -126,6 +127,8 @@ def _run_sections(
                 f"shown once ({shown['strategy'].iloc[0]}).")  # fmt: skip
     flow_note = "Steps shown, per run: the first, the largest change, the last finite one and the first with NaN/Inf."
     sections = [html_section("Findings", findings_html(summary))]
+    if grads["run_id"].nunique() == 1:  # one run: its spike detector's spikes, with the taps' z around each
+        sections += spike_sections(out_dir)
     if steps is not None and len(steps):
         sections.append(figure_section(out_dir, "loss", "Loss over the steps", plots.plot_loss(steps)))
         sections += _training_sections(out_dir, steps)

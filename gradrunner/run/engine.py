@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import resource
 import sys
 import time
@@ -32,17 +33,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from gradrunner.analysis.anomalies import Detector
 from gradrunner.capturing.session import Capture, ParamSnapshot
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.capturing.torch_compat import scale_tensor
+from gradrunner.config.anomaly_settings import WARMUP, WINDOW, Z
+from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, StepRecords
 from gradrunner.run import distributed
 from gradrunner.run.guards import check_finite, write_errors
 from gradrunner.run.signals import ending_signals_as_interrupt
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from gradrunner.records.writer import RecordWriter, StepsWriter
     from gradrunner.run.distributed import Distributed, GatheredWriter
+
+log = logging.getLogger(__name__)
 
 #: How often (in steps) completed steps are written as closed segments that `load(dir, live=True)` reads.
 LIVE_EVERY = 10
@@ -119,6 +127,30 @@ def open_writers(
     return gathered(dist, grads, pending), gathered(dist, steps, pending, completes_step=True)
 
 
+def detector_for(anomaly: bool | Mapping[str, Any] | None) -> Detector | None:
+    """The spike detector an `anomaly` option asks for: True (the defaults), a mapping of `enabled`, `z`,
+    `window`, `warmup` (the config's `anomaly.*`), or False/None (off). Bad settings: one paragraph.
+
+    Example::
+
+        detector_for({"z": 8, "window": 64})      # Detector(z=8, window=64, warmup=20)
+    """
+    if anomaly is None or anomaly is False:
+        return None
+    if anomaly is True:
+        return Detector()
+    if not hasattr(anomaly, "get"):
+        raise GradrunnerError(f"anomaly={anomaly!r} is not allowed; pass True (the defaults), False (off) or a "
+                              "dict of z, window, warmup, e.g. anomaly={'z': 6, 'window': 128, 'warmup': 20}")  # fmt: skip
+    unknown = [str(k) for k in anomaly if k not in ("enabled", "z", "window", "warmup", "replay")]
+    if unknown:
+        raise GradrunnerError(f"anomaly has the unknown key(s) {', '.join(unknown)}; allowed: enabled, z, window, "
+                              "warmup")  # fmt: skip
+    if not anomaly.get("enabled", True):
+        return None
+    return Detector(anomaly.get("z", Z), anomaly.get("window", WINDOW), anomaly.get("warmup", WARMUP))
+
+
 @dataclass
 class StepResult:
     """What a step left: its number, loss, records (captured steps) and its `steps.parquet` row's values.
@@ -143,7 +175,8 @@ class StepEngine:
     `scaler` (a `torch.amp.GradScaler`: records hold the true gradients and loss) or `loss_scale` (a
     callable giving the scale), `dist` (DDP: rank 0 writes every rank's rows), `live_every`
     (segments for `load(dir, live=True)`; 0: none), `log_to="tensorboard"` and `optimizer` (its
-    learning rates go into `lr`/`lrs`). A `DistributedDataParallel` model is tapped inside, its parameter
+    learning rates go into `lr`/`lrs`), `anomaly` (the spike detector: `detector_for`; on by default:
+    `anomalies.parquet` and the spikes' last word at the close, on every path). A `DistributedDataParallel` model is tapped inside, its parameter
     taps read after DDP's all-reduce; `params_synced` says the same for a wrapper the engine is not given
     (a framework's: whether the backward that just ended synchronised the gradients).
     """
@@ -153,7 +186,8 @@ class StepEngine:
         on_nonfinite: str = "record", update_norms: bool = False, scaler: Any = None,
         loss_scale: Callable[[], torch.Tensor | float | None] | None = None, dist: Distributed | None = None,
         live_every: int = LIVE_EVERY, log_to: str | None = None, optimizer: torch.optim.Optimizer | None = None,
-        params_synced: Callable[[], bool] | None = None, **capture_options: Any,
+        params_synced: Callable[[], bool] | None = None, anomaly: bool | Mapping[str, Any] | None = True,
+        **capture_options: Any,
     ) -> None:  # fmt: skip
         inner, synced = distributed.capture_target(model)
         synced = params_synced or synced  # a framework's DDP wrapper, which the model given does not show
@@ -162,6 +196,11 @@ class StepEngine:
         self.on_nonfinite, self.update_norms, self.optimizer = on_nonfinite, update_norms, optimizer
         self.live_every, self.log_to = live_every, log_to
         self.device = _device_of(inner)
+        #: The spike detector (`anomaly`), fed each step's host values on the main rank; None: off.
+        self.detector = detector_for(anomaly) if self.main else None
+        #: Whether the runner logs the spikes itself at a normal end (its health summary holds them).
+        self.spikes_in_last_word = False
+        self._observed, self._resumed = 0, False  # a resumed run's detector is rebuilt from its records at the end
         if scaler is not None:
             loss_scale = lambda: scale_tensor(scaler, self.device)  # noqa: E731 (read as each backward begins)
         self.capture = Capture(inner, taps, keep_grads=False, loss_scale=loss_scale, params_synced=synced,
@@ -216,6 +255,8 @@ class StepEngine:
         stack.enter_context(write_errors(files.directory))
         # Closed segments of the completed steps, readable while the run goes; removed once the files are closed.
         stack.callback(lambda: self._segments is not None and self._segments.close())
+        if self.detector is not None:  # after the writers close (a resumed run's detector is rebuilt from them)
+            stack.push(self._close_anomalies)
         self.grads, self.steps = open_writers(stack, files, self.dist)
         real = {t: getattr(w, "writer", w) for t, w in (("grads", self.grads), ("steps", self.steps))}
         if self.live_every and self.main and all(w is not None for w in real.values()):
@@ -310,8 +351,39 @@ class StepEngine:
         self.steps_written += 1
         self._loss, self._before = None, None
         self.start_at(step + 1)
+        if self.detector is not None:  # host values already here: no device sync of its own
+            self._observe(step, loss_value, row, recs)
         check_finite(self.on_nonfinite, step, loss_value, recs)
         return StepResult(step, captured, loss_value, recs, row)
+
+    def _observe(self, step: int, loss: float | None, row: dict[str, Any], recs: StepRecords | None) -> None:
+        from gradrunner.analysis.anomaly_signals import step_signals
+
+        assert self.detector is not None
+        grad_norm = row.get("grad_norm")
+        values = step_signals(loss, None if grad_norm is None else float(grad_norm), [recs] if recs is not None else (),
+                              skipped=row.get("skipped") is True)  # fmt: skip
+        self._resumed = self._resumed or (self._observed == 0 and step > 0)  # steps before it: not seen here
+        self.detector.observe(step, values)
+        self._observed += 1
+
+    def _close_anomalies(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        """At the close, on every path: `anomalies.parquet` in the run dir, and the spikes logged (the last word)."""
+        from gradrunner.analysis.anomaly_signals import finish_anomalies
+
+        assert self.detector is not None and self.files is not None
+        if not self._observed:  # no step completed: no records are kept, and no anomalies file
+            return False
+        try:
+            lines = finish_anomalies(self.files.directory, self.detector, self.run_id, rebuild=self._resumed)
+        except Exception as e:
+            if exc is None:
+                raise
+            log.warning("the spike detector's anomalies.parquet was not written (%s)", e)
+            return False
+        if lines and not (exc is None and self.spikes_in_last_word):
+            log.warning("%s", "\n  ".join(["spikes (anomalies.parquet):", *lines]))
+        return False
 
     def _host(self, loss: torch.Tensor | float | None, grad_norm: Any, clipped: Any) -> dict[str, Any]:
         """The step's scalar values on the host: the device ones in one transfer."""

@@ -235,7 +235,9 @@ def _train_in(cfg: DictConfig, job: Job, files: RunFiles, taps: list[Any], dist:
     engine = StepEngine(job.model, taps, strategy=c.strategy, every=ctx.every, values=c["values"],
                         sample_size=c.sample_size, seed=cfg.seed, per_example=files.per_example,
                         histogram=files.histogram, edits=edit_list(cfg), on_nonfinite=str(c.get("on_nonfinite", "record")),
-                        update_norms=True, scaler=ctx.scaler, dist=dist)  # fmt: skip
+                        update_norms=True, scaler=ctx.scaler, dist=dist,
+                        anomaly=_anomaly(cfg))  # fmt: skip
+    engine.spikes_in_last_word = True  # a normal end's health summary says them (`health.last_word`)
     with contextlib.ExitStack() as stack:
         stack.enter_context(write_errors(files.directory))  # first in, last out: sees the writers' close too
         cap = engine.capture
@@ -256,6 +258,11 @@ def _train_in(cfg: DictConfig, job: Job, files: RunFiles, taps: list[Any], dist:
                 ckpt.abort()  # the segment after the last checkpoint: the job's own records hold its steps
     if ckpt is not None:
         ckpt.finish()  # the records are closed and whole: the checkpoint is not needed any more
+
+
+def _anomaly(cfg: DictConfig) -> dict[str, Any] | bool:
+    """`anomaly.*` as the engine's `anomaly` option (a config without the group: on, the defaults)."""
+    return {str(k): v for k, v in cfg.anomaly.items()} if "anomaly" in cfg else True
 
 
 def _checkpointer(cfg: DictConfig, files: RunFiles) -> Checkpointer | None:

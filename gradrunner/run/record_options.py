@@ -17,18 +17,19 @@ from typing import Any
 from gradrunner.config.choices import NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
 from gradrunner.config.edits import parse_edits
 from gradrunner.errors import GradrunnerError, did_you_mean, not_allowed
+from gradrunner.run.engine import detector_for
 
 #: The options a callback takes as keywords (besides `taps`, `dir`, `every`, `strategy`): `record`'s, less
 #: what the callback itself gives the recorder (the model's loss scaler, DDP, the experiment's name).
 CALLBACK_OPTIONS = ("values", "sample_size", "seed", "per_example", "histogram", "on_nonfinite", "update_norms",
-                    "live_every", "log_to", "edits", "resume", "overwrite")  # fmt: skip
+                    "live_every", "log_to", "edits", "resume", "overwrite", "anomaly")  # fmt: skip
 _FLAGS = ("per_example", "histogram", "update_norms", "resume", "overwrite")
 
 
 def check_options(
     *, strategy: str = "hook", every: int = 1, values: str = "none", sample_size: int = 64, seed: int = 0,
     on_nonfinite: str = "record", log_to: str | None = None, scaler: Any = None, live_every: int = 10,
-    edits: Any = None, **flags: Any,
+    edits: Any = None, anomaly: Any = True, **flags: Any,
 ) -> None:  # fmt: skip
     """Every option of `record` and the callbacks, checked before anything is opened; `flags`: the booleans.
 
@@ -59,6 +60,7 @@ def check_options(
             "interrupted run in the dir, overwrite=True deletes them and starts again; pass one of them."
         )
     parse_edits(edits)  # the runner's `edits` rule: a list of {tap: <spec>, <operation>: <value>}
+    detector_for(anomaly)  # the spike detector's: True, False or {z, window, warmup} (config.anomaly_settings)
     if scaler is not None and not (callable(getattr(scaler, "is_enabled", None)) and callable(getattr(scaler, "scale", None))):
         raise GradrunnerError(
             f"scaler={scaler!r} is not a loss scaler; pass the torch.amp.GradScaler whose scale multiplies the loss "

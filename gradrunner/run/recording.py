@@ -29,7 +29,7 @@ import contextlib
 import logging
 import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +75,9 @@ class Recorder:
     records every rank's rows in rank 0's run dir; a `DistributedDataParallel` model has its parameter
     taps read after DDP's all-reduce (`params_synced`: the same for a wrapper `record` is not given, as
     the callbacks use it). `edits` are the runner's gradient edits (`[{"tap": ..., "scale": 0.5}]`).
+    `anomaly` (default True: on) is the spike detector: False turns it off, a dict of `z`, `window`,
+    `warmup` sets it (as `anomaly.*` in the config); `anomalies.parquet` and the spikes' lines (logged as
+    a warning) come at the close of the block, however it ends.
 
     A run dir that holds records is refused (one paragraph) unless `overwrite=True` (delete them, record
     from step 0) or `resume=True` (continue an interrupted session's records: `run.record_books`; the
@@ -108,11 +111,12 @@ class Recorder:
         edits: Sequence[Any] | None = None,
         resume: bool = False,
         overwrite: bool = False,
+        anomaly: bool | Mapping[str, Any] = True,
     ) -> None:
         check_options(strategy=strategy, every=every, values=values, sample_size=sample_size, seed=seed,
                       on_nonfinite=on_nonfinite, log_to=log_to, scaler=scaler, live_every=live_every, edits=edits,
                       per_example=per_example, histogram=histogram, update_norms=update_norms, resume=resume,
-                      overwrite=overwrite)  # fmt: skip
+                      overwrite=overwrite, anomaly=anomaly)  # fmt: skip
         self.model, self.directory = model, Path(run_dir).resolve()
         self.taps = [taps] if isinstance(taps, (str, dict)) else list(taps)
         self.strategy, self.dist = strategy, dist
@@ -132,7 +136,7 @@ class Recorder:
                                  sample_size=sample_size, seed=seed, per_example=per_example, histogram=histogram,
                                  on_nonfinite=on_nonfinite, update_norms=update_norms, scaler=scaler,
                                  loss_scale=loss_scale, dist=dist, live_every=live_every, log_to=log_to,
-                                 params_synced=params_synced, edits=list(edits or []))  # fmt: skip
+                                 params_synced=params_synced, edits=list(edits or []), anomaly=anomaly)  # fmt: skip
         self.capture = self.engine.capture
         self._stack = contextlib.ExitStack()
         self._open = False
