@@ -1,0 +1,116 @@
+"""One rank of `tests/test_fsdp_capture.py`: `capture()` on a sharded model in the user's own loop, with and without.
+
+Run by torchrun (gloo, CPU): `python -m torch.distributed.run --standalone --nproc_per_node=N fsdp_capture_ranks.py
+OUT CASE...`, a CASE being `<parallel>:<model>:<strategy>` (`fsdp2` · `accum` · `hsdp` · `tp`, `mlp` · `gpt2` ·
+`tp_mlp`, `hook` · `retain_grad` · `autograd_grad`). Each rank trains `STEPS` steps (SGD) twice from the same
+weights: once inside `capture(model, taps, strategy)` with every record kept, once without capture. It writes
+`OUT/<case>.rank<r>.pt`: the records of each step, the losses of both runs, the final weights of both (gathered
+whole) and, for `autograd_grad` under FSDP2, the refusal's message. The test computes every reference.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from sharded_ranks import _shard, batch, build_model, loss_of
+from torch import nn
+
+STEPS = 2
+MICRO = 2  # micro-batches per step under `accum`
+LR = 0.1
+#: Taps per model: parameters (a 3-row weight uneven over 2 and 4 ranks; GPT-2's root group: wte, ln_f) and
+#: activations (inside a sharded block).
+TAPS = {
+    "mlp": ["0:weight", "0:bias", "2:weight", "4:bias", "0:output", "3:output"],
+    "gpt2": ["transformer.wte:weight", "transformer.ln_f:bias", "transformer.h.0.mlp.c_fc:weight",
+             "transformer.h.0.attn.c_attn:bias", "transformer.h.0.mlp.c_fc:output", "transformer.h.0:output"],
+    "tp_mlp": ["fc1:weight", "fc1:bias", "fc2:weight", "fc2:bias", "fc1:output", "act:output", "fc2:output"],
+}  # fmt: skip
+
+
+def micro_batches(parallel: str, name: str, rank: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A rank's micro-batches of a step: its own under FSDP2/HSDP, rank 0's on every rank under TP."""
+    n = MICRO if parallel == "accum" else 1
+    data_rank = 0 if parallel == "tp" else rank
+    return [batch(name, data_rank, torch.float64, 100 * step + m) for m in range(n)]
+
+
+def _train(model: nn.Module, parallel: str, name: str, strategy: str | None, out: dict[str, Any]) -> None:
+    import torch.distributed as dist
+
+    from gradrunner import capture
+
+    rank = dist.get_rank()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    cap = None if strategy is None else capture(model, TAPS[name], strategy)
+    losses, records = [], []
+    with cap if cap is not None else _nothing():
+        for step in range(STEPS):
+            batches = micro_batches(parallel, name, rank, step)
+            total = torch.zeros((), dtype=torch.float64)
+            for m, (x, y) in enumerate(batches):
+                if parallel == "accum":
+                    model.set_requires_gradient_sync(m == len(batches) - 1)  # type: ignore[operator]
+                loss = loss_of(model, name, x, y) / len(batches)
+                if cap is not None:
+                    cap.backward(loss)
+                else:
+                    loss.backward()
+                total += loss.detach()
+            if cap is not None:
+                records.append(cap.records(total))
+            opt.step()
+            opt.zero_grad()
+            losses.append(total)
+    key = "captured" if strategy is not None else "plain"
+    out[f"{key}_losses"] = torch.stack(losses)
+    out[f"{key}_weights"] = {n: p.full_tensor().detach() for n, p in model.named_parameters()}  # type: ignore[attr-defined]
+    if cap is not None:
+        out["records"] = records
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def run_case(case: str, out_dir: Path) -> None:
+    import torch.distributed as dist
+
+    from gradrunner.errors import GradrunnerError
+
+    parallel, name, strategy = case.split(":")
+    out: dict[str, Any] = {}
+    for strat in (strategy, None):
+        model = build_model(name, torch.float64)
+        _shard(model, "fsdp2" if parallel == "accum" else parallel, dist.get_world_size())
+        try:
+            _train(model, parallel, name, strat, out)
+        except GradrunnerError as e:
+            out["refused"] = str(e)
+    torch.save(out, out_dir / f"{case.replace(':', '-')}.rank{dist.get_rank()}.pt")
+
+
+def main(argv: list[str]) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    (Path(argv[0]) / f"pid.rank{os.environ['RANK']}").write_text(str(os.getpid()))
+    dist.init_process_group("gloo")
+    try:
+        for case in argv[1:]:
+            run_case(case, Path(argv[0]))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
