@@ -2,7 +2,8 @@
 
 Run by torchrun (gloo, CPU): `python -m torch.distributed.run --standalone --nproc_per_node=N fsdp_capture_ranks.py
 OUT CASE...`, a CASE being `<parallel>:<model>:<strategy>` (`fsdp2` · `accum` · `hsdp` · `tp`, `mlp` · `gpt2` ·
-`tp_mlp`, `hook` · `retain_grad` · `autograd_grad`). Each rank trains `STEPS` steps (SGD) twice from the same
+`tp_mlp`, `hook` · `retain_grad` · `autograd_grad`; `record` as parallel: FSDP2 under `gradrunner.record`, every
+rank writing to `OUT/record-<model>-<strategy>`, the user calling `loss.backward()`). Each rank trains `STEPS` steps (SGD) twice from the same
 weights: once inside `capture(model, taps, strategy)` with every record kept, once without capture. It writes
 `OUT/<case>.rank<r>.pt`: the records of each step, the losses of both runs, the final weights of both (gathered
 whole) and, for `autograd_grad` under FSDP2, the refusal's message. The test computes every reference.
@@ -36,6 +37,27 @@ def micro_batches(parallel: str, name: str, rank: int, step: int) -> list[tuple[
     n = MICRO if parallel == "accum" else 1
     data_rank = 0 if parallel == "tp" else rank
     return [batch(name, data_rank, torch.float64, 100 * step + m) for m in range(n)]
+
+
+def _recorded(model: nn.Module, name: str, strategy: str, run_dir: Path, out: dict[str, Any]) -> None:
+    """The user's own FSDP2 loop under `record(model, taps, run_dir)`: no argument says it is distributed."""
+    import torch.distributed as dist
+
+    from gradrunner import record
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    with record(model, TAPS[name], run_dir, strategy=strategy) as rec:
+        for step in range(STEPS):
+            ((x, y),) = micro_batches("fsdp2", name, dist.get_rank(), step)
+            loss = loss_of(model, name, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+            losses.append(loss.detach())
+    out["captured_losses"] = torch.stack(losses)
+    out["captured_weights"] = {n: p.full_tensor().detach() for n, p in model.named_parameters()}  # type: ignore[attr-defined]
 
 
 def _train(model: nn.Module, parallel: str, name: str, strategy: str | None, out: dict[str, Any]) -> None:
@@ -89,9 +111,12 @@ def run_case(case: str, out_dir: Path) -> None:
     out: dict[str, Any] = {}
     for strat in (strategy, None):
         model = build_model(name, torch.float64)
-        _shard(model, "fsdp2" if parallel == "accum" else parallel, dist.get_world_size())
+        _shard(model, "fsdp2" if parallel in ("accum", "record") else parallel, dist.get_world_size())
         try:
-            _train(model, parallel, name, strat, out)
+            if parallel == "record" and strat is not None:
+                _recorded(model, name, strat, out_dir / case.replace(":", "-"), out)
+            else:
+                _train(model, parallel, name, strat, out)
         except GradrunnerError as e:
             out["refused"] = str(e)
     torch.save(out, out_dir / f"{case.replace(':', '-')}.rank{dist.get_rank()}.pt")

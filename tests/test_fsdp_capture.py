@@ -28,24 +28,27 @@ pytestmark = pytest.mark.slow
 
 CASES = {
     2: ["fsdp2:mlp:hook", "fsdp2:mlp:retain_grad", "fsdp2:mlp:autograd_grad", "fsdp2:gpt2:hook",
-        "fsdp2:gpt2:retain_grad", "accum:mlp:hook", "accum:mlp:retain_grad"],
+        "fsdp2:gpt2:retain_grad", "accum:mlp:hook", "accum:mlp:retain_grad", "record:mlp:hook", "record:gpt2:retain_grad"],
     4: ["hsdp:mlp:hook", "hsdp:mlp:retain_grad"],
 }  # fmt: skip
 ALL = [(w, c) for w, cases in CASES.items() for c in cases]
+CAPTURED = [(w, c) for w, c in ALL if not c.startswith("record")]
+RECORDED = [(w, c) for w, c in ALL if c.startswith("record")]
 #: float64 models: the sharded gradients differ from the unsharded ones by the order of the ranks' additions
 #: (a few roundings of 2**-52 ~ 2e-16); a mean's error is relative to the gradient's largest element.
 RTOL = 1e-12
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], list[dict[str, Any]]]:
-    out: dict[tuple[int, str], list[dict[str, Any]]] = {}
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, str], Any]:
+    out: dict[tuple[int, str], Any] = {}
     for world, cases in CASES.items():
         d = tmp_path_factory.mktemp(f"capture{world}")
         torchrun(world, d, cases, timeout=600, script="fsdp_capture_ranks.py")
         for case in cases:
             name = case.replace(":", "-")
             out[world, case] = [torch.load(d / f"{name}.rank{r}.pt", weights_only=False) for r in range(world)]
+            out[world, case, "dir"] = d / name
     return out
 
 
@@ -110,7 +113,7 @@ def assert_record(rec: Any, i: int, want: torch.Tensor, what: str) -> None:
         assert abs(got - v) <= RTOL * (abs(v) + (scale if col in ("mean", "std") else 0.0)), (what, col, got, v)
 
 
-@pytest.mark.parametrize(("world", "case"), ALL)
+@pytest.mark.parametrize(("world", "case"), CAPTURED)
 def test_records_equal_the_single_process_runs(results: Any, world: int, case: str) -> None:
     parallel, name, _ = case.split(":")
     ref = reference(world, parallel, name)
@@ -151,7 +154,8 @@ def test_loss_and_weights_are_bitwise_the_same_without_capture(results: Any, wor
 
 
 def test_records_are_the_same_on_every_rank_for_parameters_and_differ_for_activations(results: Any) -> None:
-    for (world, case), ranks in results.items():
+    for world, case in CAPTURED:
+        ranks = results[world, case]
         for step in range(STEPS):
             recs = [r["records"][step] for r in ranks]
             param = [i for i, k in enumerate(recs[0].keys) if not k.tap.endswith(":output")]
@@ -159,3 +163,21 @@ def test_records_are_the_same_on_every_rank_for_parameters_and_differ_for_activa
             for rec in recs[1:]:
                 np.testing.assert_array_equal(rec.stats["norm"][param], recs[0].stats["norm"][param])
                 assert (rec.stats["norm"][act] != recs[0].stats["norm"][act]).all(), (world, case)
+
+
+@pytest.mark.parametrize(("world", "case"), RECORDED)
+def test_record_in_a_users_fsdp2_loop_writes_every_ranks_rows_in_one_run_dir(results: Any, world: int, case: str) -> None:
+    from gradrunner.analysis import load
+
+    _, name, _ = case.split(":")
+    ref = reference(world, "fsdp2", name)
+    df = load(results[world, case, "dir"])
+    assert sorted(df["rank"].unique()) == list(range(world))
+    assert len(df) == STEPS * world * len(TAPS[name])  # one row per (step, rank, tap): nothing lost or doubled
+    for row in df.itertuples():
+        want = ref["steps"][row.step]
+        tap = f"{row.module}:{row.tap}" if ":" not in str(row.tap) else str(row.tap)
+        grad = want["acts"][row.rank, 0, tap] if tap.endswith(":output") else want["params"][tap]
+        for col, v in stats_of(grad).items():
+            scale = float(grad.abs().max()) if col in ("mean", "std") else 0.0
+            assert abs(getattr(row, col) - v) <= RTOL * (abs(v) + scale), (row.step, row.rank, tap, col)
