@@ -2,7 +2,8 @@
 
 Run by torchrun (gloo, CPU): `python -m torch.distributed.run --standalone --nproc_per_node=N fsdp_capture_ranks.py
 OUT CASE...`, a CASE being `<parallel>:<model>:<strategy>` (`fsdp2` · `accum` · `hsdp` · `tp`, `mlp` · `gpt2` ·
-`tp_mlp`, `hook` · `retain_grad` · `autograd_grad`; `record` as parallel: FSDP2 under `gradrunner.record`, every
+`tp_mlp`, `hook` · `retain_grad` · `autograd_grad`; `edits` / `hsdp+edits`: FSDP2 / HSDP with `EDITS`, and
+without capture the same edits cannot run, so the second run is plain; `record` as parallel: FSDP2 under `gradrunner.record`, every
 rank writing to `OUT/record-<model>-<strategy>`, the user calling `loss.backward()`). Each rank trains `STEPS` steps (SGD) twice from the same
 weights: once inside `capture(model, taps, strategy)` with every record kept, once without capture. It writes
 `OUT/<case>.rank<r>.pt`: the records of each step, the losses of both runs, the final weights of both (gathered
@@ -30,6 +31,13 @@ TAPS = {
              "transformer.h.0.attn.c_attn:bias", "transformer.h.0.mlp.c_fc:output", "transformer.h.0:output"],
     "tp_mlp": ["fc1:weight", "fc1:bias", "fc2:weight", "fc2:bias", "fc1:output", "act:output", "fc2:output"],
 }  # fmt: skip
+
+
+#: Edits on sharded parameters (`edits` / `hsdp+edits` cases): the global norm, the unsharded run's draws.
+EDITS = [{"tap": "0:weight", "clip_norm": 0.05}, {"tap": "2:weight", "noise_std": 0.01}, {"tap": "0:bias", "dropout": 0.5}]
+SEED = 7
+#: The layout each case's parallel shards with.
+SHARDING = {"accum": "fsdp2", "record": "fsdp2", "edits": "fsdp2", "hsdp+edits": "hsdp"}
 
 
 def micro_batches(parallel: str, name: str, rank: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -67,7 +75,8 @@ def _train(model: nn.Module, parallel: str, name: str, strategy: str | None, out
 
     rank = dist.get_rank()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    cap = None if strategy is None else capture(model, TAPS[name], strategy)
+    edits = EDITS if parallel.endswith("edits") else None
+    cap = None if strategy is None else capture(model, TAPS[name], strategy, edits=edits, seed=SEED)
     losses, records = [], []
     with cap if cap is not None else _nothing():
         for step in range(STEPS):
@@ -111,7 +120,7 @@ def run_case(case: str, out_dir: Path) -> None:
     out: dict[str, Any] = {}
     for strat in (strategy, None):
         model = build_model(name, torch.float64)
-        _shard(model, "fsdp2" if parallel in ("accum", "record") else parallel, dist.get_world_size())
+        _shard(model, SHARDING.get(parallel, parallel), dist.get_world_size())
         try:
             if parallel == "record" and strat is not None:
                 _recorded(model, name, strat, out_dir / case.replace(":", "-"), out)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from fsdp_capture_ranks import LR, STEPS, TAPS, micro_batches
+from fsdp_capture_ranks import EDITS, LR, SEED, STEPS, TAPS, micro_batches
 from sharded_ranks import build_model, loss_of
 from test_sharded_stats import torchrun
 
@@ -28,11 +28,13 @@ pytestmark = pytest.mark.slow
 
 CASES = {
     2: ["fsdp2:mlp:hook", "fsdp2:mlp:retain_grad", "fsdp2:mlp:autograd_grad", "fsdp2:gpt2:hook",
-        "fsdp2:gpt2:retain_grad", "accum:mlp:hook", "accum:mlp:retain_grad", "record:mlp:hook", "record:gpt2:retain_grad"],
-    4: ["hsdp:mlp:hook", "hsdp:mlp:retain_grad"],
+        "fsdp2:gpt2:retain_grad", "accum:mlp:hook", "accum:mlp:retain_grad", "record:mlp:hook", "record:gpt2:retain_grad",
+        "edits:mlp:hook"],
+    4: ["hsdp:mlp:hook", "hsdp:mlp:retain_grad", "hsdp+edits:mlp:retain_grad"],
 }  # fmt: skip
 ALL = [(w, c) for w, cases in CASES.items() for c in cases]
-CAPTURED = [(w, c) for w, c in ALL if not c.startswith("record")]
+CAPTURED = [(w, c) for w, c in ALL if not c.startswith("record") and "edits" not in c]
+EDITED = [(w, c) for w, c in ALL if "edits" in c]
 RECORDED = [(w, c) for w, c in ALL if c.startswith("record")]
 #: float64 models: the sharded gradients differ from the unsharded ones by the order of the ranks' additions
 #: (a few roundings of 2**-52 ~ 2e-16); a mean's error is relative to the gradient's largest element.
@@ -140,7 +142,7 @@ def test_records_equal_the_single_process_runs(results: Any, world: int, case: s
             np.testing.assert_allclose(float(r["captured_losses"][step]), float(want["losses"][rank]), rtol=RTOL)
 
 
-@pytest.mark.parametrize(("world", "case"), ALL)
+@pytest.mark.parametrize(("world", "case"), CAPTURED)
 def test_loss_and_weights_are_bitwise_the_same_without_capture(results: Any, world: int, case: str) -> None:
     parallel, name, _ = case.split(":")
     ref = reference(world, parallel, name)
@@ -181,3 +183,46 @@ def test_record_in_a_users_fsdp2_loop_writes_every_ranks_rows_in_one_run_dir(res
         for col, v in stats_of(grad).items():
             scale = float(grad.abs().max()) if col in ("mean", "std") else 0.0
             assert abs(getattr(row, col) - v) <= RTOL * (abs(v) + scale), (row.step, row.rank, tap, col)
+
+
+def edited_reference(world: int, name: str) -> tuple[list[Any], dict[str, torch.Tensor]]:
+    """gradrunner's edits on the unsharded model (the mean of the ranks' losses, one backward): records, weights."""
+    from gradrunner import capture
+
+    model = build_model(name, torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    records = []
+    with capture(model, TAPS[name], "hook", edits=EDITS, seed=SEED) as cap:
+        for step in range(STEPS):
+            loss = sum(loss_of(model, name, *micro_batches("fsdp2", name, r, step)[0]) for r in range(world)) / world
+            cap.backward(loss)
+            records.append(cap.records())
+            opt.step()
+            opt.zero_grad()
+    return records, {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("world", "case"), EDITED)
+def test_edits_on_sharded_gradients_are_the_unsharded_runs_edits(results: Any, world: int, case: str) -> None:
+    """clip_norm clips by the whole gradient's norm; noise_std and dropout draw what the unsharded run draws."""
+    name = case.split(":")[1]
+    want_recs, want_weights = edited_reference(world, name)
+    edited_taps = {e["tap"] for e in EDITS}
+    for r in results[world, case]:
+        for n, w in want_weights.items():  # training with the edits went where the unsharded edits went
+            torch.testing.assert_close(r["captured_weights"][n], w, rtol=RTOL, atol=RTOL)
+        for n in ("0.weight", "0.bias", "2.weight"):  # and the edits did change the training
+            assert not torch.equal(r["captured_weights"][n], r["plain_weights"][n]), n
+        for got, want in zip(r["records"], want_recs, strict=True):
+            rows = {k.tap: i for i, k in enumerate(want.keys)}
+            for i, key in enumerate(got.keys):
+                if key.tap not in edited_taps:
+                    continue
+                j = rows[key.tap]
+                assert got.edited[i] and want.edited[j], key.tap
+                for col in ("norm", "mean", "max"):  # the record: the gradient before the edit
+                    np.testing.assert_allclose(got.stats[col][i], want.stats[col][j], rtol=RTOL, atol=RTOL)
+                np.testing.assert_allclose(got.edited_norm[i], want.edited_norm[j], rtol=RTOL)
+                if key.tap == "0:weight":  # clipped to 0.05 as a whole, not each shard to 0.05
+                    assert got.stats["norm"][i] > 0.05
+                    assert got.edited_norm[i] == pytest.approx(0.05, rel=1e-4)
