@@ -2,7 +2,7 @@
 
 Run by torchrun (gloo, CPU): `python -m torch.distributed.run --standalone --nproc_per_node=N fsdp_capture_ranks.py
 OUT CASE...`, a CASE being `<parallel>:<model>:<strategy>` (`fsdp2` · `accum` · `hsdp` · `tp`, `mlp` · `gpt2` ·
-`tp_mlp`, `hook` · `retain_grad` · `autograd_grad`; `edits` / `hsdp+edits`: FSDP2 / HSDP with `EDITS`, and
+`tp_mlp`, `hook` · `retain_grad` · `autograd_grad`; `tpdt`: tensor parallel whose outputs stay DTensors; `edits` / `hsdp+edits`: FSDP2 / HSDP with `EDITS`, and
 without capture the same edits cannot run, so the second run is plain; `record` as parallel: FSDP2 under `gradrunner.record`, every
 rank writing to `OUT/record-<model>-<strategy>`, the user calling `loss.backward()`). Each rank trains `STEPS` steps (SGD) twice from the same
 weights: once inside `capture(model, taps, strategy)` with every record kept, once without capture. It writes
@@ -40,10 +40,27 @@ SEED = 7
 SHARDING = {"accum": "fsdp2", "record": "fsdp2", "edits": "fsdp2", "hsdp+edits": "hsdp"}
 
 
+def tp_dtensor_outputs(model: nn.Module, world: int) -> None:
+    """fc1 column-, fc2 row-parallel with DTensor outputs (`use_local_output=False`): forward hooks see DTensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"fc1": ColwiseParallel(use_local_output=False), "fc2": RowwiseParallel(use_local_output=False)}
+    parallelize_module(model, init_device_mesh("cpu", (world,)), plan)  # type: ignore[arg-type]
+
+
+def loss_on(model: nn.Module, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`loss_of`, the model's output made a plain tensor where it is a (replicated) DTensor."""
+    if name != "tp_mlp":
+        return loss_of(model, name, x, y)
+    out = model(x)
+    return nn.functional.mse_loss(out.full_tensor() if hasattr(out, "full_tensor") else out, y)
+
+
 def micro_batches(parallel: str, name: str, rank: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A rank's micro-batches of a step: its own under FSDP2/HSDP, rank 0's on every rank under TP."""
     n = MICRO if parallel == "accum" else 1
-    data_rank = 0 if parallel == "tp" else rank
+    data_rank = 0 if parallel.startswith("tp") else rank
     return [batch(name, data_rank, torch.float64, 100 * step + m) for m in range(n)]
 
 
@@ -58,7 +75,7 @@ def _recorded(model: nn.Module, name: str, strategy: str, run_dir: Path, out: di
     with record(model, TAPS[name], run_dir, strategy=strategy) as rec:
         for step in range(STEPS):
             ((x, y),) = micro_batches("fsdp2", name, dist.get_rank(), step)
-            loss = loss_of(model, name, x, y)
+            loss = loss_on(model, name, x, y)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -85,7 +102,7 @@ def _train(model: nn.Module, parallel: str, name: str, strategy: str | None, out
             for m, (x, y) in enumerate(batches):
                 if parallel == "accum":
                     model.set_requires_gradient_sync(m == len(batches) - 1)  # type: ignore[operator]
-                loss = loss_of(model, name, x, y) / len(batches)
+                loss = loss_on(model, name, x, y) / len(batches)
                 if cap is not None:
                     cap.backward(loss)
                 else:
@@ -120,7 +137,10 @@ def run_case(case: str, out_dir: Path) -> None:
     out: dict[str, Any] = {}
     for strat in (strategy, None):
         model = build_model(name, torch.float64)
-        _shard(model, SHARDING.get(parallel, parallel), dist.get_world_size())
+        if parallel == "tpdt":
+            tp_dtensor_outputs(model, dist.get_world_size())
+        else:
+            _shard(model, SHARDING.get(parallel, parallel), dist.get_world_size())
         try:
             if parallel == "record" and strat is not None:
                 _recorded(model, name, strat, out_dir / case.replace(":", "-"), out)

@@ -8,6 +8,9 @@ capture. The references are computed here without gradrunner, on the same model 
 - parameter taps: the statistics of the whole gradient of the mean of the ranks' losses (what FSDP2 averages;
   under accumulation the sum over micro-batches, each loss divided by their number), the same on every rank;
 - activation taps: DDP's convention, per rank, the gradient of that rank's own (micro-)batch loss;
+- tensor parallel (every rank the same batch): a tap whose gradient is a `DTensor` (`tpdt`: outputs kept as
+  DTensors) is one tensor, merged over the ranks like a parameter; a colwise output TP hands on as a plain
+  tensor (`tp`: the default `use_local_output`) is the rank's columns, as it holds them;
 - loss and final weights: bitwise the same with and without capture on each rank, and equal to the unsharded
   run's (float64: the ranks' reductions add in another order, `RTOL`).
 """
@@ -29,7 +32,7 @@ pytestmark = pytest.mark.slow
 CASES = {
     2: ["fsdp2:mlp:hook", "fsdp2:mlp:retain_grad", "fsdp2:mlp:autograd_grad", "fsdp2:gpt2:hook",
         "fsdp2:gpt2:retain_grad", "accum:mlp:hook", "accum:mlp:retain_grad", "record:mlp:hook", "record:gpt2:retain_grad",
-        "edits:mlp:hook"],
+        "edits:mlp:hook", "tp:tp_mlp:hook", "tpdt:tp_mlp:hook", "tpdt:tp_mlp:retain_grad", "tpdt:tp_mlp:autograd_grad"],
     4: ["hsdp:mlp:hook", "hsdp:mlp:retain_grad", "hsdp+edits:mlp:retain_grad"],
 }  # fmt: skip
 ALL = [(w, c) for w, cases in CASES.items() for c in cases]
@@ -129,7 +132,10 @@ def test_records_equal_the_single_process_runs(results: Any, world: int, case: s
                 module, what = _split(key.tap)
                 where = f"rank {rank} step {step} {key.tap} call {key.call} micro {micro[i]}"
                 if what == "output":  # per rank, from its own batch
-                    assert_record(rec, i, want["acts"][rank, micro[i] or 0, key.tap], where)
+                    grad = want["acts"][rank, micro[i] or 0, key.tap]
+                    if parallel == "tp" and key.tap != "fc2:output":  # TP hands on the rank's columns, no DTensor
+                        grad = grad[:, 3 * rank : 3 * rank + 3]
+                    assert_record(rec, i, grad, where)
                 else:  # the whole parameter's gradient, the same on every rank
                     assert micro[i] is None, where  # one record for the step, at the sync
                     assert_record(rec, i, want["params"][key.tap], where)
@@ -157,6 +163,8 @@ def test_loss_and_weights_are_bitwise_the_same_without_capture(results: Any, wor
 
 def test_records_are_the_same_on_every_rank_for_parameters_and_differ_for_activations(results: Any) -> None:
     for world, case in CAPTURED:
+        if case.startswith("tp"):  # every rank the same batch: see the TP test
+            continue
         ranks = results[world, case]
         for step in range(STEPS):
             recs = [r["records"][step] for r in ranks]

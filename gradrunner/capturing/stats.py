@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from gradrunner.capturing import fused_stats
-from gradrunner.capturing.dtensors import is_dtensor, local_piece
+from gradrunner.capturing.dtensors import is_dtensor
 from gradrunner.capturing.extras import histogram_counts, per_example_norms
 from gradrunner.capturing.reductions import (
     INT_VIEW,
@@ -175,11 +175,9 @@ class Collector:
         if grad is None:
             self._pending.append(Pending(order, key, (), 0, False, None, None, None, value_norm))
             return
-        if is_dtensor(grad):
-            if not batched:  # a sharded parameter's gradient: reduced here, merged over the ranks in `finish`
-                self._add_sharded(key, grad, order, value_norm)
-                return
-            grad = local_piece(grad)  # an activation under tensor parallel: the statistics of what this rank holds
+        if is_dtensor(grad):  # sharded (a parameter's, or an activation's under TP): one tensor, merged in `finish`
+            self._add_sharded(key, grad, order, value_norm)
+            return
         if grad.layout != torch.strided:
             if grad.layout == torch.sparse_coo and self._values_none and not self.histogram and not (
                 self.per_example and batched
