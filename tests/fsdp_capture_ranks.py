@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from sharded_ranks import _shard, batch, build_model, loss_of
+from sharded_ranks import Counting, _shard, batch, build_model, loss_of
 from torch import nn
 
 STEPS = 2
@@ -109,7 +109,9 @@ def _train(model: nn.Module, parallel: str, name: str, strategy: str | None, out
                     loss.backward()
                 total += loss.detach()
             if cap is not None:
-                records.append(cap.records(total))
+                with Counting() as counted:  # every collective the step's records issue
+                    records.append(cap.records(total))
+                out.setdefault("collectives", []).append((counted.total, counted.ops))
             opt.step()
             opt.zero_grad()
             losses.append(total)

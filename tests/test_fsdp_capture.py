@@ -234,3 +234,10 @@ def test_edits_on_sharded_gradients_are_the_unsharded_runs_edits(results: Any, w
                 if key.tap == "0:weight":  # clipped to 0.05 as a whole, not each shard to 0.05
                     assert got.stats["norm"][i] > 0.05
                     assert got.edited_norm[i] == pytest.approx(0.05, rel=1e-4)
+
+
+@pytest.mark.parametrize(("world", "case"), CAPTURED + EDITED)
+def test_a_captured_steps_records_cost_one_sum_and_one_max_all_reduce(results: Any, world: int, case: str) -> None:
+    """The merge of every sharded record of the step: one packed SUM and one MAX, no gather, nothing per tap."""
+    for r in results[world, case]:
+        assert r["collectives"] == [(2, ["SUM", "MAX"])] * STEPS, r["collectives"]
