@@ -108,11 +108,12 @@ def _train(model: nn.Module, parallel: str, name: str, strategy: str | None, out
                 else:
                     loss.backward()
                 total += loss.detach()
+            before = cap.snapshot_params() if cap is not None else None
+            opt.step()
             if cap is not None:
                 with Counting() as counted:  # every collective the step's records issue
-                    records.append(cap.records(total))
+                    records.append(cap.records(total, before))  # with the parameter taps' update norms
                 out.setdefault("collectives", []).append((counted.total, counted.ops))
-            opt.step()
             opt.zero_grad()
             losses.append(total)
     key = "captured" if strategy is not None else "plain"

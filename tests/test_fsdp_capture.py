@@ -140,6 +140,8 @@ def test_records_equal_the_single_process_runs(results: Any, world: int, case: s
                     assert micro[i] is None, where  # one record for the step, at the sync
                     assert_record(rec, i, want["params"][key.tap], where)
                     np.testing.assert_allclose(rec.value_norm[i], float(want["values"][key.tap].norm()), rtol=RTOL)
+                    # plain SGD: the whole parameter moved by lr times the whole gradient
+                    np.testing.assert_allclose(rec.update_norm[i], LR * float(want["params"][key.tap].norm()), rtol=1e-9)
                 seen.add((key.tap, micro[i]))
             n_micro = 2 if parallel == "accum" else 1
             wanted = {(t, None) for t in TAPS[name] if not t.endswith(":output")}
