@@ -2,7 +2,7 @@
 
 Run by torchrun (gloo, CPU): `python -m torch.distributed.run --standalone --nproc_per_node=N fsdp_capture_ranks.py
 OUT CASE...`, a CASE being `<parallel>:<model>:<strategy>` (`fsdp2` · `accum` · `hsdp` · `tp`, `mlp` · `gpt2` ·
-`tp_mlp`, `hook` · `retain_grad` · `autograd_grad`; `tpdt`: tensor parallel whose outputs stay DTensors; `edits` / `hsdp+edits`: FSDP2 / HSDP with `EDITS`, and
+`tp_mlp`, `hook` · `retain_grad` · `autograd_grad`; `tpdt`: tensor parallel whose outputs stay DTensors; `submesh`: FSDP2 on a mesh of one process (refused); `edits` / `hsdp+edits`: FSDP2 / HSDP with `EDITS`, and
 without capture the same edits cannot run, so the second run is plain; `record` as parallel: FSDP2 under `gradrunner.record`, every
 rank writing to `OUT/record-<model>-<strategy>`, the user calling `loss.backward()`). Each rank trains `STEPS` steps (SGD) twice from the same
 weights: once inside `capture(model, taps, strategy)` with every record kept, once without capture. It writes
@@ -47,6 +47,15 @@ def tp_dtensor_outputs(model: nn.Module, world: int) -> None:
 
     plan = {"fc1": ColwiseParallel(use_local_output=False), "fc2": RowwiseParallel(use_local_output=False)}
     parallelize_module(model, init_device_mesh("cpu", (world,)), plan)  # type: ignore[arg-type]
+
+
+def fsdp_on_a_sub_mesh(model: nn.Module, world: int) -> None:
+    """FSDP2 over the size-1 `shard` dim of a (world, 1) mesh: each parameter's mesh spans one process only."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "shard"))
+    fully_shard(model, mesh=mesh["shard"])
 
 
 def loss_on(model: nn.Module, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -142,6 +151,8 @@ def run_case(case: str, out_dir: Path) -> None:
         model = build_model(name, torch.float64)
         if parallel == "tpdt":
             tp_dtensor_outputs(model, dist.get_world_size())
+        elif parallel == "submesh":
+            fsdp_on_a_sub_mesh(model, dist.get_world_size())
         else:
             _shard(model, SHARDING.get(parallel, parallel), dist.get_world_size())
         try:

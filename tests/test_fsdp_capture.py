@@ -32,11 +32,12 @@ pytestmark = pytest.mark.slow
 CASES = {
     2: ["fsdp2:mlp:hook", "fsdp2:mlp:retain_grad", "fsdp2:mlp:autograd_grad", "fsdp2:gpt2:hook",
         "fsdp2:gpt2:retain_grad", "accum:mlp:hook", "accum:mlp:retain_grad", "record:mlp:hook", "record:gpt2:retain_grad",
-        "edits:mlp:hook", "tp:tp_mlp:hook", "tpdt:tp_mlp:hook", "tpdt:tp_mlp:retain_grad", "tpdt:tp_mlp:autograd_grad"],
+        "edits:mlp:hook", "tp:tp_mlp:hook", "tpdt:tp_mlp:hook", "tpdt:tp_mlp:retain_grad", "tpdt:tp_mlp:autograd_grad",
+        "submesh:mlp:hook"],
     4: ["hsdp:mlp:hook", "hsdp:mlp:retain_grad", "hsdp+edits:mlp:retain_grad"],
 }  # fmt: skip
 ALL = [(w, c) for w, cases in CASES.items() for c in cases]
-CAPTURED = [(w, c) for w, c in ALL if not c.startswith("record") and "edits" not in c]
+CAPTURED = [(w, c) for w, c in ALL if not c.startswith(("record", "submesh")) and "edits" not in c]
 EDITED = [(w, c) for w, c in ALL if "edits" in c]
 RECORDED = [(w, c) for w, c in ALL if c.startswith("record")]
 #: float64 models: the sharded gradients differ from the unsharded ones by the order of the ranks' additions
@@ -243,3 +244,10 @@ def test_a_captured_steps_records_cost_one_sum_and_one_max_all_reduce(results: A
     """The merge of every sharded record of the step: one packed SUM and one MAX, no gather, nothing per tap."""
     for r in results[world, case]:
         assert r["collectives"] == [(2, ["SUM", "MAX"])] * STEPS, r["collectives"]
+
+
+def test_parameter_taps_on_a_mesh_that_spans_part_of_the_world_are_refused_in_one_paragraph(results: Any) -> None:
+    for r in results[2, "submesh:mlp:hook"]:
+        assert "records" not in r and "captured_losses" not in r  # refused as the capture opened: no step ran
+        msg = r["refused"]
+        assert "0:weight" in msg and "mesh of 1 of the 2 processes" in msg and "\n" not in msg, msg
