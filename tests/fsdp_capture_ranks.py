@@ -2,7 +2,7 @@
 
 Run by torchrun (gloo, CPU): `python -m torch.distributed.run --standalone --nproc_per_node=N fsdp_capture_ranks.py
 OUT CASE...`, a CASE being `<parallel>:<model>:<strategy>` (`fsdp2` · `accum` · `hsdp` · `tp`, `mlp` · `gpt2` ·
-`tp_mlp`, `hook` · `retain_grad` · `autograd_grad`; `tpdt`: tensor parallel whose outputs stay DTensors; `submesh`: FSDP2 on a mesh of one process (refused); `edits` / `hsdp+edits`: FSDP2 / HSDP with `EDITS`, and
+`tp_mlp`, `hook` · `retain_grad` · `autograd_grad`; `tpdt`: tensor parallel whose outputs stay DTensors; `submesh`: FSDP2 on a mesh of one process (refused); `edits` / `hsdp+edits` / `tp+edits`: FSDP2 / HSDP / TP with `EDITS`, and
 without capture the same edits cannot run, so the second run is plain; `record` as parallel: FSDP2 under `gradrunner.record`, every
 rank writing to `OUT/record-<model>-<strategy>`, the user calling `loss.backward()`). Each rank trains `STEPS` steps (SGD) twice from the same
 weights: once inside `capture(model, taps, strategy)` with every record kept, once without capture. It writes
@@ -34,10 +34,14 @@ TAPS = {
 
 
 #: Edits on sharded parameters (`edits` / `hsdp+edits` cases): the global norm, the unsharded run's draws.
-EDITS = [{"tap": "0:weight", "clip_norm": 0.05}, {"tap": "2:weight", "noise_std": 0.01}, {"tap": "0:bias", "dropout": 0.5}]
+EDITS = {
+    "mlp": [{"tap": "0:weight", "clip_norm": 0.05}, {"tap": "2:weight", "noise_std": 0.01}, {"tap": "0:bias", "dropout": 0.5}],
+    "tp_mlp": [{"tap": "fc1:weight", "clip_norm": 0.05}, {"tap": "fc2:weight", "noise_std": 0.01},
+               {"tap": "fc2:bias", "dropout": 0.5}],  # Shard(0), Shard(1), Replicate
+}  # fmt: skip
 SEED = 7
 #: The layout each case's parallel shards with.
-SHARDING = {"accum": "fsdp2", "record": "fsdp2", "edits": "fsdp2", "hsdp+edits": "hsdp"}
+SHARDING = {"accum": "fsdp2", "record": "fsdp2", "edits": "fsdp2", "hsdp+edits": "hsdp", "tp+edits": "tp"}
 
 
 def tp_dtensor_outputs(model: nn.Module, world: int) -> None:
@@ -101,7 +105,7 @@ def _train(model: nn.Module, parallel: str, name: str, strategy: str | None, out
 
     rank = dist.get_rank()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    edits = EDITS if parallel.endswith("edits") else None
+    edits = EDITS[name] if parallel.endswith("edits") else None
     cap = None if strategy is None else capture(model, TAPS[name], strategy, edits=edits, seed=SEED)
     losses, records = [], []
     with cap if cap is not None else _nothing():

@@ -33,7 +33,7 @@ CASES = {
     2: ["fsdp2:mlp:hook", "fsdp2:mlp:retain_grad", "fsdp2:mlp:autograd_grad", "fsdp2:gpt2:hook",
         "fsdp2:gpt2:retain_grad", "accum:mlp:hook", "accum:mlp:retain_grad", "record:mlp:hook", "record:gpt2:retain_grad",
         "edits:mlp:hook", "tp:tp_mlp:hook", "tpdt:tp_mlp:hook", "tpdt:tp_mlp:retain_grad", "tpdt:tp_mlp:autograd_grad",
-        "submesh:mlp:hook"],
+        "submesh:mlp:hook", "tp+edits:tp_mlp:hook"],
     4: ["hsdp:mlp:hook", "hsdp:mlp:retain_grad", "hsdp+edits:mlp:retain_grad"],
 }  # fmt: skip
 ALL = [(w, c) for w, cases in CASES.items() for c in cases]
@@ -196,16 +196,16 @@ def test_record_in_a_users_fsdp2_loop_writes_every_ranks_rows_in_one_run_dir(res
             assert abs(getattr(row, col) - v) <= RTOL * (abs(v) + scale), (row.step, row.rank, tap, col)
 
 
-def edited_reference(world: int, name: str) -> tuple[list[Any], dict[str, torch.Tensor]]:
+def edited_reference(world: int, parallel: str, name: str) -> tuple[list[Any], dict[str, torch.Tensor]]:
     """gradrunner's edits on the unsharded model (the mean of the ranks' losses, one backward): records, weights."""
     from gradrunner import capture
 
     model = build_model(name, torch.float64)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     records = []
-    with capture(model, TAPS[name], "hook", edits=EDITS, seed=SEED) as cap:
+    with capture(model, TAPS[name], "hook", edits=EDITS[name], seed=SEED) as cap:
         for step in range(STEPS):
-            loss = sum(loss_of(model, name, *micro_batches("fsdp2", name, r, step)[0]) for r in range(world)) / world
+            loss = sum(loss_of(model, name, *micro_batches(parallel, name, r, step)[0]) for r in range(world)) / world
             cap.backward(loss)
             records.append(cap.records())
             opt.step()
@@ -216,13 +216,14 @@ def edited_reference(world: int, name: str) -> tuple[list[Any], dict[str, torch.
 @pytest.mark.parametrize(("world", "case"), EDITED)
 def test_edits_on_sharded_gradients_are_the_unsharded_runs_edits(results: Any, world: int, case: str) -> None:
     """clip_norm clips by the whole gradient's norm; noise_std and dropout draw what the unsharded run draws."""
-    name = case.split(":")[1]
-    want_recs, want_weights = edited_reference(world, name)
-    edited_taps = {e["tap"] for e in EDITS}
+    parallel, name, _ = case.split(":")
+    want_recs, want_weights = edited_reference(world, parallel, name)
+    edited_taps = {e["tap"] for e in EDITS[name]}
+    clipped = EDITS[name][0]["tap"]
     for r in results[world, case]:
         for n, w in want_weights.items():  # training with the edits went where the unsharded edits went
             torch.testing.assert_close(r["captured_weights"][n], w, rtol=RTOL, atol=RTOL)
-        for n in ("0.weight", "0.bias", "2.weight"):  # and the edits did change the training
+        for n in {t.replace(":", ".") for t in edited_taps}:  # and the edits did change the training
             assert not torch.equal(r["captured_weights"][n], r["plain_weights"][n]), n
         for got, want in zip(r["records"], want_recs, strict=True):
             rows = {k.tap: i for i, k in enumerate(want.keys)}
@@ -234,7 +235,7 @@ def test_edits_on_sharded_gradients_are_the_unsharded_runs_edits(results: Any, w
                 for col in ("norm", "mean", "max"):  # the record: the gradient before the edit
                     np.testing.assert_allclose(got.stats[col][i], want.stats[col][j], rtol=RTOL, atol=RTOL)
                 np.testing.assert_allclose(got.edited_norm[i], want.edited_norm[j], rtol=RTOL)
-                if key.tap == "0:weight":  # clipped to 0.05 as a whole, not each shard to 0.05
+                if key.tap == clipped:  # clipped to 0.05 as a whole, not each shard to 0.05
                     assert got.stats["norm"][i] > 0.05
                     assert got.edited_norm[i] == pytest.approx(0.05, rel=1e-4)
 
