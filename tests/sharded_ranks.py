@@ -83,6 +83,22 @@ def _shard(model: nn.Module, parallel: str, world: int) -> None:
     fully_shard(model, mesh=mesh)
 
 
+def sharded_records(
+    keys: list[Any], grads: list[torch.Tensor | None], *, tensors: list[torch.Tensor | None] | None = None,
+    values: str = "none", sample_size: int = 64, seed: int = 0, histogram: bool = False,
+) -> Any:  # fmt: skip
+    """`Collector` over a list of (possibly DTensor) parameter gradients: the records of the whole ones."""
+    from gradrunner.capturing.dtensors import local_piece
+    from gradrunner.capturing.extras import value_norm
+    from gradrunner.capturing.stats import Collector
+
+    col = Collector(values, sample_size, seed, histogram=histogram)
+    for i, (key, g) in enumerate(zip(keys, grads, strict=True)):
+        t = None if tensors is None else tensors[i]
+        col.add(key, g, batched=False, value_norm=None if t is None else value_norm(local_piece(t)))
+    return col.finish()
+
+
 class Counting:
     """Every collective issued inside the block, from the process groups' sequence numbers, and the all-reduce ops."""
 
@@ -113,7 +129,7 @@ class Counting:
 def run_case(case: str, out: Path) -> None:
     import torch.distributed as dist
 
-    from gradrunner.capturing.sharded import on_sharded_grads, placement_of, sharded_records
+    from gradrunner.capturing.sharded import on_sharded_grads, placement_of
     from gradrunner.records.columns import TapKey
 
     parallel, name, dtype_name = case.split(":")

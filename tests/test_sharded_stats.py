@@ -26,10 +26,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import cli_env
-from sharded_ranks import SAMPLE, batch, build_model, loss_of
+from sharded_ranks import SAMPLE, batch, build_model, loss_of, sharded_records
 
 from gradrunner.capturing.extras import value_norm
-from gradrunner.capturing.sharded import sharded_records
 from gradrunner.capturing.stats import Collector
 from gradrunner.records.columns import STAT_COLUMNS, StepRecords, TapKey
 
@@ -53,7 +52,7 @@ MERGE_RTOL = 1e-13
 E2E_RTOL = {"float64": 1e-13, "float32": 1e-6}
 
 
-def torchrun(world: int, out: Path, cases: list[str], timeout: float = 300) -> None:
+def torchrun(world: int, out: Path, cases: list[str], timeout: float = 300, script: str = "sharded_ranks.py") -> None:
     """torchrun in a session of its own; on a time-out or failure torchrun and every rank are killed.
 
     torchrun starts each rank in a session of its own (`start_new_session`), so killing torchrun's group
@@ -61,7 +60,7 @@ def torchrun(world: int, out: Path, cases: list[str], timeout: float = 300) -> N
     the pid each wrote, checked to be our `sharded_ranks.py` with this `out`) is killed with its group.
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(HERE / "sharded_ranks.py"), str(out), *cases]  # fmt: skip
+           str(HERE / script), str(out), *cases]  # fmt: skip
     proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     log = ""
@@ -75,18 +74,18 @@ def torchrun(world: int, out: Path, cases: list[str], timeout: float = 300) -> N
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
-        for pid in ranks_left(out):
+        for pid in ranks_left(out, script):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while ranks_left(out) and time.monotonic() < deadline:  # killed: gone as soon as they are reaped
+        while ranks_left(out, script) and time.monotonic() < deadline:  # killed: gone as soon as they are reaped
             time.sleep(0.1)
-        assert not ranks_left(out), "ranks outlived the test"
+        assert not ranks_left(out, script), "ranks outlived the test"
     errors = [line for line in log.splitlines() if line.startswith("[rank") and "Error" in line]
     assert proc.returncode == 0, "\n".join(errors[:8]) + "\n" + log[-3000:]
 
 
-def ranks_left(out: Path) -> list[int]:
+def ranks_left(out: Path, script: str = "sharded_ranks.py") -> list[int]:
     """The pids of this run's ranks that still run (a pid reused by another program is not ours)."""
     alive = []
     for f in out.glob("pid.rank*"):
@@ -95,7 +94,7 @@ def ranks_left(out: Path) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"sharded_ranks.py" in cmdline and os.fsencode(out) in cmdline:
+        if os.fsencode(script) in cmdline and os.fsencode(out) in cmdline:
             alive.append(pid)
     return alive
 

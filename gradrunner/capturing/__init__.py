@@ -16,7 +16,10 @@ Knows nothing of Hydra, Parquet or the runner (import-linter checks it).
 | `session` | `capture(model, taps, strategy=...)`, the context manager |
 | `firing` | the session's forward side: taps fire, each firing a slot the strategy attaches to |
 | `backwards` | the session's backward side: each backward's begin and end (its own or the user's), the step's records |
-| `params` | parameter taps, read one way: held gradient edges, or `.grad` after DDP's synchronisation |
+| `params` | parameter taps, read one way: held gradient edges, or `.grad` after DDP's or FSDP2's synchronisation |
+| `dtensors` | telling sharded tensors (`DTensor`: FSDP2, HSDP, TP) apart without importing DTensor's machinery |
+| `sharded` | statistics of sharded tensors from local pieces, merged by placement in one SUM and one MAX all-reduce |
+| `sharded_rows` | `Collector`'s sharded records of a step: reduced as they arrive, merged once in `finish` |
 | `grads` | `Grads`: the last backward's kept gradients, by tap and call |
 | `per_example` | per-example norms of parameters (`PerExampleNorms`): each row's share of `.grad`, during backward |
 | `per_example_layers`, `per_example_math` | the supported layers' shares, and their row norms (ghost or materialised) |

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from gradrunner.capturing.dtensors import is_dtensor, like
 from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_ASSIGNED, NOT_CALLED
 from gradrunner.capturing.per_example_check import OUTSIDE, PerExampleWarning, failed
@@ -60,6 +61,8 @@ def unscaled(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     In float32 at least (statistics are float32 anyway): a float16 gradient divided by the scale could
     underflow. A new tensor: the caller's gradient is untouched.
     """
+    if is_dtensor(grad):  # a sharded gradient: its piece, still placed as it was
+        return like(grad, unscaled(grad.to_local(), scale))  # type: ignore[attr-defined]
     wide = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
     return wide * scale.to(device=grad.device, dtype=wide.dtype)
 

@@ -42,12 +42,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 
+from gradrunner.capturing.dtensors import Whole, is_dtensor, like, local_piece
 from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.grad_context import in_backward, reentrant_checkpoint
 from gradrunner.capturing.taps import Tap, resolve_taps
@@ -73,54 +75,71 @@ def generator_seed(seed: int, step: int, tap: str, call: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _random(g: torch.Tensor, seed: int, normal: bool) -> torch.Tensor:
-    """float32 uniform or normal numbers of `g`'s shape on its device, from a generator seeded with `seed`."""
+def _random(g: torch.Tensor, seed: int, normal: bool, whole: Whole | None = None) -> torch.Tensor:
+    """float32 uniform or normal numbers of `g`'s shape on its device, from a generator seeded with `seed`.
+
+    A piece of a sharded gradient (`whole`) gets its elements' numbers of the whole gradient's draw: the
+    numbers the unsharded run draws for them.
+    """
     gen = torch.Generator(device=g.device)
     gen.manual_seed(seed)
     draw = torch.randn if normal else torch.rand
+    if whole is not None:
+        return draw(whole.shape, generator=gen, device=g.device, dtype=torch.float32).reshape(-1)[
+            whole.positions.to(g.device)
+        ].view(g.shape)
     return draw(g.shape, generator=gen, device=g.device, dtype=torch.float32)
 
 
-def _scale(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+def _scale(v: float | Mask, g: torch.Tensor, seed: int, whole: Whole | None = None) -> torch.Tensor:
     assert isinstance(v, float)
     return torch.zeros_like(g) if v == 0.0 else g * v
 
 
-def _clip_norm(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+def _clip_norm(v: float | Mask, g: torch.Tensor, seed: int, whole: Whole | None = None) -> torch.Tensor:
     assert isinstance(v, float)
-    norm = torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None)
+    wide = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None
+    if whole is not None:  # the whole gradient's norm: this piece's sum of squares, summed over the ranks
+        norm = whole.total(torch.linalg.vector_norm(g, dtype=torch.float64).square()).sqrt().to(wide or g.dtype)
+    else:
+        norm = torch.linalg.vector_norm(g, dtype=wide)
     return g * torch.clamp(v / (norm + 1e-6), max=1.0).to(g.dtype)
 
 
-def _clip_value(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+def _clip_value(v: float | Mask, g: torch.Tensor, seed: int, whole: Whole | None = None) -> torch.Tensor:
     assert isinstance(v, float)
     return g.clamp(-v, v)
 
 
-def _mask(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+def _mask(v: float | Mask, g: torch.Tensor, seed: int, whole: Whole | None = None) -> torch.Tensor:
     assert isinstance(v, Mask)
-    dim = v.dim % g.dim()
-    shape = [1] * g.dim()
-    shape[dim] = -1
-    keep = _keep_mask(v.keep, g.shape[dim], g.device).view(shape)
-    return torch.where(keep, g, torch.zeros((), dtype=g.dtype, device=g.device))
+    shape = g.shape if whole is None else whole.shape
+    dim = v.dim % len(shape)
+    keep = _keep_mask(v.keep, shape[dim], g.device)
+    if whole is not None:  # each element's index along `dim` in the whole gradient
+        inner = math.prod(shape[dim + 1 :])
+        return torch.where(keep[(whole.positions.to(g.device) // inner) % shape[dim]].view(g.shape), g,
+                           torch.zeros((), dtype=g.dtype, device=g.device))  # fmt: skip
+    view = [1] * g.dim()
+    view[dim] = -1
+    return torch.where(keep.view(view), g, torch.zeros((), dtype=g.dtype, device=g.device))
 
 
-def _dropout(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+def _dropout(v: float | Mask, g: torch.Tensor, seed: int, whole: Whole | None = None) -> torch.Tensor:
     assert isinstance(v, float)
     if v >= 1.0:
         return torch.zeros_like(g)
-    kept = _random(g, seed, normal=False) >= v
+    kept = _random(g, seed, False, whole) >= v
     return torch.where(kept, g * (1.0 / (1.0 - v)), torch.zeros((), dtype=g.dtype, device=g.device))
 
 
-def _noise_std(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+def _noise_std(v: float | Mask, g: torch.Tensor, seed: int, whole: Whole | None = None) -> torch.Tensor:
     assert isinstance(v, float)
-    return g + v * _random(g, seed, normal=True).to(g.dtype)
+    return g + v * _random(g, seed, True, whole).to(g.dtype)
 
 
 #: How each operation of `config.edits.OPERATIONS` (the one list of names and checks) changes a gradient.
-APPLY: dict[str, Callable[[float | Mask, torch.Tensor, int], torch.Tensor]] = {
+APPLY: dict[str, Callable[[float | Mask, torch.Tensor, int, Whole | None], torch.Tensor]] = {
     "scale": _scale, "clip_norm": _clip_norm, "clip_value": _clip_value, "mask": _mask, "dropout": _dropout,
     "noise_std": _noise_std,
 }  # fmt: skip
@@ -128,16 +147,18 @@ if APPLY.keys() != OPERATIONS.keys():  # a name added to one list and not the ot
     raise ImportError(f"edit operations out of step: checked {sorted(OPERATIONS)}, applied {sorted(APPLY)}")
 
 
-def apply_edit(edit: Edit, g: torch.Tensor, seed: int = 0) -> torch.Tensor:
+def apply_edit(edit: Edit, g: torch.Tensor, seed: int = 0, whole: Whole | None = None) -> torch.Tensor:
     """`g` with `edit` applied (a new tensor; `g` is not changed). `seed`: for dropout and noise_std.
 
     Example::
 
         apply_edit(Edit("fc1:output", "clip_value", 0.5), torch.tensor([-2.0, 0.1]))   # tensor([-0.5, 0.1])
 
-    No host sync: every operation stays on `g`'s device.
+    No host sync: every operation stays on `g`'s device. With `whole`, `g` is this rank's piece of a
+    sharded gradient: it gets what the edit of the whole gradient gives its elements (the whole norm,
+    the whole draw; `clip_norm` is then a collective).
     """
-    return APPLY[edit.op](edit.value, g, seed)
+    return APPLY[edit.op](edit.value, g, seed, whole)
 
 
 #: `mask`'s boolean vectors, made once per (indices, size, device): a copy to an accelerator from host
@@ -155,11 +176,13 @@ def _keep_mask(keep: tuple[int, ...], size: int, device: torch.device) -> torch.
     return mask
 
 
-def apply_all(edits: Sequence[Edit], g: torch.Tensor, seed: int, step: int, tap: str, call: int) -> torch.Tensor:
+def apply_all(
+    edits: Sequence[Edit], g: torch.Tensor, seed: int, step: int, tap: str, call: int, whole: Whole | None = None
+) -> torch.Tensor:
     """`edits` applied to `g` one after the other (config order); random ones seeded per (seed, step, tap, call)."""
     for k, edit in enumerate(edits):
         # Two random edits on one tap draw different numbers: the entry's index is part of the seed.
-        g = apply_edit(edit, g, generator_seed(seed, step, f"{tap}#{edit.index}" if k else tap, call))
+        g = apply_edit(edit, g, generator_seed(seed, step, f"{tap}#{edit.index}" if k else tap, call), whole)
     return g
 
 
@@ -217,9 +240,11 @@ class Edits:
       the step's backwards, for its record (`forget_step()` once the step's records are taken).
     """
 
-    def __init__(self, model: nn.Module, entries: object, seed: int = 0) -> None:
+    def __init__(self, model: nn.Module, entries: object, seed: int = 0, sharded: bool = False) -> None:
         self.edits = parse_edits(entries)
         self.seed = seed
+        #: The model holds DTensor parameters: those are edited piece by piece (`_sharded_hooks`).
+        self.sharded = sharded
         #: resolved tap name -> its edits in config order
         self.by_tap: dict[str, list[Edit]] = {}
         self.taps: list[Tap] = []
@@ -274,7 +299,11 @@ class Edits:
         """Hook every edited parameter (removed when `stack` closes); `capturing()`: keep what arrived?"""
         self.capturing, self.seen = capturing, seen
         for key, (param, edits, names) in self._params.items():
-            stack.callback(param.register_hook(self._param_hook(key, edits, names[0])).remove)
+            if self.sharded and is_dtensor(param):
+                for handle in self._sharded_hooks(key, param, edits, names[0]):
+                    stack.callback(handle.remove)
+            else:
+                stack.callback(param.register_hook(self._param_hook(key, edits, names[0])).remove)
 
     def _param_hook(self, key: int, edits: list[Edit], name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -288,6 +317,43 @@ class Edits:
             return apply_all(edits, grad, self.seed, max(self.step, 0), name, part)
 
         return hook
+
+    def _sharded_hooks(self, key: int, param: nn.Parameter, edits: list[Edit], name: str) -> list[Any]:
+        """A sharded parameter's edit: the whole gradient's edit, applied by each rank to its piece.
+
+        Under tensor parallel the parameter is in the graph: a tensor hook edits each backward's gradient
+        (as unsharded). FSDP2 computes with an unsharded copy, so its parameter's hooks never fire: the
+        edit is applied to `.grad` in place once FSDP2 has reduce-scattered it (a post-accumulate-grad
+        hook), i.e. to the synchronised gradient of the ranks' backwards (a step's, under
+        `set_requires_gradient_sync(False)`). The random draws are the unsharded run's (each rank draws
+        the whole gradient's numbers and keeps its elements'), `clip_norm` uses the whole gradient's norm.
+        """
+        from gradrunner.capturing.sharded import whole_of  # DTensor's machinery: only where one is
+
+        edited_now: set[int] = set()
+
+        def edit(grad: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+            self.seen()
+            part = self._parts.get(key, 0)
+            self._parts[key] = part + 1
+            if self.capturing():
+                before = self._arrived.get(key)
+                self._arrived[key] = like(grad, local.detach().clone()) if before is None else before + grad
+            return apply_all(edits, local, self.seed, max(self.step, 0), name, part, whole_of(grad))
+
+        def tensor_hook(grad: torch.Tensor) -> torch.Tensor:
+            edited_now.add(key)
+            return like(grad, edit(grad, local_piece(grad)))
+
+        def after_accumulation(p: torch.Tensor) -> None:
+            if key in edited_now:  # tensor parallel: edited on its way into .grad already
+                edited_now.discard(key)
+                return
+            if p.grad is not None:
+                local = local_piece(p.grad)
+                local.copy_(edit(p.grad, local))
+
+        return [param.register_hook(tensor_hook), param.register_post_accumulate_grad_hook(after_accumulation)]
 
     def refuse(self, tap: Tap, why: str) -> None:
         """An edited tap fired on a value without gradient: a named tap is a mistake (a glob's match is skipped)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from gradrunner.capturing.dtensors import local_piece
 from gradrunner.capturing.torch_compat import norms_all
 from gradrunner.records.columns import HIST_EDGES
 
@@ -129,7 +130,7 @@ def value_norm(value: torch.Tensor) -> torch.Tensor:
 
         value_norm(torch.tensor([3.0, 4.0]))     # tensor(5., dtype=torch.float64)
     """
-    v = value.detach()
+    v = local_piece(value.detach())  # a DTensor (sharded): this rank's piece; the records merge or say so
     if v.is_complex():
         v = v.abs()
     if not v.is_floating_point():

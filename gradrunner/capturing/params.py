@@ -13,8 +13,15 @@ A held node stays the parameter's accumulator until the parameter changes dtype 
 (`module.double()`, `p.data = <other dtype>`): `check()` compares those once per forward and takes
 the edge again. Under DDP (`synced` given) a parameter's record is instead its `.grad` at the end of
 a backward that synchronised the gradients (the session's end-of-backward callback runs after DDP's
-finalize): the averaged gradient the optimiser uses. That mode is also the seam for sharded
-training (FSDP2 hands a parameter's local piece out after its reduce-scatter).
+finalize): the averaged gradient the optimiser uses.
+
+Sharded parameters (`sharded=True`: the model holds `DTensor` parameters, FSDP2, HSDP or tensor
+parallel) are read the same way, `.grad` after a backward that synchronised, where "synchronised"
+is seen by a post-accumulate-grad hook on each tapped parameter: FSDP2 calls it once the
+reduce-scattered piece is `.grad` (never under `set_requires_gradient_sync(False)`; its own
+parameters have no gradient edge in the graph, so nothing else could see them), tensor parallel
+after each backward's accumulation. The record is then the whole parameter's gradient, merged from
+the ranks' pieces by the `Collector` (`capturing.sharded`).
 
 `autograd_grad` needs every parameter's edge (`ParamBackward`): the same held nodes, its
 `torch.autograd.grad` results reported through `arrived`, and `.grad` filled by calling each node.
@@ -37,6 +44,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gradrunner.capturing.dtensors import is_dtensor, local_piece
 from gradrunner.capturing.extras import value_norms
 from gradrunner.capturing.grad_context import FROZEN, NO_PART
 from gradrunner.capturing.taps import Tap
@@ -73,11 +81,16 @@ class ParamTaps:
 
     def __init__(
         self, taps: Sequence[tuple[Tap, nn.Parameter]], *, seen: Callable[[], None], capturing: Callable[[], bool],
-        synced: Callable[[], bool] | None = None,
+        synced: Callable[[], bool] | None = None, sharded: bool = False,
     ) -> None:  # fmt: skip
         self.taps = list(taps)
         self.keys = [TapKey(t.module, t.name, 0) for t, _ in self.taps]
         self._seen, self._capturing = seen, capturing
+        #: Sharded parameters: `.grad` is read after a backward in which their post-accumulate-grad hooks fired.
+        self.sharded = sharded
+        self._fired: set[int] = set()
+        if sharded:
+            synced = lambda: bool(self._fired)  # noqa: E731
         #: DDP: whether the backward that just ended synchronised the gradients (then `.grad` is read).
         self.synced = synced
         self._held: dict[int, _Held] = {}
@@ -99,7 +112,24 @@ class ParamTaps:
     def install(self, stack: contextlib.ExitStack) -> None:
         """Take every tapped parameter's edge and hook it (unhooked when `stack` closes)."""
         stack.callback(self._unhook)
+        if self.sharded:
+            self._hook_sharded()
         self.check()
+
+    def _hook_sharded(self) -> None:
+        """A post-accumulate-grad hook on each tapped parameter: it says the backward synchronised its `.grad`."""
+        fired, seen, capturing = self._fired, self._seen, self._capturing
+
+        def hook(param: torch.Tensor) -> None:
+            seen()
+            if capturing() and param.grad is not None:
+                fired.add(id(param))
+
+        for held in self._held.values():
+            if held.param.requires_grad:
+                if is_dtensor(held.param):
+                    _check_mesh(held.param, next(t.tap for t, p in self.taps if p is held.param))
+                held.handle = held.param.register_post_accumulate_grad_hook(hook)
 
     def check(self) -> None:
         """Take again the edge of a parameter whose accumulator changed (its dtype or device did); cheap."""
@@ -137,7 +167,8 @@ class ParamTaps:
     def begin_backward(self) -> None:
         """A captured backward begins: the parameters' own norms (before any optimiser step)."""
         params: list[torch.Tensor] = [p for _, p in self.taps]
-        norms = value_norms(params)  # batched on an accelerator: a few launches for all
+        # batched on an accelerator: a few launches for all; a sharded parameter's own piece (merged in the records)
+        norms = value_norms([local_piece(p) for p in params] if self.sharded else params)
         self._norms = {id(p): n for p, n in zip(params, norms, strict=True)}
 
     def arrived(self, param: nn.Parameter, grad: torch.Tensor) -> None:
@@ -160,6 +191,7 @@ class ParamTaps:
             before = self._sum.get(pid)
             self._sum[pid] = g if before is None else before + g
         self.synced_now = self.synced is not None and self.synced()
+        self._fired.clear()
         if self.synced_now:  # a read that replaces any earlier one of the step
             self.done = False
             self._synced_read = {pid: (None if h.param.grad is None else h.param.grad.detach())
@@ -170,6 +202,7 @@ class ParamTaps:
     def abort_backward(self) -> None:
         """A backward failed: nothing of it reaches the step."""
         self._part.clear()
+        self._fired.clear()
 
     # -- the step ----------------------------------------------------------------------------------
     def rows(self) -> Iterator[tuple[int, TapKey, nn.Parameter, torch.Tensor | None, str | None]]:
@@ -196,7 +229,22 @@ class ParamTaps:
     def forget(self) -> None:
         """A new step begins: forget what the last one held."""
         self._part.clear()
+        self._fired.clear()
         self._sum, self._synced_read, self.synced_now, self.done = {}, None, False, False
+
+
+def _check_mesh(param: torch.Tensor, tap: str) -> None:
+    """A sharded parameter's statistics are merged over every rank: its mesh must span them all."""
+    import torch.distributed as dist
+
+    size, world = param.device_mesh.size(), dist.get_world_size()  # type: ignore[attr-defined]
+    if size != world:
+        raise GradrunnerError(
+            f"the parameter of tap {tap} is a DTensor on a device mesh of {size} of the {world} processes: gradrunner "
+            "merges a sharded parameter's statistics over all processes, so its mesh must span them all (shard with "
+            "fully_shard / parallelize_module over a mesh of the whole world, e.g. a 2-D mesh for data x tensor "
+            "parallel), or leave its parameter taps out."
+        )
 
 
 class ParamBackward:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from gradrunner.capturing.backwards import Backwards, unscaled
+from gradrunner.capturing.dtensors import any_dtensor, local_piece
 from gradrunner.capturing.edits import Edits
 from gradrunner.capturing.extras import value_norms
 from gradrunner.capturing.firing import Firing
@@ -73,7 +74,10 @@ class Capture(Backwards):
     `loss_scale` (a callable giving the current loss scale, a 0-d tensor or None) divides every captured
     gradient by it, on its device: the true gradients of a loss multiplied by a GradScaler's scale.
     `params_synced` (DDP: a callable saying whether the backward that just ended synchronised the
-    gradients) makes parameter taps read `.grad` after that backward, the averaged gradient.
+    gradients) makes parameter taps read `.grad` after that backward, the averaged gradient. A model
+    whose parameters are `DTensor`s (`fully_shard`, HSDP, `parallelize_module`) is seen as such: a
+    parameter tap's record is then the whole parameter's gradient as the optimiser gets it (merged
+    from the ranks' pieces, one SUM and one MAX all-reduce per captured step), no argument needed.
     """
 
     def __init__(
@@ -98,7 +102,9 @@ class Capture(Backwards):
             raise GradrunnerError(f"capture.values={values!r} is not a values mode; allowed: {', '.join(VALUES_MODES)}")
         self.model = model
         self.taps: list[Tap] = resolve_taps(model, taps)
-        self.edits = Edits(model, edits, seed) if edits else None
+        #: The model holds DTensor parameters (FSDP2, HSDP, TP): parameter records are merged over the ranks.
+        self.sharded = any_dtensor(model.parameters())
+        self.edits = Edits(model, edits, seed, sharded=self.sharded) if edits else None
         if self.edits is not None:  # an edited tap not tapped is tapped too: one row per firing
             self.taps += [t for t in self.edits.taps if t.tap not in {k.tap for k in self.taps}]
         self.strategy = get_strategy(strategy)(self._deliver)
@@ -111,7 +117,8 @@ class Capture(Backwards):
         self.grads = Grads([t.tap for t in self.taps], [])
         modules = dict(model.named_modules(remove_duplicate=False))
         tap_params = [(t, getattr(modules[t.module], t.name)) for t in self.taps if t.kind == "param"]
-        self._params = ParamTaps(tap_params, seen=self._seen, capturing=lambda: self.enabled, synced=params_synced)
+        self._params = ParamTaps(tap_params, seen=self._seen, capturing=lambda: self.enabled, synced=params_synced,
+                                 sharded=self.sharded)  # fmt: skip
         self._pex = PerExampleNorms(model, [(t.tap, modules[t.module], p) for t, p in tap_params],
                                     enabled=lambda: self.enabled) if per_example and tap_params else None  # fmt: skip
         self._param_backward: ParamBackward | None = None
@@ -339,8 +346,8 @@ class ParamSnapshot:
         first: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # a tied parameter once
         for _, param, old in self.kept:
             first.setdefault(id(param), (param, old))
-        now = [p.detach() for p, _ in first.values()]
-        olds = [o for _, o in first.values()]
+        now = [local_piece(p.detach()) for p, _ in first.values()]  # a sharded one: its piece (merged in the records)
+        olds = [local_piece(o) for _, o in first.values()]
         # one subtraction for all on an accelerator (multi-tensor ops), then the norms batched likewise
         done = dict(zip(first, value_norms(sub_all(now, olds)), strict=True))
         return {key: done[id(param)] for key, param, _ in self.kept}

@@ -10,20 +10,25 @@ is read from the placement (`placement_of`): `Shard` pieces are summed along the
 are what `to_local()` holds (no padding). Captured values (`values="full"` / `"sample"`, at global
 positions) ride in the same SUM all-reduce, as float32 bit patterns, only when asked for.
 
+`Collector` adds a DTensor parameter gradient through `capturing.sharded_rows` (`ShardedRows`) and
+merges the step's rows in `finish`, before its one host transfer, with the norms of the parameters'
+pieces, their updates and their edited gradients. Imported only once a DTensor is met
+(`capturing.dtensors` tells).
+
 | name | what it does |
 | --- | --- |
 | `Piece`, `placement_of(t)` | whether this rank's local piece counts, and the whole tensor's shape |
 | `local_of(t)` | the rank's local piece (`to_local()` of a DTensor, the tensor itself otherwise) |
 | `local_rows(pieces)` | the seven reductions of each local piece (float64), histogram counts |
 | `merge_rows(rows, pieces)` | one SUM and one MAX all-reduce: the whole tensors' reductions |
-| `sharded_records(keys, grads)` | all of it, derived into `StepRecords` as `Collector.finish` does |
+| `whole_of(grad)` | where a piece sits in the whole gradient, and a sum over the ranks (edits) |
 | `on_sharded_grads(params, fn)` | post-accumulate-grad hooks handing each local gradient piece out |
 
 Example::
 
     with on_sharded_grads(model.named_parameters(), lambda g: got.append(g)):
         loss.backward()                          # FSDP2 reduce-scatters; each hook hands its piece out
-    recs = sharded_records([TapKey(*g.name.rsplit(".", 1), 0) for g in got], [g.grad for g in got])
+    recs = sharded_rows.sharded_records([TapKey(*g.name.rsplit(".", 1), 0) for g in got], [g.grad for g in got])
     recs.stats["norm"]                           # the whole gradients' norms, equal on every rank
 """
 
@@ -41,10 +46,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing import fused_stats
-from gradrunner.capturing.extras import histogram_counts, value_norm
-from gradrunner.capturing.reductions import N_REDUCTIONS, Pending, derive, reduce_batch
-from gradrunner.capturing.stats import sample_positions
-from gradrunner.records.columns import HIST_BINS, StepRecords, TapKey
+from gradrunner.capturing.dtensors import Whole, local_piece
+from gradrunner.capturing.extras import histogram_counts
+from gradrunner.capturing.reductions import N_REDUCTIONS, reduce_batch
+from gradrunner.records.columns import HIST_BINS
 
 #: Columns of a merged row summed over ranks: sum, sumsq, nonzero, nan, inf (in `local_rows`' order), count.
 _SUMMED = (0, 1, 4, 5, 6)
@@ -103,14 +108,8 @@ def placement_of(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> Pie
     return Piece(counted, tuple(t.shape))
 
 
-def local_of(t: torch.Tensor) -> torch.Tensor:
-    """This rank's piece of `t`: `to_local()` of a DTensor (uneven shards unpadded, maybe empty), else `t`.
-
-    Example::
-
-        local_of(fsdp_param.grad).shape     # (2, 4) on rank 0, (1, 4) on rank 1 for a (3, 4) weight
-    """
-    return t.to_local() if isinstance(t, DTensor) else t
+#: This rank's piece of a tensor (`to_local()` of a DTensor, else the tensor): `dtensors.local_piece`.
+local_of = local_piece
 
 
 def local_rows(
@@ -153,15 +152,15 @@ class Merged(NamedTuple):
     numel: torch.Tensor
     #: (k, HIST_BINS) int64 counts, when histograms were merged.
     hist: torch.Tensor | None
-    #: (k,) float64 norms of the whole tapped tensors, when value norms were merged.
-    value_norms: torch.Tensor | None
+    #: (k, m) float64 norms of whole tensors (value, update, edited norms ...), when norms were merged.
+    norms: torch.Tensor | None
     #: Per row: float32 values at the asked positions (row-major), or None where none were asked for.
     values: list[torch.Tensor | None]
 
 
 def merge_rows(
     rows: torch.Tensor, pieces: Sequence[Piece | None], *, counts: Sequence[int], hist: torch.Tensor | None = None,
-    value_norms: torch.Tensor | None = None, values: Sequence[ValuesAsked | None] | None = None,
+    norms: torch.Tensor | None = None, values: Sequence[torch.Tensor | None] | None = None,
     group: dist.ProcessGroup | None = None,
 ) -> Merged:  # fmt: skip
     """Merge each rank's local rows into the whole tensors' rows: one SUM and one MAX all-reduce in all.
@@ -173,12 +172,13 @@ def merge_rows(
         m.rows[:, 1].sqrt()      # the whole gradients' norms
 
     Every rank of `group` must call it with the same rows in the same order (one per tap). `counts`
-    are the local pieces' element counts, `value_norms` the local pieces' norms of the tapped tensors,
-    `values` what each row's values are asked for (`ValuesAsked`). A row whose piece is None, or not
-    counted on this rank, adds nothing. Sums, counts, histogram bins, squared value norms and value
-    bit patterns are packed into one float64 tensor for the SUM all-reduce; max and -min into one for
-    the MAX all-reduce (NaN taken out first: the NaN count says it). No collective outside a process
-    group of more than one rank.
+    are the local pieces' element counts, `norms` (k, m) norms of the local pieces of tensors that
+    are split as the rows' (the tapped parameter itself, its update, its edited gradient: merged as
+    the square root of the summed squares), `values` each row's asked values packed by
+    `values_part` (None: none asked). A row whose piece is None, or not counted on this rank, adds
+    nothing. Sums, counts, histogram bins, squared norms and value bit patterns are packed into one
+    float64 tensor for the SUM all-reduce; max and -min into one for the MAX all-reduce (NaN taken
+    out first: the NaN count says it). No collective outside a process group of more than one rank.
     """
     k = rows.shape[0]
     device = rows.device
@@ -188,16 +188,18 @@ def merge_rows(
     )
     summed = [local[:, _SUMMED], torch.tensor(counts, dtype=torch.float64, device=device)[:, None] * use[:, None]]
     if hist is not None:
-        summed.append(hist.to(torch.float64) * use[:, None])
-    if value_norms is not None:
-        summed.append((value_norms.to(torch.float64).square() * use)[:, None])
-    flat_values, value_sizes = _pack_values(values or [None] * k, pieces, device)
+        summed.append(hist.to(device, torch.float64) * use[:, None])
+    m = 0 if norms is None else norms.shape[1]
+    if norms is not None:
+        summed.append(torch.nan_to_num(norms.to(device, torch.float64)).square() * use[:, None])
+    parts = [v for v in values or [] if v is not None]
+    flat_values = torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.float64, device=device)
     packed = torch.cat([torch.cat(summed, dim=1).reshape(-1), flat_values])
     extremes = torch.nan_to_num(torch.stack([local[:, 3], -local[:, 2]], dim=1), nan=-math.inf)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    width = len(_SUMMED) + 1 + (HIST_BINS if hist is not None else 0) + (value_norms is not None)
+    width = len(_SUMMED) + 1 + (HIST_BINS if hist is not None else 0) + m
     table = packed[: k * width].view(k, width)
     s, ss, nonzero, nan, inf, count = table[:, :6].unbind(1)
     merged = torch.stack([s, ss, -extremes[:, 1], extremes[:, 0], nonzero, nan, inf], dim=1)
@@ -206,8 +208,9 @@ def merge_rows(
     if hist is not None:
         out_hist = table[:, at : at + HIST_BINS].round().to(torch.int64)
         at += HIST_BINS
-    out_norms = table[:, at].sqrt() if value_norms is not None else None
-    return Merged(merged, count, out_hist, out_norms, _unpack_values(packed[k * width :], value_sizes))
+    out_norms = table[:, at : at + m].sqrt() if norms is not None else None
+    sizes = [None if v is None else v.numel() for v in values or [None] * k]
+    return Merged(merged, count, out_hist, out_norms, _unpack_values(packed[k * width :], sizes))
 
 
 class ValuesAsked(NamedTuple):
@@ -220,39 +223,33 @@ class ValuesAsked(NamedTuple):
     whole: torch.Tensor
 
 
-def _pack_values(
-    asked: Sequence[ValuesAsked | None], pieces: Sequence[Piece | None], device: torch.device
-) -> tuple[torch.Tensor, list[int | None]]:
-    """The values asked for, as float32 bit patterns in float64 (exact), each at its global position; zeros elsewhere.
+def values_part(asked: ValuesAsked, piece: Piece, device: torch.device) -> torch.Tensor:
+    """The asked values as float32 bit patterns in float64 (exact), each at its global position; zeros elsewhere.
+
+    Example::
+
+        part = values_part(ValuesAsked(None, local_of(g), g), placement_of(g), g.device)   # merge_rows(values=[part])
 
     One rank owns each element (a replica counts once), so the SUM all-reduce adds zeros to each bit
-    pattern: the values come back exactly, -0.0 and NaN payloads included.
+    pattern: the values come back exactly, -0.0 and NaN payloads included. Taken when the gradient is
+    reduced: a later in-place change (clipping, the optimiser's zero_grad) does not reach it.
     """
-    parts: list[torch.Tensor] = []
-    sizes: list[int | None] = []
-    for a, piece in zip(asked, pieces, strict=True):
-        if a is None or piece is None:
-            sizes.append(None)
-            continue
-        n = piece.numel if a.positions is None else len(a.positions)
-        part = torch.zeros(n, dtype=torch.float64, device=device)
-        if piece.counted and a.piece.numel():
-            where = global_positions(a.whole).to(device)
-            bits = a.piece.detach().reshape(-1).float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-            if a.positions is None:
-                part[where] = bits.to(torch.float64)
-            else:
-                wanted = torch.from_numpy(np.asarray(a.positions, dtype=np.int64)).to(device)
-                slot = torch.searchsorted(wanted, where).clamp_(max=max(n - 1, 0))
-                hit = wanted[slot] == where if n else torch.zeros_like(where, dtype=torch.bool)
-                part[slot[hit]] = bits[hit].to(torch.float64)
-        parts.append(part)
-        sizes.append(n)
-    flat = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
-    return flat, sizes
+    n = piece.numel if asked.positions is None else len(asked.positions)
+    part = torch.zeros(n, dtype=torch.float64, device=device)
+    if piece.counted and asked.piece.numel():
+        where = global_positions(asked.whole).to(device)
+        bits = asked.piece.detach().reshape(-1).float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        if asked.positions is None:
+            part[where] = bits.to(torch.float64)
+        else:
+            wanted = torch.from_numpy(np.asarray(asked.positions, dtype=np.int64)).to(device)
+            slot = torch.searchsorted(wanted, where).clamp_(max=max(n - 1, 0))
+            hit = wanted[slot] == where if n else torch.zeros_like(where, dtype=torch.bool)
+            part[slot[hit]] = bits[hit].to(torch.float64)
+    return part
 
 
-def _unpack_values(flat: torch.Tensor, sizes: list[int | None]) -> list[torch.Tensor | None]:
+def _unpack_values(flat: torch.Tensor, sizes: Sequence[int | None]) -> list[torch.Tensor | None]:
     out: list[torch.Tensor | None] = []
     at = 0
     for n in sizes:
@@ -291,63 +288,29 @@ def global_positions(t: torch.Tensor) -> torch.Tensor:
     return found
 
 
-def sharded_records(
-    keys: Sequence[TapKey], grads: Sequence[torch.Tensor | None], *, tensors: Sequence[torch.Tensor | None] | None = None,
-    values: str = "none", sample_size: int = 64, seed: int = 0, histogram: bool = False,
-    group: dist.ProcessGroup | None = None,
-) -> StepRecords:  # fmt: skip
-    """The step's records of whole (possibly sharded) gradients, the same on every rank: local rows, one merge.
+def whole_of(grad: torch.Tensor) -> Whole | None:
+    """Where this rank's piece of a DTensor gradient sits in the whole one (None for a plain tensor): for edits.
 
     Example::
 
-        recs = sharded_records([TapKey("fc1", "weight", 0)], [model.fc1.weight.grad], histogram=True)
-        recs.stats["norm"][0], recs.hist_counts[0]     # of the whole gradient, as `Collector` gives unsharded
+        w = whole_of(fsdp_param.grad)
+        w.shape, w.positions             # the whole shape; the flat position of each local element
+        w.total(local_sumsq)             # the whole gradient's sum of squares (an all-reduce on every rank)
 
-    `grads` may mix DTensors and plain tensors (taken as replicated); None is a record without gradient.
-    `tensors` are the tapped tensors themselves (parameters) for `value_norm`. `values`, `sample_size`
-    and `seed` mean what they mean to `Collector`: the sample positions are global positions of the
-    whole gradient (the same as unsharded), and only those elements travel. Statistics are derived
-    from the merged reductions by `Collector`'s own rule (`reductions.derive`). Two all-reduces in all.
+    `total` sums the counted pieces' values over the world (a replica counts once), so every rank
+    gets the whole gradient's value.
     """
-    pieces = [None if g is None else placement_of(g, group) for g in grads]
-    local = [None if g is None else local_of(g) for g in grads]
-    rows, hist = local_rows([x if p is not None and p.counted else None for x, p in zip(local, pieces, strict=True)],
-                            histogram=histogram)  # fmt: skip
-    norms = None
-    if tensors is not None:
-        norms = torch.stack([
-            torch.zeros((), dtype=torch.float64, device=rows.device) if t is None or local_of(t).numel() == 0
-            else value_norm(local_of(t)).to(rows.device, torch.float64) for t in tensors
-        ])  # fmt: skip
-    asked: list[ValuesAsked | None] = [None] * len(grads)
-    if values != "none":
-        for i, (key, g, p) in enumerate(zip(keys, grads, pieces, strict=True)):
-            if g is not None and p is not None:
-                pos = None if values == "full" else sample_positions(key.tap, p.numel, sample_size, seed)
-                asked[i] = ValuesAsked(pos, local_of(g), g)
-    counts = [0 if x is None else x.numel() for x in local]
-    m = merge_rows(rows, pieces, counts=counts, hist=hist, value_norms=norms, values=asked, group=group)
-    assert all(p is None or int(c) == p.numel for p, c in zip(pieces, m.numel.tolist(), strict=True)), (
-        "the counted pieces do not add up to the whole tensors", m.numel.tolist(), [p and p.numel for p in pieces],
-    )  # fmt: skip
-    pending = [
-        Pending(i, key, () if p is None else p.shape, 0 if p is None else p.numel, p is not None, None, None, None)
-        for i, (key, p) in enumerate(zip(keys, pieces, strict=True))
-    ]
-    host = m.rows.cpu().numpy()
-    host[[p is None or p.numel == 0 for p in pieces]] = np.nan  # as `Collector`: nothing was reduced
-    recs = derive(pending, {i: i for i in range(len(pending))}, host)
-    recs.value_norm = np.full(len(keys), np.nan) if m.value_norms is None else m.value_norms.cpu().numpy()
-    if tensors is not None:
-        recs.value_norm[[t is None for t in tensors]] = np.nan
-    if histogram:
-        assert m.hist is not None
-        recs.hist_counts = [None if p is None else h for p, h in zip(pieces, m.hist.cpu().numpy(), strict=True)]
-    if values != "none":
-        recs.values = [None if v is None else v.cpu().numpy() for v in m.values]
-        if values == "sample":
-            recs.positions = [None if a is None else a.positions for a in asked]
-    return recs
+    if not isinstance(grad, DTensor):
+        return None
+    piece = placement_of(grad)
+
+    def total(part: torch.Tensor) -> torch.Tensor:
+        out = part.detach().to(torch.float64) * float(piece.counted)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    return Whole(torch.Size(piece.shape), global_positions(grad), total)
 
 
 class ShardedGrad(NamedTuple):

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from gradrunner.capturing import fused_stats
+from gradrunner.capturing.dtensors import is_dtensor
 from gradrunner.capturing.extras import histogram_counts, per_example_norms
 from gradrunner.capturing.reductions import (
     INT_VIEW,
@@ -53,6 +55,9 @@ from gradrunner.capturing.reductions import (
 )
 from gradrunner.config.choices import VALUES_MODES
 from gradrunner.records.columns import HIST_BINS, StepRecords, TapKey
+
+if TYPE_CHECKING:
+    from gradrunner.capturing.sharded_rows import ShardedRows
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -120,6 +125,8 @@ class Collector:
         self._ids: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
         #: per record (by `order`): its backward's number in the step (`micro_step`) and why it has no gradient
         self._meta: dict[int, tuple[int | None, str | None]] = {}
+        #: the step's sharded (DTensor) gradients, reduced locally, merged over the ranks in `finish`
+        self._sharded: ShardedRows | None = None
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -130,6 +137,18 @@ class Collector:
             self._pending = [p for p in self._pending if p.order not in orders]
             for o in orders:
                 self._meta.pop(o, None)
+            if self._sharded is not None:
+                self._sharded.discard(orders)
+
+    def _add_sharded(self, key: TapKey, grad: torch.Tensor, order: int, value_norm: torch.Tensor | None) -> None:
+        """A DTensor gradient (FSDP2, HSDP, TP): this rank's piece reduced now, merged with the others' in `finish`."""
+        if self._sharded is None:
+            from gradrunner.capturing.sharded_rows import ShardedRows  # DTensor's machinery: only where one is met
+
+            self._sharded = ShardedRows(values=self.values, histogram=self.histogram,
+                                        sample=lambda tap, n: sample_positions(tap, n, self.sample_size, self.seed))
+        piece = self._sharded.add(order, key, grad, value_norm)
+        self._pending.append(Pending(order, key, piece.shape, piece.numel, True, None, None, None, None))
 
     def add(
         self, key: TapKey, grad: torch.Tensor | None, order: int | None = None, mutable: bool = True, *,
@@ -156,6 +175,9 @@ class Collector:
             self._meta[order] = (micro, reason)
         if grad is None:
             self._pending.append(Pending(order, key, (), 0, False, None, None, None, value_norm))
+            return
+        if is_dtensor(grad):  # sharded (a parameter's, or an activation's under TP): one tensor, merged in `finish`
+            self._add_sharded(key, grad, order, value_norm)
             return
         if grad.layout != torch.strided:
             if grad.layout == torch.sparse_coo and self._values_none and not self.histogram and not (
@@ -369,6 +391,10 @@ class Collector:
         """
         self.flush()
         pending, self._pending = sorted(self._pending, key=lambda p: p.order), []
+        if self._sharded is not None and len(self._sharded):
+            from gradrunner.capturing.sharded_rows import merge_pending
+
+            pending, updates, edited = merge_pending(self._sharded, pending, updates or {}, edited or {}, self._positions)
         meta, self._meta = self._meta, {}
         rows, blocks = reduction_blocks(pending, self._rows, self._batches)
         self._n_rows, self._batches = 0, []

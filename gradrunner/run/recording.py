@@ -72,7 +72,9 @@ class Recorder:
     every so many steps, which `load(run_dir, live=True)` reads while the job runs;
     `log_to="tensorboard"` also logs each captured step's statistics to `<run_dir>/tensorboard` as
     it is written (the export's tags; no extra device sync). `dist` (a `run.distributed.Distributed`)
-    records every rank's rows in rank 0's run dir; a `DistributedDataParallel` model has its parameter
+    records every rank's rows in rank 0's run dir (left out under an initialised process group of several
+    processes, e.g. a user's own FSDP2 or DDP loop under torchrun: joined here, every rank calling
+    `record` with the same `run_dir`); a `DistributedDataParallel` model has its parameter
     taps read after DDP's all-reduce (`params_synced`: the same for a wrapper `record` is not given, as
     the callbacks use it). `edits` are the runner's gradient edits (`[{"tap": ..., "scale": 0.5}]`).
     `anomaly` (default True: on) is the spike detector: False turns it off, a dict of `z`, `window`,
@@ -117,6 +119,7 @@ class Recorder:
                       on_nonfinite=on_nonfinite, log_to=log_to, scaler=scaler, live_every=live_every, edits=edits,
                       per_example=per_example, histogram=histogram, update_norms=update_norms, resume=resume,
                       overwrite=overwrite, anomaly=anomaly)  # fmt: skip
+        dist = _joined() if dist is None else dist
         self.model, self.directory = model, Path(run_dir).resolve()
         self.taps = [taps] if isinstance(taps, (str, dict)) else list(taps)
         self.strategy, self.dist = strategy, dist
@@ -308,6 +311,17 @@ class Recorder:
 
 #: `record(model, taps, run_dir, ...)`: the documented spelling of `Recorder(...)`.
 record = Recorder
+
+
+def _joined() -> Distributed | None:
+    """This process's place when a process group of several processes is initialised (a collective), else None."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() <= 1:
+        return None
+    from gradrunner.run.distributed import Distributed
+
+    return Distributed.joined()
 
 
 def _check_extra(extra: dict[str, Any] | None) -> None:
