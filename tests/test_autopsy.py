@@ -50,6 +50,9 @@ def test_baseline_reproduces_and_skip_batch_avoids_the_spike(source: Path, capsy
     table, out = _autopsy(source, capsys)
     sweep = source / "autopsy" / "step30"
     assert list(table.columns[:4]) == ["intervention", "max_loss", "final_loss", "avoided"]
+    gathered = pd.read_parquet(source / "autopsy.parquet")  # CONTRACT: autopsy.parquet in the run dir
+    pd.testing.assert_frame_equal(gathered.drop(columns="step"), table)
+    assert set(gathered["step"]) == {30}
     rows = table.set_index("intervention")
     original = _losses(source)
     # baseline: the source's losses from the checkpoint (step 25) to step 35, bit for bit (plain pandas)

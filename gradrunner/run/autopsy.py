@@ -18,7 +18,8 @@ the autopsy skips the completed ones and resumes the others):
 `--override NAME KEY=VALUE ...` adds an intervention of your own. Then `autopsy.parquet`
 (`intervention`, `max_loss`, `final_loss`, `avoided`: the loss stayed below the spike rule's threshold,
 mean + z x std of the window before S, over S..S+H; `reproduces`, `job`) and `autopsy.html` (the
-interventions ranked, loss curves overlaid) in the sweep dir. Bad input is one paragraph, exit 2.
+interventions ranked, loss curves overlaid) in the sweep dir; the run dir's own `autopsy.parquet`
+gathers every autopsy of the run (the same columns and `step`, the spike's). Bad input is one paragraph, exit 2.
 
 Example::
 
@@ -220,9 +221,24 @@ def autopsy(run_dir: str | os.PathLike[str], step: int | None = None, horizon: i
                               f"{one_paragraph(done.stderr[-2000:] or done.stdout[-2000:])}")  # fmt: skip
     table = results(spike, sweep_dir, list(chosen))
     table.to_parquet(sweep_dir / RESULT_FILE, index=False)
+    gather(spike.run_dir, spike.step, table)
     write_page(sweep_dir / PAGE_FILE, spike, table, notes)
     table.attrs.update(notes=notes, sweep_dir=str(sweep_dir), spike=spike)
     return table
+
+
+def gather(run_dir: Path, step: int, table: pd.DataFrame) -> None:
+    """`<run dir>/autopsy.parquet`: every autopsy of the run, a `step` column naming its spike; this step's rows
+    replace an earlier autopsy's of the same step (written to a temp name, then renamed: whole or absent)."""
+    path = run_dir / RESULT_FILE
+    rows = table.assign(step=step)
+    if path.is_file():
+        earlier = pd.read_parquet(path)
+        if "step" in earlier.columns:
+            rows = pd.concat([earlier[earlier["step"] != step], rows], ignore_index=True)
+    temp = path.with_name(f".{RESULT_FILE}.tmp")
+    rows.to_parquet(temp, index=False)
+    os.replace(temp, path)
 
 
 def last_word(table: pd.DataFrame) -> str:
