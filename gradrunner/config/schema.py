@@ -68,6 +68,12 @@ class TrainConfig:
     eval_every: int = 0
     # Batches per evaluation.
     eval_batches: int = 1
+    # Under torchrun: ddp (whole model per rank), fsdp2 (fully_shard over all ranks) or hsdp (replicate x shard).
+    parallel: str = "ddp"
+    # fsdp2/hsdp: globs of the module paths sharded as units (then the root); null: each child holding parameters.
+    shard: list[str] | None = None
+    # hsdp: processes per shard group (the mesh's second dim); null: the smallest factor leaving 2+ replicas.
+    shard_size: int | None = None
 
 
 @dataclass
@@ -212,6 +218,8 @@ def validate(cfg: DictConfig) -> None:
 
 #: `train.autocast` values: bfloat16 or float16 autocast around forward and loss, or none.
 AUTOCAST_MODES = ("off", "bf16", "fp16")
+#: `train.parallel` values (gradrunner.run.parallel): how the ranks of a torchrun job hold the model.
+PARALLEL_MODES = ("ddp", "fsdp2", "hsdp")
 
 
 def _check_positive(name: str, value: object) -> None:
@@ -247,6 +255,10 @@ def validate_train(cfg: DictConfig) -> None:
     _check_positive("train.clip_grad_value", train.clip_grad_value)
     if str(train.autocast) not in AUTOCAST_MODES:
         raise _allowed("train.autocast", train.autocast, AUTOCAST_MODES, ' (In YAML quote it: autocast: "off".)')
+    if str(train.get("parallel", "ddp")) not in PARALLEL_MODES:
+        raise _allowed("train.parallel", train.parallel, PARALLEL_MODES, " (fsdp2/hsdp under torchrun: docs/scale-out.md)")
+    if train.get("shard_size") is not None:
+        _check_int("train.shard_size", train.shard_size, 2)
     _check_int("train.accumulate", train.accumulate, 1)
     _check_int("train.checkpoint_every", train.checkpoint_every, 0)
     _check_int("train.eval_every", train.eval_every, 0)
