@@ -237,3 +237,21 @@ def test_the_certificate_with_the_experiments_own_taps(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stderr[-3000:]
     result = compare(tmp_path / "ddp", tmp_path / "fsdp2")
     assert result.returncode == 0 and "66 records" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_hsdp_on_four_ranks_with_accumulation_agrees_with_ddp(tmp_path: Path) -> None:
+    """4 ranks as 2 replicas x 2 shards, 2 micro-batches per step (reduce-scatter on the second only): the records
+    equal DDP's on the same 4 ranks."""
+    result = torchrun(tmp_path, "-m", "hydra.sweep.dir=sw", "+experiment=mlp", "steps=2", ACTIVATIONS,
+                      "train.accumulate=2", "train.parallel=ddp,hsdp", world=4)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    held = {
+        line.split("] - ")[-1] for line in (result.stdout + result.stderr).splitlines() if "this rank holds" in line
+    }
+    assert held == {  # each shard group of 2 holds the model as fsdp2 on 2 ranks would
+        f"[rank {r}] hsdp: sharded fc1, fc2, fc3, head, then the root; this rank holds {n} of 2433 parameter elements"
+        for r, n in ((0, 1233), (1, 1200), (2, 1233), (3, 1200))
+    }, held
+    cmp = compare(tmp_path / "sw" / "0", tmp_path / "sw" / "1")
+    assert cmp.returncode == 0 and cmp.stdout.startswith("agree: 48 records and 2 steps' loss"), cmp.stdout + cmp.stderr
