@@ -255,3 +255,15 @@ def test_hsdp_on_four_ranks_with_accumulation_agrees_with_ddp(tmp_path: Path) ->
     }, held
     cmp = compare(tmp_path / "sw" / "0", tmp_path / "sw" / "1")
     assert cmp.returncode == 0 and cmp.stdout.startswith("agree: 48 records and 2 steps' loss"), cmp.stdout + cmp.stderr
+
+
+def test_tensor_parallel_is_refused_naming_the_model() -> None:
+    from conftest import compose_cfg
+
+    from gradrunner.config.schema import validate
+
+    with pytest.raises(
+        GradrunnerError, match=r"train.tp=2 .* model gradrunner.models.TinyTransformerBlock has no tensor"
+    ):
+        validate(compose_cfg("+experiment=transformer", "train.tp=2"))
+    validate(compose_cfg("+experiment=transformer", "train.tp=1"))

@@ -74,6 +74,8 @@ class TrainConfig:
     shard: list[str] | None = None
     # hsdp: processes per shard group (the mesh's second dim); null: the smallest factor leaving 2+ replicas.
     shard_size: int | None = None
+    # Tensor-parallel degree: only 1 (no model has a tensor-parallel plan in the runner yet; docs/scale-out.md).
+    tp: int = 1
 
 
 @dataclass
@@ -259,6 +261,12 @@ def validate_train(cfg: DictConfig) -> None:
         raise _allowed("train.parallel", train.parallel, PARALLEL_MODES, " (fsdp2/hsdp under torchrun: docs/scale-out.md)")
     if train.get("shard_size") is not None:
         _check_int("train.shard_size", train.shard_size, 2)
+    if train.get("tp", 1) != 1:
+        raise GradrunnerError(
+            f"train.tp={train.tp} asks for tensor parallel, but model {OmegaConf.select(cfg, 'model._target_')} has no "
+            "tensor-parallel plan in gradrunner's runner (none has yet: docs/scale-out.md says why); allowed: 1. Shard it "
+            "with train.parallel=fsdp2 under torchrun, or parallelize it in your own loop and use gradrunner.record()."
+        )
     _check_int("train.accumulate", train.accumulate, 1)
     _check_int("train.checkpoint_every", train.checkpoint_every, 0)
     _check_int("train.eval_every", train.eval_every, 0)
