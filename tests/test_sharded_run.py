@@ -96,6 +96,13 @@ def test_a_sharded_mode_in_one_process_says_how_to_start_torchrun(tmp_path: Path
     assert not list(tmp_path.glob("run/*.parquet"))
 
 
+def test_a_sweep_of_sharded_jobs_in_one_process_is_refused_before_any_job(tmp_path: Path) -> None:
+    result = gradrunner(tmp_path, "-m", "+experiment=mlp", "steps=1", "train.parallel=fsdp2", "seed=0,1",
+                        "hydra.sweep.dir=sw")  # fmt: skip
+    assert result.returncode == 2 and "torchrun --standalone --nproc_per_node=2" in result.stderr, result.stderr
+    assert not list(tmp_path.glob("sw/*/*.parquet")) and not (tmp_path / "sw" / "0").exists()
+
+
 def test_an_unknown_parallel_mode_names_the_allowed_ones(tmp_path: Path) -> None:
     result = gradrunner(tmp_path, "+experiment=mlp", "steps=1", "train.parallel=zero3", "hydra.run.dir=run")
     assert result.returncode == 2 and "train.parallel='zero3'" in result.stderr, result.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -257,10 +258,18 @@ def validate_train(cfg: DictConfig) -> None:
     _check_positive("train.clip_grad_value", train.clip_grad_value)
     if str(train.autocast) not in AUTOCAST_MODES:
         raise _allowed("train.autocast", train.autocast, AUTOCAST_MODES, ' (In YAML quote it: autocast: "off".)')
-    if str(train.get("parallel", "ddp")) not in PARALLEL_MODES:
-        raise _allowed("train.parallel", train.parallel, PARALLEL_MODES, " (fsdp2/hsdp under torchrun: docs/scale-out.md)")
+    mode = str(train.get("parallel", "ddp"))
+    if mode not in PARALLEL_MODES:
+        raise _allowed("train.parallel", mode, PARALLEL_MODES, " (fsdp2/hsdp under torchrun: docs/scale-out.md)")
     if train.get("shard_size") is not None:
         _check_int("train.shard_size", train.shard_size, 2)
+    if mode != "ddp" and int(os.environ.get("WORLD_SIZE") or 1) < 2:  # a sweep's check says it before any job too
+        raise GradrunnerError(
+            f"train.parallel={mode} shards the model over several processes, but this job is one process (WORLD_SIZE"
+            f" is unset or 1). Start it with torchrun, e.g. `torchrun --standalone --nproc_per_node="
+            f"{4 if mode == 'hsdp' else 2} -m gradrunner <your overrides> train.parallel={mode}`, or drop train.parallel"
+            " (ddp, the default, runs as one process without torchrun)."
+        )
     if train.get("tp", 1) != 1:
         raise GradrunnerError(
             f"train.tp={train.tp} asks for tensor parallel, but model {OmegaConf.select(cfg, 'model._target_')} has no "
@@ -299,6 +308,8 @@ def validate_train(cfg: DictConfig) -> None:
             f"model.init_from={init_from!r} is not allowed; it must be the path of a local state_dict (.pt) or"
             " safetensors file, or null."
         )
+
+
 def _check_can_finish(cfg: DictConfig) -> None:
     """Micro-batches and evaluation batches a run cannot get through are refused (`STEPS_MAX` of each)."""
     train, steps = cfg.train, max(1, int(cfg.steps))

@@ -79,20 +79,15 @@ def check_world(plan: Plan, world: int | None) -> None:
 
     Example::
 
-        check_world(Plan("fsdp2"), None)   # GradrunnerError: ... one process ... torchrun --nproc_per_node=2 ...
+        check_world(Plan("hsdp"), 6)       # fine: 3 replicas x 2 shards
+        check_world(Plan("hsdp"), 5)       # GradrunnerError: ... 5 does not [factor] ...
     """
     if plan.parallel not in PARALLEL_MODES:
         raise not_allowed("train.parallel", plan.parallel, PARALLEL_MODES)
     if not plan.sharded:
         return
-    if world is None or world < 2:
-        need = 4 if plan.parallel == "hsdp" else 2
-        raise GradrunnerError(
-            f"train.parallel={plan.parallel} shards the model over several processes, but this job is one process "
-            f"(WORLD_SIZE is unset or 1). Start it with torchrun, e.g. `torchrun --standalone --nproc_per_node={need} "
-            f"-m gradrunner <your overrides> train.parallel={plan.parallel}`, or drop train.parallel (ddp, the "
-            "default, runs as one process without torchrun)."
-        )
+    if world is None or world < 2:  # config.schema.validate_train says so first, with the torchrun command
+        raise GradrunnerError(f"train.parallel={plan.parallel} needs several processes (torchrun); this job is one")
     if plan.parallel == "hsdp":
         hsdp_shape(world, plan.shard_size)
 
