@@ -22,3 +22,7 @@ DEVICES = ("auto", "cpu", "cuda", "cuda:N", "mps")
 VALUES_MODES = ("none", "full", "sample")
 #: `capture.on_nonfinite`: record NaN/Inf and go on, or stop the run with its records kept.
 NONFINITE_MODES = ("record", "stop")
+
+#: The largest `seed` (numpy seeds with 32 bits) and `steps` (2**31 - 1: about 68 years at one step a second).
+SEED_MAX = 2**32 - 1
+STEPS_MAX = 2**31 - 1

@@ -130,6 +130,8 @@ class Checkpointer:
     open_segment: Any  # (path, kind) -> a RecordWriter or StepsWriter writing a complete segment file
     _segments: list[dict[str, Any]] = field(default_factory=list)
     _state_name: str = ""
+    #: Other files and folders of the checkpoint (`_store`'s, e.g. each rank's state and the DCP folder).
+    _state_files: set[str] = field(default_factory=set)
     _run_id: str = ""
     _data: dict[str, Watched] = field(default_factory=dict)
     _grads: RecordWriter | None = None
@@ -154,12 +156,14 @@ class Checkpointer:
             self._steps.write(*args, **kwargs)
 
     def _open_segments(self, end: int) -> None:
+        if not self.writes:
+            return
         self.folder.mkdir(exist_ok=True)
-        keep = {MANIFEST, self._state_name, *(s["name"] for s in self._segments)}
+        keep = {MANIFEST, self._state_name, *self._state_files, *(s["name"] for s in self._segments)}
         kept = self.keeps
         for stale in self.folder.iterdir():  # temp files of a killed run, files no checkpoint.json lists
             if stale.name not in keep and not (kept and _is_state(stale.name)):
-                stale.unlink(missing_ok=True)
+                shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
         self._grads = self.open_segment(self.folder / f"grads-{end:09d}.parquet", "grads")
         self._steps = self.open_segment(self.folder / f"steps-{end:09d}.parquet", "steps")
 
@@ -177,29 +181,53 @@ class Checkpointer:
         done = step + 1
         if self.every <= 0 or done % self.every:
             return
-        assert self._grads is not None and self._steps is not None
-        self._grads.close()
-        self._steps.close()
-        self._segments += [self._entry(f"{kind}-{done:09d}.parquet") for kind in ("grads", "steps")]
+        if self.writes:
+            assert self._grads is not None and self._steps is not None
+            self._grads.close()
+            self._steps.close()
+            self._segments += [self._entry(f"{kind}-{done:09d}.parquet") for kind in ("grads", "steps")]
         state = {
             "step": done,
             "data": {name: w.state() for name, w in self._data.items()},
-            "model": _unwrap(job.model).state_dict(),
-            "optimizer": job.optimizer.state_dict(),
             "scheduler": None if job.scheduler is None else job.scheduler.state_dict(),
             "scaler": scaler.state_dict(),
             "rng": rng_state(),
         }
-        name = f"state-{done:09d}.pt"
-        digest = self._save(state, name)
-        write_manifest(self.folder, {"step": done, "config": self._config(), "state": {"name": name, "sha256": digest},
-                                     "segments": self._segments})  # fmt: skip
-        self._state_name = name
+        fields = self._store(done, state, job)
+        if not self.writes:
+            return
+        write_manifest(self.folder, {"step": done, "config": self._config(), **fields, "segments": self._segments})
+        self._state_name, self._state_files = fields["state"]["name"], _listed(fields)
         for old in [] if self.keeps else self.folder.glob("state-*.pt"):
-            if old.name != name:
+            if old.name != self._state_name and old.name not in self._state_files:
                 old.unlink(missing_ok=True)
         log.info("checkpoint after step %d in %s", step, self.folder)
         self._open_segments(self._next_end(done))
+
+    @property
+    def world_size(self) -> int:
+        """The processes of the job (a checkpoint is resumed by a job of as many)."""
+        return 1
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes the segments and `checkpoint.json` (one process; under torchrun, rank 0)."""
+        return True
+
+    def _store(self, done: int, state: dict[str, Any], job: Job) -> dict[str, Any]:
+        """Save `state` with the model and optimizer in one file; the manifest's fields naming what was saved."""
+        state = {**state, "model": _unwrap(job.model).state_dict(), "optimizer": job.optimizer.state_dict()}
+        name = f"state-{done:09d}.pt"
+        return {"state": {"name": name, "sha256": self._save(state, name)}}
+
+    def _load(self, manifest: dict[str, Any], state: dict[str, Any], job: Job) -> None:
+        """Load the model and optimizer of a verified checkpoint (`state` is this process's state file)."""
+        _unwrap(job.model).load_state_dict(state["model"])
+        job.optimizer.load_state_dict(state["optimizer"])
+
+    def tee(self, writer: Any) -> Any:
+        """`writer` writing into this checkpoint's open segment too."""
+        return Tee(writer, self)
 
     def _entry(self, name: str) -> dict[str, Any]:
         """A closed segment as `checkpoint.json` lists it: what verifies it when resuming."""
@@ -263,8 +291,7 @@ class Checkpointer:
         if usable is None:
             return 0
         manifest, state = usable
-        _unwrap(job.model).load_state_dict(state["model"])
-        job.optimizer.load_state_dict(state["optimizer"])
+        self._load(manifest, state, job)
         if job.scheduler is not None and state["scheduler"] is not None:
             job.scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
@@ -272,6 +299,7 @@ class Checkpointer:
             watched.replay(state["data"][name])
         self._replay_records(manifest["segments"], grads, steps, run_id)
         self._segments, self._state_name = list(manifest["segments"]), str(manifest["state"]["name"])
+        self._state_files = _listed(manifest)
         set_rng_state(state["rng"])
         log.info("resumed from the checkpoint in %s: steps 0-%d replayed from it", self.folder, state["step"] - 1)
         return int(state["step"])
@@ -301,6 +329,8 @@ class Checkpointer:
         diff = config_diff(_without(manifest.get("config") or {}), _without(self._config()))
         if diff:
             return f"it was written by a run of another config ({'; '.join(diff)})"
+        if int(manifest.get("world_size", 1)) != self.world_size:
+            return f"it was written by a job of {manifest.get('world_size', 1)} process(es), this one has {self.world_size}"
         entry = manifest["state"]
         path = self.folder / str(entry["name"])
         problem = segment_problem(path, entry) if not path.is_file() else _state_problem(path, entry["sha256"])
@@ -338,6 +368,11 @@ class Checkpointer:
                         writer.write_batch(batch)
                 grads.steps_written += rows[1].num_rows
                 steps.steps_written += rows[1].num_rows
+
+
+def _listed(fields: dict[str, Any]) -> set[str]:
+    """The names of the per-rank state files and the DCP folder a manifest lists (none for one process)."""
+    return {str(e["name"]) for e in fields.get("ranks", [])} | ({str(fields["dcp"]["name"])} if "dcp" in fields else set())
 
 
 def _state_problem(path: Path, sha256: str) -> str | None:

@@ -47,6 +47,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradrunner.errors import GradrunnerError
+from gradrunner.run import parallel
+from gradrunner.run.parallel import Plan
 
 if TYPE_CHECKING:
     from gradrunner.records.writer import RecordWriter, StepsWriter  # pyarrow: imported when writing starts
@@ -80,6 +82,8 @@ class Distributed:
     backend: str
     #: The job's run id, the same on every rank (rank 0's).
     run_id: str = ""
+    #: How the ranks hold the model (`train.parallel`, `train.shard`: `run.parallel`); DDP by default.
+    plan: Plan = dataclasses.field(default_factory=Plan)
 
     @classmethod
     def joined(cls, local_rank: int | None = None) -> Distributed:
@@ -146,6 +150,8 @@ def session(cfg: DictConfig) -> Iterator[Distributed | None]:
             if dist is not None: print(dist.rank, dist.world_size)
     """
     world = world_from_env()
+    plan = Plan.of(cfg.train)
+    parallel.check_world(plan, None if world is None else world[1])  # before the group: one paragraph, exit 2
     if world is None:
         yield None
         return
@@ -158,11 +164,12 @@ def session(cfg: DictConfig) -> Iterator[Distributed | None]:
         dist.init_process_group(backend=backend)
         atexit.register(_leave)
     d = Distributed.joined(local_rank)
+    d.plan = plan
     prefix, handlers = _RankPrefix(rank), list(logging.getLogger().handlers)
     for handler in handlers:  # every rank logs to the terminal: say which one each line is from
         handler.addFilter(prefix)
     try:
-        log.info("rank %d of %d (%s)", rank, size, backend)
+        log.info("rank %d of %d (%s, %s)", rank, size, backend, plan.parallel)
         yield d
     finally:
         for handler in handlers:
@@ -201,12 +208,14 @@ def _move_into(own: Path, main: Path, rank: int) -> None:
 
 
 def wrap(job: Job, d: Distributed) -> Job:
-    """The job with its model in DDP and its batch stream partitioned over the ranks.
+    """The job with its model in DDP (or sharded: `d.plan`, `run.parallel`) and its batch stream partitioned over the ranks.
 
     Example::
 
         job = wrap(setup(cfg), d)     # job.model: DDP; unwrap(job.model): the user's model
     """
+    if d.plan.sharded:
+        return parallel.shard_job(job, d.plan, d.rank, d.world_size)
     try:
         ddp = DistributedDataParallel(job.model, device_ids=[job.device.index] if job.device.type == "cuda" else None)
     except (RuntimeError, ValueError, AssertionError) as e:
@@ -250,6 +259,8 @@ def micro_batch(model: nn.Module, last: bool) -> contextlib.AbstractContextManag
     """
     if isinstance(model, DistributedDataParallel) and not last:
         return model.no_sync()
+    if not last and parallel.is_sharded(model):
+        return parallel.gradient_sync(model, False)  # FSDP2: reduce-scatter on the last micro-batch only
     return contextlib.nullcontext()
 
 

@@ -31,7 +31,7 @@ from gradrunner.config.schema import edit_list
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
 from gradrunner.run import distributed, watch
 from gradrunner.run.build import Job, setup
-from gradrunner.run.checkpoint import CHECKPOINT_DIR, Checkpointer, Tee
+from gradrunner.run.checkpoint import CHECKPOINT_DIR, Checkpointer
 from gradrunner.run.distributed import Distributed
 from gradrunner.run.engine import RunFiles, StepEngine, StepResult
 from gradrunner.run.evaluation import evaluate
@@ -146,7 +146,7 @@ def _run_steps(cfg: DictConfig, job: Job, engine: StepEngine, ctx: StepContext, 
         start = ckpt.restore(job, ctx.scaler, engine.grads, engine.steps, engine.run_id)  # a sweep re-run resumes too
         ckpt.start(start)
         engine.capture.skip_backwards(start * ctx.accumulate)  # one backward per micro-batch: seeded edits draw on
-        engine.tee(lambda writer: Tee(writer, ckpt))
+        engine.tee(ckpt.tee)
         engine.start_at(start)
     full_values, zeros = cfg.capture["values"] == "full", watch.ZeroWatch(int(cfg.steps))
     warned: set[str] = set()
@@ -245,9 +245,7 @@ def _train_in(cfg: DictConfig, job: Job, files: RunFiles, taps: list[Any], dist:
                  ", ".join(t.tap for t in cap.taps[:6]) + (", ..." if len(cap.taps) > 6 else ""),
                  cfg.steps, job.device, cfg.dtype)  # fmt: skip
         engine.open(stack, files)
-        ckpt = _checkpointer(cfg, files) if dist is None else None
-        if dist is not None and int(cfg.train.checkpoint_every) > 0:
-            log.warning("train.checkpoint_every is not supported under DDP yet: no checkpoints are written")
+        ckpt = _checkpointer(cfg, files, dist)
         try:
             _run_steps(cfg, job, engine, ctx, ckpt)
         except NonFinite as e:
@@ -265,7 +263,7 @@ def _anomaly(cfg: DictConfig) -> dict[str, Any] | bool:
     return {str(k): v for k, v in cfg.anomaly.items()} if "anomaly" in cfg else True
 
 
-def _checkpointer(cfg: DictConfig, files: RunFiles) -> Checkpointer | None:
+def _checkpointer(cfg: DictConfig, files: RunFiles, dist: Distributed | None = None) -> Checkpointer | None:
     """The job's `Checkpointer` when `train.checkpoint_every` is set (or a checkpoint waits to be resumed)."""
     every = int(cfg.train.checkpoint_every)
     if every <= 0 and not (files.directory / CHECKPOINT_DIR).is_dir():  # one that is there is resumed, then removed
@@ -276,4 +274,8 @@ def _checkpointer(cfg: DictConfig, files: RunFiles) -> Checkpointer | None:
         return files.grads_writer(path) if kind == "grads" else files.steps_writer(path)
 
     config = OmegaConf.to_yaml({k: v for k, v in config_dict(cfg).items() if k not in NEUTRAL_KEYS})
+    if dist is not None:  # under torchrun: the model and optimizer through torch.distributed.checkpoint
+        from gradrunner.run.parallel_checkpoint import ShardedCheckpointer
+
+        return ShardedCheckpointer(files.directory, every, config, open_segment, dist=dist)
     return Checkpointer(files.directory, every, config, open_segment)

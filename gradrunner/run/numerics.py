@@ -24,7 +24,10 @@ def total_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    return torch.nn.utils.get_total_norm(grads, 2.0)
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    # FSDP2/HSDP/TP gradients (DTensors): the norm of the whole gradients, as a plain tensor
+    whole = getattr(norm, "full_tensor", None)
+    return whole() if callable(whole) else norm
 
 
 def clip(
