@@ -22,10 +22,9 @@ as `torch.std`), abs_max from min and max, zero_frac from the non-zero count. Na
 are only computed when the sum of squares is not finite (on CPU, where reading it costs nothing)
 or always (on an accelerator, where branching would need a sync).
 
-Beside the statistics, each record carries the tapped tensor's own norm (`value_norm`, handed to `add`),
-and, when asked for, per-example norms and |g| histogram counts (`capturing.extras`; on CPU the histogram
-is counted by the C kernel in the same read), reduced in `add`; `finish(loss, updates)` adds the
-parameter taps' update norms. All of them join the reductions in the step's one transfer.
+Each record also carries the tapped tensor's own norm (`value_norm`) and, when asked for, per-example norms
+and |g| histogram counts (`capturing.extras`; on CPU counted by the C kernel in the same read), reduced in
+`add`; `finish(loss, updates)` adds the parameter taps' update norms: all in the step's one transfer.
 """
 
 from __future__ import annotations
