@@ -154,3 +154,27 @@ def test_reset_moments_makes_the_branch_step_adams_first(tmp_path: Path) -> None
     theirs = pd.read_parquet(source / "grads.parquet").query("step == 25").set_index("tap")
     assert (g["norm"] == theirs.loc[g.index, "norm"]).all()  # the same gradient at step 25 ...
     assert not np.allclose(theirs.loc[g.index, "update_norm"], first, rtol=1e-2)  # ... 25 steps of moments in the run
+
+
+def test_a_run_that_stops_on_the_spike_is_replayed_all_the_same(tmp_path: Path) -> None:
+    """`capture.on_nonfinite=stop` ends the run at its NaN step (batch 30's inputs NaN): the states the replay
+    needs are kept and the spike is replayed before the stop is told; the replay stops where the run did."""
+    with pytest.raises(GradrunnerError, match="step 30"):
+        _run(tmp_path / "stopped", *SOURCE, "data.scale=nan", "capture.on_nonfinite=stop")
+    out = tmp_path / "stopped"
+    assert not (out / "done.json").exists()
+    losses = pd.read_parquet(out / "steps.parquet").set_index("step")["loss"]
+    assert losses.index.max() <= 30 and np.isfinite(losses.loc[:29]).all()
+    verdict = json.loads((out / "replay" / "step30" / "replay.json").read_text())
+    assert verdict["exact"] is True and verdict["start"] == 25 and verdict["first_difference"] is None
+    again = pd.read_parquet(out / "replay" / "step30" / "steps.parquet").set_index("step")["loss"]
+    pd.testing.assert_series_equal(again, losses.loc[25:], check_exact=True)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["kept.json", "state-000000025.pt"]
+
+
+def test_a_nan_setting_is_the_same_config_twice() -> None:
+    """`data.scale=nan` compared with itself: NaN != NaN made every checkpoint of such a run 'another config'."""
+    from gradrunner.run.books import config_diff
+
+    assert config_diff({"data": {"scale": float("nan")}}, {"data": {"scale": float("nan")}}) == []
+    assert config_diff({"data": {"scale": float("nan")}}, {"data": {"scale": 1.0}}) == ["data.scale: nan -> 1.0"]

@@ -143,8 +143,13 @@ def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [
         f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}"
         for k in keys
-        if a.get(k, missing) != b.get(k, missing) and not _added_as_before(k, a, b)
+        if not _same(a.get(k, missing), b.get(k, missing)) and not _added_as_before(k, a, b)
     ]
+
+
+def _same(x: object, y: object) -> bool:
+    """Equal leaves, a NaN equal to a NaN (`data.scale=nan` is the same config twice, not a changed key)."""
+    return x == y or (isinstance(x, float) and isinstance(y, float) and x != x and y != y)
 
 
 def _added_as_before(key: str, old: dict[str, Any], new: dict[str, Any]) -> bool:

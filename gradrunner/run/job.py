@@ -27,6 +27,7 @@ from gradrunner.records import rundir
 from gradrunner.records.columns import GRADS_FILE
 from gradrunner.run import books, branch, distributed
 from gradrunner.run.distributed import Distributed
+from gradrunner.run.guards import NonFinite
 from gradrunner.run.hydra_adapter import task_overrides
 from gradrunner.run.loop import output_dir, train
 
@@ -100,19 +101,30 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
                 return directory / GRADS_FILE
             if dist is None:
                 branch.seed(directory, cfg)  # train.branch_from: the state it starts from (run.branch)
-            path = train(cfg, out_dir=directory, run_id=run_id, dist=dist)
+            try:
+                path = train(cfg, out_dir=directory, run_id=run_id, dist=dist)
+            except NonFinite:
+                if dist is None:
+                    _replay(directory, cfg)  # stopped on the spike (capture.on_nonfinite=stop): replayed all the same
+                raise
             main = dist is None or dist.is_main
             if main:
                 _mark_complete(directory, cfg, run_id, dist.world_size if dist is not None else 1, task_overrides())
-    if main and dist is None and int(OmegaConf.select(cfg, "anomaly.replay", default=0) or 0) > 0:
-        from gradrunner.run.replay import after_run
-
-        after_run(directory, cfg, run)  # the replays of the run's loss spikes (run.replay), once its records are complete
+    if main and dist is None:
+        _replay(directory, cfg)  # the replays of the run's loss spikes, once its records are complete
     if cfg.report and main and not multirun:
         from gradrunner.report.write import try_report
 
         try_report(directory)
     return path
+
+
+def _replay(directory: Path, cfg: DictConfig) -> None:
+    """`anomaly.replay=K`: replay the run's loss spikes (`run.replay.after_run`), after its records are closed."""
+    if int(OmegaConf.select(cfg, "anomaly.replay", default=0) or 0) > 0:
+        from gradrunner.run.replay import after_run
+
+        after_run(directory, cfg, run)
 
 
 def _mark_complete(directory: Path, cfg: DictConfig, run_id: str, world: int, overrides: list[str]) -> None:

@@ -238,22 +238,28 @@ def _train_in(cfg: DictConfig, job: Job, files: RunFiles, taps: list[Any], dist:
                         update_norms=True, scaler=ctx.scaler, dist=dist,
                         anomaly=_anomaly(cfg))  # fmt: skip
     engine.spikes_in_last_word = True  # a normal end's health summary says them (`health.last_word`)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(write_errors(files.directory))  # first in, last out: sees the writers' close too
-        cap = engine.capture
-        log.info("run %s: %d taps resolved (%s), %d steps on %s/%s", files.run_id, len(cap.taps),
-                 ", ".join(t.tap for t in cap.taps[:6]) + (", ..." if len(cap.taps) > 6 else ""),
-                 cfg.steps, job.device, cfg.dtype)  # fmt: skip
-        engine.open(stack, files)
-        ckpt = _checkpointer(cfg, files, dist)
-        try:
-            _run_steps(cfg, job, engine, ctx, ckpt)
-        except NonFinite as e:
-            e.directory = files.directory
-            raise
-        finally:
-            if ckpt is not None:
-                ckpt.abort()  # the segment after the last checkpoint: the job's own records hold its steps
+    ckpt: Checkpointer | None = None
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(write_errors(files.directory))  # first in, last out: sees the writers' close too
+            cap = engine.capture
+            log.info("run %s: %d taps resolved (%s), %d steps on %s/%s", files.run_id, len(cap.taps),
+                     ", ".join(t.tap for t in cap.taps[:6]) + (", ..." if len(cap.taps) > 6 else ""),
+                     cfg.steps, job.device, cfg.dtype)  # fmt: skip
+            engine.open(stack, files)
+            ckpt = _checkpointer(cfg, files, dist)
+            try:
+                _run_steps(cfg, job, engine, ctx, ckpt)
+            except NonFinite as e:
+                e.directory = files.directory
+                raise
+            finally:
+                if ckpt is not None:
+                    ckpt.abort()  # the segment after the last checkpoint: the job's own records hold its steps
+    except NonFinite:
+        if ckpt is not None and ckpt.keeps and dist is None:
+            ckpt.finish()  # stopped on the spike: the states anomaly.replay needs are kept (`run.job` replays it)
+        raise
     if ckpt is not None:
         ckpt.finish()  # the records are closed and whole: the checkpoint is not needed any more
 

@@ -32,6 +32,7 @@ from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records.atomic import write_atomically
 from gradrunner.run import branch
 from gradrunner.run.checkpoint import KEPT_DIR, KEPT_MANIFEST
+from gradrunner.run.guards import NonFinite
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,10 @@ def replay_spike(run: Runner, cfg: DictConfig, run_dir: Path, step: int, k: int,
     from gradrunner.analysis.compare import KEY, compare_runs
 
     out = run_dir / REPLAY_DIR / f"step{step}"
-    run(replay_config(cfg, run_dir, start, step, **{"capture.values": "full"}), out_dir=out)
+    try:
+        run(replay_config(cfg, run_dir, start, step, **{"capture.values": "full"}), out_dir=out)
+    except NonFinite:
+        pass  # capture.on_nonfinite=stop: the replay stops where the run did; its records are compared as they are
     c = compare_runs(run_dir, out, rtol=0.0, atol=0.0)
     span = (c.values["step"] >= start) & (c.values["step"] <= step)
     differs = c.values[span & c.values["differs"]]
