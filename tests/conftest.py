@@ -269,7 +269,7 @@ def _as_a_fresh_process(
 ) -> Iterator[list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]]]:
     """While open: `argv`, `cwd`, `path0` first on `sys.path`, `cli_env()` plus `env`, one torch thread, stdout
     and stderr into `out` and `err`, Python's default warning filters (warnings printed to stderr), no logging
-    handlers, no Hydra state, the modules `mains` out of `sys.modules`; yields the `atexit` callbacks
+    handlers, gradrunner's loggers at their defaults, no Hydra state, the modules `mains` out of `sys.modules`; yields the `atexit` callbacks
     registered meanwhile (not run).
 
     Everything is put back afterwards: cwd, argv, sys.path, the environment, signal handlers, logging,
@@ -302,6 +302,10 @@ def _as_a_fresh_process(
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
     root = logging.getLogger()
     saved_root = (root.level, root.handlers[:])
+    # gradrunner's loggers as a fresh process has them (a test may have left a level or disabled them)
+    ours = [v for k, v in logging.Logger.manager.loggerDict.items()
+            if isinstance(v, logging.Logger) and (k == "gradrunner" or k.startswith("gradrunner."))]  # fmt: skip
+    saved_ours = [(logger, logger.level, logger.disabled, logger.propagate) for logger in ours]
     saved_torch = (torch.get_num_threads(), torch.get_rng_state(), random.getstate(), np.random.get_state())
     saved_modules = {m: sys.modules.pop(m) for m in mains if m in sys.modules}
     fresh_env = {**cli_env(), **(env or {})}
@@ -313,6 +317,9 @@ def _as_a_fresh_process(
         sys.path.insert(0, path0)
         torch.set_num_threads(1)
         root.handlers, root.level = [], logging.WARNING
+        for logger in ours:
+            logger.level, logger.disabled, logger.propagate = logging.NOTSET, False, True
+        logging.Logger.manager._clear_cache()
         GlobalHydra.instance().clear()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(), \
                 pytest.MonkeyPatch.context() as patch:  # fmt: skip
@@ -329,6 +336,9 @@ def _as_a_fresh_process(
                 handler.close()
         root.setLevel(saved_root[0])
         root.handlers = saved_root[1]
+        for logger, level, disabled, propagate in saved_ours:
+            logger.level, logger.disabled, logger.propagate = level, disabled, propagate
+        logging.Logger.manager._clear_cache()
         HydraConfig.instance().cfg = None
         GlobalHydra.instance().clear()
         for sig, on_signal in saved_signals.items():

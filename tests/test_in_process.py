@@ -62,16 +62,26 @@ def test_the_app_answers_as_the_real_cli(tmp_path: Path, args: tuple[str, ...]) 
     assert (inside.returncode, inside.stdout, inside.stderr) == (real.returncode, real.stdout, real.stderr)
 
 
+def process_state() -> tuple[object, ...]:
+    """What a command run in-process must leave as it found it."""
+    return (os.getcwd(), dict(os.environ), sys.argv[:], sys.path[:], torch.get_num_threads(),
+            signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), logging.getLogger().handlers[:],
+            logging.getLogger("gradrunner").level)  # fmt: skip
+
+
 def test_a_run_leaves_the_test_process_as_it_was(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    before = (os.getcwd(), dict(os.environ), sys.argv[:], sys.path[:], torch.get_num_threads(),
-              signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), logging.getLogger().handlers[:])  # fmt: skip
-    state = torch.get_rng_state()
-    result = gradrunner_in_process(tmp_path, "-m", "+experiment=cosine", "steps=1", "seed=0,1", "hydra.sweep.dir=s")
+    ours = logging.getLogger("gradrunner")
+    ours.setLevel(logging.ERROR)  # as another test may leave it: the run still logs as a fresh process does
+    try:
+        before, rng = process_state(), torch.get_rng_state()
+        result = gradrunner_in_process(tmp_path, "-m", "+experiment=cosine", "steps=1", "seed=0,1", "hydra.sweep.dir=s")
+        after = process_state()
+    finally:
+        ours.setLevel(logging.NOTSET)
     assert result.returncode == 0, result.stderr
     assert re.search(r"sweep .*/s: 2 completed, 0 failed, 0 missing; manifest: s/manifest\.json", result.stdout)
+    assert "[gradrunner.run.loop][INFO] - step 0 (1/1, 100%)" in result.stdout
     assert (tmp_path / "s" / "manifest.json").is_file() and (tmp_path / "s" / "0" / "gradrunner.log").stat().st_size
-    after = (os.getcwd(), dict(os.environ), sys.argv[:], sys.path[:], torch.get_num_threads(),
-             signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), logging.getLogger().handlers[:])  # fmt: skip
-    assert after == before and torch.equal(torch.get_rng_state(), state)
+    assert after == before and torch.equal(torch.get_rng_state(), rng)
     logging.getLogger("gradrunner.test").warning("still captured by pytest")
     assert "still captured by pytest" in caplog.text
