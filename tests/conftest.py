@@ -263,49 +263,30 @@ def gradrunner_in_process(cwd: Path, *args: str) -> subprocess.CompletedProcess[
     return python_m(cwd, "gradrunner", *args)
 
 
+#: `atexit.register` calls a command made: (function, args, kwargs), run at its end by `_run_as_main`.
+AtExit = list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]]
+
+
 @contextlib.contextmanager
 def _as_a_fresh_process(
     cwd: Path, argv: list[str], env: dict[str, str] | None, out: TextIO, err: TextIO, path0: str, mains: tuple[str, ...]
-) -> Iterator[list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]]]:
+) -> Iterator[AtExit]:
     """While open: `argv`, `cwd`, `path0` first on `sys.path`, `cli_env()` plus `env`, one torch thread, stdout
-    and stderr into `out` and `err`, Python's default warning filters (warnings printed to stderr), no logging
-    handlers, gradrunner's loggers at their defaults, no Hydra state, the modules `mains` out of `sys.modules`; yields the `atexit` callbacks
-    registered meanwhile (not run).
+    and stderr into `out` and `err`, the modules `mains` out of `sys.modules`, no Hydra state, fresh logging
+    (`_fresh_logging`), warnings and `atexit` (`_fresh_warnings_and_atexit`, whose callbacks it yields).
 
     Everything is put back afterwards: cwd, argv, sys.path, the environment, signal handlers, logging,
     Hydra's global state, torch's thread count, the RNG states, `mains`.
     """
-    import atexit
-    import logging
     import random
     import signal
-    import warnings
 
     import numpy as np
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    at_exit: list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]] = []
-
-    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: object = None,
-             line: str | None = None) -> None:  # fmt: skip
-        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
-
-    def register(func: Callable[..., object], *args: object, **kwargs: object) -> Callable[..., object]:
-        at_exit.append((func, args, kwargs))
-        return func
-
-    def unregister(func: Callable[..., object]) -> None:
-        at_exit[:] = [e for e in at_exit if e[0] != func]
-
     saved_env, saved_cwd, saved_argv, saved_path = dict(os.environ), Path.cwd(), sys.argv[:], sys.path[:]
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
-    root = logging.getLogger()
-    saved_root = (root.level, root.handlers[:])
-    # gradrunner's loggers as a fresh process has them (a test may have left a level or disabled them)
-    ours = [v for k, v in logging.Logger.manager.loggerDict.items()
-            if isinstance(v, logging.Logger) and (k == "gradrunner" or k.startswith("gradrunner."))]  # fmt: skip
-    saved_ours = [(logger, logger.level, logger.disabled, logger.propagate) for logger in ours]
     saved_torch = (torch.get_num_threads(), torch.get_rng_state(), random.getstate(), np.random.get_state())
     saved_modules = {m: sys.modules.pop(m) for m in mains if m in sys.modules}
     fresh_env = {**cli_env(), **(env or {})}
@@ -316,29 +297,11 @@ def _as_a_fresh_process(
         sys.argv = list(argv)
         sys.path.insert(0, path0)
         torch.set_num_threads(1)
-        root.handlers, root.level = [], logging.WARNING
-        for logger in ours:
-            logger.level, logger.disabled, logger.propagate = logging.NOTSET, False, True
-        logging.Logger.manager._clear_cache()
         GlobalHydra.instance().clear()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(), \
-                pytest.MonkeyPatch.context() as patch:  # fmt: skip
-            warnings.resetwarnings()
-            for action, category, where in reversed(_PYTHON_WARNING_FILTERS):
-                warnings.filterwarnings(action, category=category, module=where)
-            warnings.showwarning = show
-            patch.setattr(atexit, "register", register)
-            patch.setattr(atexit, "unregister", unregister)
+        with _fresh_logging(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                _fresh_warnings_and_atexit() as at_exit:  # fmt: skip
             yield at_exit
     finally:
-        for handler in root.handlers:  # the ones the command's logging set up (Hydra's file and console)
-            if handler not in saved_root[1]:
-                handler.close()
-        root.setLevel(saved_root[0])
-        root.handlers = saved_root[1]
-        for logger, level, disabled, propagate in saved_ours:
-            logger.level, logger.disabled, logger.propagate = level, disabled, propagate
-        logging.Logger.manager._clear_cache()
         HydraConfig.instance().cfg = None
         GlobalHydra.instance().clear()
         for sig, on_signal in saved_signals.items():
@@ -352,3 +315,63 @@ def _as_a_fresh_process(
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
+
+
+@contextlib.contextmanager
+def _fresh_logging() -> Iterator[None]:
+    """While open: no handler on the root logger (level WARNING), gradrunner's loggers at their defaults (a
+    test may have left a level on them, or disabled them); afterwards the handlers the command's logging set
+    up (Hydra's file and console) are closed and the test's logging is put back."""
+    import logging
+
+    root = logging.getLogger()
+    level, handlers = root.level, root.handlers[:]
+    ours = [v for k, v in logging.Logger.manager.loggerDict.items()
+            if isinstance(v, logging.Logger) and (k == "gradrunner" or k.startswith("gradrunner."))]  # fmt: skip
+    saved = [(logger, logger.level, logger.disabled, logger.propagate) for logger in ours]
+    try:
+        root.handlers = []
+        root.setLevel(logging.WARNING)  # setLevel: the loggers' cached levels are recomputed
+        for logger in ours:
+            logger.setLevel(logging.NOTSET)
+            logger.disabled, logger.propagate = False, True
+        yield
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.setLevel(level)
+        root.handlers = handlers
+        for logger, its_level, disabled, propagate in saved:
+            logger.setLevel(its_level)
+            logger.disabled, logger.propagate = disabled, propagate
+
+
+@contextlib.contextmanager
+def _fresh_warnings_and_atexit() -> Iterator[AtExit]:
+    """While open: Python's default warning filters, warnings printed to (the current) stderr, and
+    `atexit.register`/`unregister` collecting into the list it yields; all put back afterwards."""
+    import atexit
+    import warnings
+
+    at_exit: AtExit = []
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: object = None,
+             line: str | None = None) -> None:  # fmt: skip
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    def register(func: Callable[..., object], *args: object, **kwargs: object) -> Callable[..., object]:
+        at_exit.append((func, args, kwargs))
+        return func
+
+    def unregister(func: Callable[..., object]) -> None:
+        at_exit[:] = [e for e in at_exit if e[0] != func]
+
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+        warnings.resetwarnings()
+        for action, category, where in reversed(_PYTHON_WARNING_FILTERS):
+            warnings.filterwarnings(action, category=category, module=where)
+        warnings.showwarning = show
+        patch.setattr(atexit, "register", register)
+        patch.setattr(atexit, "unregister", unregister)
+        yield at_exit

@@ -70,18 +70,18 @@ def process_state() -> tuple[object, ...]:
 
 
 def test_a_run_leaves_the_test_process_as_it_was(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    ours = logging.getLogger("gradrunner")
+    ours, found = logging.getLogger("gradrunner"), logging.getLogger("gradrunner").level
     ours.setLevel(logging.ERROR)  # as another test may leave it: the run still logs as a fresh process does
     try:
         before, rng = process_state(), torch.get_rng_state()
         result = gradrunner_in_process(tmp_path, "-m", "+experiment=cosine", "steps=1", "seed=0,1", "hydra.sweep.dir=s")
         after = process_state()
     finally:
-        ours.setLevel(logging.NOTSET)
+        ours.setLevel(found)
     assert result.returncode == 0, result.stderr
     assert re.search(r"sweep .*/s: 2 completed, 0 failed, 0 missing; manifest: s/manifest\.json", result.stdout)
     assert "[gradrunner.run.loop][INFO] - step 0 (1/1, 100%)" in result.stdout
     assert (tmp_path / "s" / "manifest.json").is_file() and (tmp_path / "s" / "0" / "gradrunner.log").stat().st_size
     assert after == before and torch.equal(torch.get_rng_state(), rng)
-    logging.getLogger("gradrunner.test").warning("still captured by pytest")
+    logging.getLogger("gradrunner.test").error("still captured by pytest")
     assert "still captured by pytest" in caplog.text
