@@ -322,7 +322,6 @@ def _fresh_logging() -> Iterator[None]:
     """While open: no handler on the root logger (level WARNING), gradrunner's loggers at their defaults (a
     test may have left a level on them, or disabled them); afterwards the handlers the command's logging set
     up (Hydra's file and console) are closed and the test's logging is put back."""
-    import logging
 
     root = logging.getLogger()
     level, handlers = root.level, root.handlers[:]

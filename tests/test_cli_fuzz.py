@@ -223,9 +223,7 @@ def test_random_lines_over_the_new_keys_are_refused_before_step_0_or_run_sanely(
                                   ["scheduler=onecycle", "scheduler.total_steps=2"],
                                   [f"train.accumulate={2**63 - 1}"]])  # fmt: skip
 def test_new_key_refusals_through_the_real_cli(tmp_path: Path, line: list[str]) -> None:
-    result = subprocess.run([sys.executable, "-m", "gradrunner", "+experiment=mlp", "device=cpu", "steps=3", *line,
-                             "hydra.run.dir=r"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
+    result = gradrunner_in_process(tmp_path, "+experiment=mlp", "device=cpu", "steps=3", *line, "hydra.run.dir=r")
     errors = [x for x in result.stderr.splitlines() if x.startswith("gradrunner: error: ")]
     assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
     assert line[-1].split("=")[0] in errors[0]
