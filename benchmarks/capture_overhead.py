@@ -168,7 +168,7 @@ def _extra_variants(
         cap = capture(model, taps, strategy="hook", values=values, keep_grads=False, **kwargs)
         step = partial(_captured_step, cap, model, x, y, loss_fn, opt, updates=option == "updates")
         out[f"hook+{option}"] = (lambda cap=cap: cap, step)
-    # The cost of the always-on value_norm: `hook` with it patched out of the session.
+    # The cost of the always-on value_norm: `hook` with it patched out of the forward side (capturing.firing).
     cap = capture(model, taps, strategy="hook", values=values, keep_grads=False)
     out["hook-value_norm"] = (lambda cap=cap: _without_value_norm(cap), partial(_captured_step, cap, model, x, y, loss_fn, opt))
     return out
@@ -176,15 +176,15 @@ def _extra_variants(
 
 @contextmanager
 def _without_value_norm(cap: Any) -> Iterator[None]:
-    import gradrunner.capturing.session as session
+    import gradrunner.capturing.firing as firing
 
-    real = session.value_norm
-    session.value_norm = lambda _t: None  # type: ignore[assignment,return-value]
+    real = firing.value_norm
+    firing.value_norm = lambda _t: None  # type: ignore[assignment,return-value]
     try:
         with cap:
             yield
     finally:
-        session.value_norm = real
+        firing.value_norm = real
 
 
 def _synced(step: Callable[[], None]) -> Callable[[], None]:

@@ -219,7 +219,13 @@ def test_each_backward_of_one_forward_is_captured(strategy: str) -> None:
     torch.testing.assert_close(second, 2 * out.detach())
     torch.testing.assert_close(cap.grads[":weight"], 2 * out.detach().T @ x)
     torch.testing.assert_close(model.weight.grad, w1 + 2 * out.detach().T @ x)  # .grad accumulates, as in torch
-    assert list(recs.has_grad) == [True, True]
+    # The records cover both backwards: the output once per backward, the weight once for both (its .grad)
+    assert [(k.tap, m) for k, m in zip(recs.keys, recs.micro_step, strict=True)] == [
+        (":output", 0), (":output", 1), (":weight", None)]  # fmt: skip
+    assert list(recs.has_grad) == [True, True, True]
+    norms = recs.stats["norm"]
+    assert norms[0] == pytest.approx(float(out.numel()) ** 0.5) and norms[1] == pytest.approx(float(2 * out.detach().norm()))
+    assert norms[2] == pytest.approx(float(model.weight.grad.norm()))
 
 
 def test_a_backward_after_the_graph_was_freed_says_so(strategy: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -101,3 +102,32 @@ def test_update_norms_are_the_averaged_step_and_the_same_on_every_rank(records: 
     np.testing.assert_array_equal(per_rank["update_norm"][0], per_rank["update_norm"][1])
     np.testing.assert_array_equal(per_rank["value_norm"][0], per_rank["value_norm"][1])
     assert records.loc[records.tap == "fc1:output", "update_norm"].isna().all()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_accumulation_under_ddp_syncs_once_per_step_and_records_the_averaged_step_gradient(
+    tmp_path: Path, strategy: str
+) -> None:
+    """train.accumulate=2 on 2 ranks: DDP all-reduces on each step's last micro-batch only (3 steps, one bucket:
+    3 all-reduces, not 6); a parameter's one row per step is the step's gradient averaged over the ranks (the
+    bias gradient is the sum of fc1's output gradient over both micro-batches and both ranks, halved)."""
+    script = Path(__file__).parent / "ddp_sync_count.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           str(tmp_path), strategy]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = [json.loads((tmp_path / f"sync.rank{r}.json").read_text())["all_reduces"] for r in (0, 1)]
+    assert counts == [3, 3]
+    df = load(tmp_path / "run", values=True)
+    for step in range(3):
+        rows = df[df.step == step]
+        out = rows[rows.tap == "head:output"]
+        assert sorted(zip(out["rank"], out.micro_step, strict=True)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        head = rows[rows.tap == "head:bias"]
+        assert len(head) == 2 and head.micro_step.isna().all()
+        np.testing.assert_array_equal(head["values"].iloc[0], head["values"].iloc[1])  # the same on both ranks
+        summed = sum(np.asarray(v, dtype=np.float64).reshape(s).sum(axis=0) for v, s in zip(out["values"], out["shape"],
+                                                                                             strict=True))  # fmt: skip
+        np.testing.assert_allclose(head["values"].iloc[0], summed / 2, rtol=1e-5, atol=1e-8)
+        w = rows[rows.tap == "fc1:weight"]
+        np.testing.assert_array_equal(w["values"].iloc[0], w["values"].iloc[1])

@@ -14,7 +14,7 @@ from records_check import check_records
 
 from gradrunner.capturing.stats import Collector
 from gradrunner.records.columns import TapKey
-from gradrunner.run.distributed import open_writers
+from gradrunner.run.engine import RunFiles, open_writers
 
 
 class DyingGroup:
@@ -45,7 +45,7 @@ def test_a_rank_dying_between_a_steps_two_gathers_leaves_both_tables_with_the_sa
     dies_at = random.Random(seed).randint(2, 12)  # any gather: grads (odd calls) or steps (even calls)
     consts = {"run_id": "r", "experiment": "mlp", "strategy": "hook", "device": "cpu", "dtype": "float32"}
     with pytest.raises(RuntimeError, match="rank 1 died"), contextlib.ExitStack() as stack:
-        grads, steps = open_writers(stack, DyingGroup(dies_at), tmp_path, consts, {})  # type: ignore[arg-type]
+        grads, steps = open_writers(stack, RunFiles(tmp_path, consts, {}), DyingGroup(dies_at))  # type: ignore[arg-type]
         for step in range(10):
             grads.write_step(step, records(step))
             steps.write(step, True, 1.0, 0.1, 0.01, None)

@@ -613,3 +613,53 @@ def test_edits_on_cuda_never_sync_the_host_and_match_cpu() -> None:
         results[device] = (recs.stats["norm"][keep], recs.edited_norm[keep])
     for cpu, cuda in zip(results["cpu"], results["cuda"], strict=True):
         np.testing.assert_allclose(cuda, cpu, rtol=1e-4)
+
+
+def test_a_parameter_edit_under_accumulation_records_the_steps_gradient_before_and_after_it(tmp_path: Any) -> None:
+    """train.accumulate=2 and `scale: 0.5` on fc1's weight: its one row per step holds the gradient that arrived
+    over both micro-batches (before the edit) and `edited_norm` the same after it, as plain hooks see them."""
+    import pandas as pd
+
+    from gradrunner.run.build import setup
+    from gradrunner.run.loop import train
+
+    cfg = compose_cfg("+experiment=mlp", "steps=2", "device=cpu", "train.accumulate=2", "taps=[fc1:weight]",
+                      'edits=[{tap:"fc1:weight",scale:0.5}]')  # fmt: skip
+    df = pd.read_parquet(train(cfg, out_dir=tmp_path)).set_index("step")
+    job = setup(cfg)  # the runner's model, data and optimiser again, from the seed
+    arrived: list[torch.Tensor] = []
+    weight = job.model.fc1.weight
+    weight.register_hook(lambda g: arrived.append(g.clone()))
+    weight.register_hook(lambda g: 0.5 * g)  # the edit, by hand
+    for step in range(2):
+        arrived.clear()
+        for _ in range(2):
+            x, y = next(job.batches)
+            (job.loss_fn(job.model(x), y) / 2).backward()
+        want = arrived[0] + arrived[1]
+        row = df.loc[step]
+        assert row.edited and pd.isna(row.micro_step)
+        assert row.norm == pytest.approx(float(want.norm()), rel=1e-5)
+        assert row.edited_norm == pytest.approx(float(0.5 * want.norm()), rel=1e-5)
+        job.optimizer.step()
+        job.optimizer.zero_grad(set_to_none=True)
+
+
+def test_every_operation_is_named_checked_and_applied_in_one_list_each() -> None:
+    """config.edits.OPERATIONS names and checks the operations, capturing.edits.APPLY applies them; a name in one
+    and not the other fails at import (here: the check itself, and each operation applied to a gradient)."""
+    from gradrunner.capturing.edits import APPLY, apply_edit
+    from gradrunner.config.edits import OPERATIONS, Edit, parse_edits
+
+    assert list(APPLY) == list(OPERATIONS)
+    g = torch.randn(3, 4)
+    values = {"scale": 0.5, "clip_norm": 0.1, "clip_value": 0.1, "mask": {"dim": 0, "keep": [1]}, "dropout": 0.5,
+              "noise_std": 0.1}  # fmt: skip
+    assert set(values) == set(OPERATIONS)
+    for op, value in values.items():
+        (edit,) = parse_edits([{"tap": "fc1:output", op: value}])
+        out = apply_edit(edit, g, seed=3)
+        assert out.shape == g.shape and not torch.equal(out, g), op
+        with pytest.raises(GradrunnerError, match=f"{op}=.*is not allowed"):
+            parse_edits([{"tap": "fc1:output", op: "x" if op != "mask" else 1.0}])
+    assert isinstance(Edit("t", "scale", 1.0).label, str)

@@ -427,3 +427,31 @@ def test_live_tensorboard_writes_one_value_per_step_for_micro_batches(tmp_path: 
     assert point[0] == 3 and point[1] == pytest.approx(float(h.grad.norm()), rel=1e-6)  # the whole batch's gradient
     (loss_point,) = scalars["steps/loss"]
     assert np.isnan(loss_point[1])  # NaN kept
+
+
+def test_record_live_tensorboard_under_accumulation_writes_one_value_per_step(tmp_path: Path) -> None:
+    """`record(..., log_to="tensorboard")` with two backwards per step: one point per step and tap, the value the
+    export writes for that step (the micro-batches combined into the whole batch's gradient)."""
+    pytest.importorskip("tensorboard")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradrunner.record(model, ["0:output", "2:weight"], tmp_path / "r", log_to="tensorboard") as rec:
+        for _ in range(3):
+            for part in torch.randn(2, 4, 3):
+                rec.backward(model(part).pow(2).mean() / 2)
+            opt.step()
+            opt.zero_grad()
+            rec.step()
+    live = _tensorboard_scalars(tmp_path / "r" / "tensorboard")
+    exported = _tensorboard_scalars(export_main_to(tmp_path / "r", tmp_path / "tb") / "run")  # a run dir: one run, "run"
+    for tag in ("grads/0:output/norm", "grads/2:weight/norm"):
+        assert [s for s, _ in live[tag]] == [0, 1, 2]
+        assert [v for _, v in live[tag]] == pytest.approx([v for _, v in exported[tag]], rel=1e-6)
+
+
+def export_main_to(run_dir: Path, out: Path) -> Path:
+    from gradrunner.export.command import main
+
+    assert main(["tensorboard", str(run_dir), "--out", str(out)]) == 0
+    return out

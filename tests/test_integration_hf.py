@@ -34,6 +34,7 @@ class Seen(transformers.TrainerCallback):
     def __init__(self, model: nn.Module) -> None:
         self.batches: list[dict[str, torch.Tensor]] = []
         self.grad_norms: list[float] = []
+        self.losses: list[float] = []
         model.register_forward_pre_hook(self._keep, with_kwargs=True)
 
     def _keep(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
@@ -43,6 +44,7 @@ class Seen(transformers.TrainerCallback):
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
         if logs and "grad_norm" in logs:
             self.grad_norms.append(float(logs["grad_norm"]))
+            self.losses.append(float(logs["loss"]))
 
 
 def _replay(batches: list[dict[str, torch.Tensor]], accumulate: int, clip: float, lr: float) -> tuple[list[dict[str, list[torch.Tensor]]], list[float]]:
@@ -100,6 +102,7 @@ def test_hf_trainer_accumulation_and_clipping_equal_plain_torch(tmp_path: Path) 
     assert seen.grad_norms == pytest.approx(norms, rel=1e-4)  # the Trainer's own grad_norm: before clipping
     steps = load(tmp_path / "run", table="steps")
     assert len(steps) == 3 and steps.captured.all() and steps.loss.notna().all()
+    assert list(steps.loss) == pytest.approx(seen.losses, rel=1e-5)  # what the Trainer backpropagated: its own loss
     assert (tmp_path / "run" / "done.json").is_file()
     if "grad_norm" not in pq.read_schema(tmp_path / "run" / "steps.parquet").names:
         pytest.skip("steps.parquet has no grad_norm column yet (issue 20 adds it); the rest of the records checked")
@@ -120,23 +123,66 @@ def test_hf_callback_leaves_tensor_backward_as_it_was(tmp_path: Path) -> None:
     assert not model._forward_hooks and len(load(tmp_path / "run")) == 1
 
 
-def test_hf_callback_close_after_a_failed_train(tmp_path: Path) -> None:
+def test_hf_callback_patches_nothing_and_keeps_the_completed_steps_of_a_failed_train(tmp_path: Path) -> None:
+    """Issue 38 item 8: nothing of torch or the Trainer is patched, ever; a train() that raised keeps the steps the
+    Trainer completed (written when the session ends: close(), the next train(), collection or the process's exit)."""
     model = _gpt2()
     original = torch.Tensor.backward
 
     class Boom(transformers.TrainerCallback):
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            raise RuntimeError("boom")
+        def on_step_end(self, args: Any, state: Any, control: Any, **k: Any) -> None:
+            assert torch.Tensor.backward is original  # nothing patched while it trains either
+            if state.global_step == 2:
+                raise RuntimeError("boom")
 
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (4, 8))]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=2, max_steps=2,
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (8, 8))]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=2, max_steps=4,
                                           report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True)  # fmt: skip
     cb = GradientCaptureCallback(taps=TAPS[:1], dir=tmp_path / "run")
     with warnings.catch_warnings(), pytest.raises(RuntimeError, match="boom"):
         warnings.simplefilter("ignore")
         transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb, Boom()]).train()
-    assert torch.Tensor.backward is not original  # still open: the Trainer never says it failed
+    assert torch.Tensor.backward is original
     cb.close()
     cb.close()
-    assert torch.Tensor.backward is original and not model._forward_hooks
+    assert not model._forward_hooks and not model._forward_pre_hooks
     assert not (tmp_path / "run" / "done.json").exists()
+    assert sorted(set(load(tmp_path / "run").step)) == [0, 1]  # both steps the Trainer completed
+    assert list(load(tmp_path / "run", table="steps").step) == [0, 1]
+
+
+_FAILING_SCRIPT = """
+import sys, torch, transformers
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from gradrunner.integrations.hf import GradientCaptureCallback
+
+class Fail(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == 2:
+            raise {error}
+model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16))
+data = [{{"input_ids": ids, "labels": ids}} for ids in torch.randint(0, 50, (8, 8))]
+args = TrainingArguments(sys.argv[1] + "/hf", max_steps=4, per_device_train_batch_size=2, report_to="none",
+                         save_strategy="no", use_cpu=True, disable_tqdm=True)
+Trainer(model=model, args=args, train_dataset=data,
+        callbacks=[GradientCaptureCallback(taps=["transformer.h.0.mlp:output"], dir=sys.argv[1] + "/run"), Fail()]).train()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("error", ["KeyboardInterrupt()", "ValueError('data went bad')"], ids=["ctrl-c", "exception"])
+def test_a_script_whose_train_raises_keeps_the_completed_steps_records(tmp_path: Path, error: str) -> None:
+    """The README's usage in a script: Ctrl-C or an exception in train() ends the process; the completed steps'
+    records are in the run dir (complete Parquet files, no done.json)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _FAILING_SCRIPT.format(error=error), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode != 0, done.stderr[-2000:]
+    run = tmp_path / "run"
+    assert sorted(set(load(run).step)) == [0, 1] and list(load(run, table="steps").step) == [0, 1], done.stderr[-2000:]
+    assert not (run / "done.json").exists()
+    assert not [f.name for f in run.iterdir() if f.name.endswith(".tmp")]  # no half-written file

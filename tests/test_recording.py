@@ -233,7 +233,7 @@ def test_record_writes_the_runners_records(tmp_path: Path, strategy: str, accumu
     train(cfg, out_dir=tmp_path / "runner")
     job = setup(cfg)  # built again from the seed: the runner's model, batches and optimiser
     with gradrunner.record(job.model, list(cfg.taps), tmp_path / "mine", strategy=strategy, every=int(cfg.capture.every),
-                           seed=int(cfg.seed), histogram=True) as rec:  # fmt: skip
+                           seed=int(cfg.seed), histogram=True, update_norms=True) as rec:  # fmt: skip
         for _ in range(3):
             for _ in range(accumulate):
                 x, y = next(job.batches)
@@ -241,17 +241,20 @@ def test_record_writes_the_runners_records(tmp_path: Path, strategy: str, accumu
                 rec.backward(loss / accumulate)
             job.optimizer.step()
             job.optimizer.zero_grad(set_to_none=True)
-            rec.step(loss)
+            rec.step()  # the step's loss: the backpropagated losses summed (their mean), as the runner's
     key = ["step", "tap", "call", "micro_step"]
     ours = pd.read_parquet(tmp_path / "mine" / "grads.parquet").sort_values(key).reset_index(drop=True)
     theirs = pd.read_parquet(tmp_path / "runner" / "grads.parquet").sort_values(key).reset_index(drop=True)
     assert len(ours) == len(theirs) > 0
     if accumulate > 1:
         assert theirs.micro_step.isna().any() and theirs.micro_step.notna().any()  # both kinds of row
-    # the runner's micro-batch rows carry that micro-batch's loss, record()'s the step's: compared without accumulation
-    columns = [*key, "numel", "norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "nan_count",
-               *(["loss"] if accumulate == 1 else []), "has_grad", "value_norm", "update_norm", "strategy", "rank"]  # fmt: skip
+    # one step engine: every row of a step carries the step's loss, the parameters' update norms are the runner's
+    columns = [*key, "numel", "norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "nan_count", "loss",
+               "has_grad", "value_norm", "update_norm", "strategy", "rank"]  # fmt: skip
     pd.testing.assert_frame_equal(ours[columns], theirs[columns])
+    steps = ["step", "captured", "loss"]
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "mine" / "steps.parquet")[steps],
+                                  pd.read_parquet(tmp_path / "runner" / "steps.parquet")[steps])  # fmt: skip
     assert ours.hist_counts.map(list).tolist() == theirs.hist_counts.map(list).tolist()
 
 
@@ -277,31 +280,17 @@ with gradrunner.record(model, [":output"], {str(tmp_path / "k")!r}, live_every=1
     assert list(df.step) == [0, 1, 2] and df.norm.notna().all()
 
 
-def test_micro_batches_go_to_the_micro_step_column() -> None:
-    from types import SimpleNamespace
-
-    from gradrunner.records.columns import StepRecords, TapKey
-    from gradrunner.run.recording import write_micro_batches
-
-    class Writer:
-        def __init__(self) -> None:
-            self.calls: list[tuple[int, list[int], list[int] | None]] = []
-
-        def write_step(self, step: int, records: StepRecords, micro_step: list[int] | None = None) -> None:
-            self.calls.append((step, [k.call for k in records.keys], micro_step))
-
-    def micro(n: int) -> list[StepRecords]:
-        keys = [TapKey("a", "output", 0), TapKey("a", "output", 1), TapKey("b", "weight", 0)]
-        return [StepRecords(keys=list(keys)) for _ in range(n)]
-
-    cap = SimpleNamespace(taps=[SimpleNamespace(module="a", name="output", kind="output"),
-                                SimpleNamespace(module="b", name="weight", kind="param")])  # fmt: skip
-    w = Writer()
-    write_micro_batches(w, 3, micro(2), cap)  # type: ignore[arg-type]
-    assert w.calls == [(3, [0, 1, 0], [0, 0, None]), (3, [0, 1, 0], [1, 1, None])]  # parameter taps: null
-    w = Writer()
-    write_micro_batches(w, 4, micro(1), cap)  # type: ignore[arg-type]
-    assert w.calls == [(4, [0, 1, 0], None)]  # one micro-batch: no micro_step
+def test_micro_steps_come_with_the_records_into_the_micro_step_column(tmp_path: Path) -> None:
+    """The capture numbers each record's backward (`StepRecords.micro_step`); the writer writes what it says."""
+    model, batches = _model(), _batches(2)
+    with gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "r") as rec:
+        for x, y in batches:
+            rec.backward(nn.functional.mse_loss(model(x), y) / 2)
+        recs_written = rec.step()
+    assert recs_written.records is not None and recs_written.records.micro_step == [0, 1, None]
+    df = pd.read_parquet(tmp_path / "r" / "grads.parquet")
+    assert [(t, None if pd.isna(m) else int(m)) for t, m in zip(df.tap, df.micro_step, strict=True)] == [
+        ("0:output", 0), ("0:output", 1), ("0:weight", None)]  # fmt: skip
 
 
 def test_every_captures_whole_steps(tmp_path: Path) -> None:

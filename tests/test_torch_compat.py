@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -65,7 +66,7 @@ def same(a: object, b: object) -> None:
         assert a == b
 
 
-@pytest.mark.parametrize("feature", ["get_gradient_edge", "call_accumulate_grad", "tensor_version"])
+@pytest.mark.parametrize("feature", ["get_gradient_edge", "call_accumulate_grad", "tensor_version", "tensor_hooks"])
 def test_fallback_gives_the_same_gradients(strategy: str, feature: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch_compat.FEATURES[feature]  # torch 2.13 has it: the default path is the detected one
     default = run(strategy)
@@ -135,3 +136,61 @@ def test_without_functorch_detection_a_vmapped_tap_is_still_refused(
     call: Callable[[torch.Tensor], torch.Tensor] = torch.vmap(inner)
     with capture(model, ["0:output"], strategy=strategy), pytest.raises(GradrunnerError):
         call(torch.randn(4, 3))
+
+
+def test_foreach_fallback_gives_the_same_norms_and_differences(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradrunner.capturing.extras import value_norms
+
+    ts = [torch.randn(7), torch.randn(3, 5), torch.randn(0)]
+    want = value_norms(ts, batch=True)
+    olds = [t + 1 for t in ts]
+    monkeypatch.setitem(torch_compat.FEATURES, "foreach", False)
+    got = value_norms(ts, batch=True)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w.double())
+    for d, t in zip(torch_compat.sub_all(olds, ts), ts, strict=True):
+        torch.testing.assert_close(d, torch.ones_like(t))
+
+
+def test_without_the_compiled_modules_internals_a_compiled_model_is_refused_with_the_way_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = nn.Sequential(nn.Linear(3, 2))
+    compiled = torch.compile(model)
+    assert torch_compat.compiled_inner(compiled) is model
+    monkeypatch.setitem(torch_compat.FEATURES, "compiled_module", False)
+    with pytest.raises(GradrunnerError, match="pass the model before torch.compile"):
+        capture(compiled, ["0:output"])
+    assert torch_compat.compiled_inner(model) is model  # an eager model is never refused
+
+
+def test_scaler_scale_fallback_gives_the_same_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+    scaler.scale(torch.ones(()))  # the scale tensor exists once the scaler was used
+    want = torch_compat.scale_tensor(scaler, "cpu")
+    monkeypatch.setitem(torch_compat.FEATURES, "scaler_scale", False)
+    got = torch_compat.scale_tensor(scaler, "cpu")
+    assert want is not None and got is not None and float(got) == float(want) == 512.0
+    assert torch_compat.scale_tensor(torch.amp.GradScaler("cpu", enabled=False), "cpu") is None
+
+
+def test_without_engine_callbacks_a_backward_the_session_did_not_run_ends_at_its_next_records(
+    strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`at_backward_end` forced off: the user's own loss.backward() is read when the session next looks (here
+    records()); the records equal cap.backward's (tests/test_engine.py checks whole steps with accumulation)."""
+    if strategy == "autograd_grad":
+        pytest.skip("autograd_grad refuses a backward it did not run")
+    torch.manual_seed(5)
+    model = Net()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    with capture(model, TAPS, strategy=strategy, keep_grads=False) as cap:
+        cap.backward(model(x).pow(2).sum())
+        want = cap.records()
+        model.zero_grad()
+        monkeypatch.setitem(torch_compat.FEATURES, "queue_callback", False)
+        model(x).pow(2).sum().backward()
+        assert cap.pending_backwards == 1  # seen begin, its end not known yet
+        got = cap.records()
+    assert got.keys == want.keys
+    np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])

@@ -333,3 +333,69 @@ def test_capture_is_transparent(name: str, kind: str, strategy: str) -> None:
             assert (g is None) == (r is None), (tap, c)
             if g is not None:
                 torch.testing.assert_close(g, _dense(r), rtol=1e-6, atol=1e-7, msg=f"{tap} call {c}")
+
+
+# -- gradient accumulation (issue 33): several backwards before one optimiser step ---------------------------
+def _accumulating_mlp() -> tuple[nn.Module, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    return model, [torch.randn(3, 4, dtype=torch.float64) for _ in range(3)]
+
+
+def _accumulate(strategy: str | None, taps: list[str]) -> tuple[list[tuple[str, int, torch.Tensor]], list[torch.Tensor]]:
+    """Three backwards without zero_grad; every parameter has a post-accumulate-grad hook that keeps what it
+    sees: (parameter, id of its `.grad` tensor, `.grad`'s value). `strategy=None`: no capture."""
+    model, xs = _accumulating_mlp()
+    seen: list[tuple[str, int, torch.Tensor]] = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: seen.append((name, id(p.grad), p.grad.clone())))
+    if strategy is None:
+        for x in xs:
+            model(x).pow(2).sum().backward()
+    else:
+        with capture(model, taps, strategy=strategy) as cap:
+            for x in xs:
+                cap.backward(model(x).pow(2).sum())
+    return seen, [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("taps", [["0:output", "0:weight", "2:bias"], ["0:weight", "0:bias", "2:weight", "2:bias"]])
+def test_post_accumulate_grad_hooks_see_the_accumulated_grad_under_accumulation(strategy: str, taps: list[str]) -> None:
+    """Each post-accumulate-grad hook sees `.grad` as without capture (the running sum over the backwards), and
+    `.grad` stays one tensor object across the backwards, as in torch (retain_grad set `.grad` aside and
+    added it back, so the hook saw only one backward's gradient and `.grad` became a new tensor)."""
+    bare, bare_grads = _accumulate(None, taps)
+    got, grads = _accumulate(strategy, taps)
+    for name in {n for n, _, _ in bare}:  # per parameter (autograd_grad accumulates after its engine call)
+        values = [v for n, _, v in got if n == name]
+        want = [v for n, _, v in bare if n == name]
+        assert len(values) == len(want) == 3 and all(torch.equal(v, w) for v, w in zip(values, want, strict=True)), name
+        ids = [i for n, i, _ in got if n == name]
+        bare_ids = [i for n, i, _ in bare if n == name]
+        assert len(set(ids)) == len(set(bare_ids)) == 1, name  # one `.grad` tensor for the whole accumulation
+    for g, w in zip(grads, bare_grads, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_a_parameter_edit_under_accumulation_records_the_steps_gradient_before_and_after_the_edit(strategy: str) -> None:
+    """`norm` is the gradient that arrived over the whole step (before the edit), `edited_norm` the same after it
+    (with accumulation, `norm` was the already-edited `.grad` and `edited_norm` the last backward's part)."""
+    model, xs = _accumulating_mlp()
+    arrived: list[torch.Tensor] = []  # a plain hook on the weight: every backward's gradient as it arrives
+    handle = model[0].weight.register_hook(lambda g: arrived.append(g.clone()))
+    for x in xs[:2]:
+        model(x).pow(2).sum().backward()
+    handle.remove()
+    want = arrived[0] + arrived[1]
+    model.zero_grad(set_to_none=True)
+    edits = [{"tap": "0:weight", "scale": 0.5}]
+    with capture(model, ["0:weight", "0:output"], strategy=strategy, edits=edits, keep_grads=False) as cap:
+        for x in xs[:2]:
+            cap.backward(model(x).pow(2).sum())
+        recs = cap.records()
+    row = recs.row([k.tap for k in recs.keys].index("0:weight"))
+    assert row["edited"]
+    assert row["norm"] == pytest.approx(float(want.norm()), rel=1e-12)
+    assert row["mean"] == pytest.approx(float(want.mean()), rel=1e-12)
+    assert row["edited_norm"] == pytest.approx(float((0.5 * want).norm()), rel=1e-12)
+    torch.testing.assert_close(model[0].weight.grad, 0.5 * want, rtol=1e-12, atol=1e-15)  # the edit took effect

@@ -8,12 +8,16 @@ Knows nothing of Hydra, Parquet or the runner (import-linter checks it).
 | `elements` | `output.N` / `output.KEY` elements of tuple, dict and dataclass values |
 | `forward_locals` | local variables of a `forward()`, tapped by rewriting its source |
 | `forward_patch` | a module's `forward()` calls sent to the rewritten copy, and back (`patch_forward`) |
-| `grad_context` | autograd state: no_grad, checkpointing, backward, compiled modules |
-| `strategies` | `retain_grad`, `hook`, `autograd_grad`: one file each, one registry |
+| `grad_context` | autograd state: no_grad, checkpointing, backward, models gradrunner refuses |
+| `torch_compat` | every torch internal gradrunner uses, detected once, each with a public fallback |
+| `strategies` | `retain_grad`, `hook`, `autograd_grad`: one file each, one registry; what happens around a backward |
 | `stats` | statistics on the gradient's device, one host transfer per step |
 | `edits` | gradient edits (`edits=[...]`): one edit node per firing, a hook per edited parameter |
 | `session` | `capture(model, taps, strategy=...)`, the context manager |
-| `grads` | `Grads`: the last step's kept gradients, by tap and call |
+| `firing` | the session's forward side: taps fire, each firing a slot the strategy attaches to |
+| `backwards` | the session's backward side: each backward's begin and end (its own or the user's), the step's records |
+| `params` | parameter taps, read one way: held gradient edges, or `.grad` after DDP's synchronisation |
+| `grads` | `Grads`: the last backward's kept gradients, by tap and call |
 
 Example::
 

@@ -81,6 +81,53 @@ def _random(g: torch.Tensor, seed: int, normal: bool) -> torch.Tensor:
     return draw(g.shape, generator=gen, device=g.device, dtype=torch.float32)
 
 
+def _scale(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+    assert isinstance(v, float)
+    return torch.zeros_like(g) if v == 0.0 else g * v
+
+
+def _clip_norm(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+    assert isinstance(v, float)
+    norm = torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None)
+    return g * torch.clamp(v / (norm + 1e-6), max=1.0).to(g.dtype)
+
+
+def _clip_value(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+    assert isinstance(v, float)
+    return g.clamp(-v, v)
+
+
+def _mask(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+    assert isinstance(v, Mask)
+    dim = v.dim % g.dim()
+    shape = [1] * g.dim()
+    shape[dim] = -1
+    keep = _keep_mask(v.keep, g.shape[dim], g.device).view(shape)
+    return torch.where(keep, g, torch.zeros((), dtype=g.dtype, device=g.device))
+
+
+def _dropout(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+    assert isinstance(v, float)
+    if v >= 1.0:
+        return torch.zeros_like(g)
+    kept = _random(g, seed, normal=False) >= v
+    return torch.where(kept, g * (1.0 / (1.0 - v)), torch.zeros((), dtype=g.dtype, device=g.device))
+
+
+def _noise_std(v: float | Mask, g: torch.Tensor, seed: int) -> torch.Tensor:
+    assert isinstance(v, float)
+    return g + v * _random(g, seed, normal=True).to(g.dtype)
+
+
+#: How each operation of `config.edits.OPERATIONS` (the one list of names and checks) changes a gradient.
+APPLY: dict[str, Callable[[float | Mask, torch.Tensor, int], torch.Tensor]] = {
+    "scale": _scale, "clip_norm": _clip_norm, "clip_value": _clip_value, "mask": _mask, "dropout": _dropout,
+    "noise_std": _noise_std,
+}  # fmt: skip
+if APPLY.keys() != OPERATIONS.keys():  # a name added to one list and not the other fails at import, not at use
+    raise ImportError(f"edit operations out of step: checked {sorted(OPERATIONS)}, applied {sorted(APPLY)}")
+
+
 def apply_edit(edit: Edit, g: torch.Tensor, seed: int = 0) -> torch.Tensor:
     """`g` with `edit` applied (a new tensor; `g` is not changed). `seed`: for dropout and noise_std.
 
@@ -90,34 +137,7 @@ def apply_edit(edit: Edit, g: torch.Tensor, seed: int = 0) -> torch.Tensor:
 
     No host sync: every operation stays on `g`'s device.
     """
-    op, v = edit.op, edit.value
-    if op == "scale":
-        assert isinstance(v, float)
-        return torch.zeros_like(g) if v == 0.0 else g * v
-    if op == "clip_norm":
-        assert isinstance(v, float)
-        norm = torch.linalg.vector_norm(g, dtype=torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None)
-        return g * torch.clamp(v / (norm + 1e-6), max=1.0).to(g.dtype)
-    if op == "clip_value":
-        assert isinstance(v, float)
-        return g.clamp(-v, v)
-    if op == "mask":
-        assert isinstance(v, Mask)
-        dim = v.dim % g.dim()
-        shape = [1] * g.dim()
-        shape[dim] = -1
-        keep = _keep_mask(v.keep, g.shape[dim], g.device).view(shape)
-        return torch.where(keep, g, torch.zeros((), dtype=g.dtype, device=g.device))
-    if op == "dropout":
-        assert isinstance(v, float)
-        if v >= 1.0:
-            return torch.zeros_like(g)
-        kept = _random(g, seed, normal=False) >= v
-        return torch.where(kept, g * (1.0 / (1.0 - v)), torch.zeros((), dtype=g.dtype, device=g.device))
-    if op == "noise_std":
-        assert isinstance(v, float)
-        return g + v * _random(g, seed, normal=True).to(g.dtype)
-    raise AssertionError(op)
+    return APPLY[edit.op](edit.value, g, seed)
 
 
 #: `mask`'s boolean vectors, made once per (indices, size, device): a copy to an accelerator from host
@@ -186,13 +206,15 @@ class Edits:
         edits = Edits(model, [{"tap": "fc1:output", "scale": -1.0}], seed=0)
         edits.taps          # [Tap('fc1', 'output', ...)]: the session taps these too (one row per firing)
 
-    - `install(stack, capturing)` when the session opens: the parameters' hooks;
+    - `install(stack, capturing, seen)` when the session opens: the parameters' hooks (`seen()` is called
+      from every hook of ours inside a backward: that is how the session sees a backward begin);
     - `on_fire(tap, value, key)` when a tap fires: the value the model goes on with (`refuse` first,
       for a value that cannot carry a gradient);
     - `begin_backward()` at the start of each backward (the step number that seeds random edits),
-      `reset()` when the session forgets a step in progress;
-    - `arrived(slot_param, key, grad)` when a parameter's gradient is delivered: the one before the edit;
-    - `norms`: the edited gradients' norms of the last backward, by record key (0-d, on the device).
+      `end_backward()` at its end, `reset()` when the session forgets a step in progress;
+    - `norms`: the edited activation gradients' norms of the backward, by record key (0-d, on the device);
+    - `step_arrived(param)`: an edited parameter's gradient as it arrived (before the edit), summed over
+      the step's backwards, for its record (`forget_step()` once the step's records are taken).
     """
 
     def __init__(self, model: nn.Module, entries: object, seed: int = 0) -> None:
@@ -221,8 +243,13 @@ class Edits:
         self.norms: dict[TapKey, torch.Tensor] = {}
         #: parameters' gradients as they arrived (before the edit), summed over the backward's parts
         self._arrived: dict[int, torch.Tensor] = {}
+        #: ... and over the step's backwards (gradient accumulation)
+        self._step_arrived: dict[int, torch.Tensor] = {}
         self._parts: dict[int, int] = {}
         self.capturing: Callable[[], bool] = lambda: True
+        self.seen: Callable[[], None] = lambda: None
+        #: the last captured backward's parameter gradients as they arrived, by parameter `id` (for `cap.grads`)
+        self.last_arrived: dict[int, torch.Tensor] = {}
 
     def _add_param(self, edit: Edit, tap: Tap, param: nn.Parameter) -> None:
         if not param.requires_grad:
@@ -238,14 +265,20 @@ class Edits:
             entry[1].append(edit)
         entry[2].append(tap.tap)
 
-    def install(self, stack: contextlib.ExitStack, capturing: Callable[[], bool]) -> None:
+    @property
+    def params(self) -> set[int]:
+        """`id` of every edited parameter."""
+        return set(self._params)
+
+    def install(self, stack: contextlib.ExitStack, capturing: Callable[[], bool], seen: Callable[[], None]) -> None:
         """Hook every edited parameter (removed when `stack` closes); `capturing()`: keep what arrived?"""
-        self.capturing = capturing
+        self.capturing, self.seen = capturing, seen
         for key, (param, edits, names) in self._params.items():
             stack.callback(param.register_hook(self._param_hook(key, edits, names[0])).remove)
 
     def _param_hook(self, key: int, edits: list[Edit], name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def hook(grad: torch.Tensor) -> torch.Tensor:
+            self.seen()
             # A parameter's gradient may come in parts (reentrant checkpointing): each part draws its own numbers.
             part = self._parts.get(key, 0)
             self._parts[key] = part + 1
@@ -287,6 +320,7 @@ class Edits:
         step = max(self.step + 1, 0)
 
         def edit(grad: torch.Tensor) -> torch.Tensor:
+            self.seen()
             new = apply_all(edits, grad, self.seed, step, tap.tap, call)
             if key is not None:  # into the norms of the backward running now (a second one too)
                 self.norms[key] = value_norm(new)
@@ -295,20 +329,28 @@ class Edits:
         return cast(_V, _EditNode.apply(value, edit))
 
     def begin_backward(self) -> None:
-        """A backward starts: it is step `self.step`; forget the previous step's calls and norms."""
+        """A backward starts: it is step `self.step`; forget the previous backward's calls and norms."""
         self.step += 1
         self._calls = {}
         self._arrived, self._parts = {}, {}
         self.norms = {}
 
+    def end_backward(self) -> dict[int, torch.Tensor]:
+        """The backward ended: its parameters' gradients as they arrived join the step's; returned by `id`."""
+        done, self._arrived = self._arrived, {}
+        for key, g in done.items():
+            before = self._step_arrived.get(key)
+            self._step_arrived[key] = g if before is None else before + g
+        return done
+
+    def step_arrived(self, param: torch.Tensor) -> torch.Tensor | None:
+        """An edited parameter's gradient before the edit, summed over the step's backwards (None: not edited)."""
+        return self._step_arrived.get(id(param)) if id(param) in self._params else None
+
+    def forget_step(self) -> None:
+        """The step's records were taken (or the step abandoned): the next step sums anew."""
+        self._step_arrived = {}
+
     def reset(self) -> None:
         """The step in progress was abandoned (`Capture.reset`): its calls count from 0 again."""
         self._calls = {}
-
-    def arrived(self, param: torch.Tensor, key: TapKey, grad: torch.Tensor) -> torch.Tensor:
-        """For a parameter's record: its gradient before the edit (`grad`, what the strategy read, is after)."""
-        before = self._arrived.get(id(param))
-        if before is None:
-            return grad
-        self.norms[key] = value_norm(grad)
-        return before

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from gradrunner.capturing.torch_compat import norms_all
 from gradrunner.records.columns import HIST_EDGES
 
 
@@ -160,7 +161,7 @@ def value_norms(values: list[torch.Tensor], *, batch: bool | None = None) -> lis
 
         value_norms([torch.tensor([3.0, 4.0]), torch.ones(4)])   # [tensor(5., dtype=float64), tensor(2., ...)]
 
-    `torch._foreach_norm` reduces every tensor of a list in a launch or two on CUDA, where one
+    A multi-tensor norm (`torch_compat.norms_all`) reduces every tensor of a list in a launch or two on CUDA, where one
     `value_norm` per tensor is one launch each (a model's parameters: hundreds). Its results are
     those of `value_norm` there: float32 accumulation, widened with the step's values. `batch`
     forces the batched path on (tests, on CPU) or off; by default it is taken off the CPU only.
@@ -174,6 +175,6 @@ def value_norms(values: list[torch.Tensor], *, batch: bool | None = None) -> lis
         else:
             out[i] = value_norm(v)
     for idx in groups.values():
-        for i, norm in zip(idx, torch._foreach_norm([values[i].detach() for i in idx], 2), strict=True):
+        for i, norm in zip(idx, norms_all([values[i].detach() for i in idx]), strict=True):
             out[i] = norm
     return out  # type: ignore[return-value]

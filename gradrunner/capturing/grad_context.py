@@ -1,5 +1,5 @@
 """What autograd and the model allow at a tap: why a value cannot carry a gradient, whether backward is
-running (and recomputing a reentrant checkpoint), compiled models' eager modules, and which models gradrunner refuses.
+running (and recomputing a reentrant checkpoint), and which models gradrunner refuses.
 
 Example::
 
@@ -18,7 +18,7 @@ from gradrunner.capturing.torch_compat import in_backward, is_functorch_wrapped,
 from gradrunner.errors import GradrunnerError
 
 __all__ = ["in_backward", "input_alias", "no_grad_reason", "reentrant_checkpoint", "refuse_compiled",
-           "refuse_transformed", "unwrap_compiled"]
+           "refuse_transformed"]
 
 #: The `reason` of a record without gradient, where it is one of these fixed cases.
 NOT_CALLED = "module not called in this step"
@@ -91,21 +91,6 @@ def no_grad_reason(value: object, is_input: bool) -> tuple[str, str] | None:
         return short, ("a tensor that does not require grad (made under torch.no_grad(), detached, or computed only "
                        "from frozen parameters and inputs)")  # fmt: skip
     return None
-
-
-def unwrap_compiled(model: nn.Module) -> nn.Module:
-    """The eager module behind `torch.compile(model)` (its `_orig_mod`); any other model as it is.
-
-    Example::
-
-        unwrap_compiled(torch.compile(model)) is model   # True
-
-    Hooks and patched forwards are installed on the eager modules; calling the compiled one runs them
-    (dynamo traces through, breaking the graph where a tap calls back into Python). `model.compile()`
-    compiles in place, so its modules are the eager ones already: both spellings capture the same.
-    """
-    inner = getattr(model, "_orig_mod", None)
-    return inner if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module) else model
 
 
 def refuse_compiled(model: nn.Module) -> None:

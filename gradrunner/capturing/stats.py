@@ -118,13 +118,23 @@ class Collector:
         self._batches: list[torch.Tensor] = []
         #: per-element segment numbers of a batch, by the batch's gradient sizes and device (`_segment_ids`)
         self._ids: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+        #: per record (by `order`): its backward's number in the step (`micro_step`) and why it has no gradient
+        self._meta: dict[int, tuple[int | None, str | None]] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
 
+    def discard(self, orders: set[int]) -> None:
+        """Forget the records added at `orders` (a value read again later in the step replaces them)."""
+        if orders:
+            self._pending = [p for p in self._pending if p.order not in orders]
+            for o in orders:
+                self._meta.pop(o, None)
+
     def add(
         self, key: TapKey, grad: torch.Tensor | None, order: int | None = None, mutable: bool = True, *,
-        value_norm: torch.Tensor | None = None, batched: bool = True, settled: bool = False,
+        value_norm: torch.Tensor | None = None, batched: bool = True, settled: bool = False, micro: int | None = None,
+        reason: str | None = None,
     ) -> None:  # fmt: skip
         """Reduce `grad` (or record that the tap got none) without leaving its device.
 
@@ -137,9 +147,12 @@ class Collector:
         a gradient changed in place after `add` cannot change them. `settled=True` promises that
         nothing changes `grad` in place before the next `flush` (a gradient handed over after
         autograd's backward returned, the session flushing before it returns): a small gradient kept
-        for the batch is then not copied either.
+        for the batch is then not copied either. `micro` (the backward's number within the step) and
+        `reason` (why there is no gradient) go into the records' `micro_step` and `reason`.
         """
         order = len(self._pending) if order is None else order
+        if micro is not None or reason is not None:
+            self._meta[order] = (micro, reason)
         if grad is None:
             self._pending.append(Pending(order, key, (), 0, False, None, None, None, value_norm))
             return
@@ -341,23 +354,24 @@ class Collector:
 
     def finish(
         self, loss: torch.Tensor | None = None, updates: Mapping[TapKey, torch.Tensor] | None = None,
-        edited: Mapping[TapKey, torch.Tensor] | None = None,
+        edited: Mapping[int, torch.Tensor] | None = None,
     ) -> StepRecords:  # fmt: skip
         """Reduce what was deferred, move all reductions to the host in one transfer, derive statistics.
 
         `updates` maps parameter taps to the 0-d norm of the optimiser step's change (`update_norm`),
-        `edited` edited records to the 0-d norm of their gradient after the edit (`edited_norm`):
-        they ride in the same transfer as everything else.
+        `edited` edited records (by `order`) to the 0-d norm of their gradient after the edit
+        (`edited_norm`): they ride in the same transfer as everything else.
         """
         self.flush()
         pending, self._pending = sorted(self._pending, key=lambda p: p.order), []
+        meta, self._meta = self._meta, {}
         rows, blocks = reduction_blocks(pending, self._rows, self._batches)
         self._n_rows, self._batches = 0, []
         parts = [b.reshape(-1) for b in blocks]
         n_red = sum(p.numel() for p in parts)
         extras = extra_parts(pending, updates or {})
         edited_at = n_red + sum(t.numel() for _, t in extras)
-        edited = {p.key: edited[p.key] for p in pending if p.key in edited} if edited else {}
+        edited = {p.order: edited[p.order] for p in pending if p.order in edited} if edited else {}
         if edited:
             extras.append(("edited_norm", stack(list(edited.values()))))
         parts += [t for _, t in extras]
@@ -373,9 +387,13 @@ class Collector:
         recs = derive(pending, rows, flat[:n_red].reshape(-1, N_REDUCTIONS))
         recs.loss = float(flat[-1]) if loss is not None else None
         fill_extras(recs, pending, extras, flat[n_red:], updates or {}, self.per_example, self.histogram)
-        recs.edited = np.array([p.key in edited for p in pending], dtype=bool)
+        recs.edited = np.array([p.order in edited for p in pending], dtype=bool)
         recs.edited_norm = np.full(len(pending), np.nan)
         recs.edited_norm[recs.edited] = flat[edited_at : edited_at + len(edited)]
+        if meta:
+            at = [meta.get(p.order, (None, None)) for p in pending]
+            recs.micro_step = [m for m, _ in at]
+            recs.reason = [None if g else r for (_, r), g in zip(at, recs.has_grad, strict=True)]
         if self.values != "none":
             recs.values = _values_to_host(pending)
             if self.values == "sample":

@@ -4,12 +4,17 @@
 | --- | --- | --- |
 | `gradient_edge(t)` | none: `torch.autograd.graph.get_gradient_edge` (public) | `(t.grad_fn, t.output_nr)`; a leaf's accumulator through `t.view_as(t)`; `autograd_grad` passes the tensor |
 | `watch_edge(edge, fn)` | none: `Node.register_prehook` (public) | - |
-| `accumulate(param, grad)` | none: the parameter's own `AccumulateGrad` node, called | `.grad` added by hand, then `_post_accumulate_grad_hooks` called |
+| `accumulate([(node, grad), ...])` | calling a parameter's held `AccumulateGrad` node: `.grad` filled as backward fills it, post-accumulate-grad hooks included | `autograd_grad` runs `loss.backward()` for the parameters (a second engine pass) |
+| `at_backward_end(fn)` | `Variable._execution_engine.queue_callback` (what DDP and FSDP use): `fn` runs once the backward finished, after every callback queued before | False: the session finishes the backward at its next `records()`, forward or `backward()` |
+| `has_own_hooks(t)` | `t._backward_hooks`: `autograd_grad` reads a tap at its node only where the tensor has hooks | True: always read at the node |
 | `version(t)` | `t._version`: retain_grad reads `.grad` unless the tensor changed in place | None: assume it changed, read the gradient edge |
 | `is_view(t)` | `t._is_view()`: a tapped view written in place gets its own `reason` | False: "takes no part in the loss" |
-| `in_backward()` | `torch._C._current_graph_task_id()`: also true inside a plain `loss.backward()` | a counter `backward_running()` raises around the strategies' backward |
+| `in_backward()` | `torch._C._current_graph_task_id()`: also true inside a plain `loss.backward()` | a counter `backward_running()` raises around the session's own backward |
 | `reentrant_checkpoint(phase)` | frame walk for `torch.utils.checkpoint.CheckpointFunction` | None: the no-grad first pass records "made under no_grad" |
 | `functorch_level(t)` | `torch._C._functorch.is_functorch_wrapped_tensor` | never detected: the tap's own "does not require grad" check |
+| `sub_all(a, b)`, `norms_all(ts)` | `torch._foreach_sub`, `torch._foreach_norm`: one launch for a list on an accelerator | one op per tensor |
+| `compiled_inner(model)` | `OptimizedModule._orig_mod`: tap `torch.compile(model)`'s eager modules | a GradrunnerError: pass the model before `torch.compile` |
+| `scale_tensor(scaler, device)` | `GradScaler._scale`: the device scale tensor, no host sync | `scaler.scale(torch.ones((), device=device))`: one tiny multiply, no sync |
 
 `FEATURES` holds what was detected at import; tests monkeypatch it to force each fallback.
 
@@ -23,12 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.utils.checkpoint as checkpoint_module
+from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from gradrunner.errors import GradrunnerError
 
 #: (node, input number, ...): torch's `GradientEdge` (a named tuple), or the fallback's pair.
 Edge = tuple[Any, ...]
@@ -38,16 +46,36 @@ _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 _CHECKPOINT_FUNCTION = getattr(checkpoint_module, "CheckpointFunction", None)
 _functorch = getattr(torch._C, "_functorch", None)
 _is_functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None)
+_engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+_queue_callback = getattr(_engine, "queue_callback", None)
+
+
+def _calls_accumulate_grad() -> bool:
+    """Whether calling a leaf's `AccumulateGrad` node fills its `.grad` (probed once on a throw-away leaf)."""
+    try:
+        probe = torch.zeros(1, requires_grad=True)
+        node: Any = probe.view_as(probe).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+        with torch.no_grad():
+            node(torch.ones(1))
+        return probe.grad is not None and float(probe.grad[0]) == 1.0
+    except Exception:  # any failure means: not available
+        return False
+
 
 #: What this torch offers; False forces the fallback (tests set these with monkeypatch).
 FEATURES: dict[str, bool] = {
     "get_gradient_edge": _get_gradient_edge is not None,
-    "call_accumulate_grad": True,
+    "call_accumulate_grad": _calls_accumulate_grad(),
+    "queue_callback": _queue_callback is not None,
+    "tensor_hooks": hasattr(torch.zeros(()), "_backward_hooks"),
     "tensor_version": hasattr(torch.Tensor, "_version"),
     "is_view": hasattr(torch.Tensor, "_is_view"),
     "current_graph_task_id": _current_graph_task_id is not None,
     "checkpoint_frames": _CHECKPOINT_FUNCTION is not None,
     "functorch_wrapped": _is_functorch_wrapped is not None,
+    "foreach": hasattr(torch, "_foreach_sub") and hasattr(torch, "_foreach_norm"),
+    "compiled_module": True,  # `torch.compile`'s wrapper, recognised by its class name and `_orig_mod`
+    "scaler_scale": True,  # `GradScaler._scale`, read when it is a tensor
 }
 
 
@@ -69,8 +97,8 @@ def watch_edge(edge: Edge, fn: Callable[[torch.Tensor], torch.Tensor | None]) ->
     """Call `fn(grad)` with the gradient flowing into `edge` (None-gradients skipped), after the tensor's own hooks.
 
     A node's pre-hooks run after the tensor hooks (`register_hook`) and `retain_grad` of every tensor
-    of that node: `fn` sees what autograd delivers to the tensor's `.grad`. `fn` may return a new
-    gradient, which then flows on in its place (the seam for gradient edits).
+    of that node: `fn` sees what autograd delivers to the tensor's `.grad` (a leaf's `AccumulateGrad`
+    node: what is added to `.grad`). `fn` may return a new gradient, which then flows on in its place.
     """
     node, nr = edge[0], edge[1]
 
@@ -86,24 +114,41 @@ def watch_edge(edge: Edge, fn: Callable[[torch.Tensor], torch.Tensor | None]) ->
     return node.register_prehook(prehook)
 
 
-def accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """Add `grad` to `param.grad` exactly as `loss.backward()` would, firing its post-accumulate-grad hooks.
+def accumulate(pairs: Iterable[tuple[Any, torch.Tensor]]) -> None:
+    """For each (node, grad): add `grad` to the `.grad` of the parameter whose `AccumulateGrad` node is `node`,
+    as backward would.
 
-    The parameter's own `AccumulateGrad` node does what the engine does (layout, in-place add, hooks);
-    the fallback adds by hand and calls the hooks `register_post_accumulate_grad_hook` keeps.
+    The node does what the engine does (layout, in-place add, post-accumulate-grad hooks). Only where
+    `FEATURES["call_accumulate_grad"]`; without it `autograd_grad` lets `loss.backward()` fill `.grad`.
     """
+    assert FEATURES["call_accumulate_grad"]
     with torch.no_grad():
-        if FEATURES["call_accumulate_grad"]:
-            node = gradient_edge(param)[0]
+        for node, grad in pairs:
             node(grad)
-            return
-        if param.grad is None:
-            param.grad = grad.detach().clone(memory_format=torch.contiguous_format) if grad.layout == torch.strided \
-                else grad.detach().clone()  # fmt: skip
-        else:
-            param.grad += grad
-    for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
-        hook(param)
+
+
+def at_backward_end(fn: Callable[[], None]) -> bool:
+    """Run `fn` once the backward running now has finished (call it from a hook inside that backward).
+
+    Example::
+
+        at_backward_end(lambda: print("done"))   # inside a tensor or node hook
+
+    `fn` runs after the whole graph ran (every `AccumulateGrad` and post-accumulate-grad hook) and after
+    every callback queued so far, DDP's finalize included (which queues its own during backward): it is
+    queued from a callback queued now. False where torch offers no callbacks: then nothing is queued.
+    """
+    if not FEATURES["queue_callback"]:
+        return False
+    _queue_callback(lambda: _queue_callback(fn))  # type: ignore[misc]
+    return True
+
+
+def has_own_hooks(tensor: torch.Tensor) -> bool:
+    """Whether hooks were registered on `tensor` itself (`register_hook`); True when that cannot be read."""
+    if not FEATURES["tensor_hooks"]:
+        return True
+    return bool(getattr(tensor, "_backward_hooks", None))
 
 
 def version(tensor: torch.Tensor) -> int | None:
@@ -121,7 +166,7 @@ _running = [0]
 
 @contextlib.contextmanager
 def backward_running() -> Iterator[None]:
-    """Marks a strategy's backward pass (what `in_backward` falls back to)."""
+    """Marks the session's own backward pass (what `in_backward` falls back to)."""
     _running[0] += 1
     try:
         yield
@@ -156,3 +201,61 @@ def reentrant_checkpoint(phase: str) -> object | None:
 def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is a torch.func transform's wrapper (inside `vmap`, `grad`, `jacrev`, ...)."""
     return bool(FEATURES["functorch_wrapped"] and _is_functorch_wrapped(tensor))  # type: ignore[misc]
+
+
+def sub_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`[x - y for x, y in zip(a, b)]`, in one multi-tensor op on an accelerator.
+
+    Example::
+
+        sub_all([torch.ones(2)], [torch.zeros(2)])   # [tensor([1., 1.])]
+    """
+    if FEATURES["foreach"] and a and not a[0].is_cpu:
+        return list(torch._foreach_sub(list(a), list(b)))
+    return [x - y for x, y in zip(a, b, strict=True)]
+
+
+def norms_all(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The 2-norm of each tensor (float32 tensors of one device), in one multi-tensor op where torch has it.
+
+    Example::
+
+        norms_all([torch.tensor([3.0, 4.0])])   # [tensor(5.)]
+    """
+    if FEATURES["foreach"]:
+        return list(torch._foreach_norm(list(ts), 2))
+    return [torch.linalg.vector_norm(t) for t in ts]
+
+
+def compiled_inner(model: nn.Module) -> nn.Module:
+    """The eager module behind `torch.compile(model)` (its `_orig_mod`); any other model as it is.
+
+    Example::
+
+        compiled_inner(torch.compile(model)) is model   # True
+    """
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ != "OptimizedModule" or not isinstance(inner, nn.Module):
+        return model
+    if not FEATURES["compiled_module"]:
+        raise GradrunnerError(
+            "the model is torch.compile(model), whose eager modules this torch does not expose: pass the model "
+            "before torch.compile to capture (compile it after the capture session opened, with model.compile())."
+        )
+    return inner
+
+
+def scale_tensor(scaler: Any, device: torch.device | str) -> torch.Tensor | None:
+    """A `torch.amp.GradScaler`'s current scale as a 0-d tensor on the device (no host sync); None when it is off.
+
+    Example::
+
+        scale_tensor(scaler, "cuda")   # tensor(65536., device='cuda:0')
+    """
+    if not scaler.is_enabled():
+        return None
+    scale = getattr(scaler, "_scale", None) if FEATURES["scaler_scale"] else None
+    if isinstance(scale, torch.Tensor):
+        return scale
+    scaled: torch.Tensor = scaler.scale(torch.ones((), device=device))
+    return scaled

@@ -17,14 +17,31 @@ from dataclasses import dataclass
 
 from gradrunner.errors import GradrunnerError
 
-#: The operations, in the order messages list them, with what each one's value must be.
-OPERATIONS: dict[str, str] = {
-    "scale": "a number (0: stop-gradient, -1: gradient reversal)",
-    "clip_norm": "a number >= 0 (the largest norm the gradient keeps, per call)",
-    "clip_value": "a number >= 0 (each element clamped to [-v, v])",
-    "mask": "{dim: <int>, keep: [<index>, ...]} (only these indices along dim keep their gradient)",
-    "dropout": "a probability 0 <= p <= 1 (each element zeroed with probability p, the rest scaled by 1/(1-p))",
-    "noise_std": "a number >= 0 (Gaussian noise of that standard deviation added)",
+
+@dataclass(frozen=True)
+class Operation:
+    """What one operation's value must be: a `{dim, keep}` mask, or a finite number in [low, high]."""
+
+    #: what the value is, for messages
+    takes: str
+    low: float = -math.inf
+    high: float = math.inf
+    mask: bool = False
+    #: why a number outside [low, high] is refused (default: the bound it crosses)
+    range_says: str = ""
+
+
+#: The operations, in the order messages list them, and what each one's value must be: the one list of
+#: their names and checks (`gradrunner.capturing.edits` applies each name, and checks at import that it
+#: applies exactly these).
+OPERATIONS: dict[str, Operation] = {
+    "scale": Operation("a number (0: stop-gradient, -1: gradient reversal)"),
+    "clip_norm": Operation("a number >= 0 (the largest norm the gradient keeps, per call)", low=0.0),
+    "clip_value": Operation("a number >= 0 (each element clamped to [-v, v])", low=0.0),
+    "mask": Operation("{dim: <int>, keep: [<index>, ...]} (only these indices along dim keep their gradient)", mask=True),
+    "dropout": Operation("a probability 0 <= p <= 1 (each element zeroed with probability p, the rest scaled by "
+                         "1/(1-p))", low=0.0, high=1.0, range_says="a probability is between 0 and 1"),
+    "noise_std": Operation("a number >= 0 (Gaussian noise of that standard deviation added)", low=0.0),
 }
 _EXAMPLE = "edits='[{tap:\"fc1:output\",scale:0.0}]'"
 
@@ -109,11 +126,13 @@ def _parse_entry(i: int, entry: object) -> Edit:
 
 
 def _check_value(where: str, tap: object, op: str, value: object) -> float | Mask:
+    operation = OPERATIONS[op]
+
     def bad(why: str) -> GradrunnerError:
         return GradrunnerError(f"{where} (tap {tap!r}): {op}={value!r} is not allowed: {why}. {op} takes "
-                               f"{OPERATIONS[op]}.")  # fmt: skip
+                               f"{operation.takes}.")  # fmt: skip
 
-    if op == "mask":
+    if operation.mask:
         if not isinstance(value, Mapping) or set(map(str, value)) != {"dim", "keep"}:
             raise bad("it must be a mapping with exactly the keys dim and keep")
         dim, keep = value["dim"], value["keep"]
@@ -129,8 +148,7 @@ def _check_value(where: str, tap: object, op: str, value: object) -> float | Mas
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise bad("it must be a finite number")
     number = float(value)
-    if op in ("clip_norm", "clip_value", "noise_std") and number < 0:
-        raise bad("it must be >= 0")
-    if op == "dropout" and not 0.0 <= number <= 1.0:
-        raise bad("a probability is between 0 and 1")
+    if not operation.low <= number <= operation.high:
+        raise bad(operation.range_says or (f"it must be >= {operation.low:g}" if operation.high == math.inf else
+                                           f"it must be between {operation.low:g} and {operation.high:g}"))  # fmt: skip
     return number

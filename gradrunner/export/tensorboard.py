@@ -96,7 +96,7 @@ class LiveTensorBoard:
 
         live = LiveTensorBoard(run_dir / "tensorboard")
         live.write(step, records)      # the host-side StepRecords the writer just took: no device sync
-        live.write_step(step, [micro_0, micro_1], loss)   # under accumulation: one value per tap and step
+        live.write_step(step, [micro_0, micro_1], loss)   # separate micro-batch records: one value per tap and step
         live.close()
 
     Tags are the export's (`grads/<tap>/<stat>`, `steps/loss`), so a live log and a later export agree.
@@ -108,6 +108,9 @@ class LiveTensorBoard:
         self.writer = EventFileWriter(str(logdir))
 
     def write(self, step: int, recs: Any, loss: float | None) -> None:
+        if any(m is not None for m in (getattr(recs, "micro_step", None) or ())):  # a step of several micro-batches
+            self._write_combined(step, [{**recs.row(i), "step": step, "rank": 0} for i in range(len(recs))], loss)
+            return
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
 
@@ -140,12 +143,16 @@ class LiveTensorBoard:
         if len(micro) == 1:
             self.write(step, micro[0], loss)
             return
+        rows = [{**r.row(i), "step": step, "rank": 0, "micro_step": m} for m, r in enumerate(micro) for i in range(len(r))]
+        self._write_combined(step, rows, loss)
+
+    def _write_combined(self, step: int, rows: list[dict[str, Any]], loss: float | None) -> None:
+        """One event from a step's record rows over its micro-batches (`micro_step` set), combined per tap."""
         import pandas as pd
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        rows = [{**r.row(i), "step": step, "rank": 0, "micro_step": m} for m, r in enumerate(micro) for i in range(len(r))]
-        per_step = combine_micro_steps(pd.DataFrame(rows).drop(columns=["values", "shape"]))
+        per_step = combine_micro_steps(pd.DataFrame(rows).drop(columns=["values", "shape"], errors="ignore"))
         values = [Summary.Value(tag=t, simple_value=v) for t, _, v in grad_scalars(per_step)]
         if loss is not None:
             values.append(Summary.Value(tag="steps/loss", simple_value=float(loss)))

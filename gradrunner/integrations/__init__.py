@@ -5,7 +5,8 @@
 | `lightning` | `GradientCapture`, a Lightning callback (`gradrunner[lightning]`) |
 | `hf` | `GradientCaptureCallback`, a `transformers.TrainerCallback` (`gradrunner[hf]`) |
 
-Each opens one `gradrunner.run.recording.Recorder` (the runner's capture session and writers) and
-routes the framework's own backward call through it; nothing of capture or records is done twice.
+Each opens one `gradrunner.run.recording.Recorder` (the runner's step engine) and lets the framework's
+own backward run unchanged: the capture reads the gradients around it, from the framework's sanctioned
+events; nothing of the framework or of torch is patched, nothing of capture or records is done twice.
 The modules import their framework only when imported themselves.
 """

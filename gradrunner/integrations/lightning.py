@@ -6,24 +6,26 @@ Example::
     trainer = Trainer(callbacks=[GradientCapture(taps=["*:output", "*:weight"], dir="runs/mine", every=10)])
     trainer.fit(module, loader)           # runs/mine/grads.parquet, steps.parquet, done.json
 
-A thin adapter over `gradrunner.run.recording.Recorder` (the runner's capture session and writers):
+A thin adapter over `gradrunner.run.recording.Recorder` (the runner's step engine); Lightning's own
+backward runs unchanged, nothing of Lightning or torch is patched:
 
 - `on_train_start` opens the recorder on the `LightningModule` (after Lightning's DDP wrapping);
-- `on_before_backward` routes Lightning's own `loss.backward()` through the capture strategy;
+- `on_before_backward` counts the loss Lightning backpropagates into the step's loss and tells the
+  capture where that backward starts; the capture reads the gradients around Lightning's own
+  `loss.backward()` (`hook` or `retain_grad`; `autograd_grad`, which needs an engine call of its own,
+  is refused); `on_after_backward` ends the backward;
 - a step is one optimiser step (`trainer.global_step`): under `accumulate_grad_batches=N` each
   micro-batch's backward is captured as the runner's `train.accumulate=N`: activation taps one
-  record per micro-batch (`micro_step`), parameter taps one per step from the accumulated `.grad`
-  (`micro_step` null); the gradients are those before clipping (`gradient_clip_val` clips after
-  the records' gradients were reduced);
-- under a precision plugin with a GradScaler (`precision="16-mixed"`), gradients are multiplied by
-  1/scale as they arrive (the capture's `grad_scale`): the records hold the true, unscaled gradients;
+  record per micro-batch (`micro_step`), parameter taps one per step, the sum of what arrived
+  (`micro_step` null); the gradients are those before clipping (`gradient_clip_val`);
+- under a precision plugin with a GradScaler (`precision="16-mixed"`), gradients are divided by its
+  scale on their device: the records hold the true, unscaled gradients;
 - `steps.parquet`'s `loss` is the sum of the losses Lightning backpropagated in the step (divided
   for accumulation, so their mean; unscaled);
 - under DDP every rank captures and rank 0 writes every rank's rows (`rank` column); parameter
-  taps are read from `.grad` after each backward, as the runner does (after DDP's all-reduce; with
-  accumulation, the running sum, all-reduced on the step's last micro-batch). `autograd_grad` computes
-  the gradients itself, out of DDP's reducer, and is refused there; strategies other than a single
-  device, `ddp` and `ddp_spawn` (FSDP, DeepSpeed) run their own backward and are refused.
+  taps are read from `.grad` after the backward that synchronised (DDP's all-reduce, on the step's
+  last micro-batch). Strategies other than a single device, `ddp` and `ddp_spawn` (FSDP, DeepSpeed)
+  run their own backward and are refused.
 """
 
 from __future__ import annotations
@@ -36,13 +38,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.errors import GradrunnerError
-from gradrunner.integrations._backward import route
-from gradrunner.run.recording import CallbackOptions, Recorder, scaler_scale
+from gradrunner.run.recording import CallbackOptions, Recorder
 
 #: Lightning strategies whose backward is the module's own `loss.backward()`.
 SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
-#: Capture strategies that run inside Lightning's own backward under DDP (DDP's reducer must see it).
-DDP_CAPTURE_STRATEGIES = ("hook", "retain_grad")
 
 
 class GradientCapture(CallbackOptions, Callback):
@@ -52,8 +51,8 @@ class GradientCapture(CallbackOptions, Callback):
 
         Trainer(callbacks=[GradientCapture(taps=["net.0:output"], dir="runs/a", every=5, histogram=True)])
 
-    `strategy` and the options (`values`, `sample_size`, `per_example`, `histogram`, `on_nonfinite`,
-    `seed`) are `gradrunner.record`'s.
+    `strategy` (`hook` or `retain_grad`) and the options (`values`, `sample_size`, `per_example`,
+    `histogram`, `on_nonfinite`, `seed`, `update_norms`, `live_every`, `log_to`) are `gradrunner.record`'s.
     """
 
     def __init__(
@@ -64,18 +63,20 @@ class GradientCapture(CallbackOptions, Callback):
         self._global_step = 0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        dist, wrap = self._distributed(trainer)
-        precision = trainer.precision_plugin
-        scaler = getattr(precision, "scaler", None)
-        scale = None if scaler is None else (lambda: scaler_scale(scaler))
-        rec = Recorder(pl_module, self.taps, self.dir, strategy=self.strategy, every=self.every, loss_scale=scale,
-                       dist=dist, wrap_strategy=wrap, experiment=type(pl_module).__name__, **self.options)  # fmt: skip
+        dist = self._distributed(trainer)
+        synced = None
+        if dist is not None:
+            ddp = trainer.strategy.model  # the DDP wrapper Lightning put around the module
+            synced = lambda: bool(getattr(ddp, "require_backward_grad_sync", True))  # noqa: E731
+        rec = Recorder(pl_module, self.taps, self.dir, strategy=self.strategy, every=self.every, dist=dist,
+                       scaler=getattr(trainer.precision_plugin, "scaler", None), params_synced=synced,
+                       experiment=type(pl_module).__name__, **self.options)  # fmt: skip
         rec.__enter__()
         self._global_step = trainer.global_step
         rec.start_at(trainer.global_step)
         self.recorder = rec
 
-    def _distributed(self, trainer: Trainer) -> tuple[Any, Any]:
+    def _distributed(self, trainer: Trainer) -> Any:
         name = type(trainer.strategy).__name__
         if name not in SUPPORTED_STRATEGIES:
             raise GradrunnerError(
@@ -84,28 +85,19 @@ class GradientCapture(CallbackOptions, Callback):
                 f"and DDP (strategy='ddp' or 'ddp_spawn'); capture on one of those, or drop the callback."
             )
         if trainer.world_size <= 1:
-            return None, None
-        if self.strategy not in DDP_CAPTURE_STRATEGIES:
-            raise GradrunnerError(
-                f"strategy={self.strategy!r} cannot run inside Lightning's DDP backward: it computes the gradients "
-                f"with torch.autograd.grad, which DDP's reducer never sees (the ranks' gradients would not be "
-                f"averaged). Under DDP use one of {', '.join(DDP_CAPTURE_STRATEGIES)} (the same gradients, "
-                "captured while DDP's own backward runs)."
-            )
-        import torch.distributed as tdist
+            return None
+        from gradrunner.run.distributed import Distributed
 
-        from gradrunner.run.distributed import Distributed, SyncedParams
-
-        ddp = trainer.strategy.model
-        d = Distributed(trainer.global_rank, trainer.world_size, trainer.local_rank, str(tdist.get_backend()))
-        box = [os.urandom(16).hex()]
-        tdist.broadcast_object_list(box, src=0)
-        d.run_id = box[0]
-        return d, lambda inner: SyncedParams(inner, ddp, manual=False)  # type: ignore[arg-type]
+        return Distributed.joined(trainer.local_rank)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         if self.recorder is not None:
-            route(loss, self.recorder.backward)
+            self.recorder.engine.add_loss(loss)  # scaled by the precision plugin's GradScaler: unscaled there
+            self.recorder.capture.before_backward(loss)
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.recorder is not None:
+            self.recorder.capture.finish_backward()
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -131,4 +123,3 @@ class GradientCapture(CallbackOptions, Callback):
         rec, self.recorder = self.recorder, None
         if rec is not None:
             rec.__exit__(type(error) if error is not None else None, error, None)
-

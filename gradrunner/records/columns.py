@@ -118,6 +118,9 @@ class StepRecords:
     #: are of the gradient before it), and the norm after it (NaN where not edited).
     edited: np.ndarray | None = None
     edited_norm: np.ndarray | None = None
+    #: Gradient accumulation: the number (0, 1, ...) of the step's backward each record comes from; None for a
+    #: record of the whole step (a parameter's) and everywhere when the step had one backward.
+    micro_step: list[int | None] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -144,4 +147,5 @@ class StepRecords:
         out[HIST_COLUMN] = None if self.hist_counts is None else self.hist_counts[i]
         out["edited"] = False if self.edited is None else bool(self.edited[i])
         out["edited_norm"] = float("nan") if self.edited_norm is None else float(self.edited_norm[i])
+        out["micro_step"] = None if self.micro_step is None else self.micro_step[i]
         return out

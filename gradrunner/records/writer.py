@@ -201,7 +201,10 @@ class RecordWriter(_RunTableWriter):
                          schema=grads_schema(per_example, histogram))  # fmt: skip
 
     def write_step(self, step: int, records: StepRecords, micro_step: list[int | None] | None = None) -> None:
-        """Append one row per record of `step` (the loss comes from `records.loss`); `micro_step` per record."""
+        """Append one row per record of `step` (the loss and `micro_step` come from `records`; a `micro_step`
+        given here, one per record, takes the place of `records.micro_step`)."""
+        if micro_step is None:
+            micro_step = records.micro_step
         if len(records):
             batch = self._grads_batch(step, records)
             if micro_step is not None:

@@ -114,10 +114,6 @@ class Checkpointer:
     every: int
     config: str
     open_segment: Any  # (path, kind) -> a RecordWriter or StepsWriter writing a complete segment file
-    #: Kept for callers; the data's position is counted batch by batch (`run.data_position`), not derived.
-    batches_per_step: int = 1
-    eval_batches: int = 0
-    eval_every: int = 0
     _segments: list[dict[str, Any]] = field(default_factory=list)
     _state_name: str = ""
     _run_id: str = ""

@@ -8,11 +8,11 @@ plain model's. What the records hold:
 
 - activation (output/input/local) gradients: per rank, each from its own batch;
 - parameter gradients: as DDP leaves them after backward, averaged over the ranks, the same on
-  every rank, whatever the strategy. `hook` would see each rank's own gradient (tensor hooks fire
-  before DDP's all-reduce), so under DDP every strategy delivers a parameter tap from `.grad` after
-  the synchronised backward. `autograd_grad` fills `.grad` itself, which DDP's reducer does not see:
-  on its captured steps DDP's sync is off and the gradients are averaged (and buffers broadcast)
-  here, exactly as DDP would, so the optimiser step is the same for all three strategies.
+  every rank, whatever the strategy: the capture reads a parameter tap from `.grad` at the end of a
+  backward that synchronised (`capture_target`), after DDP's all-reduce. Under gradient accumulation
+  DDP synchronises only on the step's last micro-batch (`micro_batch`), as nanoGPT does.
+  `autograd_grad` computes its taps with `torch.autograd.grad` and lets `loss.backward()` fill
+  `.grad` (DDP's reducer must see that backward), so the optimiser step is the same for all three.
 
 Records: rank 0 gathers every rank's rows each captured step and writes one `grads.parquet` (and
 `steps.parquet`) with a `rank` column, so a job is still one file and no two ranks write the same
@@ -35,7 +35,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -46,9 +46,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from gradrunner.capturing.strategies.base import Slot, Strategy
 from gradrunner.errors import GradrunnerError
-from gradrunner.records.columns import GRADS_FILE, STEPS_FILE
 
 if TYPE_CHECKING:
     from gradrunner.records.writer import RecordWriter, StepsWriter  # pyarrow: imported when writing starts
@@ -82,6 +80,23 @@ class Distributed:
     backend: str
     #: The job's run id, the same on every rank (rank 0's).
     run_id: str = ""
+
+    @classmethod
+    def joined(cls, local_rank: int | None = None) -> Distributed:
+        """This process's place in the process group already initialised, with rank 0's run id on every rank.
+
+        Example::
+
+            d = Distributed.joined()     # under torchrun, Lightning's DDP or HF's accelerate
+            d.run_id                     # the same on every rank
+
+        The one place where a job's run id goes to every rank (a collective: call it on every rank).
+        """
+        rank = dist.get_rank()
+        local = int(os.environ.get("LOCAL_RANK", rank)) if local_rank is None else local_rank
+        d = cls(rank, dist.get_world_size(), local, str(dist.get_backend()))
+        d.run_id = d.broadcast(uuid.uuid4().hex)
+        return d
 
     @property
     def is_main(self) -> bool:
@@ -142,8 +157,7 @@ def session(cfg: DictConfig) -> Iterator[Distributed | None]:
         # Once per process, for every job of a sweep: re-creating the group per job races on torchrun's store.
         dist.init_process_group(backend=backend)
         atexit.register(_leave)
-    d = Distributed(rank, size, local_rank, backend)
-    d.run_id = d.broadcast(uuid.uuid4().hex)
+    d = Distributed.joined(local_rank)
     prefix, handlers = _RankPrefix(rank), list(logging.getLogger().handlers)
     for handler in handlers:  # every rank logs to the terminal: say which one each line is from
         handler.addFilter(prefix)
@@ -186,16 +200,6 @@ def _move_into(own: Path, main: Path, rank: int) -> None:
             own.parent.rmdir()  # the date dir, only if this was its last run
 
 
-class _DDP(DistributedDataParallel):
-    """DDP whose gradient sync can be turned off per forward (for `autograd_grad`'s captured steps)."""
-
-    manual_sync: Callable[[], bool] = staticmethod(lambda: False)
-
-    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self.require_backward_grad_sync = not self.manual_sync()
-        return super().forward(*inputs, **kwargs)
-
-
 def wrap(job: Job, d: Distributed) -> Job:
     """The job with its model in DDP and its batch stream partitioned over the ranks.
 
@@ -204,7 +208,7 @@ def wrap(job: Job, d: Distributed) -> Job:
         job = wrap(setup(cfg), d)     # job.model: DDP; unwrap(job.model): the user's model
     """
     try:
-        ddp = _DDP(job.model, device_ids=[job.device.index] if job.device.type == "cuda" else None)
+        ddp = DistributedDataParallel(job.model, device_ids=[job.device.index] if job.device.type == "cuda" else None)
     except (RuntimeError, ValueError, AssertionError) as e:
         raise GradrunnerError(
             f"could not wrap the model in DistributedDataParallel for {d.world_size} processes: "
@@ -219,74 +223,34 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def strategy_wrapper(model: nn.Module, strategy: str, enabled: Callable[[], bool]) -> Callable[[Strategy], Strategy]:
-    """The `wrap_strategy` that makes a capture deliver DDP's averaged parameter gradients.
+def capture_target(model: nn.Module) -> tuple[nn.Module, Callable[[], bool] | None]:
+    """What a capture session taps for `model`, and (under DDP) whether a backward that ended synchronised.
 
     Example::
 
-        cap = capture(unwrap(job.model), taps, strategy,
-                      wrap_strategy=strategy_wrapper(job.model, strategy, lambda: cap.enabled))
+        inner, synced = capture_target(ddp_model)
+        capture(inner, taps, params_synced=synced)      # parameter taps: `.grad` after DDP's all-reduce
 
-    `enabled` says whether the current step is captured: under `autograd_grad` DDP's own sync is
-    off on those steps and the gradients are averaged by the wrapper instead.
+    DDP all-reduces in the backward of a forward run with `require_backward_grad_sync` (off inside
+    `no_sync()`, the way `micro_batch` and the frameworks accumulate).
     """
-    assert isinstance(model, _DDP), type(model)
-    manual = strategy == "autograd_grad"
-    model.manual_sync = enabled if manual else (lambda: False)
-    return lambda inner: SyncedParams(inner, model, manual=manual)
+    if isinstance(model, DistributedDataParallel):
+        return model.module, lambda: bool(model.require_backward_grad_sync)
+    return model, None
 
 
-class SyncedParams(Strategy):
-    """A strategy wrapper: activations the inner strategy's way, parameters from `.grad` after DDP's sync."""
-
-    name = "synced_params"
-
-    def __init__(self, inner: Strategy, model: DistributedDataParallel, manual: bool) -> None:
-        super().__init__(inner.deliver)
-        self.inner, self.model, self.manual = inner, model, manual
-
-    def attach(self, tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
-        return self.inner.attach(tensor, slot)
-
-    def install(self, params: Sequence[tuple[nn.Parameter, Callable[[], Slot | None]]]) -> None:
-        self.inner.install([])  # no parameter hooks: they would see this rank's gradient alone
-
-    def backward(
-        self, loss: torch.Tensor, slots: Sequence[Slot], params: Sequence[nn.Parameter], retain_graph: bool
-    ) -> None:
-        self.inner.backward(loss, [s for s in slots if s.param is None], params, retain_graph)
-        if self.manual:
-            average_gradients(params, dist.get_world_size())
-            if self.model.broadcast_buffers:
-                for buffer in self.model.module.buffers():
-                    dist.broadcast(buffer, src=0)
-        for slot in slots:
-            if slot.param is not None:
-                self.deliver(slot, slot.param.grad)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-def average_gradients(params: Sequence[nn.Parameter], world_size: int) -> None:
-    """All-reduce `.grad` of `params` to their mean over the ranks, as DDP does (divide, then sum).
+def micro_batch(model: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
+    """Around one micro-batch's forward and backward: DDP synchronises the gradients only on the `last` one.
 
     Example::
 
-        average_gradients(list(model.parameters()), dist.get_world_size())
+        for m in range(n):
+            with micro_batch(job.model, last=m == n - 1):
+                loss = model(x); loss.backward()
     """
-    by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-    for p in params:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    for group in by_dtype.values():  # every rank has the same groups, so the collectives match
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
-        flat.div_(world_size)
-        dist.all_reduce(flat)
-        offset = 0
-        for p in group:
-            if p.grad is not None:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+    if isinstance(model, DistributedDataParallel) and not last:
+        return model.no_sync()
+    return contextlib.nullcontext()
 
 
 class GatheredWriter:
@@ -294,7 +258,7 @@ class GatheredWriter:
 
     Example::
 
-        grads, steps = open_writers(stack, d, directory, constants, meta)
+        grads, steps = engine.open_writers(stack, files, d)     # (gradrunner.run.engine)
         grads.write_step(step, records)        # on every rank, the same steps in the same order
         steps.write(step, ...)                 # the step's grads rows are written now, with its steps row
 
@@ -335,25 +299,3 @@ class GatheredWriter:
                 for rank, (rank_args, rank_kwargs) in enumerate(per_rank):
                     owner.writer.rank = rank
                     getattr(owner.writer, name)(*rank_args, **rank_kwargs)
-
-
-def open_writers(
-    stack: contextlib.ExitStack, d: Distributed, directory: Path, constants: dict[str, str], meta: dict[str, str],
-    per_example: bool = False, histogram: bool = False,
-) -> tuple[GatheredWriter, GatheredWriter]:
-    """The job's grads and steps writers under DDP (real files on rank 0 only), closed by `stack` together.
-
-    Rank 0's two files are closed as the single-process path closes them (`closing_together`): both
-    kept, with the same steps, or both dropped.
-    """
-    from gradrunner.records.table_writer import closing_together
-    from gradrunner.records.writer import RecordWriter, StepsWriter
-
-    main = d.is_main
-    grads = (RecordWriter(directory / GRADS_FILE, constants=constants, metadata=meta, per_example=per_example,
-                          histogram=histogram) if main else None)  # fmt: skip
-    steps = StepsWriter(directory / STEPS_FILE, constants=constants, metadata=meta) if main else None
-    if grads is not None and steps is not None:
-        stack.enter_context(closing_together(grads, steps))
-    pending: list[tuple[GatheredWriter, str, list[Any]]] = []
-    return GatheredWriter(d, grads, pending), GatheredWriter(d, steps, pending, completes_step=True)

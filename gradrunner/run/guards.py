@@ -192,19 +192,19 @@ class NonFinite(GradrunnerError):
         )
 
 
-def nonfinite(loss: float, records: StepRecords | None) -> str | None:
-    """What is not finite in a step (its loss, the taps with NaN/Inf gradient elements), or None."""
+def nonfinite(loss: float | None, records: StepRecords | None) -> str | None:
+    """What is not finite in a step (its loss, the taps with NaN/Inf gradient elements), or None (loss None: unknown)."""
     taps: list[str] = []
     if records is not None and len(records):
         bad = (np.asarray(records.counts["nan_count"]) + np.asarray(records.counts["inf_count"])) > 0
         taps = list(dict.fromkeys(records.keys[i].tap for i in np.flatnonzero(bad)))
-    parts = [f"the loss is {loss}"] if not math.isfinite(loss) else []
+    parts = [f"the loss is {loss}"] if loss is not None and not math.isfinite(loss) else []
     if taps:
         parts.append(f"{len(taps)} tap(s) have NaN or Inf gradient elements (first: {', '.join(taps[:3])})")
     return " and ".join(parts) or None
 
 
-def check_finite(mode: str, step: int, loss: float, records: StepRecords | None) -> None:
+def check_finite(mode: str, step: int, loss: float | None, records: StepRecords | None) -> None:
     """Raise `NonFinite` when `mode` is `stop` and the step's loss or a captured gradient is not finite."""
     if mode == "stop":
         problem = nonfinite(loss, records)

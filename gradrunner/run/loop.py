@@ -15,100 +15,39 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import resource
-import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from gradrunner.analysis import health
-from gradrunner.capturing.session import Capture, capture
 from gradrunner.config.schema import edit_list
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
-from gradrunner.run import accumulation, distributed, watch
+from gradrunner.run import distributed, watch
 from gradrunner.run.build import Job, setup
 from gradrunner.run.checkpoint import CHECKPOINT_DIR, Checkpointer, Tee
-from gradrunner.run.distributed import Distributed, GatheredWriter
+from gradrunner.run.distributed import Distributed
+from gradrunner.run.engine import RunFiles, StepEngine, StepResult
 from gradrunner.run.evaluation import evaluate
 from gradrunner.run.guards import (
     NonFinite,
     backward,
-    check_finite,
     check_writable,
     forward_loss,
     next_batch,
     optimizer_step,
-    sigterm_as_interrupt,
     write_errors,
 )
-
-if TYPE_CHECKING:
-    from gradrunner.records.columns import StepRecords
-    from gradrunner.records.writer import RecordWriter, StepsWriter
+from gradrunner.run.numerics import autocast, clip, total_norm
+from gradrunner.run.progress import Progress
 
 log = logging.getLogger(__name__)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory so far: the CUDA allocator's peak on a GPU, else the process's peak RSS.
-
-    Example::
-
-        peak_memory_bytes(torch.device("cpu"))   # e.g. 412_000_000
-    """
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
-
-
-class Progress:
-    """A tqdm bar on a terminal, a log line every ~10% of the steps otherwise (and in the log file either way).
-
-    Example::
-
-        bar = Progress(total=100)
-        for step in range(100): bar.update(step, loss=0.5)
-        bar.close()
-
-    Steps are named as the records name them, from 0 (`step 9 (10/100)`). On a terminal the log
-    lines go above the bar (tqdm's logging redirect), so `gradrunner.log` gets them too.
-    """
-
-    def __init__(self, total: int, stream: TextIO | None = None, min_interval: float = 0.1) -> None:
-        self.total = total
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.every = max(1, math.ceil(total / 10))
-        self._stack = contextlib.ExitStack()
-        self._bar: tqdm | None = None
-        if self.tty:
-            self._bar = self._stack.enter_context(
-                tqdm(total=total, file=self.stream, unit="step", dynamic_ncols=True, mininterval=min_interval)
-            )
-            self._stack.enter_context(logging_redirect_tqdm())
-
-    def update(self, step: int, loss: float) -> None:
-        done = step + 1
-        if self._bar is not None:
-            self._bar.set_postfix_str(f"step {step}  loss {loss:.6g}", refresh=False)
-            self._bar.update(done - self._bar.n)
-        if done % self.every == 0 or done == self.total:
-            log.info("step %d (%d/%d, %d%%)  loss %.6g", step, done, self.total, 100 * done // max(self.total, 1), loss)
-
-    def close(self) -> None:
-        self._stack.close()
 
 
 def output_dir(out_dir: str | Path | None = None) -> Path:
@@ -125,11 +64,6 @@ def output_dir(out_dir: str | Path | None = None) -> Path:
     return Path.cwd()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclass
 class StepContext:
     """What every step of a job reads, taken from the config once (OmegaConf lookups cost more than a tiny step)."""
@@ -140,166 +74,96 @@ class StepContext:
     clip_value: float | None
     autocast: str
     eval_every: int
-    eval_batches: int
     source: str
     model_name: str
     loss_name: str
     scaler: torch.amp.GradScaler
+    #: every parameter the optimiser steps (the total gradient norm and clipping are over them)
+    params: list[torch.nn.Parameter]
 
     @classmethod
-    def of(cls, cfg: DictConfig, device: torch.device) -> StepContext:
-        t = cfg.train
+    def of(cls, cfg: DictConfig, job: Job) -> StepContext:
+        t, device = cfg.train, job.device
         return cls(
             every=int(cfg.capture.every), accumulate=int(t.accumulate),
             clip_norm=None if t.clip_grad_norm is None else float(t.clip_grad_norm),
             clip_value=None if t.clip_grad_value is None else float(t.clip_grad_value),
-            autocast=str(t.autocast), eval_every=int(t.eval_every), eval_batches=int(t.eval_batches),
+            autocast=str(t.autocast), eval_every=int(t.eval_every),
             source=str(cfg.data._target_), model_name=str(cfg.model._target_), loss_name=str(cfg.loss._target_),
             scaler=torch.amp.GradScaler(device.type, enabled=str(t.autocast) == "fp16"),
+            params=[p for g in job.optimizer.param_groups for p in g["params"]],
         )  # fmt: skip
 
 
-def train_step(
-    step: int, job: Job, cap: Capture, ctx: StepContext, grads: RecordWriter | GatheredWriter,
-    steps: StepsWriter | GatheredWriter,
-) -> tuple[float, StepRecords | None]:  # fmt: skip
-    """One optimisation step, top to bottom; returns its loss and (on a captured step) its last records.
+def train_step(step: int, job: Job, engine: StepEngine, ctx: StepContext) -> StepResult:
+    """One optimisation step, top to bottom, as nanoGPT's step, plus the step engine's few calls.
 
     1. `ctx.accumulate` micro-batches: forward and loss under `torch.autocast` (bf16, fp16 or off), the
        loss divided by `accumulate` and multiplied by the GradScaler's scale (fp16 only), backward the
-       capture strategy's way. Parameter `.grad` accumulates over the micro-batches.
-    2. `scaler.unscale_`: `.grad` holds the true gradient. The capture multiplies every captured
-       gradient (activations too) by 1/scale on its device, so the records hold true gradients.
-    3. `grad_norm`: total 2-norm over all parameters' `.grad`, before clipping, on the device.
-    4. Clipping: `train.clip_grad_norm` exactly as `clip_grad_norm_` (with that norm), then
+       capture strategy's way (`engine.backward`); under DDP the gradients are all-reduced on the last
+       micro-batch only. Parameter `.grad` accumulates over the micro-batches.
+    2. `engine.settle()`: the step's parameter records are reduced now (before clipping, from the
+       gradients that arrived: activation taps one record per micro-batch, parameter taps one per
+       step). Every captured gradient is divided by the GradScaler's scale: true gradients.
+    3. `scaler.unscale_`, then `grad_norm`: the total 2-norm over all parameters' `.grad`, before
+       clipping; clipping: `train.clip_grad_norm` as `clip_grad_norm_` (with that norm), then
        `train.clip_grad_value` as `clip_grad_value_`.
-    5. `scaler.step` (skipped on inf/NaN gradients under fp16) and `scaler.update`; the scheduler steps
+    4. `scaler.step` (skipped on inf/NaN gradients under fp16) and `scaler.update`; the scheduler steps
        once per optimisation step; `lr` is the rate this step used.
-    6. Records hold gradients BEFORE clipping (as `grad_norm`). With accumulation, activation taps
-       are recorded per micro-batch (`micro_step`: the gradient of that micro-batch's loss / N) and
-       parameter taps once, on the last micro-batch, from the accumulated `.grad`
-       (`gradrunner.run.accumulation`).
+    5. `engine.end_step`: the step's records (one transfer) and its `steps.parquet` row, written together.
     """
-    t0 = time.perf_counter()
-    captured = step % ctx.every == 0
-    params = [p for g in job.optimizer.param_groups for p in g["params"]]
+    engine.begin_step()
     lrs = [float(g["lr"]) for g in job.optimizer.param_groups]  # the rates this step uses
-    scaler = ctx.scaler
-    micro: list[tuple[int, torch.Tensor, StepRecords | None]] = []
-    losses: list[torch.Tensor] = []
-    for m in range(ctx.accumulate):
+    scaler, n = ctx.scaler, ctx.accumulate
+    for m in range(n):
         x, y = next_batch(job.batches, step, source=ctx.source)
-        cap.enabled = captured
-        cap.grad_scale = scaler.scale(torch.ones((), device=job.device)).reciprocal() if scaler.is_enabled() else None
-        with autocast(job.device, ctx.autocast):
-            loss = forward_loss(job.model, job.loss_fn, x, y, step, model_name=ctx.model_name, loss_name=ctx.loss_name)
-        backward(cap.backward, scaler.scale(loss / ctx.accumulate), step)
-        losses.append(loss.detach())
-        last = m == ctx.accumulate - 1
-        if captured and not last:  # the collector holds one backward's records: take them now
-            micro.append((m, loss, accumulation.drop_param_rows(cap.records(loss.detach()), cap)))
+        with distributed.micro_batch(job.model, last=m == n - 1):
+            with autocast(job.device, ctx.autocast):
+                loss = forward_loss(job.model, job.loss_fn, x, y, step, model_name=ctx.model_name,
+                                    loss_name=ctx.loss_name)  # fmt: skip
+            backward(engine.backward, scaler.scale(loss / n), step)
+    engine.settle()
     scale = scaler.get_scale() if scaler.is_enabled() else None  # one host sync per step, fp16 only
     scaler.unscale_(job.optimizer)
-    accumulated = accumulation.param_grad_records(cap) if captured and ctx.accumulate > 1 else None
-    grad_norm = total_norm(params)
-    clipped = clip(params, grad_norm, ctx.clip_norm, ctx.clip_value)
-    before = cap.snapshot_params() if captured else None  # tapped parameters only: their update norms
+    grad_norm = total_norm(ctx.params)
+    clipped = clip(ctx.params, grad_norm, ctx.clip_norm, ctx.clip_value)
     optimizer_step(job.optimizer, step, scaler if scaler.is_enabled() else None)
     scaler.update()
     skipped = scale is not None and scaler.get_scale() < scale  # the scaler backs off only after a skipped step
     if job.scheduler is not None:
         job.scheduler.step()
-    capture_time = None
-    recs = None
-    if captured:
-        t1 = time.perf_counter()
-        recs = cap.records(losses[-1], before)
-        if accumulated is not None:
-            recs = accumulation.replace_param_rows(recs, accumulated)
-        micro.append((ctx.accumulate - 1, losses[-1], recs))
-        capture_time = time.perf_counter() - t1
     job.optimizer.zero_grad(set_to_none=True)
-    eval_loss = evaluate(job, cap, autocast(job.device, ctx.autocast)) if ctx.eval_every and (step + 1) % ctx.eval_every == 0 else None
-    wide = torch.float32 if job.device.type == "mps" else torch.float64  # MPS has no float64
-    on_host = [torch.stack(losses).to(wide).mean(), grad_norm.to(wide), clipped.to(wide)]
-    host = torch.stack([t.to(losses[0].device) for t in on_host]).tolist()  # the step's one transfer
-    _sync(job.device)
-    peak = peak_memory_bytes(job.device)
-    from gradrunner.records.writer import deferred_signals  # pyarrow: imported once writing starts
-
-    with deferred_signals():  # a step's rows go into both tables, or into neither
-        t2 = time.perf_counter()
-        for m, _, r in micro:
-            assert r is not None
-            grads.write_step(step, r, micro_step=accumulation.micro_steps(r, m, cap) if ctx.accumulate > 1 else None)
-        if captured:
-            capture_time = (capture_time or 0.0) + time.perf_counter() - t2
-        steps.write(step, captured, host[0], time.perf_counter() - t0, capture_time, peak, lr=lrs[0], lrs=lrs,
-                    grad_norm=host[1], clipped=bool(host[2]), loss_scale=scale, skipped=skipped if scale else None,
-                    eval_loss=eval_loss)  # fmt: skip
-    return host[0], recs
+    eval_loss = evaluate(job, engine.capture, autocast(job.device, ctx.autocast)) if ctx.eval_every and (step + 1) % ctx.eval_every == 0 else None
+    return engine.end_step(grad_norm=grad_norm, clipped=clipped, lr=lrs[0], lrs=lrs, loss_scale=scale,
+                           skipped=skipped if scale else None, eval_loss=eval_loss)  # fmt: skip
 
 
-def autocast(device: torch.device, mode: str) -> torch.autocast:
-    """`torch.autocast` for `train.autocast` (`bf16`, `fp16`; `off`: a disabled one)."""
-    dtype = torch.float16 if mode == "fp16" else torch.bfloat16
-    return torch.autocast(device.type, dtype=dtype, enabled=mode != "off")
-
-
-def total_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """The 2-norm of all parameters' `.grad` together (0 without any), on their device, no host sync."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.nn.utils.get_total_norm(grads, 2.0)
-
-
-def clip(
-    params: list[torch.nn.Parameter], norm: torch.Tensor, max_norm: float | None, max_value: float | None
-) -> torch.Tensor:
-    """Clip `.grad` in place as `clip_grad_norm_` (given the total `norm`) then `clip_grad_value_` do; whether it changed them."""
-    clipped = torch.zeros((), dtype=torch.bool, device=norm.device)
-    with_grad = [p for p in params if p.grad is not None]
-    if max_norm is not None and with_grad:
-        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, norm)
-        clipped = clipped | (norm > max_norm)
-    if max_value is not None and with_grad:
-        peak = torch.stack([p.grad.detach().abs().max() for p in with_grad if p.grad is not None and p.grad.numel()])
-        clipped = clipped | (peak.max().to(clipped.device) > max_value)
-        torch.nn.utils.clip_grad_value_(with_grad, max_value)
-    return clipped
-
-
-def _run_steps(
-    cfg: DictConfig, job: Job, cap: Capture, grads: RecordWriter | GatheredWriter, steps: StepsWriter | GatheredWriter,
-    ckpt: Checkpointer | None = None, run_id: str = "",
-) -> None:  # fmt: skip
+def _run_steps(cfg: DictConfig, job: Job, engine: StepEngine, ctx: StepContext, ckpt: Checkpointer | None) -> None:
     """The step loop: `train_step` for every step, with progress, the run's watches and checkpoints."""
     bar = Progress(cfg.steps)
-    ctx = StepContext.of(cfg, job.device)
     start = 0
     if ckpt is not None:
-        start = ckpt.restore(job, ctx.scaler, grads, steps, run_id)  # a sweep re-run resumes too
+        start = ckpt.restore(job, ctx.scaler, engine.grads, engine.steps, engine.run_id)  # a sweep re-run resumes too
         ckpt.start(start)
-        cap.skip_backwards(start * ctx.accumulate)  # one backward per micro-batch: seeded edits draw on
-        grads, steps = Tee(grads, ckpt), Tee(steps, ckpt)  # type: ignore[assignment]
-    on_nonfinite = str(cfg.capture.get("on_nonfinite", "record"))
+        engine.capture.skip_backwards(start * ctx.accumulate)  # one backward per micro-batch: seeded edits draw on
+        engine.tee(lambda writer: Tee(writer, ckpt))
+        engine.start_at(start)
     full_values, zeros = cfg.capture["values"] == "full", watch.ZeroWatch(int(cfg.steps))
     warned: set[str] = set()
     try:
         for step in range(start, int(cfg.steps)):
-            loss_value, recs = train_step(step, job, cap, ctx, grads, steps)
+            done = train_step(step, job, engine, ctx)
             if ckpt is not None and step + 1 < int(cfg.steps):
                 ckpt.maybe_save(step, job, ctx.scaler)
+            recs = done.records
             if recs is not None:
                 watch.warn_without_grad(recs, step, warned)
                 if full_values and step == 0:
                     watch.warn_values_size(
                         recs, watch.captured_steps(int(cfg.steps), ctx.every), int(cfg.capture.sample_size)
                     )
-            bar.update(step, loss_value)
-            zeros.step(step, loss_value, recs)
-            check_finite(on_nonfinite, step, loss_value, recs)
+            bar.update(step, done.loss)
+            zeros.step(step, float("nan") if done.loss is None else done.loss, recs)
     finally:
         bar.close()
 
@@ -342,8 +206,11 @@ def train(
     taps = OmegaConf.to_container(cfg.taps, resolve=True)
     assert isinstance(taps, list), taps  # validate() checked it
     watch.warn_nothing_captured(taps, int(cfg.steps))
+    c = cfg.capture
+    files = RunFiles(directory, constants, meta, per_example=bool(c.get("per_example", False)),
+                     histogram=bool(c.get("histogram", False)))  # fmt: skip
     try:
-        _train_in(cfg, job, directory, constants, meta, taps, dist)
+        _train_in(cfg, job, files, taps, dist)
     except KeyboardInterrupt:
         kept = [n for n in RECORD_FILES if (directory / n).is_file()]
         steps_kept = _steps_in(directory / STEPS_FILE)
@@ -362,34 +229,27 @@ def _steps_in(path: Path) -> int:
         return 0
 
 
-def _train_in(
-    cfg: DictConfig, job: Job, directory: Path, constants: dict[str, str], meta: dict[str, str], taps: list[Any],
-    dist: Distributed | None,
-) -> None:  # fmt: skip
-    """The body of `train`: capture, writers and the step loop, closed in the right order."""
-    c = cfg.capture
+def _train_in(cfg: DictConfig, job: Job, files: RunFiles, taps: list[Any], dist: Distributed | None) -> None:
+    """The body of `train`: the step engine (capture, writers) and the step loop, closed in the right order."""
+    c, ctx = cfg.capture, StepContext.of(cfg, job)
+    engine = StepEngine(job.model, taps, strategy=c.strategy, every=ctx.every, values=c["values"],
+                        sample_size=c.sample_size, seed=cfg.seed, per_example=files.per_example,
+                        histogram=files.histogram, edits=edit_list(cfg), on_nonfinite=str(c.get("on_nonfinite", "record")),
+                        update_norms=True, scaler=ctx.scaler, dist=dist)  # fmt: skip
     with contextlib.ExitStack() as stack:
-        stack.enter_context(write_errors(directory))  # first in, last out: sees the writers' close too
-        wrap = None if dist is None else distributed.strategy_wrapper(job.model, str(c.strategy), lambda: cap.enabled)
-        per_example, histogram = bool(c.get("per_example", False)), bool(c.get("histogram", False))
-        cap = capture(distributed.unwrap(job.model), taps, c.strategy, values=c["values"],
-                      sample_size=c.sample_size, seed=cfg.seed, keep_grads=False, wrap_strategy=wrap,
-                      per_example=per_example, histogram=histogram,
-                      edits=edit_list(cfg))  # fmt: skip
-        stack.enter_context(cap)
-        log.info("run %s: %d taps resolved (%s), %d steps on %s/%s", constants["run_id"], len(cap.taps),
+        stack.enter_context(write_errors(files.directory))  # first in, last out: sees the writers' close too
+        cap = engine.capture
+        log.info("run %s: %d taps resolved (%s), %d steps on %s/%s", files.run_id, len(cap.taps),
                  ", ".join(t.tap for t in cap.taps[:6]) + (", ..." if len(cap.taps) > 6 else ""),
                  cfg.steps, job.device, cfg.dtype)  # fmt: skip
-        # Before the writers, so that it still holds while they close: a preempted job keeps its steps.
-        stack.enter_context(sigterm_as_interrupt())
-        grads, steps = _open_writers(stack, directory, constants, meta, dist, per_example, histogram)
-        ckpt = _checkpointer(cfg, directory, constants, meta, per_example, histogram) if dist is None else None
+        engine.open(stack, files)
+        ckpt = _checkpointer(cfg, files) if dist is None else None
         if dist is not None and int(cfg.train.checkpoint_every) > 0:
             log.warning("train.checkpoint_every is not supported under DDP yet: no checkpoints are written")
         try:
-            _run_steps(cfg, job, cap, grads, steps, ckpt, constants["run_id"])
+            _run_steps(cfg, job, engine, ctx, ckpt)
         except NonFinite as e:
-            e.directory = directory
+            e.directory = files.directory
             raise
         finally:
             if ckpt is not None:
@@ -398,40 +258,15 @@ def _train_in(
         ckpt.finish()  # the records are closed and whole: the checkpoint is not needed any more
 
 
-def _checkpointer(
-    cfg: DictConfig, directory: Path, constants: dict[str, str], meta: dict[str, str], per_example: bool,
-    histogram: bool,
-) -> Checkpointer | None:  # fmt: skip
+def _checkpointer(cfg: DictConfig, files: RunFiles) -> Checkpointer | None:
     """The job's `Checkpointer` when `train.checkpoint_every` is set (or a checkpoint waits to be resumed)."""
     every = int(cfg.train.checkpoint_every)
-    if every <= 0 and not (directory / CHECKPOINT_DIR).is_dir():  # one that is there is resumed, then removed
+    if every <= 0 and not (files.directory / CHECKPOINT_DIR).is_dir():  # one that is there is resumed, then removed
         return None
-    from gradrunner.records.writer import RecordWriter, StepsWriter
     from gradrunner.run.books import NEUTRAL_KEYS, config_dict
 
-    def open_segment(path: Path, kind: str) -> RecordWriter | StepsWriter:
-        if kind == "grads":
-            return RecordWriter(path, constants=constants, metadata=meta, per_example=per_example, histogram=histogram)
-        return StepsWriter(path, constants=constants, metadata=meta)
+    def open_segment(path: Path, kind: str) -> Any:
+        return files.grads_writer(path) if kind == "grads" else files.steps_writer(path)
 
     config = OmegaConf.to_yaml({k: v for k, v in config_dict(cfg).items() if k not in NEUTRAL_KEYS})
-    t = cfg.train
-    return Checkpointer(directory, every, config, open_segment, batches_per_step=int(t.accumulate),
-                        eval_batches=int(t.eval_batches), eval_every=int(t.eval_every))  # fmt: skip
-
-
-def _open_writers(
-    stack: contextlib.ExitStack, directory: Path, constants: dict[str, str], meta: dict[str, str],
-    dist: Distributed | None, per_example: bool = False, histogram: bool = False,
-) -> tuple[RecordWriter | GatheredWriter, StepsWriter | GatheredWriter]:  # fmt: skip
-    """The job's grads and steps writers, closed by `stack`; under DDP rank 0 writes every rank's rows."""
-    from gradrunner.records.table_writer import closing_together
-    from gradrunner.records.writer import RecordWriter, StepsWriter
-
-    if dist is not None:
-        return distributed.open_writers(stack, dist, directory, constants, meta, per_example, histogram)
-    grads = RecordWriter(directory / GRADS_FILE, constants=constants, metadata=meta, per_example=per_example,
-                         histogram=histogram)  # fmt: skip
-    steps = StepsWriter(directory / STEPS_FILE, constants=constants, metadata=meta)
-    stack.enter_context(closing_together(grads, steps))  # both kept (with the same steps) or both dropped
-    return grads, steps
+    return Checkpointer(files.directory, every, config, open_segment)

@@ -1,67 +1,78 @@
-"""`autograd_grad`: one `torch.autograd.grad(loss, [taps..., params...])` call per step.
+"""`autograd_grad`: one `torch.autograd.grad(loss, [taps..., params...])` call per backward.
 
-Taps are held as gradient edges taken when they fire (`torch_compat.gradient_edge`), so a later
-in-place op on the tensor does not change which value's gradient is returned. Where autograd
-captures an edge before the tensor's own hooks ran (the edge's node also leads to a parameter),
-the gradient is read as the node receives it, after those hooks (`torch_compat.watch_edge`): the
-same gradient the other strategies see. `autograd.grad` does not touch `.grad`, so each parameter's
-gradient is accumulated through its own accumulator (`torch_compat.accumulate`), exactly as
-`loss.backward()` does, post-accumulate-grad hooks included (optimizer-in-backward, FSDP2).
+The one strategy with an engine call of its own (`owns_backward`): the session runs it from
+`cap.backward(loss)`, and refuses a `loss.backward()` it did not run. Taps are held as gradient edges
+taken when they fire (`torch_compat.gradient_edge`), so a later in-place op on the tensor does not
+change which value's gradient is returned. Where the tapped tensor has hooks of its own, autograd may
+capture its edge before they ran (when the edge's node also leads to a parameter): that tap is read
+as its node receives the gradient, after those hooks (`torch_compat.watch_edge`), the gradient the
+other strategies see. `autograd.grad` does not touch `.grad`, so each parameter's gradient is
+accumulated through its own held accumulator (`torch_compat.accumulate`), exactly as
+`loss.backward()` does, post-accumulate-grad hooks included (optimizer-in-backward). Where that
+cannot be done (no callable accumulator, or DDP, whose reducer must see the parameters' backward),
+the taps come from `autograd.grad` and the parameters from a `loss.backward()` after it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.strategies.base import Slot, Strategy
-from gradrunner.capturing.torch_compat import FEATURES, accumulate, backward_running, gradient_edge, watch_edge
+from gradrunner.capturing.torch_compat import FEATURES, gradient_edge, has_own_hooks, watch_edge
 from gradrunner.errors import GradrunnerError
+
+if TYPE_CHECKING:
+    from gradrunner.capturing.params import ParamBackward
 
 
 class AutogradGradStrategy(Strategy):
     """Example: `capture(model, taps, strategy="autograd_grad")`."""
 
     name = "autograd_grad"
+    owns_backward = True
 
     def attach(self, tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
         slot.edge = gradient_edge(tensor)
-        if not FEATURES["get_gradient_edge"]:  # autograd.grad takes edges only where torch has them
-            slot.tensor = tensor
+        slot.tensor = tensor  # its own hooks are looked up when backward runs (the model may add them later)
         return tensor
 
-    def backward(
-        self, loss: torch.Tensor, slots: Sequence[Slot], params: Sequence[torch.nn.Parameter], retain_graph: bool
+    def run_backward(
+        self, loss: torch.Tensor, slots: Sequence[Slot], params: ParamBackward, retain_graph: bool
     ) -> None:
-        params = [p for p in params if p.requires_grad]
-        param_index = {id(p): i for i, p in enumerate(params)}
-        tensor_slots = [s for s in slots if s.param is None and s.edge is not None]
-        inputs: list[Any] = [s.edge if s.tensor is None else s.tensor for s in tensor_slots] + list(params)
-        seen: dict[int, list[torch.Tensor]] = {id(s): [] for s in tensor_slots}
-        handles: list[RemovableHandle] = [watch_edge(s.edge, seen[id(s)].append) for s in tensor_slots]  # type: ignore[arg-type]
+        tapped = [s for s in slots if s.edge is not None]
+        inputs: list[Any] = [s.edge if FEATURES["get_gradient_edge"] else s.tensor for s in tapped]
+        seen: dict[int, list[torch.Tensor]] = {}
+        handles: list[RemovableHandle] = []
+        for s in tapped:  # without edges autograd.grad takes the tensor as it is now: read its node too
+            if s.tensor is not None and (not FEATURES["get_gradient_edge"] or has_own_hooks(s.tensor)):
+                box = seen[id(s)] = []
+                handles.append(watch_edge(s.edge, box.append))  # type: ignore[arg-type]
         try:
-            if not inputs:
-                with backward_running():
-                    loss.backward(retain_graph=retain_graph)
+            if params.by_backward:  # the taps first, then `.grad` the engine's own way
+                grads = _grad(loss, inputs, True) if inputs else ()
+                self._deliver_taps(tapped, grads, seen)
+                loss.backward(retain_graph=retain_graph)
                 return
-            with backward_running():
-                grads = _grad(loss, inputs, retain_graph)
-            for slot, grad in zip(tensor_slots, grads[: len(tensor_slots)], strict=True):
-                # the node ran (it leads on to a parameter): what it received, after the tensor's hooks
-                self.deliver(slot, seen[id(slot)][0] if seen[id(slot)] else grad)
-            param_grads = grads[len(tensor_slots) :]
-            for slot in slots:
-                if slot.param is not None:
-                    self.deliver(slot, param_grads[param_index[id(slot.param)]] if id(slot.param) in param_index else None)
-            for p, g in zip(params, param_grads, strict=True):
-                if g is not None:
-                    accumulate(p, g)
+            edges = params.edges()
+            if not inputs and not edges:
+                loss.backward(retain_graph=retain_graph)
+                return
+            grads = _grad(loss, inputs + edges, retain_graph)
+            self._deliver_taps(tapped, grads[: len(tapped)], seen)
+            params.arrived(list(grads[len(tapped) :]))
         finally:
             for h in handles:
                 h.remove()
+
+    def _deliver_taps(self, tapped: list[Slot], grads: Sequence[torch.Tensor | None],
+                      seen: dict[int, list[torch.Tensor]]) -> None:  # fmt: skip
+        for slot, grad in zip(tapped, grads, strict=True):
+            got = seen.get(id(slot))
+            self.deliver(slot, got[0] if got else grad)  # the node ran: what it received, after the tensor's hooks
 
 
 def _grad(loss: torch.Tensor, inputs: list[Any], retain_graph: bool) -> tuple[torch.Tensor | None, ...]:

@@ -1,16 +1,21 @@
 """The one small interface every capture strategy implements, and the slot a tap's gradient lands in.
 
-A `Capture` session calls, per step: `attach(tensor, slot)` when a tap fires in the forward pass
-(the returned tensor is what the model goes on with), then `backward(loss, slots, params, ...)`,
-which must run backward, hand each slot's gradient to `deliver(slot, grad)` and leave every
-parameter's `.grad` exactly as `loss.backward()` would.
+A strategy is what happens around a backward, not the backward itself: `attach(tensor, slot)` when a
+tap fires in the forward pass (the returned tensor is what the model goes on with; it may register
+what it needs on the tensor's gradient edge right there), `before_backward(slots)` when the session
+sees a backward begin, and `after_backward(slots)` when it ended (read what it needs and hand each
+slot's gradient to `deliver(slot, grad)`). The backward itself is the user's, the framework's or
+`Capture.backward`'s own `loss.backward()`. Only a strategy that computes the gradients with an
+engine call of its own says so (`owns_backward = True`) and implements `run_backward`; the session
+then calls it instead of `loss.backward()`. Parameters are not the strategies' business: the session
+reads them one way for all (`capturing.params`).
 
 Example::
 
     class MyStrategy(Strategy):
         name = "mine"
         def attach(self, tensor, slot): ...
-        def backward(self, loss, slots, params, retain_graph): ...
+        def after_backward(self, slots): ...
 """
 
 from __future__ import annotations
@@ -18,56 +23,62 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from gradrunner.records.columns import TapKey
+
+if TYPE_CHECKING:
+    from gradrunner.capturing.params import ParamBackward
 
 
 @dataclass(eq=False)
 class Slot:
     """Where one firing of a tap (one call) receives its gradient.
 
-    `tensor` is set by `attach` for strategies that read the gradient after backward;
-    `param` is set for parameter taps, which do not fire in the forward pass. The fields after
-    `reason` are per-strategy scratch, cleared when the step's backward ends.
+    The fields after `value_norm` are per-strategy scratch, cleared when the backward that reads them ends.
     """
 
     key: TapKey
     order: int
-    param: torch.nn.Parameter | None = None
     tensor: torch.Tensor | None = None
     delivered: bool = False
     #: Why the tap cannot have a gradient (not a tensor, not floating point, ...), if known at forward time.
     reason: str | None = None
     #: False for the row of a tap that did not fire at all in the step (its module was not called).
     fired: bool = True
-    #: The tapped value was a leaf (a parameter or an input): its gradient may become `.grad`.
+    #: The tapped value was a leaf (an input that requires grad): its gradient may become its `.grad`.
     leaf: bool = False
     #: The tapped tensor's own norm (0-d float64, on its device), taken when the tap fired.
     value_norm: torch.Tensor | None = None
-    #: `autograd_grad`: the tensor's gradient edge, taken when the tap fired.
+    #: The tensor's gradient edge, taken when the tap fired.
     edge: object | None = None
     #: The tensor's in-place version when the tap fired.
     version: int | None = None
     #: The tapped tensor when it is a view: if written in place later, autograd never computes the
     #: gradient of its value before the write (the record's `reason` says so).
     view: torch.Tensor | None = None
-    #: `hook`: a parameter's gradient, summed over the parts backward delivers.
-    param_grad: torch.Tensor | None = None
+    #: A hook the strategy registered for this slot (removed when its backward ends, or the forward is forgotten).
+    handle: RemovableHandle | None = None
+    #: `retain_grad`: the gradients a watched edge received in this backward (summed when read).
+    parts: list[torch.Tensor] | None = None
 
 
-#: The session's `_deliver(slot, grad)`: every tapped gradient passes through it once. It returns None,
-#: or a gradient to flow on in place of `grad` where the strategy can pass one on (`hook`).
+#: The session's `_deliver(slot, grad)`: every tapped gradient passes through it once per backward.
+#: It returns None (or a gradient to flow on in place of `grad`, where the strategy can pass one on).
 Deliver = Callable[[Slot, "torch.Tensor | None"], "torch.Tensor | None"]
 
 
 class Strategy(ABC):
-    """Attach to tapped tensors in the forward pass; run backward and deliver their gradients."""
+    """Attach to tapped tensors in the forward pass; read their gradients around a backward."""
 
     #: The strategy's one name: config value, registry key, file name and `strategy` column.
     name: ClassVar[str]
+    #: True: the gradients come from the strategy's own engine call (`run_backward`), never from a
+    #: `loss.backward()` the session did not run (which it refuses, saying why).
+    owns_backward: ClassVar[bool] = False
 
     def __init__(self, deliver: Deliver) -> None:
         self.deliver = deliver
@@ -76,14 +87,23 @@ class Strategy(ABC):
     def attach(self, tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
         """Called when a tap fires on a tensor that requires grad; returns the tensor the model uses."""
 
-    @abstractmethod
-    def backward(
-        self, loss: torch.Tensor, slots: Sequence[Slot], params: Sequence[torch.nn.Parameter], retain_graph: bool
-    ) -> None:
-        """Run backward from `loss`; deliver every slot's gradient; fill `.grad` of `params`."""
+    def before_backward(self, slots: Sequence[Slot]) -> None:  # noqa: B027 (optional)
+        """A backward through `slots` begins (before any of their gradients is computed)."""
 
-    def install(self, params: Sequence[tuple[torch.nn.Parameter, Callable[[], Slot | None]]]) -> None:  # noqa: B027 (optional)
-        """Called once when the session opens, with the tapped parameters and a lookup of their current slot."""
+    def after_backward(self, slots: Sequence[Slot]) -> None:  # noqa: B027 (optional)
+        """The backward through `slots` ended: deliver what was not delivered while it ran; clean up."""
+
+    def run_backward(self, loss: torch.Tensor, slots: Sequence[Slot], params: ParamBackward,
+                     retain_graph: bool) -> None:  # fmt: skip
+        """`owns_backward` strategies only: compute every slot's and parameter's gradient from `loss`."""
+        raise NotImplementedError(f"{self.name} reads gradients around the caller's own backward")
+
+    def forget(self, slots: Sequence[Slot]) -> None:
+        """`slots` will see no backward (the forward was abandoned, or a new one began): drop their hooks."""
+        for slot in slots:
+            if slot.handle is not None:
+                slot.handle.remove()
+                slot.handle = None
 
     def close(self) -> None:  # noqa: B027 (optional)
-        """Remove anything `install` or `attach` left behind (called on exit, also after an exception)."""
+        """Remove anything left behind (called on exit, also after an exception)."""

@@ -1,0 +1,360 @@
+"""The backward side of a capture session: each backward's begin and end, and the step's records.
+
+A backward begins when the session runs one (`Capture.backward`) or when the first of its hooks
+fires inside one it did not run (`Backwards._seen`: the user's or a framework's `loss.backward()`;
+a pre-hook on the root module's outputs, registered as each forward returns, fires first whenever
+the backward reaches the model). It ends when the session's own call returns, or by a callback
+queued on autograd's engine from that first hook (`torch_compat.at_backward_end`: after the whole
+graph ran, and after DDP's finalize); without callbacks, lazily, at the next `records()`, forward or
+`cap.backward`. Between the two, the strategy reads the tapped gradients (`_deliver`, once per slot).
+
+The step's records are one `Collector`: each backward adds its slots' rows (`micro_step` = its
+number in the step), the parameter taps add one row each for the whole step (`_settle_params`), and
+`_finish_step` makes the one host transfer. Row numbers (`order`) put each backward's rows after the
+previous backward's, and in a backward: fired slots in firing order, the parameters, then the taps
+that did not fire.
+
+Example::
+
+    class Capture(Backwards): ...      # the session supplies the forward side and the parameters
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from gradrunner.capturing.extras import value_norm
+from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_ASSIGNED, NOT_CALLED
+from gradrunner.capturing.stats import Collector
+from gradrunner.capturing.strategies import Slot
+from gradrunner.capturing.torch_compat import at_backward_end, in_backward, reentrant_checkpoint, version
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import StepRecords, TapKey
+
+if TYPE_CHECKING:
+    from gradrunner.capturing.session import Capture
+
+#: The paragraph for a `loss.backward()` the session did not run, under a strategy with its own engine call.
+OWN_BACKWARD_ONLY = (
+    "capture.strategy='autograd_grad' computes the gradients with its own torch.autograd.grad call, so it cannot "
+    "read a loss.backward() it did not run (yours, or a framework's): call cap.backward(loss) (rec.backward(loss) "
+    "under gradrunner.record) in place of loss.backward(), or use strategy hook or retain_grad, which read the "
+    "gradients around your own loss.backward() and give the same records."
+)
+
+
+def unscaled(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`grad` times `scale` (0-d, e.g. 1/loss scale), on the gradient's device without a host sync.
+
+    Example::
+
+        unscaled(g, scaler.scale(torch.ones(())).reciprocal())   # the true gradient under fp16 loss scaling
+
+    In float32 at least (statistics are float32 anyway): a float16 gradient divided by the scale could
+    underflow. A new tensor: the caller's gradient is untouched.
+    """
+    wide = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+    return wide * scale.to(device=grad.device, dtype=wide.dtype)
+
+
+@dataclass(eq=False)
+class _Pass:
+    """One backward as the session sees it."""
+
+    #: fired slots (firing order), then a slot per tap that did not fire; empty when not captured
+    slots: list[Slot]
+    base: int = 0  # the first row number of this backward's records
+    fired: int = 0  # how many of `slots` fired
+    captured: bool = False
+    explicit: bool = False  # run by `Capture.backward` (its end is known)
+    retain_graph: bool = False
+    armed: bool = False  # its end callback is queued (or cannot be)
+    edited: dict[TapKey, torch.Tensor] = field(default_factory=dict)
+
+
+class Backwards:
+    """Begin and end of each backward, and the step's records (the `Capture` session's backward side)."""
+
+    def __init__(self: Capture, collector: Collector) -> None:  # type: ignore[misc]
+        self._collector = collector
+        self._pass: _Pass | None = None
+        self._closed = True
+        #: The last backward's slots (reasons), and those kept for another backward through the same forward.
+        self._last: list[Slot] = []
+        self._retained: list[Slot] | None = None
+        self._forward_since_backward = False
+        #: How many backwards ran since the last forward: 0 for the first (a GAN step's second loss: 1).
+        self.backward_index = -1
+        #: A 0-d tensor every captured gradient is multiplied by (1/loss scale), taken as each backward begins.
+        self.grad_scale: torch.Tensor | None = None
+        self._kept: dict[int, torch.Tensor] = {}
+        self._root_hooks: list[RemovableHandle] = []
+        # the step in progress
+        self._backwards_in_step = 0
+        self._next_order = 0
+        self._param_rows: tuple[int, set[int]] | None = None  # where the parameter rows go, and those added
+        self._edited: dict[int, torch.Tensor] = {}
+        #: Called at the end of every backward, with whether it was captured (the step engine's update norms).
+        self.backward_ended: Callable[[bool], None] | None = None
+
+    # -- a backward is seen ---------------------------------------------------------------------------
+    def _seen(self: Capture) -> None:  # type: ignore[misc]
+        """Called first by every hook of the session that fires inside a backward."""
+        p = self._pass
+        if p is None:
+            if self._closed:
+                return
+            if self.strategy.owns_backward:
+                self._forget_forward()  # that backward fails, and frees the graph those calls were in
+                raise GradrunnerError(OWN_BACKWARD_ONLY)
+            p = self._begin(explicit=False, retain_graph=False)
+        if not p.armed:
+            # Inside a reentrant checkpoint's recomputation a callback would run when that inner backward
+            # ends: wait for a hook of the outer one.
+            if reentrant_checkpoint("backward") is None:
+                p.armed = True
+
+                def ended() -> None:
+                    if self._pass is p:
+                        self._end()
+
+                at_backward_end(ended)
+
+    def _finish_pending(self: Capture) -> None:  # type: ignore[misc]
+        """End a backward the session did not run whose end it was not told (no engine callbacks)."""
+        if self._pass is not None and not self._pass.explicit and not in_backward():
+            self._end()
+
+    def _forward_begins(self: Capture) -> None:  # type: ignore[misc]
+        """The root module's outermost forward begins."""
+        if in_backward():
+            return
+        self._finish_pending()
+        self._forward_since_backward = True
+        if self._retained is not None:  # a new forward: the last one's graph is no longer held here
+            self._release(self._retained)
+            self._retained = None
+        self._params.check()
+
+    def _forward_returned(self: Capture, output: Any) -> None:  # type: ignore[misc]
+        """The root module's outermost forward returned `output`: a backward from it will be seen first there."""
+        if not torch.is_grad_enabled() or in_backward() or self._closed:
+            return
+        self.before_backward(output)
+
+    def before_backward(self: Capture, output: Any) -> None:  # type: ignore[misc]
+        """A backward through `output` (a loss, or the tensors of a model's output) may come: see it begin there.
+
+        Example::
+
+            cap.before_backward(loss)     # Lightning's on_before_backward: the loss its backward starts from
+
+        The session does this itself for the root module's output; a framework whose loop never calls the
+        root module (Lightning calls submodules in `training_step`) says where the backward starts.
+        """
+        if len(self._root_hooks) > 16:  # hooks on the outputs of long-gone forwards
+            self._drop_root_hooks(keep=8)
+        seen = self._seen
+        for t in _tensors(output):
+            if t.grad_fn is not None:
+                self._root_hooks.append(t.grad_fn.register_prehook(lambda _g: seen()))
+
+    def finish_backward(self: Capture) -> None:  # type: ignore[misc]
+        """A backward the session did not run has returned: end it now if its end was not seen yet.
+
+        Example::
+
+            loss.backward(); cap.finish_backward()    # Lightning's on_after_backward
+
+        Without autograd's end-of-backward callbacks the session would otherwise end it at its next
+        `records()`, forward or `backward()`.
+        """
+        self._finish_pending()
+
+    def _drop_root_hooks(self: Capture, keep: int = 0) -> None:  # type: ignore[misc]
+        dropped = self._root_hooks[: len(self._root_hooks) - keep] if keep else self._root_hooks
+        for h in dropped:
+            h.remove()
+        self._root_hooks = self._root_hooks[len(dropped) :]
+
+    # -- begin and end -------------------------------------------------------------------------------
+    def _begin(self: Capture, explicit: bool, retain_graph: bool) -> _Pass:  # type: ignore[misc]
+        if self.edits is not None:
+            self.edits.begin_backward()
+        again = not self._forward_since_backward and not self._firing.slots
+        self.backward_index = self.backward_index + 1 if again else 0
+        self._forward_since_backward = False
+        if not self.enabled:
+            self._forget_forward()
+            self._pass = _Pass([], explicit=explicit, retain_graph=retain_graph, armed=explicit)
+            return self._pass
+        if again and self._retained is not None:  # no forward since: this backward, through the same taps
+            forward = self._retained
+            for slot in forward:
+                slot.delivered = False
+        else:
+            if self._retained is not None:
+                self._release(self._retained)
+            forward = self._forward_slots()
+        self._retained = None
+        if self.loss_scale is not None:  # else `grad_scale` stays as the caller set it (None by default)
+            scale = self.loss_scale()
+            self.grad_scale = None if scale is None else torch.as_tensor(scale).detach().double().reciprocal()
+        fired = {s.key.tap for s in forward}
+        unfired = [Slot(TapKey(t.module, t.name, 0), 0, reason=GRAPH_FREED if again else NOT_ASSIGNED
+                        if t.kind == "local" else NOT_CALLED, fired=False)
+                   for t in self.taps if t.kind != "param" and t.tap not in fired]  # fmt: skip
+        base = self._next_order
+        params = len(self._params.taps)
+        self._next_order += len(forward) + params + len(unfired)
+        for i, slot in enumerate(forward):
+            slot.order = base + i
+        for i, slot in enumerate(unfired):
+            slot.order = base + len(forward) + params + i
+        if self._params:
+            self._params.check()
+            self._params.begin_backward()
+        self.strategy.before_backward(forward)
+        self._kept = {}
+        self._pass = _Pass([*forward, *unfired], base, len(forward), True, explicit, retain_graph, armed=explicit)
+        return self._pass
+
+    def _end(self: Capture) -> None:  # type: ignore[misc]
+        p = self._pass
+        assert p is not None
+        try:
+            self._read(p)
+        finally:
+            self._pass = None
+        if self.backward_ended is not None:
+            self.backward_ended(p.captured)
+
+    def _read(self: Capture, p: _Pass) -> None:  # type: ignore[misc]
+        """The end of backward `p`: its gradients into the step's records."""
+        arrived = self.edits.end_backward() if self.edits is not None else {}
+        if not p.captured:
+            return
+        self.strategy.after_backward(p.slots)
+        parts = self._params.end_backward()
+        micro = self._backwards_in_step
+        orders = {s.key: s.order for s in p.slots}
+        for slot in p.slots:
+            if not slot.delivered:
+                if slot.view is not None and version(slot.view) != slot.version:
+                    slot.reason = slot.reason or CHANGED_IN_PLACE
+                slot.reason = slot.reason or NO_PART
+                self._collector.add(slot.key, None, order=slot.order, value_norm=slot.value_norm, micro=micro,
+                                    reason=slot.reason)  # fmt: skip
+        if self.edits is not None:
+            self._edited.update((orders[k], n) for k, n in self.edits.norms.items() if k in orders)
+            self.edits.last_arrived = arrived
+        self._collector.flush()  # the backward's small gradients, reduced together; let go of them
+        self._backwards_in_step += 1
+        self._param_rows = (p.base + p.fired, set() if self._param_rows is None else self._param_rows[1])
+        if self._params.synced_now:  # DDP: `.grad` as this backward left it, reduced before anything changes it
+            self._settle_params()
+        if self.keep_grads:
+            self._kept_grads(p.slots, parts)
+        self._last = p.slots
+        self._forget_deferred()
+        if p.explicit and not p.retain_graph:
+            self._release(p.slots)  # the graph is freed: let go of the tensors and edges that hold it
+        else:
+            self._retained = p.slots[: p.fired]  # a second backward through this forward may come
+
+    def _abort(self: Capture) -> None:  # type: ignore[misc]
+        """The session's own backward raised: nothing of it, nor of the step, reaches the records."""
+        p, self._pass = self._pass, None
+        if p is not None:
+            self._release(p.slots)
+        self._forget_deferred()
+        self._params.abort_backward()
+        self._params.forget()
+        self._collector = Collector(self.values, self.sample_size, self.seed, per_example=self.per_example,
+                                    histogram=self.histogram)  # fmt: skip
+        self._new_step()
+
+    def _release(self: Capture, slots: list[Slot]) -> None:  # type: ignore[misc]
+        self.strategy.forget(slots)
+        for slot in slots:
+            slot.tensor, slot.edge, slot.view, slot.parts = None, None, None, None
+
+    # -- gradients arriving ------------------------------------------------------------------------------
+    def _deliver(self: Capture, slot: Slot, grad: torch.Tensor | None) -> torch.Tensor | None:  # type: ignore[misc]
+        """Every tapped gradient passes through here, once per slot and backward, whatever the strategy.
+
+        `grad` is the gradient flowing into the tapped value as autograd delivers it to the tensor's
+        `.grad` (after the model's own hooks on that tensor).
+        """
+        p = self._pass
+        if p is None or not p.armed:
+            self._seen()
+            p = self._pass
+        if slot.delivered or grad is None or p is None or not p.captured:
+            return None
+        slot.delivered = True
+        if self.grad_scale is not None:
+            grad = unscaled(grad, self.grad_scale)
+        # A complex gradient's statistics are those of its magnitude |z| (documented in the README). A leaf's
+        # gradient may become its .grad, which can change in place later; an intermediate's is handed to us alone.
+        self._collector.add(slot.key, grad.abs() if grad.is_complex() else grad, order=slot.order, mutable=slot.leaf,
+                            value_norm=slot.value_norm, settled=not in_backward(), micro=self._backwards_in_step)  # fmt: skip
+        if self.keep_grads:
+            self._keep(slot, grad)
+        return None
+
+    def _settle_params(self: Capture) -> None:  # type: ignore[misc]
+        """The parameter taps' rows of the step (placed in its last backward), reduced once, on their device."""
+        if self._param_rows is None or not self._params or self._params.done:
+            return
+        at, added = self._param_rows
+        self._collector.discard(added)  # DDP: a later synchronised backward replaces an earlier one
+        added = set()
+        for i, key, param, grad, reason in self._params.rows():
+            order = at + i
+            before = self.edits.step_arrived(param) if self.edits is not None else None
+            if before is not None:  # edited: its record is what arrived, `edited_norm` the gradient after the edit
+                if grad is not None:
+                    self._edited[order] = value_norm(grad)
+                grad = before
+            if grad is not None and self.grad_scale is not None:
+                grad = unscaled(grad, self.grad_scale)
+            if grad is not None and grad.is_complex():
+                grad = grad.abs()
+            self._collector.add(key, grad, order=order, mutable=self._params.synced is not None, batched=False,
+                                value_norm=self._params.value_norm(param), settled=True, reason=reason)  # fmt: skip
+            added.add(order)
+        self._param_rows = (at, added)
+
+    def _finish_step(self: Capture, loss: torch.Tensor | None, updates: Mapping[TapKey, torch.Tensor]) -> StepRecords:  # type: ignore[misc]
+        edited = self._edited
+        if edited and self.grad_scale is not None:  # fp16 loss scaling: after the edit, in true units too
+            edited = {k: v * self.grad_scale.to(device=v.device, dtype=v.dtype) for k, v in edited.items()}
+        recs = self._collector.finish(loss, updates, edited)
+        if self._backwards_in_step <= 1:
+            recs.micro_step = None
+        if recs.reason is None:
+            recs.reason = [None] * len(recs)
+        self._new_step()
+        return recs
+
+    def _new_step(self: Capture) -> None:  # type: ignore[misc]
+        self._backwards_in_step, self._next_order, self._param_rows, self._edited = 0, 0, None, {}
+        self._params.forget()
+        if self.edits is not None:
+            self.edits.forget_step()
+
+
+def _tensors(output: Any, depth: int = 2) -> list[torch.Tensor]:
+    """The tensors of a module's output (a tensor, a tuple or list, a mapping such as HF's ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if depth == 0:
+        return []
+    items = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    return [t for item in items for t in _tensors(item, depth - 1)]

@@ -1,0 +1,263 @@
+"""The forward side of a capture session: taps fire, each firing opens a slot and the strategy attaches.
+
+`Firing` installs the forward hooks (outputs, inputs), rewrites the `forward()` of modules with
+local-variable taps, and tracks the root module's forward (grad mode at each entry, calls to forget
+when it raises). Each firing of a tap in a forward with gradients is one call: a `Slot` numbered in
+firing order, which the session hands to the backward that follows. It tells the session when an
+outermost forward of the root begins and what it returned (`Capture._forward_begins`,
+`Capture._forward_returned`).
+
+Example::
+
+    firing = Firing(session)
+    firing.install(modules, stack)     # hooks removed when `stack` closes
+    model(x)                           # firing.slots: one per tap and call
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from torch import nn
+
+from gradrunner.capturing.elements import bind_input, get_element, set_element
+from gradrunner.capturing.extras import value_norm
+from gradrunner.capturing.forward_patch import patch_forward
+from gradrunner.capturing.grad_context import (
+    TRANSFORMED,
+    in_backward,
+    input_alias,
+    no_grad_reason,
+    reentrant_checkpoint,
+    refuse_transformed,
+)
+from gradrunner.capturing.strategies import Slot
+from gradrunner.capturing.taps import Tap
+from gradrunner.capturing.torch_compat import is_view, version
+from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import TapKey
+
+if TYPE_CHECKING:
+    from gradrunner.capturing.session import Capture
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager(fn: _F) -> _F:
+    """`fn` run as plain Python even inside a compiled model: under torch.compile the session's hooks
+    are graph breaks, so that every call opens its slot and attaches the strategy, as in eager mode."""
+    return torch.compiler.disable(fn)
+
+
+class Firing:
+    """The taps' forward hooks and the slots they open, for one session."""
+
+    def __init__(self, session: Capture) -> None:
+        self.session = session
+        #: Slots opened since the last backward began, in firing order.
+        self.slots: list[Slot] = []
+        self.calls: dict[str, int] = {}
+        #: Slots opened in a reentrant checkpoint's no-grad forward, attached when backward recomputes them.
+        self.deferred: dict[tuple[int, str], list[Slot]] = {}
+        #: Grad mode at each (nested) entry into the root's forward: tells no_grad blocks from evaluation.
+        self.grad_forward: list[bool] = []
+        #: (slots, calls) as they were when the outermost forward began: restored if it fails.
+        self._mark: tuple[int, dict[str, int]] | None = None
+
+    def take(self) -> list[Slot]:
+        """The slots opened so far, handed to the backward that begins; numbering restarts."""
+        slots, self.slots, self.calls, self._mark = self.slots, [], {}, None
+        return slots
+
+    def reset(self) -> None:
+        """Forget every slot opened since the last backward (their hooks too)."""
+        self.session.strategy.forget(self.slots)
+        self.slots, self.calls, self.deferred, self._mark = [], {}, {}, None
+
+    # -- installing ------------------------------------------------------------------------------
+    def install(self, model: nn.Module, taps: list[Tap], stack: contextlib.ExitStack) -> None:
+        modules = dict(model.named_modules(remove_duplicate=False))
+        self._track_root(model, stack)
+        by_module: dict[str, list[Tap]] = {}
+        for tap in taps:
+            by_module.setdefault(tap.module, []).append(tap)
+        locals_by_instance: dict[int, tuple[nn.Module, list[Tap]]] = {}
+        for path, module_taps in by_module.items():
+            module = modules[path]
+            outputs = [t for t in module_taps if t.kind == "output"]
+            inputs = [t for t in module_taps if t.kind == "input"]
+            if inputs:
+                stack.callback(module.register_forward_pre_hook(self._input_hook(inputs), with_kwargs=True).remove)
+            if outputs:
+                stack.callback(module.register_forward_hook(self._output_hook(outputs), with_kwargs=True).remove)
+            # one module object under several paths: one rewrite serves every path's local taps
+            entry = locals_by_instance.setdefault(id(module), (module, []))
+            entry[1].extend(t for t in module_taps if t.kind == "local")
+        for module, local_taps in locals_by_instance.values():
+            if local_taps:
+                self._patch_forward(module, local_taps, stack)
+
+    def _track_root(self, model: nn.Module, stack: contextlib.ExitStack) -> None:
+        def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
+            if not self.grad_forward:
+                self.session._forward_begins()
+                self._mark = (len(self.slots), dict(self.calls))
+            self.grad_forward.append(torch.is_grad_enabled())
+
+        def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if self.grad_forward:
+                self.grad_forward.pop()
+            if self.grad_forward:
+                return
+            # Called with output None from inside torch's `except` when the forward raised: forget the
+            # calls it opened, so a retry of the step has no phantom calls.
+            if output is None and sys.exc_info()[1] is not None:
+                if self._mark is not None:
+                    self.session.strategy.forget(self.slots[self._mark[0] :])
+                    del self.slots[self._mark[0] :]
+                    self.calls = self._mark[1]
+                self.deferred = {}
+                return
+            self.session._forward_returned(output)
+
+        stack.callback(model.register_forward_pre_hook(eager(enter), prepend=True).remove)
+        stack.callback(model.register_forward_hook(eager(leave), always_call=True).remove)
+
+    def _patch_forward(self, module: nn.Module, taps: list[Tap], stack: contextlib.ExitStack) -> None:
+        by_name: dict[str, list[Tap]] = {}
+        for t in taps:
+            by_name.setdefault(t.variable, []).append(t)
+
+        def tap_fn(name: str, value: object) -> object:
+            for tap in by_name[name]:
+                value = self.fire(tap, value)
+            return value
+
+        # what is actually called (an instance-level forward kept), restored exactly on exit
+        stack.callback(patch_forward(module, by_name, eager(tap_fn)))
+
+    def _output_hook(self, taps: list[Tap]) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            changed = False
+            for tap in taps:
+                element = get_element(output, tap.path, tap.tap, tap.from_glob)
+                new = self.fire(tap, element)
+                if new is not element:
+                    output, changed = set_element(output, tap.path, new), True
+            return output if changed else None
+
+        return eager(hook)
+
+    def _input_hook(self, taps: list[Tap]) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            changed = False
+            for tap in taps:
+                path = bind_input(module, tap.path or (0,), args, kwargs)
+                source: Any = args if isinstance(path[0], int) else kwargs
+                element = get_element(source, path, tap.tap, tap.from_glob)
+                new = self.fire(tap, element, is_input=True)
+                if new is not element:
+                    changed = True
+                    if isinstance(path[0], int):
+                        args = set_element(args, path, new)
+                    else:
+                        kwargs = set_element(kwargs, path, new)
+            return (args, kwargs) if changed else None
+
+        return eager(hook)
+
+    # -- a tap fires ------------------------------------------------------------------------------
+    def fire(self, tap: Tap, value: object, is_input: bool = False) -> object:
+        """A tap fired in the forward pass: open a slot (one call) and let the strategy attach."""
+        session = self.session
+        if not session.enabled:
+            edits = session.edits
+            return value if edits is None else edits.on_fire(tap, value, None)
+        if in_backward():
+            return self._fire_recomputed(tap, value, is_input)
+        if not torch.is_grad_enabled():
+            return self._fire_without_grad(tap, value)
+        return self._attach(tap, self._open_slot(tap), value, is_input)
+
+    def _open_slot(self, tap: Tap) -> Slot:
+        call = self.calls.get(tap.tap, 0)
+        self.calls[tap.tap] = call + 1
+        slot = Slot(TapKey(tap.module, tap.name, call), order=len(self.slots))
+        self.slots.append(slot)
+        return slot
+
+    def _fire_without_grad(self, tap: Tap, value: object) -> object:
+        """Gradients are off: an evaluation pass, a reentrant checkpoint's first forward, or a no_grad block."""
+        if not self.grad_forward or not self.grad_forward[-1]:
+            return value  # evaluation (the model was called under no_grad), or a submodule called on its own
+        ctx = reentrant_checkpoint("forward")
+        if ctx is not None:
+            # checkpoint(use_reentrant=True) runs this part under no_grad now and again, with grad,
+            # inside backward: this call is captured then, counted once, in its forward place.
+            self.deferred.setdefault((id(ctx), tap.tap), []).append(self._open_slot(tap))
+            return value
+        return self._attach(tap, self._open_slot(tap), value, False)  # in a no_grad block: no gradient
+
+    def _fire_recomputed(self, tap: Tap, value: object, is_input: bool) -> object:
+        """A tap fired while backward recomputes checkpointed activations."""
+        ctx = reentrant_checkpoint("backward") if self.deferred and torch.is_grad_enabled() else None
+        waiting = self.deferred.get((id(ctx), tap.tap)) if ctx is not None else None
+        if not waiting:
+            return value  # use_reentrant=False: this call was captured in the forward pass already
+        return self._attach(tap, waiting.pop(0), value, is_input)
+
+    def _attach(self, tap: Tap, slot: Slot, value: object, is_input: bool) -> object:
+        edits = self.session.edits
+        if isinstance(value, torch.Tensor) and refuse_transformed(tap, value):
+            slot.reason = TRANSFORMED
+            return value
+        why = no_grad_reason(value, is_input)
+        if why is not None:
+            if edits is not None:
+                edits.refuse(tap, why[1])
+            if not tap.from_glob:
+                raise GradrunnerError(
+                    f"tap {tap.tap!r} cannot carry a gradient: its value is {why[1]}.{element_hint(tap, value)} "
+                    "Tap a tensor computed from parameters or from an input that requires grad (an input tap on "
+                    "the root makes floating-point inputs require grad), or drop the tap."
+                )
+            hint = element_hint(tap, value).strip().rstrip(".")  # a tuple/dict: which element taps exist
+            slot.reason = f"{why[0]}; {hint[0].lower()}{hint[1:]}" if hint else why[0]  # from a glob: no gradient
+            return value
+        assert isinstance(value, torch.Tensor)
+        if is_input and not value.is_leaf and tap.module == "" and len(self.grad_forward) == 1:
+            # The caller's own tensor: tap an alias, so nothing (retains_grad, hooks) stays on theirs.
+            value = value.view_as(value)
+        if not value.requires_grad:
+            # An input tap on a floating-point leaf: the model gets an alias that requires grad and shares
+            # the storage (writes, `x.sub_(mean)` included, reach the caller's tensor as without capture);
+            # the caller's tensor itself is left as it is.
+            value = input_alias(value)
+        slot.leaf = value.is_leaf
+        if is_view(value):
+            slot.view, slot.version = value, version(value)
+        slot.value_norm = value_norm(value)  # on the device, no sync: it goes to the host with the step
+        if edits is not None:  # the strategy reads the gradient that arrives, the edit acts upstream of it
+            value = edits.on_fire(tap, value, slot.key)
+        return self.session.strategy.attach(value, slot)
+
+
+def element_hint(tap: Tap, value: object) -> str:
+    """For a tuple or dict value: the element taps that reach its tensors (`attn:output.0`, `:output.logits`).
+
+    For None where attention weights are tapped: HF attention returns no weights under SDPA/flash.
+    """
+    if value is None and "attn" in tap.tap.lower():
+        return (" Attention weights are None unless the attention computes them: build the model with "
+                "attn_implementation=\"eager\" (in YAML, attn_implementation: eager in the model's config node).")  # fmt: skip
+    if isinstance(value, Mapping):
+        names = [f"{tap.tap}.{k}" for k, v in value.items() if isinstance(v, torch.Tensor)]
+    elif isinstance(value, (tuple, list)):
+        names = [f"{tap.tap}.{i}" for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+    else:
+        return ""
+    return f" Tap one of its elements instead: {', '.join(names[:4])}." if names else ""

@@ -1,0 +1,335 @@
+"""The step engine: the one object behind the runner's `train_step`, `gradrunner.record` and both callbacks.
+
+It owns what every way of training shares: the capture session over the model (the strategy's way
+around the caller's backward), the run's writers (`open_writers`: one process, or rank 0 writing
+every rank's rows under DDP), live segments and the live TensorBoard log, which steps are captured
+(`every`), the loss-scale inversion of a GradScaler, the step's loss summed on the device, update
+norms, peak memory, and writing a step's rows: grads rows and the steps row together or not at all.
+
+Example::
+
+    engine = StepEngine(model, ["fc1:output", "fc1:weight"], every=10)   # taps resolved here
+    with contextlib.ExitStack() as stack:
+        engine.open(stack, RunFiles(run_dir, constants, meta))
+        for x, y in loader:
+            engine.begin_step()
+            engine.backward(loss_fn(model(x), y))    # or loss.backward() under hook / retain_grad
+            optimizer.step(); optimizer.zero_grad()
+            result = engine.end_step()               # result.records, result.loss, result.row
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from gradrunner.capturing.session import Capture, ParamSnapshot
+from gradrunner.capturing.taps import TapSpec
+from gradrunner.capturing.torch_compat import scale_tensor
+from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, StepRecords
+from gradrunner.run import distributed
+from gradrunner.run.guards import check_finite, write_errors
+from gradrunner.run.signals import ending_signals_as_interrupt
+
+if TYPE_CHECKING:
+    from gradrunner.records.writer import RecordWriter, StepsWriter
+    from gradrunner.run.distributed import Distributed, GatheredWriter
+
+#: How often (in steps) completed steps are written as closed segments that `load(dir, live=True)` reads.
+LIVE_EVERY = 10
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: the CUDA allocator's peak on a GPU, else the process's peak RSS.
+
+    Example::
+
+        peak_memory_bytes(torch.device("cpu"))   # e.g. 412_000_000
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
+
+
+@dataclass(frozen=True)
+class RunFiles:
+    """What every writer of one run is made with: where, the constant columns, the metadata, the optional columns.
+
+    Example::
+
+        files = RunFiles(run_dir, {"run_id": "r", "experiment": "mlp", ...}, run_metadata(yaml, seed=0))
+        files.grads_writer()          # run_dir/grads.parquet; files.grads_writer(path): a segment file
+    """
+
+    directory: Path
+    constants: dict[str, str]
+    metadata: dict[str, str]
+    per_example: bool = False
+    histogram: bool = False
+
+    @property
+    def run_id(self) -> str:
+        return self.constants["run_id"]
+
+    def grads_writer(self, path: Path | None = None) -> RecordWriter:
+        from gradrunner.records.writer import RecordWriter  # pyarrow: imported once writing starts
+
+        return RecordWriter(path or self.directory / GRADS_FILE, constants=self.constants, metadata=self.metadata,
+                            per_example=self.per_example, histogram=self.histogram)  # fmt: skip
+
+    def steps_writer(self, path: Path | None = None) -> StepsWriter:
+        from gradrunner.records.writer import StepsWriter
+
+        return StepsWriter(path or self.directory / STEPS_FILE, constants=self.constants, metadata=self.metadata)
+
+
+def open_writers(
+    stack: contextlib.ExitStack, files: RunFiles, dist: Distributed | None = None
+) -> tuple[RecordWriter | GatheredWriter, StepsWriter | GatheredWriter]:
+    """The run's grads and steps writers, closed together by `stack` (both kept, with the same steps, or both dropped).
+
+    Example::
+
+        grads, steps = open_writers(stack, files)          # under DDP (dist): every rank calls, rank 0 writes
+
+    Under DDP each rank gets a `GatheredWriter`; rank 0's gathers every rank's rows into the real files.
+    """
+    from gradrunner.records.table_writer import closing_together
+
+    main = dist is None or dist.is_main
+    grads = files.grads_writer() if main else None
+    steps = files.steps_writer() if main else None
+    if grads is not None and steps is not None:
+        stack.enter_context(closing_together(grads, steps))
+    if dist is None:
+        assert grads is not None and steps is not None
+        return grads, steps
+    pending: list[tuple[GatheredWriter, str, list[Any]]] = []
+    gathered = distributed.GatheredWriter
+    return gathered(dist, grads, pending), gathered(dist, steps, pending, completes_step=True)
+
+
+@dataclass
+class StepResult:
+    """What a step left: its number, loss, records (captured steps) and its `steps.parquet` row's values.
+
+    The host values a per-step observer needs (issue 35's spike detector takes `loss`, `row["grad_norm"]`
+    and `records`).
+    """
+
+    step: int
+    captured: bool
+    loss: float | None
+    records: StepRecords | None
+    row: dict[str, Any] = field(default_factory=dict)
+
+
+class StepEngine:
+    """One run's steps: capture, accumulation, loss scaling, update norms, peak memory, the writers.
+
+    Options are `capture.*`'s (`strategy`, `values`, `sample_size`, `seed`, `per_example`, `histogram`,
+    `edits`) plus `every` (capture every N-th step), `on_nonfinite` (`record`, `stop`), `update_norms`
+    (copy the tapped parameters after each captured backward: `update_norm`, `update_ratio`),
+    `scaler` (a `torch.amp.GradScaler`: records hold the true gradients and loss) or `loss_scale` (a
+    callable giving the scale), `dist` (DDP: rank 0 writes every rank's rows), `live_every`
+    (segments for `load(dir, live=True)`; 0: none), `log_to="tensorboard"` and `optimizer` (its
+    learning rates go into `lr`/`lrs`). A `DistributedDataParallel` model is tapped inside, its parameter
+    taps read after DDP's all-reduce; `params_synced` says the same for a wrapper the engine is not given
+    (a framework's: whether the backward that just ended synchronised the gradients).
+    """
+
+    def __init__(
+        self, model: nn.Module, taps: Sequence[TapSpec] | TapSpec, *, every: int = 1,
+        on_nonfinite: str = "record", update_norms: bool = False, scaler: Any = None,
+        loss_scale: Callable[[], torch.Tensor | float | None] | None = None, dist: Distributed | None = None,
+        live_every: int = LIVE_EVERY, log_to: str | None = None, optimizer: torch.optim.Optimizer | None = None,
+        params_synced: Callable[[], bool] | None = None, **capture_options: Any,
+    ) -> None:  # fmt: skip
+        inner, synced = distributed.capture_target(model)
+        synced = params_synced or synced  # a framework's DDP wrapper, which the model given does not show
+        self.files: RunFiles | None = None
+        self.dist, self.every = dist, int(every)
+        self.on_nonfinite, self.update_norms, self.optimizer = on_nonfinite, update_norms, optimizer
+        self.live_every, self.log_to = live_every, log_to
+        self.device = _device_of(inner)
+        if scaler is not None:
+            loss_scale = lambda: scale_tensor(scaler, self.device)  # noqa: E731 (read as each backward begins)
+        self.capture = Capture(inner, taps, keep_grads=False, loss_scale=loss_scale, params_synced=synced,
+                               **capture_options)  # fmt: skip
+        self.capture.backward_ended = self._backward_ended
+        self.grads: Any = None
+        self.steps: Any = None
+        self.step = 0
+        self.steps_written = 0
+        self._t0 = time.perf_counter()
+        self._loss: torch.Tensor | None = None
+        self._before: ParamSnapshot | None = None
+        self._segments: Any = None
+        self._live_log: Any = None
+
+    @property
+    def main(self) -> bool:
+        """Whether this process writes the files (always, outside DDP; rank 0 under it)."""
+        return self.dist is None or self.dist.is_main
+
+    @property
+    def captured(self) -> bool:
+        """Whether the current step is captured (`step % every == 0`)."""
+        return self.step % self.every == 0
+
+    @property
+    def run_id(self) -> str:
+        """The run's id (once `open` has the run's files)."""
+        assert self.files is not None
+        return self.files.run_id
+
+    @property
+    def has_loss(self) -> bool:
+        """Whether the step in progress has a loss counted (`backward`, `add_loss`)."""
+        return self._loss is not None
+
+    @property
+    def pending_backwards(self) -> int:
+        """Captured backwards since the last step closed: more than 0 at the end means a step was never closed."""
+        return self.capture.pending_backwards
+
+    # -- opening ---------------------------------------------------------------------------------
+    def open(self, stack: contextlib.ExitStack, files: RunFiles) -> None:
+        """Open the capture, the run's writers (`files`), live segments and log on `stack` (closed in reverse).
+
+        SIGTERM and SIGHUP end the run like Ctrl-C while it is open; an OSError writing the records
+        (a full disk) is one GradrunnerError paragraph.
+        """
+        self.files = files
+        stack.enter_context(self.capture)
+        stack.enter_context(ending_signals_as_interrupt())  # before the writers: they close on SIGTERM too
+        stack.enter_context(write_errors(files.directory))
+        # Closed segments of the completed steps, readable while the run goes; removed once the files are closed.
+        stack.callback(lambda: self._segments is not None and self._segments.close())
+        self.grads, self.steps = open_writers(stack, files, self.dist)
+        real = {t: getattr(w, "writer", w) for t, w in (("grads", self.grads), ("steps", self.steps))}
+        if self.live_every and self.main and all(w is not None for w in real.values()):
+            from gradrunner.records.segments import Segments
+
+            self._segments = Segments(files.directory, files.run_id, real, every=self.live_every)
+        if self.log_to == "tensorboard" and self.main:
+            from gradrunner.export.tensorboard import LiveTensorBoard
+
+            self._live_log = stack.enter_context(contextlib.closing(LiveTensorBoard(files.directory / "tensorboard")))
+        self.start_at(self.step)
+
+    def tee(self, wrap: Callable[[Any], Any]) -> None:
+        """Write through `wrap(writer)` from now on (the runner's checkpoint segments)."""
+        self.grads, self.steps = wrap(self.grads), wrap(self.steps)
+
+    # -- a step ------------------------------------------------------------------------------------
+    def start_at(self, step: int) -> None:
+        """Number the next step `step` (a resumed run's first); capture is on for its forwards when it is captured."""
+        self.step = int(step)
+        self.capture.enabled = self.captured
+        self._t0 = time.perf_counter()
+
+    def begin_step(self) -> None:
+        """The step's work begins now (its `step_time_s` is counted from here)."""
+        self.capture.enabled = self.captured
+        self._t0 = time.perf_counter()
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """Backward from `loss` the capture strategy's way; the step's loss sums `loss` (unscaled) on the device.
+
+        Example::
+
+            engine.backward(scaler.scale(loss / n))     # one micro-batch of n
+        """
+        self.add_loss(loss)
+        self.capture.backward(loss, retain_graph=retain_graph)
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """Count `loss` (a backpropagated loss, scaled by the GradScaler if there is one) into the step's loss."""
+        part = loss.detach().sum(dtype=torch.promote_types(loss.dtype, torch.float32))  # a float64 loss stays float64
+        scale = self.capture.loss_scale() if self.capture.loss_scale is not None else None
+        if scale is not None:
+            part = part / torch.as_tensor(scale).to(device=part.device, dtype=part.dtype)
+        self._loss = part if self._loss is None else self._loss + part.to(self._loss.device)
+
+    def _backward_ended(self, captured: bool) -> None:
+        if captured and self.update_norms:
+            self._before = self.capture.snapshot_params()  # the last one before the optimiser step counts
+
+    def settle(self) -> None:
+        """The step's backwards are done: reduce its parameter gradients now (before clipping, the optimiser)."""
+        if self.captured:
+            self.capture.settle()
+
+    def end_step(
+        self, loss: torch.Tensor | float | None = None, *, grad_norm: torch.Tensor | float | None = None,
+        clipped: torch.Tensor | bool | None = None, **train: Any,
+    ) -> StepResult:  # fmt: skip
+        """Close the step: its records (captured steps: one transfer), its `steps.parquet` row, both written together.
+
+        `loss` defaults to the sum of the backpropagated losses (`backward`, `add_loss`); `grad_norm` and
+        `clipped` may be device tensors (they ride in one transfer with the loss); `train` holds the
+        other training columns (`lr`, `lrs`, `loss_scale`, `skipped`, `eval_loss`, ...).
+        """
+        from gradrunner.records.critical import deferred_signals
+
+        step, captured = self.step, self.captured and self.capture.pending_backwards > 0
+        loss = self._loss if loss is None else loss
+        host = self._host(loss, grad_norm, clipped)
+        loss_value = host.get("loss")
+        recs, capture_time = None, None
+        t1 = time.perf_counter()
+        if captured:
+            recs = self.capture.records(None, self._before)
+            recs.loss = loss_value  # every row of the step carries the step's loss
+        row: dict[str, Any] = {k: v for k, v in host.items() if k != "loss"}
+        row.update(train)
+        if self.optimizer is not None and "lr" not in row:
+            row["lrs"] = [float(g["lr"]) for g in self.optimizer.param_groups]
+            row["lr"] = row["lrs"][0]
+        with deferred_signals():  # a step's rows go into both tables, or into neither
+            if recs is not None:
+                self.grads.write_step(step, recs)
+                capture_time = time.perf_counter() - t1
+            self.steps.write(step, captured, loss_value, time.perf_counter() - self._t0, capture_time,
+                             peak_memory_bytes(self.device), **row)  # fmt: skip
+            if self._segments is not None:
+                self._segments.step_done()
+        if self._live_log is not None and recs is not None:
+            self._live_log.write(step, recs, loss_value)  # host values the writer just took: no device sync
+        self.steps_written += 1
+        self._loss, self._before = None, None
+        self.start_at(step + 1)
+        check_finite(self.on_nonfinite, step, loss_value, recs)
+        return StepResult(step, captured, loss_value, recs, row)
+
+    def _host(self, loss: torch.Tensor | float | None, grad_norm: Any, clipped: Any) -> dict[str, Any]:
+        """The step's scalar values on the host: the device ones in one transfer."""
+        values = {"loss": loss, "grad_norm": grad_norm, "clipped": clipped}
+        on_device = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
+        out = {k: v for k, v in values.items() if v is not None and k not in on_device}
+        if on_device:
+            wide = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
+            first = next(iter(on_device.values())).device
+            got = torch.stack([v.detach().reshape(()).to(first, wide) for v in on_device.values()]).tolist()
+            out.update(zip(on_device, got, strict=True))
+        if "loss" in out:
+            out["loss"] = float(out["loss"])
+        if "clipped" in out:
+            out["clipped"] = bool(out["clipped"])
+        return out
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
