@@ -43,6 +43,22 @@ MODULE_HOOK_DICTS = (
 )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command): the tests of a module that share
+    a fixture of that module wider than one test (scope module or class: a sweep run once, read by each test)
+    form one group, run on one worker, so the fixture is built once as in a one-process run. Every other test
+    goes to whichever worker is free. Without xdist installed nothing is marked."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        module = getattr(item, "module", None)
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})  # the fixtures the test uses
+        shared = any(d.scope != "function" and getattr(d.func, "__module__", None) == getattr(module, "__name__", "")
+                     for ds in defs.values() for d in ds)  # fmt: skip
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 @pytest.fixture(params=sorted(STRATEGIES))
 def strategy(request: pytest.FixtureRequest) -> str:
     """Every registered capture strategy: a new strategy gets the whole contract suite for free."""
