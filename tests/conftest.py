@@ -44,7 +44,7 @@ MODULE_HOOK_DICTS = (
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command): the tests of a module that share
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, README "Development"): the tests of a module that share
     a fixture of that module wider than one test (scope module or class: a sweep run once, read by each test)
     form one group, run on one worker, so the fixture is built once as in a one-process run. Every other test
     goes to whichever worker is free. Without xdist installed nothing is marked."""
