@@ -4,12 +4,14 @@ Test modules import helpers from here (`from conftest import compose_cfg`), neve
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Literal, TextIO
 
 import pandas as pd
 import pytest
@@ -39,6 +41,22 @@ MODULE_HOOK_DICTS = (
     "_state_dict_hooks",
     "_load_state_dict_pre_hooks",
 )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`-n 2 --dist loadgroup`, README "Development"): the tests of a module that share
+    a fixture of that module wider than one test (scope module or class: a sweep run once, read by each test)
+    form one group, run on one worker, so the fixture is built once as in a one-process run. Every other test
+    goes to whichever worker is free. Without xdist installed nothing is marked."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        module = getattr(item, "module", None)
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})  # the fixtures the test uses
+        shared = any(d.scope != "function" and getattr(d.func, "__module__", None) == getattr(module, "__name__", "")
+                     for ds in defs.values() for d in ds)  # fmt: skip
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.fixture(params=sorted(STRATEGIES))
@@ -174,3 +192,201 @@ def check_ok(result: subprocess.CompletedProcess[str]) -> None:
 
 def job_dirs(root: Path, pattern: str = "outputs/*/*") -> list[Path]:
     return sorted(root.glob(pattern))
+
+
+
+# -- a command run inside the test's process -----------------------------------------------------------
+#: The interpreter's own warning filters (no -W, no PYTHONWARNINGS), as a fresh `python -m ...` starts with.
+_PYTHON_WARNING_FILTERS: tuple[tuple[Literal["default", "ignore"], type[Warning], str], ...] = (
+    ("default", DeprecationWarning, "__main__"), ("ignore", DeprecationWarning, ""),
+    ("ignore", PendingDeprecationWarning, ""), ("ignore", ImportWarning, ""), ("ignore", ResourceWarning, ""),
+)  # fmt: skip
+
+
+def python_m(cwd: Path, module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m module *args` from `cwd`, run inside this process: its stdout, stderr and exit status.
+
+    For tests whose subject is what the command does, not the process boundary (a subprocess pays 2-3 s
+    of start-up on the loaded 2-core machine). The command sees what a fresh process would
+    (`_as_a_fresh_process`); its `atexit` callbacks run at its end, as at a process's exit; an uncaught
+    exception is a traceback on stderr and status 1, as in Python.
+
+    Keep a real subprocess where the process is the subject: signals, Ctrl-C, import-time behaviour,
+    closed pipes, the console script, several processes at once, and one end-to-end smoke per command.
+
+    Example::
+
+        result = python_m(tmp_path, "gradrunner", "+experiment=mlp", "steps=2")
+        check_ok(result)
+    """
+    import importlib.util
+    import runpy
+
+    spec = importlib.util.find_spec(module)
+    assert spec is not None, f"no module {module}"
+    # runpy warns about (and would not re-run) a module already imported: set it aside while it runs
+    mains = ((module,) if spec.submodule_search_locations is None else ()) + (f"{module}.__main__",)
+    return _run_as_main(cwd, [module, *args], env, str(cwd), mains,
+                        lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))  # fmt: skip
+
+
+def python_script(cwd: Path, script: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`python script *args` from `cwd`, run inside this process (its dir first on `sys.path`); see `python_m`.
+
+    Example::
+
+        result = python_script(tmp_path, ROOT / "benchmarks" / "per_fire.py", "--tiny")
+    """
+    import runpy
+
+    return _run_as_main(cwd, [str(script), *args], env, str(script.parent), (),
+                        lambda: runpy.run_path(str(script), run_name="__main__"))  # fmt: skip
+
+
+def _run_as_main(cwd: Path, argv: list[str], env: dict[str, str] | None, path0: str, mains: tuple[str, ...],
+                 run: Callable[[], object]) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """`run()` as a fresh process's main module would run: its output, its exit status, then its `atexit`."""
+    import io
+    import signal
+    import traceback
+
+    out, err = (io.TextIOWrapper(io.BytesIO(), write_through=True) for _ in range(2))
+    with _as_a_fresh_process(cwd, argv, env, out, err, path0, mains) as at_exit:
+        try:
+            run()
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if not isinstance(e.code, int | None):
+                print(e.code, file=sys.stderr)
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            code = -signal.SIGINT
+        except BaseException:  # what Python prints for an uncaught exception, and its status
+            traceback.print_exc()
+            code = 1
+        for func, a, k in reversed(at_exit):  # the process's exit
+            try:
+                func(*a, **k)
+            except BaseException:
+                print("Exception ignored in atexit callback:", file=sys.stderr)
+                traceback.print_exc()
+    return subprocess.CompletedProcess(argv, code, *(s.buffer.getvalue().decode() for s in (out, err)))
+
+
+def gradrunner_in_process(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`gradrunner(cwd, *args)` (`python -m gradrunner ...`) inside this process; see `python_m`."""
+    return python_m(cwd, "gradrunner", *args)
+
+
+#: `atexit.register` calls a command made: (function, args, kwargs), run at its end by `_run_as_main`.
+AtExit = list[tuple[Callable[..., object], tuple[object, ...], dict[str, object]]]
+
+
+@contextlib.contextmanager
+def _as_a_fresh_process(
+    cwd: Path, argv: list[str], env: dict[str, str] | None, out: TextIO, err: TextIO, path0: str, mains: tuple[str, ...]
+) -> Iterator[AtExit]:
+    """While open: `argv`, `cwd`, `path0` first on `sys.path`, `cli_env()` plus `env`, one torch thread, stdout
+    and stderr into `out` and `err`, the modules `mains` out of `sys.modules`, no Hydra state, fresh logging
+    (`_fresh_logging`), warnings and `atexit` (`_fresh_warnings_and_atexit`, whose callbacks it yields).
+
+    Everything is put back afterwards: cwd, argv, sys.path, the environment, signal handlers, logging,
+    Hydra's global state, torch's thread count, the RNG states, `mains`.
+    """
+    import random
+    import signal
+
+    import numpy as np
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    saved_env, saved_cwd, saved_argv, saved_path = dict(os.environ), Path.cwd(), sys.argv[:], sys.path[:]
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
+    saved_torch = (torch.get_num_threads(), torch.get_rng_state(), random.getstate(), np.random.get_state())
+    saved_modules = {m: sys.modules.pop(m) for m in mains if m in sys.modules}
+    fresh_env = {**cli_env(), **(env or {})}
+    try:
+        os.environ.clear()
+        os.environ.update(fresh_env)
+        os.chdir(cwd)
+        sys.argv = list(argv)
+        sys.path.insert(0, path0)
+        torch.set_num_threads(1)
+        GlobalHydra.instance().clear()
+        with _fresh_logging(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                _fresh_warnings_and_atexit() as at_exit:  # fmt: skip
+            yield at_exit
+    finally:
+        HydraConfig.instance().cfg = None
+        GlobalHydra.instance().clear()
+        for sig, on_signal in saved_signals.items():
+            signal.signal(sig, on_signal)
+        torch.set_num_threads(saved_torch[0])
+        torch.set_rng_state(saved_torch[1])
+        random.setstate(saved_torch[2])
+        np.random.set_state(saved_torch[3])
+        sys.modules.update(saved_modules)
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+@contextlib.contextmanager
+def _fresh_logging() -> Iterator[None]:
+    """While open: no handler on the root logger (level WARNING), gradrunner's loggers at their defaults (a
+    test may have left a level on them, or disabled them); afterwards the handlers the command's logging set
+    up (Hydra's file and console) are closed and the test's logging is put back."""
+
+    root = logging.getLogger()
+    level, handlers = root.level, root.handlers[:]
+    ours = [v for k, v in logging.Logger.manager.loggerDict.items()
+            if isinstance(v, logging.Logger) and (k == "gradrunner" or k.startswith("gradrunner."))]  # fmt: skip
+    saved = [(logger, logger.level, logger.disabled, logger.propagate) for logger in ours]
+    try:
+        root.handlers = []
+        root.setLevel(logging.WARNING)  # setLevel: the loggers' cached levels are recomputed
+        for logger in ours:
+            logger.setLevel(logging.NOTSET)
+            logger.disabled, logger.propagate = False, True
+        yield
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.setLevel(level)
+        root.handlers = handlers
+        for logger, its_level, disabled, propagate in saved:
+            logger.setLevel(its_level)
+            logger.disabled, logger.propagate = disabled, propagate
+
+
+@contextlib.contextmanager
+def _fresh_warnings_and_atexit() -> Iterator[AtExit]:
+    """While open: Python's default warning filters, warnings printed to (the current) stderr, and
+    `atexit.register`/`unregister` collecting into the list it yields; all put back afterwards."""
+    import atexit
+    import warnings
+
+    at_exit: AtExit = []
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: object = None,
+             line: str | None = None) -> None:  # fmt: skip
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    def register(func: Callable[..., object], *args: object, **kwargs: object) -> Callable[..., object]:
+        at_exit.append((func, args, kwargs))
+        return func
+
+    def unregister(func: Callable[..., object]) -> None:
+        at_exit[:] = [e for e in at_exit if e[0] != func]
+
+    with warnings.catch_warnings(), pytest.MonkeyPatch.context() as patch:
+        warnings.resetwarnings()
+        for action, category, where in reversed(_PYTHON_WARNING_FILTERS):
+            warnings.filterwarnings(action, category=category, module=where)
+        warnings.showwarning = show
+        patch.setattr(atexit, "register", register)
+        patch.setattr(atexit, "unregister", unregister)
+        yield at_exit

@@ -1,19 +1,17 @@
 """Awkward runs through `train(cfg)`: half precision, a loss that turns NaN part-way (recorded, or
 `capture.on_nonfinite=stop`), infinite gradients under a finite loss, and a compiled model in a
-user's `--config-dir` refused by the real CLI.
+user's `--config-dir` captured by the CLI (`python -m gradrunner`, inside the test's process: `conftest.python_m`).
 """
 
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import TESTS, cli_env, compose_cfg
+from conftest import TESTS, compose_cfg, gradrunner_in_process
 
 from gradrunner.errors import GradrunnerError
 from gradrunner.run.guards import NonFinite
@@ -89,10 +87,7 @@ def test_on_nonfinite_stop_sees_infinite_gradients_under_a_finite_loss(tmp_path:
 # -- a user's compiled model, through the real CLI -------------------------------------------------
 @pytest.mark.slow
 def test_the_cli_captures_a_compiled_model_from_a_config_dir(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "gradrunner", "--config-dir", str(TESTS / "conf"), "model=compiled", "steps=2"],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = gradrunner_in_process(tmp_path, "--config-dir", str(TESTS / "conf"), "model=compiled", "steps=2")
     assert result.returncode == 0, result.stderr
     (path,) = tmp_path.rglob("grads.parquet")
     grads = pd.read_parquet(path)

@@ -2,7 +2,7 @@
 
 Unit tests of `records.catalogue` (concurrent writers in separate processes, a writer killed inside
 its transaction, damage), then the real CLI: a completed sweep re-run composes and launches no job
-(counted by patching Hydra's config loader in the subprocess), a new job of a re-run runs alone, an
+(counted by wrapping Hydra's config loader; the CLI runs in-process, `conftest.python_m`), a new job of a re-run runs alone, an
 edited config file disables the shortcut, the manifest and `load()` agree with the catalogue, and a
 damaged catalogue is moved aside and rebuilt.
 """
@@ -18,13 +18,12 @@ import shutil
 import sqlite3
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from conftest import check_ok, cli_env
+from conftest import check_ok, cli_env, python_m
 
 from gradrunner.analysis import load
 from gradrunner.cli.sweep_books import MANIFEST, _job_num, build_manifest
@@ -105,33 +104,22 @@ def test_another_layout_version_is_damage(tmp_path: Path) -> None:
 
 # --- the CLI -------------------------------------------------------------------------------------
 
-#: Counts every composition of a job's config (Hydra's `load_sweep_config`) in the CLI's process.
-COUNTING = textwrap.dedent("""
-    import atexit, os
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    _original = ConfigLoaderImpl.load_sweep_config
-    _calls = []
-    def load_sweep_config(self, *args, **kwargs):
-        _calls.append(1)
-        return _original(self, *args, **kwargs)
-    ConfigLoaderImpl.load_sweep_config = load_sweep_config
-    atexit.register(lambda: open(os.environ["COMPOSE_COUNT"], "a").write(f"{len(_calls)}\\n"))
-""")
-
-
 def run_counted(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], int]:
-    """The CLI in a subprocess, and how many job configs it composed (the launching process and its jobs)."""
-    hook = tmp_path / "counting"
-    hook.mkdir(exist_ok=True)
-    (hook / "sitecustomize.py").write_text(COUNTING)
-    count = tmp_path / "compose-count.txt"
-    count.unlink(missing_ok=True)
-    env = cli_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(hook), env["PYTHONPATH"]])
-    env["COMPOSE_COUNT"] = str(count)
-    result = subprocess.run([sys.executable, "-m", "gradrunner", *args], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
-    return result, sum(int(n) for n in count.read_text().split())
+    """The CLI (`python -m gradrunner`, in this process: `conftest.python_m`), and how many job configs it
+    composed: every call of Hydra's `load_sweep_config`, by the launching code and by its jobs."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    original = ConfigLoaderImpl.load_sweep_config
+    calls: list[int] = []
+
+    def load_sweep_config(self: ConfigLoaderImpl, *a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return original(self, *a, **k)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ConfigLoaderImpl, "load_sweep_config", load_sweep_config)
+        result = python_m(tmp_path, "gradrunner", *args)
+    return result, len(calls)
 
 
 def digests(root: Path) -> dict[str, str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from conftest import check_ok, compose_cfg, gradrunner
+from conftest import check_ok, compose_cfg, gradrunner_in_process
 from records_check import check_records
 
 from gradrunner.errors import GradrunnerError
@@ -188,15 +188,15 @@ def test_the_cli_says_the_checkpoint_is_kept_refuses_a_rerun_without_resume_and_
             f"+data.marker={tmp_path / 'cut'}", "+data.fault=keyboard_interrupt", "data.batch_size=4",
             f"train.checkpoint_every={EVERY}", "device=cpu", "hydra.run.dir=run"]  # fmt: skip
     checkpoint = "a mid-run checkpoint after step 5 (.checkpoint/)"
-    first = gradrunner(tmp_path, *args)
+    first = gradrunner_in_process(tmp_path, *args)  # the whole CLI, inside this process (conftest.python_m)
     assert first.returncode == 130 and [x for x in first.stderr.splitlines() if x.strip()] == [
         f"gradrunner: interrupted; the records of completed steps are kept in {run_dir} (grads.parquet, "
         f"steps.parquet); {checkpoint} is kept too: resume=true goes on from it"
     ], first.stderr
-    refused = gradrunner(tmp_path, *args)
+    refused = gradrunner_in_process(tmp_path, *args)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert f"already holds records (grads.parquet, steps.parquet, {checkpoint})" in refused.stderr
-    resumed = gradrunner(tmp_path, *args, "resume=true")
+    resumed = gradrunner_in_process(tmp_path, *args, "resume=true")
     check_ok(resumed)
     assert "steps 0-5 replayed from it" in resumed.stdout and check_records(run_dir) == list(range(12))
 

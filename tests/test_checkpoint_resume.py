@@ -1,5 +1,8 @@
 """`train.checkpoint_every` and `resume=true`: a job SIGKILLed at seeded random steps and resumed ends
-with records identical to an uninterrupted run's (the reference is that run, in its own dir)."""
+with records identical to an uninterrupted run's (the reference is that run, in its own dir).
+
+The killed run is a real process (it SIGKILLs itself); the reference run and the resumed one run the same
+`python -m gradrunner` inside the test's process (`conftest.python_m`)."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
-from conftest import check_ok, gradrunner
+from conftest import check_ok, gradrunner, gradrunner_in_process
 
 from gradrunner.records.checkpoint_files import CHECKPOINT_DIR, read_manifest
 
@@ -45,7 +48,7 @@ def _records(out: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 def _kill_and_resume(tmp_path: Path, extra: tuple[str, ...], kills: list[int]) -> None:
     ref = tmp_path / "ref"
-    check_ok(gradrunner(tmp_path, *_args(ref, -1, tmp_path / "never", *extra)))
+    check_ok(gradrunner_in_process(tmp_path, *_args(ref, -1, tmp_path / "never", *extra)))
     want_grads, want_steps = _records(ref)
     for at in kills:
         out, marker = tmp_path / f"killed-{at}", tmp_path / f"marker-{at}"
@@ -55,7 +58,7 @@ def _kill_and_resume(tmp_path: Path, extra: tuple[str, ...], kills: list[int]) -
         saved = (at // per_step) // 3 * 3  # steps done at the last checkpoint before the kill
         if saved:
             assert saved_step(out) == saved
-        second = gradrunner(tmp_path, *_args(out, at, marker, *extra), "resume=true")
+        second = gradrunner_in_process(tmp_path, *_args(out, at, marker, *extra), "resume=true")
         check_ok(second)
         if saved:  # it went on from the checkpoint rather than from step 0
             assert f"steps 0-{saved - 1} replayed from it" in second.stdout + second.stderr

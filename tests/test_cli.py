@@ -1,4 +1,9 @@
-"""End to end: the real CLI (`python -m gradrunner`) in a subprocess, on tiny runs, from a fresh cwd."""
+"""End to end: the CLI (`python -m gradrunner`) on tiny runs, from a fresh cwd.
+
+Most commands run inside the test's process (`conftest.python_m`: the same `python -m gradrunner`,
+its stdout, stderr and exit status, without 2-3 s of start-up each). A real subprocess runs where the
+process is the subject: the one end-to-end run, the console script, a closed stdout pipe, signals.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ROOT, SEARCHPATH, check_ok, cli_env, gradrunner, job_dirs
+from conftest import ROOT, SEARCHPATH, check_ok, cli_env, gradrunner, gradrunner_in_process, job_dirs
 from omegaconf import OmegaConf
 from records_check import check_records
 from torch import nn
@@ -57,14 +62,14 @@ def sweep_dir(root: Path) -> Path:
 
 
 def test_help_lists_the_config_groups(tmp_path: Path) -> None:
-    result = gradrunner(tmp_path, "--help")
+    result = gradrunner_in_process(tmp_path, "--help")
     check_ok(result)
     assert "experiment: cnn, cosine, gpt2, gpt2_pretrain, mlp, sigmoid2, spike_attention, spike_data, transformer" in result.stdout
     assert "data: corrupted, digits, synthetic, tensors, tokens" in result.stdout
 
 
 def test_cfg_job_prints_the_composed_config_and_runs_nothing(tmp_path: Path) -> None:
-    result = gradrunner(tmp_path, "+experiment=sigmoid2", "--cfg", "job")
+    result = gradrunner_in_process(tmp_path, "+experiment=sigmoid2", "--cfg", "job")
     check_ok(result)
     cfg = OmegaConf.create(result.stdout)
     assert cfg.experiment == "sigmoid2" and cfg.capture.strategy == "hook"
@@ -73,7 +78,7 @@ def test_cfg_job_prints_the_composed_config_and_runs_nothing(tmp_path: Path) -> 
 
 @pytest.mark.slow
 def test_one_run_writes_records_under_outputs_of_the_cwd(tmp_path: Path) -> None:
-    result = gradrunner(tmp_path, "+experiment=mlp", "steps=2")
+    result = gradrunner(tmp_path, "+experiment=mlp", "steps=2")  # the end-to-end smoke: a real process
     check_ok(result)
     (job,) = job_dirs(tmp_path)
     assert {p.name for p in job.iterdir()} >= {"grads.parquet", "steps.parquet", "gradrunner.log", ".hydra"}
@@ -102,7 +107,7 @@ def test_console_script_is_the_same_app(tmp_path: Path) -> None:
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
     """One multirun: every built-in experiment with every strategy, 2 steps, full values."""
     cwd = tmp_path_factory.mktemp("sweep")
-    result = gradrunner(
+    result = gradrunner_in_process(
         cwd, "-m", f"+experiment={','.join(EXPERIMENTS)}", f"capture.strategy={','.join(STRATEGIES)}",
         "steps=2", "capture.values=full",
     )  # fmt: skip
@@ -141,8 +146,10 @@ def test_all_strategies_give_the_same_gradients(sweep: pd.DataFrame, experiment:
 def analytic(tmp_path_factory: pytest.TempPathFactory) -> pd.DataFrame:
     """sigmoid2 and cosine in float64, every strategy, 3 SGD steps, full values."""
     cwd = tmp_path_factory.mktemp("analytic")
-    result = gradrunner(cwd, "-m", "+experiment=sigmoid2,cosine", f"capture.strategy={','.join(STRATEGIES)}",
-                        "steps=3", "dtype=float64", "capture.values=full", "optimizer.lr=0.5")  # fmt: skip
+    result = gradrunner_in_process(
+        cwd, "-m", "+experiment=sigmoid2,cosine", f"capture.strategy={','.join(STRATEGIES)}", "steps=3",
+        "dtype=float64", "capture.values=full", "optimizer.lr=0.5",
+    )  # fmt: skip
     check_ok(result)
     return load(sweep_dir(cwd), values=True)
 
@@ -216,8 +223,8 @@ def test_own_model_data_loss_and_optimizer_options_from_a_config_dir(tmp_path: P
     for rel, text in options.items():
         (conf / rel).parent.mkdir(parents=True, exist_ok=True)
         (conf / rel).write_text(text)
-    result = gradrunner(tmp_path, "--config-dir", str(conf), "model=scaled", "data=mine", "loss=l1",
-                        "optimizer=rms", "steps=2", "taps=[lin:output,':scaled',lin:weight]")  # fmt: skip
+    result = gradrunner_in_process(tmp_path, "--config-dir", str(conf), "model=scaled", "data=mine", "loss=l1",
+                                   "optimizer=rms", "steps=2", "taps=[lin:output,':scaled',lin:weight]")  # fmt: skip
     check_ok(result)
     (job,) = job_dirs(tmp_path)
     df = pd.read_parquet(job / "grads.parquet")
@@ -238,7 +245,7 @@ def test_own_model_data_loss_and_optimizer_options_from_a_config_dir(tmp_path: P
     ],
 )
 def test_a_bad_value_exits_2_with_one_paragraph_and_no_records(tmp_path: Path, override: str, named: str) -> None:
-    result = gradrunner(tmp_path, "+experiment=mlp", "steps=2", override)
+    result = gradrunner_in_process(tmp_path, "+experiment=mlp", "steps=2", override)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     (line,) = [s for s in result.stderr.splitlines() if s.strip()]
@@ -248,7 +255,7 @@ def test_a_bad_value_exits_2_with_one_paragraph_and_no_records(tmp_path: Path, o
 
 
 def test_a_misspelled_key_is_refused_without_a_traceback(tmp_path: Path) -> None:
-    result = gradrunner(tmp_path, "+experiment=mlp", "capture.stratgy=hook")
+    result = gradrunner_in_process(tmp_path, "+experiment=mlp", "capture.stratgy=hook")
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "stratgy" in result.stderr
     assert list(tmp_path.rglob("*.parquet")) == []
@@ -257,7 +264,7 @@ def test_a_misspelled_key_is_refused_without_a_traceback(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_a_sweep_runs_the_other_jobs_and_fails_at_the_end(tmp_path: Path) -> None:
     # a mistake only the forward pass finds (inputs of 3 features into an 8-feature MLP): job 1 fails, 0 and 2 run
-    result = gradrunner(tmp_path, "-m", "+experiment=mlp", "steps=1", "data.input_shape=[8],[3],[8]")
+    result = gradrunner_in_process(tmp_path, "-m", "+experiment=mlp", "steps=1", "data.input_shape=[8],[3],[8]")
     assert result.returncode != 0
     assert "Traceback" not in result.stderr and "failed in the model's forward()" in result.stderr
     root = sweep_dir(tmp_path)
@@ -266,7 +273,8 @@ def test_a_sweep_runs_the_other_jobs_and_fails_at_the_end(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_a_sweep_is_validated_before_its_first_job_and_each_mistake_is_reported_once(tmp_path: Path) -> None:
-    result = gradrunner(tmp_path, "-m", "+experiment=cosine", "steps=1", "capture.strategy=hook,bogus", "seed=0,1,2")
+    result = gradrunner_in_process(tmp_path, "-m", "+experiment=cosine", "steps=1", "capture.strategy=hook,bogus",
+                                   "seed=0,1,2")  # fmt: skip
     assert result.returncode == 2 and "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 2, result.stderr
@@ -274,7 +282,7 @@ def test_a_sweep_is_validated_before_its_first_job_and_each_mistake_is_reported_
     assert "capture.strategy='bogus' is not allowed; allowed: retain_grad, hook, autograd_grad" in lines[0]
     assert "nothing was run" in lines[1] and not list(tmp_path.rglob("*.parquet"))
     # taps are resolved against each job's model (built on the meta device) before anything runs
-    taps = gradrunner(tmp_path, "-m", "+experiment=mlp", "model.depth=3,2", "taps=[fc3:output]", "steps=1")
+    taps = gradrunner_in_process(tmp_path, "-m", "+experiment=mlp", "model.depth=3,2", "taps=[fc3:output]", "steps=1")
     assert taps.returncode == 2 and "Traceback" not in taps.stderr
     lines = taps.stderr.strip().splitlines()
     assert len(lines) == 2 and lines[0].startswith("gradrunner: error: job 1 of 2 (+experiment=mlp model.depth=2")

@@ -2,19 +2,17 @@
 
 Most lines are checked in-process, the way `cli.app.main` handles them (the command-line checks, Hydra
 composing, `validate`), since a subprocess costs seconds on a loaded machine; a handful go through the
-real CLI, which must agree.
+whole CLI (`python -m gradrunner`, inside the test's process: `conftest.python_m`), which must agree.
 """
 
 from __future__ import annotations
 
 import math
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import SEARCHPATH, cli_env
+from conftest import SEARCHPATH, gradrunner_in_process
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
@@ -81,8 +79,7 @@ def test_a_few_random_command_lines_through_the_real_cli(tmp_path: Path) -> None
     with initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
         expected = [in_process(argv) for argv in lines]
     for n, (argv, message) in enumerate(zip(lines, expected, strict=True)):
-        result = subprocess.run([sys.executable, "-m", "gradrunner", SEARCHPATH, *argv, f"hydra.run.dir=r{n}"],
-                                cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+        result = gradrunner_in_process(tmp_path, SEARCHPATH, *argv, f"hydra.run.dir=r{n}")
         assert "Traceback" not in result.stderr, (argv, result.stderr)
         if message is None:
             assert result.returncode == 0, (argv, result.stderr)
@@ -226,9 +223,7 @@ def test_random_lines_over_the_new_keys_are_refused_before_step_0_or_run_sanely(
                                   ["scheduler=onecycle", "scheduler.total_steps=2"],
                                   [f"train.accumulate={2**63 - 1}"]])  # fmt: skip
 def test_new_key_refusals_through_the_real_cli(tmp_path: Path, line: list[str]) -> None:
-    result = subprocess.run([sys.executable, "-m", "gradrunner", "+experiment=mlp", "device=cpu", "steps=3", *line,
-                             "hydra.run.dir=r"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
+    result = gradrunner_in_process(tmp_path, "+experiment=mlp", "device=cpu", "steps=3", *line, "hydra.run.dir=r")
     errors = [x for x in result.stderr.splitlines() if x.startswith("gradrunner: error: ")]
     assert result.returncode == 2 and len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
     assert line[-1].split("=")[0] in errors[0]

@@ -104,21 +104,29 @@ def test_update_norms_are_the_averaged_step_and_the_same_on_every_rank(records: 
     assert records.loc[records.tap == "fc1:output", "update_norm"].isna().all()
 
 
+@pytest.fixture(scope="module")
+def accumulated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One torchrun (2 gloo ranks) running `ddp_sync_count.py`'s job once per strategy in its one process group;
+    each strategy's counts and records under `<dir>/<strategy>/` (one spawn where there were three)."""
+    out = tmp_path_factory.mktemp("accumulated")
+    script = Path(__file__).parent / "ddp_sync_count.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           str(out), ",".join(STRATEGIES)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=out, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_accumulation_under_ddp_syncs_once_per_step_and_records_the_averaged_step_gradient(
-    tmp_path: Path, strategy: str
+    accumulated: Path, strategy: str
 ) -> None:
     """train.accumulate=2 on 2 ranks: DDP all-reduces on each step's last micro-batch only (3 steps, one bucket:
     3 all-reduces, not 6); a parameter's one row per step is the step's gradient averaged over the ranks (the
     bias gradient is the sum of fc1's output gradient over both micro-batches and both ranks, halved)."""
-    script = Path(__file__).parent / "ddp_sync_count.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(tmp_path), strategy]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counts = [json.loads((tmp_path / f"sync.rank{r}.json").read_text())["all_reduces"] for r in (0, 1)]
+    counts = [json.loads((accumulated / strategy / f"sync.rank{r}.json").read_text())["all_reduces"] for r in (0, 1)]
     assert counts == [3, 3]
-    df = load(tmp_path / "run", values=True)
+    df = load(accumulated / strategy / "run", values=True)
     for step in range(3):
         rows = df[df.step == step]
         out = rows[rows.tap == "head:output"]

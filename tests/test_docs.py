@@ -7,6 +7,7 @@ What a block is, and how it runs (in a fresh temp dir per doc, blocks in the doc
 | ```` ```python ```` with `>>>` prompts | a doctest (ELLIPSIS, NORMALIZE_WHITESPACE): the shown output is checked |
 | ```` ```python ```` without prompts | `exec`, one namespace per doc (later blocks see earlier names) |
 | ```` ```bash ```` or a bare ```` ``` ```` of commands | each command (`\\` continuations joined, comments dropped) in bash; exit 0, or 2 when its comment starts `gradrunner: error:` |
+| (either kind of command) | a plain `python -m gradrunner...` (no pipe, redirection, variable, glob) runs inside the test's process (`conftest.python_m`, the same command without a process's start-up); anything else in bash |
 | a bare ```` ``` ```` whose lines start with `$ ` | the command, its output checked: each shown line in order, `...` skips, a line ending in `...` is a prefix; a shown `gradrunner: error:` means exit 2 |
 | a bare ```` ``` ```` of anything else (a dir tree, a traceback) | nothing: it is not code |
 
@@ -24,12 +25,13 @@ from __future__ import annotations
 import doctest
 import os
 import re
+import shlex
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, cli_env
+from conftest import ROOT, cli_env, python_m
 
 pytestmark = pytest.mark.slow
 
@@ -108,8 +110,29 @@ def kind_of(block: Block) -> str:
 def run_shell(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     # never from a test: installing packages, or the test suite itself (mark such a block skip)
     assert not re.search(r"\bpip install\b|\bpytest\b", command), f"`{command}` must be in a doc-test: skip block"
+    argv = plain_python_m(command)
+    if argv is not None:  # what bash would run, without a process's start-up (2-3 s a command)
+        return python_m(cwd, *argv)
     return subprocess.run(["bash", "-c", command], cwd=cwd, env=cli_env(), capture_output=True, text=True,
                           timeout=600, check=False)  # fmt: skip
+
+
+def plain_python_m(command: str) -> list[str] | None:
+    """`[module, *args]` of a `python -m gradrunner...` command bash would pass on word for word (quotes
+    removed), or None: anything with a pipe, redirection, `;`/`&&`, variable, command substitution, glob,
+    brace or tilde expansion."""
+    unquoted = re.sub(r"'[^']*'|\"[^\"]*\"", "", command)
+    if re.search(r"[$`]", command) or re.search(r"[*?{}~]", unquoted):
+        return None
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    try:
+        words = list(lexer)
+    except ValueError:  # an unclosed quote: bash's to report
+        return None
+    if any(set(w) <= set("();<>|&") for w in words) or words[:2] != ["python", "-m"] or len(words) < 3:
+        return None
+    return words[2:] if re.fullmatch(r"gradrunner(\.\w+)*", words[2]) else None
 
 
 def with_overrides(command: str, overrides: list[str]) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import check_ok, compose_cfg, gradrunner, leftover_hooks
+from conftest import check_ok, compose_cfg, gradrunner_in_process, leftover_hooks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -542,8 +542,8 @@ def test_the_runner_edits_every_step_and_writes_the_two_columns(tmp_path: Any) -
 # -- the command line ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_sweep_over_an_edits_strength_from_the_command_line(tmp_path: Any) -> None:
-    result = gradrunner(tmp_path, "-m", "+experiment=mlp", "steps=2", "device=cpu", "hydra.sweep.dir=sweep",
-                        'edits=[{tap:"relu2:output",scale:0.0}]', "edits.0.scale=0,0.5,1")  # fmt: skip
+    result = gradrunner_in_process(tmp_path, "-m", "+experiment=mlp", "steps=2", "device=cpu", "hydra.sweep.dir=sweep",
+                                   'edits=[{tap:"relu2:output",scale:0.0}]', "edits.0.scale=0,0.5,1")  # fmt: skip
     check_ok(result)
     from gradrunner.analysis import load
 
@@ -564,7 +564,8 @@ def test_a_sweep_over_an_edits_strength_from_the_command_line(tmp_path: Any) -> 
 
 @pytest.mark.slow
 def test_a_bad_edit_on_the_command_line_is_one_paragraph_and_exit_2(tmp_path: Any) -> None:
-    result = gradrunner(tmp_path, "+experiment=mlp", "steps=1", "device=cpu", 'edits=[{tap:"relu2:output",clip_norm:-1}]')
+    result = gradrunner_in_process(tmp_path, "+experiment=mlp", "steps=1", "device=cpu",
+                                   'edits=[{tap:"relu2:output",clip_norm:-1}]')  # fmt: skip
     assert result.returncode == 2, result.stderr
     err = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(err) == 1 and "edits[0] (tap 'relu2:output'): clip_norm=-1 is not allowed" in err[0], result.stderr

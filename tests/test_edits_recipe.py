@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from conftest import check_ok, compose_cfg, gradrunner
+from conftest import check_ok, compose_cfg, gradrunner_in_process
 
 from gradrunner.capturing.edits import generator_seed
 from gradrunner.run.loop import train
@@ -25,7 +25,7 @@ def test_the_readme_recipe_reproduces_a_dropout_record(tmp_path: Path, monkeypat
     text = README.read_text()
     found = re.search(r"<!-- doc-test: before python -m gradrunner (.*?) -->\n```python\n(.*?)```", text[text.index("**Seeded**"):], re.S)
     assert found is not None and "generator_seed(" in found.group(2)
-    check_ok(gradrunner(tmp_path, *[a.strip("'") for a in re.findall(r"'[^']*'|\S+", found.group(1))]))
+    check_ok(gradrunner_in_process(tmp_path, *[a.strip("'") for a in re.findall(r"'[^']*'|\S+", found.group(1))]))
     monkeypatch.chdir(tmp_path)
     exec(compile(found.group(2), "README.md", "exec"), {})  # asserts the record's edited_norm
 

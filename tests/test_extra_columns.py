@@ -18,7 +18,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import TESTS, check_ok, compose_cfg, gradrunner, job_dirs
+from conftest import TESTS, check_ok, compose_cfg, gradrunner_in_process, job_dirs
 from torch import nn
 
 from gradrunner import capture
@@ -228,19 +228,19 @@ def test_turning_the_options_on_changes_no_other_column(tmp_path: Path) -> None:
 
 
 def test_a_bad_option_value_or_a_misspelled_option_is_refused_naming_it(tmp_path: Path) -> None:
-    bad = gradrunner(tmp_path, "+experiment=cosine", "steps=1", "capture.per_example=maybe")
+    bad = gradrunner_in_process(tmp_path, "+experiment=cosine", "steps=1", "capture.per_example=maybe")
     # Hydra's own type check of the schema's bool (as for steps=abc): exit 1, key and value named
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert "capture.per_example" in bad.stderr and "maybe" in bad.stderr
-    typo = gradrunner(tmp_path, "+experiment=cosine", "steps=1", "capture.histogramm=true")
+    typo = gradrunner_in_process(tmp_path, "+experiment=cosine", "steps=1", "capture.histogramm=true")
     assert typo.returncode == 2 and "capture.histogram" in typo.stderr and "Traceback" not in typo.stderr
     assert not list(tmp_path.rglob("grads.parquet"))
 
 
 @pytest.mark.slow
 def test_cli_run_with_both_options_and_its_report(tmp_path: Path) -> None:
-    check_ok(gradrunner(tmp_path, "+experiment=mlp", "steps=4", "capture.per_example=true", "capture.histogram=true",
-                        "report=true"))  # fmt: skip
+    check_ok(gradrunner_in_process(tmp_path, "+experiment=mlp", "steps=4", "capture.per_example=true",
+                                   "capture.histogram=true", "report=true"))  # fmt: skip
     (job,) = job_dirs(tmp_path)
     df = pd.read_parquet(job / "grads.parquet")
     assert {"per_example_norm", "hist_counts", "value_norm", "update_norm", "update_ratio"} <= set(df.columns)
@@ -255,8 +255,8 @@ def test_cli_run_with_both_options_and_its_report(tmp_path: Path) -> None:
 def test_a_sweep_where_only_some_jobs_have_the_options_loads_and_reports(tmp_path: Path) -> None:
     from gradrunner.analysis import load, run_columns, update_ratios
 
-    check_ok(gradrunner(tmp_path, "-m", "+experiment=cosine", "steps=2", "capture.histogram=false,true",
-                        "capture.per_example=false,true", "report=true"))  # fmt: skip
+    check_ok(gradrunner_in_process(tmp_path, "-m", "+experiment=cosine", "steps=2", "capture.histogram=false,true",
+                                   "capture.per_example=false,true", "report=true"))  # fmt: skip
     (sweep,) = sorted(tmp_path.glob("multirun/*/*"))
     df = load(sweep)
     assert df.run_id.nunique() == 4 and {"capture.histogram", "capture.per_example"} <= set(run_columns(df))

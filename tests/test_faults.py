@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, compose_cfg, job_dirs
+from conftest import cli_env, compose_cfg, job_dirs, python_m
 from records_check import check_records
 
 from gradrunner.errors import GradrunnerError
@@ -71,11 +71,7 @@ def test_a_full_disk_ends_the_run_with_one_paragraph_and_nothing_half_written(tm
 
 @pytest.mark.slow
 def test_an_optimizer_step_that_overflows_float16_is_one_paragraph_naming_the_step(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "gradrunner", "+experiment=mlp", "dtype=float16", "optimizer.lr=1e6",
-         "hydra.run.dir=run"],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+    result = python_m(tmp_path, "gradrunner", "+experiment=mlp", "dtype=float16", "optimizer.lr=1e6", "hydra.run.dir=run")
     assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
     (line,) = [s for s in result.stderr.splitlines() if s.strip()]
     assert line.startswith("gradrunner: error: step 0 failed in the optimizer step (SGD): value cannot be converted "

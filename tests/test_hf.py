@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import check_ok, compose_cfg, gradrunner
+from conftest import check_ok, compose_cfg, gradrunner_in_process
 
 from gradrunner.analysis import compare_strategies, load
 from gradrunner.cli.explore import listing
@@ -65,7 +65,7 @@ def test_the_gpt2_experiment_lists_its_taps_with_dict_inputs() -> None:
 
 @pytest.mark.slow
 def test_a_three_strategy_gpt2_sweep_agrees_and_its_first_loss_is_the_models_own(tmp_path: Path) -> None:
-    check_ok(gradrunner(tmp_path, "-m", "+experiment=gpt2", f"capture.strategy={','.join(STRATEGIES)}", "steps=2"))
+    check_ok(gradrunner_in_process(tmp_path, "-m", "+experiment=gpt2", f"capture.strategy={','.join(STRATEGIES)}", "steps=2"))
     df = load(next(tmp_path.glob("multirun/*/*")))
     assert sorted(df.strategy.unique()) == sorted(STRATEGIES)
     assert df.has_grad.all() and df.groupby("strategy").size().nunique() == 1
@@ -133,7 +133,7 @@ def test_llama_and_bert_from_a_user_config_dir_run_the_same_way(tmp_path: Path) 
     for name, loss, taps in (("tiny_llama", "model_loss", llama_taps), ("tiny_bert", "lm_cross_entropy", bert_taps)):
         text = textwrap.dedent(EXPERIMENT).format(name=name, loss=loss, taps=taps)
         (conf / "experiment" / f"{name}.yaml").write_text(text)
-    result = gradrunner(tmp_path, "-m", "--config-dir", str(conf), "+experiment=tiny_llama,tiny_bert")
+    result = gradrunner_in_process(tmp_path, "-m", "--config-dir", str(conf), "+experiment=tiny_llama,tiny_bert")
     check_ok(result)
     df = load(next(tmp_path.glob("multirun/*/*")))
     assert set(df.experiment) == {"tiny_llama", "tiny_bert"}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import SEARCHPATH, check_ok, gradrunner
+from conftest import SEARCHPATH, check_ok, gradrunner_in_process
 
 from gradrunner.analysis import IncompleteSweepWarning, load
 from gradrunner.records.columns import GRADS_FILE, OVERRIDES_KEY, STEPS_FILE
@@ -24,7 +24,7 @@ def hydra_files(job: Path) -> dict[str, bytes]:
 @pytest.mark.slow
 def test_labels_come_from_the_records_and_a_held_or_completed_dir_is_not_touched(tmp_path: Path) -> None:
     sweep = ["-m", SEARCHPATH, "+experiment=cosine", "steps=1", "hydra.sweep.dir=sw"]
-    check_ok(gradrunner(tmp_path, *sweep, "seed=0,1"))
+    check_ok(gradrunner_in_process(tmp_path, *sweep, "seed=0,1"))
     sw = tmp_path / "sw"
     for i in (0, 1):
         own = ["+experiment=cosine", "steps=1", f"seed={i}"]
@@ -36,7 +36,7 @@ def test_labels_come_from_the_records_and_a_held_or_completed_dir_is_not_touched
     # A second sweep into the same dir: job 0's dir is held by a live run (this test), job 1's holds a
     # completed run of another config. Hydra writes both jobs' .hydra/ before either can refuse.
     with RunLock(sw / "0", "the-live-run"):
-        second = gradrunner(tmp_path, *sweep, "seed=5,6")
+        second = gradrunner_in_process(tmp_path, *sweep, "seed=5,6")
     assert "Traceback" not in second.stderr, second.stderr
     assert "skipped: the run dir" in (sw / "0" / "gradrunner.log").read_text()
     assert {i: hydra_files(sw / str(i)) for i in (0, 1)} == before

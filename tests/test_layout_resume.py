@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import check_ok, gradrunner
+from conftest import check_ok, gradrunner_in_process
 
 from gradrunner.analysis import load
 
@@ -27,7 +27,7 @@ def test_a_sweep_from_the_old_layout_resumes_running_only_the_new_job(tmp_path: 
     sweep = tmp_path / "sw"
     shutil.copytree(OLD_SWEEP, sweep)
     before = {job: _fingerprint(sweep / job) for job in ("0", "1")}
-    result = gradrunner(tmp_path, "-m", "hydra.sweep.dir=sw", "+experiment=cosine", "steps=2",
+    result = gradrunner_in_process(tmp_path, "-m", "hydra.sweep.dir=sw", "+experiment=cosine", "steps=2",
                         "capture.strategy=hook,retain_grad,autograd_grad")  # fmt: skip
     check_ok(result)
     assert {job: _fingerprint(sweep / job) for job in ("0", "1")} == before  # completed jobs untouched

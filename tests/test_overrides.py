@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import gradrunner_in_process
 
 from gradrunner.config.overrides import misspelled_key
 
@@ -39,10 +37,7 @@ def test_valid_overrides_pass(argv: list[str]) -> None:
 
 
 def test_the_cli_exits_2_with_one_paragraph_and_no_records(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "gradrunner", "+experiment=mlp", "capture.stratgy=hook"],
-        cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    result = gradrunner_in_process(tmp_path, "+experiment=mlp", "capture.stratgy=hook")
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gradrunner: error: capture.stratgy is not a config key")

@@ -5,14 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import python_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -48,9 +47,8 @@ def test_gpu_realistic_taps_every_block_part_and_parameter() -> None:
 
 def _run(script: str, tmp_path: Path) -> dict[str, dict[str, object]]:
     out = tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(BENCHMARKS.parent), "WANDB_MODE": "offline"}
-    done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--tiny", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)  # fmt: skip
+    # `python benchmarks/<script> --tiny` inside this process (conftest.python_script), as test_benchmarks runs them
+    done = python_script(tmp_path, BENCHMARKS / script, "--tiny", "--out", str(out), env={"WANDB_MODE": "offline"})
     assert done.returncode == 0, done.stderr[-2000:]
     return {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
 

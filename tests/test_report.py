@@ -1,5 +1,7 @@
 """gradrunner.report.plots and gradrunner.report.write: figures checked through matplotlib's objects, the page
-through its HTML (and headless Chromium where installed), the command through a subprocess."""
+through its HTML (and headless Chromium where installed). The commands (`python -m gradrunner.report`,
+`python -m gradrunner -m ...`) run inside the test's process (`conftest.python_m`), except two real
+subprocesses: the report command's end-to-end smoke, and the report without matplotlib (an import-time case)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import check_ok, gradrunner_in_process, python_m
 from planted import STRATEGIES, planted_sweep, write_planted_job
 
 pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradrunner[report]")
@@ -46,6 +49,13 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture
 def sweep_dir(tmp_path: Path) -> Path:
     return planted_sweep(tmp_path / "sweep")
+
+
+@pytest.fixture(scope="module")
+def sweep_report(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The planted sweep and its report, written once (`write_report(sweep_dir)`) for the tests that only read it."""
+    sweep = planted_sweep(tmp_path_factory.mktemp("report") / "sweep")
+    return sweep, write_report(sweep)
 
 
 def tick_labels(ax: Any) -> list[str]:
@@ -211,8 +221,8 @@ def parse(page: Path) -> PageParts:
 
 
 @pytest.mark.slow
-def test_report_of_a_sweep_embeds_every_figure_and_table(sweep_dir: Path) -> None:
-    page = write_report(sweep_dir)
+def test_report_of_a_sweep_embeds_every_figure_and_table(sweep_report: tuple[Path, Path]) -> None:
+    sweep_dir, page = sweep_report
     assert page == sweep_dir / REPORT_NAME
     parts = parse(page)
     assert parts.headings == [
@@ -229,8 +239,8 @@ def test_report_of_a_sweep_embeds_every_figure_and_table(sweep_dir: Path) -> Non
     assert sorted(parts.images) == sorted(p.read_bytes() for p in pngs)
 
 
-def test_report_findings_name_the_planted_problems(sweep_dir: Path) -> None:
-    text = write_report(sweep_dir).read_text()
+def test_report_findings_name_the_planted_problems(sweep_report: tuple[Path, Path]) -> None:
+    text = sweep_report[1].read_text()
     # a headline, then the taps grouped by kind; the same in every strategy, so no strategy named
     assert ('<p class="headline"><b>1 tap NaN or Inf</b> (from step 2) · <b>1 tap vanishing</b> (from step 2) · '
             "<b>1 tap exploding</b> (from step 3).</p>") in text  # fmt: skip
@@ -277,7 +287,7 @@ def run_report(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str
 
 def test_command_prints_the_page_path(sweep_dir: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "gradrunner.report", str(sweep_dir)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+                         capture_output=True, text=True, timeout=300)  # fmt: skip  # the end-to-end smoke
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(sweep_dir / REPORT_NAME)
 
@@ -285,8 +295,7 @@ def test_command_prints_the_page_path(sweep_dir: Path) -> None:
 @pytest.mark.parametrize("make", ["missing", "empty"])
 def test_command_bad_path_is_one_paragraph_and_status_2(tmp_path: Path, make: str) -> None:
     path = tmp_path / "nope" if make == "missing" else tmp_path
-    out = subprocess.run([sys.executable, "-m", "gradrunner.report", str(path)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = python_m(tmp_path, "gradrunner.report", str(path))
     assert out.returncode == 2 and out.stdout == ""
     assert out.stderr.startswith("gradrunner.report: error: ") and out.stderr.count("\n") == 1
     assert str(path) in out.stderr and "Traceback" not in out.stderr
@@ -409,8 +418,8 @@ def test_chromium_check_catches_what_it_should(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @needs_chromium
-def test_page_renders_in_chromium_without_errors(sweep_dir: Path) -> None:
-    assert chromium_problems(write_report(sweep_dir)) == []
+def test_page_renders_in_chromium_without_errors(sweep_report: tuple[Path, Path]) -> None:
+    assert chromium_problems(sweep_report[1]) == []
 
 
 # --- end to end: real sweeps --------------------------------------------------------------------
@@ -423,14 +432,10 @@ def test_page_renders_in_chromium_without_errors(sweep_dir: Path) -> None:
 )
 def test_report_on_a_real_three_strategy_sweep(tmp_path: Path, experiment: str, extra: list[str]) -> None:
     sweep = tmp_path / "sweep"
-    run = subprocess.run(
-        [sys.executable, "-m", "gradrunner", "-m", f"+experiment={experiment}", "steps=3",
-         "capture.strategy=retain_grad,hook,autograd_grad", f"hydra.sweep.dir={sweep}", *extra],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    run = gradrunner_in_process(tmp_path, "-m", f"+experiment={experiment}", "steps=3",
+                                "capture.strategy=retain_grad,hook,autograd_grad", f"hydra.sweep.dir={sweep}", *extra)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    out = subprocess.run([sys.executable, "-m", "gradrunner.report", str(sweep)],
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = python_m(tmp_path, "gradrunner.report", str(sweep))
     assert out.returncode == 0, out.stderr
     page = Path(out.stdout.strip())
     assert page == sweep / REPORT_NAME
@@ -454,14 +459,11 @@ def test_report_on_a_real_three_strategy_sweep(tmp_path: Path, experiment: str, 
 @pytest.mark.slow
 def test_report_and_every_helper_on_a_sweep_over_steps(tmp_path: Path) -> None:
     """`-m +experiment=mlp steps=5,10` then the report: the swept `steps` never clashes with a column."""
-    from conftest import check_ok, gradrunner
-
     from gradrunner.analysis import grad_flow, tap_summary
 
     sweep = tmp_path / "sweep"
-    check_ok(gradrunner(tmp_path, "-m", "+experiment=mlp", "steps=5,10", f"hydra.sweep.dir={sweep}"))
-    out = subprocess.run([sys.executable, "-m", "gradrunner.report", str(sweep)],
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    check_ok(gradrunner_in_process(tmp_path, "-m", "+experiment=mlp", "steps=5,10", f"hydra.sweep.dir={sweep}"))
+    out = python_m(tmp_path, "gradrunner.report", str(sweep))
     assert out.returncode == 0, out.stderr
     assert Path(out.stdout.strip()) == sweep / REPORT_NAME
     df = load(sweep)

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-from conftest import check_ok, gradrunner
+from conftest import check_ok, gradrunner_in_process
 
 pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradrunner[report]")
 
@@ -81,11 +81,11 @@ def test_the_norms_heatmap_labels_taps_without_their_common_prefix() -> None:
 
 @pytest.fixture(scope="module")
 def steps_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """`-m +experiment=mlp steps=2,5` with histograms and per-example norms (a real Hydra multirun)."""
+    """`-m +experiment=mlp steps=2,5` with histograms and per-example norms (a real Hydra multirun, in-process)."""
     root = tmp_path_factory.mktemp("steps_sweep")
     sweep = root / "sweep"
-    check_ok(gradrunner(root, "-m", "+experiment=mlp", "steps=2,5", "capture.histogram=true",
-                        "capture.per_example=true", "report=false", f"hydra.sweep.dir={sweep}"))  # fmt: skip
+    check_ok(gradrunner_in_process(root, "-m", "+experiment=mlp", "steps=2,5", "capture.histogram=true",
+                                   "capture.per_example=true", "report=false", f"hydra.sweep.dir={sweep}"))  # fmt: skip
     return sweep
 
 

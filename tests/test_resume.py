@@ -17,7 +17,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import INTERRUPT_AT_STEP_3, check_ok, cli_env, compose_cfg, gradrunner
+from conftest import INTERRUPT_AT_STEP_3, check_ok, cli_env, compose_cfg, gradrunner_in_process
 from records_check import check_records
 
 from gradrunner.analysis import load
@@ -99,10 +99,10 @@ def test_an_interrupted_run_has_no_marker_and_resumes(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_cli_refuses_an_existing_run_dir_then_resumes_it(tmp_path: Path) -> None:
-    args = ("+experiment=cosine", "steps=1", "hydra.run.dir=run")
-    check_ok(gradrunner(tmp_path, *args))
+    args = ("+experiment=cosine", "steps=1", "hydra.run.dir=run")  # the CLI in-process (conftest.python_m)
+    check_ok(gradrunner_in_process(tmp_path, *args))
     hydra_before = {f.name: f.read_bytes() for f in (tmp_path / "run" / ".hydra").iterdir()}
-    refused = gradrunner(tmp_path, *args, "seed=7")
+    refused = gradrunner_in_process(tmp_path, *args, "seed=7")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     # A refused run changes nothing there: not the records, not .hydra/, and it writes no failed.json.
     assert {f.name: f.read_bytes() for f in (tmp_path / "run" / ".hydra").iterdir()} == hydra_before
@@ -110,7 +110,7 @@ def test_cli_refuses_an_existing_run_dir_then_resumes_it(tmp_path: Path) -> None
     (line,) = [s for s in refused.stderr.splitlines() if s.strip()]
     assert line.startswith(f"gradrunner: error: the run dir {tmp_path / 'run'} already holds records")
     assert "resume=true" in line
-    resumed = gradrunner(tmp_path, *args, "resume=true")
+    resumed = gradrunner_in_process(tmp_path, *args, "resume=true")
     check_ok(resumed)
     assert "already completed (done.json): skipped" in resumed.stdout + resumed.stderr
 
@@ -137,7 +137,7 @@ def test_a_killed_sweep_rerun_completes_only_what_was_missing(tmp_path: Path) ->
     assert job_state(sw / "1").status == "missing" and not (sw / "2" / DONE).exists()
     before = stamps(sw / "0")
 
-    result = gradrunner(tmp_path, *args)
+    result = gradrunner_in_process(tmp_path, *args)  # the re-run: in-process (the killed sweep was a real process)
     check_ok(result)
     assert stamps(sw / "0") == before
     # Job 0 is skipped either way: by the catalogue when its row was written before the kill (after

@@ -1,6 +1,7 @@
 """Sweeps at cluster scale (issue 25): URL run/sweep dirs refused, `load()` of a URL, a changed-config re-run's books.
 
-End to end through the real CLI in a subprocess, on tiny runs (steps=1).
+End to end through the CLI (`python -m gradrunner`, inside the test's process: `conftest.python_m`), on tiny
+runs (steps=1).
 """
 
 from __future__ import annotations
@@ -8,11 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import check_ok, cli_env
+from conftest import check_ok, python_m
 
 from gradrunner.analysis import load
 from gradrunner.cli.sweep_books import MANIFEST
@@ -23,11 +23,7 @@ SEEDS = "seed=0,1,2,3,4"
 
 
 def run_cli(cwd: Path, *args: str, full_error: bool = False) -> subprocess.CompletedProcess[str]:
-    env = cli_env()
-    if full_error:
-        env["HYDRA_FULL_ERROR"] = "1"
-    return subprocess.run([sys.executable, "-m", "gradrunner", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    return python_m(cwd, "gradrunner", *args, env={"HYDRA_FULL_ERROR": "1"} if full_error else None)
 
 
 def tree(root: Path) -> list[str]:

@@ -1,6 +1,7 @@
 """Sweeps on real launchers (joblib, submitit_local), the sweep manifest, and `load` over failed jobs.
 
-End to end: the real CLI in a subprocess, from a fresh cwd, on tiny runs (steps=2).
+End to end: the CLI (`python -m gradrunner -m ...`) from a fresh cwd, on tiny runs (steps=2), inside the
+test's process (`conftest.python_m`); the launchers' own worker processes are real.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import check_ok, gradrunner
+from conftest import check_ok, gradrunner_in_process
 
 from gradrunner.analysis import IncompleteSweepWarning, load
 from gradrunner.cli.sweep_books import MANIFEST, build_manifest
@@ -25,7 +26,7 @@ STATS = ["norm", "mean", "std", "min", "max", "abs_max", "zero_frac", "nan_count
 
 
 def sweep(cwd: Path, name: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return gradrunner(cwd, "-m", f"hydra.sweep.dir={name}", *args)
+    return gradrunner_in_process(cwd, "-m", f"hydra.sweep.dir={name}", *args)
 
 
 def manifest(sweep_dir: Path) -> dict:
@@ -40,7 +41,12 @@ def by_key(df: pd.DataFrame) -> pd.DataFrame:
 def test_joblib_with_two_workers_gives_the_records_of_the_basic_launcher(tmp_path: Path) -> None:
     args = ["+experiment=mlp", "steps=2", "capture.values=full", f"capture.strategy={STRATEGIES}", "seed=0,1"]
     check_ok(sweep(tmp_path, "basic", *args))
-    check_ok(sweep(tmp_path, "joblib", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *args))
+    try:
+        check_ok(sweep(tmp_path, "joblib", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *args))
+    finally:  # joblib keeps its two workers for reuse; in the sweep's own process they ended with it
+        from joblib.externals.loky import get_reusable_executor
+
+        get_reusable_executor(max_workers=2).shutdown(wait=True)
     basic, joblib = by_key(load(tmp_path / "basic", values=True)), by_key(load(tmp_path / "joblib", values=True))
     assert len(basic) == len(joblib) > 0 and basic.run_id.nunique() == joblib.run_id.nunique() == 6
     assert basic[KEY].equals(joblib[KEY])

@@ -1,4 +1,8 @@
-"""The tap explorer: `list_taps(model, ...)` and `python -m gradrunner.taps <overrides>`."""
+"""The tap explorer: `list_taps(model, ...)` and `python -m gradrunner.taps <overrides>`.
+
+The command runs inside the test's process (`conftest.python_m`), except one real subprocess: the
+end-to-end smoke of the command (the text listing of the transformer).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import cli_env, compose_cfg, leftover_hooks
+from conftest import cli_env, compose_cfg, leftover_hooks, python_m
 from torch import nn
 
 from gradrunner import list_taps
@@ -24,6 +28,12 @@ BUILT_IN = ["mlp", "cnn", "transformer", "cosine", "sigmoid2"]
 
 
 def taps_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m gradrunner.taps *args` from `cwd`, inside this process."""
+    return python_m(cwd, "gradrunner.taps", *args)
+
+
+def taps_process(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m gradrunner.taps *args` from `cwd`, in a real subprocess."""
     return subprocess.run(
         [sys.executable, "-m", "gradrunner.taps", *args], cwd=cwd, env=cli_env(), capture_output=True, text=True,
         timeout=180,
@@ -127,7 +137,7 @@ def test_hooks_are_removed_when_the_forward_raises() -> None:
 
 @pytest.mark.slow
 def test_the_command_lists_the_transformer_in_text_and_json_and_writes_nothing(tmp_path: Path) -> None:
-    text = taps_cli(tmp_path, "+experiment=transformer")
+    text = taps_process(tmp_path, "+experiment=transformer")  # the end-to-end smoke of the command
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
     assert "attn.out_proj (NonDynamicallyQuantizableLinear) NOT CALLED" in text.stdout

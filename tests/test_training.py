@@ -264,10 +264,10 @@ def test_init_from_loads_a_safetensors_file(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_gpt2_pretrain_runs_on_cpu_with_its_checkpoint_and_records(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    from conftest import check_ok, gradrunner
+    from conftest import check_ok, gradrunner_in_process
 
     out = tmp_path / "pre"
-    check_ok(gradrunner(tmp_path, "+experiment=gpt2_pretrain", "steps=60", f"hydra.run.dir={out}"))
+    check_ok(gradrunner_in_process(tmp_path, "+experiment=gpt2_pretrain", "steps=60", f"hydra.run.dir={out}"))
     steps = pd.read_parquet(out / "steps.parquet")
     assert len(steps) == 60 and steps["grad_norm"].notna().all() and steps["lr"].iloc[29] > steps["lr"].iloc[0]
     grads = pd.read_parquet(out / "grads.parquet")
