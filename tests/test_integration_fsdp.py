@@ -1,0 +1,181 @@
+"""The Lightning callback under FSDP2 (`ModelParallelStrategy`) records what an unsharded plain-torch run computes.
+
+A real Lightning run, 2 gloo ranks on CPU started by torchrun (this file is also the ranks' script): a float64
+`torch.nn` model whose 3-row weight is split 2 + 1 over the ranks, `fully_shard`ed in `configure_model`, trained
+for `STEPS` SGD steps with `GradientCapture`. Each rank saves the batches Lightning gave it and its final
+weights; the reference is computed here without gradrunner on the same model unsharded:
+
+- parameter taps: the statistics of the whole gradient of the mean of the ranks' losses (FSDP2 averages), the
+  same row on every rank;
+- activation taps: DDP's convention, per rank, the gradient of the rank's own batch loss;
+- the training itself: the ranks' final weights are the unsharded run's.
+
+Lightning's `strategy="fsdp"` (FSDP1) does not run on CPU (Lightning refuses it at `Trainer(...)`), and a GPU
+run of it would be refused by the callback: that refusal is tested without a run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("lightning")
+
+STEPS, LR, SEED, BATCH = 3, 0.1, 0, 4
+TAPS = ["net.0:weight", "net.0:bias", "net.2:weight", "net.0:output", "net.2:output"]
+RTOL = 1e-12  # float64: the ranks' reductions add in another order than the unsharded run's
+
+
+def build_net() -> nn.Sequential:
+    torch.manual_seed(SEED)
+    return nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(SEED + 1)
+    n = 2 * BATCH * STEPS
+    return torch.utils.data.TensorDataset(torch.randn(n, 5, generator=g, dtype=torch.float64),
+                                          torch.randn(n, 2, generator=g, dtype=torch.float64))  # fmt: skip
+
+
+def run_rank(out: Path) -> None:
+    """One rank of the Lightning FSDP2 run: records into `out/run`, this rank's batches and weights in a file."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import fully_shard
+
+    from gradrunner.integrations.lightning import GradientCapture
+
+    (out / f"pid.rank{os.environ['RANK']}").write_text(str(os.getpid()))  # for the test's check: no rank left
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = build_net()
+            self.batches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net[0], self.net[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            self.batches.append((x.clone(), y.clone()))
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    module = Regression()
+    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=2,
+                         strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[GradientCapture(taps=TAPS, dir=out / "run")])  # fmt: skip
+    trainer.fit(module, torch.utils.data.DataLoader(dataset(), batch_size=BATCH))
+    sharded = all(type(p).__name__ == "DTensor" for p in module.parameters())
+    weights = {n: p.full_tensor().detach() for n, p in module.net.named_parameters()}  # type: ignore[operator]
+    rank = trainer.global_rank
+    torch.save({"batches": module.batches, "weights": weights, "sharded": sharded}, out / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def lightning_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_sharded_stats import torchrun
+
+    out = tmp_path_factory.mktemp("lightning_fsdp2")
+    torchrun(2, out, [], timeout=600, script=Path(__file__).name)  # no rank left behind, or it fails
+    return out
+
+
+def reference(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """Per step, plain torch on the unsharded model: the whole parameter gradients and each rank's activation gradients."""
+    net = build_net()
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    steps = []
+    for step in range(STEPS):
+        acts: dict[tuple[int, str], torch.Tensor] = {}
+        for rank, r in enumerate(ranks):
+            x, y = r["batches"][step]
+            alone = build_net()
+            alone.load_state_dict(net.state_dict())
+            hidden = alone[0](x)  # the rank's own batch alone: its activation gradients
+            output = alone[2](alone[1](hidden))
+            grads = torch.autograd.grad(nn.functional.mse_loss(output, y), [hidden, output])
+            acts.update({(rank, "net.0:output"): grads[0], (rank, "net.2:output"): grads[1]})
+            (nn.functional.mse_loss(net(x), y) / len(ranks)).backward()  # FSDP2 averages the ranks' gradients
+        params = {f"net.{n}".replace(".weight", ":weight").replace(".bias", ":bias"): p.grad.clone()
+                  for n, p in net.named_parameters() if p.grad is not None}  # fmt: skip
+        steps.append({"params": params, "acts": acts})
+        opt.step()
+        opt.zero_grad()
+    return steps, {n: p.detach() for n, p in net.named_parameters()}
+
+
+def stats_of(g: torch.Tensor) -> dict[str, float]:
+    g = g.detach().double().reshape(-1)
+    return {"norm": float(g.norm()), "mean": float(g.mean()), "std": float(g.std()), "min": float(g.min()),
+            "max": float(g.max()), "abs_max": float(g.abs().max())}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_lightning_fsdp2_records_equal_the_unsharded_plain_torch_run(lightning_fsdp2: Path) -> None:
+    from gradrunner.analysis import load
+
+    ranks = [torch.load(lightning_fsdp2 / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert all(r["sharded"] for r in ranks)  # FSDP2 did shard the model: its parameters are DTensors
+    assert all(len(r["batches"]) == STEPS for r in ranks)
+    assert not torch.equal(ranks[0]["batches"][0][0], ranks[1]["batches"][0][0])  # each rank its own batch
+    want, weights = reference(ranks)
+    for r in ranks:  # the training was the unsharded run's (and the capture did not change it)
+        for n, w in weights.items():
+            torch.testing.assert_close(r["weights"][n], w, rtol=RTOL, atol=RTOL)
+    df = load(lightning_fsdp2 / "run")
+    assert (lightning_fsdp2 / "run" / "done.json").exists()
+    assert sorted(df["rank"].unique()) == [0, 1]
+    assert len(df) == STEPS * 2 * len(TAPS)  # one row per (step, rank, tap): nothing lost or doubled
+    seen = set()
+    for row in df.itertuples():
+        tap = str(row.tap)
+        grad = want[row.step]["acts"][row.rank, tap] if tap.endswith(":output") else want[row.step]["params"][tap]
+        scale = float(grad.abs().max())
+        for col, v in stats_of(grad).items():
+            got = getattr(row, col)
+            assert abs(got - v) <= RTOL * (abs(v) + (scale if col in ("mean", "std") else 0.0)), (row, col, got, v)
+        seen.add((row.step, row.rank, tap))
+    assert len(seen) == len(df)
+    # parameter rows: the whole gradient, the same on both ranks (a rank's shard alone has another norm)
+    w0 = df[df.tap == "net.0:weight"].sort_values(["step", "rank"])["norm"].to_numpy()
+    assert (w0[0::2] == w0[1::2]).all()
+
+
+def test_lightning_fsdp1_strategy_is_refused_in_one_paragraph(tmp_path: Path) -> None:
+    """Lightning's strategy='fsdp' needs a GPU (Lightning says so on CPU); the callback refuses it in one paragraph."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from gradrunner.errors import GradrunnerError
+    from gradrunner.integrations.lightning import GradientCapture
+
+    with pytest.raises(ValueError, match="requires a GPU accelerator"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy="fsdp", logger=False)
+
+    class FakeTrainer:
+        strategy = FSDPStrategy()
+        world_size = 2
+
+    with pytest.raises(GradrunnerError) as e:
+        GradientCapture(taps=["net.0:weight"], dir=tmp_path / "run")._distributed(FakeTrainer())  # type: ignore[arg-type]
+    msg = str(e.value)
+    assert "FSDPStrategy" in msg and "ModelParallelStrategy" in msg and "needs a GPU" in msg and "\n" not in msg, msg
+
+
+if __name__ == "__main__":  # a rank under torchrun: `torchrun ... test_integration_fsdp.py OUT`
+    run_rank(Path(sys.argv[1]))
