@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -37,14 +38,14 @@ def build_net() -> nn.Sequential:
     return nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2)).double()
 
 
-def dataset() -> torch.utils.data.TensorDataset:
+def dataset(accumulate: int) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(SEED + 1)
-    n = 2 * BATCH * STEPS
+    n = 2 * BATCH * STEPS * accumulate
     return torch.utils.data.TensorDataset(torch.randn(n, 5, generator=g, dtype=torch.float64),
                                           torch.randn(n, 2, generator=g, dtype=torch.float64))  # fmt: skip
 
 
-def run_rank(out: Path) -> None:
+def run_rank(out: Path, accumulate: int) -> None:
     """One rank of the Lightning FSDP2 run: records into `out/run`, this rank's batches and weights in a file."""
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -75,48 +76,55 @@ def run_rank(out: Path) -> None:
             return torch.optim.SGD(self.parameters(), lr=LR)
 
     module = Regression()
-    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=2,
+    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=2, accumulate_grad_batches=accumulate,
                          strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[GradientCapture(taps=TAPS, dir=out / "run")])  # fmt: skip
-    trainer.fit(module, torch.utils.data.DataLoader(dataset(), batch_size=BATCH))
+    trainer.fit(module, torch.utils.data.DataLoader(dataset(accumulate), batch_size=BATCH))
     sharded = all(type(p).__name__ == "DTensor" for p in module.parameters())
     weights = {n: p.full_tensor().detach() for n, p in module.net.named_parameters()}  # type: ignore[operator]
     rank = trainer.global_rank
     torch.save({"batches": module.batches, "weights": weights, "sharded": sharded}, out / f"rank{rank}.pt")
 
 
-@pytest.fixture(scope="module")
-def lightning_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+ACCUMULATE = [1, 2]  # Lightning's accumulate_grad_batches
+
+
+@pytest.fixture(scope="module", params=ACCUMULATE, ids=[f"accumulate{n}" for n in ACCUMULATE])
+def lightning_fsdp2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     from test_sharded_stats import torchrun
 
-    out = tmp_path_factory.mktemp("lightning_fsdp2")
-    torchrun(2, out, [], timeout=600, script=Path(__file__).name)  # no rank left behind, or it fails
-    return out
+    out = tmp_path_factory.mktemp(f"lightning_fsdp2_{request.param}")
+    torchrun(2, out, [str(request.param)], timeout=600, script=Path(__file__).name)  # no rank left behind, or it fails
+    return out, request.param
 
 
-def reference(ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
-    """Per step, plain torch on the unsharded model: the whole parameter gradients and each rank's activation gradients."""
+def reference(ranks: list[dict[str, Any]], n: int) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """Per step, plain torch on the unsharded model: the whole parameter gradients and each rank's activation gradients.
+
+    Lightning divides each micro-batch's loss by `n` (accumulate_grad_batches); FSDP2 averages over the ranks.
+    """
     net = build_net()
     opt = torch.optim.SGD(net.parameters(), lr=LR)
     steps = []
     for step in range(STEPS):
-        acts: dict[tuple[int, str], torch.Tensor] = {}
+        acts: dict[tuple[int, int, str], torch.Tensor] = {}
         for rank, r in enumerate(ranks):
-            x, y = r["batches"][step]
-            alone = build_net()
-            alone.load_state_dict(net.state_dict())
-            hidden = alone[0](x)  # the rank's own batch alone: its activation gradients
-            output = alone[2](alone[1](hidden))
-            grads = torch.autograd.grad(nn.functional.mse_loss(output, y), [hidden, output])
-            acts.update({(rank, "net.0:output"): grads[0], (rank, "net.2:output"): grads[1]})
-            (nn.functional.mse_loss(net(x), y) / len(ranks)).backward()  # FSDP2 averages the ranks' gradients
-        params = {f"net.{n}".replace(".weight", ":weight").replace(".bias", ":bias"): p.grad.clone()
-                  for n, p in net.named_parameters() if p.grad is not None}  # fmt: skip
+            for micro in range(n):
+                x, y = r["batches"][step * n + micro]
+                alone = build_net()
+                alone.load_state_dict(net.state_dict())
+                hidden = alone[0](x)  # the rank's own micro-batch alone: its activation gradients
+                output = alone[2](alone[1](hidden))
+                grads = torch.autograd.grad(nn.functional.mse_loss(output, y) / n, [hidden, output])
+                acts.update({(rank, micro, "net.0:output"): grads[0], (rank, micro, "net.2:output"): grads[1]})
+                (nn.functional.mse_loss(net(x), y) / n / len(ranks)).backward()
+        params = {f"net.{k}".replace(".weight", ":weight").replace(".bias", ":bias"): p.grad.clone()
+                  for k, p in net.named_parameters() if p.grad is not None}  # fmt: skip
         steps.append({"params": params, "acts": acts})
         opt.step()
         opt.zero_grad()
-    return steps, {n: p.detach() for n, p in net.named_parameters()}
+    return steps, {k: p.detach() for k, p in net.named_parameters()}
 
 
 def stats_of(g: torch.Tensor) -> dict[str, float]:
@@ -129,27 +137,35 @@ def stats_of(g: torch.Tensor) -> dict[str, float]:
 def test_lightning_fsdp2_records_equal_the_unsharded_plain_torch_run(lightning_fsdp2: Path) -> None:
     from gradrunner.analysis import load
 
-    ranks = [torch.load(lightning_fsdp2 / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    out, n = lightning_fsdp2
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert all(r["sharded"] for r in ranks)  # FSDP2 did shard the model: its parameters are DTensors
-    assert all(len(r["batches"]) == STEPS for r in ranks)
+    assert all(len(r["batches"]) == STEPS * n for r in ranks)
     assert not torch.equal(ranks[0]["batches"][0][0], ranks[1]["batches"][0][0])  # each rank its own batch
-    want, weights = reference(ranks)
+    want, weights = reference(ranks, n)
     for r in ranks:  # the training was the unsharded run's (and the capture did not change it)
-        for n, w in weights.items():
-            torch.testing.assert_close(r["weights"][n], w, rtol=RTOL, atol=RTOL)
-    df = load(lightning_fsdp2 / "run")
-    assert (lightning_fsdp2 / "run" / "done.json").exists()
+        for k, w in weights.items():
+            torch.testing.assert_close(r["weights"][k], w, rtol=RTOL, atol=RTOL)
+    df = load(out / "run")
+    assert (out / "run" / "done.json").exists()
     assert sorted(df["rank"].unique()) == [0, 1]
-    assert len(df) == STEPS * 2 * len(TAPS)  # one row per (step, rank, tap): nothing lost or doubled
+    params = [t for t in TAPS if not t.endswith(":output")]
+    # one row per (step, rank, parameter tap) and per (step, rank, micro-batch, activation tap): nothing lost or doubled
+    assert len(df) == STEPS * 2 * (len(params) + n * (len(TAPS) - len(params)))
     seen = set()
     for row in df.itertuples():
-        tap = str(row.tap)
-        grad = want[row.step]["acts"][row.rank, tap] if tap.endswith(":output") else want[row.step]["params"][tap]
+        tap, micro = str(row.tap), (0 if pd.isna(row.micro_step) else int(row.micro_step))
+        if tap.endswith(":output"):  # per rank, from its own micro-batch
+            assert n == 1 or not pd.isna(row.micro_step), row
+            grad = want[row.step]["acts"][row.rank, micro, tap]
+        else:  # the whole parameter's gradient of the step (the sum of its micro-batches), recorded once
+            assert pd.isna(row.micro_step), row
+            grad = want[row.step]["params"][tap]
         scale = float(grad.abs().max())
         for col, v in stats_of(grad).items():
             got = getattr(row, col)
             assert abs(got - v) <= RTOL * (abs(v) + (scale if col in ("mean", "std") else 0.0)), (row, col, got, v)
-        seen.add((row.step, row.rank, tap))
+        seen.add((row.step, row.rank, micro, tap))
     assert len(seen) == len(df)
     # parameter rows: the whole gradient, the same on both ranks (a rank's shard alone has another norm)
     w0 = df[df.tap == "net.0:weight"].sort_values(["step", "rank"])["norm"].to_numpy()
@@ -178,4 +194,4 @@ def test_lightning_fsdp1_strategy_is_refused_in_one_paragraph(tmp_path: Path) ->
 
 
 if __name__ == "__main__":  # a rank under torchrun: `torchrun ... test_integration_fsdp.py OUT`
-    run_rank(Path(sys.argv[1]))
+    run_rank(Path(sys.argv[1]), int(sys.argv[2]))
