@@ -99,7 +99,7 @@ class GradientCapture(CallbackOptions, Callback):
             raise GradrunnerError(
                 f"GradientCapture cannot run under Lightning's {name}: it runs its own backward on flattened "
                 f"(FSDP1) or offloaded (DeepSpeed) gradients, where the capture strategies cannot follow. "
-                f"Supported: a single device, DDP (strategy='ddp' or 'ddp_spawn') and ModelParallelStrategy "
+                f"Supported: a single device and DDP (strategy='ddp' or 'ddp_spawn'), and ModelParallelStrategy "
                 f"(FSDP2 / tensor parallel applied with fully_shard in configure_model, which also runs on CPU "
                 f"with gloo; Lightning's strategy='fsdp' needs a GPU); use one of those, or drop the callback."
             )
