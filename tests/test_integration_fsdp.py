@@ -8,7 +8,9 @@ weights; the reference is computed here without gradrunner on the same model uns
 - parameter taps: the statistics of the whole gradient of the mean of the ranks' losses (FSDP2 averages), the
   same row on every rank;
 - activation taps: DDP's convention, per rank, the gradient of the rank's own batch loss;
-- the training itself: the ranks' final weights are the unsharded run's.
+- the training itself: the ranks' final weights are the unsharded run's;
+- with `accumulate_grad_batches=2` (Lightning does not `no_sync` FSDP2) and with `gradient_clip_val` (steps.parquet's
+  `grad_norm`: the whole gradients' norm before clipping, and `clipped`).
 
 Lightning's `strategy="fsdp"` (FSDP1) does not run on CPU (Lightning refuses it at `Trainer(...)`), and a GPU
 run of it would be refused by the callback: that refusal is tested without a run.
@@ -45,7 +47,7 @@ def dataset(accumulate: int) -> torch.utils.data.TensorDataset:
                                           torch.randn(n, 2, generator=g, dtype=torch.float64))  # fmt: skip
 
 
-def run_rank(out: Path, accumulate: int) -> None:
+def run_rank(out: Path, accumulate: int, clip: float | None) -> None:
     """One rank of the Lightning FSDP2 run: records into `out/run`, this rank's batches and weights in a file."""
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import ModelParallelStrategy
@@ -76,7 +78,7 @@ def run_rank(out: Path, accumulate: int) -> None:
             return torch.optim.SGD(self.parameters(), lr=LR)
 
     module = Regression()
-    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=2, accumulate_grad_batches=accumulate,
+    trainer = pl.Trainer(max_steps=STEPS, accelerator="cpu", devices=2, accumulate_grad_batches=accumulate, gradient_clip_val=clip,
                          strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[GradientCapture(taps=TAPS, dir=out / "run")])  # fmt: skip
@@ -87,19 +89,20 @@ def run_rank(out: Path, accumulate: int) -> None:
     torch.save({"batches": module.batches, "weights": weights, "sharded": sharded}, out / f"rank{rank}.pt")
 
 
-ACCUMULATE = [1, 2]  # Lightning's accumulate_grad_batches
+#: Lightning's (accumulate_grad_batches, gradient_clip_val): plain, accumulation, clipping by the whole norm
+CASES = {"plain": (1, None), "accumulate2": (2, None), "clip": (1, 0.05)}
 
 
-@pytest.fixture(scope="module", params=ACCUMULATE, ids=[f"accumulate{n}" for n in ACCUMULATE])
-def lightning_fsdp2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+@pytest.fixture(scope="module", params=list(CASES))
+def lightning_fsdp2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, Any]:
     from test_sharded_stats import torchrun
 
     out = tmp_path_factory.mktemp(f"lightning_fsdp2_{request.param}")
-    torchrun(2, out, [str(request.param)], timeout=600, script=Path(__file__).name)  # no rank left behind, or it fails
-    return out, request.param
+    torchrun(2, out, [request.param], timeout=600, script=Path(__file__).name)  # no rank left behind, or it fails
+    return out, *CASES[request.param]
 
 
-def reference(ranks: list[dict[str, Any]], n: int) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+def reference(ranks: list[dict[str, Any]], n: int, clip: float | None = None) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     """Per step, plain torch on the unsharded model: the whole parameter gradients and each rank's activation gradients.
 
     Lightning divides each micro-batch's loss by `n` (accumulate_grad_batches); FSDP2 averages over the ranks.
@@ -121,7 +124,10 @@ def reference(ranks: list[dict[str, Any]], n: int) -> tuple[list[dict[str, Any]]
                 (nn.functional.mse_loss(net(x), y) / n / len(ranks)).backward()
         params = {f"net.{k}".replace(".weight", ":weight").replace(".bias", ":bias"): p.grad.clone()
                   for k, p in net.named_parameters() if p.grad is not None}  # fmt: skip
-        steps.append({"params": params, "acts": acts})
+        norm = float(torch.nn.utils.get_total_norm([p.grad for p in net.parameters() if p.grad is not None]))
+        steps.append({"params": params, "acts": acts, "grad_norm": norm})
+        if clip is not None:  # Lightning's gradient_clip_val: clip_grad_norm_ of the whole gradients
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
         opt.step()
         opt.zero_grad()
     return steps, {k: p.detach() for k, p in net.named_parameters()}
@@ -137,12 +143,12 @@ def stats_of(g: torch.Tensor) -> dict[str, float]:
 def test_lightning_fsdp2_records_equal_the_unsharded_plain_torch_run(lightning_fsdp2: Path) -> None:
     from gradrunner.analysis import load
 
-    out, n = lightning_fsdp2
+    out, n, clip = lightning_fsdp2
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert all(r["sharded"] for r in ranks)  # FSDP2 did shard the model: its parameters are DTensors
     assert all(len(r["batches"]) == STEPS * n for r in ranks)
     assert not torch.equal(ranks[0]["batches"][0][0], ranks[1]["batches"][0][0])  # each rank its own batch
-    want, weights = reference(ranks, n)
+    want, weights = reference(ranks, n, clip)
     for r in ranks:  # the training was the unsharded run's (and the capture did not change it)
         for k, w in weights.items():
             torch.testing.assert_close(r["weights"][k], w, rtol=RTOL, atol=RTOL)
@@ -170,6 +176,12 @@ def test_lightning_fsdp2_records_equal_the_unsharded_plain_torch_run(lightning_f
     # parameter rows: the whole gradient, the same on both ranks (a rank's shard alone has another norm)
     w0 = df[df.tap == "net.0:weight"].sort_values(["step", "rank"])["norm"].to_numpy()
     assert (w0[0::2] == w0[1::2]).all()
+    steps = pd.read_parquet(out / "run" / "steps.parquet")  # the whole gradients' norm before clipping, every rank
+    assert len(steps) == STEPS * 2
+    for row in steps.itertuples():
+        norm = want[row.step]["grad_norm"]
+        assert abs(row.grad_norm - norm) <= RTOL * norm, (row.step, row.rank, row.grad_norm, norm)
+        assert row.clipped == (clip is not None and norm > clip), row
 
 
 def test_lightning_fsdp1_strategy_is_refused_in_one_paragraph(tmp_path: Path) -> None:
@@ -194,4 +206,4 @@ def test_lightning_fsdp1_strategy_is_refused_in_one_paragraph(tmp_path: Path) ->
 
 
 if __name__ == "__main__":  # a rank under torchrun: `torchrun ... test_integration_fsdp.py OUT`
-    run_rank(Path(sys.argv[1]), int(sys.argv[2]))
+    run_rank(Path(sys.argv[1]), *CASES[sys.argv[2]])
