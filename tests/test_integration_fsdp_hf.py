@@ -108,6 +108,8 @@ def test_hf_trainer_asked_for_fsdp2_on_cpu_trains_ddp_and_the_records_are_right_
     want = reference([r["batches"] for r in ranks])
     df = load(hf_fsdp2 / "run")
     assert (hf_fsdp2 / "run" / "done.json").exists()
+    logged = (hf_fsdp2 / "run" / "gradrunner.log").read_text()  # the user is told what ran, once (rank 0)
+    assert logged.count("asked for FSDP (TrainingArguments.fsdp) but trains the model unsharded (DDP)") == 1, logged
     assert len(df) == STEPS * 2 * len(TAPS) and sorted(df["rank"].unique()) == [0, 1]
     for row in df.itertuples():
         tap = str(row.tap)
