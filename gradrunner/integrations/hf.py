@@ -33,11 +33,13 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
   keeps the records of the steps before the checkpoint's `global_step`;
 - under multi-process training (`torchrun`) rank 0 writes every rank's rows (`rank` column), and
   parameter taps are read after the backward that synchronised (accelerate's last micro-batch).
+  `fsdp` asked for on CPU trains DDP (accelerate enables FSDP on accelerators only): a warning says so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -52,6 +54,8 @@ from gradrunner.capturing.taps import TapSpec
 from gradrunner.errors import GradrunnerError
 from gradrunner.run.engine import StepEngine
 from gradrunner.run.recording import CallbackOptions, Recorder
+
+log = logging.getLogger(__name__)
 
 
 class GradientCaptureCallback(CallbackOptions, TrainerCallback):
@@ -100,6 +104,10 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
             stack.__exit__(type(e), e, None)
             raise
         self.recorder, self._stack = rec, stack
+        if rec.main and args.fsdp and not _sharded(model):
+            log.warning("the Trainer was asked for FSDP (TrainingArguments.fsdp) but trains the model unsharded (DDP): "
+                        "accelerate turns FSDP on for accelerators only, not on CPU; the records are DDP's (parameter "
+                        "taps: the whole gradients averaged over the ranks), see docs/scale-out.md")  # fmt: skip
         # The Trainer says nothing when train() raises: the session ends at the process's exit (or when this
         # callback is collected) unless on_train_end or close() ended it first.
         self._step, self._lrs = [False, None, None, float(args.max_grad_norm or 0.0)], None
@@ -195,6 +203,11 @@ def _end_unfinished(stack: contextlib.ExitStack, rec: Recorder, pending: list[An
         _write_completed(rec, pending)
     finally:
         stack.__exit__(RuntimeError, RuntimeError("the Trainer's train() did not end"), None)
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether the model's parameters are sharded (`DTensor`s: FSDP2 or tensor parallel)."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 def _distributed() -> tuple[Any, Callable[[], bool] | None]:

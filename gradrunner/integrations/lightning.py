@@ -28,8 +28,13 @@ backward runs unchanged, nothing of Lightning or torch is patched:
   `global_step` are kept, the rest recorded again;
 - under DDP every rank captures and rank 0 writes every rank's rows (`rank` column); parameter
   taps are read from `.grad` after the backward that synchronised (DDP's all-reduce, on the step's
-  last micro-batch). Strategies other than a single device, `ddp` and `ddp_spawn` (FSDP, DeepSpeed)
-  run their own backward and are refused.
+  last micro-batch);
+- under `ModelParallelStrategy` (FSDP2 / TP applied in `configure_model`, which runs before
+  `on_train_start`: the parameters are already `DTensor`s when the session opens) parameter taps are
+  the statistics of the whole parameter's gradient, merged from the ranks' shards as `record()` does in
+  a user's own `fully_shard` loop; activation taps per rank, as DDP's. Lightning's `FSDPStrategy`
+  (FSDP1's flat parameters) and DeepSpeed run their own backward on flattened or offloaded gradients
+  and are refused.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ from gradrunner.errors import GradrunnerError
 from gradrunner.run.recording import CallbackOptions
 
 #: Lightning strategies whose backward is the module's own `loss.backward()`.
-SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy")
+SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "ModelParallelStrategy")
+#: Of those, the one whose parameters are sharded (`DTensor`s, FSDP2 / TP): read after their reduce-scatter.
+SHARDED_STRATEGIES = ("ModelParallelStrategy",)
 
 
 class GradientCapture(CallbackOptions, Callback):
@@ -72,7 +79,7 @@ class GradientCapture(CallbackOptions, Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         dist = self._distributed(trainer)
         synced = None
-        if dist is not None:
+        if dist is not None and type(trainer.strategy).__name__ not in SHARDED_STRATEGIES:
             ddp = trainer.strategy.model  # the DDP wrapper Lightning put around the module
             synced = lambda: bool(getattr(ddp, "require_backward_grad_sync", True))  # noqa: E731
         rec = self._recorder(pl_module, dist=dist, scaler=getattr(trainer.precision_plugin, "scaler", None),
@@ -90,9 +97,11 @@ class GradientCapture(CallbackOptions, Callback):
         name = type(trainer.strategy).__name__
         if name not in SUPPORTED_STRATEGIES:
             raise GradrunnerError(
-                f"GradientCapture cannot run under Lightning's {name}: it runs its own backward (sharded or "
-                f"offloaded gradients), where the capture strategies cannot follow. Supported: a single device "
-                f"and DDP (strategy='ddp' or 'ddp_spawn'); capture on one of those, or drop the callback."
+                f"GradientCapture cannot run under Lightning's {name}: it runs its own backward on flattened "
+                f"(FSDP1) or offloaded (DeepSpeed) gradients, where the capture strategies cannot follow. "
+                f"Supported: a single device and DDP (strategy='ddp' or 'ddp_spawn'), and ModelParallelStrategy "
+                f"(FSDP2 / tensor parallel applied with fully_shard in configure_model, which also runs on CPU "
+                f"with gloo; Lightning's strategy='fsdp' needs a GPU); use one of those, or drop the callback."
             )
         if trainer.world_size <= 1:
             return None
