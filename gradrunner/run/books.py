@@ -65,7 +65,10 @@ ADDED_KEYS.update({"train.clip_grad_norm": None, "train.clip_grad_value": None, 
 ADDED_KEYS["edits"] = []
 # Spike replay and branching (issue 35): off, and no branch, record as before.
 ADDED_KEYS.update({"anomaly.replay": 0, "train.branch_from": None, "train.branch_reset_moments": False})
-
+# Spike detection (issue 35) writes anomalies.parquet beside the records and changes none of them; the
+# parallelism keys (issue 34) at their defaults are DDP, as before they existed.
+ADDED_KEYS.update({"anomaly.enabled": True, "anomaly.z": 6.0, "anomaly.window": 128, "anomaly.warmup": 20,
+                   "train.parallel": "ddp", "train.shard": None, "train.shard_size": None, "train.tp": 1})  # fmt: skip
 
 
 def config_dict(cfg: DictConfig) -> dict[str, Any]:
