@@ -190,5 +190,8 @@ def test_a_full_disk_at_any_write_is_one_paragraph_and_leaves_no_temp_or_half_fi
     assert not (tmp_path / rundir.DONE).exists()
     if disk.hit == "write_bytes":  # done.json could not be written: the records are complete, and said so
         assert kept == [0, 1, 2, 3] and "are complete, but the completion marker" in message
+    elif message.startswith(f"could not write anomalies.parquet in {tmp_path}"):  # after the records closed
+        assert kept == [0, 1, 2, 3] and "Kept: grads.parquet, steps.parquet (complete files)." in message
+        assert not (tmp_path / "anomalies.parquet").exists()
     else:
         assert kept == [] and "No records were kept. No half-written file is left." in message

@@ -39,9 +39,10 @@ from gradrunner.capturing.taps import TapSpec
 from gradrunner.capturing.torch_compat import scale_tensor
 from gradrunner.config.anomaly_settings import WARMUP, WINDOW, Z
 from gradrunner.errors import GradrunnerError
+from gradrunner.records.anomalies import ANOMALIES_FILE
 from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, StepRecords
 from gradrunner.run import distributed
-from gradrunner.run.guards import check_finite, write_errors
+from gradrunner.run.guards import check_finite, side_file_error, write_errors
 from gradrunner.run.signals import ending_signals_as_interrupt
 
 if TYPE_CHECKING:
@@ -377,6 +378,8 @@ class StepEngine:
         try:
             lines = finish_anomalies(self.files.directory, self.detector, self.run_id, rebuild=self._resumed)
         except Exception as e:
+            if exc is None and isinstance(e, OSError):
+                raise side_file_error(self.files.directory, ANOMALIES_FILE, e) from e
             if exc is None:
                 raise
             log.warning("the spike detector's anomalies.parquet was not written (%s)", e)

@@ -250,6 +250,15 @@ def write_errors(directory: Path) -> Iterator[None]:
         ) from e
 
 
+def side_file_error(directory: Path, name: str, e: OSError) -> GradrunnerError:
+    """A file written beside the records (`anomalies.parquet`) the disk refused: one paragraph that names it, and
+    what is on disk (the records are closed by then: never called "the records could not be written")."""
+    return GradrunnerError(
+        f"could not write {name} in {directory}: {one_paragraph(e)}. {_left_behind(directory)} To go on, free some "
+        f"disk space (or make the dir writable) or choose another output directory ({_WHERE}), then run again."
+    )
+
+
 def _left_behind(directory: Path) -> str:
     """What a failed write left in `directory`, as found on disk (never what was meant to happen)."""
     try:
