@@ -170,18 +170,9 @@ def run_case(case: str, out_dir: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    import os
+    from sharded_ranks import rank_main  # this dir is on sys.path: torchrun runs the script from it
 
-    import torch.distributed as dist
-
-    (Path(argv[0]) / f"pid.rank{os.environ['RANK']}").write_text(str(os.getpid()))
-    dist.init_process_group("gloo")
-    try:
-        for case in argv[1:]:
-            run_case(case, Path(argv[0]))
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    rank_main(argv, run_case)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ The models and batches are built here and by the test from the same seeds (`buil
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,8 @@ def run_case(case: str, out: Path) -> None:
     torch.save(result, out / f"{case.replace(':', '-')}.rank{rank}.pt")
 
 
-def main(argv: list[str]) -> None:
+def rank_main(argv: list[str], run_case: Callable[[str, Path], None]) -> None:
+    """One torchrun rank: `argv` = [out dir, case, ...]; each case run by `run_case(case, out dir)`, then a barrier."""
     import os
 
     import torch.distributed as dist
@@ -195,6 +197,10 @@ def main(argv: list[str]) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    rank_main(argv, run_case)
 
 
 if __name__ == "__main__":
