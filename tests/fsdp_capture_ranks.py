@@ -26,7 +26,7 @@ LR = 0.1
 #: Taps per model: parameters (a 3-row weight uneven over 2 and 4 ranks; GPT-2's root group: wte, ln_f) and
 #: activations (inside a sharded block).
 TAPS = {
-    "mlp": ["0:weight", "0:bias", "2:weight", "4:bias", "0:output", "3:output"],
+    "mlp": ["0:weight", "0:bias", "2:weight", "4:bias", "0:output", "3:output", "2:input"],
     "gpt2": ["transformer.wte:weight", "transformer.ln_f:bias", "transformer.h.0.mlp.c_fc:weight",
              "transformer.h.0.attn.c_attn:bias", "transformer.h.0.mlp.c_fc:output", "transformer.h.0:output"],
     "tp_mlp": ["fc1:weight", "fc1:bias", "fc2:weight", "fc2:bias", "fc1:output", "act:output", "fc2:output"],

@@ -63,13 +63,18 @@ def _split(tap: str) -> tuple[str, str]:
     return module, what
 
 
+def _act(tap: str) -> bool:
+    """An activation tap (a module's output or input: per rank, from its own batch), not a parameter's."""
+    return _split(tap)[1] in ("output", "input")
+
+
 def reference(world: int, parallel: str, name: str) -> dict[str, Any]:
     """The unsharded run, plain torch: per step the parameter gradients, each rank's activation gradients, losses."""
     model = build_model(name, torch.float64)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     modules = dict(model.named_modules())
-    params = [t for t in TAPS[name] if _split(t)[1] != "output"]
-    acts = [t for t in TAPS[name] if _split(t)[1] == "output"]
+    params = [t for t in TAPS[name] if not _act(t)]
+    acts = [t for t in TAPS[name] if _act(t)]
     steps = []
     for step in range(STEPS):
         act_grads: dict[tuple[int, int, str], torch.Tensor] = {}
@@ -98,7 +103,8 @@ def reference(world: int, parallel: str, name: str) -> dict[str, Any]:
 
 def _grab(into: dict[Any, torch.Tensor], key: Any) -> Any:
     def hook(module: torch.nn.Module, args: Any, output: torch.Tensor) -> None:
-        output.register_hook(lambda g: into.__setitem__(key, g.detach().clone()))
+        tensor = args[0] if _split(key[-1])[1] == "input" else output
+        tensor.register_hook(lambda g: into.__setitem__(key, g.detach().clone()))
 
     return hook
 
@@ -132,7 +138,7 @@ def test_records_equal_the_single_process_runs(results: Any, world: int, case: s
             for i, key in enumerate(rec.keys):
                 module, what = _split(key.tap)
                 where = f"rank {rank} step {step} {key.tap} call {key.call} micro {micro[i]}"
-                if what == "output":  # per rank, from its own batch
+                if what in ("output", "input"):  # per rank, from its own batch
                     grad = want["acts"][rank, micro[i] or 0, key.tap]
                     if parallel == "tp" and key.tap != "fc2:output":  # TP hands on the rank's columns, no DTensor
                         grad = grad[:, 3 * rank : 3 * rank + 3]
@@ -145,8 +151,8 @@ def test_records_equal_the_single_process_runs(results: Any, world: int, case: s
                     np.testing.assert_allclose(rec.update_norm[i], LR * float(want["params"][key.tap].norm()), rtol=1e-9)
                 seen.add((key.tap, micro[i]))
             n_micro = 2 if parallel == "accum" else 1
-            wanted = {(t, None) for t in TAPS[name] if not t.endswith(":output")}
-            wanted |= {(t, m if n_micro > 1 else None) for t in TAPS[name] if t.endswith(":output") for m in range(n_micro)}
+            wanted = {(t, None) for t in TAPS[name] if not _act(t)}
+            wanted |= {(t, m if n_micro > 1 else None) for t in TAPS[name] if _act(t) for m in range(n_micro)}
             assert seen == wanted, (rank, step, seen ^ wanted)
             np.testing.assert_allclose(float(r["captured_losses"][step]), float(want["losses"][rank]), rtol=RTOL)
 
@@ -171,8 +177,8 @@ def test_records_are_the_same_on_every_rank_for_parameters_and_differ_for_activa
         ranks = results[world, case]
         for step in range(STEPS):
             recs = [r["records"][step] for r in ranks]
-            param = [i for i, k in enumerate(recs[0].keys) if not k.tap.endswith(":output")]
-            act = [i for i, k in enumerate(recs[0].keys) if k.tap.endswith(":output")]
+            param = [i for i, k in enumerate(recs[0].keys) if not _act(k.tap)]
+            act = [i for i, k in enumerate(recs[0].keys) if _act(k.tap)]
             for rec in recs[1:]:
                 np.testing.assert_array_equal(rec.stats["norm"][param], recs[0].stats["norm"][param])
                 assert (rec.stats["norm"][act] != recs[0].stats["norm"][act]).all(), (world, case)
@@ -190,7 +196,7 @@ def test_record_in_a_users_fsdp2_loop_writes_every_ranks_rows_in_one_run_dir(res
     for row in df.itertuples():
         want = ref["steps"][row.step]
         tap = f"{row.module}:{row.tap}" if ":" not in str(row.tap) else str(row.tap)
-        grad = want["acts"][row.rank, 0, tap] if tap.endswith(":output") else want["params"][tap]
+        grad = want["acts"][row.rank, 0, tap] if _act(tap) else want["params"][tap]
         for col, v in stats_of(grad).items():
             scale = float(grad.abs().max()) if col in ("mean", "std") else 0.0
             assert abs(getattr(row, col) - v) <= RTOL * (abs(v) + scale), (row.step, row.rank, tap, col)
