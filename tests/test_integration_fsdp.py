@@ -87,6 +87,10 @@ def run_rank(out: Path, accumulate: int, clip: float | None) -> None:
     weights = {n: p.full_tensor().detach() for n, p in module.net.named_parameters()}  # type: ignore[operator]
     rank = trainer.global_rank
     torch.save({"batches": module.batches, "weights": weights, "sharded": sharded}, out / f"rank{rank}.pt")
+    # Lightning leaves the process group up: torn down here, or gloo's threads can abort the exit
+    # ("terminate called without an active exception", seen once in a full suite after the records were whole).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 #: Lightning's (accumulate_grad_batches, gradient_clip_val): plain, accumulation, clipping by the whole norm
