@@ -14,23 +14,14 @@ from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from test_integration_lightning import TAPS, _data, _net  # noqa: E402  (the same net and batches)
+
 from gradrunner.analysis import load  # noqa: E402
 from gradrunner.errors import GradrunnerError  # noqa: E402
 from gradrunner.integrations.lightning import GradientCapture  # noqa: E402
 from gradrunner.run.session_log import LOG_FILE  # noqa: E402
 
-TAPS = ["net.0:output", "net.0:weight"]
 CLIP = 0.05
-
-
-def _net() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def _data(batches: int) -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    return torch.utils.data.TensorDataset(torch.randn(batches * 5, 4, generator=g), torch.randn(batches * 5, 2, generator=g))
 
 
 class Module(pl.LightningModule):

@@ -194,15 +194,22 @@ def _same(a: pd.DataFrame, b: pd.DataFrame) -> None:
                                   b[cols].sort_values(key).reset_index(drop=True))  # fmt: skip
 
 
-def test_resume_from_a_checkpoint_gives_the_uninterrupted_records(tmp_path: Path) -> None:
-    """Ctrl-C in step 4 (steps 0..3 recorded), the training resumed from its checkpoint before step 3 with
-    resume=True: the run dir's records equal an uninterrupted run's (step 3's first records replaced)."""
+def _whole_and_interrupted(tmp_path: Path) -> tuple[nn.Module, dict]:
+    """An uninterrupted 6-step run in `whole`, and the same run in `run` ended by Ctrl-C in step 4: its model and
+    the state saved at step 3."""
     model = _model()
     _train(tmp_path / "whole", range(6), model, torch.optim.SGD(model.parameters(), lr=0.1))
     model, saved = _model(), {}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(KeyboardInterrupt):
         _train(tmp_path / "run", range(6), model, opt, crash_at=4, saved=saved)
+    return model, saved
+
+
+def test_resume_from_a_checkpoint_gives_the_uninterrupted_records(tmp_path: Path) -> None:
+    """Ctrl-C in step 4 (steps 0..3 recorded), the training resumed from its checkpoint before step 3 with
+    resume=True: the run dir's records equal an uninterrupted run's (step 3's first records replaced)."""
+    _, saved = _whole_and_interrupted(tmp_path)
     assert sorted(set(load(tmp_path / "run", table="steps").step)) == [0, 1, 2, 3]
     assert not (tmp_path / "run" / "done.json").exists()
     model = _model()
@@ -229,12 +236,7 @@ def test_resume_by_default_continues_after_the_last_recorded_step(tmp_path: Path
 def test_a_resumed_session_that_fails_before_its_first_step_loses_nothing(tmp_path: Path) -> None:
     """The interrupted session's files stay (hidden) until the resumed one's files are closed: a resume that fails
     at once and a second resume still give the uninterrupted records."""
-    model = _model()
-    _train(tmp_path / "whole", range(6), model, torch.optim.SGD(model.parameters(), lr=0.1))
-    model, saved = _model(), {}
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(KeyboardInterrupt):
-        _train(tmp_path / "run", range(6), model, opt, crash_at=4, saved=saved)
+    model, saved = _whole_and_interrupted(tmp_path)
     with pytest.raises(RuntimeError, match="at once"), gradrunner.record(model, ["0:output", "0:weight"],
                                                                          tmp_path / "run", resume=True):  # fmt: skip
         raise RuntimeError("failed at once")
