@@ -30,6 +30,20 @@ def test_reading_side_imports_no_torch(statement: str) -> None:
     assert not {m for m in loaded if m.startswith(("gradrunner.capturing", "gradrunner.run"))}
 
 
+def test_the_runner_starts_without_pandas_and_every_public_analysis_name_resolves() -> None:
+    """`gradrunner.analysis` imports its modules on first use: the CLI (every rank, every bad-input error)
+    does not pay for pandas before it reads records, and every name of `__all__` is still there."""
+    import gradrunner.analysis as analysis
+
+    assert "pandas" not in _modules_after("import gradrunner.cli.app")
+    assert sorted(analysis.__all__) == sorted(analysis._HOME)
+    for name in analysis.__all__:
+        value = getattr(analysis, name)
+        assert name.isupper() or value.__module__.startswith("gradrunner.analysis.")
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        analysis.nope  # noqa: B018
+
+
 def test_the_documented_capture_import_gives_the_function() -> None:
     out = subprocess.run(
         [sys.executable, "-c", "import gradrunner.run.loop\nfrom gradrunner import capture, Capture\n"

@@ -23,29 +23,75 @@ Example::
     tap_summary(df)
 """
 
-from gradrunner.analysis.compare import compare_runs
-from gradrunner.analysis.micro import combine_micro_steps
-from gradrunner.analysis.noise import noise_scale
-from gradrunner.analysis.optional import (
-    UPDATE_RATIO_GUIDE,
-    hist_bin_labels,
-    histograms_over_steps,
-    per_example_spread,
-    update_ratios,
-)
-from gradrunner.analysis.reading import TABLES, DamagedRecordsWarning, IncompleteSweepWarning, load
-from gradrunner.analysis.summaries import (
-    FLOW_MEASURES,
-    compare_strategies,
-    flow_steps,
-    forward_order,
-    grad_flow,
-    measure,
-    pick_steps,
-    run_columns,
-    strategy_costs,
-    tap_summary,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gradrunner.analysis.compare import compare_runs
+    from gradrunner.analysis.micro import combine_micro_steps
+    from gradrunner.analysis.noise import noise_scale
+    from gradrunner.analysis.optional import (
+        UPDATE_RATIO_GUIDE,
+        hist_bin_labels,
+        histograms_over_steps,
+        per_example_spread,
+        update_ratios,
+    )
+    from gradrunner.analysis.reading import TABLES, DamagedRecordsWarning, IncompleteSweepWarning, load
+    from gradrunner.analysis.summaries import (
+        FLOW_MEASURES,
+        compare_strategies,
+        flow_steps,
+        forward_order,
+        grad_flow,
+        measure,
+        pick_steps,
+        run_columns,
+        strategy_costs,
+        tap_summary,
+    )
+
+#: Where each public name lives: imported on first use, so that `gradrunner.analysis.health` (which the
+#: runner's every process imports) does not pay for pandas and the readers it never uses.
+_HOME: dict[str, str] = {
+    "compare_runs": "compare",
+    "combine_micro_steps": "micro",
+    "noise_scale": "noise",
+    "UPDATE_RATIO_GUIDE": "optional",
+    "hist_bin_labels": "optional",
+    "histograms_over_steps": "optional",
+    "per_example_spread": "optional",
+    "update_ratios": "optional",
+    "TABLES": "reading",
+    "DamagedRecordsWarning": "reading",
+    "IncompleteSweepWarning": "reading",
+    "load": "reading",
+    "FLOW_MEASURES": "summaries",
+    "compare_strategies": "summaries",
+    "flow_steps": "summaries",
+    "forward_order": "summaries",
+    "grad_flow": "summaries",
+    "measure": "summaries",
+    "pick_steps": "summaries",
+    "run_columns": "summaries",
+    "strategy_costs": "summaries",
+    "tap_summary": "summaries",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME])
 
 __all__ = [
     "FLOW_MEASURES",
