@@ -29,6 +29,11 @@ settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True
 if os.environ.get("CI", "").lower() == "true":
     settings.load_profile("ci")
 
+# Under pytest-xdist each worker gets its share of the cores for torch's thread pool: two workers of two
+# threads each on two cores made in-process training tests many times slower (threads spinning on a busy core).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 #: Every hook registry an `nn.Module` has (some only exist in newer torch versions).
 MODULE_HOOK_DICTS = (
     "_forward_hooks",
@@ -43,6 +48,7 @@ MODULE_HOOK_DICTS = (
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the marks into the groups it schedules by
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`-n 2 --dist loadgroup`, README "Development"): the tests of a module that share
     a fixture of that module wider than one test (scope module or class: a sweep run once, read by each test)
