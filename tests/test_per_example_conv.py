@@ -50,8 +50,14 @@ def test_every_way_agrees_with_autograd_per_row(name: str) -> None:
             mp.setattr(pec, "GROUPED_MIN_CHANNELS", 1 if grouped else 10**9)
             torch.testing.assert_close(form.self_sq().double(), want, rtol=1e-5, atol=1e-6 * float(want.max()))
     u, v = torch.randn(conv.weight.shape[0]), torch.randn(conv.weight[0].numel())
-    expected = (ref @ torch.outer(u, v).reshape(-1)).sum()
-    torch.testing.assert_close(form.project(u, v).sum(), expected, rtol=1e-4, atol=1e-4 * float(ref.abs().sum()))
+    terms = ref * torch.outer(u, v).reshape(-1)
+    for grouped in (False, True):  # through the patches, and from the rows (their norms kept for self_sq)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(pec, "GROUPED_MIN_CHANNELS", 1 if grouped else 10**9)
+            form = pec.ConvShare(conv, x, g, torch.float32)
+            got = form.project(u, v)
+            torch.testing.assert_close(got.sum(), terms.sum(), rtol=1e-4, atol=1e-5 * float(terms.abs().sum()))
+            torch.testing.assert_close(form.self_sq().double(), want, rtol=1e-5, atol=1e-6 * float(want.max()))
 
 
 class TwiceConv(nn.Module):
@@ -77,8 +83,9 @@ def test_a_conv_called_twice(shape: tuple[int, ...]) -> None:
 
 
 def test_the_rule_takes_the_grouped_convolution_only_with_channels_and_positions() -> None:
-    def form(c_in: int, side: int) -> pec.ConvShare:
-        conv = nn.Conv2d(c_in, 4, 3, padding=1)
-        return pec.ConvShare(conv, torch.zeros(1, c_in, side, side), torch.zeros(1, 4, side, side), torch.float32)
+    def form(c_in: int, side: int, c_out: int = 4) -> pec.ConvShare:
+        conv = nn.Conv2d(c_in, c_out, 3, padding=1)
+        return pec.ConvShare(conv, torch.zeros(1, c_in, side, side), torch.zeros(1, c_out, side, side), torch.float32)
 
-    assert form(8, 12)._grouped() and not form(3, 32)._grouped() and not form(8, 8)._grouped()
+    assert form(8, 12).way() == "grouped" and form(3, 32).way() == form(8, 8).way() == "im2col"
+    assert form(128, 4, 128).way() == "ghost"  # 16 positions, 128 channels: T (p + q) <= p q

@@ -83,6 +83,7 @@ class Projection:
         self.calls: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
         self.low_precision = False
+        self._uv: torch.Tensor | None = None
 
     def reset(self) -> None:
         self.calls, self.grads, self.low_precision = [], [], False
@@ -111,6 +112,10 @@ class Projection:
         if grad.is_sparse:
             g = grad.coalesce()
             proj = torch.dot(u[g.indices()[0]], g.values().reshape(g.values().shape[0], -1).to(u.dtype) @ v)
+        elif v.numel() == 1:  # a bias, a norm's weight: one dot with u v (made once)
+            if self._uv is None:
+                self._uv = u * v
+            proj = torch.dot(self._uv, grad.reshape(-1) if grad.dtype == u.dtype else grad.reshape(-1).to(u.dtype))
         else:
             flat = grad.reshape(u.numel(), -1)
             proj = torch.dot(u, torch.mv(flat if flat.dtype == u.dtype else flat.to(u.dtype), v))
@@ -135,7 +140,7 @@ class _Layout:
         self.ids = torch.from_numpy(seg).to(device)
         self.n_calls = sum(k for _, k in calls)
         tols = [CHECK_TOL_LOW if c.low_precision else CHECK_TOL for c in checks]
-        self.tol = torch.tensor(tols, dtype=torch.float64).to(device)
+        self.tol = torch.tensor(tols, dtype=torch.float32).to(device)
 
 
 _LAYOUTS: dict[tuple[object, ...], _Layout] = {}
@@ -149,21 +154,20 @@ def verdicts(checks: Sequence[Projection]) -> torch.Tensor:
     """
     device = checks[0].u.device
     parts = [t for c in checks for t in c.calls] + [t for c in checks for t in c.grads]
-    key = (device, tuple(t.numel() for t in parts), tuple((len(c.calls), c.low_precision) for c in checks))
+    key = (device, tuple(t.shape[0] for t in parts), tuple((len(c.calls), c.low_precision) for c in checks))
     layout = _LAYOUTS.get(key)
     if layout is None:
         if len(_LAYOUTS) >= 16:
             _LAYOUTS.clear()  # shapes change from step to step (a parameter skipped): keep a few
         layout = _LAYOUTS[key] = _Layout(checks, device)
-    if len({p.dtype for p in parts}) == 1:
-        wide = torch.cat(parts).to(torch.float64)
-    else:  # a model with parameters of several dtypes on one device
-        wide = torch.cat([p.to(torch.float64) for p in parts])
+    # Summed in the terms' dtype (float32 unless a parameter is float64): its rounding over a step's terms is
+    # ~1e-7 of their magnitude, three orders below CHECK_TOL.
+    wide = torch.cat(parts)
     n = len(checks)
-    sums = torch.zeros(2 * n, dtype=torch.float64, device=device).index_add_(0, layout.ids, wide)
-    mags = torch.zeros(n, dtype=torch.float64, device=device).index_add_(
+    sums = torch.zeros(2 * n, dtype=wide.dtype, device=device).index_add_(0, layout.ids, wide)
+    mags = torch.zeros(n, dtype=wide.dtype, device=device).index_add_(
         0, layout.ids[: layout.n_calls], wide[: layout.n_calls].abs())  # fmt: skip
-    return ~((sums[:n] - sums[n:]).abs() > layout.tol * mags)
+    return ~((sums[:n] - sums[n:]).abs() > layout.tol.to(wide.dtype) * mags)
 
 
 def host_verdicts(
@@ -177,7 +181,7 @@ def host_verdicts(
     """
     firsts: dict[torch.device, list[str]] = {}
     for name, n in norms.items():
-        if n is not None and len(n):
+        if n is not None and n.shape[0]:
             firsts.setdefault(n.device, []).append(name)
     out, why = dict(norms), dict(reasons)
     for names in firsts.values():

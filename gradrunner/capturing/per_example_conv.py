@@ -15,9 +15,11 @@ Measured on one CPU thread (2026-11-26, batch 32, 3x3 kernels, ms): C_in 3 -> 16
 grouped 2.7; 16 -> 32 at 16x16: im2col 1.9, grouped 1.5 (autograd's weight gradient 1.2); 128 -> 128
 at 4x4: ghost 2.1, im2col 9.0, grouped 29. `F.unfold` (the im2col before) cost 2 to 3 ms alone.
 
-The check's projection (`project`) needs no patch: v (the weight's trailing dimensions) is a kernel,
-so patch_t . v is one convolution with one output channel per group, and u . g_t a contraction over
-channels: one term per row, group and position.
+The check's projection (`project`): through the patches where they are made anyway (one term per
+row, group and position: (u . g_t)(v . patch_t)); on the grouped way from the materialised rows (one
+term per row and weight entry, S_ik (u v^T)_k), whose squared norms are kept for `self_sq`. (A
+convolution with v as its one-output-channel kernel gives v . patch_t without patches, but took
+0.4 ms here against 0.08 ms for the patches' matrix-vector product.)
 
 Example::
 
@@ -36,7 +38,7 @@ from torch import nn
 from torch.nn import grad as nn_grad
 
 from gradrunner.capturing import per_example_math
-from gradrunner.capturing.per_example_math import CHUNK_ELEMENTS, Factors, Lazy, row_sq
+from gradrunner.capturing.per_example_math import CHUNK_ELEMENTS, Factors, Lazy, projection, row_sq
 
 #: The grouped convolution materialises S_i when each group has at least this many input channels ...
 GROUPED_MIN_CHANNELS = 8
@@ -45,7 +47,6 @@ GROUPED_MIN_POSITIONS = 128
 _WEIGHT_GRAD: dict[int, Callable[..., torch.Tensor]] = {
     1: nn_grad.conv1d_weight, 2: nn_grad.conv2d_weight, 3: nn_grad.conv3d_weight,
 }  # fmt: skip
-_CONV: dict[int, Callable[..., torch.Tensor]] = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 class ConvShare(Lazy):
@@ -62,12 +63,17 @@ class ConvShare(Lazy):
         c_in, c_out = x.shape[1], grad.shape[1]
         self.positions = math.prod(grad.shape[2:])
         self.p, self.q = c_out // self.groups, c_in // self.groups * math.prod(self.kernel)
+        self._factors: Factors | None = None
+        self._sq: torch.Tensor | None = None
 
     def factors(self) -> Factors:
-        """S_i as `Factors` over (B, G, T, p) x (B, G, T, q): the output gradient and the im2col patches."""
-        b, groups, t = self.batch, self.groups, self.positions
-        g = self.g.reshape(b, groups, self.p, t)
-        return Factors(g.transpose(-1, -2), self.patches().reshape(b, groups, self.q, t).transpose(-1, -2), self.p)
+        """S_i as `Factors` over (B, G, T, p) x (B, G, T, q): the output gradient and the im2col patches (made once)."""
+        if self._factors is None:
+            b, groups, t = self.batch, self.groups, self.positions
+            g = self.g.reshape(b, groups, self.p, t)
+            patches = self.patches().reshape(b, groups, self.q, t)
+            self._factors = Factors(g.transpose(-1, -2), patches.transpose(-1, -2), self.p)
+        return self._factors
 
     def patches(self) -> torch.Tensor:
         """The input patch of every output position: (B, C_in K, T), channel-major then kernel offsets, as the weight."""
@@ -78,17 +84,21 @@ class ConvShare(Lazy):
         spatial, kernel = tuple(range(2, 2 + nd)), tuple(range(2 + nd, 2 + 2 * nd))
         return x.permute(0, 1, *kernel, *spatial).reshape(x.shape[0], -1, self.positions)
 
-    def _grouped(self) -> bool:
+    def way(self) -> str:
+        """"ghost", "grouped" or "im2col": the rule of the module's docstring."""
+        shape = Factors(self.g[:1, :1, :1], self.g.new_empty(1, 1, self.positions, self.q), self.p)
+        if per_example_math.ghost_is_cheaper(shape):
+            return "ghost"
         channels = self.x.shape[1] // self.groups
-        return channels >= GROUPED_MIN_CHANNELS and self.positions >= GROUPED_MIN_POSITIONS
+        grouped = channels >= GROUPED_MIN_CHANNELS and self.positions >= GROUPED_MIN_POSITIONS
+        return "grouped" if grouped else "im2col"
 
     def self_sq(self) -> torch.Tensor:
-        shape = Factors(self.g[:1, :1, :1], self.g[:1, :1, :1].new_empty(1, 1, self.positions, self.q), self.p)
-        if per_example_math.ghost_is_cheaper(shape) or not self._grouped():
+        if self._sq is not None:
+            return self._sq
+        if self.way() != "grouped":
             return row_sq([self.factors()])
-        step = max(1, CHUNK_ELEMENTS // max(1, self.width))
-        parts = [self.dense(i, i + step).square().sum(1) for i in range(0, self.batch, step)]
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        return self._grouped_pass(None)[0]
 
     def dense(self, i: int, j: int) -> torch.Tensor:
         """Rows i to j of S materialised by one convolution weight gradient with the rows as groups."""
@@ -100,8 +110,27 @@ class ConvShare(Lazy):
         return grads.reshape(n, self.width)
 
     def project(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        groups, b = self.groups, self.batch
-        kernel = v.view(1, -1, *self.kernel).expand(groups, -1, *self.kernel)
-        xv = _CONV[self.nd](self.x, kernel, stride=self.stride, dilation=self.dilation, groups=groups)
-        ug = torch.matmul(u.view(groups, 1, self.p), self.g.reshape(b, groups, self.p, self.positions))
-        return ug.reshape(-1) * xv.reshape(-1)
+        """Through the patches (one term per row, group and position) where they are made anyway; on the grouped way
+        from the materialised rows (one term per row and weight entry, folded to two numbers), their norms kept."""
+        if self.way() != "grouped":
+            return projection(self.factors(), u, v, u)
+        self._sq, terms = self._grouped_pass(torch.outer(u, v).reshape(-1))
+        assert terms is not None
+        return terms
+
+    def _grouped_pass(self, w: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every row's S_i, chunk by chunk: their squared norms, and (given `w`) the terms S_ik w_k folded as `Projection` does."""
+        step = max(1, CHUNK_ELEMENTS // max(1, self.width))
+        squares, total, positive = [], [], []
+        for i in range(0, self.batch, step):
+            rows = self.dense(i, i + step)
+            squares.append(torch.linalg.vecdot(rows, rows))
+            if w is not None:
+                terms = rows.mul_(w)
+                total.append(terms.sum())
+                positive.append(terms.clamp_(min=0).sum())
+        sq = torch.cat(squares) if len(squares) > 1 else squares[0]
+        if w is None:
+            return sq, None
+        pos, tot = sum(positive), sum(total)
+        return sq, torch.stack([pos, tot - pos])  # type: ignore[list-item]
