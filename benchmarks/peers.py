@@ -39,7 +39,9 @@ variant one AdamW step: `none`; `gradrunner_params` (`capture` of every paramete
 off); `gradrunner_per_example` (the same with `per_example=True`: each row's share of every
 parameter's `.grad`, exact, null with a reason where not); `backpack` (BackPACK's `BatchL2Grad` on
 an `extend`ed copy, fail mode silent: it covers only the parameters of modules it supports, on GPT-2
-the Linear/Embedding ones, not transformers' Conv1D or LayerNorm: the row says how many).
+the Linear/Embedding ones, not transformers' Conv1D or LayerNorm: the row says how many); and,
+with BackPACK, `gradrunner_params_bp` and `gradrunner_per_example_bp`: the same two on only the
+parameters BackPACK covers (the like-for-like comparison).
 """
 
 from __future__ import annotations
@@ -255,6 +257,17 @@ def per_example_variants(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, V
     bp = backpack_variant(model, x, x, lambda out, y: out.loss, call=lambda m, t: m(t, position_ids=positions, labels=t))
     if bp is not None:
         out["backpack"], covered = bp[0], f"BatchL2Grad on {bp[1]} parameters (the other modules unsupported)"
+        for name, on in (("gradrunner_params_bp", False), ("gradrunner_per_example_bp", True)):
+            cap = capture(model, bp[2], strategy="hook", keep_grads=False, per_example=on)  # BackPACK's parameters
+
+            def same(cap: Any = cap) -> None:
+                loss = loss_of(model)
+                cap.backward(loss)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                cap.records(loss)
+
+            out[name] = (lambda cap=cap: cap, same)
     return out, covered
 
 

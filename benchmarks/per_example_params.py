@@ -15,6 +15,11 @@ rows), backward, `.grad` dropped. Variants, interleaved (`_common.interleaved`),
   `cap.records` (statistics of every parameter's `.grad`, one transfer), per_example off;
 - `capture+per_example`: the same with `per_example=True` (issue 37: every parameter tap's rows in
   the same transfer); its ratio to `capture` is what turning per_example on costs a captured run;
+- `hooks_floor` (a model of Linears only: the MLP): the least any hook-based way pays, a forward hook
+  keeping each Linear's input and a tensor hook on its output computing ||g_i||^2 ||x_i||^2 and
+  ||g_i||^2, one stack and sqrt (no check, no bookkeeping, no capture);
+- `capture_bp`, `capture+per_example_bp` (where BackPACK covers fewer parameters: GPT-2): `capture`
+  and `capture+per_example` of only the parameters BackPACK covers, its like-for-like figure;
 - `backpack`: BackPACK's `BatchL2Grad` (`extend(copy of the model)`, `with backpack(BatchL2Grad())`),
   when `backpack-for-pytorch` is installed; on GPT-2 it covers only the parameters of the modules it
   supports (fail mode "SILENT": Linear and Embedding; not transformers' Conv1D or LayerNorm), so
@@ -28,8 +33,8 @@ import importlib.util
 import logging
 import sys
 import warnings
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -122,15 +127,62 @@ def variants(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, torch.Tenso
         plain_loss.backward()
         info["none_params"] = sorted(k for k, v in pex.norms().items() if v is None)
         model.zero_grad(set_to_none=True)
+    if all(isinstance(m, nn.Linear) for _, m, _ in params):
+        out["hooks_floor"] = floor_variant(model, x, y, loss_fn)
     bp = backpack_variant(model, x, y, loss_fn)
     if bp is not None:
         out["backpack"], info["backpack_covered"] = bp[0], bp[1]
+        if len(bp[2]) < len(taps):  # the same parameters as BackPACK: a like-for-like figure
+            for name, on in (("capture_bp", False), ("capture+per_example_bp", True)):
+                cap = capture(model, bp[2], strategy="hook", keep_grads=False, per_example=on)
+
+                def same(cap: Any = cap) -> None:
+                    loss = loss_fn(call(model, x), y)
+                    cap.backward(loss)
+                    cap.records(loss)
+                    model.zero_grad(set_to_none=True)
+
+                out[name] = (lambda cap=cap: cap, same)
     return out, info
+
+
+def floor_variant(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> Variant:  # fmt: skip
+    """The least any hook-based way pays on a model of 2-D Linears: a forward hook keeping the input and a tensor
+    hook on the output computing ||g_i||^2 ||x_i||^2 and ||g_i||^2, then one stack and sqrt (no check, no
+    bookkeeping, no capture): what per_example costs beyond it is gradrunner's."""
+    rows: list[torch.Tensor] = []
+
+    def on_output(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        xin = args[0].detach()
+
+        def on_grad(g: torch.Tensor) -> None:
+            g_sq = torch.linalg.vecdot(g, g)
+            rows.extend((g_sq * torch.linalg.vecdot(xin, xin), g_sq))
+
+        out.register_hook(on_grad)
+
+    @contextmanager
+    def hooked() -> Iterator[None]:
+        handles = [m.register_forward_hook(on_output) for m in model.modules() if isinstance(m, nn.Linear)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def step() -> None:
+        loss_fn(call(model, x), y).backward()
+        torch.stack(rows).double().sqrt()
+        rows.clear()
+        model.zero_grad(set_to_none=True)
+
+    return hooked, step
 
 
 def backpack_variant(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                      loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-                     call: Callable[[nn.Module, torch.Tensor], Any] = call) -> tuple[Variant, str] | None:  # fmt: skip
+                     call: Callable[[nn.Module, torch.Tensor], Any] = call) -> tuple[Variant, str, list[str]] | None:  # fmt: skip
     """BackPACK's BatchL2Grad on a copy of the model (`extend` leaves hooks on the module it extends)."""
     if importlib.util.find_spec("backpack") is None:
         return None
@@ -151,9 +203,10 @@ def backpack_variant(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     with warnings.catch_warnings(), backpack(ext):
         warnings.simplefilter("ignore")
         loss_fn(call(twin, x), y).backward()
-    covered = sum(hasattr(p, "batch_l2") for p in twin.parameters())
+    names = {id(p): n for n, _, p in params_of(model)}
+    covered = [names[id(p)] for p, q in zip(model.parameters(), twin.parameters(), strict=True) if hasattr(q, "batch_l2")]
     twin.zero_grad(set_to_none=True)
-    return (no_context, step), f"{covered}/{len(list(twin.parameters()))}"
+    return (no_context, step), f"{len(covered)}/{len(list(twin.parameters()))}", covered
 
 
 def main() -> None:
@@ -166,12 +219,13 @@ def main() -> None:
             vs = {k: (c, synced(s)) for k, (c, s) in vs.items()}
         times = interleaved(vs, repeats=repeats, steps_per_block=2 if args.tiny else 5)
         base, captured = median_ms(times["plain"]), median_ms(times["capture"])
+        captured_bp = median_ms(times["capture_bp"]) if "capture_bp" in times else captured
         for variant, samples in times.items():
             ms = median_ms(samples)
             row = {"model": name, "variant": variant, "ms": ms, "ratio": ms / base, "rows": int(batch[0].shape[0]),
-                   "vs_capture": ms / captured}  # fmt: skip
-            if variant == "backpack":
-                row["note"] = f"BatchL2Grad on {info['backpack_covered']} parameters"
+                   "vs_capture": ms / (captured_bp if variant.endswith("_bp") else captured)}  # fmt: skip
+            if variant == "backpack" or variant.endswith("_bp"):
+                row["note"] = f"BatchL2Grad's {info['backpack_covered']} parameters"
             elif variant.startswith("per_example") and info["none_params"]:
                 row["note"] = f"None for {info['none_params']}"
             rows.append(row)
