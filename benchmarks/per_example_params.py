@@ -3,6 +3,7 @@
     python benchmarks/per_example_params.py             # MLP, GPT-2 (2 layers, d=128, 8 x 64 tokens), CNN; CPU
     python benchmarks/per_example_params.py --tiny      # smoke run (a test runs it)
     python benchmarks/per_example_params.py --device cuda
+    python benchmarks/per_example_params.py --breakdown # where per_example's time goes (CPU time per step)
 
 Every variant takes the same step of the same randomly initialised model: forward, loss (mean over
 rows), backward, `.grad` dropped. Variants, interleaved (`_common.interleaved`), ratios to `plain`:
@@ -28,10 +29,13 @@ rows), backward, `.grad` dropped. Variants, interleaved (`_common.interleaved`),
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib.util
 import logging
+import statistics
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -209,10 +213,107 @@ def backpack_variant(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     return (no_context, step), f"{len(covered)}/{len(list(twin.parameters()))}", covered
 
 
+def breakdown(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+              steps: int) -> list[tuple[str, float]]:  # fmt: skip
+    """Where `per_example`'s time goes (thread CPU ms per step, medians): its hooks in all; the shares (`share`: the
+    layers' terms, and a 2-D Linear's norms); the norms of the weights' shares (`row_sq` of a Factors or convolution
+    form) against the layer's own weight gradient computed from the same tensors (all rows at once, as autograd
+    does); the check (`Projection.add_call`, `add_grad`)."""
+    from gradrunner.capturing import per_example as pe
+    from gradrunner.capturing import per_example_check as pc
+    from gradrunner.capturing.per_example_conv import ConvShare
+    from gradrunner.capturing.per_example_math import Factors
+
+    spent: dict[str, float] = {}
+
+    def timed(owner: Any, attr: str, part: str) -> None:
+        inner = getattr(owner, attr)
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return inner(*a, **k)
+            finally:
+                spent[part] = spent.get(part, 0.0) + time.thread_time() - start
+
+        setattr(owner, attr, wrapper)
+
+    def own_grad(forms: list[Any]) -> None:  # the weight gradient autograd computes from the same tensors
+        f = forms[0]
+        start = time.thread_time()
+        if isinstance(f, Factors) and not f.index:
+            b, g, t, p, q = f.shape
+            torch.matmul(f.left.transpose(0, 1).reshape(g, b * t, p).transpose(1, 2), f.right.transpose(0, 1).reshape(g, b * t, q))
+        elif isinstance(f, ConvShare):
+            size = (f.g.shape[1], f.x.shape[1] // f.groups, *f.kernel)
+            weight_grad = {1: nn.grad.conv1d_weight, 2: nn.grad.conv2d_weight, 3: nn.grad.conv3d_weight}[f.nd]
+            weight_grad(f.x, size, f.g, f.stride, 0, f.dilation, f.groups)
+        else:
+            return
+        spent["weights' own gradients (reference)"] = spent.get("weights' own gradients (reference)", 0.0) + time.thread_time() - start
+
+    originals = {(pe, "row_sq"): pe.row_sq, (pc.Projection, "add_call"): pc.Projection.add_call,
+                 (pc.Projection, "add_grad"): pc.Projection.add_grad, (pe.PerExampleNorms, "_on_grad"): pe.PerExampleNorms._on_grad,
+                 (pe.PerExampleNorms, "_on_call"): pe.PerExampleNorms._on_call, (pe.PerExampleNorms, "_finish"): pe.PerExampleNorms._finish,
+                 (pe.PerExampleNorms, "_on_param_grad"): pe.PerExampleNorms._on_param_grad,
+                 (pe.PerExampleNorms, "_on_root"): pe.PerExampleNorms._on_root}  # fmt: skip
+    row_sq = pe.row_sq
+
+    def weights_sq(forms: list[Any]) -> torch.Tensor:
+        if not any(isinstance(f, Factors | ConvShare) for f in forms):
+            return row_sq(forms)
+        own_grad(forms)
+        start = time.thread_time()
+        out = row_sq(forms)
+        spent["norms of the weights' shares"] = spent.get("norms of the weights' shares", 0.0) + time.thread_time() - start
+        return out
+
+    pe.row_sq = weights_sq  # type: ignore[assignment]
+    originals[(pe, "share")] = pe.share
+    timed(pe, "share", "shares (the layers' terms; a 2-D Linear's norms)")
+    for attr in ("add_call", "add_grad"):
+        timed(pc.Projection, attr, "the check's projections")
+    for attr in ("_on_grad", "_on_call", "_finish", "_on_param_grad", "_on_root"):
+        timed(pe.PerExampleNorms, attr, "per_example's hooks and step end, in all")
+    x, y = batch
+    out: dict[str, list[float]] = {}
+    ref = "weights' own gradients (reference)"
+    try:
+        for i in range(steps + 2):  # a plain step, then one with per_example (its reference taken out)
+            start = time.thread_time()
+            loss_fn(call(model, x), y).backward()
+            plain = time.thread_time() - start
+            model.zero_grad(set_to_none=True)
+            with PerExampleNorms(model, params_of(model)) as pex:
+                spent.clear()
+                start = time.thread_time()
+                loss_fn(call(model, x), y).backward()
+                pex.norms()
+                total = time.thread_time() - start - spent.get(ref, 0.0)
+                spent["per_example's hooks and step end, in all"] -= spent.get(ref, 0.0)
+                model.zero_grad(set_to_none=True)
+            if i >= 2:
+                for part, sec in {"plain step": plain, "per_example step": total, **spent}.items():
+                    out.setdefault(part, []).append(sec)
+    finally:
+        for (owner, attr), fn in originals.items():
+            setattr(owner, attr, fn)
+    return [(part, 1e3 * statistics.median(v)) for part, v in out.items()]
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument("--device", default="cpu"))
+    def extra(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--breakdown", action="store_true", help="where per_example's time goes, per model (CPU time)")
+
+    args = parse_args(__doc__.splitlines()[0], extra)
     repeats = args.repeats or (2 if args.tiny else 20)
     rows: list[dict[str, Any]] = []
+    if args.breakdown:
+        for name, (model, batch, loss_fn) in models(args.tiny, args.device).items():
+            rows += [{"model": name, "part": part, "ms": ms} for part, ms in breakdown(model, batch, loss_fn, repeats)]
+        report("per_example_breakdown", rows, ["model", "part", "ms"], args.out, repeats=repeats, device=args.device)
+        return
     for name, (model, batch, loss_fn) in models(args.tiny, args.device).items():
         vs, info = variants(model, batch, loss_fn)
         if args.device != "cpu":

@@ -397,15 +397,12 @@ class PerExampleNorms:
             groups.setdefault((sq.device, sq.shape[0]), []).append((t, sq))
         out: dict[int, torch.Tensor] = {}
         for group in groups.values():
-            sqs = [sq for _, sq in group]
-            if len({sq.dtype for sq in sqs}) > 1:
-                sqs = [sq.double() for sq in sqs]
+            sqs = [sq for _, sq in group] if len({sq.dtype for _, sq in group}) == 1 else [sq.double() for _, sq in group]
             rooted = torch.stack(sqs).to(torch.float64).clamp_min_(0).sqrt_()
             if scale is not None:
                 rooted.mul_(scale.to(rooted.device, torch.float64) if isinstance(scale, torch.Tensor) else scale)
             checks = [t.check for t, _ in group if t.check is not None]
-            if checks:
-                assert len(checks) == len(group)  # a check is on for every tracked parameter, or for none
+            if checks:  # a check is on for every tracked parameter, or for none
                 rooted = torch.where(verdicts(checks).unsqueeze(1), rooted, FAILED)
             out.update(zip([id(t) for t, _ in group], rooted.unbind(0), strict=True))
         return out
