@@ -13,6 +13,7 @@ from torch import nn
 
 from gradrunner.capturing import per_example_conv as pec
 from gradrunner.capturing import per_example_math as pem
+from gradrunner.capturing.per_example import OUTSIDE, PerExampleNorms
 
 CONVS = {
     "2d_reflect_groups": (lambda: nn.Conv2d(16, 6, 3, padding=1, groups=2, padding_mode="reflect"), (B, 16, 12, 12)),
@@ -89,3 +90,15 @@ def test_the_rule_takes_the_grouped_convolution_only_with_channels_and_positions
 
     assert form(8, 12).way() == "grouped" and form(3, 32).way() == form(8, 8).way() == "im2col"
     assert form(128, 4, 128).way() == "ghost"  # 16 positions, 128 channels: T (p + q) <= p q
+
+
+@pytest.mark.parametrize("shape", [(B, 3, 6, 6), (B, 8, 12, 12)])
+def test_a_conv_weight_also_used_outside_its_calls_gets_none(shape: tuple[int, ...]) -> None:
+    """The check catches a weight penalty on a convolution, whichever way (im2col, grouped) its rows are computed."""
+    model = TwiceConv(shape[1])
+    params = all_params(model)
+    with PerExampleNorms(model, params) as pex:
+        (model(torch.randn(shape)).square().mean() + 1e-3 * model.conv.weight.square().sum()).backward()
+        norms, reasons = pex.norms(), pex.reasons()
+    assert norms["conv:weight"] is None and reasons["conv:weight"] == OUTSIDE
+    assert norms["conv:bias"] is not None and norms["head:weight"] is not None
