@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -291,6 +292,8 @@ def main() -> None:
         p.add_argument("--width", type=int, default=256)
         p.add_argument("--batch", type=int, default=8)
         p.add_argument("--seq", type=int, default=128)
+        p.add_argument("--cpu-time", action="store_true",
+                       help="time steps by this thread's CPU time, not wall time (one-thread CPU runs, shared machine)")
         p.add_argument("--per-example", action="store_true",
                        help="per-example norms of every parameter: gradrunner against BackPACK's BatchL2Grad")
         p.add_argument("--torchlens-wrapped", action="store_true",
@@ -317,14 +320,15 @@ def main() -> None:
         why["nnsight"] = "not run with --torchlens-wrapped: torchlens' wrapped torch breaks its loss.backward() context"
     if args.device.startswith("cuda"):
         found = {k: (ctx, synced(step)) for k, (ctx, step) in found.items()}
-    times = interleaved(found, repeats=repeats, steps_per_block=3 if not args.tiny else 1, warmup=1)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    times = interleaved(found, repeats=repeats, steps_per_block=3 if not args.tiny else 1, warmup=1, clock=clock)
     base = median_ms(times["none"])
     rows = [{"variant": k, "step_ms": median_ms(v), "ratio": median_ms(v) / base} for k, v in times.items()]
     rows += [{"variant": k, "skipped": reason} for k, reason in why.items() if not args.per_example]
     if args.per_example:
         rows = [{**r, "note": why["backpack"]} if r["variant"] == "backpack" else r for r in rows]
     config = {"layers": args.layers, "width": args.width, "batch": args.batch, "seq": args.seq, "taps": len(taps),
-              "device": args.device, "per_example": args.per_example}  # fmt: skip
+              "device": args.device, "per_example": args.per_example, "cpu_time": args.cpu_time}  # fmt: skip
     print(config)
     report("peers", rows, ["variant", "step_ms", "ratio", "skipped", "note"], args.out, config=config)
 

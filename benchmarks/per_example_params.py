@@ -4,6 +4,7 @@
     python benchmarks/per_example_params.py --tiny      # smoke run (a test runs it)
     python benchmarks/per_example_params.py --device cuda
     python benchmarks/per_example_params.py --breakdown # where per_example's time goes (CPU time per step)
+    python benchmarks/per_example_params.py --cpu-time  # steps timed by the thread's CPU time (a shared CPU)
 
 Every variant takes the same step of the same randomly initialised model: forward, loss (mean over
 rows), backward, `.grad` dropped. Variants, interleaved (`_common.interleaved`), ratios to `plain`:
@@ -305,6 +306,8 @@ def main() -> None:
     def extra(p: argparse.ArgumentParser) -> None:
         p.add_argument("--device", default="cpu")
         p.add_argument("--breakdown", action="store_true", help="where per_example's time goes, per model (CPU time)")
+        p.add_argument("--cpu-time", action="store_true",
+                       help="time steps by this thread's CPU time, not wall time (one-thread CPU runs, shared machine)")
 
     args = parse_args(__doc__.splitlines()[0], extra)
     repeats = args.repeats or (2 if args.tiny else 20)
@@ -318,7 +321,8 @@ def main() -> None:
         vs, info = variants(model, batch, loss_fn)
         if args.device != "cpu":
             vs = {k: (c, synced(s)) for k, (c, s) in vs.items()}
-        times = interleaved(vs, repeats=repeats, steps_per_block=2 if args.tiny else 5)
+        clock = time.thread_time if args.cpu_time else time.perf_counter
+        times = interleaved(vs, repeats=repeats, steps_per_block=2 if args.tiny else 5, clock=clock)
         base, captured = median_ms(times["plain"]), median_ms(times["capture"])
         captured_bp = median_ms(times["capture_bp"]) if "capture_bp" in times else captured
         for variant, samples in times.items():
@@ -333,7 +337,7 @@ def main() -> None:
     if importlib.util.find_spec("backpack") is None:
         print("BackPACK not installed (pip install --no-deps backpack-for-pytorch einops unfoldNd): skipped", file=sys.stderr)
     report("per_example_params", rows, ["model", "variant", "rows", "ms", "ratio", "vs_capture", "note"], args.out,
-           repeats=repeats, device=args.device)  # fmt: skip
+           repeats=repeats, device=args.device, clock="thread CPU time" if args.cpu_time else "wall")  # fmt: skip
 
 
 if __name__ == "__main__":
