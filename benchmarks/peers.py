@@ -39,7 +39,9 @@ variant one AdamW step: `none`; `gradrunner_params` (`capture` of every paramete
 off); `gradrunner_per_example` (the same with `per_example=True`: each row's share of every
 parameter's `.grad`, exact, null with a reason where not); `backpack` (BackPACK's `BatchL2Grad` on
 an `extend`ed copy, fail mode silent: it covers only the parameters of modules it supports, on GPT-2
-the Linear/Embedding ones, not transformers' Conv1D or LayerNorm: the row says how many).
+the Linear/Embedding ones, not transformers' Conv1D or LayerNorm: the row says how many); and,
+with BackPACK, `gradrunner_params_bp` and `gradrunner_per_example_bp`: the same two on only the
+parameters BackPACK covers (the like-for-like comparison).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -255,6 +258,17 @@ def per_example_variants(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, V
     bp = backpack_variant(model, x, x, lambda out, y: out.loss, call=lambda m, t: m(t, position_ids=positions, labels=t))
     if bp is not None:
         out["backpack"], covered = bp[0], f"BatchL2Grad on {bp[1]} parameters (the other modules unsupported)"
+        for name, on in (("gradrunner_params_bp", False), ("gradrunner_per_example_bp", True)):
+            cap = capture(model, bp[2], strategy="hook", keep_grads=False, per_example=on)  # BackPACK's parameters
+
+            def same(cap: Any = cap) -> None:
+                loss = loss_of(model)
+                cap.backward(loss)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                cap.records(loss)
+
+            out[name] = (lambda cap=cap: cap, same)
     return out, covered
 
 
@@ -278,6 +292,8 @@ def main() -> None:
         p.add_argument("--width", type=int, default=256)
         p.add_argument("--batch", type=int, default=8)
         p.add_argument("--seq", type=int, default=128)
+        p.add_argument("--cpu-time", action="store_true",
+                       help="time steps by this thread's CPU time, not wall time (one-thread CPU runs, shared machine)")
         p.add_argument("--per-example", action="store_true",
                        help="per-example norms of every parameter: gradrunner against BackPACK's BatchL2Grad")
         p.add_argument("--torchlens-wrapped", action="store_true",
@@ -304,14 +320,15 @@ def main() -> None:
         why["nnsight"] = "not run with --torchlens-wrapped: torchlens' wrapped torch breaks its loss.backward() context"
     if args.device.startswith("cuda"):
         found = {k: (ctx, synced(step)) for k, (ctx, step) in found.items()}
-    times = interleaved(found, repeats=repeats, steps_per_block=3 if not args.tiny else 1, warmup=1)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    times = interleaved(found, repeats=repeats, steps_per_block=3 if not args.tiny else 1, warmup=1, clock=clock)
     base = median_ms(times["none"])
     rows = [{"variant": k, "step_ms": median_ms(v), "ratio": median_ms(v) / base} for k, v in times.items()]
     rows += [{"variant": k, "skipped": reason} for k, reason in why.items() if not args.per_example]
     if args.per_example:
         rows = [{**r, "note": why["backpack"]} if r["variant"] == "backpack" else r for r in rows]
     config = {"layers": args.layers, "width": args.width, "batch": args.batch, "seq": args.seq, "taps": len(taps),
-              "device": args.device, "per_example": args.per_example}  # fmt: skip
+              "device": args.device, "per_example": args.per_example, "cpu_time": args.cpu_time}  # fmt: skip
     print(config)
     report("peers", rows, ["variant", "step_ms", "ratio", "skipped", "note"], args.out, config=config)
 

@@ -3,6 +3,8 @@
     python benchmarks/per_example_params.py             # MLP, GPT-2 (2 layers, d=128, 8 x 64 tokens), CNN; CPU
     python benchmarks/per_example_params.py --tiny      # smoke run (a test runs it)
     python benchmarks/per_example_params.py --device cuda
+    python benchmarks/per_example_params.py --breakdown # where per_example's time goes (CPU time per step)
+    python benchmarks/per_example_params.py --cpu-time  # steps timed by the thread's CPU time (a shared CPU)
 
 Every variant takes the same step of the same randomly initialised model: forward, loss (mean over
 rows), backward, `.grad` dropped. Variants, interleaved (`_common.interleaved`), ratios to `plain`:
@@ -15,6 +17,11 @@ rows), backward, `.grad` dropped. Variants, interleaved (`_common.interleaved`),
   `cap.records` (statistics of every parameter's `.grad`, one transfer), per_example off;
 - `capture+per_example`: the same with `per_example=True` (issue 37: every parameter tap's rows in
   the same transfer); its ratio to `capture` is what turning per_example on costs a captured run;
+- `hooks_floor` (a model of Linears only: the MLP): the least any hook-based way pays, a forward hook
+  keeping each Linear's input and a tensor hook on its output computing ||g_i||^2 ||x_i||^2 and
+  ||g_i||^2, one stack and sqrt (no check, no bookkeeping, no capture);
+- `capture_bp`, `capture+per_example_bp` (where BackPACK covers fewer parameters: GPT-2): `capture`
+  and `capture+per_example` of only the parameters BackPACK covers, its like-for-like figure;
 - `backpack`: BackPACK's `BatchL2Grad` (`extend(copy of the model)`, `with backpack(BatchL2Grad())`),
   when `backpack-for-pytorch` is installed; on GPT-2 it covers only the parameters of the modules it
   supports (fail mode "SILENT": Linear and Embedding; not transformers' Conv1D or LayerNorm), so
@@ -23,13 +30,16 @@ rows), backward, `.grad` dropped. Variants, interleaved (`_common.interleaved`),
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib.util
 import logging
+import statistics
 import sys
+import time
 import warnings
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -122,15 +132,62 @@ def variants(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, torch.Tenso
         plain_loss.backward()
         info["none_params"] = sorted(k for k, v in pex.norms().items() if v is None)
         model.zero_grad(set_to_none=True)
+    if all(isinstance(m, nn.Linear) for _, m, _ in params):
+        out["hooks_floor"] = floor_variant(model, x, y, loss_fn)
     bp = backpack_variant(model, x, y, loss_fn)
     if bp is not None:
         out["backpack"], info["backpack_covered"] = bp[0], bp[1]
+        if len(bp[2]) < len(taps):  # the same parameters as BackPACK: a like-for-like figure
+            for name, on in (("capture_bp", False), ("capture+per_example_bp", True)):
+                cap = capture(model, bp[2], strategy="hook", keep_grads=False, per_example=on)
+
+                def same(cap: Any = cap) -> None:
+                    loss = loss_fn(call(model, x), y)
+                    cap.backward(loss)
+                    cap.records(loss)
+                    model.zero_grad(set_to_none=True)
+
+                out[name] = (lambda cap=cap: cap, same)
     return out, info
+
+
+def floor_variant(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                  loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> Variant:  # fmt: skip
+    """The least any hook-based way pays on a model of 2-D Linears: a forward hook keeping the input and a tensor
+    hook on the output computing ||g_i||^2 ||x_i||^2 and ||g_i||^2, then one stack and sqrt (no check, no
+    bookkeeping, no capture): what per_example costs beyond it is gradrunner's."""
+    rows: list[torch.Tensor] = []
+
+    def on_output(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        xin = args[0].detach()
+
+        def on_grad(g: torch.Tensor) -> None:
+            g_sq = torch.linalg.vecdot(g, g)
+            rows.extend((g_sq * torch.linalg.vecdot(xin, xin), g_sq))
+
+        out.register_hook(on_grad)
+
+    @contextmanager
+    def hooked() -> Iterator[None]:
+        handles = [m.register_forward_hook(on_output) for m in model.modules() if isinstance(m, nn.Linear)]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def step() -> None:
+        loss_fn(call(model, x), y).backward()
+        torch.stack(rows).double().sqrt()
+        rows.clear()
+        model.zero_grad(set_to_none=True)
+
+    return hooked, step
 
 
 def backpack_variant(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                      loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-                     call: Callable[[nn.Module, torch.Tensor], Any] = call) -> tuple[Variant, str] | None:  # fmt: skip
+                     call: Callable[[nn.Module, torch.Tensor], Any] = call) -> tuple[Variant, str, list[str]] | None:  # fmt: skip
     """BackPACK's BatchL2Grad on a copy of the model (`extend` leaves hooks on the module it extends)."""
     if importlib.util.find_spec("backpack") is None:
         return None
@@ -151,34 +208,136 @@ def backpack_variant(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     with warnings.catch_warnings(), backpack(ext):
         warnings.simplefilter("ignore")
         loss_fn(call(twin, x), y).backward()
-    covered = sum(hasattr(p, "batch_l2") for p in twin.parameters())
+    names = {id(p): n for n, _, p in params_of(model)}
+    covered = [names[id(p)] for p, q in zip(model.parameters(), twin.parameters(), strict=True) if hasattr(q, "batch_l2")]
     twin.zero_grad(set_to_none=True)
-    return (no_context, step), f"{covered}/{len(list(twin.parameters()))}"
+    return (no_context, step), f"{len(covered)}/{len(list(twin.parameters()))}", covered
+
+
+def breakdown(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+              steps: int) -> list[tuple[str, float]]:  # fmt: skip
+    """Where `per_example`'s time goes (thread CPU ms per step, medians): its hooks in all; the shares (`share`: the
+    layers' terms, and a 2-D Linear's norms); the norms of the weights' shares (`row_sq` of a Factors or convolution
+    form) against the layer's own weight gradient computed from the same tensors (all rows at once, as autograd
+    does); the check (`Projection.add_call`, `add_grad`)."""
+    from gradrunner.capturing import per_example as pe
+    from gradrunner.capturing import per_example_check as pc
+    from gradrunner.capturing.per_example_conv import ConvShare
+    from gradrunner.capturing.per_example_math import Factors
+
+    spent: dict[str, float] = {}
+
+    def timed(owner: Any, attr: str, part: str) -> None:
+        inner = getattr(owner, attr)
+
+        def wrapper(*a: Any, **k: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return inner(*a, **k)
+            finally:
+                spent[part] = spent.get(part, 0.0) + time.thread_time() - start
+
+        setattr(owner, attr, wrapper)
+
+    def own_grad(forms: list[Any]) -> None:  # the weight gradient autograd computes from the same tensors
+        f = forms[0]
+        start = time.thread_time()
+        if isinstance(f, Factors) and not f.index:
+            b, g, t, p, q = f.shape
+            torch.matmul(f.left.transpose(0, 1).reshape(g, b * t, p).transpose(1, 2), f.right.transpose(0, 1).reshape(g, b * t, q))
+        elif isinstance(f, ConvShare):
+            size = (f.g.shape[1], f.x.shape[1] // f.groups, *f.kernel)
+            weight_grad = {1: nn.grad.conv1d_weight, 2: nn.grad.conv2d_weight, 3: nn.grad.conv3d_weight}[f.nd]
+            weight_grad(f.x, size, f.g, f.stride, 0, f.dilation, f.groups)
+        else:
+            return
+        spent["weights' own gradients (reference)"] = spent.get("weights' own gradients (reference)", 0.0) + time.thread_time() - start
+
+    originals = {(pe, "row_sq"): pe.row_sq, (pc.Projection, "add_call"): pc.Projection.add_call,
+                 (pc.Projection, "add_grad"): pc.Projection.add_grad, (pe.PerExampleNorms, "_on_grad"): pe.PerExampleNorms._on_grad,
+                 (pe.PerExampleNorms, "_on_call"): pe.PerExampleNorms._on_call, (pe.PerExampleNorms, "_finish"): pe.PerExampleNorms._finish,
+                 (pe.PerExampleNorms, "_on_param_grad"): pe.PerExampleNorms._on_param_grad,
+                 (pe.PerExampleNorms, "_on_root"): pe.PerExampleNorms._on_root}  # fmt: skip
+    row_sq = pe.row_sq
+
+    def weights_sq(forms: list[Any]) -> torch.Tensor:
+        if not any(isinstance(f, Factors | ConvShare) for f in forms):
+            return row_sq(forms)
+        own_grad(forms)
+        start = time.thread_time()
+        out = row_sq(forms)
+        spent["norms of the weights' shares"] = spent.get("norms of the weights' shares", 0.0) + time.thread_time() - start
+        return out
+
+    pe.row_sq = weights_sq  # type: ignore[assignment]
+    originals[(pe, "share")] = pe.share
+    timed(pe, "share", "shares (the layers' terms; a 2-D Linear's norms)")
+    for attr in ("add_call", "add_grad"):
+        timed(pc.Projection, attr, "the check's projections")
+    for attr in ("_on_grad", "_on_call", "_finish", "_on_param_grad", "_on_root"):
+        timed(pe.PerExampleNorms, attr, "per_example's hooks and step end, in all")
+    x, y = batch
+    out: dict[str, list[float]] = {}
+    ref = "weights' own gradients (reference)"
+    try:
+        for i in range(steps + 2):  # a plain step, then one with per_example (its reference taken out)
+            start = time.thread_time()
+            loss_fn(call(model, x), y).backward()
+            plain = time.thread_time() - start
+            model.zero_grad(set_to_none=True)
+            with PerExampleNorms(model, params_of(model)) as pex:
+                spent.clear()
+                start = time.thread_time()
+                loss_fn(call(model, x), y).backward()
+                pex.norms()
+                total = time.thread_time() - start - spent.get(ref, 0.0)
+                spent["per_example's hooks and step end, in all"] -= spent.get(ref, 0.0)
+                model.zero_grad(set_to_none=True)
+            if i >= 2:
+                for part, sec in {"plain step": plain, "per_example step": total, **spent}.items():
+                    out.setdefault(part, []).append(sec)
+    finally:
+        for (owner, attr), fn in originals.items():
+            setattr(owner, attr, fn)
+    return [(part, 1e3 * statistics.median(v)) for part, v in out.items()]
 
 
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument("--device", default="cpu"))
+    def extra(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--device", default="cpu")
+        p.add_argument("--breakdown", action="store_true", help="where per_example's time goes, per model (CPU time)")
+        p.add_argument("--cpu-time", action="store_true",
+                       help="time steps by this thread's CPU time, not wall time (one-thread CPU runs, shared machine)")
+
+    args = parse_args(__doc__.splitlines()[0], extra)
     repeats = args.repeats or (2 if args.tiny else 20)
     rows: list[dict[str, Any]] = []
+    if args.breakdown:
+        for name, (model, batch, loss_fn) in models(args.tiny, args.device).items():
+            rows += [{"model": name, "part": part, "ms": ms} for part, ms in breakdown(model, batch, loss_fn, repeats)]
+        report("per_example_breakdown", rows, ["model", "part", "ms"], args.out, repeats=repeats, device=args.device)
+        return
     for name, (model, batch, loss_fn) in models(args.tiny, args.device).items():
         vs, info = variants(model, batch, loss_fn)
         if args.device != "cpu":
             vs = {k: (c, synced(s)) for k, (c, s) in vs.items()}
-        times = interleaved(vs, repeats=repeats, steps_per_block=2 if args.tiny else 5)
+        clock = time.thread_time if args.cpu_time else time.perf_counter
+        times = interleaved(vs, repeats=repeats, steps_per_block=2 if args.tiny else 5, clock=clock)
         base, captured = median_ms(times["plain"]), median_ms(times["capture"])
+        captured_bp = median_ms(times["capture_bp"]) if "capture_bp" in times else captured
         for variant, samples in times.items():
             ms = median_ms(samples)
             row = {"model": name, "variant": variant, "ms": ms, "ratio": ms / base, "rows": int(batch[0].shape[0]),
-                   "vs_capture": ms / captured}  # fmt: skip
-            if variant == "backpack":
-                row["note"] = f"BatchL2Grad on {info['backpack_covered']} parameters"
+                   "vs_capture": ms / (captured_bp if variant.endswith("_bp") else captured)}  # fmt: skip
+            if variant == "backpack" or variant.endswith("_bp"):
+                row["note"] = f"BatchL2Grad's {info['backpack_covered']} parameters"
             elif variant.startswith("per_example") and info["none_params"]:
                 row["note"] = f"None for {info['none_params']}"
             rows.append(row)
     if importlib.util.find_spec("backpack") is None:
         print("BackPACK not installed (pip install --no-deps backpack-for-pytorch einops unfoldNd): skipped", file=sys.stderr)
     report("per_example_params", rows, ["model", "variant", "rows", "ms", "ratio", "vs_capture", "note"], args.out,
-           repeats=repeats, device=args.device)  # fmt: skip
+           repeats=repeats, device=args.device, clock="thread CPU time" if args.cpu_time else "wall")  # fmt: skip
 
 
 if __name__ == "__main__":

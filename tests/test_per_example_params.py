@@ -132,6 +132,11 @@ LAYERS: dict[str, Callable[[], tuple[nn.Module, torch.Tensor]]] = {
     "conv2d_circular_depthwise": lambda: (nn.Sequential(nn.Conv2d(3, 3, 3, padding=1, padding_mode="circular",
                                                                   groups=3)), torch.randn(B, 3, 5, 5)),
     "conv3d": lambda: (nn.Sequential(nn.Conv3d(2, 3, 2, padding=1, stride=(1, 2, 1))), torch.randn(B, 2, 3, 4, 3)),
+    # >= 8 input channels per group and >= 128 positions: rows as groups of one convolution (per_example_conv)
+    "conv2d_grouped_rows": lambda: (nn.Sequential(nn.Conv2d(16, 6, 3, padding=1, groups=2, padding_mode="reflect"),
+                                                  nn.Tanh(), nn.Conv2d(6, 2, 1)), torch.randn(B, 16, 12, 12)),
+    "conv1d_grouped_rows": lambda: (nn.Sequential(nn.Conv1d(8, 3, 5, stride=1, dilation=2, padding=3)),
+                                    torch.randn(B, 8, 140)),
     "layer_norm": lambda: (nn.Sequential(nn.Linear(4, 4), nn.LayerNorm((3, 4)), nn.Tanh(), nn.Linear(4, 2)),
                            torch.randn(B, 5, 3, 4)),
     "rms_norm": lambda: (nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.RMSNorm(6, eps=1e-3), nn.Linear(6, 2)),
@@ -166,7 +171,7 @@ def test_every_layer_matches_the_per_example_loop(layer: str, form: str) -> None
 
 def test_float64_agrees_to_rounding(form: str) -> None:
     """In float64 the shares are computed in float64: the math itself agrees with the loop to 1e-10."""
-    for layer in ("linear_seq", "embedding_pad", "conv2d_groups", "layer_norm"):
+    for layer in ("linear_seq", "embedding_pad", "conv2d_groups", "conv2d_grouped_rows", "layer_norm"):
         body, x = LAYERS[layer]()
         model = Net(body).double()
         x = x.double() if x.is_floating_point() else x

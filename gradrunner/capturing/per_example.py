@@ -397,15 +397,14 @@ class PerExampleNorms:
             groups.setdefault((sq.device, sq.shape[0]), []).append((t, sq))
         out: dict[int, torch.Tensor] = {}
         for group in groups.values():
-            stacked = torch.stack([sq if sq.dtype == torch.float64 else sq.double() for _, sq in group])
-            rooted = stacked.clamp_min_(0).sqrt_()
+            sqs = [sq for _, sq in group] if len({sq.dtype for _, sq in group}) == 1 else [sq.double() for _, sq in group]
+            rooted = torch.stack(sqs).to(torch.float64).clamp_min_(0).sqrt_()
             if scale is not None:
                 rooted.mul_(scale.to(rooted.device, torch.float64) if isinstance(scale, torch.Tensor) else scale)
             checks = [t.check for t, _ in group if t.check is not None]
-            if checks:
-                assert len(checks) == len(group)  # a check is on for every tracked parameter, or for none
+            if checks:  # a check is on for every tracked parameter, or for none
                 rooted = torch.where(verdicts(checks).unsqueeze(1), rooted, FAILED)
-            out.update((id(t), rooted[j]) for j, (t, _) in enumerate(group))
+            out.update(zip([id(t) for t, _ in group], rooted.unbind(0), strict=True))
         return out
 
     def _result(self, t: _Tracked) -> tuple[torch.Tensor | None, str | None]:

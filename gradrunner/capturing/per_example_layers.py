@@ -8,7 +8,7 @@ its output's gradient into the `per_example_math` form of every row's share of `
 | --- | --- | --- | --- |
 | `linear` | `nn.Linear` | sum_t g_t (outer) x_t (`Factors`) | sum_t g_t |
 | `conv1d_hf` | `transformers.pytorch_utils.Conv1D` (GPT-2's: weight (in, out)) | sum_t x_t (outer) g_t | sum_t g_t |
-| `conv` | `nn.Conv1d/2d/3d` (any padding and padding mode, stride, dilation, groups) | per group, sum over output positions of g (outer) the input patch | sum over positions of g |
+| `conv` | `nn.Conv1d/2d/3d` (any padding and padding mode, stride, dilation, groups) | per group, sum over output positions of g (outer) the input patch (`per_example_conv.ConvShare`) | sum over positions of g |
 | `embedding` | `nn.Embedding` (padding_idx rows get nothing, as in its backward) | sum_t onehot(id_t) (outer) g_t | - |
 | `layer_norm`, `rms_norm` | `nn.LayerNorm`, `nn.RMSNorm` | sum_t g_t * xhat_t (`Dense`) | sum_t g_t |
 | `group_norm` | `nn.GroupNorm` | per channel, sum over positions of g * xhat | per channel sum of g |
@@ -31,13 +31,14 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from gradrunner.capturing.per_example_conv import ConvShare
 from gradrunner.capturing.per_example_math import Dense, Factors, Form
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -60,6 +61,8 @@ class Call:
     version: int | None
     #: The autocast dtype the call ran under (None outside autocast, or for kinds autocast does not cast).
     autocast: torch.dtype | None
+    #: What the shares of this call's parameters have in common, computed once (a 2-D Linear's ||g_i||^2).
+    memo: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def kind_of(module: nn.Module) -> tuple[str | None, str | None]:
@@ -132,12 +135,24 @@ def share(kind: str, module: nn.Module, role: str, call: Call, grad: torch.Tenso
     b = grad.shape[0]
     if kind in ("linear", "conv1d_hf"):
         g = _as(grad.reshape(b, 1, -1, grad.shape[-1]), dt)
+        g_sq = None
+        if g.shape[2] == 1:  # one position: ||g_i||^2, shared by the weight and the bias
+            g_sq = call.memo.get("g_sq")
+            if g_sq is None:
+                g2 = g.reshape(b, -1)
+                g_sq = call.memo["g_sq"] = torch.linalg.vecdot(g2, g2)
         if role == "bias":
-            return _summed(g.reshape(b, -1, g.shape[-1]))
+            return _summed(g.reshape(b, -1, g.shape[-1]), g_sq)
         a = _as(x.reshape(b, 1, -1, x.shape[-1]), dt)
-        return Factors(g, a, g.shape[-1]) if kind == "linear" else Factors(a, g, a.shape[-1])
+        sq = None
+        if g_sq is not None:
+            a2 = a.reshape(b, -1)
+            sq = g_sq * torch.linalg.vecdot(a2, a2)
+        return Factors(g, a, g.shape[-1], sq) if kind == "linear" else Factors(a, g, a.shape[-1], sq)
     if kind == "conv":
-        return _conv_share(module, role, x, grad, dt)  # type: ignore[arg-type]
+        if role == "bias":
+            return _summed(grad.reshape(b, grad.shape[1], -1).transpose(1, 2).to(dt))
+        return ConvShare(module, x, grad, dt)  # type: ignore[arg-type]
     if isinstance(module, nn.Embedding):
         ids = x.reshape(b, 1, -1)
         g = grad.reshape(b, 1, ids.shape[-1], -1).to(dt)
@@ -176,38 +191,8 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _summed(terms: torch.Tensor) -> Dense:
-    """Each row's share as the sum over positions of (B, T, P) `terms`, with the magnitude of what it sums."""
+def _summed(terms: torch.Tensor, sq: torch.Tensor | None = None) -> Dense:
+    """Each row's share as the sum over positions of (B, T, P) `terms` (kept for the check); `sq`: its squared norms if known."""
     if terms.shape[1] == 1:
-        return Dense(terms[:, 0])
-    return Dense(terms.sum(1), terms.abs().sum(1))
-
-
-def _conv_share(module: nn.Conv1d, role: str, x: torch.Tensor, grad: torch.Tensor, dt: torch.dtype) -> Form:
-    b, c_out = grad.shape[0], grad.shape[1]
-    if role == "bias":
-        return _summed(grad.reshape(b, c_out, -1).transpose(1, 2).to(dt))
-    groups = module.groups
-    g = grad.reshape(b, groups, c_out // groups, -1).to(dt)  # (B, G, c_out/G, T)
-    patches = _patches(x.to(dt), module).reshape(b, groups, -1, g.shape[-1])  # (B, G, c_in/G K, T)
-    return Factors(g.transpose(-1, -2), patches.transpose(-1, -2), c_out // groups)
-
-
-def _patches(x: torch.Tensor, module: nn.Conv1d) -> torch.Tensor:
-    """The input patch of every output position: (B, C_in K, T), channel-major then kernel offsets, as the weight.
-
-    Padded as the module pads (any padding mode; 'same' may pad one more on the right), then im2col
-    (`F.unfold`, a 1-D conv as a 2-D one of height 1); 3-D convolutions by strided views.
-    """
-    pad = list(module._reversed_padding_repeated_twice)
-    if any(pad):
-        x = F.pad(x, pad, mode="constant" if module.padding_mode == "zeros" else module.padding_mode)
-    nd = len(module.kernel_size)
-    if nd <= 2:
-        lift = (lambda t: t) if nd == 2 else (lambda t: (1, *t))
-        x4 = x if nd == 2 else x.unsqueeze(2)
-        return F.unfold(x4, lift(module.kernel_size), dilation=lift(module.dilation), stride=lift(module.stride))
-    for d, (k, s, dil) in enumerate(zip(module.kernel_size, module.stride, module.dilation, strict=True)):
-        x = x.unfold(2 + d, dil * (k - 1) + 1, s)[..., ::dil]
-    spatial, kernel = tuple(range(2, 2 + nd)), tuple(range(2 + nd, 2 + 2 * nd))
-    return x.permute(0, 1, *kernel, *spatial).reshape(x.shape[0], -1, math.prod(x.shape[2 : 2 + nd]))
+        return Dense(terms[:, 0], None, sq)
+    return Dense(terms.sum(1), terms, sq)

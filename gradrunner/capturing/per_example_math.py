@@ -1,12 +1,13 @@
 """Per-row squared norms of a parameter's gradient shares, from the factors a layer gives: ghost or materialised.
 
 One call of a module that uses a parameter gives each batch row i a share S_i of the parameter's
-`.grad` (the shares of all rows and all calls sum to `.grad`), in one of two forms:
+`.grad` (the shares of all rows and all calls sum to `.grad`), in one of three forms:
 
 | form | share of row i | layers |
 | --- | --- | --- |
 | `Factors(left, right)` | S_i = sum over groups g and positions t of left[i,g,t] (outer) right[i,g,t] | Linear, HF Conv1D, Conv1d/2d/3d (weights), Embedding (left: token ids, one-hot) |
 | `Dense(rows)` | S_i = rows[i], flattened in the parameter's layout | biases, LayerNorm, RMSNorm, GroupNorm, BatchNorm (eval) |
+| `Lazy` | computed by the layer on demand: its own squared rows, rows materialised, the check's terms | Conv1d/2d/3d weights (`per_example_conv`) |
 
 `row_sq(forms)` gives ||sum over calls of S_i||^2 per row. For one `Factors` call it takes the
 cheaper of two exact forms, by the shapes alone (`ghost_is_cheaper`):
@@ -50,11 +51,16 @@ CHUNK_ELEMENTS = 1 << 24
 
 @dataclass
 class Factors:
-    """S_i = sum_{g,t} left[i,g,t] (outer) right[i,g,t]; `left` (B, G, T, p) float, or (B, 1, T) int64 ids (one-hot of width `size`)."""
+    """S_i = sum_{g,t} left[i,g,t] (outer) right[i,g,t]; `left` (B, G, T, p) float, or (B, 1, T) int64 ids (one-hot of width `size`).
+
+    `sq`: the squared row norms where the layer computed them with the form (a 2-D Linear's, sharing
+    ||g_i||^2 with its bias); used when this is the parameter's only call.
+    """
 
     left: torch.Tensor
     right: torch.Tensor
     size: int
+    sq: torch.Tensor | None = None
 
     @property
     def index(self) -> bool:
@@ -71,15 +77,38 @@ class Factors:
 class Dense:
     """S_i = rows[i]: (B, P), the parameter's layout flattened.
 
-    `magnitude` (B, P): the sum of the absolute values of the terms each entry sums (over positions),
-    so that the check measures rounding against the terms, not against a sum that cancels.
+    `terms` (B, T, P): what `rows` sums over positions (None where T = 1), so that the check measures
+    rounding against each position's term, not against a sum that cancels. `sq`: the squared row
+    norms where already known.
     """
 
     rows: torch.Tensor
-    magnitude: torch.Tensor | None = None
+    terms: torch.Tensor | None = None
+    sq: torch.Tensor | None = None
 
 
-Form = Factors | Dense
+class Lazy:
+    """A share a layer computes on demand (a convolution's weight, `per_example_conv`): never formed unless asked."""
+
+    #: (B, width of the parameter's layout, dtype)
+    batch: int
+    width: int
+    dtype: torch.dtype
+
+    def self_sq(self) -> torch.Tensor:
+        """(B,) squared norms of the rows' shares, by the layer's cheapest exact way."""
+        raise NotImplementedError
+
+    def dense(self, i: int, j: int) -> torch.Tensor:
+        """Rows i to j of the shares materialised: (j - i, width), in the parameter's layout."""
+        raise NotImplementedError
+
+    def project(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The check's terms (1-D, summing to sum_i <S_i, u v^T>), as `projection`."""
+        raise NotImplementedError
+
+
+Form = Factors | Dense | Lazy
 
 
 def ghost_is_cheaper(f: Factors) -> bool:
@@ -94,6 +123,10 @@ def row_sq(forms: list[Form]) -> torch.Tensor:
     """||sum of the forms' shares of row i||^2 for every row i: (B,), in the forms' dtype."""
     if len(forms) == 1:
         f = forms[0]
+        if isinstance(f, Lazy):
+            return f.self_sq()
+        if f.sq is not None:
+            return f.sq
         return _dense_sq(f.rows) if isinstance(f, Dense) else _self_sq(f)
     facs = [f for f in forms if isinstance(f, Factors)]
     if len(facs) == len(forms) and _compatible(facs) and _pairs_ghost_cheaper(facs):
@@ -105,30 +138,39 @@ def row_sq(forms: list[Form]) -> torch.Tensor:
     step = max(1, CHUNK_ELEMENTS // max(1, width))
     parts = []
     for i in range(0, rows, step):
-        dense = to_dense(_slice(forms[0], i, i + step))
+        dense = _dense_rows(forms[0], i, i + step)
         for f in forms[1:]:
-            dense = dense + to_dense(_slice(f, i, i + step))
+            dense = dense + _dense_rows(f, i, i + step)
         parts.append(_dense_sq(dense))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _rows(f: Form) -> int:
+    if isinstance(f, Lazy):
+        return f.batch
     return f.rows.shape[0] if isinstance(f, Dense) else f.right.shape[0]
 
 
 def _width(f: Form) -> int:
+    if isinstance(f, Lazy):
+        return f.width
     if isinstance(f, Dense):
         return f.rows.shape[1]
     _, g, _, p, q = f.shape
     return g * p * q
 
 
-def _slice(f: Form, i: int, j: int) -> Form:
-    return Dense(f.rows[i:j], None) if isinstance(f, Dense) else Factors(f.left[i:j], f.right[i:j], f.size)
+def _dense_rows(f: Form, i: int, j: int) -> torch.Tensor:
+    """Rows i to j of the shares materialised."""
+    if isinstance(f, Lazy):
+        return f.dense(i, j)
+    return to_dense(Dense(f.rows[i:j]) if isinstance(f, Dense) else Factors(f.left[i:j], f.right[i:j], f.size))
 
 
 def to_dense(f: Form) -> torch.Tensor:
     """The per-row shares materialised: (B, P) in the parameter's layout (G p rows of q, group-major)."""
+    if isinstance(f, Lazy):
+        return f.dense(0, f.batch)
     if isinstance(f, Dense):
         return f.rows
     b, g, t, p, q = f.shape
@@ -139,22 +181,30 @@ def to_dense(f: Form) -> torch.Tensor:
     return torch.matmul(f.left.transpose(-1, -2), f.right).reshape(b, g * p * q)
 
 
-def projection(f: Form, u: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum over rows of <S_i, u v^T>, the sum of the magnitudes of its terms): one call's part of the check.
+def projection(f: Form, u: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """One call's part of the check: terms (1-D) whose sum is sum_i <S_i, u v^T> and whose |.| sum is their magnitude.
 
-    `u` spans the parameter's first dimension (G p), `v` the rest (q); both in the forms' dtype. Costs
-    matrix-vector products over the factors (one read of each), nothing of the parameter's size per row.
+    A term per row and position (and group): (u . left_t)(v . right_t), or a position's term of a
+    `Dense` share against `w` = u v^T flattened. `u` spans the parameter's first dimension (G p), `v`
+    the rest (q), all in the form's dtype. Costs matrix-vector products over the factors (one read of
+    each), nothing of the parameter's size per row.
     """
+    if isinstance(f, Lazy):
+        return f.project(u, v)
     if isinstance(f, Dense):
-        w = torch.outer(u, v).reshape(-1)
-        if f.magnitude is None:
-            terms = f.rows * w
-            return terms.sum(), torch.linalg.vector_norm(terms, 1)
-        return (f.rows @ w).sum(), (f.magnitude @ w.abs()).sum()
-    _, g, _, p, q = f.shape
-    lu = u[f.left] if f.index else _contract(f.left, u.view(g, 1, p))
-    prod = lu * _contract(f.right, v.view(1, 1, q))
-    return prod.sum(), torch.linalg.vector_norm(prod, 1)
+        src = f.rows if f.terms is None else f.terms
+        if src.stride(-1) == 1:
+            return torch.matmul(src, w).reshape(-1)
+        return torch.matmul(w, src.transpose(-1, -2)).reshape(-1)  # a transposed view: read in its own layout
+    b, g, t, p, q = f.shape
+    if f.index:
+        lu = u[f.left]
+    elif g == 1 and f.left.is_contiguous():
+        lu = torch.mv(f.left.view(b * t, p), u)
+    else:
+        lu = _contract(f.left, u.view(g, 1, p))
+    rv = torch.mv(f.right.view(b * g * t, q), v) if f.right.is_contiguous() else _contract(f.right, v.view(1, 1, q))
+    return lu.reshape(-1) * rv.reshape(-1)
 
 
 def _contract(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -177,13 +227,21 @@ def _self_sq(f: Factors) -> torch.Tensor:
             return (_ids_gram(f.left, f.left, f.right.dtype) * _gram(f.right, f.right)).sum((1, 2, 3))
         return _segment_sq(f.left.reshape(b, t), f.right.reshape(b, t, q), p)
     if t == 1:
-        return (torch.linalg.vecdot(f.left, f.left) * torch.linalg.vecdot(f.right, f.right)).sum((1, 2))
+        left, right = f.left.reshape(b, g, p), f.right.reshape(b, g, q)
+        prod = torch.linalg.vecdot(left, left) * torch.linalg.vecdot(right, right)
+        return prod[:, 0] if g == 1 else prod.sum(1)
     if ghost_is_cheaper(f):
-        return (_gram(f.left, f.left) * _gram(f.right, f.right)).sum((1, 2, 3))
+        return _ghost_sq(f.left, f.right)
     step = max(1, CHUNK_ELEMENTS // max(1, g * p * q))
     parts = [torch.matmul(f.left[i : i + step].transpose(-1, -2), f.right[i : i + step]).square().sum((1, 2, 3))
              for i in range(0, b, step)]  # fmt: skip
     return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _ghost_sq(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """sum_{s,t} (left_s . left_t)(right_s . right_t) per row: the two Gram matrices' inner product."""
+    b = left.shape[0]
+    return torch.linalg.vecdot(_gram(left, left).reshape(b, -1), _gram(right, right).reshape(b, -1))
 
 
 def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -221,11 +279,14 @@ def _compatible(facs: list[Factors]) -> bool:
 
 
 def _pairs_ghost_cheaper(facs: list[Factors]) -> bool:
-    """Cross terms included: all pairs' Gram matrices against every call materialised (the same rule as one call)."""
+    """Cross terms included: all pairs' Gram matrices against every call materialised (the same rule as one call).
+
+    A pair's left Gram costs p per entry between two float factors, about 1 where one is token ids
+    (an equality test or a gather): a tied embedding and LM head meet at T^2 (q + 1), not T^2 (p + q).
+    """
     _, g, _, p, q = facs[0].shape
-    ts = [f.shape[2] for f in facs]
-    ghost = sum(ta * tb for ta in ts for tb in ts) * (p + q)
-    dense = sum(ts) * p * q + len(ts) * p * q
+    ghost = sum(a.shape[2] * b.shape[2] * (q + (1 if a.index or b.index else p)) for a in facs for b in facs)
+    dense = sum(f.shape[2] * q + p * q if f.index else f.shape[2] * p * q + p * q for f in facs)
     return g * ghost <= g * dense
 
 
