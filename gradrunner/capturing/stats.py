@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -103,9 +104,7 @@ class Collector:
     ) -> None:  # fmt: skip
         if values not in VALUES_MODES:
             raise ValueError(f"values={values!r}; allowed: {', '.join(VALUES_MODES)}")
-        self.values = values
-        self.sample_size = sample_size
-        self.seed = seed
+        self.values, self.sample_size, self.seed = values, sample_size, seed
         self.per_example, self.histogram = per_example, histogram
         self._pending: list[Pending] = []
         self._positions: dict[tuple[str, int, torch.device], tuple[np.ndarray, torch.Tensor]] = {}
@@ -115,6 +114,8 @@ class Collector:
         self._values_none = values == "none"
         self._cpu_kernels: dict[torch.dtype, fused_stats.Kernel] | None = None  # loaded on first use
         self._cpu_hist: dict[torch.dtype, fused_stats.HistKernel] = {}
+        #: the kernels once loaded, where nothing but the nine statistics is asked for: `add`'s first path
+        self._plain_kernels: dict[torch.dtype, fused_stats.Kernel] | None = None
         #: the CPU kernel's output rows, 7 float64 each; a record's `reductions` is its row number
         self._rows = torch.empty((64, N_REDUCTIONS), dtype=torch.float64)
         self._n_rows = 0
@@ -172,6 +173,16 @@ class Collector:
         order = len(self._pending) if order is None else order
         if micro is not None or reason is not None:
             self._meta[order] = (micro, reason)
+        kernels = self._plain_kernels
+        if kernels is not None and type(grad) is torch.Tensor and grad.is_cpu and grad.is_contiguous():
+            # The hot path: a plain dense CPU gradient (never a DTensor, a subclass, nor sparse, not contiguous),
+            # nothing but the statistics: one read where it lies, no copy, no view; small ones too (a call: ~1 µs).
+            fn, n = kernels.get(grad.dtype), grad.numel()
+            if fn is not None and n:
+                row = self._next_row()
+                fn(grad.data_ptr(), n, self._rows.data_ptr() + row * N_REDUCTIONS * 8)
+                self._pending.append(Pending(order, key, tuple(grad.shape), n, True, row, None, None, value_norm, per_example))
+                return
         if grad is None:
             self._pending.append(Pending(order, key, (), 0, False, None, None, None, value_norm))
             return
@@ -179,9 +190,7 @@ class Collector:
             self._add_sharded(key, grad, order, value_norm)
             return
         if grad.layout != torch.strided:
-            if grad.layout == torch.sparse_coo and self._values_none and not self.histogram and not (
-                self.per_example and batched
-            ):
+            if grad.layout == torch.sparse_coo and self._values_none and not self.histogram and not (self.per_example and batched):
                 self._add_sparse(key, grad, order, value_norm, per_example)
                 return
             grad = grad.to_dense()  # every element was asked for (values, histogram, per-example norms)
@@ -199,18 +208,6 @@ class Collector:
             return
         if want_rows:
             per_example = per_example_norms(grad)
-        if grad.is_cpu and self._fused and self._values_none and grad.is_contiguous():
-            # The hot path: one read of the gradient where it lies, no copy, no view; small ones
-            # too, as a kernel call costs about 2 µs. With `histogram`, its counts in the same read.
-            n = grad.numel()
-            if n:
-                done = self._cpu_reduce(grad, n)
-                if done is not None:
-                    row, hist = done
-                    self._pending.append(Pending(
-                        order, key, tuple(grad.shape), n, True, row, None, None, value_norm, per_example, hist,
-                    ))  # fmt: skip
-                    return
         g = grad.detach()
         flat = g.reshape(-1)
         n = flat.numel()
@@ -318,23 +315,25 @@ class Collector:
         self._pending.append(Pending(order, key, tuple(grad.shape), n, True, (floats, ints), None, None, value_norm,
                                      per_example))  # fmt: skip
 
-    def _cpu_kernel_for(self, dtype: torch.dtype) -> bool:
-        """Whether the C kernel takes a CPU gradient of `dtype` (its histogram variant with `histogram`)."""
-        if not self._fused:
-            return False
+    def _load_kernels(self) -> dict[torch.dtype, fused_stats.Kernel]:
         if self._cpu_kernels is None:
             self._cpu_kernels = fused_stats.cpu_kernels()
             self._cpu_hist = fused_stats.cpu_hist_kernels() if self.histogram else {}
-        return dtype in (self._cpu_hist if self.histogram else self._cpu_kernels)
+            if self._fused and self._values_none and not self.histogram and not self.per_example:
+                self._plain_kernels = self._cpu_kernels
+        return self._cpu_kernels
+
+    def _cpu_kernel_for(self, dtype: torch.dtype) -> bool:
+        """Whether the C kernel takes a CPU gradient of `dtype` (its histogram variant with `histogram`)."""
+        kernels = self._load_kernels() if self._fused else None
+        return kernels is not None and dtype in (self._cpu_hist if self.histogram else kernels)
 
     def _cpu_reduce(self, flat: torch.Tensor, n: int) -> tuple[int, torch.Tensor | None] | None:
         """The C kernel on contiguous CPU `flat` into a fresh row: (row, histogram counts or None).
 
         None where no kernel fits (no compiler, another dtype): the caller takes the torch path.
         """
-        if self._cpu_kernels is None:
-            self._cpu_kernels = fused_stats.cpu_kernels()
-            self._cpu_hist = fused_stats.cpu_hist_kernels() if self.histogram else {}
+        self._load_kernels()
         if self.histogram:
             fh = self._cpu_hist.get(flat.dtype)
             if fh is None:
@@ -343,7 +342,7 @@ class Collector:
             counts = torch.zeros(HIST_BINS, dtype=torch.int64)
             fh(flat.data_ptr(), n, self._rows.data_ptr() + row * N_REDUCTIONS * 8, counts.data_ptr())
             return row, counts
-        fn = self._cpu_kernels.get(flat.dtype)
+        fn = self._cpu_kernels.get(flat.dtype)  # type: ignore[union-attr]
         if fn is None:
             return None
         row = self._next_row()
@@ -389,7 +388,7 @@ class Collector:
         (`edited_norm`): they ride in the same transfer as everything else.
         """
         self.flush()
-        pending, self._pending = sorted(self._pending, key=lambda p: p.order), []
+        pending, self._pending = sorted(self._pending, key=itemgetter(0)), []  # by `order`, a Pending's first field
         if self._sharded is not None and len(self._sharded):
             from gradrunner.capturing.sharded_rows import merge_pending
 
@@ -417,7 +416,7 @@ class Collector:
         recs = derive(pending, rows, flat[:n_red].reshape(-1, N_REDUCTIONS))
         recs.loss = float(flat[-1]) if loss is not None else None
         fill_extras(recs, pending, extras, flat[n_red:], updates or {}, self.per_example, self.histogram)
-        recs.edited = np.array([p.order in edited for p in pending], dtype=bool)
+        recs.edited = np.array([p.order in edited for p in pending], dtype=bool) if edited else np.zeros(len(pending), bool)
         recs.edited_norm = np.full(len(pending), np.nan)
         recs.edited_norm[recs.edited] = flat[edited_at : edited_at + len(edited)]
         if meta:
