@@ -2,7 +2,7 @@
 
 | function | private path (default where it buys something) | public fallback |
 | --- | --- | --- |
-| `gradient_edge(t)` | none: `torch.autograd.graph.get_gradient_edge` (public) | `(t.grad_fn, t.output_nr)`; a leaf's accumulator through `t.view_as(t)`; `autograd_grad` passes the tensor |
+| `gradient_edge(t)` | `torch.autograd.graph.get_gradient_edge` (public); for a node of torch's own (not a `torch._C._FunctionBase`, which needs an owner token) the same `GradientEdge` built directly | `(t.grad_fn, t.output_nr)`; a leaf's accumulator through `t.view_as(t)`; `autograd_grad` passes the tensor |
 | `watch_edge(edge, fn)` | none: `Node.register_prehook` (public) | - |
 | `grad_of(loss, edges, retain)` | `torch.autograd.graph._engine_run_backward`: `autograd.grad`'s own engine call, without its per-input Python checks (~1 µs each) | `torch.autograd.grad` |
 | `accumulate(nodes, grads)` | calling a parameter's held `AccumulateGrad` node: `.grad` filled as backward fills it, post-accumulate-grad hooks included | `autograd_grad` runs `loss.backward()` for the parameters (a second engine pass) |
@@ -50,6 +50,8 @@ _is_functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None)
 _engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
 _queue_callback = getattr(_engine, "queue_callback", None)
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_GradientEdge = getattr(torch.autograd.graph, "GradientEdge", None)
+_PYTHON_NODE = getattr(torch._C, "_FunctionBase", None)  # a custom Function's node: its edge needs an owner
 
 
 def _calls_accumulate_grad() -> bool:
@@ -88,6 +90,10 @@ def gradient_edge(tensor: torch.Tensor) -> Edge:
     Held instead of the tensor, it keeps pointing at this value of the tensor after an in-place op.
     """
     if FEATURES["get_gradient_edge"]:
+        node = tensor.grad_fn
+        if node is not None and _PYTHON_NODE is not None and not isinstance(node, _PYTHON_NODE):
+            # what get_gradient_edge returns for an intermediate whose node is torch's own, without its checks
+            return _GradientEdge(node, tensor.output_nr)  # type: ignore[misc]
         return _get_gradient_edge(tensor)  # type: ignore[misc]
     if tensor.grad_fn is not None:
         return tensor.grad_fn, tensor.output_nr
