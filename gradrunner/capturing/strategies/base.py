@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from gradrunner.capturing.params import ParamBackward
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # one object per tap firing, no __dict__
 class Slot:
     """Where one firing of a tap (one call) receives its gradient.
 
