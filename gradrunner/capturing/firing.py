@@ -75,6 +75,7 @@ class Firing:
         #: Slots opened since the last backward began, in firing order.
         self.slots: list[Slot] = []
         self.calls: dict[str, int] = {}
+        self._keys: dict[str, list[TapKey]] = {}  # each tap's record keys by call, made once
         #: Slots opened in a reentrant checkpoint's no-grad forward, attached when backward recomputes them.
         self.deferred: dict[tuple[int, str], list[Slot]] = {}
         #: Grad mode at each (nested) entry into the root's forward: tells no_grad blocks from evaluation.
@@ -202,7 +203,12 @@ class Firing:
         name, calls, slots = tap.tap, self.calls, self.slots
         call = calls.get(name, 0)
         calls[name] = call + 1
-        slot = Slot(TapKey(tap.module, tap.name, call), len(slots))
+        keys = self._keys.get(name)  # the same (immutable) key for the same call every step: less for the GC
+        if keys is None:
+            keys = self._keys[name] = []
+        if call == len(keys):
+            keys.append(TapKey(tap.module, tap.name, call))
+        slot = Slot(keys[call], len(slots))
         slots.append(slot)
         return slot
 
