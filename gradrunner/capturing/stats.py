@@ -98,10 +98,8 @@ class Collector:
         recs = col.finish(loss)
     """
 
-    def __init__(
-        self, values: str = "none", sample_size: int = 64, seed: int = 0, *, per_example: bool = False,
-        histogram: bool = False,
-    ) -> None:  # fmt: skip
+    def __init__(self, values: str = "none", sample_size: int = 64, seed: int = 0, *, per_example: bool = False,
+                 histogram: bool = False) -> None:  # fmt: skip
         if values not in VALUES_MODES:
             raise ValueError(f"values={values!r}; allowed: {', '.join(VALUES_MODES)}")
         self.values, self.sample_size, self.seed = values, sample_size, seed
@@ -124,7 +122,8 @@ class Collector:
         #: per-element segment numbers of a batch, by the batch's gradient sizes and device (`_segment_ids`)
         self._ids: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
         #: per record (by `order`): its backward's number in the step (`micro_step`) and why it has no gradient
-        self._meta: dict[int, tuple[int | None, str | None]] = {}
+        self._micro: dict[int, int] = {}  # (ints, no tuple per record: nothing new for the cyclic GC to track)
+        self._why: dict[int, str] = {}
         #: the step's sharded (DTensor) gradients, reduced locally, merged over the ranks in `finish`
         self._sharded: ShardedRows | None = None
 
@@ -136,7 +135,8 @@ class Collector:
         if orders:
             self._pending = [p for p in self._pending if p.order not in orders]
             for o in orders:
-                self._meta.pop(o, None)
+                self._micro.pop(o, None)
+                self._why.pop(o, None)
             if self._sharded is not None:
                 self._sharded.discard(orders)
 
@@ -171,8 +171,10 @@ class Collector:
         `reason` (why there is no gradient) go into the records' `micro_step` and `reason`.
         """
         order = len(self._pending) if order is None else order
-        if micro is not None or reason is not None:
-            self._meta[order] = (micro, reason)
+        if micro is not None:
+            self._micro[order] = micro
+        if reason is not None:
+            self._why[order] = reason
         kernels = self._plain_kernels
         if kernels is not None and type(grad) is torch.Tensor and grad.is_cpu and grad.is_contiguous():
             # The hot path: a plain dense CPU gradient (never a DTensor, a subclass, nor sparse, not contiguous),
@@ -393,7 +395,7 @@ class Collector:
             from gradrunner.capturing.sharded_rows import merge_pending
 
             pending, updates, edited = merge_pending(self._sharded, pending, updates or {}, edited or {}, self._positions)
-        meta, self._meta = self._meta, {}
+        micro, why, self._micro, self._why = self._micro, self._why, {}, {}
         rows, blocks = reduction_blocks(pending, self._rows, self._batches)
         self._n_rows, self._batches = 0, []
         parts = [b.reshape(-1) for b in blocks]
@@ -419,10 +421,9 @@ class Collector:
         recs.edited = np.array([p.order in edited for p in pending], dtype=bool) if edited else np.zeros(len(pending), bool)
         recs.edited_norm = np.full(len(pending), np.nan)
         recs.edited_norm[recs.edited] = flat[edited_at : edited_at + len(edited)]
-        if meta:
-            at = [meta.get(p.order, (None, None)) for p in pending]
-            recs.micro_step = [m for m, _ in at]
-            recs.reason = [None if g else r for (_, r), g in zip(at, recs.has_grad, strict=True)]
+        if micro or why:
+            recs.micro_step = [micro.get(p.order) for p in pending]
+            recs.reason = [None if g else why.get(p.order) for p, g in zip(pending, recs.has_grad, strict=True)]
         if self.values != "none":
             recs.values = _values_to_host(pending)
             if self.values == "sample":
