@@ -2,7 +2,7 @@
 
 | function | private path (default where it buys something) | public fallback |
 | --- | --- | --- |
-| `gradient_edge(t)` | `torch.autograd.graph.get_gradient_edge` (public); for a node of torch's own (not a `torch._C._FunctionBase`, which needs an owner token) the same `GradientEdge` built directly | `(t.grad_fn, t.output_nr)`; a leaf's accumulator through `t.view_as(t)`; `autograd_grad` passes the tensor |
+| `gradient_edge(t)` | `torch.autograd.graph.get_gradient_edge` (public); for a node of torch's own (not a `torch._C._FunctionBase`, which needs an owner token) the same `GradientEdge` built directly (`direct_edge`) | `(t.grad_fn, t.output_nr)`; a leaf's accumulator through `t.view_as(t)`; `autograd_grad` passes the tensor |
 | `watch_edge(edge, fn)` | none: `Node.register_prehook` (public) | - |
 | `grad_of(loss, edges, retain)` | `torch.autograd.graph._engine_run_backward`: `autograd.grad`'s own engine call, without its per-input Python checks (~1 µs each) | `torch.autograd.grad` |
 | `accumulate(nodes, grads)` | calling a parameter's held `AccumulateGrad` node: `.grad` filled as backward fills it, post-accumulate-grad hooks included | `autograd_grad` runs `loss.backward()` for the parameters (a second engine pass) |
@@ -72,6 +72,7 @@ FEATURES: dict[str, bool] = {
     "call_accumulate_grad": _calls_accumulate_grad(),
     "queue_callback": _queue_callback is not None,
     "engine_run_backward": _engine_run_backward is not None,
+    "direct_edge": _PYTHON_NODE is not None and _GradientEdge is not None,
     "tensor_hooks": hasattr(torch.zeros(()), "_backward_hooks"),
     "tensor_version": hasattr(torch.Tensor, "_version"),
     "is_view": hasattr(torch.Tensor, "_is_view"),
@@ -91,7 +92,7 @@ def gradient_edge(tensor: torch.Tensor) -> Edge:
     """
     if FEATURES["get_gradient_edge"]:
         node = tensor.grad_fn
-        if node is not None and _PYTHON_NODE is not None and not isinstance(node, _PYTHON_NODE):
+        if node is not None and FEATURES["direct_edge"] and not isinstance(node, _PYTHON_NODE):  # type: ignore[arg-type]
             # what get_gradient_edge returns for an intermediate whose node is torch's own, without its checks
             return _GradientEdge(node, tensor.output_nr)  # type: ignore[misc]
         return _get_gradient_edge(tensor)  # type: ignore[misc]
