@@ -365,7 +365,7 @@ class Backwards:
         edited = self._edited
         if edited and self.grad_scale is not None:  # fp16 loss scaling: after the edit, in true units too
             edited = {k: v * self.grad_scale.to(device=v.device, dtype=v.dtype) for k, v in edited.items()}
-        recs = self._collector.finish(loss, updates, edited)
+        recs = self._collector.finish(loss, updates, edited, micro_steps=self._backwards_in_step > 1)
         if self._backwards_in_step <= 1:
             recs.micro_step = None
         if recs.reason is None:

@@ -379,15 +379,14 @@ class Collector:
             self._positions[cache_key] = (pos, torch.from_numpy(pos).to(flat.device))
         return flat.index_select(0, self._positions[cache_key][1]).float()
 
-    def finish(
-        self, loss: torch.Tensor | None = None, updates: Mapping[TapKey, torch.Tensor] | None = None,
-        edited: Mapping[int, torch.Tensor] | None = None,
-    ) -> StepRecords:  # fmt: skip
+    def finish(self, loss: torch.Tensor | None = None, updates: Mapping[TapKey, torch.Tensor] | None = None,
+               edited: Mapping[int, torch.Tensor] | None = None, micro_steps: bool = True) -> StepRecords:  # fmt: skip
         """Reduce what was deferred, move all reductions to the host in one transfer, derive statistics.
 
         `updates` maps parameter taps to the 0-d norm of the optimiser step's change (`update_norm`),
         `edited` edited records (by `order`) to the 0-d norm of their gradient after the edit
-        (`edited_norm`): they ride in the same transfer as everything else.
+        (`edited_norm`): they ride in the same transfer as everything else. `micro_steps=False`: the
+        caller drops `micro_step` (one backward in the step), and takes a None `reason` for all None.
         """
         self.flush()
         pending, self._pending = sorted(self._pending, key=itemgetter(0)), []  # by `order`, a Pending's first field
@@ -421,8 +420,8 @@ class Collector:
         recs.edited = np.array([p.order in edited for p in pending], dtype=bool) if edited else np.zeros(len(pending), bool)
         recs.edited_norm = np.full(len(pending), np.nan)
         recs.edited_norm[recs.edited] = flat[edited_at : edited_at + len(edited)]
-        if micro or why:
-            recs.micro_step = [micro.get(p.order) for p in pending]
+        if (micro and micro_steps) or why:
+            recs.micro_step = [micro.get(p.order) for p in pending] if micro_steps else None
             recs.reason = [None if g else why.get(p.order) for p, g in zip(pending, recs.has_grad, strict=True)]
         if self.values != "none":
             recs.values = _values_to_host(pending)
