@@ -104,20 +104,6 @@ class Stashed(nn.Module):
         return h + self.b
 
 
-def test_taken_grad_is_what_a_plain_backward_leaves() -> None:
-    """`take_grad`'s `.grad`: the values, strides and kind (no view) a plain backward leaves."""
-    torch.manual_seed(0)
-    model, x = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(5, 3)
-    model(x).pow(2).sum().backward()
-    bare = [p.grad for p in model.parameters()]
-    model.zero_grad(set_to_none=True)
-    with capture(model, ["*:output"], strategy="autograd_grad", keep_grads=False) as cap:
-        cap.backward(model(x).pow(2).sum())
-    for p, b in zip(model.parameters(), bare, strict=True):
-        assert p.grad is not None and b is not None and torch.equal(p.grad, b)
-        assert p.grad.stride() == b.stride() and p.grad._is_view() == b._is_view()
-
-
 @pytest.mark.parametrize("strategy", [None, "autograd_grad"])
 def test_grad_held_elsewhere_is_copied_into_grad(strategy: str | None) -> None:
     """A gradient a model's hook kept never becomes `.grad` itself (as in a plain backward): `take_grad`

@@ -182,7 +182,7 @@ def accumulate(
                 and grad.layout == torch.strided and sys.getrefcount(grad) == refs + 2
                 and param.is_contiguous() and grad.stride() == param.stride()
             ):  # fmt: skip
-                param.grad = grad.detach()  # what the node does inside a backward (a plain tensor, not a view)
+                param.grad = grad  # what the node does inside a backward where nothing else holds the gradient
             else:
                 node(grad)
 
