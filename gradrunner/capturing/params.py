@@ -264,13 +264,8 @@ class ParamBackward:
     no parameter changed `requires_grad`, dtype or device (one cheap look at each per backward).
     """
 
-    def __init__(self, params: Callable[[], list[nn.Parameter]], taps: ParamTaps, by_backward: bool,
-                 exclusive: Callable[[], bool] = lambda: False) -> None:  # fmt: skip
+    def __init__(self, params: Callable[[], list[nn.Parameter]], taps: ParamTaps, by_backward: bool) -> None:
         self._params, self._taps = params, taps
-        #: whether the session lets go of every tap's gradient before the backward returns (no kept
-        #: gradients or values): then a gradient only the engine's result holds may become `.grad` itself
-        self._exclusive = exclusive
-        self._owners: list[nn.Parameter | None] = []
         self._held: dict[int, _Held] = {}
         self._order: list[_Held] = []
         #: the parameter list `_order` was built from, and (parameter, requires_grad, dtype, device) of each then
@@ -313,20 +308,12 @@ class ParamBackward:
         self._edges = [h.edge for h in order]  # type: ignore[misc]
         self._nodes = [h.edge[0] for h in order]  # type: ignore[index]
         self._tapped = [i for i, h in enumerate(order) if self._taps.holds(h.param)]
-        self._owners = [None if self._taps.holds(h.param) else h.param for h in order]  # a tap holds its gradient
 
     def arrived(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """`edges()`'s gradients, in its order: recorded for tapped parameters, accumulated into every `.grad`.
-
-        `grads` is a slice of the engine call's result, which the caller holds (`autograd_grad`): two
-        references to each gradient that `torch_compat.accumulate` knows are ours.
-        """
+        """`edges()`'s gradients, in its order: recorded for tapped parameters, accumulated into every `.grad`."""
         assert len(grads) == len(self._order)
         for i in self._tapped:
             g = grads[i]
             if g is not None:
                 self._taps.arrived(self._order[i].param, g)
-        if self._exclusive():  # `grads` (the engine result's tail) and the result itself hold each gradient
-            accumulate(self._nodes, grads, self._owners, refs=2)
-        else:
-            accumulate(self._nodes, grads)
+        accumulate(self._nodes, grads)

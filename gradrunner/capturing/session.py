@@ -208,8 +208,7 @@ class Capture(Backwards):
     def _owned_params(self) -> ParamBackward:
         if self._param_backward is None:
             by_backward = self._params.synced is not None  # DDP's reducer must see the parameters' backward
-            self._param_backward = ParamBackward(self._all_params, self._params, by_backward, exclusive=lambda: (
-                not self.keep_grads and self.values == "none" and self.edits is None and self._pex is None))
+            self._param_backward = ParamBackward(self._all_params, self._params, by_backward)
         return self._param_backward
 
     def skip_backwards(self, n: int) -> None:

@@ -5,7 +5,7 @@
 | `gradient_edge(t)` | `torch.autograd.graph.get_gradient_edge` (public); for a node of torch's own (not a `torch._C._FunctionBase`, which needs an owner token) the same `GradientEdge` built directly (`direct_edge`) | `(t.grad_fn, t.output_nr)`; a leaf's accumulator through `t.view_as(t)`; `autograd_grad` passes the tensor |
 | `watch_edge(edge, fn)` | none: `Node.register_prehook` (public) | - |
 | `grad_of(loss, edges, retain)` | `torch.autograd.graph._engine_run_backward`: `autograd.grad`'s own engine call, without its per-input Python checks (~1 µs each) | `torch.autograd.grad` |
-| `accumulate(nodes, grads, ...)` | calling a parameter's held `AccumulateGrad` node: `.grad` filled as backward fills it, post-accumulate-grad hooks included; `take_grad`: where the parameter has no `.grad` and no hooks (`t._backward_hooks`, `t._post_accumulate_grad_hooks`) and nothing else holds the gradient, `.grad` set to it, as the engine's node does | `autograd_grad` runs `loss.backward()` for the parameters (a second engine pass); without `take_grad`: the node (a copy) |
+| `accumulate(nodes, grads)` | calling a parameter's held `AccumulateGrad` node: `.grad` filled as backward fills it, post-accumulate-grad hooks included | `autograd_grad` runs `loss.backward()` for the parameters (a second engine pass) |
 | `at_backward_end(fn)` | `Variable._execution_engine.queue_callback` (what DDP and FSDP use): `fn` runs once the backward finished, after every callback queued before | False: the session finishes the backward at its next `records()`, forward or `backward()` |
 | `has_own_hooks(t)` | `t._backward_hooks`: `autograd_grad` reads a tap at its node only where the tensor has hooks | True: always read at the node |
 | `version(t)` | `t._version`: retain_grad reads `.grad` unless the tensor changed in place | None: assume it changed, read the gradient edge |
@@ -73,7 +73,6 @@ FEATURES: dict[str, bool] = {
     "queue_callback": _queue_callback is not None,
     "engine_run_backward": _engine_run_backward is not None,
     "direct_edge": _PYTHON_NODE is not None and _GradientEdge is not None,
-    "take_grad": hasattr(torch.zeros(()), "_backward_hooks") and hasattr(torch.zeros(()), "_post_accumulate_grad_hooks"),
     "tensor_hooks": hasattr(torch.zeros(()), "_backward_hooks"),
     "tensor_version": hasattr(torch.Tensor, "_version"),
     "is_view": hasattr(torch.Tensor, "_is_view"),
@@ -147,43 +146,17 @@ def grad_of(loss: torch.Tensor, inputs: Sequence[Any], retain_graph: bool) -> tu
     return torch.autograd.grad(loss, inputs, retain_graph=retain_graph, allow_unused=True)
 
 
-def accumulate(
-    nodes: Sequence[Any], grads: Sequence[torch.Tensor | None], params: Sequence[nn.Parameter | None] = (),
-    refs: int = 0,
-) -> None:
+def accumulate(nodes: Sequence[Any], grads: Sequence[torch.Tensor | None]) -> None:
     """For each node and its grad (None: skipped): add `grad` to the `.grad` of the parameter whose
     `AccumulateGrad` node is `node`, as backward would.
 
-    Example::
-
-        accumulate(nodes, grads)
-
     The node does what the engine does (layout, in-place add, post-accumulate-grad hooks). Only where
     `FEATURES["call_accumulate_grad"]`; without it `autograd_grad` lets `loss.backward()` fill `.grad`.
-    Called from Python, a node always copies the gradient (the call's own reference counts as another
-    user's), where inside a backward it takes the tensor itself when nothing else holds it. So does this
-    (`take_grad`), for a parameter given in `params` (None: its gradient may be held elsewhere) with no
-    `.grad` yet and no hooks of its own (`t._backward_hooks`, `t._post_accumulate_grad_hooks`), a dense
-    gradient with the parameter's strides, and no Python reference to the gradient but the caller's
-    `refs` (counted by `sys.getrefcount`, which here sees those, the local name and its own argument).
     """
     assert FEATURES["call_accumulate_grad"]
-    take = FEATURES["take_grad"] and bool(params) and refs > 0
-    owners: Sequence[nn.Parameter | None] = params if take else [None] * len(nodes)
-    assert len(nodes) == len(grads) == len(owners)
     with torch.no_grad():
-        for i, node in enumerate(nodes):
-            grad, param = grads[i], owners[i]  # (no zip: its result tuple would hold a reference to `grad`)
-            if grad is None:
-                continue
-            if (
-                param is not None and param.grad is None and not param._backward_hooks
-                and not param._post_accumulate_grad_hooks and type(grad) is torch.Tensor
-                and grad.layout == torch.strided and sys.getrefcount(grad) == refs + 2
-                and param.is_contiguous() and grad.stride() == param.stride()
-            ):  # fmt: skip
-                param.grad = grad  # what the node does inside a backward where nothing else holds the gradient
-            else:
+        for node, grad in zip(nodes, grads, strict=True):
+            if grad is not None:
                 node(grad)
 
 
