@@ -66,7 +66,10 @@ def same(a: object, b: object) -> None:
         assert a == b
 
 
-@pytest.mark.parametrize("feature", ["get_gradient_edge", "call_accumulate_grad", "tensor_version", "tensor_hooks"])
+@pytest.mark.parametrize(
+    "feature",
+    ["get_gradient_edge", "call_accumulate_grad", "tensor_version", "tensor_hooks", "engine_run_backward", "direct_edge"],
+)
 def test_fallback_gives_the_same_gradients(strategy: str, feature: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch_compat.FEATURES[feature]  # torch 2.13 has it: the default path is the detected one
     default = run(strategy)

@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ from gradrunner.records.columns import StepRecords, TapKey
 
 if TYPE_CHECKING:
     from gradrunner.capturing.session import Capture
+    from gradrunner.capturing.taps import Tap
 
 #: The paragraph for a `loss.backward()` the session did not run, under a strategy with its own engine call.
 OWN_BACKWARD_ONLY = (
@@ -99,6 +100,7 @@ class Backwards:
         self.grad_scale: torch.Tensor | None = None
         self._kept: dict[int, torch.Tensor] = {}
         self._root_hooks: list[RemovableHandle] = []
+        self._tap_names: list[tuple[Tap, str]] | None = None  # the taps that fire (not parameters), and their names
         # the step in progress
         self._backwards_in_step = 0
         self._next_order = 0
@@ -201,27 +203,31 @@ class Backwards:
             self._forget_forward()
             self._pass = _Pass([], explicit=explicit, retain_graph=retain_graph, armed=explicit)
             return self._pass
-        if again and self._retained is not None:  # no forward since: this backward, through the same taps
-            forward = self._retained
+        retained, self._retained = self._retained, None
+        fresh = not (again and retained is not None)
+        if again and retained is not None:  # no forward since: this backward, through the same taps
+            forward = retained
             for slot in forward:
                 slot.delivered = False
+            fired: Collection[str] = {s.key.tap for s in forward}
         else:
-            if self._retained is not None:
-                self._release(self._retained)
-            forward = self._forward_slots()
-        self._retained = None
+            if retained is not None:
+                self._release(retained)
+            forward, fired = self._forward_slots()
         if self.loss_scale is not None:  # else `grad_scale` stays as the caller set it (None by default)
             scale = self.loss_scale()
             self.grad_scale = None if scale is None else torch.as_tensor(scale).detach().double().reciprocal()
-        fired = {s.key.tap for s in forward}
+        if self._tap_names is None:
+            self._tap_names = [(t, t.tap) for t in self.taps if t.kind != "param"]
         unfired = [Slot(TapKey(t.module, t.name, 0), 0, reason=GRAPH_FREED if again else NOT_ASSIGNED
                         if t.kind == "local" else NOT_CALLED, fired=False)
-                   for t in self.taps if t.kind != "param" and t.tap not in fired]  # fmt: skip
+                   for t, name in self._tap_names if name not in fired]  # fmt: skip
         base = self._next_order
         params = len(self._params.taps)
         self._next_order += len(forward) + params + len(unfired)
-        for i, slot in enumerate(forward):
-            slot.order = base + i
+        if base or not fresh:  # fresh slots are numbered from 0 in firing order already
+            for i, slot in enumerate(forward):
+                slot.order = base + i
         for i, slot in enumerate(unfired):
             slot.order = base + len(forward) + params + i
         if self._params:
@@ -250,7 +256,6 @@ class Backwards:
         self.strategy.after_backward(p.slots)
         parts = self._params.end_backward()
         micro = self._backwards_in_step
-        orders = {s.key: s.order for s in p.slots}
         for slot in p.slots:
             if not slot.delivered:
                 if slot.view is not None and version(slot.view) != slot.version:
@@ -259,6 +264,7 @@ class Backwards:
                 self._collector.add(slot.key, None, order=slot.order, value_norm=slot.value_norm, micro=micro,
                                     reason=slot.reason)  # fmt: skip
         if self.edits is not None:
+            orders = {s.key: s.order for s in p.slots}
             self._edited.update((orders[k], n) for k, n in self.edits.norms.items() if k in orders)
             self.edits.last_arrived = arrived
         self._collector.flush()  # the backward's small gradients, reduced together; let go of them
@@ -359,7 +365,7 @@ class Backwards:
         edited = self._edited
         if edited and self.grad_scale is not None:  # fp16 loss scaling: after the edit, in true units too
             edited = {k: v * self.grad_scale.to(device=v.device, dtype=v.dtype) for k, v in edited.items()}
-        recs = self._collector.finish(loss, updates, edited)
+        recs = self._collector.finish(loss, updates, edited, micro_steps=self._backwards_in_step > 1)
         if self._backwards_in_step <= 1:
             recs.micro_step = None
         if recs.reason is None:

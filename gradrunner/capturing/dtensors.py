@@ -26,10 +26,20 @@ from typing import Any, NamedTuple
 
 import torch
 
+_found: list[Any] = []  # DTensor's class, once it was imported
+
 
 def _dtensor_class() -> Any:
+    if _found:
+        return _found[0]
     module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else getattr(module, "DTensor", None)
+    cls = None if module is None else getattr(module, "DTensor", None)
+    if cls is not None:
+        _found.append(cls)
+    return cls
+
+
+_PLAIN = torch.Tensor
 
 
 def is_dtensor(t: object) -> bool:
@@ -39,6 +49,8 @@ def is_dtensor(t: object) -> bool:
 
         is_dtensor(torch.ones(2))     # False
     """
+    if type(t) is _PLAIN:  # a plain tensor (every gradient of an unsharded model): no lookup
+        return False
     cls = _dtensor_class()
     return cls is not None and isinstance(t, cls)
 

@@ -130,7 +130,12 @@ def value_norm(value: torch.Tensor) -> torch.Tensor:
 
         value_norm(torch.tensor([3.0, 4.0]))     # tensor(5., dtype=torch.float64)
     """
-    v = local_piece(value.detach())  # a DTensor (sharded): this rank's piece; the records merge or say so
+    v = value.detach()
+    if type(v) is not torch.Tensor:  # a subclass, maybe a DTensor (sharded): this rank's piece; the records merge it
+        v = local_piece(v)
+    if v.is_cpu and v.is_floating_point() and v.is_contiguous() and (v.dtype != torch.float32 or v.numel() < 2 * _CHUNK):
+        # the common case below without its flattening view (a contiguous tensor is reduced in the same order)
+        return torch.linalg.vector_norm(v, dtype=torch.float64)
     if v.is_complex():
         v = v.abs()
     if not v.is_floating_point():

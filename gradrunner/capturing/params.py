@@ -171,6 +171,10 @@ class ParamTaps:
         norms = value_norms([local_piece(p) for p in params] if self.sharded else params)
         self._norms = {id(p): n for p, n in zip(params, norms, strict=True)}
 
+    def holds(self, param: nn.Parameter) -> bool:
+        """Whether `param` is tapped."""
+        return id(param) in self._held
+
     def arrived(self, param: nn.Parameter, grad: torch.Tensor) -> None:
         """A gradient an engine call of the strategy's own computed (`autograd_grad`): as the pre-hook would."""
         pid = id(param)
@@ -255,20 +259,42 @@ class ParamBackward:
         edges = pb.edges()                     # one per parameter that requires grad, in model order
         grads = torch.autograd.grad(loss, edges, allow_unused=True)
         pb.arrived(list(grads))                # tapped ones recorded; each one's .grad filled by its node
+
+    The list is kept from one backward to the next while the model's parameter list is the same and
+    no parameter changed `requires_grad`, dtype or device (one cheap look at each per backward).
     """
 
     def __init__(self, params: Callable[[], list[nn.Parameter]], taps: ParamTaps, by_backward: bool) -> None:
         self._params, self._taps = params, taps
         self._held: dict[int, _Held] = {}
         self._order: list[_Held] = []
+        #: the parameter list `_order` was built from, and (parameter, requires_grad, dtype, device) of each then
+        self._for: list[nn.Parameter] | None = None
+        self._seen: list[tuple[nn.Parameter, bool, torch.dtype, torch.device]] = []
+        self._edges: list[Edge] = []
+        self._nodes: list[object] = []
+        self._tapped: list[int] = []  # positions in `_order` of tapped parameters
         #: `.grad` must come from `loss.backward()` (no callable accumulator, or DDP's reducer must see it).
         self.by_backward = by_backward or not FEATURES["call_accumulate_grad"]
 
     def edges(self) -> list[Edge | nn.Parameter]:
         """The held edge of every parameter that requires grad now (taken again where dtype or device changed)."""
-        held = self._held
-        order = []
-        for p in self._params():
+        params = self._params()
+        if params is not self._for or self._changed():
+            self._build(params)
+        if not FEATURES["get_gradient_edge"]:  # autograd.grad takes edges only where torch has them
+            return [h.param for h in self._order]
+        return self._edges  # type: ignore[return-value]
+
+    def _changed(self) -> bool:
+        for p, requires_grad, dtype, device in self._seen:
+            if p.requires_grad is not requires_grad or (requires_grad and (p.dtype is not dtype or p.device != device)):
+                return True
+        return False
+
+    def _build(self, params: list[nn.Parameter]) -> None:
+        held, order = self._held, []
+        for p in params:
             if not p.requires_grad:
                 continue
             h = held.get(id(p))
@@ -277,14 +303,17 @@ class ParamBackward:
             if not _valid(h):
                 _take(h)
             order.append(h)
-        self._order = order
-        if not FEATURES["get_gradient_edge"]:  # autograd.grad takes edges only where torch has them
-            return [h.param for h in order]
-        return [h.edge for h in order]  # type: ignore[misc]
+        self._for, self._order = params, order
+        self._seen = [(p, p.requires_grad, p.dtype, p.device) for p in params]
+        self._edges = [h.edge for h in order]  # type: ignore[misc]
+        self._nodes = [h.edge[0] for h in order]  # type: ignore[index]
+        self._tapped = [i for i, h in enumerate(order) if self._taps.holds(h.param)]
 
-    def arrived(self, grads: list[torch.Tensor | None]) -> None:
+    def arrived(self, grads: Sequence[torch.Tensor | None]) -> None:
         """`edges()`'s gradients, in its order: recorded for tapped parameters, accumulated into every `.grad`."""
-        arrived = [(h, g) for h, g in zip(self._order, grads, strict=True) if g is not None]
-        for h, g in arrived:
-            self._taps.arrived(h.param, g)
-        accumulate((h.edge[0], g) for h, g in arrived)  # type: ignore[index]
+        assert len(grads) == len(self._order)
+        for i in self._tapped:
+            g = grads[i]
+            if g is not None:
+                self._taps.arrived(self._order[i].param, g)
+        accumulate(self._nodes, grads)

@@ -75,12 +75,21 @@ def reduction_blocks(
     rows: dict[int, int] = {}
     blocks: list[torch.Tensor] = []
     at = 0
-    on_cpu = [i for i, p in enumerate(pending) if isinstance(p.reductions, int)]
+    on_cpu, fused, reduced, batched = [], [], [], []  # one pass over the step's records: which kind is each
+    for i, p in enumerate(pending):
+        r = p.reductions
+        if isinstance(r, int):
+            on_cpu.append(i)
+        elif isinstance(r, torch.Tensor):
+            fused.append(i)
+        elif isinstance(r, BatchRow):
+            batched.append(i)
+        elif isinstance(r, tuple):
+            reduced.append(i)
     if on_cpu:
         blocks.append(cpu_rows[[pending[i].reductions for i in on_cpu]])
         rows.update((i, at + j) for j, i in enumerate(on_cpu))
         at += len(on_cpu)
-    fused = [i for i, p in enumerate(pending) if isinstance(p.reductions, torch.Tensor)]
     if fused:
         devices = {pending[i].reductions.device for i in fused}  # type: ignore[union-attr]
         if len(devices) == 1:
@@ -89,8 +98,6 @@ def reduction_blocks(
             blocks.extend(pending[i].reductions.reshape(1, -1) for i in fused)  # type: ignore[union-attr]
         rows.update((i, at + j) for j, i in enumerate(fused))
         at += len(fused)
-    reduced = [i for i, p in enumerate(pending)
-               if isinstance(p.reductions, tuple) and not isinstance(p.reductions, BatchRow)]  # fmt: skip
     if reduced:
         floats = torch.stack([r for i in reduced for r in pending[i].reductions[0]])  # type: ignore[index,union-attr]
         ints = torch.stack([r for i in reduced for r in pending[i].reductions[1]])  # type: ignore[index,union-attr]
@@ -103,8 +110,8 @@ def reduction_blocks(
         start.append(at)
         blocks.append(b)
         at += b.shape[0]
-    rows.update((i, start[p.reductions.batch] + p.reductions.row)
-                for i, p in enumerate(pending) if isinstance(p.reductions, BatchRow))  # fmt: skip
+    rows.update((i, start[pending[i].reductions.batch] + pending[i].reductions.row)  # type: ignore[union-attr]
+                for i in batched)  # fmt: skip
     return rows, blocks
 
 
@@ -231,8 +238,11 @@ def derive(pending: list[Pending], rows: dict[int, int], host: np.ndarray) -> St
 
 def stack(ts: list[torch.Tensor]) -> torch.Tensor:
     """`torch.stack` of 0-d tensors on the first one's device (a model spread over devices)."""
-    device = ts[0].device
-    return torch.stack([t if t.device == device else t.to(device) for t in ts])
+    try:
+        return torch.stack(ts)  # all on one device: the usual case, without a look at each
+    except RuntimeError:
+        device = ts[0].device
+        return torch.stack([t if t.device == device else t.to(device) for t in ts])
 
 
 def _cat(ts: list[torch.Tensor]) -> torch.Tensor:

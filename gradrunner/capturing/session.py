@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -307,7 +307,7 @@ class Capture(Backwards):
         return self._backwards_in_step + (1 if self._pass is not None and self._pass.captured else 0)
 
     # -- what the backward side needs of the session -----------------------------------------------
-    def _forward_slots(self) -> list[Slot]:
+    def _forward_slots(self) -> tuple[list[Slot], Collection[str]]:
         return self._firing.take()
 
     def _forget_forward(self) -> None:

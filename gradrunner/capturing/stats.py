@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -97,15 +98,11 @@ class Collector:
         recs = col.finish(loss)
     """
 
-    def __init__(
-        self, values: str = "none", sample_size: int = 64, seed: int = 0, *, per_example: bool = False,
-        histogram: bool = False,
-    ) -> None:  # fmt: skip
+    def __init__(self, values: str = "none", sample_size: int = 64, seed: int = 0, *, per_example: bool = False,
+                 histogram: bool = False) -> None:  # fmt: skip
         if values not in VALUES_MODES:
             raise ValueError(f"values={values!r}; allowed: {', '.join(VALUES_MODES)}")
-        self.values = values
-        self.sample_size = sample_size
-        self.seed = seed
+        self.values, self.sample_size, self.seed = values, sample_size, seed
         self.per_example, self.histogram = per_example, histogram
         self._pending: list[Pending] = []
         self._positions: dict[tuple[str, int, torch.device], tuple[np.ndarray, torch.Tensor]] = {}
@@ -115,6 +112,8 @@ class Collector:
         self._values_none = values == "none"
         self._cpu_kernels: dict[torch.dtype, fused_stats.Kernel] | None = None  # loaded on first use
         self._cpu_hist: dict[torch.dtype, fused_stats.HistKernel] = {}
+        #: the kernels once loaded, where nothing but the nine statistics is asked for: `add`'s first path
+        self._plain_kernels: dict[torch.dtype, fused_stats.Kernel] | None = None
         #: the CPU kernel's output rows, 7 float64 each; a record's `reductions` is its row number
         self._rows = torch.empty((64, N_REDUCTIONS), dtype=torch.float64)
         self._n_rows = 0
@@ -123,7 +122,8 @@ class Collector:
         #: per-element segment numbers of a batch, by the batch's gradient sizes and device (`_segment_ids`)
         self._ids: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
         #: per record (by `order`): its backward's number in the step (`micro_step`) and why it has no gradient
-        self._meta: dict[int, tuple[int | None, str | None]] = {}
+        self._micro: dict[int, int] = {}  # (ints, no tuple per record: nothing new for the cyclic GC to track)
+        self._why: dict[int, str] = {}
         #: the step's sharded (DTensor) gradients, reduced locally, merged over the ranks in `finish`
         self._sharded: ShardedRows | None = None
 
@@ -135,7 +135,8 @@ class Collector:
         if orders:
             self._pending = [p for p in self._pending if p.order not in orders]
             for o in orders:
-                self._meta.pop(o, None)
+                self._micro.pop(o, None)
+                self._why.pop(o, None)
             if self._sharded is not None:
                 self._sharded.discard(orders)
 
@@ -170,8 +171,20 @@ class Collector:
         `reason` (why there is no gradient) go into the records' `micro_step` and `reason`.
         """
         order = len(self._pending) if order is None else order
-        if micro is not None or reason is not None:
-            self._meta[order] = (micro, reason)
+        if micro is not None:
+            self._micro[order] = micro
+        if reason is not None:
+            self._why[order] = reason
+        kernels = self._plain_kernels
+        if kernels is not None and type(grad) is torch.Tensor and grad.is_cpu and grad.is_contiguous():
+            # The hot path: a plain dense CPU gradient (never a DTensor, a subclass, nor sparse, not contiguous),
+            # nothing but the statistics: one read where it lies, no copy, no view; small ones too (a call: ~1 µs).
+            fn, n = kernels.get(grad.dtype), grad.numel()
+            if fn is not None and n:
+                row = self._next_row()
+                fn(grad.data_ptr(), n, self._rows.data_ptr() + row * N_REDUCTIONS * 8)
+                self._pending.append(Pending(order, key, tuple(grad.shape), n, True, row, None, None, value_norm, per_example))
+                return
         if grad is None:
             self._pending.append(Pending(order, key, (), 0, False, None, None, None, value_norm))
             return
@@ -179,9 +192,7 @@ class Collector:
             self._add_sharded(key, grad, order, value_norm)
             return
         if grad.layout != torch.strided:
-            if grad.layout == torch.sparse_coo and self._values_none and not self.histogram and not (
-                self.per_example and batched
-            ):
+            if grad.layout == torch.sparse_coo and self._values_none and not self.histogram and not (self.per_example and batched):
                 self._add_sparse(key, grad, order, value_norm, per_example)
                 return
             grad = grad.to_dense()  # every element was asked for (values, histogram, per-example norms)
@@ -199,18 +210,6 @@ class Collector:
             return
         if want_rows:
             per_example = per_example_norms(grad)
-        if grad.is_cpu and self._fused and self._values_none and grad.is_contiguous():
-            # The hot path: one read of the gradient where it lies, no copy, no view; small ones
-            # too, as a kernel call costs about 2 µs. With `histogram`, its counts in the same read.
-            n = grad.numel()
-            if n:
-                done = self._cpu_reduce(grad, n)
-                if done is not None:
-                    row, hist = done
-                    self._pending.append(Pending(
-                        order, key, tuple(grad.shape), n, True, row, None, None, value_norm, per_example, hist,
-                    ))  # fmt: skip
-                    return
         g = grad.detach()
         flat = g.reshape(-1)
         n = flat.numel()
@@ -318,23 +317,25 @@ class Collector:
         self._pending.append(Pending(order, key, tuple(grad.shape), n, True, (floats, ints), None, None, value_norm,
                                      per_example))  # fmt: skip
 
-    def _cpu_kernel_for(self, dtype: torch.dtype) -> bool:
-        """Whether the C kernel takes a CPU gradient of `dtype` (its histogram variant with `histogram`)."""
-        if not self._fused:
-            return False
+    def _load_kernels(self) -> dict[torch.dtype, fused_stats.Kernel]:
         if self._cpu_kernels is None:
             self._cpu_kernels = fused_stats.cpu_kernels()
             self._cpu_hist = fused_stats.cpu_hist_kernels() if self.histogram else {}
-        return dtype in (self._cpu_hist if self.histogram else self._cpu_kernels)
+            if self._fused and self._values_none and not self.histogram and not self.per_example:
+                self._plain_kernels = self._cpu_kernels
+        return self._cpu_kernels
+
+    def _cpu_kernel_for(self, dtype: torch.dtype) -> bool:
+        """Whether the C kernel takes a CPU gradient of `dtype` (its histogram variant with `histogram`)."""
+        kernels = self._load_kernels() if self._fused else None
+        return kernels is not None and dtype in (self._cpu_hist if self.histogram else kernels)
 
     def _cpu_reduce(self, flat: torch.Tensor, n: int) -> tuple[int, torch.Tensor | None] | None:
         """The C kernel on contiguous CPU `flat` into a fresh row: (row, histogram counts or None).
 
         None where no kernel fits (no compiler, another dtype): the caller takes the torch path.
         """
-        if self._cpu_kernels is None:
-            self._cpu_kernels = fused_stats.cpu_kernels()
-            self._cpu_hist = fused_stats.cpu_hist_kernels() if self.histogram else {}
+        self._load_kernels()
         if self.histogram:
             fh = self._cpu_hist.get(flat.dtype)
             if fh is None:
@@ -343,7 +344,7 @@ class Collector:
             counts = torch.zeros(HIST_BINS, dtype=torch.int64)
             fh(flat.data_ptr(), n, self._rows.data_ptr() + row * N_REDUCTIONS * 8, counts.data_ptr())
             return row, counts
-        fn = self._cpu_kernels.get(flat.dtype)
+        fn = self._cpu_kernels.get(flat.dtype)  # type: ignore[union-attr]
         if fn is None:
             return None
         row = self._next_row()
@@ -378,23 +379,22 @@ class Collector:
             self._positions[cache_key] = (pos, torch.from_numpy(pos).to(flat.device))
         return flat.index_select(0, self._positions[cache_key][1]).float()
 
-    def finish(
-        self, loss: torch.Tensor | None = None, updates: Mapping[TapKey, torch.Tensor] | None = None,
-        edited: Mapping[int, torch.Tensor] | None = None,
-    ) -> StepRecords:  # fmt: skip
+    def finish(self, loss: torch.Tensor | None = None, updates: Mapping[TapKey, torch.Tensor] | None = None,
+               edited: Mapping[int, torch.Tensor] | None = None, micro_steps: bool = True) -> StepRecords:  # fmt: skip
         """Reduce what was deferred, move all reductions to the host in one transfer, derive statistics.
 
         `updates` maps parameter taps to the 0-d norm of the optimiser step's change (`update_norm`),
         `edited` edited records (by `order`) to the 0-d norm of their gradient after the edit
-        (`edited_norm`): they ride in the same transfer as everything else.
+        (`edited_norm`): they ride in the same transfer as everything else. `micro_steps=False`: the
+        caller drops `micro_step` (one backward in the step), and takes a None `reason` for all None.
         """
         self.flush()
-        pending, self._pending = sorted(self._pending, key=lambda p: p.order), []
+        pending, self._pending = sorted(self._pending, key=itemgetter(0)), []  # by `order`, a Pending's first field
         if self._sharded is not None and len(self._sharded):
             from gradrunner.capturing.sharded_rows import merge_pending
 
             pending, updates, edited = merge_pending(self._sharded, pending, updates or {}, edited or {}, self._positions)
-        meta, self._meta = self._meta, {}
+        micro, why, self._micro, self._why = self._micro, self._why, {}, {}
         rows, blocks = reduction_blocks(pending, self._rows, self._batches)
         self._n_rows, self._batches = 0, []
         parts = [b.reshape(-1) for b in blocks]
@@ -417,13 +417,12 @@ class Collector:
         recs = derive(pending, rows, flat[:n_red].reshape(-1, N_REDUCTIONS))
         recs.loss = float(flat[-1]) if loss is not None else None
         fill_extras(recs, pending, extras, flat[n_red:], updates or {}, self.per_example, self.histogram)
-        recs.edited = np.array([p.order in edited for p in pending], dtype=bool)
+        recs.edited = np.array([p.order in edited for p in pending], dtype=bool) if edited else np.zeros(len(pending), bool)
         recs.edited_norm = np.full(len(pending), np.nan)
         recs.edited_norm[recs.edited] = flat[edited_at : edited_at + len(edited)]
-        if meta:
-            at = [meta.get(p.order, (None, None)) for p in pending]
-            recs.micro_step = [m for m, _ in at]
-            recs.reason = [None if g else r for (_, r), g in zip(at, recs.has_grad, strict=True)]
+        if (micro and micro_steps) or why:
+            recs.micro_step = [micro.get(p.order) for p in pending] if micro_steps else None
+            recs.reason = [None if g else why.get(p.order) for p, g in zip(pending, recs.has_grad, strict=True)]
         if self.values != "none":
             recs.values = _values_to_host(pending)
             if self.values == "sample":

@@ -2,9 +2,10 @@
 
 | function | private path (default where it buys something) | public fallback |
 | --- | --- | --- |
-| `gradient_edge(t)` | none: `torch.autograd.graph.get_gradient_edge` (public) | `(t.grad_fn, t.output_nr)`; a leaf's accumulator through `t.view_as(t)`; `autograd_grad` passes the tensor |
+| `gradient_edge(t)` | `torch.autograd.graph.get_gradient_edge` (public); for a node of torch's own (not a `torch._C._FunctionBase`, which needs an owner token) the same `GradientEdge` built directly (`direct_edge`) | `(t.grad_fn, t.output_nr)`; a leaf's accumulator through `t.view_as(t)`; `autograd_grad` passes the tensor |
 | `watch_edge(edge, fn)` | none: `Node.register_prehook` (public) | - |
-| `accumulate([(node, grad), ...])` | calling a parameter's held `AccumulateGrad` node: `.grad` filled as backward fills it, post-accumulate-grad hooks included | `autograd_grad` runs `loss.backward()` for the parameters (a second engine pass) |
+| `grad_of(loss, edges, retain)` | `torch.autograd.graph._engine_run_backward`: `autograd.grad`'s own engine call, without its per-input Python checks (~1 µs each) | `torch.autograd.grad` |
+| `accumulate(nodes, grads)` | calling a parameter's held `AccumulateGrad` node: `.grad` filled as backward fills it, post-accumulate-grad hooks included | `autograd_grad` runs `loss.backward()` for the parameters (a second engine pass) |
 | `at_backward_end(fn)` | `Variable._execution_engine.queue_callback` (what DDP and FSDP use): `fn` runs once the backward finished, after every callback queued before | False: the session finishes the backward at its next `records()`, forward or `backward()` |
 | `has_own_hooks(t)` | `t._backward_hooks`: `autograd_grad` reads a tap at its node only where the tensor has hooks | True: always read at the node |
 | `version(t)` | `t._version`: retain_grad reads `.grad` unless the tensor changed in place | None: assume it changed, read the gradient edge |
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -48,6 +49,9 @@ _functorch = getattr(torch._C, "_functorch", None)
 _is_functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None)
 _engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
 _queue_callback = getattr(_engine, "queue_callback", None)
+_engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_GradientEdge = getattr(torch.autograd.graph, "GradientEdge", None)
+_PYTHON_NODE = getattr(torch._C, "_FunctionBase", None)  # a custom Function's node: its edge needs an owner
 
 
 def _calls_accumulate_grad() -> bool:
@@ -67,6 +71,8 @@ FEATURES: dict[str, bool] = {
     "get_gradient_edge": _get_gradient_edge is not None,
     "call_accumulate_grad": _calls_accumulate_grad(),
     "queue_callback": _queue_callback is not None,
+    "engine_run_backward": _engine_run_backward is not None,
+    "direct_edge": _PYTHON_NODE is not None and _GradientEdge is not None,
     "tensor_hooks": hasattr(torch.zeros(()), "_backward_hooks"),
     "tensor_version": hasattr(torch.Tensor, "_version"),
     "is_view": hasattr(torch.Tensor, "_is_view"),
@@ -85,6 +91,10 @@ def gradient_edge(tensor: torch.Tensor) -> Edge:
     Held instead of the tensor, it keeps pointing at this value of the tensor after an in-place op.
     """
     if FEATURES["get_gradient_edge"]:
+        node = tensor.grad_fn
+        if node is not None and FEATURES["direct_edge"] and not isinstance(node, _PYTHON_NODE):  # type: ignore[arg-type]
+            # what get_gradient_edge returns for an intermediate whose node is torch's own, without its checks
+            return _GradientEdge(node, tensor.output_nr)  # type: ignore[misc]
         return _get_gradient_edge(tensor)  # type: ignore[misc]
     if tensor.grad_fn is not None:
         return tensor.grad_fn, tensor.output_nr
@@ -114,17 +124,40 @@ def watch_edge(edge: Edge, fn: Callable[[torch.Tensor], torch.Tensor | None]) ->
     return node.register_prehook(prehook)
 
 
-def accumulate(pairs: Iterable[tuple[Any, torch.Tensor]]) -> None:
-    """For each (node, grad): add `grad` to the `.grad` of the parameter whose `AccumulateGrad` node is `node`,
-    as backward would.
+def grad_of(loss: torch.Tensor, inputs: Sequence[Any], retain_graph: bool) -> tuple[torch.Tensor | None, ...]:
+    """`torch.autograd.grad(loss, inputs, retain_graph=retain_graph, allow_unused=True)`.
+
+    Example::
+
+        grad_of(loss, [gradient_edge(h), gradient_edge(w)], False)   # (dloss/dh, dloss/dw)
+
+    Where `inputs` are gradient edges and `loss` a plain scalar tensor that requires grad, the engine
+    call `autograd.grad` itself makes (`torch.autograd.graph._engine_run_backward`) without its
+    per-input checks, which cost about 1 µs per input; anything else goes through `autograd.grad`.
+    """
+    if (
+        FEATURES["engine_run_backward"] and FEATURES["get_gradient_edge"] and type(loss) is torch.Tensor
+        and loss.requires_grad and not loss.is_nested and loss.numel() == 1 and loss.is_floating_point()
+    ):  # fmt: skip
+        ones = torch.ones_like(loss, memory_format=torch.preserve_format)  # what autograd.grad makes for a scalar
+        return _engine_run_backward(  # type: ignore[misc]
+            (loss,), (ones,), retain_graph, False, tuple(inputs), True, accumulate_grad=False
+        )
+    return torch.autograd.grad(loss, inputs, retain_graph=retain_graph, allow_unused=True)
+
+
+def accumulate(nodes: Sequence[Any], grads: Sequence[torch.Tensor | None]) -> None:
+    """For each node and its grad (None: skipped): add `grad` to the `.grad` of the parameter whose
+    `AccumulateGrad` node is `node`, as backward would.
 
     The node does what the engine does (layout, in-place add, post-accumulate-grad hooks). Only where
     `FEATURES["call_accumulate_grad"]`; without it `autograd_grad` lets `loss.backward()` fill `.grad`.
     """
     assert FEATURES["call_accumulate_grad"]
     with torch.no_grad():
-        for node, grad in pairs:
-            node(grad)
+        for node, grad in zip(nodes, grads, strict=True):
+            if grad is not None:
+                node(grad)
 
 
 def at_backward_end(fn: Callable[[], None]) -> bool:

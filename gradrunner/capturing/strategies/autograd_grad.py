@@ -22,7 +22,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.strategies.base import Slot, Strategy
-from gradrunner.capturing.torch_compat import FEATURES, gradient_edge, has_own_hooks, watch_edge
+from gradrunner.capturing.torch_compat import FEATURES, grad_of, gradient_edge, has_own_hooks, watch_edge
 from gradrunner.errors import GradrunnerError
 
 if TYPE_CHECKING:
@@ -43,14 +43,21 @@ class AutogradGradStrategy(Strategy):
     def run_backward(
         self, loss: torch.Tensor, slots: Sequence[Slot], params: ParamBackward, retain_graph: bool
     ) -> None:
-        tapped = [s for s in slots if s.edge is not None]
-        inputs: list[Any] = [s.edge if FEATURES["get_gradient_edge"] else s.tensor for s in tapped]
+        by_edge = FEATURES["get_gradient_edge"]
+        tapped: list[Slot] = []
+        inputs: list[Any] = []
         seen: dict[int, list[torch.Tensor]] = {}
         handles: list[RemovableHandle] = []
-        for s in tapped:  # without edges autograd.grad takes the tensor as it is now: read its node too
-            if s.tensor is not None and (not FEATURES["get_gradient_edge"] or has_own_hooks(s.tensor)):
+        for s in slots:
+            edge = s.edge
+            if edge is None:
+                continue
+            tapped.append(s)
+            inputs.append(edge if by_edge else s.tensor)
+            # without edges autograd.grad takes the tensor as it is now: read its node too
+            if s.tensor is not None and (not by_edge or has_own_hooks(s.tensor)):
                 box = seen[id(s)] = []
-                handles.append(watch_edge(s.edge, box.append))  # type: ignore[arg-type]
+                handles.append(watch_edge(edge, box.append))  # type: ignore[arg-type]
         try:
             if params.by_backward:  # the taps first, then `.grad` the engine's own way
                 grads = _grad(loss, inputs, True) if inputs else ()
@@ -62,22 +69,28 @@ class AutogradGradStrategy(Strategy):
                 loss.backward(retain_graph=retain_graph)
                 return
             grads = _grad(loss, inputs + edges, retain_graph)
-            self._deliver_taps(tapped, grads[: len(tapped)], seen)
-            params.arrived(list(grads[len(tapped) :]))
+            n = len(tapped)
+            self._deliver_taps(tapped, grads[:n], seen)
+            params.arrived(grads[n:])
         finally:
             for h in handles:
                 h.remove()
 
     def _deliver_taps(self, tapped: list[Slot], grads: Sequence[torch.Tensor | None],
                       seen: dict[int, list[torch.Tensor]]) -> None:  # fmt: skip
+        deliver = self.deliver
+        if not seen:
+            for slot, grad in zip(tapped, grads, strict=True):
+                deliver(slot, grad)
+            return
         for slot, grad in zip(tapped, grads, strict=True):
             got = seen.get(id(slot))
-            self.deliver(slot, got[0] if got else grad)  # the node ran: what it received, after the tensor's hooks
+            deliver(slot, got[0] if got else grad)  # the node ran: what it received, after the tensor's hooks
 
 
 def _grad(loss: torch.Tensor, inputs: list[Any], retain_graph: bool) -> tuple[torch.Tensor | None, ...]:
     try:
-        return torch.autograd.grad(loss, inputs, retain_graph=retain_graph, allow_unused=True)
+        return grad_of(loss, inputs, retain_graph)
     except RuntimeError as e:
         if "use_reentrant=True" not in str(e):
             raise
