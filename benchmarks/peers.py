@@ -242,33 +242,27 @@ def per_example_variants(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, V
         opt.zero_grad(set_to_none=True)
 
     out: dict[str, Variant] = {"none": (no_context, plain)}
-    taps = [f"{mn}:{pn}" for mn, m in model.named_modules() for pn, _ in m.named_parameters(recurse=False)]
-    for name, on in (("gradrunner_params", False), ("gradrunner_per_example", True)):
-        cap = capture(model, taps, strategy="hook", keep_grads=False, per_example=on)
 
-        def ours(cap: Any = cap) -> None:
-            loss = loss_of(model)
-            cap.backward(loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            cap.records(loss)
+    def captured_pair(suffix: str, taps: list[str]) -> None:
+        """`gradrunner_params<suffix>` and `gradrunner_per_example<suffix>`: capture of `taps`, per_example off/on."""
+        for name, on in ((f"gradrunner_params{suffix}", False), (f"gradrunner_per_example{suffix}", True)):
+            cap = capture(model, taps, strategy="hook", keep_grads=False, per_example=on)
 
-        out[name] = (lambda cap=cap: cap, ours)
-    covered = "BackPACK not installed"
-    bp = backpack_variant(model, x, x, lambda out, y: out.loss, call=lambda m, t: m(t, position_ids=positions, labels=t))
-    if bp is not None:
-        out["backpack"], covered = bp[0], f"BatchL2Grad on {bp[1]} parameters (the other modules unsupported)"
-        for name, on in (("gradrunner_params_bp", False), ("gradrunner_per_example_bp", True)):
-            cap = capture(model, bp[2], strategy="hook", keep_grads=False, per_example=on)  # BackPACK's parameters
-
-            def same(cap: Any = cap) -> None:
+            def ours(cap: Any = cap) -> None:
                 loss = loss_of(model)
                 cap.backward(loss)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 cap.records(loss)
 
-            out[name] = (lambda cap=cap: cap, same)
+            out[name] = (lambda cap=cap: cap, ours)
+
+    captured_pair("", [f"{mn}:{pn}" for mn, m in model.named_modules() for pn, _ in m.named_parameters(recurse=False)])
+    covered = "BackPACK not installed"
+    bp = backpack_variant(model, x, x, lambda out, y: out.loss, call=lambda m, t: m(t, position_ids=positions, labels=t))
+    if bp is not None:
+        out["backpack"], covered = bp[0], f"BatchL2Grad on {bp[1]} parameters (the other modules unsupported)"
+        captured_pair("_bp", bp[2])  # BackPACK's parameters only: a like-for-like figure
     return out, covered
 
 

@@ -117,16 +117,21 @@ def variants(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, torch.Tenso
 
         out[name] = (lambda pex=pex: pex, ours)
     taps = [n for n, _, p in params if p.requires_grad]
-    for name, on in (("capture", False), ("capture+per_example", True)):
-        cap = capture(model, taps, strategy="hook", keep_grads=False, per_example=on)
 
-        def captured(cap: Any = cap) -> None:
-            loss = loss_fn(call(model, x), y)
-            cap.backward(loss)
-            cap.records(loss)
-            model.zero_grad(set_to_none=True)
+    def captured_pair(suffix: str, taps: list[str]) -> None:
+        """`capture<suffix>` and `capture+per_example<suffix>`: capture of `taps`, per_example off and on."""
+        for name, on in ((f"capture{suffix}", False), (f"capture+per_example{suffix}", True)):
+            cap = capture(model, taps, strategy="hook", keep_grads=False, per_example=on)
 
-        out[name] = (lambda cap=cap: cap, captured)
+            def captured(cap: Any = cap) -> None:
+                loss = loss_fn(call(model, x), y)
+                cap.backward(loss)
+                cap.records(loss)
+                model.zero_grad(set_to_none=True)
+
+            out[name] = (lambda cap=cap: cap, captured)
+
+    captured_pair("", taps)
     with PerExampleNorms(model, params) as pex:
         plain_loss = loss_fn(call(model, x), y)
         plain_loss.backward()
@@ -138,16 +143,7 @@ def variants(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, torch.Tenso
     if bp is not None:
         out["backpack"], info["backpack_covered"] = bp[0], bp[1]
         if len(bp[2]) < len(taps):  # the same parameters as BackPACK: a like-for-like figure
-            for name, on in (("capture_bp", False), ("capture+per_example_bp", True)):
-                cap = capture(model, bp[2], strategy="hook", keep_grads=False, per_example=on)
-
-                def same(cap: Any = cap) -> None:
-                    loss = loss_fn(call(model, x), y)
-                    cap.backward(loss)
-                    cap.records(loss)
-                    model.zero_grad(set_to_none=True)
-
-                out[name] = (lambda cap=cap: cap, same)
+            captured_pair("_bp", bp[2])
     return out, info
 
 
