@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,13 @@ def test_the_runner_starts_without_pandas_and_every_public_analysis_name_resolve
 
     assert "pandas" not in _modules_after("import gradrunner.cli.app")
     assert sorted(analysis.__all__) == sorted(analysis._HOME)
+    typed = {  # the names mypy sees (the `if TYPE_CHECKING:` imports) are those imported on first use, from the same modules
+        (a.name, node.module.rsplit(".", 1)[1])
+        for node in ast.walk(ast.parse(Path(analysis.__file__).read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gradrunner.analysis.")
+        for a in node.names
+    }
+    assert typed == set(analysis._HOME.items())
     for name in analysis.__all__:
         value = getattr(analysis, name)
         assert name.isupper() or value.__module__.startswith("gradrunner.analysis.")
