@@ -51,3 +51,41 @@ def test_two_runs_started_together_get_their_own_dirs(tmp_path: Path) -> None:
         assert p.returncode == 0, out
     dirs = sorted(tmp_path.glob("outputs/*/*"))
     assert len(dirs) == 2 and all((d / DONE).is_file() for d in dirs)
+
+
+def test_a_job_after_a_cuda_job_starts_with_the_last_jobs_model_freed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Jobs of a sweep share a process: a finished job sits in reference cycles (OmegaConf's caught errors keep
+    `train`'s frame) until a full garbage-collector pass. Where the process has used CUDA, the next job runs
+    that pass before it builds its model, so the last job's tensors are not beside its own (an OOM, a peak
+    memory that counts them). CUDA is faked: the path is the same; the cycles are real."""
+    import gc
+    import weakref
+
+    import torch
+
+    import gradrunner.run.loop as loop
+
+    built: list[weakref.ref[torch.nn.Module]] = []
+    alive_at_next_setup: list[bool] = []
+    setup = loop.setup
+
+    def watched_setup(cfg: object) -> object:
+        alive_at_next_setup.extend(r() is not None for r in built)
+        job = setup(cfg)  # type: ignore[arg-type]
+        built.append(weakref.ref(job.model))
+        return job
+
+    monkeypatch.setattr(loop, "setup", watched_setup)
+    cfg = compose_cfg("+experiment=mlp", "steps=2")
+    gc.collect()
+    gc.disable()  # no pass of its own in between: only the runner's
+    try:
+        loop.train(cfg, out_dir=tmp_path / "cpu")
+        loop.train(cfg, out_dir=tmp_path / "cpu-again")  # a CPU-only process: no pass, and the cycle is there
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        loop.train(cfg, out_dir=tmp_path / "after-cuda")
+    finally:
+        gc.enable()
+    assert alive_at_next_setup == [True, False, False], alive_at_next_setup
