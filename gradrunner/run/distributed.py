@@ -30,7 +30,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import gc
 import itertools
 import logging
 import os
@@ -192,15 +191,7 @@ class _RankPrefix(logging.Filter):
 
 
 def _leave() -> None:
-    """At exit, while the interpreter is whole: free what holds the group, then leave it.
-
-    A finished job's DDP wrapper and capture session sit in reference cycles until the garbage collector
-    runs; left to the interpreter's finalisation, the group and its gloo worker threads are torn down
-    while Python is going away, and a worker thread that still needs the GIL then aborts the process
-    (SIGABRT, "terminate called without an active exception") after a run that succeeded.
-    """
     if dist.is_initialized():
-        gc.collect()
         dist.destroy_process_group()
 
 
