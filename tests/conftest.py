@@ -182,6 +182,8 @@ def cli_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     # One thread: with two busy cores, torch's thread pool can make tiny steps 50x slower.
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # A rank that aborts (SIGABRT, seen rarely at the exit of gloo ranks) prints every thread's Python stack.
+    env["PYTHONFAULTHANDLER"] = "1"
     # This file's directory too, so `_target_` can name ScaledLinear above.
     here = str(TESTS)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), here, env.get("PYTHONPATH")) if p)
