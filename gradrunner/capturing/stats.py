@@ -335,7 +335,7 @@ class Collector:
 
         None where no kernel fits (no compiler, another dtype): the caller takes the torch path.
         """
-        self._load_kernels()
+        kernels = self._load_kernels()
         if self.histogram:
             fh = self._cpu_hist.get(flat.dtype)
             if fh is None:
@@ -344,7 +344,7 @@ class Collector:
             counts = torch.zeros(HIST_BINS, dtype=torch.int64)
             fh(flat.data_ptr(), n, self._rows.data_ptr() + row * N_REDUCTIONS * 8, counts.data_ptr())
             return row, counts
-        fn = self._cpu_kernels.get(flat.dtype)  # type: ignore[union-attr]
+        fn = kernels.get(flat.dtype)
         if fn is None:
             return None
         row = self._next_row()

@@ -228,10 +228,11 @@ def _free_the_last_job() -> None:
     """Before a job on a process that has used CUDA (an earlier job of the sweep): free what that job left.
 
     A finished job's model, optimizer and capture session outlive it in reference cycles until the garbage
-    collector's next full pass (OmegaConf's caught `KeyError`s keep the frames that called them, `train`'s
-    among them; the capture session's hooks point back at it). On a GPU that is the last job's memory
-    beside this one's: an out-of-memory error the job alone would not hit, and a `peak_memory_bytes` that
-    counts the last job's tensors. A full pass costs about 0.1 s, next to a GPU job's start-up.
+    collector's next full pass (the errors OmegaConf raises and catches inside `key in cfg` and `cfg.get`
+    keep the frames that called them, `train`'s among them; the capture session's hooks point back at it).
+    On a GPU that is the last job's memory beside this one's: an out-of-memory error the job alone would
+    not hit, and a `peak_memory_bytes` that counts the last job's tensors. A full pass costs about 0.1 s,
+    next to a GPU job's start-up.
     """
     if torch.cuda.is_initialized():
         gc.collect()
