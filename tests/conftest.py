@@ -16,6 +16,7 @@ from typing import Literal, TextIO
 import pandas as pd
 import pytest
 import torch
+import warm
 from hydra import compose, initialize_config_module
 from hypothesis import settings
 from omegaconf import DictConfig
@@ -187,7 +188,86 @@ def cli_env() -> dict[str, str]:
     # This file's directory too, so `_target_` can name ScaledLinear above.
     here = str(TESTS)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), here, env.get("PYTHONPATH")) if p)
+    if "socket" in _WARM:  # in every environment, as in the warm server's: ranks' requests must match it
+        env[warm.SOCKET_VARIABLE] = str(_WARM["socket"])
     return env
+
+
+# -- torchrun with warm ranks ------------------------------------------------------------------------
+#: This test worker's warm server (`warm.py`): its socket, process and client, once started.
+_WARM: dict[str, object] = {}
+
+
+def torchrun_command(world: int, *entry: str) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=WORLD ENTRY` (`-m MODULE ARGS` or `SCRIPT ARGS`), ranks forked warm.
+
+    The ranks are started by torchrun as ever, as `warm.py`'s client (`--no-python`): each is forked from this
+    worker's server, which imported torch and the rest once, instead of paying 3 to 7 s of CPU for it. Keep
+    a plain `python -m torch.distributed.run` where a fresh interpreter is the subject (import-time behaviour).
+    Run it with `cli_env()`. Example::
+
+        subprocess.run(torchrun_command(2, "-m", "gradrunner", "+experiment=mlp"), env=cli_env(), ...)
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    client = warm_python()
+    return [*cmd, *entry] if client is None else [*cmd, "--no-python", str(client), "-u", *entry]
+
+
+def warm_python() -> Path | None:
+    """The client of this worker's warm server, started on first use (None where it would not serve)."""
+    if "client" not in _WARM:
+        _WARM["client"] = _start_warm()
+    client = _WARM["client"]
+    assert client is None or isinstance(client, Path)
+    return client
+
+
+def _start_warm() -> Path | None:
+    import secrets
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="gradrunner-warm-"))
+    sockets = [folder / "socket0", folder / "socket1"]
+    env = {**cli_env(), warm.SOCKET_VARIABLE: os.pathsep.join(map(str, sockets))}
+    servers = []
+    for path in sockets:  # two string-hash seeds (see warm.py), drawn here unless the tests fixed one
+        seeded = "PYTHONHASHSEED" not in env
+        extra = {"PYTHONHASHSEED": str(secrets.randbelow(2**32))} if seeded else {}
+        servers.append(subprocess.Popen(
+            [sys.executable, str(TESTS / "warm.py"), "--serve", str(path), *(["--forget-hash-seed"] * seeded)],
+            env={**env, **extra}, stdout=subprocess.PIPE, text=True,
+        ))  # fmt: skip
+    _WARM.update(socket=env[warm.SOCKET_VARIABLE], servers=servers, folder=folder)
+    for server in servers:
+        assert server.stdout is not None
+        if server.stdout.readline().strip() != "warm: ready":  # it says why on its stdout, or it died
+            _stop_warm()
+            del _WARM["socket"]
+            return None
+    client = folder / "python"
+    # Python itself, not a shell (which would set PWD), without `site`: the client starts in about 20 ms
+    client.write_text(f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {str(TESTS)!r})\nimport warm\n"
+                      "warm.client(sys.argv[1:])\n")  # fmt: skip
+    client.chmod(0o755)
+    return client
+
+
+def _stop_warm() -> None:
+    import shutil
+
+    servers = _WARM.get("servers", [])
+    assert isinstance(servers, list)
+    for server in servers:
+        server.kill()
+        server.wait()
+    if "folder" in _WARM:
+        shutil.rmtree(str(_WARM["folder"]), ignore_errors=True)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The warm servers end with their test worker (they would anyway: they die with their parent)."""
+    _stop_warm()
+
 
 def gradrunner(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -195,12 +275,13 @@ def gradrunner(cwd: Path, *args: str, timeout: float = 180) -> subprocess.Comple
         cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
 
+
 def check_ok(result: subprocess.CompletedProcess[str]) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
 
+
 def job_dirs(root: Path, pattern: str = "outputs/*/*") -> list[Path]:
     return sorted(root.glob(pattern))
-
 
 
 # -- a command run inside the test's process -----------------------------------------------------------

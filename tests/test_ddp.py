@@ -6,13 +6,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import check_ok, cli_env
+from conftest import check_ok, cli_env, torchrun_command
 
 from gradrunner.analysis import load
 
@@ -24,8 +23,8 @@ TAPS = "taps=[fc1:output,fc1:bias,head:weight]"
 
 def torchrun(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """torchrun in a session of its own: on a time-out the whole group goes, workers included."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gradrunner"]
-    proc = subprocess.Popen([*cmd, *args], cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    cmd = torchrun_command(2, "-m", "gradrunner", *args)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
     try:
         out, err = proc.communicate(timeout=180)
@@ -110,8 +109,7 @@ def accumulated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     each strategy's counts and records under `<dir>/<strategy>/` (one spawn where there were three)."""
     out = tmp_path_factory.mktemp("accumulated")
     script = Path(__file__).parent / "ddp_sync_count.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-           str(out), ",".join(STRATEGIES)]  # fmt: skip
+    cmd = torchrun_command(2, str(script), str(out), ",".join(STRATEGIES))
     proc = subprocess.run(cmd, cwd=out, env=cli_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out

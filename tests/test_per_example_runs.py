@@ -12,9 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import signal
-import socket
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -234,13 +231,7 @@ def test_hf_trainer_tiny_gpt2(tmp_path: Path) -> None:
     assert_matches(got, ref, {t: None for t in taps}, rtol=1e-4)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rank(rank: int, port: int, out: str) -> None:
+def _rank(rank: int, out: str) -> None:
     """One DDP rank (gloo): capture(per_example) of the averaged step, and its own loop's rows / world size."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -248,7 +239,7 @@ def _rank(rank: int, port: int, out: str) -> None:
     from gradrunner.run.distributed import capture_target
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2)  # torchrun's MASTER_ADDR and MASTER_PORT
     try:
         model = mlp()
         twin = copy.deepcopy(model)
@@ -286,17 +277,9 @@ def all_params_of(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def test_ddp_two_ranks_rows_are_shares_of_the_averaged_grad_with_and_without_accumulation(tmp_path: Path) -> None:
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import torch.multiprocessing as mp, test_per_example_runs as t; "
-            "mp.spawn(t._rank, args=(int(sys.argv[2]), sys.argv[3]), nprocs=2, join=True)")  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", code, str(TESTS), str(_free_port()), str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, out
+    from test_sharded_stats import torchrun
+
+    torchrun(2, tmp_path, [], timeout=600, script=Path(__file__).name)  # no rank left behind, or it fails
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for res in results:
         assert_matches(res["got"], res["ref"], {t: None for t in res["ref"]})
@@ -322,3 +305,8 @@ def test_a_loss_scale_is_divided_out_of_the_rows(strategy: str) -> None:
             rows.append(cap.records(loss).per_example_norm)
     for plain, scaled in zip(*rows, strict=True):
         np.testing.assert_allclose(scaled, plain, rtol=1e-6)
+
+
+if __name__ == "__main__":  # a rank under torchrun (the DDP test above): `torchrun ... test_per_example_runs.py OUT`
+    (Path(sys.argv[1]) / f"pid.rank{os.environ['RANK']}").write_text(str(os.getpid()))  # for the test's check
+    _rank(int(os.environ["RANK"]), sys.argv[1])

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import cli_env, gradrunner
+from conftest import cli_env, gradrunner_in_process, torchrun_command
 from torch import nn
 
 from gradrunner.errors import GradrunnerError
@@ -64,8 +64,7 @@ def descendants(pid: int) -> list[int]:
 
 def torchrun(cwd: Path, *args: str, world: int = 2, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """`torchrun -m gradrunner ARGS`; on a time-out torchrun and every rank are killed (none is left behind)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           "-m", "gradrunner", *args]  # fmt: skip
+    cmd = torchrun_command(world, "-m", "gradrunner", *args)
     proc = subprocess.Popen(cmd, cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # fmt: skip
     try:
@@ -88,7 +87,7 @@ def compare(a: Path, b: Path) -> subprocess.CompletedProcess[str]:
 # -- bad input: one paragraph, before anything runs ------------------------------------------------
 @pytest.mark.parametrize("mode", ["fsdp2", "hsdp"])
 def test_a_sharded_mode_in_one_process_says_how_to_start_torchrun(tmp_path: Path, mode: str) -> None:
-    result = gradrunner(tmp_path, "+experiment=mlp", "steps=1", f"train.parallel={mode}", "hydra.run.dir=run")
+    result = gradrunner_in_process(tmp_path, "+experiment=mlp", "steps=1", f"train.parallel={mode}", "hydra.run.dir=run")
     assert result.returncode == 2, result.stderr
     (line,) = [x for x in result.stderr.splitlines() if x.strip()]
     assert line.startswith("gradrunner: error: ") and "Traceback" not in result.stderr
@@ -97,14 +96,14 @@ def test_a_sharded_mode_in_one_process_says_how_to_start_torchrun(tmp_path: Path
 
 
 def test_a_sweep_of_sharded_jobs_in_one_process_is_refused_before_any_job(tmp_path: Path) -> None:
-    result = gradrunner(tmp_path, "-m", "+experiment=mlp", "steps=1", "train.parallel=fsdp2", "seed=0,1",
-                        "hydra.sweep.dir=sw")  # fmt: skip
+    result = gradrunner_in_process(tmp_path, "-m", "+experiment=mlp", "steps=1", "train.parallel=fsdp2", "seed=0,1",
+                                   "hydra.sweep.dir=sw")  # fmt: skip
     assert result.returncode == 2 and "torchrun --standalone --nproc_per_node=2" in result.stderr, result.stderr
     assert not list(tmp_path.glob("sw/*/*.parquet")) and not (tmp_path / "sw" / "0").exists()
 
 
 def test_an_unknown_parallel_mode_names_the_allowed_ones(tmp_path: Path) -> None:
-    result = gradrunner(tmp_path, "+experiment=mlp", "steps=1", "train.parallel=zero3", "hydra.run.dir=run")
+    result = gradrunner_in_process(tmp_path, "+experiment=mlp", "steps=1", "train.parallel=zero3", "hydra.run.dir=run")
     assert result.returncode == 2 and "train.parallel='zero3'" in result.stderr, result.stderr
     assert "ddp, fsdp2, hsdp" in result.stderr
 

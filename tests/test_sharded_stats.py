@@ -17,7 +17,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import cli_env
+from conftest import cli_env, torchrun_command
 from sharded_ranks import SAMPLE, batch, build_model, loss_of, sharded_records
 
 from gradrunner.capturing.extras import value_norm
@@ -59,8 +58,7 @@ def torchrun(world: int, out: Path, cases: list[str], timeout: float = 300, scri
     does not reach them: SIGTERM lets torchrun stop its ranks, then every rank still running (found by
     the pid each wrote, checked to be our `sharded_ranks.py` with this `out`) is killed with its group.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(HERE / script), str(out), *cases]  # fmt: skip
+    cmd = torchrun_command(world, str(HERE / script), str(out), *cases)
     proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     log = ""
@@ -94,7 +92,8 @@ def ranks_left(out: Path, script: str = "sharded_ranks.py") -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if os.fsencode(script) in cmdline and os.fsencode(out) in cmdline:
+        # a warm rank (`conftest.torchrun_command`) shows its server's command line, not the script's
+        if (os.fsencode(script) in cmdline and os.fsencode(out) in cmdline) or b"warm.py\0--serve" in cmdline:
             alive.append(pid)
     return alive
 

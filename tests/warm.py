@@ -1,0 +1,279 @@
+"""A warm Python for the tests' torchrun ranks: `python warm.py ARGS` runs as `python ARGS` would, forked from a
+server that has already imported torch (and torch._dynamo, Hydra, transformers, Lightning).
+
+Why: each rank of a torchrun pays 3 to 7 s of CPU importing those before it does anything, and the suite starts
+about a hundred ranks on a 2-core machine. A rank forked from the server pays none of it; everything else is a
+process of its own as before: its own pid, session, file descriptors, environment, argv, cwd, exit status and
+signals, and gradrunner itself (imported by no server) is imported afresh by each rank.
+
+Two halves, one file:
+
+- the **server** (`python warm.py --serve SOCKET`, started once per test worker by `conftest.warm_python`):
+  imports `PRELOAD`, refuses to serve if that started a thread (a fork would lose it), then for each request
+  forks a waiter, which forks the rank (`_run`), tells the client its pid, and reports its exit status. If
+  the client dies first (SIGKILL'd with its torchrun), the waiter kills the rank: as a killed process does,
+  it leaves nothing behind.
+- the **client** (`python -S warm.py [-u] (-m MODULE | SCRIPT) ARGS`, what torchrun starts with `--no-python`):
+  sends its argv, environment, cwd and its stdin/stdout/stderr to the server, forwards the signals it gets to
+  the rank, and exits as the rank did (the same code, or killed by the same signal). Without a server, or where
+  its environment differs from the server's in anything but a rank's own variables (`RANK_VARIABLES`: the
+  imports might read it), it `exec`s the real interpreter instead: the answer is never a warm process that
+  could differ from a fresh one.
+
+A fork shares its server's string-hash seed, where fresh ranks each draw their own (and a set of names iterated
+in another order on each rank is a real bug a test must see): each worker has two servers with different seeds,
+and a rank goes to the one of its `LOCAL_RANK`'s parity, so neighbouring ranks never share a seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+#: The variables torchrun sets per rank (and pytest per test): a request may differ from the server in these only.
+RANK_VARIABLES = frozenset({
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ENABLE_FILE_TIMER",
+    "TORCHELASTIC_TIMER_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "PYTEST_CURRENT_TEST", "GRADRUNNER_TEST_WARM_DEBUG",
+})  # fmt: skip
+#: What the server imports once (each only if installed): the costly imports of a rank.
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+           "torch.distributed.tensor.parallel", "numpy", "hydra", "hydra.utils", "omegaconf", "transformers",
+           "transformers.models.gpt2.modeling_gpt2", "lightning")  # fmt: skip
+#: Signals the client passes on to the rank (as a shell's `exec` would have them reach it).
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+SOCKET_VARIABLE = "GRADRUNNER_TEST_WARM_SOCKET"
+
+
+# -- the wire: a 4-byte length, then JSON --------------------------------------------------------------
+def _send(conn: socket.socket, obj: object, fds: list[int] | None = None) -> None:
+    data = json.dumps(obj).encode()
+    packet = struct.pack("!I", len(data)) + data
+    if fds:
+        socket.send_fds(conn, [packet], fds)
+    else:
+        conn.sendall(packet)
+
+
+def _recv_exactly(conn: socket.socket, n: int, first: bytes = b"") -> bytes:
+    data = first
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
+def _recv(conn: socket.socket, with_fds: int = 0) -> tuple[object, list[int]]:
+    fds: list[int] = []
+    if with_fds:
+        head, fds, _, _ = socket.recv_fds(conn, 1 << 16, with_fds)
+    else:
+        head = conn.recv(4)
+    if len(head) < 4:
+        head = _recv_exactly(conn, 4, head)
+    (n,) = struct.unpack("!I", head[:4])
+    return json.loads(_recv_exactly(conn, n, head[4:])), fds
+
+
+# -- the client ------------------------------------------------------------------------------------------
+def _exec_python(args: list[str]) -> None:
+    os.execv(sys.executable, [sys.executable, *args])
+
+
+def client(args: list[str]) -> None:
+    """Run `python ARGS` warm where the server can, else exec it; exit as the rank did."""
+    target = args[1:] if args[:1] == ["-u"] else args  # the server runs unbuffered (PYTHONUNBUFFERED=1)
+    paths = os.environ.get(SOCKET_VARIABLE, "").split(os.pathsep)
+    path = paths[int(os.environ.get("LOCAL_RANK", "0") or 0) % len(paths)]  # neighbours: two hash seeds
+    runnable = len(target) >= 2 if target[:1] == ["-m"] else bool(target) and not target[0].startswith("-")
+    if not path or not runnable:  # another interpreter option: the real interpreter
+        _exec_python(args)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        leader = "session" if os.getsid(0) == os.getpid() else "group" if os.getpgid(0) == os.getpid() else ""
+        request = {"argv": target, "env": dict(os.environ), "cwd": os.getcwd(), "leader": leader}
+        _send(conn, request, [0, 1, 2])
+        answer, _ = _recv(conn)
+    except (OSError, EOFError):
+        conn.close()
+        _exec_python(args)
+    assert isinstance(answer, dict)
+    if "fallback" in answer:
+        if os.environ.get("GRADRUNNER_TEST_WARM_DEBUG"):
+            print(f"warm: a real interpreter: these variables differ from the server's: {answer['fallback']}",
+                  file=sys.stderr)  # fmt: skip
+        conn.close()
+        _exec_python(args)
+    pid = int(answer["pid"])
+    for sig in FORWARDED:
+        signal.signal(sig, lambda s, _f: os.kill(pid, s))
+    while True:
+        try:
+            status, _ = _recv(conn)
+            break
+        except InterruptedError:
+            continue
+        except EOFError:  # the waiter died: the rank was killed with it
+            status = {"status": signal.SIGKILL}
+            break
+    assert isinstance(status, dict)
+    st = int(status["status"])
+    if os.WIFSIGNALED(st):
+        sig = os.WTERMSIG(st)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(os.waitstatus_to_exitcode(st))
+
+
+# -- the server ------------------------------------------------------------------------------------------
+def serve(path: str, forget_hash_seed: bool) -> None:
+    import ctypes
+    import importlib.util
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: gone with the test worker that started it
+    if forget_hash_seed:  # this server's own seed: not in its ranks' environment, as it was not in the request
+        del os.environ["PYTHONHASHSEED"]
+    env = dict(os.environ)  # what a request's must equal (but for RANK_VARIABLES)
+    for name in PRELOAD:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except ModuleNotFoundError:
+            found = False
+        if found:
+            __import__(name)
+    threads = os.listdir("/proc/self/task")
+    if len(threads) != 1:  # a fork keeps only the forking thread: refuse, the clients exec a real Python
+        print(f"warm: not serving, the imports started {len(threads) - 1} thread(s)", flush=True)
+        return
+    imports_set = {k: v for k, v in os.environ.items() if env.get(k) != v}  # torch sets some: so would the rank's
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel
+    print("warm: ready", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        try:
+            request, fds = _recv(conn, with_fds=3)
+        except (OSError, EOFError, ValueError):
+            conn.close()
+            continue
+        assert isinstance(request, dict)
+        differ = sorted(k for k in set(env) | set(request["env"])
+                        if k not in RANK_VARIABLES and env.get(k) != request["env"].get(k))  # fmt: skip
+        if differ or len(fds) != 3:
+            _send(conn, {"fallback": differ})
+        elif os.fork() == 0:
+            listener.close()
+            request["env"] = {**imports_set, **request["env"]}
+            _wait_for_rank(conn, fds, request)  # never returns
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+
+
+def _wait_for_rank(conn: socket.socket, fds: list[int], request: dict[str, object]) -> None:
+    import select
+
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            _run(fds, request)  # never returns
+        for fd in fds:
+            os.close(fd)
+        _send(conn, {"pid": pid})
+        pidfd = os.pidfd_open(pid)
+        poller = select.poll()
+        poller.register(conn, select.POLLIN | select.POLLHUP)
+        poller.register(pidfd, select.POLLIN)
+        while True:
+            ready = {fd for fd, _ in poller.poll()}
+            if pidfd in ready:
+                _, st = os.waitpid(pid, 0)
+                _send(conn, {"status": st})
+                break
+            if not conn.recv(4096):  # the client is gone (killed): so is its rank
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                break
+    finally:
+        os._exit(0)
+
+
+def _run(fds: list[int], request: dict[str, object]) -> None:
+    """The rank: this process becomes `python ARGV` started by the client, then exits as Python would."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    code = 1
+    try:
+        leader = request["leader"]
+        if leader == "session":
+            os.setsid()
+        elif leader == "group":
+            os.setpgid(0, 0)
+        for i, fd in enumerate(fds):
+            os.dup2(fd, i)
+            os.close(fd)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        env, argv, cwd = request["env"], request["argv"], request["cwd"]
+        assert isinstance(env, dict) and isinstance(argv, list) and isinstance(cwd, str)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS: so does this one
+            sys.modules["numpy"].random.seed()
+        try:
+            if argv[0] == "-m":
+                sys.argv = [argv[1], *argv[2:]]
+                sys.path[0] = cwd
+                runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = list(argv)
+                sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+                runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        except KeyboardInterrupt:
+            traceback.print_exc()
+            code = -signal.SIGINT
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        threading._shutdown()  # type: ignore[attr-defined]  # as at Python's exit: non-daemon threads, then atexit
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+    finally:
+        if code < 0:  # an uncaught KeyboardInterrupt: Python ends by SIGINT
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        serve(sys.argv[2], sys.argv[3:] == ["--forget-hash-seed"])
+    else:
+        client(sys.argv[1:])
