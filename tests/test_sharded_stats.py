@@ -79,8 +79,12 @@ def torchrun(world: int, out: Path, cases: list[str], timeout: float = 300, scri
         while ranks_left(out, script) and time.monotonic() < deadline:  # killed: gone as soon as they are reaped
             time.sleep(0.1)
         assert not ranks_left(out, script), "ranks outlived the test"
-    errors = [line for line in log.splitlines() if line.startswith("[rank") and "Error" in line]
-    assert proc.returncode == 0, "\n".join(errors[:8]) + "\n" + log[-3000:]
+    lines = log.splitlines()
+    errors = [line for line in lines if line.startswith("[rank") and "Error" in line]
+    # a rank that aborted: what C++ said and every thread's Python stack (PYTHONFAULTHANDLER), not only the tail
+    fatal = next((i for i, line in enumerate(lines) if "terminate called" in line or "Fatal Python error" in line), None)
+    aborted = "\n".join(lines[max(0, fatal - 2) : fatal + 60]) if fatal is not None else ""
+    assert proc.returncode == 0, "\n".join(errors[:8]) + "\n" + aborted + "\n" + log[-3000:]
 
 
 def ranks_left(out: Path, script: str = "sharded_ranks.py") -> list[int]:
