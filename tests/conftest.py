@@ -215,6 +215,15 @@ def torchrun_command(world: int, *entry: str) -> list[str]:
 
 def warm_python() -> Path | None:
     """The client of this worker's warm server, started on first use (None where it would not serve)."""
+    if _WARM.get("client") is not None and _WARM.get("env") != _server_env():
+        # The test process's environment changed since (a library it imported set a variable): the servers'
+        # imports ran without it, so a rank would not start as a fresh one would. Start them again.
+        if os.environ.get("GRADRUNNER_TEST_WARM_DEBUG"):
+            env, was = _server_env(), _WARM.get("env") or {}
+            changed = sorted(k for k in set(env) | set(was) if env.get(k) != was.get(k))  # type: ignore[attr-defined]
+            with open(Path(os.environ["GRADRUNNER_TEST_WARM_DEBUG"]) / f"{os.getpid()}-restarts", "a") as log:
+                log.write(f"{changed}\n")
+        _stop_warm()
     if "client" not in _WARM:  # GRADRUNNER_TEST_COLD=1: every rank a fresh interpreter, as torchrun alone starts it
         _WARM["client"] = None if os.environ.get("GRADRUNNER_TEST_COLD") == "1" else _start_warm()
     client = _WARM["client"]
@@ -237,12 +246,11 @@ def _start_warm() -> Path | None:
             [sys.executable, str(TESTS / "warm.py"), "--serve", str(path), *(["--forget-hash-seed"] * seeded)],
             env={**env, **extra}, stdout=subprocess.PIPE, text=True,
         ))  # fmt: skip
-    _WARM.update(socket=env[warm.SOCKET_VARIABLE], servers=servers, folder=folder)
+    _WARM.update(socket=env[warm.SOCKET_VARIABLE], servers=servers, folder=folder, env=_server_env())
     for server in servers:
         assert server.stdout is not None
         if server.stdout.readline().strip() != "warm: ready":  # it says why on its stdout, or it died
             _stop_warm()
-            del _WARM["socket"]
             return None
     client = folder / "python"
     # Python itself, not a shell (which would set PWD), without `site`: the client starts in about 20 ms
@@ -250,6 +258,11 @@ def _start_warm() -> Path | None:
                       "warm.client(sys.argv[1:])\n")  # fmt: skip
     client.chmod(0o755)
     return client
+
+
+def _server_env() -> dict[str, str]:
+    """What a warm server's environment depends on: `cli_env()` but for the per-test and per-server variables."""
+    return {k: v for k, v in cli_env().items() if k not in ("PYTEST_CURRENT_TEST", warm.SOCKET_VARIABLE)}
 
 
 def _stop_warm() -> None:
@@ -261,7 +274,12 @@ def _stop_warm() -> None:
         server.kill()
         server.wait()
     if "folder" in _WARM:
-        shutil.rmtree(str(_WARM["folder"]), ignore_errors=True)
+        folder = Path(str(_WARM["folder"]))
+        if os.environ.get("GRADRUNNER_TEST_WARM_DEBUG"):  # which ranks started cold, and why
+            for log in folder.glob("*.fallbacks"):
+                shutil.copy(log, Path(os.environ["GRADRUNNER_TEST_WARM_DEBUG"]) / f"{os.getpid()}-{log.name}")
+        shutil.rmtree(folder, ignore_errors=True)
+    _WARM.clear()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

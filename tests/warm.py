@@ -172,6 +172,8 @@ def serve(path: str, forget_hash_seed: bool) -> None:
                         if k not in RANK_VARIABLES and env.get(k) != request["env"].get(k))  # fmt: skip
         if differ or len(fds) != 3:
             _send(conn, {"fallback": differ})
+            with open(f"{path}.fallbacks", "a") as log:  # conftest reports them at the session's end
+                log.write(json.dumps({"argv": request["argv"], "differ": differ}) + "\n")
         elif os.fork() == 0:
             listener.close()
             request["env"] = {**imports_set, **request["env"]}
