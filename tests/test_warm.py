@@ -1,0 +1,121 @@
+"""The tests' warm ranks (`tests/warm.py`, started by `conftest.torchrun_command`) behave as fresh processes would.
+
+Each case runs a probe script through the warm client as torchrun would run a rank, and checks what its
+parent sees (exit status, output, signals) and what the probe saw (its pid, cwd, argv, environment, hash seed).
+A warm rank is a fork of the server, so its pid is not the client's; a real interpreter (the fallback) is
+`exec`ed by the client and keeps its pid: that is how each case knows which of the two ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import cli_env, warm_python
+
+pytestmark = pytest.mark.slow
+
+PROBE = """
+import json, os, sys, time
+print(json.dumps({"pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv, "hash": hash("gradrunner"),
+                  "probe": os.environ.get("PROBE"), "gradrunner": "gradrunner" in sys.modules}), flush=True)
+if sys.argv[1] == "sleep":
+    open(sys.argv[2], "w").write(str(os.getpid()))
+    time.sleep(600)
+if sys.argv[1] == "raise":
+    raise ValueError("the probe raised")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture
+def client() -> Path:
+    found = warm_python()
+    if found is None:
+        pytest.skip("no warm server on this machine (GRADRUNNER_TEST_COLD=1, or it printed why)")
+    return found
+
+
+def start(client: Path, cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    (cwd / "probe.py").write_text(PROBE)
+    return subprocess.Popen([str(client), "-u", str(cwd / "probe.py"), *args], cwd=cwd, env={**cli_env(), **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+
+
+def finish(proc: subprocess.Popen[str]) -> tuple[int, dict[str, Any], str]:
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, json.loads(out.splitlines()[0]), err
+
+
+def test_a_warm_rank_exits_as_its_script_did_from_its_cwd_and_argv(client: Path, tmp_path: Path) -> None:
+    proc = start(client, tmp_path, "3", env={"RANK": "1", "LOCAL_RANK": "1"})
+    code, seen, _ = finish(proc)
+    assert code == 3
+    assert seen["pid"] != proc.pid  # forked warm, not exec'ed
+    assert seen["cwd"] == str(tmp_path) and seen["argv"] == [str(tmp_path / "probe.py"), "3"]
+    assert not seen["gradrunner"]  # the server imports no gradrunner: each rank imports its own
+
+
+def test_an_uncaught_exception_is_a_traceback_and_status_1(client: Path, tmp_path: Path) -> None:
+    code, seen, err = finish(start(client, tmp_path, "raise"))
+    assert code == 1 and "ValueError: the probe raised" in err and "Traceback" in err
+
+
+def test_another_environment_gets_a_real_interpreter(client: Path, tmp_path: Path) -> None:
+    proc = start(client, tmp_path, "0", env={"PROBE": "set"})  # the server's imports ran without it
+    code, seen, _ = finish(proc)
+    assert code == 0 and seen["pid"] == proc.pid and seen["probe"] == "set"
+
+
+def test_neighbouring_ranks_have_their_own_hash_seeds(client: Path, tmp_path: Path) -> None:
+    seen = [finish(start(client, tmp_path, "0", env={"LOCAL_RANK": str(r)}))[1] for r in (0, 1)]
+    assert seen[0]["hash"] != seen[1]["hash"]
+
+
+def test_a_signal_to_the_client_ends_the_rank_and_the_client_as_that_signal(client: Path, tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    proc = start(client, tmp_path, "sleep", str(pid_file))
+    rank = _wait_for_pid(pid_file, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGTERM
+    assert _gone(rank)
+
+
+def test_a_sigkilled_client_takes_its_rank_with_it(client: Path, tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    proc = start(client, tmp_path, "sleep", str(pid_file))
+    rank = _wait_for_pid(pid_file, proc)
+    proc.kill()
+    proc.communicate(timeout=120)
+    assert _gone(rank), f"rank {rank} outlived its killed client"
+
+
+def _wait_for_pid(pid_file: Path, proc: subprocess.Popen[str]) -> int:
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() or not pid_file.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, "the probe never started"
+        time.sleep(0.02)
+    rank = int(pid_file.read_text())
+    assert rank != proc.pid
+    return rank
+
+
+def _gone(pid: int) -> bool:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)  # still there: the test fails, and leaves nothing behind
+    return False
