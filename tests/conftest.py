@@ -261,8 +261,9 @@ def _start_warm() -> Path | None:
 
 
 def _server_env() -> dict[str, str]:
-    """What a warm server's environment depends on: `cli_env()` but for the per-test and per-server variables."""
-    return {k: v for k, v in cli_env().items() if k not in ("PYTEST_CURRENT_TEST", warm.SOCKET_VARIABLE)}
+    """What a warm server's environment depends on: `cli_env()` but for the variables torchrun sets per rank (a
+    test's process may have kept one: it changes nothing a rank sees) and the server's own."""
+    return {k: v for k, v in cli_env().items() if k not in warm.RANK_VARIABLES and k != warm.SOCKET_VARIABLE}
 
 
 def _stop_warm() -> None:
