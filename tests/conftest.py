@@ -202,7 +202,7 @@ def torchrun_command(world: int, *entry: str) -> list[str]:
     """`torchrun --standalone --nproc_per_node=WORLD ENTRY` (`-m MODULE ARGS` or `SCRIPT ARGS`), ranks forked warm.
 
     The ranks are started by torchrun as ever, as `warm.py`'s client (`--no-python`): each is forked from this
-    worker's server, which imported torch and the rest once, instead of paying 3 to 7 s of CPU for it. Keep
+    worker's server, which imported torch and the rest once, instead of paying 2 to 5 s of CPU for it. Keep
     a plain `python -m torch.distributed.run` where a fresh interpreter is the subject (import-time behaviour).
     Run it with `cli_env()`. Example::
 
