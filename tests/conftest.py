@@ -194,7 +194,7 @@ def cli_env() -> dict[str, str]:
 
 
 # -- torchrun with warm ranks ------------------------------------------------------------------------
-#: This test worker's warm server (`warm.py`): its socket, process and client, once started.
+#: This test worker's warm servers (`warm.py`): their sockets, processes, folder, environment and client, once started.
 _WARM: dict[str, object] = {}
 
 
