@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradrunner.capturing import reductions
 from gradrunner.capturing.per_example_math import Dense, Form, Lazy, projection
 
 #: |g's projection - the calls' projections| above this fraction of the projections' magnitudes: not all of it is theirs.
@@ -131,14 +132,12 @@ class _Layout:
     """
 
     def __init__(self, checks: Sequence[Projection], device: torch.device) -> None:
-        n = len(checks)
-        calls = [(j, t.numel()) for j, c in enumerate(checks) for t in c.calls]
-        grads = [(n + j, t.numel()) for j, c in enumerate(checks) for t in c.grads]
-        seg = np.concatenate([np.repeat(np.asarray([j for j, _ in part], dtype=np.int64),
-                                        np.asarray([k for _, k in part], dtype=np.int64))
-                              for part in (calls, grads)])  # fmt: skip
-        self.ids = torch.from_numpy(seg).to(device)
-        self.n_calls = sum(k for _, k in calls)
+        calls = tuple(sum(t.numel() for t in c.calls) for c in checks)
+        grads = tuple(sum(t.numel() for t in c.grads) for c in checks)
+        # each segment's elements lie together in the stack: summed in a fixed order (the same bits every run)
+        self.segments = reductions.segments(calls + grads).to(device)
+        self.call_segments = reductions.segments(calls).to(device)
+        self.n_calls = sum(calls)
         tols = [CHECK_TOL_LOW if c.low_precision else CHECK_TOL for c in checks]
         self.tol = torch.tensor(tols, dtype=torch.float32).to(device)
 
@@ -164,9 +163,8 @@ def verdicts(checks: Sequence[Projection]) -> torch.Tensor:
     # ~1e-7 of their magnitude, three orders below CHECK_TOL.
     wide = torch.cat(parts)
     n = len(checks)
-    sums = torch.zeros(2 * n, dtype=wide.dtype, device=device).index_add_(0, layout.ids, wide)
-    mags = torch.zeros(n, dtype=wide.dtype, device=device).index_add_(
-        0, layout.ids[: layout.n_calls], wide[: layout.n_calls].abs())  # fmt: skip
+    sums = reductions.segment_sums(wide, layout.segments)
+    mags = reductions.segment_sums(wide[: layout.n_calls].abs(), layout.call_segments)
     return ~((sums[:n] - sums[n:]).abs() > layout.tol.to(wide.dtype) * mags)
 
 

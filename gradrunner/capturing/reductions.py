@@ -115,43 +115,116 @@ def reduction_blocks(
     return rows, blocks
 
 
+class Segments(NamedTuple):
+    """Where each element of a concatenation of k segments (sizes known on the host) goes, for `reduce_batch`.
+
+    `ids` numbers each element by its segment. For sums in a fixed order, segment i's elements fill their
+    own chunks of `width` elements (zero-padded) at `slots`; chunk c's sum goes to `chunk_slots[c]` of a
+    (k, `per`) matrix (zero-padded), whose rows are summed. Built by `segments`, copied to the device once.
+    """
+
+    ids: torch.Tensor
+    slots: torch.Tensor
+    chunk_slots: torch.Tensor
+    k: int
+    width: int
+    chunks: int
+    per: int
+
+    def to(self, device: torch.device) -> Segments:
+        """The same layout on `device`, copied without blocking (from pinned memory on CUDA): no host sync."""
+        if device.type == "cpu":
+            return self
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+        return self._replace(ids=move(self.ids), slots=move(self.slots), chunk_slots=move(self.chunk_slots))
+
+
+def segments(sizes: tuple[int, ...]) -> Segments:
+    """The host-side layout of segments of `sizes` elements (`Segments`).
+
+    Example::
+
+        segments((3, 1)).ids   # tensor([0, 0, 0, 1])
+    """
+    n = torch.tensor(sizes, dtype=torch.int64)
+    k, big = len(sizes), max(sizes, default=0)
+    width = min(256, 1 << max(big - 1, 0).bit_length())  # a power of two, no wider than the largest segment
+    per_seg = (n + width - 1) // width
+    first = torch.cumsum(per_seg, 0) - per_seg  # each segment's first chunk
+    ids = torch.repeat_interleave(torch.arange(k), n)
+    start = torch.cumsum(n, 0) - n
+    slots = first[ids] * width + torch.arange(ids.numel()) - start[ids]
+    chunk_ids = torch.repeat_interleave(torch.arange(k), per_seg)
+    chunks, per = int(per_seg.sum()), int(per_seg.max()) if k else 0
+    chunk_slots = chunk_ids * per + torch.arange(chunks) - first[chunk_ids]
+    return Segments(ids, slots, chunk_slots, k, width, chunks, per)
+
+
+def one_segment(n: int, device: torch.device) -> Segments:
+    """The layout of a single segment of `n` elements, made on `device` (no host copy: n may be large)."""
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    return Segments(torch.zeros(n, dtype=torch.int64, device=device), empty, empty, 1, n, 1, 1)
+
+
+def segment_sums(x: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """Each segment's sum along the last dim of `x` (..., N): (..., k), the same bits on every run.
+
+    `index_add_` on CUDA adds in the order its atomics land, so float sums differ in their last bits from
+    run to run; here every sum is taken in a fixed order (chunk sums, then each segment's chunks), by a
+    fixed number of ops whatever k. Places are written once each (no accumulation), then summed.
+
+    Example::
+
+        segment_sums(torch.tensor([1.0, 2.0, 4.0]), segments((2, 1)))   # tensor([3., 4.])
+    """
+    if seg.k == 1:
+        return x.sum(-1, keepdim=True)
+    lead = x.shape[:-1]
+    padded = x.new_zeros(*lead, seg.chunks * seg.width)
+    padded[..., seg.slots] = x
+    parts = padded.view(*lead, seg.chunks, seg.width).sum(-1)
+    table = x.new_zeros(*lead, seg.k * seg.per)
+    table[..., seg.chunk_slots] = parts
+    return table.view(*lead, seg.k, seg.per).sum(-1)
+
+
 def reduce_batch(
-    xs: list[torch.Tensor], ids: torch.Tensor, histogram: bool, row_ids: torch.Tensor | None = None, n_rows: int = 0,
+    xs: list[torch.Tensor], seg: Segments, histogram: bool, rows: Segments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Reductions of each flat tensor of `xs` (one dtype, one device, none empty), all at once.
 
     Returns the (k, 7) wide-float reductions `[sum, sumsq, min, max, nonzero, nan, inf]` per tensor
-    and, with `histogram`, their (k, HIST_BINS) int64 counts; with `row_ids` (each element's row,
-    of `n_rows`) the L2 norm of every row (per-example norms, float64). `ids` numbers each element
-    of the concatenation by its tensor (`Collector._segment_ids`). One `cat`, a widening, and a fixed
-    number of segmented reductions (`index_add_`, `scatter_reduce_`): the number of ops does not
-    depend on k, and nothing is read on the host. The sums are accumulated in float64 (float32 on
-    mps) from widened elements: small tensors, so the widened copy is small.
+    and, with `histogram`, their (k, HIST_BINS) int64 counts; with `rows` (the layout of every tensor's
+    rows in the concatenation) the L2 norm of every row (per-example norms, float64). `seg` is the layout
+    of the tensors in their concatenation (`segments`, on their device). One `cat`, a widening, and a
+    fixed number of segmented reductions: the number of ops does not depend on k, and nothing is read
+    on the host. The sums are accumulated in float64 (float32 on mps) from widened elements, in a fixed
+    order (`segment_sums`); the counts, exact integers, and min and max do not depend on the order.
 
     Example::
 
-        ids = torch.tensor([0, 0, 1])
-        reduce_batch([torch.tensor([1.0, -2.0]), torch.tensor([0.0])], ids, False)[0][:, 0]  # sums: [-1, 0]
+        reduce_batch([torch.tensor([1.0, -2.0]), torch.tensor([0.0])], segments((2, 1)), False)[0][:, 0]  # [-1, 0]
     """
     k = len(xs)
     x = torch.cat(xs) if k > 1 else xs[0]
     wide = torch.float32 if x.device.type == "mps" else torch.float64
     w = x.to(wide)
-    acc = torch.zeros((5, k), dtype=wide, device=x.device)
-    acc[0].index_add_(0, ids, w)
     squares = w * w
-    acc[1].index_add_(0, ids, squares)
-    acc[2].index_add_(0, ids, (x != 0).to(wide))  # -0.0 is a zero; NaN is not (as count_nonzero)
-    acc[3].index_add_(0, ids, torch.isnan(x).to(wide))
-    acc[4].index_add_(0, ids, torch.isinf(x).to(wide))
+    sums = segment_sums(torch.stack([w, squares]), seg)
+    counts = torch.zeros((3, k), dtype=torch.int64, device=x.device)  # integers: any order adds them exactly
+    counts[0].index_add_(0, seg.ids, (x != 0).long())  # -0.0 is a zero; NaN is not (as count_nonzero)
+    counts[1].index_add_(0, seg.ids, torch.isnan(x).long())
+    counts[2].index_add_(0, seg.ids, torch.isinf(x).long())
+    counts = counts.to(wide)
     # min and max with NaN are set to NaN from the NaN count when the statistics are derived
-    mn = torch.full((k,), math.inf, dtype=wide, device=x.device).scatter_reduce_(0, ids, w, "amin")
-    mx = torch.full((k,), -math.inf, dtype=wide, device=x.device).scatter_reduce_(0, ids, w, "amax")
-    block = torch.stack([acc[0], acc[1], mn, mx, acc[2], acc[3], acc[4]], dim=1)
-    rows = None
-    if row_ids is not None:
-        rows = torch.zeros(n_rows, dtype=wide, device=x.device).index_add_(0, row_ids, squares).sqrt_()
-    return block, histogram_batch(x, ids, k) if histogram else None, rows
+    mn = torch.full((k,), math.inf, dtype=wide, device=x.device).scatter_reduce_(0, seg.ids, w, "amin")
+    mx = torch.full((k,), -math.inf, dtype=wide, device=x.device).scatter_reduce_(0, seg.ids, w, "amax")
+    block = torch.stack([sums[0], sums[1], mn, mx, counts[0], counts[1], counts[2]], dim=1)
+    norms = None if rows is None else segment_sums(squares, rows).sqrt_()
+    return block, histogram_batch(x, seg.ids, k) if histogram else None, norms
 
 
 def reduce_one(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -48,7 +48,7 @@ from torch.utils.hooks import RemovableHandle
 from gradrunner.capturing import fused_stats
 from gradrunner.capturing.dtensors import Whole, local_piece
 from gradrunner.capturing.extras import histogram_counts
-from gradrunner.capturing.reductions import N_REDUCTIONS, reduce_batch
+from gradrunner.capturing.reductions import N_REDUCTIONS, one_segment, reduce_batch
 from gradrunner.records.columns import HIST_BINS
 
 #: Columns of a merged row summed over ranks: sum, sumsq, nonzero, nan, inf (in `local_rows`' order), count.
@@ -136,7 +136,7 @@ def local_rows(
             continue
         flat = piece.detach().reshape(-1)
         if not (flat.is_contiguous() and fused_stats.reduce_into(flat, rows[i])):
-            block, _, _ = reduce_batch([flat], torch.zeros(flat.numel(), dtype=torch.int64, device=flat.device), False)
+            block, _, _ = reduce_batch([flat], one_segment(flat.numel(), flat.device), False)
             rows[i] = block[0].to(torch.float64)
         if hist is not None:
             hist[i] = histogram_counts(flat)

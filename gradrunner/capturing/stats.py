@@ -45,12 +45,14 @@ from gradrunner.capturing.reductions import (
     N_REDUCTIONS,
     BatchRow,
     Pending,
+    Segments,
     derive,
     extra_parts,
     fill_extras,
     reduce_batch,
     reduce_one,
     reduction_blocks,
+    segments,
     stack,
 )
 from gradrunner.config.choices import VALUES_MODES
@@ -119,8 +121,8 @@ class Collector:
         self._n_rows = 0
         #: (k, 7) reductions of each batch of small gradients reduced by `flush` (on their device)
         self._batches: list[torch.Tensor] = []
-        #: per-element segment numbers of a batch, by the batch's gradient sizes and device (`_segment_ids`)
-        self._ids: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+        #: the layout of a batch's gradients in their concatenation, by their sizes and device (`_segments`)
+        self._ids: dict[tuple[tuple[int, ...], torch.device], Segments] = {}
         #: per record (by `order`): its backward's number in the step (`micro_step`) and why it has no gradient
         self._micro: dict[int, int] = {}  # (ints, no tuple per record: nothing new for the cyclic GC to track)
         self._why: dict[int, str] = {}
@@ -257,14 +259,14 @@ class Collector:
         for idx in groups.values():
             xs: list[torch.Tensor] = [self._pending[i].deferred for i in idx]  # type: ignore[misc]
             sizes = tuple(x.numel() for x in xs)
-            ids = self._segment_ids(sizes, xs[0].device)
-            # per-example norms: every tensor's rows (one row for a tensor without them), numbered
+            seg = self._segments(sizes, xs[0].device)
+            # per-example norms: every tensor's rows (one row for a tensor without them)
             n_rows = [self._pending[i].rows or 1 for i in idx]
-            row_ids = None
+            rows = None
             if any(self._pending[i].rows is not None for i in idx):
                 row_sizes = tuple(n // r for n, r in zip(sizes, n_rows, strict=True) for _ in range(r))
-                row_ids = self._segment_ids(row_sizes, xs[0].device)
-            block, hist, row_norms = reduce_batch(xs, ids, self.histogram, row_ids, sum(n_rows))
+                rows = self._segments(row_sizes, xs[0].device)
+            block, hist, row_norms = reduce_batch(xs, seg, self.histogram, rows)
             self._batches.append(block)
             at = 0
             for j, (i, r) in enumerate(zip(idx, n_rows, strict=True)):
@@ -276,22 +278,17 @@ class Collector:
                 )  # fmt: skip
                 at += r
 
-    def _segment_ids(self, sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """int64 segment number of each element of the concatenated batch, on `device`; kept per sizes.
-
-        Built on the host and copied without blocking (from pinned memory on CUDA): no host sync, and
-        once per set of sizes (a training step repeats its sizes).
+    def _segments(self, sizes: tuple[int, ...], device: torch.device) -> Segments:
+        """The layout of a batch of segments of `sizes` elements on `device` (`reductions.segments`), kept per sizes:
+        built on the host once per set of sizes (a training step repeats its sizes), copied without a host sync.
         """
         key = (sizes, device)
-        ids = self._ids.get(key)
-        if ids is None:
+        seg = self._ids.get(key)
+        if seg is None:
             if len(self._ids) >= 8:
                 self._ids.clear()  # sizes change from step to step (variable-length batches): keep a few
-            host = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.int64))
-            if device.type == "cuda":
-                host = host.pin_memory()
-            ids = self._ids[key] = host.to(device, non_blocking=True) if device.type != "cpu" else host
-        return ids
+            seg = self._ids[key] = segments(sizes).to(device)
+        return seg
 
     def _add_sparse(
         self, key: TapKey, grad: torch.Tensor, order: int, value_norm: torch.Tensor | None, per_example: torch.Tensor | None,
