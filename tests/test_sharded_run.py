@@ -108,6 +108,25 @@ def test_an_unknown_parallel_mode_names_the_allowed_ones(tmp_path: Path) -> None
     assert "ddp, fsdp2, hsdp" in result.stderr
 
 
+def test_more_ranks_than_gpus_is_one_paragraph_before_the_group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """device=auto on a machine with one GPU and `--nproc_per_node=2`: the second rank got torch's
+    "CUDA error: invalid device ordinal" with a traceback (seen on an H100). CUDA is faked: one device."""
+    import gradrunner.run.distributed as distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda _: pytest.fail("set_device reached"))
+    monkeypatch.setattr(dist, "init_process_group", lambda **_: pytest.fail("the group was joined"))
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(k, v)
+    result = gradrunner_in_process(tmp_path, "+experiment=mlp", "steps=1", "hydra.run.dir=run")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if x.strip() and not x.startswith("[")]
+    assert "rank 1 is process 2 on its machine, but the machine has 1 CUDA device(s)" in line
+    assert "torchrun --nproc_per_node=1" in line and "device=cpu" in line
+    assert distributed.world_from_env() == (1, 2, 1) and not list(tmp_path.glob("run/*.parquet"))
+
+
 def test_hsdp_world_sizes_factor_into_replicas_by_shard_groups() -> None:
     assert parallel.hsdp_shape(4, None) == (2, 2)
     assert parallel.hsdp_shape(6, None) == (3, 2)

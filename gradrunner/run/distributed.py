@@ -140,6 +140,17 @@ def _backend(device: str) -> str:
     return "nccl" if cuda else "gloo"
 
 
+def _check_own_gpu(rank: int, local_rank: int, device: str) -> None:
+    """Refuse (one paragraph) a rank that has no GPU of its own: nccl gives local rank L the device cuda:L."""
+    gpus = torch.cuda.device_count()
+    if local_rank >= gpus:
+        raise GradrunnerError(
+            f"rank {rank} is process {local_rank + 1} on its machine, but the machine has {gpus} CUDA device(s), and "
+            f"device={device} gives each process a GPU of its own (nccl). Start at most {gpus} process(es) per "
+            f"machine (torchrun --nproc_per_node={gpus}), or train on the CPU with device=cpu (gloo)."
+        )
+
+
 @contextlib.contextmanager
 def session(cfg: DictConfig) -> Iterator[Distributed | None]:
     """The job's place in the process group (None when not under torchrun); joined once per process.
@@ -158,6 +169,7 @@ def session(cfg: DictConfig) -> Iterator[Distributed | None]:
     rank, size, local_rank = world
     backend = _backend(str(cfg.device))
     if backend == "nccl":
+        _check_own_gpu(rank, local_rank, str(cfg.device))
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         # Once per process, for every job of a sweep: re-creating the group per job races on torchrun's store.
