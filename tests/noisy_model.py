@@ -26,4 +26,5 @@ class NoisyMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         out: torch.Tensor = super().forward(x)
-        return out + self.std * torch.randn(out.shape, generator=self.noise, dtype=out.dtype)
+        noise = torch.randn(out.shape, generator=self.noise, dtype=out.dtype)  # a CPU generator: drawn there
+        return out + self.std * noise.to(out.device)

@@ -82,6 +82,7 @@ def test_a_job_after_a_cuda_job_starts_with_the_last_jobs_model_freed(
     gc.collect()
     gc.disable()  # no pass of its own in between: only the runner's
     try:
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # also where this process did use CUDA
         loop.train(cfg, out_dir=tmp_path / "cpu")
         loop.train(cfg, out_dir=tmp_path / "cpu-again")  # a CPU-only process: no pass, and the cycle is there
         monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)

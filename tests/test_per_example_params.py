@@ -166,7 +166,7 @@ def test_every_layer_matches_the_per_example_loop(layer: str, form: str) -> None
     got, reasons = batched(model, {"x": x}, sq_loss, params)
     assert_matches(got, ref, reasons)
     for name, _, p in params:  # the shares sum to .grad: the loop's rows add up to the batch's gradient
-        torch.testing.assert_close(total[name], p.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(total[name], p.grad, rtol=1e-4, atol=1e-5)  # float32 sums: the CPU's order
 
 
 def test_float64_agrees_to_rounding(form: str) -> None:
