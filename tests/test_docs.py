@@ -7,7 +7,7 @@ What a block is, and how it runs (in a fresh temp dir per doc, blocks in the doc
 | ```` ```python ```` with `>>>` prompts | a doctest (ELLIPSIS, NORMALIZE_WHITESPACE): the shown output is checked |
 | ```` ```python ```` without prompts | `exec`, one namespace per doc (later blocks see earlier names) |
 | ```` ```bash ```` or a bare ```` ``` ```` of commands | each command (`\\` continuations joined, comments dropped) in bash; exit 0, or 2 when its comment starts `gradrunner: error:` |
-| (either kind of command) | a plain `python -m gradrunner...` (no pipe, redirection, variable, glob) runs inside the test's process (`conftest.python_m`, the same command without a process's start-up); anything else in bash |
+| (either kind of command) | a plain `python -m gradrunner...` (no pipe, redirection, variable, glob) runs inside the test's process (`conftest.python_m`, the same command without a process's start-up); a plain `torchrun FLAGS -m gradrunner...` runs torchrun with the doc's flags and ranks forked warm (`conftest.torchrun_command`); anything else in bash |
 | a bare ```` ``` ```` whose lines start with `$ ` | the command, its output checked: each shown line in order, `...` skips, a line ending in `...` is a prefix; a shown `gradrunner: error:` means exit 2 |
 | a bare ```` ``` ```` of anything else (a dir tree, a traceback) | nothing: it is not code |
 
@@ -27,11 +27,12 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, cli_env, python_m
+from conftest import ROOT, cli_env, python_m, warm_python
 
 pytestmark = pytest.mark.slow
 
@@ -113,14 +114,14 @@ def run_shell(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     argv = plain_python_m(command)
     if argv is not None:  # what bash would run, without a process's start-up (2-3 s a command)
         return python_m(cwd, *argv)
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=cli_env(), capture_output=True, text=True,
-                          timeout=600, check=False)  # fmt: skip
+    ranks = warm_torchrun(command)
+    return subprocess.run(["bash", "-c", command] if ranks is None else ranks, cwd=cwd, env=cli_env(),
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
 
 
-def plain_python_m(command: str) -> list[str] | None:
-    """`[module, *args]` of a `python -m gradrunner...` command bash would pass on word for word (quotes
-    removed), or None: anything with a pipe, redirection, `;`/`&&`, variable, command substitution, glob,
-    brace or tilde expansion."""
+def plain_words(command: str) -> list[str] | None:
+    """The words bash would pass on word for word (quotes removed), or None: anything with a pipe,
+    redirection, `;`/`&&`, variable, command substitution, glob, brace or tilde expansion."""
     unquoted = re.sub(r"'[^']*'|\"[^\"]*\"", "", command)
     if re.search(r"[$`]", command) or re.search(r"[*?{}~]", unquoted):
         return None
@@ -130,9 +131,29 @@ def plain_python_m(command: str) -> list[str] | None:
         words = list(lexer)
     except ValueError:  # an unclosed quote: bash's to report
         return None
-    if any(set(w) <= set("();<>|&") for w in words) or words[:2] != ["python", "-m"] or len(words) < 3:
+    return None if any(set(w) <= set("();<>|&") for w in words) else words
+
+
+def plain_python_m(command: str) -> list[str] | None:
+    """`[module, *args]` of a plain (`plain_words`) `python -m gradrunner...` command, or None."""
+    words = plain_words(command)
+    if words is None or words[:2] != ["python", "-m"] or len(words) < 3:
         return None
     return words[2:] if re.fullmatch(r"gradrunner(\.\w+)*", words[2]) else None
+
+
+def warm_torchrun(command: str) -> list[str] | None:
+    """A plain (`plain_words`) `torchrun FLAGS -m gradrunner ARGS` as torchrun with the same FLAGS whose ranks
+    are forked warm (`conftest.torchrun_command`: each rank `python -u -m gradrunner ARGS` without paying its
+    imports), or None (then bash runs it as written)."""
+    words = plain_words(command)
+    if words is None or words[0] != "torchrun" or "-m" not in words:
+        return None
+    at = words.index("-m")
+    client = warm_python()
+    if client is None or at + 1 >= len(words) or not re.fullmatch(r"gradrunner(\.\w+)*", words[at + 1]):
+        return None
+    return [sys.executable, "-m", "torch.distributed.run", *words[1:at], "--no-python", str(client), "-u", *words[at:]]
 
 
 def with_overrides(command: str, overrides: list[str]) -> str:
@@ -242,3 +263,16 @@ def test_blocks_are_found_and_classified(tmp_path: Path) -> None:
     assert with_overrides("python -m gradrunner -m a=1,2", ["steps=5"]) == "python -m gradrunner -m a=1,2 steps=5"
     assert with_overrides("python -m gradrunner.report d", ["steps=5"]) == "python -m gradrunner.report d"
     assert commands(found[1].text) == [("python -m gradrunner a b=1", "comment")]
+
+
+def test_a_plain_torchrun_command_keeps_its_flags_and_forks_its_ranks_warm() -> None:
+    client = warm_python()
+    argv = warm_torchrun("torchrun --standalone --nproc_per_node=2 -m gradrunner +experiment=mlp 'taps=[fc1:output]'")
+    if client is None:  # GRADRUNNER_TEST_COLD=1, or no pidfd: bash runs it as written
+        assert argv is None
+        return
+    assert argv == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no-python",
+                    str(client), "-u", "-m", "gradrunner", "+experiment=mlp", "taps=[fc1:output]"]  # fmt: skip
+    for shell in ("torchrun --nproc_per_node=2 -m gradrunner steps=$N", "torchrun -m gradrunner | tee log",
+                  "torchrun --nproc_per_node=2 train.py", "torchrun -m other_module"):  # fmt: skip
+        assert warm_torchrun(shell) is None, shell
