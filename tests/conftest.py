@@ -9,7 +9,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal, TextIO
 
@@ -202,15 +202,23 @@ def torchrun_command(world: int, *entry: str) -> list[str]:
     """`torchrun --standalone --nproc_per_node=WORLD ENTRY` (`-m MODULE ARGS` or `SCRIPT ARGS`), ranks forked warm.
 
     The ranks are started by torchrun as ever, as `warm.py`'s client (`--no-python`): each is forked from this
-    worker's server, which imported torch and the rest once, instead of paying 2 to 5 s of CPU for it. Keep
+    worker's server, which imported torch and the rest once, instead of paying 2 to 5 s of CPU for it; torchrun
+    itself runs through the client too (`torchrun_argv`). Keep
     a plain `python -m torch.distributed.run` where a fresh interpreter is the subject (import-time behaviour).
     Run it with `cli_env()`. Example::
 
         subprocess.run(torchrun_command(2, "-m", "gradrunner", "+experiment=mlp"), env=cli_env(), ...)
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    return torchrun_argv(["--standalone", f"--nproc_per_node={world}"], entry)
+
+
+def torchrun_argv(flags: Sequence[str], entry: Sequence[str]) -> list[str]:
+    """`torchrun FLAGS ENTRY` as `torchrun_command` runs it: torchrun itself and its ranks forked warm (torchrun's
+    agent imports torch.distributed, 1.5 to 2.5 s of CPU), or plain interpreters where no server would serve."""
     client = warm_python()
-    return [*cmd, *entry] if client is None else [*cmd, "--no-python", str(client), "-u", *entry]
+    if client is None:
+        return [sys.executable, "-m", "torch.distributed.run", *flags, *entry]
+    return [str(client), "-m", "torch.distributed.run", *flags, "--no-python", str(client), "-u", *entry]
 
 
 def warm_python() -> Path | None:

@@ -27,12 +27,11 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, cli_env, python_m, warm_python
+from conftest import ROOT, cli_env, python_m, torchrun_argv, warm_python
 
 pytestmark = pytest.mark.slow
 
@@ -150,10 +149,9 @@ def warm_torchrun(command: str) -> list[str] | None:
     if words is None or words[0] != "torchrun" or "-m" not in words:
         return None
     at = words.index("-m")
-    client = warm_python()
-    if client is None or at + 1 >= len(words) or not re.fullmatch(r"gradrunner(\.\w+)*", words[at + 1]):
+    if warm_python() is None or at + 1 >= len(words) or not re.fullmatch(r"gradrunner(\.\w+)*", words[at + 1]):
         return None
-    return [sys.executable, "-m", "torch.distributed.run", *words[1:at], "--no-python", str(client), "-u", *words[at:]]
+    return torchrun_argv(words[1:at], words[at:])
 
 
 def with_overrides(command: str, overrides: list[str]) -> str:
@@ -271,7 +269,7 @@ def test_a_plain_torchrun_command_keeps_its_flags_and_forks_its_ranks_warm() -> 
     if client is None:  # GRADRUNNER_TEST_COLD=1, or no pidfd: bash runs it as written
         assert argv is None
         return
-    assert argv == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no-python",
+    assert argv == [str(client), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no-python",
                     str(client), "-u", "-m", "gradrunner", "+experiment=mlp", "taps=[fc1:output]"]  # fmt: skip
     for shell in ("torchrun --nproc_per_node=2 -m gradrunner steps=$N", "torchrun -m gradrunner | tee log",
                   "torchrun --nproc_per_node=2 train.py", "torchrun -m other_module"):  # fmt: skip

@@ -73,6 +73,22 @@ def test_another_environment_gets_a_real_interpreter(client: Path, tmp_path: Pat
     assert code == 0 and seen["pid"] == proc.pid and seen["probe"] == "set"
 
 
+def test_a_warm_process_starts_its_own_children_warm(client: Path, tmp_path: Path) -> None:
+    """torchrun's agent runs warm too and starts each rank through the client with its own environment, which
+    holds what the server's imports set (torch, Lightning set variables): a rank still forks, not a fallback."""
+    (tmp_path / "parent.py").write_text(
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.argv[1], '-u', sys.argv[2], '0'], stdout=subprocess.PIPE, text=True)\n"
+        "print(child.communicate()[0].strip(), child.pid, flush=True)\n"
+    )  # fmt: skip
+    (tmp_path / "probe.py").write_text(PROBE)
+    proc = subprocess.run([str(client), "-u", str(tmp_path / "parent.py"), str(client), str(tmp_path / "probe.py")],
+                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    seen, child_pid = proc.stdout.rsplit(" ", 1)
+    assert json.loads(seen)["pid"] != int(child_pid)  # forked by the server: not the client's exec
+
+
 def test_neighbouring_ranks_have_their_own_hash_seeds(client: Path, tmp_path: Path) -> None:
     seen = [finish(start(client, tmp_path, "0", env={"LOCAL_RANK": str(r)}))[1] for r in (0, 1)]
     assert seen[0]["hash"] != seen[1]["hash"]

@@ -13,12 +13,13 @@ Two halves, one file:
   forks a waiter, which forks the rank (`_run`), tells the client its pid, and reports its exit status. If
   the client dies first (SIGKILL'd with its torchrun), the waiter kills the rank: as a killed process does,
   it leaves nothing behind.
-- the **client** (`python -S warm.py [-u] (-m MODULE | SCRIPT) ARGS`, what torchrun starts with `--no-python`):
+- the **client** (`python -S warm.py [-u] (-m MODULE | SCRIPT) ARGS`, what torchrun starts with `--no-python`,
+  and what starts torchrun itself: `-m torch.distributed.run`):
   sends its argv, environment, cwd and its stdin/stdout/stderr to the server, forwards the signals it gets to
   the rank, and exits as the rank did (the same code, or killed by the same signal). Without a server, or where
   its environment differs from the server's in anything but a rank's own variables (`RANK_VARIABLES`: the
-  imports might read it), it `exec`s the real interpreter instead: the answer is never a warm process that
-  could differ from a fresh one.
+  imports might read it) and those the server's imports set (as they set them), it `exec`s the real
+  interpreter instead: the answer is never a warm process that could differ from a fresh one.
 
 A fork shares its server's string-hash seed, where fresh ranks each draw their own (and a set of names iterated
 in another order on each rank is a real bug a test must see): each worker has two servers with different seeds,
@@ -165,8 +166,10 @@ def serve(path: str, forget_hash_seed: bool) -> None:
             conn.close()
             continue
         assert isinstance(request, dict)
+        # a variable the imports set may come back set as they set it (from a warm process: torchrun's agent)
         differ = sorted(k for k in set(env) | set(request["env"])
-                        if k not in RANK_VARIABLES and env.get(k) != request["env"].get(k))  # fmt: skip
+                        if k not in RANK_VARIABLES and env.get(k) != request["env"].get(k)
+                        and not (k in imports_set and request["env"].get(k) == imports_set[k]))  # fmt: skip
         if differ or len(fds) != 3:
             _send(conn, {"fallback": differ})
             with open(f"{path}.fallbacks", "a") as log:  # conftest reports them at the session's end
@@ -239,6 +242,8 @@ def _run(fds: list[int], request: dict[str, object]) -> None:
             if argv[0] == "-m":
                 sys.argv = [argv[1], *argv[2:]]
                 sys.path[0] = cwd
+                # a preloaded module (torchrun's own) runs as a fresh `-m` runs it: not imported before as itself
+                sys.modules.pop(argv[1], None)
                 runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
             else:
                 sys.argv = list(argv)
