@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 import torch
 from fsdp_capture_ranks import EDITS, LR, SEED, STEPS, TAPS, micro_batches
+from rank_launch import torchrun
 from sharded_ranks import build_model, loss_of
-from test_sharded_stats import torchrun
 
 pytestmark = pytest.mark.slow
 

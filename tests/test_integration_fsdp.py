@@ -99,7 +99,7 @@ CASES = {"plain": (1, None), "accumulate2": (2, None), "clip": (1, 0.05)}
 
 @pytest.fixture(scope="module", params=list(CASES))
 def lightning_fsdp2(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, Any]:
-    from test_sharded_stats import torchrun
+    from rank_launch import torchrun
 
     out = tmp_path_factory.mktemp(f"lightning_fsdp2_{request.param}")
     torchrun(2, out, [request.param], timeout=600, script=Path(__file__).name)  # no rank left behind, or it fails

@@ -64,7 +64,7 @@ def run_rank(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def hf_fsdp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_sharded_stats import torchrun
+    from rank_launch import torchrun
 
     out = tmp_path_factory.mktemp("hf_fsdp2")
     torchrun(2, out, [], timeout=600, script=Path(__file__).name)  # no rank left behind, or it fails

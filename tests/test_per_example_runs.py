@@ -277,7 +277,7 @@ def all_params_of(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def test_ddp_two_ranks_rows_are_shares_of_the_averaged_grad_with_and_without_accumulation(tmp_path: Path) -> None:
-    from test_sharded_stats import torchrun
+    from rank_launch import torchrun
 
     torchrun(2, tmp_path, [], timeout=600, script=Path(__file__).name)  # no rank left behind, or it fails
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
