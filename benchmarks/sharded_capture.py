@@ -162,3 +162,9 @@ if __name__ == "__main__":
     if "RANK" not in os.environ:
         sys.exit(launch())
     main()
+    # The work is done and reported, the group destroyed: end here. In interpreter finalization a gloo rank has
+    # aborted ("terminate called without an active exception", no Python frame) in 3 of about 12 full test runs
+    # here (twice this script's --tiny run under test_benchmarks), failing torchrun after a complete run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
