@@ -169,13 +169,14 @@ def _counting() -> Iterator[_CountOps]:
         yield mode
 
 
+@pytest.mark.parametrize("rows", [1, 40], ids=["narrow", "wide"])  # 7 to 21 elements, or 280 to 294: over one chunk
 @pytest.mark.parametrize("histogram", [False, True])
-def test_ops_per_step_do_not_grow_with_the_number_of_small_gradients(histogram: bool) -> None:
+def test_ops_per_step_do_not_grow_with_the_number_of_small_gradients(histogram: bool, rows: int) -> None:
     """No op when a small gradient arrives; the same ops at flush for 3 gradients as for 60."""
     counts = []
     for k in (3, 60):
         col = Collector(values="none", histogram=histogram, per_example=histogram)
-        grads = [torch.randn(i + 1, 7) for i in range(k)]
+        grads = [torch.randn(rows + i % 3, 7) for i in range(k)]
         with _counting() as arriving:
             for i, g in enumerate(grads):
                 col.add(TapKey(f"t{i}", "output", 0), g, mutable=False)
