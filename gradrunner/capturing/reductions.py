@@ -213,9 +213,10 @@ def reduce_batch(
     k = len(xs)
     x = torch.cat(xs) if k > 1 else xs[0]
     wide = torch.float32 if x.device.type == "mps" else torch.float64
-    w = x.to(wide)
-    squares = w * w
-    sums = segment_sums(torch.stack([w, squares]), seg)
+    pair = torch.empty((2, x.numel()), dtype=wide, device=x.device)  # the elements widened, and their squares
+    w = pair[0].copy_(x)
+    squares = torch.mul(w, w, out=pair[1])
+    sums = segment_sums(pair, seg)
     counts = torch.zeros((3, k), dtype=torch.int64, device=x.device)  # integers: any order adds them exactly
     counts[0].index_add_(0, seg.ids, (x != 0).long())  # -0.0 is a zero; NaN is not (as count_nonzero)
     counts[1].index_add_(0, seg.ids, torch.isnan(x).long())
