@@ -151,7 +151,7 @@ def segments(sizes: tuple[int, ...]) -> Segments:
     """
     n = torch.tensor(sizes, dtype=torch.int64)
     k, big = len(sizes), max(sizes, default=0)
-    width = min(256, 1 << max(big - 1, 0).bit_length())  # a power of two, no wider than the largest segment
+    width = min(256, 1 << max(big - 1, 0).bit_length())  # the largest segment rounded up to a power of two, <= 256
     per_seg = (n + width - 1) // width
     first = torch.cumsum(per_seg, 0) - per_seg  # each segment's first chunk
     ids = torch.repeat_interleave(torch.arange(k), n)
