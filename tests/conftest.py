@@ -186,8 +186,11 @@ def cli_env() -> dict[str, str]:
     # A rank that aborts (SIGABRT, seen rarely at the exit of gloo ranks) prints every thread's Python stack.
     env["PYTHONFAULTHANDLER"] = "1"
     # This file's directory too, so `_target_` can name ScaledLinear above.
-    here = str(TESTS)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), here, env.get("PYTHONPATH")) if p)
+    # (once each: a test that sets PYTHONPATH from cli_env() gets the same value back, so the warm servers,
+    # started with it, still match and are not started again)
+    first = [str(ROOT), str(TESTS)]
+    rest = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in first]
+    env["PYTHONPATH"] = os.pathsep.join(first + rest)
     if "socket" in _WARM:  # in every environment, as in the warm server's: ranks' requests must match it
         env[warm.SOCKET_VARIABLE] = str(_WARM["socket"])
     return env
