@@ -123,6 +123,24 @@ def test_a_sigkilled_client_takes_its_rank_with_it(client: Path, tmp_path: Path)
     assert _gone(rank), f"rank {rank} outlived its killed client"
 
 
+def test_a_sigkilled_client_takes_what_its_rank_started_through_the_client(client: Path, tmp_path: Path) -> None:
+    """torchrun's agent runs warm and starts its ranks through the client: a test that SIGKILLs torchrun on a
+    time-out must not leave the ranks running (they are not below the client, but below their servers)."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "agent.py").write_text(
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.argv[1], '-u', sys.argv[2], 'sleep', sys.argv[3]], stdout=subprocess.DEVNULL)\n"
+        "time.sleep(600)\n"
+    )  # fmt: skip
+    pid_file = tmp_path / "pid"
+    proc = subprocess.Popen([str(client), "-u", str(tmp_path / "agent.py"), str(client), str(tmp_path / "probe.py"),
+                             str(pid_file)], cwd=tmp_path, env=cli_env(), text=True, start_new_session=True)  # fmt: skip
+    rank = _wait_for_pid(pid_file, proc)
+    proc.kill()
+    proc.communicate(timeout=120)
+    assert _gone(rank), f"rank {rank}, started by a warm process whose client was killed, outlived it"
+
+
 def _wait_for_pid(pid_file: Path, proc: subprocess.Popen[str]) -> int:
     deadline = time.monotonic() + 120
     while not pid_file.exists() or not pid_file.read_text():

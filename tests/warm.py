@@ -11,7 +11,8 @@ Two halves, one file:
 - the **server** (`python warm.py --serve SOCKET`, started once per test worker by `conftest.warm_python`):
   imports `PRELOAD`, refuses to serve if that started a thread (a fork would lose it), then for each request
   forks a waiter, which forks the rank (`_run`), tells the client its pid, and reports its exit status. If
-  the client dies first (SIGKILL'd with its torchrun), the waiter kills the rank: as a killed process does,
+  the client dies first (SIGKILL'd with its torchrun), the waiter kills the rank and what it started (a warm
+  torchrun's rank clients, whose waiters then kill their ranks): as a killed process does,
   it leaves nothing behind.
 - the **client** (`python -S warm.py [-u] (-m MODULE | SCRIPT) ARGS`, what torchrun starts with `--no-python`,
   and what starts torchrun itself: `-m torch.distributed.run`):
@@ -28,6 +29,7 @@ and a rank goes to the one of its `LOCAL_RANK`'s parity, so neighbouring ranks n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -205,12 +207,30 @@ def _wait_for_rank(conn: socket.socket, fds: list[int], request: dict[str, objec
                 _, st = os.waitpid(pid, 0)
                 _send(conn, {"status": st})
                 break
-            if not conn.recv(4096):  # the client is gone (killed): so is its rank
-                os.kill(pid, signal.SIGKILL)
+            if not conn.recv(4096):  # the client is gone (killed): so is its rank, and what the rank started
+                for gone in [*_descendants(pid), pid]:  # a warm torchrun's rank clients: their waiters end the ranks
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(gone, signal.SIGKILL)
                 os.waitpid(pid, 0)
                 break
     finally:
         os._exit(0)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, found through /proc's parent ids (a forked torchrun's rank clients)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents.setdefault(int(stat.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 def _run(fds: list[int], request: dict[str, object]) -> None:
