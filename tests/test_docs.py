@@ -118,6 +118,10 @@ def run_shell(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
 
 
+#: gradrunner or one of its modules, as a `-m` names it
+GRADRUNNER_MODULE = re.compile(r"gradrunner(\.\w+)*")
+
+
 def plain_words(command: str) -> list[str] | None:
     """The words bash would pass on word for word (quotes removed), or None: anything with a pipe,
     redirection, `;`/`&&`, variable, command substitution, glob, brace or tilde expansion."""
@@ -138,7 +142,7 @@ def plain_python_m(command: str) -> list[str] | None:
     words = plain_words(command)
     if words is None or words[:2] != ["python", "-m"] or len(words) < 3:
         return None
-    return words[2:] if re.fullmatch(r"gradrunner(\.\w+)*", words[2]) else None
+    return words[2:] if GRADRUNNER_MODULE.fullmatch(words[2]) else None
 
 
 def warm_torchrun(command: str) -> list[str] | None:
@@ -146,10 +150,10 @@ def warm_torchrun(command: str) -> list[str] | None:
     are forked warm (`conftest.torchrun_command`: each rank `python -u -m gradrunner ARGS` without paying its
     imports), or None (then bash runs it as written)."""
     words = plain_words(command)
-    if words is None or words[0] != "torchrun" or "-m" not in words:
+    if words is None or words[:1] != ["torchrun"] or "-m" not in words:
         return None
     at = words.index("-m")
-    if warm_python() is None or at + 1 >= len(words) or not re.fullmatch(r"gradrunner(\.\w+)*", words[at + 1]):
+    if warm_python() is None or at + 1 >= len(words) or not GRADRUNNER_MODULE.fullmatch(words[at + 1]):
         return None
     return torchrun_argv(words[1:at], words[at:])
 

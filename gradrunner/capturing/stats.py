@@ -122,7 +122,7 @@ class Collector:
         #: (k, 7) reductions of each batch of small gradients reduced by `flush` (on their device)
         self._batches: list[torch.Tensor] = []
         #: the layout of a batch's gradients in their concatenation, by their sizes and device (`_segments`)
-        self._ids: dict[tuple[tuple[int, ...], torch.device], Segments] = {}
+        self._layouts: dict[tuple[tuple[int, ...], torch.device], Segments] = {}
         #: per record (by `order`): its backward's number in the step (`micro_step`) and why it has no gradient
         self._micro: dict[int, int] = {}  # (ints, no tuple per record: nothing new for the cyclic GC to track)
         self._why: dict[int, str] = {}
@@ -283,11 +283,11 @@ class Collector:
         built on the host once per set of sizes (a training step repeats its sizes), copied without a host sync.
         """
         key = (sizes, device)
-        seg = self._ids.get(key)
+        seg = self._layouts.get(key)
         if seg is None:
-            if len(self._ids) >= 8:
-                self._ids.clear()  # sizes change from step to step (variable-length batches): keep a few
-            seg = self._ids[key] = segments(sizes).to(device)
+            if len(self._layouts) >= 8:
+                self._layouts.clear()  # sizes change from step to step (variable-length batches): keep a few
+            seg = self._layouts[key] = segments(sizes).to(device)
         return seg
 
     def _add_sparse(
