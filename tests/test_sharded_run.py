@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from conftest import cli_env, gradrunner_in_process, torchrun_command
 from torch import nn
+from warm import descendants
 
 from gradrunner.errors import GradrunnerError
 from gradrunner.models import MLP, CosineRegression
@@ -45,21 +46,6 @@ def group_of_one() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (children first found through /proc's parent ids)."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
 
 
 def torchrun(cwd: Path, *args: str, world: int = 2, timeout: float = 300) -> subprocess.CompletedProcess[str]:

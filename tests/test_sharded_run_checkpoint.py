@@ -22,7 +22,8 @@ import pandas as pd
 import pytest
 import torch
 from conftest import cli_env
-from test_sharded_run import descendants, torchrun
+from test_sharded_run import torchrun
+from warm import descendants
 
 from gradrunner.data import Batch, Synthetic, as_batches
 from gradrunner.records.checkpoint_files import CHECKPOINT_DIR, read_manifest

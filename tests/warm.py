@@ -208,7 +208,7 @@ def _wait_for_rank(conn: socket.socket, fds: list[int], request: dict[str, objec
                 _send(conn, {"status": st})
                 break
             if not conn.recv(4096):  # the client is gone (killed): so is its rank, and what the rank started
-                for gone in [*_descendants(pid), pid]:  # a warm torchrun's rank clients: their waiters end the ranks
+                for gone in [*descendants(pid), pid]:  # a warm torchrun's rank clients: their waiters end the ranks
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(gone, signal.SIGKILL)
                 os.waitpid(pid, 0)
@@ -217,8 +217,9 @@ def _wait_for_rank(conn: socket.socket, fds: list[int], request: dict[str, objec
         os._exit(0)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process below `pid`, found through /proc's parent ids (a forked torchrun's rank clients)."""
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, found through /proc's parent ids (a forked torchrun's rank clients; the tests'
+    torchruns' ranks)."""
     parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
