@@ -273,8 +273,10 @@ def _start_warm() -> Path | None:
 
 def _server_env() -> dict[str, str]:
     """What a warm server's environment depends on: `cli_env()` but for the variables torchrun sets per rank (a
-    test's process may have kept one: it changes nothing a rank sees) and the server's own."""
-    return {k: v for k, v in cli_env().items() if k not in warm.RANK_VARIABLES and k != warm.SOCKET_VARIABLE}
+    test's process may have kept one: it changes nothing a rank sees), those its imports do not read (set later by
+    mlflow, inductor, sklearn in this process: `warm.READ_AFTER_IMPORTS`) and the server's own."""
+    ignored = warm.RANK_VARIABLES | warm.READ_AFTER_IMPORTS | {warm.SOCKET_VARIABLE}
+    return {k: v for k, v in cli_env().items() if k not in ignored}
 
 
 def _stop_warm() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import conftest
 from conftest import cli_env, warm_python
 
 pytestmark = pytest.mark.slow
@@ -24,7 +25,8 @@ pytestmark = pytest.mark.slow
 PROBE = """
 import json, os, sys, time
 print(json.dumps({"pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv, "hash": hash("gradrunner"),
-                  "probe": os.environ.get("PROBE"), "gradrunner": "gradrunner" in sys.modules}), flush=True)
+                  "probe": os.environ.get("PROBE"), "gradrunner": "gradrunner" in sys.modules,
+                  "mlflow": os.environ.get("MLFLOW_ALLOW_FILE_STORE")}), flush=True)
 if sys.argv[1] == "sleep":
     open(sys.argv[2], "w").write(str(os.getpid()))
     time.sleep(600)
@@ -71,6 +73,18 @@ def test_another_environment_gets_a_real_interpreter(client: Path, tmp_path: Pat
     proc = start(client, tmp_path, "0", env={"PROBE": "set"})  # the server's imports ran without it
     code, seen, _ = finish(proc)
     assert code == 0 and seen["pid"] == proc.pid and seen["probe"] == "set"
+
+
+def test_a_variable_no_preloaded_import_reads_still_forks_warm_and_reaches_the_rank(client: Path, tmp_path: Path,
+                                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlflow's export sets MLFLOW_ALLOW_FILE_STORE in the test process (inductor and sklearn set others): neither the
+    server nor the worker's client is started again for it, and the rank sees it as a fresh process would."""
+    servers = [s.pid for s in conftest._WARM["servers"]]  # type: ignore[attr-defined]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert warm_python() == client and [s.pid for s in conftest._WARM["servers"]] == servers  # type: ignore[attr-defined]
+    proc = start(client, tmp_path, "0", env={"KMP_INIT_AT_FORK": "FALSE"})
+    code, seen, _ = finish(proc)
+    assert code == 0 and seen["pid"] != proc.pid and seen["mlflow"] == "true"
 
 
 def test_a_warm_process_starts_its_own_children_warm(client: Path, tmp_path: Path) -> None:

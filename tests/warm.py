@@ -19,7 +19,8 @@ Two halves, one file:
   sends its argv, environment, cwd and its stdin/stdout/stderr to the server, forwards the signals it gets to
   the rank, and exits as the rank did (the same code, or killed by the same signal). Without a server, or where
   its environment differs from the server's in anything but a rank's own variables (`RANK_VARIABLES`: the
-  imports might read it) and those the server's imports set (as they set them), it `exec`s the real
+  imports might read it), those the server's imports set (as they set them) and those no import of the server
+  reads (`READ_AFTER_IMPORTS`), it `exec`s the real
   interpreter instead: the answer is never a warm process that could differ from a fresh one.
 
 A fork shares its server's string-hash seed, where fresh ranks each draw their own (and a set of names iterated
@@ -45,6 +46,15 @@ RANK_VARIABLES = frozenset({
     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_ENABLE_FILE_TIMER",
     "TORCHELASTIC_TIMER_FILE", "TORCHELASTIC_SIGNALS_TO_HANDLE", "PYTEST_CURRENT_TEST", "GRADRUNNER_TEST_WARM_DEBUG",
 })  # fmt: skip
+#: Variables that libraries set in the test process as it goes (mlflow's export, torch's inductor, sklearn and joblib)
+#: and that no import of `PRELOAD` reads: a request may differ from the server in them (the rank gets the request's
+#: values, before anything reads them), so a test worker need not start its servers again (12 s of CPU) for them.
+#: - `MLFLOW_ALLOW_FILE_STORE`: read by mlflow (not preloaded) when it opens a store;
+#: - `_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR`: read (getenv) by an inductor-compiled module as it loads: in the rank;
+#: - `KMP_DUPLICATE_LIB_OK`, `KMP_INIT_AT_FORK`: read by Intel's OpenMP runtime as it loads (`serve` drops these two
+#:   where the imports loaded it; torch's CPU build on Linux uses GNU OpenMP).
+READ_AFTER_IMPORTS = frozenset({"MLFLOW_ALLOW_FILE_STORE", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+                                "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})  # fmt: skip
 #: What the server imports once (each only if installed): the costly imports of a rank.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "torch.distributed.fsdp", "torch.distributed.checkpoint",
            "torch.distributed.tensor.parallel", "numpy", "hydra", "hydra.utils", "omegaconf", "transformers",
@@ -155,6 +165,9 @@ def serve(path: str, forget_hash_seed: bool) -> None:
         print(f"warm: not serving, the imports started {len(threads) - 1} thread(s)", flush=True)
         return
     imports_set = {k: v for k, v in os.environ.items() if env.get(k) != v}  # torch sets some: so would the rank's
+    with open("/proc/self/maps") as maps:
+        intel_openmp = "libiomp" in maps.read()
+    read_later = READ_AFTER_IMPORTS - ({"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"} if intel_openmp else set())
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -170,7 +183,7 @@ def serve(path: str, forget_hash_seed: bool) -> None:
         assert isinstance(request, dict)
         # a variable the imports set may come back set as they set it (from a warm process: torchrun's agent)
         differ = sorted(k for k in set(env) | set(request["env"])
-                        if k not in RANK_VARIABLES and env.get(k) != request["env"].get(k)
+                        if k not in RANK_VARIABLES and k not in read_later and env.get(k) != request["env"].get(k)
                         and not (k in imports_set and request["env"].get(k) == imports_set[k]))  # fmt: skip
         if differ or len(fds) != 3:
             _send(conn, {"fallback": differ})
