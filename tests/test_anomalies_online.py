@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import compose_cfg, gradrunner
+from conftest import compose_cfg, gradrunner_in_process
 from omegaconf import OmegaConf, open_dict
 from torch import nn
 
@@ -107,7 +107,7 @@ def test_record_without_detection_and_bad_settings_refused_before_the_dir(tmp_pa
 @pytest.mark.parametrize(("override", "named"), [("anomaly.window=10", "anomaly.warmup=20 is not allowed with anomaly.window=10"),
                                                  ("anomaly.z=0", "anomaly.z=0.0 is not allowed")])  # fmt: skip
 def test_bad_settings_exit_2_with_one_paragraph_before_any_step(tmp_path: Path, override: str, named: str) -> None:
-    result = gradrunner(tmp_path, "+experiment=mlp", "steps=2", override)
+    result = gradrunner_in_process(tmp_path, "+experiment=mlp", "steps=2", override)
     assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
     (line,) = [s for s in result.stderr.splitlines() if s.strip()]
     assert line.startswith("gradrunner: error: ") and named in line

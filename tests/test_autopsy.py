@@ -1,6 +1,6 @@
 """`python -m gradrunner.autopsy`: branches from the checkpoint before a data-caused loss spike.
 
-The source run (the CLI, so its dir holds Hydra's files and `done.json` its overrides): the MLP
+The source run (the CLI, run inside the test's process; its dir holds Hydra's files and `done.json` its overrides): the MLP
 experiment on synthetic data with one corrupted batch at step 30 (tests/conf/data/spiky_batch), SGD at
 lr 0.1, 40 steps, a checkpoint every 5 steps, `anomaly.replay=3` (keeps the checkpoint before step 25).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import SEARCHPATH, check_ok, cli_env, gradrunner
+from conftest import SEARCHPATH, check_ok, cli_env, gradrunner_in_process
 
 from gradrunner.analysis import load
 from gradrunner.run.autopsy import main
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("autopsy")
-    check_ok(gradrunner(root, "+experiment=mlp", "steps=40", "data=spiky_batch", "train.checkpoint_every=5",
+    check_ok(gradrunner_in_process(root, "+experiment=mlp", "steps=40", "data=spiky_batch", "train.checkpoint_every=5",
                         "anomaly.replay=3", SEARCHPATH, f"hydra.run.dir={root / 'run'}"))  # fmt: skip
     return root / "run"
 
