@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 import conftest
+import pytest
 from conftest import cli_env, warm_python
 
 pytestmark = pytest.mark.slow
