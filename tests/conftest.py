@@ -1,6 +1,8 @@
 """Shared fixtures and helpers: strategies, seeding, the hooks-left check, composing configs, running the CLI.
 
-Test modules import helpers from here (`from conftest import compose_cfg`), never from each other."""
+Test modules import helpers from here (`from conftest import compose_cfg`) or from the helper modules beside it, the
+files not named `test_*` (`rank_launch`, `per_example_reference`, `hf_reference`, ...), never from each other
+(`test_layout` checks)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,13 @@
 """torchrun of a rank script over cases, for the tests of sharded capture (`test_sharded_stats` and the tests that
 run their own rank scripts): nothing left behind on a time-out or a failure, and a failure's log says why.
 
+`gradrunner_torchrun` is `torchrun -m gradrunner ARGS` for the tests of sharded runs (`test_sharded_run` and
+`test_sharded_run_checkpoint`), with the same guarantee.
+
 Example::
 
     torchrun(2, tmp_path, ["fsdp2:mlp:float32"])   # sharded_ranks.py on 2 ranks; each writes its results to tmp_path
+    gradrunner_torchrun(tmp_path, "+experiment=mlp", "train.parallel=fsdp2")
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import cli_env, torchrun_command
+from warm import descendants
 
 HERE = Path(__file__).parent
 
@@ -69,3 +75,20 @@ def ranks_left(out: Path, script: str = "sharded_ranks.py") -> list[int]:
         if (os.fsencode(script) in cmdline and os.fsencode(out) in cmdline) or b"warm.py\0--serve" in cmdline:
             alive.append(pid)
     return alive
+
+
+def gradrunner_torchrun(cwd: Path, *args: str, world: int = 2, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`torchrun -m gradrunner ARGS`; on a time-out torchrun and every rank are killed (none is left behind)."""
+    cmd = torchrun_command(world, "-m", "gradrunner", *args)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        ranks = descendants(proc.pid)  # ranks lead sessions of their own: killing torchrun's group misses them
+        for pid in [*ranks, proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {timeout} s; it and its ranks were killed\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -15,41 +15,17 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
+from hf_reference import Seen, tiny_gpt2  # noqa: E402
+
 from gradrunner.analysis import load  # noqa: E402
 from gradrunner.integrations.hf import GradientCaptureCallback  # noqa: E402
 
 TAPS = ["transformer.h.0.mlp:output", "transformer.h.0.mlp.c_fc:weight"]
 
 
-def _gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-    return transformers.GPT2LMHeadModel(cfg)
-
-
-class Seen(transformers.TrainerCallback):
-    """Keeps the Trainer's micro-batches (as the model saw them) and its logged grad_norm."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.batches: list[dict[str, torch.Tensor]] = []
-        self.grad_norms: list[float] = []
-        self.losses: list[float] = []
-        model.register_forward_pre_hook(self._keep, with_kwargs=True)
-
-    def _keep(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        if module.training:
-            self.batches.append({k: kwargs[k].clone() for k in ("input_ids", "labels")})
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
-        if logs and "grad_norm" in logs:
-            self.grad_norms.append(float(logs["grad_norm"]))
-            self.losses.append(float(logs["loss"]))
-
-
 def _replay(batches: list[dict[str, torch.Tensor]], accumulate: int, clip: float, lr: float) -> tuple[list[dict[str, list[torch.Tensor]]], list[float]]:
     """Plain torch: the same micro-batches, loss summed over tokens / labels of the whole step, clip, SGD."""
-    model = _gpt2()
+    model = tiny_gpt2()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     mlp, c_fc = model.transformer.h[0].mlp, model.transformer.h[0].mlp.c_fc
     out, norms = [], []
@@ -81,7 +57,7 @@ def _replay(batches: list[dict[str, torch.Tensor]], accumulate: int, clip: float
 
 @pytest.mark.slow
 def test_hf_trainer_accumulation_and_clipping_equal_plain_torch(tmp_path: Path) -> None:
-    model = _gpt2()
+    model = tiny_gpt2()
     g = torch.Generator().manual_seed(3)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (12, 8), generator=g)]
     seen = Seen(model)
@@ -110,7 +86,7 @@ def test_hf_trainer_accumulation_and_clipping_equal_plain_torch(tmp_path: Path) 
 
 
 def test_hf_callback_leaves_tensor_backward_as_it_was(tmp_path: Path) -> None:
-    model = _gpt2()
+    model = tiny_gpt2()
     original = torch.Tensor.backward
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (2, 8))]
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), per_device_train_batch_size=2, max_steps=1,
@@ -126,7 +102,7 @@ def test_hf_callback_leaves_tensor_backward_as_it_was(tmp_path: Path) -> None:
 def test_hf_callback_patches_nothing_and_keeps_the_completed_steps_of_a_failed_train(tmp_path: Path) -> None:
     """Issue 38 item 8: nothing of torch or the Trainer is patched, ever; a train() that raised keeps the steps the
     Trainer completed (written when the session ends: close(), the next train(), collection or the process's exit)."""
-    model = _gpt2()
+    model = tiny_gpt2()
     original = torch.Tensor.backward
 
     class Boom(transformers.TrainerCallback):

@@ -13,27 +13,17 @@ from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
 
+from lightning_reference import TAPS, dataset, tiny_net  # noqa: E402
+
 from gradrunner.analysis import load  # noqa: E402
 from gradrunner.errors import GradrunnerError  # noqa: E402
 from gradrunner.integrations.lightning import GradientCapture  # noqa: E402
-
-TAPS = ["net.0:output", "net.0:weight"]
-
-
-def _net() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def _data(n: int) -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    return torch.utils.data.TensorDataset(torch.randn(n * 5, 4, generator=g), torch.randn(n * 5, 2, generator=g))
 
 
 class Module(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = _net()
+        self.net = tiny_net()
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -50,7 +40,7 @@ def _trainer(steps: int, callbacks: list[pl.Callback], **kwargs: object) -> pl.T
 
 
 def _reference(steps: int, accumulate: int, clip: float | None) -> tuple[list[dict[str, list[torch.Tensor]]], nn.Module]:
-    net, data = _net(), _data(steps * accumulate)
+    net, data = tiny_net(), dataset(steps * accumulate)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     out = []
     losses: list[float] = []
@@ -78,7 +68,7 @@ def _reference(steps: int, accumulate: int, clip: float | None) -> tuple[list[di
 @pytest.mark.parametrize("strategy", ["hook", "retain_grad"])  # autograd_grad is refused (below)
 def test_lightning_accumulation_and_clipping_equal_plain_torch(tmp_path: Path, strategy: str) -> None:
     module = Module()
-    loader = torch.utils.data.DataLoader(_data(6), batch_size=5, shuffle=False)
+    loader = torch.utils.data.DataLoader(dataset(6), batch_size=5, shuffle=False)
     cb = GradientCapture(taps=TAPS, dir=tmp_path / "run", strategy=strategy)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -100,12 +90,12 @@ def test_lightnings_records_are_records_of_the_same_training_in_a_hand_loop(tmp_
     import gradrunner
 
     module = Module()
-    loader = torch.utils.data.DataLoader(_data(6), batch_size=5, shuffle=False)
+    loader = torch.utils.data.DataLoader(dataset(6), batch_size=5, shuffle=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cb = GradientCapture(taps=TAPS, dir=tmp_path / "lightning", update_norms=True, histogram=True)
         _trainer(3, [cb], accumulate_grad_batches=2, gradient_clip_val=0.05).fit(module, loader)
-    net, data = _net(), _data(6)
+    net, data = tiny_net(), dataset(6)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     with gradrunner.record(net, [t.removeprefix("net.") for t in TAPS], tmp_path / "mine", update_norms=True,
                            histogram=True) as rec:  # fmt: skip
@@ -138,7 +128,7 @@ class PeekGrad(pl.Callback):
 def test_lightning_fp16_grad_scaler_records_true_gradients(tmp_path: Path) -> None:
     """16-mixed with a GradScaler (scale 1024): the records hold the unscaled gradients the optimiser steps with."""
     module, peek = Module(), PeekGrad()
-    loader = torch.utils.data.DataLoader(_data(3), batch_size=5, shuffle=False)
+    loader = torch.utils.data.DataLoader(dataset(3), batch_size=5, shuffle=False)
     plugin = pl.plugins.precision.MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -170,7 +160,7 @@ def test_lightning_refuses_autograd_grad_with_the_reason(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_lightning_ddp_records_both_ranks(tmp_path: Path) -> None:
     module = Module()
-    loader = torch.utils.data.DataLoader(_data(4), batch_size=5, shuffle=False)
+    loader = torch.utils.data.DataLoader(dataset(4), batch_size=5, shuffle=False)
     cb = GradientCapture(taps=TAPS, dir=tmp_path / "ddp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

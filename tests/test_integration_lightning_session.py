@@ -14,7 +14,7 @@ from torch import nn
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from test_integration_lightning import TAPS, _data, _net  # noqa: E402  (the same net and batches)
+from lightning_reference import TAPS, dataset, tiny_net  # noqa: E402  (the same net and batches)
 
 from gradrunner.analysis import load  # noqa: E402
 from gradrunner.errors import GradrunnerError  # noqa: E402
@@ -27,7 +27,7 @@ CLIP = 0.05
 class Module(pl.LightningModule):
     def __init__(self, nan_at: int = -1) -> None:
         super().__init__()
-        self.net, self.nan_at, self.losses = _net(), nan_at, []
+        self.net, self.nan_at, self.losses = tiny_net(), nan_at, []
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -45,7 +45,7 @@ class Module(pl.LightningModule):
 
 def _fit(module: Module, callbacks: list, steps: int, batches: int = 6, ckpt_path: str | None = None,
          **kwargs: object) -> pl.Trainer:  # fmt: skip
-    loader = torch.utils.data.DataLoader(_data(batches), batch_size=5, shuffle=False)
+    loader = torch.utils.data.DataLoader(dataset(batches), batch_size=5, shuffle=False)
     trainer = pl.Trainer(max_steps=steps, callbacks=callbacks, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, accelerator="cpu", devices=1,
                          **{"enable_checkpointing": False, **kwargs})  # fmt: skip
@@ -83,7 +83,7 @@ def test_option_mistakes_fail_in_the_constructor(tmp_path: Path, options: dict, 
 
 def _replay(steps: int, scale: float = 1.0) -> tuple[nn.Module, list[float], list[float]]:
     """Plain torch: each step's total norm as clip_grad_norm_ returns it, and the rate the step used (StepLR)."""
-    net, data = _net(), _data(6)  # the loader of `_fit`: the same draws
+    net, data = tiny_net(), dataset(6)  # the loader of `_fit`: the same draws
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
     norms, lrs = [], []

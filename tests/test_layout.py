@@ -86,3 +86,17 @@ def test_no_file_is_longer_than_450_lines() -> None:
     too_long = {name: n for name, n in lengths.items() if n > MAX_LINES and name not in KNOWN_LONG}
     assert not too_long, too_long
     assert KNOWN_LONG <= lengths.keys()  # a known file that was moved or renamed leaves the list
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared test helpers live in conftest or in a helper module beside it (not named test_*): a test module
+    importing another runs that module's import-time code, and its helpers change with its tests."""
+    tests = Path(__file__).parent
+    found = {}
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []  # fmt: skip
+            found.update({f"{path.name}:{node.lineno}": n for n in names if n.split(".")[0].startswith("test_")})
+    assert len(list(tests.glob("test_*.py"))) > 50  # the walk found the tests
+    assert not found, found

@@ -187,7 +187,7 @@ def test_job_state_from_scanned_entries_is_job_state_from_the_dir(copied: Path, 
 
 
 def test_a_swept_key_named_like_a_column_only_one_file_has_is_prefixed_in_that_files_rows_only(tmp_path: Path) -> None:
-    from test_analysis_load import write_job
+    from written_jobs import write_job
 
     write_job(tmp_path / "0", steps=1, overrides=["grad_scale=1", "seed=1"])
     write_job(tmp_path / "1", steps=1, overrides=["grad_scale=2", "seed=2"])

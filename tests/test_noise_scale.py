@@ -152,7 +152,7 @@ def test_ranks_pool_their_rows() -> None:
 def test_from_a_recorded_gpt2_run_against_per_example_gradients(tmp_path: Path) -> None:
     """record(per_example=True) of a tiny random-init GPT-2 (every parameter tapped, lm_head tied to wte: counted
     once in "*"), 2 SGD steps; each step's whole-model estimates against per-example gradients of a twin in lockstep."""
-    from test_per_example_params import gpt2
+    from per_example_reference import gpt2
 
     from gradrunner import record
     from gradrunner.analysis import load
@@ -202,7 +202,7 @@ def test_the_run_report_draws_the_noise_scale_per_layer(tmp_path: Path) -> None:
     """A runner job with capture.per_example=true: the report's noise-scale section, its table noise_scale's last step."""
     pytest.importorskip("matplotlib")
     from conftest import compose_cfg
-    from test_report_panels import _tables_after
+    from report_tables import tables_after
 
     from gradrunner.analysis import load
     from gradrunner.report import write_report
@@ -211,7 +211,7 @@ def test_the_run_report_draws_the_noise_scale_per_layer(tmp_path: Path) -> None:
     train(compose_cfg("+experiment=mlp", "steps=4", "capture.per_example=true", "report=false"), out_dir=tmp_path)
     page = write_report(tmp_path).read_text()
     assert ">Gradient noise scale</h2>" in page and (tmp_path / "report-noise_scale.png").is_file()
-    table = _tables_after(page, "Gradient noise scale")
+    table = tables_after(page, "Gradient noise scale")
     want = noise_scale(load(tmp_path), ema=0.9)
     want = want[want.step == want.step.max()]
     assert sorted(table.tap) == sorted(want.tap) and WHOLE_MODEL in set(table.tap) and len(want) >= 4

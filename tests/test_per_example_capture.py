@@ -1,6 +1,6 @@
 """`capture(..., per_example=True)` on parameter taps: each row's share of `.grad`, against a per-example loop.
 
-The reference is `test_per_example_params.loop` (each row alone through the model, its own loss
+The reference is `per_example_reference.loop` (each row alone through the model, its own loss
 scaled to its share, plain autograd); the layers are its `LAYERS` (stock torch.nn: Linear on 2-D
 and sequence inputs, Embedding with padding_idx, Conv1d/2d/3d with every padding mode, LayerNorm,
 RMSNorm, GroupNorm, eval BatchNorm) and a tiny random-init GPT-2 (transformers' Conv1D, a tied
@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from test_per_example_params import LAYERS, Net, Params, all_params, assert_matches, gpt2, lm_loss, loop, row, sq_loss
+from per_example_reference import LAYERS, Net, Params, all_params, assert_matches, gpt2, lm_loss, loop, row, sq_loss
 from torch import nn
 
 from gradrunner import capture

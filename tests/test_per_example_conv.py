@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_per_example_params import B, all_params, assert_matches, batched, loop, sq_loss
+from per_example_reference import B, all_params, assert_matches, batched, loop, sq_loss
 from torch import nn
 
 from gradrunner.capturing import per_example_conv as pec

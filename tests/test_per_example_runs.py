@@ -1,6 +1,6 @@
 """Per-example norms of parameter taps in real loops: accumulation, autocast, DDP, `record()`, Lightning, HF Trainer.
 
-Each against a per-example loop (`test_per_example_params.loop`: each row alone, its loss scaled to
+Each against a per-example loop (`per_example_reference.loop`: each row alone, its loss scaled to
 its share of the step's loss) on a twin of the model replayed in plain torch. Under accumulation a
 row's norm is that of its share of the step's accumulated `.grad` (rows of every micro-batch, in
 order); under DDP a rank's rows are their shares of the averaged `.grad` (the loop's / world size).
@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from test_per_example_params import all_params, assert_matches, loop
+from per_example_reference import all_params, assert_matches, loop
 from torch import nn
 
 from gradrunner import capture, record
@@ -111,7 +111,7 @@ def _step(model: nn.Module, ids: torch.Tensor, strategy: str | None, per_example
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_loss_grad_and_hooks_bit_identical_with_per_example_on(strategy: str) -> None:
     """per_example on against off (the same strategy), and against no capture: loss, .grad, what hooks on .grad saw."""
-    from test_per_example_params import gpt2
+    from per_example_reference import gpt2
 
     model = gpt2()
     ids = torch.randint(0, 40, (3, 7))
@@ -198,11 +198,11 @@ def test_lightning_with_accumulation(tmp_path: Path) -> None:
 def test_hf_trainer_tiny_gpt2(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    from test_integration_hf import Seen, _gpt2
+    from hf_reference import Seen, tiny_gpt2
 
     from gradrunner.integrations.hf import GradientCaptureCallback
 
-    model = _gpt2()
+    model = tiny_gpt2()
     twin = copy.deepcopy(model)
     g = torch.Generator().manual_seed(3)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (4, 8), generator=g)]

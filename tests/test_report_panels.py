@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import html
 import re
-from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from conftest import check_ok, gradrunner_in_process
+from report_tables import tables_after
 
 pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradrunner[report]")
 
@@ -89,51 +89,6 @@ def steps_sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return sweep
 
 
-class _Tables(HTMLParser):
-    """The first <table> after a heading, as rows of cell texts (the standard library's parser: no lxml)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[list[str]] = []
-        self.cell: list[str] | None = None
-        self.done = False
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if self.done:
-            return
-        if tag == "tr":
-            self.rows.append([])
-        elif tag in ("td", "th"):
-            self.cell = []
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in ("td", "th") and self.cell is not None and not self.done:
-            self.rows[-1].append("".join(self.cell).strip())
-            self.cell = None
-        elif tag == "table":
-            self.done = True
-
-    def handle_data(self, data: str) -> None:
-        if self.cell is not None:
-            self.cell.append(data)
-
-
-def _tables_after(page: str, title: str) -> pd.DataFrame:
-    """The first table of the section titled `title`, numbers parsed."""
-    start = page.index(f">{title}</h2>")
-    end = page.find("<h2", start)
-    parser = _Tables()
-    parser.feed(page[start : end if end > 0 else None])
-    header, *body = parser.rows
-    df = pd.DataFrame(body, columns=header)
-    for c in df.columns:
-        try:
-            df[c] = pd.to_numeric(df[c])
-        except ValueError:  # text: a tap name, a bin label
-            pass
-    return df
-
-
 @pytest.mark.slow  # about 10 s: two short runs and a report with every optional panel
 def test_a_steps_sweep_report_draws_every_job_and_reads_only_the_drawn_rows(
     steps_sweep: Path, monkeypatch: pytest.MonkeyPatch
@@ -168,10 +123,10 @@ def test_a_steps_sweep_report_draws_every_job_and_reads_only_the_drawn_rows(
     assert sorted(n for _, n in hist) == sorted([8 * 2, n_taps, 8 * 5, n_taps])
 
     # update ratios: a panel per job (the table: each job's own last step, both jobs)
-    ratios = _tables_after(page, "Update-to-weight ratio")
+    ratios = tables_after(page, "Update-to-weight ratio")
     assert ratios.groupby("override.steps")["step"].max().to_dict() == {2: 1, 5: 4}
     # histogram table: every tap at each job's last step; the shares match numpy on the records read back
-    table = _tables_after(page, "Gradient histograms over steps")
+    table = tables_after(page, "Gradient histograms over steps")
     assert table.groupby("override.steps")["step"].max().to_dict() == {2: 1, 5: 4}
     for n, df in files.items():
         last = df[df["step"] == n - 1].set_index("tap")
@@ -181,7 +136,7 @@ def test_a_steps_sweep_report_draws_every_job_and_reads_only_the_drawn_rows(
             counts = np.asarray(last.loc[tap, "hist_counts"], dtype=np.int64)
             np.testing.assert_allclose(row["zero share"], counts[0] / counts.sum(), rtol=1e-3)
     # per-example norms: both jobs in the table
-    per_example = _tables_after(page, "Per-example gradient norms")
+    per_example = tables_after(page, "Per-example gradient norms")
     assert set(per_example["override.steps"]) == {2, 5}
     images = re.findall(r'<img alt="([^"]+)"', page)
     assert {"Update-to-weight ratio", "Gradient histograms over steps", "Per-example gradient norms"} <= {

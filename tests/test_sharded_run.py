@@ -8,9 +8,6 @@ differs at step 1.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import cli_env, gradrunner_in_process, torchrun_command
+from conftest import cli_env, gradrunner_in_process
+from rank_launch import gradrunner_torchrun
 from torch import nn
-from warm import descendants
 
 from gradrunner.errors import GradrunnerError
 from gradrunner.models import MLP, CosineRegression
@@ -48,29 +45,14 @@ def group_of_one() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def torchrun(cwd: Path, *args: str, world: int = 2, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """`torchrun -m gradrunner ARGS`; on a time-out torchrun and every rank are killed (none is left behind)."""
-    cmd = torchrun_command(world, "-m", "gradrunner", *args)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        ranks = descendants(proc.pid)  # ranks lead sessions of their own: killing torchrun's group misses them
-        for pid in [*ranks, proc.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {timeout} s; it and its ranks were killed\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
 def compare(a: Path, b: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gradrunner.compare", str(a), str(b)], env=cli_env(),
                           capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
 # -- bad input: one paragraph, before anything runs ------------------------------------------------
+
+
 @pytest.mark.parametrize("mode", ["fsdp2", "hsdp"])
 def test_a_sharded_mode_in_one_process_says_how_to_start_torchrun(tmp_path: Path, mode: str) -> None:
     result = gradrunner_in_process(tmp_path, "+experiment=mlp", "steps=1", f"train.parallel={mode}", "hydra.run.dir=run")
@@ -199,7 +181,7 @@ def test_sharding_repoints_the_optimizer_and_steps_like_the_unsharded_model(grou
 def sweep(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One torchrun of 2 ranks, a sweep of ddp and fsdp2 at two learning rates, activation taps, 3 steps."""
     cwd = tmp_path_factory.mktemp("parity")
-    result = torchrun(cwd, "-m", "hydra.sweep.dir=sw", "+experiment=mlp", "steps=3", ACTIVATIONS,
+    result = gradrunner_torchrun(cwd, "-m", "hydra.sweep.dir=sw", "+experiment=mlp", "steps=3", ACTIVATIONS,
                       "train.parallel=ddp,fsdp2", "optimizer.lr=0.1,0.2")  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     (cwd / "log.txt").write_text(result.stdout + result.stderr)
@@ -243,7 +225,7 @@ def test_another_learning_rate_first_differs_at_step_1(sweep: Path) -> None:
 def test_the_certificate_with_the_experiments_own_taps(tmp_path: Path) -> None:
     """The issue's commands as given (`+experiment=mlp`, weights tapped too), ddp then fsdp2: records agree."""
     for mode in ("ddp", "fsdp2"):
-        result = torchrun(tmp_path, "+experiment=mlp", "steps=3", f"train.parallel={mode}", f"hydra.run.dir={mode}")
+        result = gradrunner_torchrun(tmp_path, "+experiment=mlp", "steps=3", f"train.parallel={mode}", f"hydra.run.dir={mode}")
         assert result.returncode == 0, result.stderr[-3000:]
     result = compare(tmp_path / "ddp", tmp_path / "fsdp2")
     assert result.returncode == 0 and "66 records" in result.stdout, result.stdout + result.stderr
@@ -253,7 +235,7 @@ def test_the_certificate_with_the_experiments_own_taps(tmp_path: Path) -> None:
 def test_hsdp_on_four_ranks_with_accumulation_agrees_with_ddp(tmp_path: Path) -> None:
     """4 ranks as 2 replicas x 2 shards, 2 micro-batches per step (reduce-scatter on the second only): the records
     equal DDP's on the same 4 ranks."""
-    result = torchrun(tmp_path, "-m", "hydra.sweep.dir=sw", "+experiment=mlp", "steps=2", ACTIVATIONS,
+    result = gradrunner_torchrun(tmp_path, "-m", "hydra.sweep.dir=sw", "+experiment=mlp", "steps=2", ACTIVATIONS,
                       "train.accumulate=2", "train.parallel=ddp,hsdp", world=4)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     held = {

@@ -22,7 +22,7 @@ import pandas as pd
 import pytest
 import torch
 from conftest import cli_env
-from test_sharded_run import torchrun
+from rank_launch import gradrunner_torchrun
 from warm import descendants
 
 from gradrunner.data import Batch, Synthetic, as_batches
@@ -113,7 +113,7 @@ def test_sigkilled_rank_group_resumes_to_the_uninterrupted_records(tmp_path: Pat
     ref, out = tmp_path / "ref", tmp_path / "killed"
     (tmp_path / "never.rank0").touch()
     (tmp_path / "never.rank1").touch()  # the reference never holds
-    result = torchrun(tmp_path, *_args(ref, tmp_path / "never", mode))
+    result = gradrunner_torchrun(tmp_path, *_args(ref, tmp_path / "never", mode))
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (ref / CHECKPOINT_DIR).exists()  # removed once the records were closed
 
@@ -128,7 +128,7 @@ def test_sigkilled_rank_group_resumes_to_the_uninterrupted_records(tmp_path: Pat
     )
     assert not (out / "done.json").exists()
 
-    again = torchrun(tmp_path, *_args(out, tmp_path / "held", mode), "resume=true")
+    again = gradrunner_torchrun(tmp_path, *_args(out, tmp_path / "held", mode), "resume=true")
     assert again.returncode == 0, again.stderr[-3000:]
     said = again.stdout + again.stderr
     assert "[rank 0] resumed from the checkpoint" in said and "[rank 1] resumed from the checkpoint" in said
