@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+import rank_pid
 from conftest import cli_env, torchrun_command
 from warm import descendants
 
@@ -31,7 +32,7 @@ def torchrun(world: int, out: Path, cases: list[str], timeout: float = 300, scri
 
     torchrun starts each rank in a session of its own (`start_new_session`), so killing torchrun's group
     does not reach them: SIGTERM lets torchrun stop its ranks, then every rank still running (found by
-    the pid each wrote, checked to be our `sharded_ranks.py` with this `out`) is killed with its group.
+    the pid and start time each wrote: `rank_pid`) is killed with its group.
     """
     cmd = torchrun_command(world, str(HERE / script), str(out), *cases)
     proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -47,34 +48,19 @@ def torchrun(world: int, out: Path, cases: list[str], timeout: float = 300, scri
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
-        for pid in ranks_left(out, script):
+        for pid in rank_pid.alive(out):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while ranks_left(out, script) and time.monotonic() < deadline:  # killed: gone as soon as they are reaped
+        while rank_pid.alive(out) and time.monotonic() < deadline:  # killed: gone as soon as they are reaped
             time.sleep(0.1)
-        assert not ranks_left(out, script), "ranks outlived the test"
+        assert not rank_pid.alive(out), "ranks outlived the test"
     lines = log.splitlines()
     errors = [line for line in lines if line.startswith("[rank") and "Error" in line]
     # a rank that aborted: what C++ said and every thread's Python stack (PYTHONFAULTHANDLER), not only the tail
     fatal = next((i for i, line in enumerate(lines) if "terminate called" in line or "Fatal Python error" in line), None)
     aborted = "\n".join(lines[max(0, fatal - 2) : fatal + 60]) if fatal is not None else ""
     assert proc.returncode == 0, "\n".join(errors[:8]) + "\n" + aborted + "\n" + log[-3000:]
-
-
-def ranks_left(out: Path, script: str = "sharded_ranks.py") -> list[int]:
-    """The pids of this run's ranks that still run (a pid reused by another program is not ours)."""
-    alive = []
-    for f in out.glob("pid.rank*"):
-        pid = int(f.read_text())
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        # a warm rank (`conftest.torchrun_command`) shows its server's command line, not the script's
-        if (os.fsencode(script) in cmdline and os.fsencode(out) in cmdline) or b"warm.py\0--serve" in cmdline:
-            alive.append(pid)
-    return alive
 
 
 def gradrunner_torchrun(cwd: Path, *args: str, world: int = 2, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import rank_pid
 import torch
 from torch import nn
 
@@ -184,12 +185,11 @@ def run_case(case: str, out: Path) -> None:
 
 def rank_main(argv: list[str], run_case: Callable[[str, Path], None]) -> None:
     """One torchrun rank: `argv` = [out dir, case, ...]; each case run by `run_case(case, out dir)`, then a barrier."""
-    import os
 
     import torch.distributed as dist
 
     # torchrun starts each rank in a session of its own: the test kills leftovers by these pids
-    (Path(argv[0]) / f"pid.rank{os.environ['RANK']}").write_text(str(os.getpid()))
+    rank_pid.mark(argv[0])
     dist.init_process_group("gloo")
     try:
         for case in argv[1:]:

@@ -18,13 +18,13 @@ run of it would be refused by the callback: that refusal is tested without a run
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import pytest
+import rank_pid
 import torch
 from torch import nn
 
@@ -55,7 +55,7 @@ def run_rank(out: Path, accumulate: int, clip: float | None) -> None:
 
     from gradrunner.integrations.lightning import GradientCapture
 
-    (out / f"pid.rank{os.environ['RANK']}").write_text(str(os.getpid()))  # for the test's check: no rank left
+    rank_pid.mark(out)  # for the test's check: no rank left
 
     class Regression(pl.LightningModule):
         def __init__(self) -> None:

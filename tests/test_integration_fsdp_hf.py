@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import rank_pid
 import torch
 
 pytest.importorskip("transformers")
@@ -43,7 +44,7 @@ def run_rank(out: Path) -> None:
 
     from gradrunner.integrations.hf import GradientCaptureCallback
 
-    (out / f"pid.rank{os.environ['RANK']}").write_text(str(os.getpid()))  # for the test's check: no rank left
+    rank_pid.mark(out)  # for the test's check: no rank left
     model = build_model()
     batches: list[torch.Tensor] = []
     model.register_forward_pre_hook(lambda m, a, kw: batches.append(kw["input_ids"].clone()), with_kwargs=True)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+import rank_pid
 import torch
 from per_example_reference import all_params, assert_matches, loop
 from torch import nn
@@ -308,5 +309,5 @@ def test_a_loss_scale_is_divided_out_of_the_rows(strategy: str) -> None:
 
 
 if __name__ == "__main__":  # a rank under torchrun (the DDP test above): `torchrun ... test_per_example_runs.py OUT`
-    (Path(sys.argv[1]) / f"pid.rank{os.environ['RANK']}").write_text(str(os.getpid()))  # for the test's check
+    rank_pid.mark(sys.argv[1])  # for the test's check: no rank left
     _rank(int(os.environ["RANK"]), sys.argv[1])
