@@ -15,6 +15,7 @@ import pytest
 from conftest import SEARCHPATH, gradrunner_in_process
 from hydra import compose, initialize_config_module
 from hydra.errors import HydraException
+from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from gradrunner.config.overrides import group_mistake, misspelled_key
@@ -43,18 +44,23 @@ def in_process(argv: list[str]) -> str | None:
 
     Call it inside `initialize_config_module(config_module="gradrunner.conf", version_base="1.3")`.
     """
+    return checked(argv)[0]
+
+
+def checked(argv: list[str]) -> tuple[str | None, DictConfig | None]:
+    """`in_process`'s message, and the composed and validated config when there is none (what the app's job runs)."""
     message = misspelled_key(argv) or group_mistake(argv)
     if message is not None:
-        return message
+        return message, None
     try:
         cfg = compose("config", overrides=[SEARCHPATH, *argv])
     except (HydraException, OmegaConfBaseException) as e:  # what run/hydra_adapter.py turns into one paragraph
-        return _describe(e)
+        return _describe(e), None
     try:
         validate(cfg)
     except (GradrunnerError, OmegaConfBaseException) as e:  # what the app's task function reports
-        return " ".join(str(e).split())
-    return None
+        return " ".join(str(e).split()), None
+    return None, cfg
 
 
 @pytest.mark.slow  # about 0.1-0.3 s per line (Hydra composing) on the loaded 2-core machine
@@ -162,11 +168,10 @@ class Hang(Exception):
     pass
 
 
-def run_in_process(argv: list[str], out: Path) -> str | None:
-    """The line run as the app runs it, in this process: its one-paragraph refusal, or None when it ran."""
+def run_in_process(argv: list[str], cfg: DictConfig, out: Path) -> str | None:
+    """The line's job run as the app runs it (on the config the app composed and validated, `checked`), in this
+    process: its one-paragraph refusal, or None when it ran."""
     import signal
-
-    from hydra import compose
 
     from gradrunner.run.job import run
 
@@ -176,7 +181,7 @@ def run_in_process(argv: list[str], out: Path) -> str | None:
     previous = signal.signal(signal.SIGALRM, hung)
     signal.alarm(300)  # a hang detector, far above the second or so a line takes
     try:
-        run(compose("config", overrides=[SEARCHPATH, *argv]), out_dir=out)
+        run(cfg, out_dir=out)
     except (GradrunnerError, OmegaConfBaseException) as e:
         return " ".join(str(e).split())
     finally:
@@ -201,9 +206,9 @@ def test_random_lines_over_the_new_keys_are_refused_before_step_0_or_run_sanely(
         for n in range(120):
             argv = new_key_line(rng, files)
             out = tmp_path / f"r{n}"
-            message = in_process(argv)
-            if message is None:  # anything raised here but a refusal is a traceback on the command line
-                message = run_in_process(argv, out)
+            message, cfg = checked(argv)
+            if cfg is not None:  # anything raised here but a refusal is a traceback on the command line
+                message = run_in_process(argv, cfg, out)
             if message is not None:
                 outcomes["refused"] += 1
                 assert message and "Traceback" not in message, (argv, message)
