@@ -19,8 +19,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import procs
 import pytest
-import rank_pid
 from conftest import cli_env, torchrun_command
 from warm import descendants
 
@@ -32,7 +32,7 @@ def torchrun(world: int, out: Path, cases: list[str], timeout: float = 300, scri
 
     torchrun starts each rank in a session of its own (`start_new_session`), so killing torchrun's group
     does not reach them: SIGTERM lets torchrun stop its ranks, then every rank still running (found by
-    the pid and start time each wrote: `rank_pid`) is killed with its group.
+    the pid and start time each wrote: `procs`) is killed with its group.
     """
     cmd = torchrun_command(world, str(HERE / script), str(out), *cases)
     proc = subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -48,13 +48,13 @@ def torchrun(world: int, out: Path, cases: list[str], timeout: float = 300, scri
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.communicate()
-        for pid in rank_pid.alive(out):
+        for pid in procs.alive(out):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
         deadline = time.monotonic() + 60
-        while rank_pid.alive(out) and time.monotonic() < deadline:  # killed: gone as soon as they are reaped
+        while procs.alive(out) and time.monotonic() < deadline:  # killed: gone as soon as they are reaped
             time.sleep(0.1)
-        assert not rank_pid.alive(out), "ranks outlived the test"
+        assert not procs.alive(out), "ranks outlived the test"
     lines = log.splitlines()
     errors = [line for line in lines if line.startswith("[rank") and "Error" in line]
     # a rank that aborted: what C++ said and every thread's Python stack (PYTHONFAULTHANDLER), not only the tail

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import rank_pid
+import procs
 import torch
 from torch import nn
 
@@ -189,7 +189,7 @@ def rank_main(argv: list[str], run_case: Callable[[str, Path], None]) -> None:
     import torch.distributed as dist
 
     # torchrun starts each rank in a session of its own: the test kills leftovers by these pids
-    rank_pid.mark(argv[0])
+    procs.mark(argv[0])
     dist.init_process_group("gloo")
     try:
         for case in argv[1:]:

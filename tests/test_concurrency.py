@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SEARCHPATH, cli_env, gradrunner
+from procs import stat_fields
 from records_check import check_records
 
 from gradrunner.records.rundir import DONE, FAILED
@@ -75,7 +76,7 @@ def group_alive(pgid: int) -> bool:
     """Whether a process of group `pgid` still runs (zombies, dead and waiting to be reaped, do not count)."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = stat_fields(stat.parent.name)
         except (OSError, IndexError):
             continue
         if fields[0] != "Z" and int(fields[2]) == pgid:  # state, ppid, pgrp

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import procs
 import pytest
-import rank_pid
 import torch
 from torch import nn
 
@@ -55,7 +55,7 @@ def run_rank(out: Path, accumulate: int, clip: float | None) -> None:
 
     from gradrunner.integrations.lightning import GradientCapture
 
-    rank_pid.mark(out)  # for the test's check: no rank left
+    procs.mark(out)  # for the test's check: no rank left
 
     class Regression(pl.LightningModule):
         def __init__(self) -> None:

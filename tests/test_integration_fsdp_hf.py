@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import procs
 import pytest
-import rank_pid
 import torch
 
 pytest.importorskip("transformers")
@@ -44,7 +44,7 @@ def run_rank(out: Path) -> None:
 
     from gradrunner.integrations.hf import GradientCaptureCallback
 
-    rank_pid.mark(out)  # for the test's check: no rank left
+    procs.mark(out)  # for the test's check: no rank left
     model = build_model()
     batches: list[torch.Tensor] = []
     model.register_forward_pre_hook(lambda m, a, kw: batches.append(kw["input_ids"].clone()), with_kwargs=True)

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import procs
 import pytest
-import rank_pid
 import torch
 from per_example_reference import all_params, assert_matches, loop
 from torch import nn
@@ -309,5 +309,5 @@ def test_a_loss_scale_is_divided_out_of_the_rows(strategy: str) -> None:
 
 
 if __name__ == "__main__":  # a rank under torchrun (the DDP test above): `torchrun ... test_per_example_runs.py OUT`
-    rank_pid.mark(sys.argv[1])  # for the test's check: no rank left
+    procs.mark(sys.argv[1])  # for the test's check: no rank left
     _rank(int(os.environ["RANK"]), sys.argv[1])

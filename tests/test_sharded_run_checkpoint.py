@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import procs
 import pytest
 import torch
 from conftest import cli_env
@@ -95,17 +96,10 @@ def _kill_when_held(cwd: Path, args: list[str], marker: Path) -> None:
                 os.kill(pid, signal.SIGKILL)
         _, err = proc.communicate(timeout=60)
         deadline = time.monotonic() + 60
-        while [p for p in group if _alive(p)] and time.monotonic() < deadline:
+        while [p for p in group if procs.running(p)] and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not [p for p in group if _alive(p)], "a rank outlived the kill"
+        assert not [p for p in group if procs.running(p)], "a rank outlived the kill"
     assert proc.returncode == -signal.SIGKILL, err[-2000:]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])

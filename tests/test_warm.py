@@ -8,6 +8,7 @@ A warm rank is a fork of the server, so its pid is not the client's; a real inte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import conftest
+import procs
 import pytest
 from conftest import cli_env, warm_python
 
@@ -155,6 +157,45 @@ def test_a_sigkilled_client_takes_what_its_rank_started_through_the_client(clien
     assert _gone(rank), f"rank {rank}, started by a warm process whose client was killed, outlived it"
 
 
+def test_a_client_gone_before_it_read_the_pid_leaves_no_rank(client: Path, tmp_path: Path) -> None:
+    """The waiter sends the rank's pid to a client that can no longer read it (killed as its rank started, as a test's
+    SIGTERM can do): the rank is killed before it runs anything, not left sleeping under init."""
+    import socket
+
+    import warm
+
+    (tmp_path / "probe.py").write_text(PROBE)
+    servers = {s.pid for s in conftest._WARM["servers"]}  # type: ignore[attr-defined]
+    folder = str(conftest._WARM["folder"]).encode()  # type: ignore[attr-defined]
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(str(conftest._WARM["socket"]).split(os.pathsep)[0])  # type: ignore[attr-defined]
+    request = {"argv": [str(tmp_path / "probe.py"), "sleep", str(tmp_path / "pid")], "env": cli_env(), "cwd": str(tmp_path),
+               "leader": ""}  # fmt: skip
+    with open(os.devnull, "r+") as null:
+        warm._send(conn, request, [null.fileno()] * 3)
+    conn.close()  # as a dead client, before the server has even read the request: the waiter's send of the pid fails
+    fallbacks = Path(f"{str(conftest._WARM['socket']).split(os.pathsep)[0]}.fallbacks")  # type: ignore[attr-defined]
+    # the server serves one request at a time: once a later one has run, it has forked this one's waiter
+    assert finish(start(client, tmp_path, "0", env={"LOCAL_RANK": "0"}))[0] == 0
+
+    def forks_of_the_servers() -> list[int]:  # waiters and ranks show their server's command line
+        found = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            with contextlib.suppress(OSError):
+                if folder in cmdline.read_bytes() and int(cmdline.parent.name) not in servers:
+                    if procs.running(cmdline.parent.name):
+                        found.append(int(cmdline.parent.name))
+        return found
+
+    deadline = time.monotonic() + 60  # the waiter and the rank end at once; the deadline only bounds a failure
+    while (left := forks_of_the_servers()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for pid in left:  # the test fails, and leaves nothing behind
+        os.kill(pid, signal.SIGKILL)
+    assert not left and not (tmp_path / "pid").exists(), f"left running: {left}"
+    assert not fallbacks.exists() or str(tmp_path) not in fallbacks.read_text()  # the server took the request
+
+
 def _wait_for_pid(pid_file: Path, proc: subprocess.Popen[str]) -> int:
     deadline = time.monotonic() + 120
     while not pid_file.exists() or not pid_file.read_text():
@@ -168,11 +209,7 @@ def _wait_for_pid(pid_file: Path, proc: subprocess.Popen[str]) -> int:
 def _gone(pid: int) -> bool:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
+        if not procs.running(pid):
             return True
         time.sleep(0.02)
     os.kill(pid, signal.SIGKILL)  # still there: the test fails, and leaves nothing behind

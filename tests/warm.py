@@ -199,17 +199,40 @@ def serve(path: str, forget_hash_seed: bool) -> None:
 
 
 def _wait_for_rank(conn: socket.socket, fds: list[int], request: dict[str, object]) -> None:
-    import select
-
+    """The waiter: fork the rank, tell the client its pid, then its exit status; if the client goes first (killed, or
+    gone before it read the pid), kill the rank and what it started. The rank runs nothing until the client has its pid:
+    a rank whose client was gone by then is killed before it starts, never left behind."""
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        go, started = os.pipe()
         pid = os.fork()
         if pid == 0:
             conn.close()
+            os.close(started)
+            if os.read(go, 1) != b"g":  # the waiter died first: nobody would see this rank
+                os._exit(1)
+            os.close(go)
             _run(fds, request)  # never returns
+        os.close(go)
         for fd in fds:
             os.close(fd)
+        if not _report(conn, pid, started):  # the client is gone: so is its rank, and what the rank started
+            for gone in [*descendants(pid), pid]:  # a warm torchrun's rank clients: their waiters end the ranks
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(gone, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    finally:
+        os._exit(0)
+
+
+def _report(conn: socket.socket, pid: int, started: int) -> bool:
+    """Send the rank's pid, let it start (`started`), then send its exit status: False where the client went first."""
+    import select
+
+    try:
         _send(conn, {"pid": pid})
+        os.write(started, b"g")
+        os.close(started)
         pidfd = os.pidfd_open(pid)
         poller = select.poll()
         poller.register(conn, select.POLLIN | select.POLLHUP)
@@ -217,28 +240,27 @@ def _wait_for_rank(conn: socket.socket, fds: list[int], request: dict[str, objec
         while True:
             ready = {fd for fd, _ in poller.poll()}
             if pidfd in ready:
-                _, st = os.waitpid(pid, 0)
-                _send(conn, {"status": st})
                 break
-            if not conn.recv(4096):  # the client is gone (killed): so is its rank, and what the rank started
-                for gone in [*descendants(pid), pid]:  # a warm torchrun's rank clients: their waiters end the ranks
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(gone, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                break
-    finally:
-        os._exit(0)
+            if not conn.recv(4096):
+                return False
+    except OSError:  # the client's end closed under a send or a read (a broken pipe, a reset)
+        return False
+    _, st = os.waitpid(pid, 0)
+    with contextlib.suppress(OSError):  # the client may be gone by now: the rank is, too
+        _send(conn, {"status": st})
+    return True
 
 
 def descendants(pid: int) -> list[int]:
     """Every live process below `pid`, found through /proc's parent ids (a forked torchrun's rank clients; the tests'
     torchruns' ranks)."""
+    from procs import stat_fields  # here, not at the top: the client starts in about 20 ms and needs none of it
+
     parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):
-                with open(f"/proc/{entry}/stat") as stat:
-                    parents.setdefault(int(stat.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+                parents.setdefault(int(stat_fields(entry)[1]), []).append(int(entry))
     found, todo = [], [pid]
     while todo:
         kids = parents.get(todo.pop(), [])

@@ -1,4 +1,4 @@
-"""`rank_pid`: the tests find their torchrun ranks left running by pid and start time, never another process."""
+"""`procs`: the tests find their torchrun ranks left running by pid and start time, never another process."""
 
 from __future__ import annotations
 
@@ -8,35 +8,34 @@ import sys
 import time
 from pathlib import Path
 
+import procs
 import pytest
-import rank_pid
 
 
 def test_a_marked_running_process_is_alive_and_a_reused_or_ended_pid_is_not(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "0")
-    rank_pid.mark(tmp_path)
-    assert rank_pid.alive(tmp_path) == [os.getpid()]
+    procs.mark(tmp_path)
+    assert procs.alive(tmp_path) == [os.getpid()]
     pid, start = (tmp_path / "pid.rank0").read_text().split()
     (tmp_path / "pid.rank0").write_text(f"{pid} {int(start) - 1}")  # our pid, another process's start: a reused pid
-    assert rank_pid.alive(tmp_path) == []
+    assert procs.alive(tmp_path) == []
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                            check=True).stdout.strip()  # fmt: skip
     (tmp_path / "pid.rank0").write_text(f"{ended} {start}")
-    assert rank_pid.alive(tmp_path) == []
+    assert procs.alive(tmp_path) == []
 
 
 def test_a_zombie_rank_is_not_alive(tmp_path: Path) -> None:
     """A killed rank not yet reaped still has its /proc entry (state Z): it runs nothing, the wait for it is over."""
-    proc = subprocess.Popen([sys.executable, "-c", "import os, sys; sys.path.insert(0, sys.argv[1]); import rank_pid; "
-                             "os.environ['RANK'] = '1'; rank_pid.mark(sys.argv[2])", str(Path(__file__).parent),
+    proc = subprocess.Popen([sys.executable, "-c", "import os, sys; sys.path.insert(0, sys.argv[1]); import procs; "
+                             "os.environ['RANK'] = '1'; procs.mark(sys.argv[2])", str(Path(__file__).parent),
                              str(tmp_path)])  # fmt: skip
     try:
         while True:  # exited, not reaped: a zombie (the test's own wait below reaps it)
-            state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            if state == "Z":
+            if procs.stat_fields(proc.pid)[0] == "Z":
                 break
             time.sleep(0.01)
-        assert (tmp_path / "pid.rank1").exists() and rank_pid.alive(tmp_path) == []
+        assert (tmp_path / "pid.rank1").exists() and procs.alive(tmp_path) == []
     finally:
         proc.wait()
