@@ -167,14 +167,15 @@ def test_a_client_gone_before_it_read_the_pid_leaves_no_rank(client: Path, tmp_p
     (tmp_path / "probe.py").write_text(PROBE)
     servers = {s.pid for s in conftest._WARM["servers"]}  # type: ignore[attr-defined]
     folder = str(conftest._WARM["folder"]).encode()  # type: ignore[attr-defined]
+    socket0 = str(conftest._WARM["socket"]).split(os.pathsep)[0]  # type: ignore[attr-defined]
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    conn.connect(str(conftest._WARM["socket"]).split(os.pathsep)[0])  # type: ignore[attr-defined]
+    conn.connect(socket0)
     request = {"argv": [str(tmp_path / "probe.py"), "sleep", str(tmp_path / "pid")], "env": cli_env(), "cwd": str(tmp_path),
                "leader": ""}  # fmt: skip
     with open(os.devnull, "r+") as null:
         warm._send(conn, request, [null.fileno()] * 3)
     conn.close()  # as a dead client, before the server has even read the request: the waiter's send of the pid fails
-    fallbacks = Path(f"{str(conftest._WARM['socket']).split(os.pathsep)[0]}.fallbacks")  # type: ignore[attr-defined]
+    fallbacks = Path(f"{socket0}.fallbacks")
     # the server serves one request at a time: once a later one has run, it has forked this one's waiter
     assert finish(start(client, tmp_path, "0", env={"LOCAL_RANK": "0"}))[0] == 0
 

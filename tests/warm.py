@@ -53,8 +53,8 @@ RANK_VARIABLES = frozenset({
 #: - `_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR`: read (getenv) by an inductor-compiled module as it loads: in the rank;
 #: - `KMP_DUPLICATE_LIB_OK`, `KMP_INIT_AT_FORK`: read by Intel's OpenMP runtime as it loads (`serve` drops these two
 #:   where the imports loaded it; torch's CPU build on Linux uses GNU OpenMP).
-READ_AFTER_IMPORTS = frozenset({"MLFLOW_ALLOW_FILE_STORE", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
-                                "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})  # fmt: skip
+INTEL_OPENMP_VARIABLES = frozenset({"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})
+READ_AFTER_IMPORTS = frozenset({"MLFLOW_ALLOW_FILE_STORE", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}) | INTEL_OPENMP_VARIABLES
 #: What the server imports once (each only if installed): the costly imports of a rank.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "torch.distributed.fsdp", "torch.distributed.checkpoint",
            "torch.distributed.tensor.parallel", "numpy", "hydra", "hydra.utils", "omegaconf", "transformers",
@@ -167,7 +167,7 @@ def serve(path: str, forget_hash_seed: bool) -> None:
     imports_set = {k: v for k, v in os.environ.items() if env.get(k) != v}  # torch sets some: so would the rank's
     with open("/proc/self/maps") as maps:
         intel_openmp = "libiomp" in maps.read()
-    read_later = READ_AFTER_IMPORTS - ({"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"} if intel_openmp else set())
+    read_later = READ_AFTER_IMPORTS - (INTEL_OPENMP_VARIABLES if intel_openmp else set())
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
