@@ -54,7 +54,7 @@ RANK_VARIABLES = frozenset({
 #: - `KMP_DUPLICATE_LIB_OK`, `KMP_INIT_AT_FORK`: read by Intel's OpenMP runtime as it loads (`serve` drops these two
 #:   where the imports loaded it; torch's CPU build on Linux uses GNU OpenMP).
 INTEL_OPENMP_VARIABLES = frozenset({"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})
-READ_AFTER_IMPORTS = frozenset({"MLFLOW_ALLOW_FILE_STORE", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}) | INTEL_OPENMP_VARIABLES
+READ_AFTER_IMPORTS = INTEL_OPENMP_VARIABLES | {"MLFLOW_ALLOW_FILE_STORE", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
 #: What the server imports once (each only if installed): the costly imports of a rank.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "torch.distributed.fsdp", "torch.distributed.checkpoint",
            "torch.distributed.tensor.parallel", "numpy", "hydra", "hydra.utils", "omegaconf", "transformers",

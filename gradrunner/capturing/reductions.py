@@ -186,7 +186,7 @@ def segment_sums(x: torch.Tensor, seg: Segments) -> torch.Tensor:
     padded = x.new_zeros(*lead, seg.chunks * seg.width)
     padded[..., seg.slots] = x
     parts = padded.view(*lead, seg.chunks, seg.width).sum(-1)
-    if seg.per == 1 and seg.chunks == seg.k:  # every segment is one chunk (none wider than `width`): `parts` are its sums
+    if seg.per == 1 and seg.chunks == seg.k:  # every segment one chunk (none wider than `width`): parts are the sums
         return parts
     table = x.new_zeros(*lead, seg.k * seg.per)
     table[..., seg.chunk_slots] = parts
