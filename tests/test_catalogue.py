@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
-import os
 import random
 import shutil
 import sqlite3
@@ -23,6 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
+from catalogue_writers import damaged_then_written, killed_inside_a_transaction, writer
 from conftest import check_ok, cli_env, python_m
 
 from gradrunner.analysis import load
@@ -36,17 +36,9 @@ BASE = ["+experiment=mlp", "steps=1", "device=cpu"]
 # --- the file ------------------------------------------------------------------------------------
 
 
-def _writer(sweep_dir: str, who: int, count: int, seed: int) -> None:
-    rng = random.Random(seed)
-    for i in range(count):
-        row = JobRow(dir=f"{who}-{i}", num=who * 1000 + i, overrides=[f"w={who}", f"i={i}"], status="completed",
-                     run_id=f"{who:02d}{i:04d}", rows=rng.randrange(1, 100), files=["grads.parquet"])  # fmt: skip
-        record_job(sweep_dir, row)
-
-
 def test_concurrent_writers_lose_no_row(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_writer, args=(str(tmp_path), w, 40, w)) for w in range(4)]
+    procs = [ctx.Process(target=writer, args=(str(tmp_path), w, 40, w)) for w in range(4)]
     for p in procs:
         p.start()
     for p in procs:
@@ -58,18 +50,9 @@ def test_concurrent_writers_lose_no_row(tmp_path: Path) -> None:
     assert all(r.run_id == f"{int(r.dir.split('-')[0]):02d}{int(r.dir.split('-')[1]):04d}" for r in rows)
 
 
-def _killed_inside_a_transaction(sweep_dir: str) -> None:
-    record_job(sweep_dir, JobRow(dir="before", num=0, overrides=["a=0"], status="completed", run_id="r0"))
-    con = sqlite3.connect(Path(sweep_dir) / CATALOGUE, isolation_level=None)
-    con.execute("begin immediate")
-    con.execute("insert or replace into jobs (dir, num, overrides, status, files) values ('torn', 1, '[]', "
-                "'completed', '[]')")  # fmt: skip
-    os._exit(9)  # killed holding the write lock, uncommitted: the journal rolls it back
-
-
 def test_a_writer_killed_inside_its_transaction_loses_only_its_own_row(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("spawn")
-    p = ctx.Process(target=_killed_inside_a_transaction, args=(str(tmp_path),))
+    p = ctx.Process(target=killed_inside_a_transaction, args=(str(tmp_path),))
     p.start()
     p.join(timeout=120)
     assert p.exitcode == 9
@@ -371,17 +354,12 @@ def test_operational_damage_is_moved_aside_and_the_next_write_starts_anew(
     assert caplog.text.count("is damaged") == 1
 
 
-def _damaged_then_written(sweep_dir: str, who: int, start: Any) -> None:
-    start.wait()
-    record_job(sweep_dir, JobRow(dir=f"w{who}", num=100 + who, overrides=[f"w={who}"], status="completed"))
-
-
 def test_concurrent_writers_move_a_damaged_catalogue_aside_once(tmp_path: Path) -> None:
     record_job(tmp_path, JobRow(dir="0", num=0, overrides=["seed=0"], status="completed", run_id="r0"))
     _rename_column(tmp_path)
     ctx = multiprocessing.get_context("spawn")
     start = ctx.Event()
-    procs = [ctx.Process(target=_damaged_then_written, args=(str(tmp_path), w, start)) for w in range(3)]
+    procs = [ctx.Process(target=damaged_then_written, args=(str(tmp_path), w, start)) for w in range(3)]
     for p in procs:
         p.start()
     start.set()
