@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+from conftest import python_script
 from torch import nn
 
 import gradrunner
@@ -60,8 +59,10 @@ def test_a_plain_script_ends_with_the_runners_last_word_on_the_console_and_in_th
     """A user's script (no logging configured): the health summary on stderr and in <run dir>/gradrunner.log,
     its losses the script's own; with a NaN loss at step 2 it says so."""
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(dir=str(run), nan_at=nan_at)], capture_output=True,
-                         text=True, timeout=300, check=True)  # fmt: skip
+    script = tmp_path / "script.py"  # run as `python script.py` would, inside this process (`conftest.python_script`)
+    script.write_text(SCRIPT.format(dir=str(run), nan_at=nan_at))
+    out = python_script(tmp_path, script)
+    assert out.returncode == 0, out.stderr
     losses = [float(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("LOSS")]
     assert len(losses) == 4
     log_text = (run / LOG_FILE).read_text()
