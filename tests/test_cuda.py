@@ -17,9 +17,10 @@ from torch import nn
 import gradrunner.capturing.stats as stats
 from gradrunner import capture
 from gradrunner.capturing import fused_triton
+from gradrunner.capturing.extras import histogram_counts
 from gradrunner.capturing.strategies import STRATEGIES
 from gradrunner.models import MLP
-from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS, TapKey
+from gradrunner.records.columns import COUNT_COLUMNS, HIST_EDGES, STAT_COLUMNS, TapKey
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
@@ -218,3 +219,35 @@ def test_float32_value_norms_on_cuda_match_float64(model_and_batch: tuple[nn.Mod
     want["fc1:weight"] = float(torch.linalg.vector_norm(model.fc1.weight.detach().double().cpu()))
     for tap, norm in want.items():
         assert got[tap] == pytest.approx(norm, rel=1e-5), tap
+
+
+def _wide(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Magnitudes over the whole float range of `dtype`, with zeros, -0, NaN, ±Inf, a subnormal, every histogram
+    edge and the float32 on each side of it."""
+    gen = torch.Generator().manual_seed(n)
+    exponent = torch.randint(-45, 39, (n,), generator=gen).double()
+    g = (torch.randn(n, generator=gen, dtype=torch.float64) * 10.0**exponent).to(dtype)
+    edges = torch.tensor(HIST_EDGES, dtype=torch.float32)
+    near = torch.cat([edges, torch.nextafter(edges, torch.tensor(0.0)), torch.nextafter(edges, torch.tensor(3e38))])
+    tiny = torch.finfo(dtype).tiny
+    special = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, tiny / 4, -tiny / 2, tiny], dtype=torch.float64)
+    return torch.cat([g, near.to(dtype), -near.to(dtype), special.to(dtype)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [0, 7, stats.DEFER_NUMEL + 1, 1 << 20])
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_cuda_histogram_counts_equal_the_cpus(dtype: torch.dtype, n: int, path: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The Triton histogram (one launch) and the torch ops' give the CPU's counts, bit for bit, and neither syncs."""
+    if path == "triton" and fused_triton.triton is None:
+        pytest.skip("triton is not installed")
+    if path == "torch":
+        monkeypatch.setenv("GRADRUNNER_FUSED", "0")
+    g = _wide(n, dtype)
+    want = histogram_counts(g)
+    on_gpu = g.cuda()
+    histogram_counts(on_gpu)  # the first call compiles the kernel
+    with _syncs_raise(True):
+        got = histogram_counts(on_gpu)
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), want), (got.cpu() - want).nonzero()

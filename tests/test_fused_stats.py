@@ -152,15 +152,27 @@ from gradrunner.capturing import fused_triton
 out = torch.empty(7, dtype=torch.float64)
 results = []
 for path in sys.argv[1:]:
-    fused_triton.launch(torch.load(path), out, sms=2)
-    results.append(out.tolist())
+    if path.endswith(".hist.pt"):
+        results.append(fused_triton.launch_hist(torch.load(path), sms=2).tolist())
+    else:
+        fused_triton.launch(torch.load(path), out, sms=2)
+        results.append(out.tolist())
 print(json.dumps(results))
 """
 
 
+def _edge_neighbours() -> torch.Tensor:
+    """Every HIST_EDGES value, the float32 on each side of it, both signs, and the smallest subnormal and normal."""
+    edges = torch.tensor(HIST_EDGES, dtype=torch.float32)
+    near = torch.cat([edges, torch.nextafter(edges, torch.tensor(0.0)), torch.nextafter(edges, torch.tensor(3e38))])
+    tiny = torch.finfo(torch.float32).tiny
+    return torch.cat([near, -near, torch.tensor([1e-45, tiny, torch.nextafter(torch.tensor(tiny), torch.tensor(0.0))])])
+
+
 @pytest.mark.slow
 def test_triton_kernel_under_the_interpreter(tmp_path: Path) -> None:
-    """The CUDA kernel's arithmetic, run on CPU by Triton's interpreter (skipped without triton)."""
+    """The CUDA kernels' arithmetic, run on CPU by Triton's interpreter (skipped without triton): the statistics,
+    and the |g| histogram against numpy's counts over the whole float range and next to every edge."""
     pytest.importorskip("triton")
     cases = [(dtype, n, special) for dtype in DTYPES for n in (1, 2049, 3 * DEFER_NUMEL + 5)
              for special in ("plain", "zeros", "nan", "inf")]  # fmt: skip
@@ -168,10 +180,21 @@ def test_triton_kernel_under_the_interpreter(tmp_path: Path) -> None:
     for i, (dtype, n, special) in enumerate(cases):
         paths.append(str(tmp_path / f"{i}.pt"))
         torch.save(_gradient(n, dtype, special, seed=n), paths[-1])
+    hists = [_wide_gradient(n, dtype, seed=n) for dtype in DTYPES for n in (0, 1, 9, 3 * DEFER_NUMEL + 5)]
+    for g in hists:  # the interpreter's bfloat16 -> float32 (numpy) flushes subnormals to 0; a GPU's does not
+        if g.dtype == torch.bfloat16:  # (test_cuda holds the kernel to the CPU's counts there, subnormals included)
+            g[(g != 0) & (g.abs() < torch.finfo(torch.bfloat16).tiny)] = 1.0
+    hists.append(_edge_neighbours())
+    for i, g in enumerate(hists):
+        paths.append(str(tmp_path / f"{i}.hist.pt"))
+        torch.save(g, paths[-1])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", _INTERPRETED, *paths], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    for (dtype, n, special), got in zip(cases, json.loads(done.stdout), strict=True):
+    results = json.loads(done.stdout)
+    for g, got in zip(hists, results[len(cases) :], strict=True):
+        assert got == _numpy_histogram(g).tolist(), (g.dtype, g.numel())
+    for (dtype, n, special), got in zip(cases, results[: len(cases)], strict=True):
         want = _numpy_reductions(_gradient(n, dtype, special, seed=n))
         for i in (0, 1):
             if math.isfinite(want[i]):

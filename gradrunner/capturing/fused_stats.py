@@ -219,10 +219,10 @@ def _agrees(got: np.ndarray, want: np.ndarray, g: torch.Tensor, special: bool) -
 _tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
-def _hist_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hist_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(cell int32 [2048], upper float32 [raw bins], fold int32 [raw bins]).
 
-    Built from `extras`' own float32 edge tables, so the C kernel's bins are those of
+    Built from `extras`' own float32 edge tables, so the C and Triton kernels' bins are those of
     `extras.histogram_counts` by construction: `cell[i]` is the raw bin of the float32 with bits
     `i << 20`, found by comparing with the lower edges.
     """
@@ -251,7 +251,7 @@ def _hist_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _bind_hist(fn: ctypes._CFuncPtr) -> HistKernel:  # type: ignore[name-defined]
-    cell, upper, fold = _hist_tables()
+    cell, upper, fold = hist_tables()
     tables = (cell.data_ptr(), upper.data_ptr(), fold.data_ptr(), upper.numel())
 
     def run(ptr: int, n: int, out: int, counts: int) -> None:
@@ -323,6 +323,22 @@ def cpu_kernels() -> dict[torch.dtype, Kernel]:
     if not enabled():
         return {}
     return _load_cpu() or {}
+
+
+def cuda_histogram(flat: torch.Tensor) -> torch.Tensor | None:
+    """The |g| counts of `extras.histogram_counts` for contiguous 1-D CUDA `flat` by the Triton kernel (HIST_BINS
+    int64 on its device, one launch, no host synchronisation), or None where it does not apply
+    (`GRADRUNNER_FUSED=0`, no Triton, not CUDA, another dtype): the torch ops count it then.
+
+    Example::
+
+        counts = cuda_histogram(grad.reshape(-1))   # None on a CPU tensor
+    """
+    if not enabled() or flat.device.type != "cuda":
+        return None
+    from gradrunner.capturing import fused_triton
+
+    return fused_triton.histogram(flat)
 
 
 def reduce_into(flat: torch.Tensor, out: torch.Tensor) -> bool:

@@ -1,15 +1,25 @@
-"""The one-pass statistics kernel on CUDA, in Triton: imported only for a CUDA gradient.
+"""The one-pass statistics and histogram kernels on CUDA, in Triton: imported only for a CUDA gradient.
 
-Two launches per gradient, no host synchronisation and no float64 copy: each program reads
-strided blocks of the gradient and accumulates sum and sum of squares in float64 (min, max and
-counts alongside) into a partials buffer; a second program folds the partials into the 7-element
-float64 output row `[sum, sumsq, min, max, nonzero, nan, inf]`. Where Triton is not importable,
-`reduce_into` returns False and `stats` takes the torch path.
+Statistics: two launches per gradient, no host synchronisation and no float64 copy: each program
+reads strided blocks of the gradient and accumulates sum and sum of squares in float64 (min, max
+and counts alongside) into a partials buffer; a second program folds the partials into the
+7-element float64 output row `[sum, sumsq, min, max, nonzero, nan, inf]`. Where Triton is not
+importable, `reduce_into` returns False and `stats` takes the torch path.
+
+Histogram (`histogram`): one launch after the counts' zeroing, the |g| counts of
+`extras.histogram_counts` from the C kernel's tables (`fused_stats.hist_tables`): an element's raw
+bin is `cell[bits >> 20]`, moved up by one comparison with that bin's upper edge (bits compared as
+integers, so no flush-to-zero or NaN rule of the GPU's float compare can move a value), then folded
+(`fold`); a zero or subnormal |g| (exponent 0) is the zeros' bin or the bin below the first edge
+(1e-30) directly. Each program counts its blocks in registers (`tl.histogram`) and adds its counts to
+the output with one atomic add per bin. The torch-ops path it replaces launched about 15 kernels per
+gradient and scattered every element into a few contended bins: 0.47 ms of an H100 step per tap.
 
 Example::
 
     out = torch.empty(7, dtype=torch.float64, device="cuda")
     reduce_into(torch.randn(1 << 20, device="cuda"), out)
+    counts = histogram(torch.randn(1 << 20, device="cuda"))   # HIST_BINS int64 counts, or None
 """
 
 from __future__ import annotations
@@ -28,6 +38,11 @@ _BLOCK = 2048
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _kernels: tuple[Any, Any] | None = None
 _sms: dict[int, int] = {}
+#: Histogram bins in registers: a power of two above HIST_BINS; the last one takes a block's masked-off lanes.
+_HIST_P2 = 256
+_hist_kernel: Any = None
+#: The histogram's tables on each device: (cell int32, upper edges' bits int32, fold int32).
+_device_tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 def _build() -> tuple[Any, Any]:
@@ -80,6 +95,32 @@ def _build() -> tuple[Any, Any]:
     return partials, fold
 
 
+def _build_hist() -> Any:
+    @triton.jit
+    def hist(x_ptr, cell_ptr, upper_ptr, fold_ptr, counts_ptr, n, splits, n_raw, n_bins,  # type: ignore[no-untyped-def]
+             BLOCK: tl.constexpr, P2: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros([P2], dtype=tl.int32)
+        for start in range(pid * BLOCK, n, splits * BLOCK):
+            idx = start + offs
+            mask = idx < n
+            x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)  # a float64 is binned as float32
+            bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            top = bits >> 20
+            raw = tl.load(cell_ptr + top, mask=mask, other=0)
+            up = tl.load(upper_ptr + raw, mask=mask, other=0)
+            raw += ((bits >= up) & (raw < n_raw - 1)).to(tl.int32)  # NaN and Inf stay in the last raw bin
+            b = tl.load(fold_ptr + raw, mask=mask, other=0)
+            b = tl.where(top < 8, (bits != 0).to(tl.int32), b)  # exponent 0: zero, or below 1e-30
+            b = tl.where(mask, b, P2 - 1)
+            acc += tl.histogram(b, P2)
+        bins = tl.arange(0, P2)
+        tl.atomic_add(counts_ptr + bins, acc.to(tl.int64), mask=bins < n_bins)
+
+    return hist
+
+
 def reduce_into(flat: torch.Tensor, out: torch.Tensor) -> bool:
     """`fused_stats.reduce_into` for a contiguous CUDA gradient; False without Triton or for other dtypes.
 
@@ -114,3 +155,48 @@ def launch(flat: torch.Tensor, out: torch.Tensor, sms: int) -> None:
     part = torch.empty((splits, 7), dtype=torch.float64, device=flat.device)
     partials[(splits,)](flat, part, n, splits, BLOCK=_BLOCK)
     fold[(1,)](part, out, splits, P=splits)
+
+
+def histogram(flat: torch.Tensor) -> torch.Tensor | None:
+    """`extras.histogram_counts` of a contiguous CUDA gradient in one launch (HIST_BINS int64 counts on its
+    device, no host synchronisation); None without Triton or for another dtype (the torch path counts it).
+
+    Example::
+
+        histogram(torch.tensor([0.0, 2e-3, float("inf")], device="cuda"))[0]   # 1: the exact zero
+    """
+    if triton is None or flat.dtype not in _DTYPES or not flat.is_contiguous():
+        return None
+    dev = flat.device.index if flat.device.index is not None else torch.cuda.current_device()
+    if dev not in _sms:
+        _sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    with torch.cuda.device(dev):
+        return launch_hist(flat, _sms[dev])
+
+
+def launch_hist(flat: torch.Tensor, sms: int) -> torch.Tensor:
+    """The histogram kernel on `flat` (1-D), with enough programs for `sms` multiprocessors: its counts.
+
+    Example (runs on CPU tensors under `TRITON_INTERPRET=1`, as the tests do)::
+
+        launch_hist(torch.randn(10_000), sms=4)
+    """
+    global _hist_kernel
+    from gradrunner.records.columns import HIST_BINS
+
+    if _hist_kernel is None:
+        _hist_kernel = _build_hist()
+    tables = _device_tables.get(flat.device)
+    if tables is None:
+        from gradrunner.capturing.fused_stats import hist_tables
+
+        cell, upper, fold = hist_tables()
+        upper_bits = upper.view(torch.int32)  # the edges are positive (or NaN): their bits order as they do
+        tables = _device_tables[flat.device] = (cell.to(flat.device), upper_bits.to(flat.device), fold.to(flat.device))
+    cell, upper_bits, fold = tables
+    n = flat.numel()
+    splits = min(triton.next_power_of_2(max(1, triton.cdiv(n, _BLOCK))), triton.next_power_of_2(4 * sms))
+    counts = torch.zeros(HIST_BINS, dtype=torch.int64, device=flat.device)
+    _hist_kernel[(splits,)](flat, cell, upper_bits, fold, counts, n, splits, upper_bits.numel(), HIST_BINS,
+                            BLOCK=_BLOCK, P2=_HIST_P2)  # fmt: skip
+    return counts
