@@ -96,7 +96,8 @@ def _logging_as_it_was() -> Iterator[None]:
         for h in handlers:
             if h not in lg.handlers:
                 lg.addHandler(h)
-        lg.setLevel(level)
+        if lg.level != level:  # only where it moved: each setLevel clears every logger's cache (O(loggers))
+            lg.setLevel(level)
         lg.propagate, lg.disabled = propagate, disabled
 
 
