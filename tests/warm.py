@@ -164,6 +164,10 @@ def serve(path: str, forget_hash_seed: bool) -> None:
     if len(threads) != 1:  # a fork keeps only the forking thread: refuse, the clients exec a real Python
         print(f"warm: not serving, the imports started {len(threads) - 1} thread(s)", flush=True)
         return
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the preloaded modules live as long as each rank: its collections need not walk (nor copy) them
     imports_set = {k: v for k, v in os.environ.items() if env.get(k) != v}  # torch sets some: so would the rank's
     with open("/proc/self/maps") as maps:
         intel_openmp = "libiomp" in maps.read()
