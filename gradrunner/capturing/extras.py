@@ -70,17 +70,11 @@ def histogram_counts(grad: torch.Tensor) -> torch.Tensor:
 
     The bin comes from `log10` (a handful of elementwise passes, several times faster than a binary
     search per element), then is corrected by one comparison with each neighbouring float32 edge,
-    since float32 `log10` may round a value next to an edge into the neighbouring bin. On CUDA the
-    Triton kernel of `fused_stats.cuda_histogram` counts the same bins in one launch where it applies.
+    since float32 `log10` may round a value next to an edge into the neighbouring bin. The C kernel
+    (CPU) and the Triton kernel (CUDA, `fused_stats.histogram_counts`) count the same bins from
+    `hist_tables`.
     """
-    flat = grad.detach().reshape(-1)
-    if flat.is_cuda:
-        from gradrunner.capturing.fused_stats import cuda_histogram
-
-        fused = cuda_histogram(flat)
-        if fused is not None:
-            return fused
-    raw = _raw_bins(flat)
+    raw = _raw_bins(grad.detach().reshape(-1))
     if raw.device.type == "cpu":
         counts = torch.bincount(raw, minlength=_RAW)
     else:  # bincount sizes its output from the data, which syncs with the host on CUDA (seen on an H100)
@@ -104,6 +98,39 @@ def histogram_batch(flat: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tens
     else:  # no bincount on CUDA: it syncs (see histogram_counts)
         counts = torch.zeros(k * _RAW, dtype=torch.int64, device=cell.device).scatter_add_(0, cell, torch.ones_like(cell))
     return _fold(counts.view(k, _RAW))
+
+
+_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def hist_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cell int32 [2048], upper float32 [raw bins], fold int32 [raw bins]).
+
+    Built from this module's own float32 edge tables, so the C and Triton kernels' bins are those of
+    `histogram_counts` by construction: `cell[i]` is the raw bin of the float32 with bits `i << 20`,
+    found by comparing with the lower edges.
+    """
+    global _tables
+    if _tables is None:
+        from gradrunner.records.columns import HIST_BINS
+
+        lower, upper = _lower_edges(torch.device("cpu"))
+        raw = _RAW
+        finite_lower = lower[: raw - 1]  # the last raw bin (NaN/Inf) has a NaN edge
+        starts = (torch.arange(2048, dtype=torch.int32) << 20).view(torch.float32)
+        cell = (torch.searchsorted(finite_lower, starts, right=True) - 1).clamp_(0, raw - 2).to(torch.int32)
+        cell[255 << 3 :] = raw - 1  # exponent 255: Inf and NaN, the last raw bin (its upper edge is NaN)
+        assert bool(upper[raw - 1].isnan())
+        n_inner = len(HIST_EDGES) - 1
+        fold = torch.empty(raw, dtype=torch.int32)
+        fold[0] = 0
+        fold[1 : _FIRST] = 1
+        fold[_FIRST : _FIRST + n_inner] = torch.arange(2, 2 + n_inner, dtype=torch.int32)
+        fold[_FIRST + n_inner : raw - 1] = 2 + n_inner
+        fold[raw - 1] = 3 + n_inner
+        assert int(fold.max()) == HIST_BINS - 1
+        _tables = (cell.contiguous(), upper.contiguous(), fold)
+    return _tables
 
 
 def _raw_bins(flat: torch.Tensor) -> torch.Tensor:

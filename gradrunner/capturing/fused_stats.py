@@ -216,41 +216,9 @@ def _agrees(got: np.ndarray, want: np.ndarray, g: torch.Tensor, special: bool) -
     return bool(sums and np.array_equal(got[2:], want[2:], equal_nan=True))
 
 
-_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-
-def hist_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(cell int32 [2048], upper float32 [raw bins], fold int32 [raw bins]).
-
-    Built from `extras`' own float32 edge tables, so the C and Triton kernels' bins are those of
-    `extras.histogram_counts` by construction: `cell[i]` is the raw bin of the float32 with bits
-    `i << 20`, found by comparing with the lower edges.
-    """
-    global _tables
-    if _tables is None:
-        from gradrunner.capturing import extras
-        from gradrunner.records.columns import HIST_BINS, HIST_EDGES
-
-        lower, upper = extras._lower_edges(torch.device("cpu"))
-        raw = extras._RAW
-        finite_lower = lower[: raw - 1]  # the last raw bin (NaN/Inf) has a NaN edge
-        starts = (torch.arange(2048, dtype=torch.int32) << 20).view(torch.float32)
-        cell = (torch.searchsorted(finite_lower, starts, right=True) - 1).clamp_(0, raw - 2).to(torch.int32)
-        cell[255 << 3 :] = raw - 1  # exponent 255: Inf and NaN, the last raw bin (its upper edge is NaN)
-        assert bool(upper[raw - 1].isnan())
-        n_inner = len(HIST_EDGES) - 1
-        fold = torch.empty(raw, dtype=torch.int32)
-        fold[0] = 0
-        fold[1 : extras._FIRST] = 1
-        fold[extras._FIRST : extras._FIRST + n_inner] = torch.arange(2, 2 + n_inner, dtype=torch.int32)
-        fold[extras._FIRST + n_inner : raw - 1] = 2 + n_inner
-        fold[raw - 1] = 3 + n_inner
-        assert int(fold.max()) == HIST_BINS - 1
-        _tables = (cell.contiguous(), upper.contiguous(), fold)
-    return _tables
-
-
 def _bind_hist(fn: ctypes._CFuncPtr) -> HistKernel:  # type: ignore[name-defined]
+    from gradrunner.capturing.extras import hist_tables
+
     cell, upper, fold = hist_tables()
     tables = (cell.data_ptr(), upper.data_ptr(), fold.data_ptr(), upper.numel())
 
@@ -325,20 +293,25 @@ def cpu_kernels() -> dict[torch.dtype, Kernel]:
     return _load_cpu() or {}
 
 
-def cuda_histogram(flat: torch.Tensor) -> torch.Tensor | None:
-    """The |g| counts of `extras.histogram_counts` for contiguous 1-D CUDA `flat` by the Triton kernel (HIST_BINS
-    int64 on its device, one launch, no host synchronisation), or None where it does not apply
-    (`GRADRUNNER_FUSED=0`, no Triton, not CUDA, another dtype): the torch ops count it then.
+def histogram_counts(grad: torch.Tensor) -> torch.Tensor:
+    """`extras.histogram_counts` of `grad` (HIST_BINS int64 counts on its device), by the Triton kernel for a CUDA
+    gradient where it applies (one launch, no host synchronisation), else by extras' torch ops
+    (`GRADRUNNER_FUSED=0`, no Triton, another dtype, not CUDA).
 
     Example::
 
-        counts = cuda_histogram(grad.reshape(-1))   # None on a CPU tensor
+        histogram_counts(torch.tensor([0.0, 2e-3, float("inf")]))[0]   # 1: the exact zero
     """
-    if not enabled() or flat.device.type != "cuda":
-        return None
-    from gradrunner.capturing import fused_triton
+    from gradrunner.capturing import extras
 
-    return fused_triton.histogram(flat)
+    flat = grad.detach().reshape(-1)
+    if flat.is_cuda and enabled():
+        from gradrunner.capturing import fused_triton
+
+        counts = fused_triton.histogram(flat)
+        if counts is not None:
+            return counts
+    return extras.histogram_counts(flat)
 
 
 def reduce_into(flat: torch.Tensor, out: torch.Tensor) -> bool:

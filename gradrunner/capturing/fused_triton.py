@@ -7,7 +7,7 @@ and counts alongside) into a partials buffer; a second program folds the partial
 importable, `reduce_into` returns False and `stats` takes the torch path.
 
 Histogram (`histogram`): one launch after the counts' zeroing, the |g| counts of
-`extras.histogram_counts` from the C kernel's tables (`fused_stats.hist_tables`): an element's raw
+`extras.histogram_counts` from the C kernel's tables (`extras.hist_tables`): an element's raw
 bin is `cell[bits >> 20]`, moved up by one comparison with that bin's upper edge (bits compared as
 integers, so no flush-to-zero or NaN rule of the GPU's float compare can move a value), then folded
 (`fold`); a zero or subnormal |g| (exponent 0) is the zeros' bin or the bin below the first edge
@@ -130,12 +130,18 @@ def reduce_into(flat: torch.Tensor, out: torch.Tensor) -> bool:
     """
     if triton is None or flat.dtype not in _DTYPES or not flat.is_contiguous():
         return False
+    dev, sms = _device_of(flat)
+    with torch.cuda.device(dev):
+        launch(flat, out, sms)
+    return True
+
+
+def _device_of(flat: torch.Tensor) -> tuple[int, int]:
+    """`flat`'s CUDA device index and its number of multiprocessors (asked once per device)."""
     dev = flat.device.index if flat.device.index is not None else torch.cuda.current_device()
     if dev not in _sms:
         _sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    with torch.cuda.device(dev):
-        launch(flat, out, _sms[dev])
-    return True
+    return dev, _sms[dev]
 
 
 def launch(flat: torch.Tensor, out: torch.Tensor, sms: int) -> None:
@@ -167,11 +173,9 @@ def histogram(flat: torch.Tensor) -> torch.Tensor | None:
     """
     if triton is None or flat.dtype not in _DTYPES or not flat.is_contiguous():
         return None
-    dev = flat.device.index if flat.device.index is not None else torch.cuda.current_device()
-    if dev not in _sms:
-        _sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    dev, sms = _device_of(flat)
     with torch.cuda.device(dev):
-        return launch_hist(flat, _sms[dev])
+        return launch_hist(flat, sms)
 
 
 def launch_hist(flat: torch.Tensor, sms: int) -> torch.Tensor:
@@ -188,7 +192,7 @@ def launch_hist(flat: torch.Tensor, sms: int) -> torch.Tensor:
         _hist_kernel = _build_hist()
     tables = _device_tables.get(flat.device)
     if tables is None:
-        from gradrunner.capturing.fused_stats import hist_tables
+        from gradrunner.capturing.extras import hist_tables
 
         cell, upper, fold = hist_tables()
         upper_bits = upper.view(torch.int32)  # the edges are positive (or NaN): their bits order as they do

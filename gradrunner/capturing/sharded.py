@@ -47,7 +47,6 @@ from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing import fused_stats
 from gradrunner.capturing.dtensors import Whole, local_piece
-from gradrunner.capturing.extras import histogram_counts
 from gradrunner.capturing.reductions import N_REDUCTIONS, one_segment, reduce_batch
 from gradrunner.records.columns import HIST_BINS
 
@@ -125,7 +124,7 @@ def local_rows(
     A missing or empty piece gets the merge's identity `[0, 0, inf, -inf, 0, 0, 0]`. Each piece is
     read once by the collector's own reductions (`fused_stats`, else `reductions.reduce_batch`), so the
     statistics follow the same rules as `Collector` (-0.0 is a zero, sums in float64). With
-    `histogram`, (k, HIST_BINS) int64 counts (`extras.histogram_counts`), zeros for a missing piece.
+    `histogram`, (k, HIST_BINS) int64 counts (`fused_stats.histogram_counts`), zeros for a missing piece.
     """
     k = len(pieces)
     device = next((p.device for p in pieces if p is not None), torch.device("cpu"))
@@ -139,7 +138,7 @@ def local_rows(
             block, _, _ = reduce_batch([flat], one_segment(flat.numel(), flat.device), False)
             rows[i] = block[0].to(torch.float64)
         if hist is not None:
-            hist[i] = histogram_counts(flat)
+            hist[i] = fused_stats.histogram_counts(flat)
     return rows, hist
 
 

@@ -39,7 +39,7 @@ import torch
 
 from gradrunner.capturing import fused_stats
 from gradrunner.capturing.dtensors import is_dtensor
-from gradrunner.capturing.extras import histogram_counts, per_example_norms
+from gradrunner.capturing.extras import per_example_norms
 from gradrunner.capturing.reductions import (
     INT_VIEW,
     N_REDUCTIONS,
@@ -227,12 +227,12 @@ class Collector:
                     return
             elif n > DEFER_NUMEL:
                 out = torch.empty(N_REDUCTIONS, dtype=torch.float64, device=flat.device)
-                extra = (value_norm, per_example, histogram_counts(grad) if self.histogram else None)
+                extra = (value_norm, per_example, fused_stats.histogram_counts(grad) if self.histogram else None)
                 if fused_stats.reduce_into(flat, out):
                     values = self._keep_values(key, flat, mutable)
                     self._pending.append(Pending(order, key, tuple(g.shape), n, True, out, None, values, *extra))
                     return
-        extra = (value_norm, per_example, histogram_counts(grad) if self.histogram else None)
+        extra = (value_norm, per_example, fused_stats.histogram_counts(grad) if self.histogram else None)
         if flat.dtype not in INT_VIEW:  # float16, bfloat16: statistics in float32
             flat = flat.float()
         self._pending.append(Pending(

@@ -7,7 +7,7 @@
  *
  * The `_hist` variants also count |g| (rounded to float32) in histogram bins, block by block
  * while the block is still in cache, so the gradient is read from memory once for both. The bins
- * come from tables built in Python (`fused_stats.hist_tables`): `cell[b >> 20]` is the bin of the
+ * come from tables built in Python (`extras.hist_tables`): `cell[b >> 20]` is the bin of the
  * smallest float32 whose bits start with `b >> 20` (8 exponent and 3 mantissa bits: a range of
  * 2^(1/8), narrower than a bin, so at most one edge `upper[r]` lies inside it and one comparison
  * finishes the job); zeros and subnormals (exponent 0) are walked up the edges; NaN and Inf
