@@ -2,7 +2,7 @@
 # The GPU checks of BENCHMARKS.md "On a GPU", as one command for a machine with a CUDA GPU:
 #   bash benchmarks/gpu_checks.sh [OUT_DIR]       (default benchmarks/results/gpu-<UTC date>)
 # The CUDA tests, then the four GPU benchmarks (each bounded by a time-out), every output in OUT_DIR/log.txt
-# and each benchmark's JSON beside it. About 3 minutes on an H100 (2026-11-26: 197 s with the installs).
+# and each benchmark's JSON beside it. About 3 minutes on an H100 (2026-11-26: 172 s, installs not counted).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The interpreter: $PYTHON, else `python`, else `python3` (device images often have only the latter).
