@@ -42,8 +42,10 @@ def _args() -> Any:
 
 
 def launch() -> int:
-    """Start this script under torchrun, 2 ranks, with the same arguments."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, *sys.argv[1:]]
+    """Start this script under torchrun, 2 ranks, with the same arguments (each rank by this interpreter, named
+    with `--no-python`: what torchrun does by default, and the tests' warm Python starts its ranks too)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no-python",
+           sys.executable, __file__, *sys.argv[1:]]  # fmt: skip
     return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}).returncode
 
 

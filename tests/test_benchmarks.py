@@ -3,10 +3,11 @@
 Each script runs as `python benchmarks/<script> --tiny` would, inside the test's process
 (`conftest.python_script`: argv, its dir on `sys.path`, `__main__`, exit status); the extras run of
 `capture_overhead.py` is the one real subprocess, the scripts' end-to-end smoke. The scripts whose
-children are CLI runs (`WARM_CHILDREN`) start them through the test worker's warm Python
-(`conftest.warm_python`, as the torchrun ranks are): each child is still a process of its own running
-`python -m gradrunner ...`, forked from a server that imported torch already instead of paying 2 to 3 s of
-CPU for it. The scripts that measure their children's memory start fresh interpreters as ever.
+children are CLI runs or torchrun ranks (`WARM_CHILDREN`) start them through the test worker's warm
+Python (`conftest.warm_python`, as the suite's torchrun ranks are): each child is still a process of its
+own running `python -m gradrunner ...` or the script, forked from a server that imported torch already
+instead of paying 2 to 3 s of CPU for it. The scripts that measure their children's memory start fresh
+interpreters as ever.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from conftest import python_script, warm_python
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
-#: Scripts whose children (`[sys.executable, "-m", "gradrunner", ...]`) are CLI runs whose speed or memory they do not
-#: measure at tiny size: started warm here (module doc).
-WARM_CHILDREN = frozenset({"sweep_scale.py", "load_verification.py"})
+#: Scripts whose children (`[sys.executable, ...]`: CLI runs, torchrun and its ranks) they do not measure the memory
+#: of: started warm here (module doc).
+WARM_CHILDREN = frozenset({"sweep_scale.py", "load_verification.py", "sharded_capture.py"})
 
 
 def test_every_benchmark_is_listed_in_benchmarks_md() -> None:

@@ -28,7 +28,8 @@ PROBE = """
 import json, os, sys, time
 print(json.dumps({"pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv, "hash": hash("gradrunner"),
                   "probe": os.environ.get("PROBE"), "gradrunner": "gradrunner" in sys.modules,
-                  "mlflow": os.environ.get("MLFLOW_ALLOW_FILE_STORE")}), flush=True)
+                  "mlflow": os.environ.get("MLFLOW_ALLOW_FILE_STORE"), "rjem": os.environ.get("_RJEM_MALLOC_CONF")}),
+      flush=True)
 if sys.argv[1] == "sleep":
     open(sys.argv[2], "w").write(str(os.getpid()))
     time.sleep(600)
@@ -79,14 +80,17 @@ def test_another_environment_gets_a_real_interpreter(client: Path, tmp_path: Pat
 
 def test_a_variable_no_preloaded_import_reads_still_forks_warm_and_reaches_the_rank(client: Path, tmp_path: Path,
                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """mlflow's export sets MLFLOW_ALLOW_FILE_STORE in the test process (inductor and sklearn set others): neither the
-    server nor the worker's client is started again for it, and the rank sees it as a fresh process would."""
+    """mlflow's export sets MLFLOW_ALLOW_FILE_STORE in the test process (inductor, sklearn and polars set others):
+    neither the server nor the worker's client is started again for it, and the rank sees it as a fresh process
+    would."""
     servers = [s.pid for s in conftest._WARM["servers"]]  # type: ignore[attr-defined]
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("_RJEM_MALLOC_CONF", "dirty_decay_ms:500,muzzy_decay_ms:1000")  # what `import polars` sets
     assert warm_python() == client and [s.pid for s in conftest._WARM["servers"]] == servers  # type: ignore[attr-defined]
     proc = start(client, tmp_path, "0", env={"KMP_INIT_AT_FORK": "FALSE"})
     code, seen, _ = finish(proc)
     assert code == 0 and seen["pid"] != proc.pid and seen["mlflow"] == "true"
+    assert seen["rjem"] == "dirty_decay_ms:500,muzzy_decay_ms:1000"
 
 
 def test_a_warm_process_starts_its_own_children_warm(client: Path, tmp_path: Path) -> None:

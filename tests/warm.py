@@ -52,9 +52,13 @@ RANK_VARIABLES = frozenset({
 #: - `MLFLOW_ALLOW_FILE_STORE`: read by mlflow (not preloaded) when it opens a store;
 #: - `_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR`: read (getenv) by an inductor-compiled module as it loads: in the rank;
 #: - `KMP_DUPLICATE_LIB_OK`, `KMP_INIT_AT_FORK`: read by Intel's OpenMP runtime as it loads (`serve` drops these two
-#:   where the imports loaded it; torch's CPU build on Linux uses GNU OpenMP).
+#:   where the imports loaded it; torch's CPU build on Linux uses GNU OpenMP);
+#: - `_RJEM_MALLOC_CONF`: set by `import polars` and read by polars' own jemalloc as its library loads (polars is not
+#:   preloaded; a rank that imports it sees the request's value, as a fresh process started with it would).
 INTEL_OPENMP_VARIABLES = frozenset({"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})
-READ_AFTER_IMPORTS = INTEL_OPENMP_VARIABLES | {"MLFLOW_ALLOW_FILE_STORE", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"}
+READ_AFTER_IMPORTS = INTEL_OPENMP_VARIABLES | {
+    "MLFLOW_ALLOW_FILE_STORE", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "_RJEM_MALLOC_CONF",
+}  # fmt: skip
 #: What the server imports once (each only if installed): the costly imports of a rank.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "torch.distributed.fsdp", "torch.distributed.checkpoint",
            "torch.distributed.tensor.parallel", "numpy", "hydra", "hydra.utils", "omegaconf", "transformers",
