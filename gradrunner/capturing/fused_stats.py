@@ -42,6 +42,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gradrunner.capturing import extras
+from gradrunner.records.columns import HIST_BINS
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused_stats.c"
@@ -184,9 +187,6 @@ def _self_check(kernels: dict[torch.dtype, Kernel], hist: dict[torch.dtype, Hist
     Sums within float64 rounding of the sum of magnitudes; min, max and counts exactly; the
     histogram variants' seven values equal the plain kernel's and their counts the torch ones'.
     """
-    from gradrunner.capturing.extras import histogram_counts
-    from gradrunner.records.columns import HIST_BINS
-
     out = torch.empty(7, dtype=torch.float64)
     for dtype, fn in kernels.items():
         for n in _CHECK_SIZES:
@@ -200,7 +200,7 @@ def _self_check(kernels: dict[torch.dtype, Kernel], hist: dict[torch.dtype, Hist
                     counts = torch.zeros(HIST_BINS, dtype=torch.int64)
                     again = torch.empty(7, dtype=torch.float64)
                     hist[dtype](g.data_ptr(), n, again.data_ptr(), counts.data_ptr())
-                    if not (torch.equal(again.nan_to_num(), out.nan_to_num()) and torch.equal(counts, histogram_counts(g))):
+                    if not (torch.equal(again.nan_to_num(), out.nan_to_num()) and torch.equal(counts, extras.histogram_counts(g))):
                         raise RuntimeError(f"self-check failed for the histogram kernel, {dtype}, {n} elements")
 
 
@@ -217,9 +217,7 @@ def _agrees(got: np.ndarray, want: np.ndarray, g: torch.Tensor, special: bool) -
 
 
 def _bind_hist(fn: ctypes._CFuncPtr) -> HistKernel:  # type: ignore[name-defined]
-    from gradrunner.capturing.extras import hist_tables
-
-    cell, upper, fold = hist_tables()
+    cell, upper, fold = extras.hist_tables()
     tables = (cell.data_ptr(), upper.data_ptr(), fold.data_ptr(), upper.numel())
 
     def run(ptr: int, n: int, out: int, counts: int) -> None:
@@ -302,8 +300,6 @@ def histogram_counts(grad: torch.Tensor) -> torch.Tensor:
 
         histogram_counts(torch.tensor([0.0, 2e-3, float("inf")]))[0]   # 1: the exact zero
     """
-    from gradrunner.capturing import extras
-
     flat = grad.detach().reshape(-1)
     if flat.is_cuda and enabled():
         from gradrunner.capturing import fused_triton

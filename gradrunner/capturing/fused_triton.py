@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from gradrunner.records.columns import HIST_BINS
+
 try:
     import triton
     import triton.language as tl
@@ -186,8 +188,6 @@ def launch_hist(flat: torch.Tensor, sms: int) -> torch.Tensor:
         launch_hist(torch.randn(10_000), sms=4)
     """
     global _hist_kernel
-    from gradrunner.records.columns import HIST_BINS
-
     if _hist_kernel is None:
         _hist_kernel = _build_hist()
     tables = _device_tables.get(flat.device)
