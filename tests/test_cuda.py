@@ -12,6 +12,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
+from hist_cases import edge_neighbours, wide_gradient
 from torch import nn
 
 import gradrunner.capturing.stats as stats
@@ -20,7 +21,7 @@ from gradrunner.capturing import fused_stats, fused_triton
 from gradrunner.capturing.extras import histogram_counts
 from gradrunner.capturing.strategies import STRATEGIES
 from gradrunner.models import MLP
-from gradrunner.records.columns import COUNT_COLUMNS, HIST_EDGES, STAT_COLUMNS, TapKey
+from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS, TapKey
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 
@@ -222,16 +223,11 @@ def test_float32_value_norms_on_cuda_match_float64(model_and_batch: tuple[nn.Mod
 
 
 def _wide(n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Magnitudes over the whole float range of `dtype`, with zeros, -0, NaN, ±Inf, a subnormal, every histogram
-    edge and the float32 on each side of it."""
-    gen = torch.Generator().manual_seed(n)
-    exponent = torch.randint(-45, 39, (n,), generator=gen).double()
-    g = (torch.randn(n, generator=gen, dtype=torch.float64) * 10.0**exponent).to(dtype)
-    edges = torch.tensor(HIST_EDGES, dtype=torch.float32)
-    near = torch.cat([edges, torch.nextafter(edges, torch.tensor(0.0)), torch.nextafter(edges, torch.tensor(3e38))])
+    """`hist_cases.wide_gradient` and `edge_neighbours` in `dtype`, with zeros, -0, NaN, ±Inf and subnormals of
+    `dtype` whatever n (the wide gradient has its own from 8 elements)."""
     tiny = torch.finfo(dtype).tiny
     special = torch.tensor([0.0, -0.0, math.nan, math.inf, -math.inf, tiny / 4, -tiny / 2, tiny], dtype=torch.float64)
-    return torch.cat([g, near.to(dtype), -near.to(dtype), special.to(dtype)])
+    return torch.cat([wide_gradient(n, dtype, seed=n), edge_neighbours().to(dtype), special.to(dtype)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

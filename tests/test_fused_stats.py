@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hist_cases import edge_neighbours, wide_gradient
 
 from gradrunner.capturing import fused_stats
 from gradrunner.capturing.stats import DEFER_NUMEL, Collector
@@ -161,14 +162,6 @@ print(json.dumps(results))
 """
 
 
-def _edge_neighbours() -> torch.Tensor:
-    """Every HIST_EDGES value, the float32 on each side of it, both signs, and the smallest subnormal and normal."""
-    edges = torch.tensor(HIST_EDGES, dtype=torch.float32)
-    near = torch.cat([edges, torch.nextafter(edges, torch.tensor(0.0)), torch.nextafter(edges, torch.tensor(3e38))])
-    tiny = torch.finfo(torch.float32).tiny
-    return torch.cat([near, -near, torch.tensor([1e-45, tiny, torch.nextafter(torch.tensor(tiny), torch.tensor(0.0))])])
-
-
 @pytest.mark.slow
 def test_triton_kernel_under_the_interpreter(tmp_path: Path) -> None:
     """The CUDA kernels' arithmetic, run on CPU by Triton's interpreter (skipped without triton): the statistics,
@@ -180,11 +173,11 @@ def test_triton_kernel_under_the_interpreter(tmp_path: Path) -> None:
     for i, (dtype, n, special) in enumerate(cases):
         paths.append(str(tmp_path / f"{i}.pt"))
         torch.save(_gradient(n, dtype, special, seed=n), paths[-1])
-    hists = [_wide_gradient(n, dtype, seed=n) for dtype in DTYPES for n in (0, 1, 9, 3 * DEFER_NUMEL + 5)]
+    hists = [wide_gradient(n, dtype, seed=n) for dtype in DTYPES for n in (0, 1, 9, 3 * DEFER_NUMEL + 5)]
     for g in hists:  # the interpreter's bfloat16 -> float32 (numpy) flushes subnormals to 0; a GPU's does not
         if g.dtype == torch.bfloat16:  # (test_cuda holds the kernel to the CPU's counts there, subnormals included)
             g[(g != 0) & (g.abs() < torch.finfo(torch.bfloat16).tiny)] = 1.0
-    hists.append(_edge_neighbours())
+    hists.append(edge_neighbours())
     for i, g in enumerate(hists):
         paths.append(str(tmp_path / f"{i}.hist.pt"))
         torch.save(g, paths[-1])
@@ -217,19 +210,6 @@ def _numpy_histogram(g: torch.Tensor) -> np.ndarray:
     return np.bincount(bins, minlength=HIST_BINS)
 
 
-def _wide_gradient(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Magnitudes over the whole float range of `dtype`, zeros, ±0, subnormals, NaN and ±Inf."""
-    gen = torch.Generator().manual_seed(seed)
-    exponent = torch.randint(-45, 39, (n,), generator=gen).double()
-    g = (torch.randn(n, generator=gen, dtype=torch.float64) * 10.0**exponent).to(dtype)
-    if n >= 8:
-        g[:: max(1, n // 5)] = 0.0
-        g[1], g[2], g[3] = -0.0, math.nan, -math.inf
-        g[n - 1], g[n - 2] = math.inf, torch.finfo(dtype).tiny / 4  # a subnormal (0 in bfloat16 casts too)
-        g[n // 2] = torch.finfo(dtype).max
-    return g
-
-
 def _hist(g: torch.Tensor, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[np.ndarray, dict[str, object]]:
     monkeypatch.setenv("GRADRUNNER_FUSED", "1" if fused else "0")
     col = Collector(values="none", histogram=True)
@@ -243,7 +223,7 @@ def _hist(g: torch.Tensor, fused: bool, monkeypatch: pytest.MonkeyPatch) -> tupl
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 7, 4095, 4096, 4097, 2 * 4096 + 7, DEFER_NUMEL + 1, 3 * DEFER_NUMEL + 5])
 def test_fused_histogram_counts_equal_the_unfused_ones(dtype: torch.dtype, n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    g = _wide_gradient(n, dtype, seed=n)
+    g = wide_gradient(n, dtype, seed=n)
     fused, fused_row = _hist(g, True, monkeypatch)
     unfused, unfused_row = _hist(g, False, monkeypatch)
     want = _numpy_histogram(g)
