@@ -45,7 +45,10 @@ from gradrunner.run.guards import check_writable
 from gradrunner.run.hydra_adapter import (
     JobFailed,
     JobRefused,
+    config_composed_once,
     config_loader,
+    keep_job_config,
+    keeps_job_configs,
     mark_task_started,
     mistakes_as_one_paragraph,
     remember_output_dir,
@@ -188,6 +191,8 @@ class SweepCheck(Callback):
     resolved against each distinct model, built on the meta device (no memory, no weights). Each
     distinct mistake is reported once, with the jobs it affects. Jobs the sweep catalogue shows
     complete (`run.sweep_plan`) are not composed: gradrunner's sweeper does not launch them either.
+    Hydra's basic launcher runs each job on the config checked here, not composed again
+    (`hydra_adapter.config_composed_once`; in sweeps of up to `KEPT_JOBS_AT_MOST` jobs).
 
     Example::
 
@@ -217,6 +222,7 @@ def _job_problems(config: DictConfig, jobs: list[list[str]], skip: frozenset[int
     loader = config_loader()
     problems: dict[str, list[int]] = {}
     resolved: dict[str, str | None] = {}
+    keep = keeps_job_configs(config, len(jobs) - len(skip))  # for the launcher: each job composed once
     for number, overrides in enumerate(jobs):
         if number in skip:
             continue
@@ -226,6 +232,8 @@ def _job_problems(config: DictConfig, jobs: list[list[str]], skip: frozenset[int
         except (GradrunnerError, OmegaConfBaseException, CompactHydraException) as e:
             problems.setdefault(one_paragraph(e), []).append(number)
             continue
+        if keep:
+            keep_job_config(config, list(overrides), cfg)
         key = OmegaConf.to_yaml({"model": cfg.model, "taps": cfg.taps})
         if key not in resolved:
             resolved[key] = _tap_problem(cfg)
@@ -277,7 +285,7 @@ def main() -> None:
         print(f"gradrunner: error: {message}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
     try:
-        with mistakes_as_one_paragraph(_refuse):
+        with mistakes_as_one_paragraph(_refuse), config_composed_once():
             app()
     except BrokenPipeError:  # `gradrunner --help | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -8,6 +8,10 @@ Contents:
     sweep_jobs(config)           -- every job's overrides of a sweep the basic sweeper (or gradrunner's) runs
     config_loader()              -- the running app's config loader (to compose a sweep's jobs up front)
     mistakes_as_one_paragraph()  -- errors Hydra meets before the job (composing, saving .hydra/) as one paragraph
+    config_composed_once()       -- the app's config composed once, not once for `hydra.mode` and again to run;
+                                    a sweep job's once, not by its up-front check and again by the launcher
+    keeps_job_configs(config, n) -- whether the up-front check keeps the n jobs' configs for the launcher
+    keep_job_config(config, overrides, job_config) -- keep one (`load_sweep_config(config, overrides)`'s)
 
 Hydra 1.3 offers no public way to read a failed job's exception (`JobReturn.return_value` re-raises
 it), to expand a sweep the way its basic sweeper does, or to reach the config loader from a callback:
@@ -150,6 +154,156 @@ def mistakes_as_one_paragraph(report: Callable[[str], NoReturn]) -> Iterator[Non
         yield
     finally:
         hydra_utils.run_and_report = original
+
+
+#: Hydra's own values of a run-mode override that its `_run_app` appends after `get_mode`.
+_MODE_OVERRIDES = ("hydra.mode=RUN", "hydra.mode=MULTIRUN")
+#: A sweep of at most this many jobs to launch, by Hydra's basic launcher (in this process), keeps the configs its
+#: up-front check composed (about 150 kB each) for its jobs to run on; a larger one composes each job again.
+KEPT_JOBS_AT_MOST = 256
+#: The job configs kept while `config_composed_once` is open: (id of the sweep's config, overrides) -> both.
+_JOB_CONFIGS: dict[tuple[int, tuple[str, ...]], tuple[DictConfig, DictConfig]] | None = None
+
+
+def keeps_job_configs(config: DictConfig, jobs: int) -> bool:
+    """Whether the up-front check of a sweep (`config`) with `jobs` jobs to launch keeps their configs for them.
+
+    Example::
+
+        if keeps_job_configs(config, len(jobs)):
+            keep_job_config(config, overrides, loader.load_sweep_config(config, overrides))
+    """
+    launcher = str(OmegaConf.select(config, "hydra.launcher._target_", default=""))
+    return _JOB_CONFIGS is not None and jobs <= KEPT_JOBS_AT_MOST and launcher.endswith(".BasicLauncher")
+
+
+def keep_job_config(config: DictConfig, overrides: list[str], job_config: DictConfig) -> None:
+    """Keep `job_config` (`load_sweep_config(config, overrides)`'s) for the launcher's composition of that job.
+
+    Only while `config_composed_once` is open; the launcher takes it once, and only where Hydra would
+    compose the same config again (`config_composed_once`).
+    """
+    if _JOB_CONFIGS is not None:
+        _JOB_CONFIGS[(id(config), tuple(overrides))] = (config, job_config)
+
+
+def _kept_job(config: DictConfig, overrides: list[str]) -> DictConfig | None:
+    """The job config kept for `load_sweep_config(config, overrides)`, where Hydra would compose it the same now."""
+    entry = _JOB_CONFIGS.pop((id(config), tuple(overrides)), None) if _JOB_CONFIGS is not None else None
+    if entry is None or entry[0] is not config:
+        return None
+    job = entry[1]
+    hydra = job.hydra
+    env_moved = any(hydra.job.env_set.get(k) != os.environ.get(k) for k in hydra.job.env_copy)
+    if env_moved or hydra.runtime.cwd != os.getcwd():
+        return None  # Hydra reads both as it composes: it would compose another config now
+    OmegaConf.copy_cache(from_config=config, to_config=job)  # as `load_sweep_config` does, at the launch
+    return job
+
+
+@contextlib.contextmanager
+def config_composed_once() -> Iterator[None]:
+    """While open, the app's config is composed once where Hydra composes it twice with the same inputs.
+
+    Example::
+
+        with config_composed_once():
+            app()          # `python -m gradrunner +experiment=mlp`: one composition, not two
+
+    Hydra's `_run_hydra` composes the config (`Hydra.get_mode`) only to read `hydra.mode`, then
+    `Hydra.run` or `Hydra.multirun` composes it again from the same config name and overrides, plus
+    `hydra.mode=RUN` (or `MULTIRUN`) where the config sets no mode: two compositions of about 0.1 s
+    each to start a run, where one does. Here `get_mode` keeps what it composed, and the next composition
+    of the same name and overrides takes it, with that one override applied the way Hydra applies
+    overrides, and Hydra's own sweep-override checks for its run mode. The config is the one Hydra
+    would compose (a test compares the two). Where the two compositions could differ, Hydra composes
+    anew: `get_mode` composes in Hydra's RUN mode, which refuses a missing (`???`) config group, unless
+    an override sweeps or RUN mode failed (then in its MULTIRUN mode, as Hydra's `get_mode` does); the
+    kept config serves one composition, the next, and only if it has the same config name and
+    overrides and a mode the kept one can serve (one composed in RUN mode serves both).
+
+    A sweep's jobs: the up-front check (`cli.app.SweepCheck`) composes each job (`load_sweep_config`)
+    to validate it, and Hydra's basic launcher composes it again to run it. Where `keeps_job_configs`
+    says so, the check keeps each config it validated (`keep_job_config`) and the launcher's
+    `load_sweep_config` of the same sweep config and overrides takes it (and the sweep config's
+    resolver cache, as Hydra's does), unless the working directory or a variable of
+    `hydra.job.env_copy` changed since: Hydra reads both as it composes. So a job runs on the config
+    that was checked, read from the config files as they were when the sweep started.
+    """
+    global _JOB_CONFIGS
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.hydra import Hydra
+    from hydra.types import RunMode
+
+    kept: list[tuple[str | None, list[str], RunMode, DictConfig]] = []
+    original_get_mode, original_load = Hydra.get_mode, ConfigLoaderImpl.load_configuration
+
+    def get_mode(self: Hydra, config_name: str | None, overrides: list[str]) -> Any:
+        kept.clear()
+        try:
+            sweeps = any(o.is_sweep_override() for o in OverridesParser.create().parse_overrides(overrides))
+        except Exception:
+            return original_get_mode(self, config_name, overrides)  # Hydra reports it when it composes to run
+        loader: Any = self.config_loader
+        for mode in [RunMode.MULTIRUN] if sweeps else [RunMode.RUN, RunMode.MULTIRUN]:  # Hydra's: MULTIRUN
+            try:
+                cfg = original_load(loader, config_name, list(overrides), mode, validate_sweep_overrides=False)
+            except Exception:
+                continue
+            kept.append((config_name, list(overrides), mode, cfg))
+            return cfg.hydra.mode
+        return None  # as Hydra's `get_mode` on any error: its composition to run reports it
+
+    def load_configuration(self: ConfigLoaderImpl, config_name: str | None, overrides: list[str], run_mode: RunMode,
+                           from_shell: bool = True, validate_sweep_overrides: bool = True) -> DictConfig:  # fmt: skip
+        taken = _take_kept(kept, config_name, overrides, run_mode)
+        if taken is None:
+            return original_load(self, config_name, overrides, run_mode, from_shell, validate_sweep_overrides)
+        cfg, extra = taken
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        if validate_sweep_overrides:
+            self.validate_sweep_overrides_legal(overrides=parsed, run_mode=run_mode, from_shell=from_shell)
+        for override in parsed[len(parsed) - extra :]:  # as `_load_configuration_impl` applies the last override
+            ConfigLoaderImpl._apply_overrides_to_config([override], cfg)
+            cfg.hydra.overrides.hydra.append(override.input_line)
+        return cfg
+
+    original_sweep = ConfigLoaderImpl.load_sweep_config
+
+    def load_sweep_config(self: ConfigLoaderImpl, master_config: DictConfig, sweep_overrides: list[str]) -> DictConfig:
+        job = _kept_job(master_config, sweep_overrides)
+        return job if job is not None else original_sweep(self, master_config, sweep_overrides)
+
+    patched = (get_mode, load_configuration, load_sweep_config)
+    originals = (original_get_mode, original_load, original_sweep)
+    Hydra.get_mode, ConfigLoaderImpl.load_configuration, ConfigLoaderImpl.load_sweep_config = patched  # type: ignore[method-assign]
+    _JOB_CONFIGS = {}
+    try:
+        yield
+    finally:
+        _JOB_CONFIGS = None
+        Hydra.get_mode, ConfigLoaderImpl.load_configuration, ConfigLoaderImpl.load_sweep_config = originals  # type: ignore[method-assign]
+
+
+def _take_kept(kept: list[tuple[str | None, list[str], Any, DictConfig]], config_name: str | None,
+               overrides: list[str], run_mode: Any) -> tuple[DictConfig, int] | None:  # fmt: skip
+    """The config `get_mode` kept and how many overrides (0 or 1) it lacks, where it serves this composition.
+
+    It serves once, and only the composition right after `get_mode`: of the same config name and
+    overrides, plus at most the run-mode override Hydra appends; in its own run mode, or in any where it
+    was composed in RUN mode (nothing was missing, so MULTIRUN's skipping of missing groups changes nothing).
+    """
+    from hydra.types import RunMode
+
+    if not kept:
+        return None
+    name, before, mode, cfg = kept.pop()
+    extra = overrides[len(before) :]
+    if name != config_name or overrides[: len(before)] != before or any(o not in _MODE_OVERRIDES for o in extra):
+        return None
+    if len(extra) > 1 or mode not in (run_mode, RunMode.RUN):
+        return None
+    return cfg, len(extra)
 
 
 def _raise(error: Exception) -> Callable[[], Any]:
