@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +37,13 @@ if os.environ.get("CI", "").lower() == "true":
 # threads each on two cores made in-process training tests many times slower (threads spinning on a busy core).
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+# Ctrl-C must reach the tests that send it: a shell starts a background job (`pytest ... &`, `nohup`-like CI
+# harnesses) with SIGINT ignored, which Python keeps and every worker and child inherits. Then an interrupt a test
+# sends is lost, and gradrunner rightly keeps an inherited SIG_IGN (`run.signals.ignored`): the signal tests would
+# pass or fail by the order the tests ran in. The tests that start a process with SIGINT ignored set it themselves.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 #: Every hook registry an `nn.Module` has (some only exist in newer torch versions).
 MODULE_HOOK_DICTS = (
