@@ -326,11 +326,26 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     _stop_warm()
 
 
-def gradrunner(cwd: Path, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def gradrunner(cwd: Path, *args: str, timeout: float = 180, warm: bool = True) -> subprocess.CompletedProcess[str]:
+    """`python -m gradrunner ARGS` from `cwd`, a process of its own: forked warm (`child_python`) unless `warm=False`."""
     return subprocess.run(
-        [sys.executable, "-m", "gradrunner", *args],
+        [child_python() if warm else sys.executable, "-m", "gradrunner", *args],
         cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
+
+
+def child_python() -> str:
+    """The interpreter for a child process (`[child_python(), "-m", "gradrunner", ...]`, run with `cli_env()`) whose
+    subject is not a fresh interpreter: this worker's warm client, which forks it from a server that imported torch,
+    Hydra and the rest once (`warm.py`: 3 of a tiny CLI run's 4 s of CPU), else `sys.executable`.
+
+    Keep `sys.executable` where the subject is the child's imports, a limit its `preexec_fn` sets (it would apply to
+    the client, not the forked process), its pid (the forked process has its own), or a signal the test sends it (the
+    client passes it on; a SIGKILL'd client's process is killed by its waiter a moment later, not at once). A child
+    that ends itself (exit status, a signal it raises) ends the client the same way.
+    """
+    client = warm_python()
+    return str(client) if client is not None else sys.executable
 
 
 def check_ok(result: subprocess.CompletedProcess[str]) -> None:

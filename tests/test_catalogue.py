@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 from catalogue_writers import damaged_then_written, killed_inside_a_transaction, writer
-from conftest import check_ok, cli_env, python_m
+from conftest import check_ok, child_python, cli_env, python_m
 
 from gradrunner.analysis import load
 from gradrunner.cli.sweep_books import MANIFEST, _job_num, build_manifest
@@ -240,7 +240,7 @@ def test_two_concurrent_launchers_with_parallel_jobs_lose_no_row(tmp_path: Path)
     sweep = tmp_path / "s"
     env = cli_env()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "gradrunner", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *BASE,
+        [child_python(), "-m", "gradrunner", "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *BASE,
          f"seed={seeds}", f"hydra.sweep.dir={sweep}", f"hydra.sweep.subdir={name}${{hydra.job.num}}"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     ) for name, seeds in (("a", "0,1,2,3"), ("b", "4,5,6,7"))]  # fmt: skip

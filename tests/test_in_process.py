@@ -57,7 +57,7 @@ def test_an_uncaught_exception_is_a_traceback_and_status_1(tmp_path: Path) -> No
                                   ("+experiment=mlp", "capture.stratgy=hook")], ids=["help", "bad-value", "typo"])
 def test_the_app_answers_as_the_real_cli(tmp_path: Path, args: tuple[str, ...]) -> None:
     (tmp_path / "real").mkdir()
-    real = gradrunner(tmp_path / "real", *args)
+    real = gradrunner(tmp_path / "real", *args, warm=False)
     inside = gradrunner_in_process(tmp_path, *args)
     assert (inside.returncode, inside.stdout, inside.stderr) == (real.returncode, real.stdout, real.stderr)
 

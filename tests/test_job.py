@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, compose_cfg
+from conftest import child_python, cli_env, compose_cfg
 
 import gradrunner.report
 from gradrunner.errors import GradrunnerError
@@ -42,7 +42,7 @@ def test_report_true_without_matplotlib_fails_before_step_0(tmp_path: Path, monk
 @pytest.mark.slow
 def test_two_runs_started_together_get_their_own_dirs(tmp_path: Path) -> None:
     procs = [
-        subprocess.Popen([sys.executable, "-m", "gradrunner", "+experiment=cosine", "steps=1"], cwd=tmp_path,
+        subprocess.Popen([child_python(), "-m", "gradrunner", "+experiment=cosine", "steps=1"], cwd=tmp_path,
                          env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
         for _ in range(2)
     ]

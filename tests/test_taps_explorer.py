@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import cli_env, compose_cfg, leftover_hooks, python_m
+from conftest import child_python, cli_env, compose_cfg, leftover_hooks, python_m
 from torch import nn
 
 from gradrunner import list_taps
@@ -35,7 +34,7 @@ def taps_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def taps_process(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`python -m gradrunner.taps *args` from `cwd`, in a real subprocess."""
     return subprocess.run(
-        [sys.executable, "-m", "gradrunner.taps", *args], cwd=cwd, env=cli_env(), capture_output=True, text=True,
+        [child_python(), "-m", "gradrunner.taps", *args], cwd=cwd, env=cli_env(), capture_output=True, text=True,
         timeout=180,
     )  # fmt: skip
 

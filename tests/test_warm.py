@@ -35,6 +35,9 @@ if sys.argv[1] == "sleep":
     time.sleep(600)
 if sys.argv[1] == "raise":
     raise ValueError("the probe raised")
+if sys.argv[1].startswith("SIG"):
+    import signal
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
 sys.exit(int(sys.argv[1]))
 """
 
@@ -70,6 +73,13 @@ def test_a_warm_rank_exits_as_its_script_did_from_its_cwd_and_argv(client: Path,
 def test_an_uncaught_exception_is_a_traceback_and_status_1(client: Path, tmp_path: Path) -> None:
     code, seen, err = finish(start(client, tmp_path, "raise"))
     assert code == 1 and "ValueError: the probe raised" in err and "Traceback" in err
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_rank_that_signals_itself_ends_the_client_by_that_signal(client: Path, tmp_path: Path, sig: str) -> None:
+    """As a run that SIGKILLs itself mid-run (`data=killing`) does: the client cannot set SIGKILL's handler."""
+    code, seen, err = finish(start(client, tmp_path, sig))
+    assert code == -getattr(signal, sig) and "Traceback" not in err, err
 
 
 def test_another_environment_gets_a_real_interpreter(client: Path, tmp_path: Path) -> None:

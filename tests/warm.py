@@ -138,7 +138,8 @@ def client(args: list[str]) -> None:
     st = int(status["status"])
     if os.WIFSIGNALED(st):
         sig = os.WTERMSIG(st)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to set back
+            signal.signal(sig, signal.SIG_DFL)
         os.kill(os.getpid(), sig)
     os._exit(os.waitstatus_to_exitcode(st))
 
