@@ -32,13 +32,15 @@ def main() -> None:
         trees["before"] = args.before
     commands = {"tap typo": COMMANDS["tap typo"]} if args.tiny else COMMANDS
     times: dict[tuple[str, str], list[float]] = {}
+    runs = 0  # each command its own run dir: a second run into one is refused
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(repeats):
             for cname, cargs in commands.items():
                 for tname, tree in trees.items():
+                    runs += 1
                     start = time.perf_counter()
                     done = subprocess.run(
-                        [sys.executable, "-m", "gradrunner", *cargs, f"hydra.run.dir={tmp}/{r}-{len(times)}"],
+                        [sys.executable, "-m", "gradrunner", *cargs, f"hydra.run.dir={tmp}/{runs}"],
                         cwd=tmp, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True,
                     )  # fmt: skip
                     times.setdefault((cname, tname), []).append(time.perf_counter() - start)
