@@ -27,11 +27,12 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, cli_env, python_m, torchrun_argv, warm_python
+from conftest import ROOT, child_python, cli_env, python_m, torchrun_argv, warm_python
 
 pytestmark = pytest.mark.slow
 
@@ -112,7 +113,11 @@ def run_shell(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     assert not re.search(r"\bpip install\b|\bpytest\b", command), f"`{command}` must be in a doc-test: skip block"
     argv = plain_python_m(command)
     if argv is not None:  # what bash would run, without a process's start-up (2-3 s a command)
-        return python_m(cwd, *argv)
+        executable, sys.executable = sys.executable, child_python()  # its own children (the autopsy's) start warm
+        try:
+            return python_m(cwd, *argv)
+        finally:
+            sys.executable = executable
     ranks = warm_torchrun(command)
     return subprocess.run(["bash", "-c", command] if ranks is None else ranks, cwd=cwd, env=cli_env(),
                           capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
