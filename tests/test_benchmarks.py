@@ -4,7 +4,7 @@ Each script runs as `python benchmarks/<script> --tiny` would, inside the test's
 (`conftest.python_script`: argv, its dir on `sys.path`, `__main__`, exit status); the extras run of
 `capture_overhead.py` is the one real subprocess, the scripts' end-to-end smoke. The scripts whose
 children are CLI runs or torchrun ranks (`WARM_CHILDREN`) start them through the test worker's warm
-Python (`conftest.warm_python`, as the suite's torchrun ranks are): each child is still a process of its
+Python (`conftest.child_python`, as the suite's torchrun ranks are): each child is still a process of its
 own running `python -m gradrunner ...` or the script, forked from a server that imported torch already
 instead of paying 2 to 3 s of CPU for it. The scripts that measure their children's memory start fresh
 interpreters as ever.
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import python_script, warm_python
+from conftest import child_python, python_script
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
@@ -37,9 +37,8 @@ def test_every_benchmark_is_listed_in_benchmarks_md() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_benchmark_runs_at_tiny_size(script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    client = warm_python() if script in WARM_CHILDREN else None
-    if client is not None:  # the script's `sys.executable` children start warm (module doc)
-        monkeypatch.setattr(sys, "executable", str(client))
+    if script in WARM_CHILDREN:  # the script's `sys.executable` children start warm (module doc)
+        monkeypatch.setattr(sys, "executable", child_python())
     out = tmp_path / "result.json"
     result = python_script(tmp_path, BENCHMARKS / script, "--tiny", "--out", str(out))
     assert result.returncode == 0, result.stderr[-2000:]

@@ -34,6 +34,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from hydra.core.utils import JobReturn
 from hydra.errors import CompactHydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -233,7 +234,6 @@ def config_composed_once() -> Iterator[None]:
     global _JOB_CONFIGS
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.hydra import Hydra
-    from hydra.types import RunMode
 
     kept: list[tuple[str | None, list[str], RunMode, DictConfig]] = []
     original_get_mode, original_load = Hydra.get_mode, ConfigLoaderImpl.load_configuration
@@ -285,16 +285,14 @@ def config_composed_once() -> Iterator[None]:
         Hydra.get_mode, ConfigLoaderImpl.load_configuration, ConfigLoaderImpl.load_sweep_config = originals  # type: ignore[method-assign]
 
 
-def _take_kept(kept: list[tuple[str | None, list[str], Any, DictConfig]], config_name: str | None,
-               overrides: list[str], run_mode: Any) -> tuple[DictConfig, int] | None:  # fmt: skip
+def _take_kept(kept: list[tuple[str | None, list[str], RunMode, DictConfig]], config_name: str | None,
+               overrides: list[str], run_mode: RunMode) -> tuple[DictConfig, int] | None:  # fmt: skip
     """The config `get_mode` kept and how many overrides (0 or 1) it lacks, where it serves this composition.
 
     It serves once, and only the composition right after `get_mode`: of the same config name and
     overrides, plus at most the run-mode override Hydra appends; in its own run mode, or in any where it
     was composed in RUN mode (nothing was missing, so MULTIRUN's skipping of missing groups changes nothing).
     """
-    from hydra.types import RunMode
-
     if not kept:
         return None
     name, before, mode, cfg = kept.pop()
