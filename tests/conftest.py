@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from gradrunner.capturing.strategies import STRATEGIES
+from gradrunner.run.hydra_adapter import yaml_parsed_once
 
 # In CI (CI=true) hypothesis is derandomised: the same examples every run, so a red build is reproducible
 # and a green one cannot turn red by luck; locally it keeps exploring new examples.
@@ -199,8 +200,9 @@ def compose_cfg(*overrides: str, hydra: bool = False) -> DictConfig:
     """The composed config for `overrides`, as the app would see it (with `hydra.*` when `hydra`).
 
     The tests' own options (tests/conf) are on the search path, as `--config-dir` would put them.
+    Each config file's YAML is parsed once per worker, as the app parses it (`yaml_parsed_once`).
     """
-    with initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
+    with yaml_parsed_once(), initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
         return compose("config", overrides=[SEARCHPATH, *overrides], return_hydra_config=hydra)
 
 
