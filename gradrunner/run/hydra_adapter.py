@@ -16,7 +16,8 @@ Contents:
 
 Hydra 1.3 offers no public way to read a failed job's exception (`JobReturn.return_value` re-raises
 it), to expand a sweep the way its basic sweeper does, or to reach the config loader from a callback:
-those reach into `hydra._internal` / private attributes here, and nowhere else.
+those reach into `hydra._internal` / private attributes here, and nowhere else. `yaml_parsed_once` parses
+a config file the way `OmegaConf.load` does, with the loader it uses (`omegaconf._utils.get_yaml_loader`).
 
 Example::
 
