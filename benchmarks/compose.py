@@ -1,6 +1,6 @@
 """What one Hydra composition of the app's config costs, with and without `hydra_adapter.yaml_parsed_once`.
 
-    python benchmarks/compose.py                 # about half a minute
+    python benchmarks/compose.py                 # about 20 s
     python benchmarks/compose.py --tiny          # CI smoke run
     python benchmarks/compose.py --cpu-time      # this thread's CPU time (a shared machine)
 
