@@ -399,3 +399,51 @@ def test_a_parameter_edit_under_accumulation_records_the_steps_gradient_before_a
     assert row["mean"] == pytest.approx(float(want.mean()), rel=1e-12)
     assert row["edited_norm"] == pytest.approx(float((0.5 * want).norm()), rel=1e-12)
     torch.testing.assert_close(model[0].weight.grad, 0.5 * want, rtol=1e-12, atol=1e-15)  # the edit took effect
+
+
+# -- leaves that are not the model's parameters ------------------------------------------------------------------
+def _leaves_outside(strategy: str | None, taps: list[str]) -> tuple[list[torch.Tensor | None], list[tuple[str, torch.Tensor]]]:
+    """Two backwards (accumulating) of a loss that also uses leaves the captured model does not hold: its input made
+    with `requires_grad=True` (saliency), a second model's parameters (a GAN's discriminator) and a learnable
+    scalar. Each of those has a tensor hook and a post-accumulate-grad hook that keep what they see. Returns every
+    leaf's `.grad` and what the hooks saw, in order. `strategy=None`: no capture."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    disc = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1)).double()
+    xs = [torch.randn(5, 3, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    temperature = torch.tensor(0.7, dtype=torch.float64, requires_grad=True)
+    seen: list[tuple[str, torch.Tensor]] = []
+    outside = {"x0": xs[0], "x1": xs[1], "temperature": temperature, **{f"disc.{n}": p for n, p in disc.named_parameters()}}
+    for name, leaf in outside.items():
+        leaf.register_hook(lambda g, name=name: seen.append((f"{name} hook", g.clone())))
+        leaf.register_post_accumulate_grad_hook(lambda t, name=name: seen.append((f"{name} post", t.grad.clone())))
+
+    def loss_of(x: torch.Tensor) -> torch.Tensor:
+        return (disc(gen(x)) / temperature).pow(2).sum()
+
+    if strategy is None:
+        for x in xs:
+            loss_of(x).backward()
+    else:
+        with capture(gen, taps, strategy=strategy) as cap:
+            for x in xs:
+                cap.backward(loss_of(x))
+    grads = [leaf.grad for leaf in outside.values()] + [p.grad for p in gen.parameters()]
+    return [None if g is None else g.clone() for g in grads], seen
+
+
+@pytest.mark.parametrize("taps", [["0:output", "2:weight"], ["0:input", "0:weight"]])
+def test_leaves_outside_the_model_get_their_grad_and_hooks_as_without_capture(strategy: str, taps: list[str]) -> None:
+    """An input that requires grad, another model's parameters and a learnable scalar of the loss get the `.grad`
+    `loss.backward()` gives them, and their hooks fire as often with the same values (autograd_grad's engine call
+    fills no `.grad`: it left these unfilled)."""
+    want_grads, want_seen = _leaves_outside(None, taps)
+    got_grads, got_seen = _leaves_outside(strategy, taps)
+    assert all(g is not None for g in want_grads)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        assert g is not None and w is not None and torch.equal(g, w)
+    assert sorted(n for n, _ in got_seen) == sorted(n for n, _ in want_seen)
+    for name in {n for n, _ in want_seen}:  # per leaf, in order (autograd_grad fills `.grad` after its engine call)
+        got = [v for n, v in got_seen if n == name]
+        want = [v for n, v in want_seen if n == name]
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), name

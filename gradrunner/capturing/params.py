@@ -24,7 +24,8 @@ after each backward's accumulation. The record is then the whole parameter's gra
 the ranks' pieces by the `Collector` (`capturing.sharded`).
 
 `autograd_grad` needs every parameter's edge (`ParamBackward`): the same held nodes, its
-`torch.autograd.grad` results reported through `arrived`, and `.grad` filled by calling each node.
+`torch.autograd.grad` results reported through `arrived`, and `.grad` filled by calling each node; and
+the edges of the loss's other leaves (found by a walk of its graph), whose `.grad` is filled the same way.
 
 Example::
 
@@ -48,7 +49,14 @@ from gradrunner.capturing.dtensors import is_dtensor, local_piece
 from gradrunner.capturing.extras import value_norms
 from gradrunner.capturing.grad_context import FROZEN, NO_PART
 from gradrunner.capturing.taps import Tap
-from gradrunner.capturing.torch_compat import FEATURES, Edge, accumulate, gradient_edge
+from gradrunner.capturing.torch_compat import (
+    FEATURES,
+    Edge,
+    accumulate,
+    accumulator_edge,
+    gradient_edge,
+    leaf_accumulators,
+)
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import TapKey
 
@@ -252,16 +260,21 @@ def _check_mesh(param: torch.Tensor, tap: str) -> None:
 
 
 class ParamBackward:
-    """What `autograd_grad`'s own engine call needs of the parameters: every trainable one's held edge.
+    """What `autograd_grad`'s own engine call needs of the leaves: every trainable parameter's held edge,
+    and the edge of every other leaf `loss.backward()` would fill.
 
     Example::
 
-        edges = pb.edges()                     # one per parameter that requires grad, in model order
+        edges = pb.edges(loss)                 # each parameter that requires grad, in model order, then the rest
         grads = torch.autograd.grad(loss, edges, allow_unused=True)
-        pb.arrived(list(grads))                # tapped ones recorded; each one's .grad filled by its node
+        pb.arrived(list(grads))                # tapped ones recorded; each leaf's .grad filled by its node
 
-    The list is kept from one backward to the next while the model's parameter list is the same and
-    no parameter changed `requires_grad`, dtype or device (one cheap look at each per backward).
+    The parameters' list is kept from one backward to the next while the model's parameter list is the
+    same and no parameter changed `requires_grad`, dtype or device (one cheap look at each per backward).
+    The other leaves (an input made with `requires_grad=True`, another model's parameters used in the
+    loss, a learnable scalar of the loss) are found by a walk of `loss`'s graph each backward
+    (`torch_compat.leaf_accumulators`): `autograd.grad` fills no `.grad`, so without it theirs would
+    stay unfilled where `loss.backward()` fills it.
     """
 
     def __init__(self, params: Callable[[], list[nn.Parameter]], taps: ParamTaps, by_backward: bool) -> None:
@@ -271,20 +284,25 @@ class ParamBackward:
         #: the parameter list `_order` was built from, and (parameter, requires_grad, dtype, device) of each then
         self._for: list[nn.Parameter] | None = None
         self._seen: list[tuple[nn.Parameter, bool, torch.dtype, torch.device]] = []
-        self._edges: list[Edge] = []
+        self._edges: list[Edge | torch.Tensor] = []
         self._nodes: list[object] = []
         self._tapped: list[int] = []  # positions in `_order` of tapped parameters
+        self._held_nodes: set[int] = set()  # ids of the held parameters' accumulator nodes
+        self._others: list[object] = []  # this backward's other leaves' accumulator nodes
         #: `.grad` must come from `loss.backward()` (no callable accumulator, or DDP's reducer must see it).
         self.by_backward = by_backward or not FEATURES["call_accumulate_grad"]
 
-    def edges(self) -> list[Edge | nn.Parameter]:
-        """The held edge of every parameter that requires grad now (taken again where dtype or device changed)."""
+    def edges(self, loss: torch.Tensor) -> list[Edge | torch.Tensor]:
+        """The held edge of every parameter that requires grad now (taken again where dtype or device changed),
+        then the edge of every other leaf of `loss`'s graph."""
         params = self._params()
         if params is not self._for or self._changed():
             self._build(params)
-        if not FEATURES["get_gradient_edge"]:  # autograd.grad takes edges only where torch has them
-            return [h.param for h in self._order]
-        return self._edges  # type: ignore[return-value]
+        held = self._held_nodes
+        self._others = [node for node in leaf_accumulators(loss) if id(node) not in held]
+        # autograd.grad takes edges only where torch has them
+        base: list[Edge | torch.Tensor] = self._edges if FEATURES["get_gradient_edge"] else [h.param for h in self._order]
+        return base + [accumulator_edge(node) for node in self._others] if self._others else base
 
     def _changed(self) -> bool:
         for p, requires_grad, dtype, device in self._seen:
@@ -307,13 +325,18 @@ class ParamBackward:
         self._seen = [(p, p.requires_grad, p.dtype, p.device) for p in params]
         self._edges = [h.edge for h in order]  # type: ignore[misc]
         self._nodes = [h.edge[0] for h in order]  # type: ignore[index]
+        self._held_nodes = {id(node) for node in self._nodes}
         self._tapped = [i for i, h in enumerate(order) if self._taps.holds(h.param)]
 
     def arrived(self, grads: Sequence[torch.Tensor | None]) -> None:
         """`edges()`'s gradients, in its order: recorded for tapped parameters, accumulated into every `.grad`."""
-        assert len(grads) == len(self._order)
+        n = len(self._order)
+        assert len(grads) == n + len(self._others)
         for i in self._tapped:
             g = grads[i]
             if g is not None:
                 self._taps.arrived(self._order[i].param, g)
-        accumulate(self._nodes, grads)
+        accumulate(self._nodes, grads[:n])
+        if self._others:
+            accumulate(self._others, grads[n:])
+            self._others = []

@@ -8,7 +8,10 @@ capture its edge before they ran (when the edge's node also leads to a parameter
 as its node receives the gradient, after those hooks (`torch_compat.watch_edge`), the gradient the
 other strategies see. `autograd.grad` does not touch `.grad`, so each parameter's gradient is
 accumulated through its own held accumulator (`torch_compat.accumulate`), exactly as
-`loss.backward()` does, post-accumulate-grad hooks included (optimizer-in-backward). Where that
+`loss.backward()` does, post-accumulate-grad hooks included (optimizer-in-backward); so is every other
+leaf of the loss's graph that `loss.backward()` would fill (an input made with `requires_grad=True`,
+another model's parameters, a learnable scalar of the loss), found by a walk of the graph
+(`ParamBackward.edges`). Hooks registered on an accumulator node itself do not fire (README). Where that
 cannot be done (no callable accumulator, or DDP, whose reducer must see the parameters' backward),
 the taps come from `autograd.grad` and the parameters from a `loss.backward()` after it.
 """
@@ -64,7 +67,7 @@ class AutogradGradStrategy(Strategy):
                 self._deliver_taps(tapped, grads, seen)
                 loss.backward(retain_graph=retain_graph)
                 return
-            edges = params.edges()
+            edges = params.edges(loss)
             if not inputs and not edges:
                 loss.backward(retain_graph=retain_graph)
                 return
