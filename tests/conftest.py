@@ -244,11 +244,16 @@ def torchrun_command(world: int, *entry: str) -> list[str]:
 
 def torchrun_argv(flags: Sequence[str], entry: Sequence[str]) -> list[str]:
     """`torchrun FLAGS ENTRY` as `torchrun_command` runs it: torchrun itself and its ranks forked warm (torchrun's
-    agent imports torch.distributed, 1.5 to 2.5 s of CPU), or plain interpreters where no server would serve."""
+    agent imports torch.distributed, 1.5 to 2.5 s of CPU), or plain interpreters where no server would serve.
+
+    Warm, torchrun's logs go into the servers' folder (`--log-dir`), removed with it when the session ends: by
+    default each torchrun makes a `torchelastic_*` folder in the system's temp dir and never removes it.
+    """
     client = warm_python()
     if client is None:
         return [sys.executable, "-m", "torch.distributed.run", *flags, *entry]
-    return [str(client), "-m", "torch.distributed.run", *flags, "--no-python", str(client), "-u", *entry]
+    logs = f"--log-dir={client.parent / 'torchrun-logs'}"
+    return [str(client), "-m", "torch.distributed.run", *flags, logs, "--no-python", str(client), "-u", *entry]
 
 
 def warm_python() -> Path | None:

@@ -278,8 +278,9 @@ def test_a_plain_torchrun_command_keeps_its_flags_and_forks_its_ranks_warm() -> 
     if client is None:  # GRADRUNNER_TEST_COLD=1, or no pidfd: bash runs it as written
         assert argv is None
         return
-    assert argv == [str(client), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no-python",
-                    str(client), "-u", "-m", "gradrunner", "+experiment=mlp", "taps=[fc1:output]"]  # fmt: skip
+    assert argv == [str(client), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                    f"--log-dir={client.parent / 'torchrun-logs'}", "--no-python", str(client), "-u", "-m", "gradrunner",
+                    "+experiment=mlp", "taps=[fc1:output]"]  # fmt: skip
     for shell in ("torchrun --nproc_per_node=2 -m gradrunner steps=$N", "torchrun -m gradrunner | tee log",
                   "torchrun --nproc_per_node=2 train.py", "torchrun -m other_module"):  # fmt: skip
         assert warm_torchrun(shell) is None, shell
