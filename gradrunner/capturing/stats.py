@@ -87,6 +87,8 @@ def sample_positions(tap: str, numel: int, size: int, seed: int) -> np.ndarray:
 #: in float32) per tap are held until then; larger gradients are reduced as they arrive, so memory
 #: does not grow with them. The one threshold of the batched path.
 DEFER_NUMEL = 1 << 14
+#: One CPU output row of the kernel: `N_REDUCTIONS` float64.
+_ROW_BYTES = N_REDUCTIONS * 8
 
 
 class Collector:
@@ -119,6 +121,8 @@ class Collector:
         #: the CPU kernel's output rows, 7 float64 each; a record's `reductions` is its row number
         self._rows = torch.empty((64, N_REDUCTIONS), dtype=torch.float64)
         self._n_rows = 0
+        #: `_rows`' capacity and the address of its first element (read per gradient: kept as ints)
+        self._capacity, self._rows_at = 64, self._rows.data_ptr()
         #: (k, 7) reductions of each batch of small gradients reduced by `flush` (on their device)
         self._batches: list[torch.Tensor] = []
         #: the layout of a batch's gradients in their concatenation, by their sizes and device (`_segments`)
@@ -184,7 +188,7 @@ class Collector:
             fn, n = kernels.get(grad.dtype), grad.numel()
             if fn is not None and n:
                 row = self._next_row()
-                fn(grad.data_ptr(), n, self._rows.data_ptr() + row * N_REDUCTIONS * 8)
+                fn(grad.data_ptr(), n, self._rows_at + row * _ROW_BYTES)
                 self._pending.append(Pending(order, key, tuple(grad.shape), n, True, row, None, None, value_norm, per_example))
                 return
         if grad is None:
@@ -339,21 +343,21 @@ class Collector:
                 return None
             row = self._next_row()
             counts = torch.zeros(HIST_BINS, dtype=torch.int64)
-            fh(flat.data_ptr(), n, self._rows.data_ptr() + row * N_REDUCTIONS * 8, counts.data_ptr())
+            fh(flat.data_ptr(), n, self._rows_at + row * _ROW_BYTES, counts.data_ptr())
             return row, counts
         fn = kernels.get(flat.dtype)
         if fn is None:
             return None
         row = self._next_row()
-        fn(flat.data_ptr(), n, self._rows.data_ptr() + row * N_REDUCTIONS * 8)
+        fn(flat.data_ptr(), n, self._rows_at + row * _ROW_BYTES)
         return row, None
 
     def _next_row(self) -> int:
         """The number of a fresh output row for the CPU kernel (the buffer doubles when full)."""
-        if self._n_rows == self._rows.shape[0]:
+        if self._n_rows == self._capacity:
             grown = torch.empty((2 * self._n_rows, N_REDUCTIONS), dtype=torch.float64)
             grown[: self._n_rows] = self._rows
-            self._rows = grown
+            self._rows, self._capacity, self._rows_at = grown, 2 * self._n_rows, grown.data_ptr()
         self._n_rows += 1
         return self._n_rows - 1
 
