@@ -447,3 +447,35 @@ def test_leaves_outside_the_model_get_their_grad_and_hooks_as_without_capture(st
         got = [v for n, v in got_seen if n == name]
         want = [v for n, v in want_seen if n == name]
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), name
+
+
+def test_a_saliency_input_of_a_transformers_model_gets_its_grad_as_without_capture(strategy: str) -> None:
+    """Input-gradient saliency on a tiny random-init BERT: `inputs_embeds` made with `requires_grad=True`, one
+    tapped layer output and one tapped weight. The embeddings' `.grad` and every parameter's equal the uncaptured
+    run's bit for bit (under autograd_grad the embeddings got no `.grad` before its graph walk)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+                                  vocab_size=50, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg).eval()
+    ids = _tokens(50)
+
+    def saliency(captured: bool) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        model.zero_grad(set_to_none=True)
+        embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+        if captured:
+            with capture(model, ["encoder.layer.0.intermediate:output", "pooler.dense:weight"], strategy=strategy) as cap:
+                loss = model(inputs_embeds=embeds).pooler_output.sum()
+                cap.backward(loss)
+                assert cap.grads["encoder.layer.0.intermediate:output"] is not None
+        else:
+            model(inputs_embeds=embeds).pooler_output.sum().backward()
+        assert embeds.grad is not None
+        return embeds.grad.clone(), _grads(model)
+
+    want_embeds, want_params = saliency(False)
+    got_embeds, got_params = saliency(True)
+    assert torch.equal(got_embeds, want_embeds)
+    for g, w in zip(got_params, want_params, strict=True):
+        assert (g is None and w is None) or (g is not None and w is not None and torch.equal(g, w))
