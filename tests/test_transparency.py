@@ -479,3 +479,66 @@ def test_a_saliency_input_of_a_transformers_model_gets_its_grad_as_without_captu
     assert torch.equal(got_embeds, want_embeds)
     for g, w in zip(got_params, want_params, strict=True):
         assert (g is None and w is None) or (g is not None and w is not None and torch.equal(g, w))
+
+
+class _Scaled(torch.autograd.Function):
+    """A custom Function between a leaf and the loss: its node is Python's, not torch's own."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return x * 3.0
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> torch.Tensor:
+        return g * 3.0
+
+
+def _random_outside_run(seed: int, strategy: str | None) -> list[torch.Tensor | None]:
+    """A seeded random mix of leaves outside the captured model, each reaching the loss a random way (through the
+    model's input, a view of it, a custom Function, twice, or not at all), over two accumulating backwards."""
+    import random
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    leaves = [torch.randn(2, 4, dtype=torch.float64, requires_grad=True) for _ in range(rng.randint(1, 4))]
+    ways = [rng.choice(["input", "view", "function", "twice", "loss", "unused"]) for _ in leaves]
+    with_hooks = [rng.random() < 0.5 for _ in leaves]
+    for leaf, hooked in zip(leaves, with_hooks, strict=True):
+        if hooked:
+            leaf.register_hook(lambda g: g * 0.5)
+    taps = rng.choice([["0:output"], ["0:input", "2:weight"], ["2:output", "0:bias"]])
+
+    def loss_fn() -> torch.Tensor:
+        x = torch.ones(2, 4, dtype=torch.float64)
+        extra = torch.zeros((), dtype=torch.float64)
+        for leaf, way in zip(leaves, ways, strict=True):
+            if way == "input":
+                x = x + leaf
+            elif way == "view":
+                x = x + leaf[:, :2].repeat(1, 2)
+            elif way == "function":
+                x = x * _Scaled.apply(leaf).sigmoid()
+            elif way == "twice":
+                x = x + leaf
+                extra = extra + leaf.pow(2).sum()
+            elif way == "loss":
+                extra = extra + leaf.sum().tanh()
+        return model(x).pow(2).sum() + extra
+
+    if strategy is None:
+        for _ in range(2):
+            loss_fn().backward()
+    else:
+        with capture(model, taps, strategy=strategy) as cap:
+            for _ in range(2):
+                cap.backward(loss_fn())
+    return [None if t.grad is None else t.grad.clone() for t in [*leaves, *model.parameters()]]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_leaves_outside_the_model_get_the_uncaptured_grad(strategy: str, seed: int) -> None:
+    want = _random_outside_run(seed, None)
+    got = _random_outside_run(seed, strategy)
+    for g, w in zip(got, want, strict=True):
+        assert (g is None and w is None) or (g is not None and w is not None and torch.equal(g, w))
