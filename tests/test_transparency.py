@@ -542,3 +542,50 @@ def test_random_leaves_outside_the_model_get_the_uncaptured_grad(strategy: str, 
     got = _random_outside_run(seed, strategy)
     for g, w in zip(got, want, strict=True):
         assert (g is None and w is None) or (g is not None and w is not None and torch.equal(g, w))
+
+
+def test_a_model_changed_between_backwards_keeps_its_grads_and_records(strategy: str) -> None:
+    """Inside one session: a backward, then the model cast to float64 (every parameter's accumulator replaced),
+    a backward, then one layer frozen and another unfrozen, a backward. `.grad` after each and the tapped weight's
+    recorded norm equal the uncaptured run's."""
+
+    def run(captured: bool) -> tuple[list[list[torch.Tensor | None]], list[float]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        model[2].weight.requires_grad_(False)
+        x = torch.randn(5, 3)
+        grads: list[list[torch.Tensor | None]] = []
+        norms: list[float] = []
+
+        def phases() -> None:
+            for phase in range(3):
+                if phase == 1:
+                    model.double()
+                if phase == 2:
+                    model[0].weight.requires_grad_(False)
+                    model[2].weight.requires_grad_(True)
+                model.zero_grad(set_to_none=True)
+                inp = x.double() if phase else x
+                loss = model(inp).pow(2).sum()
+                if captured:
+                    cap.backward(loss)
+                    rows = cap.records(loss)
+                    norms.append(rows.row([k.tap for k in rows.keys].index("0:bias"))["norm"])
+                else:
+                    loss.backward()
+                    norms.append(float(model[0].bias.grad.double().norm()))  # type: ignore[union-attr]
+                grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+
+        if captured:
+            with capture(model, ["0:output", "0:bias"], strategy=strategy, keep_grads=False) as cap:
+                phases()
+        else:
+            phases()
+        return grads, norms
+
+    want_grads, want_norms = run(False)
+    got_grads, got_norms = run(True)
+    for got, want in zip(got_grads, want_grads, strict=True):
+        for g, w in zip(got, want, strict=True):
+            assert (g is None and w is None) or (g is not None and w is not None and torch.equal(g, w))
+    assert got_norms == pytest.approx(want_norms, rel=1e-6)

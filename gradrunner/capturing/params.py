@@ -54,6 +54,7 @@ from gradrunner.capturing.torch_compat import (
     Edge,
     accumulate,
     accumulator_edge,
+    accumulator_leaf,
     gradient_edge,
     leaf_accumulators,
 )
@@ -269,21 +270,22 @@ class ParamBackward:
         grads = torch.autograd.grad(loss, edges, allow_unused=True)
         pb.arrived(list(grads))                # tapped ones recorded; each leaf's .grad filled by its node
 
-    The parameters' list is kept from one backward to the next while the model's parameter list is the
-    same and no parameter changed `requires_grad`, dtype or device (one cheap look at each per backward).
-    The other leaves (an input made with `requires_grad=True`, another model's parameters used in the
-    loss, a learnable scalar of the loss) are found by a walk of `loss`'s graph each backward
-    (`torch_compat.leaf_accumulators`): `autograd.grad` fills no `.grad`, so without it theirs would
-    stay unfilled where `loss.backward()` fills it.
+    Each backward walks `loss`'s graph for the accumulators `loss.backward()` would run
+    (`torch_compat.leaf_accumulators`): those that are not held are the other leaves (an input made with
+    `requires_grad=True`, another model's parameters used in the loss, a learnable scalar of the loss),
+    whose `.grad` `autograd.grad` would leave unfilled. The held list is kept from one backward to the next
+    while the model's parameter list is the same, and taken again when the walk meets a parameter's
+    accumulator that is not held (its dtype or device changed, or it requires grad now); a held parameter
+    absent from the graph (frozen, unused) gets no gradient from the engine call, as from `loss.backward()`.
     """
 
     def __init__(self, params: Callable[[], list[nn.Parameter]], taps: ParamTaps, by_backward: bool) -> None:
         self._params, self._taps = params, taps
         self._held: dict[int, _Held] = {}
         self._order: list[_Held] = []
-        #: the parameter list `_order` was built from, and (parameter, requires_grad, dtype, device) of each then
+        #: the parameter list `_order` was built from, and the ids of its parameters
         self._for: list[nn.Parameter] | None = None
-        self._seen: list[tuple[nn.Parameter, bool, torch.dtype, torch.device]] = []
+        self._param_ids: set[int] = set()
         self._edges: list[Edge | torch.Tensor] = []
         self._nodes: list[object] = []
         self._tapped: list[int] = []  # positions in `_order` of tapped parameters
@@ -296,19 +298,19 @@ class ParamBackward:
         """The held edge of every parameter that requires grad now (taken again where dtype or device changed),
         then the edge of every other leaf of `loss`'s graph."""
         params = self._params()
-        if params is not self._for or self._changed():
+        if params is not self._for:
             self._build(params)
-        held = self._held_nodes
-        self._others = [node for node in leaf_accumulators(loss) if id(node) not in held]
+        nodes = leaf_accumulators(loss)
+        others = [node for node in nodes if id(node) not in self._held_nodes]
+        if others and any(id(accumulator_leaf(node)) in self._param_ids for node in others):
+            # a parameter's accumulator in this graph is not the held one: its dtype or device changed (a new
+            # accumulator), or it requires grad now and did not when the list was built
+            self._build(params)
+            others = [node for node in nodes if id(node) not in self._held_nodes]
+        self._others = others
         # autograd.grad takes edges only where torch has them
         base: list[Edge | torch.Tensor] = self._edges if FEATURES["get_gradient_edge"] else [h.param for h in self._order]
         return base + [accumulator_edge(node) for node in self._others] if self._others else base
-
-    def _changed(self) -> bool:
-        for p, requires_grad, dtype, device in self._seen:
-            if p.requires_grad is not requires_grad or (requires_grad and (p.dtype is not dtype or p.device != device)):
-                return True
-        return False
 
     def _build(self, params: list[nn.Parameter]) -> None:
         held, order = self._held, []
@@ -322,7 +324,7 @@ class ParamBackward:
                 _take(h)
             order.append(h)
         self._for, self._order = params, order
-        self._seen = [(p, p.requires_grad, p.dtype, p.device) for p in params]
+        self._param_ids = {id(p) for p in params}
         self._edges = [h.edge for h in order]  # type: ignore[misc]
         self._nodes = [h.edge[0] for h in order]  # type: ignore[index]
         self._held_nodes = {id(node) for node in self._nodes}

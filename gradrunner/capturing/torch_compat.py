@@ -201,6 +201,11 @@ def accumulator_edge(node: Any) -> Any:
     """What `grad_of` takes for a leaf's `AccumulateGrad` node: its gradient edge, or the leaf where torch has no edges."""
     if FEATURES["get_gradient_edge"] and _GradientEdge is not None:
         return _GradientEdge(node, 0)
+    return accumulator_leaf(node)
+
+
+def accumulator_leaf(node: Any) -> torch.Tensor:
+    """The leaf tensor whose `.grad` an `AccumulateGrad` node fills (the node's `variable`)."""
     return node.variable
 
 
