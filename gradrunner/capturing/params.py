@@ -295,8 +295,8 @@ class ParamBackward:
         self.by_backward = by_backward or not FEATURES["call_accumulate_grad"]
 
     def edges(self, loss: torch.Tensor) -> list[Edge | torch.Tensor]:
-        """The held edge of every parameter that requires grad now (taken again where dtype or device changed),
-        then the edge of every other leaf of `loss`'s graph."""
+        """The held edge of every parameter that required grad when the list was (re)built (taken again where
+        `loss`'s graph shows a parameter's accumulator changed), then the edge of every other leaf of the graph."""
         params = self._params()
         if params is not self._for:
             self._build(params)
