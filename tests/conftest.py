@@ -346,8 +346,9 @@ def child_python() -> str:
     subject is not a fresh interpreter: this worker's warm client, which forks it from a server that imported torch,
     Hydra and the rest once (`warm.py`: 3 of a tiny CLI run's 4 s of CPU), else `sys.executable`.
 
-    Keep `sys.executable` where the subject is the child's imports, a limit its `preexec_fn` sets (it would apply to
-    the client, not the forked process), its pid (the forked process has its own), or a signal the test sends it (the
+    Keep `sys.executable` where the subject is the child's imports, a limit its `preexec_fn` sets other than the file
+    size (`RLIMIT_FSIZE`, which the client passes on; any other would apply to the client, not the forked process), its
+    pid (the forked process has its own), or a signal the test sends it (the
     client passes it on; a SIGKILL'd client's process is killed by its waiter a moment later, not at once). A child
     that ends itself (exit status, a signal it raises) ends the client the same way.
     """

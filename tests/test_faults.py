@@ -14,11 +14,10 @@ import random
 import resource
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, compose_cfg, job_dirs, python_m
+from conftest import child_python, cli_env, compose_cfg, job_dirs, python_m
 from records_check import check_records
 
 from gradrunner.errors import GradrunnerError
@@ -55,7 +54,7 @@ def _file_size_limit(limit: int) -> None:
 def test_a_full_disk_ends_the_run_with_one_paragraph_and_nothing_half_written(tmp_path: Path, seed: int) -> None:
     limit = random.Random(seed).randint(2 << 10, 512 << 10)  # a file size the grads file reaches at a random point
     result = subprocess.run(
-        [sys.executable, "-m", "gradrunner", "+experiment=mlp", "steps=40", "capture.values=full"],
+        [child_python(), "-m", "gradrunner", "+experiment=mlp", "steps=40", "capture.values=full"],
         cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=180,
         preexec_fn=lambda: _file_size_limit(limit),
     )  # fmt: skip

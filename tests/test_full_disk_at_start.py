@@ -5,10 +5,9 @@ from __future__ import annotations
 import random
 import resource
 import subprocess
-import sys
 from pathlib import Path
 
-from conftest import cli_env
+from conftest import child_python, cli_env
 
 
 def test_a_full_disk_while_hydra_saves_its_files_is_one_paragraph_and_exit_2(tmp_path: Path) -> None:
@@ -17,7 +16,7 @@ def test_a_full_disk_while_hydra_saves_its_files_is_one_paragraph_and_exit_2(tmp
     def full_disk() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # writes past it fail (EFBIG)
 
-    result = subprocess.run([sys.executable, "-m", "gradrunner", "+experiment=cosine", "steps=1", "hydra.run.dir=run"],
+    result = subprocess.run([child_python(), "-m", "gradrunner", "+experiment=cosine", "steps=1", "hydra.run.dir=run"],
                             cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120,
                             preexec_fn=full_disk)  # fmt: skip
     assert result.returncode == 2, result.stderr

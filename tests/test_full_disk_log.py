@@ -9,11 +9,10 @@ from __future__ import annotations
 import random
 import resource
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_env
+from conftest import child_python, cli_env
 from records_check import check_records
 
 from gradrunner.records.rundir import DONE
@@ -32,7 +31,7 @@ def test_a_log_file_the_disk_refuses_is_one_line_not_a_logging_traceback(tmp_pat
     def full_disk() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # Python ignores SIGXFSZ: writes fail (EFBIG)
 
-    result = subprocess.run([sys.executable, "-m", "gradrunner", "+experiment=cosine", "steps=3", "device=cpu",
+    result = subprocess.run([child_python(), "-m", "gradrunner", "+experiment=cosine", "steps=3", "device=cpu",
                              "hydra.run.dir=run"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
                             timeout=180, preexec_fn=full_disk)  # fmt: skip
     assert "Logging error" not in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import socket
 import struct
@@ -117,7 +118,9 @@ def client(args: list[str]) -> None:
     try:
         conn.connect(path)
         leader = "session" if os.getsid(0) == os.getpid() else "group" if os.getpgid(0) == os.getpid() else ""
-        request = {"argv": target, "env": dict(os.environ), "cwd": os.getcwd(), "leader": leader}
+        # the file-size limit a test's preexec_fn set on this client (a full disk) is the rank's too
+        fsize = resource.getrlimit(resource.RLIMIT_FSIZE)
+        request = {"argv": target, "env": dict(os.environ), "cwd": os.getcwd(), "leader": leader, "fsize": fsize}
         _send(conn, request, [0, 1, 2])
         answer, _ = _recv(conn)
     except (OSError, EOFError):
@@ -301,6 +304,9 @@ def _run(fds: list[int], request: dict[str, object]) -> None:
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
+        fsize = request.get("fsize")
+        if isinstance(fsize, list | tuple) and tuple(fsize) != resource.getrlimit(resource.RLIMIT_FSIZE):
+            resource.setrlimit(resource.RLIMIT_FSIZE, (int(fsize[0]), int(fsize[1])))
         if "numpy" in sys.modules:  # a fresh process seeds numpy's global generator from the OS: so does this one
             sys.modules["numpy"].random.seed()
         try:
