@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -26,7 +27,9 @@ pytestmark = pytest.mark.slow
 
 PROBE = """
 import json, os, sys, time
+import resource
 print(json.dumps({"pid": os.getpid(), "cwd": os.getcwd(), "argv": sys.argv, "hash": hash("gradrunner"),
+                  "fsize": resource.getrlimit(resource.RLIMIT_FSIZE)[0],
                   "probe": os.environ.get("PROBE"), "gradrunner": "gradrunner" in sys.modules,
                   "mlflow": os.environ.get("MLFLOW_ALLOW_FILE_STORE"), "rjem": os.environ.get("_RJEM_MALLOC_CONF")}),
       flush=True)
@@ -50,10 +53,21 @@ def client() -> Path:
     return found
 
 
-def start(client: Path, cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+def start(
+    client: Path, cwd: Path, *args: str, env: dict[str, str] | None = None, fsize: int | None = None,
+) -> subprocess.Popen[str]:  # fmt: skip
+    """The probe through the warm client; `fsize`: a file-size limit set on the client (`preexec_fn`), as a test of a full disk does."""
     (cwd / "probe.py").write_text(PROBE)
+
+    def limit() -> None:
+        if fsize is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
     return subprocess.Popen([str(client), "-u", str(cwd / "probe.py"), *args], cwd=cwd, env={**cli_env(), **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=limit)  # fmt: skip
 
 
 def finish(proc: subprocess.Popen[str]) -> tuple[int, dict[str, Any], str]:
@@ -68,6 +82,15 @@ def test_a_warm_rank_exits_as_its_script_did_from_its_cwd_and_argv(client: Path,
     assert seen["pid"] != proc.pid  # forked warm, not exec'ed
     assert seen["cwd"] == str(tmp_path) and seen["argv"] == [str(tmp_path / "probe.py"), "3"]
     assert not seen["gradrunner"]  # the server imports no gradrunner: each rank imports its own
+
+
+def test_a_file_size_limit_set_on_the_client_is_the_warm_ranks(client: Path, tmp_path: Path) -> None:
+    """A full disk simulated by `RLIMIT_FSIZE` in a test's `preexec_fn` applies to the client: it passes it on."""
+    proc = start(client, tmp_path, "0", fsize=123_456)
+    code, seen, _ = finish(proc)
+    assert code == 0 and seen["pid"] != proc.pid and seen["fsize"] == 123_456
+    code, seen, _ = finish(start(client, tmp_path, "0"))
+    assert code == 0 and seen["fsize"] == resource.RLIM_INFINITY  # the server's own limit is left as it was
 
 
 def test_an_uncaught_exception_is_a_traceback_and_status_1(client: Path, tmp_path: Path) -> None:
