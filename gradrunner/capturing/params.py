@@ -302,9 +302,14 @@ class ParamBackward:
             self._build(params)
         nodes = leaf_accumulators(loss)
         others = [node for node in nodes if id(node) not in self._held_nodes]
-        if others and any(id(accumulator_leaf(node)) in self._param_ids for node in others):
+        leaves = [accumulator_leaf(node) for node in others]
+        if any(id(leaf) in self._param_ids for leaf in leaves):
             # a parameter's accumulator in this graph is not the held one: its dtype or device changed (a new
-            # accumulator), or it requires grad now and did not when the list was built
+            # accumulator), or it requires grad now and did not when the list was built; take its edge again
+            for leaf in leaves:
+                h = self._held.get(id(leaf))
+                if h is not None and h.param is leaf:
+                    h.edge = None
             self._build(params)
             others = [node for node in nodes if id(node) not in self._held_nodes]
         self._others = others
