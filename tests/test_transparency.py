@@ -287,6 +287,12 @@ def _grads(model: nn.Module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else _dense(p.grad).clone() for p in model.parameters()]  # type: ignore[union-attr]
 
 
+def _assert_same_grads(got: list[torch.Tensor | None], want: list[torch.Tensor | None]) -> None:
+    """Each gradient bit-identical to the uncaptured run's, None where it is None."""
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert (g is None and w is None) or (g is not None and w is not None and torch.equal(g, w)), i
+
+
 def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_dense() if t is not None and t.layout != torch.strided else t
 
@@ -321,8 +327,7 @@ def test_capture_is_transparent(name: str, kind: str, strategy: str) -> None:
         loss = zoo.run()
         cap.backward(loss)
     assert torch.equal(loss, bare)
-    for got, want in zip(_grads(model), want_params, strict=True):
-        assert (got is None and want is None) or (got is not None and want is not None and torch.equal(got, want))
+    _assert_same_grads(_grads(model), want_params)
     for k, v in model.state_dict().items():  # post-accumulate-hook steps, BatchNorm statistics
         assert torch.equal(v, want_state[k]), k
     assert leftover_hooks(model) == own
@@ -477,8 +482,7 @@ def test_a_saliency_input_of_a_transformers_model_gets_its_grad_as_without_captu
     want_embeds, want_params = saliency(False)
     got_embeds, got_params = saliency(True)
     assert torch.equal(got_embeds, want_embeds)
-    for g, w in zip(got_params, want_params, strict=True):
-        assert (g is None and w is None) or (g is not None and w is not None and torch.equal(g, w))
+    _assert_same_grads(got_params, want_params)
 
 
 class _Scaled(torch.autograd.Function):
@@ -539,9 +543,7 @@ def _random_outside_run(seed: int, strategy: str | None) -> list[torch.Tensor | 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_leaves_outside_the_model_get_the_uncaptured_grad(strategy: str, seed: int) -> None:
     want = _random_outside_run(seed, None)
-    got = _random_outside_run(seed, strategy)
-    for g, w in zip(got, want, strict=True):
-        assert (g is None and w is None) or (g is not None and w is not None and torch.equal(g, w))
+    _assert_same_grads(_random_outside_run(seed, strategy), want)
 
 
 def test_a_model_changed_between_backwards_keeps_its_grads_and_records(strategy: str) -> None:
@@ -586,6 +588,5 @@ def test_a_model_changed_between_backwards_keeps_its_grads_and_records(strategy:
     want_grads, want_norms = run(False)
     got_grads, got_norms = run(True)
     for got, want in zip(got_grads, want_grads, strict=True):
-        for g, w in zip(got, want, strict=True):
-            assert (g is None and w is None) or (g is not None and w is not None and torch.equal(g, w))
+        _assert_same_grads(got, want)
     assert got_norms == pytest.approx(want_norms, rel=1e-6)
