@@ -343,7 +343,9 @@ class ParamBackward:
             g = grads[i]
             if g is not None:
                 self._taps.arrived(self._order[i].param, g)
+        if not self._others:
+            accumulate(self._nodes, grads)
+            return
         accumulate(self._nodes, grads[:n])
-        if self._others:
-            accumulate(self._others, grads[n:])
-            self._others = []
+        accumulate(self._others, grads[n:])
+        self._others = []

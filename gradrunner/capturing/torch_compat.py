@@ -161,13 +161,8 @@ def accumulate(nodes: Sequence[Any], grads: Sequence[torch.Tensor | None]) -> No
                 node(grad)
 
 
-def _accumulator_type() -> type:
-    probe = torch.zeros(1, requires_grad=True)
-    return type(probe.view_as(probe).grad_fn.next_functions[0][0])  # type: ignore[union-attr]
-
-
 #: The class of a leaf's gradient accumulator node (`AccumulateGrad`), taken from a throw-away leaf.
-_ACCUMULATOR = _accumulator_type()
+_ACCUMULATOR = type(gradient_edge(torch.zeros(1, requires_grad=True))[0])
 
 
 def leaf_accumulators(loss: torch.Tensor) -> list[Any]:
