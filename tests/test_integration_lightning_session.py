@@ -162,3 +162,51 @@ def test_resume_with_ckpt_path_gives_the_uninterrupted_records(tmp_path: Path) -
     assert (run / "done.json").is_file()
     _same(load(whole), load(run))
     _same(load(whole, table="steps"), load(run, table="steps"))
+
+
+class Penalised(pl.LightningModule):
+    """An input-gradient penalty in `training_step` (double backprop): a `torch.autograd.grad` through the net."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny_net()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return _penalised(self.net, *batch)
+
+    def configure_optimizers(self) -> object:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _penalised(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    x = x.clone().requires_grad_(True)
+    out = net(x)
+    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return nn.functional.mse_loss(out, y) + 0.1 * gx.pow(2).sum()
+
+
+@pytest.mark.parametrize("strategy", ["hook", "retain_grad"])
+def test_a_gradient_penalty_in_training_step_records_the_losss_gradients(tmp_path: Path, strategy: str) -> None:
+    """One row per tap and step, each the gradient of the step's loss (not of the penalty's inner autograd.grad)."""
+    module = Penalised()
+    _fit(module, [GradientCapture(taps=TAPS, dir=tmp_path / "run", strategy=strategy)], steps=3)
+    net, data = tiny_net(), dataset(6)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    want: list[tuple[float, float]] = []
+    for s in range(3):
+        kept: list[torch.Tensor] = []
+        handle = net[0].register_forward_hook(lambda m, a, out, kept=kept: kept.append(out))
+        loss = _penalised(net, data.tensors[0][s * 5 : s * 5 + 5], data.tensors[1][s * 5 : s * 5 + 5])
+        handle.remove()
+        (gh,) = torch.autograd.grad(loss, kept, retain_graph=True)
+        loss.backward()
+        want.append((float(gh.norm()), float(net[0].weight.grad.norm())))  # type: ignore[union-attr]
+        opt.step()
+        opt.zero_grad()
+    df = load(tmp_path / "run").sort_values(["step", "tap"])
+    assert list(zip(df.step, df.tap, df.call, strict=True)) == [(s, t, 0) for s in range(3) for t in TAPS]
+    assert df.micro_step.isna().all()
+    got = list(zip(df.query("tap == 'net.0:output'").norm, df.query("tap == 'net.0:weight'").norm, strict=True))
+    for g, w in zip(got, want, strict=True):
+        assert g == pytest.approx(w, rel=1e-5)
+    torch.testing.assert_close(module.net[0].weight, net[0].weight)

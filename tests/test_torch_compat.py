@@ -68,7 +68,8 @@ def same(a: object, b: object) -> None:
 
 @pytest.mark.parametrize(
     "feature",
-    ["get_gradient_edge", "call_accumulate_grad", "tensor_version", "tensor_hooks", "engine_run_backward", "direct_edge"],
+    ["get_gradient_edge", "call_accumulate_grad", "tensor_version", "tensor_hooks", "engine_run_backward", "direct_edge",
+     "will_engine_execute_node"],
 )
 def test_fallback_gives_the_same_gradients(strategy: str, feature: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch_compat.FEATURES[feature]  # torch 2.13 has it: the default path is the detected one

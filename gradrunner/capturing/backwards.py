@@ -35,7 +35,13 @@ from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_
 from gradrunner.capturing.per_example_check import OUTSIDE, PerExampleWarning, failed
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot
-from gradrunner.capturing.torch_compat import at_backward_end, in_backward, reentrant_checkpoint, version
+from gradrunner.capturing.torch_compat import (
+    at_backward_end,
+    fills_grad,
+    in_backward,
+    reentrant_checkpoint,
+    version,
+)
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import StepRecords, TapKey
 
@@ -118,6 +124,8 @@ class Backwards:
         p = self._pass
         if p is None:
             if self._closed:
+                return
+            if fills_grad(self._all_params()) is False:  # the user's torch.autograd.grad: no step's backward
                 return
             if self.strategy.owns_backward:
                 self._forget_forward()  # that backward fails, and frees the graph those calls were in

@@ -8,9 +8,10 @@ and `per_example_layers.share` + `per_example_math.row_sq` turn the two into eac
 norm, ghost or materialised (the rule: `per_example_math`), during backward. Nothing changes a
 gradient, an output or another hook's behaviour: every hook returns None and no global RNG is used.
 
-A step is everything between two `norms()` calls: each backward is a micro-batch (a forward after a
-backward starts the next) and the rows of its batch follow those of the previous one. Several calls
-of one parameter in a micro-batch (tied weights, a module called twice) add up exactly (cross terms).
+A step is everything between two `norms()` calls: each backward that fills `.grad` is a micro-batch (a
+forward after it starts the next; a `torch.autograd.grad` of the user's, e.g. a gradient penalty, is
+none: `torch_compat.fills_grad`), its rows after the previous one's. Several calls of one parameter in
+a micro-batch (tied weights, a module called twice) add up exactly (cross terms).
 
 `None` with a reason, never a wrong number, for a parameter:
 
@@ -27,8 +28,7 @@ of one parameter in a micro-batch (tied weights, a module called twice) add up e
 Two ways to take a step's norms: `norms()` (standalone: one device-to-host transfer per device for
 the check's verdicts), or `device_norms()` (a capture session: no transfer; a failed check's rows
 are `per_example_check.FAILED`, which the host turns into None after the step's one transfer) then
-`end_step()`. `enabled` (a callable) lets a capture session switch the hooks off on steps it does
-not capture: nothing is computed then.
+`end_step()`. `enabled()` False (a capture session's uncaptured steps): the hooks compute nothing.
 
 Under a GradScaler the shares carry the scale (as `.grad` does); under DDP they are each rank's
 shares of its local gradient, before the all-reduce (the capture session divides them by the world
@@ -55,9 +55,26 @@ import torch
 from torch import nn
 
 from gradrunner.capturing.per_example_check import FAILED, OUTSIDE, Projection, host_verdicts, verdicts
-from gradrunner.capturing.per_example_layers import ROLES, Call, autocast_dtype, call_reason, kind_of, mixes_rows, share
+from gradrunner.capturing.per_example_layers import (
+    ROLES,
+    Call,
+    autocast_dtype,
+    call_reason,
+    first_tensor,
+    kind_of,
+    mixes_rows,
+    no_autocast,
+    share,
+)
 from gradrunner.capturing.per_example_math import Form, row_sq
-from gradrunner.capturing.torch_compat import gradient_edge, in_backward, reentrant_checkpoint, version, watch_edge
+from gradrunner.capturing.torch_compat import (
+    fills_grad,
+    gradient_edge,
+    in_backward,
+    reentrant_checkpoint,
+    version,
+    watch_edge,
+)
 
 NO_GRAD = "no gradient reached it in this step (its module was not called, or its output took no part in the loss)"
 
@@ -141,7 +158,7 @@ class PerExampleNorms:
             else:
                 by_id[id(param)] = _Tracked(param, [name])
                 self._tracked.append(by_id[id(param)])
-        self._holders = self._find_holders(by_id)
+        self._holders, self._params = self._find_holders(by_id), [t.param for t in self._tracked]
         self._stack = contextlib.ExitStack()
         self._calls: list[_CallRecord] = []
         self._micros: list[_Micro] = []
@@ -216,7 +233,7 @@ class PerExampleNorms:
         if not self._enabled():
             return
         self._tick()
-        x = _first_tensor(args, kwargs)
+        x = first_tensor(args, kwargs)
         self._forward_rows = x.shape[0] if x is not None and x.dim() > 0 else None
 
     def _on_mixing(self, module: nn.Module, path: str, output: Any) -> None:
@@ -230,7 +247,7 @@ class PerExampleNorms:
         if in_backward() and reentrant_checkpoint("backward") is None:
             return  # a non-reentrant checkpoint recomputing: the first call's hook gets the gradient
         micro = self._tick()
-        x = _first_tensor(args, kwargs)
+        x = first_tensor(args, kwargs)
         rows = self._forward_rows if self._forward_rows is not None else (x.shape[0] if x is not None and x.dim() else 0)
         reason = "called without a tensor input" if x is None else call_reason(h.kind, h.module, x, rows)
         if reason is None and mixes_rows(h.module):
@@ -250,7 +267,9 @@ class PerExampleNorms:
         self._calls.append(rec)
 
     def _on_grad(self, rec: _CallRecord, grad: torch.Tensor) -> None:
-        with _no_autocast(grad.device):  # a backward inside autocast runs hooks under it: compute as written
+        if fills_grad(self._params) is False:  # the user's torch.autograd.grad: not the step's backward
+            return
+        with no_autocast(grad.device):  # a backward inside autocast runs hooks under it: compute as written
             self._on_grad_body(rec, grad)
 
     def _on_grad_body(self, rec: _CallRecord, grad: torch.Tensor) -> None:
@@ -285,10 +304,10 @@ class PerExampleNorms:
         rec.call = None
 
     def _on_param_grad(self, t: _Tracked, grad: torch.Tensor) -> None:
-        if t.check is None or not self._enabled():
+        if t.check is None or not self._enabled() or fills_grad(self._params) is False:
             return
         self._grad_seen = True
-        with _no_autocast(grad.device):
+        with no_autocast(grad.device):
             t.check.add_grad(grad)
 
     def _settle(self, t: _Tracked, micro: int) -> None:
@@ -364,7 +383,7 @@ class PerExampleNorms:
         """
         with contextlib.ExitStack() as stack:
             for device in {t.param.device for t in self._tracked}:
-                stack.enter_context(_no_autocast(device))
+                stack.enter_context(no_autocast(device))
             return self._finish(scale)
 
     def end_step(self) -> None:
@@ -429,21 +448,3 @@ class PerExampleNorms:
         return torch.cat([t.sq[i] if i in t.sq else first.new_zeros(next(iter(m.rows), 0))
                           for i, m in enumerate(self._micros)]), None  # fmt: skip
 
-
-def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """Autocast off on `device` (hooks of a backward run inside `torch.autocast` run under it)."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """The first tensor among a call's positional then keyword arguments (one level into lists, tuples, dicts)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value
-        inner = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else ()
-        for item in inner:
-            if isinstance(item, torch.Tensor):
-                return item
-    return None

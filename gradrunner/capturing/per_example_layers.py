@@ -30,8 +30,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -196,3 +198,22 @@ def _summed(terms: torch.Tensor, sq: torch.Tensor | None = None) -> Dense:
     if terms.shape[1] == 1:
         return Dense(terms[:, 0], None, sq)
     return Dense(terms.sum(1), terms, sq)
+
+
+def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Autocast off on `device` (hooks of a backward run inside `torch.autocast` run under it)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The first tensor among a call's positional then keyword arguments (one level into lists, tuples, dicts)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value
+        inner = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else ()
+        for item in inner:
+            if isinstance(item, torch.Tensor):
+                return item
+    return None

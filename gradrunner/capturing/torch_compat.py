@@ -12,6 +12,8 @@
 | `version(t)` | `t._version`: retain_grad reads `.grad` unless the tensor changed in place | None: assume it changed, read the gradient edge |
 | `is_view(t)` | `t._is_view()`: a tapped view written in place gets its own `reason` | False: "takes no part in the loss" |
 | `in_backward()` | `torch._C._current_graph_task_id()`: also true inside a plain `loss.backward()` | a counter `backward_running()` raises around the session's own backward |
+| `running_node()` | `torch._C._current_autograd_node()` | `UNKNOWN` |
+| `fills_grad(params)` | `torch._C._will_engine_execute_node` on leaves' `AccumulateGrad` nodes, from `_current_autograd_node()`: does the backward running now fill `.grad` (`loss.backward()`) or only return gradients (`torch.autograd.grad`)? | None (unknown): every backward counts as one that fills `.grad` |
 | `reentrant_checkpoint(phase)` | frame walk for `torch.utils.checkpoint.CheckpointFunction` | None: the no-grad first pass records "made under no_grad" |
 | `functorch_level(t)` | `torch._C._functorch.is_functorch_wrapped_tensor` | never detected: the tap's own "does not require grad" check |
 | `sub_all(a, b)`, `norms_all(ts)` | `torch._foreach_sub`, `torch._foreach_norm`: one launch for a list on an accelerator | one op per tensor |
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,6 +47,8 @@ Edge = tuple[Any, ...]
 
 _get_gradient_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
 _current_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+_will_engine_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
+_current_autograd_node = getattr(torch._C, "_current_autograd_node", None)
 _CHECKPOINT_FUNCTION = getattr(checkpoint_module, "CheckpointFunction", None)
 _functorch = getattr(torch._C, "_functorch", None)
 _is_functorch_wrapped = getattr(_functorch, "is_functorch_wrapped_tensor", None)
@@ -78,6 +82,7 @@ FEATURES: dict[str, bool] = {
     "tensor_version": hasattr(torch.Tensor, "_version"),
     "is_view": hasattr(torch.Tensor, "_is_view"),
     "current_graph_task_id": _current_graph_task_id is not None,
+    "will_engine_execute_node": None not in (_will_engine_execute_node, _current_autograd_node, _current_graph_task_id),
     "checkpoint_frames": _CHECKPOINT_FUNCTION is not None,
     "functorch_wrapped": _is_functorch_wrapped is not None,
     "foreach": hasattr(torch, "_foreach_sub") and hasattr(torch, "_foreach_norm"),
@@ -175,10 +180,15 @@ def leaf_accumulators(loss: torch.Tensor) -> list[Any]:
     Public API only (`grad_fn.next_functions`); about 0.3 µs a node of the graph on a CPU core.
     """
     root = loss.grad_fn
-    if root is None:
-        return []
+    return [] if root is None else list(_accumulators_below(root))
+
+
+def _accumulators_below(root: Any) -> Iterator[Any]:
+    """The `AccumulateGrad` nodes reachable from `root` (itself included), as the walk meets them."""
+    if type(root) is _ACCUMULATOR:
+        yield root
+        return
     seen: set[Any] = {root}
-    found: list[Any] = []
     stack = [root]
     while stack:
         for node, _nr in stack.pop().next_functions:
@@ -186,10 +196,9 @@ def leaf_accumulators(loss: torch.Tensor) -> list[Any]:
                 continue
             seen.add(node)
             if type(node) is _ACCUMULATOR:
-                found.append(node)
+                yield node
             else:
                 stack.append(node)
-    return found
 
 
 def accumulator_edge(node: Any) -> Any:
@@ -256,6 +265,74 @@ def in_backward() -> bool:
     if FEATURES["current_graph_task_id"]:
         return _current_graph_task_id() != -1  # type: ignore[misc]
     return _running[0] > 0
+
+
+def running_node() -> Any:
+    """The autograd node whose hooks run now on this thread (None outside a backward); `UNKNOWN` where torch does not say."""
+    return _current_autograd_node() if FEATURES["will_engine_execute_node"] else UNKNOWN  # type: ignore[misc]
+
+
+#: What `running_node` returns where this torch cannot say.
+UNKNOWN = object()
+
+
+#: (graph task id, verdict) of the last `fills_grad` answer: one answer per backward, however many hooks ask.
+_fills_memo: list[Any] = [-1, None]
+_PROBES = 8  # parameters probed before walking the graph
+
+
+def fills_grad(params: Iterable[torch.Tensor]) -> bool | None:
+    """Inside a backward: whether it fills leaves' `.grad` (`loss.backward()`, `backward(inputs=...)`), or
+    only returns gradients (`torch.autograd.grad`: a gradient penalty's, a PINN's derivatives, an attack's
+    step, a MAML inner step). None where that cannot be told (no backward runs, or this torch lacks the API).
+
+    Example::
+
+        fills_grad(model.parameters())   # in a hook: False inside torch.autograd.grad(out.sum(), x)
+
+    `torch.autograd.grad` runs no leaf's `AccumulateGrad` node, `loss.backward()` runs every one in its
+    graph: the engine's own answer for a few of `params` (which may be absent from this graph: FSDP2's
+    sharded parameters, `functional_call`), else for the leaves found by a walk from the node running now.
+    Asked once per backward (each hook after the first gets the remembered answer). True inside the
+    session's own backward (`backward_running`): `autograd_grad` fills `.grad` itself after its engine call.
+    """
+    if _running[0]:
+        return True
+    if not FEATURES["will_engine_execute_node"]:
+        return None
+    task = _current_graph_task_id()  # type: ignore[misc]
+    if task == -1:
+        return None
+    if _fills_memo[0] != task:
+        _fills_memo[0], _fills_memo[1] = task, _fills(params)
+    return _fills_memo[1]
+
+
+def _runs(node: Any) -> bool:
+    try:
+        return bool(_will_engine_execute_node(node))  # type: ignore[misc]
+    except RuntimeError:  # torch refuses a leaf that autograd.grad captures: not run, then
+        return False
+
+
+def _fills(params: Iterable[torch.Tensor]) -> bool | None:
+    probed = 0
+    for p in params:
+        if p.requires_grad and p.grad_fn is None:
+            if _runs(gradient_edge(p)[0]):
+                return True
+            probed += 1
+            if probed == _PROBES:
+                break
+    start = _current_autograd_node()  # type: ignore[misc]
+    if start is None:
+        return None
+    found = False
+    for node in _accumulators_below(start):
+        if _runs(node):
+            return True
+        found = True
+    return False if found else None
 
 
 def reentrant_checkpoint(phase: str) -> object | None:

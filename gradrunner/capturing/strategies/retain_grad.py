@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from gradrunner.capturing.strategies.base import Slot, Strategy
-from gradrunner.capturing.torch_compat import gradient_edge, version, watch_edge
+from gradrunner.capturing.torch_compat import UNKNOWN, gradient_edge, running_node, version, watch_edge
 
 
 def _watch(slot: Slot) -> None:
@@ -50,12 +50,18 @@ class RetainGradStrategy(Strategy):
         return tensor
 
     def before_backward(self, slots: Sequence[Slot]) -> None:
+        # The node whose hook saw this backward begin (None: the session's own, begun before it runs): a tap on
+        # its output has its `.grad` of this backward already. Any other retained `.grad` is a `torch.autograd.grad`
+        # of the user's (a gradient penalty, not recorded: it fills retained `.grad` too), dropped here.
+        running = running_node()
         for slot in slots:
             held = slot.tensor
             if held is not None and slot.parts is None and (slot.version is None or version(held) != slot.version):
                 _watch(slot)
             elif slot.parts is not None:
                 slot.parts.clear()  # a second backward through the same forward
+            elif held is not None and held.grad is not None and running is not UNKNOWN and slot.edge[0] is not running:  # type: ignore[index]
+                held.grad = None
 
     def after_backward(self, slots: Sequence[Slot]) -> None:
         for slot in slots:
