@@ -87,7 +87,7 @@ def forces(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 CASES: dict[str, tuple[Callable[[], nn.Module], Step, list[str], tuple[int, ...]]] = {
     "wgan_gp": (_critic, wgan_gp, ["0:output", "1:output", "4:output", "0:weight", "4:bias"], (8, 6)),
-    "pinn": (_pinn, pinn, ["0:output", "1:output", "3:output", "2:weight"], (10, 2)),
+    "pinn": (_pinn, pinn, ["0:output", "1:output", "3:output", "4:output", "2:weight"], (10, 2)),
     "maml": (_pinn, maml, ["0:output", "3:output", "0:weight", "4:bias"], (8, 2)),
     "forces": (Forces, forces, ["energy.0:output", "energy.1:output", "energy.0:weight"], (6, 3)),
 }

@@ -11,6 +11,7 @@ tensor the reference hooks).
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -590,3 +591,46 @@ def test_a_model_changed_between_backwards_keeps_its_grads_and_records(strategy:
     for got, want in zip(got_grads, want_grads, strict=True):
         _assert_same_grads(got, want)
     assert got_norms == pytest.approx(want_norms, rel=1e-6)
+
+
+# -- a gradient the model or the user retains itself (Grad-CAM keeps `h.grad`) --------------------------------
+def _grad_cam(strategy: str | None, own: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Two backwards through one forward of a stock CNN whose user retains a conv output's gradient in a forward
+    hook (as Grad-CAM code does): the retained `.grad` after each backward, and the tap's record per backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 3), nn.Flatten(), nn.LazyLinear(3))
+    x = torch.randn(2, 3, 6, 6)
+    model(x)  # the lazy layer's shape
+    kept: list[torch.Tensor] = []
+
+    def keep(_m: nn.Module, _a: object, out: torch.Tensor) -> None:
+        out.retain_grad()
+        kept.append(out)
+
+    model[2].register_forward_hook(keep)
+    seen: list[torch.Tensor] = []
+    records: list[torch.Tensor | None] = []
+    with contextlib.nullcontext() if strategy is None else capture(model, ["2:output", "0:output"], strategy=strategy) as cap:
+        logits = model(x)
+        for cls in (0, 2):
+            score = logits[:, cls].sum()
+            if cap is None or not own:
+                score.backward(retain_graph=True)
+            else:
+                cap.backward(score, retain_graph=True)
+            seen.append(kept[-1].grad.clone())  # type: ignore[union-attr]
+            if cap is not None:
+                records.append(cap.grads["2:output"])
+    return seen, records
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["cap.backward", "loss.backward"])
+def test_a_gradient_the_user_retains_reads_as_without_capture(strategy: str, own: bool) -> None:
+    if strategy == "autograd_grad" and not own:
+        pytest.skip("autograd_grad runs its own backward")
+    want, _ = _grad_cam(None, own)
+    got, records = _grad_cam(strategy, own)
+    for g, w in zip(got, want, strict=True):  # the second is the sum of both backwards', as torch leaves it
+        assert torch.equal(g, w)
+    torch.testing.assert_close(records[0], want[0])
+    torch.testing.assert_close(records[1], want[1] - want[0], rtol=1e-5, atol=1e-6)  # each backward's own

@@ -178,9 +178,13 @@ class Backwards:
         if len(self._root_hooks) > 16:  # hooks on the outputs of long-gone forwards
             self._drop_root_hooks(keep=8)
         seen = self._seen
+        nodes = []
         for t in _tensors(output):
             if t.grad_fn is not None:
                 self._root_hooks.append(t.grad_fn.register_prehook(lambda _g: seen()))
+                nodes.append(t.grad_fn)
+        if nodes and self._firing.slots:
+            self.strategy.seen_at(self._firing.slots, nodes)
 
     def finish_backward(self: Capture) -> None:  # type: ignore[misc]
         """A backward the session did not run has returned: end it now if its end was not seen yet.

@@ -12,7 +12,6 @@
 | `version(t)` | `t._version`: retain_grad reads `.grad` unless the tensor changed in place | None: assume it changed, read the gradient edge |
 | `is_view(t)` | `t._is_view()`: a tapped view written in place gets its own `reason` | False: "takes no part in the loss" |
 | `in_backward()` | `torch._C._current_graph_task_id()`: also true inside a plain `loss.backward()` | a counter `backward_running()` raises around the session's own backward |
-| `running_node()` | `torch._C._current_autograd_node()` | `UNKNOWN` |
 | `fills_grad(params)` | `torch._C._will_engine_execute_node` on leaves' `AccumulateGrad` nodes, from `_current_autograd_node()`: does the backward running now fill `.grad` (`loss.backward()`) or only return gradients (`torch.autograd.grad`)? | None (unknown): every backward counts as one that fills `.grad` |
 | `reentrant_checkpoint(phase)` | frame walk for `torch.utils.checkpoint.CheckpointFunction` | None: the no-grad first pass records "made under no_grad" |
 | `functorch_level(t)` | `torch._C._functorch.is_functorch_wrapped_tensor` | never detected: the tap's own "does not require grad" check |
@@ -265,15 +264,6 @@ def in_backward() -> bool:
     if FEATURES["current_graph_task_id"]:
         return _current_graph_task_id() != -1  # type: ignore[misc]
     return _running[0] > 0
-
-
-def running_node() -> Any:
-    """The autograd node whose hooks run now on this thread (None outside a backward); `UNKNOWN` where torch does not say."""
-    return _current_autograd_node() if FEATURES["will_engine_execute_node"] else UNKNOWN  # type: ignore[misc]
-
-
-#: What `running_node` returns where this torch cannot say.
-UNKNOWN = object()
 
 
 #: (graph task id, verdict) of the last `fills_grad` answer: one answer per backward, however many hooks ask.

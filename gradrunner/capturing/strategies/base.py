@@ -98,6 +98,9 @@ class Strategy(ABC):
     def attach(self, tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
         """Called when a tap fires on a tensor that requires grad; returns the tensor the model uses."""
 
+    def seen_at(self, slots: Sequence[Slot], nodes: Sequence[object]) -> None:  # noqa: B027 (optional)
+        """A backward of the user's will be seen begin at a pre-hook on `nodes` (the model's outputs), registered now."""
+
     def before_backward(self, slots: Sequence[Slot]) -> None:  # noqa: B027 (optional)
         """A backward through `slots` begins (before any of their gradients is computed)."""
 

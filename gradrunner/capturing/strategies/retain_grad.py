@@ -2,16 +2,22 @@
 
 The teaching strategy: it shows how autograd treats non-leaf tensors, and what that costs, since
 every retained gradient stays alive until the backward ends. The model goes on with the tapped
-tensor itself (never a copy: writes through its views must reach it). Two cases read the gradient
-at the tensor's gradient edge instead, which gives what `.grad` would hold of this backward:
+tensor itself (never a copy: writes through its views must reach it). `.grad` is read where it
+holds this backward's gradient alone; elsewhere the gradient is read at the tensor's gradient edge,
+which gives what `.grad` would get of this backward:
 
 - a tensor changed in place after it was tapped (`ReLU(inplace=True)`, `K.diagonal().add_(jitter)`)
   would have its `.grad` taken for the new value: its version (`torch_compat.version`) tells when
   the backward begins;
 - a leaf (an input that requires grad): its `.grad` accumulates over backwards, and setting it aside
-  would change what the model's own post-accumulate-grad hooks see.
+  would change what the model's own post-accumulate-grad hooks see;
+- a `.grad` already set when the backward begins: by an earlier backward through the same forward,
+  or by a `torch.autograd.grad` of the user's (a gradient penalty: it fills retained `.grad` too);
+- a tensor of the node where the session sees a backward of the user's begin (the model's output):
+  autograd fills its `.grad` before that node's pre-hooks run.
 
-`.grad` of the retained tensors is cleared once read, so the next backward reads its own.
+`.grad` is never cleared: a `.grad` the model or the user retained (Grad-CAM keeps `h.grad`) reads
+as without capture.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from gradrunner.capturing.strategies.base import Slot, Strategy
-from gradrunner.capturing.torch_compat import UNKNOWN, gradient_edge, running_node, version, watch_edge
+from gradrunner.capturing.torch_compat import gradient_edge, version, watch_edge
 
 
 def _watch(slot: Slot) -> None:
@@ -49,29 +55,23 @@ class RetainGradStrategy(Strategy):
             slot.version = version(tensor)
         return tensor
 
+    def seen_at(self, slots: Sequence[Slot], nodes: Sequence[object]) -> None:
+        for slot in slots:
+            if slot.parts is None and slot.edge is not None and any(slot.edge[0] is n for n in nodes):  # type: ignore[index]
+                _watch(slot)  # registered after the session's pre-hook there: it runs once the backward was seen
+
     def before_backward(self, slots: Sequence[Slot]) -> None:
-        # The node whose hook saw this backward begin (None: the session's own, begun before it runs): a tap on
-        # its output has its `.grad` of this backward already. Any other retained `.grad` is a `torch.autograd.grad`
-        # of the user's (a gradient penalty, not recorded: it fills retained `.grad` too), dropped here.
-        running = running_node()
         for slot in slots:
             held = slot.tensor
-            if held is not None and slot.parts is None and (slot.version is None or version(held) != slot.version):
+            if slot.parts is not None:
+                slot.parts.clear()  # a second backward through the same forward, or a torch.autograd.grad's parts
+            elif held is not None and (held.grad is not None or slot.version is None or version(held) != slot.version):
                 _watch(slot)
-            elif slot.parts is not None:
-                slot.parts.clear()  # a second backward through the same forward
-            elif held is not None and held.grad is not None and running is not UNKNOWN and slot.edge[0] is not running:  # type: ignore[index]
-                held.grad = None
 
     def after_backward(self, slots: Sequence[Slot]) -> None:
         for slot in slots:
             if slot.parts is not None:
                 parts = slot.parts
                 self.deliver(slot, parts[0] if len(parts) == 1 else (sum(parts[1:], parts[0]) if parts else None))
-                continue
-            held = slot.tensor
-            if held is not None:
-                self.deliver(slot, held.grad)
-        for slot in slots:  # read (one tensor may be several slots): the next backward reads its own
-            if slot.parts is None and slot.tensor is not None:
-                slot.tensor.grad = None
+            elif slot.tensor is not None:
+                self.deliver(slot, slot.tensor.grad)
