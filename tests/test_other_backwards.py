@@ -112,11 +112,11 @@ def _reference(model: nn.Module, step: Step, x: torch.Tensor, taps: list[str]) -
     return {tap: [next(grads) for _ in calls] for tap, calls in outputs.items()}
 
 
-def _run(case: str, strategy: str | None, own: bool) -> tuple[torch.Tensor, list[torch.Tensor | None], object]:
+def _run(case: str, strategy: str | None, own: bool, device: str = "cpu") -> tuple[torch.Tensor, list[torch.Tensor | None], object]:
     make, step, taps, shape = CASES[case]
     torch.manual_seed(0)
-    model = make().double()
-    x = torch.randn(*shape, dtype=torch.float64)
+    model = make().double().to(device)
+    x = torch.randn(*shape, dtype=torch.float64).to(device)
     if strategy is None:
         loss = step(model, x)
         loss.backward()
@@ -133,15 +133,21 @@ def _grads(model: nn.Module) -> list[torch.Tensor | None]:
     return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])  # CUDA: hooks on the engine's device thread
 @pytest.mark.parametrize("own", [True, False], ids=["cap.backward", "loss.backward"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_users_autograd_grad_calls_are_not_recorded_and_change_nothing(strategy: str, case: str, own: bool) -> None:
+def test_the_users_autograd_grad_calls_are_not_recorded_and_change_nothing(
+    strategy: str, case: str, own: bool, device: str
+) -> None:
     if strategy == "autograd_grad" and not own:
         pytest.skip("autograd_grad takes the step's backward from cap.backward (a loss.backward() is refused)")
-    bare_loss, bare_grads, ref = _run(case, None, own)
+    bare_loss, bare_grads, ref = _run(case, None, own, device)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning of an unclosed step or a second backward
-        loss, grads, (got, recs) = _run(case, strategy, own)  # type: ignore[misc]
+        loss, grads, (got, recs) = _run(case, strategy, own, device)  # type: ignore[misc]
     assert torch.equal(loss, bare_loss)
     for g, want in zip(grads, bare_grads, strict=True):
         assert (g is None and want is None) or (g is not None and want is not None and torch.equal(g, want))

@@ -56,8 +56,9 @@ class RetainGradStrategy(Strategy):
         return tensor
 
     def seen_at(self, slots: Sequence[Slot], nodes: Sequence[object]) -> None:
+        at = {id(n) for n in nodes}
         for slot in slots:
-            if slot.parts is None and slot.edge is not None and any(slot.edge[0] is n for n in nodes):  # type: ignore[index]
+            if slot.parts is None and slot.edge is not None and id(slot.edge[0]) in at:  # type: ignore[index]
                 _watch(slot)  # registered after the session's pre-hook there: it runs once the backward was seen
 
     def before_backward(self, slots: Sequence[Slot]) -> None:
