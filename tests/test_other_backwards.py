@@ -38,7 +38,7 @@ def _critic() -> nn.Module:
 def wgan_gp(critic: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A WGAN-GP critic loss: real and fake scores, and the penalty on the gradient at interpolates."""
     real, fake = x[:4], x[4:] * 0.5 + 0.1
-    alpha = torch.linspace(0.1, 0.9, 4).unsqueeze(1)
+    alpha = torch.linspace(0.1, 0.9, 4, dtype=x.dtype, device=x.device).unsqueeze(1)
     mixed = (alpha * real + (1 - alpha) * fake).requires_grad_(True)
     (g,) = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)
     penalty = ((g.norm(dim=1) - 1) ** 2).mean()
