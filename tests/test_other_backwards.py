@@ -1,15 +1,15 @@
-"""A `torch.autograd.grad` call of the user's inside a step is not a backward of the step.
+"""A `torch.autograd.grad(..., create_graph=True)` of the user's inside a step is part of a loss, not a backward.
 
-Gradient penalties (WGAN-GP, R1), a PINN's derivatives of its output by its input, an adversarial
-attack's step and a MAML inner step all call `torch.autograd.grad` through the tapped model before the
-step's own backward. Those calls fill no `.grad`; the step's records are the gradients of the backward
-that does (`loss.backward()`, `cap.backward(loss)`, a framework's). Each test compares every tap's
-gradient with a reference taken without gradrunner (`torch.autograd.grad` of the step's loss by each
-call's tapped tensor, kept by plain forward hooks) and the parameters' `.grad` with the uncaptured run,
-bit for bit. Before this was handled, every strategy recorded the inner call as a micro-step of its own
-(its gradient of `out.sum()`, not of the loss), `per_example_norm` of the parameters was null ("two
-backward passes"), and `autograd_grad` refused the step with a message saying the user had run
-`loss.backward()`.
+Gradient penalties (WGAN-GP, R1), a PINN's derivatives of its output by its input, a MAML inner step and
+a force computed in `forward()` call `torch.autograd.grad` through the tapped model before the step's own
+backward. Those calls fill no `.grad`; the step's records are the gradients of the backward that does
+(`loss.backward()`, `cap.backward(loss)`, a framework's). Each test compares every tap's gradient with a
+reference taken without gradrunner (`torch.autograd.grad` of the step's loss by each call's tapped
+tensor, kept by plain forward hooks) and the parameters' `.grad` with the uncaptured run, bit for bit.
+Before this was handled, every strategy recorded the inner call as a micro-step of its own (its gradient
+of `out.sum()`, not of the loss), `per_example_norm` of the parameters was null ("two backward passes"),
+and `autograd_grad` refused the step with a message saying the user had run `loss.backward()`. Without
+`create_graph` (a saliency map, an attack's step) the call is a backward like `loss.backward()`: recorded.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def _model_params(case: str) -> list[tuple[str, int]]:
     return [(n[::-1].replace(".", ":", 1)[::-1], i) for i, (n, _) in enumerate(CASES[case][0]().named_parameters())]
 
 
-# -- an attack's step inside the training step: the records are those of the step without it ---------------
+# -- without create_graph: a torch.autograd.grad of the user's is a backward of its own -------------------------
 def _fgsm_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, attack: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_adv, loss): the attack's gradient by `torch.autograd.grad` through the tapped model, or x_adv given."""
     if attack:
@@ -185,16 +185,21 @@ def _fgsm_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, attack: bool)
 
 
 @pytest.mark.parametrize("per_example", [False, True], ids=["plain", "per_example"])
-def test_an_attack_step_by_autograd_grad_leaves_the_step_records_as_they_are_without_it(
+def test_an_attack_step_is_recorded_as_a_backward_of_its_own_and_leaves_the_training_rows_as_they_are(
     strategy: str, per_example: bool
 ) -> None:
+    """An FGSM step by `torch.autograd.grad` (no create_graph) inside the training step: its rows are micro-step 0
+    (the attack's gradients, as a saliency map's would be), the training backward's are micro-step 1 and equal
+    those of the same step without the attack, `per_example_norm` of the parameters (shares of `.grad`) too."""
+    if strategy == "autograd_grad":
+        pytest.skip("autograd_grad refuses a backward it did not run (tests/test_engine.py)")
     torch.manual_seed(3)
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)).double()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     x, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
     taps = ["0:output", "2:output", "0:weight", "2:bias"]
     x_adv, _ = _fgsm_step(model, x, y, attack=True)  # the adversarial batch, computed outside any capture
-    rows = []
+    runs = []
     for attack in (True, False):
         model.load_state_dict(state)
         model.zero_grad(set_to_none=True)
@@ -203,18 +208,39 @@ def test_an_attack_step_by_autograd_grad_leaves_the_step_records_as_they_are_wit
             assert torch.equal(xa, x_adv)
             cap.backward(loss)
             recs = cap.records(loss)
-        # the attack's forward fired the taps once more (call 0): its graph is gone, its rows say so
-        ours = [recs.row(i) for i in range(len(recs)) if not (attack and recs.keys[i].call == 0 and "output" in recs.keys[i].tap)]
-        for r in ours:
-            r["call"] = 0
-        rows.append(ours)
-    with_attack, without = rows
-    assert [r["tap"] for r in with_attack] == [r["tap"] for r in without]
-    for a, b in zip(with_attack, without, strict=True):
-        assert a["norm"] == b["norm"] and a["has_grad"] and b["has_grad"], a["tap"]
+        runs.append({(recs.keys[i].tap, recs.keys[i].call, recs.row(i)["micro_step"]): recs.row(i) for i in range(len(recs))})
+    with_attack, without = runs
+    probe = x.clone().requires_grad_(True)  # the attack's own gradient at 2:output, without gradrunner
+    model.load_state_dict(state)
+    kept: list[torch.Tensor] = []
+    handle = model[2].register_forward_hook(lambda m, a, out: kept.append(out))
+    (g_attack,) = torch.autograd.grad(nn.functional.cross_entropy(model(probe), y), kept)
+    handle.remove()
+    assert with_attack[("2:output", 0, 0)]["norm"] == pytest.approx(float(g_attack.norm()), rel=1e-12)
+    for (tap, call, micro), row in without.items():
+        ours = with_attack[(tap, call, 1) if tap.endswith("output") else (tap, call, None)]
+        assert ours["norm"] == row["norm"] and ours["has_grad"], tap
         if per_example:
-            assert a["per_example_norm"] is not None, a["tap"]
-            np.testing.assert_array_equal(a["per_example_norm"], b["per_example_norm"])
+            assert ours["per_example_norm"] is not None, tap
+            np.testing.assert_array_equal(ours["per_example_norm"], row["per_example_norm"])
+
+
+def test_a_saliency_map_by_autograd_grad_on_a_frozen_model_is_recorded(strategy: str) -> None:
+    """Interpretability's own use: `torch.autograd.grad(score, x)` (as Captum's Saliency does) is the backward."""
+    if strategy == "autograd_grad":
+        pytest.skip("autograd_grad refuses a backward it did not run (tests/test_engine.py)")
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 5)).requires_grad_(False)
+    x = torch.randn(2, 3, 6, 6, requires_grad=True)
+    kept: list[torch.Tensor] = []
+    handle = model[0].register_forward_hook(lambda m, a, out: kept.append(out))
+    (want,) = torch.autograd.grad(model(x)[:, 3].sum(), kept)
+    handle.remove()
+    with capture(model, ["0:output"], strategy=strategy) as cap:
+        (saliency,) = torch.autograd.grad(model(x)[:, 3].sum(), x)
+        got = cap.grads["0:output"]
+    assert got is not None
+    torch.testing.assert_close(got, want)
 
 
 # -- record(): three WGAN-GP steps, one row per tap, call and step ------------------------------------------

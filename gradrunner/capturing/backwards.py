@@ -52,9 +52,10 @@ if TYPE_CHECKING:
 #: The paragraph for a `loss.backward()` the session did not run, under a strategy with its own engine call.
 OWN_BACKWARD_ONLY = (
     "capture.strategy='autograd_grad' computes the gradients with its own torch.autograd.grad call, so it cannot "
-    "read a loss.backward() it did not run (yours, or a framework's): call cap.backward(loss) (rec.backward(loss) "
-    "under gradrunner.record) in place of loss.backward(), or use strategy hook or retain_grad, which read the "
-    "gradients around your own loss.backward() and give the same records."
+    "read a loss.backward() it did not run (yours, or a framework's; or a torch.autograd.grad of yours without "
+    "create_graph=True): call cap.backward(loss) (rec.backward(loss) under gradrunner.record) in place of "
+    "loss.backward(), or use strategy hook or retain_grad, which read the gradients around your own "
+    "loss.backward() (or torch.autograd.grad) and give the same records."
 )
 
 
@@ -125,8 +126,8 @@ class Backwards:
         if p is None:
             if self._closed:
                 return
-            if fills_grad(self._all_params()) is False:  # the user's torch.autograd.grad: no step's backward
-                return
+            if torch.is_grad_enabled() and fills_grad(self._all_params()) is False:
+                return  # the user's torch.autograd.grad(..., create_graph=True): part of a loss, not its backward
             if self.strategy.owns_backward:
                 self._forget_forward()  # that backward fails, and frees the graph those calls were in
                 raise GradrunnerError(OWN_BACKWARD_ONLY)

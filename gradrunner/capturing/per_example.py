@@ -9,9 +9,9 @@ norm, ghost or materialised (the rule: `per_example_math`), during backward. Not
 gradient, an output or another hook's behaviour: every hook returns None and no global RNG is used.
 
 A step is everything between two `norms()` calls: each backward that fills `.grad` is a micro-batch (a
-forward after it starts the next; a `torch.autograd.grad` of the user's, e.g. a gradient penalty, is
-none: `torch_compat.fills_grad`), its rows after the previous one's. Several calls of one parameter in
-a micro-batch (tied weights, a module called twice) add up exactly (cross terms).
+forward after it starts the next; a `torch.autograd.grad` of the user's, a gradient penalty's or an
+attack's, is none: `torch_compat.fills_grad`), its rows after the previous one's. Several calls of one
+parameter in a micro-batch (tied weights, a module called twice) add up exactly (cross terms).
 
 `None` with a reason, never a wrong number, for a parameter:
 
