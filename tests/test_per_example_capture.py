@@ -128,3 +128,39 @@ def test_a_parameter_used_outside_its_module_is_null_never_wrong() -> None:
         got, why, recs = captured(model, {"x": torch.randn(3, 4)}, sq_loss, all_params(model), "hook")
     assert got["fc:weight"] is None and why["fc:weight"] is None and by_tap(recs)["fc:weight"]["has_grad"]
     assert got["fc:bias"] is not None
+
+
+class Branch(nn.Module):
+    """A conditional branch (MoE-style): a micro-batch may use `b` and never `a`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor, use_b: bool = False) -> torch.Tensor:
+        return self.b(x) if use_b else self.a(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("taps", [["a:weight"], ["a:weight", "b:weight"]], ids=["a alone", "a and b"])
+def test_a_micro_batch_that_skips_a_layer_keeps_its_rows_as_zeros(strategy: str, taps: list[str]) -> None:
+    """N micro-batches give N x B rows in order: zeros for the rows of one that did not use the parameter, also
+    when no tapped layer was called in it (the rows vanished then, shifting the others: found 2026-11-27)."""
+    torch.manual_seed(0)
+    m = Branch()
+    micro = [(torch.randn(2, 3), True), (torch.randn(3, 3), False), (torch.randn(2, 3), True)]
+    y = torch.tensor([0.5, -0.5])
+    want = []  # each row alone, its loss / (B * N)
+    for x, use_b in micro:
+        for i in range(x.shape[0]):
+            m.zero_grad(set_to_none=True)
+            (((m(x[i : i + 1], use_b) - y) ** 2).sum() / x.shape[0] / len(micro)).backward()
+            want.append(0.0 if m.a.weight.grad is None else float(m.a.weight.grad.norm()))
+    m.zero_grad(set_to_none=True)
+    with capture(m, taps, strategy=strategy, per_example=True) as cap:
+        for x, use_b in micro:
+            loss = ((m(x, use_b) - y) ** 2).sum(1).mean() / len(micro)
+            cap.backward(loss)
+        got = by_tap(cap.records(loss))["a:weight"]["per_example_norm"]
+    assert got is not None
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-9)

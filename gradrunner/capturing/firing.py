@@ -77,7 +77,7 @@ class Firing:
         self.calls: dict[str, int] = {}
         self._keys: dict[str, list[TapKey]] = {}  # each tap's record keys by call, made once
         #: Slots opened in a reentrant checkpoint's no-grad forward, attached when backward recomputes them.
-        self.deferred: dict[tuple[int, str], list[Slot]] = {}
+        self.deferred: dict[tuple[int, str], list[Slot | None]] = {}
         #: Grad mode at each (nested) entry into the root's forward: tells no_grad blocks from evaluation.
         self.grad_forward: list[bool] = []
         #: (slots, calls) as they were when the outermost forward began: restored if it fails.
@@ -97,7 +97,6 @@ class Firing:
     # -- installing ------------------------------------------------------------------------------
     def install(self, model: nn.Module, taps: list[Tap], stack: contextlib.ExitStack) -> None:
         modules = dict(model.named_modules(remove_duplicate=False))
-        self._track_root(model, stack)
         by_module: dict[str, list[Tap]] = {}
         for tap in taps:
             by_module.setdefault(tap.module, []).append(tap)
@@ -116,11 +115,14 @@ class Firing:
         for module, local_taps in locals_by_instance.values():
             if local_taps:
                 self._patch_forward(module, local_taps, stack)
+        # last: the root's `leave` runs after its own output taps fired (their slots exist when it is told)
+        self._track_root(model, stack)
 
     def _track_root(self, model: nn.Module, stack: contextlib.ExitStack) -> None:
         def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
             if not self.grad_forward:
-                self.session._forward_begins()
+                if torch.is_grad_enabled():  # an evaluation forward between two backwards leaves the graph held
+                    self.session._forward_begins()
                 self._mark = (len(self.slots), dict(self.calls))
             self.grad_forward.append(torch.is_grad_enabled())
 
@@ -219,9 +221,14 @@ class Firing:
         ctx = reentrant_checkpoint("forward")
         if ctx is not None:
             # checkpoint(use_reentrant=True) runs this part under no_grad now and again, with grad,
-            # inside backward: this call is captured then, counted once, in its forward place.
-            self.deferred.setdefault((id(ctx), tap.tap), []).append(self._open_slot(tap))
-            return value
+            # inside backward: this call is captured then, counted once, in its forward place. A value made
+            # with grad outside the block (its input) is tapped now, whole: the recomputation sees a detached
+            # copy that gets only the block's part of the gradient (None keeps the recomputed calls in step).
+            waiting = self.deferred.setdefault((id(ctx), tap.tap), [])
+            if not (isinstance(value, torch.Tensor) and value.requires_grad):
+                waiting.append(self._open_slot(tap))
+                return value
+            waiting.append(None)
         return self._attach(tap, self._open_slot(tap), value, False)  # in a no_grad block: no gradient
 
     def _fire_recomputed(self, tap: Tap, value: object, is_input: bool) -> object:
@@ -230,7 +237,8 @@ class Firing:
         waiting = self.deferred.get((id(ctx), tap.tap)) if ctx is not None else None
         if not waiting:
             return value  # use_reentrant=False: this call was captured in the forward pass already
-        return self._attach(tap, waiting.pop(0), value, is_input)
+        slot = waiting.pop(0)
+        return value if slot is None else self._attach(tap, slot, value, is_input)
 
     def _attach(self, tap: Tap, slot: Slot, value: object, is_input: bool) -> object:
         edits = self.session.edits

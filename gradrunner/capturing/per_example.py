@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -66,7 +65,8 @@ from gradrunner.capturing.per_example_layers import (
     no_autocast,
     share,
 )
-from gradrunner.capturing.per_example_math import Form, row_sq
+from gradrunner.capturing.per_example_math import row_sq
+from gradrunner.capturing.per_example_state import CallRecord, Holder, Micro, Tracked
 from gradrunner.capturing.torch_compat import (
     fills_grad,
     gradient_edge,
@@ -77,55 +77,6 @@ from gradrunner.capturing.torch_compat import (
 )
 
 NO_GRAD = "no gradient reached it in this step (its module was not called, or its output took no part in the loss)"
-
-
-@dataclass
-class _Micro:
-    """One backward's micro-batch: the batch sizes of its fired calls, where a row-mixing module was called last."""
-
-    rows: set[int] = field(default_factory=set)
-    mix_clock: int = -1
-    mix_name: str = ""
-
-
-@dataclass
-class _Tracked:
-    """One parameter object: its names, its holders, and this step's shares and check."""
-
-    param: nn.Parameter
-    names: list[str]
-    reason: str | None = None
-    check: Projection | None = None
-    step_reason: str | None = None
-    expected: dict[int, int] = field(default_factory=dict)
-    pending: dict[int, list[Form]] = field(default_factory=dict)
-    sq: dict[int, torch.Tensor] = field(default_factory=dict)
-    first_clock: dict[int, int] = field(default_factory=dict)
-
-    def reset(self) -> None:
-        self.step_reason = None
-        self.expected, self.pending, self.sq, self.first_clock = {}, {}, {}, {}
-        if self.check is not None:
-            self.check.reset()
-
-
-@dataclass
-class _Holder:
-    module: nn.Module
-    path: str
-    kind: str
-    tracked: list[tuple[_Tracked, str]]
-
-
-@dataclass
-class _CallRecord:
-    holder: _Holder
-    call: Call | None
-    micro: int
-    clock: int
-    rows: int
-    handle: Any = None
-    fired: bool = False
 
 
 class PerExampleNorms:
@@ -150,24 +101,25 @@ class PerExampleNorms:
     ) -> None:  # fmt: skip
         self.model, self.check = model, check
         self._enabled = enabled or (lambda: True)
-        self._tracked: list[_Tracked] = []
-        by_id: dict[int, _Tracked] = {}
+        self._tracked: list[Tracked] = []
+        by_id: dict[int, Tracked] = {}
         for name, _module, param in params:
             if id(param) in by_id:
                 by_id[id(param)].names.append(name)
             else:
-                by_id[id(param)] = _Tracked(param, [name])
+                by_id[id(param)] = Tracked(param, [name])
                 self._tracked.append(by_id[id(param)])
         self._holders, self._params = self._find_holders(by_id), [t.param for t in self._tracked]
         self._stack = contextlib.ExitStack()
-        self._calls: list[_CallRecord] = []
-        self._micros: list[_Micro] = []
+        self._calls: list[CallRecord] = []
+        self._roots: list[Any] = []  # pre-hooks on the model outputs' nodes of this step's forwards
+        self._micros: list[Micro] = []
         self._clock, self._grad_seen, self._active = 0, False, False
         self._forward_rows: int | None = None
         self._last: tuple[dict[str, torch.Tensor | None], dict[str, str | None]] | None = None
 
-    def _find_holders(self, by_id: dict[int, _Tracked]) -> list[_Holder]:
-        holders: list[_Holder] = []
+    def _find_holders(self, by_id: dict[int, Tracked]) -> list[Holder]:
+        holders: list[Holder] = []
         held: set[int] = set()
         for path, module in self.model.named_modules():
             mine = [(by_id[id(p)], role) for role, p in module._parameters.items() if p is not None and id(p) in by_id]
@@ -180,7 +132,7 @@ class PerExampleNorms:
                     what = why if kind is None else f"{type(module).__name__}.{role} is not one of {ROLES[kind]}"
                     t.reason = t.reason or f"held by {path or 'the model'!r}: {what}"
             if kind is not None:
-                holders.append(_Holder(module, path, kind, [(t, r) for t, r in mine if r in ROLES[kind]]))
+                holders.append(Holder(module, path, kind, [(t, r) for t, r in mine if r in ROLES[kind]]))
         for t in self._tracked:
             if id(t.param) not in held:
                 t.reason = "not a parameter of any module of the model (used directly in a forward?)"
@@ -198,6 +150,7 @@ class PerExampleNorms:
                     self._stack.enter_context(module.register_forward_hook(
                         lambda m, a, out, path=path: self._on_mixing(m, path, out)))  # fmt: skip
             self._stack.enter_context(self.model.register_forward_pre_hook(self._on_root, with_kwargs=True))
+            self._stack.enter_context(self.model.register_forward_hook(self._on_root_output))
             for i, t in enumerate(self._tracked):
                 if t.reason is None and self.check:
                     t.check = Projection(t.param, i)
@@ -216,13 +169,13 @@ class PerExampleNorms:
     def _tick(self) -> int:
         """The current micro-batch, starting a new step after `norms()` and a new micro-batch after a backward."""
         if not self._active:
-            self._active, self._micros, self._clock, self._grad_seen = True, [_Micro()], 0, False
+            self._active, self._micros, self._clock, self._grad_seen = True, [Micro()], 0, False
             self._forward_rows = None
             self._drop_calls()
             for t in self._tracked:
                 t.reset()
         elif self._grad_seen and not in_backward():
-            self._micros.append(_Micro())
+            self._micros.append(Micro())
             self._grad_seen, self._forward_rows = False, None
         self._clock += 1
         return len(self._micros) - 1
@@ -232,16 +185,29 @@ class PerExampleNorms:
             return
         if not self._enabled():
             return
-        self._tick()
-        x = first_tensor(args, kwargs)
+        micro = self._tick()  # (it may start a new list of micro-batches)
+        m, x = self._micros[micro], first_tensor(args, kwargs)
         self._forward_rows = x.shape[0] if x is not None and x.dim() > 0 else None
+        m.batch = m.batch or self._forward_rows or 0  # the rows of a micro-batch in which a parameter got nothing
+
+    def _on_root_output(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """A backward through the model's output ends the micro-batch, whether or not a tracked layer got a part of it
+        (a branch that skipped them: its rows are zeros)."""
+        y = first_tensor((output,), {})
+        if self._active and y is not None and y.grad_fn is not None and not in_backward():
+            self._roots.append(y.grad_fn.register_prehook(self._backward_began))
+
+    def _backward_began(self, _grads: tuple[torch.Tensor | None, ...]) -> None:
+        if fills_grad(self._params) is not False:
+            self._grad_seen = True
 
     def _on_mixing(self, module: nn.Module, path: str, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad and mixes_rows(module) and self._enabled():
-            m = self._micros[self._tick()]
+            micro = self._tick()  # (it may start a new list of micro-batches)
+            m = self._micros[micro]
             m.mix_clock, m.mix_name = self._clock, f"{path!r} ({type(module).__name__} normalising with batch statistics)"
 
-    def _on_call(self, h: _Holder, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def _on_call(self, h: Holder, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if not isinstance(output, torch.Tensor) or not output.requires_grad or not self._enabled():
             return
         if in_backward() and reentrant_checkpoint("backward") is None:
@@ -262,17 +228,17 @@ class PerExampleNorms:
             return
         assert x is not None
         call = Call(x.detach(), version(x), autocast_dtype(h.kind, x.device))
-        rec = _CallRecord(h, call, micro, self._clock, rows)
+        rec = CallRecord(h, call, micro, self._clock, rows)
         rec.handle = watch_edge(gradient_edge(output), functools.partial(self._on_grad, rec))
         self._calls.append(rec)
 
-    def _on_grad(self, rec: _CallRecord, grad: torch.Tensor) -> None:
+    def _on_grad(self, rec: CallRecord, grad: torch.Tensor) -> None:
         if fills_grad(self._params) is False:  # the user's torch.autograd.grad: not the step's backward
             return
         with no_autocast(grad.device):  # a backward inside autocast runs hooks under it: compute as written
             self._on_grad_body(rec, grad)
 
-    def _on_grad_body(self, rec: _CallRecord, grad: torch.Tensor) -> None:
+    def _on_grad_body(self, rec: CallRecord, grad: torch.Tensor) -> None:
         self._grad_seen = True
         h, call = rec.holder, rec.call
         if rec.fired or call is None:
@@ -303,14 +269,14 @@ class PerExampleNorms:
                 self._settle(t, rec.micro)
         rec.call = None
 
-    def _on_param_grad(self, t: _Tracked, grad: torch.Tensor) -> None:
+    def _on_param_grad(self, t: Tracked, grad: torch.Tensor) -> None:
         if t.check is None or not self._enabled() or fills_grad(self._params) is False:
             return
         self._grad_seen = True
         with no_autocast(grad.device):
             t.check.add_grad(grad)
 
-    def _settle(self, t: _Tracked, micro: int) -> None:
+    def _settle(self, t: Tracked, micro: int) -> None:
         forms = t.pending.pop(micro, [])
         if forms and t.step_reason is None:
             try:
@@ -322,7 +288,9 @@ class PerExampleNorms:
         for rec in self._calls:
             if rec.handle is not None:
                 rec.handle.remove()
-        self._calls = []
+        for handle in self._roots:
+            handle.remove()
+        self._calls, self._roots = [], []
 
     def forget_forward(self) -> None:
         """Forget the calls of a forward whose backward will not come (its loss failed): the micro-batch starts again.
@@ -341,7 +309,7 @@ class PerExampleNorms:
             if rec.handle is not None:
                 rec.handle.remove()
         self._calls = [r for r in self._calls if r.micro != micro]
-        self._micros[micro] = _Micro()
+        self._micros[micro] = Micro()
         for t in self._tracked:
             t.expected.pop(micro, None)
             t.first_clock.pop(micro, None)
@@ -395,7 +363,7 @@ class PerExampleNorms:
         for t in self._tracked:
             for micro in list(t.pending):
                 self._settle(t, micro)
-        squares: list[tuple[_Tracked, torch.Tensor]] = []
+        squares: list[tuple[Tracked, torch.Tensor]] = []
         reasons: dict[int, str | None] = {}
         for t in self._tracked:
             sq, reasons[id(t)] = self._result(t)
@@ -409,9 +377,9 @@ class PerExampleNorms:
                 norms[name], named[name] = values.get(id(t)), reasons[id(t)]
         return norms, named
 
-    def _rooted(self, squares: list[tuple[_Tracked, torch.Tensor]], scale: torch.Tensor | float | None) -> dict[int, torch.Tensor]:
+    def _rooted(self, squares: list[tuple[Tracked, torch.Tensor]], scale: torch.Tensor | float | None) -> dict[int, torch.Tensor]:
         """sqrt of every parameter's squared row norms, a failed check's rows `FAILED`: a few ops per device and size."""
-        groups: dict[tuple[torch.device, int], list[tuple[_Tracked, torch.Tensor]]] = {}
+        groups: dict[tuple[torch.device, int], list[tuple[Tracked, torch.Tensor]]] = {}
         for t, sq in squares:
             groups.setdefault((sq.device, sq.shape[0]), []).append((t, sq))
         out: dict[int, torch.Tensor] = {}
@@ -426,7 +394,7 @@ class PerExampleNorms:
             out.update(zip([id(t) for t, _ in group], rooted.unbind(0), strict=True))
         return out
 
-    def _result(self, t: _Tracked) -> tuple[torch.Tensor | None, str | None]:
+    def _result(self, t: Tracked) -> tuple[torch.Tensor | None, str | None]:
         """This step's squared row norms of `t` (device, its compute dtype), or None and why."""
         if t.reason or t.step_reason:
             return None, t.reason or t.step_reason
@@ -445,6 +413,6 @@ class PerExampleNorms:
         if len(self._micros) == 1:
             return t.sq[0], None
         first = next(iter(t.sq.values()))
-        return torch.cat([t.sq[i] if i in t.sq else first.new_zeros(next(iter(m.rows), 0))
+        return torch.cat([t.sq[i] if i in t.sq else first.new_zeros(next(iter(m.rows), m.batch))
                           for i, m in enumerate(self._micros)]), None  # fmt: skip
 

@@ -1,0 +1,128 @@
+"""Where a forward's edges meet capture: the model's own output under your backward, a reentrant checkpoint's
+input used outside the block, an evaluation forward between two backwards through one graph.
+
+Each found by a hunt against references taken without gradrunner (plain forward hooks keeping the tensors,
+`torch.autograd.grad` of the loss by them) on stock `torch.nn` models and tiny random-init `transformers`
+ones; each failed before its fix (2026-11-27):
+
+- `retain_grad` with the user's own `loss.backward()` recorded no gradient for a tap on the model's output
+  (the root's forward hook told the session before the root's own output tap fired);
+- `checkpoint(use_reentrant=True)`: a tap inside the block on its input, a tensor also used outside (a
+  residual; T5's encoder states fed to every checkpointed decoder block), recorded only the block's share;
+- an evaluation forward (`no_grad`, `inference_mode`) between two backwards through one retained forward
+  made the second backward's taps "module not called in this step".
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gradrunner import capture
+
+
+def _backward(cap: object, loss: torch.Tensor, own: bool, retain_graph: bool = False) -> None:
+    if own:
+        cap.backward(loss, retain_graph=retain_graph)  # type: ignore[attr-defined]
+    else:
+        loss.backward(retain_graph=retain_graph)
+
+
+OWN = pytest.mark.parametrize("own", [True, False], ids=["cap.backward", "loss.backward"])
+
+
+@OWN
+def test_a_tap_on_the_models_own_output_gets_its_gradient(strategy: str, own: bool) -> None:
+    if strategy == "autograd_grad" and not own:
+        pytest.skip("autograd_grad runs its own backward")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=20, n_positions=16, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 20, (2, 5))
+    kept: list[torch.Tensor] = []
+    handle = model.lm_head.register_forward_hook(lambda m, a, out: kept.append(out))
+    (want,) = torch.autograd.grad(model(ids).logits.pow(2).mean(), kept)
+    handle.remove()
+    taps = [":output.logits", "lm_head:output"]
+    with capture(model, taps, strategy=strategy) as cap:
+        _backward(cap, model(ids).logits.pow(2).mean(), own)
+        for tap in taps:
+            got = cap.grads[tap]
+            assert got is not None, tap
+            torch.testing.assert_close(got, want, msg=tap)
+
+
+class Residual(nn.Module):
+    """A checkpointed block whose input is also used outside it (a residual connection)."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.stem, self.inner, self.head = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        b = self.inner(h) if self.reentrant is None else checkpoint(self.inner, h, use_reentrant=self.reentrant)
+        return self.head(torch.tanh(self.inner(b)) + h)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["use_reentrant=True", "use_reentrant=False"])
+def test_a_checkpointed_blocks_input_used_outside_it_gets_its_whole_gradient(strategy: str, reentrant: bool) -> None:
+    if strategy == "autograd_grad" and reentrant:
+        pytest.skip("refused: autograd.grad cannot run through a reentrant checkpoint")
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    ref = Residual(None).double()
+    state = ref.state_dict()
+    seen: dict[str, list[torch.Tensor]] = {"in": [], "out": []}
+    def keep(_m: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        seen["in"].append(args[0])
+        seen["out"].append(out)
+
+    ref.inner.register_forward_hook(keep)
+    want = torch.autograd.grad(ref(x).pow(2).sum(), seen["in"] + seen["out"])
+    model = Residual(reentrant).double()
+    model.load_state_dict(state)
+    with capture(model, ["inner:input", "inner:output", "stem:output"], strategy=strategy) as cap:
+        cap.backward(model(x).pow(2).sum())
+    got = cap.grads.calls("inner:input") + cap.grads.calls("inner:output")
+    assert len(got) == 4  # the checkpointed call (counted once, in its forward place) and the call after it
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(cap.grads["stem:output"], want[0])
+
+
+@OWN
+@pytest.mark.parametrize("between", ["no_grad", "inference_mode"])
+def test_an_evaluation_forward_between_two_backwards_keeps_the_second_ones_taps(
+    strategy: str, own: bool, between: str
+) -> None:
+    if strategy == "autograd_grad" and not own:
+        pytest.skip("autograd_grad runs its own backward")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    kept: list[torch.Tensor] = []
+    handle = model[0].register_forward_hook(lambda m, a, out: kept.append(out))
+    out = model(x)
+    handle.remove()
+    want = [torch.autograd.grad(loss, kept, retain_graph=True)[0] for loss in (out.pow(2).sum(), out[:, 0].sum())]
+    context = torch.no_grad if between == "no_grad" else torch.inference_mode
+    with capture(model, ["0:output"], strategy=strategy) as cap:
+        out = model(x)
+        _backward(cap, out.pow(2).sum(), own, retain_graph=True)
+        first = cap.grads["0:output"]
+        with context():
+            model(x)  # an evaluation forward
+        _backward(cap, out[:, 0].sum(), own)
+        assert cap.backward_index == 1
+        second = cap.grads["0:output"]
+        recs = cap.records()
+    torch.testing.assert_close(first, want[0])
+    torch.testing.assert_close(second, want[1])
+    rows = [recs.row(i) for i in range(len(recs))]
+    assert [(r["micro_step"], r["has_grad"]) for r in rows] == [(0, True), (1, True)]
