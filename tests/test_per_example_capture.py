@@ -164,3 +164,80 @@ def test_a_micro_batch_that_skips_a_layer_keeps_its_rows_as_zeros(strategy: str,
         got = by_tap(cap.records(loss))["a:weight"]["per_example_norm"]
     assert got is not None
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-9)
+
+
+class NanoPositions(nn.Module):
+    """nanoGPT's embeddings: `wte(idx) + wpe(arange(T))`, the positions made inside the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.head = nn.Embedding(10, 4), nn.Embedding(8, 4), nn.Linear(4, 3)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("T", [4, 5], ids=["B == T", "B != T"])
+def test_position_ids_made_inside_the_forward_are_never_taken_for_the_batch(T: int) -> None:
+    """With B == T, `wpe(arange(T))` has dim 0 of the batch's size: its rows were taken for the batch's (wrong
+    numbers, found 2026-11-27). Null with the reason; `wte`, called on the batch's own ids, stays exact."""
+    torch.manual_seed(0)
+    model, idx = NanoPositions(), torch.randint(0, 10, (4, T))
+
+    def row_loss(out: torch.Tensor, i: int) -> torch.Tensor:
+        return ((out - 0.3 * (i + 1)) ** 2).sum()
+
+    want = []
+    for i in range(4):
+        model.zero_grad(set_to_none=True)
+        (row_loss(model(idx[i : i + 1]), i) / 4).backward()
+        want.append(float(model.wte.weight.grad.norm()))  # type: ignore[union-attr]
+    model.zero_grad(set_to_none=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with capture(model, ["wte:weight", "wpe:weight"], strategy="hook", per_example=True) as cap:
+            out = model(idx)
+            loss = sum(row_loss(out[i : i + 1], i) for i in range(4)) / 4
+            loss.backward()
+            rows = by_tap(cap.records(loss))
+    assert rows["wpe:weight"]["per_example_norm"] is None
+    why = _said(caught)["wpe:weight"]
+    assert ("made inside the forward" if T == 4 else "is not the batch") in why
+    np.testing.assert_allclose(np.asarray(rows["wte:weight"]["per_example_norm"]), want, rtol=1e-5)
+
+
+def test_t5s_relative_position_buckets_are_not_rows_when_the_batch_size_equals_the_length() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=30, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2, dropout_rate=0.0)
+    model = transformers.T5EncoderModel(config)
+    ids = torch.randint(0, 30, (4, 4))
+    tap = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias:weight"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with capture(model, [tap, "shared:weight"], strategy="hook", per_example=True) as cap:
+            loss = model(input_ids=ids).last_hidden_state.pow(2).sum()
+            cap.backward(loss)
+            rows = by_tap(cap.records(loss))
+    assert rows[tap]["per_example_norm"] is None and "made inside the forward" in _said(caught)[tap]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_sequence_first_model_is_null_with_the_reason(strategy: str) -> None:
+    """torch's default `batch_first=False`: dim 0 of the model's input is the sequence; its rows are positions."""
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0)
+    x = torch.randn(5, 3, 8)  # (T, B, E)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with capture(model, ["linear1:weight", "norm1:weight"], strategy=strategy, per_example=True) as cap:
+            loss = model(x).pow(2).sum()
+            cap.backward(loss)
+            rows = by_tap(cap.records(loss))
+    for tap in ("linear1:weight", "norm1:weight"):
+        assert rows[tap]["per_example_norm"] is None and "batch_first=False" in _said(caught)[tap], tap
+
+
+def _said(caught: list[warnings.WarningMessage]) -> dict[str, str]:
+    """Each parameter tap's null reason, as its PerExampleWarning says it."""
+    return {str(w.message).split()[4]: str(w.message) for w in caught if issubclass(w.category, PerExampleWarning)}

@@ -49,9 +49,10 @@ def get_element(value: Any, path: tuple[str | int, ...], tap: str, missing_ok: b
             )
             if missing_ok:
                 return Missing(what)
-            raise GradrunnerError(
-                f"tap {tap!r}: {what}; use output.N for tuple elements, output.KEY for dict keys or attributes"
-            ) from None
+            how = ("input.N for the N-th positional argument, input.NAME for a keyword argument (the module may be "
+                   "called with keyword arguments only)" if tap.partition(":")[2].startswith("input") else
+                   "output.N for tuple elements, output.KEY for dict keys or attributes")  # fmt: skip
+            raise GradrunnerError(f"tap {tap!r}: {what}; use {how}") from None
     return value
 
 

@@ -56,6 +56,7 @@ from torch import nn
 from gradrunner.capturing.per_example_check import FAILED, OUTSIDE, Projection, host_verdicts, verdicts
 from gradrunner.capturing.per_example_layers import (
     ROLES,
+    SEQUENCE_FIRST,
     Call,
     autocast_dtype,
     call_reason,
@@ -64,6 +65,8 @@ from gradrunner.capturing.per_example_layers import (
     mixes_rows,
     no_autocast,
     share,
+    storage,
+    tensors_of,
 )
 from gradrunner.capturing.per_example_math import row_sq
 from gradrunner.capturing.per_example_state import CallRecord, Holder, Micro, Tracked
@@ -116,6 +119,7 @@ class PerExampleNorms:
         self._micros: list[Micro] = []
         self._clock, self._grad_seen, self._active = 0, False, False
         self._forward_rows: int | None = None
+        self._given: set[int] | None = None  # storages of the tensors the model was called with, where B == T
         self._last: tuple[dict[str, torch.Tensor | None], dict[str, str | None]] | None = None
 
     def _find_holders(self, by_id: dict[int, Tracked]) -> list[Holder]:
@@ -138,6 +142,10 @@ class PerExampleNorms:
                 t.reason = "not a parameter of any module of the model (used directly in a forward?)"
             elif not t.param.requires_grad:
                 t.reason = "parameter does not require grad (frozen)"
+        seq = [(p, m) for p, m in self.model.named_modules() if isinstance(m, SEQUENCE_FIRST) and not m.batch_first]
+        for t in self._tracked if seq else ():
+            t.reason = t.reason or (f"the model has {seq[0][0]!r} ({type(seq[0][1]).__name__}) with batch_first=False: dim "
+                                    "0 of its inputs is the sequence, not the batch's rows (build it with batch_first=True)")  # fmt: skip
         return holders
 
     def __enter__(self) -> PerExampleNorms:
@@ -189,6 +197,8 @@ class PerExampleNorms:
         m, x = self._micros[micro], first_tensor(args, kwargs)
         self._forward_rows = x.shape[0] if x is not None and x.dim() > 0 else None
         m.batch = m.batch or self._forward_rows or 0  # the rows of a micro-batch in which a parameter got nothing
+        # the batch size equals another dim of the input (B == T): a layer's dim 0 of that size may not be the batch's
+        self._given = {storage(t) for t in tensors_of(args, kwargs)} if x is not None and x.shape[0] in x.shape[1:] else None
 
     def _on_root_output(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """A backward through the model's output ends the micro-batch, whether or not a tracked layer got a part of it
@@ -216,6 +226,9 @@ class PerExampleNorms:
         x = first_tensor(args, kwargs)
         rows = self._forward_rows if self._forward_rows is not None else (x.shape[0] if x is not None and x.dim() else 0)
         reason = "called without a tensor input" if x is None else call_reason(h.kind, h.module, x, rows)
+        if reason is None and x is not None and h.kind == "embedding" and self._given is not None and storage(x) not in self._given:
+            reason = (f"called on ids of shape {tuple(x.shape)} made inside the forward (positions, relative-position "
+                      "buckets) while the batch size equals another dim of the model's input: dim 0 may not be the batch")  # fmt: skip
         if reason is None and mixes_rows(h.module):
             reason = "normalises with the batch's statistics (training mode): its rows mix"
         for t, _role in h.tracked:

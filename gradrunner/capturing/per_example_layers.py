@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,10 @@ class Call:
     autocast: torch.dtype | None
     #: What the shares of this call's parameters have in common, computed once (a 2-D Linear's ||g_i||^2).
     memo: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+#: Modules whose `batch_first=False` (torch's default) puts the sequence in dim 0 of their inputs.
+SEQUENCE_FIRST = (nn.MultiheadAttention, nn.RNNBase)
 
 
 def kind_of(module: nn.Module) -> tuple[str | None, str | None]:
@@ -207,13 +212,24 @@ def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
-def first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """The first tensor among a call's positional then keyword arguments (one level into lists, tuples, dicts)."""
+def tensors_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
+    """The tensors among a call's positional then keyword arguments (one level into lists, tuples, dicts)."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
-            return value
+            yield value
+            continue
         inner = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else ()
-        for item in inner:
-            if isinstance(item, torch.Tensor):
-                return item
-    return None
+        yield from (item for item in inner if isinstance(item, torch.Tensor))
+
+
+def first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The first tensor among a call's positional then keyword arguments (one level into lists, tuples, dicts)."""
+    return next(tensors_of(args, kwargs), None)
+
+
+def storage(t: torch.Tensor) -> int:
+    """Where `t`'s memory is (a view shares its base's); -1 for a tensor without plain storage."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return -1
