@@ -247,3 +247,13 @@ def test_short_runs_judge_the_loss_by_windows_that_do_not_overlap(
         k = 3
         assert h.loss_diverging == (min(losses[:k]), float(np.median(losses[-k:])))
         assert f"the median of the last {k} finite steps" in "\n".join(h.lines())
+
+
+def test_the_last_word_of_a_torchrun_job_counts_steps_once_and_reads_rank_0s_loss(tmp_path: Path) -> None:
+    """steps.parquet under torchrun holds a row per step and rank: 3 steps on 2 ranks read "6 steps" and rank 1's
+    last loss before (found 2026-11-27 on a DDP and an FSDP2 record())."""
+    rows = [{"step": s, "rank": r, "loss": 1.0 + s + 10 * r, "lr": 0.1} for s in range(3) for r in (1, 0)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "steps.parquet")
+    h = health.health(tmp_path)
+    assert (h.steps, h.loss_first, h.loss_last) == (3, 1.0, 3.0)
+    assert "loss: 1 at the first step, 3 at the last (3 steps)" in str(h)

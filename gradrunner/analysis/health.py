@@ -190,8 +190,11 @@ def health(directory: Path) -> Health:
     h.spikes = _spikes(directory)
     steps_file, grads_file = directory / STEPS_FILE, directory / GRADS_FILE
     if steps_file.is_file():
-        wanted = [c for c in ("step", "loss", "lr") if c in pq.read_schema(steps_file).names]
-        _judge_loss(h, pq.read_table(steps_file, columns=wanted).to_pandas().sort_values("step", kind="stable"))
+        wanted = [c for c in ("step", "loss", "lr", "rank") if c in pq.read_schema(steps_file).names]
+        steps = pq.read_table(steps_file, columns=wanted).to_pandas()
+        if "rank" in steps.columns and len(steps):  # under torchrun a row per step and rank: rank 0's loss
+            steps = steps[steps["rank"] == steps["rank"].min()]
+        _judge_loss(h, steps.sort_values("step", kind="stable"))
     if not grads_file.is_file():
         return h
     names = set(pq.read_schema(grads_file).names)

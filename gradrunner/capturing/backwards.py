@@ -325,6 +325,10 @@ class Backwards:
         if slot.delivered or grad is None or p is None or not p.captured:
             return None
         slot.delivered = True
+        if is_dtensor(grad):  # an activation's under tensor parallel
+            from gradrunner.capturing.sharded import mergeable  # DTensor's machinery: only where one is
+
+            grad = mergeable(grad)
         if self.grad_scale is not None:
             grad = unscaled(grad, self.grad_scale)
         # A complex gradient's statistics are those of its magnitude |z| (documented in the README). A leaf's

@@ -98,6 +98,7 @@ class ParamTaps:
         #: Sharded parameters: `.grad` is read after a backward in which their post-accumulate-grad hooks fired.
         self.sharded = sharded
         self._fired: set[int] = set()
+        self._sharded_hook: Callable[[torch.Tensor], None] | None = None
         if sharded:
             synced = lambda: bool(self._fired)  # noqa: E731
         #: DDP: whether the backward that just ended synchronised the gradients (then `.grad` is read).
@@ -134,14 +135,22 @@ class ParamTaps:
             if capturing() and param.grad is not None:
                 fired.add(id(param))
 
+        self._sharded_hook = hook
+        self._hook_unhooked()
+
+    def _hook_unhooked(self) -> None:
+        """The sharded post-accumulate-grad hook on every tapped parameter that requires grad now (one unfrozen
+        after the session opened too: it had none)."""
         for held in self._held.values():
-            if held.param.requires_grad:
+            if held.handle is None and held.param.requires_grad:
                 if is_dtensor(held.param):
                     _check_mesh(held.param, next(t.tap for t, p in self.taps if p is held.param))
-                held.handle = held.param.register_post_accumulate_grad_hook(hook)
+                held.handle = held.param.register_post_accumulate_grad_hook(self._sharded_hook)
 
     def check(self) -> None:
         """Take again the edge of a parameter whose accumulator changed (its dtype or device did); cheap."""
+        if self.sharded:
+            self._hook_unhooked()
         if self.synced is not None:
             return
         for held in self._held.values():

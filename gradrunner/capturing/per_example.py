@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradrunner.capturing.dtensors import is_dtensor
 from gradrunner.capturing.per_example_check import FAILED, OUTSIDE, Projection, host_verdicts, verdicts
 from gradrunner.capturing.per_example_layers import (
     ROLES,
@@ -142,6 +143,8 @@ class PerExampleNorms:
                 t.reason = "not a parameter of any module of the model (used directly in a forward?)"
             elif not t.param.requires_grad:
                 t.reason = "parameter does not require grad (frozen)"
+            elif is_dtensor(t.param):
+                t.reason = "a sharded parameter (a DTensor: FSDP2 or tensor parallel): each rank holds a piece of it"
         seq = [(p, m) for p, m in self.model.named_modules() if isinstance(m, SEQUENCE_FIRST) and not m.batch_first]
         for t in self._tracked if seq else ():
             t.reason = t.reason or (f"the model has {seq[0][0]!r} ({type(seq[0][1]).__name__}) with batch_first=False: dim "

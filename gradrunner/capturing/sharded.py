@@ -111,6 +111,25 @@ def placement_of(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> Pie
 local_of = local_piece
 
 
+def mergeable(t: torch.Tensor) -> torch.Tensor:
+    """An activation's `DTensor` gradient as the records can take it: a `Partial` placement summed (one all-reduce
+    over its mesh: tensor parallel's gradient of a colwise layer's input), and one on a mesh that is not the whole
+    world (2-D data x tensor parallel) gathered whole on each rank of its mesh: a plain tensor, recorded per rank
+    as activations are. Every rank of the mesh calls it for the same gradient in the same order (one backward).
+
+    Example::
+
+        mergeable(x_grad)     # DTensor (Partial(sum),) -> (Replicate(),)
+    """
+    if not isinstance(t, DTensor):
+        return t
+    if any(isinstance(p, Partial) for p in t.placements):
+        t = t.redistribute(t.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in t.placements])
+    if dist.is_initialized() and t.device_mesh.size() != dist.get_world_size():
+        return t.full_tensor()
+    return t
+
+
 def local_rows(
     pieces: Sequence[torch.Tensor | None], *, histogram: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,96 @@
+"""Capture on sharded models where a hunt against single-process references broke it (2026-11-27).
+
+Each torchrun (gloo, CPU; 2 ranks, 4 for the 2-D mesh) runs `sharded_edges_ranks.py`; the references are the
+same small MLP unsharded in this process, without gradrunner. Before the fixes: a tensor-parallel layer's
+input tap and `per_example=True` under tensor parallel raised inside `backward()` on every rank, an activation
+`DTensor` on a 2-D mesh's sub-mesh raised too, and a sharded parameter unfrozen after the capture opened got
+`has_grad=False` with a false reason ("no backward of this step synchronised the gradients").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from rank_launch import torchrun
+from sharded_edges_ranks import batch, mlp
+from torch import nn
+
+pytestmark = pytest.mark.slow
+
+CASES = {
+    2: ["unfreeze_fsdp:hook", "unfreeze_tp:autograd_grad", "tp_input:hook", "tp_input:autograd_grad",
+        "tp_input:retain_grad", "tp_per_example:hook"],
+    4: ["twod:hook", "twod:retain_grad"],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for world, cases in CASES.items():
+        d = tmp_path_factory.mktemp(f"edges{world}")
+        torchrun(world, d, cases, timeout=600, script="sharded_edges_ranks.py")
+        for case in cases:
+            out[case] = [torch.load(d / f"{case.replace(':', '-')}.rank{r}.pt", weights_only=False) for r in range(world)]
+    return out
+
+
+def _rows(results: dict[str, list[dict[str, Any]]], case: str, rank: int, step: int = 0) -> dict[str, dict[str, Any]]:
+    got = results[case][rank]
+    assert "error" not in got, got.get("error")
+    return {r["tap"]: r for r in got["rows"][step]}
+
+
+def _grad_of(seeds: list[int], at: str) -> torch.Tensor:
+    """The unsharded reference: `at`'s gradient of the mean of the batches' losses (FSDP2 averages), one process."""
+    model = mlp()
+    kept: dict[str, torch.Tensor] = {}
+    model[0].register_forward_hook(lambda m, a, out: kept.update(input=a[0], output=out))
+    total = torch.zeros((), dtype=torch.float64)
+    for s in seeds:
+        x, y = batch(s)
+        x.requires_grad_(True)
+        total = total + nn.functional.mse_loss(model(x), y) / len(seeds)
+        if at in kept:
+            (g,) = torch.autograd.grad(total, kept[at])
+            return g
+    total.backward()
+    return model[2].weight.grad  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("case", ["unfreeze_fsdp:hook", "unfreeze_tp:autograd_grad"])
+def test_a_sharded_parameter_unfrozen_after_the_capture_opened_is_recorded(results: dict, case: str) -> None:
+    seeds = [11, 12] if case.startswith("unfreeze_fsdp") else [11]  # step 1: seed + 10; FSDP2: each rank its own
+    want = float(_grad_of(seeds, "weight").norm())
+    for rank in range(2):
+        frozen, unfrozen = _rows(results, case, rank, 0)["2:weight"], _rows(results, case, rank, 1)["2:weight"]
+        assert not frozen["has_grad"] and "frozen" in frozen["reason"]
+        assert unfrozen["has_grad"] and unfrozen["reason"] is None
+        assert unfrozen["norm"] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["hook", "autograd_grad", "retain_grad"])
+def test_a_tensor_parallel_layers_input_tap_merges_its_partial_gradient(results: dict, strategy: str) -> None:
+    want = _grad_of([1], "input")
+    for rank in range(2):
+        row = _rows(results, f"tp_input:{strategy}", rank)["0:input"]
+        assert row["has_grad"] and row["numel"] == want.numel()
+        assert row["norm"] == pytest.approx(float(want.norm()), rel=1e-12)
+
+
+def test_per_example_under_tensor_parallel_is_null_with_the_reason_not_a_crash(results: dict) -> None:
+    for rank in range(2):
+        rows = _rows(results, "tp_per_example:hook", rank)
+        assert all(r["per_example_norm"] is None and r["has_grad"] for r in rows.values())
+        said = " ".join(results["tp_per_example:hook"][rank]["warned"])
+        assert "2:bias is null: a sharded parameter" in said and "0:weight is null: a sharded parameter" in said
+
+
+@pytest.mark.parametrize("strategy", ["hook", "retain_grad"])
+def test_an_activation_dtensor_on_a_sub_mesh_is_recorded_per_data_parallel_rank(results: dict, strategy: str) -> None:
+    for rank in range(4):
+        want = _grad_of([1 + rank // 2], "output")  # the rank's own batch (dp coordinate), its whole activation
+        row = _rows(results, f"twod:{strategy}", rank)["0:output"]
+        assert row["has_grad"] and row["norm"] == pytest.approx(float(want.norm()), rel=1e-12)
