@@ -286,3 +286,41 @@ def test_flow_steps_stop_at_the_first_nonfinite_step_and_keep_the_largest_change
     finite = df[df.tap != "head:output"]
     # fc1 falls 1000x every step; at step 3 fc2:weight also jumps 1e4x: the largest change, with the step before
     assert flow_steps(finite, n=3) == [0, 2, 3] and flow_steps(finite) == [0, 1, 2, 3]
+
+
+def test_the_helpers_take_accumulated_records_as_they_are_written(tmp_path: Path) -> None:
+    """Two micro-batches a step, two strategies in one sweep dir: `compare_strategies` said "several runs share
+    strategy" (false), `grad_flow`'s and `histograms_over_steps`' rows doubled per step (found 2026-11-27)."""
+    import torch
+    from torch import nn
+
+    from gradrunner import record
+    from gradrunner.analysis import combine_micro_steps, compare_strategies, grad_flow, histograms_over_steps
+
+    for strategy in ("hook", "retain_grad"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        g = torch.Generator().manual_seed(0)
+        with record(model, ["*:output", "*:weight"], tmp_path / strategy, strategy=strategy, histogram=True) as rec:
+            for _ in range(3):
+                for _ in range(2):
+                    loss = model(torch.randn(4, 3, generator=g)).pow(2).mean() / 2
+                    loss.backward()
+                model.zero_grad()
+                rec.step(loss)
+    df = load(tmp_path)
+    cmp = compare_strategies(df)
+    assert cmp.rel_diff.max() == 0.0 and set(cmp.micro_step.dropna()) == {0.0, 1.0}
+    one = load(tmp_path / "hook")
+    flow = grad_flow(one, measure_name="rms")
+    assert not flow.duplicated(["step", "label"]).any()
+    table = flow.pivot(index="label", columns="step", values="rms")  # the docstring's example
+    combined = combine_micro_steps(one)
+    want = combined[(combined.tap == "0:output") & (combined.step == 1)].iloc[0]  # the whole batch's gradient
+    label = flow[(flow.tap == "0:output") & (flow.step == 1)].label.iloc[0]
+    assert table.loc[label, 1] == pytest.approx(want.norm / np.sqrt(want.numel))
+    h = histograms_over_steps(one, "0:output")
+    assert h.index.tolist() == [0, 1, 2]
+    parts = one[(one.tap == "0:output") & (one.step == 1)]
+    assert h.loc[1].sum() == sum(int(np.sum(c)) for c in parts.hist_counts) == 2 * 4 * 4
+    assert len(combine_micro_steps(one[["step", "tap", "call", "micro_step", "norm"]])) == len(combined)

@@ -33,7 +33,8 @@ def records(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], 
                 pen = norms[name]
                 assert pen is not None, pex.reasons()[name]
                 out.append({"run_id": "r", "step": step, "tap": name, "name": name.split(":")[1], "norm": float(p.grad.norm()),
-                            "per_example_norm": pen.tolist(), "update_norm": 1.0, "has_grad": True, "rank": 0})  # fmt: skip
+                            "per_example_norm": pen.tolist(), "update_norm": 1.0, "has_grad": True, "rank": 0,
+                            "value_norm": float(p.detach().norm()), "numel": p.numel()})  # fmt: skip
     return pd.DataFrame(out)
 
 
@@ -67,6 +68,34 @@ def test_against_estimates_from_per_example_gradients() -> None:
     x, y = batches[0]
     g = (per_example_grads(model, x, y) / y.shape[1])[:, 3 * 4 + 4 : 3 * 4 + 4 + 8]
     assert one.trace_sigma == pytest.approx(float(((g - g.mean(0)) ** 2).sum() / 5), rel=1e-6)
+
+
+class SummedCells(nn.Module):
+    """An RNN cell's pattern, W_x x + b_x + W_h h + b_h: the two biases always get equal gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(3, 4), nn.Linear(2, 4), nn.Linear(4, 2)
+
+    def forward(self, xz: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.a(xz[:, :3]) + self.b(xz[:, 3:])))  # type: ignore[no-any-return]
+
+
+def test_distinct_parameters_with_equal_gradients_both_count_in_the_whole_model() -> None:
+    """a.bias and b.bias have the same N, S and B every step; the whole model's row dropped one as if tied (found
+    2026-11-27). Their values differ: both count, and "*" is the estimate from every parameter's per-example gradient."""
+    torch.manual_seed(5)
+    model = SummedCells()
+    batches = [(torch.randn(6, 5), torch.randn(6, 2)) for _ in range(2)]
+    frame = records(model, batches)
+    ns = noise_scale(frame)
+    for step, (x, y) in enumerate(batches):
+        g = per_example_grads(model, x, y) / y.shape[1]
+        trace = float(((g - g.mean(0)) ** 2).sum() / (g.shape[0] - 1))
+        row = ns[(ns.step == step) & (ns.tap == WHOLE_MODEL)].iloc[0]
+        assert row.trace_sigma == pytest.approx(trace, rel=1e-6)
+        taps = ns[(ns.step == step) & (ns.tap != WHOLE_MODEL)]
+        assert row.trace_sigma == pytest.approx(taps.trace_sigma.sum(), rel=1e-9)  # disjoint parameters add
 
 
 def test_b_simple_does_not_depend_on_the_loss_reduction() -> None:

@@ -83,7 +83,8 @@ def combine_micro_steps(df: pd.DataFrame) -> pd.DataFrame:
 def _combine_into(out: pd.DataFrame, parts: pd.DataFrame, group: np.ndarray) -> None:
     """Fill `out` (one row per group, in group order) with the combined statistics of `parts`' rows."""
     n = len(out)
-    grad = parts["has_grad"].fillna(False).to_numpy(dtype=bool)
+    # a frame read without `has_grad`: a record has a gradient where its norm is there
+    grad = (parts["has_grad"].fillna(False) if "has_grad" in parts.columns else parts["norm"].notna()).to_numpy(dtype=bool)
 
     def total(values: np.ndarray, mask: np.ndarray = grad) -> np.ndarray:
         return np.bincount(group[mask], weights=values[mask], minlength=n)

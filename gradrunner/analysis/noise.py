@@ -24,9 +24,11 @@ the all-reduced `.grad`) make the batch of B rows; `norm` is the lowest rank's. 
 tap `"*"`, pools the parameter taps of that step (the squared norms of disjoint parameters add: N and
 S are sums over taps): it is the noise scale of the concatenation of the taps recorded, which is the
 whole model when every parameter is tapped. Two paths of one tied `Parameter` (GPT-2's `lm_head:weight`
-and `transformer.wte:weight`) hold the same gradient and identical rows: a tap whose N, S and B equal
-another's in the step counts once there (distinct parameters give equal floats only when both are zero,
-which add nothing). `b_simple_ema` (with `ema=beta`) is
+and `transformer.wte:weight`) hold the same gradient, value and rows: a tap whose N, S, B, size and own
+norm (`value_norm`) equal another's in the step counts once there. Distinct parameters can share N, S and
+B (two biases whose outputs are added get equal gradients) but not, as a rule, their values; ones equal in
+both at every step (two zero-initialised such biases) cannot be told apart from the records and count once:
+tap one of them. `b_simple_ema` (with `ema=beta`) is
 EMA(trace_sigma) / EMA(g2) over the steps of each run and tap, each EMA m_t = beta m_(t-1) + (1 - beta) x_t
 from m = 0 (the bias correction cancels in the ratio): McCandlish et al. smooth the numerator and
 denominator separately, since the ratio of two noisy unbiased estimates is biased.
@@ -150,9 +152,12 @@ def _per_tap(rows: pd.DataFrame) -> pd.DataFrame:
     frame["n"] = [a.size for a in sq]
     frame["s"] = [float(a.sum()) for a in sq]
     frame["norm2"] = np.square(rows["norm"].to_numpy(dtype=np.float64))
+    for c in ("value_norm", "numel"):  # what tells one tied parameter from two with equal gradients
+        frame[c] = rows[c].to_numpy(dtype=np.float64) if c in rows.columns else np.nan
     frame = frame.sort_values(by)
     grouped = frame.groupby(keys, sort=True)
-    return pd.DataFrame({"rows": grouped["n"].sum(), "sq_rows": grouped["s"].sum(), "sq_norm": grouped["norm2"].first()}).reset_index()
+    return pd.DataFrame({"rows": grouped["n"].sum(), "sq_rows": grouped["s"].sum(), "sq_norm": grouped["norm2"].first(),
+                         "value_norm": grouped["value_norm"].first(), "numel": grouped["numel"].first()}).reset_index()  # fmt: skip
 
 
 def _whole_model(per_tap: pd.DataFrame) -> pd.DataFrame:
@@ -168,7 +173,7 @@ def _whole_model(per_tap: pd.DataFrame) -> pd.DataFrame:
             f"the parameter taps of step {bad.index[0]} have different numbers of per-example norms "
             f"({int(bad['min'].iloc[0])} and {int(bad['max'].iloc[0])}): they are not one batch's rows"
         )
-    once = per_tap.drop_duplicates([*keys, "rows", "sq_rows", "sq_norm"]).groupby(keys, sort=True)  # tied: once
+    once = per_tap.drop_duplicates([*keys, "rows", "sq_rows", "sq_norm", "value_norm", "numel"]).groupby(keys, sort=True)
     whole = pd.DataFrame({"rows": rows["min"], "sq_rows": once["sq_rows"].sum(), "sq_norm": once["sq_norm"].sum()})
     return whole.reset_index().assign(tap=WHOLE_MODEL)
 

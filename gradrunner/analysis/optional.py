@@ -17,6 +17,7 @@ import itertools
 import numpy as np
 import pandas as pd
 
+from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import HIST_EDGES
 
@@ -51,9 +52,11 @@ def histograms_over_steps(df: pd.DataFrame, tap: str, call: int = 0) -> pd.DataF
         h = histograms_over_steps(df, "fc1:output")    # h.loc[3] is step 3's histogram
         h.div(h.sum(axis=1), axis=0)                    # as fractions
 
-    With several runs in `df` (a sweep), pass the rows of one run.
+    With several runs in `df` (a sweep), pass the rows of one run. Under gradient accumulation a step's
+    micro-batch counts are added (`combine_micro_steps`).
     """
     _need(df, "hist_counts", "capture.histogram=true")
+    df = combine_micro_steps(df)
     rows = df[(df["tap"] == tap) & (df["call"] == call) & df["hist_counts"].notna()]
     if rows.empty:
         taps = ", ".join(sorted(df["tap"].unique()))

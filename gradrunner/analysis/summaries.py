@@ -237,7 +237,9 @@ def grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure_name
     `steps` defaults to `pick_steps(df.step)` (four, first and last included); `measure_name` is
     one of `measure`'s names. Columns: `run_id`, the run columns, `step`, `tap`, `call`, the
     measure, `position` (forward order) and `label`; runs in record order, then step and position.
+    Under gradient accumulation each step's micro-batch records are combined first (`combine_micro_steps`).
     """
+    df = combine_micro_steps(df)
     chosen = pick_steps(df["step"]) if steps is None else [int(s) for s in steps]
     runs = run_columns(df)
     d = df[df["step"].isin(chosen)]
@@ -303,13 +305,16 @@ def compare_strategies(df: pd.DataFrame, by: str = "strategy") -> pd.DataFrame:
     `abs_diff` = max(x) - min(x), `rel_diff` = abs_diff / max |x| (0 when abs_diff is 0). A
     statistic NaN in some strategies only, or a record some strategies lack, differs by inf.
     Other run columns (a seed, a learning rate) are kept as keys, so only runs that differ in `by`
-    alone are compared. `strategies` counts the strategies that have the record.
+    alone are compared. `strategies` counts the strategies that have the record. Under gradient
+    accumulation each micro-batch's records are compared (`micro_step` is a key).
     """
-    keys = [*_other_run_columns(df, by), "step", "tap", "call"]
+    runs = _other_run_columns(df, by)
+    micro = ["micro_step"] if "micro_step" in df.columns and df["micro_step"].notna().any() else []
+    keys = [*runs, "step", *micro, "tap", "call"]
     indexed = df.set_index([*keys, by])
     if not indexed.index.is_unique:
         raise GradrunnerError(
-            f"several runs share {by} and {keys[:-3] or 'no other run column'}; "
+            f"several runs share {by} and {runs or 'no other run column'}; "
             f"compare one group at a time, e.g. df[df.job.isin([...])]"
         )
     stats = [c for c in STAT_COLUMNS if c in df.columns]
@@ -324,7 +329,7 @@ def compare_strategies(df: pd.DataFrame, by: str = "strategy") -> pd.DataFrame:
         frames.append(pd.DataFrame({"stat": "values", "abs_diff": abs_diff, "rel_diff": rel_diff}, index=wide.index))
     out = pd.concat([f.assign(strategies=counts.to_numpy()) for f in frames]).reset_index()
     out = out.merge(forward_order(df)[["tap", "call", "position"]], on=["tap", "call"], how="left")
-    out = out.sort_values([*keys[:-2], "position"], kind="stable")  # forward order within a step
+    out = out.sort_values([*keys[:-2], "position"], kind="stable")  # forward order within a step (micro-batch)
     return out.drop(columns="position").reset_index(drop=True)
 
 
