@@ -126,3 +126,27 @@ def test_an_evaluation_forward_between_two_backwards_keeps_the_second_ones_taps(
     torch.testing.assert_close(second, want[1])
     rows = [recs.row(i) for i in range(len(recs))]
     assert [(r["micro_step"], r["has_grad"]) for r in rows] == [(0, True), (1, True)]
+
+
+@pytest.mark.parametrize("reentrant", [None, True, False], ids=["plain", "use_reentrant=True", "use_reentrant=False"])
+def test_an_edit_on_a_checkpointed_blocks_input_edits_the_blocks_use_of_it(strategy: str, reentrant: bool | None) -> None:
+    """An edit on `inner:input` changes the gradient that flows back through the block's use of its input only (the
+    residual's use is not the tap's); tapping the input whole in a reentrant block's first pass must not lose it."""
+    if strategy == "autograd_grad" and reentrant:
+        pytest.skip("refused: autograd.grad cannot run through a reentrant checkpoint")
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, dtype=torch.float64)
+    by_hand = Residual(None).double()
+    state = by_hand.state_dict()
+    h = by_hand.stem(x)
+    into = h * 1.0  # the block's use of its input, its gradient scaled as the edit scales it
+    into.register_hook(lambda g: -2.0 * g)
+    b = by_hand.inner(into) * 1.0  # and the second call's (the edit acts on every call of the tap)
+    b.register_hook(lambda g: -2.0 * g)
+    by_hand.head(torch.tanh(by_hand.inner(b)) + h).pow(2).sum().backward()
+    model = Residual(reentrant).double()
+    model.load_state_dict(state)
+    with capture(model, [], strategy=strategy, edits=[{"tap": "inner:input", "scale": -2.0}]) as cap:
+        cap.backward(model(x).pow(2).sum())
+    for (name, want), got in zip(by_hand.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, msg=name)

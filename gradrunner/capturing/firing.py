@@ -225,7 +225,9 @@ class Firing:
             # with grad outside the block (its input) is tapped now, whole: the recomputation sees a detached
             # copy that gets only the block's part of the gradient (None keeps the recomputed calls in step).
             waiting = self.deferred.setdefault((id(ctx), tap.tap), [])
-            if not (isinstance(value, torch.Tensor) and value.requires_grad):
+            edits = self.session.edits
+            edited = edits is not None and tap.tap in edits.by_tap  # an edit acts inside the block: on its recomputation
+            if edited or not (isinstance(value, torch.Tensor) and value.requires_grad):
                 waiting.append(self._open_slot(tap))
                 return value
             waiting.append(None)
