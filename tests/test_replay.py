@@ -178,3 +178,15 @@ def test_a_nan_setting_is_the_same_config_twice() -> None:
 
     assert config_diff({"data": {"scale": float("nan")}}, {"data": {"scale": float("nan")}}) == []
     assert config_diff({"data": {"scale": float("nan")}}, {"data": {"scale": 1.0}}) == ["data.scale: nan -> 1.0"]
+
+
+def test_a_run_capturing_every_few_steps_is_replayed_in_full_over_the_window(tmp_path: Path) -> None:
+    """capture.every=4 left the spike's steps uncaptured in the replay too: its records were one step outside the
+    window, its verdict resting on that step (found 2026-11-27). The replay captures every step of it now."""
+    source = _run(tmp_path / "source", *SOURCE, "capture.every=4")
+    verdict = json.loads((source / "replay" / "step30" / "replay.json").read_text())
+    assert verdict["exact"] is True and verdict["start"] == 25 and verdict["first_difference"] is None
+    replayed = load(source / "replay" / "step30", values=True)
+    assert sorted(replayed["step"].unique()) == list(range(25, 31))
+    assert replayed["values"].map(len).eq(replayed["numel"]).all()
+    assert verdict["records"] == 11  # the one step of the window the run captured (28), compared value for value

@@ -135,13 +135,18 @@ def replay_spike(run: Runner, cfg: DictConfig, run_dir: Path, step: int, k: int,
 
     out = run_dir / REPLAY_DIR / f"step{step}"
     try:
-        run(replay_config(cfg, run_dir, start, step, **{"capture.values": "full"}), out_dir=out)
+        # every replayed step in full, whatever the run's capture.every (its own captured steps are compared)
+        run(replay_config(cfg, run_dir, start, step, **{"capture.values": "full", "capture.every": 1}), out_dir=out)
     except NonFinite:
         pass  # capture.on_nonfinite=stop: the replay stops where the run did; its records are compared as they are
     c = compare_runs(run_dir, out, rtol=0.0, atol=0.0)
     span = (c.values["step"] >= start) & (c.values["step"] <= step)
     differs = c.values[span & c.values["differs"]]
     missing = c.missing[(c.missing["step"] >= start) & (c.missing["step"] <= step)]
+    # a record only the replay has, of a step the run did not capture (its capture.every), is what the replay adds
+    ran = c.missing[c.missing["only_in"] == "a"]
+    captured = set(c.values.loc[c.values["tap"].notna(), "step"]) | set(ran.loc[ran["tap"].notna(), "step"])
+    missing = missing[~((missing["only_in"] == "b") & missing["tap"].notna() & ~missing["step"].isin(captured))]
     first = None
     if not differs.empty or not missing.empty:
         row = pd.concat([differs, missing]).sort_values(["step", "tap_order", "stat_order"], kind="stable").iloc[0]
