@@ -30,6 +30,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.dtensors import is_dtensor, like
+from gradrunner.capturing.elements import tensors_in
 from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_ASSIGNED, NOT_CALLED
 from gradrunner.capturing.per_example_check import OUTSIDE, PerExampleWarning, failed
@@ -180,7 +181,7 @@ class Backwards:
             self._drop_root_hooks(keep=8)
         seen = self._seen
         nodes = []
-        for t in _tensors(output):
+        for t in tensors_in(output):
             if t.grad_fn is not None:
                 self._root_hooks.append(t.grad_fn.register_prehook(lambda _g: seen()))
                 nodes.append(t.grad_fn)
@@ -427,12 +428,3 @@ def _world_size() -> int:
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-
-def _tensors(output: Any, depth: int = 2) -> list[torch.Tensor]:
-    """The tensors of a module's output (a tensor, a tuple or list, a mapping such as HF's ModelOutput)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if depth == 0:
-        return []
-    items = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
-    return [t for item in items for t in _tensors(item, depth - 1)]

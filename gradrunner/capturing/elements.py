@@ -5,6 +5,8 @@ and attributes; `set_element` returns the value with one element replaced, for s
 stand-in tensor: dicts, tuples, lists, namedtuples and dataclasses are rebuilt (never mutated); any
 other object reached by attribute is changed in place (`setattr`) and returned.
 
+`tensors_in` lists the tensors of such a value, a level or two deep (a module's outputs, a call's arguments).
+
 Example::
 
     get_element({"logits": t}, ("logits",), "fc:output.logits")   # t
@@ -14,8 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
+
+import torch
 
 from gradrunner.errors import GradrunnerError
 
@@ -112,3 +116,19 @@ def bind_input(module: Any, path: tuple[str | int, ...], args: tuple[Any, ...], 
         return path
     at = _positions(module.forward).get(head)
     return (at, *path[1:]) if at is not None and at < len(args) else path
+
+
+def tensors_in(value: Any, depth: int = 2) -> Iterator[torch.Tensor]:
+    """The tensors of `value`, in order: itself, or those inside its tuples, lists and mappings (HF's ModelOutput)
+    down to `depth` levels.
+
+    Example::
+
+        list(tensors_in((x, {"mask": m}, 3)))    # [x, m]
+    """
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth > 0:
+        items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
+        for item in items:
+            yield from tensors_in(item, depth - 1)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from gradrunner.capturing.elements import tensors_in
 from gradrunner.capturing.per_example_conv import ConvShare
 from gradrunner.capturing.per_example_math import Dense, Factors, Form
 
@@ -213,17 +214,12 @@ def no_autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
 
 
 def tensors_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
-    """The tensors among a call's positional then keyword arguments (one level into lists, tuples, dicts)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            yield value
-            continue
-        inner = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else ()
-        yield from (item for item in inner if isinstance(item, torch.Tensor))
+    """The tensors among a call's positional then keyword arguments (one level into lists, tuples, mappings)."""
+    return tensors_in((*args, *kwargs.values()))
 
 
 def first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """The first tensor among a call's positional then keyword arguments (one level into lists, tuples, dicts)."""
+    """The first tensor among a call's positional then keyword arguments (one level into lists, tuples, mappings)."""
     return next(tensors_of(args, kwargs), None)
 
 
