@@ -107,6 +107,10 @@ def test_a_rerun_with_a_changed_config_refuses_and_leaves_completed_jobs_and_the
                      full_error=full_error)  # fmt: skip
     assert result.returncode != 0
     assert "holds a completed run of a different config (steps: 1 -> 2)" in result.stderr
+    # the last word does not present the earlier run's jobs as run now
+    said = result.stdout + result.stderr
+    assert "5 job(s) listed completed did not run now" in said, said[-3000:]
+    assert "sweep summary" not in said, said[-3000:]
 
     for job in jobs:
         assert not (job / FAILED).exists(), f"{job} got {FAILED}"

@@ -201,6 +201,21 @@ def _from_job_dirs(sweep_dir: Path, expected: list[list[str]] | None) -> list[di
     return jobs
 
 
+def _run_id(job_dir: Path) -> str | None:
+    marker, _ = read_marker(job_dir)
+    return str(marker["run_id"]) if marker and marker.get("run_id") else None
+
+
+def _completed_runs(sweep_dir: Path) -> frozenset[str]:
+    """The run ids of the completed runs below `sweep_dir`: from the catalogue, else from the job dirs' markers."""
+    if not sweep_dir.is_dir():
+        return frozenset()
+    rows = catalogue.read_jobs(sweep_dir)
+    if rows is not None:
+        return frozenset(r.run_id for r in rows if r.status == "completed" and r.run_id)
+    return frozenset(i for i in map(_run_id, job_dirs_below(sweep_dir)) if i is not None)
+
+
 def _summary(manifest: dict[str, Any]) -> str:
     counts = manifest["counts"]
     text = ", ".join(f"{n} {s}" for s, n in counts.items())
@@ -241,6 +256,7 @@ class SweepBookkeeping(Callback):
 
     def __init__(self) -> None:
         self._config: DictConfig | None = None
+        self._before: frozenset[str] = frozenset()  # run ids of the completed runs the sweep dir held at its start
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if job_return.status != JobStatus.FAILED:
@@ -261,6 +277,7 @@ class SweepBookkeeping(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._config = config
+        self._before = _completed_runs(Path(str(config.hydra.sweep.dir)))
         atexit.register(self._finish)  # Hydra skips on_multirun_end when a job failed
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -289,11 +306,17 @@ class SweepBookkeeping(Callback):
 
         decided = plan(config)
         skipped = decided.complete if decided is not None else frozenset()
-        done = [(j["dir"], j["overrides"]) for j in manifest["jobs"] if j["status"] == "completed"
-                and j["num"] not in skipped]  # fmt: skip
+        expected = [j for j in manifest["jobs"] if j["status"] == "completed" and j["num"] not in skipped]
+        earlier = [j for j in expected if _run_id(sweep_dir / j["dir"]) in self._before]
+        done = [(j["dir"], j["overrides"]) for j in expected if j not in earlier]
         if skipped:
             log.info("%d jobs completed in an earlier run of this sweep were skipped (their summary was logged then)",
                      len(skipped))  # fmt: skip
+        if earlier:  # refused (a dir holding another config's run) or skipped by their dirs (`books.job_dir`)
+            log.warning("%d job(s) listed completed did not run now: their records are from an earlier run of this "
+                        "sweep (a job whose dir holds another config's run was refused: its error is above): %s",
+                        len(earlier), "; ".join(f"job {j['dir']} ({' '.join(j['overrides'])})" for j in earlier[:5])
+                        + (f"; and {len(earlier) - 5} more" if len(earlier) > 5 else ""))  # fmt: skip
         sweep_word(sweep_dir, done)  # one line per job run now: its loss, NaN/Inf, vanishing/exploding taps
         if OmegaConf.select(config, "report", default=False):
             if manifest["counts"]["completed"]:
