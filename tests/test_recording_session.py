@@ -257,3 +257,77 @@ def test_files_a_killed_process_left_are_not_resumed(tmp_path: Path) -> None:
     with gradrunner.record(_model(), ["0:output"], run, overwrite=True):
         pass
     assert not (run / ".grads.parquet.dead.tmp").exists() and (run / "done.json").is_file()
+
+
+def test_a_resumed_session_interrupted_before_its_first_step_keeps_the_earlier_records(tmp_path: Path) -> None:
+    """Ctrl-C (or SIGTERM) while the resumed session's first step runs: the earlier session's records stay as they
+    were (they were deleted: both new files closed empty, the kept copies dropped), and a second resume ends as
+    an uninterrupted run."""
+    model, saved = _whole_and_interrupted(tmp_path)
+    before = load(tmp_path / "run")
+    with pytest.raises(KeyboardInterrupt), gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run",
+                                                             resume=True):  # fmt: skip
+        raise KeyboardInterrupt
+    _same(before, load(tmp_path / "run"))
+    assert not any(p.name.startswith(".resumed") for p in (tmp_path / "run").iterdir())
+    model = _model()
+    model.load_state_dict(saved)
+    _train(tmp_path / "run", range(3, 6), model, torch.optim.SGD(model.parameters(), lr=0.1), resume=True)
+    _same(load(tmp_path / "whole"), load(tmp_path / "run"))
+
+
+def test_start_at_before_the_block_opens_is_where_a_resumed_session_starts(tmp_path: Path) -> None:
+    model, saved = _whole_and_interrupted(tmp_path)
+    model = _model()
+    model.load_state_dict(saved)
+    opt, batches = torch.optim.SGD(model.parameters(), lr=0.1), _batches(6)
+    rec = gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run", resume=True)
+    rec.start_at(3)  # the training's checkpoint was before step 3 (steps 0..3 are recorded)
+    with rec:
+        for s in range(3, 6):
+            x, y = batches[s]
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward(); opt.step(); opt.zero_grad()  # noqa: E702
+            rec.step(loss)
+    _same(load(tmp_path / "whole"), load(tmp_path / "run"))
+
+
+def test_a_resume_refuses_records_that_differ_in_update_norms(tmp_path: Path) -> None:
+    model = _model()
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "run", range(6), model, torch.optim.SGD(model.parameters(), lr=0.1), crash_at=2)
+    with pytest.raises(GradrunnerError, match=r"other options \(capture.update_norms: False -> True\)"):
+        gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run", resume=True, update_norms=True).__enter__()
+
+
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_a_resume_refuses_damaged_or_foreign_files_and_keeps_them(tmp_path: Path) -> None:
+    """Interrupted records whose pages fail their checksums, or a table of another run copied in, are not
+    carried into the resumed run (which would mark them complete and `load` would trust them)."""
+    import pyarrow.parquet as pq
+
+    model = _model()
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "run", range(6), model, torch.optim.SGD(model.parameters(), lr=0.1), crash_at=3)
+    grads = tmp_path / "run" / "grads.parquet"
+    meta = pq.ParquetFile(grads).metadata
+    column = meta.row_group(0).column(meta.schema.names.index("norm"))  # a data page of the norms
+    intact = grads.read_bytes()
+    _flip(grads, column.data_page_offset + column.total_compressed_size - 2)
+    damaged = grads.read_bytes()
+    with pytest.raises(GradrunnerError, match="cannot be continued: grads.parquet does not read"):
+        gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run", resume=True).__enter__()
+    assert grads.read_bytes() == damaged and not (tmp_path / "run" / "done.json").exists()
+    # another run's grads.parquet (same options) in place of this one's
+    grads.write_bytes(intact)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "other", range(6), _model(), torch.optim.SGD(model.parameters(), lr=0.1), crash_at=3)
+    grads.write_bytes((tmp_path / "other" / "grads.parquet").read_bytes())
+    with pytest.raises(GradrunnerError, match="one of them is another run's"):
+        gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run", resume=True).__enter__()
+    assert not (tmp_path / "run" / "done.json").exists()

@@ -63,6 +63,18 @@ class Kept:
         for name in RECORD_FILES:
             self.path(name).unlink(missing_ok=True)
 
+    def settle(self) -> bool:
+        """The new session's files are closed: drop the kept copies if they were carried into them, else put them
+        back as they were (a session that ended before its first step wrote none of their rows). True if put back."""
+        if self.carried:
+            if all((self.directory / n).is_file() for n in RECORD_FILES):
+                self.drop()
+            return False
+        for name in RECORD_FILES:
+            if self.path(name).is_file():
+                os.replace(self.path(name), self.directory / name)
+        return True
+
 
 def _options(who: str) -> str:
     return f"{who} with resume=True (continue the records of the run that did not complete) or overwrite=True"
@@ -121,13 +133,20 @@ def _kept(directory: Path, config: DictConfig, who: str) -> Kept:
     for name in RECORD_FILES:
         source = directory / name if (directory / name).is_file() else directory / f"{KEPT_PREFIX}{name}"
         try:
-            tables[name] = pq.read_table(source)
+            tables[name] = pq.ParquetFile(source, page_checksum_verification=True).read()  # every page's CRC
         except (OSError, pa.ArrowException) as e:
             raise books.Refused(
                 f"resume=True: the records in {directory} cannot be continued: {name} does not read "
-                f"({one_paragraph(e)}); a process that was killed leaves its files without their footer. Pass "
-                f"{who} overwrite=True to record from step 0 there, or record into a new dir."
+                f"({one_paragraph(e)}); a process that was killed leaves its files without their footer, a damaged "
+                f"one fails its pages' checksums. Pass {who} overwrite=True to record from step 0 there, or record "
+                "into a new dir."
             ) from e
+    problem = _not_one_run(tables)
+    if problem:
+        raise books.Refused(
+            f"resume=True: the records in {directory} cannot be continued: {problem}; they are kept and nothing was "
+            f"written. Pass {who} overwrite=True to record from step 0 there, or record into a new dir."
+        )
     raw = (tables[GRADS_FILE].schema.metadata or {}).get(b"gradrunner.config")
     old = OmegaConf.to_container(OmegaConf.create(raw.decode())) if raw else {}
     assert isinstance(old, dict), old
@@ -145,6 +164,22 @@ def _kept(directory: Path, config: DictConfig, who: str) -> Kept:
     log.warning("resume=True: continuing the %d recorded step(s) of the run that did not complete in %s",
                 len(steps), directory)  # fmt: skip
     return Kept(directory, next_step=max(steps) + 1 if steps else 0)
+
+
+def _not_one_run(tables: dict[str, pa.Table]) -> str | None:
+    """Why the two tables are not the records of one session (one run id in both; the grads' steps among the
+    steps'), or None. A file copied in from another run, or a table a damaged footer shortened, is named."""
+    ids = {name: set(pc.unique(t.column("run_id")).to_pylist()) for name, t in tables.items()}
+    for name, found in ids.items():
+        if len(found) > 1:
+            return f"{name} holds the rows of {len(found)} runs ({', '.join(sorted(map(str, found)))})"
+    if ids[GRADS_FILE] and ids[STEPS_FILE] and ids[GRADS_FILE] != ids[STEPS_FILE]:
+        return (f"{GRADS_FILE} holds the rows of run {next(iter(ids[GRADS_FILE]))} and {STEPS_FILE} those of run "
+                f"{next(iter(ids[STEPS_FILE]))}: one of them is another run's")  # fmt: skip
+    extra = set(pc.unique(tables[GRADS_FILE].column("step")).to_pylist()) - set(tables[STEPS_FILE].column("step").to_pylist())
+    if extra:
+        return f"{GRADS_FILE} holds steps {sorted(extra)[:5]} that {STEPS_FILE} lacks"
+    return None
 
 
 def carry(kept: Kept, start: int, grads: Any, steps: Any, run_id: str) -> None:

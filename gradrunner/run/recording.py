@@ -127,13 +127,15 @@ class Recorder:
         self.config = OmegaConf.create({
             "experiment": experiment, "source": "gradrunner.record", "seed": int(seed), "taps": self.taps,
             "capture": {"strategy": strategy, "values": values, "sample_size": int(sample_size), "every": int(every),
-                        "per_example": bool(per_example), "histogram": bool(histogram), "on_nonfinite": on_nonfinite},
+                        "per_example": bool(per_example), "histogram": bool(histogram), "on_nonfinite": on_nonfinite,
+                        "update_norms": bool(update_norms)},
             "edits": [dict(e) for e in edits or []],
         })  # fmt: skip
         self.resume, self.overwrite = resume, overwrite
         #: who the messages name (`record()`, or the callback that drives this recorder)
         self.who = "record()"
         self._kept: record_books.Kept | None = None
+        self._start: int | None = None  # a `start_at` before the block opened: it wins over the kept records' next step
         self._log: Any = None
         self.engine = StepEngine(model, self.taps, strategy=strategy, every=every, values=values,
                                  sample_size=sample_size, seed=seed, per_example=per_example, histogram=histogram,
@@ -195,8 +197,8 @@ class Recorder:
         files = RunFiles(self.directory, constants, run_metadata(OmegaConf.to_yaml(self.config), seed=int(self.config.seed)),
                          per_example=bool(c.per_example), histogram=bool(c.histogram))  # fmt: skip
         self.engine.open(self._stack, files)
-        if self._kept is not None:
-            self.engine.start_at(self._kept.next_step)  # by default, the step after the last one recorded
+        if self._kept is not None:  # by default, the step after the last one recorded
+            self.engine.start_at(self._kept.next_step if self._start is None else self._start)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self._open = False
@@ -216,7 +218,13 @@ class Recorder:
 
         assert self._log is not None
         try:
-            if exc_type is None and pending:
+            restored = self._kept is not None and self._kept.settle()
+            if restored and exc_type is not None:
+                assert self._kept is not None
+                log.warning("%s before its first step; the records of steps 0..%d are kept in %s as they were (not "
+                            "marked complete; %s with resume=True continues them)", _ended(exc_type),
+                            self._kept.next_step - 1, self.directory, self.who)  # fmt: skip
+            elif exc_type is None and pending:
                 log.warning(
                     "%d backward(s) were captured after the last rec.step() but no step closed them: their records "
                     "were not written and %s is not marked complete. Call rec.step() after each optimiser step.",
@@ -225,12 +233,9 @@ class Recorder:
             elif exc_type is None:
                 self._mark_complete()
             else:
-                how = "interrupted" if issubclass(exc_type, KeyboardInterrupt) else f"ended by {exc_type.__name__}"
                 log.warning("%s; the records of %d completed step(s) are kept in %s (not marked complete; %s with "
-                            "resume=True continues them)", how, self.engine.steps_written, self.directory,
+                            "resume=True continues them)", _ended(exc_type), self.engine.steps_written, self.directory,
                             self.who)  # fmt: skip
-            if self._kept is not None and all((self.directory / n).is_file() for n in rundir.RECORD_NAMES):
-                self._kept.drop()
             try:
                 health.last_word(self.directory)
             except Exception as e:  # the summary only reads the records: it never hides how the session ended
@@ -299,6 +304,8 @@ class Recorder:
         """
         if self._open:
             self._carry(step)
+        else:
+            self._start = int(step)
         self.engine.start_at(step)
 
     def _check_open(self, what: str) -> None:
@@ -322,6 +329,10 @@ def _joined() -> Distributed | None:
     from gradrunner.run.distributed import Distributed
 
     return Distributed.joined()
+
+
+def _ended(exc_type: type[BaseException]) -> str:
+    return "interrupted" if issubclass(exc_type, KeyboardInterrupt) else f"ended by {exc_type.__name__}"
 
 
 def _check_extra(extra: dict[str, Any] | None) -> None:
