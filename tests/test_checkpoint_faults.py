@@ -298,3 +298,57 @@ def test_a_data_source_that_replays_other_draws_is_refused_in_one_paragraph() ->
     with pytest.raises(GradrunnerError, match=r"did not draw from torch's random generator at batch 2, where the "
                        r"first run did: it is not the same sequence"):  # fmt: skip
         Watched(stream(3)).replay(first.state())
+
+
+# -- a completed job re-run with another checkpoint frequency; the disk refusing a checkpoint --------
+
+
+def test_a_completed_job_rerun_with_another_checkpoint_every_is_skipped_not_refused(tmp_path: Path) -> None:
+    """How often a checkpoint is written changes no record: a re-run (a sweep adding `train.checkpoint_every`, a
+    resume with another one) finds the completed job as it is, as `checkpoint.json` already did mid-run."""
+    out = tmp_path / "done"
+    run(cfg(out, -1, "train.checkpoint_every=0", steps=4), out_dir=out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".parquet", ".json")}
+    run(cfg(out, -1, "resume=true", "train.checkpoint_every=2", steps=4), out_dir=out)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.suffix in (".parquet", ".json")} == before
+
+
+def test_a_checkpoint_the_disk_refuses_is_named_and_resume_goes_on_from_the_last_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC while the second checkpoint is saved: the message names the checkpoint (not "the records") and the
+    one `resume=true` goes on from; the resumed records equal the uninterrupted run's."""
+    import errno
+
+    from gradrunner.run.checkpoint import Checkpointer
+
+    ref, out = tmp_path / "ref", tmp_path / "full"
+    run(cfg(ref, -1), out_dir=ref)
+    real, calls = Checkpointer._save, []
+
+    def save(self: Checkpointer, state: dict[str, Any], name: str) -> str:
+        calls.append(name)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.folder / name))
+        return real(self, state, name)
+
+    monkeypatch.setattr(Checkpointer, "_save", save)
+    with pytest.raises(GradrunnerError) as e:
+        run(cfg(out, -1), out_dir=out)
+    said = str(e.value)
+    assert f"could not write the mid-run checkpoint after step {2 * EVERY - 1}" in said, said
+    assert f"resume=true: it goes on from a mid-run checkpoint after step {EVERY - 1}" in said, said
+    assert "Kept: grads.parquet, steps.parquet (complete files)" in said, said
+    monkeypatch.setattr(Checkpointer, "_save", real)
+    run(cfg(out, -1, "resume=true"), out_dir=out)
+    assert_same_records(out, ref)
+
+
+def test_the_steps_an_interrupted_torchrun_job_kept_are_counted_once_not_once_per_rank(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gradrunner.run.loop import _steps_in
+
+    pq.write_table(pa.table({"step": [0, 0, 1, 1, 2, 2], "rank": [0, 1] * 3}), tmp_path / "steps.parquet")
+    assert _steps_in(tmp_path / "steps.parquet") == 3

@@ -328,13 +328,11 @@ def app(cfg: DictConfig) -> None:
         run(cfg)
     except (GradrunnerError, OmegaConfBaseException) as e:
         _fail(e)
-    except Terminated as e:
+    except KeyboardInterrupt as e:  # Terminated (SIGTERM, SIGHUP) too
         signals.ignore_further_signals()
-        print(f"gradrunner: {_kept(f'terminated ({e.signal_name})')}", file=sys.stderr, flush=True)
-        sys.exit(signals.exit_status(e))
-    except KeyboardInterrupt as e:
-        signals.ignore_further_signals()
-        print(f"gradrunner: {_kept('interrupted')}", file=sys.stderr, flush=True)
+        if int(os.environ.get("RANK", "0") or 0) == 0:  # under torchrun every rank stops; rank 0 says it, once
+            what = f"terminated ({e.signal_name})" if isinstance(e, Terminated) else "interrupted"
+            print(f"gradrunner: {_kept(what)}", file=sys.stderr, flush=True)
         sys.exit(signals.exit_status(e))
     finally:
         _JOBS["ended"] += 1

@@ -314,7 +314,8 @@ class SweepBookkeeping(Callback):
                      len(skipped))  # fmt: skip
         if earlier:  # refused (a dir holding another config's run) or skipped by their dirs (`books.job_dir`)
             log.warning("%d job(s) listed completed did not run now: their records are from an earlier run of this "
-                        "sweep (a job whose dir holds another config's run was refused: its error is above): %s",
+                        "sweep (each was skipped as complete, or refused where its dir holds another config's run: "
+                        "the log above says which): %s",
                         len(earlier), "; ".join(f"job {j['dir']} ({' '.join(j['overrides'])})" for j in earlier[:5])
                         + (f"; and {len(earlier) - 5} more" if len(earlier) > 5 else ""))  # fmt: skip
         sweep_word(sweep_dir, done)  # one line per job run now: its loss, NaN/Inf, vanishing/exploding taps

@@ -52,8 +52,9 @@ from gradrunner.records.rundir import (
 
 log = logging.getLogger(__name__)
 
-#: Config keys that do not change the records: a rerun may differ in them and still resume.
-NEUTRAL_KEYS = ("resume", "report")
+#: Config keys (dotted) that do not change the records: a rerun may differ in them and still resume or be
+#: skipped as complete (how often a checkpoint is written changes no record).
+NEUTRAL_KEYS = ("resume", "report", "train.checkpoint_every")
 #: Config keys added after records were first written, with the value that means "as before": a run
 #: recorded without the key matches a config that has it at this value (its records are the same).
 ADDED_KEYS: dict[str, Any] = {"capture.per_example": False, "capture.histogram": False}
@@ -142,12 +143,17 @@ def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """
     a, b = _flatten(old), _flatten(new)
     missing = object()
-    keys = [k for k in sorted(set(a) | set(b)) if k.split(".")[0] not in NEUTRAL_KEYS]
+    keys = [k for k in sorted(set(a) | set(b)) if not neutral(k)]
     return [
         f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}"
         for k in keys
         if not _same(a.get(k, missing), b.get(k, missing)) and not _added_as_before(k, a, b)
     ]
+
+
+def neutral(key: str) -> bool:
+    """Whether the dotted config key `key` is (or lies below) one of `NEUTRAL_KEYS`."""
+    return any(key == n or key.startswith(f"{n}.") for n in NEUTRAL_KEYS)
 
 
 def _same(x: object, y: object) -> bool:

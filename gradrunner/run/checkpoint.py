@@ -67,9 +67,6 @@ log = logging.getLogger(__name__)
 #: Where a finished job keeps the checkpoints `anomaly.replay` needs, and their manifest there.
 KEPT_DIR, KEPT_MANIFEST = "checkpoints", "kept.json"
 
-#: Config keys a checkpoint may differ in and still be resumed (how often to checkpoint changes no record).
-NEUTRAL = ("train.checkpoint_every",)
-
 
 def _is_state(name: str) -> bool:
     """A complete state file's name (`state-<step>.pt`; temp names start with a dot)."""
@@ -326,7 +323,7 @@ class Checkpointer:
             return problem
         if manifest is None:
             return None
-        diff = config_diff(_without(manifest.get("config") or {}), _without(self._config()))
+        diff = config_diff(manifest.get("config") or {}, self._config())  # `books.NEUTRAL_KEYS` left out
         if diff:
             return f"it was written by a run of another config ({'; '.join(diff)})"
         if int(manifest.get("world_size", 1)) != self.world_size:
@@ -393,18 +390,6 @@ def _read_segment(path: Path, schema: pa.Schema, run_id: str) -> pa.Table:
     table = table.set_column(table.schema.get_field_index("run_id"), "run_id",
                              pa.array([run_id] * table.num_rows, pa.string()))  # fmt: skip
     return table.cast(schema)
-
-
-def _without(config: dict[str, Any]) -> dict[str, Any]:
-    """`config` without the `NEUTRAL` keys (dotted paths)."""
-    out = dict(config)
-    for key in NEUTRAL:
-        head, _, rest = key.partition(".")
-        if rest and isinstance(out.get(head), dict):
-            out[head] = {k: v for k, v in out[head].items() if k != rest}
-        elif not rest:
-            out.pop(head, None)
-    return out
 
 
 class Tee:

@@ -243,11 +243,39 @@ def write_errors(directory: Path) -> Iterator[None]:
         yield
     except BrokenPipeError:
         raise  # stdout/stderr closed under us: not about the records
+    except CheckpointNotWritten as e:
+        kept = e.held()
+        resume = (f"then run again with resume=true: it goes on from {kept}" if kept else
+                  "then run again (no checkpoint was kept: from step 0)")  # fmt: skip
+        raise GradrunnerError(
+            f"could not write the mid-run checkpoint after step {e.step} in {directory}: {one_paragraph(e.error)}. "
+            f"{_left_behind(directory)} To go on, free some disk space (or make the dir writable), {resume}."
+        ) from e
     except OSError as e:
         raise GradrunnerError(
             f"could not write the records in {directory}: {one_paragraph(e)}. {_left_behind(directory)} To go on, free some "
             f"disk space (or make the dir writable) or choose another output directory ({_WHERE}), then run again."
         ) from e
+
+
+class CheckpointNotWritten(OSError):
+    """The disk refused the mid-run checkpoint after `step` (`checkpoint_write_errors`); `write_errors` says so once the
+    records are closed, with what is on disk then and the checkpoint that `resume=true` goes on from (`held()`)."""
+
+    def __init__(self, error: OSError, step: int, held: Callable[[], str | None]) -> None:
+        super().__init__(error.errno, error.strerror, error.filename)
+        self.error, self.step, self.held = error, step, held
+
+
+@contextlib.contextmanager
+def checkpoint_write_errors(step: int, held: Callable[[], str | None]) -> Iterator[None]:
+    """An `OSError` writing the mid-run checkpoint after `step` as a `CheckpointNotWritten`."""
+    try:
+        yield
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise CheckpointNotWritten(e, step, held) from e
 
 
 def side_file_error(directory: Path, name: str, e: OSError) -> GradrunnerError:

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import uuid
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -31,6 +33,7 @@ from gradrunner.analysis import health
 from gradrunner.config.schema import edit_list
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
 from gradrunner.run import distributed, watch
+from gradrunner.run.books import checkpoint_held
 from gradrunner.run.build import Job, setup
 from gradrunner.run.checkpoint import CHECKPOINT_DIR, Checkpointer
 from gradrunner.run.distributed import Distributed
@@ -40,6 +43,7 @@ from gradrunner.run.guards import (
     NonFinite,
     backward,
     check_writable,
+    checkpoint_write_errors,
     forward_loss,
     next_batch,
     optimizer_step,
@@ -155,7 +159,8 @@ def _run_steps(cfg: DictConfig, job: Job, engine: StepEngine, ctx: StepContext, 
         for step in range(start, int(cfg.steps)):
             done = train_step(step, job, engine, ctx)
             if ckpt is not None and step + 1 < int(cfg.steps):
-                ckpt.maybe_save(step, job, ctx.scaler)
+                with checkpoint_write_errors(step, functools.partial(checkpoint_held, ckpt.directory)):
+                    ckpt.maybe_save(step, job, ctx.scaler)
             recs = done.records
             if recs is not None:
                 watch.warn_without_grad(recs, step, warned)
@@ -214,10 +219,11 @@ def train(
     try:
         _train_in(cfg, job, files, taps, dist)
     except KeyboardInterrupt:
-        kept = [n for n in RECORD_FILES if (directory / n).is_file()]
-        steps_kept = _steps_in(directory / STEPS_FILE)
-        log.warning("interrupted; %s", f"the records of {steps_kept} completed step(s) are kept in {directory} "
-                    f"({', '.join(kept)})" if kept else f"no records were kept in {directory}")  # fmt: skip
+        if dist is None or dist.is_main:  # rank 0 keeps the books (and says so, once)
+            kept = [n for n in RECORD_FILES if (directory / n).is_file()]
+            steps_kept = _steps_in(directory / STEPS_FILE)
+            log.warning("interrupted; %s", f"the records of {steps_kept} completed step(s) are kept in {directory} "
+                        f"({', '.join(kept)})" if kept else f"no records were kept in {directory}")  # fmt: skip
         raise
     if dist is None or dist.is_main:
         health.last_word(directory)  # loss, NaN/Inf, vanishing/exploding taps, where the records are
@@ -239,8 +245,9 @@ def _free_the_last_job() -> None:
 
 
 def _steps_in(path: Path) -> int:
+    """The number of steps `steps.parquet` holds (under torchrun it has a row per rank and step)."""
     try:
-        return int(pq.read_metadata(path).num_rows)
+        return len(pc.unique(pq.read_table(path, columns=["step"]).column("step")))
     except (OSError, pa.ArrowException):
         return 0
 
