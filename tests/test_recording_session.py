@@ -84,6 +84,25 @@ def test_a_session_that_recorded_nothing_says_so(tmp_path: Path) -> None:
     assert "run summary:" in text and "loss: no step completed" in text and "no tap was captured" in text
 
 
+@pytest.mark.parametrize("with_loss", [(), (1,)], ids=["never", "at_step_1"])
+def test_a_loss_not_recorded_is_not_called_nan(tmp_path: Path, with_loss: tuple[int, ...]) -> None:
+    """`rec.step()` without a loss (a Trainer's custom compute_loss leaves it null too): the last word says the loss
+    was not recorded, and a healthy run stays healthy (a null loss read as NaN called it "NaN/Inf from step 0")."""
+    model, batches = _model(), _batches(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradrunner.record(model, ["0:output"], tmp_path / "run") as rec:
+        for s, (x, y) in enumerate(batches):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward(); opt.step(); opt.zero_grad()  # noqa: E702
+            rec.step(loss if s in with_loss else None)
+    text = (tmp_path / "run" / LOG_FILE).read_text()
+    assert "NaN/Inf:" not in text and "healthy: no NaN/Inf" in text, text
+    if with_loss:
+        assert "(3 steps, the loss recorded at 1)" in text, text
+    else:
+        assert "loss: not recorded (3 steps, each with a null loss)" in text, text
+
+
 def test_a_session_ended_by_an_error_keeps_its_steps_and_says_what_happened(tmp_path: Path) -> None:
     model, batches = _model(), _batches(3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -48,6 +48,8 @@ class Health:
     loss_first: float | None = None
     loss_last: float | None = None
     loss_nonfinite_step: int | None = None
+    #: Steps whose loss was recorded (not null: `rec.step()` without a loss, a Trainer's custom `compute_loss`).
+    loss_known: int = 0
     #: (step, tap label) of the first record holding a NaN or Inf, in record order.
     first_nonfinite: tuple[int, str] | None = None
     taps: int = 0
@@ -83,11 +85,14 @@ class Health:
 
         out = [f"records: {self.directory} ({GRADS_FILE}, {STEPS_FILE}; read the dir with gradrunner.analysis.load, "
                "a file with pandas.read_parquet)"]
-        if self.loss_first is None:
+        if not self.steps:
             out.append("loss: no step completed")
+        elif self.loss_first is None:
+            out.append(f"loss: not recorded ({self.steps} steps, each with a null loss): not judged")
         else:
+            known = f", the loss recorded at {self.loss_known}" if self.loss_known < self.steps else ""
             out.append(f"loss: {self.loss_first:.6g} at the first step, {self.loss_last:.6g} at the last "
-                       f"({self.steps} steps)")  # fmt: skip
+                       f"({self.steps} steps{known})")  # fmt: skip
         if self.loss_diverging is not None:
             start, end = self.loss_diverging
             k = self.loss_level_steps
@@ -158,9 +163,19 @@ def _judge_loss(h: Health, steps: Any) -> None:
     h.steps = len(steps)
     if not len(steps):
         return
-    loss = steps["loss"].to_numpy(dtype=np.float64)
+    if "lr" in steps.columns:
+        lr = steps["lr"].to_numpy(dtype=np.float64, na_value=np.nan)
+        negative = np.flatnonzero(lr < 0)
+        if len(negative):
+            h.negative_lr = (int(steps["step"].iloc[negative[0]]), float(lr[negative[0]]))
+    known = steps["_loss_known"].to_numpy(dtype=bool) if "_loss_known" in steps.columns else np.ones(len(steps), bool)
+    h.loss_known = int(known.sum())
+    recorded = steps[known]  # a null loss is not a NaN one: not recorded, so not judged
+    if not len(recorded):
+        return
+    loss = recorded["loss"].to_numpy(dtype=np.float64)
     h.loss_first, h.loss_last = float(loss[0]), float(loss[-1])
-    bad = steps["step"].to_numpy()[~np.isfinite(loss)]
+    bad = recorded["step"].to_numpy()[~np.isfinite(loss)]
     h.loss_nonfinite_step = int(bad[0]) if len(bad) else None
     finite = loss[np.isfinite(loss)]
     k = _level_steps(len(finite))
@@ -168,11 +183,6 @@ def _judge_loss(h: Health, steps: Any) -> None:
         start, end = float(finite[:k].min()), float(np.median(finite[-k:]))
         if start > 0 and end > DIVERGE_FACTOR * start:
             h.loss_diverging, h.loss_level_steps = (start, end), k
-    if "lr" in steps.columns:
-        lr = steps["lr"].to_numpy(dtype=np.float64, na_value=np.nan)
-        negative = np.flatnonzero(lr < 0)
-        if len(negative):
-            h.negative_lr = (int(steps["step"].iloc[negative[0]]), float(lr[negative[0]]))
 
 
 def health(directory: Path) -> Health:
@@ -191,7 +201,10 @@ def health(directory: Path) -> Health:
     steps_file, grads_file = directory / STEPS_FILE, directory / GRADS_FILE
     if steps_file.is_file():
         wanted = [c for c in ("step", "loss", "lr", "rank") if c in pq.read_schema(steps_file).names]
-        steps = pq.read_table(steps_file, columns=wanted).to_pandas()
+        table = pq.read_table(steps_file, columns=wanted)
+        steps = table.to_pandas()
+        if "loss" in table.column_names:  # null (not recorded) and NaN are one value in pandas: told apart here
+            steps["_loss_known"] = table.column("loss").is_valid().to_numpy(zero_copy_only=False)
         if "rank" in steps.columns and len(steps):  # under torchrun a row per step and rank: rank 0's loss
             steps = steps[steps["rank"] == steps["rank"].min()]
         _judge_loss(h, steps.sort_values("step", kind="stable"))
@@ -269,7 +282,8 @@ def brief(h: Health) -> str:
 
         brief(health(job_dir))   # 'loss 1.95 -> nan; NaN/Inf from step 5 (fc1:output)'
     """
-    loss = "no step" if h.loss_first is None else f"loss {h.loss_first:.4g} -> {h.loss_last:.4g}"
+    loss = ("no step" if not h.steps else "loss not recorded" if h.loss_first is None
+            else f"loss {h.loss_first:.4g} -> {h.loss_last:.4g}")  # fmt: skip
     trouble = []
     nonfinite = [s for s in (h.loss_nonfinite_step, h.first_nonfinite and h.first_nonfinite[0]) if s is not None]
     if nonfinite:

@@ -22,7 +22,7 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
 - `steps.parquet`'s `loss` is what the Trainer backpropagated over the step's micro-batches,
   unscaled: read where backward meets the model's own `loss` output (the model's loss times the
   gradient backward brings to it, 1/N under accumulation); null for a model whose output has no
-  `loss` (a custom `compute_loss`). The Trainer's own `grad_norm` (what it logs, the total norm
+  `loss` (a custom `compute_loss` or `compute_loss_func`, `label_smoothing_factor`). The Trainer's own `grad_norm` (what it logs, the total norm
   before clipping) goes into the `grad_norm` column where it logs the step (`logging_steps=1`: every row);
 - the session ends with the Trainer's `on_train_end` (`done.json`). The Trainer has no event for a
   `train()` that raised (an exception, Ctrl-C): then the session ends, keeping the completed steps'

@@ -292,8 +292,12 @@ class Recorder:
         self._carry(self.engine.step)
         if loss is None and self.engine.pending_backwards and not self.engine.has_loss and not self._warned_loss:
             self._warned_loss = True
-            log.warning("rec.step() got no loss and saw no rec.backward(loss): the steps' loss is null; pass the "
-                        "loss, rec.step(loss), when you call loss.backward() yourself")  # fmt: skip
+            if self.who == "record()":
+                log.warning("rec.step() got no loss and saw no rec.backward(loss): the steps' loss is null; pass the "
+                            "loss, rec.step(loss), when you call loss.backward() yourself")  # fmt: skip
+            else:  # a callback: the framework's loss was not where the callback reads it
+                log.warning("%s saw no loss of the step: the steps' loss is null (the gradients are recorded as "
+                            "ever); the README's section on this framework says where the loss is read", self.who)
         return self.engine.end_step(loss, **(extra or {}))
 
     def start_at(self, step: int) -> None:
