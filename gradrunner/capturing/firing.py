@@ -29,6 +29,7 @@ from gradrunner.capturing.elements import bind_input, get_element, set_element
 from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.forward_patch import patch_forward
 from gradrunner.capturing.grad_context import (
+    NOT_REQUIRING_GRAD,
     TRANSFORMED,
     in_backward,
     input_alias,
@@ -253,7 +254,7 @@ class Firing:
         if why is not None:
             if edits is not None:
                 edits.refuse(tap, why[1])
-            if not tap.from_glob:
+            if not tap.from_glob and not self._frozen_for_now(why[0]):
                 raise GradrunnerError(
                     f"tap {tap.tap!r} cannot carry a gradient: its value is {why[1]}.{element_hint(tap, value)} "
                     "Tap a tensor computed from parameters or from an input that requires grad (an input tap on "
@@ -278,6 +279,12 @@ class Firing:
         if edits is not None:  # the strategy reads the gradient that arrives, the edit acts upstream of it
             value = edits.on_fire(tap, value, slot.key)
         return self.session.strategy.attach(value, slot)
+
+
+    def _frozen_for_now(self, reason: str) -> bool:
+        """Whether a value that does not require grad may be so because parameters are frozen for now (a fine-tuning
+        schedule's frozen backbone, a GAN step's other network): then it is a row without gradient, not an error."""
+        return reason == NOT_REQUIRING_GRAD and any(not p.requires_grad for p in self.session.model.parameters())
 
 
 def element_hint(tap: Tap, value: object) -> str:

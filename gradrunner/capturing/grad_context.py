@@ -26,6 +26,8 @@ NOT_ASSIGNED = "not assigned in this step (module not called, or its forward() d
 NO_PART = "takes no part in the loss"
 FROZEN = "parameter does not require grad (frozen)"
 MADE_UNDER_NO_GRAD = "made under no_grad"
+#: A value computed with grad mode on that does not require grad: detached, or computed only from frozen parameters.
+NOT_REQUIRING_GRAD = "does not require grad (detached, or frozen)"
 CHANGED_IN_PLACE = ("a view changed in place after it was tapped: autograd never computes the gradient of its value "
                     "before the change; tap the tensor it is a view of, or the view after the change")
 GRAPH_FREED = "no forward since the last backward, which freed the graph (pass retain_graph=True to backward twice)"
@@ -87,7 +89,7 @@ def no_grad_reason(value: object, is_input: bool) -> tuple[str, str] | None:
         return (f"not a floating-point tensor ({value.dtype})",
                 f"a {value.dtype} tensor (only floating-point tensors have gradients)")  # fmt: skip
     if not value.requires_grad and not (is_input and value.is_leaf):
-        short = MADE_UNDER_NO_GRAD if not torch.is_grad_enabled() else "does not require grad (detached, or frozen)"
+        short = MADE_UNDER_NO_GRAD if not torch.is_grad_enabled() else NOT_REQUIRING_GRAD
         return short, ("a tensor that does not require grad (made under torch.no_grad(), detached, or computed only "
                        "from frozen parameters and inputs)")  # fmt: skip
     return None

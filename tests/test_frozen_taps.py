@@ -1,0 +1,116 @@
+"""A named tap whose value comes only from parameters frozen for now is a row without gradient, not an error.
+
+Fine-tuning schedules freeze a backbone for the first epochs (Lightning's `BaseFinetuning`), and a GAN step
+freezes the other network (Lightning's `toggle_optimizer`): a tap on the frozen part's output fires with a
+value that does not require grad, in the middle of training. Before, a named tap raised there and the
+training died at step 0; a value that does not require grad while every parameter is trainable (detached,
+or made under `torch.no_grad()`) is still a mistake named at once (`tests/test_errors.py`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+from gradrunner import capture
+from gradrunner.errors import GradrunnerError
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone, self.head = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.backbone(x)))
+
+
+def _reference(frozen_steps: int, steps: int) -> list[float | None]:
+    """The norm of d loss / d backbone output per step, by a plain forward hook (None while it is frozen)."""
+    net, out = Net(), []
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.randn(8, 2, generator=torch.Generator().manual_seed(2))
+    for step in range(steps):
+        net.backbone.requires_grad_(step >= frozen_steps)
+        kept: list[torch.Tensor] = []
+        handle = net.backbone.register_forward_hook(lambda m, a, o: kept.append(o))
+        loss = nn.functional.mse_loss(net(x), y)
+        handle.remove()
+        out.append(float(torch.autograd.grad(loss, kept, retain_graph=True)[0].norm()) if kept[0].requires_grad else None)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["hook", "retain_grad", "autograd_grad"])
+def test_a_tap_on_a_backbone_frozen_for_the_first_steps_records_no_gradient_then_the_gradient(strategy: str) -> None:
+    want = _reference(2, 4)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.randn(8, 2, generator=torch.Generator().manual_seed(2))
+    got = []
+    with capture(net, ["backbone:output"], strategy=strategy) as cap:
+        for step in range(4):
+            net.backbone.requires_grad_(step >= 2)
+            loss = nn.functional.mse_loss(net(x), y)
+            cap.backward(loss)
+            row = cap.records(loss).row(0)
+            got.append((row["has_grad"], row["norm"], row["reason"]))
+            opt.step()
+            opt.zero_grad()
+    assert [g[0] for g in got] == [False, False, True, True]
+    assert got[0][2] == got[1][2] == "does not require grad (detached, or frozen)"
+    assert [g[1] for g in got[2:]] == pytest.approx(want[2:], rel=1e-6)
+
+
+def test_a_detached_value_of_a_fully_trainable_model_is_still_named_at_once() -> None:
+    class Detached(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x).detach()
+
+    net = Net()
+    net.backbone = Detached(4, 8)
+    with pytest.raises(GradrunnerError, match="tap 'backbone:output' cannot carry a gradient"), capture(
+        net, ["backbone:output"]
+    ) as cap:  # fmt: skip
+        cap.backward(net(torch.randn(2, 4)).sum())
+
+
+def test_lightning_fine_tuning_with_a_frozen_then_unfrozen_backbone_records_its_output(tmp_path: Path) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    from gradrunner.integrations.lightning import GradientCapture
+
+    want = _reference(1, 4)
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.randn(8, 2, generator=torch.Generator().manual_seed(2))
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Net()
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> torch.Tensor:
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class Unfreeze(pl.Callback):  # BaseFinetuning's pattern: frozen in epoch 0, trained from epoch 1
+        def on_train_epoch_start(self, trainer: object, module: Module) -> None:
+            module.net.backbone.requires_grad_(trainer.current_epoch >= 1)  # type: ignore[attr-defined]
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(max_epochs=4, callbacks=[Unfreeze(), GradientCapture(taps=["net.backbone:output"], dir=tmp_path)],
+                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   accelerator="cpu").fit(Module(), data)  # fmt: skip
+    rows = pd.read_parquet(tmp_path / "grads.parquet").sort_values("step")
+    assert rows["has_grad"].tolist() == [False, True, True, True]
+    assert rows["norm"].iloc[1:].tolist() == pytest.approx(want[1:], rel=1e-6)
