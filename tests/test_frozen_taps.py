@@ -39,7 +39,7 @@ def _reference(frozen_steps: int, steps: int) -> list[float | None]:
     for step in range(steps):
         net.backbone.requires_grad_(step >= frozen_steps)
         kept: list[torch.Tensor] = []
-        handle = net.backbone.register_forward_hook(lambda m, a, o: kept.append(o))
+        handle = net.backbone.register_forward_hook(lambda m, a, o, kept=kept: kept.append(o))
         loss = nn.functional.mse_loss(net(x), y)
         handle.remove()
         out.append(float(torch.autograd.grad(loss, kept, retain_graph=True)[0].norm()) if kept[0].requires_grad else None)

@@ -14,7 +14,11 @@ backward runs unchanged, nothing of Lightning or torch is patched:
   capture where that backward starts; the capture reads the gradients around Lightning's own
   `loss.backward()` (`hook` or `retain_grad`; `autograd_grad`, which needs an engine call of its own,
   is refused); `on_after_backward` ends the backward;
-- a step is one optimiser step (`trainer.global_step`): under `accumulate_grad_batches=N` each
+- a step is one training batch that stepped the optimiser(s), numbered as Lightning's loggers number
+  their points (its training epoch loop's count of such batches): `trainer.global_step` with one
+  optimiser; in manual optimisation with several, `global_step` counts each optimiser's step and
+  the records count the batch (a GAN's generator and discriminator steps are one record step);
+  under `accumulate_grad_batches=N` each
   micro-batch's backward is captured as the runner's `train.accumulate=N`: activation taps one
   record per micro-batch (`micro_step`), parameter taps one per step, the sum of what arrived
   (`micro_step` null); the gradients are those before clipping (`gradient_clip_val`);
@@ -24,8 +28,8 @@ backward runs unchanged, nothing of Lightning or torch is patched:
   for accumulation, so their mean; unscaled); `lr`/`lrs` the rates of the step's optimizer step,
   `grad_norm` the total norm before clipping and `clipped` whether `gradient_clip_val` clipped
   (read at `on_before_optimizer_step`, after a GradScaler's unscale, before Lightning clips);
-- `resume=True` with `fit(ckpt_path=...)`: the records of the steps before the checkpoint's
-  `global_step` are kept, the rest recorded again;
+- `resume=True` with `fit(ckpt_path=...)`: the records of the steps before the checkpoint's step
+  are kept, the rest recorded again;
 - under DDP every rank captures and rank 0 writes every rank's rows (`rank` column); parameter
   taps are read from `.grad` after the backward that synchronised (DDP's all-reduce, on the step's
   last micro-batch);
@@ -86,12 +90,7 @@ class GradientCapture(CallbackOptions, Callback):
                              params_synced=synced)  # fmt: skip
         rec.__enter__()
         self._global_step, self._train = trainer.global_step, {}
-        try:
-            rec.start_at(trainer.global_step)  # resume=True with ckpt_path=: the records before it are kept
-        except BaseException as e:
-            rec.__exit__(type(e), e, None)
-            raise
-        self.recorder = rec
+        self.recorder = rec  # numbered at the first batch (`on_train_batch_start`), once Lightning's loop restored its count
 
     def _distributed(self, trainer: Trainer) -> Any:
         name = type(trainer.strategy).__name__
@@ -108,6 +107,13 @@ class GradientCapture(CallbackOptions, Callback):
         from gradrunner.run.distributed import Distributed
 
         return Distributed.joined(trainer.local_rank)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        rec = self.recorder
+        if rec is not None and not rec.engine.pending_backwards and rec.step_index != _logging_step(trainer):
+            # resume=True with ckpt_path=: the records before the checkpoint's step are kept (the first batch);
+            # manual optimisation: a batch that stepped no optimiser counts in Lightning's loggers too
+            rec.start_at(_logging_step(trainer))
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         if self.recorder is not None:
@@ -149,6 +155,14 @@ class GradientCapture(CallbackOptions, Callback):
         rec, self.recorder = self.recorder, None
         if rec is not None:
             rec.__exit__(type(error) if error is not None else None, error, None)
+
+
+def _logging_step(trainer: Trainer) -> int:
+    """The step Lightning's loggers give the batch now starting: its training epoch loop's count of batches that
+    stepped (restored from a checkpoint); `trainer.global_step` where a Lightning lacks it (one optimiser: the same)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    count = getattr(loop, "_batches_that_stepped", None)
+    return int(count) if isinstance(count, int) else int(trainer.global_step)
 
 
 def _norm_and_clipped(trainer: Trainer, module: LightningModule) -> dict[str, Any]:
