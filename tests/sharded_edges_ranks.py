@@ -5,7 +5,9 @@ Run by torchrun (gloo, CPU): `sharded_edges_ranks.py OUT CASE...`, a CASE being 
 - `unfreeze_fsdp`, `unfreeze_tp`: `2.weight` frozen at step 0, unfrozen at step 1 (its record at step 1);
 - `tp_input`: the input of a column-parallel layer, whose gradient is a `Partial(sum)` DTensor;
 - `tp_per_example`: `per_example=True` on a tensor-parallel parameter;
-- `twod`: 2-D mesh (dp=2, tp=2), the activation a DTensor on the tp sub-mesh (4 ranks).
+- `twod`: 2-D mesh (dp=2, tp=2), the activation a DTensor on the tp sub-mesh (4 ranks);
+- `ddp_gan`: DDP (not sharded), a GAN step of two optimisers each stepped then zeroed after its own backward
+  (`ddp_gan_step`): the generator's weight has no gradient in the second backward.
 
 Each rank writes `OUT/<case>.rank<r>.pt`: the records' rows of each step (or the error it raised) and its
 batches; the test computes every reference without gradrunner, in one process.
@@ -32,6 +34,48 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 4, generator=g).double(), torch.randn(4, 3, generator=g).double()
 
 
+def gan() -> nn.ModuleDict:
+    torch.manual_seed(0)
+    return nn.ModuleDict({"g": nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)), "d": nn.Linear(3, 1)}).double()
+
+
+def ddp_gan_step(net: nn.Module, opts: tuple[Any, Any], x: torch.Tensor, y: torch.Tensor, backward: Any) -> None:
+    """The generator's loss backward, its step and zero_grad; then the discriminator's (on a detached sample)."""
+    og, od = opts
+    backward(nn.functional.mse_loss(net(x, "g"), y))
+    og.step()
+    og.zero_grad()
+    backward(net(net(x, "g").detach(), "d").pow(2).mean())
+    od.step()
+    od.zero_grad()
+
+
+class _Both(nn.Module):
+    """`gan()` called by part (`net(x, "g")`), so one DDP wrapper holds both networks (as Lightning's does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = gan()
+
+    def forward(self, x: torch.Tensor, part: str) -> torch.Tensor:
+        return self.net[part](x)
+
+
+def _ddp_gan(out: dict[str, Any]) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradrunner import capture
+
+    inner = _Both()
+    ddp = DistributedDataParallel(inner, find_unused_parameters=True)
+    opts = (torch.optim.SGD(inner.net["g"].parameters(), lr=0.1), torch.optim.SGD(inner.net["d"].parameters(), lr=0.1))
+    with capture(inner, ["net.g.0:weight", "net.d:weight"], params_synced=lambda: ddp.require_backward_grad_sync) as cap:
+        for step in range(2):
+            ddp_gan_step(ddp, opts, *batch(1 + 10 * step), lambda loss: loss.backward())
+            recs = cap.records()
+            out["rows"].append([recs.row(i) for i in range(len(recs))])
+
+
 def run_case(case: str, out_dir: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -42,6 +86,14 @@ def run_case(case: str, out_dir: Path) -> None:
 
     what, strategy = case.split(":")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if what == "ddp_gan":
+        out: dict[str, Any] = {"rows": []}
+        try:
+            _ddp_gan(out)
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        torch.save(out, out_dir / f"{case.replace(':', '-')}.rank{rank}.pt")
+        return
     model = mlp()
     local = what != "twod"
     if what in ("unfreeze_tp", "tp_input", "tp_per_example"):
@@ -60,7 +112,7 @@ def run_case(case: str, out_dir: Path) -> None:
     if what.startswith("unfreeze"):
         model[2].weight.requires_grad_(False)
     seed = {"unfreeze_fsdp": 1 + rank, "twod": 1 + rank // 2}.get(what, 1)  # data parallel: each rank its batch
-    out: dict[str, Any] = {"rows": [], "warned": []}
+    out = {"rows": [], "warned": []}
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

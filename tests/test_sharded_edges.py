@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 import torch
 from rank_launch import torchrun
-from sharded_edges_ranks import batch, mlp
+from sharded_edges_ranks import batch, ddp_gan_step, gan, mlp
 from torch import nn
 
 pytestmark = pytest.mark.slow
 
 CASES = {
     2: ["unfreeze_fsdp:hook", "unfreeze_tp:autograd_grad", "tp_input:hook", "tp_input:autograd_grad",
-        "tp_input:retain_grad", "tp_per_example:hook"],
+        "tp_input:retain_grad", "tp_per_example:hook", "ddp_gan:hook"],
     4: ["twod:hook", "twod:retain_grad"],
 }  # fmt: skip
 
@@ -94,3 +94,27 @@ def test_an_activation_dtensor_on_a_sub_mesh_is_recorded_per_data_parallel_rank(
         want = _grad_of([1 + rank // 2], "output")  # the rank's own batch (dp coordinate), its whole activation
         row = _rows(results, f"twod:{strategy}", rank)["0:output"]
         assert row["has_grad"] and row["norm"] == pytest.approx(float(want.norm()), rel=1e-12)
+
+
+def test_ddp_a_gan_step_zeroing_each_networks_grad_after_its_step_records_both_weights(results: dict) -> None:
+    """Both ranks see the same batches: each step's records equal the single-process GAN step's `.grad` at each
+    optimiser step (the generator's was read after its own backward; a second synchronised backward of the step,
+    in which it got no gradient and `.grad` was zeroed, replaced it with "takes no part in the loss")."""
+    net = gan()
+    opts = (torch.optim.SGD(net["g"].parameters(), lr=0.1), torch.optim.SGD(net["d"].parameters(), lr=0.1))
+    want: list[dict[str, float]] = []
+
+    def backward(loss: torch.Tensor) -> None:
+        loss.backward()
+        grad = net["g"][0].weight.grad if len(want[-1]) == 0 else net["d"].weight.grad
+        want[-1]["net.g.0:weight" if len(want[-1]) == 0 else "net.d:weight"] = float(grad.norm())
+
+    for step in range(2):
+        want.append({})
+        ddp_gan_step(lambda x, part: net[part](x), opts, *batch(1 + 10 * step), backward)
+    for rank in range(2):
+        for step in range(2):
+            rows = _rows(results, "ddp_gan:hook", rank, step)
+            for tap, norm in want[step].items():
+                assert rows[tap]["has_grad"], (rank, step, tap, rows[tap]["reason"])
+                assert rows[tap]["norm"] == pytest.approx(norm, rel=1e-12), (rank, step, tap)

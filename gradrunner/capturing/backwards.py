@@ -112,7 +112,8 @@ class Backwards:
         # the step in progress
         self._backwards_in_step = 0
         self._next_order = 0
-        self._param_rows: tuple[int, set[int]] | None = None  # where the parameter rows go, and those added
+        #: where the parameter rows go, and those added (the tap's index -> its row's order)
+        self._param_rows: tuple[int, dict[int, int]] | None = None
         self._edited: dict[int, torch.Tensor] = {}
         #: Called at the end of every backward, with whether it was captured (the step engine's update norms).
         self.backward_ended: Callable[[bool], None] | None = None
@@ -283,7 +284,7 @@ class Backwards:
             self.edits.last_arrived = arrived
         self._collector.flush()  # the backward's small gradients, reduced together; let go of them
         self._backwards_in_step += 1
-        self._param_rows = (p.base + p.fired, set() if self._param_rows is None else self._param_rows[1])
+        self._param_rows = (p.base + p.fired, {} if self._param_rows is None else self._param_rows[1])
         if self._params.synced_now:  # DDP: `.grad` as this backward left it, reduced before anything changes it
             self._settle_params()
         if self.keep_grads:
@@ -345,10 +346,16 @@ class Backwards:
         if self._param_rows is None or not self._params or self._params.done:
             return
         at, added = self._param_rows
-        self._collector.discard(added)  # DDP: a later synchronised backward replaces an earlier one
-        added = set()
+        again = self._params.read_now  # DDP: a later synchronised backward replaces the rows of what it read again
+        if again is None:
+            self._collector.discard(set(added.values()))
+            added = {}
         rows = self._per_example_params()
         for i, key, param, grad, reason in self._params.rows():
+            if again is not None:
+                if id(param) not in again:
+                    continue  # no gradient in this backward: the row an earlier one read stands (`.grad` may be reset)
+                self._collector.discard({added.pop(i)} if i in added else set())
             order = at + i
             before = self.edits.step_arrived(param) if self.edits is not None else None
             if before is not None:  # edited: its record is what arrived, `edited_norm` the gradient after the edit
@@ -362,7 +369,7 @@ class Backwards:
             self._collector.add(key, grad, order=order, mutable=self._params.synced is not None, batched=False,
                                 value_norm=self._params.value_norm(param), settled=True, reason=reason,
                                 per_example=None if grad is None else rows.get(key.tap))  # fmt: skip
-            added.add(order)
+            added[i] = order
         self._param_rows = (at, added)
 
     def _per_example_params(self: Capture) -> dict[str, torch.Tensor | None]:  # type: ignore[misc]

@@ -97,8 +97,10 @@ class ParamTaps:
         self._seen, self._capturing = seen, capturing
         #: Sharded parameters: `.grad` is read after a backward in which their post-accumulate-grad hooks fired.
         self.sharded = sharded
+        #: The parameters whose post-accumulate-grad hooks fired in the backward going on (sharded, DDP): those a
+        #: synchronised backward read again; the others keep what an earlier backward of the step read.
         self._fired: set[int] = set()
-        self._sharded_hook: Callable[[torch.Tensor], None] | None = None
+        self._fired_hook: Callable[[torch.Tensor], None] | None = None
         if sharded:
             synced = lambda: bool(self._fired)  # noqa: E731
         #: DDP: whether the backward that just ended synchronised the gradients (then `.grad` is read).
@@ -112,6 +114,8 @@ class ParamTaps:
         self._synced_read: dict[int, torch.Tensor | None] | None = None  # `.grad` after the last synchronised backward
         #: The backward that just ended synchronised the gradients (DDP): read `.grad` now.
         self.synced_now = False
+        #: The parameters the last synchronised backward read (their rows are placed again); None: every one.
+        self.read_now: set[int] | None = None
         #: The step's rows were taken (`rows`): what arrives later in the step is an error.
         self.done = False
 
@@ -122,12 +126,13 @@ class ParamTaps:
     def install(self, stack: contextlib.ExitStack) -> None:
         """Take every tapped parameter's edge and hook it (unhooked when `stack` closes)."""
         stack.callback(self._unhook)
-        if self.sharded:
-            self._hook_sharded()
+        if self.sharded or self.synced is not None:
+            self._hook_fired()
         self.check()
 
-    def _hook_sharded(self) -> None:
-        """A post-accumulate-grad hook on each tapped parameter: it says the backward synchronised its `.grad`."""
+    def _hook_fired(self) -> None:
+        """A post-accumulate-grad hook on each tapped parameter: which ones the backward gave a gradient (sharded: it
+        also says the backward synchronised their `.grad`)."""
         fired, seen, capturing = self._fired, self._seen, self._capturing
 
         def hook(param: torch.Tensor) -> None:
@@ -135,23 +140,22 @@ class ParamTaps:
             if capturing() and param.grad is not None:
                 fired.add(id(param))
 
-        self._sharded_hook = hook
+        self._fired_hook = hook
         self._hook_unhooked()
 
     def _hook_unhooked(self) -> None:
-        """The sharded post-accumulate-grad hook on every tapped parameter that requires grad now (one unfrozen
-        after the session opened too: it had none)."""
+        """The post-accumulate-grad hook on every tapped parameter that requires grad now (one unfrozen after the
+        session opened too: it had none)."""
         for held in self._held.values():
             if held.handle is None and held.param.requires_grad:
                 if is_dtensor(held.param):
                     _check_mesh(held.param, next(t.tap for t, p in self.taps if p is held.param))
-                held.handle = held.param.register_post_accumulate_grad_hook(self._sharded_hook)
+                held.handle = held.param.register_post_accumulate_grad_hook(self._fired_hook)
 
     def check(self) -> None:
         """Take again the edge of a parameter whose accumulator changed (its dtype or device did); cheap."""
-        if self.sharded:
-            self._hook_unhooked()
         if self.synced is not None:
+            self._hook_unhooked()
             return
         for held in self._held.values():
             if held.param.requires_grad and not _valid(held):
@@ -213,12 +217,16 @@ class ParamTaps:
             before = self._sum.get(pid)
             self._sum[pid] = g if before is None else before + g
         self.synced_now = self.synced is not None and self.synced()
+        fired = set(self._fired)
         self._fired.clear()
-        if self.synced_now:  # a read that replaces any earlier one of the step
+        if self.synced_now:  # `.grad` of the parameters this backward gave a gradient (all, the step's first read)
             self.done = False
-            self._synced_read = {pid: (None if h.param.grad is None else h.param.grad.detach())
-                                 for pid, h in self._held.items()}  # fmt: skip
-            return dict(self._synced_read)
+            first = self._synced_read is None
+            read = {pid: (None if h.param.grad is None else h.param.grad.detach())
+                    for pid, h in self._held.items() if first or pid in fired}  # fmt: skip
+            self.read_now = None if first else set(read)
+            self._synced_read = {**(self._synced_read or {}), **read}
+            return read
         return dict(done)
 
     def abort_backward(self) -> None:
@@ -234,7 +242,7 @@ class ParamTaps:
         reduces it before anything changes `.grad`); else the step's sum of what arrived.
         """
         synced, sums = self._synced_read, self._sum
-        self._synced_read, self._sum, self.synced_now, self.done = None, {}, False, True
+        self._sum, self.synced_now, self.done = {}, False, True  # `_synced_read` stays: a later backward adds to it
         for i, (key, (_, p)) in enumerate(zip(self.keys, self.taps, strict=True)):
             if not p.requires_grad and id(p) not in sums:
                 yield i, key, p, None, FROZEN
@@ -252,7 +260,7 @@ class ParamTaps:
         """A new step begins: forget what the last one held."""
         self._part.clear()
         self._fired.clear()
-        self._sum, self._synced_read, self.synced_now, self.done = {}, None, False, False
+        self._sum, self._synced_read, self.synced_now, self.done, self.read_now = {}, None, False, False, None
 
 
 def _check_mesh(param: torch.Tensor, tap: str) -> None:
