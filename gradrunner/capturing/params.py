@@ -242,7 +242,9 @@ class ParamTaps:
         reduces it before anything changes `.grad`); else the step's sum of what arrived.
         """
         synced, sums = self._synced_read, self._sum
-        self._sum, self.synced_now, self.done = {}, False, True  # `_synced_read` stays: a later backward adds to it
+        self._sum, self.synced_now, self.done = {}, False, True
+        # which were read stays (a later backward of the step adds to it); the gradients are let go
+        self._synced_read = None if synced is None else dict.fromkeys(synced)
         for i, (key, (_, p)) in enumerate(zip(self.keys, self.taps, strict=True)):
             if not p.requires_grad and id(p) not in sums:
                 yield i, key, p, None, FROZEN
