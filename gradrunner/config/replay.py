@@ -7,13 +7,16 @@ Example::
 
 from __future__ import annotations
 
+import os
+
 from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.errors import GradrunnerError, not_allowed
 
 
 def validate_replay(cfg: DictConfig) -> None:
-    """Check `anomaly.replay` > 0 comes with `train.checkpoint_every` (replay starts from a checkpoint).
+    """Check `anomaly.replay` > 0 comes with `train.checkpoint_every` (replay starts from a checkpoint), in one
+    process (a torchrun job's per-rank checkpoints are not replayed).
 
     Example::
 
@@ -28,6 +31,15 @@ def validate_replay(cfg: DictConfig) -> None:
             "from the last mid-run checkpoint at or before them, and this run writes none (train.checkpoint_every=0). "
             f"Set train.checkpoint_every=K (e.g. train.checkpoint_every={max(replay, 10)}; the replay starts at most K "
             "steps earlier than it needs), or anomaly.replay=0 to turn replay off."
+        )
+    world = int(os.environ.get("WORLD_SIZE") or 1)
+    if replay > 0 and world > 1:  # every rank says it before step 0 (a sweep's check before any job)
+        raise GradrunnerError(
+            f"anomaly.replay={replay} is not allowed under torchrun (WORLD_SIZE={world}): a replay re-runs the steps "
+            "before a loss spike from a kept single-process checkpoint (state-<step>.pt), and a torchrun job keeps "
+            "its state per rank and in torch.distributed.checkpoint's dcp-<step>/ folder, which replay and branching "
+            "do not read. Run it with anomaly.replay=0 under torchrun, or make the run, and its replay, in a single "
+            "process (python -m gradrunner ... anomaly.replay=K train.checkpoint_every=N, without torchrun)."
         )
 
 

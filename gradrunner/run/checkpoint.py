@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,9 +69,14 @@ log = logging.getLogger(__name__)
 KEPT_DIR, KEPT_MANIFEST = "checkpoints", "kept.json"
 
 
+#: A complete single-process state file's name (temp names start with a dot; a torchrun job's are
+#: `state-<step>.rank<r>.pt`, with its `dcp-<step>/`: not kept, `config.replay` refuses replay under torchrun).
+_STATE_NAME = re.compile(r"state-(\d+)\.pt")
+
+
 def _is_state(name: str) -> bool:
-    """A complete state file's name (`state-<step>.pt`; temp names start with a dot)."""
-    return name.startswith("state-") and name.endswith(".pt")
+    """A complete single-process state file's name (`state-<step>.pt`)."""
+    return _STATE_NAME.fullmatch(name) is not None
 
 
 def rng_state() -> dict[str, Any]:
@@ -274,7 +280,9 @@ class Checkpointer:
         states = []
         for path in sorted(p for p in self.folder.iterdir() if _is_state(p.name)):
             os.replace(path, kept / path.name)
-            states.append({"step": int(path.stem.split("-")[1]), "name": path.name, "sha256": file_digest(kept / path.name)})
+            match = _STATE_NAME.fullmatch(path.name)
+            assert match is not None, path.name
+            states.append({"step": int(match.group(1)), "name": path.name, "sha256": file_digest(kept / path.name)})
         body = {"run_id": self._run_id, "config": self._config(), "states": states}
         write_atomically(kept / KEPT_MANIFEST, json.dumps(body, indent=1) + "\n")
 

@@ -1,0 +1,40 @@
+"""The spike flight recorder's edges, in-process and fast: replay under torchrun, kept checkpoints, the detector's
+feed, the autopsy's inputs (the defects a hunt of the recorder found, 2026-11-27)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import compose_cfg
+
+from gradrunner.config.schema import validate
+from gradrunner.errors import GradrunnerError
+
+
+def test_replay_under_torchrun_is_refused_before_step_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torchrun job's checkpoints are per rank and DCP folders, which replay cannot read: it crashed at the
+    run's end parsing `state-<step>.rank<r>.pt`. Refused in one paragraph now, naming the single-process way."""
+    cfg = compose_cfg("+experiment=mlp", "anomaly.replay=3", "train.checkpoint_every=5")
+    validate(cfg)  # one process: fine
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(GradrunnerError, match=r"anomaly.replay=3 is not allowed under torchrun \(WORLD_SIZE=2\)") as e:
+        validate(cfg)
+    assert "\n" not in str(e.value) and "single process" in str(e.value)
+    validate(compose_cfg("+experiment=mlp", "anomaly.replay=0", "train.checkpoint_every=5"))
+
+
+def test_kept_states_ignore_a_torchrun_jobs_rank_files(tmp_path: Path) -> None:
+    """`state-<step>.rank<r>.pt` is not a single-process state: it made `int('000000005.rank0')` raise."""
+    from gradrunner.records.checkpoint_files import CHECKPOINT_DIR
+    from gradrunner.run.checkpoint import KEPT_DIR, KEPT_MANIFEST, Checkpointer
+
+    folder = tmp_path / CHECKPOINT_DIR
+    folder.mkdir()
+    for name in ("state-000000005.pt", "state-000000005.rank0.pt", "state-000000010.rank1.pt"):
+        (folder / name).write_bytes(name.encode())
+    ckpt = Checkpointer(tmp_path, 5, "anomaly: {replay: 3}\n", open_segment=None)
+    ckpt.finish()
+    kept = json.loads((tmp_path / KEPT_DIR / KEPT_MANIFEST).read_text())
+    assert [(s["step"], s["name"]) for s in kept["states"]] == [(5, "state-000000005.pt")]
