@@ -3,6 +3,7 @@
 Contents:
     step_signals(loss, grad_norm, records, skipped)   -- a step's signals, online (the loop's host values)
     tap_signals(taps, norm, has_grad, update_ratio)   -- THE rule turning a step's tap rows into tap signals
+    rank_mean(losses)                                 -- THE loss signal under DDP: the mean of the ranks' losses
     run_signals(grads, steps)                         -- every step's signals, offline, from a run's records
     detect_run(run_dir, detector)                     -- a finished run fed through a detector, as the loop feeds it
     save_anomalies(run_dir, detector, run_id)         -- `anomalies.parquet` from a detector
@@ -124,6 +125,20 @@ def step_signals(
     return out
 
 
+def rank_mean(losses: Sequence[float | None]) -> float | None:
+    """THE loss signal of a step under DDP: the mean of the ranks' losses (in rank order), online and offline.
+
+    Example::
+
+        rank_mean([0.25, 714.0])      # 357.125: a spike on rank 1 is the step's spike
+        rank_mean([0.5])              # 0.5: one process, its loss as it is
+
+    Ranks without a loss (None) are left out; None when no rank has one. A NaN or Inf loss stays one.
+    """
+    present = [float(v) for v in losses if v is not None]
+    return sum(present) / len(present) if present else None
+
+
 def run_signals(grads: pd.DataFrame | None, steps: pa.Table) -> Iterator[tuple[int, dict[str, float]]]:
     """Every step's signals from a run's records, as `step_signals` gives them online; steps in order.
 
@@ -134,7 +149,8 @@ def run_signals(grads: pd.DataFrame | None, steps: pa.Table) -> Iterator[tuple[i
 
     `grads`: the grads rows (`TAP_COLUMNS`; None for a run without captured steps); `steps`: the steps
     table as Arrow (a null loss or grad_norm is absent, a NaN one is NaN: pandas would tell neither
-    apart). Rank 0's rows only (the rows of the rank that runs the detector).
+    apart). The loss is the mean of the ranks' losses of the step (`rank_mean`, as the loop feeds it under
+    DDP); everything else is rank 0's rows (the rows of the rank that runs the detector).
     """
     n = steps.num_rows
     col = {c: steps.column(c).to_pylist() if c in steps.column_names else [None] * n
@@ -142,9 +158,13 @@ def run_signals(grads: pd.DataFrame | None, steps: pa.Table) -> Iterator[tuple[i
     if grads is not None and "rank" in grads.columns:
         grads = grads[grads["rank"].fillna(0) == 0]
     by_step = {} if grads is None or grads.empty else dict(iter(grads.groupby("step", sort=False)))
-    for step, loss, grad_norm, skipped, rank in zip(*col.values(), strict=True):
+    ranks_loss: dict[object, list[tuple[int, float | None]]] = {}
+    for step, loss, rank in zip(col["step"], col["loss"], col["rank"], strict=True):
+        ranks_loss.setdefault(step, []).append((rank or 0, loss))
+    for step, _, grad_norm, skipped, rank in zip(*col.values(), strict=True):
         if rank not in (0, None):
             continue
+        loss = rank_mean([v for _, v in sorted(ranks_loss[step], key=lambda rv: rv[0])])
         values = step_signals(loss, grad_norm, skipped=skipped is True)
         rows = by_step.get(step)
         if rows is not None and skipped is not True:

@@ -298,6 +298,8 @@ class GatheredWriter:
         #: Gathered calls waiting for the step's last table (shared by a job's two writers).
         self.pending: list[tuple[GatheredWriter, str, list[Any]]] = [] if pending is None else pending
         self.completes_step = completes_step
+        #: Rank 0: the last call's arguments from every rank, in rank order (the spike detector's mean loss).
+        self.last: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
     def write_step(self, step: int, records: Any, **kwargs: Any) -> None:
         self._write_all("write_step", step, records, **kwargs)
@@ -310,6 +312,7 @@ class GatheredWriter:
         self.steps_written += 1
         if self.writer is None:
             return
+        self.last = gathered
         self.pending.append((self, method, gathered))
         if not self.completes_step:
             return

@@ -216,6 +216,7 @@ class StepEngine:
         self._before: ParamSnapshot | None = None
         self._segments: Any = None
         self._live_log: Any = None
+        self._all_ranks: GatheredWriter | None = None
 
     @property
     def main(self) -> bool:
@@ -259,6 +260,8 @@ class StepEngine:
         if self.detector is not None:  # after the writers close (a resumed run's detector is rebuilt from them)
             stack.push(self._close_anomalies)
         self.grads, self.steps = open_writers(stack, files, self.dist)
+        # DDP: rank 0 has every rank's steps row each step; the detector takes their mean loss from it
+        self._all_ranks = self.steps if isinstance(self.steps, distributed.GatheredWriter) else None
         real = {t: getattr(w, "writer", w) for t, w in (("grads", self.grads), ("steps", self.steps))}
         if self.live_every and self.main and all(w is not None for w in real.values()):
             from gradrunner.records.segments import Segments
@@ -358,9 +361,11 @@ class StepEngine:
         return StepResult(step, captured, loss_value, recs, row)
 
     def _observe(self, step: int, loss: float | None, row: dict[str, Any], recs: StepRecords | None) -> None:
-        from gradrunner.analysis.anomaly_signals import step_signals
+        from gradrunner.analysis.anomaly_signals import rank_mean, step_signals
 
         assert self.detector is not None
+        if self._all_ranks is not None:  # DDP: the ranks' mean loss (`steps.write(step, captured, loss, ...)`)
+            loss = rank_mean([args[2] for args, _ in self._all_ranks.last])
         grad_norm = row.get("grad_norm")
         values = step_signals(loss, None if grad_norm is None else float(grad_norm), [recs] if recs is not None else (),
                               skipped=row.get("skipped") is True)  # fmt: skip
