@@ -38,3 +38,27 @@ def test_kept_states_ignore_a_torchrun_jobs_rank_files(tmp_path: Path) -> None:
     ckpt.finish()
     kept = json.loads((tmp_path / KEPT_DIR / KEPT_MANIFEST).read_text())
     assert [(s["step"], s["name"]) for s in kept["states"]] == [(5, "state-000000005.pt")]
+
+
+def _spike(run_dir: Path, step: int, losses: dict[int, float], **kw: object) -> object:
+    import pandas as pd
+
+    from gradrunner.run.autopsy import Spike
+
+    fields: dict[str, object] = {"start": 0, "horizon": 2, "threshold": 1.0, "config": {}, "first_tap": None}
+    fields.update(kw)
+    return Spike(run_dir, step, losses=pd.Series(losses), **fields)  # type: ignore[arg-type]
+
+
+def test_a_nan_spike_reproduced_as_nan_reproduces(tmp_path: Path) -> None:
+    """NaN != NaN made the baseline 'NOT reproduce' a NaN spike it reproduced exactly."""
+    import pandas as pd
+
+    from gradrunner.run.autopsy import results
+
+    nan = float("nan")
+    for job, at_3 in (("0", nan), ("1", 0.5)):
+        (tmp_path / job).mkdir()
+        pd.DataFrame({"step": [2, 3, 4], "loss": [0.4, at_3, nan]}).to_parquet(tmp_path / job / "steps.parquet")
+    table = results(_spike(tmp_path, 3, {2: 0.4, 3: nan, 4: nan}), tmp_path, ["baseline", "other"])  # type: ignore[arg-type]
+    assert table.set_index("intervention")["reproduces"].to_dict() == {"baseline": True, "other": False}

@@ -197,9 +197,16 @@ def results(spike: Spike, sweep_dir: Path, names: Sequence[str]) -> pd.DataFrame
         rows.append({"intervention": name, "max_loss": worst, "final_loss": float(span.iloc[-1]) if len(span) else math.nan,
                      "avoided": bool(worst < spike.threshold), "job": str(job),
                      "reproduces": bool(losses is not None and spike.step in losses.index
-                                        and losses[spike.step] == spike.losses.get(spike.step))})  # fmt: skip
+                                        and _same(losses[spike.step], spike.losses.get(spike.step)))})  # fmt: skip
     table = pd.DataFrame(rows)
     return table.sort_values(["avoided", "max_loss"], ascending=[False, True], kind="stable").reset_index(drop=True)
+
+
+def _same(a: object, b: object) -> bool:
+    """Whether two losses are the same value: equal, or both NaN (a NaN spike reproduced is NaN again)."""
+    if not isinstance(a, int | float) or not isinstance(b, int | float):
+        return False
+    return float(a) == float(b) or (math.isnan(a) and math.isnan(b))
 
 
 def autopsy(run_dir: str | os.PathLike[str], step: int | None = None, horizon: int = 20,
