@@ -1,8 +1,8 @@
 """`python -m gradrunner.autopsy RUN_DIR [--step S] [--horizon H]`: branch from before a loss spike to find what saves it.
 
 From the run's last kept checkpoint at or before the spike step S (default: the first flagged loss
-spike; `anomaly.replay=K` keeps it), one Hydra sweep (`python -m gradrunner -m`, into
-`<run dir>/autopsy/step<S>/`) runs a branch (`train.branch_from`, `run.branch`) per intervention to
+spike; `anomaly.replay=K` keeps it), one Hydra sweep (`python -m gradrunner -m` of the run's own
+stored config, `done.json`'s, not today's config files; into `<run dir>/autopsy/step<S>/`) runs a branch (`train.branch_from`, `run.branch`) per intervention to
 step S+H (default H = 20), each an ordinary job (`+autopsy=<name>`: `load()` labels it, a re-run of
 the autopsy skips the completed ones and resumes the others):
 
@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
 import subprocess
@@ -48,8 +49,6 @@ from gradrunner.run import branch
 from gradrunner.run.replay import loss_spikes, spike_starts
 
 AUTOPSY_DIR, RESULT_FILE, PAGE_FILE, CONF_DIR = "autopsy", "autopsy.parquet", "autopsy.html", ".autopsy_conf"
-#: Source overrides a branch sets itself.
-_OWN_KEYS = ("steps", "train.branch_from", "train.branch_reset_moments", "anomaly.replay", "resume", "report")
 
 
 @dataclass
@@ -163,26 +162,35 @@ def plan(spike: Spike, names: Sequence[str] | None, custom: dict[str, list[str]]
     return chosen, notes
 
 
-def _hydra_searchpath(run_dir: Path) -> list[str]:
-    try:
-        data = yaml.safe_load((run_dir / ".hydra" / "hydra.yaml").read_text(encoding="utf-8"))
-        return [str(p) for p in data["hydra"].get("searchpath") or []]
-    except (OSError, KeyError, TypeError, yaml.YAMLError):
-        return []
+#: The sweep's primary config (in `CONF_DIR`): the source run's stored config, as a branch of it.
+BASE_CONFIG = "autopsy_run"
+
+
+def base_config(spike: Spike) -> dict[str, Any]:
+    """The config every branch starts from: the source run's own (`done.json`'s `config`, resolved when it ran),
+    as a branch from the spike's checkpoint to S+H, not today's config files (an edited YAML, a `--config-dir`
+    the command cannot see). The interventions (`+autopsy=<name>`) are merged over it."""
+    cfg = copy.deepcopy(spike.config)
+    cfg["steps"] = spike.step + spike.horizon + 1
+    cfg.setdefault("train", {}).update(branch_from=f"{spike.run_dir}:{spike.start}", branch_reset_moments=False)
+    cfg.setdefault("anomaly", {})["replay"] = 0
+    cfg.update(resume=False, report=False)
+    return cfg
 
 
 def sweep(spike: Spike, chosen: dict[str, Any], sweep_dir: Path) -> subprocess.CompletedProcess[str]:
-    """Write each intervention as `+autopsy=<name>` and run the branches as one `python -m gradrunner -m` sweep."""
-    group = sweep_dir / CONF_DIR / "autopsy"
+    """Write the base config and each intervention as `+autopsy=<name>`; run the branches as one
+    `python -m gradrunner -m` sweep."""
+    conf = sweep_dir / CONF_DIR
+    group = conf / "autopsy"
     group.mkdir(parents=True, exist_ok=True)
     for name, changes in chosen.items():
         (group / f"{name}.yaml").write_text("# @package _global_\n" + yaml.safe_dump(changes or {}), encoding="utf-8")
-    marker = rundir.job_state(spike.run_dir).marker or {}
-    source = [o for o in marker.get("overrides") or [] if o.split("=")[0].lstrip("+~") not in _OWN_KEYS]
-    search = [*_hydra_searchpath(spike.run_dir), f"file://{sweep_dir / CONF_DIR}"]
-    args = [sys.executable, "-m", "gradrunner", "-m", *source, f"steps={spike.step + spike.horizon + 1}",
-            f"train.branch_from='{spike.run_dir}:{spike.start}'", "anomaly.replay=0",
-            f"hydra.searchpath=[{','.join(search)}]", f"hydra.sweep.dir={sweep_dir}", f"+autopsy={','.join(chosen)}"]  # fmt: skip
+    head = {"defaults": ["gradrunner_schema", "_self_", {"override hydra/sweeper": "gradrunner"}]}
+    (conf / f"{BASE_CONFIG}.yaml").write_text(yaml.safe_dump({**head, **base_config(spike)}, sort_keys=False),
+                                              encoding="utf-8")  # fmt: skip
+    args = [sys.executable, "-m", "gradrunner", "-m", "--config-dir", str(conf), "--config-name", BASE_CONFIG,
+            f"hydra.sweep.dir={sweep_dir}", f"+autopsy={','.join(chosen)}"]  # fmt: skip
     return subprocess.run(args, capture_output=True, text=True, env=os.environ.copy())
 
 

@@ -1,0 +1,62 @@
+"""The autopsy's inputs and re-runs (defects a hunt of the flight recorder found, 2026-11-27).
+
+The source run: the MLP experiment on a data option of the user's own, given with `--config-dir` (a tmp conf
+dir: tests/conf's spiky_batch, batch 30's inputs x 30), 34 steps, a checkpoint every 5, `anomaly.replay=3`
+(keeps the checkpoint before step 25). The CLI runs inside the test's process; the autopsy's sweep is a child.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import TESTS, check_ok, child_python, cli_env, gradrunner_in_process
+
+from gradrunner.run.autopsy import main
+
+pytestmark = pytest.mark.slow
+
+STEPS = 34
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("autopsy_flight")
+    (root / "conf" / "data").mkdir(parents=True)
+    shutil.copy(TESTS / "conf" / "data" / "spiky_batch.yaml", root / "conf" / "data" / "my_spiky.yaml")
+    check_ok(gradrunner_in_process(root, "--config-dir", str(root / "conf"), "+experiment=mlp", f"steps={STEPS}",
+                                   "data=my_spiky", "train.checkpoint_every=5", "anomaly.replay=3",
+                                   f"hydra.run.dir={root / 'run'}"))  # fmt: skip
+    return root / "run"
+
+
+@pytest.fixture(autouse=True)
+def _tests_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep's process imports `planted_spikes` (tests/), as the source run's did (see test_autopsy)."""
+    monkeypatch.setattr(sys, "executable", child_python())
+    for name, value in cli_env().items():
+        monkeypatch.setenv(name, value)
+
+
+def _losses(path: Path) -> pd.Series:
+    return pd.read_parquet(path / "steps.parquet", columns=["step", "loss"]).set_index("step")["loss"]
+
+
+def _table(source: Path, step: int = 30) -> pd.DataFrame:
+    return pd.read_parquet(source / "autopsy" / f"step{step}" / "autopsy.parquet").set_index("intervention")
+
+
+def test_branches_are_the_runs_stored_config_not_todays_files(source: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run made with --config-dir failed (only hydra.searchpath was forwarded), and an edited YAML changed the
+    branches (built from today's files): the baseline said 'does NOT reproduce' a spike that is deterministic."""
+    conf = source.parent / "conf" / "data" / "my_spiky.yaml"
+    conf.write_text(conf.read_text().replace("scale: 30.0", "scale: 1.0"))  # the spike edited away since
+    assert main([str(source), "--horizon", "2", "--interventions", "baseline"]) == 0, capsys.readouterr().err
+    assert "baseline reproduces the spike" in capsys.readouterr().out
+    job = source / "autopsy" / "step30" / str(_table(source).loc["baseline", "job"])
+    pd.testing.assert_series_equal(_losses(job), _losses(source).loc[25:32], check_exact=True)
+    assert json.loads((job / "branch.json").read_text())["changed"] == []
