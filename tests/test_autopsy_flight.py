@@ -60,3 +60,42 @@ def test_branches_are_the_runs_stored_config_not_todays_files(source: Path, caps
     job = source / "autopsy" / "step30" / str(_table(source).loc["baseline", "job"])
     pd.testing.assert_series_equal(_losses(job), _losses(source).loc[25:32], check_exact=True)
     assert json.loads((job / "branch.json").read_text())["changed"] == []
+
+
+def test_a_rerun_with_another_horizon_or_interventions_replaces_the_sweep(
+    source: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another --horizon / --interventions / --override failed: the sweep's jobs held runs of another config, and
+    the error named hydra.sweep.dir=..., which the command does not have."""
+    for argv in (["--horizon", "2", "--interventions", "baseline"],
+                 ["--horizon", "3", "--interventions", "baseline,lr_half"],
+                 ["--horizon", "3", "--interventions", "baseline", "--override", "lr_tenth", "optimizer.lr=0.01"]):  # fmt: skip
+        assert main([str(source), *argv]) == 0, capsys.readouterr().err
+        out = capsys.readouterr().out
+        table = _table(source)
+        assert sorted(table.index) == sorted(argv[3].split(",") + argv[5:6])
+        for name, job in table["job"].items():
+            losses = _losses(source / "autopsy" / "step30" / str(job))
+            assert losses.index.tolist() == list(range(25, 30 + int(argv[1]) + 1)), name
+    assert "was replaced by this one" in out
+    lr = pd.read_parquet(source / "autopsy" / "step30" / str(table.loc["lr_tenth", "job"]) / "steps.parquet")
+    assert lr["lr"].eq(0.01).all()
+    # the same plan again: kept, nothing replaced
+    assert main([str(source), "--horizon", "3", "--interventions", "baseline", "--override", "lr_tenth",
+                 "optimizer.lr=0.01"]) == 0  # fmt: skip
+    assert "replaced" not in capsys.readouterr().out
+
+
+def test_a_failed_sweeps_message_is_cut_between_words(source: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    from gradrunner.errors import GradrunnerError
+    from gradrunner.run import autopsy as autopsy_module
+
+    words = [f"word{i:04d}" for i in range(400)] + ["Use", "a", "new", "dir."]
+    failed = subprocess.CompletedProcess([], 2, "", "\n".join(words))
+    monkeypatch.setattr(autopsy_module, "sweep", lambda *a: failed)
+    with pytest.raises(GradrunnerError) as e:
+        autopsy_module.autopsy(source, horizon=2, names=["baseline"])
+    said = str(e.value).split("failed (exit 2): ", 1)[1].split()
+    assert said[-4:] == ["Use", "a", "new", "dir."] and set(said[:-4]) - {"..."} <= set(words)

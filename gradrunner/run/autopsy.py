@@ -4,7 +4,8 @@ From the run's last kept checkpoint at or before the spike step S (default: the 
 spike; `anomaly.replay=K` keeps it), one Hydra sweep (`python -m gradrunner -m` of the run's own
 stored config, `done.json`'s, not today's config files; into `<run dir>/autopsy/step<S>/`) runs a branch (`train.branch_from`, `run.branch`) per intervention to
 step S+H (default H = 20), each an ordinary job (`+autopsy=<name>`: `load()` labels it, a re-run of
-the autopsy skips the completed ones and resumes the others):
+the autopsy with the same plan skips the completed ones and resumes the others; another plan, horizon or
+interventions, replaces the sweep: `replace_stale`):
 
 | intervention | what the branch changes, from the checkpoint on |
 | --- | --- |
@@ -30,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -45,10 +48,13 @@ from omegaconf import OmegaConf
 
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.records import rundir
+from gradrunner.records.atomic import write_atomically
 from gradrunner.run import branch
 from gradrunner.run.replay import loss_spikes, spike_starts
 
 AUTOPSY_DIR, RESULT_FILE, PAGE_FILE, CONF_DIR = "autopsy", "autopsy.parquet", "autopsy.html", ".autopsy_conf"
+#: The plan an autopsy's sweep dir was made with (in `CONF_DIR`): a re-run with another plan replaces the sweep.
+PLAN_FILE = "plan.json"
 
 
 @dataclass
@@ -210,6 +216,40 @@ def results(spike: Spike, sweep_dir: Path, names: Sequence[str]) -> pd.DataFrame
     return table.sort_values(["avoided", "max_loss"], ascending=[False, True], kind="stable").reset_index(drop=True)
 
 
+def replace_stale(spike: Spike, chosen: dict[str, Any], sweep_dir: Path) -> list[str]:
+    """Remove `sweep_dir` when it holds an autopsy of another plan (horizon, branch step, interventions or their
+    changes, base config); the note saying so. The same plan again keeps it: its completed branches are skipped.
+
+    Its jobs are numbered by intervention (`0/`, `1/`, ...): another plan's jobs are runs of other configs, which
+    the sweep would refuse. The plan is `<sweep dir>/.autopsy_conf/plan.json`, written before the branches run.
+    """
+    plan_file = sweep_dir / CONF_DIR / PLAN_FILE
+    now = json.dumps({"start": spike.start, "horizon": spike.horizon, "base": base_config(spike),
+                      "jobs": [[name, changes] for name, changes in chosen.items()]}, sort_keys=True)  # fmt: skip
+    notes = []
+    if sweep_dir.exists():
+        try:
+            before = plan_file.read_text(encoding="utf-8")
+        except OSError:
+            before = None
+        if before == now:
+            return []
+        shutil.rmtree(sweep_dir)
+        notes.append(f"the earlier autopsy of step {spike.step} in {sweep_dir} (another horizon, interventions or "
+                     "overrides) was replaced by this one")  # fmt: skip
+    plan_file.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(plan_file, now)
+    return notes
+
+
+def _tail(text: str, limit: int = 2000) -> str:
+    """The end of a child's output on one line, at most about `limit` characters, cut between words."""
+    words = one_paragraph(text)
+    if len(words) <= limit:
+        return words
+    return "... " + words[-limit:].split(" ", 1)[-1]
+
+
 def _same(a: object, b: object) -> bool:
     """Whether two losses are the same value: equal, or both NaN (a NaN spike reproduced is NaN again)."""
     if not isinstance(a, int | float) or not isinstance(b, int | float):
@@ -230,10 +270,11 @@ def autopsy(run_dir: str | os.PathLike[str], step: int | None = None, horizon: i
     spike = find_spike(Path(run_dir).resolve(), step, horizon)
     chosen, notes = plan(spike, names, custom or {})
     sweep_dir = spike.run_dir / AUTOPSY_DIR / f"step{spike.step}"
+    notes += replace_stale(spike, chosen, sweep_dir)
     done = sweep(spike, chosen, sweep_dir)
     if done.returncode != 0:
         raise GradrunnerError(f"the autopsy's sweep in {sweep_dir} failed (exit {done.returncode}): "
-                              f"{one_paragraph(done.stderr[-2000:] or done.stdout[-2000:])}")  # fmt: skip
+                              f"{_tail(done.stderr or done.stdout)}")  # fmt: skip
     table = results(spike, sweep_dir, list(chosen))
     table.to_parquet(sweep_dir / RESULT_FILE, index=False)
     gather(spike.run_dir, spike.step, table)
