@@ -98,7 +98,7 @@ def test_a_rerun_skips_completed_branches_and_resumes_an_interrupted_one(
 def test_bad_input_is_one_paragraph_exit_2(source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cases = {
         (str(tmp_path),): "is not a completed run dir",
-        (str(source), "--step", "20"): "the steps that can be autopsied: 25 and later",
+        (str(source), "--step", "40"): "--step 40 is not a step of",
         (str(source), "--interventions", "baseline,bogus"): "unknown intervention 'bogus'; the interventions: baseline, "
         "skip_batch, lr_half, clip, zero_tap, reset_moments",
         (str(source), "--interventions", "reset_moments"): "needs an Adam-like optimizer",
@@ -107,7 +107,6 @@ def test_bad_input_is_one_paragraph_exit_2(source: Path, tmp_path: Path, capsys:
         assert main(list(argv)) == 2
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, err
-    assert not (source / "autopsy" / "step20").exists()
     shim = subprocess.run([sys.executable, "-m", "gradrunner.autopsy", str(tmp_path)], capture_output=True, text=True,
                           env=cli_env(), timeout=300)  # fmt: skip
     assert shim.returncode == 2 and "is not a completed run dir" in shim.stderr and "Traceback" not in shim.stderr

@@ -99,3 +99,23 @@ def test_a_failed_sweeps_message_is_cut_between_words(source: Path, monkeypatch:
         autopsy_module.autopsy(source, horizon=2, names=["baseline"])
     said = str(e.value).split("failed (exit 2): ", 1)[1].split()
     assert said[-4:] == ["Use", "a", "new", "dir."] and set(said[:-4]) - {"..."} <= set(words)
+
+
+def test_a_step_before_the_first_kept_checkpoint_branches_from_step_0(
+    source: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Step 22 (the first kept checkpoint is 25) was refused ('no kept checkpoint'): it branches from the seed now."""
+    assert main([str(source), "--step", "22", "--horizon", "1", "--interventions", "baseline"]) == 0, capsys.readouterr().err
+    assert "baseline reproduces the spike" in capsys.readouterr().out
+    job = source / "autopsy" / "step22" / str(_table(source, 22).loc["baseline", "job"])
+    pd.testing.assert_series_equal(_losses(job), _losses(source).loc[0:23], check_exact=True)
+    assert json.loads((job / "branch.json").read_text())["step"] == 0
+
+
+def test_a_step_outside_the_run_is_refused_naming_its_steps(source: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--step 99 of a 34-step run was accepted (and its sweep made)."""
+    assert main([str(source), "--step", str(STEPS), "--interventions", "baseline"]) == 2
+    err = capsys.readouterr().err
+    assert f"--step {STEPS} is not a step of {source}: its steps are 0 to {STEPS - 1}" in err and err.count("\n") == 1
+    assert "(its flagged loss spikes: 30)" in err
+    assert not (source / "autopsy" / f"step{STEPS}").exists()

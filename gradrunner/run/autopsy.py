@@ -1,7 +1,7 @@
 """`python -m gradrunner.autopsy RUN_DIR [--step S] [--horizon H]`: branch from before a loss spike to find what saves it.
 
 From the run's last kept checkpoint at or before the spike step S (default: the first flagged loss
-spike; `anomaly.replay=K` keeps it), one Hydra sweep (`python -m gradrunner -m` of the run's own
+spike; `anomaly.replay=K` keeps it; none: the run's start, step 0 from the seed), one Hydra sweep (`python -m gradrunner -m` of the run's own
 stored config, `done.json`'s, not today's config files; into `<run dir>/autopsy/step<S>/`) runs a branch (`train.branch_from`, `run.branch`) per intervention to
 step S+H (default H = 20), each an ordinary job (`+autopsy=<name>`: `load()` labels it, a re-run of
 the autopsy with the same plan skips the completed ones and resumes the others; another plan, horizon or
@@ -69,6 +69,9 @@ class Spike:
     config: dict[str, Any]
     first_tap: str | None
     losses: pd.Series = field(repr=False)
+    #: Where the branches start, '<dir>:<step>' (default: the run dir at `start`; a branch run without a kept
+    #: checkpoint before the spike: the run it branched from).
+    origin: str = ""
 
     def median_grad_norm(self) -> float:
         steps = pd.read_parquet(self.run_dir / "steps.parquet", columns=["step", "grad_norm"])
@@ -123,17 +126,17 @@ def find_spike(run_dir: Path, step: int | None, horizon: int) -> Spike:
         if not starts:
             raise GradrunnerError(f"{run_dir} has no flagged loss spike; pass the step to autopsy with --step S")
         step = starts[0]
-    kept = sorted(branch.kept(run_dir).states) if (run_dir / "checkpoints").is_dir() else []
-    start = max([c for c in kept if 0 < c <= step], default=None)
-    if start is None:
-        can = ", ".join(f"{c} and later" for c in kept) if kept else "none (the run kept no checkpoint)"
-        raise GradrunnerError(
-            f"--step {step}: {run_dir} has no kept checkpoint at or before step {step}, and an autopsy branches from "
-            f"one; the steps that can be autopsied: {can}. Make the run again with train.checkpoint_every=N and "
-            "anomaly.replay=K (it keeps the checkpoint before each loss spike)"
-        )
     config = dict(state.marker["config"])
     losses = pd.read_parquet(run_dir / "steps.parquet", columns=["step", "loss"]).set_index("step")["loss"]
+    first, last = (int(losses.index.min()), int(losses.index.max())) if len(losses) else (0, -1)
+    if not first <= step <= last:
+        raise GradrunnerError(f"--step {step} is not a step of {run_dir}: its steps are {first} to {last}; pass "
+                              f"one of them (its flagged loss spikes: {', '.join(map(str, starts)) or 'none'})")  # fmt: skip
+    kept = sorted(branch.kept(run_dir).states) if (run_dir / "checkpoints").is_dir() else []
+    start = max([c for c in kept if c <= step], default=first)  # none kept: the run's start
+    origin = f"{run_dir}:{start}"
+    if start not in kept and start > 0:  # a branch run: where it branched from
+        origin = str((config.get("train") or {}).get("branch_from"))
     row = spikes[spikes["step"] == step] if len(spikes) else spikes
     z = float(spikes.attrs.get("z", 6.0))
     if len(row):
@@ -141,8 +144,9 @@ def find_spike(run_dir: Path, step: int | None, horizon: int) -> Spike:
     else:  # a step that was not flagged: the rule's band over the losses before it
         window = losses[losses.index < step].tail(128)
         threshold = float(window.mean() + z * max(window.std(ddof=0), 1e-3 * abs(window.mean())))
-    first = row["first_tap"].iloc[0] if len(row) and "first_tap" in row else None
-    return Spike(run_dir, step, start, horizon, threshold, config, first if isinstance(first, str) else None, losses)
+    tap = row["first_tap"].iloc[0] if len(row) and "first_tap" in row else None
+    return Spike(run_dir, step, start, horizon, threshold, config, tap if isinstance(tap, str) else None, losses,
+                 origin)  # fmt: skip
 
 
 def plan(spike: Spike, names: Sequence[str] | None, custom: dict[str, list[str]]) -> tuple[dict[str, Any], list[str]]:
@@ -178,7 +182,8 @@ def base_config(spike: Spike) -> dict[str, Any]:
     the command cannot see). The interventions (`+autopsy=<name>`) are merged over it."""
     cfg = copy.deepcopy(spike.config)
     cfg["steps"] = spike.step + spike.horizon + 1
-    cfg.setdefault("train", {}).update(branch_from=f"{spike.run_dir}:{spike.start}", branch_reset_moments=False)
+    cfg.setdefault("train", {}).update(branch_from=spike.origin or f"{spike.run_dir}:{spike.start}",
+                                       branch_reset_moments=False)  # fmt: skip
     cfg.setdefault("anomaly", {})["replay"] = 0
     cfg.update(resume=False, report=False)
     return cfg

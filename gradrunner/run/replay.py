@@ -2,13 +2,16 @@
 
 For each loss spike at step S (the run's `anomalies.parquet`, or `detect_run` over its records when the
 run was made without the detector wired in), the replay is a branch (`run.branch`) of the run from its
-last kept checkpoint at or before S-K (step 0, the config from its seed, when there is none) to S,
+last kept checkpoint at or before S-K (else the run's first step: 0, the config from its seed, or a
+branch run's own start, the state it branched from) to S,
 with `capture.values=full`, into `<run dir>/replay/step<S>/`: an ordinary run dir (`load()` reads it;
 `load(run dir)` reads the run's own records only). Its records are compared with the original's over
 the replayed steps, value for value (`gradrunner.compare`'s rule at rtol = atol = 0): equal, the spike
 is deterministic (the data or the optimiser state made it, and a branch from the checkpoint reproduces
 it: `python -m gradrunner.autopsy`); different, it is transient (non-determinism, hardware).
-The checkpoints no replay starts from are then removed from `<run dir>/checkpoints/`.
+The checkpoints no replay or autopsy starts from are then removed from `<run dir>/checkpoints/` (each
+spike keeps its replay's start; a replay from the run's start keeps the last checkpoint at or before
+the spike, for the autopsy).
 
 Example::
 
@@ -111,13 +114,14 @@ class Replayed:
                 f"in {self.directory}): {how}")  # fmt: skip
 
 
-def replay_config(cfg: DictConfig, run_dir: Path, start: int, end: int, **changes: Any) -> DictConfig:
-    """`cfg` as a branch of `run_dir` from `start` that runs to step `end` (inclusive), `changes` (dotted keys) applied."""
+def replay_config(cfg: DictConfig, origin: str, end: int, **changes: Any) -> DictConfig:
+    """`cfg` as a branch from `origin` (`'<run dir>:<step>'`) that runs to step `end` (inclusive), `changes` (dotted
+    keys) applied."""
     plain = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(plain, dict)
     plain.pop("hydra", None)
     out = OmegaConf.create(plain)
-    sets = {"steps": end + 1, "train.branch_from": f"{run_dir}:{start}", "train.checkpoint_every": 0,
+    sets = {"steps": end + 1, "train.branch_from": origin, "train.checkpoint_every": 0,
             "anomaly.replay": 0, "report": False, "resume": True, **changes}  # fmt: skip
     with open_dict(out):
         for key, value in sets.items():
@@ -129,14 +133,18 @@ def replay_config(cfg: DictConfig, run_dir: Path, start: int, end: int, **change
 Runner = Callable[..., Path]
 
 
-def replay_spike(run: Runner, cfg: DictConfig, run_dir: Path, step: int, k: int, start: int) -> Replayed:
-    """Re-run steps `start`..`step` of `run_dir` with full values into `replay/step<step>/`; compare with the original."""
+def replay_spike(run: Runner, cfg: DictConfig, run_dir: Path, step: int, k: int, start: int,
+                 origin: str | None = None) -> Replayed:  # fmt: skip
+    """Re-run steps `start`..`step` of `run_dir` with full values into `replay/step<step>/`; compare with the original.
+
+    `origin`: where the replay branches from (default `'<run_dir>:<start>'`: a kept checkpoint, or 0: the seed)."""
     from gradrunner.analysis.compare import KEY, compare_runs
 
     out = run_dir / REPLAY_DIR / f"step{step}"
+    full = {"capture.values": "full", "capture.every": 1}
     try:
         # every replayed step in full, whatever the run's capture.every (its own captured steps are compared)
-        run(replay_config(cfg, run_dir, start, step, **{"capture.values": "full", "capture.every": 1}), out_dir=out)
+        run(replay_config(cfg, origin or f"{run_dir}:{start}", step, **full), out_dir=out)
     except NonFinite:
         pass  # capture.on_nonfinite=stop: the replay stops where the run did; its records are compared as they are
     c = compare_runs(run_dir, out, rtol=0.0, atol=0.0)
@@ -178,18 +186,43 @@ def after_run(run_dir: Path, cfg: DictConfig, run: Runner) -> list[Replayed]:
         log.warning("replay: the run's loss spikes could not be read, nothing replayed: %s", one_paragraph(e))
         return []
     states = _kept_steps(run_dir)
-    starts = {s: max([c for c in states if c <= s - k], default=0) for s in spikes}
-    prune(run_dir, set(starts.values()))
+    first = _first_step(run_dir)
+    starts = {s: replay_start(states, first, s, k) for s in spikes}
+    # the replay's start; one that is not a kept checkpoint (the seed) keeps the autopsy's: the last at or before S
+    seeded = [s for s, c in starts.items() if c not in states and states and states[0] <= s]
+    autopsy = {max(c for c in states if c <= s) for s in seeded}
+    prune(run_dir, set(starts.values()) | autopsy)
     done = []
     for s, start in starts.items():
+        # a branch run with no kept state before the spike: its own start, from where it branched
+        origin = str(cfg.train.branch_from) if start == first > 0 and start not in states else None
         try:
-            done.append(replay_spike(run, cfg, run_dir, s, k, start))
+            done.append(replay_spike(run, cfg, run_dir, s, k, start, origin))
             log.warning("%s", done[-1].line)
         except GradrunnerError as e:
             log.warning("replay of the loss spike at step %d failed: %s", s, one_paragraph(e))
     if not spikes:
         log.info("replay: no loss spike flagged in %s; nothing to replay", run_dir)
     return done
+
+
+def replay_start(kept: list[int], first: int, step: int, k: int) -> int:
+    """Where the replay of the spike at `step` starts: the last kept checkpoint at or before `step - k`, else the
+    run's first step (0: the config from its seed; a branch run's start: the state it branched from).
+
+    Example::
+
+        replay_start([25, 30], 0, 30, 3)     # 25
+        replay_start([25, 30], 0, 27, 6)     # 0 (no checkpoint at or before 21)
+        replay_start([30], 25, 30, 6)        # 25: a branch run from step 25
+    """
+    return max((c for c in kept if first <= c <= step - k), default=first)
+
+
+def _first_step(run_dir: Path) -> int:
+    """The run's first step (0; a branch run's: where it branched)."""
+    steps = pd.read_parquet(run_dir / "steps.parquet", columns=["step"])["step"]
+    return int(steps.min()) if len(steps) else 0
 
 
 def _kept_steps(run_dir: Path) -> list[int]:
