@@ -119,3 +119,23 @@ def test_a_step_outside_the_run_is_refused_naming_its_steps(source: Path, capsys
     assert f"--step {STEPS} is not a step of {source}: its steps are 0 to {STEPS - 1}" in err and err.count("\n") == 1
     assert "(its flagged loss spikes: 30)" in err
     assert not (source / "autopsy" / f"step{STEPS}").exists()
+
+
+def test_a_missing_kept_state_or_a_bad_override_is_refused_before_any_branch(
+    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing state file was a flattened traceback after the sweep started; a misspelled override key ran the
+    baseline first and then failed."""
+    copy = tmp_path / "run"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("autopsy", "autopsy.parquet"))
+    bad = {("--override", "lr_tenth", "optimizer.lrr=0.01"): "the run's config has no key 'optimizer.lrr' Did you "
+           "mean 'optimizer.lr'?", ("--override", "lr_tenth", "optimizer.lr"): "each override is KEY=VALUE"}  # fmt: skip
+    for argv, says in bad.items():
+        assert main([str(copy), "--interventions", "baseline", *argv]) == 2
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") == 1, err
+    (copy / "checkpoints" / "state-000000025.pt").unlink()
+    assert main([str(copy), "--interventions", "baseline"]) == 2
+    err = capsys.readouterr().err
+    assert "state-000000025.pt cannot be read (FileNotFoundError" in err and err.count("\n") == 1
+    assert "Traceback" not in err and not (copy / "autopsy").exists()

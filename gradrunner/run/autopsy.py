@@ -46,10 +46,12 @@ import pandas as pd
 import yaml
 from omegaconf import OmegaConf
 
-from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
+from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, did_you_mean, one_paragraph
 from gradrunner.records import rundir
 from gradrunner.records.atomic import write_atomically
+from gradrunner.records.checkpoint_files import file_digest
 from gradrunner.run import branch
+from gradrunner.run.checkpoint import KEPT_MANIFEST
 from gradrunner.run.replay import loss_spikes, spike_starts
 
 AUTOPSY_DIR, RESULT_FILE, PAGE_FILE, CONF_DIR = "autopsy", "autopsy.parquet", "autopsy.html", ".autopsy_conf"
@@ -132,8 +134,11 @@ def find_spike(run_dir: Path, step: int | None, horizon: int) -> Spike:
     if not first <= step <= last:
         raise GradrunnerError(f"--step {step} is not a step of {run_dir}: its steps are {first} to {last}; pass "
                               f"one of them (its flagged loss spikes: {', '.join(map(str, starts)) or 'none'})")  # fmt: skip
-    kept = sorted(branch.kept(run_dir).states) if (run_dir / "checkpoints").is_dir() else []
+    found = branch.kept(run_dir) if (run_dir / "checkpoints").is_dir() else None
+    kept = sorted(found.states) if found is not None else []
     start = max([c for c in kept if c <= step], default=first)  # none kept: the run's start
+    if found is not None and start in kept:
+        _check_state(found, start)
     origin = f"{run_dir}:{start}"
     if start not in kept and start > 0:  # a branch run: where it branched from
         origin = str((config.get("train") or {}).get("branch_from"))
@@ -147,6 +152,39 @@ def find_spike(run_dir: Path, step: int | None, horizon: int) -> Spike:
     tap = row["first_tap"].iloc[0] if len(row) and "first_tap" in row else None
     return Spike(run_dir, step, start, horizon, threshold, config, tap if isinstance(tap, str) else None, losses,
                  origin)  # fmt: skip
+
+
+def _check_state(found: branch.Kept, step: int) -> None:
+    """The kept state a branch starts from is there with the bytes `kept.json` recorded (before any branch runs)."""
+    path = found.path(step)
+    try:
+        same = file_digest(path) == found.states[step]["sha256"]
+    except OSError as e:
+        raise GradrunnerError(f"{path} cannot be read ({type(e).__name__}: {one_paragraph(e)}), and every branch of "
+                              f"this autopsy starts from it (listed in {KEPT_MANIFEST}); put it back, or make the run "
+                              "again with train.checkpoint_every=N anomaly.replay=K") from e  # fmt: skip
+    if not same:
+        raise GradrunnerError(f"{path} is not the file {KEPT_MANIFEST} recorded (its bytes changed after it was "
+                              "written), and every branch of this autopsy starts from it; make the run again")  # fmt: skip
+
+
+def _check_override(name: str, items: list[str], config: dict[str, Any]) -> None:
+    """`--override NAME KEY=VALUE ...`: each item a KEY=VALUE of a key the run's config has (`+KEY=` adds one)."""
+    whole = OmegaConf.create(config)
+    for item in items:
+        key, eq, _ = item.partition("=")
+        if not eq or not key.lstrip("+"):
+            raise GradrunnerError(f"--override {name} {item!r}: each override is KEY=VALUE, e.g. --override {name} "
+                                  "optimizer.lr=0.01")  # fmt: skip
+        if not key.startswith("+") and OmegaConf.select(whole, key, default=_MISSING) is _MISSING:
+            parent = key.rpartition(".")[0]
+            node = OmegaConf.select(whole, parent) if parent else whole
+            keys = [f"{parent}.{k!s}" if parent else str(k) for k in node] if OmegaConf.is_dict(node) else []
+            raise GradrunnerError(f"--override {name} {item!r}: the run's config has no key {key!r}"
+                                  f"{did_you_mean(key, keys)} (add a new one with +{key}=...)")  # fmt: skip
+
+
+_MISSING = object()
 
 
 def plan(spike: Spike, names: Sequence[str] | None, custom: dict[str, list[str]]) -> tuple[dict[str, Any], list[str]]:
@@ -168,7 +206,8 @@ def plan(spike: Spike, names: Sequence[str] | None, custom: dict[str, list[str]]
         if not name.isidentifier() or name in chosen:
             raise GradrunnerError(f"--override {name!r}: an intervention's name is a new identifier, e.g. "
                                   "--override lr_tenth optimizer.lr=0.01")  # fmt: skip
-        chosen[name] = OmegaConf.to_container(OmegaConf.from_dotlist(overrides))
+        _check_override(name, overrides, spike.config)
+        chosen[name] = OmegaConf.to_container(OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
     return chosen, notes
 
 
