@@ -55,3 +55,16 @@ def test_a_branch_runs_spike_is_replayed_from_where_it_branched(tmp_path: Path) 
     again = pd.read_parquet(out / "replay" / "step30" / "steps.parquet").set_index("step")["loss"]
     original = pd.read_parquet(out / "steps.parquet").set_index("step")["loss"]
     pd.testing.assert_series_equal(again, original.loc[25:30], check_exact=True)
+
+
+def test_an_unflagged_steps_threshold_leaves_the_flagged_spikes_out(tmp_path: Path) -> None:
+    """--step 32 after a one-step spike at 30 (inputs x 5): the band took in the spike's value, as the rule does not."""
+    import numpy as np
+
+    out = _run(tmp_path / "run", *SPIKY, "data.scale=5.0")
+    flagged = pd.read_parquet(out / "anomalies.parquet").query("signal == 'loss'")["step"].tolist()
+    assert flagged == [30]
+    losses = pd.read_parquet(out / "steps.parquet").set_index("step")["loss"]
+    window = losses.loc[0:31].drop(index=30).to_numpy()
+    expected = window.mean() + 6.0 * max(window.std(), 1e-3 * abs(window.mean()))
+    assert np.isclose(find_spike(out, 32, 1).threshold, expected, rtol=1e-12, atol=0)

@@ -146,8 +146,12 @@ def find_spike(run_dir: Path, step: int | None, horizon: int) -> Spike:
     z = float(spikes.attrs.get("z", 6.0))
     if len(row):
         threshold = float(row["mean"].iloc[0] + z * row["std"].iloc[0])
-    else:  # a step that was not flagged: the rule's band over the losses before it
-        window = losses[losses.index < step].tail(128)
+    else:  # a step that was not flagged: the rule's band over the losses before it, flagged ones left out
+        flagged: set[int] = set()
+        for at, through in zip(spikes["step"] if len(spikes) else [], spikes.get("through", [None] * len(spikes)),
+                               strict=True):  # fmt: skip
+            flagged.update(range(int(at), int(at if pd.isna(through) else through) + 1))
+        window = losses[(losses.index < step) & ~losses.index.isin(sorted(flagged))].tail(128)
         threshold = float(window.mean() + z * max(window.std(ddof=0), 1e-3 * abs(window.mean())))
     tap = row["first_tap"].iloc[0] if len(row) and "first_tap" in row else None
     return Spike(run_dir, step, start, horizon, threshold, config, tap if isinstance(tap, str) else None, losses,
