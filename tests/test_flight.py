@@ -62,3 +62,21 @@ def test_a_nan_spike_reproduced_as_nan_reproduces(tmp_path: Path) -> None:
         pd.DataFrame({"step": [2, 3, 4], "loss": [0.4, at_3, nan]}).to_parquet(tmp_path / job / "steps.parquet")
     table = results(_spike(tmp_path, 3, {2: 0.4, 3: nan, 4: nan}), tmp_path, ["baseline", "other"])  # type: ignore[arg-type]
     assert table.set_index("intervention")["reproduces"].to_dict() == {"baseline": True, "other": False}
+
+
+def test_skip_batch_evaluates_on_the_runs_held_out_set() -> None:
+    """SkipBatches hid the inner source's `held_out`: the skip_batch branch measured eval_loss on another set."""
+    import torch
+
+    from gradrunner.data import Corrupted, Synthetic
+    from gradrunner.run.branch import skipping
+    from gradrunner.run.evaluation import eval_source, fixed_batches, held_out_seed
+
+    cfg = compose_cfg("+experiment=mlp", "data=corrupted", "train.eval_every=1", "train.eval_batches=2")
+    inner = {k: v for k, v in cfg.data.inner.items() if k != "_target_"}
+    run_data = Corrupted(Synthetic(**inner), at_batch=60, scale=1000.0)
+    branch_data = skipping("gradrunner.data.Corrupted", [60], inner=Synthetic(**inner), at_batch=60, scale=1000.0)
+    sets = [fixed_batches(eval_source(cfg, d).source, 2, held_out_seed(0), torch.device("cpu"), torch.float32)
+            for d in (run_data, branch_data)]  # fmt: skip
+    for (xa, ya), (xb, yb) in zip(*sets, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)

@@ -187,7 +187,8 @@ class SkipBatches:
 
         SkipBatches(inner=Synthetic(), skip=[30])    # a branch that leaves out step 30's batch
 
-    With `train.accumulate=N`, step S takes batches S*N .. S*N+N-1.
+    With `train.accumulate=N`, step S takes batches S*N .. S*N+N-1. Its evaluation data (`held_out`) is the
+    inner source's, so `train.eval_every` measures the branch on the run's evaluation set.
     """
 
     def __init__(self, inner: object, skip: Sequence[int]) -> None:
@@ -197,6 +198,11 @@ class SkipBatches:
         for i, batch in enumerate(as_batches(self.inner, device, dtype)):
             if i not in self.skip:
                 yield batch
+
+    @property
+    def held_out(self) -> Any:
+        """The inner source's `held_out(seed)`, or None: the branch evaluates on the run's own held-out set."""
+        return getattr(self.inner, "held_out", None)
 
 
 def skipping(skip_target: str, skip_batches: Sequence[int], **options: Any) -> SkipBatches:
