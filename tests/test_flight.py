@@ -80,3 +80,21 @@ def test_skip_batch_evaluates_on_the_runs_held_out_set() -> None:
             for d in (run_data, branch_data)]  # fmt: skip
     for (xa, ya), (xb, yb) in zip(*sets, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+@pytest.mark.parametrize(("bad", "named"), [
+    ({"replay": 3}, "record() and the callbacks have none); allowed: enabled, z, window, warmup"),
+    ({"enabled": "no"}, "anomaly enabled='no' is not allowed; it must be True or False"),
+    ({"enabled": 1}, "anomaly enabled=1 is not allowed"),
+])  # fmt: skip
+def test_record_refuses_replay_and_a_non_bool_enabled(tmp_path: Path, bad: dict[str, object], named: str) -> None:
+    """record(anomaly={'replay': 3}) was accepted (record() has no replay), and enabled='no' turned the detector on."""
+    from torch import nn
+
+    from gradrunner import record
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(GradrunnerError) as e:
+        record(model, ["0:output"], tmp_path / "rec", anomaly=bad)
+    assert named in str(e.value)
+    assert "\n" not in str(e.value) and not (tmp_path / "rec").exists()

@@ -128,26 +128,41 @@ def open_writers(
     return gathered(dist, grads, pending), gathered(dist, steps, pending, completes_step=True)
 
 
-def detector_for(anomaly: bool | Mapping[str, Any] | None) -> Detector | None:
+#: The keys of an `anomaly` mapping: the detector's settings (the runner's `anomaly.*` adds `replay`).
+DETECTOR_KEYS = ("enabled", "z", "window", "warmup")
+
+
+def detector_for(anomaly: bool | Mapping[str, Any] | None, replay: bool = False) -> Detector | None:
     """The spike detector an `anomaly` option asks for: True (the defaults), a mapping of `enabled`, `z`,
-    `window`, `warmup` (the config's `anomaly.*`), or False/None (off). Bad settings: one paragraph.
+    `window`, `warmup` (`record()`'s and the callbacks'), or False/None (off). Bad settings: one paragraph.
 
     Example::
 
         detector_for({"z": 8, "window": 64})      # Detector(z=8, window=64, warmup=20)
+
+    `replay`: the mapping is the runner's `anomaly.*` config, whose `replay` the runner acts on after the run;
+    `record()` and the callbacks have no replay, and a `replay` key there is refused.
     """
     if anomaly is None or anomaly is False:
         return None
     if anomaly is True:
         return Detector()
+    allowed = (*DETECTOR_KEYS, "replay") if replay else DETECTOR_KEYS
+    example = "anomaly={'enabled': True, 'z': 6, 'window': 128, 'warmup': 20}"
     if not hasattr(anomaly, "get"):
         raise GradrunnerError(f"anomaly={anomaly!r} is not allowed; pass True (the defaults), False (off) or a "
-                              "dict of z, window, warmup, e.g. anomaly={'z': 6, 'window': 128, 'warmup': 20}")  # fmt: skip
-    unknown = [str(k) for k in anomaly if k not in ("enabled", "z", "window", "warmup", "replay")]
+                              f"dict of {', '.join(DETECTOR_KEYS)}, e.g. {example}")  # fmt: skip
+    unknown = [str(k) for k in anomaly if k not in allowed]
     if unknown:
-        raise GradrunnerError(f"anomaly has the unknown key(s) {', '.join(unknown)}; allowed: enabled, z, window, "
-                              "warmup")  # fmt: skip
-    if not anomaly.get("enabled", True):
+        why = (" (replay re-runs a spike's steps from the runner's kept checkpoints: the runner's anomaly.replay; "
+               "record() and the callbacks have none)" if "replay" in unknown else "")  # fmt: skip
+        raise GradrunnerError(f"anomaly has the unknown key(s) {', '.join(unknown)}{why}; allowed: "
+                              f"{', '.join(allowed)}, e.g. {example}")  # fmt: skip
+    enabled = anomaly.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise GradrunnerError(f"anomaly enabled={enabled!r} is not allowed; it must be True or False (a bool), e.g. "
+                              f"{example}")  # fmt: skip
+    if not enabled:
         return None
     return Detector(anomaly.get("z", Z), anomaly.get("window", WINDOW), anomaly.get("warmup", WARMUP))
 
@@ -198,7 +213,8 @@ class StepEngine:
         self.live_every, self.log_to = live_every, log_to
         self.device = _device_of(inner)
         #: The spike detector (`anomaly`), fed each step's host values on the main rank; None: off.
-        self.detector = detector_for(anomaly) if self.main else None
+        # the runner's `anomaly.*` may hold `replay`; record() and the callbacks checked theirs without it (record_options)
+        self.detector = detector_for(anomaly, replay=True) if self.main else None
         #: Whether the runner logs the spikes itself at a normal end (its health summary holds them).
         self.spikes_in_last_word = False
         self._observed, self._resumed = 0, False  # a resumed run's detector is rebuilt from its records at the end
