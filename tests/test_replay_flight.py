@@ -68,3 +68,19 @@ def test_an_unflagged_steps_threshold_leaves_the_flagged_spikes_out(tmp_path: Pa
     window = losses.loc[0:31].drop(index=30).to_numpy()
     expected = window.mean() + 6.0 * max(window.std(), 1e-3 * abs(window.mean()))
     assert np.isclose(find_spike(out, 32, 1).threshold, expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("scheduler", ["onecycle", "cosine"])
+def test_a_branch_with_half_the_rate_has_half_the_runs_rate_at_every_step(tmp_path: Path, scheduler: str) -> None:
+    """OneCycleLR recomputes lr from max_lr/min_lr: lr_half halved the branch's first step only."""
+    import numpy as np
+
+    src = (*SPIKY, "data.scale=nan", f"scheduler={scheduler}", "train.checkpoint_every=5")  # a NaN spike: kept 25
+    if scheduler == "cosine":
+        src = (*src, "scheduler.eta_min=0.01")  # a floor of its own: halved too
+    source = _run(tmp_path / "source", *src, "anomaly.replay=3")
+    out = _run(tmp_path / "branch", *src, f"train.branch_from={source}:25", "optimizer.lr=0.05")
+    theirs = pd.read_parquet(source / "steps.parquet").set_index("step")["lr"].loc[25:]
+    ours = pd.read_parquet(out / "steps.parquet").set_index("step")["lr"]
+    assert ours.index.tolist() == list(range(25, 34))
+    np.testing.assert_allclose(ours.to_numpy(), theirs.to_numpy() / 2, rtol=1e-12, atol=0)

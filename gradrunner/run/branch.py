@@ -5,8 +5,9 @@ A run made with `anomaly.replay=K` keeps the checkpoints a replay or an autopsy 
 new run (its own dir and run id) from the kept state before `<step>`: model, optimizer, scheduler,
 GradScaler, generators and data position, as `resume=true` continues a run. From there the branch runs
 its own config; a change of an `optimizer.*` hyperparameter (`lr`, `weight_decay`, `betas`, ...) is put
-into the loaded optimizer state (a changed `lr` scales the scheduled rate and the scheduler's base
-rates by new/old), and `train.branch_reset_moments=true` drops the optimizer's per-parameter state.
+into the loaded optimizer state (a changed `lr` scales every rate the optimizer and a stock scheduler
+hold by new/old: `lr`, `initial_lr`, OneCycleLR's `max_lr`/`min_lr`, the scheduler's base, last, max
+and min rates and `eta_min`), and `train.branch_reset_moments=true` drops the optimizer's per-parameter state.
 `<step>` 0 needs no checkpoint: the branch is the config run from its seed.
 
 The branch's records start at `<step>` (the steps before are the source run's records, not the
@@ -164,20 +165,36 @@ def _apply_changes(state: dict[str, Any], old: dict[str, Any], new: dict[str, An
         if key.startswith("_") or before.get(key) == value or not all(key in g for g in groups):
             continue
         if key == "lr":
-            ratio = float(value) / float(before["lr"])
-            for g in groups:
-                g["lr"] *= ratio
-                if "initial_lr" in g:
-                    g["initial_lr"] *= ratio
-            sched = state.get("scheduler")
-            for name in ("base_lrs", "_last_lr"):
-                if sched is not None and isinstance(sched.get(name), list):
-                    sched[name] = [float(v) * ratio for v in sched[name]]
+            _scale_rates(state, float(value) / float(before["lr"]))
         else:
             for g in groups:
                 g[key] = tuple(value) if isinstance(value, list) else value
     if reset:
         state["optimizer"]["state"] = {}
+
+
+#: The rates a scheduler keeps in each param group (OneCycleLR recomputes lr from max_lr and min_lr each step).
+GROUP_RATES = ("lr", "initial_lr", "max_lr", "min_lr")
+#: The rates a stock scheduler keeps in its state: base and last rates, CyclicLR's max_lrs,
+#: ReduceLROnPlateau's min_lrs, the cosine schedules' eta_min (the floor they approach).
+SCHEDULER_RATES = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min")
+
+
+def _scale_rates(state: dict[str, Any], ratio: float) -> None:
+    """A changed `optimizer.lr` (new/old = `ratio`): every rate the optimizer and the scheduler hold scaled by it,
+    so the branch's rate is `ratio` x the run's at every step, whatever the stock scheduler recomputes it from."""
+    for g in state["optimizer"]["param_groups"]:
+        for name in GROUP_RATES:
+            if isinstance(g.get(name), int | float) and not isinstance(g[name], bool):
+                g[name] *= ratio
+    sched = state.get("scheduler")
+    if not isinstance(sched, dict):
+        return
+    for name in SCHEDULER_RATES:
+        if isinstance(sched.get(name), list):
+            sched[name] = [float(v) * ratio for v in sched[name]]
+        elif isinstance(sched.get(name), int | float) and not isinstance(sched[name], bool):
+            sched[name] = float(sched[name]) * ratio
 
 
 class SkipBatches:
