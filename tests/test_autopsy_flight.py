@@ -139,3 +139,22 @@ def test_a_missing_kept_state_or_a_bad_override_is_refused_before_any_branch(
     err = capsys.readouterr().err
     assert "state-000000025.pt cannot be read (FileNotFoundError" in err and err.count("\n") == 1
     assert "Traceback" not in err and not (copy / "autopsy").exists()
+
+
+def test_a_run_stopped_on_its_spike_is_autopsied(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """capture.on_nonfinite=stop ends the run at its NaN step (failed.json, no done.json); its kept checkpoint and
+    replay are there, but the autopsy said 'not a completed run dir'. Its branches run through the spike."""
+    from conftest import SEARCHPATH
+
+    stopped = gradrunner_in_process(tmp_path, "+experiment=mlp", f"steps={STEPS}", "data=spiky_batch", SEARCHPATH,
+                                    "data.scale=nan", "capture.on_nonfinite=stop", "train.checkpoint_every=5",
+                                    "anomaly.replay=3", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    run_dir = tmp_path / "run"
+    assert stopped.returncode == 2 and (run_dir / "failed.json").is_file() and not (run_dir / "done.json").exists()
+    argv = [str(run_dir), "--horizon", "1", "--interventions", "baseline,skip_batch"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "baseline reproduces the spike" in capsys.readouterr().out
+    table = pd.read_parquet(run_dir / "autopsy" / "step30" / "autopsy.parquet").set_index("intervention")
+    baseline = _losses(run_dir / "autopsy" / "step30" / str(table.loc["baseline", "job"]))
+    pd.testing.assert_series_equal(baseline.loc[25:30], _losses(run_dir).loc[25:30], check_exact=True)  # NaN at 30
+    assert baseline.index.max() == 31 and bool(table.loc["skip_batch", "avoided"])

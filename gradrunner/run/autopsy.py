@@ -51,7 +51,7 @@ from gradrunner.records import rundir
 from gradrunner.records.atomic import write_atomically
 from gradrunner.records.checkpoint_files import file_digest
 from gradrunner.run import branch
-from gradrunner.run.checkpoint import KEPT_MANIFEST
+from gradrunner.run.checkpoint import KEPT_DIR, KEPT_MANIFEST
 from gradrunner.run.replay import loss_spikes, spike_starts
 
 AUTOPSY_DIR, RESULT_FILE, PAGE_FILE, CONF_DIR = "autopsy", "autopsy.parquet", "autopsy.html", ".autopsy_conf"
@@ -116,10 +116,7 @@ DEFAULT = tuple(INTERVENTIONS)
 
 def find_spike(run_dir: Path, step: int | None, horizon: int) -> Spike:
     """The spike to autopsy in `run_dir` and the kept checkpoint a branch starts from; one paragraph for bad input."""
-    state = rundir.job_state(run_dir) if run_dir.is_dir() else None
-    if state is None or state.marker is None or not (run_dir / "steps.parquet").is_file():
-        raise GradrunnerError(f"{run_dir} is not a completed run dir (no done.json and steps.parquet); pass the dir "
-                              "of a run made with train.checkpoint_every=N anomaly.replay=K")  # fmt: skip
+    config = _source_config(run_dir)
     if horizon < 1:
         raise GradrunnerError(f"--horizon {horizon} is not allowed; it must be an integer >= 1 (steps after the spike)")
     spikes = loss_spikes(run_dir)
@@ -128,7 +125,6 @@ def find_spike(run_dir: Path, step: int | None, horizon: int) -> Spike:
         if not starts:
             raise GradrunnerError(f"{run_dir} has no flagged loss spike; pass the step to autopsy with --step S")
         step = starts[0]
-    config = dict(state.marker["config"])
     losses = pd.read_parquet(run_dir / "steps.parquet", columns=["step", "loss"]).set_index("step")["loss"]
     first, last = (int(losses.index.min()), int(losses.index.max())) if len(losses) else (0, -1)
     if not first <= step <= last:
@@ -156,6 +152,23 @@ def find_spike(run_dir: Path, step: int | None, horizon: int) -> Spike:
     tap = row["first_tap"].iloc[0] if len(row) and "first_tap" in row else None
     return Spike(run_dir, step, start, horizon, threshold, config, tap if isinstance(tap, str) else None, losses,
                  origin)  # fmt: skip
+
+
+def _source_config(run_dir: Path) -> dict[str, Any]:
+    """The config the run ran with: `done.json`'s, or, for a run that stopped on its spike
+    (`capture.on_nonfinite=stop`: `failed.json`), that of the checkpoints it kept. One paragraph when neither."""
+    state = rundir.job_state(run_dir) if run_dir.is_dir() else None
+    has_steps = (run_dir / "steps.parquet").is_file()
+    if state is not None and state.marker is not None and has_steps:
+        return dict(state.marker["config"])
+    if state is not None and state.status == "failed" and has_steps:
+        if (run_dir / KEPT_DIR / KEPT_MANIFEST).is_file():
+            return dict(branch.kept(run_dir).config)
+        raise GradrunnerError(f"{run_dir} is a run that failed ({one_paragraph(state.error or 'failed.json')}) and kept "
+                              "no checkpoint, so nothing can branch from before its spike; make it again with "
+                              "train.checkpoint_every=N anomaly.replay=K (a run stopped on its spike keeps them too)")  # fmt: skip
+    raise GradrunnerError(f"{run_dir} is not a completed run dir (no done.json and steps.parquet); pass the dir "
+                          "of a run made with train.checkpoint_every=N anomaly.replay=K")  # fmt: skip
 
 
 def _check_state(found: branch.Kept, step: int) -> None:
@@ -229,6 +242,8 @@ def base_config(spike: Spike) -> dict[str, Any]:
                                        branch_reset_moments=False)  # fmt: skip
     cfg.setdefault("anomaly", {})["replay"] = 0
     cfg.update(resume=False, report=False)
+    # a run stopped on its spike (on_nonfinite=stop): its branches run through S..S+H, where a stop would end them
+    cfg.setdefault("capture", {})["on_nonfinite"] = "record"
     return cfg
 
 
