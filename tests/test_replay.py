@@ -190,3 +190,24 @@ def test_a_run_capturing_every_few_steps_is_replayed_in_full_over_the_window(tmp
     assert sorted(replayed["step"].unique()) == list(range(25, 31))
     assert replayed["values"].map(len).eq(replayed["numel"]).all()
     assert verdict["records"] == 11  # the one step of the window the run captured (28), compared value for value
+
+
+def test_a_replay_the_job_did_not_finish_is_done_when_the_job_is_run_again(source: Path, tmp_path: Path) -> None:
+    """Killed while it replayed its spike (the job's done.json written, the replay's verdict not): `resume=true`
+    finds the job complete and replays what is missing (it said "already completed: skipped" and never did);
+    a replay with its verdict is not done again."""
+    import shutil
+
+    job = tmp_path / "job"
+    shutil.copytree(source, job)
+    verdict = job / "replay" / "step30" / "replay.json"
+    want = json.loads(verdict.read_text())
+    verdict.unlink()
+    (job / "replay" / "step30" / "done.json").unlink()  # the replay's own job killed before its end
+    _run(job, *SOURCE, "resume=true")
+    got = json.loads(verdict.read_text())
+    assert got["exact"] is True and {k: v for k, v in got.items() if k != "directory"} == {
+        k: v for k, v in want.items() if k != "directory"}  # fmt: skip
+    before = verdict.stat().st_mtime_ns
+    _run(job, *SOURCE, "resume=true")
+    assert verdict.stat().st_mtime_ns == before

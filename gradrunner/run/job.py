@@ -98,6 +98,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
                 raise
             if decision == "skip":
                 lock.leave_no_trace()  # Hydra rewrote .hydra/ of the completed job: put it back
+                if dist is None:
+                    _replay(directory, cfg)  # a replay the job's first run did not finish (killed): the rest of them
                 return directory / GRADS_FILE
             if dist is None:
                 branch.seed(directory, cfg)  # train.branch_from: the state it starts from (run.branch)

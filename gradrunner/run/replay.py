@@ -175,7 +175,9 @@ def after_run(run_dir: Path, cfg: DictConfig, run: Runner) -> list[Replayed]:
 
         after_run(job_dir, cfg, run.job.run)     # [Replayed(step=30, start=25, exact=True, ...)]; each said in the log
 
-    A replay that fails is told (one paragraph) and the others go on: the run itself is complete.
+    A replay that fails is told (one paragraph) and the others go on: the run itself is complete. A spike
+    whose replay wrote its verdict (`replay/step<N>/replay.json`) is not replayed again: a completed job
+    re-run (`resume=true`, a sweep re-run) replays only the spikes a killed or interrupted replay left.
     """
     k = int(OmegaConf.select(cfg, "anomaly.replay", default=0) or 0)
     if k <= 0:
@@ -194,6 +196,8 @@ def after_run(run_dir: Path, cfg: DictConfig, run: Runner) -> list[Replayed]:
     prune(run_dir, set(starts.values()) | autopsy)
     done = []
     for s, start in starts.items():
+        if (run_dir / REPLAY_DIR / f"step{s}" / VERDICT_FILE).is_file():
+            continue  # replayed before (the job re-run after its replays, or after one killed midway: the rest)
         # a branch run with no kept state before the spike: its own start, from where it branched
         origin = str(cfg.train.branch_from) if start == first > 0 and start not in states else None
         try:
