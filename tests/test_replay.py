@@ -97,6 +97,17 @@ def test_a_branch_from_a_step_without_a_kept_checkpoint_names_the_kept_ones(sour
     assert not (tmp_path / "branch" / "grads.parquet").exists()
 
 
+def test_a_branch_from_a_kept_state_that_is_gone_is_one_paragraph(source: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "source"
+    shutil.copytree(source, copy, ignore=shutil.ignore_patterns("replay"))
+    (copy / "checkpoints" / "state-000000025.pt").unlink()
+    with pytest.raises(GradrunnerError, match=r"state-000000025.pt, the state kept.json lists for step 25, is missing"):
+        _run(tmp_path / "branch", *SOURCE[:-1], f"train.branch_from={copy}:25")
+    assert not (tmp_path / "branch" / "grads.parquet").exists()
+
+
 def test_replay_without_checkpoints_is_one_paragraph() -> None:
     with pytest.raises(GradrunnerError, match=r"anomaly.replay=3 needs train.checkpoint_every") as e:
         validate(compose_cfg("+experiment=mlp", "anomaly.replay=3"))

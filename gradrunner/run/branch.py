@@ -139,6 +139,9 @@ def seed(directory: Path, cfg: DictConfig) -> None:
                 f"checkpoints before steps {steps} (or branch from step 0: the config run from its seed)"
             )
         path = k.path(step)
+        if not path.is_file():
+            raise GradrunnerError(f"train.branch_from={branch_from!r}: {path}, the state {KEPT_MANIFEST} lists for step "
+                                  f"{step}, is missing (deleted or moved); make the source run again")  # fmt: skip
         if file_digest(path) != k.states[step]["sha256"]:
             raise GradrunnerError(f"train.branch_from={branch_from!r}: {path} is not the file {KEPT_MANIFEST} recorded "
                                   "(its bytes changed after it was written); make the source run again")  # fmt: skip
