@@ -104,7 +104,9 @@ def jobs(path: str | os.PathLike[str], on_damaged: str = "raise", notes: list[st
         warnings.simplefilter("always")
         grads = load(root, columns=_GRADS_READ, on_damaged=on_damaged)
         steps = _load_steps(root, on_damaged)
-    said += [one_paragraph(w.message) for w in caught if issubclass(w.category, (DamagedRecordsWarning, IncompleteSweepWarning))]
+    # Both reads warn of the same jobs: each warning once, in order.
+    said += list(dict.fromkeys(one_paragraph(w.message) for w in caught
+                               if issubclass(w.category, (DamagedRecordsWarning, IncompleteSweepWarning))))  # fmt: skip
     grads, steps = _same_jobs(root, grads, steps, on_damaged, said)
     found = []
     for name, rows in _by_job(grads):

@@ -1,0 +1,80 @@
+"""The exporters' edges (a hunt of `gradrunner.export`): what each target holds is read back with its own reader.
+
+TensorBoard through `EventAccumulator`, MLflow through `MlflowClient` on a local `file:` store, W&B through its
+offline `.wandb` file. Runs are tiny and written in-process by `gradrunner.record`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+
+import gradrunner
+from gradrunner import export
+
+
+def _record(directory: Path, steps: int = 2, seed: int = 0, taps: Sequence[str] = ("0:output", "2:weight"),
+            model: nn.Module | None = None, **options: object) -> Path:  # fmt: skip
+    """A run dir written by `record`: `steps` steps of a tiny model (0 steps: a completed run with no rows)."""
+    torch.manual_seed(seed)
+    model = model if model is not None else nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradrunner.record(model, list(taps), directory, **options) as rec:  # type: ignore[arg-type]
+        for _ in range(steps):
+            loss = model(torch.randn(5, 3)).pow(2).mean()
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    return directory
+
+
+def _norms(run_dir: Path, tap: str = "0:output") -> dict[int, float]:
+    rows = pd.read_parquet(run_dir / "grads.parquet").query("tap == @tap")
+    return {int(s): float(v) for s, v in zip(rows.step, rows.norm, strict=True)}
+
+
+def _tensorboard(logdir: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0})
+    acc.Reload()
+    out: dict[str, dict[int, float]] = {}
+    for tag in acc.Tags()["scalars"]:
+        events = acc.Scalars(tag)
+        assert len(events) == len({e.step for e in events}), tag  # one point per step
+        out[tag] = {e.step: e.value for e in events}
+    return out
+
+
+def _close(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want)
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(want)], rtol=1e-6)
+
+
+def _one_error(capsys: pytest.CaptureFixture[str], *words: str) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+# --- which jobs are read ----------------------------------------------------------------------------------
+
+
+def test_each_warning_is_printed_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tensorboard")
+    sweep = tmp_path / "sweep"
+    for job in ("0", "1"):
+        _record(sweep / job)
+    (sweep / "1" / "done.json").unlink()  # job 1 did not complete: load warns, reading grads and steps
+    assert export.main(["tensorboard", str(sweep), "--out", str(tmp_path / "tb")]) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "did not complete" in lines[0], lines
