@@ -69,6 +69,16 @@ def _one_error(capsys: pytest.CaptureFixture[str], *words: str) -> str:
 # --- which jobs are read ----------------------------------------------------------------------------------
 
 
+def test_a_job_dir_named_run_is_a_job_like_any_other(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    parent = tmp_path / "parent"
+    _record(parent / "run", seed=1)
+    _record(parent / "other", seed=2)
+    assert export.main(["tensorboard", str(parent), "--out", str(tmp_path / "tb")]) == 0
+    for job in ("run", "other"):
+        _close(_tensorboard(tmp_path / "tb" / job)["grads/0:output/norm"], _norms(parent / job))
+
+
 def test_each_warning_is_printed_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("tensorboard")
     sweep = tmp_path / "sweep"

@@ -64,6 +64,11 @@ STEPS_SCALARS = tuple(
 )  # fmt: skip
 #: What an exporter reads of `grads.parquet` (the per-element columns `values`, `per_example_norm` are not exported).
 _GRADS_READ = [n for n in grads_schema(histogram=True).names if n not in ("values", PER_EXAMPLE_COLUMN)]
+#: The name a run dir (the root itself, not a sweep's job) is exported by.
+ROOT_NAME = "run"
+#: The root's key among the jobs' names (their dirs below the root): no job dir is named ".", so a job dir
+#: named "run" is a job like any other.
+_ROOT = "."
 
 
 @dataclass
@@ -110,8 +115,8 @@ def jobs(path: str | os.PathLike[str], on_damaged: str = "raise", notes: list[st
     grads, steps = _same_jobs(root, grads, steps, on_damaged, said)
     found = []
     for name, rows in _by_job(grads):
-        d = root / name if name != "run" else root
-        job = Job(name, d, _params(d, said), run_id=str(rows["run_id"].iloc[0]))
+        d = root if name == _ROOT else root / name
+        job = Job(ROOT_NAME if name == _ROOT else name, d, _params(d, said), run_id=str(rows["run_id"].iloc[0]))
         per_step = combine_micro_steps(rows)
         job.scalars = grad_scalars(per_step)
         job.histograms = _histograms(d, per_step)
@@ -134,7 +139,8 @@ def _record_files(root: Path) -> list[Path]:
 
 
 def _job_names(df: pd.DataFrame) -> pd.Series:
-    return df["job"].astype(str) if "job" in df.columns else pd.Series("run", index=df.index)
+    """Each row's job: its dir below the root (load's `job` column), `_ROOT` for the root itself (a run dir)."""
+    return df["job"].astype(str) if "job" in df.columns else pd.Series(_ROOT, index=df.index)
 
 
 def _by_job(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
@@ -150,7 +156,7 @@ def _same_jobs(
     under "skip"."""
     names = _job_names(grads)
     read = {GRADS_FILE: set(names), STEPS_FILE: set(_job_names(steps)) if steps is not None else set()}
-    dirs = {d.relative_to(root).as_posix(): d for d in rundir.job_dirs_below(root) if d != root} | {"run": root}
+    dirs = {d.relative_to(root).as_posix(): d for d in rundir.job_dirs_below(root) if d != root} | {_ROOT: root}
     markers = {n: rundir.read_marker(d)[0] for n, d in dirs.items()}
     lacking = {}
     for name in sorted(read[GRADS_FILE] | read[STEPS_FILE] | {n for n, m in markers.items() if m is not None}):
