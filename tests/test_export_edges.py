@@ -69,6 +69,22 @@ def _one_error(capsys: pytest.CaptureFixture[str], *words: str) -> str:
 # --- which jobs are read ----------------------------------------------------------------------------------
 
 
+def test_a_completed_job_of_zero_steps_is_left_out_with_a_true_note(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tensorboard")
+    sweep = tmp_path / "sweep"
+    _record(sweep / "0", steps=0)
+    _record(sweep / "1", steps=2)
+    assert export.main(["tensorboard", str(sweep), "--out", str(tmp_path / "tb")]) == 0
+    err = capsys.readouterr().err
+    assert f"{sweep / '0'}: recorded no rows" in err and "could not be read" not in err, err
+    assert not (tmp_path / "tb" / "0").exists()
+    _close(_tensorboard(tmp_path / "tb" / "1")["grads/0:output/norm"], _norms(sweep / "1"))
+    # nothing with rows: said so, not "do not verify"
+    assert export.main(["tensorboard", str(sweep / "0"), "--out", str(tmp_path / "tb0")]) == 2
+    _one_error(capsys, "nothing to export", "recorded no rows")
+    assert not (tmp_path / "tb0").exists()
+
+
 def test_a_job_dir_named_run_is_a_job_like_any_other(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     parent = tmp_path / "parent"

@@ -2,7 +2,8 @@
 
 Records are read through `gradrunner.analysis.load`, so they are verified as `load` verifies them
 (page checksums; run id, rows and footer against `done.json`): a damaged, foreign or partial job is
-refused by name, or left out with a warning under `on_damaged="skip"`, never exported wrong. Then
+refused by name, or left out with a warning under `on_damaged="skip"`, never exported wrong; a completed
+job that recorded no rows (its `done.json` says 0) is left out with a note saying so. Then
 
 - under gradient accumulation a step's micro-batch records are combined into one per (step, tap,
   call, rank): the whole batch's gradient (`analysis.micro.combine_micro_steps`);
@@ -113,15 +114,20 @@ def jobs(path: str | os.PathLike[str], on_damaged: str = "raise", notes: list[st
     said += list(dict.fromkeys(one_paragraph(w.message) for w in caught
                                if issubclass(w.category, (DamagedRecordsWarning, IncompleteSweepWarning))))  # fmt: skip
     grads, steps = _same_jobs(root, grads, steps, on_damaged, said)
+    by_job = dict(_by_job(grads))
+    steps_by_job = dict(_by_job(steps)) if steps is not None else {}
     found = []
-    for name, rows in _by_job(grads):
+    for name in dict.fromkeys([*by_job, *steps_by_job]):  # a job that recorded losses but no gradient too
         d = root if name == _ROOT else root / name
-        job = Job(ROOT_NAME if name == _ROOT else name, d, _params(d, said), run_id=str(rows["run_id"].iloc[0]))
-        per_step = combine_micro_steps(rows)
-        job.scalars = grad_scalars(per_step)
-        job.histograms = _histograms(d, per_step)
-        if steps is not None:
-            job.scalars += _steps_scalars(d, steps[steps["_job"] == name])
+        rows, step_rows = by_job.get(name), steps_by_job.get(name)
+        run_id = str(next(r for r in (rows, step_rows) if r is not None)["run_id"].iloc[0])
+        job = Job(ROOT_NAME if name == _ROOT else name, d, _params(d, said), run_id=run_id)
+        if rows is not None:
+            per_step = combine_micro_steps(rows)
+            job.scalars = grad_scalars(per_step)
+            job.histograms = _histograms(d, per_step)
+        if step_rows is not None:
+            job.scalars += _steps_scalars(d, step_rows)
         job.scalars.sort(key=lambda s: s[1])
         found.append(job)
     return found
@@ -153,28 +159,40 @@ def _same_jobs(
 ) -> tuple[pd.DataFrame, pd.DataFrame | None]:
     """Only jobs whose every table was read: a job missing from a table it has (or, completed, that its
     `done.json` lists), the file gone or skipped as damaged, is refused under "raise", left out with a note
-    under "skip"."""
-    names = _job_names(grads)
-    read = {GRADS_FILE: set(names), STEPS_FILE: set(_job_names(steps)) if steps is not None else set()}
+    under "skip". A table its `done.json` says has 0 rows was read, and holds none: a job with no rows at all
+    (a completed run of 0 steps) is left out with a note saying so."""
+    read = {GRADS_FILE: set(_job_names(grads)), STEPS_FILE: set(_job_names(steps)) if steps is not None else set()}
     dirs = {d.relative_to(root).as_posix(): d for d in rundir.job_dirs_below(root) if d != root} | {_ROOT: root}
     markers = {n: rundir.read_marker(d)[0] for n, d in dirs.items()}
-    lacking = {}
+    lacking, empty = {}, []
     for name in sorted(read[GRADS_FILE] | read[STEPS_FILE] | {n for n, m in markers.items() if m is not None}):
         d = dirs.get(name, root / name)
-        missing = [f for f in _expected(d, markers.get(name)) if name not in read[f]]
+        none = _no_rows(markers.get(name))
+        missing = [f for f in _expected(d, markers.get(name)) if name not in read[f] and f not in none]
         if missing:
             lacking[name] = f"{d}: its {' and '.join(missing)} could not be read"
+        elif not any(name in r for r in read.values()):
+            empty.append(str(d))
     if lacking and on_damaged == "raise":
         raise GradrunnerError(
             f"cannot export {len(lacking)} job(s) whose records are missing or do not verify: {'; '.join(lacking.values())}"
             ". Re-run them (resume=true), move their dirs away, or pass --on-damaged skip to export the rest."
         )
-    notes += [f"not exported: {why}" for why in lacking.values()]
-    kept = read[GRADS_FILE] - set(lacking)
+    left_out = [*lacking.values(), *(f"{d}: recorded no rows (a completed run of 0 steps)" for d in empty)]
+    kept = (read[GRADS_FILE] | read[STEPS_FILE]) - set(lacking)
+    if not kept and empty and not lacking:
+        raise GradrunnerError(f"nothing to export: {'; '.join(left_out)}. Export a run that recorded steps.")
     if not kept:
-        raise GradrunnerError(f"no job in {root} has records that verify; nothing exported.")
-    kept_steps = None if steps is None else steps.assign(_job=_job_names(steps))
-    return grads[names.isin(kept)], None if kept_steps is None else kept_steps[kept_steps["_job"].isin(kept)]
+        raise GradrunnerError(f"no job in {root} has records that verify ({'; '.join([*notes, *left_out])}); nothing exported.")
+    notes += [f"not exported: {why}" for why in left_out]
+    kept_grads = grads[_job_names(grads).isin(kept)]
+    return kept_grads, None if steps is None else steps[_job_names(steps).isin(kept)]
+
+
+def _no_rows(marker: dict[str, Any] | None) -> set[str]:
+    """The tables a completed job's `done.json` says hold 0 rows (`load` verified the files against it)."""
+    rows = (marker or {}).get("rows")
+    return {f for f, n in rows.items() if n == 0} if isinstance(rows, dict) else set()
 
 
 def _expected(d: Path, marker: dict[str, Any] | None) -> list[str]:
