@@ -6,6 +6,7 @@ offline `.wandb` file. Runs are tiny and written in-process by `gradrunner.recor
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -104,3 +105,33 @@ def test_each_warning_is_printed_once(tmp_path: Path, capsys: pytest.CaptureFixt
     assert export.main(["tensorboard", str(sweep), "--out", str(tmp_path / "tb")]) == 0
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "did not complete" in lines[0], lines
+
+
+# --- TensorBoard: whose export a dir holds ------------------------------------------------------------------
+
+
+def test_tensorboard_keeps_another_runs_export_in_the_same_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("tensorboard")
+    import hashlib
+
+    a, b, out = _record(tmp_path / "a", seed=1), _record(tmp_path / "b", seed=2), tmp_path / "tb"
+    b_dir = out / f"run-{hashlib.sha256(str(b.resolve()).encode()).hexdigest()[:8]}"
+    printed = []
+    for run_dir in (a, b, a, b):  # a re-export of the same run replaces its own export, never the other's
+        assert export.main(["tensorboard", str(run_dir), "--out", str(out)]) == 0
+        printed.append(capsys.readouterr().out)
+    for run_dir, logdir in ((a, out / "run"), (b, b_dir)):
+        _close(_tensorboard(logdir)["grads/0:output/norm"], _norms(run_dir))
+        assert len(list(logdir.glob("events.out.tfevents.*"))) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["run", b_dir.name]
+    assert ["(run)" in printed[0], f"({b_dir.name})" in printed[1]] == [True, True]  # the line names the dir written
+    from gradrunner.export.tensorboard import MARKER
+
+    old = tmp_path / "old"  # an export by an older gradrunner (no marker): replaced as before
+    assert export.main(["tensorboard", str(a), "--out", str(old)]) == 0
+    (old / "run" / MARKER).unlink()
+    assert export.main(["tensorboard", str(b), "--out", str(old)]) == 0
+    assert "(run)" in capsys.readouterr().out and sorted(p.name for p in old.iterdir()) == ["run"]
+    assert len(list((old / "run").glob("events.out.tfevents.*"))) == 1
+    _close(_tensorboard(old / "run")["grads/0:output/norm"], _norms(b))
+    assert json.loads((old / "run" / MARKER).read_text())["source"] == str(b.resolve())

@@ -8,6 +8,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,7 +64,8 @@ def _write(args: argparse.Namespace, found: list[Job]) -> str:
     out = Path(args.out) if args.out else Path(args.dir) / ("mlruns" if args.target == "mlflow" else args.target)
     if args.target == "tensorboard":
         where = to_tensorboard(found, out)
-        return f"wrote {len(where)} run(s) to {out}; view with: tensorboard --logdir {out}"
+        names = ", ".join(p.relative_to(out).as_posix() for p in where)
+        return f"wrote {len(where)} run(s) to {out} ({names}); view with: tensorboard --logdir {shlex.quote(str(out))}"
     if args.target == "mlflow":
         to_mlflow(found, out, args.uri, args.project)
         uri = args.uri or out.resolve().as_uri()

@@ -9,6 +9,8 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import shutil
@@ -18,11 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from gradrunner.analysis.micro import combine_micro_steps
+from gradrunner.errors import GradrunnerError
 from gradrunner.export.jobs import Job, grad_scalars, tag_prefix
 from gradrunner.records.columns import COUNT_COLUMNS, EXTRA_FLOAT_COLUMNS, STAT_COLUMNS
 
 #: The names TensorBoard's event files start with.
 _EVENTS = "events.out.tfevents."
+#: The file in a job's export dir naming the job dir it was exported from (TensorBoard reads event files only).
+MARKER = ".gradrunner-export.json"
 
 
 def to_tensorboard(all_jobs: Sequence[Job], out: Path) -> list[Path]:
@@ -33,19 +38,21 @@ def to_tensorboard(all_jobs: Sequence[Job], out: Path) -> list[Path]:
         to_tensorboard(jobs("runs/mine"), Path("runs/mine/tensorboard"))   # [Path('runs/mine/tensorboard/run')]
 
     A re-export replaces a job's event files (written beside them first, then swapped in): TensorBoard
-    reads every event file of a dir, so appending would draw every point twice.
+    reads every event file of a dir, so appending would draw every point twice. Each job's dir holds a
+    marker naming the job dir it was exported from: another job's export there is kept, and this job is
+    written to `out/<job>-<8 hex of its dir>` instead (`target_dirs`).
     """
     from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
     from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-    written = []
-    for job in all_jobs:
-        target = out / job.name
+    targets = target_dirs(all_jobs, out)  # before anything is written
+    for job, target in zip(all_jobs, targets, strict=True):
         fresh = target.parent / f".{target.name}.gradrunner-export"
         shutil.rmtree(fresh, ignore_errors=True)  # a killed export's leftovers
         writer = EventFileWriter(str(fresh))
         try:
+            (fresh / MARKER).write_text(json.dumps({"source": _source(job), "run_id": job.run_id}))
             now = time.time()
             for s in _hparams_summaries(job.params):
                 writer.add_event(Event(wall_time=now, step=0, summary=s))
@@ -61,13 +68,62 @@ def to_tensorboard(all_jobs: Sequence[Job], out: Path) -> list[Path]:
         finally:
             writer.close()
             shutil.rmtree(fresh, ignore_errors=True)
-        written.append(target)
-    return written
+    return targets
+
+
+def target_dirs(all_jobs: Sequence[Job], out: Path) -> list[Path]:
+    """Each job's dir under `out`: `out/<job>`, unless that holds another job dir's export (its marker says
+    whose); then `out/<job>-<8 hex of the job dir>`. A dir this job's export already holds is reused.
+
+    Example::
+
+        target_dirs(jobs("runs/b"), Path("tb"))     # [Path('tb/run-3f2a9c0d')] when tb/run holds runs/a's export
+
+    A dir with event files and no marker (an export by an older gradrunner) is replaced as before.
+    """
+    taken: set[Path] = set()
+    targets = []
+    for job in all_jobs:
+        source = _source(job)
+        plain, own = out / job.name, out / f"{job.name}-{hashlib.sha256(source.encode()).hexdigest()[:8]}"
+        holders = {d: _holder(d) for d in (plain, own)}
+        mine = [d for d in (plain, own) if holders[d] == source and d not in taken]
+        free = [d for d in (plain, own) if holders[d] is None and d not in taken]
+        if not mine and not free:
+            raise GradrunnerError(f"cannot export {job.directory} to TensorBoard: {plain} and {own} hold other jobs' "
+                                  "exports (or are not directories); pass another --out.")  # fmt: skip
+        targets.append((mine or free)[0])
+        taken.add(targets[-1])
+    return targets
+
+
+def _source(job: Job) -> str:
+    return str(job.directory.resolve())
+
+
+def _holder(target: Path) -> str | None:
+    """Whose export `target` holds: the job dir its marker names; None when free (no dir, or no marker: empty or
+    an older gradrunner's export); "" when it cannot be told (not a dir, a marker that does not read)."""
+    if not target.exists():
+        return None
+    if not target.is_dir():
+        return ""
+    try:
+        marker = json.loads((target / MARKER).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return ""
+    return str(marker.get("source", "")) if isinstance(marker, dict) else ""
 
 
 def _swap_in(fresh: Path, target: Path) -> None:
-    """Replace `target`'s event files with those written in `fresh` (other files in `target` are left alone)."""
+    """Replace `target`'s event files and marker with those written in `fresh` (other files in `target` are left alone).
+
+    The marker goes first: a target never holds this job's events under another job's marker, or none.
+    """
     target.mkdir(parents=True, exist_ok=True)
+    os.replace(fresh / MARKER, target / MARKER)
     for old in target.glob(f"{_EVENTS}*"):
         old.unlink()
     for new in fresh.glob(f"{_EVENTS}*"):
