@@ -6,7 +6,9 @@ offline `.wandb` file. Runs are tiny and written in-process by `gradrunner.recor
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -135,3 +137,45 @@ def test_tensorboard_keeps_another_runs_export_in_the_same_out(tmp_path: Path, c
     assert len(list((old / "run").glob("events.out.tfevents.*"))) == 1
     _close(_tensorboard(old / "run")["grads/0:output/norm"], _norms(b))
     assert json.loads((old / "run" / MARKER).read_text())["source"] == str(b.resolve())
+
+
+# --- live logging: each step once, over an overwritten or resumed run ----------------------------------------
+
+
+def _live(directory: Path, steps: int, seed: int, start: int | None = None, killed: bool = False,
+          **options: object) -> None:  # fmt: skip
+    """`steps` steps logged live (from `start`); `killed`: the session ends by an exception, its run not completed."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    with contextlib.suppress(KeyboardInterrupt):
+        with gradrunner.record(model, ["0:output"], directory, log_to="tensorboard", **options) as rec:  # type: ignore[arg-type]
+            if start is not None:
+                rec.start_at(start)
+            for _ in range(steps):
+                loss = model(torch.randn(5, 3)).pow(2).mean()
+                rec.backward(loss)
+                rec.step(loss)
+            if killed:
+                raise KeyboardInterrupt
+
+
+def test_live_tensorboard_of_an_overwritten_run_holds_the_new_run_only(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    _live(tmp_path / "r", steps=3, seed=1)
+    _live(tmp_path / "r", steps=2, seed=2, overwrite=True)
+    live = _tensorboard(tmp_path / "r" / "tensorboard")
+    _close(live["grads/0:output/norm"], _norms(tmp_path / "r"))  # steps 0, 1 of the new run; not step 2 of the old
+    assert sorted(live["steps/loss"]) == [0, 1]
+
+
+def test_live_tensorboard_of_a_resumed_run_holds_each_step_once(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    _live(tmp_path / "r", steps=3, seed=1, killed=True)
+    before = _norms(tmp_path / "r")
+    # TensorBoard reads a dir's event files in name order, the second of their creation first: as a resumed
+    # process would, the new file is started in a later second than the killed session's.
+    time.sleep(1.01 - time.time() % 1)
+    _live(tmp_path / "r", steps=2, seed=2, start=1, resume=True)  # steps 1, 2 recorded again
+    after = _norms(tmp_path / "r")
+    assert after[0] == before[0] and after[1] != before[1]
+    _close(_tensorboard(tmp_path / "r" / "tensorboard")["grads/0:output/norm"], after)

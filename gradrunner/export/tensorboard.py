@@ -155,13 +155,32 @@ class LiveTensorBoard:
         live.write_step(step, [micro_0, micro_1], loss)   # separate micro-batch records: one value per tap and step
         live.close()
 
-    Tags are the export's (`grads/<tap>/<stat>`, `steps/loss`), so a live log and a later export agree.
+    Tags are the export's (`grads/<tap>/<stat>`, `steps/loss`), so a live log and a later export agree. The
+    event file is opened at the first step written: at step 0 (a run from the start, an overwritten run's
+    dir too) the event files already in `logdir` are removed first; at a later step (a resumed run) a
+    `SessionLog(START)` event at that step makes TensorBoard drop the earlier session's points from it on.
+    Either way each step is drawn once.
     """
 
     def __init__(self, logdir: str | os.PathLike[str]) -> None:
+        self.logdir = Path(logdir)
+        self._writer: Any = None
+
+    def _open(self, step: int) -> Any:
+        """The writer, opened for a first step `step`: the event files of an earlier session reconciled first."""
+        if self._writer is not None:
+            return self._writer
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        self.writer = EventFileWriter(str(logdir))
+        if step == 0:  # the whole run is written again: an earlier session's points are not this run's
+            for old in self.logdir.glob(f"{_EVENTS}*"):
+                old.unlink()
+        self._writer = EventFileWriter(str(self.logdir))
+        if step > 0:  # resumed: TensorBoard purges the points at steps >= `step` it read before this event (the
+            # earlier files: it reads a dir's event files in name order, the second each was started in first)
+            self._writer.add_event(Event(wall_time=time.time(), step=step, session_log=SessionLog(status=SessionLog.START)))
+        return self._writer
 
     def write(self, step: int, recs: Any, loss: float | None) -> None:
         if any(m is not None for m in (getattr(recs, "micro_step", None) or ())):  # a step of several micro-batches
@@ -184,7 +203,7 @@ class LiveTensorBoard:
                     values.append(Summary.Value(tag=f"{prefix}/{c}", simple_value=float(col[i])))
         if loss is not None:  # NaN kept, as the export keeps it
             values.append(Summary.Value(tag="steps/loss", simple_value=float(loss)))
-        self.writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+        self._open(step).add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
 
     def write_step(self, step: int, micro: Sequence[Any], loss: float | None) -> None:
         """One event for a step whose records came in several micro-batches (`micro`, in order), combined.
@@ -212,7 +231,8 @@ class LiveTensorBoard:
         values = [Summary.Value(tag=t, simple_value=v) for t, _, v in grad_scalars(per_step)]
         if loss is not None:
             values.append(Summary.Value(tag="steps/loss", simple_value=float(loss)))
-        self.writer.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+        self._open(step).add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
 
     def close(self) -> None:
-        self.writer.close()
+        if self._writer is not None:
+            self._writer.close()
