@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -23,12 +24,12 @@ from gradrunner import export
 
 
 def _record(directory: Path, steps: int = 2, seed: int = 0, taps: Sequence[str] = ("0:output", "2:weight"),
-            model: nn.Module | None = None, **options: object) -> Path:  # fmt: skip
+            model: nn.Module | None = None, **options: Any) -> Path:  # fmt: skip
     """A run dir written by `record`: `steps` steps of a tiny model (0 steps: a completed run with no rows)."""
     torch.manual_seed(seed)
     model = model if model is not None else nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradrunner.record(model, list(taps), directory, **options) as rec:  # type: ignore[arg-type]
+    with gradrunner.record(model, list(taps), directory, **options) as rec:
         for _ in range(steps):
             loss = model(torch.randn(5, 3)).pow(2).mean()
             rec.backward(loss)
@@ -143,12 +144,12 @@ def test_tensorboard_keeps_another_runs_export_in_the_same_out(tmp_path: Path, c
 
 
 def _live(directory: Path, steps: int, seed: int, start: int | None = None, killed: bool = False,
-          **options: object) -> None:  # fmt: skip
+          **options: Any) -> None:  # fmt: skip
     """`steps` steps logged live (from `start`); `killed`: the session ends by an exception, its run not completed."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
     with contextlib.suppress(KeyboardInterrupt):
-        with gradrunner.record(model, ["0:output"], directory, log_to="tensorboard", **options) as rec:  # type: ignore[arg-type]
+        with gradrunner.record(model, ["0:output"], directory, log_to="tensorboard", **options) as rec:
             if start is not None:
                 rec.start_at(start)
             for _ in range(steps):
@@ -179,3 +180,57 @@ def test_live_tensorboard_of_a_resumed_run_holds_each_step_once(tmp_path: Path) 
     after = _norms(tmp_path / "r")
     assert after[0] == before[0] and after[1] != before[1]
     _close(_tensorboard(tmp_path / "r" / "tensorboard")["grads/0:output/norm"], after)
+
+
+# --- MLflow ------------------------------------------------------------------------------------------------
+
+
+def _mlflow_runs(store: Path, experiment: str = "gradrunner") -> tuple[Any, list[Any]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store.resolve().as_uri())
+    found = client.get_experiment_by_name(experiment)
+    return client, [] if found is None else client.search_runs([found.experiment_id])  # active runs
+
+
+def _history(client: Any, run: Any, key: str) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+
+
+class _Odd(nn.Module):
+    """Modules whose tap names MLflow cannot take as they are: two that clean to one key, two over 250 characters."""
+
+    LONG = "k" * 300
+
+    def __init__(self) -> None:
+        super().__init__()
+        names = ["[x]", "_x_", f"{self.LONG}1", f"{self.LONG}2"]
+        self.blocks = nn.ModuleDict({n: nn.Linear(3, 3 if i < 3 else 1) for i, n in enumerate(names)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+
+def test_mlflow_gives_each_tap_and_param_a_key_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    taps = ["blocks.[[]x]:output", "blocks._x_:output", f"blocks.{_Odd.LONG}1:output", f"blocks.{_Odd.LONG}2:output"]
+    run_dir = _record(tmp_path / "r", steps=2, taps=taps, model=_Odd())
+    truth = pd.read_parquet(run_dir / "grads.parquet")
+    (job,) = export.jobs(run_dir)
+    job.params = {"a@b": "1", "a_b": "2", f"{'p' * 300}1": "3", f"{'p' * 300}2": "4"}
+    for _ in range(2):  # a re-export maps every key the same way
+        export.to_mlflow([job], tmp_path / "mlruns")
+    client, (run,) = _mlflow_runs(tmp_path / "mlruns")
+    data = run.data
+    assert sorted(data.params.values()) == ["1", "2", "3", "4"] and all(len(k) <= 250 for k in data.params)
+    norms = [k for k in data.metrics if k.endswith("/norm")]
+    assert len(norms) == 4 and all(len(k) <= 250 for k in data.metrics)
+    keys = json.loads((Path(client.download_artifacts(run.info.run_id, "gradrunner/keys.json", str(tmp_path)))).read_text())
+    for tap in ("blocks.[x]:output", "blocks._x_:output", f"blocks.{_Odd.LONG}1:output", f"blocks.{_Odd.LONG}2:output"):
+        rows = truth[truth.tap == tap]
+        key = keys["metrics"].get(f"grads/{tap}/norm", f"grads/{tap}/norm")
+        _close(_history(client, run, key), dict(zip(rows.step.astype(int), rows.norm, strict=True)))
+    assert {keys["params"].get(k, k): v for k, v in job.params.items()} == data.params
