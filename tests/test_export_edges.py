@@ -234,3 +234,47 @@ def test_mlflow_gives_each_tap_and_param_a_key_of_its_own(tmp_path: Path, monkey
         key = keys["metrics"].get(f"grads/{tap}/norm", f"grads/{tap}/norm")
         _close(_history(client, run, key), dict(zip(rows.step.astype(int), rows.norm, strict=True)))
     assert {keys["params"].get(k, k): v for k, v in job.params.items()} == data.params
+
+
+def test_mlflow_reexport_replaces_the_run_of_a_path_with_quotes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run_dir = _record(tmp_path / "it's \\ odd" / "r")
+    for _ in range(3):
+        assert export.main(["mlflow", str(run_dir), "--out", str(tmp_path / "mlruns")]) == 0
+    client, runs = _mlflow_runs(tmp_path / "mlruns")
+    assert len(runs) == 1
+    _close(_history(client, runs[0], "grads/0:output/norm"), _norms(run_dir))
+    # a run an older gradrunner exported, tagged with the source only, is replaced too
+    plain = _record(tmp_path / "plain")
+    assert export.main(["mlflow", str(plain), "--out", str(tmp_path / "old")]) == 0
+    client, (old,) = _mlflow_runs(tmp_path / "old")
+    client.delete_tag(old.info.run_id, "gradrunner.source_id")
+    assert export.main(["mlflow", str(plain), "--out", str(tmp_path / "old")]) == 0
+    client, runs = _mlflow_runs(tmp_path / "old")
+    assert [r.info.run_id != old.info.run_id for r in runs] == [True]
+
+
+def test_mlflow_export_that_fails_partway_leaves_the_earlier_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    pytest.importorskip("mlflow")
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run_dir, store = _record(tmp_path / "r"), tmp_path / "mlruns"
+    assert export.main(["mlflow", str(run_dir), "--out", str(store)]) == 0
+    _, (before,) = _mlflow_runs(store)
+    real = MlflowClient.log_batch
+
+    def failing(self: MlflowClient, run_id: str, metrics: Sequence[object] = (), **kw: Any) -> None:
+        if metrics:
+            raise MlflowException("the store went away")
+        real(self, run_id, metrics=metrics, **kw)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", failing)
+    assert export.main(["mlflow", str(run_dir), "--out", str(store)]) == 2
+    _one_error(capsys, "the store went away")
+    client, runs = _mlflow_runs(store)
+    assert [(r.info.run_id, r.info.status) for r in runs] == [(before.info.run_id, "FINISHED")]
+    _close(_history(client, runs[0], "grads/0:output/norm"), _norms(run_dir))

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import os
@@ -19,17 +20,24 @@ import posixpath
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
+from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.export.jobs import Job
 
-#: The tag that marks an exported run with its job's dir and run id: a re-export replaces that run.
+#: The tag that names an exported run's job: its dir and run id, readable.
 SOURCE_TAG = "gradrunner.source"
+#: The tag a re-export finds the run by: a hex digest of `SOURCE_TAG`'s value (any path, quotes included,
+#: is a plain word in MLflow's filter syntax).
+SOURCE_ID_TAG = "gradrunner.source_id"
 #: MLflow's longest metric and param key (`mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH`).
 MAX_KEY = 250
 #: The characters an MLflow key takes besides letters and digits.
 _KEY_CHARS = "_-. :/"
 #: The artifact that maps each tag and hyper-parameter whose key had to change to its MLflow key.
 KEYS_ARTIFACT = "gradrunner/keys.json"
+#: What one `log_batch` takes at most: metrics, and params (MLflow's limits).
+_METRICS_PER_BATCH, _PARAMS_PER_BATCH = 1000, 100
 
 
 def to_mlflow(all_jobs: Sequence[Job], out: Path, uri: str | None = None, experiment: str = "gradrunner") -> list[str]:
@@ -40,66 +48,85 @@ def to_mlflow(all_jobs: Sequence[Job], out: Path, uri: str | None = None, experi
         ids = to_mlflow(jobs("runs/lightning"), Path("runs/lightning/mlruns"))   # MLflow run ids, one per job
 
     Values go in as they are, NaN and Inf included; keys as `metric_keys` and `mlflow_keys` map them (those
-    that changed listed in the run's artifact `gradrunner/keys.json`). A run this export wrote before for the same job
-    (tag `gradrunner.source`: the job dir and its run id) is deleted first: a re-export replaces it.
+    that changed listed in the run's artifact `gradrunner/keys.json`). A run this export
+    wrote before for the same job (tag `gradrunner.source_id`) is deleted once the new one is written in
+    full: a re-export replaces it, and one that fails leaves it (the new run deleted).
     """
     if uri is None:
         uri = out.resolve().as_uri()
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # the local file store the export promises
-    from mlflow.entities import Metric, Param
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=uri)
-    found = client.get_experiment_by_name(experiment)
-    exp_id = found.experiment_id if found is not None else client.create_experiment(experiment)
-    ids = []
-    now = int(time.time() * 1000)
-    for job in all_jobs:
-        source = f"{job.directory.resolve()}#{job.run_id}"
-        for old in client.search_runs([exp_id], filter_string=f"tags.`{SOURCE_TAG}` = '{_quoted(source)}'"):
-            client.delete_run(old.info.run_id)
-        run = client.create_run(exp_id, run_name=job.name, tags={SOURCE_TAG: source})
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        found = client.get_experiment_by_name(experiment)
+        exp_id = found.experiment_id if found is not None else client.create_experiment(experiment)
+        return [_write_run(client, exp_id, job) for job in all_jobs]
+    except (MlflowException, OSError) as e:
+        raise GradrunnerError(f"the MLflow export to {uri} failed: {one_paragraph(e)}") from e
+
+
+def _write_run(client: Any, exp_id: str, job: Job) -> str:
+    """Write `job` as a new run, in full; then delete the runs an earlier export wrote for it. On an error the new
+    run is deleted and the earlier ones are left."""
+    from mlflow.entities import Metric, Param
+
+    source = f"{job.directory.resolve()}#{job.run_id}"
+    earlier = _exported_before(client, exp_id, source)
+    run = client.create_run(exp_id, run_name=job.name, tags={SOURCE_TAG: source, SOURCE_ID_TAG: source_id(source)})
+    rid = run.info.run_id
+    try:
         param_keys, scalar_keys = mlflow_keys(job.params), metric_keys(t for t, _, _ in job.scalars)
         params = [Param(param_keys[k], v[:6000]) for k, v in job.params.items()]
+        for i in range(0, len(params), _PARAMS_PER_BATCH):
+            client.log_batch(rid, params=params[i : i + _PARAMS_PER_BATCH])
+        now = int(time.time() * 1000)
         metrics = [Metric(scalar_keys[t], v, now, s) for t, s, v in job.scalars]
-        for i in range(0, max(len(metrics), 1), 1000):  # MLflow takes at most 1000 metrics per batch
-            client.log_batch(run.info.run_id, metrics=metrics[i : i + 1000], params=params if i == 0 else [])
+        for i in range(0, len(metrics), _METRICS_PER_BATCH):
+            client.log_batch(rid, metrics=metrics[i : i + _METRICS_PER_BATCH])
         for tag, step, limits, counts in job.histograms:
-            client.log_dict(run.info.run_id, {"bucket_limit": limits, "bucket": counts}, f"histograms/{tag}/{step}.json")
+            client.log_dict(rid, {"bucket_limit": limits, "bucket": counts}, f"histograms/{tag}/{step}.json")
         changed = {space: {k: v for k, v in keys.items() if k != v}
                    for space, keys in (("metrics", scalar_keys), ("params", param_keys))}  # fmt: skip
         if any(changed.values()):
-            client.log_dict(run.info.run_id, changed, KEYS_ARTIFACT)
-        client.set_terminated(run.info.run_id)
-        ids.append(run.info.run_id)
-    return ids
+            client.log_dict(rid, changed, KEYS_ARTIFACT)
+        client.set_terminated(rid)
+    except BaseException:
+        _discard(client, rid)
+        raise
+    for old in earlier:
+        client.delete_run(old)
+    return str(rid)
 
 
-def view_command(uri: str) -> str:
-    """The command that shows the store at `uri` in MLflow's UI, with what to install first where needed.
+def _discard(client: Any, rid: str) -> None:
+    """Mark a run that failed partway FAILED and delete it (best effort: the error that ended it is the one to say)."""
+    for step in (lambda: client.set_terminated(rid, "FAILED"), lambda: client.delete_run(rid)):
+        with contextlib.suppress(Exception):  # the store may be what failed
+            step()
+
+
+def source_id(source: str) -> str:
+    """The `gradrunner.source_id` tag of a job's export: a hex digest of its source (job dir and run id).
 
     Example::
 
-        view_command("file:///runs/mlruns")
-        # 'MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri file:///runs/mlruns'   (full mlflow installed)
+        source_id("/runs/it's#3f2a")     # '9c1e...' (32 hex digits)
     """
-    env = "MLFLOW_ALLOW_FILE_STORE=true " if uri.startswith("file:") else ""
-    command = f"{env}mlflow ui --backend-store-uri {uri}"
-    if _full_mlflow():
-        return command
-    return f"pip install mlflow (mlflow-skinny, installed here, has no UI), then: {command}"
+    return hashlib.sha256(source.encode()).hexdigest()[:32]
 
 
-def _full_mlflow() -> bool:
-    try:
-        importlib.metadata.distribution("mlflow")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
-def _quoted(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("'", "\\'")
+def _exported_before(client: Any, exp_id: str, source: str) -> list[str]:
+    """The active runs an earlier export wrote for `source`: tagged with its id, or (an older gradrunner's) with
+    the source only, where the source is a plain word in MLflow's filter syntax (no quote, no backslash)."""
+    filters = [f"tags.`{SOURCE_ID_TAG}` = '{source_id(source)}'"]
+    if "'" not in source and "\\" not in source:
+        filters.append(f"tags.`{SOURCE_TAG}` = '{source}'")
+    found: dict[str, None] = {}
+    for f in filters:
+        found.update(dict.fromkeys(r.info.run_id for r in client.search_runs([exp_id], filter_string=f)))
+    return list(found)
 
 
 def metric_keys(tags: Iterable[str]) -> dict[str, str]:
@@ -157,3 +184,26 @@ def _fit(key: str, longest: int) -> str:
     if len(key) <= longest:
         return key
     return f"{key[: longest - 9]}.{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
+def view_command(uri: str) -> str:
+    """The command that shows the store at `uri` in MLflow's UI, with what to install first where needed.
+
+    Example::
+
+        view_command("file:///runs/mlruns")
+        # 'MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri file:///runs/mlruns'   (full mlflow installed)
+    """
+    env = "MLFLOW_ALLOW_FILE_STORE=true " if uri.startswith("file:") else ""
+    command = f"{env}mlflow ui --backend-store-uri {uri}"
+    if _full_mlflow():
+        return command
+    return f"pip install mlflow (mlflow-skinny, installed here, has no UI), then: {command}"
+
+
+def _full_mlflow() -> bool:
+    try:
+        importlib.metadata.distribution("mlflow")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
