@@ -278,3 +278,16 @@ def test_mlflow_export_that_fails_partway_leaves_the_earlier_run(tmp_path: Path,
     client, runs = _mlflow_runs(store)
     assert [(r.info.run_id, r.info.status) for r in runs] == [(before.info.run_id, "FINISHED")]
     _close(_history(client, runs[0], "grads/0:output/norm"), _norms(run_dir))
+
+
+def test_mlflow_takes_a_file_uri_and_a_path_as_uri(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # recorded, so the test leaves it as it found it
+    run_dir = _record(tmp_path / "r")
+    for store, uri in ((tmp_path / "a", (tmp_path / "a").as_uri()), (tmp_path / "b", str(tmp_path / "b"))):
+        monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+        assert export.main(["mlflow", str(run_dir), "--uri", uri]) == 0, capsys.readouterr().err
+        assert f"MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {store.as_uri()}" in capsys.readouterr().out
+        client, (run,) = _mlflow_runs(store)
+        _close(_history(client, run, "grads/0:output/norm"), _norms(run_dir))

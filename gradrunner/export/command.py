@@ -15,7 +15,7 @@ from pathlib import Path
 
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.export.jobs import Job, jobs
-from gradrunner.export.mlflow import to_mlflow, view_command
+from gradrunner.export.mlflow import to_mlflow, tracking_uri, view_command
 from gradrunner.export.tensorboard import to_tensorboard
 from gradrunner.export.wandb import to_wandb
 
@@ -68,7 +68,7 @@ def _write(args: argparse.Namespace, found: list[Job]) -> str:
         return f"wrote {len(where)} run(s) to {out} ({names}); view with: tensorboard --logdir {shlex.quote(str(out))}"
     if args.target == "mlflow":
         to_mlflow(found, out, args.uri, args.project)
-        uri = args.uri or out.resolve().as_uri()
+        uri = tracking_uri(out, args.uri)
         return f"wrote {len(found)} run(s) to {uri}; view with: {view_command(uri)}"
     to_wandb(found, out, args.project)
     return f"wrote {len(found)} offline run(s) to {out / 'wandb'}; upload with: wandb sync {out / 'wandb'}/offline-run-*"

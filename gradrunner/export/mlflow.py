@@ -17,10 +17,13 @@ import hashlib
 import importlib.metadata
 import os
 import posixpath
+import shlex
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.export.jobs import Job
@@ -52,8 +55,8 @@ def to_mlflow(all_jobs: Sequence[Job], out: Path, uri: str | None = None, experi
     wrote before for the same job (tag `gradrunner.source_id`) is deleted once the new one is written in
     full: a re-export replaces it, and one that fails leaves it (the new run deleted).
     """
-    if uri is None:
-        uri = out.resolve().as_uri()
+    uri = tracking_uri(out, uri)
+    if local_store(uri) is not None:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # the local file store the export promises
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
@@ -65,6 +68,29 @@ def to_mlflow(all_jobs: Sequence[Job], out: Path, uri: str | None = None, experi
         return [_write_run(client, exp_id, job) for job in all_jobs]
     except (MlflowException, OSError) as e:
         raise GradrunnerError(f"the MLflow export to {uri} failed: {one_paragraph(e)}") from e
+
+
+def tracking_uri(out: Path, uri: str | None) -> str:
+    """The store's URI: `uri`, a local path as its `file:` URI; else `out`'s.
+
+    Example::
+
+        tracking_uri(Path("runs/mlruns"), None)     # 'file:///home/me/runs/mlruns'
+    """
+    if uri is None or not urlparse(uri).scheme:
+        return Path(out if uri is None else uri).resolve().as_uri()
+    return uri
+
+
+def local_store(uri: str) -> Path | None:
+    """The dir of a `file:` store (a local file store), else None.
+
+    Example::
+
+        local_store("file:///runs/mlruns")     # Path('/runs/mlruns')
+    """
+    parsed = urlparse(uri)
+    return Path(url2pathname(parsed.path)) if parsed.scheme == "file" else None
 
 
 def _write_run(client: Any, exp_id: str, job: Job) -> str:
@@ -194,8 +220,8 @@ def view_command(uri: str) -> str:
         view_command("file:///runs/mlruns")
         # 'MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri file:///runs/mlruns'   (full mlflow installed)
     """
-    env = "MLFLOW_ALLOW_FILE_STORE=true " if uri.startswith("file:") else ""
-    command = f"{env}mlflow ui --backend-store-uri {uri}"
+    env = "MLFLOW_ALLOW_FILE_STORE=true " if local_store(uri) is not None else ""
+    command = f"{env}mlflow ui --backend-store-uri {shlex.quote(uri)}"
     if _full_mlflow():
         return command
     return f"pip install mlflow (mlflow-skinny, installed here, has no UI), then: {command}"
