@@ -7,6 +7,7 @@ offline `.wandb` file. Runs are tiny and written in-process by `gradrunner.recor
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import time
 from collections.abc import Sequence
@@ -291,3 +292,48 @@ def test_mlflow_takes_a_file_uri_and_a_path_as_uri(tmp_path: Path, monkeypatch: 
         assert f"MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri {store.as_uri()}" in capsys.readouterr().out
         client, (run,) = _mlflow_runs(store)
         _close(_history(client, run, "grads/0:output/norm"), _norms(run_dir))
+
+
+# --- bad --out, --project, --uri: one paragraph, exit 2, nothing written -----------------------------------------
+
+
+def test_a_bad_out_project_or_uri_is_one_paragraph_and_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run_dir = _record(tmp_path / "r")
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    before = sorted(p for p in tmp_path.rglob("*"))
+    cases = [
+        (["tensorboard", "--out", str(afile)], [str(afile), "is not a directory"]),
+        (["tensorboard", "--out", str(afile / "below")], [str(afile), "is not a directory"]),
+        (["mlflow", "--out", str(afile)], [str(afile), "is not a directory"]),
+        (["mlflow", "--uri", afile.as_uri()], [str(afile), "is not a directory"]),
+        (["mlflow", "--out", str(tmp_path / "m"), "--project", ""], ["--project ''", "allowed"]),
+        (["mlflow", "--uri", "foo://bar"], ["'foo://bar'", "file: URI"]),
+    ]
+    if importlib.util.find_spec("wandb") is not None:
+        cases += [(["wandb", "--out", str(afile)], [str(afile), "is not a directory"]),
+                  (["wandb", "--out", str(tmp_path / "w"), "--project", "a:b"], ["--project 'a:b'", "allowed"])]  # fmt: skip
+    for (target, *rest), words in cases:
+        assert export.main([target, str(run_dir), *rest]) == 2, (target, rest)
+        _one_error(capsys, *words)
+        assert sorted(p for p in tmp_path.rglob("*")) == before, (target, rest)  # nothing written
+
+
+def test_mlflow_refuses_a_deleted_experiment_saying_how_to_restore_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run_dir, store = _record(tmp_path / "r"), tmp_path / "mlruns"
+    assert export.main(["mlflow", str(run_dir), "--out", str(store), "--project", "p"]) == 0
+    client, (run,) = _mlflow_runs(store, "p")
+    client.delete_experiment(client.get_experiment_by_name("p").experiment_id)
+    files = sorted((p, p.stat().st_mtime_ns) for p in store.rglob("*"))
+    assert export.main(["mlflow", str(run_dir), "--out", str(store), "--project", "p"]) == 2
+    _one_error(capsys, "'p'", "deleted", "restore", "another --project")
+    assert sorted((p, p.stat().st_mtime_ns) for p in store.rglob("*")) == files
+    assert export.main(["mlflow", str(run_dir), "--out", str(store), "--project", "q"]) == 0  # another name: written
+    client, (run,) = _mlflow_runs(store, "q")
+    _close(_history(client, run, "grads/0:output/norm"), _norms(run_dir))

@@ -8,6 +8,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Sequence
@@ -15,9 +16,9 @@ from pathlib import Path
 
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.export.jobs import Job, jobs
-from gradrunner.export.mlflow import to_mlflow, tracking_uri, view_command
+from gradrunner.export.mlflow import check_experiment, local_store, to_mlflow, tracking_uri, view_command
 from gradrunner.export.tensorboard import to_tensorboard
-from gradrunner.export.wandb import to_wandb
+from gradrunner.export.wandb import check_project, to_wandb
 
 TARGETS = ("tensorboard", "wandb", "mlflow")
 _DESCRIPTION = "`python -m gradrunner.export tensorboard|wandb|mlflow <run or sweep dir>`: the records where people look."
@@ -50,27 +51,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes: list[str] = []
         found = jobs(args.dir, on_damaged=args.on_damaged, notes=notes)
         _check_library(args.target)
+        out = Path(args.out) if args.out else Path(args.dir) / _DEFAULT_OUT[args.target]
+        _check_target(args, out)  # before anything is written
         for note in notes:
             print(f"gradrunner.export: warning: {note}", file=sys.stderr)
-        print(_write(args, found))
+        print(_write(args, out, found))
     except GradrunnerError as e:
         print(f"gradrunner.export: {one_paragraph(e)}", file=sys.stderr)
         return EXIT_USER_ERROR
     return 0
 
 
-def _write(args: argparse.Namespace, found: list[Job]) -> str:
-    """Write `found` to the target; the line saying where, and how to look at it."""
-    out = Path(args.out) if args.out else Path(args.dir) / ("mlruns" if args.target == "mlflow" else args.target)
-    if args.target == "tensorboard":
-        where = to_tensorboard(found, out)
-        names = ", ".join(p.relative_to(out).as_posix() for p in where)
-        return f"wrote {len(where)} run(s) to {out} ({names}); view with: tensorboard --logdir {shlex.quote(str(out))}"
+#: Where each target writes below the dir it exports, without --out.
+_DEFAULT_OUT = {"tensorboard": "tensorboard", "mlflow": "mlruns", "wandb": "wandb"}
+
+
+def _check_target(args: argparse.Namespace, out: Path) -> None:
+    """Refuse what the target cannot write to (a bad --out, --project or --uri), before anything is written."""
     if args.target == "mlflow":
-        to_mlflow(found, out, args.uri, args.project)
-        uri = tracking_uri(out, args.uri)
-        return f"wrote {len(found)} run(s) to {uri}; view with: {view_command(uri)}"
-    to_wandb(found, out, args.project)
+        check_experiment(args.project)
+        store = local_store(tracking_uri(out, args.uri))
+        if store is not None:
+            _check_dir(store, "--uri" if args.uri else "--out")
+        return
+    if args.target == "wandb":
+        check_project(args.project)
+    _check_dir(out, "--out")
+
+
+def _check_dir(path: Path, option: str) -> None:
+    """Refuse a dir that cannot be written in: it, or its nearest parent that exists, is not a writable directory."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    why = "is not a directory" if not existing.is_dir() else "is not writable" if not os.access(existing, os.W_OK | os.X_OK) else ""
+    if why:
+        raise GradrunnerError(f"{option} {str(path)!r}: {existing} {why}; pass a directory that can be written "
+                              "(it is created if missing), e.g. --out exports/tb.")  # fmt: skip
+
+
+def _write(args: argparse.Namespace, out: Path, found: list[Job]) -> str:
+    """Write `found` to the target; the line saying where, and how to look at it."""
+    try:
+        if args.target == "tensorboard":
+            where = to_tensorboard(found, out)
+            names = ", ".join(p.relative_to(out).as_posix() for p in where)
+            return f"wrote {len(where)} run(s) to {out} ({names}); view with: tensorboard --logdir {shlex.quote(str(out))}"
+        if args.target == "mlflow":
+            to_mlflow(found, out, args.uri, args.project)
+            uri = tracking_uri(out, args.uri)
+            return f"wrote {len(found)} run(s) to {uri}; view with: {view_command(uri)}"
+        to_wandb(found, out, args.project)
+    except OSError as e:  # a full disk, a dir that went away: what no check before could see
+        raise GradrunnerError(f"writing the {args.target} export to {out} failed: {one_paragraph(e)}") from e
     return f"wrote {len(found)} offline run(s) to {out / 'wandb'}; upload with: wandb sync {out / 'wandb'}/offline-run-*"
 
 

@@ -53,8 +53,10 @@ def to_mlflow(all_jobs: Sequence[Job], out: Path, uri: str | None = None, experi
     Values go in as they are, NaN and Inf included; keys as `metric_keys` and `mlflow_keys` map them (those
     that changed listed in the run's artifact `gradrunner/keys.json`). A run this export
     wrote before for the same job (tag `gradrunner.source_id`) is deleted once the new one is written in
-    full: a re-export replaces it, and one that fails leaves it (the new run deleted).
+    full: a re-export replaces it, and one that fails leaves it (the new run deleted). A bad experiment
+    name, a store MLflow cannot open or a deleted experiment is a GradrunnerError before anything is written.
     """
+    check_experiment(experiment)
     uri = tracking_uri(out, uri)
     if local_store(uri) is not None:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # the local file store the export promises
@@ -62,12 +64,27 @@ def to_mlflow(all_jobs: Sequence[Job], out: Path, uri: str | None = None, experi
     from mlflow.tracking import MlflowClient
 
     try:
-        client = MlflowClient(tracking_uri=uri)
-        found = client.get_experiment_by_name(experiment)
-        exp_id = found.experiment_id if found is not None else client.create_experiment(experiment)
+        try:
+            client = MlflowClient(tracking_uri=uri)
+        except MlflowException as e:
+            raise GradrunnerError(f"--uri {uri!r} is not a store MLflow can open ({one_paragraph(e)}); pass a local path "
+                                  "or file: URI (a file store), or a tracking server's http(s):// URI.") from None  # fmt: skip
+        exp_id = _experiment(client, experiment, uri)
         return [_write_run(client, exp_id, job) for job in all_jobs]
     except (MlflowException, OSError) as e:
         raise GradrunnerError(f"the MLflow export to {uri} failed: {one_paragraph(e)}") from e
+
+
+def check_experiment(name: str) -> None:
+    """Refuse an experiment name MLflow does not take (empty, over 500 characters), before anything is written.
+
+    Example::
+
+        check_experiment("")     # GradrunnerError: --project '' is not an MLflow experiment name; ...
+    """
+    if not name.strip() or len(name) > 500:
+        raise GradrunnerError(f"--project {name!r} is not an MLflow experiment name; allowed: 1 to 500 characters, "
+                              "not only spaces (e.g. --project gradrunner, the default).")  # fmt: skip
 
 
 def tracking_uri(out: Path, uri: str | None) -> str:
@@ -91,6 +108,20 @@ def local_store(uri: str) -> Path | None:
     """
     parsed = urlparse(uri)
     return Path(url2pathname(parsed.path)) if parsed.scheme == "file" else None
+
+
+def _experiment(client: Any, name: str, uri: str) -> str:
+    found = client.get_experiment_by_name(name)
+    if found is None:
+        return str(client.create_experiment(name))
+    if found.lifecycle_stage != "active":
+        raise GradrunnerError(
+            f"--project {name!r}: the MLflow experiment of that name in {uri} is deleted (id {found.experiment_id}); "
+            f"restore it (MlflowClient({uri!r}).restore_experiment({found.experiment_id!r}), or `mlflow experiments "
+            f"restore --experiment-id {found.experiment_id}` with MLFLOW_TRACKING_URI={shlex.quote(uri)}) or pass "
+            "another --project."
+        )
+    return str(found.experiment_id)
 
 
 def _write_run(client: Any, exp_id: str, job: Job) -> str:

@@ -17,7 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.export.jobs import Job
+
+#: The characters a W&B project name cannot hold.
+_NOT_IN_PROJECT = "/\\#?%:"
 
 
 def run_id_of(job: Job) -> str:
@@ -30,6 +34,20 @@ def run_id_of(job: Job) -> str:
     return "gr-" + hashlib.sha256(f"{job.directory.resolve()}#{job.run_id}".encode()).hexdigest()[:16]
 
 
+def check_project(name: str) -> None:
+    """Refuse a project name W&B does not take, before anything is written (W&B's own check, `wandb_settings`).
+
+    Example::
+
+        check_project("a:b")     # GradrunnerError: --project 'a:b' is not a W&B project name; ...
+    """
+    bad = sorted(set(name) & set(_NOT_IN_PROJECT))
+    if not name.strip() or len(name) > 128 or bad:
+        raise GradrunnerError(f"--project {name!r} is not a W&B project name{f' (it holds {bad})' if bad else ''}; "
+                              f"allowed: 1 to 128 characters, none of {' '.join(_NOT_IN_PROJECT)} "
+                              "(e.g. --project gradrunner, the default).")  # fmt: skip
+
+
 def to_wandb(all_jobs: Sequence[Job], out: Path, project: str = "gradrunner") -> list[Path]:
     """One offline W&B run per job under `out/wandb` (upload later with `wandb sync`).
 
@@ -39,10 +57,18 @@ def to_wandb(all_jobs: Sequence[Job], out: Path, project: str = "gradrunner") ->
 
     Each step is one `run.log` call holding every value of that step (NaN and Inf as they are). A
     job's run id is `run_id_of(job)`; the offline run dirs an earlier export wrote for it are removed
-    first, so `wandb sync out/wandb/offline-run-*` uploads it once.
+    first, so `wandb sync out/wandb/offline-run-*` uploads it once. A W&B error is a GradrunnerError.
     """
+    check_project(project)
     import wandb
 
+    try:
+        return _write(wandb, all_jobs, out, project)
+    except wandb.errors.Error as e:
+        raise GradrunnerError(f"the W&B export to {out / 'wandb'} failed: {one_paragraph(e)}") from e
+
+
+def _write(wandb: Any, all_jobs: Sequence[Job], out: Path, project: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     dirs = []
     for job in all_jobs:
