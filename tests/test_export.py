@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 import torch
 from torch import nn
+from wandb_records import wandb_records
 
 import gradrunner
 from gradrunner import export
@@ -98,7 +99,7 @@ def test_wandb_offline_export_holds_the_numbers(sweep: Path, tmp_path: Path) -> 
     files = list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(files) == 1
     logged: dict[int, dict[str, str]] = {}
-    for data in _wandb_records(files[0].read_bytes()):
+    for data in wandb_records(files[0].read_bytes()):
         rec = wandb_internal_pb2.Record()
         rec.ParseFromString(data)
         if rec.WhichOneof("record_type") == "history":
@@ -106,25 +107,6 @@ def test_wandb_offline_export_holds_the_numbers(sweep: Path, tmp_path: Path) -> 
     rows = _grads(sweep / "0").query("tap == '2:weight'").sort_values("step")
     assert sorted(logged) == list(rows.step)
     np.testing.assert_allclose([float(logged[s]["grads/2:weight/norm"]) for s in rows.step], rows.norm, rtol=1e-12)
-
-
-def _wandb_records(data: bytes) -> list[bytes]:
-    """The records of a `.wandb` file: W&B's log format (a 7-byte header, then LevelDB-style 32 KiB blocks of
-    chunks, each a 4-byte checksum, 2-byte length and 1-byte type: full, first, middle, last)."""
-    block, pos, partial, out = 32768, 7, b"", []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is padding
-            pos += block - pos % block
-            continue
-        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
-        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-        if kind == 1:
-            out.append(chunk)
-        elif kind in (2, 3):
-            partial = (b"" if kind == 2 else partial) + chunk
-        elif kind == 4:
-            out.append(partial + chunk)
-    return out
 
 
 def test_bad_input_is_one_paragraph_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -262,7 +244,7 @@ def test_wandb_holds_one_value_per_step_nan_kept_and_a_reexport_replaces(accumul
     from wandb.proto import wandb_internal_pb2
 
     logged: dict[str, dict[int, float]] = {}
-    for data in _wandb_records(file.read_bytes()):
+    for data in wandb_records(file.read_bytes()):
         rec = wandb_internal_pb2.Record()
         rec.ParseFromString(data)
         if rec.WhichOneof("record_type") == "history":

@@ -7,8 +7,13 @@ offline `.wandb` file. Runs are tiny and written in-process by `gradrunner.recor
 from __future__ import annotations
 
 import contextlib
+import glob
 import importlib.util
 import json
+import os
+import shlex
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +24,7 @@ import pandas as pd
 import pytest
 import torch
 from torch import nn
+from wandb_records import wandb_records
 
 import gradrunner
 from gradrunner import export
@@ -337,3 +343,30 @@ def test_mlflow_refuses_a_deleted_experiment_saying_how_to_restore_it(tmp_path: 
     assert export.main(["mlflow", str(run_dir), "--out", str(store), "--project", "q"]) == 0  # another name: written
     client, (run,) = _mlflow_runs(store, "q")
     _close(_history(client, run, "grads/0:output/norm"), _norms(run_dir))
+
+
+# --- W&B: the default layout ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_wandb_default_out_is_the_run_dirs_wandb_and_the_printed_sync_path_is_true(tmp_path: Path) -> None:
+    pytest.importorskip("wandb")
+    from wandb.proto import wandb_internal_pb2
+
+    run_dir = _record(tmp_path / "my run")  # a space: the printed path is quoted
+    env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
+    done = subprocess.run([sys.executable, "-m", "gradrunner.export", "wandb", str(run_dir)], capture_output=True,
+                          text=True, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")  # <dir>/wandb/offline-run-*, as the README says
+    assert not (run_dir / "wandb" / "wandb").exists()
+    command = shlex.split(done.stdout.split("upload with: ", 1)[1])
+    assert command[:2] == ["wandb", "sync"] and glob.glob(command[2]) == [str(file.parent)]
+    logged: dict[int, float] = {}
+    for data in wandb_records(file.read_bytes()):
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(data)
+        if rec.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
+            logged[rec.history.step.num] = float(items["grads/0:output/norm"])
+    _close(logged, _norms(run_dir))

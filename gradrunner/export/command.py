@@ -37,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gradrunner.export", description=_DESCRIPTION)
     parser.add_argument("target", help=f"one of {', '.join(TARGETS)}")
     parser.add_argument("dir", help="a run dir or a sweep dir")
-    parser.add_argument("--out", help="where to write (default: <dir>/<target>, for mlflow <dir>/mlruns)")
+    parser.add_argument("--out", help="where to write (default: <dir>/tensorboard; mlflow: <dir>/mlruns; wandb: <dir>, "
+                                       "its offline runs in <out>/wandb)")  # fmt: skip
     parser.add_argument("--uri", help="mlflow: a tracking URI instead of the local file store")
     parser.add_argument("--project", default="gradrunner", help="wandb project / mlflow experiment name")
     parser.add_argument("--on-damaged", default="raise", dest="on_damaged",
@@ -62,8 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-#: Where each target writes below the dir it exports, without --out.
-_DEFAULT_OUT = {"tensorboard": "tensorboard", "mlflow": "mlruns", "wandb": "wandb"}
+#: Where each target writes below the dir it exports, without --out (W&B puts its runs in `<out>/wandb`).
+_DEFAULT_OUT = {"tensorboard": "tensorboard", "mlflow": "mlruns", "wandb": "."}
 
 
 def _check_target(args: argparse.Namespace, out: Path) -> None:
@@ -104,7 +105,8 @@ def _write(args: argparse.Namespace, out: Path, found: list[Job]) -> str:
         to_wandb(found, out, args.project)
     except OSError as e:  # a full disk, a dir that went away: what no check before could see
         raise GradrunnerError(f"writing the {args.target} export to {out} failed: {one_paragraph(e)}") from e
-    return f"wrote {len(found)} offline run(s) to {out / 'wandb'}; upload with: wandb sync {out / 'wandb'}/offline-run-*"
+    runs = out / "wandb"
+    return f"wrote {len(found)} offline run(s) to {runs}; upload with: wandb sync {shlex.quote(str(runs))}/offline-run-*"
 
 
 _EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
