@@ -13,7 +13,7 @@ export of a job wrote. Reading the records needs no torch; each target needs its
 
 | target | written to (default) | read back with |
 | --- | --- | --- |
-| `tensorboard` | `<dir>/tensorboard/<job>/events.out.tfevents.*` | TensorBoard, `EventAccumulator` |
+| `tensorboard` | `<dir>/tensorboard/<job>/events.out.tfevents.*` (`<job>-<8 hex>` where another run's export holds `<job>`) | TensorBoard, `EventAccumulator` |
 | `wandb` | `<dir>/wandb/offline-run-*` (`--out` X: `X/wandb/`; `wandb sync` uploads them) | `wandb sync`, the `.wandb` files |
 | `mlflow` | the MLflow local file store `<dir>/mlruns` (or `--uri`) | `MLFLOW_ALLOW_FILE_STORE=true mlflow ui` (full `mlflow`), `MlflowClient` |
 

@@ -87,8 +87,8 @@ def _check_dir(path: Path, option: str) -> None:
         existing = existing.parent
     why = "is not a directory" if not existing.is_dir() else "is not writable" if not os.access(existing, os.W_OK | os.X_OK) else ""
     if why:
-        raise GradrunnerError(f"{option} {str(path)!r}: {existing} {why}; pass a directory that can be written "
-                              "(it is created if missing), e.g. --out exports/tb.")  # fmt: skip
+        raise GradrunnerError(f"{option} {str(path)!r}: {existing} {why}; allowed: a directory that can be written, "
+                              "or a path below one (it is created).")  # fmt: skip
 
 
 def _write(args: argparse.Namespace, out: Path, found: list[Job]) -> str:
