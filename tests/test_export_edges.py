@@ -14,7 +14,6 @@ import os
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -180,9 +179,11 @@ def test_live_tensorboard_of_a_resumed_run_holds_each_step_once(tmp_path: Path) 
     pytest.importorskip("tensorboard")
     _live(tmp_path / "r", steps=3, seed=1, killed=True)
     before = _norms(tmp_path / "r")
-    # TensorBoard reads a dir's event files in name order, the second of their creation first: as a resumed
-    # process would, the new file is started in a later second than the killed session's.
-    time.sleep(1.01 - time.time() % 1)
+    # A resumed process's file may sort before the killed session's (the same second, another pid; a clock set
+    # back): the killed session's file is named as if started later than now.
+    for old in (tmp_path / "r" / "tensorboard").glob("events.out.tfevents.*"):
+        stamp, _, rest = old.name[len("events.out.tfevents."):].partition(".")
+        old.rename(old.with_name(f"events.out.tfevents.{int(stamp) + 100:010d}.{rest}"))
     _live(tmp_path / "r", steps=2, seed=2, start=1, resume=True)  # steps 1, 2 recorded again
     after = _norms(tmp_path / "r")
     assert after[0] == before[0] and after[1] != before[1]

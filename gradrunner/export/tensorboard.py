@@ -145,6 +145,16 @@ def _hparams_summaries(params: dict[str, str]) -> Iterator[Any]:
         yield Summary(value=[Summary.Value(tag=tag, metadata=meta)])
 
 
+def _read_first(logdir: Path, now: int) -> None:
+    """Rename the event files in `logdir` started in second `now` or later (a session killed and resumed within one
+    second, a clock set back) to the second before it: TensorBoard reads a dir's files in name order, the second
+    each was started in first, so a file the resumed session starts now is read after them (its purge too)."""
+    for old in sorted(logdir.glob(f"{_EVENTS}*")):
+        stamp, _, rest = old.name[len(_EVENTS):].partition(".")
+        if stamp.isdigit() and int(stamp) >= now:
+            os.replace(old, old.with_name(f"{_EVENTS}{now - 1:010d}.{rest}"))
+
+
 class LiveTensorBoard:
     """Live logging from `record(..., log_to="tensorboard")`: each captured step's statistics as it is written.
 
@@ -176,6 +186,8 @@ class LiveTensorBoard:
         if step == 0:  # the whole run is written again: an earlier session's points are not this run's
             for old in self.logdir.glob(f"{_EVENTS}*"):
                 old.unlink()
+        else:
+            _read_first(self.logdir, int(time.time()))
         self._writer = EventFileWriter(str(self.logdir))
         if step > 0:  # resumed: TensorBoard purges the points at steps >= `step` it read before this event (the
             # earlier files: it reads a dir's event files in name order, the second each was started in first)
