@@ -8,38 +8,23 @@ was flagged a step late (when it reached rank 0 through the averaged gradient), 
 from __future__ import annotations
 
 import math
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import SEARCHPATH, check_ok, cli_env, torchrun_command
+from conftest import SEARCHPATH, check_ok
+from rank_launch import gradrunner_torchrun
 
 from gradrunner.analysis.anomaly_signals import detect_run
 
 pytestmark = pytest.mark.slow
 
 
-def _torchrun(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """torchrun in a session of its own: on a time-out the whole group goes, workers included."""
-    proc = subprocess.Popen(torchrun_command(2, "-m", "gradrunner", *args), cwd=cwd, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun did not finish in 180 s; its process group was killed\n{err[-2000:]}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cwd = tmp_path_factory.mktemp("flight_ddp")
-    check_ok(_torchrun(cwd, "+experiment=mlp", "data=spiky_batch", "data.at_batch=61", "steps=34", SEARCHPATH,
+    check_ok(gradrunner_torchrun(cwd, "+experiment=mlp", "data=spiky_batch", "data.at_batch=61", "steps=34", SEARCHPATH,
                        "hydra.run.dir=run"))  # fmt: skip
     return cwd / "run"
 
