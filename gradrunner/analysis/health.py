@@ -216,18 +216,19 @@ def health(directory: Path) -> Health:
         return h
     order = forward_order(df)
     labels = {(str(t), int(c)): str(label) for t, c, label in zip(order.tap, order.call, order.label, strict=True)}
-    summary = tap_summary(df)
-    h.taps = len(summary)
+    summary = tap_summary(df)  # under torchrun a row per tap and rank: a tap is in trouble when a rank's is
+    h.taps = len(summary[["tap", "call"]].drop_duplicates())
     h.zeroing_edits = _zeroing_edits(df)
-    for row in summary.to_dict("records"):
+    steps_with_grad = summary.groupby(["tap", "call"], sort=False)["steps"].transform("sum")
+    for row, with_grad in zip(summary.to_dict("records"), steps_with_grad, strict=True):
         label = labels[(str(row["tap"]), int(row["call"]))]
         if row["vanishing"] and h.zeroing_edits and row["last"] == 0.0:
-            h.zeroed_by_edit[label] = int(row["first_vanishing_step"])
+            _earliest(h.zeroed_by_edit, label, row["first_vanishing_step"])
         elif row["vanishing"]:
-            h.vanishing[label] = int(row["first_vanishing_step"])
+            _earliest(h.vanishing, label, row["first_vanishing_step"])
         if row["exploding"]:
-            h.exploding[label] = int(row["first_exploding_step"])
-        if row["steps"] == 0:
+            _earliest(h.exploding, label, row["first_exploding_step"])
+        if with_grad == 0 and label not in h.without_grad:
             reasons = df.loc[(df["tap"] == row["tap"]) & (df["call"] == row["call"]), "reason"].dropna()
             h.without_grad[label] = str(reasons.iloc[0]) if len(reasons) else "no reason recorded"
     bad_rows = df[(df["nan_count"].fillna(0) > 0) | (df["inf_count"].fillna(0) > 0)]
@@ -235,6 +236,11 @@ def health(directory: Path) -> Health:
         first = bad_rows[bad_rows["step"] == bad_rows["step"].min()].iloc[0]  # record order within the step
         h.first_nonfinite = (int(first["step"]), labels[(str(first["tap"]), int(first["call"]))])
     return h
+
+
+def _earliest(taps: dict[str, int], label: str, step: Any) -> None:
+    """`taps[label]` = `step`, or the earlier of the two (a tap's ranks under torchrun: its first rank in trouble)."""
+    taps[label] = min(taps.get(label, int(step)), int(step))
 
 
 def _spikes(directory: Path) -> list[str]:

@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from gradrunner.analysis.micro import combine_micro_steps
+from gradrunner.analysis.summaries import rank_columns
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import HIST_EDGES
 
@@ -44,7 +45,7 @@ def hist_bin_labels() -> list[str]:
     return ["0", f"<{HIST_EDGES[0]:.0e}", *inner, f">={HIST_EDGES[-1]:.0e}", "nan/inf"]
 
 
-def histograms_over_steps(df: pd.DataFrame, tap: str, call: int = 0) -> pd.DataFrame:
+def histograms_over_steps(df: pd.DataFrame, tap: str, call: int = 0, rank: int | None = None) -> pd.DataFrame:
     """Counts of |g| per bin (columns, labelled by `hist_bin_labels`) per step (rows) for one tap's call.
 
     Example::
@@ -52,12 +53,17 @@ def histograms_over_steps(df: pd.DataFrame, tap: str, call: int = 0) -> pd.DataF
         h = histograms_over_steps(df, "fc1:output")    # h.loc[3] is step 3's histogram
         h.div(h.sum(axis=1), axis=0)                    # as fractions
 
-    With several runs in `df` (a sweep), pass the rows of one run. Under gradient accumulation a step's
-    micro-batch counts are added (`combine_micro_steps`).
+    With several runs in `df` (a sweep), pass the rows of one run; with several ranks (torchrun), name
+    one: `rank=0`. Under gradient accumulation a step's micro-batch counts are added (`combine_micro_steps`).
     """
     _need(df, "hist_counts", "capture.histogram=true")
     df = combine_micro_steps(df)
     rows = df[(df["tap"] == tap) & (df["call"] == call) & df["hist_counts"].notna()]
+    if rank is not None and "rank" in rows.columns:
+        rows = rows[rows["rank"] == rank]
+    elif rank_columns(rows):
+        ranks = ", ".join(str(r) for r in sorted(rows["rank"].unique()))
+        raise GradrunnerError(f"the records of {tap!r} hold the rows of ranks {ranks}; name one, e.g. rank=0.")
     if rows.empty:
         taps = ", ".join(sorted(df["tap"].unique()))
         raise GradrunnerError(f"no histogram rows for tap {tap!r} call {call}; taps in these records: {taps}.")
@@ -70,7 +76,8 @@ def histograms_over_steps(df: pd.DataFrame, tap: str, call: int = 0) -> pd.DataF
 
 
 def update_ratios(df: pd.DataFrame) -> pd.DataFrame:
-    """Per parameter tap and step: `update_norm`, `value_norm`, `update_ratio`, and whether it is above the guide.
+    """Per parameter tap and step (and rank, under torchrun): `update_norm`, `value_norm`, `update_ratio`, and whether
+    it is above the guide.
 
     Example::
 
@@ -78,7 +85,7 @@ def update_ratios(df: pd.DataFrame) -> pd.DataFrame:
         r[r.step == r.step.max()].sort_values("update_ratio")   # which layers move fastest now
     """
     _need(df, "update_ratio", "parameter taps (e.g. taps=['*:weight'])")
-    keep = [c for c in ("run_id", "step", "tap", "update_norm", "value_norm", "update_ratio") if c in df.columns]
+    keep = [c for c in ("run_id", "step", "tap", *rank_columns(df), "update_norm", "value_norm", "update_ratio") if c in df.columns]
     out = df.loc[df["update_ratio"].notna(), keep].reset_index(drop=True)
     out["log10_ratio"] = np.log10(out["update_ratio"].where(out["update_ratio"] > 0))
     out["above_guide"] = out["update_ratio"] > UPDATE_RATIO_GUIDE
@@ -88,7 +95,8 @@ def update_ratios(df: pd.DataFrame) -> pd.DataFrame:
 def per_example_spread(df: pd.DataFrame) -> pd.DataFrame:
     """Per record with per-example norms: how unevenly the examples contribute.
 
-    Columns: `n_examples`, `max_norm`, `median_norm`, `dominance` (max over median), `top_example`
+    Columns: `run_id`, `step`, `tap`, `call` (`rank` under torchrun: `top_example` is a row of that rank's
+    batch), `n_examples`, `max_norm`, `median_norm`, `dominance` (max over median), `top_example`
     (the batch row with the largest norm), `top_share` (its share of the summed squared norms).
 
     Example::
@@ -98,6 +106,7 @@ def per_example_spread(df: pd.DataFrame) -> pd.DataFrame:
     """
     _need(df, "per_example_norm", "capture.per_example=true")
     rows = df[df["per_example_norm"].notna()]
+    ranked = bool(rank_columns(rows))
     out = []
     for r in rows.itertuples(index=False):
         norms = np.asarray(r.per_example_norm, dtype=np.float64)
@@ -106,7 +115,8 @@ def per_example_spread(df: pd.DataFrame) -> pd.DataFrame:
         median = float(np.median(norms))
         sq = norms * norms
         out.append({
-            "run_id": r.run_id, "step": r.step, "tap": r.tap, "call": r.call, "n_examples": norms.size,
+            "run_id": r.run_id, "step": r.step, "tap": r.tap, "call": r.call, **({"rank": r.rank} if ranked else {}),
+            "n_examples": norms.size,
             "max_norm": float(norms.max()), "median_norm": median,
             "dominance": float(norms.max() / median) if median > 0 else float("inf"),
             "top_example": int(norms.argmax()), "top_share": float(sq.max() / sq.sum()) if sq.sum() > 0 else 0.0,

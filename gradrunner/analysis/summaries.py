@@ -2,6 +2,7 @@
 
 Contents:
     run_columns(df)                   -- the columns that tell the runs of a sweep apart
+    rank_columns(df) / lowest_rank(df) -- ["rank"] under DDP (several ranks), else []; each run's lowest rank's rows
     forward_order(df)                 -- (tap, call) in the order they fire in the forward pass
     pick_steps(steps, n)              -- a few steps spread over a run, first and last included
     flow_steps(df, n)                 -- the steps worth a look: first, around the first NaN/Inf, largest change, last finite
@@ -15,7 +16,8 @@ Contents:
 
 Every helper takes the DataFrame `gradrunner.analysis.load` returns, rows in record order (the order
 they were written: step by step, taps in firing order), and groups by `run_columns(df)` so a sweep
-works as well as one run. Each is short on purpose: read it, copy it, adapt it.
+works as well as one run; records of several ranks (torchrun) are kept apart by `rank_columns(df)`.
+Each is short on purpose: read it, copy it, adapt it.
 """
 
 from __future__ import annotations
@@ -74,6 +76,29 @@ def run_columns(df: pd.DataFrame) -> list[str]:
     return kept
 
 
+def rank_columns(df: pd.DataFrame) -> list[str]:
+    """`["rank"]` when `df` holds the rows of several ranks (a run under torchrun), else `[]`: the key to add.
+
+    Example::
+
+        df.groupby(["tap", *rank_columns(df)])["norm"].max()     # per rank under DDP, per tap otherwise
+    """
+    return ["rank"] if "rank" in df.columns and df["rank"].nunique() > 1 else []
+
+
+def lowest_rank(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows of each run's lowest rank (rank 0's under torchrun): a step's loss is rank 0's, as the last word's.
+
+    Example::
+
+        lowest_rank(load(run_dir, table="steps"))["loss"]      # one loss per step, not one per step and rank
+    """
+    if not rank_columns(df):
+        return df
+    runs = df["run_id"] if "run_id" in df.columns else pd.Series(0, index=df.index)
+    return df[df["rank"] == df["rank"].groupby(runs).transform("min")]
+
+
 def forward_order(df: pd.DataFrame) -> pd.DataFrame:
     """Every (tap, call) in forward order, with its `position` and a plot `label`.
 
@@ -130,7 +155,8 @@ def flow_steps(df: pd.DataFrame, n: int = 4) -> list[int]:
     picks: list[int] = [*finite[:1], *([first_bad] if first_bad is not None else [])]
     if len(finite) > 1:
         d = df[df["step"].isin(finite) & df["has_grad"].fillna(False).astype(bool)]
-        table = d.pivot_table(index="step", columns=["run_id", "tap", "call"], values="norm", aggfunc="first")
+        table = d.pivot_table(index="step", columns=["run_id", "tap", "call", *rank_columns(d)], values="norm",
+                              aggfunc="first")
         with np.errstate(divide="ignore", invalid="ignore"):
             change = table.where(table > 0).apply(np.log10).diff().abs().mean(axis=1, skipna=True)
         if change.notna().any() and change.max() > 0:
@@ -192,10 +218,11 @@ def tap_summary(
     `explode_above`). The default thresholds (norm below 1e-6, above 1e3) are rough heuristics for
     float32 models of moderate size: set them for yours. Rows come in forward order per run.
     Under gradient accumulation a step's micro-batch records are first combined into one
-    (`combine_micro_steps`: the whole batch's gradient), so `steps` counts steps.
+    (`combine_micro_steps`: the whole batch's gradient), so `steps` counts steps. Records of several
+    ranks (torchrun) get a row per rank (a `rank` column after `call`): each rank's own first and last.
     """
     df = combine_micro_steps(df)
-    keys = [*run_columns(df), "tap", "call"]
+    keys = [*run_columns(df), "tap", "call", *rank_columns(df)]
     d = df.assign(_v=measure(df, stat)).sort_values("step", kind="stable")
     with_grad = d[d["has_grad"].fillna(False).astype(bool)]
     g = with_grad.groupby(keys, sort=False, dropna=False)["_v"]
@@ -209,8 +236,11 @@ def tap_summary(
     out["first_exploding_step"] = _first_step(with_grad[with_grad["_v"] > explode_above], keys)
     out["vanishing"] = out["last"] < vanish_below
     out["exploding"] = out["first_exploding_step"].notna()
-    order = pd.MultiIndex.from_frame(df[keys].drop_duplicates())
-    out = out.reindex(order)
+    order = df[keys].drop_duplicates()
+    if rank_columns(df):  # a tap's ranks together, in forward order
+        order = order.assign(_p=order.groupby(keys[:-1], sort=False, dropna=False).ngroup())
+        order = order.sort_values(["_p", "rank"], kind="stable").drop(columns="_p")
+    out = out.reindex(pd.MultiIndex.from_frame(order))
     out["steps"] = out["steps"].fillna(0).astype("int64")
     out[["vanishing", "exploding"]] = out[["vanishing", "exploding"]].fillna(False).astype(bool)
     return out.reset_index()
@@ -235,19 +265,21 @@ def grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure_name
         grad_flow(df[df.name == "weight"])                            # parameters only
 
     `steps` defaults to `pick_steps(df.step)` (four, first and last included); `measure_name` is
-    one of `measure`'s names. Columns: `run_id`, the run columns, `step`, `tap`, `call`, the
-    measure, `position` (forward order) and `label`; runs in record order, then step and position.
+    one of `measure`'s names. Columns: `run_id`, the run columns, `step`, `tap`, `call` (`rank` under
+    torchrun), the measure, `position` (forward order) and `label`; runs in record order, then step,
+    position and rank.
     Under gradient accumulation each step's micro-batch records are combined first (`combine_micro_steps`).
     """
     df = combine_micro_steps(df)
     chosen = pick_steps(df["step"]) if steps is None else [int(s) for s in steps]
     runs = run_columns(df)
     d = df[df["step"].isin(chosen)]
-    out = d[["run_id", *[c for c in runs if c != "run_id"], "step", "tap", "call"]].copy()
+    ranks = rank_columns(df)
+    out = d[["run_id", *[c for c in runs if c != "run_id"], "step", "tap", "call", *ranks]].copy()
     out[measure_name] = measure(d, measure_name)
     out["_run"] = pd.factorize(out["run_id"])[0]  # runs stay in record order
     out = out.merge(forward_order(df), on=["tap", "call"], how="left")
-    return out.sort_values(["_run", "step", "position"], kind="stable").drop(columns="_run").reset_index(drop=True)
+    return out.sort_values(["_run", "step", "position", *ranks], kind="stable").drop(columns="_run").reset_index(drop=True)
 
 
 def _splits_like(df: pd.DataFrame, a: str, b: str) -> bool:

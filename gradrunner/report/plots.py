@@ -13,6 +13,8 @@ Every function returns a `matplotlib.figure.Figure` built without pyplot: no GUI
 global figure list, nothing to close; it works headless and in a notebook (the Figure displays
 itself). Save one with `fig.savefig("flow.png")`. Runs of a sweep get a panel each (titled by
 `analysis.run_columns`); a large sweep is drawn aggregated over its runs by `plots_sweep` instead.
+Records of several ranks (torchrun) are drawn from rank 0's rows (`one_rank`), as the last word's loss
+is rank 0's; the figure's title says so.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from gradrunner.analysis.summaries import forward_order, grad_flow, measure, pick_steps, run_columns
+from gradrunner.analysis.summaries import forward_order, grad_flow, lowest_rank, measure, pick_steps, run_columns
 
 #: Above this many taps, `plot_norms` draws a heatmap instead of one line per tap.
 HEATMAP_ABOVE = 12
@@ -36,6 +38,20 @@ PAGE_INCHES = (16.0, 11.0)
 # Log-scale bars cannot show 0 or inf: they are drawn at these heights and labelled "0" / "inf".
 _ZERO_AT, _INF_AT = 1e-17, 1e3
 _FLOAT32_EPS = float(np.finfo(np.float32).eps)
+
+
+def one_rank(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """Each run's lowest rank's rows (rank 0's under torchrun), and what to add to a title: "" for one rank.
+
+    Example::
+
+        rows, said = one_rank(load(ddp_run))      # said == " (rank 0's records, of 2 ranks)"
+    """
+    rows = lowest_rank(df)
+    if len(rows) == len(df):
+        return df, ""
+    ranks = sorted(int(r) for r in rows["rank"].unique())
+    return rows, f" (rank {', '.join(map(str, ranks))}'s records, of {df['rank'].nunique()} ranks)"
 
 
 def titled_runs(df: pd.DataFrame, columns: list[str], records: pd.DataFrame | None = None) -> list[tuple[str, pd.DataFrame]]:
@@ -99,6 +115,7 @@ def plot_grad_flow(
     leaves a gap. `steps` may map each `run_id` to its own steps (a sweep over `steps=5,50`).
     Tap labels lose their common dotted prefix (named under the axis); the legend sits outside the axes.
     """
+    df, ranks = one_rank(df)
     if isinstance(steps, Mapping):
         per_run = {str(r): {int(s) for s in v} for r, v in steps.items()}
         flow = grad_flow(df, sorted(set().union(*per_run.values())), measure_name)
@@ -142,7 +159,7 @@ def plot_grad_flow(
                           rotation=60, ha="right", fontsize="small")  # fmt: skip
         grid[-1, col].set_xlabel("tap, in forward order" + (f" (after {prefix!r})" if prefix else ""))
     single = runs[0][0] if len(runs) == 1 and runs[0][0] else ""
-    fig.suptitle(f"Gradient flow ({measure_name} per tap)" + (f": {single}" if single else ""))
+    fig.suptitle(f"Gradient flow ({measure_name} per tap)" + (f": {single}" if single else "") + ranks)
     return fig
 
 
@@ -178,6 +195,7 @@ def plot_norms(df: pd.DataFrame, stat: str = "norm", heatmap: bool | None = None
     Tap labels lose their common dotted prefix (named as the legend's title, or the heatmap's y label);
     the legend sits outside the axes.
     """
+    df, ranks = one_rank(df)
     order = forward_order(df)
     heatmap = len(order) > HEATMAP_ABOVE if heatmap is None else heatmap
     d = df.assign(_v=measure(df, stat), _g=df["has_grad"].fillna(False).astype(float))
@@ -205,7 +223,7 @@ def plot_norms(df: pd.DataFrame, stat: str = "norm", heatmap: bool | None = None
         ax.set_title(title, fontsize="medium")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no half-step ticks
     axes[-1].set_xlabel("step")
-    fig.suptitle(f"{stat} per tap over the steps")
+    fig.suptitle(f"{stat} per tap over the steps{ranks}")
     return fig
 
 
@@ -315,7 +333,9 @@ def plot_value_distributions(df: pd.DataFrame, steps: Iterable[int] | None = Non
     At most `max_taps` panels, in forward order; the title says when taps were left out.
     """
     measure(df, "mean_abs")  # the check that values were captured, with its message
+    df, ranks = one_rank(df)
     title, run = titled_runs(df, run_columns(df))[0]
+    title += ranks
     chosen = pick_steps(run["step"], n=2) if steps is None else [int(s) for s in steps]
     everything = forward_order(run)
     order = everything.head(max_taps)
@@ -356,6 +376,7 @@ def plot_loss(steps: pd.DataFrame) -> Figure:
     A NaN/Inf loss leaves a gap from its first step, marked with a red line and named in the legend.
     Log scale when every finite loss is positive. The legend goes outside the axes (it never covers a line).
     """
+    steps, ranks = one_rank(steps)
     columns = [c for c in ("loss", "grad_norm") if c in steps.columns and steps[c].notna().any()]
     fig, axes = _panels(len(columns), 8, 2.6)
     runs = titled_runs(
@@ -376,6 +397,8 @@ def plot_loss(steps: pd.DataFrame) -> Figure:
             ax.set_yscale("log")
         ax.set_ylabel(column.replace("_", " "))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if ranks:
+            ax.set_title(ranks.strip(" ()"), fontsize="small")
         ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     axes[-1].set_xlabel("step")
     return fig

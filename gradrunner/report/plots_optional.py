@@ -28,7 +28,7 @@ from gradrunner.analysis.optional import (
     update_ratios,
 )
 from gradrunner.analysis.summaries import forward_order, run_columns
-from gradrunner.report.plots import titled_runs
+from gradrunner.report.plots import one_rank, titled_runs
 
 
 def plot_histograms(df: pd.DataFrame, max_taps: int = 8) -> Figure:
@@ -42,7 +42,7 @@ def plot_histograms(df: pd.DataFrame, max_taps: int = 8) -> Figure:
     have bins of their own, first and last. A sweep gets a column of panels per run that has histograms
     (titled by its swept values), each with its own steps (integer ticks).
     """
-    with_hist = df[df["hist_counts"].notna()]
+    with_hist, ranks = one_rank(df[df["hist_counts"].notna()])
     order = forward_order(with_hist).head(max_taps)
     runs = titled_runs(with_hist, run_columns(with_hist)) if len(with_hist) else [("", with_hist)]
     n = max(len(order), 1)
@@ -53,7 +53,7 @@ def plot_histograms(df: pd.DataFrame, max_taps: int = 8) -> Figure:
     for row, (tap, call, label) in enumerate(taps):
         for col, (title, run) in enumerate(runs):
             ax = grid[row, col]
-            name = f"{title}: {label}" if len(runs) > 1 and title else f"|g| histogram: {label}"
+            name = (f"{title}: {label}" if len(runs) > 1 and title else f"|g| histogram: {label}") + ranks
             ax.set_title(name, fontsize="medium")
             if not ((run["tap"] == tap) & (run["call"] == call)).any():
                 ax.set_axis_off()
@@ -84,7 +84,7 @@ def plot_update_ratios(df: pd.DataFrame) -> Figure:
     outside the axes.
     """
     update_ratios(df)  # raises, naming the option, when no row has one
-    rows_with = df[df["update_ratio"].notna()]
+    rows_with, ranks = one_rank(df[df["update_ratio"].notna()])
     runs = [(t, rows) for t, rows in titled_runs(rows_with, run_columns(rows_with))]
     fig = Figure(figsize=(8, 3.2 * len(runs)), layout="constrained")
     axes = fig.subplots(len(runs), 1, squeeze=False)[:, 0]
@@ -99,8 +99,8 @@ def plot_update_ratios(df: pd.DataFrame) -> Figure:
         ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel("update norm / weight norm")
-        if len(runs) > 1 and title:
-            ax.set_title(title, fontsize="medium")
+        if (len(runs) > 1 and title) or ranks:
+            ax.set_title((title if len(runs) > 1 else "") + ranks, fontsize="medium")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no half-step ticks
         ax.legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # off the lines
     return fig

@@ -99,18 +99,22 @@ def with_column(run: pd.DataFrame, file: Path, column: str, filters: list[tuple[
     import pyarrow.parquet as pq
 
     names = pq.read_schema(file).names
-    keys = [k for k in ("run_id", "step", "tap", "call") if k in names]
+    keys = [k for k in ("run_id", "step", "tap", "call", "rank") if k in names and k in run.columns]
     micro = [c for c in ("micro_step", "has_grad") if c in names]  # combined per step, as `run`'s rows are
     read = pq.read_table(file, columns=[*keys, *micro, column], filters=filters or None).to_pandas()
     read = combine_micro_steps(read).drop(columns=micro)
     rows = run
     for name, op, value in filters:
         rows = rows[rows[name].isin(value)] if op == "in" else rows[rows[name] == value]  # type: ignore[arg-type]
-    return rows.drop(columns=[column], errors="ignore").merge(read, on=keys, how="inner")
+    return rows.drop(columns=[column], errors="ignore").merge(read, on=keys, how="inner", validate="one_to_one")
 
 
 def drawn_values(out_dir: Path, grads: pd.DataFrame) -> pd.DataFrame | None:
-    """The `values` of the first run at its first and last captured step only (row groups filtered), or None."""
+    """The `values` of the first run at its first and last captured step only (row groups filtered), or None.
+
+    A row per record of `grads` (one per step, tap, call and rank): under accumulation a step's micro-batches'
+    values side by side, in micro-batch order, as `combine_micro_steps` puts their statistics together.
+    """
     import pyarrow.parquet as pq
 
     first = grads[grads["run_id"] == grads["run_id"].iloc[0]]
@@ -119,9 +123,23 @@ def drawn_values(out_dir: Path, grads: pd.DataFrame) -> pd.DataFrame | None:
     if not file.is_file() or "values" not in pq.read_schema(file).names:
         return None
     chosen = pick_steps(first["step"], n=2)
-    keys = ["step", "tap", "call"]
-    table = pq.read_table(file, columns=[*keys, "values"], filters=[("step", "in", chosen)])
+    names = pq.read_schema(file).names
+    keys = [k for k in ("step", "tap", "call", "rank") if k in names and k in first.columns]
+    micro = ["micro_step"] if "micro_step" in names else []
+    table = pq.read_table(file, columns=[*keys, *micro, "values"], filters=[("step", "in", chosen)])
     if table.num_rows == 0 or table.column("values").null_count == table.num_rows:
         return None
+    read = table.to_pandas()
+    if micro and read["micro_step"].notna().any():  # a record per micro-batch: one per step, values side by side
+        read = read.sort_values(micro, kind="stable", na_position="first")
+        read = read.groupby(keys, sort=False, dropna=False)["values"].agg(_side_by_side).reset_index()
     rows = first[first["step"].isin(chosen)].drop(columns=["values"], errors="ignore")
-    return rows.merge(table.to_pandas(), on=keys, how="left")
+    return rows.merge(read[[*keys, "values"]], on=keys, how="left", validate="one_to_one")
+
+
+def _side_by_side(values: pd.Series) -> object:
+    """The micro-batches' values of one record, concatenated (None where none was captured)."""
+    import numpy as np
+
+    arrays = [np.asarray(v) for v in values if v is not None]
+    return np.concatenate(arrays) if arrays else None

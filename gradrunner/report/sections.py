@@ -31,6 +31,7 @@ from gradrunner.analysis.summaries import (
     VANISH_BELOW,
     compare_strategies,
     forward_order,
+    rank_columns,
     run_columns,
     strategy_costs,
 )
@@ -182,7 +183,7 @@ def extra_sections(
         with_norms = norms[norms[PER_EXAMPLE_COLUMN].notna()]
         named = [c for c in run_columns(with_norms) if c != "run_id"]
         s = per_example_spread(with_norms).merge(with_norms[["run_id", *named]].drop_duplicates("run_id"), on="run_id")
-        table = s.groupby([*named, "tap", "call"], sort=False).agg(
+        table = s.groupby([*named, "tap", "call", *rank_columns(s)], sort=False).agg(
             median_dominance=("dominance", "median"), max_dominance=("dominance", "max"),
             max_top_share=("top_share", "max"), most_often_top=("top_example", lambda t: int(t.mode().iloc[0])),
         ).reset_index()  # fmt: skip
@@ -226,16 +227,19 @@ def _noise_section(norms: pd.DataFrame, out_dir: Path, figure: FigureWriter) -> 
 
 
 def _histogram_table(last: pd.DataFrame) -> pd.DataFrame:
-    """Per run and tap at its last captured step (the rows of `last`): the fullest bin, the shares of zeros and NaN/Inf."""
+    """Per run and tap (and rank) at its last captured step (the rows of `last`): the fullest bin, the shares of zeros
+    and NaN/Inf."""
     rows = []
     named = [c for c in run_columns(last) if c != "run_id"]
+    ranks = rank_columns(last)  # under torchrun a row per rank: each rank's own gradients
     for _, run in last.groupby("run_id", sort=False):
-        keys = run.loc[run["hist_counts"].notna(), ["tap", "call"]].drop_duplicates()
-        for tap, call in keys.itertuples(index=False):
-            h = histograms_over_steps(run, tap, call)
+        keys = run.loc[run["hist_counts"].notna(), ["tap", "call", *ranks]].drop_duplicates()
+        for tap, call, *rank in keys.itertuples(index=False):
+            h = histograms_over_steps(run, tap, call, rank=int(rank[0]) if rank else None)
             counts = h.iloc[-1]
             total = max(int(counts.sum()), 1)
-            rows.append({**{c: run[c].iloc[0] for c in named}, "tap": tap, "call": call, "step": int(h.index[-1]),
+            rows.append({**{c: run[c].iloc[0] for c in named}, "tap": tap, "call": call,
+                         **({"rank": int(rank[0])} if rank else {}), "step": int(h.index[-1]),
                          "fullest bin": str(counts.idxmax()), "zero share": counts.iloc[0] / total,
                          "nan/inf share": counts.iloc[-1] / total})  # fmt: skip
     return pd.DataFrame(rows)

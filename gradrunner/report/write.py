@@ -37,7 +37,7 @@ import pandas as pd
 from gradrunner.analysis.aggregate import AGGREGATE_ABOVE
 from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.analysis.reading import load
-from gradrunner.analysis.summaries import flow_steps, run_columns, tap_summary, vanishing_boundary
+from gradrunner.analysis.summaries import flow_steps, lowest_rank, run_columns, tap_summary, vanishing_boundary
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.records.columns import CONSTANT_COLUMNS
 from gradrunner.report.page import (
@@ -175,8 +175,9 @@ def try_report(path: Path) -> Path | None:
 
 
 def _load_steps(out_dir: Path) -> pd.DataFrame | None:
+    """The steps table, a row per step: under torchrun rank 0's (its loss is the step's, as the last word says)."""
     try:
-        return load(out_dir, table="steps")
+        return lowest_rank(load(out_dir, table="steps"))
     except GradrunnerError:  # records written without a steps table (by hand, or by an older gradrunner)
         return None
 
@@ -188,10 +189,11 @@ def _runs_section(grads: pd.DataFrame, steps: pd.DataFrame | None) -> str:
     runs = g[list(dict.fromkeys(columns))].first().reset_index(drop=True)
     runs["captured steps"] = g["step"].nunique().to_numpy()
     runs["taps"] = g["tap"].nunique().to_numpy()
-    runs["last loss"] = g["loss"].agg(lambda s: s.iloc[-1]).to_numpy()  # NaN stays NaN (.last() skips it)
+    # NaN stays NaN (.last() skips it); under torchrun rank 0's, as the steps table's
+    runs["last loss"] = lowest_rank(grads).groupby("run_id", sort=False)["loss"].agg(lambda s: s.iloc[-1]).to_numpy()
     if steps is not None:
         by_run = steps.groupby("run_id", sort=False)
-        runs["steps run"] = by_run["step"].size().reindex(g.size().index).to_numpy()
+        runs["steps run"] = by_run["step"].nunique().reindex(g.size().index).to_numpy()
         runs["last loss"] = by_run["loss"].agg(lambda s: s.iloc[-1]).reindex(g.size().index).to_numpy()
     runs["last loss"] = [f"{v:.6g}" if v == v else "NaN" for v in runs["last loss"]]  # NaN shown, not blank
     return html_section("Runs", html_table(runs))
@@ -206,11 +208,14 @@ _SHOWN = {"tap": "tap", "call": "call", "steps": "steps", "first": "first", "las
 def _summary_table(summary: pd.DataFrame) -> str:
     """One table: a row per tap; strategies side by side (differences marked) unless they all agree."""
     run_cols = run_label_columns(summary)
-    note = "Gradient norm over the captured steps."
+    note = "Gradient norm over the captured steps" + (", per rank." if "rank" in summary.columns else ".")
+    shown = dict(_SHOWN)
+    if "rank" in summary.columns:  # torchrun: a row per tap and rank (`tap_summary`)
+        shown = {"tap": "tap", "call": "call", "rank": "rank", **_SHOWN}
     if "strategy" not in run_cols or summary["strategy"].nunique() < 2:
-        return f"<p>{note}</p>\n{html_table(summary[run_cols + list(_SHOWN)].rename(columns=_SHOWN))}"
+        return f"<p>{note}</p>\n{html_table(summary[run_cols + list(shown)].rename(columns=shown))}"
     strategies = list(dict.fromkeys(summary["strategy"]))
-    keys = [c for c in run_cols if c != "strategy"] + ["tap", "call"]
+    keys = [c for c in run_cols if c != "strategy"] + [c for c in ("tap", "call", "rank") if c in shown]
     numeric = [c for c in _SHOWN if c not in ("tap", "call")]
     g = summary.astype({c: "float64" for c in numeric}).groupby(keys, sort=False, dropna=False)[numeric]
     lo, hi = g.min(), g.max()
@@ -218,13 +223,13 @@ def _summary_table(summary: pd.DataFrame) -> str:
     agree = ((hi - lo).abs().fillna(0) <= 1e-6 * scale) & (g.count().eq(g.size(), axis=0) | g.count().eq(0))
     first = summary.drop_duplicates(keys).set_index(keys)[numeric]
     if agree.to_numpy().all():
-        table = first.reset_index()[keys + numeric].rename(columns=_SHOWN)
+        table = first.reset_index()[keys + numeric].rename(columns=shown)
         return f"<p>{note} Identical for the strategies {', '.join(strategies)}.</p>\n{html_table(table)}"
     wide = summary.pivot_table(index=keys, columns="strategy", values="last", sort=False, dropna=False)
     wide = wide.reindex(columns=strategies).rename(columns=lambda c: f"last ({c})")
     table = first.drop(columns="last").join(wide)
     table.insert(0, "agree", np.where(agree.all(axis=1).reindex(table.index), "yes", "DIFFER"))
-    body = html_table(table.reset_index().rename(columns=_SHOWN)).replace("<td>DIFFER</td>", '<td class="bad">differ</td>')
+    body = html_table(table.reset_index().rename(columns=shown)).replace("<td>DIFFER</td>", '<td class="bad">differ</td>')
     return f"<p>{note} The strategies disagree on the rows marked <b>differ</b>.</p>\n{body}"
 
 
@@ -257,7 +262,14 @@ def _answer(
 def _run_sentence(
     rows: pd.DataFrame, grads: pd.DataFrame, steps: pd.DataFrame | None, values: dict[str, object]
 ) -> str:
-    """One run's loss and health, as the run's last word says them."""
+    """One run's loss and health, as the run's last word says them (a tap in trouble on any of its ranks counts once)."""
+    if "rank" in rows.columns:  # torchrun: `tap_summary`'s row per tap and rank, one per tap here
+        rows = rows.assign(first_vanishing_step=rows["first_vanishing_step"].where(rows["vanishing"]))
+        rows = rows.groupby(["tap", "call"], sort=False).agg(
+            first_nonfinite_step=("first_nonfinite_step", "min"), vanishing=("vanishing", "any"),
+            first_vanishing_step=("first_vanishing_step", "min"), exploding=("exploding", "any"),
+            first_exploding_step=("first_exploding_step", "min"), steps=("steps", "max"),
+        ).reset_index()  # fmt: skip
     mask = np.ones(len(grads), dtype=bool)
     for c, v in values.items():
         mask &= (grads[c] == v).to_numpy()
