@@ -30,6 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from gradrunner.analysis.summaries import forward_order, grad_flow, lowest_rank, measure, pick_steps, run_columns
+from gradrunner.errors import GradrunnerError
 
 #: Above this many taps, `plot_norms` draws a heatmap instead of one line per tap.
 HEATMAP_ABOVE = 12
@@ -375,9 +376,12 @@ def plot_loss(steps: pd.DataFrame) -> Figure:
 
     A NaN/Inf loss leaves a gap from its first step, marked with a red line and named in the legend.
     Log scale when every finite loss is positive. The legend goes outside the axes (it never covers a line).
+    GradrunnerError when neither column holds a value (`rec.step()` without a loss).
     """
     steps, ranks = one_rank(steps)
     columns = [c for c in ("loss", "grad_norm") if c in steps.columns and steps[c].notna().any()]
+    if not columns:
+        raise GradrunnerError("the steps table holds no loss and no grad_norm (not recorded): nothing to draw")
     fig, axes = _panels(len(columns), 8, 2.6)
     runs = titled_runs(
         steps, [c for c in run_columns(steps) if c != "run_id"] or ([] if steps["run_id"].nunique() < 2 else ["run_id"])

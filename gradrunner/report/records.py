@@ -7,6 +7,7 @@ Contents:
     runs_having(out_dir, grads, column)      -- each run whose grads file has `column`, and that file
     with_column(run, file, column, filters)  -- a run's rows with `column` read for the filtered rows only
     drawn_values(out_dir, grads)             -- the first run's `values` at its first and last step, or None
+    loss_not_recorded(out_dir, steps)        -- per steps row: its loss is null in the file (not NaN: not recorded)
 
 The per-element columns (`values`, `hist_counts`, `per_example_norm`) are read with pyarrow filters for the
 rows drawn, never for every row of a sweep.
@@ -28,7 +29,7 @@ import pandas as pd
 from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.analysis.reading import VALUES as VALUES_COLUMN
 from gradrunner.analysis.summaries import pick_steps
-from gradrunner.records.columns import GRADS_FILE, HIST_COLUMN, PER_EXAMPLE_COLUMN
+from gradrunner.records.columns import GRADS_FILE, HIST_COLUMN, PER_EXAMPLE_COLUMN, STEPS_FILE
 
 #: Columns with a list per row: read for the rows a figure draws, not with the rest of the records.
 _HEAVY = (VALUES_COLUMN, HIST_COLUMN, PER_EXAMPLE_COLUMN)
@@ -143,3 +144,29 @@ def _side_by_side(values: pd.Series) -> object:
 
     arrays = [np.asarray(v) for v in values if v is not None]
     return np.concatenate(arrays) if arrays else None
+
+
+def loss_not_recorded(out_dir: Path, steps: pd.DataFrame) -> pd.Series:
+    """Per row of `steps`: True where its file holds a null loss (`rec.step()` without one: not recorded), False
+    for a recorded one, NaN included. pandas reads both as NaN; the files tell them apart (as the last word does).
+
+    Example::
+
+        steps[~loss_not_recorded(out_dir, steps)]["loss"]      # the losses the run recorded
+    """
+    import pyarrow.parquet as pq
+
+    out = pd.Series(False, index=steps.index)
+    if "loss" not in steps.columns:
+        return out
+    for _, run in steps[steps["loss"].isna()].groupby("run_id", sort=False):  # only runs with a NaN are read
+        file = _run_file(out_dir, run).with_name(STEPS_FILE)
+        if not file.is_file():
+            continue
+        names = pq.read_schema(file).names
+        keys = [k for k in ("run_id", "step", "rank") if k in names and k in run.columns]
+        table = pq.read_table(file, columns=[*keys, "loss"])
+        read = table.select(keys).to_pandas().assign(_null=table.column("loss").is_null().to_numpy(zero_copy_only=False))
+        found = run[keys].reset_index().merge(read.drop_duplicates(keys), on=keys, how="left")
+        out.loc[found["index"].to_numpy()] = found["_null"].fillna(False).to_numpy(dtype=bool)
+    return out

@@ -50,7 +50,7 @@ from gradrunner.report.page import (
     import_plots,
     write_page,
 )
-from gradrunner.report.records import config_value, drawn_values, light_columns
+from gradrunner.report.records import config_value, drawn_values, light_columns, loss_not_recorded
 from gradrunner.report.sections import (
     compare,
     edit_sections,
@@ -129,11 +129,16 @@ def _run_sections(
     sections = [html_section("Findings", findings_html(summary))]
     if grads["run_id"].nunique() == 1:  # one run: its spike detector's spikes, with the taps' z around each
         sections += spike_sections(out_dir)
+    known = ~loss_not_recorded(out_dir, steps) if steps is not None else None  # a null loss is not a NaN one
     if steps is not None and len(steps):
-        sections.append(figure_section(out_dir, "loss", "Loss over the steps", plots.plot_loss(steps)))
+        if any(c in steps.columns and steps[c].notna().any() for c in ("loss", "grad_norm")):
+            sections.append(figure_section(out_dir, "loss", "Loss over the steps", plots.plot_loss(steps)))
+        elif known is not None and not known.any():  # nothing to draw: say why
+            why = "every step's loss is null in steps.parquet (rec.step() without one): nothing to draw"
+            sections.append(html_section("Loss over the steps", f"<p>{_NO_LOSS.capitalize()}: {why}.</p>"))
         sections += _training_sections(out_dir, steps)
     sections += [
-        _runs_section(grads, steps),
+        _runs_section(grads, steps, known),
         html_section("Per-tap summary", _summary_table(summary)),
         figure_section(out_dir, "grad_flow", "Gradient flow", plots.plot_grad_flow(shown, steps=_flow_steps(shown)),
                 flow_note + once),
@@ -147,7 +152,7 @@ def _run_sections(
         sections.append(figure_section(out_dir, "values", "Gradient values", fig, "First and last captured step."))
     sections += extra_sections(shown, out_dir, figure=figure_section)  # once, like the flow, when strategies agree
     sections += edit_sections(grads, out_dir, figure=figure_section)
-    return sections, _answer(grads, steps, summary, cmp)
+    return sections, _answer(grads, steps, summary, cmp, known)
 
 
 def _flow_steps(grads: pd.DataFrame) -> dict[str, list[int]] | list[int]:
@@ -182,8 +187,12 @@ def _load_steps(out_dir: Path) -> pd.DataFrame | None:
         return None
 
 
-def _runs_section(grads: pd.DataFrame, steps: pd.DataFrame | None) -> str:
-    """One row per run: what distinguishes it, what ran, how many steps, the last loss."""
+#: What the page says of a run whose steps table holds no loss (null: `rec.step()` without one), as the last word.
+_NO_LOSS = "loss not recorded"
+
+
+def _runs_section(grads: pd.DataFrame, steps: pd.DataFrame | None, known: pd.Series | None = None) -> str:
+    """One row per run: what distinguishes it, what ran, how many steps, the last loss (`known`: recorded)."""
     columns = [c for c in ["job", *run_columns(grads), *CONSTANT_COLUMNS] if c in grads.columns]
     g = grads.groupby("run_id", sort=False)
     runs = g[list(dict.fromkeys(columns))].first().reset_index(drop=True)
@@ -194,8 +203,14 @@ def _runs_section(grads: pd.DataFrame, steps: pd.DataFrame | None) -> str:
     if steps is not None:
         by_run = steps.groupby("run_id", sort=False)
         runs["steps run"] = by_run["step"].nunique().reindex(g.size().index).to_numpy()
-        runs["last loss"] = by_run["loss"].agg(lambda s: s.iloc[-1]).reindex(g.size().index).to_numpy()
-    runs["last loss"] = [f"{v:.6g}" if v == v else "NaN" for v in runs["last loss"]]  # NaN shown, not blank
+        recorded = steps if known is None else steps[known]
+        last = recorded.groupby("run_id", sort=False)["loss"].agg(lambda s: s.iloc[-1])
+        runs["last loss"] = last.reindex(g.size().index).to_numpy()  # a run without a recorded loss: NaN, said below
+        said = [r in last.index for r in g.size().index]
+    else:
+        said = [True] * len(runs)
+    runs["last loss"] = [(f"{v:.6g}" if v == v else "NaN") if s else _NO_LOSS  # NaN shown, not blank
+                         for v, s in zip(runs["last loss"], said, strict=True)]  # fmt: skip
     return html_section("Runs", html_table(runs))
 
 
@@ -234,7 +249,11 @@ def _summary_table(summary: pd.DataFrame) -> str:
 
 
 def _answer(
-    grads: pd.DataFrame, steps: pd.DataFrame | None, summary: pd.DataFrame, cmp: pd.DataFrame | str | None
+    grads: pd.DataFrame,
+    steps: pd.DataFrame | None,
+    summary: pd.DataFrame,
+    cmp: pd.DataFrame | str | None,
+    known: pd.Series | None = None,
 ) -> str:
     """The page's first paragraph: the strategies' agreement (a strategies sweep), then what happened in each run."""
     lines = []
@@ -251,7 +270,7 @@ def _answer(
     said: list[tuple[str, str]] = []
     for key, rows in runs:
         values = dict(zip(run_cols, key if isinstance(key, tuple) else (key,), strict=True))
-        said.append((", ".join(f"{c}={v}" for c, v in values.items()), _run_sentence(rows, grads, steps, values)))
+        said.append((", ".join(f"{c}={v}" for c, v in values.items()), _run_sentence(rows, grads, steps, values, known)))
     if len({text for _, text in said}) == 1:  # one run, or runs that read the same (agreeing strategies)
         lines.append(said[0][1])
     else:
@@ -260,7 +279,11 @@ def _answer(
 
 
 def _run_sentence(
-    rows: pd.DataFrame, grads: pd.DataFrame, steps: pd.DataFrame | None, values: dict[str, object]
+    rows: pd.DataFrame,
+    grads: pd.DataFrame,
+    steps: pd.DataFrame | None,
+    values: dict[str, object],
+    known: pd.Series | None = None,
 ) -> str:
     """One run's loss and health, as the run's last word says them (a tap in trouble on any of its ranks counts once)."""
     if "rank" in rows.columns:  # torchrun: `tap_summary`'s row per tap and rank, one per tap here
@@ -277,8 +300,11 @@ def _run_sentence(
     parts = []
     if steps is not None:
         s = steps[steps["run_id"].isin(run_ids)].sort_values("step", kind="stable")
-        if len(s):
-            parts.append(f"loss {s['loss'].iloc[0]:.4g} → {s['loss'].iloc[-1]:.4g} over {len(s)} steps")
+        loss = s["loss"] if known is None else s.loc[known.reindex(s.index).to_numpy(dtype=bool), "loss"]
+        if len(loss):
+            parts.append(f"loss {loss.iloc[0]:.4g} → {loss.iloc[-1]:.4g} over {len(s)} steps")
+        elif len(s):
+            parts.append(f"{_NO_LOSS} over {len(s)} steps")
     nonfinite = rows["first_nonfinite_step"].dropna()
     if len(nonfinite):
         first = rows[rows["first_nonfinite_step"] == nonfinite.min()].iloc[0]
