@@ -270,12 +270,18 @@ def _answer(
     said: list[tuple[str, str]] = []
     for key, rows in runs:
         values = dict(zip(run_cols, key if isinstance(key, tuple) else (key,), strict=True))
-        said.append((", ".join(f"{c}={v}" for c, v in values.items()), _run_sentence(rows, grads, steps, values, known)))
+        label = ", ".join(f"{c} not set" if _missing(v) else f"{c}={v}" for c, v in values.items())
+        said.append((label, _run_sentence(rows, grads, steps, values, known)))
     if len({text for _, text in said}) == 1:  # one run, or runs that read the same (agreeing strategies)
         lines.append(said[0][1])
     else:
         lines += [f"{label}: {text}" for label, text in said]
     return "<br>".join(html.escape(t) for t in lines)
+
+
+def _missing(value: object) -> bool:
+    """A run column's value for a run that did not set it (a sweep dir of runs with different overrides): NaN/None."""
+    return value is None or value is pd.NA or (isinstance(value, float) and value != value)
 
 
 def _run_sentence(
@@ -294,8 +300,8 @@ def _run_sentence(
             first_exploding_step=("first_exploding_step", "min"), steps=("steps", "max"),
         ).reset_index()  # fmt: skip
     mask = np.ones(len(grads), dtype=bool)
-    for c, v in values.items():
-        mask &= (grads[c] == v).to_numpy()
+    for c, v in values.items():  # a run without the override another run sets: NaN, matched as missing (NaN != NaN)
+        mask &= (grads[c].isna() if _missing(v) else grads[c] == v).to_numpy(dtype=bool)
     run_ids = set(grads.loc[mask, "run_id"])
     parts = []
     if steps is not None:
@@ -321,10 +327,11 @@ def _run_sentence(
     never = rows[rows["steps"] == 0]
     if len(never):
         parts.append(f"{len(never)} tap{'s' * (len(never) > 1)} never had a gradient")
-    if len(parts) == (1 if steps is not None else 0):
+    said_loss = steps is not None and bool(parts) and parts[0].startswith(("loss", _NO_LOSS))
+    if len(parts) == int(said_loss):  # nothing but the loss: no trouble
         parts.append("no NaN/Inf, no vanishing or exploding gradient")
     text = "; ".join(parts)
-    return text[0].upper() + text[1:] + "."
+    return text[:1].upper() + text[1:] + "."
 
 
 def _training_sections(out_dir: Path, steps: pd.DataFrame) -> list[str]:
