@@ -8,6 +8,7 @@ Contents:
     plot_value_distributions(df, steps)       -- histograms of the captured gradient values per tap
     plot_loss(steps_df)                       -- the loss (and grad_norm, when recorded) over the steps
     fit_page(fig), PAGE_INCHES                -- a figure shrunk to at most a page (what the report saves)
+    plain_text()                              -- a context in which `$` in a label is a dollar, not mathtext
 
 Every function returns a `matplotlib.figure.Figure` built without pyplot: no GUI backend, no
 global figure list, nothing to close; it works headless and in a notebook (the Figure displays
@@ -21,10 +22,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 
 import numpy as np
 import pandas as pd
-from matplotlib import colormaps
+from matplotlib import colormaps, rc_context
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
@@ -162,6 +164,19 @@ def plot_grad_flow(
     single = runs[0][0] if len(runs) == 1 and runs[0][0] else ""
     fig.suptitle(f"Gradient flow ({measure_name} per tap)" + (f": {single}" if single else "") + ranks)
     return fig
+
+
+def plain_text() -> AbstractContextManager[None]:
+    """A context in which every text drawn is plain text: a tap named `blocks.$x$:output` is drawn as written,
+    not as mathtext (which draws maths or raises on what it cannot parse). Build and save a figure inside it
+    (a tick label is made when the figure is drawn).
+
+    Example::
+
+        with plain_text():
+            plot_norms(df).savefig("norms.png")
+    """
+    return rc_context({"text.parse_math": False})
 
 
 def fit_page(fig: Figure) -> Figure:

@@ -90,14 +90,20 @@ def write_report(path: str | Path) -> Path:
 
     The page holds: the runs, findings (vanishing, exploding, first NaN/Inf), the per-tap summary,
     gradient flow, the measure over the steps, and, when there are several strategies, their
-    agreement and cost; value distributions when values were captured. The PNGs are
+    agreement and cost; value distributions when values were captured. Labels are plain text (a `$` in a
+    tap name is drawn as written, never as mathtext). The PNGs are
     `report-<figure>.png`, none larger than a page (`plots.PAGE_INCHES` at `DPI`); an existing report is
     overwritten (records never are). A sweep of more than `AGGREGATE_ABOVE` runs is aggregated over its runs
     (`sweep`): a median line and 10-90% band per swept value, a table row per swept value, never a
     panel per run; the page says what was aggregated.
     """
     plots = import_plots()
-    root = Path(path)
+    with plots.plain_text():  # tap names and swept values are labels, never mathtext (`$` in a name)
+        return _write_report(plots, Path(path))
+
+
+def _write_report(plots: ModuleType, root: Path) -> Path:
+    """`write_report`'s work, inside `plots.plain_text()`."""
     out_dir = root.parent if root.is_file() else root
     # every column but the per-element ones (`values`, `hist_counts`, `per_example_norm`): those are read
     # below for the rows drawn only (columns and row filters), never for every row
