@@ -6,7 +6,8 @@ Contents:
     html_section(title, body) / html_table(df) -> str   -- an <h2> with its anchor; a table (scrolling, folded when long)
     figure_section(out_dir, name, title, fig, note)    -- `report-<name>.png` saved, a section embedding the same bytes
     FigureWriter                                -- `figure_section`'s signature (the sections draw through the one given)
-    write_page(out_dir, grads, sections, answer) -> Path  -- `report.html`, written atomically
+    held_figures()                              -- inside it `figure_section` holds its PNGs for `write_page` instead
+    write_page(out_dir, grads, sections, answer, figures) -> Path  -- the PNGs, then `report.html`, each atomically
 
 Used by `write` (the entry points, a run's sections), `sections` and `sweep`; it imports
 none of them, so each imports it without a cycle. The page loads nothing and runs no script.
@@ -22,6 +23,9 @@ from __future__ import annotations
 import base64
 import html
 import io
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
@@ -91,20 +95,54 @@ def html_table(df: pd.DataFrame, fold_above: int = 40) -> str:
     return table
 
 
+#: The PNGs `figure_section` holds inside `held_figures()` (None outside: it writes each at once).
+_HELD: ContextVar[dict[Path, bytes] | None] = ContextVar("gradrunner_report_held_figures", default=None)
+
+
+@contextmanager
+def held_figures() -> Iterator[dict[Path, bytes]]:
+    """Inside it `figure_section` writes nothing: its PNGs are held in the dict yielded, for `write_page` to write
+    once every section is built (a report that fails half-way leaves no PNG of its own behind).
+
+    Example::
+
+        with held_figures() as figures:
+            body = figure_section(out_dir, "loss", "Loss over the steps", fig)    # nothing written yet
+            write_page(out_dir, grads, [body], figures=figures)                    # the PNG, then the page
+    """
+    held: dict[Path, bytes] = {}
+    token = _HELD.set(held)
+    try:
+        yield held
+    finally:
+        _HELD.reset(token)
+
+
 def figure_section(out_dir: Path, name: str, title: str, fig: Figure, note: str = "") -> str:
-    """Save `fig`, at most a page (`plots.PAGE_INCHES` at `DPI`), as `report-<name>.png`; a section embedding the same PNG bytes."""
+    """Save `fig`, at most a page (`plots.PAGE_INCHES` at `DPI`), as `report-<name>.png` (held for `write_page`
+    inside `held_figures()`); a section embedding the same PNG bytes."""
     buffer = io.BytesIO()
     import_plots().fit_page(fig).savefig(buffer, format="png", dpi=DPI)
-    write_atomically(out_dir / f"report-{name}.png", buffer.getvalue())
+    held = _HELD.get()
+    if held is None:
+        write_atomically(out_dir / f"report-{name}.png", buffer.getvalue())
+    else:
+        held[out_dir / f"report-{name}.png"] = buffer.getvalue()
     encoded = base64.b64encode(buffer.getvalue()).decode("ascii")
     body = f'<img alt="{html.escape(title)}" src="data:image/png;base64,{encoded}">'
     return html_section(title, f"<p>{html.escape(note)}</p>\n{body}" if note else body)
 
 
-def write_page(out_dir: Path, grads: pd.DataFrame, sections: list[str], answer: str = "") -> Path:
-    """Write `REPORT_NAME` in `out_dir` atomically (a reader never sees half a page); return its path."""
+def write_page(
+    out_dir: Path, grads: pd.DataFrame, sections: list[str], answer: str = "", figures: Mapping[Path, bytes] | None = None
+) -> Path:
+    """Write the `figures` (PNG bytes by path, `held_figures`), then `REPORT_NAME` in `out_dir`, each atomically
+    (a reader never sees half a file), once the page is built; return its path."""
     page = out_dir / REPORT_NAME
-    write_atomically(page, _page(out_dir, grads, sections, answer))
+    text = _page(out_dir, grads, sections, answer)
+    for path, png in (figures or {}).items():
+        write_atomically(path, png)
+    write_atomically(page, text)
     return page
 
 

@@ -45,6 +45,7 @@ from gradrunner.report.page import (
     INSTALL_HINT,
     REPORT_NAME,
     figure_section,
+    held_figures,
     html_section,
     html_table,
     import_plots,
@@ -91,19 +92,22 @@ def write_report(path: str | Path) -> Path:
     The page holds: the runs, findings (vanishing, exploding, first NaN/Inf), the per-tap summary,
     gradient flow, the measure over the steps, and, when there are several strategies, their
     agreement and cost; value distributions when values were captured. Labels are plain text (a `$` in a
-    tap name is drawn as written, never as mathtext). The PNGs are
+    tap name is drawn as written, never as mathtext). Every section is built before anything is written:
+    a report that fails leaves no new file. The PNGs are
     `report-<figure>.png`, none larger than a page (`plots.PAGE_INCHES` at `DPI`); an existing report is
     overwritten (records never are). A sweep of more than `AGGREGATE_ABOVE` runs is aggregated over its runs
     (`sweep`): a median line and 10-90% band per swept value, a table row per swept value, never a
     panel per run; the page says what was aggregated.
     """
     plots = import_plots()
-    with plots.plain_text():  # tap names and swept values are labels, never mathtext (`$` in a name)
-        return _write_report(plots, Path(path))
+    # tap names and swept values are labels, never mathtext (`$` in a name); every section is built before a
+    # file is written (the PNGs are held): a report that fails half-way leaves nothing new in the dir
+    with plots.plain_text(), held_figures() as figures:
+        return _write_report(plots, Path(path), figures)
 
 
-def _write_report(plots: ModuleType, root: Path) -> Path:
-    """`write_report`'s work, inside `plots.plain_text()`."""
+def _write_report(plots: ModuleType, root: Path, figures: dict[Path, bytes]) -> Path:
+    """`write_report`'s work, inside `plots.plain_text()` and `held_figures()` (`figures`)."""
     out_dir = root.parent if root.is_file() else root
     # every column but the per-element ones (`values`, `hist_counts`, `per_example_norm`): those are read
     # below for the rows drawn only (columns and row filters), never for every row
@@ -118,7 +122,7 @@ def _write_report(plots: ModuleType, root: Path) -> Path:
         sections, answer = sweep_sections(out_dir, grads, steps, summary, figure_section)
     else:
         sections, answer = _run_sections(plots, out_dir, grads, steps, summary)
-    return write_page(out_dir, grads, sections, answer)
+    return write_page(out_dir, grads, sections, answer, figures)
 
 
 def _run_sections(

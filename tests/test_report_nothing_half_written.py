@@ -1,0 +1,53 @@
+"""A report that fails half-way leaves nothing new in the dir (every section is built before a file is written)."""
+
+from __future__ import annotations
+
+import base64
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from gradrunner import record
+
+pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradrunner[report]")
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = tmp_path / "run"
+    with record(model, ["*:output", "*:weight"], out) as rec:
+        for _ in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    return out
+
+
+def _report_files(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name.startswith(("report", ".report")))
+
+
+def test_a_report_that_fails_half_way_writes_nothing(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradrunner.report import plots, write_report
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a figure that cannot be drawn")
+
+    monkeypatch.setattr(plots, "plot_norms", broken)  # after the loss and flow figures were made
+    with pytest.raises(RuntimeError, match="cannot be drawn"):
+        write_report(run)
+    assert _report_files(run) == []
+    monkeypatch.undo()
+    page = write_report(run).read_text(encoding="utf-8")  # and whole when it works: the PNGs are the page's
+    embedded = [base64.b64decode(b) for b in re.findall(r'src="data:image/png;base64,([^"]+)"', page)]
+    pngs = sorted(run.glob("report-*.png"))
+    assert len(pngs) == len(embedded) >= 3
+    assert sorted(p.read_bytes() for p in pngs) == sorted(embedded)
