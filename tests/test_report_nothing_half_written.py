@@ -1,8 +1,10 @@
-"""A report that fails half-way leaves nothing new in the dir (every section is built before a file is written)."""
+"""A report that fails half-way leaves nothing new in the dir (every section is built before a file is written);
+into a read-only dir it is one paragraph naming the dir, exit 2, the real error not masked by the cleanup's."""
 
 from __future__ import annotations
 
 import base64
+import errno
 import re
 from pathlib import Path
 
@@ -51,3 +53,21 @@ def test_a_report_that_fails_half_way_writes_nothing(run: Path, monkeypatch: pyt
     pngs = sorted(run.glob("report-*.png"))
     assert len(pngs) == len(embedded) >= 3
     assert sorted(p.read_bytes() for p in pngs) == sorted(embedded)
+
+
+def test_a_read_only_dir_is_one_paragraph_naming_it(
+    run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gradrunner.report import write as report
+
+    def read_only(*args: object, **kwargs: object) -> None:  # what a read-only file system says, to unlink too
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    assert report.main([str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gradrunner.report: error: ") and err.count("\n") == 1
+    assert str(run) in err and "Read-only file system" in err and "Traceback" not in err
+    monkeypatch.undo()
+    assert _report_files(run) == []

@@ -12,6 +12,7 @@ file or the new one, never a truncated one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -27,6 +28,9 @@ def write_atomically(path: Path, data: str | bytes, encoding: str = "utf-8") -> 
         temp.write_bytes(data.encode(encoding) if isinstance(data, str) else data)
         os.replace(temp, path)
     except BaseException:
-        temp.unlink(missing_ok=True)  # never leave a temp file behind (a full disk, a read-only dir)
+        # never leave a temp file behind (a full disk); on a read-only file system unlink fails too (EROFS, even
+        # for a file that is not there): the error to raise is the write's, not the cleanup's
+        with contextlib.suppress(OSError):
+            temp.unlink(missing_ok=True)
         raise
     return path

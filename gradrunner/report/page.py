@@ -137,12 +137,19 @@ def write_page(
     out_dir: Path, grads: pd.DataFrame, sections: list[str], answer: str = "", figures: Mapping[Path, bytes] | None = None
 ) -> Path:
     """Write the `figures` (PNG bytes by path, `held_figures`), then `REPORT_NAME` in `out_dir`, each atomically
-    (a reader never sees half a file), once the page is built; return its path."""
+    (a reader never sees half a file), once the page is built; return its path. An OSError writing them (a
+    read-only dir, a full disk) is a GradrunnerError naming the dir."""
     page = out_dir / REPORT_NAME
     text = _page(out_dir, grads, sections, answer)
-    for path, png in (figures or {}).items():
-        write_atomically(path, png)
-    write_atomically(page, text)
+    try:
+        for path, png in (figures or {}).items():
+            write_atomically(path, png)
+        write_atomically(page, text)
+    except OSError as e:  # a read-only dir, a full disk: the user's to fix, one paragraph
+        raise GradrunnerError(
+            f"cannot write the report into {out_dir}: {e.strerror or e} ({type(e).__name__}, errno {e.errno}). "
+            "The records are untouched; copy the run dir somewhere writable and write the report there."
+        ) from e
     return page
 
 
