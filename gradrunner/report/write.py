@@ -27,6 +27,7 @@ import argparse
 import html
 import logging
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -36,7 +37,7 @@ import pandas as pd
 
 from gradrunner.analysis.aggregate import AGGREGATE_ABOVE
 from gradrunner.analysis.micro import combine_micro_steps
-from gradrunner.analysis.reading import load
+from gradrunner.analysis.reading import IncompleteSweepWarning, load
 from gradrunner.analysis.summaries import flow_steps, lowest_rank, run_columns, tap_summary, vanishing_boundary
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
 from gradrunner.records.columns import CONSTANT_COLUMNS
@@ -112,21 +113,46 @@ def _write_report(plots: ModuleType, root: Path, figures: dict[Path, bytes]) -> 
     # every column but the per-element ones (`values`, `hist_counts`, `per_example_norm`): those are read
     # below for the rows drawn only (columns and row filters), never for every row
     # one record per step under accumulation: a step's micro-batches combined (the whole batch's gradient)
-    grads = combine_micro_steps(load(out_dir, columns=light_columns(out_dir)))
+    with warnings.catch_warnings(record=True) as caught:  # both reads warn of the same failed jobs: said once
+        warnings.simplefilter("always")
+        grads = combine_micro_steps(load(out_dir, columns=light_columns(out_dir)))
+        steps = _load_steps(out_dir) if not grads.empty else None
+    left_out = _left_out(caught)
     if grads.empty:
         raise GradrunnerError(f"the records in {out_dir} hold no rows (no step was captured); nothing to report")
-    steps = _load_steps(out_dir)
     summary = tap_summary(grads)
     # every section draws through this module's `figure_section`, looked up at each call (a test may wrap it)
     if grads["run_id"].nunique() > AGGREGATE_ABOVE:  # a panel, a table row or a sentence per run would not be read
         sections, answer = sweep_sections(out_dir, grads, steps, summary, figure_section)
     else:
-        sections, answer = _run_sections(plots, out_dir, grads, steps, summary)
-    return write_page(out_dir, grads, sections, answer, figures)
+        sections, answer = _run_sections(plots, out_dir, grads, steps, summary, left_out)
+    if left_out:  # the page says what it does not show, first
+        answer = f'<span class="bad">{html.escape(left_out)}</span><br>{answer}'
+    page = write_page(out_dir, grads, sections, answer, figures)
+    if left_out:
+        warnings.warn(left_out, IncompleteSweepWarning, stacklevel=3)  # once, for the caller (main prints it)
+    return page
+
+
+def _left_out(caught: list[warnings.WarningMessage]) -> str:
+    """The `IncompleteSweepWarning`s `load` gave (the failed and missing jobs), each once, as one text; any other
+    warning is given again as it came."""
+    said: dict[str, None] = {}
+    for w in caught:
+        if issubclass(w.category, IncompleteSweepWarning):
+            said[str(w.message)] = None
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+    return " ".join(said)
 
 
 def _run_sections(
-    plots: ModuleType, out_dir: Path, grads: pd.DataFrame, steps: pd.DataFrame | None, summary: pd.DataFrame
+    plots: ModuleType,
+    out_dir: Path,
+    grads: pd.DataFrame,
+    steps: pd.DataFrame | None,
+    summary: pd.DataFrame,
+    left_out: str = "",
 ) -> tuple[list[str], str]:
     """The sections and the first paragraph of a run, or of a sweep of at most `AGGREGATE_ABOVE` runs (a panel each)."""
     cmp = compare(grads) if grads["strategy"].nunique() > 1 else None
@@ -148,7 +174,7 @@ def _run_sections(
             sections.append(html_section("Loss over the steps", f"<p>{_NO_LOSS.capitalize()}: {why}.</p>"))
         sections += _training_sections(out_dir, steps)
     sections += [
-        _runs_section(grads, steps, known),
+        _runs_section(grads, steps, known, left_out),
         html_section("Per-tap summary", _summary_table(summary)),
         figure_section(out_dir, "grad_flow", "Gradient flow", plots.plot_grad_flow(shown, steps=_flow_steps(shown)),
                 flow_note + once),
@@ -201,8 +227,11 @@ def _load_steps(out_dir: Path) -> pd.DataFrame | None:
 _NO_LOSS = "loss not recorded"
 
 
-def _runs_section(grads: pd.DataFrame, steps: pd.DataFrame | None, known: pd.Series | None = None) -> str:
-    """One row per run: what distinguishes it, what ran, how many steps, the last loss (`known`: recorded)."""
+def _runs_section(
+    grads: pd.DataFrame, steps: pd.DataFrame | None, known: pd.Series | None = None, left_out: str = ""
+) -> str:
+    """One row per run: what distinguishes it, what ran, how many steps, the last loss (`known`: recorded); then
+    the jobs left out (`left_out`: failed or missing jobs of a sweep), when there are any."""
     columns = [c for c in ["job", *run_columns(grads), *CONSTANT_COLUMNS] if c in grads.columns]
     g = grads.groupby("run_id", sort=False)
     runs = g[list(dict.fromkeys(columns))].first().reset_index(drop=True)
@@ -221,7 +250,8 @@ def _runs_section(grads: pd.DataFrame, steps: pd.DataFrame | None, known: pd.Ser
         said = [True] * len(runs)
     runs["last loss"] = [(f"{v:.6g}" if v == v else "NaN") if s else _NO_LOSS  # NaN shown, not blank
                          for v, s in zip(runs["last loss"], said, strict=True)]  # fmt: skip
-    return html_section("Runs", html_table(runs))
+    note = f'\n<p class="bad">{html.escape(left_out)}</p>' if left_out else ""
+    return html_section("Runs", html_table(runs) + note)
 
 
 #: The per-tap summary's columns as the page shows them (the rest stay in `tap_summary`).
@@ -382,10 +412,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("path", help="a run dir, a sweep dir (Hydra multirun) or a grads.parquet file")
     args = parser.parse_args(argv)
     try:
-        page = write_report(args.path)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            page = write_report(args.path)
     except GradrunnerError as e:
         print(f"gradrunner.report: error: {one_paragraph(e)}", file=sys.stderr)
         return EXIT_USER_ERROR
+    for w in caught:  # a failed job of a sweep: one clean line, not a warning with its source line
+        if issubclass(w.category, IncompleteSweepWarning):
+            print(f"gradrunner.report: warning: {one_paragraph(str(w.message))}", file=sys.stderr)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
     print(page)
     return 0
 
