@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import check_ok, gradrunner_in_process
+from report_tables import tables_after
 
 from gradrunner.analysis import IncompleteSweepWarning, load
 from gradrunner.cli.sweep_books import MANIFEST, build_manifest
@@ -123,7 +124,10 @@ def test_load_leaves_out_a_job_without_completion_marker(failed_sweep: Path, tmp
 
 def test_report_true_writes_one_report_for_the_sweep_of_its_completed_jobs(failed_sweep: Path) -> None:
     page = (failed_sweep / "report.html").read_text()
-    assert "retain_grad" in page and "bogus" not in page
+    runs = tables_after(page, "Runs")  # the completed jobs are its runs; the failed one is named as left out
+    assert runs["strategy"].tolist() == ["hook", "retain_grad"]
+    left_out = page[page.index(">Runs</h2>") :].split('<p class="bad">', 1)[1].split("</p>", 1)[0]
+    assert left_out.startswith("1 of 3 jobs in ") and "job 1 failed: capture.strategy=" in left_out
     assert list(failed_sweep.glob("*/report*")) == []
 
 
