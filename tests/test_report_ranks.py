@@ -139,3 +139,12 @@ def test_the_last_word_counts_each_tap_once_over_its_ranks(run: Path) -> None:
     h = health(run)
     assert h.taps == grads[["tap", "call"]].drop_duplicates().shape[0] == 11
     assert h.steps == 3 and h.loss_last == pytest.approx(steps.loc[(steps["rank"] == 0) & (steps["step"] == 2), "loss"].iloc[0])
+
+
+def test_compare_counts_a_loss_per_step_and_rank(run: Path) -> None:
+    from gradrunner.analysis.compare import compare_runs
+
+    _, steps = _parquet(run)
+    said = compare_runs(run, run).summary()
+    pairs, distinct = len(steps[["step", "rank"]].drop_duplicates()), steps["step"].nunique()
+    assert f"and {pairs} (step, rank) losses ({distinct} steps on 2 ranks) within" in said, said

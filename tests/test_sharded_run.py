@@ -210,7 +210,7 @@ def test_fsdp2_shards_every_unit_and_each_rank_holds_half_the_elements(sweep: Pa
 def test_fsdp2_and_ddp_records_agree(sweep: Path, lr: float) -> None:
     result = compare(job(sweep, "ddp", lr), job(sweep, "fsdp2", lr))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.startswith("agree: 18 records and 3 steps' loss"), result.stdout
+    assert result.stdout.startswith("agree: 18 records and 6 (step, rank) losses (3 steps on 2 ranks)"), result.stdout
 
 
 @pytest.mark.slow
@@ -246,7 +246,7 @@ def test_hsdp_on_four_ranks_with_accumulation_agrees_with_ddp(tmp_path: Path) ->
         for r, n in ((0, 1233), (1, 1200), (2, 1233), (3, 1200))
     }, held
     cmp = compare(tmp_path / "sw" / "0", tmp_path / "sw" / "1")
-    assert cmp.returncode == 0 and cmp.stdout.startswith("agree: 48 records and 2 steps' loss"), cmp.stdout + cmp.stderr
+    assert cmp.returncode == 0 and cmp.stdout.startswith("agree: 48 records and 8 (step, rank) losses (2 steps on 4 ranks)"), cmp.stdout + cmp.stderr
 
 
 def test_tensor_parallel_is_refused_naming_the_model() -> None:

@@ -109,15 +109,16 @@ class Comparison:
         """What `python -m gradrunner.compare` prints: the verdict, the first difference, the worst taps."""
         tol = f"rtol={self.rtol:g}, atol={self.atol:g}"
         notes = [f"note: {n}" for n in self.notes]
-        steps = self.values[self.values["tap"].isna()]["step"].nunique()
+        losses, what = _losses(self.values[self.values["tap"].isna()])
         if self.agree:
             worst = _by_rel(self.values)
             largest = "" if worst.empty or worst["rel"].iloc[0] == 0 else f"; largest relative difference {_where(worst.iloc[0])}"
-            return "\n".join([*notes, f"agree: {self.records} records and {steps} steps' loss within {tol}{largest}"])
+            return "\n".join([*notes, f"agree: {self.records} records and {losses} {what} within {tol}{largest}"])
         bad = self.values[self.values["differs"]]
         n_bad = bad.dropna(subset=["tap"])[list(KEY)].drop_duplicates().shape[0]
+        bad_losses = _losses(bad[bad["tap"].isna()])[0]
         lines = [*notes, f"differ beyond {tol}: {n_bad} of {self.records} records and "
-                 f"{bad[bad['tap'].isna()]['step'].nunique()} of {steps} steps' loss; {len(self.missing)} only in one run"]  # fmt: skip
+                 f"{bad_losses} of {losses} {what}; {len(self.missing)} only in one run"]  # fmt: skip
         first = self.first()
         assert first is not None
         lines.append(f"first difference: {_where(first)}")
@@ -199,6 +200,11 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str], r
     grads_a, steps_a = _read(run_a, notes)
     grads_b, steps_b = _read(run_b, notes)
     common = set(grads_a["tap"]) & set(grads_b["tap"])
+    if grads_a.empty and grads_b.empty:
+        raise GradrunnerError(
+            f"neither run recorded a gradient ({run_a} and {run_b} hold no tap's rows: taps=[], or no step captured); "
+            "compare runs that record taps"
+        )
     if not common:
         raise GradrunnerError(
             f"the runs have no tap in common ({run_a}: {_few(grads_a['tap'])}; {run_b}: {_few(grads_b['tap'])}); "
@@ -225,7 +231,19 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str], r
 
 def _few(taps: pd.Series) -> str:
     names = list(dict.fromkeys(taps))
+    if not names:
+        return "no tap recorded (taps=[])"
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _losses(rows: pd.DataFrame) -> tuple[int, str]:
+    """How many losses `rows` (the steps table's compared values) hold, and what they are: a loss per step, or
+    under torchrun a loss per step and rank ("6 (step, rank) losses: 3 steps on 2 ranks")."""
+    pairs = rows[["step", "rank"]].drop_duplicates() if "rank" in rows.columns else rows[["step"]].drop_duplicates()
+    ranks = int(pairs["rank"].nunique()) if "rank" in pairs.columns else 1
+    if ranks < 2:
+        return len(pairs), "steps' loss"
+    return len(pairs), f"(step, rank) losses ({pairs['step'].nunique()} steps on {ranks} ranks)"
 
 
 def _read(run: str | os.PathLike[str], notes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:

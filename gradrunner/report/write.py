@@ -116,10 +116,10 @@ def _write_report(plots: ModuleType, root: Path, figures: dict[Path, bytes]) -> 
     with warnings.catch_warnings(record=True) as caught:  # both reads warn of the same failed jobs: said once
         warnings.simplefilter("always")
         grads = combine_micro_steps(load(out_dir, columns=light_columns(out_dir)))
-        steps = _load_steps(out_dir) if not grads.empty else None
+        steps = _load_steps(out_dir)
     left_out = _left_out(caught)
     if grads.empty:
-        raise GradrunnerError(f"the records in {out_dir} hold no rows (no step was captured); nothing to report")
+        raise GradrunnerError(_nothing_to_report(out_dir, steps))
     summary = tap_summary(grads)
     # every section draws through this module's `figure_section`, looked up at each call (a test may wrap it)
     if grads["run_id"].nunique() > AGGREGATE_ABOVE:  # a panel, a table row or a sentence per run would not be read
@@ -132,6 +132,21 @@ def _write_report(plots: ModuleType, root: Path, figures: dict[Path, bytes]) -> 
     if left_out:
         warnings.warn(left_out, IncompleteSweepWarning, stacklevel=3)  # once, for the caller (main prints it)
     return page
+
+
+def _nothing_to_report(out_dir: Path, steps: pd.DataFrame | None) -> str:
+    """Why records without a gradient row hold nothing to report: no step ran, none was captured, or no tap."""
+    ran = 0 if steps is None else int(steps["step"].nunique())
+    captured = 0
+    if steps is not None and "captured" in steps.columns:
+        captured = int(steps.loc[steps["captured"].fillna(False).astype(bool), "step"].nunique())
+    if ran and captured:  # steps ran and were captured: there was no tap to record
+        why = f"{ran} steps ran, {captured} captured, but no tap was recorded (taps=[]); name taps to report on"
+    elif ran:
+        why = f"{ran} steps ran, none captured (capture.every larger than the run?)"
+    else:
+        why = "no step was captured"
+    return f"the records in {out_dir} hold no gradient rows ({why}); nothing to report"
 
 
 def _left_out(caught: list[warnings.WarningMessage]) -> str:
