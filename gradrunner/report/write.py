@@ -10,8 +10,8 @@ Contents:
 The page embeds its images (base64 PNG) and its tables, loads nothing and runs no script, so it
 can be mailed or archived on its own. A sweep of more than `AGGREGATE_ABOVE` runs is aggregated over its
 runs (`analysis.aggregate`, `plots_sweep`): a median line and band per swept value, never a panel per
-run; no PNG is larger than a page. A user mistake (a path without records) or a missing
-matplotlib prints one paragraph to stderr and exits with status 2.
+run; no PNG is larger than a page. A user mistake (a path without records, a dir it cannot write) or a missing
+matplotlib prints one paragraph to stderr and exits with status 2; nothing is half-written.
 
 This module holds the entry points and a run's sections (or those of a sweep of at most `AGGREGATE_ABOVE`
 runs, a panel each); the rest of the report is listed in `gradrunner.report`'s table.
