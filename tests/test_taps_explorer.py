@@ -194,3 +194,18 @@ def test_a_glob_that_matches_nothing_names_the_closest_paths() -> None:
     model.add_module("layers", nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
     with pytest.raises(GradrunnerError, match=r"the glob 'layer\.\*' matches no .* Closest paths: 'layers\.1', 'layers\.0', 'layers'\.$"):
         resolve_taps(model, ["layer.*:output"])
+
+
+@pytest.mark.parametrize(("args", "option", "takes"), [
+    (["+experiment=mlp", "--format"], "--format", "one of text, json"),
+    (["+experiment=mlp", "--match"], "--match", "a glob over module paths"),
+    (["+experiment=mlp", "--format", "--match", "fc*"], "--format", "one of text, json"),
+])  # fmt: skip
+def test_an_option_without_its_value_is_one_paragraph_naming_it_and_what_it_takes(
+    tmp_path: Path, args: list[str], option: str, takes: str
+) -> None:
+    bad = taps_cli(tmp_path, *args)
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.startswith(f"gradrunner.taps: error: {option} needs a value: {takes}")
+    assert bad.stderr.count("\n") == 1 and "usage" not in bad.stderr and "hydra." not in bad.stderr
+    assert bad.stdout == ""

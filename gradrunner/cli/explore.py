@@ -37,12 +37,21 @@ _format = "text"
 _match: str | None = None
 
 
+#: What each option of ours takes, for the error when its value is missing.
+_TAKES = {
+    "--format": f"one of {', '.join(FORMATS)}, e.g. --format json",
+    "--match": "a glob over module paths as model.named_modules() prints them, e.g. --match 'layers.0.*'",
+}
+
+
 def _pop_option(argv: list[str], option: str, default: str | None) -> tuple[str | None, list[str]]:
-    """`--option X` / `--option=X` taken out of `argv` (Hydra does not know it)."""
+    """`--option X` / `--option=X` taken out of `argv` (Hydra does not know it); a bare `--option` is an error."""
     value, rest, i = default, [], 0
     while i < len(argv):
         arg = argv[i]
-        if arg == option and i + 1 < len(argv):
+        if arg == option:
+            if i + 1 == len(argv) or argv[i + 1].startswith("-"):
+                raise GradrunnerError(f"{option} needs a value: {_TAKES[option]} (as {option} VALUE or {option}=VALUE).")
             value, i = argv[i + 1], i + 2
             continue
         if arg.startswith(f"{option}="):
