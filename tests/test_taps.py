@@ -195,3 +195,53 @@ def test_capture_uses_the_resolved_names(mlp: MLP) -> None:
         cap.backward(mlp(torch.randn(2, 3, dtype=torch.float64)).sum())
     assert list(cap.grads) == ["fc1:output", "fc2:output", "head:weight"]
     assert [k.tap for k in cap.records().keys] == ["fc1:output", "fc2:output", "head:weight"]
+
+
+# -- module paths that hold glob characters (nn.ModuleDict keys) -----------------------------------
+class _Keys(nn.Module):
+    """Module paths with '[', '*' and '?' in them, next to paths their glob reading would also match."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        names = ["x[0]", "x0", "a*b", "aXYb", "q?", "qa"]
+        self.blocks = nn.ModuleDict({k: nn.Linear(2, 2) for k in names})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks.values():
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("path", ["blocks.x[0]", "blocks.a*b", "blocks.q?"])
+def test_a_path_with_glob_characters_is_that_path_and_gets_its_gradient(path: str) -> None:
+    model = _Keys()
+    (tap,) = resolve_taps(model, [f"{path}:output"])
+    assert (tap.module, tap.from_glob) == (path, False)  # an explicit tap: errors are not softened as a glob's
+    x = torch.randn(3, 2)
+    seen: list[torch.Tensor] = []
+    handle = model.get_submodule(path).register_forward_hook(lambda m, a, o: seen.append(o))
+    (want,) = torch.autograd.grad(model(x).pow(2).sum(), seen)
+    handle.remove()
+    with capture(model, [f"{path}:output"]) as cap:
+        cap.backward(model(x).pow(2).sum())
+    assert torch.equal(cap.grads[f"{path}:output"], want)
+
+
+def test_the_glob_reading_of_such_a_path_is_written_with_a_bracketed_character() -> None:
+    model = _Keys()
+    assert [t.module for t in resolve_taps(model, ["blocks.[q]?:output"])] == ["blocks.q?", "blocks.qa"]
+    assert [t.module for t in resolve_taps(model, ["blocks.a*b:output", "blocks.[a]*b:output"])] == [
+        "blocks.a*b", "blocks.aXYb"
+    ]  # fmt: skip
+    assert [t.module for t in resolve_taps(model, ["blocks.x[[]*:output"])] == ["blocks.x[0]"]
+    assert all(t.from_glob for t in resolve_taps(model, ["blocks.[q]?:output"]))
+
+
+def test_a_glob_that_matches_nothing_never_suggests_itself_and_says_how_to_escape() -> None:
+    model = _Keys()
+    with pytest.raises(GradrunnerError) as err:
+        resolve_taps(model, ["blocks.x[1]:output"])
+    message = str(err.value)
+    assert "the glob 'blocks.x[1]' matches no module" in message
+    assert "Closest paths: 'blocks.x[0]'" in message and "'blocks.x[1]'," not in message.split("Closest")[1]
+    assert "[*], [?] and [[] match those characters" in message

@@ -209,3 +209,17 @@ def test_an_option_without_its_value_is_one_paragraph_naming_it_and_what_it_take
     assert bad.stderr.startswith(f"gradrunner.taps: error: {option} needs a value: {takes}")
     assert bad.stderr.count("\n") == 1 and "usage" not in bad.stderr and "hydra." not in bad.stderr
     assert bad.stdout == ""
+
+
+def test_match_and_the_glob_counts_take_a_path_with_glob_characters_as_that_path() -> None:
+    from gradrunner.capturing.taps import glob_reach
+
+    model = nn.Module()
+    model.blocks = nn.ModuleDict({k: nn.Linear(2, 2) for k in ["q?", "qa", "x[0]"]})
+    model.forward = lambda x: model.blocks["x[0]"](model.blocks["qa"](model.blocks["q?"](x)))  # type: ignore[method-assign]
+    listed = list_taps(model, torch.randn(1, 2))
+    assert [m.path for m in listed.matching("blocks.q?").modules] == ["blocks.q?"]
+    assert [m.path for m in listed.matching("blocks.x[0]").modules] == ["blocks.x[0]"]
+    assert [m.path for m in listed.matching("blocks.[q]?").modules] == ["blocks.q?", "blocks.qa"]
+    reach = glob_reach(model, ["blocks.q?:output", "blocks.[q]?:output"])
+    assert [(r.spec, r.taps) for r in reach] == [("blocks.[q]?:output", 2)]

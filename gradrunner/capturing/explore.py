@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names
+from gradrunner.capturing.taps import is_glob
 
 #: How deep `output.0.logits`-style element names are followed into nested containers.
 _MAX_DEPTH = 3
@@ -68,12 +69,16 @@ class TapListing:
     modules: list[ModuleTaps]
 
     def matching(self, pattern: str) -> TapListing:
-        """Only the module paths `pattern` matches (a glob, as in a tap spec; `''` is the root).
+        """Only the module paths `pattern` matches, as a tap spec's module part does (`''` is the root).
 
         Example::
 
             print(list_taps(model, x).matching("layers.0.*"))
+
+        A glob, unless `pattern` is itself a module path (an `nn.ModuleDict` key `'x[0]'`): that path alone.
         """
+        if not is_glob(pattern, {m.path for m in self.modules}):
+            return TapListing(self.model, [m for m in self.modules if m.path == pattern])
         return TapListing(self.model, [m for m in self.modules if fnmatch.fnmatchcase(m.path, pattern)])
 
     def to_dict(self) -> dict[str, Any]:

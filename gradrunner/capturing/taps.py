@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -164,11 +164,27 @@ def _unknown_name(module_path: str, module: nn.Module, name: str) -> GradrunnerE
     )
 
 
-def _match_modules(model: nn.Module, pattern: str, spec: object) -> list[tuple[str, nn.Module]]:
+def is_glob(pattern: str, paths: Collection[str]) -> bool:
+    """Whether `pattern` is read as a glob on a model whose module paths are `paths`.
+
+    Example::
+
+        is_glob("blocks.*", {"", "blocks", "blocks.a"})        # True
+        is_glob("blocks.q?", {"", "blocks", "blocks.q?"})      # False: an exact path wins
+
+    A pattern with `*`, `?` or `[` is a glob unless it is itself a module path (an `nn.ModuleDict` key may
+    hold those characters): an exact path wins. The glob reading of such a spec is written with one
+    character in brackets (`blocks.[q]?`); `[*]`, `[?]` and `[[]` match the character itself inside a glob.
+    """
+    return pattern not in paths and any(c in pattern for c in _GLOB_CHARS)
+
+
+def _match_modules(model: nn.Module, pattern: str, spec: object) -> tuple[list[tuple[str, nn.Module]], bool]:
+    """The modules `pattern` selects, and whether it was read as a glob."""
     modules = dict(model.named_modules(remove_duplicate=False))
-    if not any(c in pattern for c in _GLOB_CHARS):
+    if not is_glob(pattern, modules):
         if pattern in modules:
-            return [(pattern, modules[pattern])]
+            return [(pattern, modules[pattern])], False
         close = difflib.get_close_matches(pattern, [p for p in modules if p], n=5, cutoff=0.4)
         listing = ", ".join(repr(p) for p in (close or [p for p in modules if p][:8]))
         raise GradrunnerError(
@@ -178,13 +194,15 @@ def _match_modules(model: nn.Module, pattern: str, spec: object) -> list[tuple[s
         )
     matched = [(p, m) for p, m in modules.items() if p and fnmatch.fnmatchcase(p, pattern)]
     if not matched:
-        close = difflib.get_close_matches(pattern, [p for p in modules if p], n=5, cutoff=0.4)
+        close = difflib.get_close_matches(pattern, [p for p in modules if p and p != pattern], n=5, cutoff=0.4)
         some = ", ".join(repr(p) for p in (close or list(modules)[1:9]))
         raise GradrunnerError(
             f"tap {spec!r}: the glob {pattern!r} matches no module of {type(model).__name__} "
-            f"(the root '' is never matched by a glob). {'Closest paths' if close else 'Some paths'}: {some}."
+            f"(the root '' is never matched by a glob). {'Closest paths' if close else 'Some paths'}: {some}. "
+            "Inside a glob, [*], [?] and [[] match those characters themselves; a path that contains them is "
+            "also tapped as written."
         )
-    return matched
+    return matched, True
 
 
 def resolve_taps(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[Tap]:
@@ -201,7 +219,7 @@ def resolve_taps(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[T
     resolved: dict[str, Tap] = {}
     for spec in specs:
         pattern, name = parse_spec(spec)
-        matched = _match_modules(model, pattern, spec)
+        matched, glob = _match_modules(model, pattern, spec)
         # A glob over a parameter name never reads source: modules without that parameter are skipped.
         is_param = len(matched) > 1 and any(name in dict(m.named_parameters(recurse=False)) for _, m in matched)
         taps = [(p, m, _resolve_name(p, m, name, locals_too=not is_param)) for p, m in matched]
@@ -214,9 +232,8 @@ def resolve_taps(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[T
                 f"tap {spec!r}: the glob {pattern!r} matches {len(matched)} modules ({paths}) but none of them "
                 f"has {name!r}. Every module offers output and input; parameters and forward() locals are per module."
             )
-        is_glob = any(c in pattern for c in _GLOB_CHARS)
         for t in found:
-            resolved.setdefault(t.tap, dataclasses.replace(t, from_glob=is_glob))
+            resolved.setdefault(t.tap, dataclasses.replace(t, from_glob=glob))
     return list(resolved.values())
 
 
@@ -253,9 +270,10 @@ def glob_reach(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[Glo
     if isinstance(specs, (str, Mapping)):
         specs = [specs]
     out = []
+    paths = {p for p, _ in model.named_modules(remove_duplicate=False)}
     for spec in specs:
         pattern, _ = parse_spec(spec)
-        if not any(c in pattern for c in _GLOB_CHARS):
+        if not is_glob(pattern, paths):
             continue
         by_depth: dict[int, tuple[int, str]] = {}
         for t in resolve_taps(model, [spec]):
