@@ -192,7 +192,7 @@ def test_the_taps_cli_filters_with_match_and_refuses_a_match_of_nothing(tmp_path
 def test_a_glob_that_matches_nothing_names_the_closest_paths() -> None:
     model = nn.Sequential()
     model.add_module("layers", nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
-    with pytest.raises(GradrunnerError, match=r"the glob 'layer\.\*' matches no .* Closest paths: 'layers\.1', 'layers\.0', 'layers'\.$"):
+    with pytest.raises(GradrunnerError, match=r"the glob 'layer\.\*' matches no .* Closest paths: 'layers\.1', 'layers\.0', 'layers'\. Inside a glob, \[\*\]"):
         resolve_taps(model, ["layer.*:output"])
 
 
