@@ -28,6 +28,7 @@ from torch import nn
 
 from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names
 from gradrunner.capturing.taps import is_glob
+from gradrunner.capturing.untouched import untouched
 
 #: How deep `output.0.logits`-style element names are followed into nested containers.
 _MAX_DEPTH = 3
@@ -162,14 +163,17 @@ def list_taps(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Ta
         print(list_taps(MLP(depth=1), torch.randn(4, 8)))
         list_taps(gpt2, **batch).to_dict()      # a HuggingFace model called with keyword arguments
 
-    The model's parameters and buffers are left as they were; every hook is removed on return.
+    The model is left exactly as it was, and so are the random generators (`untouched`: parameters,
+    buffers such as BatchNorm's running statistics, `.grad`, the CPU and CUDA generator states that
+    Dropout draws from); every hook is removed on return.
     """
-    try:
-        with _recording(model) as seen, torch.no_grad():
-            model(*example_args, **example_kwargs)
-    except RuntimeError:  # a forward that needs autograd itself (torch.autograd.grad inside): once more with it
-        with _recording(model) as seen:
-            model(*example_args, **example_kwargs)
+    with untouched(model):
+        try:
+            with _recording(model) as seen, torch.no_grad():
+                model(*example_args, **example_kwargs)
+        except RuntimeError:  # a forward that needs autograd itself (torch.autograd.grad inside): once more with it
+            with _recording(model) as seen:
+                model(*example_args, **example_kwargs)
     called: list[tuple[int, ModuleTaps]] = []
     not_called: list[ModuleTaps] = []
     for path, module in model.named_modules(remove_duplicate=False):
