@@ -16,7 +16,7 @@ import torch
 from conftest import child_python, cli_env, compose_cfg, leftover_hooks, python_m
 from torch import nn
 
-from gradrunner import list_taps
+from gradrunner import capture, list_taps
 from gradrunner.capturing.explore import TapListing
 from gradrunner.capturing.taps import resolve_taps
 from gradrunner.cli.explore import listing
@@ -223,3 +223,42 @@ def test_match_and_the_glob_counts_take_a_path_with_glob_characters_as_that_path
     assert [m.path for m in listed.matching("blocks.[q]?").modules] == ["blocks.q?", "blocks.qa"]
     reach = glob_reach(model, ["blocks.q?:output", "blocks.[q]?:output"])
     assert [(r.spec, r.taps) for r in reach] == [("blocks.[q]?:output", 2)]
+
+
+class _NamesThatMeanSomethingElse(nn.Module):
+    """Locals named `output` and `weight` (the module's output, its parameter); `seq` has a local named `input`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.weight = nn.Parameter(torch.full((4,), 0.5))
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = self.weight * 3
+        output = self.seq(input) * weight
+        output = output * 2
+        return output
+
+
+def test_locals_named_like_the_output_input_or_a_parameter_are_listed_as_the_tap_that_reaches_them() -> None:
+    model, x = _NamesThatMeanSomethingElse(), torch.randn(2, 4)
+    listed = list_taps(model, x)
+    m = by_path(listed)
+    assert (m[""].locals, m["seq"].locals) == (["local.weight", "local.output"], ["module", "local.input"])
+    assert "forward() locals: local.weight, local.output" in str(listed)
+    assert json.loads(json.dumps(listed.to_dict()))["modules"][1]["locals"] == ["module", "local.input"]
+    assert {t.kind for t in resolve_taps(model, [":local.weight", ":local.output", "seq:local.input"])} == {"local"}
+    # what the listed spellings capture: the locals at every assignment, not the output, input or parameter
+    outs: list[torch.Tensor] = []
+    hooks = [layer.register_forward_hook(lambda mod, a, o: outs.append(o)) for layer in model.seq]
+    weight, output = model.weight * 3, model(x)
+    for h in hooks:
+        h.remove()
+    first = outs[2] * weight
+    want = torch.autograd.grad((first * 2).pow(2).sum(), [*outs, first])
+    with capture(model, ["seq:local.input", ":local.output", ":local.weight"]) as cap:
+        cap.backward(model(x).pow(2).sum())
+    assert [torch.allclose(cap.grads["seq:local.input", i], want[i]) for i in range(3)] == [True] * 3
+    assert torch.allclose(cap.grads[":local.output", 0], want[3])
+    assert torch.allclose(cap.grads[":local.output", 1], 2 * output.detach())  # the returned value: d(sum out^2)/d(out)
+    assert torch.allclose(cap.grads[":local.weight"], (want[3] * outs[2]).sum(0))

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names
-from gradrunner.capturing.taps import is_glob
+from gradrunner.capturing.taps import is_glob, local_tap_name
 from gradrunner.capturing.untouched import untouched
 
 #: How deep `output.0.logits`-style element names are followed into nested containers.
@@ -57,6 +57,7 @@ class ModuleTaps:
     outputs: list[Slot] = field(default_factory=list)
     inputs: list[Slot] = field(default_factory=list)
     parameters: list[Slot] = field(default_factory=list)
+    #: The forward()'s locals as tap names: `local.output` for a local named output (`:output` is the module's).
     locals: list[str] = field(default_factory=list)
     #: Why the forward()'s locals could not be read (decorated, compiled, no source), else None.
     locals_note: str | None = None
@@ -126,8 +127,9 @@ def _input_slots(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Slot]:
 
 
 def _locals(module: nn.Module) -> tuple[list[str], str | None]:
+    """The tap names of the forward()'s locals (`local.output` for a local named output), or why none are readable."""
     try:
-        return assigned_names(type(module).forward), None
+        return [local_tap_name(module, n) for n in assigned_names(type(module).forward)], None
     except SourceUnavailable as e:
         return [], str(e).split(";")[0]
     except Exception as e:  # a forward() whose source does not parse: list the rest anyway

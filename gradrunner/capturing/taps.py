@@ -132,6 +132,19 @@ def _resolve_name(module_path: str, module: nn.Module, name: str, locals_too: bo
     return None
 
 
+def local_tap_name(module: nn.Module, variable: str) -> str:
+    """The tap name that reaches the local `variable` of `module`'s forward(): `variable` itself, or `local.<variable>`
+    where the plain name means something else (the module's `output`/`input`, a parameter of the module).
+
+    Example::
+
+        local_tap_name(model, "hidden")   # 'hidden'
+        local_tap_name(model, "output")   # 'local.output': ':output' is the module's output
+    """
+    tap = _resolve_name("", module, variable)
+    return variable if tap is not None and tap.kind == "local" else LOCAL_PREFIX + variable
+
+
 def _describe(module: nn.Module) -> str:
     offers = module_offers(module)
     params = ", ".join(offers["parameters"]) or "none"
