@@ -59,7 +59,7 @@ def test_the_gpt2_experiment_lists_its_taps_with_dict_inputs() -> None:
     root = modules[""]
     assert [(s.name, s.shape) for s in root.outputs] == [("output.loss", []), ("output.logits", [4, 16, 100])]
     assert [s.name for s in root.inputs] == ["input.input_ids", "input.attention_mask", "input.labels"]
-    assert modules["transformer.h.0.mlp"].locals == ["hidden_states"]
+    assert [(s.name, s.shape) for s in modules["transformer.h.0.mlp"].locals] == [("hidden_states", [4, 16, 256])]  # c_fc's, first
     assert modules["transformer.h.1.attn"].outputs[0].shape == [4, 16, 64]
 
 

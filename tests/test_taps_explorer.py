@@ -58,7 +58,7 @@ def test_every_module_path_of_each_built_in_experiment_is_listed(experiment: str
     assert root.outputs[0].shape == list(model(x).shape) and root.inputs[0].shape == list(x.shape)
     # Every listed output/input/parameter name is one the tap resolver accepts on that path.
     for m in result.modules:
-        names = [s.name for s in m.outputs + m.inputs + m.parameters] + m.locals
+        names = [s.name for s in m.outputs + m.inputs + m.parameters + m.locals]
         if names:
             assert len(resolve_taps(model, [f"{m.path}:{n}" for n in names])) == len(set(names))
 
@@ -73,7 +73,8 @@ def test_the_transformer_listing_has_shapes_tuple_elements_and_names_out_proj_as
     assert [s.name for s in attn.inputs] == ["input.0", "input.1", "input.2"]
     assert [(s.name, s.shape) for s in attn.parameters] == [("in_proj_weight", [48, 16]), ("in_proj_bias", [48])]
     assert result["attn.out_proj"].calls == 0 and result["attn.out_proj"].outputs == []
-    assert result[""].locals == ["q", "attn_out", "_weights", "h", "ff"]
+    assert [s.name for s in result[""].locals] == ["q", "attn_out", "_weights", "h", "ff"]
+    assert [(s.shape, s.no_gradient) for s in result[""].locals[:2]] == [([8, 5, 16], None), ([8, 5, 16], None)]
     order = [m.path for m in listing(compose_cfg("+experiment=transformer")).modules]
     assert order == ["", "ln1", "attn", "ln2", "ff1", "act", "ff2", "head", "attn.out_proj"]
 
@@ -102,7 +103,7 @@ def test_a_user_model_with_dict_output_kwargs_repeated_and_unused_modules() -> N
     ]  # fmt: skip
     assert [(s.name, s.dtype) for s in m[""].inputs] == [("input.0", "float32"), ("input.scale", "float64")]
     assert m["shared"].calls == 2 and m["enc"].calls == 1 and m["unused"].calls == 0
-    assert m[""].locals == ["hidden"]
+    assert [(s.name, s.shape, s.dtype) for s in m[""].locals] == [("hidden", [2, 3], "float32")]  # the first assignment
     assert [mm.path for mm in result.modules] == ["", "enc", "shared", "unused"]
     assert "unused (Linear) NOT CALLED" in str(result)
     assert json.loads(json.dumps(result.to_dict()))["modules"][2]["calls"] == 2
@@ -166,7 +167,7 @@ def test_a_forward_that_needs_autograd_is_listed_with_grad_enabled() -> None:
     model = Score()
     m = by_path(list_taps(model, torch.randn(2, 3)))
     assert m[""].outputs[0].shape == [2, 3] and m["energy"].outputs[0].shape == [2, 1]
-    assert m[""].locals == ["x", "force"] and leftover_hooks(model) == []
+    assert [s.name for s in m[""].locals] == ["x", "force"] and leftover_hooks(model) == []
 
 
 # -- --match and globs that match nothing ------------------------------------------------------------
@@ -244,9 +245,10 @@ def test_locals_named_like_the_output_input_or_a_parameter_are_listed_as_the_tap
     model, x = _NamesThatMeanSomethingElse(), torch.randn(2, 4)
     listed = list_taps(model, x)
     m = by_path(listed)
-    assert (m[""].locals, m["seq"].locals) == (["local.weight", "local.output"], ["module", "local.input"])
-    assert "forward() locals: local.weight, local.output" in str(listed)
-    assert json.loads(json.dumps(listed.to_dict()))["modules"][1]["locals"] == ["module", "local.input"]
+    names = [s.name for s in m[""].locals], [s.name for s in m["seq"].locals]
+    assert names == (["local.weight", "local.output"], ["module", "local.input"])
+    assert "    local.output  (2, 4) float32 local\n" in str(listed)
+    assert [v["name"] for v in json.loads(json.dumps(listed.to_dict()))["modules"][1]["locals"]] == ["module", "local.input"]
     assert {t.kind for t in resolve_taps(model, [":local.weight", ":local.output", "seq:local.input"])} == {"local"}
     # what the listed spellings capture: the locals at every assignment, not the output, input or parameter
     outs: list[torch.Tensor] = []

@@ -89,7 +89,7 @@ def parse_spec(spec: object) -> tuple[str, str]:
     return module.strip(), name.strip()
 
 
-def _element_path(rest: str) -> tuple[str | int, ...]:
+def element_path(rest: str) -> tuple[str | int, ...]:
     return tuple(int(p) if p.lstrip("-").isdigit() else p for p in rest.split("."))
 
 
@@ -119,7 +119,7 @@ def _resolve_name(module_path: str, module: nn.Module, name: str, locals_too: bo
             return None
         return Tap(module_path, name, "local") if found else None
     if head in ("output", "input"):
-        return Tap(module_path, name, head, _element_path(rest) if rest else ())  # type: ignore[arg-type]
+        return Tap(module_path, name, head, element_path(rest) if rest else ())  # type: ignore[arg-type]
     if name in dict(module.named_parameters(recurse=False)):
         return Tap(module_path, name, "param")
     if not locals_too:

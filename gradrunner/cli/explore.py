@@ -2,7 +2,8 @@
 
 Builds the model and the data the config names, runs one forward pass on the first batch
 (`gradrunner.capturing.explore.list_taps`) and prints every module path in forward order: class,
-calls, output and input shapes, parameters, forward() locals; modules not called are marked. Then,
+calls, the shapes (or types) of its outputs, inputs, parameters and forward() locals, each marked
+`-- no gradient: <why>` when a tap on it cannot carry one; modules not called are marked. Then,
 for each glob of the config's `taps`, how many taps it resolves to at each module depth (`*` and `?`
 match dots: `transformer.h.*` reaches every submodule of every block).
 Nothing is written (no output dir, no records). `--format json` prints the same for scripts.
