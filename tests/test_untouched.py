@@ -86,3 +86,13 @@ def test_reassigned_and_added_buffers_written_parameters_and_grads_are_put_back_
     assert "seen" not in dict(model.named_buffers()) and not hasattr(model, "seen")
     assert model.lin.bias.grad is None
     assert _same(before, _state(model))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_device_generator_and_buffers_are_put_back() -> None:
+    model = _bn_dropout().cuda()
+    x = torch.randn(8, 4, device="cuda") * 5 + 3
+    before, generators = _state(model), torch.cuda.get_rng_state_all()
+    list_taps(model, x)
+    assert _same(before, _state(model))
+    assert all(torch.equal(a, b) for a, b in zip(generators, torch.cuda.get_rng_state_all(), strict=True))
