@@ -90,6 +90,7 @@ def parse_spec(spec: object) -> tuple[str, str]:
 
 
 def element_path(rest: str) -> tuple[str | int, ...]:
+    """The element path of what follows `output.`/`input.` in a tap name: `element_path("0.logits")` is `(0, 'logits')`."""
     return tuple(int(p) if p.lstrip("-").isdigit() else p for p in rest.split("."))
 
 
