@@ -116,7 +116,7 @@ def test_the_marks_of_a_gpt2_say_what_each_slot_held() -> None:
         ":output.logits": ([2, 5, 50], "float32", "tensor", None),
         "transformer.h.0:input.use_cache": (None, None, "bool", "not a tensor (a bool)"),
         "transformer.h.0:input.0": ([2, 5, 8], "float32", "tensor", None),
-        "transformer:i": (None, None, "int", "not a tensor (a int)"),
+        "transformer:i": (None, None, "int", "not a tensor (an int)"),
         "transformer:block": (None, None, "GPT2Block", "not a tensor (a GPT2Block)"),
         "transformer.h.0:_": (None, None, "NoneType", "not a tensor (a NoneType)"),
         "transformer.h.0:cross_attn_output": (None, None, UNASSIGNED, None),

@@ -3,7 +3,7 @@ running (and recomputing a reentrant checkpoint), and which models gradrunner re
 
 Example::
 
-    no_grad_reason(3, is_input=False)   # ('not a tensor (a int)', 'a int, not a tensor')
+    no_grad_reason(3, is_input=False)   # ('not a tensor (an int)', 'an int, not a tensor')
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def no_grad_reason(value: object, is_input: bool) -> tuple[str, str] | None:
     if isinstance(value, Missing):
         return value.reason, value.reason
     if not isinstance(value, torch.Tensor):
-        return f"not a tensor (a {type(value).__name__})", f"a {type(value).__name__}, not a tensor"
+        return f"not a tensor ({_a(type(value).__name__)})", f"{_a(type(value).__name__)}, not a tensor"
     if not (value.is_floating_point() or value.is_complex()):
         return (f"not a floating-point tensor ({value.dtype})",
                 f"a {value.dtype} tensor (only floating-point tensors have gradients)")  # fmt: skip
@@ -93,6 +93,11 @@ def no_grad_reason(value: object, is_input: bool) -> tuple[str, str] | None:
         return short, ("a tensor that does not require grad (made under torch.no_grad(), detached, or computed only "
                        "from frozen parameters and inputs)")  # fmt: skip
     return None
+
+
+def _a(name: str) -> str:
+    """`name` with its article: 'a tuple', 'an int'."""
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def refuse_compiled(model: nn.Module) -> None:
