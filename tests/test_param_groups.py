@@ -84,3 +84,18 @@ def test_a_no_decay_that_selects_nothing_is_refused_before_step_0(tmp_path: Path
     job = setup(compose_cfg("+experiment=mlp", "optimizer=adamw", "optimizer.no_decay=[bias]", "taps=[]"))
     assert [g["weight_decay"] for g in job.optimizer.param_groups] == [0.01, 0.0]
     assert len(job.optimizer.param_groups[1]["params"]) == 4  # the MLP's four biases
+
+
+def test_a_module_path_holding_glob_characters_is_that_path_first() -> None:
+    """`nn.ModuleDict` keys may hold `?`, `*`, `[`: such a name selects itself, as a tap on it does
+    (`capturing.taps.is_glob`); `train.shard` reads its globs the same way."""
+    from gradrunner.run.parallel import shard_targets
+
+    model = nn.Module()
+    model.blocks = nn.ModuleDict({"q?": nn.Linear(2, 2), "qa": nn.Linear(2, 2), "x[0]": nn.Linear(2, 2)})
+    assert no_decay_names(model, ["blocks.q?.weight"]) == {"blocks.q?.weight"}
+    assert no_decay_names(model, ["blocks.[q]?.weight"]) == {"blocks.q?.weight", "blocks.qa.weight"}  # the glob reading
+    assert no_decay_names(model, ["blocks.x[0].bias"]) == {"blocks.x[0].bias"}
+    assert shard_targets(model, ["blocks.q?"]) == ["blocks.q?"]
+    assert shard_targets(model, ["blocks.x[0]"]) == ["blocks.x[0]"]
+    assert sorted(shard_targets(model, ["blocks.[q]?"])) == ["blocks.q?", "blocks.qa"]

@@ -10,7 +10,7 @@
 | `hsdp` | a `1/shard_size` shard, replicated over `world/shard_size` groups | `(replicate, shard)` |
 
 Which modules become FSDP2 units is set by `train.shard` (globs over module paths, as taps match
-modules: `fnmatch`, the root `''` never matched; each glob's outermost matches, so `transformer.h.*` is
+modules: `fnmatch`, an exact module path first (`capturing.taps.is_glob`), the root `''` never matched; each glob's outermost matches, so `transformer.h.*` is
 each block of `transformer.h`, not every module inside them); null (the default) shards each direct child
 holding parameters, children sharing a parameter with another child left to the root. The root is
 always sharded last. Every rank takes every `world`-th batch, starting at its rank (as under DDP).
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from gradrunner.capturing.taps import is_glob
 from gradrunner.config.schema import PARALLEL_MODES
 from gradrunner.errors import GradrunnerError, not_allowed
 
@@ -136,7 +137,7 @@ def shard_targets(model: nn.Module, globs: Sequence[str] | None) -> list[str]:
     names = [n for n, _ in model.named_modules() if n]
     chosen: list[str] = []
     for glob in globs:
-        hits = [n for n in names if fnmatch.fnmatchcase(n, glob)]
+        hits = [n for n in names if fnmatch.fnmatchcase(n, glob)] if is_glob(glob, names) else [glob] if glob in names else []
         if not hits:
             shown = ", ".join(names[:_CANDIDATES_SHOWN]) + (", ..." if len(names) > _CANDIDATES_SHOWN else "")
             raise GradrunnerError(

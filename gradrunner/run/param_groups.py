@@ -25,6 +25,7 @@ from typing import Any
 
 from torch import nn
 
+from gradrunner.capturing.taps import is_glob
 from gradrunner.errors import GradrunnerError
 
 #: The selectors `no_decay` knows besides globs.
@@ -61,7 +62,7 @@ def no_decay_names(model: nn.Module, no_decay: list[str]) -> set[str]:
         elif selector == "norm":
             hit = {n for n in names if n in norms}
         else:
-            hit = {n for n in names if fnmatch.fnmatchcase(n, selector)}
+            hit = {n for n in names if fnmatch.fnmatchcase(n, selector)} if is_glob(selector, names) else {selector} & set(names)
         if not hit:
             raise GradrunnerError(
                 f"optimizer.no_decay entry {selector!r} selects no parameter of {type(model).__name__}; give bias, "
