@@ -175,6 +175,17 @@ def test_live_tensorboard_of_an_overwritten_run_holds_the_new_run_only(tmp_path:
     assert sorted(live["steps/loss"]) == [0, 1]
 
 
+def test_live_tensorboard_of_an_overwritten_run_numbered_from_a_later_step_holds_the_new_run_only(tmp_path: Path) -> None:
+    """overwrite=True deletes the live log with the records: a new run numbered from step 2 (a training restored
+    from the user's own checkpoint) kept the deleted run's points of steps 0 and 1."""
+    pytest.importorskip("tensorboard")
+    _live(tmp_path / "r", steps=3, seed=1)
+    _live(tmp_path / "r", steps=2, seed=2, start=2, overwrite=True)
+    live = _tensorboard(tmp_path / "r" / "tensorboard")
+    assert sorted(live["steps/loss"]) == [2, 3]
+    _close(live["grads/0:output/norm"], _norms(tmp_path / "r"))
+
+
 def test_live_tensorboard_of_a_resumed_run_holds_each_step_once(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     _live(tmp_path / "r", steps=3, seed=1, killed=True)

@@ -26,6 +26,8 @@ from gradrunner.records.columns import COUNT_COLUMNS, EXTRA_FLOAT_COLUMNS, STAT_
 
 #: The names TensorBoard's event files start with.
 _EVENTS = "events.out.tfevents."
+#: Where `record(..., log_to="tensorboard")` logs live, in the run dir.
+LIVE_DIR = "tensorboard"
 #: The file in a job's export dir naming the job dir it was exported from (TensorBoard reads event files only).
 MARKER = ".gradrunner-export.json"
 
@@ -153,6 +155,17 @@ def _read_first(logdir: Path, now: int) -> None:
         stamp, _, rest = old.name[len(_EVENTS):].partition(".")
         if stamp.isdigit() and int(stamp) >= now:
             os.replace(old, old.with_name(f"{_EVENTS}{now - 1:010d}.{rest}"))
+
+
+def drop_live_log(run_dir: Path) -> list[str]:
+    """Remove the live log's event files of `run_dir` (records deleted with `overwrite=True`); what was removed.
+
+    Exports written below it (`<run_dir>/tensorboard/<job>/`) are the user's and are left.
+    """
+    found = sorted((run_dir / LIVE_DIR).glob(f"{_EVENTS}*"))
+    for old in found:
+        old.unlink()
+    return [f"{LIVE_DIR}/{old.name}" for old in found]
 
 
 class LiveTensorBoard:

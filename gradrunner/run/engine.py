@@ -284,9 +284,9 @@ class StepEngine:
 
             self._segments = Segments(files.directory, files.run_id, real, every=self.live_every)
         if self.log_to == "tensorboard" and self.main:
-            from gradrunner.export.tensorboard import LiveTensorBoard
+            from gradrunner.export.tensorboard import LIVE_DIR, LiveTensorBoard
 
-            self._live_log = stack.enter_context(contextlib.closing(LiveTensorBoard(files.directory / "tensorboard")))
+            self._live_log = stack.enter_context(contextlib.closing(LiveTensorBoard(files.directory / LIVE_DIR)))
         self.start_at(self.step)
 
     def tee(self, wrap: Callable[[Any], Any]) -> None:

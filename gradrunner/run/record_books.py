@@ -103,6 +103,9 @@ def prepare(directory: Path, config: DictConfig, *, resume: bool, overwrite: boo
         if (directory / LOG_FILE).is_file():  # the log of the records deleted: the new session starts its own
             (directory / LOG_FILE).unlink()
             removed.append(LOG_FILE)
+        from gradrunner.export.tensorboard import drop_live_log  # no tensorboard import: file names only
+
+        removed += drop_live_log(directory)  # its points are the deleted records' (a run from a later step kept them)
         log.warning("overwrite=True: deleted the records of the earlier run in %s (%s); recording from step 0",
                     directory, ", ".join(removed + kept_copies) or "none")  # fmt: skip
         return None
