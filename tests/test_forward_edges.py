@@ -150,3 +150,43 @@ def test_an_edit_on_a_checkpointed_blocks_input_edits_the_blocks_use_of_it(strat
         cap.backward(model(x).pow(2).sum())
     for (name, want), got in zip(by_hand.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, msg=name)
+
+
+@pytest.mark.parametrize("taps", [["self_attn:input.0"], ["self_attn:input.1", "self_attn:input.0"],
+                                  ["self_attn:input.query"]], ids=["query", "key+query", "by_name"])  # fmt: skip
+def test_an_input_tap_on_self_attention_over_the_data_batch_is_transparent(strategy: str, taps: list[str]) -> None:
+    """`TransformerEncoderLayer` calls `self_attn(x, x, x)` on the raw batch (no grad): the stand-in made for the tap
+    went into the tapped slot only, so `query is key` broke (MultiheadAttention's packed in-projection left: other
+    roundings in the output, the loss and every parameter gradient) and the tap recorded the query path's share.
+    Now the layer runs bit for bit as without capture, and each tap records the gradient through `self_attn`'s use of
+    x, all three slots (the reference: one tensor requiring grad put in every slot by a plain pre-hook). From a
+    hunt, 2026-11-27."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    x, y = torch.randn(4, 5, 8), torch.randn(4, 5, 8)
+
+    def run(cap: object | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        layer.zero_grad(set_to_none=True)
+        out = layer(x)
+        loss = nn.functional.mse_loss(out, y)
+        cap.backward(loss) if cap is not None else loss.backward()  # type: ignore[attr-defined]
+        return out.detach(), {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+    plain_out, plain_grads = run(None)
+    kept: list[torch.Tensor] = []
+
+    def one_alias(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        alias = args[0].detach().requires_grad_(True)
+        kept.append(alias)
+        return tuple(alias if a is args[0] else a for a in args), kwargs
+
+    handle = layer.self_attn.register_forward_pre_hook(one_alias, with_kwargs=True)
+    (want,) = torch.autograd.grad(nn.functional.mse_loss(layer(x), y), kept)
+    handle.remove()
+    with capture(layer, taps, strategy=strategy) as cap:
+        out, grads = run(cap)
+        recs = cap.records()
+    assert torch.equal(out, plain_out)
+    assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+    for i in range(len(recs)):
+        assert recs.row(i)["norm"] == pytest.approx(float(want.norm()), rel=1e-6), recs.keys[i].tap

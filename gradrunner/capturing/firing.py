@@ -181,6 +181,9 @@ class Firing:
                 new = self.fire(tap, element, is_input=True)
                 if new is not element:
                     changed = True
+                    if self._aliased(tap, element, new):  # the same data tensor in every slot holding it
+                        args = tuple(new if a is element else a for a in args)
+                        kwargs = {k: new if v is element else v for k, v in kwargs.items()}
                     if isinstance(path[0], int):
                         args = set_element(args, path, new)
                     else:
@@ -188,6 +191,17 @@ class Firing:
             return (args, kwargs) if changed else None
 
         return eager(hook)
+
+    def _aliased(self, tap: Tap, element: object, new: object) -> bool:
+        """Whether `new` is the stand-in `_attach` made for an input that did not require grad (an unedited tap).
+
+        The module gets it wherever it gets that tensor: self-attention's `self_attn(x, x, x)` keeps `query is
+        key is value` (PyTorch's packed in-projection and fast path: the same numbers as without capture) and
+        the tap records d loss / d x, as on a layer whose input already requires grad.
+        """
+        edits = self.session.edits
+        return (isinstance(element, torch.Tensor) and isinstance(new, torch.Tensor) and not element.requires_grad
+                and (edits is None or tap.tap not in edits.by_tap))  # fmt: skip
 
     # -- a tap fires ------------------------------------------------------------------------------
     def fire(self, tap: Tap, value: object, is_input: bool = False) -> object:
