@@ -264,3 +264,19 @@ def test_locals_named_like_the_output_input_or_a_parameter_are_listed_as_the_tap
     assert torch.allclose(cap.grads[":local.output", 0], want[3])
     assert torch.allclose(cap.grads[":local.output", 1], 2 * output.detach())  # the returned value: d(sum out^2)/d(out)
     assert torch.allclose(cap.grads[":local.weight"], (want[3] * outs[2]).sum(0))
+
+
+def test_a_model_without_submodules_is_listed_though_the_default_glob_reaches_nothing() -> None:
+    """The default `taps=["*:output"]` matches no module of a stock layer used alone (an LSTM): a run is refused, in
+    one paragraph, but the explorer, the tool that shows what to tap instead, refused too (it resolved the taps)."""
+    lstm = ("model._target_=torch.nn.LSTM", "~model.in_features", "~model.hidden", "~model.depth", "~model.out_features",
+            "~model.inplace", "+model.input_size=8", "+model.hidden_size=4", "+model.batch_first=true",
+            "data.input_shape=[5,8]")  # fmt: skip
+    cfg = compose_cfg(*lstm)
+    with pytest.raises(GradrunnerError, match=r"LSTM has no submodule: tap the root itself"):
+        setup(cfg)
+    found = listing(cfg)
+    assert [r.refused is not None for r in found.reach] == [True]  # type: ignore[attr-defined]
+    offered = by_path(found)[""].taps()
+    assert ":weight_ih_l0" in offered and ":output.0" in offered, offered
+    setup(compose_cfg(*lstm, "taps=[':output.0',':weight_ih_l0']"))  # what it offers, a run takes

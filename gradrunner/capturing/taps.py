@@ -210,9 +210,11 @@ def _match_modules(model: nn.Module, pattern: str, spec: object) -> tuple[list[t
     if not matched:
         close = difflib.get_close_matches(pattern, [p for p in modules if p and p != pattern], n=5, cutoff=0.4)
         some = ", ".join(repr(p) for p in (close or list(modules)[1:9]))
+        paths = (f"{'Closest paths' if close else 'Some paths'}: {some}." if some else
+                 f"{type(model).__name__} has no submodule: tap the root itself (':output', ':input', its parameters).")  # fmt: skip
         raise GradrunnerError(
             f"tap {spec!r}: the glob {pattern!r} matches no module of {type(model).__name__} "
-            f"(the root '' is never matched by a glob). {'Closest paths' if close else 'Some paths'}: {some}. "
+            f"(the root '' is never matched by a glob). {paths} "
             "Inside a glob, [*], [?] and [[] match those characters themselves; a path that contains them is "
             "also tapped as written."
         )
@@ -258,12 +260,16 @@ class GlobReach:
     spec: str
     #: depth -> (taps at that depth, the first such module path)
     by_depth: dict[int, tuple[int, str]]
+    #: Why it resolves to no tap (the error a run with it gives), or None.
+    refused: str | None = None
 
     @property
     def taps(self) -> int:
         return sum(n for n, _ in self.by_depth.values())
 
     def __str__(self) -> str:
+        if self.refused is not None:
+            return f"{self.spec} resolves to no tap, so a run with it is refused: {self.refused}"
         depths = ", ".join(f"{n} at depth {d} ({path}{', ...' if n > 1 else ''})" for d, (n, path) in sorted(self.by_depth.items()))
         deeper = (" (a glob's * and ? also match dots: it reaches the submodules below too; spell each level, "
                   "e.g. 'h.?:output' for the blocks only)") if len(self.by_depth) > 1 else ""  # fmt: skip
@@ -290,9 +296,15 @@ def glob_reach(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[Glo
         if not is_glob(pattern, paths):
             continue
         by_depth: dict[int, tuple[int, str]] = {}
-        for t in resolve_taps(model, [spec]):
+        name = spec if isinstance(spec, str) else f"{pattern}:{spec['name']}"
+        try:
+            resolved = resolve_taps(model, [spec])
+        except GradrunnerError as e:  # the explorer lists the model's taps whatever the config's globs reach
+            out.append(GlobReach(name, {}, str(e)))
+            continue
+        for t in resolved:
             depth = t.module.count(".") + 1
             n, first = by_depth.get(depth, (0, t.module))
             by_depth[depth] = (n + 1, first)
-        out.append(GlobReach(spec if isinstance(spec, str) else f"{pattern}:{spec['name']}", by_depth))
+        out.append(GlobReach(name, by_depth))
     return out

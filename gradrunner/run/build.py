@@ -161,12 +161,15 @@ class Job:
     eval_set: list[Batch] | None = None
 
 
-def setup(cfg: DictConfig) -> Job:
+def setup(cfg: DictConfig, check_taps: bool = True) -> Job:
     """Validate `cfg`, seed, and build model, data, loss and optimizer on the configured device and dtype.
 
     Example::
 
         job = setup(cfg); job.model(next(job.batches)[0])
+
+    `check_taps=False` (the tap explorer, which lists the model's taps whatever the config's reach) builds
+    the job without resolving `cfg.taps` against the model.
     """
     validate(cfg)
     device, dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
@@ -181,9 +184,10 @@ def setup(cfg: DictConfig) -> Job:
     # Taps checked against the model now: a typo is answered before data, loss and optimizer are
     # built (the first optimizer imports torch._dynamo, about a second).
     specs = OmegaConf.to_container(cfg.taps, resolve=True)
-    resolve_taps(model, specs)  # type: ignore[arg-type]
-    for reach in glob_reach(model, specs):  # type: ignore[arg-type]  # how far each glob reached, depth by depth
-        log.info("taps: %s", reach)
+    if check_taps:
+        resolve_taps(model, specs)  # type: ignore[arg-type]
+        for reach in glob_reach(model, specs):  # type: ignore[arg-type]  # how far each glob reached, depth by depth
+            log.info("taps: %s", reach)
     source = build(cfg, "data")
     batches = as_batches(source, device, dtype, cfg.get("forward_kwargs"))
     loss_fn = build(cfg, "loss")
