@@ -443,6 +443,21 @@ def _run_as_main(cwd: Path, argv: list[str], env: dict[str, str] | None, path0: 
     return subprocess.CompletedProcess(argv, code, *(s.buffer.getvalue().decode() for s in (out, err)))
 
 
+def recorded(model: torch.nn.Module, taps: list[str], out: Path, steps: int = 3) -> Path:
+    """`steps` SGD steps of `model` on random (8, 4) batches, its mean squared output the loss, `record`ed in `out`."""
+    from gradrunner import record
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(model, taps, out) as rec:
+        for _ in range(steps):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    return out
+
+
 def gradrunner_in_process(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """`gradrunner(cwd, *args)` (`python -m gradrunner ...`) inside this process; see `python_m`."""
     return python_m(cwd, "gradrunner", *args)

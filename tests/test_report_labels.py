@@ -8,10 +8,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from conftest import recorded
 from report_tables import tables_after
 from torch import nn
-
-from gradrunner import record
 
 pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradrunner[report]")
 
@@ -35,15 +34,7 @@ def test_tap_names_with_dollars_are_drawn_as_written(tmp_path: Path, monkeypatch
     from gradrunner.report import write as report
 
     torch.manual_seed(0)
-    model, out = Blocks(), tmp_path / "run"
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with record(model, ["blocks.*:output", "blocks.*:weight"], out) as rec:
-        for _ in range(3):
-            loss = model(torch.randn(8, 4)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            rec.step(loss)
+    out = recorded(Blocks(), ["blocks.*:output", "blocks.*:weight"], tmp_path / "run")
     figures = []
     real = report.figure_section
     monkeypatch.setattr(report, "figure_section", lambda d, n, t, fig, *a: figures.append(fig) or real(d, n, t, fig, *a))

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import recorded
 from torch import nn
-
-from gradrunner import record
 
 pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradrunner[report]")
 
@@ -20,17 +19,7 @@ pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradr
 @pytest.fixture
 def run(tmp_path: Path) -> Path:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = tmp_path / "run"
-    with record(model, ["*:output", "*:weight"], out) as rec:
-        for _ in range(3):
-            loss = model(torch.randn(8, 4)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            rec.step(loss)
-    return out
+    return recorded(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1)), ["*:output", "*:weight"], tmp_path / "run")
 
 
 def _report_files(out: Path) -> list[str]:
