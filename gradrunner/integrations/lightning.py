@@ -110,10 +110,13 @@ class GradientCapture(CallbackOptions, Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         rec = self.recorder
-        if rec is not None and not rec.engine.pending_backwards and rec.step_index != _logging_step(trainer):
+        if rec is None or rec.engine.pending_backwards:
+            return
+        step = _logging_step(trainer)
+        if rec.step_index != step:
             # resume=True with ckpt_path=: the records before the checkpoint's step are kept (the first batch);
             # manual optimisation: a batch that stepped no optimiser counts in Lightning's loggers too
-            rec.start_at(_logging_step(trainer))
+            rec.start_at(step)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         if self.recorder is not None:
