@@ -8,6 +8,7 @@ eval data leaves training and evaluation as they were.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -52,6 +53,21 @@ def refused(tmp_path: Path, *overrides: str) -> str:
 ])  # fmt: skip
 def test_a_bad_value_is_refused_naming_its_range(tmp_path: Path, overrides: list[str], expected: str) -> None:
     assert expected in refused(tmp_path, *overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["scheduler=cosine", "steps=0"], ["scheduler=onecycle", "steps=0"], ["scheduler=cosine", "scheduler.T_max=0", "steps=3"],
+    ["anomaly.window=10", "steps=2"], ["anomaly.window=10", "anomaly.warmup=12", "steps=2"],
+])  # fmt: skip
+def test_the_fix_a_refusal_suggests_is_not_refused(tmp_path: Path, overrides: list[str]) -> None:
+    """Each refusal's "e.g. KEY=VALUE", added to the same command line, is accepted for that key (steps=0: the
+    interpolation ${steps} would be 0 as well; a window of 10: the warm-up of 20 it offered was over it)."""
+    message = refused(tmp_path / "a", *overrides)
+    match = re.search(r"e\.g\. ([\w.]+)=(\S+?)[,.]?(?: |$)", message)
+    assert match, message
+    key, value = match[1], match[2]
+    run(compose_cfg(*BASE, *overrides, f"{key}={value}"), out_dir=tmp_path / "b")
+    assert (tmp_path / "b" / "steps.parquet").is_file()
 
 
 def test_a_scheduler_that_needs_a_metric_is_refused(tmp_path: Path) -> None:

@@ -35,5 +35,6 @@ def check_settings(z: object, window: object, warmup: object) -> None:
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 2 or warmup > window:
         raise GradrunnerError(
             f"anomaly.warmup={warmup!r} is not allowed with anomaly.window={window}: it must be an integer from 2 to "
-            f"the window (a window shorter than the warm-up never fills before the rule starts), e.g. anomaly.warmup=20"
+            f"the window (a window shorter than the warm-up never fills before the rule starts), e.g. "
+            f"anomaly.warmup={min(20, window) if isinstance(window, int) else 20}"
         )

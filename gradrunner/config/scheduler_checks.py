@@ -91,6 +91,8 @@ def validate_scheduler(cfg: DictConfig) -> None:
         if not kind or (value is None and name in _MAY_BE_NULL) or all(_in_range(v, kind, low, high) for v in each):
             continue
         example = _EXAMPLES.get(name, int(max(low, 1)) if kind == "int" else 0.01)
+        if example == "${steps}" and not _in_range(cfg.get("steps"), kind, low, high):  # steps=0: ${steps} is refused too
+            example = int(max(low, 1))
         raise GradrunnerError(
             f"{key}={'null' if value is None else repr(value)} is not allowed; {key} must be "
             f"{_range_text(kind, low, high)}. Fix it on the "
