@@ -114,6 +114,13 @@ def test_replay_without_checkpoints_is_one_paragraph() -> None:
     assert "\n" not in str(e.value)
 
 
+def test_replay_with_the_detector_off_is_one_paragraph(tmp_path: Path) -> None:
+    """Nothing is flagged with anomaly.enabled=false: a replay would be of a spike the run's last word never named."""
+    with pytest.raises(GradrunnerError, match=r"anomaly.replay=3 needs the spike detector, and anomaly.enabled=false") as e:
+        _run(tmp_path / "run", *SOURCE, "anomaly.enabled=false")
+    assert "\n" not in str(e.value) and not (tmp_path / "run" / "grads.parquet").exists()
+
+
 def test_a_planted_nondeterminism_does_not_replay_exactly(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     noisy = ("model._target_=noisy_model.NoisyMLP", "+model.std=0.001")
     with caplog.at_level(logging.WARNING, logger="gradrunner.run.replay"):

@@ -15,8 +15,9 @@ from gradrunner.errors import GradrunnerError, not_allowed
 
 
 def validate_replay(cfg: DictConfig) -> None:
-    """Check `anomaly.replay` > 0 comes with `train.checkpoint_every` (replay starts from a checkpoint), in one
-    process (a torchrun job's per-rank checkpoints are not replayed).
+    """Check `anomaly.replay` > 0 comes with the detector on (`anomaly.enabled`: it flags the spikes to replay),
+    `train.checkpoint_every` (replay starts from a checkpoint), in one process (a torchrun job's per-rank
+    checkpoints are not replayed).
 
     Example::
 
@@ -25,6 +26,12 @@ def validate_replay(cfg: DictConfig) -> None:
     """
     replay = OmegaConf.select(cfg, "anomaly.replay", default=0)  # an integer >= 0: `schema.validate` checked it
     every = int(OmegaConf.select(cfg, "train.checkpoint_every", default=0) or 0)
+    if replay > 0 and OmegaConf.select(cfg, "anomaly.enabled", default=True) is False:
+        raise GradrunnerError(
+            f"anomaly.replay={replay} needs the spike detector, and anomaly.enabled=false turns it off: no spike is "
+            "flagged, so there is none to replay. Set anomaly.enabled=true (the default) to replay each flagged loss "
+            "spike, or anomaly.replay=0."
+        )
     if replay > 0 and every <= 0:
         raise GradrunnerError(
             f"anomaly.replay={replay} needs train.checkpoint_every: a replay re-runs the steps before a loss spike "
