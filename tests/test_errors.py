@@ -228,6 +228,13 @@ CASES = [
           "capture.on_nonfinite=stop: stopped at step 1, where the loss is nan and 5 tap(s) have NaN or Inf "
           "gradient elements (first: fc1:output, relu1:output, fc2:output).", "set capture.on_nonfinite=record",
           keeps_records=True),
+    # -- added after the table was first numbered: new rows go last, so that a row's number stays its number
+    _case("lr-nan", "a learning rate that is not a number (SGD takes it)", "optimizer.lr=nan",
+          "optimizer.lr=nan is not allowed; a learning rate must be a finite number >= 0 (torch.optim.SGD has nan in "
+          "param group 0 of 1), so nothing was run.", "optimizer.lr=0.001"),
+    _case("lr-inf", "an infinite learning rate (Adam takes it)", "optimizer=adam optimizer.lr=inf",
+          "optimizer.lr=inf is not allowed; a learning rate must be a finite number >= 0 (torch.optim.Adam has inf "
+          "in param group 0 of 1), so nothing was run.", "optimizer.lr=0.001"),
 ]  # fmt: skip
 
 

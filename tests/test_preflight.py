@@ -90,6 +90,27 @@ class Falling:
         return 1.0 - step / 2
 
 
+@pytest.mark.parametrize("scheduler", ["none", "linear_warmup"])
+@pytest.mark.parametrize(("optimizer", "lr"), [("sgd", "nan"), ("sgd", "inf"), ("adam", "inf")])
+def test_a_learning_rate_that_is_not_finite_is_refused_with_or_without_a_scheduler(
+    tmp_path: Path, optimizer: str, lr: str, scheduler: str
+) -> None:
+    """SGD takes NaN and inf, Adam inf, without a word: the rule is checked on the built optimizer, scheduler or not."""
+    message = refused(tmp_path, f"optimizer={optimizer}", f"optimizer.lr={lr}", f"scheduler={scheduler}", "steps=3")
+    assert message.startswith(f"optimizer.lr={lr} is not allowed; a learning rate must be a finite number >= 0")
+    assert "nothing was run" in message and "optimizer.lr=0.001" in message and "Traceback" not in message
+
+
+def test_every_param_group_s_learning_rate_is_checked() -> None:
+    """A group of its own (a user's param groups) with a NaN rate is named by its index, the first one fine."""
+    w, b = torch.zeros(2, requires_grad=True), torch.zeros(1, requires_grad=True)
+    fine = torch.optim.SGD([{"params": [w]}, {"params": [b]}], lr=0.1)
+    preflight.check_rates(fine, "torch.optim.SGD")
+    bad = torch.optim.SGD([{"params": [w]}, {"params": [b], "lr": float("nan")}], lr=0.1)
+    with pytest.raises(GradrunnerError, match=r"has nan in param group 1 of 2\), so nothing was run"):
+        preflight.check_rates(bad, "torch.optim.SGD")
+
+
 def test_eval_data_that_does_not_fit_the_model_is_refused_before_step_0(tmp_path: Path) -> None:
     message = refused(tmp_path, "train.eval_every=2", "steps=3", "+eval_data._target_=gradrunner.data.Synthetic",
                       "+eval_data.input_shape=[5]")  # fmt: skip

@@ -2,7 +2,7 @@
 
 `setup(cfg)` validates the config, seeds every generator, resolves device and dtype and
 instantiates the four config groups; a failure is one `GradrunnerError` naming the group. What only
-the built job can tell (the schedule through the run, the eval data against the model, the weights
+the built job can tell (the learning rates, the schedule through the run, the eval data against the model, the weights
 file) is checked before it returns (`gradrunner.run.preflight`).
 
 Example::
@@ -204,6 +204,7 @@ def setup(cfg: DictConfig, check_taps: bool = True) -> Job:
             f"could not build optimizer {cfg.optimizer._target_!r} over the model's parameters: {e}. "
             f"Check the optimizer.* keys{hint}."
         ) from e
+    preflight.check_rates(optimizer, str(cfg.optimizer._target_))
     scheduler = None
     if cfg.get("scheduler") and "_target_" in cfg.scheduler:
         make_scheduler = build(cfg, "scheduler")

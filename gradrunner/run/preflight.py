@@ -4,6 +4,7 @@
 and then only steps or minutes into the run, after records were written. `run.build.setup` calls these
 before it returns, so each is one `GradrunnerError` (one paragraph, exit 2) with nothing written:
 
+    check_rates(optimizer, target)                             -- every param group's learning rate finite and >= 0
     check_schedule(make, optimizer, scheduler, steps, target)  -- the scheduler stepped through the run on a stand-in
     check_eval_data(job, model_name, loss_name)                -- the model and loss on the first eval batch
     check_weights(state, path)                                 -- `model.init_from` holds tensors, floats for floats
@@ -79,7 +80,7 @@ def check_schedule(
             warnings.simplefilter("ignore")
             stand_in = make(shadow)
             for step in range(min(steps, SIMULATED_STEPS)):  # the rates of each step, then its scheduler.step()
-                _check_rates(shadow, step, target)
+                check_rates(shadow, target, scheduler=True, step=step)
                 shadow.step()
                 stand_in.step()
     except GradrunnerError:
@@ -92,15 +93,33 @@ def check_schedule(
         ) from None
 
 
-def _check_rates(optimizer: torch.optim.Optimizer, step: int, target: str) -> None:
+def check_rates(optimizer: torch.optim.Optimizer, target: str, *, scheduler: bool = False, step: int = 0) -> None:
+    """Refuse a learning rate that is negative or not finite in any param group: the one rule for learning rates.
+
+    Example::
+
+        check_rates(torch.optim.SGD(model.parameters(), lr=float("nan")), "torch.optim.SGD")
+        # GradrunnerError: optimizer.lr=nan is not allowed; a learning rate must be a finite number >= 0 ...
+
+    `run.build.setup` calls it on the built optimizer (`target`: its `_target_`), with or without a
+    scheduler (SGD takes NaN and Adam takes inf without a word); `check_schedule` calls it on each step
+    of the schedule (`scheduler=True`, `target`: the scheduler's `_target_`), naming the step.
+    """
     for i, group in enumerate(optimizer.param_groups):
         lr = float(group["lr"])
-        if not (math.isfinite(lr) and lr >= 0):
+        if math.isfinite(lr) and lr >= 0:
+            continue
+        if scheduler:
             raise GradrunnerError(
                 f"scheduler {target!r} gives param group {i} the learning rate {lr!r} at step {step}; a learning "
                 "rate must be a finite number >= 0, so nothing was run. Check the scheduler.* keys (rates such as "
                 "max_lr, eta_min, factors, warm-up and total steps) and optimizer.lr."
             )
+        raise GradrunnerError(
+            f"optimizer.lr={lr!r} is not allowed; a learning rate must be a finite number >= 0 ({target} has "
+            f"{lr!r} in param group {i} of {len(optimizer.param_groups)}), so nothing was run. Fix it on the command "
+            "line, e.g. optimizer.lr=0.001, or in your optimizer file."
+        )
 
 
 def check_eval_data(job: Job, model_name: str, loss_name: str) -> None:
