@@ -6,6 +6,8 @@
 | `ModelLoss` | `loss=model_loss` | the output's own `.loss` (HuggingFace models given `labels`) |
 | `LMCrossEntropy` | `loss=lm_cross_entropy` | cross-entropy of the flattened `logits` against the labels |
 
+`ELEMENTWISE` names the losses (torch's and these) whose targets must have the output's shape.
+
 Example::
 
     loss = ModelLoss()(gpt2(**batch), labels)     # == gpt2(**batch).loss
@@ -92,6 +94,15 @@ class LMCrossEntropy(nn.Module):
         return nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).to(torch.promote_types(logits.dtype, torch.float32)), target.reshape(-1), ignore_index=self.ignore_index
         )
+
+
+#: Losses that compare the output with the targets element by element: the targets must have the output's shape.
+#: Torch broadcasts two shapes that differ (targets (32,) against an output (32, 1) give a (32, 32) loss, wrong, with
+#: at most a warning), so `run.guards.forward_loss` refuses that at the first step.
+ELEMENTWISE: tuple[type[nn.Module], ...] = (
+    nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.SoftMarginLoss, nn.BCELoss, nn.BCEWithLogitsLoss,
+    HalfSumSquaredError,
+)  # fmt: skip
 
 
 def output_hint(output: Any) -> str | None:

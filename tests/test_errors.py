@@ -235,6 +235,20 @@ CASES = [
     _case("lr-inf", "an infinite learning rate (Adam takes it)", "optimizer=adam optimizer.lr=inf",
           "optimizer.lr=inf is not allowed; a learning rate must be a finite number >= 0 (torch.optim.Adam has inf "
           "in param group 0 of 1), so nothing was run.", "optimizer.lr=0.001"),
+    _case("target-broadcast", "targets an elementwise loss would broadcast against the output", "data.target_shape=[]",
+          "step 0 failed in the loss: torch.nn.MSELoss cannot take the model's output, (32, 1) float32, with targets "
+          "(32,) float32: their shapes differ and the loss compares them element by element: torch would broadcast "
+          "them to (32, 32) and the loss would be wrong.", "check data.* target shapes"),
+    _case("target-rows", "a batch with more rows of inputs than of targets",
+          "data=tensors data.inputs=[[1.0],[2.0]] data.targets=[[1.0]] model.in_features=1",
+          "step 0 failed in the loss: torch.nn.MSELoss cannot take the model's output, (2, 1) float32, with targets "
+          "(1, 1) float32: their shapes differ", "The output has 2 rows (from 2 rows of inputs) but the targets have 1 "
+          "row."),
+    _case("target-broadcast-warned", "targets torch warns a loss of the user's would broadcast",
+          "data.target_shape=[] loss._target_=torch.nn.functional.mse_loss +loss._partial_=true",
+          "step 0 failed in the loss: torch.nn.functional.mse_loss cannot take the model's output, (32, 1) float32, "
+          "with targets (32,) float32: their shapes differ and torch warned that it would broadcast them to (32, 32)",
+          "check data.* target shapes"),
 ]  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 | guard | catches |
 | --- | --- |
 | `next_batch` | a data source that runs out, raises, or yields something other than an (inputs, targets) pair |
-| `forward_loss` | a forward() or a loss that raises, a loss that is not a scalar or does not require grad |
+| `forward_loss` | a forward() or a loss that raises, targets an elementwise loss would broadcast against the output, a loss that is not a scalar or does not require grad |
 | `backward` | a backward pass that raises (a model's in-place op on a tensor autograd saved) |
 | `optimizer_step` | an optimizer step that raises (float16/bfloat16 overflow of a huge learning rate) |
 | `check_finite` | `capture.on_nonfinite=stop`: a non-finite loss or captured gradient ends the run (`NonFinite`) |
@@ -25,6 +25,7 @@ import errno
 import math
 import os
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 
 from gradrunner.data import call
 from gradrunner.errors import GradrunnerError, one_paragraph
-from gradrunner.losses import output_hint
+from gradrunner.losses import ELEMENTWISE, output_hint
 from gradrunner.records.columns import RECORD_FILES, StepRecords, is_temp_of
 from gradrunner.run.signals import Terminated as Terminated  # re-exported: the loop and the CLI import it here
 from gradrunner.run.signals import sigterm_as_interrupt as sigterm_as_interrupt
@@ -102,7 +103,8 @@ def forward_loss(
             "fits it (data.* shapes); HYDRA_FULL_ERROR=1 shows the traceback."
         ) from e
     try:
-        loss = loss_fn(out, y)
+        with _broadcast_warnings(watch=step == 0) as warned:
+            loss = loss_fn(out, y)
     except GradrunnerError:
         raise
     except Exception as e:
@@ -118,8 +120,69 @@ def forward_loss(
             f"step {step} failed in the loss: {loss_name} cannot take the model's output, {describe(out)}, with "
             f"targets {describe(y)}: {type(e).__name__}: {one_paragraph(e)}. To fix it, {hint}."
         ) from e
+    _check_targets(loss_fn, out, x, y, step, loss_name, warned)
     _check_loss(loss, step, loss_name)
     return loss
+
+
+#: How torch's warning starts when `mse_loss`, `l1_loss`, `smooth_l1_loss` or `huber_loss` is about to broadcast.
+_TORCH_BROADCASTS = "Using a target size"
+
+
+@contextlib.contextmanager
+def _broadcast_warnings(watch: bool) -> Iterator[list[str]]:
+    """The messages of torch's "Using a target size ..." warnings raised inside (only when `watch`: the first step).
+
+    Any other warning raised inside is passed on as it came.
+    """
+    found: list[str] = []
+    if not watch:
+        yield found
+        return
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield found
+    finally:
+        for w in caught:
+            if issubclass(w.category, UserWarning) and str(w.message).startswith(_TORCH_BROADCASTS):
+                found.append(str(w.message))
+            else:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def _check_targets(
+    loss_fn: object, out: object, x: object, y: object, step: int, loss_name: str, warned: list[str]
+) -> None:  # fmt: skip
+    """Refuse targets of another shape than the output for an elementwise loss (`losses.ELEMENTWISE`, or one torch warned
+    about at the first step): torch broadcasts them (targets (32,) against (32, 1): a (32, 32) loss) and the loss is wrong.
+    """
+    if not (isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor)) or out.shape == y.shape:
+        return
+    if not (isinstance(loss_fn, ELEMENTWISE) or warned):
+        return
+    try:
+        to = f" to {tuple(torch.broadcast_shapes(out.shape, y.shape))}"
+    except RuntimeError:
+        to = ""
+    why = (f"the loss compares them element by element: torch would broadcast them{to} and the loss would be wrong"
+           if isinstance(loss_fn, ELEMENTWISE) else
+           f"torch warned that it would broadcast them{to}, so the loss would be wrong")  # fmt: skip
+    rows = ""
+    if out.dim() and y.dim() and out.shape[0] != y.shape[0]:
+        inputs = f" (from {_rows(x.shape[0])} of inputs)" if isinstance(x, torch.Tensor) and x.dim() else ""
+        rows = f" The output has {_rows(out.shape[0])}{inputs} but the targets have {_rows(y.shape[0])}."
+    raise GradrunnerError(
+        f"step {step} failed in the loss: {loss_name} cannot take the model's output, {describe(out)}, with targets "
+        f"{describe(y)}: their shapes differ and {why}.{rows} To fix it, check data.* target shapes against the "
+        f"model's output (targets of shape {tuple(out.shape)}: data.target_shape, data.targets, model.out_features), "
+        "or give a loss that takes these shapes (loss._target_=<your loss>)."
+    )
+
+
+def _rows(count: int) -> str:
+    return f"{count} row{'' if count == 1 else 's'}"
 
 
 def backward(run_backward: Callable[[torch.Tensor], None], loss: torch.Tensor, step: int) -> None:
