@@ -249,6 +249,14 @@ CASES = [
           "step 0 failed in the loss: torch.nn.functional.mse_loss cannot take the model's output, (32, 1) float32, "
           "with targets (32,) float32: their shapes differ and torch warned that it would broadcast them to (32, 32)",
           "check data.* target shapes"),
+    _case("bool-typo", "a typo in a boolean data setting", "+experiment=cnn data.shuffle=flase",
+          "data.shuffle='flase' is not allowed; allowed: false, true. Did you mean 'false'? (gradrunner.data.Digits "
+          "takes a boolean there; a string counts as true whatever it says.)", "e.g. data.shuffle=false"),
+    _case("bool-word", "a word for a boolean that is not true or false", "data=corrupted data.nan=no",
+          "data.nan='no' is not allowed; allowed: false, true. (gradrunner.data.Corrupted takes a boolean there;",
+          "e.g. data.nan=false"),
+    _case("bool-nested", "a boolean of a nested data source", "data=corrupted +data.inner.shuffle=flase",
+          "data.inner.shuffle='flase' is not allowed; allowed: false, true.", "e.g. data.inner.shuffle=false"),
 ]  # fmt: skip
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 from hydra.errors import InstantiationException
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class, get_object, instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -111,6 +111,7 @@ def build(cfg: DictConfig, group: str) -> Any:
     """
     node = cfg[group]
     target = node.get("_target_", "<no _target_>")
+    check_booleans(node, group)
     try:
         return instantiate(node, _convert_="all")
     except InstantiationException as e:
@@ -126,6 +127,48 @@ def build(cfg: DictConfig, group: str) -> Any:
             f"could not build {group} from _target_={target!r}: {detail}. Check the {group}.* keys{hint}, "
             f"or pick another option with {group}=<option> (built-in: {_options(group)})."
         ) from e
+
+
+def check_booleans(node: Any, path: str) -> None:
+    """Refuse a value other than true or false for a parameter that a `_target_` in `node` (at any depth) types `bool`.
+
+    Example::
+
+        check_booleans(OmegaConf.create({"_target_": "gradrunner.data.Digits", "shuffle": "flase"}), "data")
+        # GradrunnerError: data.shuffle='flase' is not allowed; allowed: false, true. Did you mean 'false'? ...
+
+    The constructors take what they are given, and a string is true whatever it says (`data.shuffle=flase`
+    shuffled, `data.nan=no` planted NaN): every parameter annotated `bool` of every target `build` instantiates
+    (gradrunner's data sources, losses and models, torch's `nn.ReLU(inplace)` or `SGD(nesterov)`) is checked
+    here, before it is built. A node that cannot be resolved or located is left to `instantiate`, which says why.
+    """
+    try:
+        plain = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    except Exception:  # a broken interpolation: instantiate names it
+        return
+    _check_booleans(plain, path)
+
+
+def _check_booleans(node: Any, path: str) -> None:
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _check_booleans(item, f"{path}[{i}]")
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if not str(key).startswith("_"):
+            _check_booleans(value, f"{path}.{key}")
+    target = node.get("_target_")
+    try:
+        params = inspect.signature(get_object(target)).parameters if isinstance(target, str) else {}
+    except Exception:  # no such target, or no signature to read: nothing to check here
+        return
+    for name, param in params.items():
+        value = node.get(name)
+        if name in node and param.annotation in (bool, "bool") and not isinstance(value, bool):
+            said = "; a string counts as true whatever it says" if isinstance(value, str) else ""
+            raise not_allowed(f"{path}.{name}", value, ["false", "true"], f" ({target} takes a boolean there{said}.)")
 
 
 def _optimizer_hint(node: DictConfig, error: Exception) -> str:
