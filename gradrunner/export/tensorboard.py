@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -22,12 +23,16 @@ from typing import Any
 from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.errors import GradrunnerError
 from gradrunner.export.jobs import Job, grad_scalars, tag_prefix
-from gradrunner.records.columns import COUNT_COLUMNS, EXTRA_FLOAT_COLUMNS, STAT_COLUMNS
+from gradrunner.records.atomic import write_atomically
+from gradrunner.records.columns import COUNT_COLUMNS, EXTRA_FLOAT_COLUMNS, STAT_COLUMNS, is_temp_of, temp_name
 
 #: The names TensorBoard's event files start with.
 _EVENTS = "events.out.tfevents."
 #: Where `record(..., log_to="tensorboard")` logs live, in the run dir.
 LIVE_DIR = "tensorboard"
+#: The event file an export writes, under its temp name (`columns.temp_name`: hidden, and without "tfevents",
+#: so TensorBoard, which reads only files named so, never reads it half-written).
+_STAGING = "gradrunner-export.events"
 #: The file in a job's export dir naming the job dir it was exported from (TensorBoard reads event files only).
 MARKER = ".gradrunner-export.json"
 
@@ -39,38 +44,52 @@ def to_tensorboard(all_jobs: Sequence[Job], out: Path) -> list[Path]:
 
         to_tensorboard(jobs("runs/mine"), Path("runs/mine/tensorboard"))   # [Path('runs/mine/tensorboard/run')]
 
-    A re-export replaces a job's event files (written beside them first, then swapped in): TensorBoard
-    reads every event file of a dir, so appending would draw every point twice. Each job's dir holds a
-    marker naming the job dir it was exported from: another job's export there is kept, and this job is
-    written to `out/<job>-<8 hex of its dir>` instead (`target_dirs`).
+    A re-export replaces a job's event files: TensorBoard reads every event file of a dir, so appending
+    would draw every point twice. The new file is written in full beside them under a hidden name without
+    "tfevents" (`_staging`), which TensorBoard does not read, then swapped in (`_swap_in`): an export
+    killed partway leaves the previous one as it was and nothing TensorBoard shows (the next export removes
+    it). Each job's dir holds a marker naming the job dir it was exported from: another job's export there
+    is kept, and this job is written to `out/<job>-<8 hex of its dir>` instead (`target_dirs`).
     """
-    from tensorboard.compat.proto.event_pb2 import Event
-    from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
-    from tensorboard.summary.writer.event_file_writer import EventFileWriter
-
     targets = target_dirs(all_jobs, out)  # before anything is written
     for job, target in zip(all_jobs, targets, strict=True):
-        fresh = target.parent / f".{target.name}.gradrunner-export"
-        shutil.rmtree(fresh, ignore_errors=True)  # a killed export's leftovers
-        writer = EventFileWriter(str(fresh))
+        shutil.rmtree(target.parent / f".{target.name}.gradrunner-export", ignore_errors=True)  # an older gradrunner's
+        target.mkdir(parents=True, exist_ok=True)
+        for old in target.iterdir():  # a killed export's
+            if is_temp_of(old.name, _STAGING):
+                old.unlink(missing_ok=True)
+        staged = target / temp_name(_STAGING, str(os.getpid()))
         try:
-            (fresh / MARKER).write_text(json.dumps({"source": _source(job), "run_id": job.run_id}))
-            now = time.time()
-            for s in _hparams_summaries(job.params):
-                writer.add_event(Event(wall_time=now, step=0, summary=s))
-            for tag, step, value in job.scalars:
-                writer.add_event(Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])))
-            for tag, step, limits, counts in job.histograms:
-                nz = [(lim, c) for lim, c in zip(limits, counts, strict=True) if c]
-                histo = HistogramProto(min=0.0, max=max((lim for lim, _ in nz), default=0.0), num=float(sum(counts)),
-                                       bucket_limit=limits, bucket=[float(c) for c in counts])  # fmt: skip
-                writer.add_event(Event(wall_time=now, step=step, summary=Summary(value=[Summary.Value(tag=tag, histo=histo)])))
-            writer.close()
-            _swap_in(fresh, target)
+            _write_events(job, staged)
+            _swap_in(staged, target, json.dumps({"source": _source(job), "run_id": job.run_id}))
         finally:
-            writer.close()
-            shutil.rmtree(fresh, ignore_errors=True)
+            staged.unlink(missing_ok=True)
     return targets
+
+
+def _write_events(job: Job, path: Path) -> None:
+    """Write `job`'s event file (what `EventFileWriter` writes: a version record, then one event per value) to `path`."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.compat.proto.summary_pb2 import HistogramProto, Summary
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    now = time.time()
+    with path.open("wb") as f:
+        writer = RecordWriter(f)
+        writer.write(Event(wall_time=now, file_version="brain.Event:2").SerializeToString())
+        for s in _hparams_summaries(job.params):
+            writer.write(Event(wall_time=now, step=0, summary=s).SerializeToString())
+        for tag, step, value in job.scalars:
+            summary = Summary(value=[Summary.Value(tag=tag, simple_value=value)])
+            writer.write(Event(wall_time=now, step=step, summary=summary).SerializeToString())
+        for tag, step, limits, counts in job.histograms:
+            nz = [(lim, c) for lim, c in zip(limits, counts, strict=True) if c]
+            histo = HistogramProto(min=0.0, max=max((lim for lim, _ in nz), default=0.0), num=float(sum(counts)),
+                                   bucket_limit=limits, bucket=[float(c) for c in counts])  # fmt: skip
+            summary = Summary(value=[Summary.Value(tag=tag, histo=histo)])
+            writer.write(Event(wall_time=now, step=step, summary=summary).SerializeToString())
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def target_dirs(all_jobs: Sequence[Job], out: Path) -> list[Path]:
@@ -119,17 +138,16 @@ def _holder(target: Path) -> str | None:
     return str(marker.get("source", "")) if isinstance(marker, dict) else ""
 
 
-def _swap_in(fresh: Path, target: Path) -> None:
-    """Replace `target`'s event files and marker with those written in `fresh` (other files in `target` are left alone).
+def _swap_in(staged: Path, target: Path, marker: str) -> None:
+    """Replace `target`'s event files with `staged` (written in full) and its marker with `marker` (other files left).
 
-    The marker goes first: a target never holds this job's events under another job's marker, or none.
+    The marker goes first: a target never holds this job's events under another job's marker, or none. The old
+    event files go before the new one comes in: a kill between the two leaves no events, never two exports' points.
     """
-    target.mkdir(parents=True, exist_ok=True)
-    os.replace(fresh / MARKER, target / MARKER)
+    write_atomically(target / MARKER, marker)
     for old in target.glob(f"{_EVENTS}*"):
         old.unlink()
-    for new in fresh.glob(f"{_EVENTS}*"):
-        os.replace(new, target / new.name)
+    os.replace(staged, target / f"{_EVENTS}{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.gradrunner")
 
 
 def _hparams_summaries(params: dict[str, str]) -> Iterator[Any]:

@@ -1,0 +1,105 @@
+"""A TensorBoard export killed partway, or run while another writes the same target: read back with TensorBoard's reader.
+
+The fault is placed, not timed: a child process exports with TensorBoard's `RecordWriter.write` wrapped so that,
+after a given number of records, it flushes, says so on stdout and waits for a line on stdin. The test then
+kills it, or runs a second export and lets it go on.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gradrunner
+from gradrunner import export
+
+#: The child: `python -c CHILD <records to write before waiting> <export arguments>...`.
+CHILD = r"""
+import sys
+from tensorboard.summary.writer import record_writer
+from gradrunner.export import main
+
+after, written, write = int(sys.argv[1]), [0], record_writer.RecordWriter.write
+
+def paused(self, data):
+    write(self, data)
+    written[0] += 1
+    if written[0] == after:
+        self.flush()
+        print("paused", flush=True)
+        sys.stdin.readline()  # a line: go on; or the test kills this process here
+
+record_writer.RecordWriter.write = paused
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _record(directory: Path, steps: int = 6) -> Path:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradrunner.record(model, ["0:output", "2:weight"], directory) as rec:
+        for _ in range(steps):
+            loss = model(torch.randn(5, 3)).pow(2).mean()
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    return directory
+
+
+def _runs(logdir: Path) -> dict[str, dict[str, dict[int, float]]]:
+    """What TensorBoard shows of `logdir` (its multiplexer, as `tensorboard --logdir` reads): run -> tag -> step -> value;
+    each step of a tag at most once."""
+    from tensorboard.backend.event_processing.plugin_event_multiplexer import EventMultiplexer
+    from tensorboard.util import tensor_util
+
+    mux = EventMultiplexer(tensor_size_guidance={"scalars": 0})
+    mux.AddRunsFromDirectory(str(logdir))
+    mux.Reload()
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for run in mux.Runs():
+        acc = mux.GetAccumulator(run)
+        out[run] = {}
+        for tag in acc.Tags()["tensors"]:
+            if tag.startswith("_hparams_"):
+                continue
+            events = acc.Tensors(tag)
+            assert len(events) == len({e.step for e in events}), (run, tag, [e.step for e in events])
+            out[run][tag] = {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in events}
+    return out
+
+
+def _paused_export(run: Path, after: int) -> subprocess.Popen[str]:
+    """An export of `run` to TensorBoard in a child process, paused after writing `after` records (it said so)."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(after), "tensorboard", str(run)], text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    assert child.stdout is not None
+    said = child.stdout.readline()
+    if said != "paused\n":
+        child.kill()
+        pytest.fail(f"the export did not pause: {said!r} {child.communicate()}")
+    return child
+
+
+def test_a_killed_tensorboard_export_leaves_the_previous_one_and_nothing_tensorboard_shows(tmp_path: Path) -> None:
+    run = _record(tmp_path / "run")
+    assert export.main(["tensorboard", str(run)]) == 0
+    before = _runs(run / "tensorboard")
+    assert list(before) == ["run"] and sorted(before["run"]["steps/loss"]) == list(range(6))
+
+    child = _paused_export(run, after=20)  # the version record, the hparams, 17 scalars
+    child.kill()
+    child.communicate()
+    assert _runs(run / "tensorboard") == before
+
+    assert export.main(["tensorboard", str(run)]) == 0  # the next export: whole, the killed one's file gone
+    assert _runs(run / "tensorboard") == before
+    left = [p.relative_to(run / "tensorboard").as_posix() for p in (run / "tensorboard").rglob("*") if p.is_file()]
+    assert {n for n in left if "tfevents" not in n} <= {"run/.gradrunner-export.json", ".gradrunner-export.lock"}, left
+    assert len([n for n in left if "tfevents" in n]) == 1, left
