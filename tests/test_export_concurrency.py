@@ -7,6 +7,7 @@ kills it, or runs a second export and lets it go on.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +104,37 @@ def test_a_killed_tensorboard_export_leaves_the_previous_one_and_nothing_tensorb
     left = [p.relative_to(run / "tensorboard").as_posix() for p in (run / "tensorboard").rglob("*") if p.is_file()]
     assert {n for n in left if "tfevents" not in n} <= {"run/.gradrunner-export.json", ".gradrunner-export.lock"}, left
     assert len([n for n in left if "tfevents" in n]) == 1, left
+
+
+def test_a_second_tensorboard_export_while_one_writes_is_refused_naming_it_and_the_first_ends_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _record(tmp_path / "run")
+    assert export.main(["tensorboard", str(run)]) == 0
+    before = _runs(run / "tensorboard")
+    child = _paused_export(run, after=20)
+    capsys.readouterr()
+    try:
+        second = export.main(["tensorboard", str(run)])
+    finally:
+        out, err = child.communicate("go\n")  # the first export goes on
+    message = capsys.readouterr().err
+    assert second == 2, message
+    assert "Traceback" not in message and len(message.strip().splitlines()) == 1, message
+    assert f"pid {child.pid}" in message and "wrote nothing" in message, message
+    assert child.returncode == 0 and "wrote 1 run(s)" in out, (out, err)
+    assert _runs(run / "tensorboard") == before  # one run, each step once
+
+
+def test_a_wandb_export_while_another_writes_its_dir_is_refused_naming_it(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from gradrunner.records.locking import EXPORT_LOCK, FileLock
+
+    run = _record(tmp_path / "run", steps=2)
+    capsys.readouterr()
+    with FileLock(run / "wandb" / EXPORT_LOCK):  # what a live W&B export of this dir holds
+        assert export.main(["wandb", str(run)]) == 2
+    message = capsys.readouterr().err
+    assert len(message.strip().splitlines()) == 1 and f"pid {os.getpid()}" in message, message
+    assert not list((run / "wandb").glob("offline-run-*"))
+    assert export.main(["wandb", str(run)]) == 0  # the lock dies with its holder's hold

@@ -123,6 +123,8 @@ def test_tensorboard_keeps_another_runs_export_in_the_same_out(tmp_path: Path, c
     pytest.importorskip("tensorboard")
     import hashlib
 
+    from gradrunner.records.locking import EXPORT_LOCK  # the lock file an export leaves in its target dir
+
     a, b, out = _record(tmp_path / "a", seed=1), _record(tmp_path / "b", seed=2), tmp_path / "tb"
     b_dir = out / f"run-{hashlib.sha256(str(b.resolve()).encode()).hexdigest()[:8]}"
     printed = []
@@ -132,7 +134,7 @@ def test_tensorboard_keeps_another_runs_export_in_the_same_out(tmp_path: Path, c
     for run_dir, logdir in ((a, out / "run"), (b, b_dir)):
         _close(_tensorboard(logdir)["grads/0:output/norm"], _norms(run_dir))
         assert len(list(logdir.glob("events.out.tfevents.*"))) == 1
-    assert sorted(p.name for p in out.iterdir()) == ["run", b_dir.name]
+    assert sorted(p.name for p in out.iterdir() if p.name != EXPORT_LOCK) == ["run", b_dir.name]
     assert ["(run)" in printed[0], f"({b_dir.name})" in printed[1]] == [True, True]  # the line names the dir written
     from gradrunner.export.tensorboard import MARKER
 
@@ -140,7 +142,7 @@ def test_tensorboard_keeps_another_runs_export_in_the_same_out(tmp_path: Path, c
     assert export.main(["tensorboard", str(a), "--out", str(old)]) == 0
     (old / "run" / MARKER).unlink()
     assert export.main(["tensorboard", str(b), "--out", str(old)]) == 0
-    assert "(run)" in capsys.readouterr().out and sorted(p.name for p in old.iterdir()) == ["run"]
+    assert "(run)" in capsys.readouterr().out and sorted(p.name for p in old.iterdir() if p.name != EXPORT_LOCK) == ["run"]
     assert len(list((old / "run").glob("events.out.tfevents.*"))) == 1
     _close(_tensorboard(old / "run")["grads/0:output/norm"], _norms(b))
     assert json.loads((old / "run" / MARKER).read_text())["source"] == str(b.resolve())

@@ -25,6 +25,8 @@ import json
 import os
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +53,7 @@ from gradrunner.records.columns import (
     STAT_COLUMNS,
     STEPS_FILE,
 )
+from gradrunner.records.locking import EXPORT_LOCK, FileLock, Held
 from gradrunner.records.schema import STEPS_SCHEMA, grads_schema
 
 #: Per-record columns exported as scalars, in this order.
@@ -282,3 +285,30 @@ def _params(d: Path, notes: list[str]) -> dict[str, str]:
         params = {f"capture.{k}": str(v) for k, v in capture.items()}
         params["experiment"] = str(cfg.get("experiment", ""))
     return params
+
+
+@contextmanager
+def exclusive(directory: Path, target: str) -> Iterator[None]:
+    """Hold the export lock of `directory` (the dir an exporter writes) while the body writes there.
+
+    Example::
+
+        with exclusive(Path("runs/mine/tensorboard"), "TensorBoard"):   # GradrunnerError while another export writes it
+            ...
+
+    One export at a time writes a target dir: a second one is refused (nothing written) in one paragraph naming
+    the first. The lock (`records.locking.FileLock`, `<directory>/.gradrunner-export.lock`) dies with its
+    process, so a killed export never blocks the next.
+    """
+    lock = FileLock(directory / EXPORT_LOCK)
+    try:
+        lock.__enter__()
+    except Held as e:
+        who = f"pid {e.owner.get('pid', '?')} on {e.owner.get('host', '?')}, started {e.owner.get('started', '?')}"
+        raise GradrunnerError(f"{directory} is being written by another {target} export ({who}); one export at a time "
+                              f"writes there, and this one wrote nothing. Wait for it to end (or stop it: kill "
+                              f"{e.owner.get('pid', '<pid>')}) and export again, or export elsewhere (another --out).") from None  # fmt: skip
+    try:
+        yield
+    finally:
+        lock.__exit__()

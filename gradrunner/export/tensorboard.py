@@ -22,7 +22,7 @@ from typing import Any
 
 from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.errors import GradrunnerError
-from gradrunner.export.jobs import Job, grad_scalars, tag_prefix
+from gradrunner.export.jobs import Job, exclusive, grad_scalars, tag_prefix
 from gradrunner.records.atomic import write_atomically
 from gradrunner.records.columns import COUNT_COLUMNS, EXTRA_FLOAT_COLUMNS, STAT_COLUMNS, is_temp_of, temp_name
 
@@ -46,25 +46,33 @@ def to_tensorboard(all_jobs: Sequence[Job], out: Path) -> list[Path]:
 
     A re-export replaces a job's event files: TensorBoard reads every event file of a dir, so appending
     would draw every point twice. The new file is written in full beside them under a hidden name without
-    "tfevents" (`_staging`), which TensorBoard does not read, then swapped in (`_swap_in`): an export
+    "tfevents" (`_STAGING`), which TensorBoard does not read, then swapped in (`_swap_in`): an export
     killed partway leaves the previous one as it was and nothing TensorBoard shows (the next export removes
     it). Each job's dir holds a marker naming the job dir it was exported from: another job's export there
     is kept, and this job is written to `out/<job>-<8 hex of its dir>` instead (`target_dirs`).
+
+    One export at a time writes `out` (`jobs.exclusive`): a second one is a GradrunnerError naming the first.
     """
-    targets = target_dirs(all_jobs, out)  # before anything is written
-    for job, target in zip(all_jobs, targets, strict=True):
-        shutil.rmtree(target.parent / f".{target.name}.gradrunner-export", ignore_errors=True)  # an older gradrunner's
-        target.mkdir(parents=True, exist_ok=True)
-        for old in target.iterdir():  # a killed export's
-            if is_temp_of(old.name, _STAGING):
-                old.unlink(missing_ok=True)
-        staged = target / temp_name(_STAGING, str(os.getpid()))
-        try:
-            _write_events(job, staged)
-            _swap_in(staged, target, json.dumps({"source": _source(job), "run_id": job.run_id}))
-        finally:
-            staged.unlink(missing_ok=True)
+    with exclusive(out, "TensorBoard"):  # one export at a time: another one's temp file is not a killed export's
+        targets = target_dirs(all_jobs, out)  # before anything is written
+        for job, target in zip(all_jobs, targets, strict=True):
+            _write_job(job, target)
     return targets
+
+
+def _write_job(job: Job, target: Path) -> None:
+    """Write `job`'s event file in full under its temp name in `target`, then swap it in."""
+    shutil.rmtree(target.parent / f".{target.name}.gradrunner-export", ignore_errors=True)  # an older gradrunner's
+    target.mkdir(parents=True, exist_ok=True)
+    for old in target.iterdir():  # a killed export's (the lock is held: no live export's)
+        if is_temp_of(old.name, _STAGING):
+            old.unlink(missing_ok=True)
+    staged = target / temp_name(_STAGING, str(os.getpid()))
+    try:
+        _write_events(job, staged)
+        _swap_in(staged, target, json.dumps({"source": _source(job), "run_id": job.run_id}))
+    finally:
+        staged.unlink(missing_ok=True)
 
 
 def _write_events(job: Job, path: Path) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from gradrunner.errors import GradrunnerError, one_paragraph
-from gradrunner.export.jobs import Job
+from gradrunner.export.jobs import Job, exclusive
 
 #: The characters a W&B project name cannot hold.
 _NOT_IN_PROJECT = "/\\#?%:"
@@ -57,13 +57,15 @@ def to_wandb(all_jobs: Sequence[Job], out: Path, project: str = "gradrunner") ->
 
     Each step is one `run.log` call holding every value of that step (NaN and Inf as they are). A
     job's run id is `run_id_of(job)`; the offline run dirs an earlier export wrote for it are removed
-    first, so `wandb sync out/wandb/offline-run-*` uploads it once. A W&B error is a GradrunnerError.
+    first, so `wandb sync out/wandb/offline-run-*` uploads it once. A W&B error is a GradrunnerError, and so is
+    a second export into `out/wandb` while one writes there (`jobs.exclusive`), naming it.
     """
     check_project(project)
     import wandb
 
     try:
-        return _write(wandb, all_jobs, out, project)
+        with exclusive(out / "wandb", "W&B"):  # one export at a time: another's offline runs are not removed mid-write
+            return _write(wandb, all_jobs, out, project)
     except wandb.errors.Error as e:
         raise GradrunnerError(f"the W&B export to {out / 'wandb'} failed: {one_paragraph(e)}") from e
 

@@ -11,6 +11,7 @@ Imports no torch and nothing of the capture layer, so a notebook reading records
 | `table_writer` | one Parquet table streamed to a temp file and committed atomically; a job's writers closed as one |
 | `rundir` | a job dir's state, read-only: `done.json`, `failed.json`, verified reading, which folders are jobs |
 | `atomic` | `write_atomically`: a small file whole or not at all |
+| `locking` | `FileLock`: an exclusive `flock` naming its live holder (the exporters' lock on their target dir) |
 | `columns` | column and file names, temp names, the host-side records of a step |
 
 Example::
