@@ -138,3 +138,31 @@ def test_a_wandb_export_while_another_writes_its_dir_is_refused_naming_it(tmp_pa
     assert len(message.strip().splitlines()) == 1 and f"pid {os.getpid()}" in message, message
     assert not list((run / "wandb").glob("offline-run-*"))
     assert export.main(["wandb", str(run)]) == 0  # the lock dies with its holder's hold
+
+
+def test_a_second_mlflow_export_into_a_local_store_while_one_writes_is_refused_and_one_run_is_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    run = _record(tmp_path / "run", steps=3)
+    assert export.main(["mlflow", str(run)]) == 0
+    second: list[int | None] = []
+    create_run = MlflowClient.create_run
+
+    def after_the_second(self: MlflowClient, *args: object, **kwargs: object) -> object:
+        if not second:  # the first export has looked for its earlier run: the second one runs now, whole
+            second.append(None)
+            second[0] = export.main(["mlflow", str(run)])
+        return create_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "create_run", after_the_second)
+    capsys.readouterr()
+    assert export.main(["mlflow", str(run)]) == 0
+    message = capsys.readouterr().err
+    client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert len(runs) == 1, [(r.info.run_name, r.info.status) for r in runs]
+    assert sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "steps/loss")) == [0, 1, 2]
+    assert second == [2] and f"pid {os.getpid()}" in message and len(message.strip().splitlines()) == 1, message

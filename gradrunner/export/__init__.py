@@ -8,7 +8,7 @@ accumulation the micro-batches combined, `analysis.micro`), NaN and Inf as they 
 histograms (`grads/<tap>/hist`, the records' own bins). The records are read through
 `gradrunner.analysis.load`: a damaged, foreign or partial job is refused by name (exit 2, nothing
 written), or left out with a warning (`--on-damaged skip`). Exporting again replaces what the last
-export of a job wrote; one export at a time writes a target (a second is refused, naming the first). Reading the records needs no torch; each target needs its library only
+export of a job wrote; one export at a time writes a target dir or local MLflow store (a second is refused, naming the first). Reading the records needs no torch; each target needs its library only
 (extras `gradrunner[tensorboard]`, `[wandb]`, `[mlflow]`).
 
 | target | written to (default) | read back with |

@@ -288,7 +288,7 @@ def _params(d: Path, notes: list[str]) -> dict[str, str]:
 
 
 @contextmanager
-def exclusive(directory: Path, target: str) -> Iterator[None]:
+def exclusive(directory: Path, target: str, option: str = "--out") -> Iterator[None]:
     """Hold the export lock of `directory` (the dir an exporter writes) while the body writes there.
 
     Example::
@@ -297,8 +297,8 @@ def exclusive(directory: Path, target: str) -> Iterator[None]:
             ...
 
     One export at a time writes a target dir: a second one is refused (nothing written) in one paragraph naming
-    the first. The lock (`records.locking.FileLock`, `<directory>/.gradrunner-export.lock`) dies with its
-    process, so a killed export never blocks the next.
+    the first, and `option` to write elsewhere. The lock (`records.locking.FileLock`, on
+    `<directory>/.gradrunner-export.lock`) dies with its process, so a killed export never blocks the next.
     """
     lock = FileLock(directory / EXPORT_LOCK)
     try:
@@ -307,7 +307,7 @@ def exclusive(directory: Path, target: str) -> Iterator[None]:
         who = f"pid {e.owner.get('pid', '?')} on {e.owner.get('host', '?')}, started {e.owner.get('started', '?')}"
         raise GradrunnerError(f"{directory} is being written by another {target} export ({who}); one export at a time "
                               f"writes there, and this one wrote nothing. Wait for it to end (or stop it: kill "
-                              f"{e.owner.get('pid', '<pid>')}) and export again, or export elsewhere (another --out).") from None  # fmt: skip
+                              f"{e.owner.get('pid', '<pid>')}) and export again, or export elsewhere (another {option}).") from None  # fmt: skip
     try:
         yield
     finally:

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from gradrunner.errors import GradrunnerError, one_paragraph
-from gradrunner.export.jobs import Job
+from gradrunner.export.jobs import Job, exclusive
 
 #: The tag that names an exported run's job: its dir and run id, readable.
 SOURCE_TAG = "gradrunner.source"
@@ -54,12 +54,22 @@ def to_mlflow(all_jobs: Sequence[Job], out: Path, uri: str | None = None, experi
     that changed listed in the run's artifact `gradrunner/keys.json`). A run this export
     wrote before for the same job (tag `gradrunner.source_id`) is deleted once the new one is written in
     full: a re-export replaces it, and one that fails leaves it (the new run deleted). A bad experiment
-    name, a store MLflow cannot open or a deleted experiment is a GradrunnerError before anything is written.
+    name, a store MLflow cannot open or a deleted experiment is a GradrunnerError before anything is written,
+    and so is a second export into a local store while one writes there (`jobs.exclusive`), naming it.
     """
     check_experiment(experiment)
+    option = "--out" if uri is None else "--uri"
     uri = tracking_uri(out, uri)
-    if local_store(uri) is not None:
+    store = local_store(uri)
+    if store is not None:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # the local file store the export promises
+    # one export at a time into a local store: two that each find the earlier run before either writes its
+    # own would both keep theirs (two runs of one job); a tracking server cannot be locked from here
+    with exclusive(store, "MLflow", option) if store is not None else contextlib.nullcontext():
+        return _write_all(all_jobs, uri, experiment)
+
+
+def _write_all(all_jobs: Sequence[Job], uri: str, experiment: str) -> list[str]:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
