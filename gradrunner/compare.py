@@ -33,7 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m gradrunner.compare",
         description="Compare two runs' gradient records (same taps): exit 0 when they agree, 1 when not, 2 on bad "
-        "input. A value b agrees with run A's a when |a - b| <= atol + rtol * |a|, or both are NaN.",
+        "input. A value b agrees with run A's a when |a - b| <= atol + rtol * |a| (both finite), or both are NaN, or "
+        "both are the same infinity.",
     )
     parser.add_argument("run_a", metavar="RUN_A", help="the reference run dir (holding grads.parquet, steps.parquet)")
     parser.add_argument("run_b", metavar="RUN_B", help="the run dir compared with it")

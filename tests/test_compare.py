@@ -117,6 +117,46 @@ def test_nan_equals_nan(runs: dict[str, Path]) -> None:
                                [0.0333 / 0.0123, np.inf, 0.0, 0.0])  # fmt: skip
 
 
+def test_an_infinity_agrees_only_with_the_same_infinity() -> None:
+    # numpy's isclose (run A the reference: isclose(b, a) scales by |a|) is the independent reference: it
+    # treats infinities apart; |inf - b| <= rtol * |inf| alone would call inf close to every b
+    grid = np.array([np.inf, -np.inf, np.nan, 0.0, 1.0, 1.0 + 1e-9, -1.0, 2.4e30, 3.4e38, 1e308])
+    a, b = np.meshgrid(grid, grid, indexing="ij")
+    for rtol, atol in ((RTOL, ATOL), (1e-3, 0.0), (1.0, 1.0), (0.0, 0.0)):
+        np.testing.assert_array_equal(agrees(a, b, rtol, atol), np.isclose(b, a, rtol=rtol, atol=atol, equal_nan=True))
+    np.testing.assert_array_equal(agrees(np.array([np.inf, np.inf, -np.inf, np.inf]), np.array([1.0, -np.inf, 5.0, np.inf]),
+                                         RTOL, ATOL), [False, False, False, True])  # fmt: skip
+
+
+def _with_step_value(run: Path, root: Path, step: int, stat: str, value: float) -> Path:
+    """A copy of `run` whose steps table holds `value` as `stat` at `step` (a run whose grad_norm overflowed there)."""
+    out = root / f"{stat}_{value}"
+    shutil.copytree(run, out)
+    f = out / "steps.parquet"
+    t = pq.read_table(f)
+    col = t.column(stat).to_numpy().copy()
+    col[t.column("step").to_numpy() == step] = value
+    field = t.schema.field(stat)
+    pq.write_table(t.set_column(t.schema.get_field_index(stat), field, pa.array(col, field.type)), f)
+    return out
+
+
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_an_infinite_grad_norm_against_a_finite_one_differs(runs: dict[str, Path], tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str], which: str) -> None:  # fmt: skip
+    inf_run = _with_step_value(runs["a"], tmp_path, 2, "grad_norm", np.inf)
+    finite = float(pd.read_parquet(runs["a"] / "steps.parquet").set_index("step").loc[2, "grad_norm"])
+    assert np.isfinite(finite) and compare_runs(runs["a"], runs["b"]).agree
+    pair = (inf_run, runs["b"]) if which == "a" else (runs["b"], inf_run)
+    c = compare_runs(*pair, rtol=1e-3)
+    assert not c.agree
+    first = c.first()
+    assert first is not None and (first["step"], first["stat"]) == (2, "grad_norm")
+    code, out, _ = run_main(capsys, *pair, "--rtol", "1e-3")
+    a, b = (np.inf, finite) if which == "a" else (finite, np.inf)
+    assert code == 1 and f"first difference: step 2, grad_norm: {a:.6g} vs {b:.6g} (rel inf)" in out
+
+
 def _sweep_of(runs: dict[str, Path], root: Path) -> Path:
     for i, name in enumerate(("a", "b")):
         shutil.copytree(runs[name], root / "sweep" / str(i))

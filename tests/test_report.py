@@ -18,6 +18,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -41,7 +43,7 @@ from gradrunner.report.plots import (
     plot_strategy_cost,
     plot_value_distributions,
 )
-from gradrunner.report.write import REPORT_NAME, write_report
+from gradrunner.report.write import REPORT_NAME, _summary_table, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -473,3 +475,18 @@ def test_report_and_every_helper_on_a_sweep_over_steps(tmp_path: Path) -> None:
     assert summary.groupby("override.steps")["steps"].max().to_dict() == {5: 5, 10: 10}
     assert set(grad_flow(df)["override.steps"]) == {5, 10}
     assert len(strategy_costs(load(sweep, table="steps"))) == 2
+
+
+def test_the_strategy_table_tells_an_infinity_from_a_finite_norm() -> None:
+    # per tap: the two strategies' `max` (the rest equal); numpy's isclose at 1e-6 is the reference
+    maxes = {"fc1:weight": (np.inf, 2.4e30), "fc2:weight": (np.inf, -np.inf), "fc3:weight": (np.inf, np.inf),
+             "head:weight": (1.0, 1.0 + 1e-9)}  # fmt: skip
+    rows = [{"strategy": s, "tap": tap, "call": 0, "steps": 3, "first": 1.0, "last": 1.0, "max": m[i],
+             "first_nonfinite_step": np.nan, "first_vanishing_step": np.nan, "first_exploding_step": np.nan}
+            for tap, m in maxes.items() for i, s in enumerate(["hook", "retain_grad"])]  # fmt: skip
+    html = _summary_table(pd.DataFrame(rows))
+    for tap, (a, b) in maxes.items():
+        (row,) = [r for r in html.split("<tr>") if f"<td>{tap}</td>" in r]
+        differs = not np.isclose(a, b, rtol=1e-6, atol=0.0)
+        assert ('<td class="bad">differ</td>' in row) is differs, (tap, row)
+    assert differs is False and html.count('<td class="bad">differ</td>') == 2

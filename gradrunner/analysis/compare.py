@@ -12,15 +12,16 @@ Example::
     c.rel_error()              # tap x step: the largest relative difference (a heat map's data)
     print(c.summary())
 
-A value of run B agrees with run A's when |a - b| <= atol + rtol * |a| (numpy's `isclose`, run A the
-reference), or both are NaN, or both are the same infinity. The defaults, `RTOL` 1e-5 and `ATOL` 1e-8,
-are for float32 records: a run repeated gives identical records, and two runs whose float32 gradients
-differ only in the order of their additions (an all-reduce against a reduce-scatter, another kernel)
-differ by a few float32 roundings (2**-24, about 6e-8 each) per element, far below 1e-5; a real change
-(a learning rate, a bug) moves the next step's statistics by far more. `atol` keeps statistics that are
-zero up to rounding (the mean of a gradient whose elements cancel) from failing on a relative test;
-1e-8 is below the smallest gradient statistic worth reading in float32 training. Loosen both for
-bf16 runs or compiled kernels (`--rtol 1e-2`).
+A value of run B agrees with run A's when both are finite and |a - b| <= atol + rtol * |a| (numpy's
+`isclose`, run A the reference), or both are NaN, or both are the same infinity (`agrees`): an infinity
+against a finite value or the other infinity differs, however loose the tolerance. The defaults, `RTOL`
+1e-5 and `ATOL` 1e-8, are for float32 records: a run repeated gives identical records, and two runs
+whose float32 gradients differ only in the order of their additions (an all-reduce against a
+reduce-scatter, another kernel) differ by a few float32 roundings (2**-24, about 6e-8 each) per element,
+far below 1e-5; a real change (a learning rate, a bug) moves the next step's statistics by far more.
+`atol` keeps statistics that are zero up to rounding (the mean of a gradient whose elements cancel) from
+failing on a relative test; 1e-8 is below the smallest gradient statistic worth reading in float32
+training. Loosen both for bf16 runs or compiled kernels (`--rtol 1e-2`).
 """
 
 from __future__ import annotations
@@ -296,14 +297,20 @@ def _pair(a: pd.DataFrame, b: pd.DataFrame, key: list[str], stats: list[str], rt
 
 
 def agrees(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> np.ndarray:
-    """Elementwise: |a - b| <= atol + rtol * |a|, or both NaN, or equal (the same infinity).
+    """Elementwise: equal (the same infinity too), or both NaN, or both finite and |a - b| <= atol + rtol * |a|.
 
     Example::
 
         agrees(np.array([1.0, np.nan]), np.array([1.0 + 1e-9, np.nan]), 1e-5, 1e-8)   # [True, True]
+        agrees(np.array([np.inf, np.inf]), np.array([1.0, -np.inf]), 1e-5, 1e-8)        # [False, False]
+
+    The tolerance is for finite values only: with a = inf, |a - b| <= rtol * |a| would be inf <= inf,
+    true for every b. The one rule of "the same value" for compare, replay and the report's strategy table.
     """
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     with np.errstate(invalid="ignore"):
-        return (a == b) | (np.isnan(a) & np.isnan(b)) | (np.abs(a - b) <= atol + rtol * np.abs(a))
+        close = np.isfinite(a) & np.isfinite(b) & (np.abs(a - b) <= atol + rtol * np.abs(a))
+    return (a == b) | (np.isnan(a) & np.isnan(b)) | close
 
 
 def relative(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 
 from gradrunner.analysis.aggregate import AGGREGATE_ABOVE
+from gradrunner.analysis.compare import agrees
 from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.analysis.reading import IncompleteSweepWarning, load
 from gradrunner.analysis.summaries import flow_steps, lowest_rank, run_columns, tap_summary, vanishing_boundary
@@ -289,8 +290,9 @@ def _summary_table(summary: pd.DataFrame) -> str:
     numeric = [c for c in _SHOWN if c not in ("tap", "call")]
     g = summary.astype({c: "float64" for c in numeric}).groupby(keys, sort=False, dropna=False)[numeric]
     lo, hi = g.min(), g.max()
-    scale = pd.DataFrame(np.maximum(hi.abs(), lo.abs()), index=hi.index, columns=hi.columns).fillna(0)
-    agree = ((hi - lo).abs().fillna(0) <= 1e-6 * scale) & (g.count().eq(g.size(), axis=0) | g.count().eq(0))
+    # compare's rule (an infinity agrees with the same infinity only), within 1e-6 of the larger magnitude
+    same = agrees(hi.to_numpy(), lo.to_numpy(), 1e-6, 0.0) | agrees(lo.to_numpy(), hi.to_numpy(), 1e-6, 0.0)
+    agree = pd.DataFrame(same, index=hi.index, columns=hi.columns) & (g.count().eq(g.size(), axis=0) | g.count().eq(0))
     first = summary.drop_duplicates(keys).set_index(keys)[numeric]
     if agree.to_numpy().all():
         table = first.reset_index()[keys + numeric].rename(columns=shown)
