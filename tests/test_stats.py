@@ -268,3 +268,25 @@ def _output_grad(model: torch.nn.Module, path: str, x: torch.Tensor, y: torch.Te
     finally:
         handle.remove()
     return torch.autograd.grad(loss, holder)[0]
+
+
+@pytest.mark.parametrize("fused", ["1", "0"])
+def test_the_norm_of_float32_elements_near_1e20_is_finite(fused: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # their squares (1e40) are beyond float32 (3.4e38); the norm (~1e22) is not. float64 numpy is the reference.
+    monkeypatch.setenv("GRADRUNNER_FUSED", fused)
+    g = (torch.randn(20_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 1e20).float()
+    row = _one(g).row(0)
+    want = float(np.sqrt(np.sum(g.double().numpy() ** 2)))
+    assert (row["nan_count"], row["inf_count"]) == (0, 0)
+    assert row["norm"] == pytest.approx(want, rel=1e-12)
+
+
+def test_the_accelerator_sum_of_squares_is_float64_from_the_first_element() -> None:
+    # `_device_sums` is the CUDA path without the fused kernel; it takes any tensor, so it runs here too
+    from gradrunner.capturing.reductions import _device_sums
+
+    g = (torch.randn(3 * 4096 + 17, generator=torch.Generator().manual_seed(5), dtype=torch.float64) * 1e20).float()
+    d = g.double().numpy()
+    s, ss = _device_sums(g)
+    assert float(ss) == pytest.approx(float(np.sum(d * d)), rel=1e-12)
+    assert float(s) == pytest.approx(float(np.sum(d)), rel=1e-5, abs=1e-6 * float(np.sum(np.abs(d))))

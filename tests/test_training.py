@@ -274,3 +274,82 @@ def test_gpt2_pretrain_runs_on_cpu_with_its_checkpoint_and_records(tmp_path: Pat
     assert set(grads["micro_step"].dropna()) == {0, 1}  # activations per micro-batch
     assert grads.loc[grads.name == "weight", "micro_step"].isna().all()  # parameters once per step
     assert not (out / ".checkpoint").exists()  # the step-50 checkpoint, removed once the records closed
+
+
+def _params(*grads: torch.Tensor) -> list[nn.Parameter]:
+    params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    return params
+
+
+def _reference_norm(*grads: torch.Tensor) -> float:
+    """The total 2-norm of `grads` in float64 numpy (the elements widened first)."""
+    return float(np.sqrt(sum(np.sum(g.double().numpy() ** 2) for g in grads)))
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_grad_norm_of_finite_gradients_near_1e20_is_finite(foreach: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gradrunner.capturing import torch_compat
+    from gradrunner.run.numerics import total_norm
+
+    monkeypatch.setitem(torch_compat.FEATURES, "foreach", foreach)
+    gen = torch.Generator().manual_seed(7)
+    grads = (
+        (torch.randn(64, 32, generator=gen, dtype=torch.float64) * 1e20).float(),  # its own squares overflow float32
+        torch.full((8,), 3e19),  # a finite norm per tensor whose square overflows float32 in the total
+        torch.randn(16, generator=gen).half(),
+        torch.randn(5, generator=gen, dtype=torch.float64),
+    )
+    assert math.isinf(float(torch.nn.utils.get_total_norm(list(grads[:2]))))  # the dtype's norm: inf
+    got = total_norm(_params(*grads))
+    assert got.dtype == torch.float64 and float(got) == pytest.approx(_reference_norm(*grads), rel=1e-6)
+    # NaN or inf only where a gradient holds one
+    assert math.isinf(float(total_norm(_params(grads[0], torch.tensor([1.0, math.inf])))))
+    assert math.isnan(float(total_norm(_params(grads[0], torch.tensor([1.0, math.nan])))))
+    assert float(total_norm(_params(torch.ones(3)))) == pytest.approx(math.sqrt(3), rel=1e-6)
+    assert float(total_norm([])) == 0.0
+
+
+def test_the_accelerator_norm_path_accumulates_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+    # off the CPU every group takes `norms_all(..., dtype=float64)` (no host read); forced here on CPU tensors
+    from gradrunner.capturing import torch_compat
+
+    g = (torch.randn(300, generator=torch.Generator().manual_seed(9), dtype=torch.float64) * 1e20).float()
+    for foreach in (True, False):
+        monkeypatch.setitem(torch_compat.FEATURES, "foreach", foreach)
+        (norm,) = torch_compat.norms_all([g], dtype=torch.float64)
+        assert norm.dtype == torch.float64 and float(norm) == pytest.approx(_reference_norm(g), rel=1e-12)
+
+
+def test_clipping_an_overflowing_norm_is_clip_grad_norm_to_the_bit() -> None:
+    from gradrunner.run.numerics import clip, total_norm
+
+    grads = ((torch.randn(64, 32, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 1e20).float(),
+             torch.ones(4))  # fmt: skip
+    ours, plain = _params(*grads), _params(*grads)
+    norm = total_norm(ours)
+    assert bool(clip(ours, 1.0, None)) and math.isfinite(float(norm))
+    torch.nn.utils.clip_grad_norm_(plain, 1.0)  # its norm is float32's inf: the gradients are scaled by 0
+    for a, b in zip(ours, plain, strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+    calm = _params(torch.full((4,), 0.1))
+    assert not bool(clip(calm, 1.0, None))
+    assert calm[0].grad is not None and torch.equal(calm[0].grad, torch.full((4,), 0.1))
+
+
+def test_a_float32_run_whose_gradients_pass_1e19_records_a_finite_grad_norm(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # spike_data: batch 60's inputs x 1000; at step 61 the gradients' elements pass 1e19 (none is inf)
+    cfg = compose_cfg("+experiment=spike_data", "steps=62", "taps=[*:weight,*:bias]", "device=cpu")
+    with caplog.at_level("WARNING"):
+        train(cfg, out_dir=tmp_path / "run")
+    grads, steps = (pd.read_parquet(tmp_path / "run" / name) for name in ("grads.parquet", "steps.parquet"))
+    last = grads[grads.step == 61]
+    assert last.nan_count.sum() == last.inf_count.sum() == 0 and last.abs_max.max() > 1e19
+    # every parameter is tapped: the records' float64 norms give the total
+    want = float(np.sqrt(np.sum(last.norm.to_numpy(dtype=np.float64) ** 2)))
+    assert steps.set_index("step").loc[61, "grad_norm"] == pytest.approx(want, rel=1e-6)
+    assert np.isfinite(steps.grad_norm).all()
+    assert "NaN/Inf" not in caplog.text and "grad_norm spike at step 60" in caplog.text

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from gradrunner.capturing.extras import histogram_batch
+from gradrunner.capturing.torch_compat import norms_all
 from gradrunner.records.columns import StepRecords, TapKey
 
 INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
@@ -265,16 +266,18 @@ def reduce_one(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple
 def _device_sums(flat: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum and sum of squares on an accelerator without a float64 copy of the gradient.
 
-    Chunks of `chunk` elements are reduced in the gradient's dtype (on CUDA in a tree, so their
-    error stays near the dtype's rounding), the chunk results are added in float64.
+    The sum: chunks of `chunk` elements are reduced in the gradient's dtype (on CUDA in a tree, so
+    their error stays near the dtype's rounding), the chunk results are added in float64. The sum of
+    squares is accumulated in float64 from the first element (`torch_compat.norms_all`, on CUDA one
+    multi-tensor kernel reading the float32 elements): a float32 chunk's sum of squares is inf once
+    its elements pass ~1e17, for a gradient that holds no inf.
     """
     if flat.dtype == torch.float64 or flat.device.type == "mps":
         return flat.sum(), torch.dot(flat, flat)
     k = flat.numel() // chunk
     head, tail = flat[: k * chunk].view(k, chunk), flat[k * chunk :].double()  # the tail is under `chunk`
     s = head.sum(1).double().sum() + tail.sum()
-    ss = torch.linalg.vector_norm(head, dim=1).double().square().sum() + torch.dot(tail, tail)
-    return s, ss
+    return s, norms_all([flat], dtype=torch.float64)[0].square()
 
 
 def derive(pending: list[Pending], rows: dict[int, int], host: np.ndarray) -> StepRecords:

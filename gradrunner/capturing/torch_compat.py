@@ -15,7 +15,7 @@
 | `fills_grad(params)` | `torch._C._will_engine_execute_node` on leaves' `AccumulateGrad` nodes, from `_current_autograd_node()`: does the backward running now fill `.grad` (`loss.backward()`) or only return gradients (`torch.autograd.grad`)? | None (unknown): every backward counts as one that fills `.grad` |
 | `reentrant_checkpoint(phase)` | frame walk for `torch.utils.checkpoint.CheckpointFunction` | None: the no-grad first pass records "made under no_grad" |
 | `functorch_level(t)` | `torch._C._functorch.is_functorch_wrapped_tensor` | never detected: the tap's own "does not require grad" check |
-| `sub_all(a, b)`, `norms_all(ts)` | `torch._foreach_sub`, `torch._foreach_norm`: one launch for a list on an accelerator | one op per tensor |
+| `sub_all(a, b)`, `norms_all(ts, dtype)` | `torch._foreach_sub`, `torch._foreach_norm`: one launch for a list on an accelerator (a float64 norm of float32 tensors accumulated in the kernel, no copy) | one op per tensor |
 | `compiled_inner(model)` | `OptimizedModule._orig_mod`: tap `torch.compile(model)`'s eager modules | a GradrunnerError: pass the model before `torch.compile` |
 | `scale_tensor(scaler, device)` | `GradScaler._scale`: the device scale tensor, no host sync | `scaler.scale(torch.ones((), device=device))`: one tiny multiply, no sync |
 
@@ -359,16 +359,21 @@ def sub_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.
     return [x - y for x, y in zip(a, b, strict=True)]
 
 
-def norms_all(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The 2-norm of each tensor (float32 tensors of one device), in one multi-tensor op where torch has it.
+def norms_all(ts: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The 2-norm of each tensor (tensors of one device and dtype), in one multi-tensor op where torch has it.
 
     Example::
 
-        norms_all([torch.tensor([3.0, 4.0])])   # [tensor(5.)]
+        norms_all([torch.tensor([3.0, 4.0])])                        # [tensor(5.)]
+        norms_all([torch.full((4,), 1e20)], dtype=torch.float64)     # [tensor(2.0000e+20, dtype=torch.float64)]
+
+    `dtype` (None: the tensors' own) is what the norm is accumulated and returned in. On CUDA the multi-tensor
+    kernel reads the elements as they are and accumulates in `dtype` (no copy); on the CPU, and in the
+    fallback, each tensor is converted to `dtype` first (a copy of it).
     """
     if FEATURES["foreach"]:
-        return list(torch._foreach_norm(list(ts), 2))
-    return [torch.linalg.vector_norm(t) for t in ts]
+        return list(torch._foreach_norm(list(ts), 2, dtype=dtype))
+    return [torch.linalg.vector_norm(t, dtype=dtype) for t in ts]
 
 
 def compiled_inner(model: nn.Module) -> nn.Module:

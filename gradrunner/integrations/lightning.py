@@ -26,8 +26,8 @@ backward runs unchanged, nothing of Lightning or torch is patched:
   scale on their device: the records hold the true, unscaled gradients;
 - `steps.parquet`'s `loss` is the sum of the losses Lightning backpropagated in the step (divided
   for accumulation, so their mean; unscaled); `lr`/`lrs` the rates of the step's optimizer step,
-  `grad_norm` the total norm before clipping and `clipped` whether `gradient_clip_val` clipped
-  (read at `on_before_optimizer_step`, after a GradScaler's unscale, before Lightning clips);
+  `grad_norm` the total norm before clipping (`numerics.total_norm`, float64) and `clipped` whether
+  `gradient_clip_val` clipped (read at `on_before_optimizer_step`, after a GradScaler's unscale, before Lightning clips);
 - `resume=True` with `fit(ckpt_path=...)`: the records of the steps before the checkpoint's step
   are kept, the rest recorded again;
 - under DDP every rank captures and rank 0 writes every rank's rows (`rank` column); parameter

@@ -111,8 +111,9 @@ def train_step(step: int, job: Job, engine: StepEngine, ctx: StepContext) -> Ste
        gradients that arrived: activation taps one record per micro-batch, parameter taps one per
        step). Every captured gradient is divided by the GradScaler's scale: true gradients.
     3. `scaler.unscale_`, then `grad_norm`: the total 2-norm over all parameters' `.grad`, before
-       clipping; clipping: `train.clip_grad_norm` as `clip_grad_norm_` (with that norm), then
-       `train.clip_grad_value` as `clip_grad_value_`.
+       clipping, accumulated in float64 (`numerics.total_norm`: finite for finite gradients); clipping:
+       `train.clip_grad_norm` by torch's `clip_grad_norm_` (its own norm), then `train.clip_grad_value`
+       by `clip_grad_value_`.
     4. `scaler.step` (skipped on inf/NaN gradients under fp16) and `scaler.update`; the scheduler steps
        once per optimisation step; `lr` is the rate this step used.
     5. `engine.end_step`: the step's records (one transfer) and its `steps.parquet` row, written together.
@@ -131,7 +132,7 @@ def train_step(step: int, job: Job, engine: StepEngine, ctx: StepContext) -> Ste
     scale = scaler.get_scale() if scaler.is_enabled() else None  # one host sync per step, fp16 only
     scaler.unscale_(job.optimizer)
     grad_norm = total_norm(ctx.params)
-    clipped = clip(ctx.params, grad_norm, ctx.clip_norm, ctx.clip_value)
+    clipped = clip(ctx.params, ctx.clip_norm, ctx.clip_value)
     optimizer_step(job.optimizer, step, scaler if scaler.is_enabled() else None)
     scaler.update()
     skipped = scale is not None and scaler.get_scale() < scale  # the scaler backs off only after a skipped step
