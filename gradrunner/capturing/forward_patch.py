@@ -42,7 +42,9 @@ def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[
     Without an instance-level `forward`, the rewritten copy becomes one. With one (monkeypatched,
     accelerate- or PEFT-style wrappers), it is kept, being what `module(x)` calls, and what it can
     reach of the class's `forward()` is routed to the copy: a bound `forward` of this module held in an
-    attribute (`_old_forward`), in its closure cells, a `functools.partial` of it or of the class's
+    attribute (`_old_forward`), in its closure cells (or the class's plain `forward` there, which such a
+    wrapper bound to this module calls with it as `self`: accelerate's mixed-precision wrapper of
+    `model.forward.__func__`), a `functools.partial` of it or of the class's
     `forward` with this module as first argument (its `func` swapped), and
     `Class.forward(self, ...)` or `super().forward(...)` through a dispatcher on the class that sends
     only this instance to the copy.
@@ -69,11 +71,14 @@ def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[
             state[key] = bound
             undo.append(functools.partial(state.__setitem__, key, value))
     if not is_original(current):
-        for cell in _reachable_cells(current):
+        for cell in _reachable_cells(current, stop=original):
             with contextlib.suppress(ValueError):
-                if is_original(cell.cell_contents):
-                    old = cell.cell_contents
-                    cell.cell_contents = bound
+                old = cell.cell_contents
+                # the class's plain `forward` in a wrapper's closure (accelerate's autocast wrapper of
+                # `model.forward.__func__`), called with this module as `self`: its rewritten copy
+                new = bound if is_original(old) else bound.__func__ if old is original else None
+                if new is not None:
+                    cell.cell_contents = new
                     undo.append(functools.partial(setattr, cell, "cell_contents", old))
         for p in _reachable_partials(current):
             # `partial(Class.forward, module, ...)` holds the class's function itself, so no dispatcher on the
@@ -91,13 +96,16 @@ def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[
     return restore
 
 
-def _reachable_cells(fn: object, depth: int = 4) -> list[types.CellType]:
-    """Closure cells of `fn`, of what it wraps (`__wrapped__`, `__func__`, `functools.partial`), a few levels down."""
+def _reachable_cells(fn: object, stop: object, depth: int = 4) -> list[types.CellType]:
+    """Closure cells of `fn`, of what it wraps (`__wrapped__`, `__func__`, `functools.partial`), a few levels down.
+
+    Not those of `stop` (the class's `forward`) nor below it: its closure is the class's, shared by every instance.
+    """
     cells: list[types.CellType] = []
     todo, seen = [(fn, 0)], set()
     while todo:
         f, d = todo.pop()
-        if id(f) in seen or d > depth:
+        if id(f) in seen or d > depth or f is stop:
             continue
         seen.add(id(f))
         cells.extend(getattr(f, "__closure__", None) or ())

@@ -1,0 +1,75 @@
+"""The HF Trainer callback at its edges, each test against a plain-torch or a Trainer-only reference (the same run
+without the callback, the Trainer's own logged values)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from gradrunner.analysis import load  # noqa: E402
+from gradrunner.integrations.hf import GradientCaptureCallback  # noqa: E402
+
+MLP = "transformer.h.0.mlp:output"
+
+
+def _gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _data(n: int = 10) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (n, 8), generator=g)]
+
+
+def _args(out: Path, **kwargs: Any) -> Any:
+    base = {"per_device_train_batch_size": 2, "max_steps": 3, "learning_rate": 0.05, "optim": "sgd",
+            "logging_steps": 1, "report_to": "none", "save_strategy": "no", "use_cpu": True, "seed": 0,
+            "disable_tqdm": True}  # fmt: skip
+    return transformers.TrainingArguments(output_dir=str(out), **{**base, **kwargs})
+
+
+def _train(trainer: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return trainer.train()
+
+
+def _output_grad_norms(module: nn.Module) -> list[float]:
+    """Plain torch: the norm of the gradient of `module`'s output, once per training backward."""
+    norms: list[float] = []
+
+    def hook(m: nn.Module, args: Any, out: torch.Tensor) -> None:
+        if m.training and torch.is_grad_enabled():
+            out.register_hook(lambda g: norms.append(float(g.double().norm())))
+
+    module.register_forward_hook(hook)
+    return norms
+
+
+def test_root_local_taps_fire_under_accelerates_mixed_precision_wrapper(tmp_path: Path) -> None:
+    """bf16=True: accelerate sets `model.forward` to its autocast wrapper around the class's plain `forward`; the
+    root's local `hidden_states` (the final layer norm's output) is recorded as a hook on `ln_f` sees it, and the
+    wrapper's closure holds the class's `forward` again afterwards."""
+    model = _gpt2()
+    cls_forward = type(model).__dict__["forward"]
+    ref = _output_grad_norms(model.transformer.ln_f)
+    cb = GradientCaptureCallback(taps=[":hidden_states"], dir=tmp_path / "run")
+    _train(transformers.Trainer(model=model, args=_args(tmp_path / "hf", bf16=True), train_dataset=_data(),
+                                callbacks=[cb]))  # fmt: skip
+    df = load(tmp_path / "run").query("call == 0").sort_values("step")
+    assert len(ref) == 3 and df.has_grad.all(), df.reason.tolist()
+    assert list(df.norm) == pytest.approx(ref, rel=1e-5)
+    assert type(model).__dict__["forward"] is cls_forward  # the class untouched
+    wrapper = model.forward.__func__.__wrapped__.__wrapped__  # accelerate's ConvertOutputsToFp32, then autocast's
+    assert cls_forward in [c.cell_contents for c in wrapper.__closure__]  # the closure as accelerate left it
