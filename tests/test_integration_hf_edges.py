@@ -73,3 +73,16 @@ def test_root_local_taps_fire_under_accelerates_mixed_precision_wrapper(tmp_path
     assert type(model).__dict__["forward"] is cls_forward  # the class untouched
     wrapper = model.forward.__func__.__wrapped__.__wrapped__  # accelerate's ConvertOutputsToFp32, then autocast's
     assert cls_forward in [c.cell_contents for c in wrapper.__closure__]  # the closure as accelerate left it
+
+
+def test_a_last_window_of_one_micro_batch_numbers_it(tmp_path: Path) -> None:
+    """gradient_accumulation_steps=2 over 5 micro-batches: steps 0 and 1 hold micro_step 0, 1; step 2 (one
+    micro-batch) holds micro_step 0; the norms are those a plain hook saw, in order."""
+    model = _gpt2()
+    ref = _output_grad_norms(model.transformer.h[0].mlp)
+    args = _args(tmp_path / "hf", max_steps=-1, num_train_epochs=1, gradient_accumulation_steps=2)
+    _train(transformers.Trainer(model=model, args=args, train_dataset=_data(),
+                                callbacks=[GradientCaptureCallback(taps=[MLP], dir=tmp_path / "run")]))  # fmt: skip
+    df = load(tmp_path / "run").sort_values(["step", "micro_step"])
+    assert list(zip(df.step, df.micro_step, strict=True)) == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)]
+    assert list(df.norm) == pytest.approx(ref, rel=1e-5)

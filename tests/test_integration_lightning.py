@@ -186,3 +186,24 @@ def test_lightning_ddp_records_both_ranks(tmp_path: Path) -> None:
     out = df[df.tap == "net.0:output"].pivot(index="step", columns="rank", values="norm")
     assert (out[0] != out[1]).all()  # activations: each rank's own batch
     assert (tmp_path / "ddp" / "done.json").is_file()
+
+
+def test_lightning_last_window_of_one_micro_batch_numbers_it(tmp_path: Path) -> None:
+    """accumulate_grad_batches=2 over an epoch of 3 batches: Lightning steps after the third batch alone; its record
+    holds micro_step 0 (the accumulation is configured), and the norms are those a plain hook saw."""
+    module = Module()
+    norms: list[float] = []
+
+    def keep(m: nn.Module, args: object, out: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            out.register_hook(lambda g: norms.append(float(g.double().norm())))
+
+    module.net[0].register_forward_hook(keep)
+    loader = torch.utils.data.DataLoader(dataset(3), batch_size=5, shuffle=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _trainer(-1, [GradientCapture(taps=TAPS[:1], dir=tmp_path / "run")], max_epochs=1,
+                 accumulate_grad_batches=2).fit(module, loader)  # fmt: skip
+    df = load(tmp_path / "run").sort_values(["step", "micro_step"])
+    assert list(zip(df.step, df.micro_step, strict=True)) == [(0, 0), (0, 1), (1, 0)]
+    assert list(df.norm) == pytest.approx(norms, rel=1e-6)

@@ -115,6 +115,9 @@ class Backwards:
         #: where the parameter rows go, and those added (the tap's index -> its row's order)
         self._param_rows: tuple[int, dict[int, int]] | None = None
         self._edited: dict[int, torch.Tensor] = {}
+        #: Gradient accumulation is configured (the runner's `train.accumulate`, the Trainer's, Lightning's): every
+        #: step numbers its backwards in `micro_step`, a last window of one micro-batch too; else only a step of several.
+        self.accumulating = False
         #: Called at the end of every backward, with whether it was captured (the step engine's update norms).
         self.backward_ended: Callable[[bool], None] | None = None
         #: Per-example norms of parameters: why each None is (this step), and the taps already named in a warning.
@@ -390,8 +393,9 @@ class Backwards:
         edited = self._edited
         if edited and self.grad_scale is not None:  # fp16 loss scaling: after the edit, in true units too
             edited = {k: v * self.grad_scale.to(device=v.device, dtype=v.dtype) for k, v in edited.items()}
-        recs = self._collector.finish(loss, updates, edited, micro_steps=self._backwards_in_step > 1)
-        if self._backwards_in_step <= 1:
+        numbered = self.accumulating or self._backwards_in_step > 1
+        recs = self._collector.finish(loss, updates, edited, micro_steps=numbered)
+        if not numbered:
             recs.micro_step = None
         if recs.reason is None:
             recs.reason = [None] * len(recs)

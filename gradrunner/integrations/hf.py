@@ -93,8 +93,9 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         if model is None:
             raise GradrunnerError("GradientCaptureCallback got no model from the Trainer; pass model= to Trainer(...).")
         dist, synced = _distributed()
-        rec = self._recorder(model, dist=dist, params_synced=synced,
-                             scaler=getattr(optimizer, "scaler", None))  # accelerate's optimizer holds the GradScaler
+        scaler = getattr(optimizer, "scaler", None)  # accelerate's optimizer holds the GradScaler
+        rec = self._recorder(model, accumulate=args.gradient_accumulation_steps, dist=dist, params_synced=synced,
+                             scaler=scaler)  # fmt: skip
         stack = contextlib.ExitStack()
         stack.enter_context(rec)
         stack.enter_context(_loss_from_output(model, rec.engine))

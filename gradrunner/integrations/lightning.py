@@ -86,8 +86,8 @@ class GradientCapture(CallbackOptions, Callback):
         if dist is not None and type(trainer.strategy).__name__ not in SHARDED_STRATEGIES:
             ddp = trainer.strategy.model  # the DDP wrapper Lightning put around the module
             synced = lambda: bool(getattr(ddp, "require_backward_grad_sync", True))  # noqa: E731
-        rec = self._recorder(pl_module, dist=dist, scaler=getattr(trainer.precision_plugin, "scaler", None),
-                             params_synced=synced)  # fmt: skip
+        rec = self._recorder(pl_module, accumulate=trainer.accumulate_grad_batches, dist=dist,
+                             scaler=getattr(trainer.precision_plugin, "scaler", None), params_synced=synced)  # fmt: skip
         rec.__enter__()
         self._global_step, self._train = trainer.global_step, {}
         self.recorder = rec  # numbered at the first batch (`on_train_batch_start`), once Lightning's loop restored its count

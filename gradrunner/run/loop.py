@@ -148,6 +148,7 @@ def _run_steps(cfg: DictConfig, job: Job, engine: StepEngine, ctx: StepContext, 
     """The step loop: `train_step` for every step, with progress, the run's watches and checkpoints."""
     bar = Progress(cfg.steps)
     start = 0
+    engine.capture.accumulating = ctx.accumulate > 1
     if ckpt is not None:
         start = ckpt.restore(job, ctx.scaler, engine.grads, engine.steps, engine.run_id)  # a sweep re-run resumes too
         ckpt.start(start)

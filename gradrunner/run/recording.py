@@ -375,11 +375,15 @@ class CallbackOptions:
         self.taps, self.dir, self.every, self.strategy, self.options = taps, dir, every, strategy, options
         self.recorder: Recorder | None = None
 
-    def _recorder(self, model: nn.Module, **given: Any) -> Recorder:
-        """The session's `Recorder` on `model` (`given`: what the callback knows of the framework's run)."""
+    def _recorder(self, model: nn.Module, accumulate: int = 1, **given: Any) -> Recorder:
+        """The session's `Recorder` on `model` (`given`: what the callback knows of the framework's run).
+
+        `accumulate`: the framework's micro-batches per optimiser step (`micro_step` numbers them when over 1).
+        """
         rec = Recorder(model, self.taps, self.dir, strategy=self.strategy, every=self.every, experiment=type(model).__name__,
                        **given, **self.options)  # fmt: skip
         rec.who = f"{type(self).__name__}(...)"
+        rec.capture.accumulating = accumulate > 1
         return rec
 
 
