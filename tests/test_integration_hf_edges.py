@@ -45,6 +45,26 @@ def _train(trainer: Any) -> Any:
         return trainer.train()
 
 
+class Logged(transformers.TrainerCallback):
+    """The Trainer's own logged loss of each log."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+        if logs and "loss" in logs and "grad_norm" in logs:
+            self.losses.append(float(logs["loss"]))
+
+
+class Fail(transformers.TrainerCallback):
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == self.at:
+            raise RuntimeError("data went bad")
+
+
 def _output_grad_norms(module: nn.Module) -> list[float]:
     """Plain torch: the norm of the gradient of `module`'s output, once per training backward."""
     norms: list[float] = []
@@ -73,6 +93,22 @@ def test_root_local_taps_fire_under_accelerates_mixed_precision_wrapper(tmp_path
     assert type(model).__dict__["forward"] is cls_forward  # the class untouched
     wrapper = model.forward.__func__.__wrapped__.__wrapped__  # accelerate's ConvertOutputsToFp32, then autocast's
     assert cls_forward in [c.cell_contents for c in wrapper.__closure__]  # the closure as accelerate left it
+
+
+def test_the_completed_steps_are_kept_whatever_the_callbacks_order(tmp_path: Path) -> None:
+    """A callback listed before the capture raises in on_step_end of step 1: the Trainer completed steps 0 and 1
+    (global_step 2) and both are recorded, with the losses it logged."""
+    logged = Logged()
+    cb = GradientCaptureCallback(taps=[MLP], dir=tmp_path / "run")
+    trainer = transformers.Trainer(model=_gpt2(), args=_args(tmp_path / "hf", max_steps=4), train_dataset=_data(),
+                                   callbacks=[logged, Fail(2), cb])  # fmt: skip
+    with pytest.raises(RuntimeError, match="data went bad"):
+        _train(trainer)
+    cb.close()
+    assert trainer.state.global_step == 2
+    steps = load(tmp_path / "run", table="steps")
+    assert list(steps.step) == [0, 1] and sorted(set(load(tmp_path / "run").step)) == [0, 1]
+    assert list(steps.loss.iloc[:1]) == pytest.approx(logged.losses[:1], rel=1e-6)  # step 1's log never came
 
 
 def test_a_last_window_of_one_micro_batch_numbers_it(tmp_path: Path) -> None:

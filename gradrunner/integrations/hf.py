@@ -24,10 +24,12 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
   gradient backward brings to it, 1/N under accumulation); null for a model whose output has no
   `loss` (a custom `compute_loss` or `compute_loss_func`, `label_smoothing_factor`). The Trainer's own `grad_norm` (what it logs, the total norm
   before clipping) goes into the `grad_norm` column where it logs the step (`logging_steps=1`: every row);
-- the session ends with the Trainer's `on_train_end` (`done.json`). The Trainer has no event for a
-  `train()` that raised (an exception, Ctrl-C): then the session ends, keeping the completed steps'
-  records without `done.json`, when the process exits, when the callback is garbage-collected, when
-  the next `train()` into the same dir begins (with this or a new callback), or at `callback.close()`;
+- a step is complete when the Trainer counts it (`state.global_step`, before `on_step_end`, whatever
+  the callbacks' order); the session ends with the Trainer's `on_train_end` (`done.json`). The Trainer
+  has no event for a `train()` that raised (an exception, Ctrl-C): then the session ends, keeping the
+  completed steps' records without `done.json`, when the process exits, when the callback is
+  garbage-collected, when the next `train()` into the same dir begins (with this or a new callback), or
+  at `callback.close()`;
 - `lr`/`lrs` are the rates of the step's optimizer step (`on_pre_optimizer_step`), `clipped` the
   logged `grad_norm` above `max_grad_norm`; `resume=True` with `train(resume_from_checkpoint=...)`
   keeps the records of the steps before the checkpoint's `global_step`;
@@ -43,6 +45,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +80,7 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         super().__init__(taps, dir, every, strategy, **options)
         self._stack = contextlib.ExitStack()
         self._finalizer: weakref.finalize[Any, Any] | None = None
-        #: a step the Trainer completed whose row waits for its log (grad_norm): [pending, grad_norm, lrs, clip]
-        self._step: list[Any] = [False, None, None, 0.0]
-        self._lrs: list[float] | None = None
+        self._run: _Run | None = None
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
@@ -96,49 +97,48 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         scaler = getattr(optimizer, "scaler", None)  # accelerate's optimizer holds the GradScaler
         rec = self._recorder(model, accumulate=args.gradient_accumulation_steps, dist=dist, params_synced=synced,
                              scaler=scaler)  # fmt: skip
+        run = _Run(state, float(args.max_grad_norm or 0.0))
         stack = contextlib.ExitStack()
         stack.enter_context(rec)
-        stack.enter_context(_loss_from_output(model, rec.engine))
+        # The Trainer says nothing when train() raises: the session ends at the process's exit (or when this
+        # callback is collected) unless on_train_end or close() ended it first.
+        finalizer = weakref.finalize(self, _end_unfinished, stack, rec, run)
         try:
+            stack.enter_context(_loss_from_output(model, rec.engine))
             rec.start_at(state.global_step)  # resume=True with resume_from_checkpoint: the records before it kept
         except BaseException as e:
+            finalizer.detach()
             stack.__exit__(type(e), e, None)
             raise
-        self.recorder, self._stack = rec, stack
+        self.recorder, self._stack, self._run, self._finalizer = rec, stack, run, finalizer
         if rec.main and args.fsdp and not _sharded(model):
             log.warning("the Trainer was asked for FSDP (TrainingArguments.fsdp) but trains the model unsharded (DDP): "
                         "accelerate turns FSDP on for accelerators only, not on CPU; the records are DDP's (parameter "
                         "taps: the whole gradients averaged over the ranks), see docs/scale-out.md")  # fmt: skip
-        # The Trainer says nothing when train() raises: the session ends at the process's exit (or when this
-        # callback is collected) unless on_train_end or close() ended it first.
-        self._step, self._lrs = [False, None, None, float(args.max_grad_norm or 0.0)], None
-        self._finalizer = weakref.finalize(self, _end_unfinished, stack, rec, self._step)
-        _UNFINISHED[_key(self.dir)] = self._finalizer
+        _UNFINISHED[_key(self.dir)] = finalizer
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:  # fmt: skip
         self._flush()
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, optimizer: Any = None,
         **kwargs: Any,
     ) -> None:  # fmt: skip
-        if optimizer is not None:
-            self._lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the rates this step uses
-
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
-        # Written at the Trainer's log of this step (it carries grad_norm), or before the next step begins.
-        self._step[:3] = [self.recorder is not None, None, self._lrs]
-        self._lrs = None
+        if optimizer is not None and self._run is not None:
+            self._run.lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the rates this step uses
 
     def on_log(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:  # fmt: skip
-        if self._step[0] and logs is not None and "grad_norm" in logs:
-            self._step[1] = float(logs["grad_norm"])
+        run, rec = self._run, self.recorder
+        if run is None or rec is None or logs is None:
+            return
+        if "grad_norm" in logs and state.global_step > rec.step_index:
+            run.grad_norm = float(logs["grad_norm"])
             self._flush()
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:  # fmt: skip
         try:
             self._flush()
         except BaseException as e:
@@ -147,8 +147,8 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         self._close(None)
 
     def _flush(self) -> None:
-        if self.recorder is not None:
-            _write_completed(self.recorder, self._step)
+        if self.recorder is not None and self._run is not None:
+            _write_completed(self.recorder, self._run)
 
     def close(self) -> None:
         """End the session after a `train()` that raised: the completed steps' records kept, no `done.json` (idempotent).
@@ -160,20 +160,17 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
             finally:
                 callback.close()
         """
-        if self.recorder is not None:
-            try:
-                self._flush()  # a step the Trainer completed before it failed
-            finally:
-                self._close(RuntimeError("train() did not end"))
+        if self._finalizer is not None and self._finalizer.alive:
+            self._finalizer()  # the steps the Trainer completed before it failed are written
+        self._close(None)
 
     def _close(self, error: BaseException | None) -> None:
-        self.recorder = None
-        self._step[:3] = [False, None, None]
-        if self._finalizer is not None:
-            self._finalizer.detach()
-            if _UNFINISHED.get(_key(self.dir)) is self._finalizer:
+        self.recorder, self._run = None, None
+        finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+            if _UNFINISHED.get(_key(self.dir)) is finalizer:
                 del _UNFINISHED[_key(self.dir)]
-            self._finalizer = None
         stack, self._stack = self._stack, contextlib.ExitStack()
         stack.__exit__(type(error) if error is not None else None, error, None)
 
@@ -187,21 +184,35 @@ def _key(directory: str | os.PathLike[str]) -> str:
     return str(Path(directory).resolve())
 
 
-def _write_completed(rec: Recorder, pending: list[Any]) -> None:
+@dataclass
+class _Run:
+    """What the session knows of the Trainer's run (the finalizer holds it, never the callback)."""
+
+    state: TrainerState  # the Trainer's, updated in place: `global_step` counts the completed steps
+    clip: float
+    lrs: list[float] | None = None
+    grad_norm: float | None = None
+
+    def completed(self, rec: Recorder) -> bool:
+        """Whether the Trainer completed the step the session is in (its optimiser stepped, `global_step` counts it)."""
+        return self.state.global_step > rec.step_index
+
+
+def _write_completed(rec: Recorder, run: _Run) -> None:
     """Write the row of the step the Trainer completed, if it waits (with the grad_norm its log gave, if any)."""
-    if pending[0]:
-        grad_norm, lrs, clip = pending[1:4]
-        pending[:3] = [False, None, None]
-        extra: dict[str, Any] = {} if lrs is None else {"lr": lrs[0], "lrs": lrs}
-        if grad_norm is not None:
-            extra.update(grad_norm=grad_norm, clipped=bool(clip > 0 and grad_norm > clip))  # the Trainer clips so
-        rec.step(extra=extra)
+    if not run.completed(rec):
+        return
+    extra: dict[str, Any] = {} if run.lrs is None else {"lr": run.lrs[0], "lrs": run.lrs}
+    if run.grad_norm is not None:  # the Trainer clips so
+        extra.update(grad_norm=run.grad_norm, clipped=bool(run.clip > 0 and run.grad_norm > run.clip))
+    run.lrs, run.grad_norm = None, None
+    rec.step(extra=extra)
 
 
-def _end_unfinished(stack: contextlib.ExitStack, rec: Recorder, pending: list[Any]) -> None:
+def _end_unfinished(stack: contextlib.ExitStack, rec: Recorder, run: _Run) -> None:
     """A session the Trainer never ended (its train() raised): the completed steps kept, ended as interrupted."""
     try:
-        _write_completed(rec, pending)
+        _write_completed(rec, run)
     finally:
         stack.__exit__(RuntimeError, RuntimeError("the Trainer's train() did not end"), None)
 
