@@ -95,6 +95,49 @@ def test_root_local_taps_fire_under_accelerates_mixed_precision_wrapper(tmp_path
     assert cls_forward in [c.cell_contents for c in wrapper.__closure__]  # the closure as accelerate left it
 
 
+@pytest.mark.parametrize("tap", [MLP, ":hidden_states"])  # a module's output; a local of the root's own forward
+@pytest.mark.parametrize("order", ["capture first", "failing first"])
+def test_a_training_forward_after_a_failed_train_ends_the_session(tmp_path: Path, order: str, tap: str) -> None:
+    """train() raises after step 0; the user's own forward and backward then get the gradients of a model with no
+    hooks (the session's scale-0 edit no longer applies) and change nothing in the records: step 0 alone, with the
+    loss the Trainer logs for step 0 without gradrunner; every hook is gone as that forward begins."""
+    logged = Logged()
+    _train(transformers.Trainer(model=_gpt2(), args=_args(tmp_path / "ref", max_steps=1), train_dataset=_data(),
+                                callbacks=[logged]))  # fmt: skip
+    model = _gpt2()
+    cb = GradientCaptureCallback(taps=[tap], dir=tmp_path / "run", edits=[{"tap": tap, "scale": 0.0}])
+    callbacks = [cb, Fail(1)] if order == "capture first" else [Fail(1), cb]
+    with pytest.raises(RuntimeError, match="data went bad"):
+        _train(transformers.Trainer(model=model, args=_args(tmp_path / "hf"), train_dataset=_data(),
+                                    callbacks=callbacks))  # fmt: skip
+    reference = _gpt2()
+    reference.load_state_dict(model.state_dict())
+    batch = torch.stack([d["input_ids"] for d in _data()[:2]])
+    for m in (model, reference):
+        m.train()
+        m.zero_grad()
+        m(input_ids=batch, labels=batch).loss.backward()
+    assert not model._forward_hooks and not model._forward_pre_hooks and "forward" not in vars(model)
+    assert not model.transformer.h[0].mlp._forward_hooks
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    cb.close()
+    assert not (tmp_path / "run" / "done.json").exists()
+    grads, steps = load(tmp_path / "run"), load(tmp_path / "run", table="steps")
+    assert list(steps.step) == [0] and set(grads.step) == {0} and grads.micro_step.isna().all()  # one backward
+    assert list(steps.loss) == pytest.approx(logged.losses, rel=1e-6)
+
+
+def test_evaluation_between_steps_keeps_the_session(tmp_path: Path) -> None:
+    """The Trainer's evaluation after a step (no_grad, eval mode) is no forward outside its steps: all steps kept."""
+    cb = GradientCaptureCallback(taps=[MLP], dir=tmp_path / "run")
+    args = _args(tmp_path / "hf", eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=2)
+    _train(transformers.Trainer(model=_gpt2(), args=args, train_dataset=_data(), eval_dataset=_data(4),
+                                callbacks=[cb]))  # fmt: skip
+    assert (tmp_path / "run" / "done.json").is_file()
+    assert list(load(tmp_path / "run", table="steps").step) == [0, 1, 2]
+
+
 def test_the_completed_steps_are_kept_whatever_the_callbacks_order(tmp_path: Path) -> None:
     """A callback listed before the capture raises in on_step_end of step 1: the Trainer completed steps 0 and 1
     (global_step 2) and both are recorded, with the losses it logged."""

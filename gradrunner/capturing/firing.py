@@ -207,6 +207,8 @@ class Firing:
     def fire(self, tap: Tap, value: object, is_input: bool = False) -> object:
         """A tap fired in the forward pass: open a slot (one call) and let the strategy attach."""
         session = self.session
+        if session._closed:  # a rewritten forward chosen before the session closed (in a pre-hook of its call)
+            return value
         if not session.enabled:
             edits = session.edits
             return value if edits is None else edits.on_fire(tap, value, None)

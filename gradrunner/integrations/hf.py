@@ -27,9 +27,10 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
 - a step is complete when the Trainer counts it (`state.global_step`, before `on_step_end`, whatever
   the callbacks' order); the session ends with the Trainer's `on_train_end` (`done.json`). The Trainer
   has no event for a `train()` that raised (an exception, Ctrl-C): then the session ends, keeping the
-  completed steps' records without `done.json`, when the process exits, when the callback is
-  garbage-collected, when the next `train()` into the same dir begins (with this or a new callback), or
-  at `callback.close()`;
+  completed steps' records without `done.json`, at the first training forward of the model outside
+  the Trainer's steps (the user goes on with the model: before that forward runs, every hook and edit
+  is removed), when the process exits, when the callback is garbage-collected, when the next `train()`
+  into the same dir begins (with this or a new callback), or at `callback.close()`;
 - `lr`/`lrs` are the rates of the step's optimizer step (`on_pre_optimizer_step`), `clipped` the
   logged `grad_norm` above `max_grad_norm`; `resume=True` with `train(resume_from_checkpoint=...)`
   keeps the records of the steps before the checkpoint's `global_step`;
@@ -54,8 +55,8 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from gradrunner.capturing.taps import TapSpec
+from gradrunner.capturing.torch_compat import in_backward
 from gradrunner.errors import GradrunnerError
-from gradrunner.run.engine import StepEngine
 from gradrunner.run.recording import CallbackOptions, Recorder
 
 log = logging.getLogger(__name__)
@@ -100,11 +101,12 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         run = _Run(state, float(args.max_grad_norm or 0.0))
         stack = contextlib.ExitStack()
         stack.enter_context(rec)
-        # The Trainer says nothing when train() raises: the session ends at the process's exit (or when this
-        # callback is collected) unless on_train_end or close() ended it first.
+        # The Trainer says nothing when train() raises: the session ends at the next forward of the model outside
+        # the Trainer's steps, at the process's exit (or when this callback is collected) unless on_train_end or
+        # close() ended it first.
         finalizer = weakref.finalize(self, _end_unfinished, stack, rec, run)
         try:
-            stack.enter_context(_loss_from_output(model, rec.engine))
+            stack.enter_context(_watch_model(model, rec, run, finalizer))
             rec.start_at(state.global_step)  # resume=True with resume_from_checkpoint: the records before it kept
         except BaseException as e:
             finalizer.detach()
@@ -119,6 +121,8 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:  # fmt: skip
         self._flush()
+        if self._run is not None:
+            self._run.in_step = True
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, optimizer: Any = None,
@@ -127,18 +131,27 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         if optimizer is not None and self._run is not None:
             self._run.lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the rates this step uses
 
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        # The step is complete (`state.global_step` counts it); written at the Trainer's log of it (grad_norm, loss)
+        # or before the next step begins.
+        if self._run is not None:
+            self._run.in_step = False
+
     def on_log(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:  # fmt: skip
         run, rec = self._run, self.recorder
-        if run is None or rec is None or logs is None:
+        if run is None or rec is None or logs is None or not self._alive():
             return
         if "grad_norm" in logs and state.global_step > rec.step_index:
             run.grad_norm = float(logs["grad_norm"])
             self._flush()
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:  # fmt: skip
+        if not self._alive():  # ended already (a forward outside the Trainer's steps)
+            self._close(RuntimeError("the Trainer's train() did not end"))
+            return
         try:
             self._flush()
         except BaseException as e:
@@ -146,8 +159,12 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
             raise
         self._close(None)
 
+    def _alive(self) -> bool:
+        return self.recorder is not None and self._finalizer is not None and self._finalizer.alive
+
     def _flush(self) -> None:
-        if self.recorder is not None and self._run is not None:
+        if self._alive():
+            assert self.recorder is not None and self._run is not None
             _write_completed(self.recorder, self._run)
 
     def close(self) -> None:
@@ -190,6 +207,7 @@ class _Run:
 
     state: TrainerState  # the Trainer's, updated in place: `global_step` counts the completed steps
     clip: float
+    in_step: bool = False  # between on_step_begin and on_step_end
     lrs: list[float] | None = None
     grad_norm: float | None = None
 
@@ -236,12 +254,25 @@ def _distributed() -> tuple[Any, Callable[[], bool] | None]:
 
 
 @contextlib.contextmanager
-def _loss_from_output(model: nn.Module, engine: StepEngine) -> Iterator[None]:
-    """Count what the Trainer backpropagates into the step's loss, where backward meets the model's `loss` output.
+def _watch_model(model: nn.Module, rec: Recorder, run: _Run, end: Callable[[], Any]) -> Iterator[None]:
+    """The model's forwards as the session needs them: where the model's `loss` output is backpropagated, and
+    the first forward outside the Trainer's steps (`end()`: the session ends before it runs).
 
     The Trainer backpropagates the model's own loss times a constant (1/N under accumulation, a
     GradScaler's scale under fp16): that constant is the gradient backward brings to the model's loss.
+    A training forward (grad on, `model.training`) outside the Trainer's steps (none began since the last
+    completed) is not the Trainer's: its `train()` raised, the user goes on with the model; ending the
+    session there writes the completed steps and removes every hook and edit before that forward runs.
     """
+    engine = rec.engine
+
+    def before(module: nn.Module, args: Any) -> None:
+        outside = not run.in_step or run.completed(rec)  # no step of the Trainer began since the last completed
+        if outside and module.training and torch.is_grad_enabled() and not in_backward():
+            log.warning("a training forward of the model outside the Trainer's steps (after a train() that raised, or "
+                        "in a callback) is not the Trainer's: the session ends before it runs, keeping in %s the records "
+                        "of the steps the Trainer completed (global_step %d)", rec.directory, run.state.global_step)  # fmt: skip
+            end()
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
@@ -256,8 +287,9 @@ def _loss_from_output(model: nn.Module, engine: StepEngine) -> Iterator[None]:
 
         loss.grad_fn.register_prehook(backpropagated)
 
-    handle = model.register_forward_hook(hook)
+    handles = [model.register_forward_pre_hook(before), model.register_forward_hook(hook)]
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
