@@ -3,6 +3,7 @@ without the callback, the Trainer's own logged values)."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,63 @@ def test_evaluation_between_steps_keeps_the_session(tmp_path: Path) -> None:
                                 callbacks=[cb]))  # fmt: skip
     assert (tmp_path / "run" / "done.json").is_file()
     assert list(load(tmp_path / "run", table="steps").step) == [0, 1, 2]
+
+
+class PenaltyTrainer(transformers.Trainer):
+    """compute_loss backpropagates more than the model's own loss: plus an L2 term, or its square."""
+
+    squared = False
+
+    def compute_loss(
+        self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        out = model(**inputs)
+        loss = out.loss**2 if self.squared else out.loss + 0.01 * sum(p.pow(2).sum() for p in model.parameters())
+        return (loss, out) if return_outputs else loss
+
+
+@pytest.mark.parametrize("squared", [False, True], ids=["plus-penalty", "squared"])
+def test_a_custom_compute_loss_records_what_the_trainer_backpropagated(tmp_path: Path, squared: bool) -> None:
+    logged = Logged()
+    trainer = PenaltyTrainer(model=_gpt2(), args=_args(tmp_path / "hf"), train_dataset=_data(),
+                             callbacks=[logged, GradientCaptureCallback(taps=[MLP], dir=tmp_path / "run")])  # fmt: skip
+    trainer.squared = squared
+    _train(trainer)
+    assert len(logged.losses) == 3
+    assert list(load(tmp_path / "run", table="steps").loss) == pytest.approx(logged.losses, rel=1e-6)
+    assert list(load(tmp_path / "run").loss) == pytest.approx(logged.losses, rel=1e-6)
+
+
+def test_a_loss_the_trainer_computes_from_the_logits_is_its_logged_loss(tmp_path: Path) -> None:
+    """label_smoothing_factor: the model gets no labels (its output has no loss); logged every step, the Trainer's."""
+    logged = Logged()
+    cb = GradientCaptureCallback(taps=[MLP], dir=tmp_path / "run")
+    args = _args(tmp_path / "hf", label_smoothing_factor=0.1)
+    _train(transformers.Trainer(model=_gpt2(), args=args, train_dataset=_data(), callbacks=[logged, cb]))
+    assert len(logged.losses) == 3
+    assert list(load(tmp_path / "run", table="steps").loss) == pytest.approx(logged.losses, rel=1e-6)
+
+
+def test_a_custom_compute_loss_logged_every_other_step_gives_null_not_the_models_loss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:  # fmt: skip
+    """logging_steps=2: the Trainer's first log (step 1) disagrees with the model's loss; from then on null."""
+    cb = GradientCaptureCallback(taps=[MLP], dir=tmp_path / "run")
+    trainer = PenaltyTrainer(model=_gpt2(), args=_args(tmp_path / "hf", max_steps=4, logging_steps=2),
+                             train_dataset=_data(), callbacks=[cb])  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="gradrunner.integrations.hf"):
+        _train(trainer)
+    assert load(tmp_path / "run", table="steps").loss.iloc[1:].isna().all()
+    assert "steps 0..0, written before this log, hold the model's own loss" in caplog.text
+
+
+def test_the_models_loss_logged_every_other_step_is_kept(tmp_path: Path) -> None:
+    """The stock compute_loss, logging_steps=2: every step's loss is recorded, and each log is the mean of its two."""
+    logged = Logged()
+    _train(transformers.Trainer(model=_gpt2(), args=_args(tmp_path / "hf", max_steps=4, logging_steps=2),
+                                train_dataset=_data(), callbacks=[logged, GradientCaptureCallback(taps=[MLP], dir=tmp_path / "run")]))  # fmt: skip
+    loss = list(load(tmp_path / "run", table="steps").loss)
+    assert [(loss[0] + loss[1]) / 2, (loss[2] + loss[3]) / 2] == pytest.approx(logged.losses, rel=1e-5)
 
 
 def test_the_completed_steps_are_kept_whatever_the_callbacks_order(tmp_path: Path) -> None:

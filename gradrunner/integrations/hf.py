@@ -21,9 +21,12 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
   GradScaler's scale (fp16): true gradients;
 - `steps.parquet`'s `loss` is what the Trainer backpropagated over the step's micro-batches,
   unscaled: read where backward meets the model's own `loss` output (the model's loss times the
-  gradient backward brings to it, 1/N under accumulation); null for a model whose output has no
-  `loss` (a custom `compute_loss` or `compute_loss_func`, `label_smoothing_factor`). The Trainer's own `grad_norm` (what it logs, the total norm
-  before clipping) goes into the `grad_norm` column where it logs the step (`logging_steps=1`: every row);
+  gradient backward brings to it, 1/N under accumulation), checked against every loss the Trainer
+  logs. From a log that disagrees on (a custom `compute_loss` adding a term, or a non-linear one) it
+  is null, with a warning, as for a model whose output has no `loss` (`compute_loss_func`,
+  `label_smoothing_factor`), except for a step the Trainer logs alone: the Trainer's own loss
+  (`logging_steps=1`: every step). The Trainer's own `grad_norm` (what it logs, the total norm before
+  clipping) goes into the `grad_norm` column where it logs the step (`logging_steps=1`: every row);
 - a step is complete when the Trainer counts it (`state.global_step`, before `on_step_end`, whatever
   the callbacks' order); the session ends with the Trainer's `on_train_end` (`done.json`). The Trainer
   has no event for a `train()` that raised (an exception, Ctrl-C): then the session ends, keeping the
@@ -43,10 +46,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +102,7 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         scaler = getattr(optimizer, "scaler", None)  # accelerate's optimizer holds the GradScaler
         rec = self._recorder(model, accumulate=args.gradient_accumulation_steps, dist=dist, params_synced=synced,
                              scaler=scaler)  # fmt: skip
-        run = _Run(state, float(args.max_grad_norm or 0.0))
+        run = _Run(state, float(args.max_grad_norm or 0.0), last_log=state.global_step, ranks=dist is not None)
         stack = contextlib.ExitStack()
         stack.enter_context(rec)
         # The Trainer says nothing when train() raises: the session ends at the next forward of the model outside
@@ -144,6 +148,8 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         run, rec = self._run, self.recorder
         if run is None or rec is None or logs is None or not self._alive():
             return
+        if "loss" in logs:
+            run.logged(rec, float(logs["loss"]))
         if "grad_norm" in logs and state.global_step > rec.step_index:
             run.grad_norm = float(logs["grad_norm"])
             self._flush()
@@ -203,28 +209,69 @@ def _key(directory: str | os.PathLike[str]) -> str:
 
 @dataclass
 class _Run:
-    """What the session knows of the Trainer's run (the finalizer holds it, never the callback)."""
+    """What the session knows of the Trainer's run (the finalizer holds it, never the callback).
+
+    The loss of a step is the model's `loss` output times the gradient backward brought to it
+    (`_watch_model`), as long as every log of the Trainer (the mean of what `training_step` returned: what
+    it backpropagated) agreed with those readings, within 0.1%; a custom `compute_loss` adding a term, or
+    a non-linear one, does not: from a log that disagrees on, null (a warning says why, naming the steps
+    written before it), but the Trainer's own loss for a step it logs alone (`logging_steps=1`), as for a
+    model whose output has no loss. Under several processes the Trainer logs the ranks' mean: each rank's
+    row keeps its own reading.
+    """
 
     state: TrainerState  # the Trainer's, updated in place: `global_step` counts the completed steps
     clip: float
+    last_log: int  # the `global_step` of the Trainer's last log of a loss
+    ranks: bool = False  # several processes: the Trainer logs the ranks' mean, no rank's own loss
     in_step: bool = False  # between on_step_begin and on_step_end
     lrs: list[float] | None = None
     grad_norm: float | None = None
+    loss: float | None = None  # the Trainer's logged loss of the completed step, logged alone
+    readings: list[float | None] = field(default_factory=list)  # the model-output losses written since the last log
+    trusted: bool = True  # no log of the Trainer disagreed with the readings
 
     def completed(self, rec: Recorder) -> bool:
         """Whether the Trainer completed the step the session is in (its optimiser stepped, `global_step` counts it)."""
         return self.state.global_step > rec.step_index
 
+    def logged(self, rec: Recorder, loss: float) -> None:
+        """The Trainer logged `loss`, the mean of what it backpropagated over the steps since its last log."""
+        steps, self.last_log = self.state.global_step - self.last_log, self.state.global_step
+        readings, self.readings = self.readings, []
+        if self.ranks:
+            return
+        if self.completed(rec):
+            now = rec.engine.step_loss
+            readings.append(None if now is None else float(now))  # one host sync per log
+        known = [r for r in readings if r is not None]
+        if len(known) == steps and all(math.isfinite(r) for r in known) and not (
+            math.isclose(sum(known) / steps, loss, rel_tol=1e-3, abs_tol=1e-4)  # transformers 4 rounds it
+        ):  # fmt: skip
+            self.trusted, known = False, []
+            first = self.state.global_step - steps  # the first step of the log
+            before = f"; steps {first}..{rec.step_index - 1}, written before this log, hold the model's own loss" if (
+                rec.step_index > first) else ""  # fmt: skip
+            log.warning("the Trainer backpropagated a loss other than the model's own `loss` output (a custom "
+                        "compute_loss): steps.parquet's loss is null from step %d on but for the steps the Trainer "
+                        "logs alone (logging_steps=1 records every step's)%s", rec.step_index, before)  # fmt: skip
+        if steps == 1 and self.completed(rec) and len(known) != steps:
+            self.loss = loss  # the Trainer's own: the model's loss is none, or not what it backpropagated
+
 
 def _write_completed(rec: Recorder, run: _Run) -> None:
-    """Write the row of the step the Trainer completed, if it waits (with the grad_norm its log gave, if any)."""
+    """Write the row of the step the Trainer completed, if it waits (with what its log gave: grad_norm, loss)."""
     if not run.completed(rec):
         return
     extra: dict[str, Any] = {} if run.lrs is None else {"lr": run.lrs[0], "lrs": run.lrs}
     if run.grad_norm is not None:  # the Trainer clips so
         extra.update(grad_norm=run.grad_norm, clipped=bool(run.clip > 0 and run.grad_norm > run.clip))
-    run.lrs, run.grad_norm = None, None
-    rec.step(extra=extra)
+    loss, run.lrs, run.grad_norm, run.loss = run.loss, None, None, None
+    if loss is None and not run.trusted:
+        rec.engine.forget_loss()  # the model's own loss, not what the Trainer backpropagated
+    result = rec.step(loss, extra=extra)
+    if loss is None:
+        run.readings.append(result.loss)
 
 
 def _end_unfinished(stack: contextlib.ExitStack, rec: Recorder, run: _Run) -> None:
@@ -277,6 +324,8 @@ def _watch_model(model: nn.Module, rec: Recorder, run: _Run, end: Callable[[], A
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
         if not (module.training and torch.is_grad_enabled() and isinstance(loss, torch.Tensor)) or loss.grad_fn is None:
+            return
+        if not run.trusted:  # the Trainer backpropagates another loss (`_Run.logged`)
             return
         value, nr = loss.detach(), loss.output_nr
 

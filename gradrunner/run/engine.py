@@ -256,6 +256,15 @@ class StepEngine:
         return self._loss is not None
 
     @property
+    def step_loss(self) -> torch.Tensor | None:
+        """The step's loss counted so far (`backward`, `add_loss`; unscaled, on the device), None without any."""
+        return self._loss
+
+    def forget_loss(self) -> None:
+        """What was counted is not the step's loss (a framework backpropagated another): the row's loss is null."""
+        self._loss = None
+
+    @property
     def pending_backwards(self) -> int:
         """Captured backwards since the last step closed: more than 0 at the end means a step was never closed."""
         return self.capture.pending_backwards
