@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from per_example_reference import LAYERS, Net, Params, all_params, assert_matches, gpt2, lm_loss, loop, row, sq_loss
+from per_example_reference import LAYERS, B, Net, Params, all_params, assert_matches, gpt2, lm_loss, loop, row, sq_loss
 from torch import nn
 
 from gradrunner import capture
@@ -164,6 +164,25 @@ def test_a_micro_batch_that_skips_a_layer_keeps_its_rows_as_zeros(strategy: str,
         got = by_tap(cap.records(loss))["a:weight"]["per_example_norm"]
     assert got is not None
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_forward_never_backwarded_adds_no_rows(strategy: str) -> None:
+    """A metric's forward with gradients on after the step's backward (never backwarded) added 3 zero rows to the
+    step's 4, and `noise_scale` then took B = 7 (found 2026-11-27): a micro-batch is a backward that fills `.grad`."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2))
+    params = all_params(model)
+    x = torch.randn(B, 5)
+    ref, _ = loop(model, {"input": x}, sq_loss, params)
+    with capture(model, [n for n, _, _ in params], strategy=strategy, per_example=True) as cap:
+        out = model(x)
+        loss = sum(sq_loss(out[i : i + 1], i) for i in range(B)) / B
+        cap.backward(loss)
+        model(torch.randn(3, 5)).abs().mean()  # a metric, gradients on, no backward
+        rows = by_tap(cap.records(loss))
+    got = {n: torch.from_numpy(np.asarray(rows[n]["per_example_norm"], dtype=np.float64)) for n in ref}
+    assert_matches(got, ref, {n: rows[n]["reason"] for n in ref})  # type: ignore[misc]
 
 
 class NanoPositions(nn.Module):

@@ -160,6 +160,20 @@ def test_accumulation_concatenates_micro_batches() -> None:
         assert torch.equal(pex.norms()["head:weight"][:3], torch.zeros(3, dtype=torch.float64))  # type: ignore[index]
 
 
+def test_a_forward_without_backward_between_micro_batches_has_no_rows() -> None:
+    """Forwards never backwarded (a metric's, gradients on) before, between and after two micro-batches: 3 + 2 rows."""
+    model = TwiceLinear()
+    xs = [torch.randn(3, 6, 5), torch.randn(2, 6, 5)]
+    params = all_params(model)
+    with PerExampleNorms(model, params) as pex:
+        for x in xs:
+            (sum(sq_loss(model(x)[i : i + 1], i) for i in range(x.shape[0])) / x.shape[0] / len(xs)).backward()
+            model(torch.randn(7, 6, 5)).sum()
+        got, reasons = pex.norms(), pex.reasons()
+    refs = [loop(model, {"x": x}, lambda out, i: sq_loss(out, i) / len(xs), params)[0] for x in xs]
+    assert_matches(got, {n: torch.cat([r[n] for r in refs]) for n in refs[0]}, reasons)
+
+
 def test_transparent_and_hooks_removed() -> None:
     """Loss and every .grad bit-identical with and without, dropout on (no RNG drawn), in-place ReLU after a Linear."""
     pytest.importorskip("transformers")

@@ -10,7 +10,8 @@ gradient, an output or another hook's behaviour: every hook returns None and no 
 
 A step is everything between two `norms()` calls: each backward that fills `.grad` is a micro-batch (a
 forward after it starts the next; a `torch.autograd.grad` of the user's, a gradient penalty's or an
-attack's, is none: `torch_compat.fills_grad`), its rows after the previous one's. Several calls of one
+attack's, is none: `torch_compat.fills_grad`), its rows after the previous one's; a forward that no such
+backward reaches (a metric's, gradients on) adds no rows. Several calls of one
 parameter in a micro-batch (tied weights, a module called twice) add up exactly (cross terms).
 
 `None` with a reason, never a wrong number, for a parameter:
@@ -206,13 +207,15 @@ class PerExampleNorms:
     def _on_root_output(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """A backward through the model's output ends the micro-batch, whether or not a tracked layer got a part of it
         (a branch that skipped them: its rows are zeros)."""
-        y = first_tensor((output,), {})
-        if self._active and y is not None and y.grad_fn is not None and not in_backward():
-            self._roots.append(y.grad_fn.register_prehook(self._backward_began))
+        if not self._active or in_backward():
+            return
+        began = functools.partial(self._backward_began, len(self._micros) - 1)
+        nodes = [y.grad_fn for y in tensors_of((output,), {}) if y.grad_fn is not None]
+        self._roots.extend(node.register_prehook(began) for node in nodes)
 
-    def _backward_began(self, _grads: tuple[torch.Tensor | None, ...]) -> None:
+    def _backward_began(self, micro: int, _grads: tuple[torch.Tensor | None, ...]) -> None:
         if fills_grad(self._params) is not False:
-            self._grad_seen = True
+            self._grad_seen = self._micros[micro].backward = True
 
     def _on_mixing(self, module: nn.Module, path: str, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad and mixes_rows(module) and self._enabled():
@@ -255,7 +258,7 @@ class PerExampleNorms:
             self._on_grad_body(rec, grad)
 
     def _on_grad_body(self, rec: CallRecord, grad: torch.Tensor) -> None:
-        self._grad_seen = True
+        self._grad_seen = self._micros[rec.micro].backward = True
         h, call = rec.holder, rec.call
         if rec.fired or call is None:
             for t, _ in h.tracked:
@@ -289,6 +292,8 @@ class PerExampleNorms:
         if t.check is None or not self._enabled() or fills_grad(self._params) is False:
             return
         self._grad_seen = True
+        if self._micros:
+            self._micros[-1].backward = True
         with no_autocast(grad.device):
             t.check.add_grad(grad)
 
@@ -416,19 +421,20 @@ class PerExampleNorms:
             return None, t.reason or t.step_reason
         if not self._active:
             return None, "no forward and backward since the last norms()"
-        mixed = [m for m, c in t.first_clock.items() if c < self._micros[m].mix_clock]
+        micros = [i for i, m in enumerate(self._micros) if m.backward]  # a forward never backwarded has no rows
+        mixed = [m for m, c in t.first_clock.items() if c < self._micros[m].mix_clock and self._micros[m].backward]
         if mixed:
             return None, f"called before {self._micros[mixed[0]].mix_name}, which mixes rows: no per-example share"
-        conflicts = [sorted(m.rows) for m in self._micros if len(m.rows) > 1]
+        conflicts = [sorted(self._micros[i].rows) for i in micros if len(self._micros[i].rows) > 1]
         if conflicts:
             return None, f"forwards backwarded together had different batch sizes {conflicts[0]}: rows are ambiguous"
         if not t.sq:
             return None, OUTSIDE if t.check is not None and t.check.grads else NO_GRAD
         if t.check is not None and not t.check.grads:
             return None, "its modules' outputs got gradients but it did not (a backward that did not ask for it)"
-        if len(self._micros) == 1:
-            return t.sq[0], None
+        if len(micros) == 1:
+            return t.sq[micros[0]], None
         first = next(iter(t.sq.values()))
-        return torch.cat([t.sq[i] if i in t.sq else first.new_zeros(next(iter(m.rows), m.batch))
-                          for i, m in enumerate(self._micros)]), None  # fmt: skip
+        return torch.cat([t.sq[i] if i in t.sq else first.new_zeros(next(iter(self._micros[i].rows), self._micros[i].batch))
+                          for i in micros]), None  # fmt: skip
 

@@ -21,11 +21,13 @@ from gradrunner.capturing.per_example_math import Form
 
 @dataclass
 class Micro:
-    """One backward's micro-batch: the batch sizes of its fired calls (`batch`: of its model call), where a
+    """One backward's micro-batch: the batch sizes of its fired calls (`batch`: of its model call), whether a
+    backward that fills `.grad` reached it (a forward never backwarded, a metric's, has no rows), where a
     row-mixing module was called last."""
 
     rows: set[int] = field(default_factory=set)
     batch: int = 0
+    backward: bool = False
     mix_clock: int = -1
     mix_name: str = ""
 
