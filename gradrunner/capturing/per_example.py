@@ -18,7 +18,8 @@ parameter in a micro-batch (tied weights, a module called twice) add up exactly 
 
 - held by a module per-example norms do not support (`per_example_layers.kind_of`), or frozen;
 - whose module was called on an unbatched input, or one whose dim 0 is not the batch (the first
-  tensor given to `model`; without a call of `model`, the dim 0 all calls must share);
+  tensor given to `model`; without a call of `model`, the dim 0 all calls must share), or has its size
+  but not its rows (`per_example_rows`: ids made in the forward);
 - called before a module that mixes rows (batch norm on batch statistics) in the same forward, or
   of such a module: its rows' shares are not per-example gradients;
 - whose gradient does not add up to its calls' shares: checked on a random projection per step
@@ -67,10 +68,10 @@ from gradrunner.capturing.per_example_layers import (
     mixes_rows,
     no_autocast,
     share,
-    storage,
     tensors_of,
 )
 from gradrunner.capturing.per_example_math import row_sq
+from gradrunner.capturing.per_example_rows import RowOrigins
 from gradrunner.capturing.per_example_state import CallRecord, Holder, Micro, Tracked
 from gradrunner.capturing.torch_compat import (
     fills_grad,
@@ -121,7 +122,7 @@ class PerExampleNorms:
         self._micros: list[Micro] = []
         self._clock, self._grad_seen, self._active = 0, False, False
         self._forward_rows: int | None = None
-        self._given: set[int] | None = None  # storages of the tensors the model was called with, where B == T
+        self._origins = RowOrigins()  # where this forward's rows come from (dim 0 of the batch's size, not its rows)
         self._last: tuple[dict[str, torch.Tensor | None], dict[str, str | None]] | None = None
 
     def _find_holders(self, by_id: dict[int, Tracked]) -> list[Holder]:
@@ -201,8 +202,7 @@ class PerExampleNorms:
         m, x = self._micros[micro], first_tensor(args, kwargs)
         self._forward_rows = x.shape[0] if x is not None and x.dim() > 0 else None
         m.batch = m.batch or self._forward_rows or 0  # the rows of a micro-batch in which a parameter got nothing
-        # the batch size equals another dim of the input (B == T): a layer's dim 0 of that size may not be the batch's
-        self._given = {storage(t) for t in tensors_of(args, kwargs)} if x is not None and x.shape[0] in x.shape[1:] else None
+        self._origins.start(args, kwargs, self._forward_rows)
 
     def _on_root_output(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """A backward through the model's output ends the micro-batch, whether or not a tracked layer got a part of it
@@ -232,9 +232,8 @@ class PerExampleNorms:
         x = first_tensor(args, kwargs)
         rows = self._forward_rows if self._forward_rows is not None else (x.shape[0] if x is not None and x.dim() else 0)
         reason = "called without a tensor input" if x is None else call_reason(h.kind, h.module, x, rows)
-        if reason is None and x is not None and h.kind == "embedding" and self._given is not None and storage(x) not in self._given:
-            reason = (f"called on ids of shape {tuple(x.shape)} made inside the forward (positions, relative-position "
-                      "buckets) while the batch size equals another dim of the model's input: dim 0 may not be the batch")  # fmt: skip
+        if reason is None and x is not None:
+            reason = self._origins.reason(h.kind, x)
         if reason is None and mixes_rows(h.module):
             reason = "normalises with the batch's statistics (training mode): its rows mix"
         for t, _role in h.tracked:
@@ -312,6 +311,7 @@ class PerExampleNorms:
         for handle in self._roots:
             handle.remove()
         self._calls, self._roots = [], []
+        self._origins.clear()
 
     def forget_forward(self) -> None:
         """Forget the calls of a forward whose backward will not come (its loss failed): the micro-batch starts again.
