@@ -1,6 +1,7 @@
 """Calls whose dim 0 has the batch's size but not its rows (`per_example_rows`): null with the reason, never a number.
 
-Each model is run so that the coincidence happens (B equal to the decoder's length); the reference is `per_example_reference.loop`
+Each model is run so that the coincidence happens (B equal to the decoder's length, to DeBERTa's
+relative-embedding table, to the tokens routed to an expert); the reference is `per_example_reference.loop`
 (each row alone, its loss scaled to its share), which every other parameter must still match (rtol 1e-5).
 """
 
@@ -48,3 +49,66 @@ def test_t5_decoder_relative_buckets_when_the_batch_size_equals_the_decoder_leng
 
     _check(model, inputs, rows_loss, {"decoder.block.0.layer.0.SelfAttention.relative_attention_bias:weight":
                                       "made inside the forward"})  # fmt: skip
+
+
+def test_deberta_layer_norm_of_the_relative_embeddings_when_the_batch_size_equals_their_count() -> None:
+    """`encoder.LayerNorm(rel_embeddings.weight)`: a (4, 16) parameter, B = 4 (found 2026-11-27: wrong numbers)."""
+    tf = _quiet_transformers()
+    torch.manual_seed(0)
+    cfg = tf.DebertaV2Config(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                             max_position_embeddings=32, relative_attention=True, max_relative_positions=2, position_buckets=-1,
+                             norm_rel_ebd="layer_norm", pos_att_type=["p2c", "c2p"], share_att_key=True, hidden_dropout_prob=0.0,
+                             attention_probs_dropout_prob=0.0, position_biased_input=False)  # fmt: skip
+    model = tf.DebertaV2ForMaskedLM(cfg)
+    assert model.deberta.encoder.rel_embeddings.weight.shape[0] == 4
+    ids = torch.randint(3, 30, (4, 6))
+
+    def rows_loss(out: object, i: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.logits[0], ids[i], reduction="sum")  # type: ignore[attr-defined]
+
+    why = "called on a parameter of shape (4, 16)"
+    _check(model, {"input_ids": ids}, rows_loss, {f"deberta.encoder.LayerNorm:{p}": why for p in ("weight", "bias")})
+
+
+class TinyMoE(nn.Module):
+    """Switch-style routing: the tokens whose first input feature is positive go through one expert (wi, ReLU, wo),
+    picked from the flattened (B T, d) states and added back by `index_add`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.wi, self.wo, self.head = nn.Linear(3, 4), nn.Linear(4, 5), nn.Linear(5, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).reshape(-1, 4)
+        routed = torch.where(x.reshape(-1, 3)[:, 0] > 0)[0]
+        expert = self.wo(torch.relu(self.wi(h[None, routed].reshape(-1, 4))))
+        return self.head((h + torch.zeros_like(h).index_add(0, routed, expert)).view(*x.shape[:2], 4))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("routed", [4, 5], ids=["B tokens routed", "B + 1 tokens routed"])
+def test_a_mixture_of_experts_expert_given_as_many_tokens_as_the_batch_has_rows(routed: int) -> None:
+    """An expert's Linear on exactly B routed tokens (found 2026-11-27 in SwitchTransformers: wrong numbers), and
+    the Linear after it; the layers around the routing, on the batch's rows, stay exact."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 3)
+    x[..., 0] = x[..., 0].abs().neg()
+    x.view(-1, 3)[torch.tensor([0, 4, 5, 11, 7])[:routed], 0] *= -1  # these tokens go to the expert
+    why, after = ("picked by indexing", "the output of a call whose rows") if routed == 4 else ("is not the batch",) * 2
+    _check(TinyMoE(), {"x": x}, lambda out, i: ((out - 0.5 * i) ** 2).sum(),
+           {"wi:weight": why, "wi:bias": why, "wo:weight": after, "wo:bias": after})  # fmt: skip
+
+
+class Latents(nn.Module):
+    """Perceiver-style latents broadcast to the batch (`expand`): each row belongs to its example, so rows stay exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.latents, self.norm, self.lin = nn.Parameter(torch.randn(3, 4)), nn.LayerNorm(4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.norm(self.latents.expand(x.shape[0], -1, -1)) * x)  # type: ignore[no-any-return]
+
+
+def test_a_parameter_broadcast_to_the_batch_keeps_its_rows() -> None:
+    torch.manual_seed(0)
+    _check(Latents(), {"x": torch.randn(4, 3, 4)}, lambda out, i: ((out - 0.5 * i) ** 2).sum(), {})

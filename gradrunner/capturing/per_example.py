@@ -19,7 +19,7 @@ parameter in a micro-batch (tied weights, a module called twice) add up exactly 
 - held by a module per-example norms do not support (`per_example_layers.kind_of`), or frozen;
 - whose module was called on an unbatched input, or one whose dim 0 is not the batch (the first
   tensor given to `model`; without a call of `model`, the dim 0 all calls must share), or has its size
-  but not its rows (`per_example_rows`: ids made in the forward);
+  but not its rows (`per_example_rows`: ids made in the forward, a parameter, rows picked by indexing);
 - called before a module that mixes rows (batch norm on batch statistics) in the same forward, or
   of such a module: its rows' shares are not per-example gradients;
 - whose gradient does not add up to its calls' shares: checked on a random projection per step
@@ -234,7 +234,9 @@ class PerExampleNorms:
         reason = "called without a tensor input" if x is None else call_reason(h.kind, h.module, x, rows)
         if reason is None and x is not None:
             reason = self._origins.reason(h.kind, x)
-        if reason is None and mixes_rows(h.module):
+        if reason is not None:
+            self._origins.mark(output, f"{h.path!r} {reason}")
+        elif mixes_rows(h.module):
             reason = "normalises with the batch's statistics (training mode): its rows mix"
         for t, _role in h.tracked:
             if t.reason is None:

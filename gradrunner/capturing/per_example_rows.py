@@ -1,15 +1,33 @@
 """Whether a layer call's dim 0 holds the batch's rows, beyond its size: `RowOrigins`, one per `PerExampleNorms`.
 
 `per_example_layers.call_reason` compares a call's dim 0 with the batch size; a tensor whose dim 0
-has the batch's size by coincidence passes it. `RowOrigins` catches an `Embedding` called on ids
-made inside the forward (positions, relative-position buckets) while the batch size equals another
-dim of any tensor the model was called with (`start`): the encoder's length or the decoder's.
+has the batch's size by coincidence passes it. `RowOrigins` catches the coincidences it can tell
+from what the call's input is made of, cheaply (a few attribute reads per call, no device work):
+
+- an `Embedding` called on ids made inside the forward (positions, relative-position buckets) while
+  the batch size equals another dim of any tensor the model was called with (`start`);
+- an input that is a parameter, or a view, cast or activation of one (DeBERTa's
+  `LayerNorm(rel_embeddings.weight)`): its dim 0 is the parameter's (a parameter broadcast to the
+  batch, `latents.expand(B, ...)`, is the batch's: each row belongs to its example, and the walk
+  stops at the `expand`);
+- an input whose rows were picked by indexing (`x[idx]`, `index_select`, `gather`, `masked_select`,
+  `take`): a mixture of experts' tokens routed to one expert; and an input made, by views, casts,
+  activations or dropout, from the output of a call without per-row shares (the expert's second Linear).
+
+The walk back through the autograd graph (at most `WALK` nodes) follows only ops of one tensor
+operand (`_UNARY`) and, towards a selection or such an output, dropout's CPU mask product: any other
+op (a residual add, a matmul, an embedding lookup, whose ids autograd does not show) ends it with no
+verdict, so rows merged back into the batch (`index_add_` into a batch-shaped tensor) are the batch's
+again. Not told apart (README): coincidences made by ops of several operands (`x_param @ w`,
+`cat`), a frozen parameter's views (no autograd node), rows picked from a tensor that does not
+require grad; and rows picked on another dim (`x[:, idx]`) are null though they could be exact.
 
 Example::
 
     origins = RowOrigins()
     origins.start(args, kwargs, rows=4)               # at the model's call
-    why = origins.reason("embedding", ids)            # None, or why dim 0 is not the batch's rows
+    why = origins.reason("linear", x)                 # None, or why dim 0 is not the batch's rows
+    origins.mark(output, f"'wi' {why}")               # a call without shares: what it alone feeds is not rows either
 """
 
 from __future__ import annotations
@@ -17,8 +35,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from gradrunner.capturing.per_example_layers import storage, tensors_of
+
+#: Autograd nodes whose output rows are rows of their input picked by an index tensor.
+SELECTS = frozenset({"IndexBackward", "IndexSelectBackward", "GatherBackward", "MaskedSelectBackward", "TakeBackward"})
+#: Autograd nodes of ops with one tensor operand that keep dim 0 where it is (views, casts, activations).
+_UNARY = frozenset({
+    "ViewBackward", "UnsafeViewBackward", "ReshapeAliasBackward", "AliasBackward", "UnsqueezeBackward",
+    "SqueezeBackward", "ToCopyBackward", "CloneBackward", "ReluBackward", "GeluBackward", "SiluBackward",
+    "TanhBackward", "SigmoidBackward", "EluBackward", "LeakyReluBackward", "NativeDropoutBackward",
+})  # fmt: skip
+#: Dropout's mask on CPU (`x * mask`): followed to a selection or a call without shares, not to a parameter.
+_MASKS = frozenset({"MulBackward", "DivBackward"})
+#: The most autograd nodes walked back from a call's input.
+WALK = 16
 
 
 class RowOrigins:
@@ -33,19 +65,53 @@ class RowOrigins:
     def __init__(self) -> None:
         #: Storages of the tensors the model was called with, where B equals another dim of one of them.
         self.given: set[int] | None = None
+        #: Output nodes of this forward's calls with no per-row share, and why.
+        self.made: dict[Any, str] = {}
 
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int | None) -> None:
         """A forward of the model with `rows` rows (None: no tensor input) begins."""
         tensors = list(tensors_of(args, kwargs))
         clash = rows is not None and any(rows in t.shape[1:] for t in tensors)
         self.given = {storage(t) for t in tensors} if clash else None
+        self.made = {}
 
     def clear(self) -> None:
-        self.given = None
+        self.given, self.made = None, {}
 
     def reason(self, kind: str, x: torch.Tensor) -> str | None:
         """Why the rows of `x` (whose dim 0 has the batch's size) are not the batch's, or None."""
-        if kind == "embedding" and self.given is not None and storage(x) not in self.given:
-            return (f"called on ids of shape {tuple(x.shape)} made inside the forward (positions, relative-position "
-                    "buckets) while the batch size equals another dim of the model's input: dim 0 may not be the batch")  # fmt: skip
+        if kind == "embedding":
+            if self.given is not None and storage(x) not in self.given:
+                return (f"called on ids of shape {tuple(x.shape)} made inside the forward (positions, relative-position "
+                        "buckets) while the batch size equals another dim of the model's input: dim 0 may not be the batch")  # fmt: skip
+            return None
+        if isinstance(x, nn.Parameter):
+            return f"called on a parameter of shape {tuple(x.shape)}: dim 0 is the parameter's, not the batch's rows"
+        return self._walk(x)
+
+    def mark(self, output: torch.Tensor, why: str) -> None:
+        """`output` of a call whose rows are not the batch's (`why`): a layer it feeds through a view, a cast or an
+        activation is not called on batch rows either."""
+        if output.grad_fn is not None:
+            self.made[output.grad_fn] = why
+
+    def _walk(self, x: torch.Tensor) -> str | None:
+        node, masked = x.grad_fn, False
+        for _ in range(WALK):
+            if node is None:
+                return None
+            if node in self.made:
+                return f"called on the output of a call whose rows are not the batch's ({self.made[node]})"
+            name = node.name().rstrip("0123456789")
+            if name in SELECTS:
+                return (f"called on a tensor of shape {tuple(x.shape)} whose rows were picked by indexing ({name}: "
+                        "tokens routed to a mixture-of-experts' expert?): its rows are not the batch's")  # fmt: skip
+            variable = getattr(node, "variable", None)
+            if isinstance(variable, nn.Parameter) and not masked:
+                return (f"called on a tensor of shape {tuple(x.shape)} made from a parameter of shape "
+                        f"{tuple(variable.shape)} alone: its dim 0 is the parameter's, not the batch's rows")  # fmt: skip
+            inputs = [n for n, _ in node.next_functions if n is not None]
+            if len(inputs) != 1 or name not in _UNARY | _MASKS:
+                return None
+            masked, node = masked or name in _MASKS, inputs[0]
         return None
