@@ -7,7 +7,7 @@ T = output positions):
 
 | way | when | cost |
 | --- | --- | --- |
-| ghost: Gram matrices of g and of the patches (`per_example_math`) | T (p + q) <= p q (few positions, many channels: late layers) | G T^2 (p + q) per row |
+| ghost: Gram matrices of g and of the patches (`per_example_math`, float64) | `GRAM_COST` T (p + q) <= p q (few positions, many channels: late layers) | G T^2 (p + q) per row, in float64 |
 | S_i of every row by one grouped convolution (`torch.nn.grad.convNd_weight`, groups = B G) | C_in/G >= `GROUPED_MIN_CHANNELS` and T >= `GROUPED_MIN_POSITIONS` | autograd's own weight gradient, batch as groups |
 | S_i by im2col (strided views, one copy) and a batched matmul | otherwise (a first layer's 1 to 3 input channels) | G T p q per row, and the im2col copy |
 

@@ -18,17 +18,24 @@ cheaper of two exact forms, by the shapes alone (`ghost_is_cheaper`):
 - materialised: S_i = left_i^T right_i (a batched matmul, p x q per row and group), then its squared
   sum: cost G T p q.
 
-Ghost when T (p + q) <= p q (the time form of Bu et al.'s mixed ghost clipping rule, whose space form
-is 2 T^2 <= p q; the two pick the same side unless p and q differ a lot). T = 1 (a Linear on 2-D
-input) is always ghost and costs B (p + q). Embeddings (left = token ids, p = vocabulary): the ghost
-Gram of the ids is an equality test; it is used for T <= `INDEX_GHOST_MAX_T`, past that the
-materialised form groups equal tokens of a row by sorting (cost B T q + a sort), never a B x V x q tensor.
+Ghost when `GRAM_COST` T (p + q) <= p q (the time form of Bu et al.'s mixed ghost clipping rule, whose
+space form is 2 T^2 <= p q, with the ghost form's Gram matrices in float64 costing `GRAM_COST` times
+float32's: see below). T = 1 (a Linear on 2-D input) is always ghost and costs B (p + q). Embeddings
+(left = token ids, p = vocabulary): the ghost Gram of the ids is an equality test; it is used for
+T <= `INDEX_GHOST_MAX_T`, past that the materialised form groups equal tokens of a row by sorting
+(cost B T q + a sort), never a B x V x q tensor.
 Several calls of one parameter in a micro-batch (tied weights, a module called twice) add the
 cross terms 2 <S_i^(a), S_i^(b)>: ghost inner products between every pair of calls when all are
 `Factors` of one layout and that is cheaper, else every call materialised and summed.
 
 Everything is computed in float32 (float64 when the tensors are float64) on the tensors' device, with
-no host synchronisation (no data-dependent shapes: the embedding's sort uses fixed sizes).
+no host synchronisation (no data-dependent shapes: the embedding's sort uses fixed sizes), except the
+ghost form's Gram matrices, always float64: their inner product squares the cancellation within a
+row (positions whose terms nearly cancel, |S_i| much smaller than sum_t |left_t| |right_t|), so that
+its float32 rounding error is eps times the square of that ratio where the materialised form's (and
+autograd's own) is eps times the ratio: 3% to 11% against 1e-6 on a Linear(64, 64) over 16 positions.
+`GRAM_COST` 2 is a CPU's ratio (an H100's float64 matmul is about as fast as float32's; a consumer
+GPU's is far slower, where the ghost form then costs more than the rule assumes).
 
 Example::
 
@@ -45,6 +52,8 @@ import torch
 
 #: Up to this many positions an embedding's rows take the ghost form (an ids equality Gram); past it, sorting.
 INDEX_GHOST_MAX_T = 32
+#: A float64 Gram matrix's cost against a float32 matmul of the same size (CPU: about 2).
+GRAM_COST = 2
 #: Materialised shares are formed this many elements at a time at most (rows are chunked), bounding memory.
 CHUNK_ELEMENTS = 1 << 24
 
@@ -112,15 +121,16 @@ Form = Factors | Dense | Lazy
 
 
 def ghost_is_cheaper(f: Factors) -> bool:
-    """The per-layer rule: the ghost form when its cost G T^2 (p + q) is at most the materialised G T p q."""
+    """The per-layer rule: the ghost form when its cost `GRAM_COST` G T^2 (p + q) is at most the materialised G T p q
+    (T = 1: no Gram matrix, B (p + q) against B p q)."""
     _, _, t, p, q = f.shape
     if f.index:
         return t <= INDEX_GHOST_MAX_T
-    return t * (p + q) <= p * q
+    return t == 1 or GRAM_COST * t * (p + q) <= p * q
 
 
 def row_sq(forms: list[Form]) -> torch.Tensor:
-    """||sum of the forms' shares of row i||^2 for every row i: (B,), in the forms' dtype."""
+    """||sum of the forms' shares of row i||^2 for every row i: (B,), in the forms' dtype (float64 where ghost)."""
     if len(forms) == 1:
         f = forms[0]
         if isinstance(f, Lazy):
@@ -245,8 +255,8 @@ def _ghost_sq(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
 
 
 def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """(B, G, Ta, Tb) inner products of the positions of a and b."""
-    return torch.matmul(a, b.transpose(-1, -2))
+    """(B, G, Ta, Tb) inner products of the positions of a and b, in float64 (the module's docstring says why)."""
+    return torch.matmul(a.double(), b.double().transpose(-1, -2))
 
 
 def _ids_gram(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -287,7 +297,7 @@ def _pairs_ghost_cheaper(facs: list[Factors]) -> bool:
     _, g, _, p, q = facs[0].shape
     ghost = sum(a.shape[2] * b.shape[2] * (q + (1 if a.index or b.index else p)) for a in facs for b in facs)
     dense = sum(f.shape[2] * q + p * q if f.index else f.shape[2] * p * q + p * q for f in facs)
-    return g * ghost <= g * dense
+    return GRAM_COST * g * ghost <= g * dense
 
 
 def _segment_sq(ids: torch.Tensor, right: torch.Tensor, size: int) -> torch.Tensor:
