@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
 from pathlib import Path
 
@@ -350,3 +353,63 @@ def test_a_resume_refuses_damaged_or_foreign_files_and_keeps_them(tmp_path: Path
     with pytest.raises(GradrunnerError, match="one of them is another run's"):
         gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run", resume=True).__enter__()
     assert not (tmp_path / "run" / "done.json").exists()
+
+
+def _second_session(run: Path, **mode: bool) -> BaseException | None:
+    """What a second `record(...)` into `run` meets: the exception its block's entry raised, or None (it got in;
+    its block is then left by an error, so that it marks nothing complete)."""
+    second = gradrunner.record(_model(), ["0:output", "0:weight"], run, **mode)
+    try:
+        second.__enter__()
+    except GradrunnerError as e:
+        return e
+    second.__exit__(RuntimeError, RuntimeError("the second session got in"), None)
+    return None
+
+
+@pytest.mark.parametrize("ending", ["normal", "error", "ctrl-c"])
+def test_the_lock_is_held_until_the_books_are_written_however_the_block_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    """The files of the block are closed, `done.json` (or the last word of a block that did not complete) not yet
+    written: a second session, resume=True or overwrite=True, is refused naming the first one, and the first
+    session's records and marker stay its own (not relabelled, not overwritten, not taken for interrupted ones)."""
+    import gradrunner.analysis.health as health
+    from gradrunner.run.books import LiveRun
+    from gradrunner.run.recording import Recorder
+
+    run, met, armed = tmp_path / "run", [], [True]
+
+    def pause() -> None:  # the pause point: the second session runs inside the first one's books, once
+        if armed and armed.pop():
+            met.extend([_second_session(run, resume=True), _second_session(run, overwrite=True)])
+
+    if ending == "normal":  # after the files closed, before done.json
+        mark = Recorder._mark_complete
+        monkeypatch.setattr(Recorder, "_mark_complete", lambda self: (pause(), mark(self))[1])
+    else:  # a block that did not complete: its last word
+        word = health.last_word
+        monkeypatch.setattr(health, "last_word", lambda d: (pause(), word(d))[1])
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    raised = {"normal": None, "error": RuntimeError, "ctrl-c": KeyboardInterrupt}[ending]
+    with contextlib.ExitStack() as outside:
+        if raised is not None:
+            outside.enter_context(pytest.raises(raised))
+        with gradrunner.record(model, ["0:output", "0:weight"], run) as first:
+            for x, y in _batches(3):
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward(); opt.step(); opt.zero_grad()  # noqa: E702
+                first.step(loss)
+            if raised is not None:
+                raise raised("the block ends by this")
+    assert len(met) == 2
+    for refusal in met:
+        assert isinstance(refusal, LiveRun), refusal
+        assert f"pid {os.getpid()}," in str(refusal) and f"run id {first.run_id})" in str(refusal)
+    steps = load(run, table="steps") if ending == "normal" else pd.read_parquet(run / "steps.parquet")
+    assert sorted(steps.step) == [0, 1, 2] and set(steps.run_id) == {first.run_id}
+    assert set(pd.read_parquet(run / "grads.parquet").run_id) == {first.run_id}
+    done = run / "done.json"
+    assert json.loads(done.read_text())["run_id"] == first.run_id if ending == "normal" else not done.exists()
+    assert not any(p.name.startswith(".resumed") for p in run.iterdir())

@@ -144,6 +144,9 @@ class Recorder:
                                  params_synced=params_synced, edits=list(edits or []), anomaly=anomaly)  # fmt: skip
         self.capture = self.engine.capture
         self._stack = contextlib.ExitStack()
+        #: the run dir's lock, held from before the dir is looked at until after `done.json` (or the last word of a
+        #: session that did not complete): released last, by `_release`, never by `_stack`
+        self._lock: books.RunLock | None = None
         self._open = False
         self._warned_loss = False
 
@@ -167,10 +170,13 @@ class Recorder:
         try:
             self._enter()
         except BaseException:
-            self._stack.close()
-            if self._log is not None:
-                self._log.__exit__(None, None, None)
-                self._log = None
+            try:
+                self._stack.close()
+                if self._log is not None:
+                    self._log.__exit__(None, None, None)
+                    self._log = None
+            finally:
+                self._release()
             raise
         self._open = True
         return self
@@ -181,12 +187,13 @@ class Recorder:
 
         if self.main:
             check_writable(self.directory, where="the run_dir argument")
-            lock = self._stack.enter_context(books.RunLock(self.directory, self.run_id))
+            self._lock = books.RunLock(self.directory, self.run_id)
+            self._lock.__enter__()
             try:
                 self._kept = record_books.prepare(self.directory, self.config, resume=self.resume,
                                                   overwrite=self.overwrite, who=self.who)  # fmt: skip
             except books.Refused:
-                lock.leave_no_trace()
+                self._lock.leave_no_trace()
                 raise
             self._log = session_log(self.directory)
             self._log.__enter__()
@@ -209,8 +216,17 @@ class Recorder:
             self._stack.__exit__(exc_type, exc, tb)  # type: ignore[arg-type]
         finally:
             self._stack = contextlib.ExitStack()
-            if self.main and self._log is not None:
-                self._end(exc_type, pending)
+            try:
+                if self.main and self._log is not None:
+                    self._end(exc_type, pending)
+            finally:
+                self._release()  # after done.json: no other session may take the dir between the files and the marker
+
+    def _release(self) -> None:
+        """Let go of the run dir's lock (once): the session's books are written, or it never got to write any."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.__exit__(None, None, None)
 
     def _end(self, exc_type: type[BaseException] | None, pending: int) -> None:
         """The books after the files closed, then the last word (as a runner job's: console and run dir's log)."""
@@ -256,9 +272,9 @@ class Recorder:
     def _mark_complete(self) -> None:
         files = [n for n in rundir.RECORD_NAMES if (self.directory / n).is_file()]
         world = 1 if self.dist is None else self.dist.world_size
-        with books.RunLock(self.directory, self.run_id):
-            books.mark_complete(self.directory, self.config, files=files, run_id=self.run_id, world_size=world,
-                                 overrides=[])  # fmt: skip
+        assert self._lock is not None, "done.json is written with the session's own lock held"
+        books.mark_complete(self.directory, self.config, files=files, run_id=self.run_id, world_size=world,
+                            overrides=[])  # fmt: skip
 
     # -- the step ----------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
