@@ -270,7 +270,7 @@ def test_a_sweep_where_only_some_jobs_have_the_options_loads_and_reports(tmp_pat
 
 
 def test_runs_recorded_before_the_options_existed_still_resume() -> None:
-    from gradrunner.run.books import config_diff
+    from gradrunner.run.config_compare import config_diff
 
     old = {"capture": {"strategy": "hook"}, "steps": 2}
     assert config_diff(old, {"capture": {"strategy": "hook", "per_example": False, "histogram": False}, "steps": 2}) == []

@@ -192,7 +192,7 @@ def test_a_run_that_stops_on_the_spike_is_replayed_all_the_same(tmp_path: Path) 
 
 def test_a_nan_setting_is_the_same_config_twice() -> None:
     """`data.scale=nan` compared with itself: NaN != NaN made every checkpoint of such a run 'another config'."""
-    from gradrunner.run.books import config_diff
+    from gradrunner.run.config_compare import config_diff
 
     assert config_diff({"data": {"scale": float("nan")}}, {"data": {"scale": float("nan")}}) == []
     assert config_diff({"data": {"scale": float("nan")}}, {"data": {"scale": 1.0}}) == ["data.scale: nan -> 1.0"]

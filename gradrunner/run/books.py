@@ -9,7 +9,8 @@ Contents:
     restore_hydra(dir, snapshot) -- THE one way `.hydra/` is put back for a job that did not run
 
 The read-only side (job state, markers read, verification, which folders are jobs) is
-`gradrunner.records.rundir`; this side knows the config (OmegaConf) and the process.
+`gradrunner.records.rundir`; this side knows the config (OmegaConf) and the process. Whether two configs
+give the same records is `run.config_compare`.
 
 Example::
 
@@ -29,11 +30,12 @@ import logging
 import os
 import shutil
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow.parquet as pq
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.atomic import write_atomically
@@ -49,39 +51,9 @@ from gradrunner.records.rundir import (
     verify_job,
     write_json,
 )
+from gradrunner.run.config_compare import config_dict, config_diff
 
 log = logging.getLogger(__name__)
-
-#: Config keys (dotted) that do not change the records: a rerun may differ in them and still resume or be
-#: skipped as complete (how often a checkpoint is written changes no record).
-NEUTRAL_KEYS = ("resume", "report", "train.checkpoint_every")
-#: Config keys added after records were first written, with the value that means "as before": a run
-#: recorded without the key matches a config that has it at this value (its records are the same).
-ADDED_KEYS: dict[str, Any] = {"capture.per_example": False, "capture.histogram": False}
-# The training options (issue 20) at their defaults train as before they existed.
-ADDED_KEYS.update({"train.clip_grad_norm": None, "train.clip_grad_value": None, "train.autocast": "off",
-                   "train.accumulate": 1, "train.checkpoint_every": 0, "train.eval_every": 0,
-                   "train.eval_batches": 1, "eval_data": None})  # fmt: skip
-# Gradient edits (issue 22): none edits nothing.
-ADDED_KEYS["edits"] = []
-# Spike replay and branching (issue 35): off, and no branch, record as before.
-ADDED_KEYS.update({"anomaly.replay": 0, "train.branch_from": None, "train.branch_reset_moments": False})
-# Spike detection (issue 35) writes anomalies.parquet beside the records and changes none of them; the
-# parallelism keys (issue 34) at their defaults are DDP, as before they existed.
-ADDED_KEYS.update({"anomaly.enabled": True, "anomaly.z": 6.0, "anomaly.window": 128, "anomaly.warmup": 20,
-                   "train.parallel": "ddp", "train.shard": None, "train.shard_size": None, "train.tp": 1})  # fmt: skip
-
-
-def config_dict(cfg: DictConfig) -> dict[str, Any]:
-    """The resolved job config as plain containers, without the `hydra` node.
-
-    Example::
-
-        config_dict(cfg)["capture"]["strategy"]   # 'hook'
-    """
-    data = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(data, dict), data
-    return {str(k): v for k, v in data.items() if k != "hydra"}
 
 
 def mark_complete(
@@ -120,53 +92,6 @@ def mark_failed(directory: Path, error: str) -> Path:
         mark_failed(job_dir, "capture.strategy='bogus' is not allowed; ...")
     """
     return write_json(directory / FAILED, {"status": "failed", "error": " ".join(error.split())})
-
-
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(data, dict):
-        out: dict[str, Any] = {}
-        for k, v in data.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix.rstrip("."): data}
-
-
-def config_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """`key: old -> new` for every leaf that differs, the keys of `NEUTRAL_KEYS` left out.
-
-    Example::
-
-        config_diff({"steps": 2, "resume": False}, {"steps": 3, "resume": True})   # ['steps: 2 -> 3']
-
-    A key of `ADDED_KEYS` missing on one side counts as its as-before value (records written before
-    the key existed match a config that leaves it at that value).
-    """
-    a, b = _flatten(old), _flatten(new)
-    missing = object()
-    keys = [k for k in sorted(set(a) | set(b)) if not neutral(k)]
-    return [
-        f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}"
-        for k in keys
-        if not _same(a.get(k, missing), b.get(k, missing)) and not _added_as_before(k, a, b)
-    ]
-
-
-def neutral(key: str) -> bool:
-    """Whether the dotted config key `key` is (or lies below) one of `NEUTRAL_KEYS`."""
-    return any(key == n or key.startswith(f"{n}.") for n in NEUTRAL_KEYS)
-
-
-def _same(x: object, y: object) -> bool:
-    """Equal leaves, a NaN equal to a NaN (`data.scale=nan` is the same config twice, not a changed key)."""
-    return x == y or (isinstance(x, float) and isinstance(y, float) and x != x and y != y)
-
-
-def _added_as_before(key: str, old: dict[str, Any], new: dict[str, Any]) -> bool:
-    """`key` is one of `ADDED_KEYS`, unset on one side and at its as-before value on the other."""
-    if key not in ADDED_KEYS:
-        return False
-    values = [d[key] for d in (old, new) if key in d]
-    return len(values) == 1 and values[0] == ADDED_KEYS[key]
 
 
 def _clean(directory: Path) -> list[str]:
@@ -337,7 +262,8 @@ class RunLock:
             prepare(job_dir, cfg, resume=True); train(...); mark_complete(...)
 
     An `fcntl.flock` on `<dir>/.gradrunner.lock`, which holds the owner's host, pid, start time and run
-    id for messages. The kernel drops the lock when its process dies (SIGKILL, a preempted node's
+    id for messages, written as soon as the lock is taken, inside `_gate` (a refused run reads it inside the
+    gate too, so it names its holder, or says the record does not read). The kernel drops the lock when its process dies (SIGKILL, a preempted node's
     processes), so a dead owner never blocks a resume. It works between processes of one machine;
     on NFS, Linux emulates `flock` with byte-range locks that every client sees (given a working lock
     manager); on a filesystem without locks (Lustre mounted `noflock`) the run goes on unlocked,
@@ -355,6 +281,16 @@ class RunLock:
 
     def __enter__(self) -> RunLock:
         self.directory.mkdir(parents=True, exist_ok=True)
+        hydra = hydra_snapshot(self.directory)  # before the lock: the owner record is written as soon as it is taken
+        with _gate(self.directory):
+            self._fd = self._take()
+            self.previous = {k: v for k, v in self._read_owner(self._fd).items() if k != "held_by"}
+            # The owner's `.hydra/` goes into the lock file too: a later run refused here puts it back.
+            self._write_owner(self._fd, {**self._me(), "hydra": hydra})
+        return self
+
+    def _take(self) -> int:
+        """Open and flock the lock file (the one that is there: it may be replaced meanwhile); LiveRun if held."""
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -365,7 +301,7 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                owner = self._read_owner(fd)
+                owner = self._read_owner(fd)  # whole and the holder's: it wrote it inside the gate we hold
                 os.close(fd)
                 restore_hydra(self.directory, owner.get("hydra") or {})  # Hydra rewrote the live run's .hydra/
                 raise LiveRun(self._refusal(owner)) from None
@@ -375,40 +311,42 @@ class RunLock:
                     raise
                 log.warning("%s: this filesystem has no file locks (%s); running without the run-dir lock, so "
                             "nothing stops a second run into this dir", self.path, os.strerror(e.errno or 0))  # fmt: skip
-            try:  # the file we locked may have been replaced meanwhile: lock the one that is there
+            try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
                 same = False
             if same:
-                break
+                return fd
             os.close(fd)
-        self._fd = fd
-        self.previous = self._read_owner(fd)
-        # The owner's `.hydra/` goes into the lock file too: a later run refused here puts it back.
-        owner = {"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id,
-                 "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "hydra": hydra_snapshot(self.directory)}  # fmt: skip
-        self._write_owner(fd, owner)
-        return self
+
+    def _me(self) -> dict[str, Any]:
+        return {"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id,
+                "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
 
     def leave_no_trace(self) -> None:
         """The run did not run here: put back the previous owner's `.hydra/` and lock record (or remove the lock
-        file if this run created it), so that a refused or skipped run leaves the dir as it found it."""
+        file if this run created it), so that a refused or skipped run leaves the dir as it found it. Until this
+        run lets go, the record names it as the holder (`held_by`), so that a refusal meanwhile names it."""
         if self._fd is None:
             return
         if self._created:
             self.path.unlink(missing_ok=True)  # still locked: a run that opened it meanwhile retries (inode check)
             return
         restore_hydra(self.directory, self.previous.get("hydra") or {})
-        self._write_owner(self._fd, self.previous)
+        with _gate(self.directory):
+            self._write_owner(self._fd, {**self.previous, "held_by": self._me()})
 
     @staticmethod
     def _write_owner(fd: int, owner: dict[str, Any]) -> None:
+        """One pwrite of the whole record (padded with blanks over a longer old one, which JSON ignores), then the
+        file cut to it: a reader never sees it empty. A record the disk refuses is emptied: never a stale one."""
+        data = json.dumps(owner).encode()
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(owner).encode(), 0)
+            os.pwrite(fd, data.ljust(os.fstat(fd).st_size, b" "), 0)
+            os.ftruncate(fd, len(data))
         except OSError:
-            pass  # the owner's record only serves messages; a full disk must not stop the lock
+            with contextlib.suppress(OSError):  # the record only serves messages: a full disk must not stop the lock
+                os.ftruncate(fd, 0)
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
@@ -417,19 +355,45 @@ class RunLock:
 
     @staticmethod
     def _read_owner(fd: int) -> dict[str, Any]:
+        chunks: list[bytes] = []
         try:
-            data = json.loads(os.pread(fd, max(os.fstat(fd).st_size, 1), 0) or b"{}")
+            while chunk := os.pread(fd, 1 << 16, sum(map(len, chunks))):
+                chunks.append(chunk)
+            data = json.loads(b"".join(chunks) or b"{}")
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
 
     def _refusal(self, owner: dict[str, Any]) -> str:
-        who = (f"host {owner.get('host', '?')}, pid {owner.get('pid', '?')}, started {owner.get('started', '?')}, "
-               f"run id {owner.get('run_id', '?')}")  # fmt: skip
+        by = owner.get("held_by")
+        held: dict[str, Any] = by if isinstance(by, dict) else owner
+        if all(held.get(k) is not None for k in ("host", "pid", "started", "run_id")):
+            who = f"host {held['host']}, pid {held['pid']}, started {held['started']}, run id {held['run_id']}"
+            stop = f"stop it (kill {held['pid']} on {held['host']})"
+        else:  # a record the disk refused, or one an older gradrunner was writing
+            who = f"its owner record in {self.path} could not be read, so it cannot be named"
+            stop = "stop it (a process holding that file: `fuser` or `lsof` names it)"
         return (
             f"the run dir {self.directory} is in use by a live run ({who}); gradrunner lets one run at a time "
             f"write a run dir, and this one did not run and changed nothing there. Wait for that run to end, "
-            f"stop it (kill {owner.get('pid', '<pid>')} on {owner.get('host', 'its host')}), or run into another dir "
-            f"(hydra.run.dir=... or hydra.sweep.dir=...). The lock ({self.path}) is held only while that process "
-            "lives, so a killed run never blocks resume=true."
+            f"{stop}, or run into another dir (hydra.run.dir=... or hydra.sweep.dir=...). The lock ({self.path}) is "
+            "held only while that process lives, so a killed run never blocks resume=true."
         )
+
+
+@contextlib.contextmanager
+def _gate(directory: Path) -> Iterator[None]:
+    """A short exclusive flock on the run dir itself around taking the lock and writing (or reading) the owner
+    record: a run refused by the lock reads the record its holder wrote, whole, never the one before it. Where
+    the filesystem has no locks on dirs the gate is skipped (the record is still written in one pwrite)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # the gate goes with the fd

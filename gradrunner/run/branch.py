@@ -40,8 +40,8 @@ from gradrunner.data import Batch, as_batches
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.atomic import write_atomically
 from gradrunner.records.checkpoint_files import CHECKPOINT_DIR, file_digest, read_manifest, write_manifest
-from gradrunner.run.books import NEUTRAL_KEYS, config_dict, config_diff
 from gradrunner.run.checkpoint import KEPT_DIR, KEPT_MANIFEST
+from gradrunner.run.config_compare import NEUTRAL_KEYS, config_dict, config_diff
 
 log = logging.getLogger(__name__)
 

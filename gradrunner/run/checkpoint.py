@@ -53,7 +53,7 @@ import yaml
 
 from gradrunner.records.checkpoint_files import CHECKPOINT_DIR as CHECKPOINT_DIR
 from gradrunner.records.checkpoint_files import MANIFEST, file_digest, read_manifest, segment_problem, write_manifest
-from gradrunner.run.books import config_diff
+from gradrunner.run.config_compare import config_diff
 from gradrunner.run.data_position import MAX_DRAWS, Watched
 
 if TYPE_CHECKING:
@@ -331,7 +331,7 @@ class Checkpointer:
             return problem
         if manifest is None:
             return None
-        diff = config_diff(manifest.get("config") or {}, self._config())  # `books.NEUTRAL_KEYS` left out
+        diff = config_diff(manifest.get("config") or {}, self._config())  # `config_compare.NEUTRAL_KEYS` left out
         if diff:
             return f"it was written by a run of another config ({'; '.join(diff)})"
         if int(manifest.get("world_size", 1)) != self.world_size:

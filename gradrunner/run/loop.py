@@ -299,7 +299,7 @@ def _checkpointer(cfg: DictConfig, files: RunFiles, dist: Distributed | None = N
     every = int(cfg.train.checkpoint_every)
     if every <= 0 and not (files.directory / CHECKPOINT_DIR).is_dir():  # one that is there is resumed, then removed
         return None
-    from gradrunner.run.books import NEUTRAL_KEYS, config_dict
+    from gradrunner.run.config_compare import NEUTRAL_KEYS, config_dict
 
     def open_segment(path: Path, kind: str) -> Any:
         return files.grads_writer(path) if kind == "grads" else files.steps_writer(path)

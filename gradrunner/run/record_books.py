@@ -39,6 +39,7 @@ from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
 from gradrunner.records.critical import deferred_signals
 from gradrunner.records.rundir import DONE, _present, read_marker
 from gradrunner.run import books
+from gradrunner.run.config_compare import config_dict, config_diff
 from gradrunner.run.session_log import LOG_FILE
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def _kept(directory: Path, config: DictConfig, who: str) -> Kept:
     raw = (tables[GRADS_FILE].schema.metadata or {}).get(b"gradrunner.config")
     old = OmegaConf.to_container(OmegaConf.create(raw.decode())) if raw else {}
     assert isinstance(old, dict), old
-    diff = books.config_diff({str(k): v for k, v in old.items()}, books.config_dict(config)) if old else []
+    diff = config_diff({str(k): v for k, v in old.items()}, config_dict(config)) if old else []
     if diff:
         raise books.Refused(
             f"resume=True: {directory} holds records of other options ({'; '.join(diff)}); they are kept and nothing "

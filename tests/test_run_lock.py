@@ -1,0 +1,97 @@
+"""The run dir's lock (`run.books.RunLock`): a refused run names the live holder from a whole record, or says
+honestly that it could not be read; one rule for the runner and `record()`."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gradrunner.records.columns import LOCK_FILE
+from gradrunner.run.books import LiveRun, RunLock
+
+
+def _refusal(directory: Path, run_id: str = "refused") -> str:
+    with pytest.raises(LiveRun) as info, RunLock(directory, run_id):
+        pass
+    return str(info.value)
+
+
+def test_a_run_refused_while_the_holder_writes_its_record_names_the_holder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The holder has its flock but has not written its record yet (paused there); a second run tries the lock
+    then: it is refused naming the holder (not the previous owner, itself, or an empty record)."""
+    with RunLock(tmp_path, "previous-owner"):  # the record a stale read would find, naming this very process
+        pass
+    paused, go, tried = threading.Event(), threading.Event(), threading.Event()
+    write = RunLock._write_owner
+
+    def pausing_write(fd: int, owner: dict[str, Any]) -> None:
+        if owner.get("run_id") == "holder":
+            paused.set()
+            go.wait()
+        write(fd, owner)
+
+    flock = fcntl.flock
+
+    def noting_flock(fd: int, operation: int) -> None:  # the second run is about to wait for the holder
+        if threading.current_thread().name == "second" and not operation & fcntl.LOCK_NB:
+            tried.set()
+        flock(fd, operation)
+
+    monkeypatch.setattr(RunLock, "_write_owner", staticmethod(pausing_write))
+    monkeypatch.setattr(fcntl, "flock", noting_flock)
+    release, got = threading.Event(), []
+
+    def holder() -> None:
+        with RunLock(tmp_path, "holder"):
+            release.wait()
+
+    def second() -> None:
+        try:
+            got.append(_refusal(tmp_path))
+        finally:
+            tried.set()  # refused without waiting (or failed): the holder may go on
+
+    first = threading.Thread(target=holder, name="holder")
+    first.start()
+    try:
+        assert paused.wait(60)
+        other = threading.Thread(target=second, name="second")
+        other.start()
+        assert tried.wait(60)
+    finally:
+        go.set()
+        other.join(60)
+        release.set()
+        first.join(60)
+    assert len(got) == 1 and "run id holder)" in got[0] and f"pid {os.getpid()}," in got[0], got
+
+
+@pytest.mark.parametrize("record", [b"", b'{"host": "h', b"[]"])
+def test_a_holder_whose_record_cannot_be_read_is_said_to_be_unknown_not_named_with_question_marks(
+    tmp_path: Path, record: bytes
+) -> None:
+    with RunLock(tmp_path, "live"):
+        (tmp_path / LOCK_FILE).write_bytes(record)  # a record the disk refused, or one being written by an old version
+        message = _refusal(tmp_path)
+    assert "could not be read, so it cannot be named" in message and "?" not in message
+    assert "pid <pid>" not in message and message.startswith(f"the run dir {tmp_path} is in use by a live run (")
+
+
+def test_a_run_that_holds_the_dir_but_does_not_run_there_is_the_one_a_refusal_names(tmp_path: Path) -> None:
+    """A skipped or refused run puts the previous owner's record back (its `.hydra/`, its run id for live
+    reads) but, while it still holds the lock, a refusal names it, not the previous owner."""
+    with RunLock(tmp_path, "previous-owner"):
+        pass
+    with RunLock(tmp_path, "skipping") as lock:
+        lock.leave_no_trace()
+        message = _refusal(tmp_path)
+    assert "run id skipping)" in message and "previous-owner" not in message
+    with RunLock(tmp_path, "next") as lock:
+        assert lock.previous.get("run_id") == "previous-owner" and "held_by" not in lock.previous
