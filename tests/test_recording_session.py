@@ -413,3 +413,46 @@ def test_the_lock_is_held_until_the_books_are_written_however_the_block_ends(
     done = run / "done.json"
     assert json.loads(done.read_text())["run_id"] == first.run_id if ending == "normal" else not done.exists()
     assert not any(p.name.startswith(".resumed") for p in run.iterdir())
+
+
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
+def test_a_session_whose_files_fail_to_close_is_not_marked_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resumed: bool
+) -> None:
+    """A full disk as the block ends: the error propagates, and no done.json claims the records are whole
+    (it was written over a dir holding no record); a resumed session's earlier records are kept for the next."""
+    import errno
+
+    from gradrunner.records import table_writer
+
+    model, batches = _model(), _batches(4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def session(steps: range) -> None:
+        with gradrunner.record(model, ["0:output"], tmp_path / "run", resume=resumed) as rec:
+            for s in steps:
+                x, y = batches[s]
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward(); opt.step(); opt.zero_grad()  # noqa: E702
+                rec.step(loss)
+            monkeypatch.setattr(table_writer.ParquetTableWriter, "finish_temp", full_disk)  # the disk fills as the block ends
+
+    def full_disk(self: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if resumed:  # a first session interrupted after 2 steps: its records are what a resume continues
+        with pytest.raises(KeyboardInterrupt), gradrunner.record(model, ["0:output"], tmp_path / "run") as rec:
+            for x, y in batches[:2]:
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward(); opt.step(); opt.zero_grad()  # noqa: E702
+                rec.step(loss)
+            raise KeyboardInterrupt
+    with pytest.raises(GradrunnerError, match="No space left on device"):
+        session(range(2, 4) if resumed else range(2))
+    monkeypatch.undo()
+    assert not (tmp_path / "run" / "done.json").exists()
+    log = (tmp_path / "run" / LOG_FILE).read_text()
+    assert "could not be written" in log and "not marked complete" in log and "no step completed" not in log
+    if resumed:  # the earlier session's two steps are still there for resume=True
+        with gradrunner.record(model, ["0:output"], tmp_path / "run", resume=True) as rec:
+            assert rec.step_index == 2

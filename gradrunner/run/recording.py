@@ -210,15 +210,19 @@ class Recorder:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self._open = False
         pending = self.engine.pending_backwards
+        closing: BaseException | None = None  # the files failed to close (a full disk): the error says what is left
         try:
             if self._kept is not None and self.main and exc_type is None:
                 self._carry(self.engine.step)  # a resumed session that closed no step keeps the earlier records
             self._stack.__exit__(exc_type, exc, tb)  # type: ignore[arg-type]
+        except BaseException as e:
+            closing = e
+            raise
         finally:
             self._stack = contextlib.ExitStack()
             try:
                 if self.main and self._log is not None:
-                    self._end(exc_type, pending)
+                    self._end(exc_type, pending, closing)
             finally:
                 self._release()  # after done.json: no other session may take the dir between the files and the marker
 
@@ -228,11 +232,25 @@ class Recorder:
         if lock is not None:
             lock.__exit__(None, None, None)
 
-    def _end(self, exc_type: type[BaseException] | None, pending: int) -> None:
-        """The books after the files closed, then the last word (as a runner job's: console and run dir's log)."""
+    def _end(self, exc_type: type[BaseException] | None, pending: int, closing: BaseException | None = None) -> None:
+        """The books after the files closed, then the last word (as a runner job's: console and run dir's log).
+
+        `closing`: the error closing the files raised (it propagates, saying what was kept): the dir is not
+        marked complete, and no summary is read from records that were not written.
+        """
         from gradrunner.analysis import health
 
         assert self._log is not None
+        if closing is not None:
+            try:
+                restored = self._kept is not None and self._kept.settle()  # a resume's kept records stay or go back
+                log.warning("the records of %s could not be written (%s); it is not marked complete%s",
+                            self.directory, str(closing).split(". ")[0],
+                            "; the earlier session's records are put back as they were" if restored else "")  # fmt: skip
+            finally:
+                self._log.__exit__(None, None, None)
+                self._log = None
+            return
         try:
             restored = self._kept is not None and self._kept.settle()
             if restored and exc_type is not None:
