@@ -276,6 +276,7 @@ class RunLock:
         self.run_id = run_id
         self._fd: int | None = None
         self._created = False
+        self._put_back = False  # leave_no_trace ran: the previous record goes back as the lock is let go
         #: The lock file's record of the run that held the dir before this one ({} if none).
         self.previous: dict[str, Any] = {}
 
@@ -326,7 +327,8 @@ class RunLock:
     def leave_no_trace(self) -> None:
         """The run did not run here: put back the previous owner's `.hydra/` and lock record (or remove the lock
         file if this run created it), so that a refused or skipped run leaves the dir as it found it. Until this
-        run lets go, the record names it as the holder (`held_by`), so that a refusal meanwhile names it."""
+        run lets go, the record names it as the holder (`held_by`), so that a refusal meanwhile names it; letting go
+        puts the previous record back as it was."""
         if self._fd is None:
             return
         if self._created:
@@ -335,6 +337,7 @@ class RunLock:
         restore_hydra(self.directory, self.previous.get("hydra") or {})
         with _gate(self.directory):
             self._write_owner(self._fd, {**self.previous, "held_by": self._me()})
+        self._put_back = True  # the previous record as it was, when this run lets go
 
     @staticmethod
     def _write_owner(fd: int, owner: dict[str, Any]) -> None:
@@ -350,6 +353,9 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
+            if self._put_back:  # a refused or skipped run: the record byte for byte as it found it
+                with _gate(self.directory):
+                    self._write_owner(self._fd, self.previous)
             os.close(self._fd)  # releases the lock; the file stays (removing it would race with a waiting run)
             self._fd = None
 
