@@ -21,10 +21,13 @@ def _quiet_transformers():  # type: ignore[no-untyped-def]
     return transformers
 
 
-def _check(model: nn.Module, inputs: dict[str, torch.Tensor], rows_loss, nulls: dict[str, str]) -> None:  # type: ignore[no-untyped-def]
-    """`nulls` (name: a part of its reason) are None; every other parameter matches the loop."""
+def _check(model: nn.Module, inputs: dict[str, torch.Tensor], rows_loss, nulls: dict[str, str], *, all_others: bool = False) -> None:  # type: ignore[no-untyped-def]
+    """`nulls` (name: a part of its reason) are None; every other parameter matches the loop (`all_others`: none
+    is None)."""
     params = all_params(model)
     got, reasons = batched(model, inputs, rows_loss, params)
+    if all_others:
+        assert all(got[n] is not None for n in got if n not in nulls), {n: reasons[n] for n in got if got[n] is None}
     for name, why in nulls.items():
         assert got[name] is None and why in str(reasons[name]), (name, reasons[name])
     ref = loop(model, inputs, rows_loss, params)[0]
@@ -112,3 +115,48 @@ class Latents(nn.Module):
 def test_a_parameter_broadcast_to_the_batch_keeps_its_rows() -> None:
     torch.manual_seed(0)
     _check(Latents(), {"x": torch.randn(4, 3, 4)}, lambda out, i: ((out - 0.5 * i) ** 2).sum(), {})
+
+
+class Pooled(nn.Module):
+    """A token layer, then one row per example picked (CLIP's `h[arange(B), eos]`, SequenceSummary's
+    `gather(-2, cls_index)`), then a head: each picked row is its own example's, so the head's rows are exact."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.tok, self.head = how, nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.tok(x))
+        if self.how == "index":
+            picked = h[torch.arange(h.shape[0]), last]
+        else:
+            picked = h.gather(-2, last.view(-1, 1, 1).expand(-1, 1, h.shape[-1])).squeeze(-2)
+        return self.head(picked)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["index", "gather"])
+def test_a_head_on_one_row_picked_per_example_is_exact(how: str) -> None:
+    """Found 2026-11-27 (a regression of the routed-tokens rule: CLIP's text_projection and GPT2DoubleHeads'
+    summary were null). B = 4 = T: the picked rows' dim 0 has the batch's size and is the batch."""
+    torch.manual_seed(0)
+    inputs = {"x": torch.randn(4, 4, 4), "last": torch.tensor([3, 1, 0, 2])}
+    _check(Pooled(how), inputs, lambda out, i: ((out - 0.5 * i) ** 2).sum(), {}, all_others=True)
+
+
+class Flattened(nn.Module):
+    """A layer on the batch's tokens flattened to (B * T, D), reshaped back to (B, T, ...) for the next one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 5), nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        return self.fc2(torch.relu(self.fc1(x.reshape(b * t, d)).reshape(b, t, -1)))  # type: ignore[no-any-return]
+
+
+def test_a_layer_after_flattened_tokens_reshaped_back_to_the_batch_is_exact() -> None:
+    """fc1's dim 0 is B * T (null, its reason); fc2, on the rows reshaped back, is the batch's (it was null too)."""
+    torch.manual_seed(0)
+    _check(Flattened(), {"x": torch.randn(4, 5, 6)}, lambda out, i: ((out - 0.5 * i) ** 2).sum(),
+           {"fc1:weight": "is not the batch", "fc1:bias": "is not the batch"}, all_others=True)  # fmt: skip

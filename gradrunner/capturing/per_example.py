@@ -234,9 +234,9 @@ class PerExampleNorms:
         reason = "called without a tensor input" if x is None else call_reason(h.kind, h.module, x, rows)
         if reason is None and x is not None:
             reason = self._origins.reason(h.kind, x)
-        if reason is not None:
-            self._origins.mark(output, f"{h.path!r} {reason}")
-        elif mixes_rows(h.module):
+            if reason is not None:  # dim 0 has the batch's size by coincidence: so has what this call alone feeds
+                self._origins.mark(output, f"{h.path!r} {reason}")
+        if reason is None and mixes_rows(h.module):
             reason = "normalises with the batch's statistics (training mode): its rows mix"
         for t, _role in h.tracked:
             if t.reason is None:

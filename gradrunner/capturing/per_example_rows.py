@@ -10,9 +10,12 @@ from what the call's input is made of, cheaply (a few attribute reads per call, 
   `LayerNorm(rel_embeddings.weight)`): its dim 0 is the parameter's (a parameter broadcast to the
   batch, `latents.expand(B, ...)`, is the batch's: each row belongs to its example, and the walk
   stops at the `expand`);
-- an input whose rows were picked by indexing (`x[idx]`, `index_select`, `gather`, `masked_select`,
-  `take`): a mixture of experts' tokens routed to one expert; and an input made, by views, casts,
-  activations or dropout, from the output of a call without per-row shares (the expert's second Linear).
+- an input whose rows were picked by indexing out of a dim 0 that is not the batch's, or by a mask over
+  several dims (`tokens[idx]`, `h[None, idx]`, `masked_select`, `take`): a mixture of experts' tokens
+  routed to one expert (rows picked out of the batch's own rows, `h[arange(B), eos]`, `gather(-2, ...)`,
+  `x[:, idx]`, keep them: `_keeps_rows`); and an input made, by views, casts, activations or dropout,
+  from the output of a call whose batch-sized dim 0 was found a coincidence here (the expert's second
+  Linear; not one whose dim 0 is another size, such as flattened tokens later reshaped back).
 
 The walk back through the autograd graph (at most `WALK` nodes) follows only ops of one tensor
 operand (`_UNARY`) and, towards a selection or such an output, dropout's CPU mask product: any other
@@ -20,7 +23,7 @@ op (a residual add, a matmul, an embedding lookup, whose ids autograd does not s
 verdict, so rows merged back into the batch (`index_add_` into a batch-shaped tensor) are the batch's
 again. Not told apart (README): coincidences made by ops of several operands (`x_param @ w`,
 `cat`), a frozen parameter's views (no autograd node), rows picked from a tensor that does not
-require grad; and rows picked on another dim (`x[:, idx]`) are null though they could be exact.
+require grad, and a reordering of the batch's own rows (`x[perm]`).
 
 Example::
 
@@ -96,14 +99,14 @@ class RowOrigins:
             self.made[output.grad_fn] = why
 
     def _walk(self, x: torch.Tensor) -> str | None:
-        node, masked = x.grad_fn, False
+        node, masked, rows = x.grad_fn, False, x.shape[0]
         for _ in range(WALK):
             if node is None:
                 return None
             if node in self.made:
                 return f"called on the output of a call whose rows are not the batch's ({self.made[node]})"
             name = node.name().rstrip("0123456789")
-            if name in SELECTS:
+            if name in SELECTS and not _keeps_rows(node, name, rows):
                 return (f"called on a tensor of shape {tuple(x.shape)} whose rows were picked by indexing ({name}: "
                         "tokens routed to a mixture-of-experts' expert?): its rows are not the batch's")  # fmt: skip
             variable = getattr(node, "variable", None)
@@ -111,7 +114,34 @@ class RowOrigins:
                 return (f"called on a tensor of shape {tuple(x.shape)} made from a parameter of shape "
                         f"{tuple(variable.shape)} alone: its dim 0 is the parameter's, not the batch's rows")  # fmt: skip
             inputs = [n for n, _ in node.next_functions if n is not None]
-            if len(inputs) != 1 or name not in _UNARY | _MASKS:
+            if len(inputs) != 1 or name not in _UNARY | _MASKS | SELECTS:
                 return None
             masked, node = masked or name in _MASKS, inputs[0]
         return None
+
+
+def _signed(dim: int) -> int:
+    """A dim autograd saved as an unsigned 64-bit number (-2 reads 2**64 - 2)."""
+    return dim - 2**64 if dim >= 2**63 else dim
+
+
+def _keeps_rows(node: Any, name: str, rows: int) -> bool:
+    """Whether a selection keeps dim 0's rows as its input's rows of the batch: it picks along another dim
+    (`gather(-2, ...)`, `index_select(1, ...)`, `h[:, idx]`), or picks `rows` rows out of a batch-sized dim 0
+    (`h[arange(B), last]`: one row per example; a reordering `x[perm]` is not told apart, README). Rows picked out of
+    another dim 0 (a mixture of experts' flattened tokens) or by a mask over several dims are not the batch's."""
+    if name == "GatherBackward":
+        saved = getattr(node, "_saved_self", None)
+        if saved is None or saved.dim() == 0 or saved.shape[0] != rows:
+            return False
+        return _signed(int(node._saved_dim)) % saved.dim() != 0
+    if name == "IndexSelectBackward":
+        sizes = node._saved_self_sym_sizes
+        return bool(sizes) and int(sizes[0]) == rows and _signed(int(node._saved_dim)) % len(sizes) != 0
+    if name == "IndexBackward":
+        indices, sizes = node._saved_indices, node._saved_self_sym_sizes
+        if not sizes or int(sizes[0]) != rows:
+            return False  # picked out of a dim 0 of another size (flattened tokens, `h[None, idx]`)
+        first = indices[0] if indices else None
+        return first is None or not (first.dtype in (torch.bool, torch.uint8) and first.dim() > 1)
+    return False
