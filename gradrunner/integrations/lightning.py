@@ -14,6 +14,9 @@ backward runs unchanged, nothing of Lightning or torch is patched:
   capture where that backward starts; the capture reads the gradients around Lightning's own
   `loss.backward()` (`hook` or `retain_grad`; `autograd_grad`, which needs an engine call of its own,
   is refused); `on_after_backward` ends the backward;
+- validation (sanity check included), test and predict loops are not training: capture is paused from their
+  `on_*_start` to their `on_*_end` (a backward there, a saliency metric's `torch.autograd.grad` under
+  `inference_mode=False`, is neither recorded nor left pending), and resumed as it was;
 - a step is one training batch that stepped the optimiser(s), numbered as Lightning's loggers number
   their points (its training epoch loop's count of such batches): `trainer.global_step` with one
   optimiser; in manual optimisation with several, `global_step` counts each optimiser's step and
@@ -79,6 +82,8 @@ class GradientCapture(CallbackOptions, Callback):
         self._global_step = 0
         #: the step's training columns, from Lightning's on_before_optimizer_step (lr, grad_norm, clipped)
         self._train: dict[str, Any] = {}
+        #: the evaluation loops running (a sanity check's validation inside it), and whether capture was on as the first began
+        self._evaluating, self._was_enabled = 0, False
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         dist = self._distributed(trainer)
@@ -144,6 +149,43 @@ class GradientCapture(CallbackOptions, Callback):
         self._global_step = trainer.global_step
         train, self._train = self._train, {}
         rec.step(extra=train)  # the step's loss: the sum of the (unscaled) losses Lightning backpropagated, on the device
+
+    # -- evaluation loops are not training: nothing of them is captured -----------------------------------
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pause()
+
+    def on_sanity_check_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._resume()
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pause()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._resume()
+
+    def on_test_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pause()
+
+    def on_test_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._resume()
+
+    def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pause()
+
+    def on_predict_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._resume()
+
+    def _pause(self) -> None:
+        """An evaluation loop begins: its forwards and backwards are not the step's."""
+        self._evaluating += 1
+        if self.recorder is not None and self._evaluating == 1:
+            self._was_enabled, self.recorder.capture.enabled = self.recorder.capture.enabled, False
+
+    def _resume(self) -> None:
+        """An evaluation loop ended: after the outermost, capture is on again if it was as that one began."""
+        self._evaluating = max(0, self._evaluating - 1)
+        if self.recorder is not None and self._evaluating == 0:
+            self.recorder.capture.enabled = self._was_enabled
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close(None)
