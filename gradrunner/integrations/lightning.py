@@ -29,7 +29,8 @@ backward runs unchanged, nothing of Lightning or torch is patched:
   scale on their device: the records hold the true, unscaled gradients;
 - `steps.parquet`'s `loss` is the sum of the losses Lightning backpropagated in the step (divided
   for accumulation, so their mean; unscaled); `lr`/`lrs` the rates of the step's optimizer step,
-  `grad_norm` the total norm before clipping (`numerics.total_norm`, float64) and `clipped` whether
+  `grad_norm` the total norm before clipping of the gradients of that optimizer's parameters (its `param_groups`, which
+  Lightning clips; the first optimizer's under manual optimisation with several) (`numerics.total_norm`, float64) and `clipped` whether
   `gradient_clip_val` clipped (read at `on_before_optimizer_step`, after a GradScaler's unscale, before Lightning clips);
 - `resume=True` with `fit(ckpt_path=...)`: the records of the steps before the checkpoint's step
   are kept, the rest recorded again;
@@ -136,7 +137,7 @@ class GradientCapture(CallbackOptions, Callback):
         if self.recorder is None or self._train:
             return  # the first optimiser of a step gives the step's rates
         lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the rates this step uses
-        self._train = {"lr": lrs[0], "lrs": lrs, **_norm_and_clipped(trainer, pl_module)}
+        self._train = {"lr": lrs[0], "lrs": lrs, **_norm_and_clipped(trainer, optimizer)}
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -210,12 +211,19 @@ def _logging_step(trainer: Trainer) -> int:
     return int(count) if isinstance(count, int) else int(trainer.global_step)
 
 
-def _norm_and_clipped(trainer: Trainer, module: LightningModule) -> dict[str, Any]:
-    """`grad_norm` (the total 2-norm of `.grad` before clipping, as the runner's) and whether Lightning's
-    `gradient_clip_val` clips it (`gradient_clip_algorithm` "norm": the norm above it; "value": an element above it)."""
+def _optimizer_params(optimizer: Any) -> list[torch.nn.Parameter]:
+    """The parameters `optimizer` steps that have a `.grad`: those Lightning's `clip_gradients` clips (its param groups'),
+    not the module's (a parameter that requires grad but is in no optimizer is neither clipped nor stepped)."""
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def _norm_and_clipped(trainer: Trainer, optimizer: Any) -> dict[str, Any]:
+    """`grad_norm` (the total 2-norm of the optimizer's parameters' `.grad` before clipping, the norm Lightning's
+    `clip_grad_norm_` returns) and whether Lightning's `gradient_clip_val` clips it (`gradient_clip_algorithm`
+    "norm": the norm above it; "value": an element above it)."""
     from gradrunner.run.numerics import total_norm
 
-    params = [p for p in module.parameters() if p.grad is not None]
+    params = _optimizer_params(optimizer)
     norm = total_norm(params)
     limit, algorithm = trainer.gradient_clip_val, str(trainer.gradient_clip_algorithm or "norm")
     if limit is None or not params:
