@@ -76,3 +76,69 @@ def test_grad_norm_and_clipped_are_the_optimizers_parameters(tmp_path: Path) -> 
     assert list(steps.grad_norm) == pytest.approx(norms, rel=1e-6)
     assert list(steps.clipped) == clipped
     torch.testing.assert_close(module.head.weight, head.weight)  # the same training
+
+
+class WarmUpWithoutClipping(pl.LightningModule):
+    """`configure_gradient_clipping` overridden: Lightning's clipping from step 2 only (a warm-up without it)."""
+
+    def __init__(self, none_at: int = -1) -> None:
+        super().__init__()
+        self.body, self.head = _nets()
+        self.none_at = none_at
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
+        if batch_idx == self.none_at:
+            return None  # Lightning skips the backward; the optimizer steps no gradient
+        x, y = batch
+        return nn.functional.mse_loss(self.head(torch.tanh(self.body(x))), y)
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:  # fmt: skip
+        if self.global_step >= 2:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _warm_up_reference(clip: float, algorithm: str) -> tuple[list[float], list[bool], nn.Module]:
+    """Plain torch: the norm before clipping; clipped where clipping (from step 2) changed a `.grad`."""
+    body, head = _nets()
+    params = [*body.parameters(), *head.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    norms, clipped = [], []
+    for s, (x, y) in enumerate(torch.utils.data.DataLoader(_batches(), batch_size=5, shuffle=False)):
+        nn.functional.mse_loss(head(torch.tanh(body(x))), y).backward()
+        before = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+        norms.append(float(torch.cat([b.flatten() for b in before]).double().norm()))
+        if s >= 2:
+            if algorithm == "norm":
+                nn.utils.clip_grad_norm_(params, clip)
+            else:
+                nn.utils.clip_grad_value_(params, clip)
+        clipped.append(any(not torch.equal(b, p.grad) for b, p in zip(before, params, strict=True)))
+        opt.step()
+        opt.zero_grad()
+    return norms, clipped, head
+
+
+@pytest.mark.parametrize(("clip", "algorithm"), [(1.0, "norm"), (0.5, "value")])
+def test_clipped_is_what_an_overridden_configure_gradient_clipping_did(tmp_path: Path, clip: float,
+                                                                       algorithm: str) -> None:  # fmt: skip
+    module = WarmUpWithoutClipping()
+    _fit(module, tmp_path / "run", gradient_clip_val=clip, gradient_clip_algorithm=algorithm)
+    norms, clipped, head = _warm_up_reference(clip, algorithm)
+    assert clipped == [False, False, True, True]
+    steps = load(tmp_path / "run", table="steps").sort_values("step")
+    assert list(steps.grad_norm) == pytest.approx(norms, rel=1e-6)
+    assert list(steps.clipped) == clipped  # steps 0 and 1 were above the limit, and not clipped
+    torch.testing.assert_close(module.head.weight, head.weight)
+
+
+def test_a_step_without_gradients_has_null_grad_norm_and_clipped(tmp_path: Path) -> None:
+    """training_step returning None: no gradient exists, so neither a norm of 0 nor clipped=False is recorded."""
+    _fit(WarmUpWithoutClipping(none_at=1), tmp_path / "run", gradient_clip_val=1.0)
+    steps = load(tmp_path / "run", table="steps").sort_values("step")
+    assert list(steps.step) == [0, 1, 2, 3]
+    assert steps.grad_norm.isna().tolist() == [False, True, False, False]
+    assert steps.clipped.isna().tolist() == [False, True, False, False]

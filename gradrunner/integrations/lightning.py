@@ -29,9 +29,13 @@ backward runs unchanged, nothing of Lightning or torch is patched:
   scale on their device: the records hold the true, unscaled gradients;
 - `steps.parquet`'s `loss` is the sum of the losses Lightning backpropagated in the step (divided
   for accumulation, so their mean; unscaled); `lr`/`lrs` the rates of the step's optimizer step,
-  `grad_norm` the total norm before clipping of the gradients of that optimizer's parameters (its `param_groups`, which
-  Lightning clips; the first optimizer's under manual optimisation with several) (`numerics.total_norm`, float64) and `clipped` whether
-  `gradient_clip_val` clipped (read at `on_before_optimizer_step`, after a GradScaler's unscale, before Lightning clips);
+  `grad_norm` the total norm (`numerics.total_norm`, float64) of the gradients of that optimizer's parameters (its
+  `param_groups`, which Lightning clips; the first optimizer's under manual optimisation with several), read at
+  `on_before_optimizer_step` (after a GradScaler's unscale, before Lightning clips), null where none has a gradient
+  (a `training_step` that returned None); `clipped` whether clipping changed them, observed, not inferred from
+  `gradient_clip_val`: their norm at the batch's end (after `configure_gradient_clipping`, overrides included, and
+  the optimizer step, which leaves `.grad` as it found it) below that one. Under manual optimisation the module
+  clips before its optimizer step: `grad_norm` is the norm as the step begins, `clipped` null;
 - `resume=True` with `fit(ckpt_path=...)`: the records of the steps before the checkpoint's step
   are kept, the rest recorded again;
 - under DDP every rank captures and rank 0 writes every rank's rows (`rank` column); parameter
@@ -47,6 +51,7 @@ backward runs unchanged, nothing of Lightning or torch is patched:
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -56,6 +61,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.errors import GradrunnerError
 from gradrunner.run.recording import CallbackOptions
+
+log = logging.getLogger(__name__)
 
 #: Lightning strategies whose backward is the module's own `loss.backward()`.
 SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "ModelParallelStrategy")
@@ -83,6 +90,8 @@ class GradientCapture(CallbackOptions, Callback):
         self._global_step = 0
         #: the step's training columns, from Lightning's on_before_optimizer_step (lr, grad_norm, clipped)
         self._train: dict[str, Any] = {}
+        #: automatic optimisation: the optimizer's parameters and their norm before Lightning's clipping, this step
+        self._before_clipping: tuple[list[torch.nn.Parameter], torch.Tensor | None] | None = None
         #: the evaluation loops running (a sanity check's validation inside it), and whether capture was on as the first began
         self._evaluating, self._was_enabled = 0, False
 
@@ -95,7 +104,10 @@ class GradientCapture(CallbackOptions, Callback):
         rec = self._recorder(pl_module, accumulate=trainer.accumulate_grad_batches, dist=dist,
                              scaler=getattr(trainer.precision_plugin, "scaler", None), params_synced=synced)  # fmt: skip
         rec.__enter__()
-        self._global_step, self._train = trainer.global_step, {}
+        self._global_step, self._train, self._before_clipping = trainer.global_step, {}, None
+        if not pl_module.automatic_optimization:
+            log.info("GradientCapture: manual optimisation, where clipping is the module's own (before its optimizer "
+                     "step): steps.parquet's grad_norm is the norm as the step begins, clipped is null")  # fmt: skip
         self.recorder = rec  # numbered at the first batch (`on_train_batch_start`), once Lightning's loop restored its count
 
     def _distributed(self, trainer: Trainer) -> Any:
@@ -137,7 +149,10 @@ class GradientCapture(CallbackOptions, Callback):
         if self.recorder is None or self._train:
             return  # the first optimiser of a step gives the step's rates
         lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the rates this step uses
-        self._train = {"lr": lrs[0], "lrs": lrs, **_norm_and_clipped(trainer, optimizer)}
+        params = _optimizer_params(optimizer)
+        self._train = {"lr": lrs[0], "lrs": lrs, "grad_norm": _grad_norm(params)}
+        if pl_module.automatic_optimization:  # Lightning clips after this event: compared at the batch's end
+            self._before_clipping = (params, self._train["grad_norm"])
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -149,6 +164,8 @@ class GradientCapture(CallbackOptions, Callback):
             return  # a micro-batch of an accumulating step: the optimiser has not stepped yet
         self._global_step = trainer.global_step
         train, self._train = self._train, {}
+        watched, self._before_clipping = self._before_clipping, None
+        train["clipped"] = None if watched is None else _clipped(*watched)
         rec.step(extra=train)  # the step's loss: the sum of the (unscaled) losses Lightning backpropagated, on the device
 
     # -- evaluation loops are not training: nothing of them is captured -----------------------------------
@@ -217,18 +234,19 @@ def _optimizer_params(optimizer: Any) -> list[torch.nn.Parameter]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
-def _norm_and_clipped(trainer: Trainer, optimizer: Any) -> dict[str, Any]:
-    """`grad_norm` (the total 2-norm of the optimizer's parameters' `.grad` before clipping, the norm Lightning's
-    `clip_grad_norm_` returns) and whether Lightning's `gradient_clip_val` clips it (`gradient_clip_algorithm`
-    "norm": the norm above it; "value": an element above it)."""
+def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+    """`grad_norm`: the total 2-norm of `params`' `.grad` (float64, as the runner's), None where none has a gradient."""
     from gradrunner.run.numerics import total_norm
 
-    params = _optimizer_params(optimizer)
-    norm = total_norm(params)
-    limit, algorithm = trainer.gradient_clip_val, str(trainer.gradient_clip_algorithm or "norm")
-    if limit is None or not params:
-        return {"grad_norm": norm, "clipped": False}
-    if algorithm == "value":
-        peak = torch.stack([p.grad.detach().abs().max() for p in params if p.grad is not None and p.grad.numel()])
-        return {"grad_norm": norm, "clipped": peak.max() > float(limit)}
-    return {"grad_norm": norm, "clipped": norm > float(limit)}
+    return total_norm(params) if params else None
+
+
+def _clipped(params: list[torch.nn.Parameter], before: torch.Tensor | None) -> torch.Tensor | None:
+    """Whether clipping changed `params`' gradients: their norm now (after Lightning's `configure_gradient_clipping`
+    and the optimizer step, which leaves `.grad` as it found it) below `before`, their norm before clipping. Observed,
+    not inferred from `gradient_clip_val`: an override that clips some steps only is followed. None where it cannot be
+    known (no gradient, or one gone by the batch's end)."""
+    if before is None or any(p.grad is None for p in params):
+        return None
+    after = _grad_norm(params)
+    return None if after is None else after < before
