@@ -105,6 +105,7 @@ class GradientCapture(CallbackOptions, Callback):
                              scaler=getattr(trainer.precision_plugin, "scaler", None), params_synced=synced)  # fmt: skip
         rec.__enter__()
         self._global_step, self._train, self._before_clipping = trainer.global_step, {}, None
+        self._evaluating = 0  # an evaluation loop that raised in an earlier fit never ended
         if not pl_module.automatic_optimization:
             log.info("GradientCapture: manual optimisation, where clipping is the module's own (before its optimizer "
                      "step): steps.parquet's grad_norm is the norm as the step begins, clipped is null")  # fmt: skip
