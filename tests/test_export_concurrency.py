@@ -13,10 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
+from written_jobs import recorded_run
 
-import gradrunner
 from gradrunner import export
 
 #: The child: `python -c CHILD <records to write before waiting> <export arguments>...`.
@@ -40,18 +38,9 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+
 def _record(directory: Path, steps: int = 6) -> Path:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradrunner.record(model, ["0:output", "2:weight"], directory) as rec:
-        for _ in range(steps):
-            loss = model(torch.randn(5, 3)).pow(2).mean()
-            rec.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            rec.step(loss)
-    return directory
+    return recorded_run(directory, steps=steps)
 
 
 def _runs(logdir: Path) -> dict[str, dict[str, dict[int, float]]]:

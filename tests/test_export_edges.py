@@ -24,25 +24,10 @@ import pytest
 import torch
 from torch import nn
 from wandb_records import wandb_records
+from written_jobs import recorded_run
 
 import gradrunner
 from gradrunner import export
-
-
-def _record(directory: Path, steps: int = 2, seed: int = 0, taps: Sequence[str] = ("0:output", "2:weight"),
-            model: nn.Module | None = None, **options: Any) -> Path:  # fmt: skip
-    """A run dir written by `record`: `steps` steps of a tiny model (0 steps: a completed run with no rows)."""
-    torch.manual_seed(seed)
-    model = model if model is not None else nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradrunner.record(model, list(taps), directory, **options) as rec:
-        for _ in range(steps):
-            loss = model(torch.randn(5, 3)).pow(2).mean()
-            rec.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            rec.step(loss)
-    return directory
 
 
 def _norms(run_dir: Path, tap: str = "0:output") -> dict[int, float]:
@@ -82,8 +67,8 @@ def _one_error(capsys: pytest.CaptureFixture[str], *words: str) -> str:
 def test_a_completed_job_of_zero_steps_is_left_out_with_a_true_note(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("tensorboard")
     sweep = tmp_path / "sweep"
-    _record(sweep / "0", steps=0)
-    _record(sweep / "1", steps=2)
+    recorded_run(sweep / "0", steps=0)
+    recorded_run(sweep / "1", steps=2)
     assert export.main(["tensorboard", str(sweep), "--out", str(tmp_path / "tb")]) == 0
     err = capsys.readouterr().err
     assert f"{sweep / '0'}: recorded no rows" in err and "could not be read" not in err, err
@@ -98,8 +83,8 @@ def test_a_completed_job_of_zero_steps_is_left_out_with_a_true_note(tmp_path: Pa
 def test_a_job_dir_named_run_is_a_job_like_any_other(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard")
     parent = tmp_path / "parent"
-    _record(parent / "run", seed=1)
-    _record(parent / "other", seed=2)
+    recorded_run(parent / "run", seed=1)
+    recorded_run(parent / "other", seed=2)
     assert export.main(["tensorboard", str(parent), "--out", str(tmp_path / "tb")]) == 0
     for job in ("run", "other"):
         _close(_tensorboard(tmp_path / "tb" / job)["grads/0:output/norm"], _norms(parent / job))
@@ -109,7 +94,7 @@ def test_each_warning_is_printed_once(tmp_path: Path, capsys: pytest.CaptureFixt
     pytest.importorskip("tensorboard")
     sweep = tmp_path / "sweep"
     for job in ("0", "1"):
-        _record(sweep / job)
+        recorded_run(sweep / job)
     (sweep / "1" / "done.json").unlink()  # job 1 did not complete: load warns, reading grads and steps
     assert export.main(["tensorboard", str(sweep), "--out", str(tmp_path / "tb")]) == 0
     lines = capsys.readouterr().err.strip().splitlines()
@@ -125,7 +110,7 @@ def test_tensorboard_keeps_another_runs_export_in_the_same_out(tmp_path: Path, c
 
     from gradrunner.records.locking import EXPORT_LOCK  # the lock file an export leaves in its target dir
 
-    a, b, out = _record(tmp_path / "a", seed=1), _record(tmp_path / "b", seed=2), tmp_path / "tb"
+    a, b, out = recorded_run(tmp_path / "a", seed=1), recorded_run(tmp_path / "b", seed=2), tmp_path / "tb"
     b_dir = out / f"run-{hashlib.sha256(str(b.resolve()).encode()).hexdigest()[:8]}"
     printed = []
     for run_dir in (a, b, a, b):  # a re-export of the same run replaces its own export, never the other's
@@ -238,7 +223,7 @@ def test_mlflow_gives_each_tap_and_param_a_key_of_its_own(tmp_path: Path, monkey
     pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     taps = ["blocks.[[]x]:output", "blocks._x_:output", f"blocks.{_Odd.LONG}1:output", f"blocks.{_Odd.LONG}2:output"]
-    run_dir = _record(tmp_path / "r", steps=2, taps=taps, model=_Odd())
+    run_dir = recorded_run(tmp_path / "r", steps=2, taps=taps, model=_Odd())
     truth = pd.read_parquet(run_dir / "grads.parquet")
     (job,) = export.jobs(run_dir)
     job.params = {"a@b": "1", "a_b": "2", f"{'p' * 300}1": "3", f"{'p' * 300}2": "4"}
@@ -260,14 +245,14 @@ def test_mlflow_gives_each_tap_and_param_a_key_of_its_own(tmp_path: Path, monkey
 def test_mlflow_reexport_replaces_the_run_of_a_path_with_quotes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    run_dir = _record(tmp_path / "it's \\ odd" / "r")
+    run_dir = recorded_run(tmp_path / "it's \\ odd" / "r")
     for _ in range(3):
         assert export.main(["mlflow", str(run_dir), "--out", str(tmp_path / "mlruns")]) == 0
     client, runs = _mlflow_runs(tmp_path / "mlruns")
     assert len(runs) == 1
     _close(_history(client, runs[0], "grads/0:output/norm"), _norms(run_dir))
     # a run an older gradrunner exported, tagged with the source only, is replaced too
-    plain = _record(tmp_path / "plain")
+    plain = recorded_run(tmp_path / "plain")
     assert export.main(["mlflow", str(plain), "--out", str(tmp_path / "old")]) == 0
     client, (old,) = _mlflow_runs(tmp_path / "old")
     client.delete_tag(old.info.run_id, "gradrunner.source_id")
@@ -283,7 +268,7 @@ def test_mlflow_export_that_fails_partway_leaves_the_earlier_run(tmp_path: Path,
     from mlflow.tracking import MlflowClient
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    run_dir, store = _record(tmp_path / "r"), tmp_path / "mlruns"
+    run_dir, store = recorded_run(tmp_path / "r"), tmp_path / "mlruns"
     assert export.main(["mlflow", str(run_dir), "--out", str(store)]) == 0
     _, (before,) = _mlflow_runs(store)
     real = MlflowClient.log_batch
@@ -305,7 +290,7 @@ def test_mlflow_takes_a_file_uri_and_a_path_as_uri(tmp_path: Path, monkeypatch: 
                                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # recorded, so the test leaves it as it found it
-    run_dir = _record(tmp_path / "r")
+    run_dir = recorded_run(tmp_path / "r")
     for store, uri in ((tmp_path / "a", (tmp_path / "a").as_uri()), (tmp_path / "b", str(tmp_path / "b"))):
         monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
         assert export.main(["mlflow", str(run_dir), "--uri", uri]) == 0, capsys.readouterr().err
@@ -321,7 +306,7 @@ def test_a_bad_out_project_or_uri_is_one_paragraph_and_writes_nothing(tmp_path: 
                                                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    run_dir = _record(tmp_path / "r")
+    run_dir = recorded_run(tmp_path / "r")
     afile = tmp_path / "afile"
     afile.write_text("")
     before = sorted(p for p in tmp_path.rglob("*"))
@@ -346,7 +331,7 @@ def test_mlflow_refuses_a_deleted_experiment_saying_how_to_restore_it(tmp_path: 
                                                                       capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     pytest.importorskip("mlflow")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    run_dir, store = _record(tmp_path / "r"), tmp_path / "mlruns"
+    run_dir, store = recorded_run(tmp_path / "r"), tmp_path / "mlruns"
     assert export.main(["mlflow", str(run_dir), "--out", str(store), "--project", "p"]) == 0
     client, (run,) = _mlflow_runs(store, "p")
     client.delete_experiment(client.get_experiment_by_name("p").experiment_id)
@@ -369,7 +354,7 @@ def test_wandb_default_out_is_the_run_dirs_wandb_and_the_printed_sync_path_is_tr
     pytest.importorskip("wandb")
     from wandb.proto import wandb_internal_pb2
 
-    run_dir = _record(tmp_path / "my run")  # a space: the printed path is quoted
+    run_dir = recorded_run(tmp_path / "my run")  # a space: the printed path is quoted
     env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
     done = subprocess.run([sys.executable, "-m", "gradrunner.export", "wandb", str(run_dir)], capture_output=True,
                           text=True, env=env)  # fmt: skip
