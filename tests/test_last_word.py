@@ -144,6 +144,24 @@ def test_a_sweep_ends_with_one_line_per_job(tmp_path: Path, caplog: pytest.LogCa
     assert lines == [f"job {j} ({o[0]}): {trouble}" for j, o in jobs]
 
 
+def test_a_sweeps_failed_job_has_its_line_in_job_order_and_makes_the_summary_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found 2026-11-27: the summary listed the completed jobs only, at INFO ("healthy"), after a job failed."""
+    for job in ("0", "10"):
+        train(compose_cfg("+experiment=mlp", "steps=2"), out_dir=tmp_path / job)
+    jobs = [("0", ["optimizer.lr=0.1"]), ("10", ["optimizer.lr=0.2"])]
+    with caplog.at_level(logging.INFO):
+        assert health.sweep_word(tmp_path, jobs)  # both healthy, none failed
+        assert not health.sweep_word(tmp_path, jobs, [("2", ["optimizer.lr=-1"], "Invalid learning rate: -1.")])
+    first, second = [r for r in caplog.records if r.name == HEALTH]
+    assert first.levelno == logging.INFO and second.levelno == logging.WARNING
+    lines = second.getMessage().split("\n  ")[1:]
+    assert [line.split(" (")[0] for line in lines] == ["job 0", "job 2", "job 10"]
+    assert lines[1] == "job 2 (optimizer.lr=-1): failed (Invalid learning rate: -1)"
+    assert lines[0].endswith("; healthy") and lines[2].endswith("; healthy")
+
+
 def test_a_diverging_gpt2_says_so_in_the_last_word(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("transformers")
     with caplog.at_level(logging.INFO):

@@ -7,7 +7,7 @@ Reads back only the few columns it needs (pyarrow; no torch) and judges them by 
 | --- | --- |
 | `health(job_dir)` | `Health`: loss first/last, diverging, NaN/Inf, negative lr, vanishing/exploding taps, taps never with a gradient, taps zeroed by an edit |
 | `last_word(job_dir)` | logs that summary at the end of every run (a warning when something is wrong) |
-| `brief(h)`, `sweep_word(sweep_dir, jobs)` | one line per job of a sweep, logged at the end of the sweep |
+| `brief(h)`, `sweep_word(sweep_dir, jobs, failed)` | one line per job of a sweep (a failed one with its error), logged at the end of the sweep |
 
 Example::
 
@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -310,18 +311,26 @@ def brief(h: Health) -> str:
     return f"{loss}; " + (", ".join(trouble) if trouble else "healthy")
 
 
-def sweep_word(sweep_dir: Path, jobs: list[tuple[str, list[str]]]) -> bool:
-    """Log one line per completed job of a sweep (`brief`); a warning when a job is not healthy. True if all are.
+def sweep_word(
+    sweep_dir: Path, jobs: list[tuple[str, list[str]]], failed: Sequence[tuple[str, list[str], str]] = (),
+) -> bool:  # fmt: skip
+    """Log one line per completed job of a sweep (`brief`) and per failed one (`failed`: dir, overrides, error), in
+    job order; a warning when a job is not healthy or failed. True if every job is healthy and none failed.
 
     Example::
 
         sweep_word(Path("multirun/2026-11-23/10-00-00-000000"), [("0", ["capture.strategy=hook"])])
     """
-    lines, healthy = [], True
+    from gradrunner.analysis.labels import natural_key
+
+    lines, healthy = [], not failed
     for job, overrides in jobs:
         h = health(sweep_dir / job)
         healthy &= h.healthy
-        lines.append(f"job {job} ({' '.join(overrides) or 'no overrides'}): {brief(h)}")
+        lines.append((job, f"job {job} ({' '.join(overrides) or 'no overrides'}): {brief(h)}"))
+    for job, overrides, error in failed:
+        lines.append((job, f"job {job} ({' '.join(overrides) or 'no overrides'}): failed ({error.rstrip('.')})"))
     if lines:
-        (log.info if healthy else log.warning)("%s", "\n  ".join([f"sweep summary ({sweep_dir}):", *lines]))
+        ordered = [line for _, line in sorted(lines, key=lambda jl: natural_key(Path(jl[0])))]
+        (log.info if healthy else log.warning)("%s", "\n  ".join([f"sweep summary ({sweep_dir}):", *ordered]))
     return healthy

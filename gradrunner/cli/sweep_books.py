@@ -318,7 +318,9 @@ class SweepBookkeeping(Callback):
                         "the log above says which): %s",
                         len(earlier), "; ".join(f"job {j['dir']} ({' '.join(j['overrides'])})" for j in earlier[:5])
                         + (f"; and {len(earlier) - 5} more" if len(earlier) > 5 else ""))  # fmt: skip
-        sweep_word(sweep_dir, done)  # one line per job run now: its loss, NaN/Inf, vanishing/exploding taps
+        failed = [(j["dir"], j["overrides"], str(j.get("error") or "no reason recorded"))
+                  for j in manifest["jobs"] if j["status"] == "failed"]  # fmt: skip
+        sweep_word(sweep_dir, done, failed)  # one line per job run now: its loss, NaN/Inf, vanishing/exploding taps
         if OmegaConf.select(config, "report", default=False):
             if manifest["counts"]["completed"]:
                 from gradrunner.report.write import try_report  # pandas and matplotlib only when asked
