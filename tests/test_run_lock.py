@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from gradrunner.records.columns import LOCK_FILE
+from gradrunner.run import books
 from gradrunner.run.books import LiveRun, RunLock
 
 
@@ -29,7 +30,7 @@ def test_a_run_refused_while_the_holder_writes_its_record_names_the_holder(
     with RunLock(tmp_path, "previous-owner"):  # the record a stale read would find, naming this very process
         pass
     paused, go, tried = threading.Event(), threading.Event(), threading.Event()
-    write = RunLock._write_owner
+    write = books.write_owner
 
     def pausing_write(fd: int, owner: dict[str, Any]) -> None:
         if owner.get("run_id") == "holder":
@@ -44,7 +45,7 @@ def test_a_run_refused_while_the_holder_writes_its_record_names_the_holder(
             tried.set()
         flock(fd, operation)
 
-    monkeypatch.setattr(RunLock, "_write_owner", staticmethod(pausing_write))
+    monkeypatch.setattr(books, "write_owner", pausing_write)
     monkeypatch.setattr(fcntl, "flock", noting_flock)
     release, got = threading.Event(), []
 

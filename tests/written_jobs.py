@@ -39,7 +39,7 @@ def write_job(job_dir: Path, strategy: str = "hook", steps: int = 2, overrides: 
 
 
 def recorded_run(directory: Path, steps: int = 2, seed: int = 0, taps: Sequence[str] = ("0:output", "2:weight"),
-            model: nn.Module | None = None, **options: Any) -> Path:  # fmt: skip
+                 model: nn.Module | None = None, **options: Any) -> Path:  # fmt: skip
     """A run dir written by `record`: `steps` steps of a tiny model (0 steps: a completed run with no rows)."""
     torch.manual_seed(seed)
     model = model if model is not None else nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))

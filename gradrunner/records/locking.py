@@ -13,11 +13,13 @@ its process dies (SIGKILL included), so a killed holder never blocks the next on
 it would race with a process about to lock it), and a process that locked a file someone removed meanwhile
 locks the one that is there (inode check). On a filesystem without locks it goes on unlocked, with a warning.
 The holder's record (host, pid, start time) is written over the previous one in one write, padded, then cut
-to length: never truncated first, so a refused process does not read an empty record.
+to length: never truncated first, so a refused process does not read an empty record (`write_owner`,
+`read_owner`: the run dir's lock writes and reads its record with them too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import fcntl
@@ -34,8 +36,6 @@ log = logging.getLogger(__name__)
 EXPORT_LOCK = ".gradrunner-export.lock"
 #: `flock` errors meaning "this filesystem has no locks" (go on unlocked), not "held".
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
-#: A holder's record is padded to this many bytes: a shorter record never leaves a longer one's tail behind.
-_RECORD_BYTES = 512
 
 
 class Held(Exception):
@@ -99,20 +99,25 @@ class FileLock:
 
 
 def write_owner(fd: int, owner: dict[str, Any]) -> None:
-    """Write `owner` over the lock file's record in one write (padded with spaces), then cut the file to that length."""
+    """One pwrite of the whole record (padded with blanks over a longer old one, which JSON ignores), then the
+    file cut to it: a reader never sees it empty. A record the disk refuses is emptied: never a stale one."""
     data = json.dumps(owner).encode()
-    data += b" " * max(0, _RECORD_BYTES - len(data))
     try:
-        os.pwrite(fd, data, 0)
+        os.pwrite(fd, data.ljust(os.fstat(fd).st_size, b" "), 0)
         os.ftruncate(fd, len(data))
     except OSError:
-        pass  # the record only serves messages; a full disk must not stop the lock
+        with contextlib.suppress(OSError):  # the record only serves messages: a full disk must not stop the lock
+            os.ftruncate(fd, 0)
 
 
 def read_owner(fd: int) -> dict[str, Any]:
-    """The lock file's record of its holder; {} if it does not read."""
+    """The lock file's record of its holder, read whole (a run's holds its `.hydra/`: past one read); {} if it
+    does not read."""
+    chunks: list[bytes] = []
     try:
-        data = json.loads(os.pread(fd, max(os.fstat(fd).st_size, 1), 0) or b"{}")
+        while chunk := os.pread(fd, 1 << 16, sum(map(len, chunks))):
+            chunks.append(chunk)
+        data = json.loads(b"".join(chunks) or b"{}")
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}

@@ -25,7 +25,6 @@ import contextlib
 import datetime
 import errno
 import fcntl
-import json
 import logging
 import os
 import shutil
@@ -41,6 +40,7 @@ from gradrunner.errors import GradrunnerError
 from gradrunner.records.atomic import write_atomically
 from gradrunner.records.checkpoint_files import CHECKPOINT_DIR, LEGACY_STATE, MANIFEST, read_manifest
 from gradrunner.records.columns import LOCK_FILE
+from gradrunner.records.locking import read_owner, write_owner
 from gradrunner.records.rundir import (
     DONE,
     FAILED,
@@ -285,9 +285,9 @@ class RunLock:
         hydra = hydra_snapshot(self.directory)  # before the lock: the owner record is written as soon as it is taken
         with _gate(self.directory):
             self._fd = self._take()
-            self.previous = {k: v for k, v in self._read_owner(self._fd).items() if k != "held_by"}
+            self.previous = {k: v for k, v in read_owner(self._fd).items() if k != "held_by"}
             # The owner's `.hydra/` goes into the lock file too: a later run refused here puts it back.
-            self._write_owner(self._fd, {**self._me(), "hydra": hydra})
+            write_owner(self._fd, {**self._me(), "hydra": hydra})
         return self
 
     def _take(self) -> int:
@@ -302,7 +302,7 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                owner = self._read_owner(fd)  # whole and the holder's: it wrote it inside the gate we hold
+                owner = read_owner(fd)  # whole and the holder's: it wrote it inside the gate we hold
                 os.close(fd)
                 restore_hydra(self.directory, owner.get("hydra") or {})  # Hydra rewrote the live run's .hydra/
                 raise LiveRun(self._refusal(owner)) from None
@@ -336,39 +336,16 @@ class RunLock:
             return
         restore_hydra(self.directory, self.previous.get("hydra") or {})
         with _gate(self.directory):
-            self._write_owner(self._fd, {**self.previous, "held_by": self._me()})
+            write_owner(self._fd, {**self.previous, "held_by": self._me()})
         self._put_back = True  # the previous record as it was, when this run lets go
-
-    @staticmethod
-    def _write_owner(fd: int, owner: dict[str, Any]) -> None:
-        """One pwrite of the whole record (padded with blanks over a longer old one, which JSON ignores), then the
-        file cut to it: a reader never sees it empty. A record the disk refuses is emptied: never a stale one."""
-        data = json.dumps(owner).encode()
-        try:
-            os.pwrite(fd, data.ljust(os.fstat(fd).st_size, b" "), 0)
-            os.ftruncate(fd, len(data))
-        except OSError:
-            with contextlib.suppress(OSError):  # the record only serves messages: a full disk must not stop the lock
-                os.ftruncate(fd, 0)
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
             if self._put_back:  # a refused or skipped run: the record byte for byte as it found it
                 with _gate(self.directory):
-                    self._write_owner(self._fd, self.previous)
+                    write_owner(self._fd, self.previous)
             os.close(self._fd)  # releases the lock; the file stays (removing it would race with a waiting run)
             self._fd = None
-
-    @staticmethod
-    def _read_owner(fd: int) -> dict[str, Any]:
-        chunks: list[bytes] = []
-        try:
-            while chunk := os.pread(fd, 1 << 16, sum(map(len, chunks))):
-                chunks.append(chunk)
-            data = json.loads(b"".join(chunks) or b"{}")
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
 
     def _refusal(self, owner: dict[str, Any]) -> str:
         by = owner.get("held_by")
