@@ -3,7 +3,9 @@ honestly that it could not be read; one rule for the runner and `record()`."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import json
 import os
 import threading
 from pathlib import Path
@@ -12,6 +14,7 @@ from typing import Any
 import pytest
 
 from gradrunner.records.columns import LOCK_FILE
+from gradrunner.records.locking import EXPORT_LOCK, FileLock
 from gradrunner.run import books
 from gradrunner.run.books import LiveRun, RunLock
 
@@ -96,3 +99,35 @@ def test_a_run_that_holds_the_dir_but_does_not_run_there_is_the_one_a_refusal_na
     assert "run id skipping)" in message and "previous-owner" not in message
     with RunLock(tmp_path, "next") as lock:
         assert lock.previous.get("run_id") == "previous-owner" and "held_by" not in lock.previous
+
+
+@pytest.mark.parametrize("kind", ["run dir", "export"])
+def test_both_locks_go_on_unlocked_with_a_warning_on_a_filesystem_without_locks_and_lock_the_file_that_is_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    """One loop takes both locks (`records.locking.take`): ENOLCK is "no locks here" (go on, said), and a lock file
+    replaced between open and flock is let go and the one that is there is locked."""
+    flock, calls = fcntl.flock, []
+    path = tmp_path / (LOCK_FILE if kind == "run dir" else EXPORT_LOCK)
+    path.write_text("{}")
+
+    def no_locks(fd: int, operation: int) -> None:
+        if operation & fcntl.LOCK_NB:
+            calls.append(os.fstat(fd).st_ino)
+            if len(calls) == 1:  # the first file is replaced under us: a run that removed it and made another
+                path.unlink()
+                path.write_text("{}")
+                return flock(fd, operation)
+            raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        return flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock: Any = RunLock(tmp_path, "r1") if kind == "run dir" else FileLock(path)
+    with caplog.at_level("WARNING"), lock:
+        assert json.loads(path.read_text())["pid"] == os.getpid()  # the record is in the file that is there
+    assert len(calls) == 2 and calls[0] != calls[1] == path.stat().st_ino
+    assert [r.getMessage() for r in caplog.records if "no file locks" in r.getMessage()] == [
+        f"{path}: this filesystem has no file locks ({os.strerror(errno.ENOLCK)}); "
+        + ("running without the run-dir lock, so nothing stops a second run into this dir" if kind == "run dir"
+           else "going on without the lock, so nothing stops a second process writing here")  # fmt: skip
+    ]

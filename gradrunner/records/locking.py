@@ -8,7 +8,7 @@ Example::
     except Held as e:
         print(e.owner.get("pid"))              # the live holder (its record; {} if it could not be read)
 
-The mechanism is the run dir's (`gradrunner.run.books.RunLock`): an `fcntl.flock` that the kernel drops when
+One mechanism for this lock and the run dir's (`gradrunner.run.books.RunLock`), `take`: an `fcntl.flock` that the kernel drops when
 its process dies (SIGKILL included), so a killed holder never blocks the next one; the file stays (removing
 it would race with a process about to lock it), and a process that locked a file someone removed meanwhile
 locks the one that is there (inode check). On a filesystem without locks it goes on unlocked, with a warning.
@@ -66,27 +66,7 @@ class FileLock:
 
     def __enter__(self) -> FileLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                owner = read_owner(fd)
-                os.close(fd)
-                raise Held(self.path, owner) from None
-            except OSError as e:
-                if e.errno not in _NO_LOCKS:
-                    os.close(fd)
-                    raise
-                log.warning("%s: this filesystem has no file locks (%s); going on without the lock, so nothing "
-                            "stops a second process writing here", self.path, os.strerror(e.errno or 0))  # fmt: skip
-            try:  # the file we locked may have been removed meanwhile: lock the one that is there
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
+        fd, _ = take(self.path, "going on without the lock, so nothing stops a second process writing here")
         self._fd = fd
         started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         write_owner(fd, {"host": socket.gethostname(), "pid": os.getpid(), "started": started, **self.extra})
@@ -96,6 +76,40 @@ class FileLock:
         if self._fd is not None:
             os.close(self._fd)  # releases the lock
             self._fd = None
+
+
+def take(path: Path, unlocked: str) -> tuple[int, bool]:
+    """Open and `flock` the lock file at `path`, the one that is there (it may be removed or replaced meanwhile:
+    inode check): (its fd, whether this call created the file). `Held`, with the holder's record, if a live
+    process holds it. On a filesystem without locks: a warning ending in `unlocked`, and the fd, not locked.
+
+    Example::
+
+        fd, created = take(Path("out/.gradrunner.lock"), "going on unlocked")   # Held if another process holds it
+    """
+    while True:
+        try:
+            fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+        except FileExistsError:
+            fd, created = os.open(path, os.O_RDWR | os.O_CREAT, 0o644), False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = read_owner(fd)
+            os.close(fd)
+            raise Held(path, owner) from None
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                os.close(fd)
+                raise
+            log.warning("%s: this filesystem has no file locks (%s); %s", path, os.strerror(e.errno or 0), unlocked)
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd, created
+        os.close(fd)
 
 
 def write_owner(fd: int, owner: dict[str, Any]) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
 import fcntl
 import logging
 import os
@@ -40,7 +39,7 @@ from gradrunner.errors import GradrunnerError
 from gradrunner.records.atomic import write_atomically
 from gradrunner.records.checkpoint_files import CHECKPOINT_DIR, LEGACY_STATE, MANIFEST, read_manifest
 from gradrunner.records.columns import LOCK_FILE
-from gradrunner.records.locking import read_owner, write_owner
+from gradrunner.records.locking import Held, read_owner, take, write_owner
 from gradrunner.records.rundir import (
     DONE,
     FAILED,
@@ -291,34 +290,14 @@ class RunLock:
         return self
 
     def _take(self) -> int:
-        """Open and flock the lock file (the one that is there: it may be replaced meanwhile); LiveRun if held."""
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-                self._created = True
-            except FileExistsError:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-                self._created = False
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                owner = read_owner(fd)  # whole and the holder's: it wrote it inside the gate we hold
-                os.close(fd)
-                restore_hydra(self.directory, owner.get("hydra") or {})  # Hydra rewrote the live run's .hydra/
-                raise LiveRun(self._refusal(owner)) from None
-            except OSError as e:
-                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                    os.close(fd)
-                    raise
-                log.warning("%s: this filesystem has no file locks (%s); running without the run-dir lock, so "
-                            "nothing stops a second run into this dir", self.path, os.strerror(e.errno or 0))  # fmt: skip
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                return fd
-            os.close(fd)
+        """Flock the lock file (`locking.take`); LiveRun, naming the holder, if a live run holds it."""
+        try:
+            unlocked = "running without the run-dir lock, so nothing stops a second run into this dir"
+            fd, self._created = take(self.path, unlocked)
+        except Held as held:  # its record is whole and the holder's: it wrote it inside the gate we hold
+            restore_hydra(self.directory, held.owner.get("hydra") or {})  # Hydra rewrote the live run's .hydra/
+            raise LiveRun(self._refusal(held.owner)) from None
+        return fd
 
     def _me(self) -> dict[str, Any]:
         return {"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id,
