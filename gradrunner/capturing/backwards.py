@@ -10,7 +10,8 @@ graph ran, and after DDP's finalize); without callbacks, lazily, at the next `re
 
 The step's records are one `Collector`: each backward adds its slots' rows (`micro_step` = its
 number in the step), the parameter taps add one row each for the whole step (`_settle_params`), and
-`_finish_step` makes the one host transfer. Row numbers (`order`) put each backward's rows after the
+`_finish_step` makes the one host transfer. A backward after every `.grad` was reset (`Capture._note_end`:
+LBFGS's closure) starts the step again: the rows of the backwards before it are dropped. Row numbers (`order`) put each backward's rows after the
 previous backward's, and in a backward: fired slots in firing order, the parameters, then the taps
 that did not fire.
 
@@ -109,9 +110,8 @@ class Backwards:
         self._kept: dict[int, torch.Tensor] = {}
         self._root_hooks: list[RemovableHandle] = []
         self._tap_names: list[tuple[Tap, str]] | None = None  # the taps that fire (not parameters), and their names
-        # the step in progress
-        self._backwards_in_step = 0
-        self._next_order = 0
+        # the step in progress: its backwards, the one it started again at (`Capture._note_end`), the next row's number
+        self._backwards_in_step = self._restart_at = self._next_order = 0
         #: where the parameter rows go, and those added (the tap's index -> its row's order)
         self._param_rows: tuple[int, dict[int, int]] | None = None
         self._edited: dict[int, torch.Tensor] = {}
@@ -212,6 +212,7 @@ class Backwards:
 
     # -- begin and end -------------------------------------------------------------------------------
     def _begin(self: Capture, explicit: bool, retain_graph: bool) -> _Pass:  # type: ignore[misc]
+        self._note_begin()
         if self.edits is not None:
             self.edits.begin_backward()
         again = not self._forward_since_backward and not self._firing.slots
@@ -260,19 +261,22 @@ class Backwards:
         p = self._pass
         assert p is not None
         try:
-            self._read(p)
+            self._read(p, self._note_end())
         finally:
             self._pass = None
         if self.backward_ended is not None:
             self.backward_ended(p.captured)
 
-    def _read(self: Capture, p: _Pass) -> None:  # type: ignore[misc]
-        """The end of backward `p`: its gradients into the step's records."""
-        arrived = self.edits.end_backward() if self.edits is not None else {}
+    def _read(self: Capture, p: _Pass, restart: bool) -> None:  # type: ignore[misc]
+        """The end of backward `p`: its gradients into the step's records (`restart`: in place of the step's so far)."""
+        replacing = self._params.replacing()  # parameters reset before it: their gradient of the step is this one
+        arrived = self.edits.end_backward(replacing) if self.edits is not None else {}
         if not p.captured:
             return
         self.strategy.after_backward(p.slots)
         parts = self._params.end_backward()
+        if replacing and self._pex is not None:
+            self._pex.drop(replacing)
         micro = self._backwards_in_step
         for slot in p.slots:
             if not slot.delivered:
@@ -286,6 +290,10 @@ class Backwards:
             self._edited.update((orders[k], n) for k, n in self.edits.norms.items() if k in orders)
             self.edits.last_arrived = arrived
         self._collector.flush()  # the backward's small gradients, reduced together; let go of them
+        if restart and self._backwards_in_step:  # the backwards before it are in no `.grad` (`Capture._note_end`)
+            kept = set(self._param_rows[1].values()) if self._param_rows is not None else set()  # DDP's, read
+            self._collector.discard(set(range(p.base)) - kept)
+            self._restart_at = self._backwards_in_step
         self._backwards_in_step += 1
         self._param_rows = (p.base + p.fired, {} if self._param_rows is None else self._param_rows[1])
         if self._params.synced_now:  # DDP: `.grad` as this backward left it, reduced before anything changes it
@@ -393,10 +401,12 @@ class Backwards:
         edited = self._edited
         if edited and self.grad_scale is not None:  # fp16 loss scaling: after the edit, in true units too
             edited = {k: v * self.grad_scale.to(device=v.device, dtype=v.dtype) for k, v in edited.items()}
-        numbered = self.accumulating or self._backwards_in_step > 1
+        numbered = self.accumulating or self._backwards_in_step - self._restart_at > 1
         recs = self._collector.finish(loss, updates, edited, micro_steps=numbered)
         if not numbered:
             recs.micro_step = None
+        elif self._restart_at and recs.micro_step is not None:  # numbered from the backward the step restarted at
+            recs.micro_step = [None if m is None else m - self._restart_at for m in recs.micro_step]
         if recs.reason is None:
             recs.reason = [None] * len(recs)
         if self._pex is not None:
@@ -426,7 +436,7 @@ class Backwards:
                               stacklevel=2)  # fmt: skip
 
     def _new_step(self: Capture) -> None:  # type: ignore[misc]
-        self._backwards_in_step, self._next_order, self._param_rows, self._edited = 0, 0, None, {}
+        self._backwards_in_step, self._restart_at, self._next_order, self._param_rows, self._edited = 0, 0, 0, None, {}
         if self._pex is not None:
             self._pex.end_step()
         self._params.forget()
@@ -438,4 +448,3 @@ def _world_size() -> int:
     """The processes DDP averages a synchronised gradient over (its default: the whole world)."""
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-

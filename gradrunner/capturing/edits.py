@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
@@ -401,12 +401,13 @@ class Edits:
         self._arrived, self._parts = {}, {}
         self.norms = {}
 
-    def end_backward(self) -> dict[int, torch.Tensor]:
-        """The backward ended: its parameters' gradients as they arrived join the step's; returned by `id`."""
+    def end_backward(self, replacing: Collection[int] = ()) -> dict[int, torch.Tensor]:
+        """The backward ended: its parameters' gradients as they arrived join the step's (replace it, for the
+        parameters in `replacing`: their `.grad` was reset before it, `ParamTaps.replacing`); returned by `id`."""
         done, self._arrived = self._arrived, {}
         for key, g in done.items():
             before = self._step_arrived.get(key)
-            self._step_arrived[key] = g if before is None else before + g
+            self._step_arrived[key] = g if before is None or key in replacing else before + g
         return done
 
     def step_arrived(self, param: torch.Tensor) -> torch.Tensor | None:

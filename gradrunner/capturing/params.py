@@ -5,9 +5,11 @@ whole session, as DDP's reducer holds them, with ONE node pre-hook: it receives 
 gradient a backward brings (a reentrant checkpoint brings several) after the parameter's own tensor
 hooks, before it is added to `.grad`. Nothing touches `.grad`: the model's post-accumulate-grad
 hooks see what they see without capture, and `.grad` stays the same tensor. The parts are summed
-over the step's backwards (gradient accumulation): a parameter's record is that step sum, which is
-the accumulated `.grad` when the step began with zeroed gradients, and is reduced once, when the
-step's records are taken (`ParamTaps.rows`).
+over the step's backwards (gradient accumulation), except that a gradient arriving after the
+parameter's `.grad` was reset to None (`zero_grad` between two backwards, `begin_backward`) replaces
+what arrived before: a parameter's record is the gradient accumulated in `.grad` since it was last
+reset, the one the optimiser steps with, and is reduced once, when the step's records are taken
+(`ParamTaps.rows`).
 
 A held node stays the parameter's accumulator until the parameter changes dtype or device
 (`module.double()`, `p.data = <other dtype>`): `check()` compares those once per forward and takes
@@ -110,6 +112,7 @@ class ParamTaps:
             self._held.setdefault(id(p), _Held(p))
         self._part: dict[int, torch.Tensor] = {}  # this backward's gradient, summed over its parts
         self._sum: dict[int, torch.Tensor] = {}  # the step's, summed over its backwards
+        self._cleared: set[int] = set()  # those with a step sum whose `.grad` was reset since (`begin_backward`)
         self._norms: dict[int, torch.Tensor] = {}  # the parameters' own norms, taken as the last backward began
         self._synced_read: dict[int, torch.Tensor | None] | None = None  # `.grad` after the last synchronised backward
         #: The backward that just ended synchronised the gradients (DDP): read `.grad` now.
@@ -187,11 +190,25 @@ class ParamTaps:
 
     # -- one backward ------------------------------------------------------------------------------
     def begin_backward(self) -> None:
-        """A captured backward begins: the parameters' own norms (before any optimiser step)."""
+        """A captured backward begins: the parameters' own norms (before any optimiser step); a parameter whose
+        `.grad` is None now although gradients of the step arrived for it was reset (`zero_grad`): the next
+        gradient that arrives for it replaces its step sum (`replacing`).
+
+        Only a parameter that gets a gradient again loses what arrived before: a GAN step's generator, stepped
+        and then zeroed before the discriminator's backward, keeps the gradient its optimiser used. An in-place
+        zero (`zero_grad(set_to_none=False)`) is not seen (that would take a read of every `.grad`'s version
+        after each backward). Under DDP and sharding the record is `.grad` itself, read after the sync.
+        """
         params: list[torch.Tensor] = [p for _, p in self.taps]
         # batched on an accelerator: a few launches for all; a sharded parameter's own piece (merged in the records)
         norms = value_norms([local_piece(p) for p in params] if self.sharded else params)
         self._norms = {id(p): n for p, n in zip(params, norms, strict=True)}
+        if self.synced is None and self._sum:  # one `is None` per parameter with gradients this step
+            self._cleared.update(pid for pid in self._sum if self._held[pid].param.grad is None)
+
+    def replacing(self) -> set[int]:
+        """The parameters (`id`s) whose gradient in the backward ending now replaces their step sum: reset before it."""
+        return self._cleared.intersection(self._part) if self._cleared else set()
 
     def holds(self, param: nn.Parameter) -> bool:
         """Whether `param` is tapped."""
@@ -206,16 +223,17 @@ class ParamTaps:
 
     def end_backward(self) -> dict[int, torch.Tensor | None]:
         """The captured backward ended: its gradients join the step's; returns them (for `cap.grads`)."""
-        done = dict(self._part)
+        done, replaced = dict(self._part), self.replacing()
         self._part.clear()  # in place: the pre-hooks hold this dict
         if self.done and done:
             raise GradrunnerError(
                 "a backward ended after the step's parameter gradients were reduced (cap.settle()): call settle() "
                 "after the step's last backward, or leave it to cap.records()"
             )
+        self._cleared -= replaced
         for pid, g in done.items():
             before = self._sum.get(pid)
-            self._sum[pid] = g if before is None else before + g
+            self._sum[pid] = g if before is None or pid in replaced else before + g
         self.synced_now = self.synced is not None and self.synced()
         fired = set(self._fired)
         self._fired.clear()
@@ -239,10 +257,10 @@ class ParamTaps:
         """Each tap's (index, key, parameter, step gradient or None, reason), in tap order; the sums are let go.
 
         Under DDP the gradient is `.grad` as the last synchronised backward left it (read then: the caller
-        reduces it before anything changes `.grad`); else the step's sum of what arrived.
+        reduces it before anything changes `.grad`); else the step's sum of what arrived since `.grad` was reset.
         """
         synced, sums = self._synced_read, self._sum
-        self._sum, self.synced_now, self.done = {}, False, True
+        self._sum, self._cleared, self.synced_now, self.done = {}, set(), False, True
         # which were read stays (a later backward of the step adds to it); the gradients are let go
         self._synced_read = None if synced is None else dict.fromkeys(synced)
         for i, (key, (_, p)) in enumerate(zip(self.keys, self.taps, strict=True)):
@@ -263,6 +281,7 @@ class ParamTaps:
         self._part.clear()
         self._fired.clear()
         self._sum, self._synced_read, self.synced_now, self.done, self.read_now = {}, None, False, False, None
+        self._cleared = set()
 
 
 def _check_mesh(param: torch.Tensor, tap: str) -> None:

@@ -18,6 +18,12 @@ from gradrunner.capturing.per_example_check import Projection
 from gradrunner.capturing.per_example_layers import Call
 from gradrunner.capturing.per_example_math import Form
 
+#: Why a parameter's per-example norms are None in a step whose backwards its `.grad` was reset between.
+RESET = (
+    "its .grad was reset (zero_grad) between the step's backwards: the rows of those before are in no .grad, "
+    "and per-example shares are not kept across a reset"
+)
+
 
 @dataclass
 class Micro:

@@ -123,6 +123,10 @@ class Capture(Backwards):
                                     enabled=lambda: self.enabled) if per_example and tap_params else None  # fmt: skip
         self._param_backward: ParamBackward | None = None
         self._model_params: list[nn.Parameter] | None = None  # listed once (`_watch_params`)
+        self._witness: nn.Parameter | None = None  # a parameter last seen with a `.grad` (`gradients_reset`)
+        #: The backward that ended last started the step again (`_note_end`): the step's loss is its loss.
+        self.restarted = False
+        self._filled, self._cleared_all = False, False  # the last backward left a `.grad`; all reset since
         self._firing = Firing(self)
         self._last_records: StepRecords | None = None
         self._stack = contextlib.ExitStack()
@@ -168,7 +172,7 @@ class Capture(Backwards):
         """
 
         def forget(*_: object) -> None:
-            self._model_params = None
+            self._model_params, self._witness = None, None
 
         for register in (
             nn.modules.module.register_module_parameter_registration_hook,
@@ -180,6 +184,44 @@ class Capture(Backwards):
         if self._model_params is None:
             self._model_params = list(self.model.parameters())
         return self._model_params
+
+    def gradients_reset(self) -> bool:
+        """Whether the model trains and every parameter's `.grad` is None now.
+
+        Example::
+
+            cap.gradients_reset()     # True after model.zero_grad(), before the next backward
+
+        Never for a sharded model (FSDP2 leaves `.grad` None while it accumulates without syncing). Cheap
+        where a `.grad` is held: the parameter last seen with one is looked at first.
+        """
+        if self.sharded or (self._witness is not None and self._witness.grad is not None):
+            return False
+        trains = False
+        for p in self._all_params():
+            if p.grad is not None:
+                self._witness = p
+                return False
+            trains = trains or p.requires_grad
+        return trains
+
+    def _note_begin(self) -> None:
+        """A backward begins: was every `.grad` reset since an earlier backward left one (`_note_end`)?"""
+        self._cleared_all = self._filled and self.gradients_reset()
+
+    def _note_end(self) -> bool:
+        """A backward ended: whether it starts the step again (`restarted`).
+
+        It does when every `.grad` was reset before it and the parameter seen with a `.grad` before has one
+        again: a closure evaluated again (LBFGS), a `zero_grad()` of everything between two micro-batches.
+        What the backwards before brought is then in no `.grad`. A backward that fills other parameters (a
+        GAN's second optimiser's, after the first stepped and zeroed its own) or none (a `torch.autograd.grad`)
+        adds to the step.
+        """
+        w = self._witness
+        self.restarted = self._cleared_all and w is not None and w.grad is not None
+        self._filled = not self.gradients_reset()
+        return self.restarted
 
     # -- a backward the session runs -------------------------------------------------------------
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
@@ -267,7 +309,8 @@ class Capture(Backwards):
 
         Activation, input and local taps get one record per backward and call; with several backwards
         (gradient accumulation) `micro_step` numbers them 0, 1, ... Parameter taps get one record
-        for the step (`micro_step` None): the sum of what arrived over its backwards. With `before`,
+        for the step (`micro_step` None): the sum of what arrived over its backwards since `.grad` was
+        reset (a `zero_grad()` between two of them: `ParamTaps.begin_backward`). With `before`,
         each parameter tap's `update_norm` is ||p now - p before||, computed on the device and moved
         with everything else. The records may be taken after the optimiser step: nothing they read
         changes with it (gradients are reduced, or held where nothing changes them in place). Called
@@ -278,6 +321,7 @@ class Capture(Backwards):
             return self._last_records  # no backward since: the same records
         updates = {} if before is None else before.update_norms()
         self._last_records = self._finish_step(loss, updates)
+        self._filled = False  # the next backward begins a step: no reset to look for (`_note_begin`)
         return self._last_records
 
     def snapshot_params(self) -> ParamSnapshot:

@@ -16,8 +16,8 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
   call of its own, is refused);
 - a step is one optimiser step (`state.global_step`): with `gradient_accumulation_steps=N` each
   micro-batch's backward is captured as the runner's `train.accumulate=N` (activation taps one
-  record per micro-batch, `micro_step`; parameter taps one per step, the sum of what arrived,
-  `micro_step` null); the gradients are those before clipping (`max_grad_norm`), and divided by a
+  record per micro-batch, `micro_step`; parameter taps one per step, the `.grad` accumulated since
+  its last reset, `micro_step` null); the gradients are those before clipping (`max_grad_norm`), and divided by a
   GradScaler's scale (fp16): true gradients;
 - `steps.parquet`'s `loss` is what the Trainer backpropagated over the step's micro-batches,
   unscaled: read where backward meets the model's own `loss` output (the model's loss times the

@@ -23,8 +23,8 @@ backward runs unchanged, nothing of Lightning or torch is patched:
   the records count the batch (a GAN's generator and discriminator steps are one record step);
   under `accumulate_grad_batches=N` each
   micro-batch's backward is captured as the runner's `train.accumulate=N`: activation taps one
-  record per micro-batch (`micro_step`), parameter taps one per step, the sum of what arrived
-  (`micro_step` null); the gradients are those before clipping (`gradient_clip_val`);
+  record per micro-batch (`micro_step`), parameter taps one per step, the `.grad` accumulated since
+  its last reset (`micro_step` null; LBFGS's closure evaluations: the last one's, `Capture.restarted`); the gradients are those before clipping (`gradient_clip_val`);
 - under a precision plugin with a GradScaler (`precision="16-mixed"`), gradients are divided by its
   scale on their device: the records hold the true, unscaled gradients;
 - `steps.parquet`'s `loss` is the sum of the losses Lightning backpropagated in the step (divided

@@ -229,6 +229,7 @@ class StepEngine:
         self.steps_written = 0
         self._t0 = time.perf_counter()
         self._loss: torch.Tensor | None = None
+        self._since: torch.Tensor | None = None  # the losses counted since the last backward ended
         self._before: ParamSnapshot | None = None
         self._segments: Any = None
         self._live_log: Any = None
@@ -262,7 +263,7 @@ class StepEngine:
 
     def forget_loss(self) -> None:
         """What was counted is not the step's loss (a framework backpropagated another): the row's loss is null."""
-        self._loss = None
+        self._loss = self._since = None
 
     @property
     def pending_backwards(self) -> int:
@@ -331,8 +332,12 @@ class StepEngine:
         if scale is not None:
             part = part / torch.as_tensor(scale).to(device=part.device, dtype=part.dtype)
         self._loss = part if self._loss is None else self._loss + part.to(self._loss.device)
+        self._since = part if self._since is None else self._since + part.to(self._since.device)
 
     def _backward_ended(self, captured: bool) -> None:
+        if self.capture.restarted:  # every `.grad` was reset before it (LBFGS's closure): the step's loss is its loss
+            self._loss = self._since
+        self._since = None
         if captured and self.update_norms:
             self._before = self.capture.snapshot_params()  # the last one before the optimiser step counts
 
@@ -347,7 +352,8 @@ class StepEngine:
     ) -> StepResult:  # fmt: skip
         """Close the step: its records (captured steps: one transfer), its `steps.parquet` row, both written together.
 
-        `loss` defaults to the sum of the backpropagated losses (`backward`, `add_loss`); `grad_norm` and
+        `loss` defaults to the sum of the backpropagated losses (`backward`, `add_loss`; from the backward that
+        started the step again, `Capture.restarted`: LBFGS's last closure evaluation); `grad_norm` and
         `clipped` may be device tensors (they ride in one transfer with the loss); `train` holds the
         other training columns (`lr`, `lrs`, `loss_scale`, `skipped`, `eval_loss`, ...).
         """
@@ -378,7 +384,7 @@ class StepEngine:
         if self._live_log is not None and recs is not None:
             self._live_log.write(step, recs, loss_value)  # host values the writer just took: no device sync
         self.steps_written += 1
-        self._loss, self._before = None, None
+        self._loss, self._since, self._before = None, None, None
         self.start_at(step + 1)
         if self.detector is not None:  # host values already here: no device sync of its own
             self._observe(step, loss_value, row, recs)

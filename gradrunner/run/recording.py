@@ -17,9 +17,10 @@ Example::
 
 A step is one optimiser step: several backwards before `rec.step` (gradient accumulation) give the
 runner's records (`train.accumulate=N`): activation, input and local taps one record per backward
-(`micro_step` 0, 1, ...); parameter taps one record per step (`micro_step` null), the sum of the
-gradients that arrived over the step's backwards: the accumulated `.grad` the optimiser uses, before
-clipping (held by the capture, so clipping or `zero_grad` before `rec.step` does not change it).
+(`micro_step` 0, 1, ...); parameter taps one record per step (`micro_step` null), the gradient
+accumulated in `.grad` over the step's backwards since it was last reset (`zero_grad` between two
+backwards: `ParamTaps.begin_backward`): the one the optimiser uses, before clipping (held by the
+capture, so clipping or `zero_grad` before `rec.step` does not change it).
 The Lightning and HF callbacks (`gradrunner.integrations`) drive this same `Recorder`.
 """
 
