@@ -311,6 +311,21 @@ def test_grad_norm_of_finite_gradients_near_1e20_is_finite(foreach: bool, monkey
     assert float(total_norm([])) == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grad_norm_of_16_bit_gradients_on_the_cpu_is_accumulated_in_float64(dtype: torch.dtype) -> None:
+    """`precision="bf16-true"` on the CPU: each 16-bit gradient's norm was taken in its own dtype (2.317797 for a
+    float64 2.319633); now in float64, equal to a numpy float64 norm of the same 16-bit elements."""
+    from gradrunner.run.numerics import total_norm
+
+    gen = torch.Generator().manual_seed(11)
+    grads = [(torch.randn(shape, generator=gen) * 0.1).to(dtype) for shape in ((64, 32), (32,), (300, 7))]
+    got = total_norm(_params(*grads))
+    assert got.dtype == torch.float64
+    assert float(got) == pytest.approx(_reference_norm(*grads), rel=1e-12)
+    beside = torch.randn(50, generator=gen)  # a float32 gradient beside them: its norm is float32's (torch's)
+    assert float(total_norm(_params(*grads, beside))) == pytest.approx(_reference_norm(*grads, beside), rel=1e-7)
+
+
 def test_the_accelerator_norm_path_accumulates_in_float64(monkeypatch: pytest.MonkeyPatch) -> None:
     # off the CPU every group takes `norms_all(..., dtype=float64)` (no host read); forced here on CPU tensors
     from gradrunner.capturing import torch_compat
