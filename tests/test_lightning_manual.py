@@ -1,4 +1,5 @@
-"""Lightning manual optimisation with two optimisers (a GAN step): record steps are Lightning's logging steps.
+"""Lightning manual optimisation with two optimisers (a GAN step): record steps are Lightning's logging steps;
+with one optimiser stepped every N-th batch (accumulation by hand), a step is the window, numbered `global_step`.
 
 `trainer.global_step` counts each optimiser's step (two per batch here) while Lightning's loggers count
 the batch; the records count the batch too, so a resume from `fit(ckpt_path=...)` (whose global step is
@@ -132,3 +133,74 @@ def test_a_resume_from_a_lightning_checkpoint_continues_the_records(tmp_path: Pa
     assert _norms(tmp_path / "cut").index.tolist() == [0, 1]
     _fit(tmp_path / "cut", max_steps=8, ckpt=tmp_path / "c.ckpt", resume=True)
     pd.testing.assert_frame_equal(_norms(tmp_path / "cut"), _norms(tmp_path / "full"))
+
+
+# -- one optimiser, a window of batches accumulated by hand: one step, numbered by global_step ---------------
+class HandAccumulated(pl.LightningModule):
+    """`manual_backward(loss / n)` every batch, `opt.step()` every `n`-th: a step of `n` micro-batches."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.n = n
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], i: int) -> None:
+        opt = self.optimizers()
+        self.manual_backward(nn.functional.mse_loss(self.net(batch[0]), batch[1]) / self.n)
+        if (i + 1) % self.n == 0:
+            opt.step()
+            opt.zero_grad()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _batches() -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(60, 4, generator=g),
+                                                                      torch.randn(60, 2, generator=g)), batch_size=5)  # fmt: skip
+
+
+def _hand_reference(n: int, steps: int) -> list[tuple[list[float], float]]:
+    """Per optimizer step, plain torch: each micro-batch's `net.0` output gradient norm, and the `.grad` it stepped."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    out: list[tuple[list[float], float]] = []
+    micro: list[float] = []
+    for i, (x, y) in enumerate(list(_batches())[: n * steps]):
+        h = net[0](x)
+        loss = nn.functional.mse_loss(net[2](net[1](h)), y) / n
+        micro.append(float(torch.autograd.grad(loss, h, retain_graph=True)[0].norm()))
+        loss.backward()
+        if (i + 1) % n == 0:
+            out.append((micro, float(net[0].weight.grad.norm())))
+            micro = []
+            opt.step()
+            opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_window_accumulated_by_hand_is_one_step_with_its_whole_gradient(tmp_path: Path, n: int) -> None:
+    """Before, the record step was renumbered from Lightning's count of batches mid-window: with every=2, steps
+    labelled 0 and 4 (n=3), the second holding 2 of 3 micro-batches and part of the `.grad` the optimizer used;
+    with n=2 every step captured (0, 2, 4, 6)."""
+    trainer = pl.Trainer(max_steps=4, callbacks=[GradientCapture(taps=["net.0:output", "net.0:weight"], dir=tmp_path, every=2)],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accelerator="cpu", devices=1)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(HandAccumulated(n), _batches())
+    want = _hand_reference(n, 4)
+    assert pd.read_parquet(tmp_path / "steps.parquet")["step"].tolist() == [0, 1, 2, 3]
+    rows = pd.read_parquet(tmp_path / "grads.parquet")
+    weight = rows[rows["tap"] == "net.0:weight"].set_index("step")["norm"]
+    assert weight.index.tolist() == [0, 2]
+    for step in (0, 2):
+        assert weight[step] == pytest.approx(want[step][1], rel=1e-6)
+        acts = rows[(rows["tap"] == "net.0:output") & (rows["step"] == step)].sort_values("micro_step")
+        assert acts["micro_step"].tolist() == list(range(n))
+        assert acts["norm"].tolist() == pytest.approx(want[step][0], rel=1e-6)

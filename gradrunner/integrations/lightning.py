@@ -17,10 +17,11 @@ backward runs unchanged, nothing of Lightning or torch is patched:
 - validation (sanity check included), test and predict loops are not training: capture is paused from their
   `on_*_start` to their `on_*_end` (a backward there, a saliency metric's `torch.autograd.grad` under
   `inference_mode=False`, is neither recorded nor left pending), and resumed as it was;
-- a step is one training batch that stepped the optimiser(s), numbered as Lightning's loggers number
-  their points (its training epoch loop's count of such batches): `trainer.global_step` with one
-  optimiser; in manual optimisation with several, `global_step` counts each optimiser's step and
-  the records count the batch (a GAN's generator and discriminator steps are one record step);
+- a step ends with the training batch that stepped the optimiser(s), and holds the batches since the last
+  step (a window accumulated by hand under manual optimisation: `manual_backward` every batch, `opt.step()`
+  every N-th); it is numbered `trainer.global_step` with one optimiser; in manual optimisation with
+  several, `global_step` counts each optimiser's step and the records count the batch, as Lightning's
+  loggers do (a GAN's generator and discriminator steps are one record step);
   under `accumulate_grad_batches=N` each
   micro-batch's backward is captured as the runner's `train.accumulate=N`: activation taps one
   record per micro-batch (`micro_step`), parameter taps one per step, the `.grad` accumulated since
@@ -129,12 +130,12 @@ class GradientCapture(CallbackOptions, Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         rec = self.recorder
-        if rec is None or rec.engine.pending_backwards:
-            return
+        if rec is None or rec.engine.has_loss or rec.engine.pending_backwards:
+            return  # the step in progress backpropagated already (captured or not): a batch of it keeps its number
         step = _logging_step(trainer)
         if rec.step_index != step:
             # resume=True with ckpt_path=: the records before the checkpoint's step are kept (the first batch);
-            # manual optimisation: a batch that stepped no optimiser counts in Lightning's loggers too
+            # several optimisers under manual optimisation: a batch that stepped none counts in Lightning's loggers
             rec.start_at(step)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
@@ -222,8 +223,15 @@ class GradientCapture(CallbackOptions, Callback):
 
 
 def _logging_step(trainer: Trainer) -> int:
-    """The step Lightning's loggers give the batch now starting: its training epoch loop's count of batches that
-    stepped (restored from a checkpoint); `trainer.global_step` where a Lightning lacks it (one optimiser: the same)."""
+    """The number of the step a batch starting with no step in progress begins (both restored from a checkpoint).
+
+    One optimiser: `trainer.global_step`, its steps (under manual optimisation Lightning's loggers count every
+    batch, also one of a window accumulated by hand, which steps nothing). Several (manual optimisation, where
+    `global_step` counts each one's step): the batch, as Lightning's loggers count it (its training epoch loop's
+    `_batches_that_stepped`; `global_step` where a Lightning lacks it).
+    """
+    if len(trainer.optimizers) <= 1:
+        return int(trainer.global_step)
     loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
     count = getattr(loop, "_batches_that_stepped", None)
     return int(count) if isinstance(count, int) else int(trainer.global_step)
