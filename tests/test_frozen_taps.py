@@ -114,3 +114,58 @@ def test_lightning_fine_tuning_with_a_frozen_then_unfrozen_backbone_records_its_
     rows = pd.read_parquet(tmp_path / "grads.parquet").sort_values("step")
     assert rows["has_grad"].tolist() == [False, True, True, True]
     assert rows["norm"].iloc[1:].tolist() == pytest.approx(want[1:], rel=1e-6)
+
+
+def _edited_reference(frozen_steps: int, steps: int) -> tuple[list[float | None], list[torch.Tensor]]:
+    """`_reference`'s training with d loss / d backbone output halved by a plain tensor hook: per step the norm
+    that arrived (None while frozen), and the parameters at the end."""
+    net, out = Net(), []
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = (
+        torch.randn(8, 4, generator=torch.Generator().manual_seed(1)),
+        torch.randn(8, 2, generator=torch.Generator().manual_seed(2)),
+    )
+    for step in range(steps):
+        net.backbone.requires_grad_(step >= frozen_steps)
+        arrived: list[float] = []
+
+        def halve(m: nn.Module, a: object, o: torch.Tensor, arrived: list[float] = arrived) -> None:
+            if o.requires_grad:
+                o.register_hook(lambda g: (arrived.append(float(g.norm())), g * 0.5)[1])
+
+        handle = net.backbone.register_forward_hook(halve)
+        nn.functional.mse_loss(net(x), y).backward()
+        handle.remove()
+        out.append(arrived[0] if arrived else None)
+        opt.step()
+        opt.zero_grad()
+    return out, [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("strategy", ["hook", "retain_grad", "autograd_grad"])
+def test_an_edit_on_a_tap_frozen_for_now_does_nothing_there_and_edits_once_it_trains(strategy: str) -> None:
+    """Before, the edit raised 'cannot carry a gradient' at the first frozen step (a GAN step under Lightning's
+    toggle_optimizer died at its first discriminator step), though the same tap without the edit is a row."""
+    want, params = _edited_reference(2, 4)
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    x, y = (
+        torch.randn(8, 4, generator=torch.Generator().manual_seed(1)),
+        torch.randn(8, 2, generator=torch.Generator().manual_seed(2)),
+    )
+    got = []
+    with capture(net, ["backbone:output"], strategy=strategy, edits=[{"tap": "backbone:output", "scale": 0.5}]) as cap:
+        for step in range(4):
+            net.backbone.requires_grad_(step >= 2)
+            loss = nn.functional.mse_loss(net(x), y)
+            cap.backward(loss)
+            row = cap.records(loss).row(0)
+            got.append((row["has_grad"], row["edited"], row["norm"], row["edited_norm"], row["reason"]))
+            opt.step()
+            opt.zero_grad()
+    assert [g[:2] for g in got] == [(False, False), (False, False), (True, True), (True, True)]
+    assert got[0][4] == "does not require grad (detached, or frozen)"
+    assert [g[2] for g in got[2:]] == pytest.approx(want[2:], rel=1e-6)
+    assert [g[3] for g in got[2:]] == pytest.approx([0.5 * w for w in want[2:]], rel=1e-6)  # type: ignore[operator]
+    for p, q in zip(net.parameters(), params, strict=True):
+        torch.testing.assert_close(p.detach(), q, rtol=1e-6, atol=1e-7)

@@ -356,7 +356,9 @@ class Edits:
         return [param.register_hook(tensor_hook), param.register_post_accumulate_grad_hook(after_accumulation)]
 
     def refuse(self, tap: Tap, why: str) -> None:
-        """An edited tap fired on a value without gradient: a named tap is a mistake (a glob's match is skipped)."""
+        """An edited tap fired on a value that cannot carry a gradient: a named tap is a mistake (a glob's match is
+        skipped). The caller does not ask for a value without gradient only while parameters are frozen (the other
+        network of a GAN step): the edit does nothing in that call (`on_fire` lets a value without grad through)."""
         edits = self.by_tap.get(tap.tap)
         if edits and not tap.from_glob:
             raise GradrunnerError(

@@ -268,9 +268,10 @@ class Firing:
         # only floating-point and complex tensors can require grad: the usual case needs no further look
         why = None if tensor is not None and tensor.requires_grad else no_grad_reason(value, is_input)
         if why is not None:
-            if edits is not None:
+            frozen = self._frozen_for_now(why[0])  # this call only: the edit does nothing in it, the row says why
+            if edits is not None and not frozen:
                 edits.refuse(tap, why[1])
-            if not tap.from_glob and not self._frozen_for_now(why[0]):
+            if not tap.from_glob and not frozen:
                 raise GradrunnerError(
                     f"tap {tap.tap!r} cannot carry a gradient: its value is {why[1]}.{element_hint(tap, value)} "
                     "Tap a tensor computed from parameters or from an input that requires grad (an input tap on "
