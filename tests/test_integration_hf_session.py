@@ -99,15 +99,18 @@ def _same(a: pd.DataFrame, b: pd.DataFrame) -> None:
 
 
 @pytest.mark.slow
-def test_resume_from_checkpoint_gives_the_uninterrupted_records(tmp_path: Path) -> None:
+@pytest.mark.parametrize("edits", [[], [{"tap": TAPS[0], "dropout": 0.5}]], ids=["plain", "dropout"])
+def test_resume_from_checkpoint_gives_the_uninterrupted_records(tmp_path: Path, edits: list[Any]) -> None:
     """A crash at step 3 after the Trainer's checkpoint-2; a new callback (no close() of the old one) with
-    resume=True and train(resume_from_checkpoint=...): the records equal an uninterrupted run's."""
-    _train(tmp_path / "whole-hf", [GradientCaptureCallback(taps=TAPS, dir=tmp_path / "whole")])
+    resume=True and train(resume_from_checkpoint=...): the records equal an uninterrupted run's. With a seeded
+    edit, the resumed session draws on from the uninterrupted run's backward count (before: from 0 again)."""
+    _train(tmp_path / "whole-hf", [GradientCaptureCallback(taps=TAPS, dir=tmp_path / "whole", edits=edits)])
     run, out = tmp_path / "run", tmp_path / "hf"
     with pytest.raises(RuntimeError, match="crash"):
-        _train(out, [GradientCaptureCallback(taps=TAPS, dir=run), Crash()], save_strategy="steps", save_steps=2)
-    _train(out, [GradientCaptureCallback(taps=TAPS, dir=run, resume=True)], resume_from=str(out / "checkpoint-2"),
-           save_strategy="steps", save_steps=2)  # fmt: skip
+        _train(out, [GradientCaptureCallback(taps=TAPS, dir=run, edits=edits), Crash()], save_strategy="steps",
+               save_steps=2)  # fmt: skip
+    _train(out, [GradientCaptureCallback(taps=TAPS, dir=run, resume=True, edits=edits)],
+           resume_from=str(out / "checkpoint-2"), save_strategy="steps", save_steps=2)  # fmt: skip
     assert (run / "done.json").is_file()
     _same(load(tmp_path / "whole"), load(run))
     _same(load(tmp_path / "whole", table="steps"), load(run, table="steps"))

@@ -110,8 +110,10 @@ def test_a_two_optimiser_step_is_one_record_step_equal_to_plain_hooks(tmp_path: 
     assert pd.read_parquet(tmp_path / "run" / "steps.parquet")["step"].tolist() == [0, 1, 2, 3]
 
 
-def test_a_resume_from_a_lightning_checkpoint_continues_the_records(tmp_path: Path) -> None:
-    _fit(tmp_path / "full", max_steps=8)
+@pytest.mark.parametrize("edits", [[], [{"tap": "g.0:output", "dropout": 0.5}]], ids=["plain", "dropout"])
+def test_a_resume_from_a_lightning_checkpoint_continues_the_records(tmp_path: Path, edits: list[Any]) -> None:
+    """With a seeded edit (two backwards a step here): before, the resumed session drew from backward 0 again."""
+    _fit(tmp_path / "full", max_steps=8, edits=edits)
     with pytest.raises((KeyboardInterrupt, SystemExit)):  # an interrupted fit (Lightning exits): its steps kept
 
         class Stop(pl.Callback):  # a checkpoint where ModelCheckpoint(every_n_train_steps=...) saves it, then Ctrl-C
@@ -123,7 +125,7 @@ def test_a_resume_from_a_lightning_checkpoint_continues_the_records(tmp_path: Pa
                 if trainer.global_step == 4:
                     raise KeyboardInterrupt
 
-        trainer = pl.Trainer(max_steps=8, callbacks=[Stop(), GradientCapture(taps=TAPS, dir=tmp_path / "cut")],
+        trainer = pl.Trainer(max_steps=8, callbacks=[Stop(), GradientCapture(taps=TAPS, dir=tmp_path / "cut", edits=edits)],
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, accelerator="cpu", devices=1)  # fmt: skip
         with warnings.catch_warnings():
@@ -131,7 +133,7 @@ def test_a_resume_from_a_lightning_checkpoint_continues_the_records(tmp_path: Pa
             trainer.fit(GAN(), _data())
     assert not (tmp_path / "cut" / "done.json").exists()
     assert _norms(tmp_path / "cut").index.tolist() == [0, 1]
-    _fit(tmp_path / "cut", max_steps=8, ckpt=tmp_path / "c.ckpt", resume=True)
+    _fit(tmp_path / "cut", max_steps=8, ckpt=tmp_path / "c.ckpt", resume=True, edits=edits)
     pd.testing.assert_frame_equal(_norms(tmp_path / "cut"), _norms(tmp_path / "full"))
 
 

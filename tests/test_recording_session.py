@@ -244,6 +244,24 @@ def test_resume_from_a_checkpoint_gives_the_uninterrupted_records(tmp_path: Path
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith(".resumed")) == []
 
 
+def test_resume_with_a_seeded_edit_draws_what_the_uninterrupted_run_drew(tmp_path: Path) -> None:
+    """`dropout` draws per backward: before, the resumed session drew from backward 0 again (its step 3 had the
+    uninterrupted run's step 0's mask), so its records and the trained parameters differed."""
+    edits = [{"tap": "0:output", "dropout": 0.5}]
+    whole = _model()
+    _train(tmp_path / "whole", range(6), whole, torch.optim.SGD(whole.parameters(), lr=0.1), edits=edits)
+    model, saved = _model(), {}
+    with pytest.raises(KeyboardInterrupt):
+        _train(tmp_path / "run", range(6), model, torch.optim.SGD(model.parameters(), lr=0.1), crash_at=4, saved=saved,
+               edits=edits)  # fmt: skip
+    model = _model()
+    model.load_state_dict(saved)
+    _train(tmp_path / "run", range(3, 6), model, torch.optim.SGD(model.parameters(), lr=0.1), resume=True, edits=edits)
+    _same(load(tmp_path / "whole"), load(tmp_path / "run"))
+    for p, q in zip(whole.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 def test_resume_by_default_continues_after_the_last_recorded_step(tmp_path: Path) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -253,18 +253,18 @@ class Capture(Backwards):
             self._param_backward = ParamBackward(self._all_params, self._params, by_backward)
         return self._param_backward
 
-    def skip_backwards(self, n: int) -> None:
-        """Go on as if `n` backwards had already run (a job resumed mid-run from a checkpoint).
+    def start_backwards_at(self, n: int) -> None:
+        """Number the next backward `n` (from 0): a run resumed mid-way, whose first `n` backwards ran before.
 
         Example::
 
-            cap.skip_backwards(start_step * accumulate)
+            cap.start_backwards_at(start_step * accumulate)
 
         Seeded edits (`dropout`, `noise_std`) draw per backward: they then draw what the
-        uninterrupted run drew.
+        uninterrupted run drew. Call it before the forward of that backward.
         """
         if self.edits is not None:
-            self.edits.step += n
+            self.edits.step = int(n) - 1  # `begin_backward` counts the next one
 
     def reset(self) -> None:
         """Forget the calls fired since the last backward (e.g. after the loss failed).

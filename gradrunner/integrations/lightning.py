@@ -38,7 +38,8 @@ backward runs unchanged, nothing of Lightning or torch is patched:
   the optimizer step, which leaves `.grad` as it found it) below that one. Under manual optimisation the module
   clips before its optimizer step: `grad_norm` is the norm as the step begins, `clipped` null;
 - `resume=True` with `fit(ckpt_path=...)`: the records of the steps before the checkpoint's step
-  are kept, the rest recorded again;
+  are kept, the rest recorded again; the checkpoint holds the run's count of backwards (`checkpoint["gradrunner"]`),
+  from which seeded edits (`dropout`, `noise_std`) draw on as the uninterrupted run did;
 - under DDP every rank captures and rank 0 writes every rank's rows (`rank` column); parameter
   taps are read from `.grad` after the backward that synchronised (DDP's all-reduce, on the step's
   last micro-batch);
@@ -69,6 +70,8 @@ log = logging.getLogger(__name__)
 SUPPORTED_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "ModelParallelStrategy")
 #: Of those, the one whose parameters are sharded (`DTensor`s, FSDP2 / TP): read after their reduce-scatter.
 SHARDED_STRATEGIES = ("ModelParallelStrategy",)
+#: The key of a Lightning checkpoint holding what the callback keeps there (`on_save_checkpoint`).
+CHECKPOINT_KEY = "gradrunner"
 
 
 class GradientCapture(CallbackOptions, Callback):
@@ -95,6 +98,9 @@ class GradientCapture(CallbackOptions, Callback):
         self._before_clipping: tuple[list[torch.nn.Parameter], torch.Tensor | None] | None = None
         #: the evaluation loops running (a sanity check's validation inside it), and whether capture was on as the first began
         self._evaluating, self._was_enabled = 0, False
+        #: the run's backwards so far (for a checkpoint: `on_save_checkpoint`), and those a restored checkpoint says ran
+        self._backwards = 0
+        self._restored_backwards: int | None = None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         dist = self._distributed(trainer)
@@ -133,10 +139,11 @@ class GradientCapture(CallbackOptions, Callback):
         if rec is None or rec.engine.has_loss or rec.engine.pending_backwards:
             return  # the step in progress backpropagated already (captured or not): a batch of it keeps its number
         step = _logging_step(trainer)
-        if rec.step_index != step:
+        backwards, self._restored_backwards = self._restored_backwards, None  # the first batch after a restore
+        if rec.step_index != step or backwards is not None:
             # resume=True with ckpt_path=: the records before the checkpoint's step are kept (the first batch);
             # several optimisers under manual optimisation: a batch that stepped none counts in Lightning's loggers
-            rec.start_at(step)
+            rec.start_at(step, backwards)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         if self.recorder is not None:
@@ -146,6 +153,15 @@ class GradientCapture(CallbackOptions, Callback):
     def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.recorder is not None:
             self.recorder.capture.finish_backward()
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """The checkpoint keeps the run's backwards so far: a fit resumed from it draws seeded edits on from there."""
+        backwards = self.recorder.engine.backwards_run if self.recorder is not None else self._backwards
+        checkpoint[CHECKPOINT_KEY] = {"backwards": backwards}
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        backwards = checkpoint.get(CHECKPOINT_KEY, {}).get("backwards")
+        self._restored_backwards = int(backwards) if isinstance(backwards, int) else None
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if self.recorder is None or self._train:
@@ -219,6 +235,7 @@ class GradientCapture(CallbackOptions, Callback):
     def _close(self, error: BaseException | None) -> None:
         rec, self.recorder = self.recorder, None
         if rec is not None:
+            self._backwards = rec.engine.backwards_run  # a checkpoint saved after the fit
             rec.__exit__(type(error) if error is not None else None, error, None)
 
 

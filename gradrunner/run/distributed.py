@@ -281,7 +281,7 @@ class GatheredWriter:
 
     Example::
 
-        grads, steps = engine.open_writers(stack, files, d)     # (gradrunner.run.engine)
+        grads, steps = open_writers(stack, files, d)     # (gradrunner.run.writers)
         grads.write_step(step, records)        # on every rank, the same steps in the same order
         steps.write(step, ...)                 # the step's grads rows are written now, with its steps row
 

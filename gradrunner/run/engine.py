@@ -1,7 +1,7 @@
 """The step engine: the one object behind the runner's `train_step`, `gradrunner.record` and both callbacks.
 
 It owns what every way of training shares: the capture session over the model (the strategy's way
-around the caller's backward), the run's writers (`open_writers`: one process, or rank 0 writing
+around the caller's backward), the run's writers (`run.writers.open_writers`: one process, or rank 0 writing
 every rank's rows under DDP), live segments and the live TensorBoard log, which steps are captured
 (`every`), the loss-scale inversion of a GradScaler, the step's loss summed on the device, update
 norms, peak memory, and writing a step's rows: grads rows and the steps row together or not at all.
@@ -27,7 +27,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,16 +39,18 @@ from gradrunner.capturing.torch_compat import scale_tensor
 from gradrunner.config.anomaly_settings import WARMUP, WINDOW, Z
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.anomalies import ANOMALIES_FILE
-from gradrunner.records.columns import GRADS_FILE, STEPS_FILE, StepRecords
+from gradrunner.records.columns import StepRecords
 from gradrunner.run import distributed
 from gradrunner.run.guards import check_finite, side_file_error, write_errors
 from gradrunner.run.signals import ending_signals_as_interrupt
+from gradrunner.run.writers import RunFiles, open_writers
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from gradrunner.records.writer import RecordWriter, StepsWriter
     from gradrunner.run.distributed import Distributed, GatheredWriter
+
+__all__ = ["LIVE_EVERY", "RunFiles", "StepEngine", "StepResult", "open_writers", "peak_memory_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -68,64 +69,6 @@ def peak_memory_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # bytes on macOS, KiB on Linux
-
-
-@dataclass(frozen=True)
-class RunFiles:
-    """What every writer of one run is made with: where, the constant columns, the metadata, the optional columns.
-
-    Example::
-
-        files = RunFiles(run_dir, {"run_id": "r", "experiment": "mlp", ...}, run_metadata(yaml, seed=0))
-        files.grads_writer()          # run_dir/grads.parquet; files.grads_writer(path): a segment file
-    """
-
-    directory: Path
-    constants: dict[str, str]
-    metadata: dict[str, str]
-    per_example: bool = False
-    histogram: bool = False
-
-    @property
-    def run_id(self) -> str:
-        return self.constants["run_id"]
-
-    def grads_writer(self, path: Path | None = None) -> RecordWriter:
-        from gradrunner.records.writer import RecordWriter  # pyarrow: imported once writing starts
-
-        return RecordWriter(path or self.directory / GRADS_FILE, constants=self.constants, metadata=self.metadata,
-                            per_example=self.per_example, histogram=self.histogram)  # fmt: skip
-
-    def steps_writer(self, path: Path | None = None) -> StepsWriter:
-        from gradrunner.records.writer import StepsWriter
-
-        return StepsWriter(path or self.directory / STEPS_FILE, constants=self.constants, metadata=self.metadata)
-
-
-def open_writers(
-    stack: contextlib.ExitStack, files: RunFiles, dist: Distributed | None = None
-) -> tuple[RecordWriter | GatheredWriter, StepsWriter | GatheredWriter]:
-    """The run's grads and steps writers, closed together by `stack` (both kept, with the same steps, or both dropped).
-
-    Example::
-
-        grads, steps = open_writers(stack, files)          # under DDP (dist): every rank calls, rank 0 writes
-
-    Under DDP each rank gets a `GatheredWriter`; rank 0's gathers every rank's rows into the real files.
-    """
-    from gradrunner.records.table_writer import closing_together
-
-    main = dist is None or dist.is_main
-    grads = files.grads_writer() if main else None
-    steps = files.steps_writer() if main else None
-    if grads is not None and steps is not None:
-        stack.enter_context(closing_together(grads, steps))
-    if dist is None:
-        assert grads is not None and steps is not None
-        return grads, steps
-    pending: list[tuple[GatheredWriter, str, list[Any]]] = []
-    gathered = distributed.GatheredWriter
-    return gathered(dist, grads, pending), gathered(dist, steps, pending, completes_step=True)
 
 
 #: The keys of an `anomaly` mapping: the detector's settings (the runner's `anomaly.*` adds `replay`).
@@ -223,6 +166,10 @@ class StepEngine:
         self.capture = Capture(inner, taps, keep_grads=False, loss_scale=loss_scale, params_synced=synced,
                                **capture_options)  # fmt: skip
         self.capture.backward_ended = self._backward_ended
+        #: the backwards each step holds (the runner's `train.accumulate`, a framework's accumulation): `accumulate`
+        self._accumulate = 1
+        #: the run's backwards before this session's first (a resumed run), and those this session ran
+        self._backwards_before, self._backwards = 0, 0
         self.grads: Any = None
         self.steps: Any = None
         self.step = 0
@@ -266,6 +213,23 @@ class StepEngine:
         self._loss = self._since = None
 
     @property
+    def accumulate(self) -> int:
+        """The backwards a step holds (1; the runner's `train.accumulate`, a framework's accumulation): `micro_step`
+        numbers them when over 1, and a resumed session's seeded edits draw on from `step * accumulate`."""
+        return self._accumulate
+
+    @accumulate.setter
+    def accumulate(self, n: int) -> None:
+        self._accumulate = int(n)
+        self.capture.accumulating = self._accumulate > 1
+
+    @property
+    def backwards_run(self) -> int:
+        """The run's backwards so far, captured or not (a resumed run's before this session included): the number
+        the next backward has in the seeds of `dropout` and `noise_std` edits."""
+        return self._backwards_before + self._backwards
+
+    @property
     def pending_backwards(self) -> int:
         """Captured backwards since the last step closed: more than 0 at the end means a step was never closed."""
         return self.capture.pending_backwards
@@ -304,9 +268,17 @@ class StepEngine:
         self.grads, self.steps = wrap(self.grads), wrap(self.steps)
 
     # -- a step ------------------------------------------------------------------------------------
-    def start_at(self, step: int) -> None:
-        """Number the next step `step` (a resumed run's first); capture is on for its forwards when it is captured."""
+    def start_at(self, step: int, backwards: int | None = None) -> None:
+        """Number the next step `step` (a resumed run's first); capture is on for its forwards when it is captured.
+
+        Before this session's first backward it is where the run resumes: the seeded edits (`dropout`,
+        `noise_std`) draw on as the uninterrupted run did, from its backward `backwards` (the run's backwards
+        before `step`; default `step * accumulate`). Later it only renumbers the step.
+        """
         self.step = int(step)
+        if not self._backwards:
+            self._backwards_before = self.step * self._accumulate if backwards is None else int(backwards)
+            self.capture.start_backwards_at(self._backwards_before)
         self.capture.enabled = self.captured
         self._t0 = time.perf_counter()
 
@@ -335,6 +307,7 @@ class StepEngine:
         self._since = part if self._since is None else self._since + part.to(self._since.device)
 
     def _backward_ended(self, captured: bool) -> None:
+        self._backwards += 1
         if self.capture.restarted:  # every `.grad` was reset before it (LBFGS's closure): the step's loss is its loss
             self._loss = self._since
         self._since = None

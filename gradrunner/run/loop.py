@@ -148,13 +148,12 @@ def _run_steps(cfg: DictConfig, job: Job, engine: StepEngine, ctx: StepContext, 
     """The step loop: `train_step` for every step, with progress, the run's watches and checkpoints."""
     bar = Progress(cfg.steps)
     start = 0
-    engine.capture.accumulating = ctx.accumulate > 1
+    engine.accumulate = ctx.accumulate
     if ckpt is not None:
         start = ckpt.restore(job, ctx.scaler, engine.grads, engine.steps, engine.run_id)  # a sweep re-run resumes too
         ckpt.start(start)
-        engine.capture.skip_backwards(start * ctx.accumulate)  # one backward per micro-batch: seeded edits draw on
         engine.tee(ckpt.tee)
-        engine.start_at(start)
+        engine.start_at(start)  # one backward per micro-batch: seeded edits draw on from start * accumulate
     full_values, zeros = cfg.capture["values"] == "full", watch.ZeroWatch(int(cfg.steps))
     warned: set[str] = set()
     try:

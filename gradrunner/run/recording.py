@@ -137,6 +137,7 @@ class Recorder:
         self.who = "record()"
         self._kept: record_books.Kept | None = None
         self._start: int | None = None  # a `start_at` before the block opened: it wins over the kept records' next step
+        self._start_backwards: int | None = None  # ... and the backwards it gave
         self._log: Any = None
         self.engine = StepEngine(model, self.taps, strategy=strategy, every=every, values=values,
                                  sample_size=sample_size, seed=seed, per_example=per_example, histogram=histogram,
@@ -206,7 +207,10 @@ class Recorder:
                          per_example=bool(c.per_example), histogram=bool(c.histogram))  # fmt: skip
         self.engine.open(self._stack, files)
         if self._kept is not None:  # by default, the step after the last one recorded
-            self.engine.start_at(self._kept.next_step if self._start is None else self._start)
+            if self._start is None:
+                self.engine.start_at(self._kept.next_step)
+            else:
+                self.engine.start_at(self._start, self._start_backwards)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self._open = False
@@ -335,17 +339,19 @@ class Recorder:
                             "ever); the README's section on this framework says where the loss is read", self.who)
         return self.engine.end_step(loss, **(extra or {}))
 
-    def start_at(self, step: int) -> None:
+    def start_at(self, step: int, backwards: int | None = None) -> None:
         """Number the next step `step` (a resumed run's first); capture is on for its forward when it is captured.
 
         Under `resume=True` the kept records of the steps before `step` stay, those from `step` on are
-        recorded again (a training resumed from a checkpoint before the last recorded step).
+        recorded again (a training resumed from a checkpoint before the last recorded step). Seeded edits
+        (`dropout`, `noise_std`) draw on as the uninterrupted run did from its backward `backwards` (the
+        backwards before `step`; by default `step`, one per step; a callback: times the framework's accumulation).
         """
         if self._open:
             self._carry(step)
         else:
-            self._start = int(step)
-        self.engine.start_at(step)
+            self._start, self._start_backwards = int(step), backwards
+        self.engine.start_at(step, backwards)
 
     def _check_open(self, what: str) -> None:
         if not self._open:
@@ -418,7 +424,7 @@ class CallbackOptions:
         rec = Recorder(model, self.taps, self.dir, strategy=self.strategy, every=self.every, experiment=type(model).__name__,
                        **given, **self.options)  # fmt: skip
         rec.who = f"{type(self).__name__}(...)"
-        rec.capture.accumulating = accumulate > 1
+        rec.engine.accumulate = accumulate
         return rec
 
 
