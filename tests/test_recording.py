@@ -320,3 +320,48 @@ def test_step_extra_lands_in_steps_parquet_and_a_misspelled_key_is_refused(tmp_p
     steps = load(tmp_path / "r", table="steps")
     assert list(steps.step) == [0, 1]
     assert steps.grad_norm.iloc[0] == 2.5 and steps.lr.iloc[0] == 0.1 and pd.isna(steps.grad_norm.iloc[1])
+
+
+def _gan() -> nn.ModuleDict:
+    torch.manual_seed(0)
+    return nn.ModuleDict({"g": nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4)), "d": nn.Linear(4, 1)})
+
+
+def _gan_steps(model: nn.ModuleDict, steps: int, rec: Any = None) -> list[dict[str, float]]:
+    """A GAN step (the generator steps before the discriminator's backward), plain torch; per step each weight's
+    whole change over the step's two optimizer steps."""
+    og, od = torch.optim.SGD(model["g"].parameters(), lr=0.1), torch.optim.SGD(model["d"].parameters(), lr=0.1)
+    gen, out = torch.Generator().manual_seed(1), []
+    for _ in range(steps):
+        z, real = torch.randn(5, 3, generator=gen), torch.randn(5, 4, generator=gen)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        og.zero_grad()
+        g_loss = nn.functional.softplus(-model["d"](model["g"](z))).mean()
+        g_loss.backward()
+        og.step()
+        od.zero_grad()
+        fake = model["g"](z).detach()
+        d_loss = nn.functional.softplus(-model["d"](real)).mean() + nn.functional.softplus(model["d"](fake)).mean()
+        d_loss.backward()
+        od.step()
+        out.append({n.replace(".weight", ":weight"): float((p.detach() - before[n]).norm())
+                    for n, p in model.named_parameters() if n.endswith("weight")})  # fmt: skip
+        if rec is not None:
+            rec.step(g_loss.detach() + d_loss.detach())
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["hook", "retain_grad"])
+def test_update_norms_of_a_step_with_two_optimizer_steps_are_the_whole_change(tmp_path: Path, strategy: str) -> None:
+    """Before, the parameters were copied after the step's last backward (the discriminator's), when the generator
+    had stepped already: its update_norm was 0.0 at every step."""
+    want = _gan_steps(_gan(), 3)
+    model = _gan()
+    taps = ["g.0:weight", "g.2:weight", "d:weight"]
+    with gradrunner.record(model, taps, tmp_path, strategy=strategy, update_norms=True) as rec:
+        _gan_steps(model, 3, rec)
+    rows = pd.read_parquet(tmp_path / "grads.parquet")
+    for tap in taps:
+        got = rows[rows["tap"] == tap].sort_values("step")["update_norm"].tolist()
+        assert got == pytest.approx([w[tap] for w in want], rel=1e-5), tap
+        assert min(got) > 0

@@ -130,7 +130,8 @@ class StepEngine:
 
     Options are `capture.*`'s (`strategy`, `values`, `sample_size`, `seed`, `per_example`, `histogram`,
     `edits`) plus `every` (capture every N-th step), `on_nonfinite` (`record`, `stop`), `update_norms`
-    (copy the tapped parameters after each captured backward: `update_norm`, `update_ratio`),
+    (copy the tapped parameters after each captured step's first backward, before any optimizer step of
+    the step: `update_norm`, `update_ratio`, the step's whole change),
     `scaler` (a `torch.amp.GradScaler`: records hold the true gradients and loss) or `loss_scale` (a
     callable giving the scale), `dist` (DDP: rank 0 writes every rank's rows), `live_every`
     (segments for `load(dir, live=True)`; 0: none), `log_to="tensorboard"` and `optimizer` (its
@@ -311,8 +312,10 @@ class StepEngine:
         if self.capture.restarted:  # every `.grad` was reset before it (LBFGS's closure): the step's loss is its loss
             self._loss = self._since
         self._since = None
-        if captured and self.update_norms:
-            self._before = self.capture.snapshot_params()  # the last one before the optimiser step counts
+        if captured and self.update_norms and self._before is None:
+            # the step's first backward: before any of its optimizer steps (a GAN's generator steps before the
+            # discriminator's backward, LBFGS between its closure's backwards); update_norm: the step's whole change
+            self._before = self.capture.snapshot_params()
 
     def settle(self) -> None:
         """The step's backwards are done: reduce its parameter gradients now (before clipping, the optimiser)."""
