@@ -84,7 +84,25 @@ def test_a_session_that_recorded_nothing_says_so(tmp_path: Path) -> None:
     with gradrunner.record(_model(), ["0:output"], tmp_path / "run"):
         pass
     text = (tmp_path / "run" / LOG_FILE).read_text()
-    assert "run summary:" in text and "loss: no step completed" in text and "no tap was captured" in text
+    assert "run summary:" in text and "loss: no step completed" in text and "taps=[]" not in text
+    held = [n for n in ("grads.parquet", "steps.parquet") if (tmp_path / "run" / n).is_file()]
+    assert f"records: {tmp_path / 'run'} ({', '.join(held)}; read the dir" in text, held  # only what is there
+
+
+def test_a_session_that_failed_before_its_first_step_names_no_records_it_did_not_write(tmp_path: Path) -> None:
+    """Before, the last word said 'records: <dir> (grads.parquet, steps.parquet; ...)', 'the records of 0 completed
+    step(s) are kept' and 'no tap was captured (taps=[], ...)' though taps were given and the dir held no record."""
+    model = _model()
+    with pytest.raises(RuntimeError, match="bad batch"), gradrunner.record(model, ["0:output"], tmp_path / "run"):
+        model(torch.randn(2, 4)).sum().backward()
+        raise RuntimeError("bad batch")
+    held = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert not {"grads.parquet", "steps.parquet"} & set(held), held
+    text = (tmp_path / "run" / LOG_FILE).read_text()
+    assert "ended by RuntimeError before its first step; no records were kept in" in text
+    assert f"records: none in {tmp_path / 'run'}" in text and "loss: no step completed" in text
+    for claim in ("grads.parquet", "steps.parquet", "taps=[]", "completed step(s) are kept", "continues them"):
+        assert claim not in text, claim
 
 
 @pytest.mark.parametrize("with_loss", [(), (1,)], ids=["never", "at_step_1"])

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from gradrunner.records.columns import GRADS_FILE, STEPS_FILE
+from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class Health:
     """
 
     directory: Path
+    #: The record files the directory holds (of `grads.parquet`, `steps.parquet`): the summary names only those.
+    files: list[str] = field(default_factory=list)
     steps: int = 0
     loss_first: float | None = None
     loss_last: float | None = None
@@ -84,8 +86,8 @@ class Health:
         """The summary, one claim a line (the first says where the records are)."""
         from gradrunner.analysis.summaries import EXPLODE_ABOVE, VANISH_BELOW
 
-        out = [f"records: {self.directory} ({GRADS_FILE}, {STEPS_FILE}; read the dir with gradrunner.analysis.load, "
-               "a file with pandas.read_parquet)"]
+        out = [f"records: {self.directory} ({', '.join(self.files)}; read the dir with gradrunner.analysis.load, "
+               "a file with pandas.read_parquet)" if self.files else f"records: none in {self.directory}"]  # fmt: skip
         if not self.steps:
             out.append("loss: no step completed")
         elif self.loss_first is None:
@@ -111,7 +113,8 @@ class Health:
             out.append("NaN/Inf: " + "; ".join(parts))
         out.extend(self.spikes)
         if self.taps == 0:
-            out.append("no tap was captured (taps=[], or no captured step)")
+            if self.steps:  # else "no step completed" says it all
+                out.append("no tap was captured (taps=[], or no captured step)")
             return out
         if self.vanishing:
             out.append(f"vanishing (norm below {VANISH_BELOW:g} at the last captured step): "
@@ -200,6 +203,7 @@ def health(directory: Path) -> Health:
     h = Health(directory=directory)
     h.spikes = _spikes(directory)
     steps_file, grads_file = directory / STEPS_FILE, directory / GRADS_FILE
+    h.files = [name for name in RECORD_FILES if (directory / name).is_file()]
     if steps_file.is_file():
         wanted = [c for c in ("step", "loss", "lr", "rank") if c in pq.read_schema(steps_file).names]
         table = pq.read_table(steps_file, columns=wanted)

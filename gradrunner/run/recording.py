@@ -272,10 +272,12 @@ class Recorder:
                 )  # fmt: skip
             elif exc_type is None:
                 self._mark_complete()
-            else:
+            elif self.engine.steps_written:
                 log.warning("%s; the records of %d completed step(s) are kept in %s (not marked complete; %s with "
                             "resume=True continues them)", _ended(exc_type), self.engine.steps_written, self.directory,
                             self.who)  # fmt: skip
+            else:
+                log.warning("%s before its first step; no records were kept in %s", _ended(exc_type), self.directory)
             try:
                 health.last_word(self.directory)
             except Exception as e:  # the summary only reads the records: it never hides how the session ended
