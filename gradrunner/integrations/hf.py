@@ -229,6 +229,7 @@ class _Run:
     grad_norm: float | None = None
     loss: float | None = None  # the Trainer's logged loss of the completed step, logged alone
     readings: list[float | None] = field(default_factory=list)  # the model-output losses written since the last log
+    counted: bool = False  # the last log counted the reading of the completed step not yet written
     trusted: bool = True  # no log of the Trainer disagreed with the readings
 
     def completed(self, rec: Recorder) -> bool:
@@ -241,9 +242,10 @@ class _Run:
         readings, self.readings = self.readings, []
         if self.ranks:
             return
-        if self.completed(rec):
+        if self.completed(rec):  # the log's last step, not written yet: its reading counts here, not when written
             now = rec.engine.step_loss
             readings.append(None if now is None else float(now))  # one host sync per log
+            self.counted = True
         known = [r for r in readings if r is not None]
         if len(known) == steps and all(math.isfinite(r) for r in known) and not (
             math.isclose(sum(known) / steps, loss, rel_tol=1e-3, abs_tol=1e-4)  # transformers 4 rounds it
@@ -270,8 +272,9 @@ def _write_completed(rec: Recorder, run: _Run) -> None:
     if loss is None and not run.trusted:
         rec.engine.forget_loss()  # the model's own loss, not what the Trainer backpropagated
     result = rec.step(loss, extra=extra)
-    if loss is None:
+    if loss is None and not run.counted:  # for the next log (a log that counted it has cleared the readings)
         run.readings.append(result.loss)
+    run.counted = False
 
 
 def _end_unfinished(stack: contextlib.ExitStack, rec: Recorder, run: _Run) -> None:

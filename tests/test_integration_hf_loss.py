@@ -1,0 +1,92 @@
+"""The HF callback's `steps.parquet` loss against what the Trainer backpropagated (`training_step`'s return, kept by
+a Trainer subclass) and what the model's own `loss` output held, step by step."""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from hf_reference import tiny_gpt2  # noqa: E402
+
+from gradrunner.analysis import load  # noqa: E402
+from gradrunner.integrations.hf import GradientCaptureCallback  # noqa: E402
+
+MLP = "transformer.h.0.mlp:output"
+
+
+class Kept(transformers.Trainer):
+    """Keeps what `training_step` returned (what the Trainer backpropagated, before accumulation's division) and the
+    model's own loss of each training forward; `extra_from` adds an L2 term to the loss from that global step on."""
+
+    extra_from: int | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.backpropagated: list[float] = []
+        self.own: list[float] = []
+
+    def compute_loss(
+        self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        if self.extra_from is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        out = model(**inputs)
+        self.own.append(float(out.loss))
+        loss = out.loss
+        if self.state.global_step >= self.extra_from:  # an auxiliary term switched on after a warm-up
+            loss = loss + sum((p**2).sum() for p in model.transformer.h[0].mlp.parameters())
+        return (loss, out) if return_outputs else loss
+
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.backpropagated.append(float(loss))
+        return loss
+
+
+def _run(out: Path, extra_from: int | None = None, **kwargs: Any) -> Kept:
+    base = {"per_device_train_batch_size": 2, "max_steps": 4, "learning_rate": 0.05, "optim": "sgd",
+            "logging_steps": 1, "report_to": "none", "save_strategy": "no", "use_cpu": True, "seed": 0,
+            "disable_tqdm": True}  # fmt: skip
+    args = transformers.TrainingArguments(output_dir=str(out / "hf"), **{**base, **kwargs})
+    g = torch.Generator().manual_seed(3)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (16, 8), generator=g)]
+    trainer = Kept(model=tiny_gpt2(), args=args, train_dataset=data,
+                   callbacks=[GradientCaptureCallback(taps=[MLP], dir=out / "run")])  # fmt: skip
+    trainer.extra_from = extra_from
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    return trainer
+
+
+def test_each_log_of_two_steps_is_checked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """logging_steps=2 over 6 steps, an extra term backpropagated from step 2 on: steps 0 and 1 (logged together,
+    agreeing) hold what was backpropagated; the log of steps 2-3 disagrees: step 2, written before it, holds the
+    model's own loss (the warning names it), steps 3-5 are null (each log was checked, not only the first)."""
+    with caplog.at_level(logging.WARNING, logger="gradrunner.integrations.hf"):
+        trainer = _run(tmp_path, extra_from=2, max_steps=6, logging_steps=2)
+    loss = load(tmp_path / "run", table="steps").loss
+    assert trainer.backpropagated[2] > trainer.own[2] + 1  # the extra term is there
+    assert list(loss.iloc[:2]) == pytest.approx(trainer.backpropagated[:2], rel=1e-6)
+    assert loss.iloc[2] == pytest.approx(trainer.own[2], rel=1e-6)
+    assert loss.iloc[3:].isna().all(), list(loss)
+    assert "steps 2..2, written before this log, hold the model's own loss" in caplog.text
+
+
+def test_a_diverging_run_logged_every_step_records_each_steps_loss(tmp_path: Path) -> None:
+    """The stock compute_loss, logging_steps=1, a learning rate that makes the loss NaN from step 1: every row holds
+    what the Trainer backpropagated, NaN included (the logs' 0.0, logging_nan_inf_filter's substitute, is none)."""
+    trainer = _run(tmp_path, learning_rate=1e9, max_grad_norm=0.0)
+    loss = list(load(tmp_path / "run", table="steps").loss)
+    assert math.isfinite(trainer.backpropagated[0]) and math.isnan(trainer.backpropagated[1])
+    assert loss == pytest.approx(trainer.backpropagated, rel=1e-6, nan_ok=True)
