@@ -53,20 +53,20 @@ class Kept(transformers.Trainer):
         return loss
 
 
-def _run(out: Path, extra_from: int | None = None, **kwargs: Any) -> Kept:
+def _run(out: Path, extra_from: int | None = None, trainer: type[Kept] = Kept, **kwargs: Any) -> Kept:
     base = {"per_device_train_batch_size": 2, "max_steps": 4, "learning_rate": 0.05, "optim": "sgd",
             "logging_steps": 1, "report_to": "none", "save_strategy": "no", "use_cpu": True, "seed": 0,
             "disable_tqdm": True}  # fmt: skip
     args = transformers.TrainingArguments(output_dir=str(out / "hf"), **{**base, **kwargs})
     g = torch.Generator().manual_seed(3)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (16, 8), generator=g)]
-    trainer = Kept(model=tiny_gpt2(), args=args, train_dataset=data,
-                   callbacks=[GradientCaptureCallback(taps=[MLP], dir=out / "run")])  # fmt: skip
-    trainer.extra_from = extra_from
+    run = trainer(model=tiny_gpt2(), args=args, train_dataset=data,
+                  callbacks=[GradientCaptureCallback(taps=[MLP], dir=out / "run")])  # fmt: skip
+    run.extra_from = extra_from
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.train()
-    return trainer
+        run.train()
+    return run
 
 
 def test_each_log_of_two_steps_is_checked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -90,3 +90,25 @@ def test_a_diverging_run_logged_every_step_records_each_steps_loss(tmp_path: Pat
     loss = list(load(tmp_path / "run", table="steps").loss)
     assert math.isfinite(trainer.backpropagated[0]) and math.isnan(trainer.backpropagated[1])
     assert loss == pytest.approx(trainer.backpropagated, rel=1e-6, nan_ok=True)
+
+
+class InPlace(Kept):
+    """compute_loss scales the model's loss in place, as Trainer.compute_loss itself does (`loss *= loss_scale`)."""
+
+    def compute_loss(
+        self, model: nn.Module, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        out = model(**inputs)
+        loss = out.loss
+        self.own.append(float(loss))
+        loss *= 2.0
+        return (loss, out) if return_outputs else loss
+
+
+@pytest.mark.parametrize("logging_steps", [1, 500])
+def test_a_loss_scaled_in_place_records_what_was_backpropagated(tmp_path: Path, logging_steps: int) -> None:
+    """`loss *= 2` after the model's forward: each row holds twice the model's loss, what the Trainer backpropagated
+    (logged every step or never)."""
+    trainer = _run(tmp_path, trainer=InPlace, max_steps=3, logging_steps=logging_steps)
+    assert trainer.backpropagated == pytest.approx([2 * own for own in trainer.own], rel=1e-6)
+    assert list(load(tmp_path / "run", table="steps").loss) == pytest.approx(trainer.backpropagated, rel=1e-6)

@@ -330,7 +330,7 @@ def _watch_model(model: nn.Module, rec: Recorder, run: _Run, end: Callable[[], A
             return
         if not run.trusted:  # the Trainer backpropagates another loss (`_Run.logged`)
             return
-        value, nr = loss.detach(), loss.output_nr
+        value, nr = loss.detach().clone(), loss.output_nr  # a copy on the device: `loss *= k` after this is not in it
 
         def backpropagated(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
             grad = grad_outputs[nr]
