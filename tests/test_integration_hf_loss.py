@@ -53,14 +53,16 @@ class Kept(transformers.Trainer):
         return loss
 
 
-def _run(out: Path, extra_from: int | None = None, trainer: type[Kept] = Kept, **kwargs: Any) -> Kept:
+def _run(
+    out: Path, extra_from: int | None = None, trainer: type[Kept] = Kept, loss_func: Any = None, **kwargs: Any
+) -> Kept:
     base = {"per_device_train_batch_size": 2, "max_steps": 4, "learning_rate": 0.05, "optim": "sgd",
             "logging_steps": 1, "report_to": "none", "save_strategy": "no", "use_cpu": True, "seed": 0,
             "disable_tqdm": True}  # fmt: skip
     args = transformers.TrainingArguments(output_dir=str(out / "hf"), **{**base, **kwargs})
     g = torch.Generator().manual_seed(3)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 50, (16, 8), generator=g)]
-    run = trainer(model=tiny_gpt2(), args=args, train_dataset=data,
+    run = trainer(model=tiny_gpt2(), args=args, train_dataset=data, compute_loss_func=loss_func,
                   callbacks=[GradientCaptureCallback(taps=[MLP], dir=out / "run")])  # fmt: skip
     run.extra_from = extra_from
     with warnings.catch_warnings():
@@ -112,3 +114,41 @@ def test_a_loss_scaled_in_place_records_what_was_backpropagated(tmp_path: Path, 
     trainer = _run(tmp_path, trainer=InPlace, max_steps=3, logging_steps=logging_steps)
     assert trainer.backpropagated == pytest.approx([2 * own for own in trainer.own], rel=1e-6)
     assert list(load(tmp_path / "run", table="steps").loss) == pytest.approx(trainer.backpropagated, rel=1e-6)
+
+
+def _losses(run_dir: Path) -> list[float | None]:
+    """steps.parquet's loss as written: None for null, NaN for NaN (pandas reads both as NaN)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(run_dir / "steps.parquet", columns=["loss"]).column("loss").to_pylist()
+
+
+def test_a_nan_loss_the_trainer_computes_is_nan_not_the_filters_zero(tmp_path: Path) -> None:
+    """label_smoothing_factor (the Trainer computes the loss from the logits), a run whose loss is NaN from step 1:
+    the Trainer logs 0.0 for those steps (logging_nan_inf_filter), the rows hold NaN and the last word says so."""
+    trainer = _run(tmp_path, learning_rate=1e9, max_grad_norm=0.0, label_smoothing_factor=0.1)
+    assert math.isfinite(trainer.backpropagated[0]) and all(math.isnan(b) for b in trainer.backpropagated[1:])
+    loss = _losses(tmp_path / "run")
+    assert loss[0] == pytest.approx(trainer.backpropagated[0], rel=1e-6)
+    assert all(v is not None and math.isnan(v) for v in loss[1:]), loss
+    assert "NaN/Inf: the loss from step 1" in (tmp_path / "run" / "gradrunner.log").read_text()
+
+
+def test_a_step_part_nan_is_null_not_the_filters_mix(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """compute_loss_func gives NaN for the second micro-batch of step 0 (gradient_accumulation_steps=2): the Trainer
+    logs a mix of the first micro-batch's loss and the filter's stand-in; step 0 is null, said; step 1 (NaN weights,
+    every micro-batch NaN, logged 0.0) is NaN."""
+    calls: list[int] = []
+
+    def loss_func(outputs: Any, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+        calls.append(1)
+        logits = outputs.logits[:, :-1].flatten(0, 1)
+        loss = nn.functional.cross_entropy(logits, labels[:, 1:].flatten())
+        return loss * math.nan if len(calls) == 2 else loss
+
+    args = {"max_steps": 2, "gradient_accumulation_steps": 2, "max_grad_norm": 0.0}
+    with caplog.at_level(logging.WARNING, logger="gradrunner.integrations.hf"):
+        trainer = _run(tmp_path, loss_func=loss_func, **args)
+    assert [math.isnan(b) for b in trainer.backpropagated] == [False, True, True, True]
+    assert _losses(tmp_path / "run")[0] is None and math.isnan(_losses(tmp_path / "run")[1])
+    assert "may be logging_nan_inf_filter's stand-in" in caplog.text

@@ -25,7 +25,8 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
   logs. From a log that disagrees on (a custom `compute_loss` adding a term, or a non-linear one) it
   is null, with a warning, as for a model whose output has no `loss` (`compute_loss_func`,
   `label_smoothing_factor`), except for a step the Trainer logs alone: the Trainer's own loss
-  (`logging_steps=1`: every step). The Trainer's own `grad_norm` (what it logs, the total norm before
+  (`logging_steps=1`: every step; NaN or null where its gradients are NaN/Inf and the log may hold
+  `logging_nan_inf_filter`'s stand-in, `_Run._own`). The Trainer's own `grad_norm` (what it logs, the total norm before
   clipping) goes into the `grad_norm` column where it logs the step (`logging_steps=1`: every row);
 - a step is complete when the Trainer counts it (`state.global_step`, before `on_step_end`, whatever
   the callbacks' order); the session ends with the Trainer's `on_train_end` (`done.json`). The Trainer
@@ -102,7 +103,8 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         scaler = getattr(optimizer, "scaler", None)  # accelerate's optimizer holds the GradScaler
         rec = self._recorder(model, accumulate=args.gradient_accumulation_steps, dist=dist, params_synced=synced,
                              scaler=scaler)  # fmt: skip
-        run = _Run(state, float(args.max_grad_norm or 0.0), last_log=state.global_step, ranks=dist is not None)
+        run = _Run(state, float(args.max_grad_norm or 0.0), last_log=state.global_step, ranks=dist is not None,
+                   filtered=bool(args.logging_nan_inf_filter))  # fmt: skip
         stack = contextlib.ExitStack()
         stack.enter_context(rec)
         # The Trainer says nothing when train() raises: the session ends at the next forward of the model outside
@@ -149,7 +151,8 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         if run is None or rec is None or logs is None or not self._alive():
             return
         if "loss" in logs:
-            run.logged(rec, float(logs["loss"]))
+            grad_norm = logs.get("grad_norm")
+            run.logged(rec, float(logs["loss"]), None if grad_norm is None else float(grad_norm))
         if "grad_norm" in logs and state.global_step > rec.step_index:
             run.grad_norm = float(logs["grad_norm"])
             self._flush()
@@ -224,6 +227,7 @@ class _Run:
     clip: float
     last_log: int  # the `global_step` of the Trainer's last log of a loss
     ranks: bool = False  # several processes: the Trainer logs the ranks' mean, no rank's own loss
+    filtered: bool = True  # `logging_nan_inf_filter`: the Trainer logs a stand-in for a micro-batch's NaN/Inf loss
     in_step: bool = False  # between on_step_begin and on_step_end
     lrs: list[float] | None = None
     grad_norm: float | None = None
@@ -231,13 +235,15 @@ class _Run:
     readings: list[float | None] = field(default_factory=list)  # the model-output losses written since the last log
     counted: bool = False  # the last log counted the reading of the completed step not yet written
     trusted: bool = True  # no log of the Trainer disagreed with the readings
+    warned_filter: bool = False  # `_own` said that a logged loss may be a stand-in
 
     def completed(self, rec: Recorder) -> bool:
         """Whether the Trainer completed the step the session is in (its optimiser stepped, `global_step` counts it)."""
         return self.state.global_step > rec.step_index
 
-    def logged(self, rec: Recorder, loss: float) -> None:
-        """The Trainer logged `loss`, the mean of what it backpropagated over the steps since its last log."""
+    def logged(self, rec: Recorder, loss: float, grad_norm: float | None = None) -> None:
+        """The Trainer logged `loss`, the mean of what it backpropagated over the steps since its last log (and the
+        last step's `grad_norm`, where it logs one)."""
         steps, self.last_log = self.state.global_step - self.last_log, self.state.global_step
         readings, self.readings = self.readings, []
         if self.ranks:
@@ -258,7 +264,26 @@ class _Run:
                         "compute_loss): steps.parquet's loss is null from step %d on but for the steps the Trainer "
                         "logs alone (logging_steps=1 records every step's)%s", rec.step_index, before)  # fmt: skip
         if steps == 1 and self.completed(rec) and len(known) != steps:
-            self.loss = loss  # the Trainer's own: the model's loss is none, or not what it backpropagated
+            self.loss = self._own(rec, loss, grad_norm)  # the model's loss is none, or not what it backpropagated
+
+    def _own(self, rec: Recorder, loss: float, grad_norm: float | None) -> float | None:
+        """The loss of a step the Trainer logged alone, as its log gives it: NaN or null where it may be a stand-in.
+
+        With `logging_nan_inf_filter` on, the Trainer logs in place of a micro-batch's NaN/Inf loss the mean of
+        what it counted since its last log: 0.0 for a step whose every micro-batch was NaN/Inf, a mix of stand-in
+        and losses for one where some were. A step whose gradients are NaN/Inf (its logged `grad_norm`) may be
+        either: NaN where the log says 0.0, else null (not known).
+        """
+        if not self.filtered or grad_norm is None or math.isfinite(grad_norm):
+            return loss
+        if not self.warned_filter:
+            self.warned_filter = True
+            log.warning("the Trainer's logged loss of step %d (%g) may be logging_nan_inf_filter's stand-in for a "
+                        "NaN/Inf loss: the step's gradients are NaN/Inf (grad_norm %g). steps.parquet holds NaN for "
+                        "such a step logged as 0.0 (every micro-batch's loss replaced), null for one logged otherwise "
+                        "(its loss not known); TrainingArguments(logging_nan_inf_filter=False) has the Trainer log the "
+                        "loss itself", rec.step_index, loss, grad_norm)  # fmt: skip
+        return math.nan if loss == 0 else None
 
 
 def _write_completed(rec: Recorder, run: _Run) -> None:
