@@ -84,7 +84,7 @@ def test_last_word_lr_grad_norm_and_clipped(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("options", "says"), [({"histogramm": True}, "Did you mean 'histogram'"),
                                                ({"resume": "yes"}, "resume='yes'"), ({"every": 0}, "every=0"),
-                                               ({"anomaly": {"window": 10}}, "anomaly.warmup=20")])
+                                               ({"anomaly": {"window": 10}}, "anomaly.warmup=20")])  # fmt: skip
 def test_option_mistakes_fail_in_the_constructor(tmp_path: Path, options: dict, says: str) -> None:
     with pytest.raises(GradrunnerError, match=re.escape(says)) as e:
         GradientCaptureCallback(taps=TAPS, dir=tmp_path / "run", **options)
@@ -142,3 +142,39 @@ def test_edits_through_the_callback_equal_a_plain_hook(tmp_path: Path) -> None:
     assert edited.losses == pytest.approx(plain.losses, rel=1e-6)
     out = load(tmp_path / "run").query(f"tap == '{TAPS[0]}'")
     assert len(out) == 4 and list(out.edited_norm) == pytest.approx(list(0.5 * out.norm), rel=1e-6)
+
+
+class StopAtStep2(transformers.TrainerCallback):
+    """Stops training as step 2 begins (a step budget, a preemption handler); keeps the norm of the first block's MLP
+    output gradient of every training backward, as a plain hook sees it."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        def hook(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+            if module.training and output.requires_grad:
+                output.register_hook(lambda g: self.norms.append(float(g.double().norm())))
+
+        model.transformer.h[0].mlp.register_forward_hook(hook)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step >= 2:
+            control.should_training_stop = True
+
+
+def test_a_stop_inside_an_accumulation_window_is_a_normal_end(tmp_path: Path) -> None:
+    """gradient_accumulation_steps=2, training stopped as step 2 begins: the Trainer runs one micro-batch of step 2,
+    no optimiser step, and ends normally. done.json; steps 0 and 1 with both micro-batches (the norms a plain hook
+    saw); the lone micro-batch not written, which the log says; no advice meant for record()'s users."""
+    stop = StopAtStep2()
+    _train(tmp_path / "hf", [stop, GradientCaptureCallback(taps=TAPS[:1], dir=tmp_path / "run")],
+           gradient_accumulation_steps=2)  # fmt: skip
+    assert len(stop.norms) == 5 and (tmp_path / "run" / "done.json").is_file()
+    grads = load(tmp_path / "run").sort_values(["step", "micro_step"])
+    assert list(zip(grads.step, grads.micro_step, strict=True)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert list(grads.norm) == pytest.approx(stop.norms[:4], rel=1e-5)
+    assert list(load(tmp_path / "run", table="steps").step) == [0, 1]
+    text = (tmp_path / "run" / LOG_FILE).read_text()
+    assert "step 2's accumulation window" in text and "1 captured micro-batch(es) are not written" in text
+    assert "rec.step()" not in text

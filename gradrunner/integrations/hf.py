@@ -29,7 +29,8 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
   `logging_nan_inf_filter`'s stand-in, `_Run._own`). The Trainer's own `grad_norm` (what it logs, the total norm before
   clipping) goes into the `grad_norm` column where it logs the step (`logging_steps=1`: every row);
 - a step is complete when the Trainer counts it (`state.global_step`, before `on_step_end`, whatever
-  the callbacks' order); the session ends with the Trainer's `on_train_end` (`done.json`). The Trainer
+  the callbacks' order); the session ends with the Trainer's `on_train_end` (`done.json`; a stop inside an
+  accumulation window leaves its micro-batches, which no optimiser step took, unwritten). The Trainer
   has no event for a `train()` that raised (an exception, Ctrl-C): then the session ends, keeping the
   completed steps' records without `done.json`, at the first training forward of the model outside
   the Trainer's steps (the user goes on with the model: before that forward runs, every hook and edit
@@ -166,6 +167,12 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         except BaseException as e:
             self._close(e)
             raise
+        assert self.recorder is not None
+        dropped = self.recorder.end_within_step()  # should_training_stop inside an accumulation window: a normal end
+        if dropped:
+            log.info("the Trainer ended inside step %d's accumulation window, which no optimiser step closed: its %d "
+                     "captured micro-batch(es) are not written (a step is one optimiser step); the run is complete "
+                     "with the steps before it", self.recorder.step_index, dropped)  # fmt: skip
         self._close(None)
 
     def _alive(self) -> bool:

@@ -152,6 +152,7 @@ class Recorder:
         self._lock: books.RunLock | None = None
         self._open = False
         self._warned_loss = False
+        self._unclosed_ends = False  # `end_within_step`: the backwards no step closed are no misuse at the end
 
     @property
     def main(self) -> bool:
@@ -215,7 +216,7 @@ class Recorder:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self._open = False
-        pending = self.engine.pending_backwards
+        pending = 0 if self._unclosed_ends else self.engine.pending_backwards
         closing: BaseException | None = None  # the files failed to close (a full disk): the error says what is left
         try:
             if self._kept is not None and self.main and exc_type is None:
@@ -339,8 +340,21 @@ class Recorder:
                             "loss, rec.step(loss), when you call loss.backward() yourself")  # fmt: skip
             else:  # a callback: the framework's loss was not where the callback reads it
                 log.warning("%s saw no loss of the step: the steps' loss is null (the gradients are recorded as "
-                            "ever); the README's section on this framework says where the loss is read", self.who)
+                            "ever); the README's section on this framework says where the loss is read", self.who)  # fmt: skip
         return self.engine.end_step(loss, **(extra or {}))
+
+    def end_within_step(self) -> int:
+        """The framework ends training normally inside a step (an accumulation window no optimiser step closed).
+
+        Example::
+
+            dropped = rec.end_within_step()     # then leave the block: done.json, those backwards not written
+
+        The backwards captured since the last closed step are not written (no step took them) and the
+        block's normal exit marks the run complete; returns how many there were (the caller says so).
+        """
+        self._unclosed_ends = True
+        return self.engine.pending_backwards
 
     def start_at(self, step: int, backwards: int | None = None) -> None:
         """Number the next step `step` (a resumed run's first); capture is on for its forward when it is captured.
