@@ -23,7 +23,7 @@ from gradrunner.integrations.hf import GradientCaptureCallback  # noqa: E402
 TAPS = ["transformer.h.0.mlp:output", "transformer.h.0.mlp.c_fc:weight"]
 
 
-def _replay(batches: list[dict[str, torch.Tensor]], accumulate: int, clip: float, lr: float) -> tuple[list[dict[str, list[torch.Tensor]]], list[float]]:
+def _replay(batches: list[dict[str, torch.Tensor]], accumulate: int, clip: float, lr: float) -> tuple[list[dict[str, list[torch.Tensor]]], list[float]]:  # fmt: skip
     """Plain torch: the same micro-batches, loss summed over tokens / labels of the whole step, clip, SGD."""
     model = tiny_gpt2()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -149,7 +149,7 @@ Trainer(model=model, args=args, train_dataset=data,
 @pytest.mark.parametrize("error", ["KeyboardInterrupt()", "ValueError('data went bad')"], ids=["ctrl-c", "exception"])
 def test_a_script_whose_train_raises_keeps_the_completed_steps_records(tmp_path: Path, error: str) -> None:
     """The README's usage in a script: Ctrl-C or an exception in train() ends the process; the completed steps'
-    records are in the run dir (complete Parquet files, no done.json)."""
+    records are in the run dir (complete Parquet files, no done.json), and the last word names how it ended."""
     import os
     import subprocess
     import sys
@@ -162,3 +162,5 @@ def test_a_script_whose_train_raises_keeps_the_completed_steps_records(tmp_path:
     assert sorted(set(load(run).step)) == [0, 1] and list(load(run, table="steps").step) == [0, 1], done.stderr[-2000:]
     assert not (run / "done.json").exists()
     assert not [f.name for f in run.iterdir() if f.name.endswith(".tmp")]  # no half-written file
+    said = "interrupted" if error.startswith("KeyboardInterrupt") else "ended by ValueError"
+    assert f"{said}; the records of 2 completed step(s)" in (run / "gradrunner.log").read_text()

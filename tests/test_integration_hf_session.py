@@ -58,9 +58,9 @@ class Crash(transformers.TrainerCallback):
 
 def _train(out: Path, callbacks: list, resume_from: str | None = None, **kwargs: Any) -> None:
     args = transformers.TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=4, max_steps=4, max_grad_norm=CLIP, learning_rate=LR,
-        optim="sgd", lr_scheduler_type="linear", weight_decay=0.0, logging_steps=1, report_to="none",
-        use_cpu=True, seed=0, disable_tqdm=True, **{"save_strategy": "no", **kwargs},
+        output_dir=str(out), per_device_train_batch_size=4, max_steps=4, optim="sgd", lr_scheduler_type="linear",
+        weight_decay=0.0, logging_steps=1, report_to="none", use_cpu=True, seed=0, disable_tqdm=True,
+        **{"save_strategy": "no", "max_grad_norm": CLIP, "learning_rate": LR, **kwargs},
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -178,3 +178,69 @@ def test_a_stop_inside_an_accumulation_window_is_a_normal_end(tmp_path: Path) ->
     text = (tmp_path / "run" / LOG_FILE).read_text()
     assert "step 2's accumulation window" in text and "1 captured micro-batch(es) are not written" in text
     assert "rec.step()" not in text
+
+
+class Raise(transformers.TrainerCallback):
+    """Raises `error` as step 2 ends (after the Trainer counted steps 0 and 1)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if state.global_step == 2:
+            raise self.error
+
+
+def _last_word(run: Path) -> str:
+    return next(line for line in (run / LOG_FILE).read_text().splitlines() if "completed step(s)" in line)
+
+
+@pytest.mark.parametrize(("error", "said"), [(KeyboardInterrupt(), "interrupted"), (KeyError("x"), "ended by KeyError"),
+                                             (FileNotFoundError(2, "No such file", "data.bin"),
+                                              "ended by FileNotFoundError")])  # fmt: skip
+@pytest.mark.parametrize("where", ["except", "finally"])
+def test_a_failed_train_ends_by_its_own_error(tmp_path: Path, error: BaseException, said: str, where: str) -> None:
+    """`callback.close()` in the `except` or the `finally` around a train() that raised: the last word names that
+    error (Ctrl-C: interrupted), as record()'s does (an OSError of the user's is no error writing the records); two
+    steps kept, and close() raises nothing."""
+    cb = GradientCaptureCallback(taps=TAPS[:1], dir=tmp_path / "run")
+    with pytest.raises(type(error)):
+        try:
+            _train(tmp_path / "hf", [cb, Raise(error)])
+        except type(error):
+            if where == "except":
+                cb.close()
+            raise
+        finally:
+            cb.close()
+    assert _last_word(tmp_path / "run").endswith(f"- {said}; the records of 2 completed step(s) are kept in "
+                                                 f"{(tmp_path / 'run').resolve()} (not marked complete; "
+                                                 "GradientCaptureCallback(...) with resume=True continues them)")  # fmt: skip
+
+
+def test_a_stop_on_a_nonfinite_loss_ends_by_nonfinite(tmp_path: Path) -> None:
+    """on_nonfinite="stop", a learning rate that makes step 1's loss NaN: train() raises gradrunner's NonFinite once
+    step 1's rows are written, and the last word says so."""
+    from gradrunner.run.guards import NonFinite
+
+    cb = GradientCaptureCallback(taps=TAPS[:1], dir=tmp_path / "run", on_nonfinite="stop")
+    with pytest.raises(NonFinite):
+        try:
+            _train(tmp_path / "hf", [cb], learning_rate=1e9, max_grad_norm=0.0)
+        finally:
+            cb.close()
+    assert "ended by NonFinite; the records of 2 completed step(s)" in _last_word(tmp_path / "run")
+
+
+def test_a_close_with_the_error_out_of_sight_names_no_error(tmp_path: Path) -> None:
+    """close() after the `except` that handled train()'s error: the error is out of sight; the last word says the
+    session ended before train() did, naming no error."""
+    cb = GradientCaptureCallback(taps=TAPS[:1], dir=tmp_path / "run")
+    try:
+        _train(tmp_path / "hf", [cb, Raise(KeyError("x"))])
+    except KeyError:
+        pass
+    cb.close()
+    word = _last_word(tmp_path / "run")
+    assert "the session ended before the Trainer's train() did (no on_train_end); the records of 2" in word
+    assert "Error" not in word

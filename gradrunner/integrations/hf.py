@@ -35,7 +35,8 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
   completed steps' records without `done.json`, at the first training forward of the model outside
   the Trainer's steps (the user goes on with the model: before that forward runs, every hook and edit
   is removed), when the process exits, when the callback is garbage-collected, when the next `train()`
-  into the same dir begins (with this or a new callback), or at `callback.close()`;
+  into the same dir begins (with this or a new callback), or at `callback.close()`; the last word names
+  the error where it is in sight (`_trainer_error`);
 - `lr`/`lrs` are the rates of the step's optimizer step (`on_pre_optimizer_step`), `clipped` the
   logged `grad_norm` above `max_grad_norm`; `resume=True` with `train(resume_from_checkpoint=...)`
   keeps the records of the steps before the checkpoint's `global_step`;
@@ -50,10 +51,12 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -64,6 +67,7 @@ from gradrunner.capturing.taps import TapSpec
 from gradrunner.capturing.torch_compat import in_backward
 from gradrunner.errors import GradrunnerError
 from gradrunner.run.recording import CallbackOptions, Recorder
+from gradrunner.run.session_log import EndedOutside
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +163,8 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
             self._flush()
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:  # fmt: skip
-        if not self._alive():  # ended already (a forward outside the Trainer's steps)
-            self._close(RuntimeError("the Trainer's train() did not end"))
+        if not self._alive():  # ended already (a forward outside the Trainer's steps): its books are written
+            self._close(None)
             return
         try:
             self._flush()
@@ -192,6 +196,8 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
                 trainer.train()
             finally:
                 callback.close()
+
+        Called in the `except` or `finally` around `train()`, the last word names the error that ended it.
         """
         if self._finalizer is not None and self._finalizer.alive:
             self._finalizer()  # the steps the Trainer completed before it failed are written
@@ -310,11 +316,35 @@ def _write_completed(rec: Recorder, run: _Run) -> None:
 
 
 def _end_unfinished(stack: contextlib.ExitStack, rec: Recorder, run: _Run) -> None:
-    """A session the Trainer never ended (its train() raised): the completed steps kept, ended as interrupted."""
+    """A session the Trainer never ended (its train() raised): the completed steps kept, ended by the error that
+    ended `train()` where it is in sight (`_trainer_error`), else as one the Trainer did not end."""
+    # the error itself is only named: passed through the session, a user's OSError would read as the records' own
+    end = EndedOutside(
+        "the session ended before the Trainer's train() did (no on_train_end)", _trainer_error(run.state)
+    )
     try:
         _write_completed(rec, run)
     finally:
-        stack.__exit__(RuntimeError, RuntimeError("the Trainer's train() did not end"), None)
+        stack.__exit__(EndedOutside, end, None)
+
+
+def _trainer_error(state: TrainerState) -> BaseException | None:
+    """The error that ended the `train()` whose state is `state`, where it can be seen: the one being handled (a
+    `close()` or a forward of the model in the `except` or `finally` around `train()`) or the process's last
+    uncaught one (at exit, a notebook's last error); its traceback passes through that Trainer's `train()`."""
+    seen = (sys.exc_info()[1], getattr(sys, "last_exc", None), getattr(sys, "last_value", None))
+    return next((e for e in seen if isinstance(e, BaseException) and _raised_in(e.__traceback__, state)), None)
+
+
+def _raised_in(tb: TracebackType | None, state: TrainerState) -> bool:
+    """Whether the traceback `tb` passes through the training loop of the Trainer whose state is `state`."""
+    while tb is not None:
+        frame = tb.tb_frame  # a frame the error left: its locals are kept as they were
+        if frame.f_code.co_name in ("train", "_inner_training_loop") and getattr(
+            frame.f_locals.get("self"), "state", None) is state:  # fmt: skip
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _sharded(model: nn.Module) -> bool:

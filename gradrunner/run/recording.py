@@ -44,7 +44,7 @@ from gradrunner.records import rundir
 from gradrunner.run import books, record_books
 from gradrunner.run.engine import LIVE_EVERY, RunFiles, StepEngine, StepResult
 from gradrunner.run.record_options import check_callback_options, check_options
-from gradrunner.run.session_log import session_log
+from gradrunner.run.session_log import how_it_ended, session_log
 
 if TYPE_CHECKING:
     from gradrunner.run.distributed import Distributed
@@ -229,7 +229,7 @@ class Recorder:
             self._stack = contextlib.ExitStack()
             try:
                 if self.main and self._log is not None:
-                    self._end(exc_type, pending, closing)
+                    self._end(exc_type, pending, closing, exc)
             finally:
                 self._release()  # after done.json: no other session may take the dir between the files and the marker
 
@@ -239,7 +239,10 @@ class Recorder:
         if lock is not None:
             lock.__exit__(None, None, None)
 
-    def _end(self, exc_type: type[BaseException] | None, pending: int, closing: BaseException | None = None) -> None:
+    def _end(
+        self, exc_type: type[BaseException] | None, pending: int, closing: BaseException | None = None,
+        exc: BaseException | None = None,
+    ) -> None:  # fmt: skip
         """The books after the files closed, then the last word (as a runner job's: console and run dir's log).
 
         `closing`: the error closing the files raised (it propagates, saying what was kept): the dir is not
@@ -263,7 +266,7 @@ class Recorder:
             if restored and exc_type is not None:
                 assert self._kept is not None
                 log.warning("%s before its first step; the records of steps 0..%d are kept in %s as they were (not "
-                            "marked complete; %s with resume=True continues them)", _ended(exc_type),
+                            "marked complete; %s with resume=True continues them)", how_it_ended(exc_type, exc),
                             self._kept.next_step - 1, self.directory, self.who)  # fmt: skip
             elif exc_type is None and pending:
                 log.warning(
@@ -275,10 +278,11 @@ class Recorder:
                 self._mark_complete()
             elif self.engine.steps_written:
                 log.warning("%s; the records of %d completed step(s) are kept in %s (not marked complete; %s with "
-                            "resume=True continues them)", _ended(exc_type), self.engine.steps_written, self.directory,
-                            self.who)  # fmt: skip
+                            "resume=True continues them)", how_it_ended(exc_type, exc), self.engine.steps_written,
+                            self.directory, self.who)  # fmt: skip
             else:
-                log.warning("%s before its first step; no records were kept in %s", _ended(exc_type), self.directory)
+                log.warning("%s before its first step; no records were kept in %s", how_it_ended(exc_type, exc),
+                            self.directory)  # fmt: skip
             try:
                 health.last_word(self.directory)
             except Exception as e:  # the summary only reads the records: it never hides how the session ended
@@ -348,10 +352,9 @@ class Recorder:
 
         Example::
 
-            dropped = rec.end_within_step()     # then leave the block: done.json, those backwards not written
+            dropped = rec.end_within_step()     # then leave the block: done.json; those backwards are not written
 
-        The backwards captured since the last closed step are not written (no step took them) and the
-        block's normal exit marks the run complete; returns how many there were (the caller says so).
+        Returns how many backwards no step took (the caller says so).
         """
         self._unclosed_ends = True
         return self.engine.pending_backwards
@@ -391,10 +394,6 @@ def _joined() -> Distributed | None:
     from gradrunner.run.distributed import Distributed
 
     return Distributed.joined()
-
-
-def _ended(exc_type: type[BaseException]) -> str:
-    return "interrupted" if issubclass(exc_type, KeyboardInterrupt) else f"ended by {exc_type.__name__}"
 
 
 def _check_extra(extra: dict[str, Any] | None) -> None:

@@ -12,6 +12,9 @@ Example::
 
     with session_log(Path("runs/mine")):
         health.last_word(Path("runs/mine"))     # on the console and in runs/mine/gradrunner.log
+
+`how_it_ended(exc_type, exc)` words how a session that did not complete ended ("interrupted", "ended by
+KeyError"); `EndedOutside` tells a session of an end that did not pass through it.
 """
 
 from __future__ import annotations
@@ -67,3 +70,32 @@ def session_log(directory: Path) -> Iterator[None]:
             with contextlib.suppress(OSError):
                 h.close()
         logger.setLevel(level)
+
+
+class EndedOutside(Exception):
+    """A framework's run ended by an error that did not pass through the session (the HF Trainer has no event for a
+    `train()` that raised): the session's files close as after any error, and the last word names `cause` where it
+    was seen, else says this message, naming no error that did not happen.
+
+    Example::
+
+        rec.__exit__(EndedOutside, EndedOutside("the run ended", cause=error_or_none), None)
+    """
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+def how_it_ended(exc_type: type[BaseException], exc: BaseException | None = None) -> str:
+    """How a session ended by `exc` (of `exc_type`), in its last word: "interrupted" for Ctrl-C.
+
+    Example::
+
+        how_it_ended(KeyError, KeyError("x"))     # 'ended by KeyError'
+    """
+    if isinstance(exc, EndedOutside):
+        if exc.cause is None:
+            return str(exc)
+        exc_type = type(exc.cause)
+    return "interrupted" if issubclass(exc_type, KeyboardInterrupt) else f"ended by {exc_type.__name__}"
