@@ -152,3 +152,22 @@ def test_a_step_part_nan_is_null_not_the_filters_mix(tmp_path: Path, caplog: pyt
     assert [math.isnan(b) for b in trainer.backpropagated] == [False, True, True, True]
     assert _losses(tmp_path / "run")[0] is None and math.isnan(_losses(tmp_path / "run")[1])
     assert "may be logging_nan_inf_filter's stand-in" in caplog.text
+
+
+@pytest.mark.parametrize("extra_from", [0, None], ids=["custom-compute_loss", "stock"])
+@pytest.mark.parametrize("no_log", [{"logging_steps": 500}, {"logging_strategy": "no"}], ids=["steps", "no"])
+def test_a_run_with_no_loss_log_is_checked_by_train_loss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, extra_from: int | None, no_log: dict[str, Any]
+) -> None:  # fmt: skip
+    """No loss log in 3 steps: the last log's train_loss (the run's mean) checks the readings. A compute_loss adding a
+    term disagrees: steps 0 and 1, written before it, hold the model's own loss (the warning names them), step 2 is
+    null; the stock compute_loss agrees: every step holds what was backpropagated, no warning."""
+    with caplog.at_level(logging.WARNING, logger="gradrunner.integrations.hf"):
+        trainer = _run(tmp_path, extra_from=extra_from, max_steps=3, **no_log)
+    loss = load(tmp_path / "run", table="steps").loss
+    if extra_from is None:
+        assert list(loss) == pytest.approx(trainer.backpropagated, rel=1e-6)
+        assert "compute_loss" not in caplog.text
+    else:
+        assert list(loss.iloc[:2]) == pytest.approx(trainer.own[:2], rel=1e-6) and math.isnan(loss.iloc[2])
+        assert "steps 0..1, written before this log, hold the model's own loss" in caplog.text

@@ -108,8 +108,8 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         scaler = getattr(optimizer, "scaler", None)  # accelerate's optimizer holds the GradScaler
         rec = self._recorder(model, accumulate=args.gradient_accumulation_steps, dist=dist, params_synced=synced,
                              scaler=scaler)  # fmt: skip
-        run = _Run(state, float(args.max_grad_norm or 0.0), last_log=state.global_step, ranks=dist is not None,
-                   filtered=bool(args.logging_nan_inf_filter))  # fmt: skip
+        run = _Run(state, float(args.max_grad_norm or 0.0), last_log=state.global_step, begun=state.global_step,
+                   ranks=dist is not None, filtered=bool(args.logging_nan_inf_filter))  # fmt: skip
         stack = contextlib.ExitStack()
         stack.enter_context(rec)
         # The Trainer says nothing when train() raises: the session ends at the next forward of the model outside
@@ -158,6 +158,8 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         if "loss" in logs:
             grad_norm = logs.get("grad_norm")
             run.logged(rec, float(logs["loss"]), None if grad_norm is None else float(grad_norm))
+        elif "train_loss" in logs and run.last_log == run.begun:  # the last log, and no loss was logged before it
+            run.logged(rec, float(logs["train_loss"]))  # the mean over the run: checks every step's reading
         if "grad_norm" in logs and state.global_step > rec.step_index:
             run.grad_norm = float(logs["grad_norm"])
             self._flush()
@@ -232,13 +234,15 @@ class _Run:
     it backpropagated) agreed with those readings, within 0.1%; a custom `compute_loss` adding a term, or
     a non-linear one, does not: from a log that disagrees on, null (a warning says why, naming the steps
     written before it), but the Trainer's own loss for a step it logs alone (`logging_steps=1`), as for a
-    model whose output has no loss. Under several processes the Trainer logs the ranks' mean: each rank's
-    row keeps its own reading.
+    model whose output has no loss. A run with no log of a loss is checked by its last log's `train_loss`
+    (the mean over the run). Under several processes the Trainer logs the ranks' mean: each rank's row
+    keeps its own reading.
     """
 
     state: TrainerState  # the Trainer's, updated in place: `global_step` counts the completed steps
     clip: float
     last_log: int  # the `global_step` of the Trainer's last log of a loss
+    begun: int  # the `global_step` the Trainer's `train()` began at
     ranks: bool = False  # several processes: the Trainer logs the ranks' mean, no rank's own loss
     filtered: bool = True  # `logging_nan_inf_filter`: the Trainer logs a stand-in for a micro-batch's NaN/Inf loss
     in_step: bool = False  # between on_step_begin and on_step_end
