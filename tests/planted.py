@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 
 from gradrunner.capturing.stats import Collector
-from gradrunner.records.columns import TapKey
+from gradrunner.records.columns import RECORD_FILES, TapKey
+from gradrunner.records.rundir import DONE, FAILED, write_json
 from gradrunner.records.writer import RecordWriter, StepsWriter
 
 STRATEGIES = ("retain_grad", "hook", "autograd_grad")
@@ -70,6 +71,22 @@ def write_planted_job(job_dir: Path, strategy: str, values: str = "full", overri
     if overrides is not None:
         (job_dir / ".hydra").mkdir()
         (job_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+
+
+def planted_sweep_with_failures(root: Path, jobs: list[tuple[str, int, bool]], values: str = "none") -> Path:
+    """A strategy x seed sweep with completion markers, as the CLI leaves it: `jobs` is (strategy, seed, completed)
+    per job dir 0/, 1/, ...; a completed job gets `done.json`, a failed one only `failed.json` (no records)."""
+    for i, (strategy, seed, completed) in enumerate(jobs):
+        job, overrides = root / str(i), [f"capture.strategy={strategy}", f"seed={seed}"]
+        if completed:
+            write_planted_job(job, strategy, values, overrides)
+            marker = {"status": "completed", "run_id": f"run-{i}", "files": list(RECORD_FILES), "overrides": overrides}
+            write_json(job / DONE, marker)
+        else:
+            (job / ".hydra").mkdir(parents=True)
+            (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+            write_json(job / FAILED, {"status": "failed", "error": "simulated CUDA out of memory"})
+    return root
 
 
 def planted_sweep(root: Path, values: str = "full") -> Path:

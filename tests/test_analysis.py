@@ -16,6 +16,7 @@ from planted import (
     STEPS,
     STRATEGIES,
     planted_sweep,
+    planted_sweep_with_failures,
     write_planted_job,
 )
 
@@ -30,6 +31,8 @@ from gradrunner.analysis import (
     strategy_costs,
     tap_summary,
 )
+from gradrunner.analysis.reading import IncompleteSweepWarning
+from gradrunner.analysis.strategies import strategy_groups
 from gradrunner.errors import GradrunnerError
 
 
@@ -218,6 +221,25 @@ def test_compare_refuses_runs_it_cannot_tell_apart(tmp_path: Path) -> None:
         write_planted_job(tmp_path / str(i), "hook", "none", [])
     with pytest.raises(GradrunnerError, match="several runs share strategy"):
         compare_strategies(load(tmp_path))
+
+
+def test_compare_leaves_out_a_seed_whose_other_strategy_failed(tmp_path: Path) -> None:
+    """strategy x seed, (autograd_grad, 1) failed: seed 1 has one strategy, nothing to compare. compare said inf
+    (its missing records) and the report "the 2 strategies differ" (found 2026-11-27)."""
+    jobs = [("retain_grad", 0, True), ("autograd_grad", 0, True), ("retain_grad", 1, True), ("autograd_grad", 1, False)]
+    with pytest.warns(IncompleteSweepWarning, match="job 3 failed"):
+        df = load(planted_sweep_with_failures(tmp_path, jobs))
+    cmp = compare_strategies(df)
+    # planted: retain_grad and autograd_grad write the same records; seed 0 is the only group with both
+    assert set(cmp.seed) == {0} and (cmp.strategies == 2).all() and cmp.rel_diff.max() == 0.0
+    assert len(cmp) == STEPS * 7 * 7  # every step, (tap, call) and statistic of seed 0
+    groups = strategy_groups(df)
+    assert groups[["seed", "strategies", "missing"]].values.tolist() == [[0, 2, ""], [1, 1, "autograd_grad"]]
+    # a record one strategy's completed run lacks, in a group with both, is still a difference
+    lacks = df[~((df.strategy == "autograd_grad") & (df.seed == 0) & (df.tap == "fc1:output") & (df.step == 0))]
+    cmp = compare_strategies(lacks)
+    inf = cmp[np.isinf(cmp.rel_diff)]
+    assert set(zip(inf.seed, inf.step, inf.tap, inf.strategies, strict=True)) == {(0, 0, "fc1:output", 1)}
 
 
 # --- strategy_costs -----------------------------------------------------------------------------

@@ -3,13 +3,18 @@ Runs section) and once on stderr as one clean line, not the raw warning twice wi
 
 from __future__ import annotations
 
+import html
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from conftest import python_m
+from planted import planted_sweep_with_failures
 from report_tables import tables_after
+
+from gradrunner.analysis import IncompleteSweepWarning
 
 pytest.importorskip("matplotlib", reason="matplotlib is the optional extra gradrunner[report]")
 
@@ -34,3 +39,33 @@ def test_a_failed_job_is_said_once_on_stderr_and_on_the_page(tmp_path: Path) -> 
     steps = pd.read_parquet(sweep / "0" / "steps.parquet").sort_values("step")
     assert runs["job"].astype(str).tolist() == ["0"] and runs["steps run"].tolist() == [len(steps)]
     assert float(runs["last loss"].iloc[0]) == pytest.approx(steps["loss"].iloc[-1], rel=1e-5)
+
+
+def _answer_of(page: Path) -> str:
+    text = page.read_text(encoding="utf-8")
+    return html.unescape(text.split('<p class="answer">', 1)[1].split("</p>", 1)[0])
+
+
+def _section(page: Path, title: str) -> str:
+    text = page.read_text(encoding="utf-8")
+    start = text.index(f">{title}</h2>")
+    return html.unescape(re.sub(r"<[^>]+>", "", text[start : text.find("<h2", start + 1)]))
+
+
+def test_a_seed_whose_other_strategy_failed_is_not_compared_and_the_rest_agree(tmp_path: Path) -> None:
+    """strategy x seed, (autograd_grad, 1) failed: the page said "The 2 strategies differ: largest relative
+    difference inf" though seed 0's two runs are identical (planted) and seed 1 has one strategy (found 2026-11-27)."""
+    from gradrunner.report import write_report
+
+    jobs = [("retain_grad", 0, True), ("autograd_grad", 0, True), ("retain_grad", 1, True), ("autograd_grad", 1, False)]
+    with pytest.warns(IncompleteSweepWarning):
+        page = write_report(planted_sweep_with_failures(tmp_path, jobs))
+    said = "not compared, lacking a strategy's run: seed=1 (no autograd_grad run)"
+    assert f"All 2 strategies agree where compared (largest relative difference 0); {said}." in _answer_of(page)
+    assert "strategies differ" not in _answer_of(page)
+    agree = _section(page, "Do the strategies agree?")
+    assert "identical records" in agree and f"N{said[1:]}." in agree
+    worst = tables_after(page.read_text(encoding="utf-8"), "Do the strategies agree?")
+    assert (worst[["abs_diff", "rel_diff"]] == 0).all().all()
+    summary = tables_after(page.read_text(encoding="utf-8"), "Per-tap summary")  # seed 0: yes; seed 1: not compared
+    assert summary.groupby("seed")["agree"].unique().map(list).to_dict() == {0: ["yes"], 1: ["not compared"]}

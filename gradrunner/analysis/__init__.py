@@ -7,7 +7,8 @@ Imports no torch (a test checks it in a fresh interpreter). The figures and the 
 | `reading` | `load(run or sweep dir)`: records into one DataFrame |
 | `labels` | a sweep's `job` column and its swept overrides as typed columns (`RESERVED_COLUMNS`) |
 | `health` | what a finished job's records say: the summary that ends every run (`last_word`), a sweep's |
-| `summaries` | the helpers: tap summary, gradient flow, strategy agreement and cost |
+| `summaries` | the helpers: tap summary, gradient flow, the columns that tell runs apart |
+| `strategies` | do the capture strategies agree (`compare_strategies`, `strategy_groups`), what each costs |
 | `micro` | `combine_micro_steps(df)`: under gradient accumulation, one record per step (the whole batch's gradient) |
 | `optional` | helpers over the optional columns: histograms over steps, update ratios, per-example spread |
 | `aggregate` | a large sweep across its runs: the layout (`sweep_layout`), medians and bands (`over_runs`) |
@@ -40,16 +41,15 @@ if TYPE_CHECKING:
         update_ratios,
     )
     from gradrunner.analysis.reading import TABLES, DamagedRecordsWarning, IncompleteSweepWarning, load
+    from gradrunner.analysis.strategies import compare_strategies, strategy_costs, strategy_groups
     from gradrunner.analysis.summaries import (
         FLOW_MEASURES,
-        compare_strategies,
         flow_steps,
         forward_order,
         grad_flow,
         measure,
         pick_steps,
         run_columns,
-        strategy_costs,
         tap_summary,
     )
 
@@ -69,15 +69,16 @@ _HOME: dict[str, str] = {
     "IncompleteSweepWarning": "reading",
     "load": "reading",
     "FLOW_MEASURES": "summaries",
-    "compare_strategies": "summaries",
     "flow_steps": "summaries",
     "forward_order": "summaries",
     "grad_flow": "summaries",
     "measure": "summaries",
     "pick_steps": "summaries",
     "run_columns": "summaries",
-    "strategy_costs": "summaries",
     "tap_summary": "summaries",
+    "compare_strategies": "strategies",
+    "strategy_costs": "strategies",
+    "strategy_groups": "strategies",
 }
 
 
@@ -114,6 +115,7 @@ __all__ = [
     "pick_steps",
     "run_columns",
     "strategy_costs",
+    "strategy_groups",
     "tap_summary",
     "update_ratios",
 ]

@@ -27,11 +27,11 @@ from gradrunner.records import rundir
 from gradrunner.records.schema import STEPS_SCHEMA, grads_schema
 
 #: Columns of `load`'s results besides the records' own, and of the helpers in `gradrunner.analysis.summaries`
-#: (measures, tap_summary, grad_flow/forward_order, compare_strategies, strategy_costs).
+#: and `strategies` (measures, tap_summary, grad_flow/forward_order, compare_strategies, strategy_groups, strategy_costs).
 HELPER_COLUMNS = frozenset({
     "job", "rms", "mean_abs", "steps", "first", "last", "median", "first_nonfinite_step", "first_vanishing_step",
     "first_exploding_step", "vanishing", "exploding", "position", "label", "stat", "abs_diff", "rel_diff",
-    "strategies", "captured_steps", "capture_share", "index", "level_0",
+    "strategies", "missing", "captured_steps", "capture_share", "index", "level_0",
 })  # fmt: skip
 #: Every column a record table can hold (`records.schema`: both tables, the optional columns too) and the
 #: helpers' (`HELPER_COLUMNS`): a swept override with one of these names (`steps=5,10`, `lr=0.1,0.2`; `seed` is

@@ -2,8 +2,8 @@
 
 Contents:
     findings_html(summary) -> str                    -- a headline, then the taps in trouble grouped by kind and step
-    compare(grads) / identical(cmp)            -- `compare_strategies`, or why not; whether they all agree
-    strategy_sections(plots, cmp, steps, ...)   -- the strategies' agreement and cost
+    compare(grads) -> Agreement                 -- `compare_strategies`, or why not; the groups of runs not compared
+    strategy_sections(plots, agreement, steps, ...) -- the strategies' agreement and cost
     extra_sections(grads, out_dir, ...)         -- histograms, update ratios, per-example norms (when recorded)
     edit_sections(grads, out_dir, ...)          -- gradient edits: the edited taps, an edit-strength sweep's panel
 
@@ -19,22 +19,17 @@ Example::
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import numpy as np
 import pandas as pd
 
 from gradrunner.analysis.aggregate import AGGREGATE_ABOVE
 from gradrunner.analysis.optional import UPDATE_RATIO_GUIDE, histograms_over_steps, per_example_spread, update_ratios
-from gradrunner.analysis.summaries import (
-    EXPLODE_ABOVE,
-    VANISH_BELOW,
-    compare_strategies,
-    forward_order,
-    rank_columns,
-    run_columns,
-    strategy_costs,
-)
+from gradrunner.analysis.strategies import compare_strategies, strategy_costs, strategy_groups
+from gradrunner.analysis.summaries import EXPLODE_ABOVE, VANISH_BELOW, forward_order, rank_columns, run_columns
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import HIST_COLUMN, PER_EXAMPLE_COLUMN
 from gradrunner.report.page import FigureWriter, html_section, html_table
@@ -85,32 +80,87 @@ def findings_html(summary: pd.DataFrame) -> str:
     return f'<p class="headline">{" · ".join(headline)}.</p>\n' + "\n".join(details)
 
 
-def compare(grads: pd.DataFrame) -> pd.DataFrame | str:
-    """`compare_strategies`, or why the runs could not be compared."""
+@dataclass(frozen=True)
+class Agreement:
+    """The strategies of the runs compared (`compare`): what `compare_strategies` found, and what it left out."""
+
+    #: `compare_strategies`' rows (none when no group of runs has every strategy), or why it refused to compare.
+    cmp: pd.DataFrame | str
+    #: The groups of runs not compared, each with the strategies it lacks (`strategy_groups`): "seed=1 (no
+    #: autograd_grad run)"; "" when every group has every strategy.
+    left_out: str = ""
+
+    @property
+    def compared(self) -> bool:
+        """Whether any record was compared."""
+        return isinstance(self.cmp, pd.DataFrame) and not self.cmp.empty
+
+    @property
+    def differ(self) -> bool:
+        """Whether a record compared differs (a statistic, or a record one strategy's run lacks)."""
+        return isinstance(self.cmp, pd.DataFrame) and bool(self.cmp[["abs_diff", "rel_diff"]].to_numpy().any())
+
+    @property
+    def identical(self) -> bool:
+        """Every run compared, and not one difference: the same figures once per strategy would say nothing more."""
+        return self.compared and not self.differ and not self.left_out
+
+    def left_out_rows(self, summary: pd.DataFrame, others: list[str]) -> np.ndarray:
+        """Per row of a `tap_summary` (run columns `others` besides the strategy): whether its group was left out."""
+        if not others or not self.left_out:
+            return np.zeros(len(summary), dtype=bool)
+        groups = strategy_groups(summary, keys=others)  # `compare`'s groups, as the summary's run columns name them
+        return (summary[others].merge(groups, on=others, how="left")["missing"] != "").to_numpy()
+
+    def sentence(self, n: int) -> str:
+        """What the page's first paragraph says of the `n` strategies (nothing when `compare_strategies` refused)."""
+        if isinstance(self.cmp, str):
+            return ""
+        left_out = f"not compared, lacking a strategy's run: {self.left_out}"
+        if not self.compared:
+            return f"The {n} strategies were not compared: no group of runs has every strategy ({self.left_out})."
+        if not self.differ:
+            return (f"All {n} strategies agree (largest relative difference 0)." if not self.left_out else
+                    f"All {n} strategies agree where compared (largest relative difference 0); {left_out}.")  # fmt: skip
+        worst = self.cmp.iloc[int(np.argmax(self.cmp["rel_diff"].to_numpy(dtype=np.float64)))]
+        return (f"The {n} strategies differ: largest relative difference {worst['rel_diff']:.3g}, "
+                f"in {worst['stat']} of {worst['tap']} at step {int(worst['step'])}."
+                + (f" Also {left_out}." if self.left_out else ""))  # fmt: skip
+
+
+def compare(grads: pd.DataFrame) -> Agreement:
+    """`compare_strategies`, or why the runs could not be compared; and the groups of runs it left out."""
     try:
-        return compare_strategies(grads)
+        cmp = compare_strategies(grads)
     except GradrunnerError as e:  # e.g. several runs per strategy that no swept value tells apart
-        return str(e)
-
-
-def identical(cmp: pd.DataFrame) -> bool:
-    """True when a strategy comparison (`compare`) shows no difference at all."""
-    return not cmp[["abs_diff", "rel_diff"]].to_numpy().any()
+        return Agreement(str(e))
+    groups = strategy_groups(grads)
+    keys = [c for c in groups.columns if c not in ("strategies", "missing")]
+    lacking = groups[groups["missing"] != ""].to_dict("records")
+    named = [", ".join(f"{c}={g[c]}" for c in keys) + f" (no {g['missing']} run)" for g in lacking]
+    return Agreement(cmp, "; ".join(named))
 
 
 def strategy_sections(
-    plots: ModuleType, cmp: pd.DataFrame | str, steps: pd.DataFrame | None, out_dir: Path, *, figure: FigureWriter
+    plots: ModuleType, agreement: Agreement, steps: pd.DataFrame | None, out_dir: Path, *, figure: FigureWriter
 ) -> list[str]:
-    """Agreement between the strategies (largest differences) and their cost."""
+    """Agreement between the strategies (largest differences; the groups of runs not compared) and their cost."""
+    title = "Do the strategies agree?"
+    cmp = agreement.cmp
     if isinstance(cmp, str):
-        return [html_section("Do the strategies agree?", f"<p>Not compared: {html.escape(cmp)}</p>")]
-    worst = cmp.groupby("stat", sort=False)[["abs_diff", "rel_diff"]].max().reset_index()
-    verdict = "identical records" if identical(cmp) else "they differ"
-    sections = [
-        html_section("Do the strategies agree?",
-                 f"<p>Largest difference over every step, tap and call: <b>{verdict}</b>.</p>\n{html_table(worst)}"),
-    ]  # fmt: skip
-    if not identical(cmp):  # bars of zeros are an empty chart: the table above says it
+        return [html_section(title, f"<p>Not compared: {html.escape(cmp)}</p>")]
+    if not agreement.compared:
+        why = f"no group of runs has every strategy: {agreement.left_out}"
+        sections = [html_section(title, f"<p>Not compared: {html.escape(why)}.</p>")]
+    else:
+        worst = cmp.groupby("stat", sort=False)[["abs_diff", "rel_diff"]].max().reset_index()
+        verdict = "they differ" if agreement.differ else "identical records"
+        note = f" Not compared, lacking a strategy's run: {agreement.left_out}." if agreement.left_out else ""
+        sections = [
+            html_section(title, f"<p>Largest difference over every step, tap and call: <b>{verdict}</b>."
+                                f"{html.escape(note)}</p>\n{html_table(worst)}"),
+        ]  # fmt: skip
+    if agreement.differ:  # bars of zeros are an empty chart: the table above says it
         sections.append(figure(out_dir, "agreement", "Strategy agreement", plots.plot_strategy_agreement(cmp)))
     if steps is not None:
         costs = strategy_costs(steps)

@@ -55,11 +55,11 @@ from gradrunner.report.page import (
 )
 from gradrunner.report.records import config_value, drawn_values, light_columns, loss_not_recorded
 from gradrunner.report.sections import (
+    Agreement,
     compare,
     edit_sections,
     extra_sections,
     findings_html,
-    identical,
     run_label_columns,
     strategy_sections,
 )
@@ -171,9 +171,9 @@ def _run_sections(
     left_out: str = "",
 ) -> tuple[list[str], str]:
     """The sections and the first paragraph of a run, or of a sweep of at most `AGGREGATE_ABOVE` runs (a panel each)."""
-    cmp = compare(grads) if grads["strategy"].nunique() > 1 else None
+    agreement = compare(grads) if grads["strategy"].nunique() > 1 else None
     shown, once = grads, ""
-    if isinstance(cmp, pd.DataFrame) and identical(cmp):  # the same figures N times say nothing more
+    if agreement is not None and agreement.identical:  # the same figures N times say nothing more
         shown = grads[grads["run_id"] == grads["run_id"].iloc[0]]
         once = (f" Identical for the strategies {', '.join(dict.fromkeys(grads['strategy'].astype(str)))}: "
                 f"shown once ({shown['strategy'].iloc[0]}).")  # fmt: skip
@@ -191,20 +191,20 @@ def _run_sections(
         sections += _training_sections(out_dir, steps)
     sections += [
         _runs_section(grads, steps, known, left_out),
-        html_section("Per-tap summary", _summary_table(summary)),
+        html_section("Per-tap summary", _summary_table(summary, agreement)),
         figure_section(out_dir, "grad_flow", "Gradient flow", plots.plot_grad_flow(shown, steps=_flow_steps(shown)),
                 flow_note + once),
         figure_section(out_dir, "norms", "Gradient norm over the steps", plots.plot_norms(shown), once.strip()),
     ]  # fmt: skip
-    if cmp is not None:
-        sections += strategy_sections(plots, cmp, steps, out_dir, figure=figure_section)
+    if agreement is not None:
+        sections += strategy_sections(plots, agreement, steps, out_dir, figure=figure_section)
     values = drawn_values(out_dir, grads)
     if values is not None:
         fig = plots.plot_value_distributions(values)
         sections.append(figure_section(out_dir, "values", "Gradient values", fig, "First and last captured step."))
     sections += extra_sections(shown, out_dir, figure=figure_section)  # once, like the flow, when strategies agree
     sections += edit_sections(grads, out_dir, figure=figure_section)
-    return sections, _answer(grads, steps, summary, cmp, known)
+    return sections, _answer(grads, steps, summary, agreement, known)
 
 
 def _flow_steps(grads: pd.DataFrame) -> dict[str, list[int]] | list[int]:
@@ -276,8 +276,9 @@ _SHOWN = {"tap": "tap", "call": "call", "steps": "steps", "first": "first", "las
           "first_exploding_step": "exploding from"}  # fmt: skip
 
 
-def _summary_table(summary: pd.DataFrame) -> str:
-    """One table: a row per tap; strategies side by side (differences marked) unless they all agree."""
+def _summary_table(summary: pd.DataFrame, agreement: Agreement | None = None) -> str:
+    """One table: a row per tap; strategies side by side (differences marked) unless they all agree. Rows of a group
+    of runs that lacks a strategy's run (`agreement.left_out`: a failed job) are marked not compared."""
     run_cols = run_label_columns(summary)
     note = "Gradient norm over the captured steps" + (", per rank." if "rank" in summary.columns else ".")
     shown = dict(_SHOWN)
@@ -286,42 +287,42 @@ def _summary_table(summary: pd.DataFrame) -> str:
     if "strategy" not in run_cols or summary["strategy"].nunique() < 2:
         return f"<p>{note}</p>\n{html_table(summary[run_cols + list(shown)].rename(columns=shown))}"
     strategies = list(dict.fromkeys(summary["strategy"]))
-    keys = [c for c in run_cols if c != "strategy"] + [c for c in ("tap", "call", "rank") if c in shown]
+    others = [c for c in run_cols if c != "strategy"]
+    keys = others + [c for c in ("tap", "call", "rank") if c in shown]
     numeric = [c for c in _SHOWN if c not in ("tap", "call")]
     g = summary.astype({c: "float64" for c in numeric}).groupby(keys, sort=False, dropna=False)[numeric]
     lo, hi = g.min(), g.max()
     # compare's rule (an infinity agrees with the same infinity only), within 1e-6 of the larger magnitude
     same = agrees(hi.to_numpy(), lo.to_numpy(), 1e-6, 0.0) | agrees(lo.to_numpy(), hi.to_numpy(), 1e-6, 0.0)
     agree = pd.DataFrame(same, index=hi.index, columns=hi.columns) & (g.count().eq(g.size(), axis=0) | g.count().eq(0))
+    lacking = pd.Series(agreement.left_out_rows(summary, others) if agreement else False, index=summary.index)
+    compared = ~lacking.groupby(pd.MultiIndex.from_frame(summary[keys]), sort=False).any().reindex(hi.index)
     first = summary.drop_duplicates(keys).set_index(keys)[numeric]
-    if agree.to_numpy().all():
+    if agree.to_numpy().all() and compared.all():
         table = first.reset_index()[keys + numeric].rename(columns=shown)
         return f"<p>{note} Identical for the strategies {', '.join(strategies)}.</p>\n{html_table(table)}"
     wide = summary.pivot_table(index=keys, columns="strategy", values="last", sort=False, dropna=False)
-    wide = wide.reindex(columns=strategies).rename(columns=lambda c: f"last ({c})")
-    table = first.drop(columns="last").join(wide)
-    table.insert(0, "agree", np.where(agree.all(axis=1).reindex(table.index), "yes", "DIFFER"))
+    table = first.drop(columns="last").join(wide.reindex(columns=strategies).rename(columns=lambda c: f"last ({c})"))
+    marks = np.where(compared, np.where(agree.all(axis=1), "yes", "DIFFER"), "not compared")
+    table.insert(0, "agree", pd.Series(marks, index=hi.index).reindex(table.index))
     body = html_table(table.reset_index().rename(columns=shown)).replace("<td>DIFFER</td>", '<td class="bad">differ</td>')
-    return f"<p>{note} The strategies disagree on the rows marked <b>differ</b>.</p>\n{body}"
+    if (marks == "DIFFER").any():
+        note += " The strategies disagree on the rows marked <b>differ</b>."
+    if agreement is not None and not compared.all():
+        note += f" Not compared, lacking a strategy's run: {html.escape(agreement.left_out)}."
+    return f"<p>{note}</p>\n{body}"
 
 
 def _answer(
     grads: pd.DataFrame,
     steps: pd.DataFrame | None,
     summary: pd.DataFrame,
-    cmp: pd.DataFrame | str | None,
+    agreement: Agreement | None,
     known: pd.Series | None = None,
 ) -> str:
     """The page's first paragraph: the strategies' agreement (a strategies sweep), then what happened in each run."""
-    lines = []
-    if isinstance(cmp, pd.DataFrame):
-        n = grads["strategy"].nunique()
-        if identical(cmp):
-            lines.append(f"All {n} strategies agree (largest relative difference 0).")
-        else:
-            worst = cmp.iloc[int(np.argmax(cmp["rel_diff"].to_numpy(dtype=np.float64)))]
-            lines.append(f"The {n} strategies differ: largest relative difference {worst['rel_diff']:.3g}, "
-                         f"in {worst['stat']} of {worst['tap']} at step {int(worst['step'])}.")  # fmt: skip
+    lines = [agreement.sentence(grads["strategy"].nunique())] if agreement is not None else []
+    lines = [line for line in lines if line]  # nothing when compare_strategies refused (the section says why)
     run_cols = run_label_columns(summary)
     runs = list(summary.groupby(run_cols, sort=False, dropna=False)) if run_cols else [((), summary)]
     said: list[tuple[str, str]] = []
