@@ -242,6 +242,22 @@ def test_compare_leaves_out_a_seed_whose_other_strategy_failed(tmp_path: Path) -
     assert set(zip(inf.seed, inf.step, inf.tap, inf.strategies, strict=True)) == {(0, 0, "fc1:output", 1)}
 
 
+def test_compare_keeps_a_seed_that_splits_the_runs_as_the_strategy_does(tmp_path: Path) -> None:
+    """(hook, 1) and (autograd_grad, 0) failed: `seed` splits the two runs left exactly as `strategy` does, and was
+    dropped from the keys, so hook's seed 0 was compared with autograd_grad's seed 1 (found 2026-11-27)."""
+    jobs = [("hook", 0, True), ("hook", 1, False), ("autograd_grad", 0, False), ("autograd_grad", 1, True)]
+    with pytest.warns(IncompleteSweepWarning):
+        df = load(planted_sweep_with_failures(tmp_path, jobs))
+    assert run_columns(df) == ["strategy", "seed"]  # capture.strategy repeats strategy; seed is another setting
+    cmp = compare_strategies(df)
+    assert cmp.empty and list(cmp.columns)[:4] == ["seed", "step", "tap", "call"]
+    groups = strategy_groups(df)
+    assert groups[["seed", "strategies", "missing"]].values.tolist() == [[0, 1, "autograd_grad"], [1, 1, "hook"]]
+    with pytest.warns(IncompleteSweepWarning):
+        costs = strategy_costs(load(tmp_path, table="steps"))
+    assert costs[["strategy", "seed"]].values.tolist() == [["hook", 0], ["autograd_grad", 1]]
+
+
 # --- strategy_costs -----------------------------------------------------------------------------
 
 

@@ -69,3 +69,21 @@ def test_a_seed_whose_other_strategy_failed_is_not_compared_and_the_rest_agree(t
     assert (worst[["abs_diff", "rel_diff"]] == 0).all().all()
     summary = tables_after(page.read_text(encoding="utf-8"), "Per-tap summary")  # seed 0: yes; seed 1: not compared
     assert summary.groupby("seed")["agree"].unique().map(list).to_dict() == {0: ["yes"], 1: ["not compared"]}
+
+
+def test_runs_of_two_seeds_are_not_compared_as_two_strategies(tmp_path: Path) -> None:
+    """(hook, 1) and (autograd_grad, 0) failed: the page compared hook's seed 0 with autograd_grad's seed 1 and
+    said they differ (planted: hook's fc2:output at step 1, 1e-3 off); no pair of runs differs in strategy alone."""
+    from gradrunner.report import write_report
+
+    jobs = [("hook", 0, True), ("hook", 1, False), ("autograd_grad", 0, False), ("autograd_grad", 1, True)]
+    with pytest.warns(IncompleteSweepWarning):
+        page = write_report(planted_sweep_with_failures(tmp_path, jobs))
+    lacking = "seed=0 (no autograd_grad run); seed=1 (no hook run)"
+    assert f"The 2 strategies were not compared: no group of runs has every strategy ({lacking})." in _answer_of(page)
+    agree = _section(page, "Do the strategies agree?")
+    assert f"Not compared: no group of runs has every strategy: {lacking}." in agree
+    runs = tables_after(page.read_text(encoding="utf-8"), "Runs")
+    assert runs[["strategy", "seed"]].values.tolist() == [["hook", 0], ["autograd_grad", 1]]
+    summary = tables_after(page.read_text(encoding="utf-8"), "Per-tap summary")
+    assert set(summary["agree"]) == {"not compared"} and "differ" not in _section(page, "Per-tap summary")

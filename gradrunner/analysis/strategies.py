@@ -22,20 +22,18 @@ import math
 import numpy as np
 import pandas as pd
 
-from gradrunner.analysis.summaries import forward_order, run_columns
+from gradrunner.analysis.summaries import forward_order, repeats, run_columns
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import STAT_COLUMNS
 
 
-def _splits_like(df: pd.DataFrame, a: str, b: str) -> bool:
-    """True when columns `a` and `b` split the rows into the same groups (e.g. `capture.strategy`, `strategy`)."""
-    codes = [pd.factorize(df[c], use_na_sentinel=False)[0] for c in (a, b)]
-    return bool((codes[0] == codes[1]).all())
-
-
 def _other_run_columns(df: pd.DataFrame, by: str) -> list[str]:
-    """Run columns besides `by` (a seed, a learning rate): runs are compared only within them."""
-    return [c for c in run_columns(df) if c not in ("run_id", by) and not _splits_like(df, c, by)]
+    """Run columns besides `by` and those repeating it (a seed, a learning rate): runs are compared only within them."""
+    runs = [c for c in run_columns(df) if c not in ("run_id", by)]
+    if not runs:
+        return []
+    per_run = df.groupby("run_id", sort=False, dropna=False)[[*runs, by]].first()
+    return [c for c in runs if not repeats(per_run[c], per_run[by]) and not repeats(per_run[by], per_run[c])]
 
 
 def strategy_groups(df: pd.DataFrame, by: str = "strategy", keys: list[str] | None = None) -> pd.DataFrame:
@@ -110,9 +108,10 @@ def compare_strategies(df: pd.DataFrame, by: str = "strategy") -> pd.DataFrame:
     For every statistic column and for `values` (when captured), with x the strategies' values:
     `abs_diff` = max(x) - min(x), `rel_diff` = abs_diff / max |x| (0 when abs_diff is 0). A
     statistic NaN in some strategies only, or a record some strategies lack, differs by inf.
-    Other run columns (a seed, a learning rate) are kept as keys, so only runs that differ in `by`
-    alone are compared; a group of runs that lacks a strategy's run (a failed job) is left out
-    (`strategy_groups` names it: no rows when no group has every strategy). `strategies` counts the strategies that have the record.
+    Other run columns (a seed, a learning rate; one that splits the runs as `by` does but holds other
+    values too) are kept as keys, so only runs that differ in `by` alone are compared; a group of
+    runs that lacks a strategy's run (a failed job) is left out (`strategy_groups` names it: no rows
+    when no group has every strategy). `strategies` counts the strategies that have the record.
     Under gradient accumulation each micro-batch's records are compared (`micro_step` is a key).
     """
     runs = _other_run_columns(df, by)

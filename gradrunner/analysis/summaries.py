@@ -53,8 +53,10 @@ def run_columns(df: pd.DataFrame) -> list[str]:
 
     Candidates are experiment, strategy, device and dtype, then the swept-override columns `load`
     adds. One is kept when it is constant within each run (`run_id`), differs between runs, and does
-    not split the runs exactly as a column kept before it does (`capture.strategy` repeats
-    `strategy`). `run_id` is appended when the kept columns do not tell every run apart.
+    not repeat a column kept before it (`repeats`: `capture.strategy` repeats `strategy`). A column
+    that only happens to split the runs as a kept one does (the seed of a strategy x seed sweep
+    whose (hook, 1) and (autograd_grad, 0) jobs failed) is kept: it is not the same setting.
+    `run_id` is appended when the kept columns do not tell every run apart.
     """
     if "run_id" not in df.columns or df["run_id"].nunique(dropna=False) < 2:
         return []
@@ -64,15 +66,30 @@ def run_columns(df: pd.DataFrame) -> list[str]:
     constant = per_run.nunique(dropna=False).max() <= 1
     runs = per_run.first()
     kept: list[str] = []
-    splits: set[tuple[int, ...]] = set()
     for column in candidates:
-        split = tuple(int(i) for i in pd.factorize(runs[column], use_na_sentinel=False)[0])
-        if constant[column] and len(set(split)) > 1 and split not in splits:
+        varies = runs[column].nunique(dropna=False) > 1
+        if constant[column] and varies and not any(repeats(runs[column], runs[k]) for k in kept):
             kept.append(column)
-            splits.add(split)
     if not kept or len(runs[kept].drop_duplicates()) < len(runs):
         kept.append("run_id")
     return kept
+
+
+def repeats(column: pd.Series, other: pd.Series) -> bool:
+    """Whether `column` repeats `other`: the same value (as text) on every row where `column` is set.
+
+    Example::
+
+        runs = df.groupby("run_id").first()
+        repeats(runs["capture.strategy"], runs["strategy"])     # True: the override is the strategy
+        repeats(runs["seed"], runs["strategy"])                 # False, even where they split the runs alike
+
+    A row without `column` (a run that did not set the override) repeats anything; a column set nowhere
+    repeats nothing.
+    """
+    set_ = column.notna().to_numpy()
+    same = column.astype(str).to_numpy() == other.astype(str).to_numpy()
+    return bool(set_.any() and (same | ~set_).all())
 
 
 def rank_columns(df: pd.DataFrame) -> list[str]:
