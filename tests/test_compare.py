@@ -223,3 +223,84 @@ def test_a_comparison_frame_holds_both_values(runs: dict[str, Path]) -> None:
     for frame, col in ((a, "a"), (b, "b")):
         want = frame.set_index(["step", "tap"])["norm"]
         pd.testing.assert_series_equal(got[col].sort_index(), want.sort_index(), check_names=False)
+
+
+def _recorded_pair(tmp_path: Path, options_b: dict[str, object] | None = None, swap_b: bool = False,
+                   rows_b: int = 2, **options: object) -> tuple[Path, Path]:  # fmt: skip
+    """Two record() runs of one tiny model and data: run B's batches have their rows swapped (`swap_b`), or `rows_b`
+    rows; `options_b` replaces `options` for run B."""
+    import torch
+    from torch import nn
+
+    import gradrunner
+
+    dirs = (tmp_path / "a", tmp_path / "b")
+    for d, swap, rows, opts in ((dirs[0], False, 2, options), (dirs[1], swap_b, rows_b, options_b or options)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        batches = torch.randn(2, 3, 3, generator=torch.Generator().manual_seed(1))[:, :rows]
+        with gradrunner.record(model, ["0:output", "2:weight"], d, strategy="hook", **opts) as rec:  # type: ignore[arg-type]
+            for batch in batches:
+                loss = model(batch.flip(0) if swap else batch).pow(2).mean()
+                loss.backward()
+                model.zero_grad()
+                rec.step(loss)
+    return dirs
+
+
+def _largest_difference(a: pd.DataFrame, b: pd.DataFrame, column: str) -> float:
+    """The largest |a - b| over the elements of `column`, record by record (the reference: numpy on the files)."""
+    return max(float(np.max(np.abs(np.asarray(x, float) - np.asarray(y, float)), initial=0.0))
+               for x, y in zip(a[column], b[column], strict=True) if x is not None)  # fmt: skip
+
+
+def test_recorded_elements_are_compared_element_by_element(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Run B sees each batch's rows swapped: every statistic is order-free (equal up to rounding), the elements are
+    not. compare said "agree" (exit 0) for them (found 2026-11-27)."""
+    run_a, run_b = _recorded_pair(tmp_path, swap_b=True, values="full", per_example=True)
+    a, b = pd.read_parquet(run_a / "grads.parquet"), pd.read_parquet(run_b / "grads.parquet")
+    assert _largest_difference(a, b, "values") > 1e-3 and _largest_difference(a, b, "per_example_norm") > 1e-3
+    c = compare_runs(run_a, run_b)
+    assert not c.agree
+    bad = c.values[c.values["differs"]]
+    assert set(bad["stat"].str.split("[").str[0]) == {"values", "per_example_norm"}  # the statistics agree
+    for column in ("values", "per_example_norm"):  # per record: numpy's isclose (run A the reference) decides
+        rows = c.values[c.values["stat"].str.startswith(column + "[")].set_index(["step", "tap"])
+        for x, y, step, tap in zip(a[column], b[column], a["step"], a["tap"], strict=True):
+            row = rows.loc[(step, tap)]
+            i = int(row["stat"].split("[")[1].rstrip("]"))  # the element named holds both runs' values
+            assert (row["a"], row["b"]) == pytest.approx((float(x[i]), float(y[i])))
+            assert row["differs"] == (not np.isclose(y, x, rtol=RTOL, atol=ATOL).all())
+    code, out, _ = run_main(capsys, run_a, run_b)
+    assert code == 1 and out.startswith("differ beyond rtol=1e-05, atol=1e-08: ")
+    assert "first difference: step 0, tap 0:output, " in out and ("values[" in out or "per_example_norm[" in out)
+
+
+def test_an_element_column_one_run_lacks_is_named_not_agreed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_a, run_b = _recorded_pair(tmp_path, options_b={"values": "none"}, values="full", per_example=True, histogram=True)
+    c = compare_runs(run_a, run_b)
+    assert c.agree and "values recorded in run A only (capture.values): not compared" in c.notes
+    assert "per_example_norm recorded in run A only (capture.per_example): not compared" in c.notes
+    assert not c.values["stat"].str.startswith(("values", "per_example_norm", "hist_counts")).any()
+    code, out, _ = run_main(capsys, run_a, run_b)
+    assert code == 0 and out.splitlines()[0] == "note: values recorded in run A only (capture.values): not compared"
+
+
+def test_histograms_and_shapes_are_compared(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_a, run_b = _recorded_pair(tmp_path, rows_b=3, histogram=True)  # run B: batches of 3 rows, not 2
+    c = compare_runs(run_a, run_b)
+    a, b = pd.read_parquet(run_a / "grads.parquet"), pd.read_parquet(run_b / "grads.parquet")
+    shape = c.values[c.values["stat"].str.startswith("shape")].set_index(["step", "tap"])
+    assert shape.loc[(0, "0:output"), ["stat", "a", "b"]].tolist() == ["shape[0]", 2.0, 3.0]  # 2 x 4 against 3 x 4
+    assert not shape.loc[(0, "2:weight"), "differs"]  # the weight's shape is the weight's
+    hist = c.values[c.values["stat"].str.startswith("hist_counts")]
+    want = [not np.array_equal(x, y) for x, y in zip(a["hist_counts"], b["hist_counts"], strict=True)]
+    assert hist["differs"].tolist() == want and any(want)
+
+
+def test_values_captured_differently_are_named_not_compared(tmp_path: Path) -> None:
+    """A sample of 4 positions against every element (a replay of a sampled run): other elements, not a difference."""
+    run_a, run_b = _recorded_pair(tmp_path, options_b={"values": "full"}, values="sample", sample_size=4)
+    c = compare_runs(run_a, run_b)
+    note = "values captured differently (capture.values=sample (4 positions, seed 0) in run A, full in run B): not compared"
+    assert c.agree and note in c.notes and not c.values["stat"].str.startswith("values").any()

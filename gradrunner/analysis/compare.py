@@ -2,8 +2,10 @@
 
 `compare_runs(run_a, run_b)` reads both run dirs with `load` (so a damaged or foreign file is refused as
 `load` refuses it) and compares every record both have, matched on (step, tap, call, rank, micro_step), over
-the gradient's statistics, and each step's loss; `python -m gradrunner.compare RUN_A RUN_B` prints the
-first difference in step order and the worst taps (`main`).
+the gradient's statistics, its `shape` (exactly) and, where both runs recorded them, its elements (`ELEMENTS`:
+the captured `values`, `per_example_norm`, `hist_counts`, element by element; a list of another length
+differs), and each step's loss; an element column only one run recorded is named in a note, not compared.
+`python -m gradrunner.compare RUN_A RUN_B` prints the first difference in step order and the worst taps (`main`).
 
 Example::
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +40,15 @@ import pandas as pd
 
 from gradrunner.analysis.reading import load
 from gradrunner.errors import GradrunnerError, one_paragraph
-from gradrunner.records.columns import COUNT_COLUMNS, GRADS_FILE, STAT_COLUMNS, STEPS_FILE
+from gradrunner.records import rundir
+from gradrunner.records.columns import (
+    COUNT_COLUMNS,
+    GRADS_FILE,
+    HIST_COLUMN,
+    PER_EXAMPLE_COLUMN,
+    STAT_COLUMNS,
+    STEPS_FILE,
+)
 
 #: Default tolerances (see the module docstring for why).
 RTOL, ATOL = 1e-5, 1e-8
@@ -49,6 +60,11 @@ STATS = (*STAT_COLUMNS, *COUNT_COLUMNS, "numel", "has_grad")
 #: are the optimiser's step, which a setting (the learning rate) changes at once; its effect on the model
 #: shows in the next step's gradients and `value_norm`s, which are compared.
 OPTIONAL = ("value_norm", "edited_norm")
+#: Compared element by element where both runs recorded them (a list per record), with the option recording each;
+#: an element is named `values[i]` (the one differing most in its record), a length mismatch `len(values)`.
+ELEMENTS = {"values": "capture.values", PER_EXAMPLE_COLUMN: "capture.per_example", HIST_COLUMN: "capture.histogram"}
+#: Compared on every record, exactly: a gradient of another shape is another gradient, whatever the tolerance.
+SHAPE = "shape"
 #: Compared per (step, rank) from the steps table, where both runs have them.
 STEP_STATS = ("loss", "grad_norm")
 #: The order differences are told in: by step, a step's loss first, then taps in run A's order.
@@ -71,7 +87,8 @@ class Comparison:
     rtol: float
     atol: float
     #: One row per value compared: the key columns (`tap` null for a step's `loss`), `stat`, `a`, `b`,
-    #: `rel` (|a - b| / |a|; 0 when they are equal, inf when a is 0 or one of them NaN) and `differs`.
+    #: `rel` (|a - b| / |a|; 0 when they are equal, inf when a is 0 or one of them NaN) and `differs`. A list
+    #: column gives a row per record: its element differing most (`values[3]`), or its lengths (`len(values)`).
     values: pd.DataFrame
     #: One row per record (or step's loss) only one run has: the key columns, `stat`, and `only_in` ("a" or "b").
     missing: pd.DataFrame
@@ -214,18 +231,28 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str], r
     tap_order = {t: i for i, t in enumerate(dict.fromkeys([*grads_a["tap"], *grads_b["tap"]]))}
     stats = [*STATS, *(c for c in OPTIONAL if c in grads_a.columns and c in grads_b.columns)]
     step_stats = [c for c in STEP_STATS if c in steps_a.columns and c in steps_b.columns]
-    values_g, missing_g = _pair(grads_a, grads_b, list(KEY), stats, rtol, atol)
+    lists = [c for c in (SHAPE, *ELEMENTS) if _recorded(grads_a, c) and _recorded(grads_b, c)]
+    for column, option in ELEMENTS.items():  # never an agreement claimed on what one run did not record
+        only = [run for run, g in (("A", grads_a), ("B", grads_b)) if _recorded(g, column)]
+        if len(only) == 1:
+            notes.append(f"{column} recorded in run {only[0]} only ({option}): not compared")
+    modes = _values_mode(Path(run_a)), _values_mode(Path(run_b))
+    if "values" in lists and None not in modes and modes[0] != modes[1]:  # other elements: nothing to compare
+        lists.remove("values")
+        notes.append(f"values captured differently (capture.values={modes[0]} in run A, {modes[1]} in run B): "
+                     "not compared")  # fmt: skip
+    values_g, missing_g = _pair(grads_a, grads_b, list(KEY), stats, rtol, atol, lists)
     values_s, missing_s = _pair(steps_a, steps_b, ["step", "rank"], step_stats, rtol, atol)
     values = pd.concat([values_s, values_g], ignore_index=True)
     missing = pd.concat([missing_s, missing_g], ignore_index=True)
-    stat_order = {s: i for i, s in enumerate(["loss", *step_stats, *stats])}
+    stat_order = {s: i for i, s in enumerate(["loss", *step_stats, *stats, *lists])}
     for frame in (values, missing):
         if "tap" not in frame.columns:
             frame["tap"] = None
         for col, fill in (("call", 0), ("micro_step", -1)):
             frame[col] = frame[col].fillna(fill) if col in frame.columns else fill
         frame["tap_order"] = frame["tap"].map(tap_order).fillna(-1)  # a step's loss comes before its taps
-        frame["stat_order"] = frame["stat"].map(stat_order).fillna(len(stat_order))
+        frame["stat_order"] = frame["stat"].map(lambda s: stat_order.get(_column_of(s), len(stat_order)))
     records = int(values_g[list(KEY)].drop_duplicates().shape[0]) if not values_g.empty else 0
     return Comparison(os.fspath(run_a), os.fspath(run_b), rtol, atol, values, missing, records, tuple(notes))
 
@@ -262,7 +289,7 @@ def _read(run: str | os.PathLike[str], notes: list[str]) -> tuple[pd.DataFrame, 
                               f"{STEPS_FILE} into")  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        grads, steps = load(path), load(path, table="steps")
+        grads, steps = load(path, values=True), load(path, table="steps")
     notes.extend(dict.fromkeys(one_paragraph(str(w.message)) for w in caught))
     if "job" in grads.columns:
         raise GradrunnerError(f"{run} holds several jobs ({_few(grads['job'])}): a sweep; compare one job dir "
@@ -280,9 +307,11 @@ def _read(run: str | os.PathLike[str], notes: list[str]) -> tuple[pd.DataFrame, 
 
 
 def _pair(a: pd.DataFrame, b: pd.DataFrame, key: list[str], stats: list[str], rtol: float,
-          atol: float) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
-    """Long frames of the values both have (with `rel`, `differs`) and of the keys only one has."""
-    both = a[key + stats].merge(b[key + stats], on=key, how="outer", suffixes=("@a", "@b"), indicator=True, sort=False)
+          atol: float, lists: Sequence[str] = ()) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
+    """Long frames of the values both have (with `rel`, `differs`) and of the keys only one has; `lists` are list
+    columns, compared element by element (`_elementwise`)."""
+    cols = [*key, *stats, *lists]
+    both = a[cols].merge(b[cols], on=key, how="outer", suffixes=("@a", "@b"), indicator=True, sort=False)
     only = both[both["_merge"] != "both"]
     missing = only[key].assign(stat="record" if "tap" in key else "loss",
                                only_in=np.where(only["_merge"] == "left_only", "a", "b"))  # fmt: skip
@@ -292,8 +321,69 @@ def _pair(a: pd.DataFrame, b: pd.DataFrame, key: list[str], stats: list[str], rt
         va = pd.to_numeric(matched[f"{stat}@a"], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
         vb = pd.to_numeric(matched[f"{stat}@b"], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
         parts.append(matched[key].assign(stat=stat, a=va, b=vb, rel=relative(va, vb), differs=~agrees(va, vb, rtol, atol)))
+    parts += [e for e in (_elementwise(matched, key, column, rtol, atol) for column in lists) if not e.empty]
     values = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*key, "stat", "a", "b", "rel", "differs"])
     return values, missing.reset_index(drop=True)
+
+
+def _recorded(grads: pd.DataFrame, column: str) -> bool:
+    """Whether a run's records hold `column` (a list column of an option that was on: not null on every row)."""
+    return column in grads.columns and bool(grads[column].notna().any())
+
+
+def _values_mode(run: Path) -> str | None:
+    """Which elements a run's `values` hold (`full`; `sample` with its size and the seed placing it), from the config
+    its `done.json` records; None without one (records written by hand, or by an older gradrunner)."""
+    marker, _ = rundir.read_marker(run)
+    config = marker.get("config") if marker is not None else None
+    capture = config.get("capture") if isinstance(config, dict) else None
+    if not isinstance(config, dict) or not isinstance(capture, dict) or "values" not in capture:
+        return None
+    if capture["values"] == "sample":
+        return f"sample ({capture.get('sample_size')} positions, seed {config.get('seed')})"
+    return str(capture["values"])
+
+
+def _column_of(stat: str) -> str:
+    """The column a compared value comes from: `values` for `values[3]` and `len(values)`, else `stat` itself."""
+    return stat[4:-1] if stat.startswith("len(") else stat.split("[", 1)[0]
+
+
+def _length(cell: object) -> int:
+    """The number of elements of a list cell (null: none recorded)."""
+    return len(cell) if isinstance(cell, (np.ndarray, list)) else 0
+
+
+def _elementwise(matched: pd.DataFrame, key: list[str], column: str, rtol: float, atol: float) -> pd.DataFrame:
+    """A row per matched record holding elements of list `column` in either run: its lengths (`len(values)`) where
+    they differ, else the element that differs most (`values[i]`: a differing one first, then the largest `rel`).
+
+    Elements agree by `agrees` (`SHAPE`'s exactly); a record differs when one of its elements does.
+    """
+    cells_a, cells_b = matched[f"{column}@a"].to_numpy(), matched[f"{column}@b"].to_numpy()
+    len_a = np.fromiter((_length(c) for c in cells_a), np.int64, len(cells_a))
+    len_b = np.fromiter((_length(c) for c in cells_b), np.int64, len(cells_b))
+    parts = []
+    odd = np.flatnonzero(len_a != len_b)
+    if odd.size:
+        la, lb = len_a[odd].astype(np.float64), len_b[odd].astype(np.float64)
+        rel = relative(la, lb)
+        parts.append(matched[key].iloc[odd].assign(stat=f"len({column})", a=la, b=lb, rel=rel, differs=True))
+    both = np.flatnonzero((len_a == len_b) & (len_a > 0))
+    if both.size:
+        n = len_a[both]
+        fa = np.concatenate([np.asarray(cells_a[i], dtype=np.float64).ravel() for i in both])
+        fb = np.concatenate([np.asarray(cells_b[i], dtype=np.float64).ravel() for i in both])
+        ok = fa == fb if column == SHAPE else agrees(fa, fb, rtol, atol)
+        rel = relative(fa, fb)
+        record = np.repeat(np.arange(both.size), n)
+        order = np.lexsort((-rel, ok, record))  # per record: differing elements first, the largest rel first
+        pick = order[np.searchsorted(record[order], np.arange(both.size))]
+        start = np.concatenate([[0], np.cumsum(n)[:-1]])
+        stat = [f"{column}[{i}]" for i in pick - start]
+        differs = np.logical_or.reduceat(~ok, start)
+        parts.append(matched[key].iloc[both].assign(stat=stat, a=fa[pick], b=fb[pick], rel=rel[pick], differs=differs))
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 
 def agrees(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> np.ndarray:
