@@ -12,10 +12,11 @@ import pytest
 import torch
 from written_jobs import write_job
 
-from gradrunner.analysis import load
+from gradrunner.analysis import IncompleteSweepWarning, load
 from gradrunner.capturing.stats import Collector
 from gradrunner.errors import GradrunnerError
-from gradrunner.records.columns import TapKey
+from gradrunner.records.columns import RECORD_FILES, TapKey
+from gradrunner.records.rundir import DONE, FAILED, write_json
 from gradrunner.records.writer import RecordWriter
 
 
@@ -87,6 +88,35 @@ def test_override_missing_in_some_jobs_is_null(tmp_path: Path) -> None:
     write_job(tmp_path / "1", steps=1, overrides=[])
     df = load(tmp_path)
     assert df.groupby("job")["seed"].first(skipna=False).isna().tolist() == [False, True]
+
+
+def _seq_len_sweep(root: Path, failed: bool) -> Path:
+    """data.seq_len=8,80 with the 80 job not completed: failed (a dir with failed.json), or without a dir (the
+    manifest lists it, as when its dir was removed); the 8 job completed (done.json)."""
+    overrides = [["+experiment=gpt2", "data.seq_len=8"], ["+experiment=gpt2", "data.seq_len=80"]]
+    write_job(root / "0", steps=1, overrides=overrides[0])
+    write_json(root / "0" / DONE, {"status": "completed", "run_id": "0", "files": list(RECORD_FILES)})
+    if failed:
+        (root / "1" / ".hydra").mkdir(parents=True)
+        (root / "1" / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides[1]))
+        write_json(root / "1" / FAILED, {"status": "failed", "error": "seq_len 80 > n_positions 16"})
+    jobs = [{"num": i, "dir": str(i) if i == 0 or failed else None, "overrides": o} for i, o in enumerate(overrides)]
+    write_json(root / "manifest.json", {"jobs": jobs})
+    return root
+
+
+@pytest.mark.parametrize("failed", [True, False], ids=["failed", "without_a_dir"])
+def test_a_key_swept_only_by_jobs_left_out_is_still_a_column(tmp_path: Path, failed: bool) -> None:
+    """data.seq_len=8,80 whose 80 job failed: load gave no data.seq_len column, so code written for the whole
+    sweep (df[df["data.seq_len"] == 8]) raised KeyError on it (found 2026-11-27)."""
+    with pytest.warns(IncompleteSweepWarning, match="job 1"):
+        df = load(_seq_len_sweep(tmp_path, failed))
+    assert df["data.seq_len"].dtype == "int64" and df["data.seq_len"].tolist() == [8] * len(df)
+    pd.testing.assert_frame_equal(df[df["data.seq_len"] == 8], df)
+    assert len(df) == len(pd.read_parquet(tmp_path / "0" / "grads.parquet"))
+    assert "experiment" in df.columns and "override.experiment" not in df.columns  # the same in every job
+    with pytest.warns(IncompleteSweepWarning):
+        assert load(tmp_path, table="steps")["data.seq_len"].tolist() == [8]
 
 
 def test_override_named_like_a_column_is_prefixed(tmp_path: Path) -> None:

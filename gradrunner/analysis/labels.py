@@ -1,8 +1,9 @@
 """A sweep's jobs labelled in what `load` returns: the `job` column and each swept override as a typed column.
 
 A job's own overrides come from its records (the files' metadata), else its `done.json`, else
-`.hydra/overrides.yaml`; a key whose value differs between jobs becomes a column (int64, else
-float64, else string), named `override.<key>` where it would clash with a column (`RESERVED_COLUMNS`).
+`.hydra/overrides.yaml`; a key whose value differs between the sweep's jobs (those `load` leaves out
+too: a failed job's value makes its key a column) becomes a column (int64, else float64, else string),
+named `override.<key>` where it would clash with a column (`RESERVED_COLUMNS`).
 
 Example::
 
@@ -115,19 +116,25 @@ def _typed_array(values: list[str | None]) -> pa.Array:
     return pa.array(values, pa.string())
 
 
-def _swept_columns(overrides: list[dict[str, str | None]]) -> dict[str, pa.Array]:
-    """One value per job for each override key whose value differs between jobs."""
-    keys = sorted({k for o in overrides for k in o})
+def _swept_columns(overrides: list[dict[str, str | None]], others: list[dict[str, str | None]]) -> dict[str, pa.Array]:
+    """One value per job of `overrides` for each key whose value differs between all the jobs (`others` too: the
+    sweep's jobs not read), typed over all of them, as the column of the whole sweep would be."""
+    every = [*overrides, *others]
     columns: dict[str, pa.Array] = {}
-    for key in keys:
-        values = [o.get(key) for o in overrides]
+    for key in sorted({k for o in every for k in o}):
+        values = [o.get(key) for o in every]
         if len(set(values)) > 1:
-            columns[key] = _typed_array(values)
+            columns[key] = _typed_array(values)[: len(overrides)]
     return columns
 
 
-def with_job_columns(root: Path, job_dirs: list[Path], read: list[FileRead], joined: pa.Table) -> pa.Table:
+def with_job_columns(
+    root: Path, job_dirs: list[Path], read: list[FileRead], joined: pa.Table, others: Sequence[list[str]] = ()
+) -> pa.Table:
     """`joined` (the rows of the files `read`, in order, each in its job dir of `job_dirs`) with `job` and the swept override columns, constant within each file's rows.
+
+    `others` are the overrides of the sweep's jobs whose records are not read (failed, unfinished, damaged, without
+    a dir): a key that differs between any of the sweep's jobs gets its column, whichever jobs completed.
 
     The columns come last, after each file's own (a column only later files have comes after them, as
     when each file's table carried them); a swept key named like a column only some files have is
@@ -135,7 +142,8 @@ def with_job_columns(root: Path, job_dirs: list[Path], read: list[FileRead], joi
     """
     unique_dirs = sorted(set(job_dirs), key=lambda d: natural_key(d.relative_to(root)))
     first = {d: r for d, r in reversed(list(zip(job_dirs, read, strict=True)))}
-    swept = _swept_columns([parse_overrides(job_overrides(d, first[d].overrides)) for d in unique_dirs])
+    own = [parse_overrides(job_overrides(d, first[d].overrides)) for d in unique_dirs]
+    swept = _swept_columns(own, [parse_overrides(o) for o in others])
     index = {d: i for i, d in enumerate(unique_dirs)}
     names_of = {names: [_override_name(key, names) for key in swept] for names in {r.columns for r in read}}
     names = names_of[read[0].columns]

@@ -27,7 +27,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gradrunner.analysis.labels import FileRead, concat, natural_key, with_job_columns
+from gradrunner.analysis.labels import FileRead, concat, job_overrides, natural_key, with_job_columns
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
 from gradrunner.records.columns import OVERRIDES_KEY
@@ -66,7 +66,8 @@ def load(
     When the files live in subdirectories (a sweep), a `job` column holds each job dir relative
     to `path`, and every override of the job (from its records: the files' metadata, else `done.json`,
     else `<job>/.hydra/overrides.yaml` for records written before overrides travelled with them) whose value differs
-    between jobs becomes a column named after its key, or `override.<key>` when the key is one of
+    between the sweep's jobs (the failed and missing ones too: the column of `data.seq_len=8,80` is there when
+    the 80 jobs failed) becomes a column named after its key, or `override.<key>` when the key is one of
     `labels.RESERVED_COLUMNS` (`steps=5,10` gives `override.steps`, never clashing with a record or a
     helper's column), as int or float when every value parses so, else as string. Hidden files and
     directories are skipped.
@@ -103,13 +104,15 @@ def load(
     root = Path(path)
     if table not in TABLES:
         raise GradrunnerError(f"table={table!r} is not a gradrunner table; allowed: {', '.join(TABLES)}")
-    files = _files_to_read(root, table)
+    files, jobs = _files_to_read(root, table)
     read, joined = _read_all(root, files, columns, values)
     damaged = [r for r in read if isinstance(r, str)]
     if damaged:
         files, read = _without_damaged(root, files, read, damaged, on_damaged)
     if root.is_dir() and any(f.path.parent != root for f in files):
-        joined = with_job_columns(root, [f.path.parent for f in files], [r for r in read if isinstance(r, FileRead)], joined)
+        others = _not_read(jobs, {f.path.parent for f in files}) if jobs is not None else []
+        kept = [r for r in read if isinstance(r, FileRead)]
+        joined = with_job_columns(root, [f.path.parent for f in files], kept, joined, others)
     return joined.to_pandas()
 
 
@@ -143,6 +146,8 @@ class _Jobs:
     marked: bool
     #: The dirs found (root included): a manifest's job dir is looked up here before on disk.
     dirs: frozenset[Path]
+    #: The jobs the sweep's `manifest.json` lists without a dir (or whose dir is gone), as it lists them.
+    dirless: list[dict[str, Any]]
 
 
 #: Files read before their rows are joined into one table (their many small arrays then freed).
@@ -164,18 +169,26 @@ def _jobs_of(root: Path) -> _Jobs:
     dirs = tree.job_dirs()
     present = {d: [n for n in rundir.RECORD_NAMES if tree.has(d, n, file=True)] for d in [root, *dirs]}
     marked = any(tree.has(d, rundir.DONE) or tree.has(d, rundir.FAILED) for d in dirs)
-    return _Jobs([state(d) for d in dirs], state(root), present, marked, frozenset(tree.dirs))
+    found = frozenset(tree.dirs)
+    return _Jobs([state(d) for d in dirs], state(root), present, marked, found, _dirless(root, found))
 
 
-def _files_to_read(root: Path, table: str) -> list[_File]:
+def _not_read(jobs: _Jobs, read: set[Path]) -> list[list[str]]:
+    """The overrides of the sweep's jobs whose records are not read (failed, unfinished, damaged, without a dir)."""
+    left = [job_overrides(s.directory, None, s.marker) for s in jobs.states if s.directory not in read]
+    return left + [[str(o) for o in j.get("overrides") or []] for j in jobs.dirless]
+
+
+def _files_to_read(root: Path, table: str) -> tuple[list[_File], _Jobs | None]:
     """The `<table>.parquet` files to read below `root` (or `root` itself), in natural job order, each with
-    its job's `done.json`: only completed jobs' when the sweep's jobs carry markers (a warning names the others).
+    its job's `done.json`: only completed jobs' when the sweep's jobs carry markers (a warning names the others);
+    and the jobs below `root` (None for a file).
     """
     name = f"{table}.parquet"
     if root.is_file():
         if root.suffix != ".parquet":
             raise GradrunnerError(f"{root} is not a .parquet file; pass a run dir, a sweep dir or a .parquet file")
-        return [_File(root, rundir.job_state(root.parent).marker)]
+        return [_File(root, rundir.job_state(root.parent).marker)], None
     if not root.is_dir():
         raise GradrunnerError(f"{root} does not exist; pass a run dir, a sweep dir or a .parquet file")
     jobs = _jobs_of(root)
@@ -189,7 +202,7 @@ def _files_to_read(root: Path, table: str) -> list[_File]:
         )
     kept = _completed_only(root, jobs, holding)
     files = [_File(s.directory / name, s.marker) for s in kept]
-    return sorted(files, key=lambda f: natural_key(f.path.relative_to(root)))
+    return sorted(files, key=lambda f: natural_key(f.path.relative_to(root))), jobs
 
 
 def _listed(state: rundir.JobState, name: str) -> bool:
@@ -324,17 +337,14 @@ def _without_damaged(
     return [f for f, _ in kept], [t for _, t in kept]
 
 
-def _missing_from_manifest(root: Path, dirs: frozenset[Path]) -> list[str]:
-    """Jobs the sweep's manifest lists that have no job dir (or whose dir is gone), as `job N (overrides)`."""
+def _dirless(root: Path, dirs: frozenset[Path]) -> list[dict[str, Any]]:
+    """The jobs the sweep's manifest lists that have no job dir (or whose dir is gone), as it lists them."""
     data = rundir.read_json(root / "manifest.json")
     jobs = data.get("jobs") if data else None
     if not isinstance(jobs, list):
         return []
-    out = []
-    for j in jobs:
-        if isinstance(j, dict) and (not j.get("dir") or not (root / str(j["dir"]) in dirs or (root / str(j["dir"])).is_dir())):
-            out.append(f"job {j.get('num', '?')} ({' '.join(map(str, j.get('overrides') or [])) or 'no overrides'})")
-    return out
+    return [j for j in jobs if isinstance(j, dict)
+            and (not j.get("dir") or not (root / str(j["dir"]) in dirs or (root / str(j["dir"])).is_dir()))]  # fmt: skip
 
 
 def _completed_only(root: Path, jobs: _Jobs, holding: list[rundir.JobState]) -> list[rundir.JobState]:
@@ -342,7 +352,8 @@ def _completed_only(root: Path, jobs: _Jobs, holding: list[rundir.JobState]) -> 
     if jobs.root.status == "failed":  # a single run asked for by name: read it, but say it failed
         warnings.warn(f"{root} is a failed run ({jobs.root.error}); its records are partial",
                       IncompleteSweepWarning, stacklevel=4)  # fmt: skip
-    missing = _missing_from_manifest(root, jobs.dirs)
+    missing = [f"job {j.get('num', '?')} ({' '.join(map(str, j.get('overrides') or [])) or 'no overrides'})"
+               for j in jobs.dirless]  # fmt: skip
     if missing:
         warnings.warn(f"{len(missing)} job(s) of the sweep in {root} have no job dir and are left out: "
                       f"{'; '.join(missing[:10])}. Re-run the sweep into the same dir (hydra.sweep.dir={root}) "
