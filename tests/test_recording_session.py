@@ -492,3 +492,24 @@ def test_a_session_whose_files_fail_to_close_is_not_marked_complete(
     if resumed:  # the earlier session's two steps are still there for resume=True
         with gradrunner.record(model, ["0:output"], tmp_path / "run", resume=True) as rec:
             assert rec.step_index == 2
+
+
+def test_an_oserror_of_the_users_own_code_in_the_block_goes_on_as_it_is(tmp_path: Path) -> None:
+    """A `record()` block whose own code raises an OSError (a data file that is not there) ends by that error, as
+    without gradrunner: it is not turned into "could not write the records", which did not happen; the completed
+    steps' records are kept and the last word names the real error."""
+    torch.manual_seed(0)
+    model, batches = _model(), _batches(3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    missing = tmp_path / "no" / "data.bin"
+    with pytest.raises(FileNotFoundError) as info, gradrunner.record(model, ["0:output"], tmp_path / "run") as rec:
+        for i, (x, y) in enumerate(batches):
+            if i == 2:
+                missing.read_bytes()  # the user's own read
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward(); opt.step(); opt.zero_grad()  # noqa: E702
+            rec.step(loss)
+    assert not isinstance(info.value, GradrunnerError) and info.value.filename == str(missing)
+    assert sorted(pd.read_parquet(tmp_path / "run" / "steps.parquet")["step"]) == [0, 1]
+    text = (tmp_path / "run" / LOG_FILE).read_text()
+    assert "ended by FileNotFoundError" in text and "could not write" not in text, text

@@ -8,7 +8,7 @@
 | `optimizer_step` | an optimizer step that raises (float16/bfloat16 overflow of a huge learning rate) |
 | `check_finite` | `capture.on_nonfinite=stop`: a non-finite loss or captured gradient ends the run (`NonFinite`) |
 | `check_writable` | an output directory that cannot be written, before step 0 |
-| `write_errors` | an `OSError` while the records are written or closed (a full disk, a read-only dir) |
+| `write_errors` | an `OSError` while the records are written or closed (a full disk, a read-only dir); any other `OSError` (the caller's own) goes on as it is |
 | `sigterm_as_interrupt` | SIGTERM or SIGHUP ends the run like Ctrl-C (`Terminated`; defined in `run.signals`, re-exported) |
 
 Example::
@@ -315,10 +315,26 @@ def write_errors(directory: Path) -> Iterator[None]:
             f"{_left_behind(directory)} To go on, free some disk space (or make the dir writable), {resume}."
         ) from e
     except OSError as e:
+        if not _from_writing(e):
+            raise  # the caller's own (a data file a record() block opens): not about the records
         raise GradrunnerError(
             f"could not write the records in {directory}: {one_paragraph(e)}. {_left_behind(directory)} To go on, free some "
             f"disk space (or make the dir writable) or choose another output directory ({_WHERE}), then run again."
         ) from e
+
+
+#: The modules whose `OSError` is the records' (or their exports') not being written.
+_WRITERS = ("gradrunner.records.", "gradrunner.export.", "gradrunner.run.writers")
+
+
+def _from_writing(error: BaseException) -> bool:
+    """Whether `error` was raised while gradrunner wrote or closed something: a frame of its writers on its way up."""
+    tb = error.__traceback__
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).startswith(_WRITERS):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 class CheckpointNotWritten(OSError):
