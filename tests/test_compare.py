@@ -304,3 +304,17 @@ def test_values_captured_differently_are_named_not_compared(tmp_path: Path) -> N
     c = compare_runs(run_a, run_b)
     note = "values captured differently (capture.values=sample (4 positions, seed 0) in run A, full in run B): not compared"
     assert c.agree and note in c.notes and not c.values["stat"].str.startswith("values").any()
+
+
+def test_counts_are_compared_exactly_whatever_the_tolerance(tmp_path: Path) -> None:
+    """One element or one histogram count more is another record: numel and hist_counts agree only when equal
+    (with rtol=0.5, 8 elements against 12 were "within the tolerance": |8 - 12| <= 0.5 * 8)."""
+    run_a, run_b = _recorded_pair(tmp_path, rows_b=3, histogram=True)  # run B: batches of 3 rows, not 2
+    a, b = pd.read_parquet(run_a / "grads.parquet"), pd.read_parquet(run_b / "grads.parquet")
+    c = compare_runs(run_a, run_b, rtol=0.5, atol=0.0)
+    numel = c.values[c.values["stat"] == "numel"].set_index(["step", "tap"])
+    assert numel.loc[(0, "0:output"), ["a", "b", "differs"]].tolist() == [8.0, 12.0, True]
+    assert not numel.loc[(0, "2:weight"), "differs"]
+    hist = c.values[c.values["stat"].str.startswith("hist_counts")]
+    want = [not np.array_equal(x, y) for x, y in zip(a["hist_counts"], b["hist_counts"], strict=True)]
+    assert hist["differs"].tolist() == want and any(want)

@@ -16,7 +16,8 @@ Example::
 
 A value of run B agrees with run A's when both are finite and |a - b| <= atol + rtol * |a| (numpy's
 `isclose`, run A the reference), or both are NaN, or both are the same infinity (`agrees`): an infinity
-against a finite value or the other infinity differs, however loose the tolerance. The defaults, `RTOL`
+against a finite value or the other infinity differs, however loose the tolerance. Counts (`EXACT`: `numel`,
+`nan_count`, `inf_count`, `has_grad`, `hist_counts`) and `shape` must be equal, whatever the tolerance. The defaults, `RTOL`
 1e-5 and `ATOL` 1e-8, are for float32 records: a run repeated gives identical records, and two runs
 whose float32 gradients differ only in the order of their additions (an all-reduce against a
 reduce-scatter, another kernel) differ by a few float32 roundings (2**-24, about 6e-8 each) per element,
@@ -65,6 +66,8 @@ OPTIONAL = ("value_norm", "edited_norm")
 ELEMENTS = {"values": "capture.values", PER_EXAMPLE_COLUMN: "capture.per_example", HIST_COLUMN: "capture.histogram"}
 #: Compared on every record, exactly: a gradient of another shape is another gradient, whatever the tolerance.
 SHAPE = "shape"
+#: Counts, compared exactly too: one NaN, one element or one histogram count more is never "within rounding".
+EXACT = frozenset({*COUNT_COLUMNS, "numel", "has_grad", HIST_COLUMN})
 #: Compared per (step, rank) from the steps table, where both runs have them.
 STEP_STATS = ("loss", "grad_norm")
 #: The order differences are told in: by step, a step's loss first, then taps in run A's order.
@@ -318,10 +321,14 @@ def _pair(a: pd.DataFrame, b: pd.DataFrame, key: list[str], stats: list[str], rt
     matched = both[both["_merge"] == "both"]
     parts = []
     for stat in stats:
+        r, t = (0.0, 0.0) if stat in EXACT else (rtol, atol)
         va = pd.to_numeric(matched[f"{stat}@a"], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
         vb = pd.to_numeric(matched[f"{stat}@b"], errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
-        parts.append(matched[key].assign(stat=stat, a=va, b=vb, rel=relative(va, vb), differs=~agrees(va, vb, rtol, atol)))
-    parts += [e for e in (_elementwise(matched, key, column, rtol, atol) for column in lists) if not e.empty]
+        parts.append(matched[key].assign(stat=stat, a=va, b=vb, rel=relative(va, vb), differs=~agrees(va, vb, r, t)))
+    for column in lists:
+        r, t = (0.0, 0.0) if column in EXACT else (rtol, atol)
+        elements = _elementwise(matched, key, column, r, t)
+        parts += [] if elements.empty else [elements]
     values = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*key, "stat", "a", "b", "rel", "differs"])
     return values, missing.reset_index(drop=True)
 
