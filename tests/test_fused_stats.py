@@ -246,3 +246,29 @@ def test_fused_histogram_edges_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.from_numpy(np.concatenate([values, -values]).astype(np.float32))
     fused, _ = _hist(g, True, monkeypatch)
     assert fused.tolist() == _numpy_histogram(g).tolist()
+
+
+@needs_kernel
+@pytest.mark.parametrize("waits", [True, False], ids=["waited", "wait_collective off"])
+def test_a_wrapper_without_storage_never_reaches_the_kernel(waits: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sequence-parallel gradient's local piece is an `AsyncCollectiveTensor` (no storage of its own: the kernel
+    segfaulted on its data pointer): waited for (`torch_compat.waited`), or else left to torch's ops."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    from gradrunner.capturing import torch_compat
+    from gradrunner.capturing.dtensors import local_piece
+    from gradrunner.capturing.sharded import local_rows
+
+    monkeypatch.setitem(torch_compat.FEATURES, "wait_collective", waits)
+    g = _gradient(5000, torch.float32, "none", 3).reshape(50, 100)
+    want = np.array(_numpy_reductions(g))
+    wrapped = AsyncCollectiveTensor(g)
+    assert not fused_stats.readable(wrapped) and fused_stats.readable(g)
+    assert not fused_stats.reduce_into(wrapped.reshape(-1), torch.empty(7, dtype=torch.float64))
+    assert (type(torch_compat.waited(AsyncCollectiveTensor(g))) is torch.Tensor) == waits
+    assert local_piece(g) is g
+    rows, _ = local_rows([AsyncCollectiveTensor(g)])
+    np.testing.assert_allclose(rows[0].numpy(), want, rtol=1e-12)
+    col = Collector()
+    col.add(TapKey("norm", "output", 0), AsyncCollectiveTensor(g))
+    assert col.finish().stats["norm"][0] == pytest.approx(math.sqrt(want[1]), rel=2e-5)  # the torch path (float32)

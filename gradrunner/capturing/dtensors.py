@@ -8,7 +8,7 @@ The placement-aware statistics themselves are in `capturing.sharded` (imported o
 | --- | --- |
 | `is_dtensor(t)` | whether `t` is a `DTensor` |
 | `any_dtensor(ts)` | whether any of `ts` is (a model's parameters: the capture's sharded mode) |
-| `local_piece(t)` | this rank's piece: `t.to_local()` of a DTensor (unpadded, maybe empty), else `t` |
+| `local_piece(t)` | this rank's piece: `t.to_local()` of a DTensor (unpadded, maybe empty; its collective waited for), else `t` |
 | `like(t, local)` | `local` as a DTensor placed as `t` (no collective), or `local` when `t` is plain |
 | `Whole` | where a piece sits in the whole tensor (`sharded.whole_of`): for edits that look past an element |
 
@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import torch
+
+from gradrunner.capturing.torch_compat import waited
 
 _found: list[Any] = []  # DTensor's class, once it was imported
 
@@ -72,8 +74,11 @@ def local_piece(t: torch.Tensor) -> torch.Tensor:
     Example::
 
         local_piece(fsdp_param.grad).shape     # (2, 4) on rank 0, (1, 4) on rank 1 for a (3, 4) weight
+
+    A piece still waiting for its collective (a sequence-parallel gradient's reduce-scatter) is waited for:
+    the plain tensor comes back (`torch_compat.waited`).
     """
-    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+    return waited(t.to_local()) if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

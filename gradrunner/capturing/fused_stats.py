@@ -291,6 +291,21 @@ def cpu_kernels() -> dict[torch.dtype, Kernel]:
     return _load_cpu() or {}
 
 
+def readable(t: torch.Tensor) -> bool:
+    """Whether a fused kernel may be given `t`: a plain, dense, contiguous tensor (the one rule for every caller).
+
+    Example::
+
+        readable(torch.ones(3))          # True
+        readable(dtensor_grad)           # False: a subclass (DTensor, an AsyncCollectiveTensor) may hold no storage
+
+    The kernels read `t.data_ptr()`: a tensor subclass (a `DTensor`, a local piece still waiting for its
+    collective, a functorch wrapper) may have no storage of its own there, a sparse or strided one not
+    its elements in order. Anything else takes torch's ops, which know what they are given.
+    """
+    return type(t) is torch.Tensor and t.layout == torch.strided and t.is_contiguous()
+
+
 def histogram_counts(grad: torch.Tensor) -> torch.Tensor:
     """`extras.histogram_counts` of `grad` (HIST_BINS int64 counts on its device), by the Triton kernel for a CUDA
     gradient where it applies (one launch, no host synchronisation), else by extras' torch ops
@@ -301,7 +316,7 @@ def histogram_counts(grad: torch.Tensor) -> torch.Tensor:
         histogram_counts(torch.tensor([0.0, 2e-3, float("inf")]))[0]   # 1: the exact zero
     """
     flat = grad.detach().reshape(-1)
-    if flat.is_cuda and enabled():
+    if flat.is_cuda and enabled() and readable(flat):
         from gradrunner.capturing import fused_triton
 
         counts = fused_triton.histogram(flat)
@@ -317,13 +332,15 @@ def reduce_into(flat: torch.Tensor, out: torch.Tensor) -> bool:
 
         out = torch.empty(7, dtype=torch.float64)
         reduce_into(torch.ones(3), out)  # out -> [3, 3, 1, 1, 3, 0, 0] where a kernel is built
+
+    False too for what no kernel may be given (`readable`: a subclass, sparse, not contiguous).
     """
-    if not enabled():
+    if not enabled() or not readable(flat):
         return False
     if flat.device.type == "cpu":
         kernels = _cpu_kernels if _cpu_tried else _load_cpu()
         fn = None if kernels is None else kernels.get(flat.dtype)
-        if fn is None or not flat.is_contiguous():
+        if fn is None:
             return False
         fn(flat.data_ptr(), flat.numel(), out.data_ptr())
         return True

@@ -182,7 +182,7 @@ class Collector:
         if reason is not None:
             self._why[order] = reason
         kernels = self._plain_kernels
-        if kernels is not None and type(grad) is torch.Tensor and grad.is_cpu and grad.is_contiguous():
+        if kernels is not None and grad is not None and grad.is_cpu and fused_stats.readable(grad):
             # The hot path: a plain dense CPU gradient (never a DTensor, a subclass, nor sparse, not contiguous),
             # nothing but the statistics: one read where it lies, no copy, no view; small ones too (a call: ~1 µs).
             fn, n = kernels.get(grad.dtype), grad.numel()
@@ -221,7 +221,7 @@ class Collector:
         n = flat.numel()
         if n and self._fused:
             if flat.device.type == "cpu":
-                done = self._cpu_reduce(flat, n) if flat.is_contiguous() else None
+                done = self._cpu_reduce(flat, n) if fused_stats.readable(flat) else None
                 if done is not None:
                     row, hist = done
                     values = self._keep_values(key, flat, mutable)

@@ -18,6 +18,7 @@
 | `sub_all(a, b)`, `norms_all(ts, dtype)` | `torch._foreach_sub`, `torch._foreach_norm`: one launch for a list on an accelerator (a float64 norm of float32 tensors accumulated in the kernel, no copy) | one op per tensor |
 | `compiled_inner(model)` | `OptimizedModule._orig_mod`: tap `torch.compile(model)`'s eager modules | a GradrunnerError: pass the model before `torch.compile` |
 | `scale_tensor(scaler, device)` | `GradScaler._scale`: the device scale tensor, no host sync | `scaler.scale(torch.ones((), device=device))`: one tiny multiply, no sync |
+| `waited(t)` | `AsyncCollectiveTensor.trigger_wait()` (`torch.distributed._functional_collectives`): a DTensor's local piece still waiting for its collective (a sequence-parallel reduce-scatter) as the plain tensor it wraps | the wrapper itself: torch's ops on it wait (the statistics' torch path; the fused kernels refuse it) |
 
 `FEATURES` holds what was detected at import; tests monkeypatch it to force each fallback.
 
@@ -87,6 +88,7 @@ FEATURES: dict[str, bool] = {
     "foreach": hasattr(torch, "_foreach_sub") and hasattr(torch, "_foreach_norm"),
     "compiled_module": True,  # `torch.compile`'s wrapper, recognised by its class name and `_orig_mod`
     "scaler_scale": True,  # `GradScaler._scale`, read when it is a tensor
+    "wait_collective": True,  # `AsyncCollectiveTensor.trigger_wait`, found once DTensor imported its module
 }
 
 
@@ -408,3 +410,23 @@ def scale_tensor(scaler: Any, device: torch.device | str) -> torch.Tensor | None
         return scale
     scaled: torch.Tensor = scaler.scale(torch.ones((), device=device))
     return scaled
+
+
+def waited(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or the plain tensor an `AsyncCollectiveTensor` `t` wraps once its collective has finished (a wait).
+
+    Example::
+
+        waited(sp_output_grad.to_local())     # the reduce-scatter's result, a tensor with storage of its own
+
+    Tensor parallel hands a local piece still waiting for its collective as that wrapper, which has no
+    storage of its own: torch's ops wait on it, a kernel reading its data pointer would not. Where the
+    wrapper's class is not found (DTensor never imported) or the feature is off, `t` comes back as it is.
+    """
+    if type(t) is torch.Tensor:
+        return t
+    module = sys.modules.get("torch.distributed._functional_collectives")
+    cls = getattr(module, "AsyncCollectiveTensor", None)
+    if FEATURES["wait_collective"] and cls is not None and isinstance(t, cls) and hasattr(t, "trigger_wait"):
+        return t.trigger_wait()
+    return t

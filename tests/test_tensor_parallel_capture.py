@@ -1,0 +1,60 @@
+"""Capture under sequence and tensor parallel where hunt S broke it (2026-11-27).
+
+One torchrun (gloo, CPU, 2 ranks) runs `tensor_parallel_ranks.py`; the references are the same models unsharded
+in this process, without gradrunner. Before the fixes: tapping a `SequenceParallel` module's output killed both
+ranks (SIGSEGV: the gradient's local piece, an `AsyncCollectiveTensor` waiting for its reduce-scatter, went to
+the C kernel).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from rank_launch import torchrun
+from tensor_parallel_ranks import sp_data, sp_model
+from torch import nn
+
+pytestmark = pytest.mark.slow
+
+CASES = ["sp:hook", "sp:autograd_grad"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    d = tmp_path_factory.mktemp("tp")
+    torchrun(2, d, CASES, timeout=300, script="tensor_parallel_ranks.py")
+    load = lambda case, rank: torch.load(d / f"{case.replace(':', '-')}.rank{rank}.pt", weights_only=False)  # noqa: E731
+    return {case: [load(case, rank) for rank in range(2)] for case in CASES}
+
+
+def _rows(results: dict[str, list[dict[str, Any]]], case: str, rank: int) -> dict[str, dict[str, Any]]:
+    got = results[case][rank]
+    assert "error" not in got, got.get("error")
+    return {r["tap"]: r for r in got["rows"][0]}
+
+
+def _reference(model: nn.Module, loss_of: Any, modules: list[str]) -> tuple[dict[str, torch.Tensor], nn.Module]:
+    """Each module's output gradient and the parameters' `.grad`, one process, plain torch hooks."""
+    grads: dict[str, torch.Tensor] = {}
+    for name in modules:
+
+        def keep(m: nn.Module, a: Any, out: torch.Tensor, name: str = name) -> None:
+            out.register_hook(lambda g: grads.__setitem__(name, g))
+
+        model.get_submodule(name).register_forward_hook(keep)
+    loss_of(model).backward()
+    return grads, model
+
+
+@pytest.mark.parametrize("strategy", ["hook", "autograd_grad"])
+def test_a_sequence_parallel_modules_output_is_recorded_whole(results: dict, strategy: str) -> None:
+    grads, _ = _reference(sp_model(), lambda m: m(sp_data()).square().sum(), ["norm"])
+    want = grads["norm"]
+    for rank in range(2):
+        row = _rows(results, f"sp:{strategy}", rank)["norm:output"]
+        assert row["has_grad"] and row["numel"] == want.numel()
+        assert row["norm"] == pytest.approx(float(want.norm()), rel=1e-12)
+        assert row["mean"] == pytest.approx(float(want.mean()), rel=1e-9, abs=1e-15)
+        assert row["max"] == float(want.max()) and row["min"] == float(want.min())
