@@ -79,7 +79,7 @@ def run_case(case: str, out_dir: Path) -> None:
         parallelize_module(model, mesh, {"norm": SequenceParallel(), "fc": ColwiseParallel(input_layouts=Shard(1))})
         x = sp_data()
         part = x.shape[1] // world
-        taps, per_example = ["norm:output"], False
+        taps, per_example = ["norm:output", "norm:weight", "norm:bias"], False
     else:
         model = rows_model()
         parallelize_module(model, mesh, {"norm": SequenceParallel(sequence_dim=0),

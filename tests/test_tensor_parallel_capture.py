@@ -3,7 +3,7 @@
 One torchrun (gloo, CPU, 2 ranks) runs `tensor_parallel_ranks.py`; the references are the same models unsharded
 in this process, without gradrunner. Before the fixes: tapping a `SequenceParallel` module's output killed both
 ranks (SIGSEGV: the gradient's local piece, an `AsyncCollectiveTensor` waiting for its reduce-scatter, went to
-the C kernel).
+the C kernel), and a parameter tap on that LayerNorm raised inside `backward()` (its `.grad` is `Partial(sum)`).
 """
 
 from __future__ import annotations
@@ -58,3 +58,17 @@ def test_a_sequence_parallel_modules_output_is_recorded_whole(results: dict, str
         assert row["norm"] == pytest.approx(float(want.norm()), rel=1e-12)
         assert row["mean"] == pytest.approx(float(want.mean()), rel=1e-9, abs=1e-15)
         assert row["max"] == float(want.max()) and row["min"] == float(want.min())
+
+
+@pytest.mark.parametrize("strategy", ["hook", "autograd_grad"])
+def test_a_partial_parameter_gradient_is_summed_first_leaving_grad_as_it_was(results: dict, strategy: str) -> None:
+    _, ref = _reference(sp_model(), lambda m: m(sp_data()).square().sum(), [])
+    for rank in range(2):
+        got = results[f"sp:{strategy}"][rank]
+        assert got["placements"]["weight"] == "(Partial(sum),)", got["placements"]  # what the hunt met
+        rows = _rows(results, f"sp:{strategy}", rank)
+        for name in ("weight", "bias"):
+            want = getattr(ref.norm, name).grad
+            assert rows[f"norm:{name}"]["has_grad"]
+            assert rows[f"norm:{name}"]["norm"] == pytest.approx(float(want.norm()), rel=1e-12)
+            torch.testing.assert_close(got["grads"][name], want, rtol=1e-12, atol=1e-14)  # .grad untouched

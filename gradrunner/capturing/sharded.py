@@ -18,6 +18,7 @@ pieces, their updates and their edited gradients. Imported only once a DTensor i
 | name | what it does |
 | --- | --- |
 | `Piece`, `placement_of(t)` | whether this rank's local piece counts, and the whole tensor's shape |
+| `summed(t)` | a `Partial` placement summed (one all-reduce): what every sharded gradient goes through first |
 | `local_of(t)` | the rank's local piece (`to_local()` of a DTensor, the tensor itself otherwise) |
 | `local_rows(pieces)` | the seven reductions of each local piece (float64), histogram counts |
 | `merge_rows(rows, pieces)` | one SUM and one MAX all-reduce: the whole tensors' reductions |
@@ -85,7 +86,7 @@ def placement_of(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> Pie
     each distinct piece is counted once (HSDP `(Replicate, Shard(0))`: the first replica group). Its
     mesh must span `group`. A plain tensor is taken as replicated on every rank of `group` (a DDP
     parameter); outside a process group it counts. A `Partial` placement raises `ValueError`: the
-    statistics of a sum are not made from the statistics of its terms (redistribute it first).
+    statistics of a sum are not made from the statistics of its terms (`summed` first).
     """
     if not isinstance(t, DTensor):
         alone = not dist.is_available() or not dist.is_initialized()
@@ -111,6 +112,22 @@ def placement_of(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> Pie
 local_of = local_piece
 
 
+def summed(t: torch.Tensor) -> torch.Tensor:
+    """`t` with each `Partial` placement summed into `Replicate` (a new DTensor: one all-reduce over its mesh), else `t`.
+
+    Example::
+
+        summed(sp_norm_weight.grad).placements     # (Partial(sum),) -> (Replicate(),); `.grad` itself unchanged
+
+    The one rule for a sum of pieces (a sequence-parallel LayerNorm's weight gradient, a column-parallel
+    layer's input gradient): the statistics of a sum are not made from its terms', so the sum is taken
+    first. Every rank of the mesh calls it for the same tensor in the same order.
+    """
+    if isinstance(t, DTensor) and any(isinstance(p, Partial) for p in t.placements):
+        return t.redistribute(t.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in t.placements])
+    return t
+
+
 def mergeable(t: torch.Tensor) -> torch.Tensor:
     """An activation's `DTensor` gradient as the records can take it: a `Partial` placement summed (one all-reduce
     over its mesh: tensor parallel's gradient of a colwise layer's input), and one on a mesh that is not the whole
@@ -123,8 +140,8 @@ def mergeable(t: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(t, DTensor):
         return t
-    if any(isinstance(p, Partial) for p in t.placements):
-        t = t.redistribute(t.device_mesh, [Replicate() if isinstance(p, Partial) else p for p in t.placements])
+    t = summed(t)
+    assert isinstance(t, DTensor), "summed keeps a DTensor one"
     if dist.is_initialized() and t.device_mesh.size() != dist.get_world_size():
         return t.full_tensor()
     return t

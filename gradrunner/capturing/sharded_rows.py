@@ -28,7 +28,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from gradrunner.capturing.sharded import Piece, ValuesAsked, local_of, local_rows, merge_rows, placement_of, values_part
+from gradrunner.capturing.sharded import (
+    Piece,
+    ValuesAsked,
+    local_of,
+    local_rows,
+    merge_rows,
+    placement_of,
+    summed,
+    values_part,
+)
 from gradrunner.records.columns import TapKey
 
 if TYPE_CHECKING:
@@ -96,7 +105,12 @@ class ShardedRows:
             self._rows.pop(o, None)
 
     def add(self, order: int, key: TapKey, grad: torch.Tensor, value_norm: torch.Tensor | None = None) -> Piece:
-        """Reduce this rank's piece of `grad` now; returns how it counts (`Piece`: the whole shape)."""
+        """Reduce this rank's piece of `grad` now; returns how it counts (`Piece`: the whole shape).
+
+        A `Partial` gradient (a sequence-parallel LayerNorm's weight) is summed first, into a copy
+        (`summed`: one all-reduce; the caller's tensor, maybe `.grad`, is not touched).
+        """
+        grad = summed(grad)
         piece = placement_of(grad, self.group)
         local = local_of(grad)
         rows, hist = local_rows([local if piece.counted else None], histogram=self.histogram)
