@@ -3,7 +3,8 @@
 One torchrun (gloo, CPU, 2 ranks) runs `tensor_parallel_ranks.py`; the references are the same models unsharded
 in this process, without gradrunner. Before the fixes: tapping a `SequenceParallel` module's output killed both
 ranks (SIGSEGV: the gradient's local piece, an `AsyncCollectiveTensor` waiting for its reduce-scatter, went to
-the C kernel), and a parameter tap on that LayerNorm raised inside `backward()` (its `.grad` is `Partial(sum)`).
+the C kernel), a parameter tap on that LayerNorm raised inside `backward()` (its `.grad` is `Partial(sum)`), and
+`per_example=True` gave an activation `DTensor` a null `per_example_norm` without a word.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from typing import Any
 import pytest
 import torch
 from rank_launch import torchrun
-from tensor_parallel_ranks import sp_data, sp_model
+from tensor_parallel_ranks import rows_data, rows_model, sp_data, sp_model
 from torch import nn
 
 pytestmark = pytest.mark.slow
 
-CASES = ["sp:hook", "sp:autograd_grad"]
+CASES = ["sp:hook", "sp:autograd_grad", "rows:hook", "rows:autograd_grad"]
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +73,19 @@ def test_a_partial_parameter_gradient_is_summed_first_leaving_grad_as_it_was(res
             assert rows[f"norm:{name}"]["has_grad"]
             assert rows[f"norm:{name}"]["norm"] == pytest.approx(float(want.norm()), rel=1e-12)
             torch.testing.assert_close(got["grads"][name], want, rtol=1e-12, atol=1e-14)  # .grad untouched
+
+
+@pytest.mark.parametrize("strategy", ["hook", "autograd_grad"])
+def test_per_example_norms_of_activation_dtensors_are_the_whole_gradients_rows(results: dict, strategy: str) -> None:
+    x, y = rows_data()
+    grads, _ = _reference(rows_model(), lambda m: nn.functional.mse_loss(m(x), y), ["norm", "fc1"])
+    for rank in range(2):
+        got = results[f"rows:{strategy}"][rank]
+        assert got["placements"]["norm:output"] == "(Shard(dim=0),)", got["placements"]  # the batch sharded
+        rows = _rows(results, f"rows:{strategy}", rank)
+        for tap, module in (("norm:output", "norm"), ("fc1:output", "fc1")):
+            want = grads[module]
+            assert rows[tap]["norm"] == pytest.approx(float(want.norm()), rel=1e-12)
+            pex = rows[tap]["per_example_norm"]
+            assert pex is not None, (tap, got["warned"])
+            torch.testing.assert_close(torch.as_tensor(pex), want.norm(dim=1), rtol=1e-12, atol=0)

@@ -191,12 +191,14 @@ class Merged(NamedTuple):
     norms: torch.Tensor | None
     #: Per row: float32 values at the asked positions (row-major), or None where none were asked for.
     values: list[torch.Tensor | None]
+    #: Per row: float64 norms of the whole tensor's dim-0 rows (per-example norms), or None where not asked for.
+    per_row: list[torch.Tensor | None]
 
 
 def merge_rows(
     rows: torch.Tensor, pieces: Sequence[Piece | None], *, counts: Sequence[int], hist: torch.Tensor | None = None,
     norms: torch.Tensor | None = None, values: Sequence[torch.Tensor | None] | None = None,
-    group: dist.ProcessGroup | None = None,
+    per_row: Sequence[torch.Tensor | None] | None = None, group: dist.ProcessGroup | None = None,
 ) -> Merged:  # fmt: skip
     """Merge each rank's local rows into the whole tensors' rows: one SUM and one MAX all-reduce in all.
 
@@ -210,7 +212,8 @@ def merge_rows(
     are the local pieces' element counts, `norms` (k, m) norms of the local pieces of tensors that
     are split as the rows' (the tapped parameter itself, its update, its edited gradient: merged as
     the square root of the summed squares), `values` each row's asked values packed by
-    `values_part` (None: none asked). A row whose piece is None, or not counted on this rank, adds
+    `values_part` (None: none asked), `per_row` each row's `sharded_rows.row_squares` (None: no per-example norms;
+    merged as the square root of their sums). A row whose piece is None, or not counted on this rank, adds
     nothing. Sums, counts, histogram bins, squared norms and value bit patterns are packed into one
     float64 tensor for the SUM all-reduce; max and -min into one for the MAX all-reduce (NaN taken
     out first: the NaN count says it). No collective outside a process group of more than one rank.
@@ -227,8 +230,8 @@ def merge_rows(
     m = 0 if norms is None else norms.shape[1]
     if norms is not None:
         summed.append(torch.nan_to_num(norms.to(device, torch.float64)).square() * use[:, None])
-    parts = [v for v in values or [] if v is not None]
-    flat_values = torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.float64, device=device)
+    parts = [v.to(device, torch.float64) for v in [*(values or []), *(per_row or [])] if v is not None]
+    flat_values = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
     packed = torch.cat([torch.cat(summed, dim=1).reshape(-1), flat_values])
     extremes = torch.nan_to_num(torch.stack([local[:, 3], -local[:, 2]], dim=1), nan=-math.inf)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
@@ -245,7 +248,13 @@ def merge_rows(
         at += HIST_BINS
     out_norms = table[:, at : at + m].sqrt() if norms is not None else None
     sizes = [None if v is None else v.numel() for v in values or [None] * k]
-    return Merged(merged, count, out_hist, out_norms, _unpack_values(packed[k * width :], sizes))
+    out_values = _unpack_values(packed[k * width :], sizes)
+    at = k * width + sum(n or 0 for n in sizes)
+    out_rows: list[torch.Tensor | None] = []
+    for r in per_row or [None] * k:
+        out_rows.append(None if r is None else packed[at : at + r.numel()].sqrt())
+        at += 0 if r is None else r.numel()
+    return Merged(merged, count, out_hist, out_norms, out_values, out_rows)
 
 
 class ValuesAsked(NamedTuple):

@@ -11,6 +11,7 @@ records' reductions before the step's one host transfer.
 | --- | --- |
 | `ShardedRows` | a step's sharded gradients, reduced as they arrive, merged once |
 | `merge_pending(rows, pending, ...)` | `Collector.finish`'s seam: the merged rows into the pending records |
+| `row_squares(t, piece)` | each dim-0 row's sum of squares of the local piece, at its global row (per-example norms) |
 
 Example::
 
@@ -28,9 +29,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from gradrunner.capturing.extras import per_example_norms
 from gradrunner.capturing.sharded import (
     Piece,
     ValuesAsked,
+    global_positions,
     local_of,
     local_rows,
     merge_rows,
@@ -44,6 +47,31 @@ if TYPE_CHECKING:
     from gradrunner.capturing.reductions import Pending
 
 
+def row_squares(t: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """Each dim-0 row's sum of squares of this rank's piece of `t`, float64 (t.shape[0],), zeros elsewhere.
+
+    Example::
+
+        row_squares(out_grad, placement_of(out_grad))     # summed over the ranks (`merge_rows(per_row=...)`): the
+                                                         # whole gradient's squared per-example norms
+
+    Dim 0 whole in the piece (tensor parallel shards features or the sequence): the piece's own rows; dim
+    0 sharded: each element added to its global row (`global_positions`). A piece not counted (a replica)
+    gives zeros, so the SUM over the ranks counts each element once.
+    """
+    local = local_of(t)
+    rows = t.shape[0]
+    if not piece.counted or local.numel() == 0:
+        return torch.zeros(rows, dtype=torch.float64, device=local.device)
+    if local.shape[0] == rows:
+        norms = per_example_norms(local)
+        assert norms is not None, "a tensor with rows"
+        return norms.square()
+    at = global_positions(t).to(local.device) // (piece.numel // rows)
+    out = torch.zeros(rows, dtype=torch.float64, device=local.device)
+    return out.index_add_(0, at, local.detach().reshape(-1).to(torch.float64).square())
+
+
 class _Row(NamedTuple):
     order: int
     piece: Piece
@@ -53,6 +81,7 @@ class _Row(NamedTuple):
     value_norm: torch.Tensor | None  # of the tapped tensor's local piece
     values: torch.Tensor | None  # `values_part`
     positions: np.ndarray | None
+    per_row: torch.Tensor | None  # `row_squares`, when per-example norms were asked for
 
 
 class MergedRow(NamedTuple):
@@ -70,6 +99,8 @@ class MergedRow(NamedTuple):
     #: float32 values at `positions` (None: every element) of the whole gradient, when asked for.
     values: torch.Tensor | None
     positions: np.ndarray | None
+    #: float64 norms of the whole gradient's dim-0 rows (per-example norms), when asked for.
+    per_example: torch.Tensor | None
 
 
 class ShardedRows:
@@ -104,11 +135,13 @@ class ShardedRows:
         for o in orders:
             self._rows.pop(o, None)
 
-    def add(self, order: int, key: TapKey, grad: torch.Tensor, value_norm: torch.Tensor | None = None) -> Piece:
+    def add(self, order: int, key: TapKey, grad: torch.Tensor, value_norm: torch.Tensor | None = None, *,
+            per_example: bool = False) -> Piece:  # fmt: skip
         """Reduce this rank's piece of `grad` now; returns how it counts (`Piece`: the whole shape).
 
         A `Partial` gradient (a sequence-parallel LayerNorm's weight) is summed first, into a copy
-        (`summed`: one all-reduce; the caller's tensor, maybe `.grad`, is not touched).
+        (`summed`: one all-reduce; the caller's tensor, maybe `.grad`, is not touched). `per_example`:
+        its per-example norms too (`row_squares`, merged with the rest).
         """
         grad = summed(grad)
         piece = placement_of(grad, self.group)
@@ -118,8 +151,9 @@ class ShardedRows:
         if self.values != "none":
             positions = None if self.values == "full" or self.sample is None else self.sample(key.tap, piece.numel)
             values = values_part(ValuesAsked(positions, local, grad), piece, rows.device)
+        per_row = row_squares(grad, piece) if per_example and grad.dim() > 0 else None
         self._rows[order] = _Row(order, piece, local.numel(), rows[0], None if hist is None else hist[0], value_norm,
-                                 values, positions)  # fmt: skip
+                                 values, positions, per_row)  # fmt: skip
         return piece
 
     def merge(self, updates: Mapping[int, torch.Tensor], edited: Mapping[int, torch.Tensor]) -> dict[int, MergedRow]:
@@ -143,7 +177,8 @@ class ShardedRows:
                              column(lambda r: edited.get(r.order))], dim=1)  # fmt: skip
         hist = torch.stack([r.hist for r in kept]) if self.histogram else None  # type: ignore[misc]
         m = merge_rows(torch.stack([r.row for r in kept]), [r.piece for r in kept], counts=[r.local_numel for r in kept],
-                       hist=hist, norms=norms, values=[r.values for r in kept], group=self.group)  # fmt: skip
+                       hist=hist, norms=norms, values=[r.values for r in kept], per_row=[r.per_row for r in kept],
+                       group=self.group)  # fmt: skip
         assert all(int(c) == r.piece.numel for r, c in zip(kept, m.numel.tolist(), strict=True)), (
             "the counted pieces do not add up to the whole tensors", m.numel.tolist(), [r.piece.numel for r in kept],
         )  # fmt: skip
@@ -153,7 +188,7 @@ class ShardedRows:
             out[r.order] = MergedRow(
                 m.rows[i], r.piece, None if m.hist is None else m.hist[i],
                 None if r.value_norm is None else m.norms[i, 0], m.norms[i, 1] if r.order in updates else None,
-                m.norms[i, 2] if r.order in edited else None, m.values[i], r.positions,
+                m.norms[i, 2] if r.order in edited else None, m.values[i], r.positions, m.per_row[i],
             )  # fmt: skip
         return out
 
@@ -183,7 +218,7 @@ def merge_pending(
             if m.values is not None and m.positions is not None:
                 positions[(p.key.tap, p.numel, m.values.device)] = (m.positions, torch.from_numpy(m.positions))
             p = p._replace(reductions=m.row if p.numel else None, value_norm=m.value_norm, hist=m.hist,
-                           values=m.values)  # fmt: skip
+                           values=m.values, per_example=p.per_example if m.per_example is None else m.per_example)  # fmt: skip
             if m.update_norm is not None:
                 updates[p.key] = m.update_norm
             if m.edited_norm is not None:

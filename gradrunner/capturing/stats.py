@@ -146,14 +146,14 @@ class Collector:
             if self._sharded is not None:
                 self._sharded.discard(orders)
 
-    def _add_sharded(self, key: TapKey, grad: torch.Tensor, order: int, value_norm: torch.Tensor | None) -> None:
+    def _add_sharded(self, key: TapKey, grad: torch.Tensor, order: int, value_norm: torch.Tensor | None, rows: bool) -> None:  # fmt: skip
         """A DTensor gradient (FSDP2, HSDP, TP): this rank's piece reduced now, merged with the others' in `finish`."""
         if self._sharded is None:
             from gradrunner.capturing.sharded_rows import ShardedRows  # DTensor's machinery: only where one is met
 
             self._sharded = ShardedRows(values=self.values, histogram=self.histogram,
                                         sample=lambda tap, n: sample_positions(tap, n, self.sample_size, self.seed))
-        piece = self._sharded.add(order, key, grad, value_norm)
+        piece = self._sharded.add(order, key, grad, value_norm, per_example=rows)  # rows: an activation's per-example norms
         self._pending.append(Pending(order, key, piece.shape, piece.numel, True, None, None, None, None))
 
     def add(
@@ -195,7 +195,7 @@ class Collector:
             self._pending.append(Pending(order, key, (), 0, False, None, None, None, value_norm))
             return
         if is_dtensor(grad):  # sharded (a parameter's, or an activation's under TP): one tensor, merged in `finish`
-            self._add_sharded(key, grad, order, value_norm)
+            self._add_sharded(key, grad, order, value_norm, self.per_example and batched)
             return
         if grad.layout != torch.strided:
             if grad.layout == torch.sparse_coo and self._values_none and not self.histogram and not (self.per_example and batched):
