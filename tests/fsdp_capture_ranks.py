@@ -7,7 +7,7 @@ without capture the same edits cannot run, so the second run is plain; `record` 
 rank writing to `OUT/record-<model>-<strategy>`, the user calling `loss.backward()`). Each rank trains `STEPS` steps (SGD) twice from the same
 weights: once inside `capture(model, taps, strategy)` with every record kept, once without capture. It writes
 `OUT/<case>.rank<r>.pt`: the records of each step, the losses of both runs, the final weights of both (gathered
-whole) and, for `autograd_grad` under FSDP2, the refusal's message. The test computes every reference.
+whole), how often each parameter's post-accumulate-grad hooks fired in each, and a refusal's message. The test computes every reference.
 """
 
 from __future__ import annotations
@@ -108,6 +108,9 @@ def _train(model: nn.Module, parallel: str, name: str, strategy: str | None, out
     edits = EDITS[name] if parallel.endswith("edits") else None
     cap = None if strategy is None else capture(model, TAPS[name], strategy, edits=edits, seed=SEED)
     losses, records = [], []
+    fired: dict[str, int] = {}  # post-accumulate-grad hook calls per parameter, the whole run
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, n=n: fired.__setitem__(n, fired.get(n, 0) + 1))
     with cap if cap is not None else _nothing():
         for step in range(STEPS):
             batches = micro_batches(parallel, name, rank, step)
@@ -131,6 +134,7 @@ def _train(model: nn.Module, parallel: str, name: str, strategy: str | None, out
             losses.append(total)
     key = "captured" if strategy is not None else "plain"
     out[f"{key}_losses"] = torch.stack(losses)
+    out[f"{key}_fired"] = fired
     out[f"{key}_weights"] = {n: p.full_tensor().detach() for n, p in model.named_parameters()}  # type: ignore[attr-defined]
     if cap is not None:
         out["records"] = records

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 CASES = {
     2: ["fsdp2:mlp:hook", "fsdp2:mlp:retain_grad", "fsdp2:mlp:autograd_grad", "fsdp2:gpt2:hook",
-        "fsdp2:gpt2:retain_grad", "accum:mlp:hook", "accum:mlp:retain_grad", "record:mlp:hook", "record:gpt2:retain_grad",
+        "fsdp2:gpt2:retain_grad", "accum:mlp:hook", "accum:mlp:retain_grad", "accum:mlp:autograd_grad", "record:mlp:hook", "record:gpt2:retain_grad",
         "edits:mlp:hook", "tp:tp_mlp:hook", "tpdt:tp_mlp:hook", "tpdt:tp_mlp:retain_grad", "tpdt:tp_mlp:autograd_grad",
         "submesh:mlp:hook", "tp+edits:tp_mlp:hook"],
     4: ["hsdp:mlp:hook", "hsdp:mlp:retain_grad", "hsdp+edits:mlp:retain_grad"],
@@ -168,6 +168,14 @@ def test_loss_and_weights_are_bitwise_the_same_without_capture(results: Any, wor
             assert torch.equal(r["captured_weights"][n], w), n
             torch.testing.assert_close(w, ref["weights"][n], rtol=RTOL, atol=RTOL)  # and the training is real
             assert not torch.equal(w, build_model(name, torch.float64).state_dict()[n]), n
+
+
+@pytest.mark.parametrize(("world", "case"), CAPTURED)
+def test_post_accumulate_grad_hooks_fire_as_often_as_without_capture(results: Any, world: int, case: str) -> None:
+    """Once per parameter and step, at the sync (FSDP2 fires them after its reduce-scatter); `autograd_grad` under
+    accumulation fired them twice, its engine call for the taps running FSDP2's post-backward too."""
+    for r in results[world, case]:
+        assert r["captured_fired"] == r["plain_fired"] == {n: STEPS for n in r["plain_weights"]}, r["captured_fired"]
 
 
 def test_records_are_the_same_on_every_rank_for_parameters_and_differ_for_activations(results: Any) -> None:

@@ -12,8 +12,9 @@ accumulated through its own held accumulator (`torch_compat.accumulate`), exactl
 leaf of the loss's graph that `loss.backward()` would fill (an input made with `requires_grad=True`,
 another model's parameters, a learnable scalar of the loss), found by a walk of the graph
 (`ParamBackward.edges`). Hooks registered on an accumulator node itself do not fire (README). Where that
-cannot be done (no callable accumulator, or DDP, whose reducer must see the parameters' backward),
-the taps come from `autograd.grad` and the parameters from a `loss.backward()` after it.
+cannot be done (no callable accumulator, or DDP and FSDP2, whose hooks must see the parameters' backward,
+once), the one engine call is `loss.backward()`, each tap read as its held edge's node receives the
+gradient (`watch_edge`, after the tensor's own hooks).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class AutogradGradStrategy(Strategy):
     def run_backward(
         self, loss: torch.Tensor, slots: Sequence[Slot], params: ParamBackward, retain_graph: bool
     ) -> None:
+        if params.by_backward:
+            self._one_backward(loss, slots, retain_graph)
+            return
         by_edge = FEATURES["get_gradient_edge"]
         tapped: list[Slot] = []
         inputs: list[Any] = []
@@ -62,11 +66,6 @@ class AutogradGradStrategy(Strategy):
                 box = seen[id(s)] = []
                 handles.append(watch_edge(edge, box.append))  # type: ignore[arg-type]
         try:
-            if params.by_backward:  # the taps first, then `.grad` the engine's own way
-                grads = _grad(loss, inputs, True) if inputs else ()
-                self._deliver_taps(tapped, grads, seen)
-                loss.backward(retain_graph=retain_graph)
-                return
             edges = params.edges(loss)
             if not inputs and not edges:
                 loss.backward(retain_graph=retain_graph)
@@ -78,6 +77,26 @@ class AutogradGradStrategy(Strategy):
         finally:
             for h in handles:
                 h.remove()
+
+    def _one_backward(self, loss: torch.Tensor, slots: Sequence[Slot], retain_graph: bool) -> None:
+        """`loss.backward()` once, each tap read as its held edge's node receives the gradient (`watch_edge`).
+
+        Where `.grad` must come from `loss.backward()` (DDP's reducer, FSDP2's reduce-scatter, no callable
+        accumulator): a second engine call for the taps would run the framework's backward hooks twice (FSDP2
+        reduce-scattered an accumulating micro-batch's gradient in the first and added the second's: other
+        `.grad` bits, post-accumulate-grad hooks fired twice). A tap whose node never ran gets None, as
+        `autograd.grad(..., allow_unused=True)` gives it.
+        """
+        tapped = [s for s in slots if s.edge is not None]
+        boxes: list[list[torch.Tensor]] = [[] for _ in tapped]
+        handles = [watch_edge(s.edge, box.append) for s, box in zip(tapped, boxes, strict=True)]  # type: ignore[arg-type]
+        try:
+            loss.backward(retain_graph=retain_graph)
+        finally:
+            for h in handles:
+                h.remove()
+        for slot, box in zip(tapped, boxes, strict=True):
+            self.deliver(slot, box[0] if box else None)
 
     def _deliver_taps(self, tapped: list[Slot], grads: Sequence[torch.Tensor | None],
                       seen: dict[int, list[torch.Tensor]]) -> None:  # fmt: skip
