@@ -6,6 +6,7 @@ Run by torchrun (gloo, CPU): `sharded_edges_ranks.py OUT CASE...`, a CASE being 
 - `tp_input`: the input of a column-parallel layer, whose gradient is a `Partial(sum)` DTensor;
 - `tp_per_example`: `per_example=True` on a tensor-parallel parameter;
 - `twod`: 2-D mesh (dp=2, tp=2), the activation a DTensor on the tp sub-mesh (4 ranks);
+- `ddp_inner`: DDP given as its `.module`: activation taps alone, then `record()` with a parameter tap (refused);
 - `ddp_gan`: DDP (not sharded), a GAN step of two optimisers each stepped then zeroed after its own backward
   (`ddp_gan_step`): the generator's weight has no gradient in the second backward.
 
@@ -76,6 +77,31 @@ def _ddp_gan(out: dict[str, Any]) -> None:
             out["rows"].append([recs.row(i) for i in range(len(recs))])
 
 
+def _ddp_inner(out: dict[str, Any], run_dir: Path) -> None:
+    """`record(ddp.module, ...)` with a parameter tap: refused at the first forward (a DDP wrapper runs it); with
+    activation taps only, recorded (per rank, DDP's convention for activations)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradrunner import capture, record
+
+    model = mlp()
+    ddp = DistributedDataParallel(model)
+    x, y = batch(1 + dist_rank())
+    with capture(model, ["0:output"]) as cap:
+        ddp(x).sum().backward()
+        out["rows"].append([cap.records().row(0)])
+    with record(model, ["0:output", "2:weight"], run_dir, overwrite=True) as rec:
+        loss = nn.functional.mse_loss(ddp(x), y)
+        loss.backward()
+        rec.step(loss)
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
 def run_case(case: str, out_dir: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -86,10 +112,10 @@ def run_case(case: str, out_dir: Path) -> None:
 
     what, strategy = case.split(":")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if what == "ddp_gan":
+    if what in ("ddp_gan", "ddp_inner"):
         out: dict[str, Any] = {"rows": []}
         try:
-            _ddp_gan(out)
+            _ddp_gan(out) if what == "ddp_gan" else _ddp_inner(out, out_dir / "ddp_inner")
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"
         torch.save(out, out_dir / f"{case.replace(':', '-')}.rank{rank}.pt")

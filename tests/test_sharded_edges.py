@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 CASES = {
     2: ["unfreeze_fsdp:hook", "unfreeze_tp:autograd_grad", "tp_input:hook", "tp_input:autograd_grad",
-        "tp_input:retain_grad", "tp_per_example:hook", "ddp_gan:hook"],
+        "tp_input:retain_grad", "tp_per_example:hook", "ddp_gan:hook", "ddp_inner:hook"],
     4: ["twod:hook", "twod:retain_grad"],
 }  # fmt: skip
 
@@ -118,3 +118,25 @@ def test_ddp_a_gan_step_zeroing_each_networks_grad_after_its_step_records_both_w
             for tap, norm in want[step].items():
                 assert rows[tap]["has_grad"], (rank, step, tap, rows[tap]["reason"])
                 assert rows[tap]["norm"] == pytest.approx(norm, rel=1e-12), (rank, step, tap)
+
+
+def test_ddp_given_as_its_module_with_parameter_taps_is_refused(results: dict) -> None:
+    """record(ddp.module, ...) recorded each rank's own gradient (2.03 and 0.59 where the averaged .grad was 1.23):
+    now its first forward, run by the wrapper, refuses it in one paragraph saying what to pass; activation taps
+    alone are recorded as ever (per rank, its own batch)."""
+    for rank in range(2):
+        got = results["ddp_inner:hook"][rank]
+        msg = got["error"]
+        assert msg.startswith("GradrunnerError") and "DistributedDataParallel" in msg and "2:weight" in msg, msg
+        assert "record(ddp_model, ...)" in msg and "params_synced" in msg and "\n" not in msg, msg
+        (row,) = got["rows"][0]
+        assert row["tap"] == "0:output" and row["norm"] == pytest.approx(float(_output_grad(rank).norm()), rel=1e-12)
+
+
+def _output_grad(rank: int) -> torch.Tensor:
+    """Layer 0's output gradient of `mlp()(x).sum()` on `rank`'s batch: one process, a plain tensor hook."""
+    model = mlp()
+    got: list[torch.Tensor] = []
+    model[0].register_forward_hook(lambda m, a, out: out.register_hook(got.append) and None)
+    model(batch(1 + rank)[0]).sum().backward()
+    return got[0]

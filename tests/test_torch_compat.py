@@ -198,3 +198,17 @@ def test_without_engine_callbacks_a_backward_the_session_did_not_run_ends_at_its
         got = cap.records()
     assert got.keys == want.keys
     np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
+
+
+def test_running_ddp_is_none_outside_a_ddp_forward_and_when_its_feature_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`running_ddp` (a model given as DDP's `.module` is refused at its first forward; the 2-rank check is in
+    test_sharded_edges): nothing runs here, and with the feature off nothing is ever detected."""
+    import torch.nn.parallel.distributed as ddp_module
+
+    assert torch_compat.FEATURES["active_ddp_module"]
+    assert torch_compat.running_ddp() is None
+    wrapper = nn.Linear(1, 1)  # what DDP's forward would have made the active module
+    monkeypatch.setattr(ddp_module.DistributedDataParallel, "_active_ddp_module", wrapper)
+    assert torch_compat.running_ddp() is wrapper
+    monkeypatch.setitem(torch_compat.FEATURES, "active_ddp_module", False)
+    assert torch_compat.running_ddp() is None

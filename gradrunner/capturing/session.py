@@ -41,7 +41,7 @@ from gradrunner.capturing.per_example import PerExampleNorms
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot, get_strategy
 from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
-from gradrunner.capturing.torch_compat import backward_running, compiled_inner, sub_all
+from gradrunner.capturing.torch_compat import backward_running, compiled_inner, running_ddp, sub_all
 from gradrunner.config.choices import VALUES_MODES
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import StepRecords, TapKey
@@ -74,7 +74,9 @@ class Capture(Backwards):
     `loss_scale` (a callable giving the current loss scale, a 0-d tensor or None) divides every captured
     gradient by it, on its device: the true gradients of a loss multiplied by a GradScaler's scale.
     `params_synced` (DDP: a callable saying whether the backward that just ended synchronised the
-    gradients) makes parameter taps read `.grad` after that backward, the averaged gradient. A model
+    gradients) makes parameter taps read `.grad` after that backward, the averaged gradient; without it, a
+    model with parameter taps whose forward a DDP wrapper runs is refused there (they would read each
+    rank's gradient before the all-reduce: pass the wrapper to `record`, or `params_synced`). A model
     whose parameters are `DTensor`s (`fully_shard`, HSDP, `parallelize_module`) is seen as such: a
     parameter tap's record is then the whole parameter's gradient as the optimiser gets it (merged
     from the ranks' pieces, one SUM and one MAX all-reduce per captured step), no argument needed.
@@ -159,10 +161,28 @@ class Capture(Backwards):
         self._watch_params()
         self._firing.install(self.model, [t for t in self.taps if t.kind != "param"], self._stack)
         self._params.install(self._stack)
+        dist = torch.distributed
+        if self._params and self._params.synced is None and dist.is_available() and dist.is_initialized():
+            # DDP given as its `.module`: refused at its first forward (`_refuse_ddp_inner`)
+            self._stack.callback(self.model.register_forward_pre_hook(self._refuse_ddp_inner).remove)
         if self._pex is not None:  # before the edits' hooks: its check sees a parameter's gradient before an edit
             self._stack.enter_context(self._pex)
         if self.edits is not None:
             self.edits.install(self._stack, lambda: self.enabled, self._seen)
+
+    def _refuse_ddp_inner(self, module: nn.Module, args: object) -> None:
+        """A forward run by a DDP wrapper the session was not given: parameter taps would read pre-all-reduce grads."""
+        ddp = running_ddp()
+        if ddp is None or not any(m is self.model for m in ddp.modules()):
+            return
+        taps = ", ".join(k.tap for k in self._params.keys)
+        raise GradrunnerError(
+            f"the model was given to the capture as the module inside a DistributedDataParallel wrapper "
+            f"({type(self.model).__name__}, run by ddp(x)), so its parameter taps ({taps}) would record each "
+            "rank's own gradient before DDP's all-reduce, not the averaged .grad the optimizer steps with; pass "
+            "the DDP wrapper itself (record(ddp_model, ...)), or to capture() pass "
+            "params_synced=lambda: ddp_model.require_backward_grad_sync"
+        )
 
     def _watch_params(self) -> None:
         """Forget the cached parameter list whenever any module registers a parameter or submodule.

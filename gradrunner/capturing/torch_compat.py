@@ -18,6 +18,7 @@
 | `sub_all(a, b)`, `norms_all(ts, dtype)` | `torch._foreach_sub`, `torch._foreach_norm`: one launch for a list on an accelerator (a float64 norm of float32 tensors accumulated in the kernel, no copy) | one op per tensor |
 | `compiled_inner(model)` | `OptimizedModule._orig_mod`: tap `torch.compile(model)`'s eager modules | a GradrunnerError: pass the model before `torch.compile` |
 | `scale_tensor(scaler, device)` | `GradScaler._scale`: the device scale tensor, no host sync | `scaler.scale(torch.ones((), device=device))`: one tiny multiply, no sync |
+| `running_ddp()` | `DistributedDataParallel._get_active_ddp_module()`: the DDP wrapper whose forward runs now (a model given as DDP's `.module` is refused: its parameter taps would read each rank's gradient before the all-reduce) | None: not detected (README: pass the wrapper) |
 | `waited(t)` | `AsyncCollectiveTensor.trigger_wait()` (`torch.distributed._functional_collectives`): a DTensor's local piece still waiting for its collective (a sequence-parallel reduce-scatter) as the plain tensor it wraps | the wrapper itself: torch's ops on it wait (the statistics' torch path; the fused kernels refuse it) |
 
 `FEATURES` holds what was detected at import; tests monkeypatch it to force each fallback.
@@ -89,6 +90,7 @@ FEATURES: dict[str, bool] = {
     "compiled_module": True,  # `torch.compile`'s wrapper, recognised by its class name and `_orig_mod`
     "scaler_scale": True,  # `GradScaler._scale`, read when it is a tensor
     "wait_collective": True,  # `AsyncCollectiveTensor.trigger_wait`, found once DTensor imported its module
+    "active_ddp_module": True,  # `DistributedDataParallel._get_active_ddp_module`, found once DDP was imported
 }
 
 
@@ -430,3 +432,14 @@ def waited(t: torch.Tensor) -> torch.Tensor:
     if FEATURES["wait_collective"] and cls is not None and isinstance(t, cls) and hasattr(t, "trigger_wait"):
         return t.trigger_wait()
     return t
+
+
+def running_ddp() -> nn.Module | None:
+    """The `DistributedDataParallel` wrapper whose forward runs now (from a forward hook); None if none or unknown."""
+    module = sys.modules.get("torch.nn.parallel.distributed")
+    cls = getattr(module, "DistributedDataParallel", None)
+    active = getattr(cls, "_get_active_ddp_module", None)
+    if not FEATURES["active_ddp_module"] or active is None:
+        return None
+    found = active()
+    return found if isinstance(found, nn.Module) else None
