@@ -262,7 +262,10 @@ def test_a_captured_steps_records_cost_one_sum_and_one_max_all_reduce(results: A
 
 
 def test_parameter_taps_on_a_mesh_that_spans_part_of_the_world_are_refused_in_one_paragraph(results: Any) -> None:
+    """What is not supported, said exactly (it advised "a 2-D mesh for data x tensor parallel", the layout whose
+    sub-mesh `fully_shard(model, mesh=mesh["dp"])` gives the layers outside the tensor-parallel plan)."""
     for r in results[2, "submesh:mlp:hook"]:
         assert "records" not in r and "captured_losses" not in r  # refused as the capture opened: no step ran
         msg = r["refused"]
         assert "0:weight" in msg and "mesh of 1 of the 2 processes" in msg and "\n" not in msg, msg
+        assert "does not merge parameters on a sub-mesh" in msg and "2-D mesh for data x tensor" not in msg, msg

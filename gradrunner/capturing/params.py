@@ -285,16 +285,19 @@ class ParamTaps:
 
 
 def _check_mesh(param: torch.Tensor, tap: str) -> None:
-    """A sharded parameter's statistics are merged over every rank: its mesh must span them all."""
+    """A sharded parameter's statistics are merged over every rank: its mesh must span them all (a sub-mesh's
+    parameters are not merged: which ranks hold copies of which pieces is not known from the sub-mesh alone)."""
     import torch.distributed as dist
 
     size, world = param.device_mesh.size(), dist.get_world_size()  # type: ignore[attr-defined]
     if size != world:
         raise GradrunnerError(
-            f"the parameter of tap {tap} is a DTensor on a device mesh of {size} of the {world} processes: gradrunner "
-            "merges a sharded parameter's statistics over all processes, so its mesh must span them all (shard with "
-            "fully_shard / parallelize_module over a mesh of the whole world, e.g. a 2-D mesh for data x tensor "
-            "parallel), or leave its parameter taps out."
+            f"the parameter of tap {tap} is a DTensor on a device mesh of {size} of the {world} processes, a sub-mesh "
+            "(such as mesh['dp'] of a 2-D data x tensor parallel mesh, which fully_shard gives the layers left out of "
+            "the tensor-parallel plan): gradrunner merges a sharded parameter's statistics over all processes and "
+            "does not merge parameters on a sub-mesh, so parameter taps on one are refused (a glob such as *:weight "
+            "matches them too). Tap parameters whose mesh spans every process (there, the tensor-parallel layers', "
+            "on the 2-D mesh), or this layer's output or input instead."
         )
 
 
