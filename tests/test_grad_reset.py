@@ -149,12 +149,12 @@ def test_an_in_place_zero_is_not_seen_as_a_reset() -> None:
 
 
 def _lbfgs_reference(steps: int) -> list[dict[str, Any]]:
-    """Per step: each closure evaluation's loss, `0:output` gradient norm and `0:weight` `.grad` norm."""
+    """Per step: each closure evaluation's loss, `0:output` gradient norm, `0:weight` `.grad` norm and total `.grad` norm."""
     model = _mlp()
     opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
     out = []
     for x, y in _batches(steps):
-        seen: dict[str, list[float]] = {"loss": [], "out": [], "w": []}
+        seen: dict[str, list[float]] = {"loss": [], "out": [], "w": [], "total": []}
 
         def closure(x: torch.Tensor = x, y: torch.Tensor = y, seen: dict[str, list[float]] = seen) -> torch.Tensor:
             opt.zero_grad()
@@ -165,6 +165,7 @@ def _lbfgs_reference(steps: int) -> list[dict[str, Any]]:
             seen["loss"].append(float(loss.detach()))
             seen["out"].append(float(h.grad.norm()))
             seen["w"].append(float(model[0].weight.grad.norm()))
+            seen["total"].append(float(torch.cat([p.grad.flatten() for p in model.parameters()]).double().norm()))
             return loss
 
         opt.step(closure)
@@ -245,3 +246,5 @@ def test_lightning_lbfgs_records_the_last_closure_evaluation(tmp_path: Path) -> 
     assert grads["norm"].tolist() == pytest.approx([w["w"][-1] for w in want], rel=1e-5)
     assert steps["loss"].tolist() == pytest.approx([w["loss"][-1] for w in want], rel=1e-6)
     assert grads["micro_step"].isna().all()
+    # grad_norm: the last evaluation's too (Lightning's on_before_optimizer_step follows each evaluation)
+    assert steps["grad_norm"].tolist() == pytest.approx([w["total"][-1] for w in want], rel=1e-5)

@@ -164,11 +164,12 @@ class GradientCapture(CallbackOptions, Callback):
         self._restored_backwards = int(backwards) if isinstance(backwards, int) else None
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        if self.recorder is None or self._train:
+        if self.recorder is None or (self._train and self._train["optimizer"] is not optimizer):
             return  # the first optimiser of a step gives the step's rates
+        # the same one again: a closure evaluated again (LBFGS), whose last evaluation is the step's record
         lrs = [float(g["lr"]) for g in optimizer.param_groups]  # the rates this step uses
         params = _optimizer_params(optimizer)
-        self._train = {"lr": lrs[0], "lrs": lrs, "grad_norm": _grad_norm(params)}
+        self._train = {"optimizer": optimizer, "lr": lrs[0], "lrs": lrs, "grad_norm": _grad_norm(params)}
         if pl_module.automatic_optimization:  # Lightning clips after this event: compared at the batch's end
             self._before_clipping = (params, self._train["grad_norm"])
 
@@ -182,6 +183,7 @@ class GradientCapture(CallbackOptions, Callback):
             return  # a micro-batch of an accumulating step: the optimiser has not stepped yet
         self._global_step = trainer.global_step
         train, self._train = self._train, {}
+        train.pop("optimizer", None)
         watched, self._before_clipping = self._before_clipping, None
         train["clipped"] = None if watched is None else _clipped(*watched)
         rec.step(extra=train)  # the step's loss: the sum of the (unscaled) losses Lightning backpropagated, on the device
