@@ -13,6 +13,10 @@ parameter gradient's statistics. Here they are checked against two references co
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -204,3 +208,28 @@ def test_plain_tensors_outside_a_process_group_give_the_collectors_records() -> 
         assert_records(got, want, 1e-15, exact=True)
         for a, b in zip(got.values or [None] * 6, want.values or [None] * 6, strict=True):
             assert (a is None and b is None) or np.array_equal(a.view(np.int32), b.view(np.int32))
+
+
+def test_position_tables_of_shapes_that_vary_are_kept_to_a_bound(tmp_path: Path) -> None:
+    """`sharded.global_positions` keeps a table per shape: under shapes that vary (sequence lengths) it keeps the last
+    `POSITIONS_KEPT`, each still right (it grew without end). One gloo process, in a subprocess of its own."""
+    code = f"""
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from gradrunner.capturing import sharded
+dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0, world_size=1)
+try:
+    mesh = init_device_mesh("cpu", (1,))
+    for rows in range(1, sharded.POSITIONS_KEPT + 20):
+        t = distribute_tensor(torch.zeros(rows, 3), mesh, [Shard(0)])
+        assert sharded.global_positions(t).tolist() == list(range(rows * 3))
+        assert sharded.global_positions(t) is sharded.global_positions(t)  # kept while in use
+    assert len(sharded._POSITIONS) == sharded.POSITIONS_KEPT, len(sharded._POSITIONS)
+finally:
+    dist.destroy_process_group()
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})  # fmt: skip
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

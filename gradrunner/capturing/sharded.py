@@ -36,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -306,7 +307,10 @@ def _unpack_values(flat: torch.Tensor, sizes: Sequence[int | None]) -> list[torc
     return out
 
 
-_POSITIONS: dict[tuple[object, ...], torch.Tensor] = {}
+#: How many position tables (one per shape, mesh and placements) are kept, the least recently used let go first:
+#: a training step repeats a few, and shapes that vary (sequence lengths) must not grow it without end.
+POSITIONS_KEPT = 32
+_POSITIONS: OrderedDict[tuple[object, ...], torch.Tensor] = OrderedDict()
 
 
 def global_positions(t: torch.Tensor) -> torch.Tensor:
@@ -318,17 +322,21 @@ def global_positions(t: torch.Tensor) -> torch.Tensor:
 
     From `distribute_tensor(..., src_data_rank=None)` of the positions: each rank takes its own chunk,
     no collective, and the chunks follow DTensor's own rule (`torch.chunk`, uneven shards unpadded).
-    Kept per shape, mesh and placements (a training step repeats them).
+    Kept per shape, mesh and placements (a training step repeats them), the last `POSITIONS_KEPT` of them.
     """
     if not isinstance(t, DTensor):
         return torch.arange(t.numel(), device=t.device)
     key = (tuple(t.shape), t.device_mesh, t.placements, tuple(t.device_mesh.get_coordinate() or ()))
     found = _POSITIONS.get(key)
-    if found is None:
-        whole = torch.arange(t.numel(), device=t.to_local().device).reshape(t.shape)
-        found = _POSITIONS[key] = (
-            distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local().reshape(-1)
-        )
+    if found is not None:
+        _POSITIONS.move_to_end(key)
+        return found
+    whole = torch.arange(t.numel(), device=t.to_local().device).reshape(t.shape)
+    found = _POSITIONS[key] = (
+        distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local().reshape(-1)
+    )
+    while len(_POSITIONS) > POSITIONS_KEPT:
+        _POSITIONS.popitem(last=False)
     return found
 
 
