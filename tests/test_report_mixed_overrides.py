@@ -22,7 +22,8 @@ def test_runs_with_different_overrides_each_get_their_sentence(tmp_path: Path) -
     page = write_report(tmp_path / "mixed").read_text(encoding="utf-8")
     answer = page.split('<p class="answer">', 1)[1].split("</p>", 1)[0].split("<br>")
     expected = {}
-    for job, label in (("a", "optimizer.lr not set"), ("b", "optimizer.lr=0.5")):
+    # each run named by every override that tells them apart (steps too: a column confounded with another is kept)
+    for job, label in (("a", "optimizer.lr not set, override.steps=2"), ("b", "optimizer.lr=0.5, override.steps=3")):
         steps = pd.read_parquet(tmp_path / "mixed" / job / "steps.parquet").sort_values("step")
         expected[job] = steps
         loss = steps["loss"]
