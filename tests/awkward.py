@@ -109,6 +109,22 @@ class Embedder(nn.Module):
         return self.head(self.emb(ids).mean(dim=1))
 
 
+class FrozenBackbone(nn.Module):
+    """A head trained over a frozen block the model keeps in eval mode (BatchNorm and Dropout), as fine-tuning does."""
+
+    def __init__(self, in_features: int = 8, hidden: int = 16, **ignored: Any) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(
+            nn.Linear(in_features, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Dropout(0.5)
+        )
+        self.backbone.requires_grad_(False)
+        self.backbone.eval()
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
 def frozen_mlp(**kwargs: Any) -> nn.Module:
     """An MLP with every parameter frozen: its loss does not require grad."""
     model = MLP(**kwargs)

@@ -19,6 +19,7 @@ from conftest import compose_cfg
 from torch import nn
 
 from gradrunner.models import MLP
+from gradrunner.run.build import setup
 from gradrunner.run.loop import train
 
 SHAPE = {"in_features": 8, "hidden": 8, "depth": 2, "out_features": 1}
@@ -125,3 +126,24 @@ def test_a_source_without_held_out_data_is_said(tmp_path: Path, caplog: pytest.L
         train(cfg, out_dir=tmp_path / "run")
     assert "offers no held-out examples" in caplog.text and "rebuilt with seed 1000000" in caplog.text
     assert "evaluation every 1 steps on a fixed set of 1 batch(es)" in caplog.text
+
+
+def test_evaluation_leaves_a_block_the_model_keeps_in_eval_mode_in_eval_mode(tmp_path: Path) -> None:
+    frozen = ("+experiment=mlp", "steps=4", "device=cpu", "model._target_=awkward.FrozenBackbone", "taps=[head:output]")
+    cfg = compose_cfg(*frozen, "train.eval_every=2")
+    job = setup(cfg)  # with the eval set's check before step 0
+    assert job.model.training and not any(m.training for m in job.model.backbone.modules())
+    train(cfg, out_dir=tmp_path / "run")
+    got = pd.read_parquet(tmp_path / "run" / "steps.parquet")["loss"].tolist()
+    # plain torch over the same weights, batches and optimizer, no evaluation: the backbone's BatchNorm uses its
+    # running statistics and its Dropout is off at every step
+    ref_job = setup(compose_cfg(*frozen, "train.eval_every=0"))
+    model, opt, expected = ref_job.model, ref_job.optimizer, []
+    for _ in range(4):
+        x, y = next(ref_job.batches)
+        loss = ref_job.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(float(loss))
+    np.testing.assert_allclose(got, expected, rtol=1e-6)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from gradrunner import list_taps
-from gradrunner.capturing.untouched import untouched
+from gradrunner.capturing.untouched import evaluating, untouched
 
 
 def _bn_dropout() -> nn.Sequential:
@@ -96,3 +96,16 @@ def test_on_cuda_the_device_generator_and_buffers_are_put_back() -> None:
     list_taps(model, x)
     assert _same(before, _state(model))
     assert all(torch.equal(a, b) for a, b in zip(generators, torch.cuda.get_rng_state_all(), strict=True))
+
+
+def test_each_modules_own_train_eval_mode_is_put_back() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), nn.Linear(2, 1))
+    model[0].eval()  # a block kept in eval mode while the rest trains
+    modes = [m.training for m in model.modules()]
+    with evaluating(model):
+        assert not any(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == modes == [True, False, False, False, True]
+    with pytest.raises(ValueError), untouched(model):
+        model.train()
+        raise ValueError
+    assert [m.training for m in model.modules()] == modes

@@ -1,5 +1,7 @@
-"""Run something on a model and leave no trace: `untouched(model)` puts back its parameters, buffers, `.grad`
-and the random number generators exactly as they were (the tap explorer's forward pass runs inside it).
+"""Run something on a model and leave no trace: `untouched(model)` puts back its parameters, buffers, `.grad`,
+every module's train/eval mode and the random number generators exactly as they were (the tap explorer's
+forward pass runs inside it); `evaluating(model)` is eval mode for a block, each module's own mode back after
+it (the runner's evaluation and its check of the eval data run inside it).
 
 Example::
 
@@ -32,6 +34,41 @@ def _own(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
+def modes_kept(model: nn.Module) -> Iterator[None]:
+    """Inside: anything may call `.train()` / `.eval()` on `model`; on exit each module's `training` flag is back.
+
+    Example::
+
+        model.backbone.eval()          # a frozen block kept in eval mode while the rest trains
+        with modes_kept(model):
+            model.eval()
+        model.training, model.backbone.training     # True, False
+
+    `model.train(was_training)` would not do: it sets every submodule to the one mode.
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """`model` in eval mode inside; each module's own train/eval mode back on exit (`modes_kept`).
+
+    Example::
+
+        with evaluating(model), torch.no_grad():
+            loss = loss_fn(model(x), y)
+    """
+    with modes_kept(model):
+        model.eval()
+        yield
+
+
+@contextlib.contextmanager
 def untouched(model: nn.Module) -> Iterator[None]:
     """Inside: anything may happen to `model`'s tensors and the generators; on exit (exception or not) they are back.
 
@@ -43,7 +80,7 @@ def untouched(model: nn.Module) -> Iterator[None]:
 
     Restored: which tensor each module holds under each parameter and buffer name (one reassigned in the
     forward is put back, one added is removed), the values of each (copied back into the same tensor), each
-    tensor's `.grad` (the same object), and the generator states of the CPU and, when CUDA is initialised,
+    tensor's `.grad` (the same object), each module's train/eval mode (`modes_kept`), and the generator states of the CPU and, when CUDA is initialised,
     of every CUDA device.
     The copies cost the memory of the parameters and buffers once more, for as long as the block runs.
     """
@@ -58,7 +95,8 @@ def untouched(model: nn.Module) -> Iterator[None]:
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
-        yield
+        with modes_kept(model):
+            yield
     finally:
         for module, own in names:
             now = _own(module)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from gradrunner.capturing.untouched import evaluating
 from gradrunner.data import Batch, as_batches
 from gradrunner.data.batches import call
 
@@ -128,24 +129,22 @@ def evaluate(job: Job, cap: Capture | None, autocast: contextlib.AbstractContext
 
         eval_loss = evaluate(job, cap, torch.autocast("cpu", enabled=False))   # None without an eval set
 
-    `autocast` is the training step's (`train.autocast`). The model's train/eval mode, the capture's
-    `enabled` and torch's RNG are as they were afterwards.
+    `autocast` is the training step's (`train.autocast`). Each module's train/eval mode (a block the
+    model keeps in eval mode stays so: `evaluating`), the capture's `enabled` and torch's RNG are as they
+    were afterwards.
     """
     if job.eval_set is None:
         return None
-    was_training = job.model.training
     enabled = cap.enabled if cap is not None else False
     if cap is not None:
         cap.enabled = False
-    job.model.eval()
     try:
-        with _rng_kept(job.device), torch.no_grad(), autocast:
+        with evaluating(job.model), _rng_kept(job.device), torch.no_grad(), autocast:
             total = torch.zeros((), dtype=torch.float64, device=job.device)
             for x, y in job.eval_set:
                 total += job.loss_fn(call(job.model, x), y).double()
         return float(total) / len(job.eval_set)
     finally:
-        job.model.train(was_training)
         if cap is not None:
             cap.enabled = enabled
             cap.reset()

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gradrunner.capturing.untouched import evaluating
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.run.guards import forward_loss
 
@@ -130,7 +131,8 @@ def check_eval_data(job: Job, model_name: str, loss_name: str) -> None:
         check_eval_data(job, "gradrunner.models.MLP", "torch.nn.MSELoss")   # GradrunnerError: eval_data ... (32x5 and 8x32)
 
     The batch runs through the model and the loss as evaluation runs it (eval mode, no grad), with the
-    random number generators' state put back afterwards, so training is unchanged. Skipped for a
+    random number generators' state and each module's train/eval mode (`evaluating`) put back afterwards,
+    so training is unchanged. Skipped for a
     model with uninitialised lazy parameters (the first forward would initialise them).
     """
     if not job.eval_set:
@@ -138,12 +140,10 @@ def check_eval_data(job: Job, model_name: str, loss_name: str) -> None:
     if any(isinstance(p, torch.nn.parameter.UninitializedParameter) for p in job.model.parameters()):
         return
     devices = [job.device.index or 0] if job.device.type == "cuda" else []
-    was_training = job.model.training
     with torch.random.fork_rng(devices=devices):
         x, y = job.eval_set[0]
-        job.model.eval()
         try:
-            with torch.no_grad():
+            with evaluating(job.model), torch.no_grad():
                 forward_loss(job.model, job.loss_fn, x, y, 0, model_name=model_name, loss_name=loss_name)
         except GradrunnerError as e:
             why = str(e).replace("step 0 failed in", "it failed in").replace("step 0: ", "")
@@ -151,8 +151,6 @@ def check_eval_data(job: Job, model_name: str, loss_name: str) -> None:
                 f"eval_data does not fit the model (its first batch was checked before step 0; nothing was run): "
                 f"{why} Fix eval_data.* (or data.*, whose stream evaluation reads without eval_data)."
             ) from None
-        finally:
-            job.model.train(was_training)
 
 
 def check_weights(state: Mapping[str, Any], own: Mapping[str, torch.Tensor], path: str) -> None:
