@@ -5,9 +5,11 @@ A run made with `anomaly.replay=K` keeps the checkpoints a replay or an autopsy 
 new run (its own dir and run id) from the kept state before `<step>`: model, optimizer, scheduler,
 GradScaler, generators and data position, as `resume=true` continues a run. From there the branch runs
 its own config; a change of an `optimizer.*` hyperparameter (`lr`, `weight_decay`, `betas`, ...) is put
-into the loaded optimizer state (a changed `lr` scales every rate the optimizer and a stock scheduler
-hold by new/old: `lr`, `initial_lr`, OneCycleLR's `max_lr`/`min_lr`, the scheduler's base, last, max
-and min rates and `eta_min`), and `train.branch_reset_moments=true` drops the optimizer's per-parameter state.
+into the loaded optimizer state (`run.branch_state`: a changed `lr` scales every rate the optimizer and a
+stock scheduler hold by new/old: `lr`, `initial_lr`, OneCycleLR's `max_lr`/`min_lr`, the scheduler's
+base, last, max and min rates and `eta_min`; any other is each param group's value as a fresh run of the
+branch's config builds it, so `optimizer.no_decay`'s group keeps `weight_decay` 0.0), and
+`train.branch_reset_moments=true` drops the optimizer's per-parameter state.
 `<step>` 0 needs no checkpoint: the branch is the config run from its seed.
 
 The branch's records start at `<step>` (the steps before are the source run's records, not the
@@ -40,6 +42,7 @@ from gradrunner.data import Batch, as_batches
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.atomic import write_atomically
 from gradrunner.records.checkpoint_files import CHECKPOINT_DIR, file_digest, read_manifest, write_manifest
+from gradrunner.run.branch_state import changed_state
 from gradrunner.run.checkpoint import KEPT_DIR, KEPT_MANIFEST
 from gradrunner.run.config_compare import NEUTRAL_KEYS, config_dict, config_diff
 
@@ -146,7 +149,7 @@ def seed(directory: Path, cfg: DictConfig) -> None:
             raise GradrunnerError(f"train.branch_from={branch_from!r}: {path} is not the file {KEPT_MANIFEST} recorded "
                                   "(its bytes changed after it was written); make the source run again")  # fmt: skip
         state = torch.load(path, map_location="cpu", weights_only=True)
-        _apply_changes(state, k.config, own, bool(OmegaConf.select(cfg, "train.branch_reset_moments", default=False)))
+        changed_state(state, k.config, own, bool(OmegaConf.select(cfg, "train.branch_reset_moments", default=False)))
         folder = directory / CHECKPOINT_DIR
         folder.mkdir(parents=True, exist_ok=True)
         name = f"state-{step:09d}.pt"
@@ -158,46 +161,6 @@ def seed(directory: Path, cfg: DictConfig) -> None:
                           changed=[d for d in config_diff(k.config, own) if d.split(":")[0] not in BRANCH_KEYS])  # fmt: skip
     write_atomically(directory / BRANCH_FILE, json.dumps(provenance, indent=1) + "\n")
     log.info("branch from %s before step %d (%s)", source, step, ", ".join(provenance.get("changed") or []) or "no change")
-
-
-def _apply_changes(state: dict[str, Any], old: dict[str, Any], new: dict[str, Any], reset: bool) -> None:
-    """The branch config's optimizer hyperparameters (and a moments reset) put into the loaded state."""
-    groups = state["optimizer"]["param_groups"]
-    before, after = old.get("optimizer") or {}, new.get("optimizer") or {}
-    for key, value in after.items():
-        if key.startswith("_") or before.get(key) == value or not all(key in g for g in groups):
-            continue
-        if key == "lr":
-            _scale_rates(state, float(value) / float(before["lr"]))
-        else:
-            for g in groups:
-                g[key] = tuple(value) if isinstance(value, list) else value
-    if reset:
-        state["optimizer"]["state"] = {}
-
-
-#: The rates a scheduler keeps in each param group (OneCycleLR recomputes lr from max_lr and min_lr each step).
-GROUP_RATES = ("lr", "initial_lr", "max_lr", "min_lr")
-#: The rates a stock scheduler keeps in its state: base and last rates, CyclicLR's max_lrs,
-#: ReduceLROnPlateau's min_lrs, the cosine schedules' eta_min (the floor they approach).
-SCHEDULER_RATES = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min")
-
-
-def _scale_rates(state: dict[str, Any], ratio: float) -> None:
-    """A changed `optimizer.lr` (new/old = `ratio`): every rate the optimizer and the scheduler hold scaled by it,
-    so the branch's rate is `ratio` x the run's at every step, whatever the stock scheduler recomputes it from."""
-    for g in state["optimizer"]["param_groups"]:
-        for name in GROUP_RATES:
-            if isinstance(g.get(name), int | float) and not isinstance(g[name], bool):
-                g[name] *= ratio
-    sched = state.get("scheduler")
-    if not isinstance(sched, dict):
-        return
-    for name in SCHEDULER_RATES:
-        if isinstance(sched.get(name), list):
-            sched[name] = [float(v) * ratio for v in sched[name]]
-        elif isinstance(sched.get(name), int | float) and not isinstance(sched[name], bool):
-            sched[name] = float(sched[name]) * ratio
 
 
 class SkipBatches:

@@ -53,6 +53,7 @@ import yaml
 
 from gradrunner.records.checkpoint_files import CHECKPOINT_DIR as CHECKPOINT_DIR
 from gradrunner.records.checkpoint_files import MANIFEST, file_digest, read_manifest, segment_problem, write_manifest
+from gradrunner.run.branch_state import hyperparameters, take_fresh
 from gradrunner.run.config_compare import config_diff
 from gradrunner.run.data_position import MAX_DRAWS, Watched
 
@@ -296,9 +297,11 @@ class Checkpointer:
         if usable is None:
             return 0
         manifest, state = usable
+        fresh = hyperparameters(job.optimizer)  # as setup built them: what a branch's changed keys take
         self._load(manifest, state, job)
         if job.scheduler is not None and state["scheduler"] is not None:
             job.scheduler.load_state_dict(state["scheduler"])
+        take_fresh(job.optimizer, fresh, state)
         scaler.load_state_dict(state["scaler"])
         for name, watched in self._data.items():
             watched.replay(state["data"][name])

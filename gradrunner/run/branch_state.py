@@ -1,0 +1,106 @@
+"""What a branch (`train.branch_from`, `run.branch`) changes in the state it starts from, and when.
+
+Two moments, one rule each:
+
+    changed_state(state, old, new, reset)       -- `run.branch.seed`: into the kept state, before the job is built
+    take_fresh(optimizer, fresh, state)         -- `Checkpointer.restore`: once the state is loaded into the job
+
+A changed `optimizer.lr` scales every rate the loaded optimizer and a stock scheduler hold by new/old
+(`scale_rates`): the run's schedule at the new rate. Any other changed `optimizer.*` hyperparameter
+(`weight_decay`, `betas`, `eps`, ...) is taken, group by group, from the branch's own optimizer as
+`run.build.setup` built it before the state was loaded: the param groups as a fresh run of the branch's
+config has them (with `optimizer.no_decay`, the no-decay group keeps its `weight_decay` 0.0,
+`run.param_groups`). `changed_state` writes the names of those keys into the state (`BRANCH_STATE`) for
+`take_fresh` to read.
+
+Example::
+
+    changed_state(state, kept.config, branch_config, reset=False)    # in run.branch.seed
+    fresh = hyperparameters(job.optimizer)                           # in Checkpointer.restore, then the load
+    take_fresh(job.optimizer, fresh, state)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradrunner.errors import GradrunnerError
+
+#: The state file's entry naming what the branch's own build decides (`take_fresh`): {"optimizer": [keys]}.
+BRANCH_STATE = "branch"
+#: The rates a scheduler keeps in each param group (OneCycleLR recomputes lr from max_lr and min_lr each step).
+GROUP_RATES = ("lr", "initial_lr", "max_lr", "min_lr")
+#: The rates a stock scheduler keeps in its state: base and last rates, CyclicLR's max_lrs,
+#: ReduceLROnPlateau's min_lrs, the cosine schedules' eta_min (the floor they approach).
+SCHEDULER_RATES = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min")
+
+
+def changed_state(state: dict[str, Any], old: dict[str, Any], new: dict[str, Any], reset: bool) -> None:
+    """The branch config `new`'s changes from the source config `old` put into (or marked in) the kept `state`.
+
+    Example::
+
+        changed_state(state, {"optimizer": {"lr": 0.1}}, {"optimizer": {"lr": 0.05}}, reset=False)  # rates halved
+
+    `reset` (`train.branch_reset_moments`) drops the optimizer's per-parameter state.
+    """
+    before, after = old.get("optimizer") or {}, new.get("optimizer") or {}
+    fresh = sorted(k for k in set(before) | set(after) if not k.startswith("_") and k not in ("lr", "no_decay")
+                   and before.get(k) != after.get(k))  # fmt: skip
+    groups = state["optimizer"]["param_groups"]
+    for key in fresh:
+        if not all(key in g for g in groups):
+            raise GradrunnerError(
+                f"train.branch_from: optimizer.{key} is changed ({before.get(key, '<unset>')!r} -> "
+                f"{after.get(key, '<unset>')!r}), but the source's optimizer keeps no {key!r} in its param groups, so "
+                "the branch cannot put the new value into the loaded optimizer; nothing was run. A branch may change "
+                f"the hyperparameters the optimizer keeps ({', '.join(sorted(k for k in groups[0] if k != 'params'))}); "
+                "run another constructor argument afresh, not as a branch."
+            )
+    if before.get("lr") != after.get("lr"):
+        scale_rates(state, float(after["lr"]) / float(before["lr"]))
+    marked = (state.get(BRANCH_STATE) or {}).get("optimizer") or []  # a branch's own start, branched again
+    state[BRANCH_STATE] = {"optimizer": sorted(set(fresh) | set(marked))}
+    if reset:
+        state["optimizer"]["state"] = {}
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's settings (all but its `params`): what `take_fresh` takes from a freshly built optimizer."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def take_fresh(optimizer: torch.optim.Optimizer, fresh: list[dict[str, Any]], state: dict[str, Any]) -> None:
+    """The keys `state` marks (`changed_state`) set in each of `optimizer`'s groups to `fresh`'s (`hyperparameters`).
+
+    Example::
+
+        take_fresh(job.optimizer, fresh, state)    # weight_decay 0.5 in the decayed group, 0.0 in the no-decay one
+
+    Nothing without a mark (a resume, a run's own checkpoint).
+    """
+    keys = (state.get(BRANCH_STATE) or {}).get("optimizer") or []
+    groups = optimizer.param_groups
+    assert len(groups) == len(fresh), (len(groups), len(fresh))  # the same config's groups, over the same model
+    for g, f in zip(groups, fresh, strict=True):
+        for key in keys:
+            g[key] = f[key]  # `changed_state` checked that every group keeps it
+
+
+def scale_rates(state: dict[str, Any], ratio: float) -> None:
+    """A changed `optimizer.lr` (new/old = `ratio`): every rate the optimizer and the scheduler hold scaled by it,
+    so the branch's rate is `ratio` x the run's at every step, whatever the stock scheduler recomputes it from."""
+    for g in state["optimizer"]["param_groups"]:
+        for name in GROUP_RATES:
+            if isinstance(g.get(name), int | float) and not isinstance(g[name], bool):
+                g[name] *= ratio
+    sched = state.get("scheduler")
+    if not isinstance(sched, dict):
+        return
+    for name in SCHEDULER_RATES:
+        if isinstance(sched.get(name), list):
+            sched[name] = [float(v) * ratio for v in sched[name]]
+        elif isinstance(sched.get(name), int | float) and not isinstance(sched[name], bool):
+            sched[name] = float(sched[name]) * ratio
