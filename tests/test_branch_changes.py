@@ -13,13 +13,19 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pytest
 import torch
 from conftest import compose_cfg
 
+from gradrunner.errors import GradrunnerError
 from gradrunner.run.build import setup
 from gradrunner.run.job import run
+from gradrunner.run.schedules import WarmupCosine
 
 MLP = ("+experiment=mlp", "steps=8", "device=cpu", "taps=[]")
+#: Adam at 0.01 over 10 steps under the warm-up + cosine schedule (3 steps of warm-up, to 0.1 x lr at the end).
+WARM = ("+experiment=mlp", "steps=10", "device=cpu", "taps=[]", "optimizer=adam", "optimizer.lr=0.01",
+        "scheduler=warmup_cosine", "scheduler.lr_lambda.warmup_steps=3")  # fmt: skip
 KEEP = ("train.checkpoint_every=2", "anomaly.replay=1", "anomaly.warmup=2", "anomaly.z=0.5")
 ADAMW = (*MLP, "optimizer=adamw", "optimizer.no_decay=[bias]", "optimizer.lr=0.05")
 
@@ -68,3 +74,81 @@ def test_a_changed_weight_decay_leaves_the_no_decay_group_at_zero(tmp_path: Path
     assert got.index.tolist() == list(range(step, 8))
     np.testing.assert_allclose(got.to_numpy(), expected, rtol=1e-6)
     assert "optimizer.weight_decay: 0.01 -> 0.5" in json.loads((out / "branch.json").read_text())["changed"]
+
+
+def _rates(make: Any, steps: int) -> list[float]:
+    """torch's own scheduler `make(optimizer)` over a fresh Adam at lr 0.01, stepped by hand: each step's rate."""
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    sched, rates = make(opt), []
+    for _ in range(steps):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return rates
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, dict[str, Any]]:
+    return _source(tmp_path_factory.mktemp("warm") / "source", *WARM)
+
+
+def test_a_changed_scheduler_value_is_the_branchs_schedule_from_its_step(
+    warm: tuple[Path, int, dict[str, Any]], tmp_path: Path
+) -> None:
+    source, step, state = warm
+    out = tmp_path / "branch"
+    run(compose_cfg(*WARM, "scheduler.lr_lambda.min_ratio=0.5", f"train.branch_from={source}:{step}"), out_dir=out)
+    expected = _rates(lambda o: torch.optim.lr_scheduler.LambdaLR(o, WarmupCosine(3, 10, 0.5)), 10)
+    np.testing.assert_allclose(_column(out, "lr").to_numpy(), expected[step:], rtol=1e-12, atol=0)
+    assert "scheduler.lr_lambda.min_ratio: 0.1 -> 0.5" in json.loads((out / "branch.json").read_text())["changed"]
+    # the losses: plain torch, the kept weights and moments under the new schedule, the same batches
+    job = setup(compose_cfg(*WARM[:4]))
+    job.model.load_state_dict(state["model"])
+    opt = torch.optim.Adam(job.model.parameters(), lr=0.01)
+    opt.load_state_dict({"state": state["optimizer"]["state"],
+                         "param_groups": [{**opt.state_dict()["param_groups"][0], "params": state["optimizer"]["param_groups"][0]["params"]}]})  # fmt: skip
+    losses = []
+    for s in range(10):
+        x, y = next(job.batches)
+        if s < step:
+            continue
+        for g in opt.param_groups:
+            g["lr"] = expected[s]
+        loss = job.loss_fn(job.model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    np.testing.assert_allclose(_column(out, "loss").to_numpy(), losses, rtol=1e-6)
+
+
+def test_another_scheduler_option_is_the_branchs_schedule_from_its_step(
+    warm: tuple[Path, int, dict[str, Any]], tmp_path: Path
+) -> None:
+    source, step, _ = warm
+    out = tmp_path / "branch"
+    run(compose_cfg(*WARM[:-2], "scheduler=cosine", f"train.branch_from={source}:{step}"), out_dir=out)
+    expected = _rates(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10), 10)
+    np.testing.assert_allclose(_column(out, "lr").to_numpy(), expected[step:], rtol=1e-12, atol=0)
+
+
+def test_a_branch_that_only_runs_longer_keeps_the_sources_schedule(tmp_path: Path) -> None:
+    """steps=12 over a steps=10 run: `T_max: ${steps}` resolves to 12, but the branch's horizon changes no schedule."""
+    cosine = (*WARM[:-2], "scheduler=cosine")
+    source, step, _ = _source(tmp_path / "source", *cosine)
+    out = tmp_path / "branch"
+    run(compose_cfg(*cosine[:1], "steps=12", *cosine[2:], f"train.branch_from={source}:{step}"), out_dir=out)
+    expected = _rates(lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10), 12)
+    np.testing.assert_allclose(_column(out, "lr").to_numpy(), expected[step:], rtol=1e-12, atol=0)
+    assert not [c for c in json.loads((out / "branch.json").read_text())["changed"] if c.startswith("scheduler")]
+
+
+@pytest.mark.parametrize(("change", "key"), [("optimizer.no_decay=[]", "optimizer.no_decay"),
+                                             ("optimizer._target_=torch.optim.NAdam", "optimizer._target_")])  # fmt: skip
+def test_a_changed_param_group_structure_or_optimizer_class_is_refused_by_name(
+    tmp_path: Path, change: str, key: str
+) -> None:
+    source, step, _ = _source(tmp_path / "source", *ADAMW)
+    with pytest.raises(GradrunnerError, match=rf"{key} is changed .* nothing was run") as e:
+        run(compose_cfg(*ADAMW, change, f"train.branch_from={source}:{step}"), out_dir=tmp_path / "branch")
+    assert "\n" not in str(e.value) and "branch from step 0" in str(e.value)

@@ -8,9 +8,13 @@ its own config; a change of an `optimizer.*` hyperparameter (`lr`, `weight_decay
 into the loaded optimizer state (`run.branch_state`: a changed `lr` scales every rate the optimizer and a
 stock scheduler hold by new/old: `lr`, `initial_lr`, OneCycleLR's `max_lr`/`min_lr`, the scheduler's
 base, last, max and min rates and `eta_min`; any other is each param group's value as a fresh run of the
-branch's config builds it, so `optimizer.no_decay`'s group keeps `weight_decay` 0.0), and
-`train.branch_reset_moments=true` drops the optimizer's per-parameter state.
-`<step>` 0 needs no checkpoint: the branch is the config run from its seed.
+branch's config builds it, so `optimizer.no_decay`'s group keeps `weight_decay` 0.0); a change of a
+`scheduler.*` key (or another scheduler option) is the branch's own scheduler, built from its config and
+stepped to `<step>`; a changed `optimizer._target_` or `optimizer.no_decay` is refused (the state cannot
+take it); `train.branch_reset_moments=true` drops the optimizer's per-parameter state. The keys a branch
+differs in by being one (`BRANCH_KEYS`: its `steps`, ...) change nothing else: a key that interpolates
+them (`scheduler.T_max: ${steps}`) is compared at the source's value, so a branch that only runs longer
+keeps the source's schedule. `<step>` 0 needs no checkpoint: the branch is the config run from its seed.
 
 The branch's records start at `<step>` (the steps before are the source run's records, not the
 branch's). Its provenance is its config (`done.json`) and `branch.json`: the source dir, run id and
@@ -27,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections.abc import Iterator, Sequence
@@ -113,6 +118,24 @@ def _job_config(cfg: DictConfig) -> dict[str, Any]:
     return data
 
 
+_MISSING = object()
+
+
+def _as_source(cfg: DictConfig, source: dict[str, Any]) -> DictConfig:
+    """`cfg` with the `BRANCH_KEYS` the source's config has at the source's values: what the branch changes.
+
+    A key that interpolates one (`scheduler.T_max: ${steps}`) is then the source's too: a branch that only runs
+    longer or shorter keeps the source's schedule."""
+    same = copy.deepcopy(cfg)
+    for key in BRANCH_KEYS:
+        node: Any = source
+        for part in key.split("."):
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is not _MISSING:
+            OmegaConf.update(same, key, node, merge=False)
+    return same
+
+
 def seed(directory: Path, cfg: DictConfig) -> None:
     """Before the branch's first step: its starting state as the checkpoint in `directory`, and `branch.json`.
 
@@ -149,7 +172,8 @@ def seed(directory: Path, cfg: DictConfig) -> None:
             raise GradrunnerError(f"train.branch_from={branch_from!r}: {path} is not the file {KEPT_MANIFEST} recorded "
                                   "(its bytes changed after it was written); make the source run again")  # fmt: skip
         state = torch.load(path, map_location="cpu", weights_only=True)
-        changed_state(state, k.config, own, bool(OmegaConf.select(cfg, "train.branch_reset_moments", default=False)))
+        compared = _job_config(_as_source(cfg, k.config))  # the branch's horizon and books set aside
+        changed_state(state, k.config, compared, bool(OmegaConf.select(cfg, "train.branch_reset_moments", default=False)))
         folder = directory / CHECKPOINT_DIR
         folder.mkdir(parents=True, exist_ok=True)
         name = f"state-{step:09d}.pt"
@@ -158,7 +182,7 @@ def seed(directory: Path, cfg: DictConfig) -> None:
         write_manifest(folder, {"step": step, "config": own, "state": {"name": name, "sha256": file_digest(folder / name)},
                                 "segments": []})  # fmt: skip
         provenance.update(run_id=k.run_id, state_sha256=k.states[step]["sha256"],
-                          changed=[d for d in config_diff(k.config, own) if d.split(":")[0] not in BRANCH_KEYS])  # fmt: skip
+                          changed=[d for d in config_diff(k.config, compared) if d.split(":")[0] not in BRANCH_KEYS])  # fmt: skip
     write_atomically(directory / BRANCH_FILE, json.dumps(provenance, indent=1) + "\n")
     log.info("branch from %s before step %d (%s)", source, step, ", ".join(provenance.get("changed") or []) or "no change")
 

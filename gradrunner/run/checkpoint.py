@@ -290,7 +290,8 @@ class Checkpointer:
     # -- restoring --------------------------------------------------------------------------------
     def restore(self, job: Job, scaler: torch.amp.GradScaler, grads: Any, steps: Any, run_id: str) -> int:
         """Load the last checkpoint, if any, into `job` and `scaler`, replay its records into `grads`/`steps`;
-        return the step to start from (0 without a usable checkpoint). Call it before the first step."""
+        return the step to start from (0 without a usable checkpoint). Call it before the first step. A branch's
+        start (`run.branch.seed`) takes what it marks from the job as built (`run.branch_state.take_fresh`)."""
         self._run_id = run_id
         self._watch(job)
         usable = self._usable()
@@ -301,7 +302,7 @@ class Checkpointer:
         self._load(manifest, state, job)
         if job.scheduler is not None and state["scheduler"] is not None:
             job.scheduler.load_state_dict(state["scheduler"])
-        take_fresh(job.optimizer, fresh, state)
+        take_fresh(job.optimizer, job.scheduler, fresh, state)
         scaler.load_state_dict(state["scaler"])
         for name, watched in self._data.items():
             watched.replay(state["data"][name])
