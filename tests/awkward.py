@@ -125,6 +125,13 @@ class FrozenBackbone(nn.Module):
         return self.head(self.backbone(x))
 
 
+def two_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A finite list of exactly two (inputs, targets) batches of 4 rows, the first with targets x 10."""
+    g = torch.Generator().manual_seed(123)
+    return [(torch.randn(4, 8, generator=g), 10 * torch.randn(4, 1, generator=g)),
+            (torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g))]  # fmt: skip
+
+
 def frozen_mlp(**kwargs: Any) -> nn.Module:
     """An MLP with every parameter frozen: its loss does not require grad."""
     model = MLP(**kwargs)

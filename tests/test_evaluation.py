@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from awkward import two_batches
 from conftest import compose_cfg
 from torch import nn
 
@@ -147,3 +148,35 @@ def test_evaluation_leaves_a_block_the_model_keeps_in_eval_mode_in_eval_mode(tmp
         opt.zero_grad()
         expected.append(float(loss))
     np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def _init_model(tmp_path: Path) -> MLP:
+    model = MLP(**SHAPE)
+    model.load_state_dict(torch.load(tmp_path / "init.pt", weights_only=True))
+    return model.eval()
+
+
+def test_eval_data_with_fewer_batches_than_asked_is_read_once_and_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        steps = _mlp_run(tmp_path, "train.eval_every=1", "train.eval_batches=3", "optimizer.lr=0",
+                         "+eval_data._target_=awkward.two_batches", steps=1)  # fmt: skip
+    model = _init_model(tmp_path)
+    with torch.no_grad():  # plain torch: each of the two batches once
+        expected = float(np.mean([nn.functional.mse_loss(model(x), y).item() for x, y in two_batches()]))
+    np.testing.assert_allclose(steps["eval_loss"], [expected], rtol=1e-6)
+    assert "train.eval_batches=3, but the evaluation data (list) holds 2 batch(es) in one pass" in caplog.text
+    assert "on a fixed set of 2 batch(es)" in caplog.text
+
+
+def test_the_held_out_set_is_one_epoch_at_most(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):  # 64 held-out examples in batches of 16: 4 batches, 6 asked
+        steps = _mlp_run(tmp_path, "train.eval_every=1", "train.eval_batches=6", "optimizer.lr=0", steps=1)
+    model = _init_model(tmp_path)
+    xe, ye = _synthetic(1_000_000, 0)
+    with torch.no_grad():
+        expected = float(np.mean([nn.functional.mse_loss(model(xe[i : i + 16]), ye[i : i + 16]).item()
+                                  for i in range(0, 64, 16)]))  # fmt: skip
+    np.testing.assert_allclose(steps["eval_loss"], [expected], rtol=1e-6)
+    assert "holds 4 batch(es) in one pass" in caplog.text

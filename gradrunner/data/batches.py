@@ -95,8 +95,9 @@ def with_kwargs(inputs: Any, forward_kwargs: Mapping[str, Any] | None) -> Any:
 
 
 def as_batches(
-    source: object, device: torch.device, dtype: torch.dtype, forward_kwargs: Mapping[str, Any] | None = None
-) -> Iterator[Batch]:
+    source: object, device: torch.device, dtype: torch.dtype, forward_kwargs: Mapping[str, Any] | None = None,
+    *, once: bool = False,
+) -> Iterator[Batch]:  # fmt: skip
     """An endless iterator of `(inputs, targets)` on `device`, from a `DataSource` or any iterable of batches.
 
     Example::
@@ -105,13 +106,14 @@ def as_batches(
         x, y = next(batches); x, y = next(batches)   # a finite iterable is cycled
         as_batches(DataLoader(dataset_of_dicts, batch_size=4), cpu, torch.float32)   # ({...}, labels) pairs
 
-    `forward_kwargs` are added to every batch's inputs (see `with_kwargs`).
+    `forward_kwargs` are added to every batch's inputs (see `with_kwargs`). `once=True`: one pass over an
+    iterable, not cycled (a `DataSource`'s `batches()` is its own: endless).
     """
     kwargs = dict(to_plain(forward_kwargs) or {})
     if isinstance(source, DataSource):
         it: Iterator[Any] = source.batches(device, dtype)
     elif isinstance(source, Iterable):
-        it = _cycle(source, device, dtype)
+        it = _one_pass(source, device, dtype) if once else _cycle(source, device, dtype)
     else:
         _not_a_source(source)
     return ((with_kwargs(x, kwargs), y) for x, y in it) if kwargs else it
@@ -137,24 +139,28 @@ def _cast_all(value: Any, device: torch.device, dtype: torch.dtype) -> Any:
 
 def _cycle(source: Iterable[Any], device: torch.device, dtype: torch.dtype) -> Iterator[Batch]:
     while True:
-        empty = True
-        for item in source:
-            empty = False
-            if isinstance(item, Mapping):  # a batch of keyword arguments, HF style: the labels are the targets
-                batch = _cast_all(item, device, dtype)
-                yield batch, batch.get("labels")
-                continue
-            if not isinstance(item, Sequence) or isinstance(item, str) or len(item) != 2:
-                raise GradrunnerError(
-                    f"data: {type(source).__name__} yielded a {type(item).__name__}, not an (inputs, targets) pair "
-                    "nor a dict of keyword arguments for the model"
-                )
-            yield _cast_all(item[0], device, dtype), _cast_all(item[1], device, dtype)
-        if empty:
+        yield from _one_pass(source, device, dtype)
+
+
+def _one_pass(source: Iterable[Any], device: torch.device, dtype: torch.dtype) -> Iterator[Batch]:
+    empty = True
+    for item in source:
+        empty = False
+        if isinstance(item, Mapping):  # a batch of keyword arguments, HF style: the labels are the targets
+            batch = _cast_all(item, device, dtype)
+            yield batch, batch.get("labels")
+            continue
+        if not isinstance(item, Sequence) or isinstance(item, str) or len(item) != 2:
             raise GradrunnerError(
-                f"data: {type(source).__name__} yielded no batches; a data option must yield at least one "
-                "(inputs, targets) pair (an iterable is cycled), or have batches(device, dtype) yield them"
+                f"data: {type(source).__name__} yielded a {type(item).__name__}, not an (inputs, targets) pair "
+                "nor a dict of keyword arguments for the model"
             )
+        yield _cast_all(item[0], device, dtype), _cast_all(item[1], device, dtype)
+    if empty:
+        raise GradrunnerError(
+            f"data: {type(source).__name__} yielded no batches; a data option must yield at least one "
+            "(inputs, targets) pair (an iterable is cycled), or have batches(device, dtype) yield them"
+        )
 
 
 def to_plain(value: Any) -> Any:

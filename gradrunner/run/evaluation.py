@@ -4,12 +4,12 @@
 | --- | --- |
 | `held_out_seed(seed)` | the seed of the default held-out set: `seed + HELD_OUT_SEED_OFFSET` |
 | `eval_source(cfg, train_source)` | `EvalSource`: `eval_data`, the data's `held_out(seed)`, or the data itself |
-| `fixed_batches(source, n, seed, ...)` | the set: the source's first `n` batches, drawn once, torch's RNG left as it was |
+| `fixed_batches(source, n, seed, ...)` | the set: the source's first `n` batches (one pass at most), drawn once, torch's RNG left as it was |
 | `evaluate(job, cap, autocast)` | the mean loss over the set, in eval mode, without grad or capture |
 
 As Lightning's and the HF Trainer's validation loops do, every evaluation of a run sees the same
 batches (drawn once, before step 0), so `eval_loss` moves only when the model does. The set is the
-first `train.eval_batches` batches of
+first `train.eval_batches` batches, one pass at most (`fixed_batches`), of
 
 1. `eval_data`, when the config gives one;
 2. else new examples of the training data's task: the data source's `held_out(held_out_seed(seed))`
@@ -31,7 +31,7 @@ import contextlib
 import itertools
 import logging
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -39,7 +39,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.capturing.untouched import evaluating
-from gradrunner.data import Batch, as_batches
+from gradrunner.data import Batch, DataSource, as_batches
 from gradrunner.data.batches import call
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def _resolved(node: DictConfig) -> DictConfig:
 def fixed_batches(
     source: object, n: int, seed: int, device: torch.device, dtype: torch.dtype, forward_kwargs: Any = None
 ) -> list[Batch]:
-    """The first `n` batches of `source` on `device`: the evaluation set, drawn once.
+    """The first `n` batches of `source` on `device`, one pass at most: the evaluation set, drawn once.
 
     Example::
 
@@ -116,10 +116,23 @@ def fixed_batches(
 
     Drawn under torch's (and numpy's, Python's) RNG seeded with `seed`, then restored: a shuffling
     `DataLoader` gives the same set on every run of the config, and training's random draws are the
-    same with evaluation on or off.
+    same with evaluation on or off. A finite iterable (a list, a `DataLoader`) is read once, not cycled,
+    and a source with `len()` (the built-in `Synthetic`, `Digits`: batches per epoch) gives one epoch at
+    most: a batch is never counted twice in `eval_loss`. Fewer than `n` batches is a WARNING.
     """
+    if isinstance(source, DataSource) and isinstance(source, Sized):
+        n_max = min(n, len(source))
+    else:
+        n_max = n
     with _seeded(seed, device):
-        return list(itertools.islice(as_batches(source, device, dtype, forward_kwargs), n))
+        batches = list(itertools.islice(as_batches(source, device, dtype, forward_kwargs, once=True), n_max))
+    if len(batches) < n:
+        log.warning(
+            "train.eval_batches=%d, but the evaluation data (%s) holds %d batch(es) in one pass; eval_loss is the "
+            "mean over those %d, each counted once. Lower train.eval_batches, or give eval_data more batches.",
+            n, type(source).__name__, len(batches), len(batches),
+        )  # fmt: skip
+    return batches
 
 
 def evaluate(job: Job, cap: Capture | None, autocast: contextlib.AbstractContextManager[Any]) -> float | None:
