@@ -155,3 +155,12 @@ def test_the_eval_data_check_changes_no_record(tmp_path: Path, monkeypatch: pyte
         b = pd.read_parquet(tmp_path / "unchecked" / f"{name}.parquet")[cols]
         pd.testing.assert_frame_equal(a, b)
     assert pd.read_parquet(tmp_path / "checked" / "steps.parquet").eval_loss.notna().sum() == 2
+
+
+def test_an_optimizer_whose_step_needs_a_closure_is_refused(tmp_path: Path) -> None:
+    message = refused(tmp_path, "optimizer._target_=torch.optim.LBFGS", "~optimizer.momentum", "steps=2")
+    assert "optimizer 'torch.optim.LBFGS' needs step(closure)" in message and "nothing was run" in message
+    assert "gradrunner.record()" in message and "optimizer=sgd, adam or adamw" in message
+    with pytest.raises(TypeError, match="closure"):  # torch itself: LBFGS cannot step without one
+        torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(1))]).step()  # type: ignore[call-arg]
+    preflight.check_step(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))]), "torch.optim.SGD")  # step(closure=None)

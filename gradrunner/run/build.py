@@ -248,6 +248,7 @@ def setup(cfg: DictConfig, check_taps: bool = True) -> Job:
             f"Check the optimizer.* keys{hint}."
         ) from e
     preflight.check_rates(optimizer, str(cfg.optimizer._target_))
+    preflight.check_step(optimizer, str(cfg.optimizer._target_))
     scheduler = None
     if cfg.get("scheduler") and "_target_" in cfg.scheduler:
         make_scheduler = build(cfg, "scheduler")

@@ -5,6 +5,7 @@ and then only steps or minutes into the run, after records were written. `run.bu
 before it returns, so each is one `GradrunnerError` (one paragraph, exit 2) with nothing written:
 
     check_rates(optimizer, target)                             -- every param group's learning rate finite and >= 0
+    check_step(optimizer, target)                              -- the optimizer's step() runs without arguments
     check_schedule(make, optimizer, scheduler, steps, target)  -- the scheduler stepped through the run on a stand-in
     check_eval_data(job, model_name, loss_name)                -- the model and loss on the first eval batch
     check_weights(state, path)                                 -- `model.init_from` holds tensors, floats for floats
@@ -17,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -121,6 +123,35 @@ def check_rates(optimizer: torch.optim.Optimizer, target: str, *, scheduler: boo
             f"{lr!r} in param group {i} of {len(optimizer.param_groups)}), so nothing was run. Fix it on the command "
             "line, e.g. optimizer.lr=0.001, or in your optimizer file."
         )
+
+
+def check_step(optimizer: torch.optim.Optimizer, target: str) -> None:
+    """Refuse an optimizer whose `step()` needs an argument: the runner calls `optimizer.step()` with none.
+
+    Example::
+
+        check_step(torch.optim.LBFGS(model.parameters()), "torch.optim.LBFGS")
+        # GradrunnerError: optimizer 'torch.optim.LBFGS' needs step(closure) ...
+
+    `torch.optim.LBFGS` (and any optimizer like it) re-evaluates the loss through a closure it is given;
+    the runner's step is one forward and backward of its own, then `optimizer.step()`.
+    """
+    try:
+        params = list(inspect.signature(type(optimizer).step).parameters.values())[1:]  # after self
+    except (TypeError, ValueError):  # a step() whose signature cannot be read: the run itself will tell
+        return
+    needed = [p.name for p in params if p.default is inspect.Parameter.empty
+              and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]  # fmt: skip
+    if not needed:
+        return
+    what = "a closure that re-evaluates the loss" if needed == ["closure"] else "arguments"
+    raise GradrunnerError(
+        f"optimizer {target!r} needs step({', '.join(needed)}): {what}, but the runner calls optimizer.step() "
+        "with none, once per step after its own forward and backward; nothing was run. Pick an optimizer whose "
+        "step() takes no argument (optimizer=sgd, adam or adamw, or another torch.optim class), or record "
+        f"{type(optimizer).__name__} in your own loop with gradrunner.record() or with the Lightning callback "
+        "(one record step per optimizer step, its closure's last evaluation)."
+    )
 
 
 def check_eval_data(job: Job, model_name: str, loss_name: str) -> None:
