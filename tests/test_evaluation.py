@@ -125,7 +125,9 @@ def test_a_source_without_held_out_data_is_said(tmp_path: Path, caplog: pytest.L
                       "taps=[]", "device=cpu")  # fmt: skip
     with caplog.at_level(logging.INFO):
         train(cfg, out_dir=tmp_path / "run")
-    assert "offers no held-out examples" in caplog.text and "rebuilt with seed 1000000" in caplog.text
+    assert "offers no held-out examples (no held_out(seed) method)" in caplog.text
+    assert "the training data as configured (no seed key to change)" in caplog.text  # Tensors has no seed
+    assert "rebuilt" not in caplog.text
     assert "evaluation every 1 steps on a fixed set of 1 batch(es)" in caplog.text
 
 
@@ -180,3 +182,19 @@ def test_the_held_out_set_is_one_epoch_at_most(tmp_path: Path, caplog: pytest.Lo
                                   for i in range(0, 64, 16)]))  # fmt: skip
     np.testing.assert_allclose(steps["eval_loss"], [expected], rtol=1e-6)
     assert "holds 4 batch(es) in one pass" in caplog.text
+
+
+def test_a_wrapped_sources_seed_is_reseeded_and_named(caplog: pytest.LogCaptureFixture) -> None:
+    datasets = pytest.importorskip("sklearn.datasets")
+    cfg = compose_cfg("+experiment=cnn", "steps=1", "device=cpu", "train.eval_every=1", "data=corrupted",
+                      "data.at_batch=1000", "~data.inner",
+                      "+data.inner={_target_: gradrunner.data.Digits, batch_size: 64, shuffle: true, seed: '${seed}'}")  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        job = setup(cfg)
+    assert "(its held_out is None)" in caplog.text and "rebuilt with data.inner.seed=1000000" in caplog.text
+    # the digits shuffled with the held-out seed, as the log says: not the first batch training sees
+    digits = datasets.load_digits()
+    order = torch.randperm(len(digits.target), generator=torch.Generator().manual_seed(1_000_000))[:64]
+    expected = torch.as_tensor(digits.images, dtype=torch.float32)[order] / 16.0
+    assert torch.equal(job.eval_set[0][0].squeeze(1), expected)
+    assert not torch.equal(job.eval_set[0][0], next(job.batches)[0])

@@ -14,9 +14,11 @@ first `train.eval_batches` batches, one pass at most (`fixed_batches`), of
 1. `eval_data`, when the config gives one;
 2. else new examples of the training data's task: the data source's `held_out(held_out_seed(seed))`
    (`data=synthetic`: other inputs and noise, the same teacher; `data=tokens`: other token ids);
-3. else the training data itself, rebuilt with its `seed` key (if any) set to `held_out_seed(seed)`,
-   and drawn under torch's RNG seeded so: a WARNING says these may be training examples
-   (`data=tensors`: the literal batch; `data=digits`: the training images).
+3. else the training data itself, rebuilt with every `seed` key of its node (`data.seed`, a wrapped
+   source's `data.inner.seed`) set to `held_out_seed(seed)`, and drawn under torch's RNG seeded so: a
+   WARNING names the keys set (or says there were none: then the batches are training's own, unless
+   the source draws from torch's RNG) and that these may be training examples (`data=tensors`: the
+   literal batch; `data=digits`: the training images, in another order).
 
 Example::
 
@@ -89,14 +91,31 @@ def eval_source(cfg: DictConfig, train_source: object) -> EvalSource:
     if callable(held_out):
         return EvalSource(held_out(seed), "data", None, f"held-out examples of data (data.held_out(seed={seed}))")
     node = _resolved(cfg.data)
-    if "seed" in node:
-        node.seed = seed
+    keys = _reseed(node, seed)
+    why = f"its held_out is {held_out!r}" if hasattr(train_source, "held_out") else "no held_out(seed) method"
+    how = f"rebuilt with {', '.join(f'{k}={seed}' for k in keys)}" if keys else "as configured (no seed key to change)"
     log.warning(
-        "train.eval_every: data %s offers no held-out examples (no held_out(seed) method), so eval_loss is "
-        "measured on its first %d batch(es) rebuilt with seed %d, which training may also see. Set eval_data to a "
-        "held-out source to measure generalisation.", cfg.data.get("_target_"), int(cfg.train.eval_batches), seed,
+        "train.eval_every: data %s offers no held-out examples (%s), so eval_loss is measured on the first %d "
+        "batch(es) of the training data %s, which training may also see%s. Set eval_data to a held-out source to "
+        "measure generalisation.", cfg.data.get("_target_"), why, int(cfg.train.eval_batches), how,
+        "" if keys else f" (the very batches it starts with, unless the source draws from torch's generator, "
+        f"seeded {seed} for the draw)",
     )  # fmt: skip
-    return EvalSource(None, "data", node, f"the training data, rebuilt with seed {seed}")
+    return EvalSource(None, "data", node, f"the training data, {how}")
+
+
+def _reseed(node: DictConfig, seed: int, path: str = "data") -> list[str]:
+    """Every `seed` key of `node` and of the nodes inside it (a wrapped source's `inner.seed`) set to `seed`;
+    their dotted names."""
+    keys: list[str] = []
+    for key in [str(k) for k in node.keys()]:
+        value = node[key]
+        if isinstance(value, DictConfig):
+            keys += _reseed(value, seed, f"{path}.{key}")
+        elif key == "seed":
+            node[key] = seed
+            keys.append(f"{path}.seed")
+    return keys
 
 
 def _resolved(node: DictConfig) -> DictConfig:
