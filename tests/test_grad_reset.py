@@ -248,3 +248,38 @@ def test_lightning_lbfgs_records_the_last_closure_evaluation(tmp_path: Path) -> 
     assert grads["micro_step"].isna().all()
     # grad_norm: the last evaluation's too (Lightning's on_before_optimizer_step follows each evaluation)
     assert steps["grad_norm"].tolist() == pytest.approx([w["total"][-1] for w in want], rel=1e-5)
+
+
+def test_optimizer_steps_in_a_row_within_one_record_step_add_up_from_the_first_step_on(tmp_path: Path) -> None:
+    """A WGAN step: three critic updates (zero_grad, backward, step), then the generator's, then one `rec.step()`.
+    Every backward is part of the step, at step 0 too, where the generator has no `.grad` yet so that every `.grad`
+    is None before the second and third critic backwards: they are steps in a row, not a closure evaluated again
+    (they ran outside `optimizer.step()`). Step 0 kept only the last of them (a regression of the LBFGS rule)."""
+    torch.manual_seed(0)
+    g, d = nn.Linear(3, 4), nn.Linear(4, 1)
+    opt_g, opt_d = torch.optim.SGD(g.parameters(), lr=0.01), torch.optim.SGD(d.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    softplus = nn.functional.softplus
+    want: list[tuple[float, int, float]] = []
+    with record(nn.ModuleDict({"g": g, "d": d}), ["d:output", "d:weight"], tmp_path / "run", anomaly=False) as rec:
+        for _ in range(2):
+            total, calls = 0.0, 0
+            for _ in range(3):
+                d.zero_grad()
+                x, real = torch.randn(5, 3, generator=gen), torch.randn(5, 4, generator=gen)
+                critic = softplus(d(g(x).detach())).mean() + softplus(-d(real)).mean()
+                rec.backward(critic)
+                opt_d.step()
+                total, calls = total + float(critic), calls + 2
+            g.zero_grad()
+            gen_loss = softplus(-d(g(torch.randn(5, 3, generator=gen)))).mean()
+            rec.backward(gen_loss)
+            opt_g.step()
+            want.append((total + float(gen_loss), calls + 1, float(d.weight.grad.double().norm())))
+            rec.step()
+    steps = pd.read_parquet(tmp_path / "run" / "steps.parquet").sort_values("step")
+    grads = pd.read_parquet(tmp_path / "run" / "grads.parquet")
+    assert steps["loss"].tolist() == pytest.approx([w[0] for w in want], rel=1e-6)
+    assert grads[grads["tap"] == "d:output"].groupby("step").size().tolist() == [w[1] for w in want]
+    weight = grads[grads["tap"] == "d:weight"].sort_values("step")["norm"].tolist()
+    assert weight == pytest.approx([w[2] for w in want], rel=1e-6)  # the .grad after the generator's backward

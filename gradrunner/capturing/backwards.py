@@ -10,8 +10,8 @@ graph ran, and after DDP's finalize); without callbacks, lazily, at the next `re
 
 The step's records are one `Collector`: each backward adds its slots' rows (`micro_step` = its
 number in the step), the parameter taps add one row each for the whole step (`_settle_params`), and
-`_finish_step` makes the one host transfer. A backward after every `.grad` was reset (`Capture._note_end`:
-LBFGS's closure) starts the step again: the rows of the backwards before it are dropped. Row numbers (`order`) put each backward's rows after the
+`_finish_step` makes the one host transfer. A closure evaluated again inside one `optimizer.step()`
+(`Capture._note_end`: LBFGS) starts the step again: the rows of the backwards before it are dropped. Row numbers (`order`) put each backward's rows after the
 previous backward's, and in a backward: fired slots in firing order, the parameters, then the taps
 that did not fire.
 

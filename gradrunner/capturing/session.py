@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from gradrunner.capturing.backwards import Backwards, unscaled
 from gradrunner.capturing.dtensors import any_dtensor, local_piece
@@ -129,6 +130,10 @@ class Capture(Backwards):
         #: The backward that ended last started the step again (`_note_end`): the step's loss is its loss.
         self.restarted = False
         self._filled, self._cleared_all = False, False  # the last backward left a `.grad`; all reset since
+        #: The `optimizer.step()` call running now (a number), and the one the last backward ran in (`_note_end`).
+        self._in_step: int | None = None
+        self._last_in: int | None = None
+        self._steps_begun = 0
         self._firing = Firing(self)
         self._last_records: StepRecords | None = None
         self._stack = contextlib.ExitStack()
@@ -158,6 +163,9 @@ class Capture(Backwards):
         self._closed = False
         self._stack.callback(self.strategy.close)
         self._stack.callback(self._drop_root_hooks)
+        # optimizer.step() calls, to tell a closure evaluated again inside one (LBFGS) from steps in a row
+        self._stack.callback(register_optimizer_step_pre_hook(self._step_begins).remove)
+        self._stack.callback(register_optimizer_step_post_hook(self._step_ends).remove)
         self._watch_params()
         self._firing.install(self.model, [t for t in self.taps if t.kind != "param"], self._stack)
         self._params.install(self._stack)
@@ -225,22 +233,32 @@ class Capture(Backwards):
             trains = trains or p.requires_grad
         return trains
 
+    def _step_begins(self, *_: object) -> None:
+        self._steps_begun += 1
+        self._in_step = self._steps_begun
+
+    def _step_ends(self, *_: object) -> None:
+        self._in_step = None
+
     def _note_begin(self) -> None:
-        """A backward begins: was every `.grad` reset since an earlier backward left one (`_note_end`)?"""
-        self._cleared_all = self._filled and self.gradients_reset()
+        """A backward begins: was every `.grad` reset since an earlier backward of the same `optimizer.step()` call
+        left one (`_note_end`)?"""
+        again = self._in_step is not None and self._in_step == self._last_in
+        self._cleared_all = again and self._filled and self.gradients_reset()
 
     def _note_end(self) -> bool:
         """A backward ended: whether it starts the step again (`restarted`).
 
-        It does when every `.grad` was reset before it and the parameter seen with a `.grad` before has one
-        again: a closure evaluated again (LBFGS), a `zero_grad()` of everything between two micro-batches.
-        What the backwards before brought is then in no `.grad`. A backward that fills other parameters (a
-        GAN's second optimiser's, after the first stepped and zeroed its own) or none (a `torch.autograd.grad`)
-        adds to the step.
+        It does when it ran inside the same `optimizer.step()` call as the backward before it (its closure,
+        evaluated again: LBFGS), every `.grad` was reset before it, and the parameter seen with a `.grad` before
+        has one again: what the backwards before brought is then in no `.grad`, and no optimiser stepped with it.
+        Backwards between optimiser steps (a WGAN's critic steps, a GAN's second optimiser, accumulation with a
+        `zero_grad()` by mistake) add to the step; the parameter records still drop what a reset dropped.
         """
         w = self._witness
         self.restarted = self._cleared_all and w is not None and w.grad is not None
         self._filled = not self.gradients_reset()
+        self._last_in = self._in_step
         return self.restarted
 
     # -- a backward the session runs -------------------------------------------------------------

@@ -309,7 +309,7 @@ class StepEngine:
 
     def _backward_ended(self, captured: bool) -> None:
         self._backwards += 1
-        if self.capture.restarted:  # every `.grad` was reset before it (LBFGS's closure): the step's loss is its loss
+        if self.capture.restarted:  # a closure evaluated again inside optimizer.step() (LBFGS): the step's loss is its loss
             self._loss = self._since
         self._since = None
         if captured and self.update_norms and self._before is None:
