@@ -8,7 +8,8 @@ Run by torchrun (gloo, CPU): `sharded_edges_ranks.py OUT CASE...`, a CASE being 
 - `twod`: 2-D mesh (dp=2, tp=2), the activation a DTensor on the tp sub-mesh (4 ranks);
 - `ddp_inner`: DDP given as its `.module`: activation taps alone, then `record()` with a parameter tap (refused);
 - `ddp_gan`: DDP (not sharded), a GAN step of two optimisers each stepped then zeroed after its own backward
-  (`ddp_gan_step`): the generator's weight has no gradient in the second backward.
+  (`ddp_gan_step`): the generator's weight has no gradient in the second backward;
+- `ddp_reentrant`: DDP, a tap inside `checkpoint(..., use_reentrant=True)` (`Checkpointed`).
 
 Each rank writes `OUT/<case>.rank<r>.pt`: the records' rows of each step (or the error it raised) and its
 batches; the test computes every reference without gradrunner, in one process.
@@ -96,6 +97,37 @@ def _ddp_inner(out: dict[str, Any], run_dir: Path) -> None:
         rec.step(loss)
 
 
+class Checkpointed(nn.Module):
+    """`mlp()` with its middle (`b`: Linear, Tanh) run through `checkpoint(..., use_reentrant=True)`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(4, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.c(checkpoint(self.b, self.a(x), use_reentrant=True))
+
+
+def _ddp_reentrant(out: dict[str, Any], strategy: str) -> None:
+    """A tap inside a reentrant checkpoint under DDP: the records (hook), or the refusal (autograd_grad)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradrunner import capture
+
+    model = Checkpointed()
+    ddp = DistributedDataParallel(model)
+    synced = lambda: ddp.require_backward_grad_sync  # noqa: E731 (what record(ddp, ...) passes)
+    with capture(model, ["a:output", "b.0:output", "b.0:weight"], strategy=strategy, params_synced=synced) as cap:
+        x, y = batch(1 + dist_rank())
+        cap.backward(nn.functional.mse_loss(ddp(x), y))
+        recs = cap.records()
+        out["rows"].append([recs.row(i) for i in range(len(recs))])
+
+
 def dist_rank() -> int:
     import torch.distributed as dist
 
@@ -112,10 +144,15 @@ def run_case(case: str, out_dir: Path) -> None:
 
     what, strategy = case.split(":")
     rank, world = dist.get_rank(), dist.get_world_size()
-    if what in ("ddp_gan", "ddp_inner"):
+    if what.startswith("ddp_"):
         out: dict[str, Any] = {"rows": []}
         try:
-            _ddp_gan(out) if what == "ddp_gan" else _ddp_inner(out, out_dir / "ddp_inner")
+            if what == "ddp_gan":
+                _ddp_gan(out)
+            elif what == "ddp_inner":
+                _ddp_inner(out, out_dir / "ddp_inner")
+            else:
+                _ddp_reentrant(out, strategy)
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"
         torch.save(out, out_dir / f"{case.replace(':', '-')}.rank{rank}.pt")

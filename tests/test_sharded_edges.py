@@ -14,14 +14,15 @@ from typing import Any
 import pytest
 import torch
 from rank_launch import torchrun
-from sharded_edges_ranks import batch, ddp_gan_step, gan, mlp
+from sharded_edges_ranks import Checkpointed, batch, ddp_gan_step, gan, mlp
 from torch import nn
 
 pytestmark = pytest.mark.slow
 
 CASES = {
     2: ["unfreeze_fsdp:hook", "unfreeze_tp:autograd_grad", "tp_input:hook", "tp_input:autograd_grad",
-        "tp_input:retain_grad", "tp_per_example:hook", "ddp_gan:hook", "ddp_inner:hook"],
+        "tp_input:retain_grad", "tp_per_example:hook", "ddp_gan:hook", "ddp_inner:hook", "ddp_reentrant:hook",
+        "ddp_reentrant:autograd_grad"],
     4: ["twod:hook", "twod:retain_grad"],
 }  # fmt: skip
 
@@ -139,4 +140,31 @@ def _output_grad(rank: int) -> torch.Tensor:
     got: list[torch.Tensor] = []
     model[0].register_forward_hook(lambda m, a, out: out.register_hook(got.append) and None)
     model(batch(1 + rank)[0]).sum().backward()
+    return got[0]
+
+
+def test_ddp_autograd_grad_refuses_a_tap_inside_a_reentrant_checkpoint(results: dict) -> None:
+    """Under DDP autograd_grad's one engine call is `loss.backward()`: a tap inside checkpoint(use_reentrant=True) got
+    a null record saying it "takes no part in the loss"; now it is refused as without DDP (docs/errors.md). The same
+    run under `hook` records it, as plain tensor hooks give it."""
+    for rank in range(2):
+        msg = results["ddp_reentrant:autograd_grad"][rank]["error"]
+        assert msg.startswith("GradrunnerError: capture.strategy='autograd_grad' cannot run through "
+                              "torch.utils.checkpoint(..., use_reentrant=True)"), msg  # fmt: skip
+        assert "b.0:output" in msg and "use_reentrant=False" in msg and "\n" not in msg, msg
+        row = _rows(results, "ddp_reentrant:hook", rank)["b.0:output"]
+        assert row["has_grad"] and row["norm"] == pytest.approx(float(_checkpointed_grad(rank).norm()), rel=1e-12)
+
+
+def _checkpointed_grad(rank: int) -> torch.Tensor:
+    """`b.0:output`'s gradient in `Checkpointed` on `rank`'s batch: one process, a plain tensor hook."""
+    model, got = Checkpointed(), []
+
+    def keep(m: nn.Module, a: Any, out: torch.Tensor) -> None:
+        if out.requires_grad:  # the recomputation inside backward, not the first (no-grad) pass
+            out.register_hook(got.append)
+
+    model.b[0].register_forward_hook(keep)
+    x, y = batch(1 + rank)
+    nn.functional.mse_loss(model(x), y).backward()
     return got[0]

@@ -245,6 +245,7 @@ class Firing:
             edits = self.session.edits
             edited = edits is not None and tap.tap in edits.by_tap  # an edit acts inside the block: on its recomputation
             if edited or not (isinstance(value, torch.Tensor) and value.requires_grad):
+                self.session.strategy.fires_recomputed(tap.tap)
                 waiting.append(self._open_slot(tap))
                 return value
             waiting.append(None)

@@ -14,7 +14,9 @@ another model's parameters, a learnable scalar of the loss), found by a walk of 
 (`ParamBackward.edges`). Hooks registered on an accumulator node itself do not fire (README). Where that
 cannot be done (no callable accumulator, or DDP and FSDP2, whose hooks must see the parameters' backward,
 once), the one engine call is `loss.backward()`, each tap read as its held edge's node receives the
-gradient (`watch_edge`, after the tensor's own hooks).
+gradient (`watch_edge`, after the tensor's own hooks). A tap inside `checkpoint(..., use_reentrant=True)` is
+refused when it fires (`fires_recomputed`): `autograd.grad` cannot run that block's backward, and its tensor
+is made only inside the backward, after the edges to read were chosen.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class AutogradGradStrategy(Strategy):
         slot.edge = gradient_edge(tensor)
         slot.tensor = tensor  # its own hooks are looked up when backward runs (the model may add them later)
         return tensor
+
+    def fires_recomputed(self, tap: str) -> None:
+        """Refused: `autograd.grad` cannot run a reentrant checkpoint's backward, and where the one engine call is
+        `loss.backward()` (DDP, FSDP2) the tap's edge exists only once that backward runs, unwatched."""
+        raise GradrunnerError(reentrant_refusal(tap))
 
     def run_backward(
         self, loss: torch.Tensor, slots: Sequence[Slot], params: ParamBackward, retain_graph: bool
@@ -116,8 +123,14 @@ def _grad(loss: torch.Tensor, inputs: list[Any], retain_graph: bool) -> tuple[to
     except RuntimeError as e:
         if "use_reentrant=True" not in str(e):
             raise
-        raise GradrunnerError(
-            "capture.strategy='autograd_grad' cannot run through torch.utils.checkpoint(..., use_reentrant=True): "
-            "PyTorch's reentrant checkpointing does not support torch.autograd.grad. Use capture.strategy=hook "
-            "or retain_grad, or checkpoint with use_reentrant=False."
-        ) from e
+        raise GradrunnerError(reentrant_refusal(None)) from e
+
+
+def reentrant_refusal(tap: str | None) -> str:
+    """Why `autograd_grad` refuses `checkpoint(..., use_reentrant=True)` (`tap`: one that fires inside it, if known)."""
+    inside = f" (tap {tap!r} fires inside one)" if tap is not None else ""
+    return (
+        f"capture.strategy='autograd_grad' cannot run through torch.utils.checkpoint(..., use_reentrant=True){inside}: "
+        "PyTorch's reentrant checkpointing does not support torch.autograd.grad. Use capture.strategy=hook "
+        "or retain_grad, or checkpoint with use_reentrant=False."
+    )

@@ -98,6 +98,10 @@ class Strategy(ABC):
     def attach(self, tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
         """Called when a tap fires on a tensor that requires grad; returns the tensor the model uses."""
 
+    def fires_recomputed(self, tap: str) -> None:  # noqa: B027 (optional)
+        """`tap` fired inside `checkpoint(..., use_reentrant=True)`: attached when backward recomputes it; raise if
+        the strategy cannot read a gradient there."""
+
     def seen_at(self, slots: Sequence[Slot], nodes: Sequence[object]) -> None:  # noqa: B027 (optional)
         """A backward of the user's will be seen begin at a pre-hook on `nodes` (the model's outputs), registered now."""
 
