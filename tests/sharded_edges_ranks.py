@@ -9,6 +9,8 @@ Run by torchrun (gloo, CPU): `sharded_edges_ranks.py OUT CASE...`, a CASE being 
 - `ddp_inner`: DDP given as its `.module`: activation taps alone, then `record()` with a parameter tap (refused);
 - `ddp_gan`: DDP (not sharded), a GAN step of two optimisers each stepped then zeroed after its own backward
   (`ddp_gan_step`): the generator's weight has no gradient in the second backward;
+- `ddp_wrapper`: `capture()` given the DDP wrapper itself, no `params_synced`, two micro-batches (the first under
+  `no_sync()`): a parameter tap, then an activation tap alone;
 - `ddp_reentrant`: DDP, a tap inside `checkpoint(..., use_reentrant=True)` (`Checkpointed`).
 
 Each rank writes `OUT/<case>.rank<r>.pt`: the records' rows of each step (or the error it raised) and its
@@ -17,6 +19,7 @@ batches; the test computes every reference without gradrunner, in one process.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from pathlib import Path
@@ -97,6 +100,27 @@ def _ddp_inner(out: dict[str, Any], run_dir: Path) -> None:
         rec.step(loss)
 
 
+def _ddp_wrapper(out: dict[str, Any], strategy: str) -> None:
+    """`capture(ddp, taps)`, with a parameter tap, then with an activation tap alone: the records and `.grad` after
+    two micro-batches, the first under no_sync."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradrunner import capture
+
+    out["grad"] = []
+    for taps in (["module.0:weight"], ["module.0:output"]):
+        model = mlp()
+        ddp = DistributedDataParallel(model)
+        with capture(ddp, taps, strategy=strategy) as cap:
+            for micro in range(2):
+                x, y = batch(1 + 2 * dist_rank() + micro)
+                with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                    cap.backward(nn.functional.mse_loss(ddp(x), y))
+            recs = cap.records()
+            out["rows"].append([recs.row(i) for i in range(len(recs))])
+        out["grad"].append(model[0].weight.grad)
+
+
 class Checkpointed(nn.Module):
     """`mlp()` with its middle (`b`: Linear, Tanh) run through `checkpoint(..., use_reentrant=True)`."""
 
@@ -152,7 +176,7 @@ def run_case(case: str, out_dir: Path) -> None:
             elif what == "ddp_inner":
                 _ddp_inner(out, out_dir / "ddp_inner")
             else:
-                _ddp_reentrant(out, strategy)
+                (_ddp_wrapper if what == "ddp_wrapper" else _ddp_reentrant)(out, strategy)
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"
         torch.save(out, out_dir / f"{case.replace(':', '-')}.rank{rank}.pt")

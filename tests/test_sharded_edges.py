@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow
 
 CASES = {
     2: ["unfreeze_fsdp:hook", "unfreeze_tp:autograd_grad", "tp_input:hook", "tp_input:autograd_grad",
-        "tp_input:retain_grad", "tp_per_example:hook", "ddp_gan:hook", "ddp_inner:hook", "ddp_reentrant:hook",
-        "ddp_reentrant:autograd_grad"],
+        "tp_input:retain_grad", "tp_per_example:hook", "ddp_gan:hook", "ddp_inner:hook", "ddp_wrapper:hook",
+        "ddp_wrapper:autograd_grad", "ddp_reentrant:hook", "ddp_reentrant:autograd_grad"],
     4: ["twod:hook", "twod:retain_grad"],
 }  # fmt: skip
 
@@ -142,6 +142,24 @@ def _output_grad(rank: int) -> torch.Tensor:
     model(batch(1 + rank)[0]).sum().backward()
     return got[0]
 
+
+@pytest.mark.parametrize("strategy", ["hook", "autograd_grad"])
+def test_ddp_wrapper_given_to_capture_records_the_averaged_gradient(results: dict, strategy: str) -> None:
+    """capture(ddp, ...) without params_synced, two micro-batches (the first under no_sync): a parameter tap's record is
+    the all-reduced `.grad`, and `.grad` is DDP's average, with an activation tap alone too. Before the fix `hook`
+    recorded each rank's own gradient, and under `autograd_grad` DDP's all-reduce never ran (each rank kept its own
+    `.grad`, the record matching neither)."""
+    model = mlp()
+    total = sum(nn.functional.mse_loss(model(x), y) for x, y in (batch(s) for s in (1, 2, 3, 4))) / 2  # DDP: mean
+    total.backward()  # type: ignore[union-attr]
+    want = model[0].weight.grad
+    assert want is not None
+    for rank in range(2):
+        got = results[f"ddp_wrapper:{strategy}"][rank]
+        row = _rows(results, f"ddp_wrapper:{strategy}", rank)["module.0:weight"]
+        assert row["has_grad"] and row["norm"] == pytest.approx(float(want.norm()), rel=1e-12)
+        for grad in got["grad"]:  # the parameter tap's run, the activation tap's
+            assert torch.allclose(grad, want, rtol=1e-12, atol=0)
 
 def test_ddp_autograd_grad_refuses_a_tap_inside_a_reentrant_checkpoint(results: dict) -> None:
     """Under DDP autograd_grad's one engine call is `loss.backward()`: a tap inside checkpoint(use_reentrant=True) got

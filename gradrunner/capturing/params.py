@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.dtensors import is_dtensor, local_piece
@@ -65,6 +66,22 @@ from gradrunner.records.columns import TapKey
 
 #: Why a parameter tap has no record of its own gradient under DDP when no backward of the step synchronised.
 NOT_SYNCED = "no backward of this step synchronised the gradients (DDP's no_sync on every one)"
+
+
+def ddp_synced(model: nn.Module) -> Callable[[], bool] | None:
+    """For a `DistributedDataParallel` wrapper: whether the backward that just ended synchronised the gradients (the
+    `synced` of `ParamTaps`); None for any other model.
+
+    Example::
+
+        capture(ddp_model.module, taps, params_synced=ddp_synced(ddp_model))
+
+    DDP all-reduces in the backward of a forward run with `require_backward_grad_sync` (off inside
+    `no_sync()`, the way `run.distributed.micro_batch` and the frameworks accumulate).
+    """
+    if isinstance(model, DistributedDataParallel):
+        return lambda: bool(model.require_backward_grad_sync)
+    return None
 
 
 @dataclass(eq=False)

@@ -37,7 +37,7 @@ from gradrunner.capturing.extras import value_norms
 from gradrunner.capturing.firing import Firing
 from gradrunner.capturing.grad_context import refuse_compiled
 from gradrunner.capturing.grads import Grads
-from gradrunner.capturing.params import ParamBackward, ParamTaps
+from gradrunner.capturing.params import ParamBackward, ParamTaps, ddp_synced
 from gradrunner.capturing.per_example import PerExampleNorms
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot, get_strategy
@@ -75,9 +75,11 @@ class Capture(Backwards):
     `loss_scale` (a callable giving the current loss scale, a 0-d tensor or None) divides every captured
     gradient by it, on its device: the true gradients of a loss multiplied by a GradScaler's scale.
     `params_synced` (DDP: a callable saying whether the backward that just ended synchronised the
-    gradients) makes parameter taps read `.grad` after that backward, the averaged gradient; without it, a
-    model with parameter taps whose forward a DDP wrapper runs is refused there (they would read each
-    rank's gradient before the all-reduce: pass the wrapper to `record`, or `params_synced`). A model
+    gradients) makes parameter taps read `.grad` after that backward, the averaged gradient; given a
+    `DistributedDataParallel` wrapper itself (`capture(ddp_model, ["module.fc1:weight"])`) the session takes
+    it from the wrapper (`require_backward_grad_sync`). Without it, a model with parameter taps whose
+    forward a DDP wrapper runs is refused there (they would read each rank's gradient before the
+    all-reduce: pass the wrapper to `record` or `capture`, or `params_synced`). A model
     whose parameters are `DTensor`s (`fully_shard`, HSDP, `parallelize_module`) is seen as such: a
     parameter tap's record is then the whole parameter's gradient as the optimiser gets it (merged
     from the ranks' pieces, one SUM and one MAX all-reduce per captured step), no argument needed.
@@ -120,7 +122,8 @@ class Capture(Backwards):
         self.grads = Grads([t.tap for t in self.taps], [])
         modules = dict(model.named_modules(remove_duplicate=False))
         tap_params = [(t, getattr(modules[t.module], t.name)) for t in self.taps if t.kind == "param"]
-        self._params = ParamTaps(tap_params, seen=self._seen, capturing=lambda: self.enabled, synced=params_synced,
+        synced = params_synced if params_synced is not None else ddp_synced(model)  # the DDP wrapper itself
+        self._params = ParamTaps(tap_params, seen=self._seen, capturing=lambda: self.enabled, synced=synced,
                                  sharded=self.sharded)  # fmt: skip
         self._pex = PerExampleNorms(model, [(t.tap, modules[t.module], p) for t, p in tap_params],
                                     enabled=lambda: self.enabled) if per_example and tap_params else None  # fmt: skip

@@ -46,6 +46,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gradrunner.capturing.params import ddp_synced
 from gradrunner.errors import GradrunnerError
 from gradrunner.run import parallel
 from gradrunner.run.parallel import Plan
@@ -252,12 +253,9 @@ def capture_target(model: nn.Module) -> tuple[nn.Module, Callable[[], bool] | No
         inner, synced = capture_target(ddp_model)
         capture(inner, taps, params_synced=synced)      # parameter taps: `.grad` after DDP's all-reduce
 
-    DDP all-reduces in the backward of a forward run with `require_backward_grad_sync` (off inside
-    `no_sync()`, the way `micro_batch` and the frameworks accumulate).
+    The rule for `synced` is `capturing.params.ddp_synced` (what `capture(ddp_model, ...)` takes itself).
     """
-    if isinstance(model, DistributedDataParallel):
-        return model.module, lambda: bool(model.require_backward_grad_sync)
-    return model, None
+    return unwrap(model), ddp_synced(model)
 
 
 def micro_batch(model: nn.Module, last: bool) -> contextlib.AbstractContextManager[Any]:
