@@ -191,7 +191,7 @@ class Capture(Backwards):
             f"the model was given to the capture as the module inside a DistributedDataParallel wrapper "
             f"({type(self.model).__name__}, run by ddp(x)), so its parameter taps ({taps}) would record each "
             "rank's own gradient before DDP's all-reduce, not the averaged .grad the optimizer steps with; pass "
-            "the DDP wrapper itself (record(ddp_model, ...)), or to capture() pass "
+            "the DDP wrapper itself (record(ddp_model, ...) or capture(ddp_model, ...)), or to capture() pass "
             "params_synced=lambda: ddp_model.require_backward_grad_sync"
         )
 
