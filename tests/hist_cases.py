@@ -29,3 +29,17 @@ def edge_neighbours() -> torch.Tensor:
     near = torch.cat([edges, torch.nextafter(edges, torch.tensor(0.0)), torch.nextafter(edges, torch.tensor(3e38))])
     tiny = torch.finfo(torch.float32).tiny
     return torch.cat([near, -near, torch.tensor([1e-45, tiny, torch.nextafter(torch.tensor(tiny), torch.tensor(0.0))])])
+
+
+def float64_beyond_float32() -> torch.Tensor:
+    """float64 magnitudes from 1e-300 to 1e300 (most beyond float32's range), both signs, none within 1e-6 of a
+    HIST_EDGES edge, with zeros, -0.0, NaN and ±Inf."""
+    exponents = torch.arange(-300.0, 300.0, 0.37, dtype=torch.float64)
+    mags = 10.0**exponents
+    edges = torch.tensor(HIST_EDGES, dtype=torch.float64)
+    near = ((mags[:, None] / edges[None, :] - 1).abs() < 1e-6).any(1)
+    mags = mags[~near]
+    specials = torch.tensor(
+        [0.0, -0.0, math.nan, math.inf, -math.inf, 1e39, -1e-50, 1e308, 5e-324], dtype=torch.float64
+    )
+    return torch.cat([mags, -mags, specials])

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hist_cases import edge_neighbours, wide_gradient
+from hist_cases import edge_neighbours, float64_beyond_float32, wide_gradient
 
 from gradrunner.capturing import fused_stats
 from gradrunner.capturing.stats import DEFER_NUMEL, Collector
@@ -178,6 +178,7 @@ def test_triton_kernel_under_the_interpreter(tmp_path: Path) -> None:
         if g.dtype == torch.bfloat16:  # (test_cuda holds the kernel to the CPU's counts there, subnormals included)
             g[(g != 0) & (g.abs() < torch.finfo(torch.bfloat16).tiny)] = 1.0
     hists.append(edge_neighbours())
+    hists.append(float64_beyond_float32())
     for i, g in enumerate(hists):
         paths.append(str(tmp_path / f"{i}.hist.pt"))
         torch.save(g, paths[-1])
@@ -201,8 +202,12 @@ def test_triton_kernel_under_the_interpreter(tmp_path: Path) -> None:
 
 def _numpy_histogram(g: torch.Tensor) -> np.ndarray:
     """Counts per HIST_EDGES bin written out with numpy: |g| in float32, searched among float32 edges."""
-    with np.errstate(over="ignore"):  # float64 beyond float32: Inf, as the kernels round it
-        a = np.abs(g.double().numpy()).astype(np.float32)
+    a64 = np.abs(g.double().numpy())
+    # a float64 is clamped into float32's finite nonzero range before it is rounded (README: a finite 1e39 is
+    # >= 1e10, a nonzero 1e-50 in (0, 1e-30))
+    inside = (a64 != 0) & np.isfinite(a64)
+    a64[inside] = np.clip(a64[inside], 2.0**-149, np.finfo(np.float32).max)
+    a = a64.astype(np.float32)
     edges = np.asarray(HIST_EDGES, dtype=np.float32)
     bins = np.searchsorted(edges, a, side="right") + 1  # [e_i, e_i+1) -> i + 2; (0, e_0) -> 1
     bins[a == 0] = 0
@@ -235,6 +240,29 @@ def test_fused_histogram_counts_equal_the_unfused_ones(dtype: torch.dtype, n: in
     for col in (*STAT_COLUMNS, *COUNT_COLUMNS):
         assert fused_row[col] == pytest.approx(plain[col], rel=0, abs=0, nan_ok=True), col
     assert fused_row["nan_count"] == unfused_row["nan_count"] and fused_row["inf_count"] == unfused_row["inf_count"]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["kernel", "GRADRUNNER_FUSED=0"])
+@pytest.mark.parametrize("n", [500, DEFER_NUMEL + 1], ids=["batched", "large"])
+def test_float64_histogram_beyond_float32s_range_matches_numpy(
+    fused: bool, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """float64 magnitudes 1e-300 to 1e300 with zeros, NaN and Inf, against numpy.histogram on the documented edges:
+    a finite 1e39 is >= 1e10 (not NaN/Inf), a nonzero 1e-50 in (0, 1e-30) (not an exact zero)."""
+    if fused and not fused_stats.cpu_available():
+        pytest.skip("no C compiler: fused kernel not built")
+    g = float64_beyond_float32()
+    g = torch.cat([g[-9:], g[torch.linspace(0, g.numel() - 10, n - 9, dtype=torch.float64).long()]])  # specials last
+    got, row = _hist(g, fused, monkeypatch)
+    a = np.abs(g.numpy())
+    finite = a[np.isfinite(a)]
+    edges = np.asarray(HIST_EDGES)
+    inner = np.histogram(finite[(finite >= edges[0]) & (finite < edges[-1])], bins=edges)[0]
+    want = [int((finite == 0).sum()), int(((finite > 0) & (finite < edges[0])).sum()), *inner.tolist(),
+            int((finite >= edges[-1]).sum()), int((~np.isfinite(a)).sum())]  # fmt: skip
+    assert got.tolist() == want
+    assert want[1] > 0 and want[-2] > 0 and want[0] > 0 and want[-1] > 0
+    assert row["nan_count"] + row["inf_count"] == want[-1]
 
 
 @needs_kernel

@@ -12,6 +12,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gradrunner.capturing.dtensors import local_piece
@@ -43,6 +45,10 @@ _OFFSET = 181
 _RAW = _OFFSET + 157
 _FIRST = _OFFSET - 120  # the raw bin of HIST_EDGES[0] = 1e-30
 _TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+#: float32's largest finite and smallest nonzero magnitude: a float64 |g| is clamped into them before it is
+#: rounded to float32 for binning (the C and Triton kernels do the same)
+_F32_MAX = torch.finfo(torch.float32).max
+_F32_TINY = 2.0**-149
 
 
 def _lower_edges(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +72,9 @@ def histogram_counts(grad: torch.Tensor) -> torch.Tensor:
 
     Bin 0 counts exact zeros, bin 1 values in (0, edges[0]), bin i+2 values in [edges[i], edges[i+1]),
     the second-last values at or above edges[-1], the last NaN and ±Inf. Magnitudes are compared in
-    float32 (float64 gradients are rounded to float32 for binning only).
+    float32 (float64 gradients are rounded to float32 for binning only, after their magnitudes are clamped
+    into float32's range: a finite value past float32's max is counted at or above edges[-1], a nonzero
+    one below its smallest subnormal in (0, edges[0]), as their float64 values would be).
 
     The bin comes from `log10` (a handful of elementwise passes, several times faster than a binary
     search per element), then is corrected by one comparison with each neighbouring float32 edge,
@@ -136,6 +144,10 @@ def hist_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _raw_bins(flat: torch.Tensor) -> torch.Tensor:
     """The raw bin (int64, 0 to _RAW - 1) of each element's |g|, compared in float32."""
     a = flat.abs()
+    if a.dtype == torch.float64:
+        # Rounded as is, a finite |g| past float32's max would become Inf (the NaN/Inf bin) and a nonzero
+        # one below its smallest subnormal 0 (the zeros' bin): clamp both into float32's finite nonzero range.
+        a = torch.where((a == 0) | (a == math.inf), a, a.clamp(_F32_TINY, _F32_MAX))
     if a.dtype != torch.float32:
         a = a.float()
     lower, upper = _lower_edges(a.device)

@@ -100,14 +100,19 @@ def _build() -> tuple[Any, Any]:
 def _build_hist() -> Any:
     @triton.jit
     def hist(x_ptr, cell_ptr, upper_ptr, fold_ptr, counts_ptr, n, splits, n_raw, n_bins,  # type: ignore[no-untyped-def]
-             BLOCK: tl.constexpr, P2: tl.constexpr):
+             BLOCK: tl.constexpr, P2: tl.constexpr, WIDE: tl.constexpr):
         pid = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         acc = tl.zeros([P2], dtype=tl.int32)
         for start in range(pid * BLOCK, n, splits * BLOCK):
             idx = start + offs
             mask = idx < n
-            x = tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)  # a float64 is binned as float32
+            x = tl.load(x_ptr + idx, mask=mask, other=0.0)
+            if WIDE:  # a float64 is binned as float32, its magnitude first clamped into float32's (as extras._raw_bins)
+                a = tl.abs(x)
+                a = tl.where((a > 3.4028234663852886e38) & (a <= 1.7976931348623157e308), 3.4028234663852886e38, a)
+                x = tl.where((a > 0) & (a < 1.401298464324817e-45), 1.401298464324817e-45, a)
+            x = x.to(tl.float32)
             bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
             top = bits >> 20
             raw = tl.load(cell_ptr + top, mask=mask, other=0)
@@ -202,5 +207,5 @@ def launch_hist(flat: torch.Tensor, sms: int) -> torch.Tensor:
     splits = min(triton.next_power_of_2(max(1, triton.cdiv(n, _BLOCK))), triton.next_power_of_2(4 * sms))
     counts = torch.zeros(HIST_BINS, dtype=torch.int64, device=flat.device)
     _hist_kernel[(splits,)](flat, cell, upper_bits, fold, counts, n, splits, upper_bits.numel(), HIST_BINS,
-                            BLOCK=_BLOCK, P2=_HIST_P2)  # fmt: skip
+                            BLOCK=_BLOCK, P2=_HIST_P2, WIDE=flat.dtype == torch.float64)  # fmt: skip
     return counts

@@ -5,8 +5,8 @@
  * BLOCK elements and the block sums are added in float64 again, so the error stays at float64
  * rounding for any size; nothing is copied. out = [sum, sumsq, min, max, nonzero, nan, inf].
  *
- * The `_hist` variants also count |g| (rounded to float32) in histogram bins, block by block
- * while the block is still in cache, so the gradient is read from memory once for both. The bins
+ * The `_hist` variants also count |g| (rounded to float32, a float64 clamped into float32's range
+ * first: `mag_f64`) in histogram bins, block by block while the block is still in cache, so the gradient is read from memory once for both. The bins
  * come from tables built in Python (`extras.hist_tables`): `cell[b >> 20]` is the bin of the
  * smallest float32 whose bits start with `b >> 20` (8 exponent and 3 mantissa bits: a range of
  * 2^(1/8), narrower than a bin, so at most one edge `upper[r]` lies inside it and one comparison
@@ -70,6 +70,19 @@ static inline float f16_to_f32(uint16_t h) {
 
 #define IDENT(v) (v)
 
+/* |v| as the float32 it is binned as. A float64 is clamped into float32's finite nonzero range first:
+ * rounded as is, a finite value past FLT_MAX would become Inf (the NaN/Inf bin) and a nonzero one below
+ * the smallest subnormal 0 (the zeros' bin). NaN and Inf are left as they are. */
+static inline float mag_f64(double v) {
+    double a = fabs(v);
+    if (a > 3.4028234663852886e38 && a <= 1.7976931348623157e308) a = 3.4028234663852886e38;
+    else if (a > 0.0 && a < 1.401298464324817e-45) a = 1.401298464324817e-45;
+    return (float)a;
+}
+static inline float mag_f32(float v) { return fabsf(v); }
+static inline float mag_f16(uint16_t v) { return fabsf(f16_to_f32(v)); }
+static inline float mag_bf16(uint16_t v) { return fabsf(bf16_to_f32(v)); }
+
 #define MAX_RAW 512
 
 static inline int32_t raw_bin(float a, const int32_t *cell, const float *upper, int32_t n_raw) {
@@ -85,7 +98,7 @@ static inline int32_t raw_bin(float a, const int32_t *cell, const float *upper, 
     return r;
 }
 
-#define DEFINE(NAME, IN, T, LOAD, BITS, MASK)                                             \
+#define DEFINE(NAME, IN, T, LOAD, MAG, BITS, MASK)                                           \
     static inline void NAME##_impl(const IN *x, int64_t n, double *out, int64_t *counts,  \
                                    const int32_t *cell, const float *upper,               \
                                    const int32_t *fold, int32_t n_raw) {                  \
@@ -120,12 +133,12 @@ static inline int32_t raw_bin(float a, const int32_t *cell, const float *upper, 
             if (counts) {                                                                 \
                 int64_t i = start;                                                        \
                 for (; i + 4 <= end; i += 4) {                                            \
-                    raw[0][raw_bin(fabsf((float)LOAD(x[i])), cell, upper, n_raw)]++;      \
-                    raw[1][raw_bin(fabsf((float)LOAD(x[i + 1])), cell, upper, n_raw)]++;  \
-                    raw[2][raw_bin(fabsf((float)LOAD(x[i + 2])), cell, upper, n_raw)]++;  \
-                    raw[3][raw_bin(fabsf((float)LOAD(x[i + 3])), cell, upper, n_raw)]++;  \
+                    raw[0][raw_bin(MAG(x[i]), cell, upper, n_raw)]++;      \
+                    raw[1][raw_bin(MAG(x[i + 1]), cell, upper, n_raw)]++;  \
+                    raw[2][raw_bin(MAG(x[i + 2]), cell, upper, n_raw)]++;  \
+                    raw[3][raw_bin(MAG(x[i + 3]), cell, upper, n_raw)]++;  \
                 }                                                                         \
-                for (; i < end; i++) raw[0][raw_bin(fabsf((float)LOAD(x[i])), cell, upper, n_raw)]++; \
+                for (; i < end; i++) raw[0][raw_bin(MAG(x[i]), cell, upper, n_raw)]++; \
             }                                                                             \
         }                                                                                 \
         if (counts) {                                                                     \
@@ -144,7 +157,7 @@ static inline int32_t raw_bin(float a, const int32_t *cell, const float *upper, 
         NAME##_impl(x, n, out, counts, cell, upper, fold, n_raw);                         \
     }
 
-DEFINE(gr_stats_f64, double, double, IDENT, uint64_t, 0x7fffffffffffffffull)
-DEFINE(gr_stats_f32, float, float, IDENT, uint32_t, 0x7fffffffu)
-DEFINE(gr_stats_f16, uint16_t, float, f16_to_f32, uint16_t, 0x7fffu)
-DEFINE(gr_stats_bf16, uint16_t, float, bf16_to_f32, uint16_t, 0x7fffu)
+DEFINE(gr_stats_f64, double, double, IDENT, mag_f64, uint64_t, 0x7fffffffffffffffull)
+DEFINE(gr_stats_f32, float, float, IDENT, mag_f32, uint32_t, 0x7fffffffu)
+DEFINE(gr_stats_f16, uint16_t, float, f16_to_f32, mag_f16, uint16_t, 0x7fffu)
+DEFINE(gr_stats_bf16, uint16_t, float, bf16_to_f32, mag_bf16, uint16_t, 0x7fffu)
