@@ -234,6 +234,9 @@ def reduce_batch(
 def reduce_one(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The per-gradient device work: four reductions, plus NaN/Inf counts when they can be non-zero.
 
+    Sum and sum of squares are accumulated in float64 without a float64 copy of the gradient: on CPU by
+    `_cpu_wide_sums` (a float64 gradient: torch's own), on an accelerator by `_device_sums`.
+
     Returns 0-d tensors `[sum, sum of squares, min, max]` and `[non-zero count, nan count, inf count]`.
     `scratch` (same size and dtype as `flat`) takes the one elementwise temporary: a fresh large
     allocation in the middle of a training step costs more than the reduction itself (page faults).
@@ -247,20 +250,38 @@ def reduce_one(flat: torch.Tensor, scratch: torch.Tensor | None = None) -> tuple
         # No branching on values here (it would sync per tap): sums wide, counts always.
         s, ss = _device_sums(flat)
         return [s, ss, mn, mx], [nonzero, torch.isnan(flat).sum(), torch.isinf(flat).sum()]
-    s, ss = flat.sum(), torch.dot(flat, flat)
-    # On CPU the sums are already in host memory (numpy() cannot cross devices): branch for free.
-    s_host, ss_host = float(s.numpy()), float(ss.numpy())
+    s, ss = (flat.sum(), torch.dot(flat, flat)) if flat.dtype == torch.float64 else _cpu_wide_sums(flat)
     nan = inf = _CPU_ZERO
-    if not math.isfinite(ss_host):
+    # On CPU the sum of squares is already in host memory (numpy() cannot cross devices): branch for free.
+    if not math.isfinite(float(ss.numpy())):
         nan, inf = torch.isnan(flat).sum(), torch.isinf(flat).sum()
-    n = flat.numel()
-    if flat.dtype != torch.float64 and (
-        not math.isfinite(ss_host) or (n > 1 and ss_host - s_host * s_host / n < 1e-3 * ss_host)
-    ):
-        # float32 sum of squares overflowed, or most of its digits cancel in the variance: redo wide.
-        wide = flat.double()
-        s, ss = wide.sum(), torch.dot(wide, wide)
     return [s, ss, mn, mx], [nonzero, nan, inf]
+
+
+_WIDE_CHUNK = 1 << 16
+
+
+def _cpu_wide_sums(flat: torch.Tensor, chunk: int = _WIDE_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 sum and sum of squares of a CPU gradient of a narrower dtype, without a float64 copy of it.
+
+    torch's `sum(dtype=float64)` and `vector_norm(dtype=float64)` convert the whole gradient to float64 first
+    on CPU; here `chunk` elements at a time are widened into one reused float64 buffer (512 KiB, in cache)
+    and reduced there, and the chunks' sums added in float64: float64 rounding whatever the size, as the C
+    kernel's. Used where that kernel is not (`GRADRUNNER_FUSED=0`, no C compiler).
+
+    Example::
+
+        _cpu_wide_sums(torch.tensor([1.0, -2.0]))   # (tensor(-1., dtype=torch.float64), tensor(5., ...))
+    """
+    n = flat.numel()
+    buf = torch.empty(min(n, chunk), dtype=torch.float64)
+    parts = torch.empty((2, -(-n // chunk)), dtype=torch.float64)
+    for j, start in enumerate(range(0, n, chunk)):
+        w = buf[: min(chunk, n - start)].copy_(flat[start : start + chunk])
+        torch.sum(w, dim=0, out=parts[0, j])
+        torch.dot(w, w, out=parts[1, j])
+    s, ss = parts.sum(1)
+    return s, ss
 
 
 def _device_sums(flat: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
