@@ -16,7 +16,8 @@ from gradrunner.records.columns import COUNT_COLUMNS, STAT_COLUMNS, TapKey
 
 KEY = TapKey("fc1", "output", 0)
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
-#: Statistics are float64 for float64 gradients, float32 (one accumulation over the tensor) otherwise.
+#: torch's own statistics, the reference, are float32 for gradients narrower than float64 (gradrunner's are summed
+#: in float64): within float32 rounding of them.
 RTOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-5, torch.bfloat16: 2e-5}
 
 
@@ -290,3 +291,21 @@ def test_the_accelerator_sum_of_squares_is_float64_from_the_first_element() -> N
     s, ss = _device_sums(g)
     assert float(ss) == pytest.approx(float(np.sum(d * d)), rel=1e-12)
     assert float(s) == pytest.approx(float(np.sum(d)), rel=1e-5, abs=1e-6 * float(np.sum(np.abs(d))))
+
+
+@pytest.mark.parametrize("fused", ["1", "0"], ids=["kernel", "GRADRUNNER_FUSED=0"])
+@pytest.mark.parametrize("spread", [1e-4, 1e-6])
+def test_std_next_to_a_large_mean_within_the_documented_limit(
+    spread: float, fused: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """README (Statistics): std comes from float64 sums in one read, so where spread << |mean| its relative error is
+    about 1e-15 * (mean/std)^2 (bounded here by 4e-15 * (mean/std)^2), unlike numpy's two-pass std."""
+    monkeypatch.setenv("GRADRUNNER_FUSED", fused)
+    gen = torch.Generator().manual_seed(0)
+    g = 1.0 + spread * torch.randn(20_000, generator=gen, dtype=torch.float64)
+    col = Collector(values="none")
+    col.add(KEY, g)
+    row = col.finish().row(0)
+    want = g.numpy().std(ddof=1)
+    assert abs(row["std"] - want) <= 4e-15 * (g.numpy().mean() / want) ** 2 * want
+    assert row["mean"] == pytest.approx(g.numpy().mean(), rel=1e-15)

@@ -318,6 +318,7 @@ def derive(pending: list[Pending], rows: dict[int, int], host: np.ndarray) -> St
     numel = recs.numel.astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = s / numel
+        # one pass, from mergeable sums: cancels where the spread is small next to the mean (README, Statistics)
         var = (ss - s * mean) / (numel - 1)
         recs.stats = {
             "norm": np.where(recs.has_grad & (numel == 0), 0.0, np.sqrt(ss)),
