@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import traceback
 import types
@@ -14,6 +15,7 @@ from torch import nn
 
 from gradrunner import GradrunnerError, capture
 from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names, rewrite
+from gradrunner.capturing.forward_patch import patch_forward
 from gradrunner.models import CosineRegression, TinyTransformerBlock
 
 
@@ -366,3 +368,31 @@ def test_an_instance_forward_wrapping_the_class_forward_in_a_partial_is_tapped(s
     assert patched.args == ((net,) if target is _Scaled.forward else ()) and patched.keywords == {"scale": 2.0}
     assert _Scaled.__dict__["forward"] is (target if target is _Scaled.forward else target.__func__)
     assert [h for h in leftover_hooks(net) if "instance attribute forward = functools.partial" not in h] == []
+
+
+class VarArgs(nn.Module):
+    def forward(*args: Any) -> Any:  # the instance is args[0]
+        y = args[1] * 2
+        return y
+
+
+BLOCK = TinyTransformerBlock(d_model=8, n_heads=2, d_ff=16, out_features=8)
+
+
+@pytest.mark.parametrize("module", [BLOCK, VarArgs()], ids=["self", "*args"])
+def test_a_deepcopy_of_a_patched_module_runs_its_forward_untapped(module: nn.Module) -> None:
+    """`copy.deepcopy` copies the instance `forward` bound to the copy: only the patched instance is tapped."""
+    name = assigned_names(type(module).forward)[0]
+    tap, x = Recorder(), torch.randn(2, 3, 8)
+    want = module(x)
+    undo = patch_forward(module, {name}, tap)
+    try:
+        twin = copy.deepcopy(module)
+        torch.testing.assert_close(twin(x), want, rtol=0, atol=0)
+        assert tap.seen == []  # the copy's forward tapped nothing
+        module(x)
+        assert [n for n, _ in tap.seen] == [name]
+    finally:
+        undo()
+    torch.testing.assert_close(twin(x), want, rtol=0, atol=0)  # and keeps working after the undo
+    assert "forward" not in module.__dict__

@@ -8,6 +8,7 @@ Knows nothing of Hydra, Parquet or the runner (import-linter checks it).
 | `elements` | `output.N` / `output.KEY` elements of tuple, dict and dataclass values |
 | `forward_locals` | local variables of a `forward()`, tapped by rewriting its source |
 | `forward_patch` | a module's `forward()` calls sent to the rewritten copy, and back (`patch_forward`) |
+| `owned` | `owned(module, hook)`: every module hook acts for the module it was installed on only, not a deepcopy's |
 | `grad_context` | autograd state: no_grad, checkpointing, backward, models gradrunner refuses |
 | `torch_compat` | every torch internal gradrunner uses, detected once, each with a public fallback |
 | `strategies` | `retain_grad`, `hook`, `autograd_grad`: one file each, one registry; what happens around a backward |

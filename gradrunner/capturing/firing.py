@@ -37,6 +37,7 @@ from gradrunner.capturing.grad_context import (
     reentrant_checkpoint,
     refuse_transformed,
 )
+from gradrunner.capturing.owned import owned
 from gradrunner.capturing.strategies import Slot
 from gradrunner.capturing.taps import Tap
 from gradrunner.capturing.torch_compat import is_view, version
@@ -107,9 +108,11 @@ class Firing:
             outputs = [t for t in module_taps if t.kind == "output"]
             inputs = [t for t in module_taps if t.kind == "input"]
             if inputs:
-                stack.callback(module.register_forward_pre_hook(self._input_hook(inputs), with_kwargs=True).remove)
+                hook = owned(module, self._input_hook(inputs))  # a copy of the module made meanwhile: not captured
+                stack.callback(module.register_forward_pre_hook(hook, with_kwargs=True).remove)
             if outputs:
-                stack.callback(module.register_forward_hook(self._output_hook(outputs), with_kwargs=True).remove)
+                hook = owned(module, self._output_hook(outputs))
+                stack.callback(module.register_forward_hook(hook, with_kwargs=True).remove)
             # one module object under several paths: one rewrite serves every path's local taps
             entry = locals_by_instance.setdefault(id(module), (module, []))
             entry[1].extend(t for t in module_taps if t.kind == "local")
@@ -143,8 +146,8 @@ class Firing:
                 return
             self.session._forward_returned(output)
 
-        stack.callback(model.register_forward_pre_hook(eager(enter), prepend=True).remove)
-        stack.callback(model.register_forward_hook(eager(leave), always_call=True).remove)
+        stack.callback(model.register_forward_pre_hook(owned(model, eager(enter)), prepend=True).remove)
+        stack.callback(model.register_forward_hook(owned(model, eager(leave)), always_call=True).remove)
 
     def _patch_forward(self, module: nn.Module, taps: list[Tap], stack: contextlib.ExitStack) -> None:
         by_name: dict[str, list[Tap]] = {}

@@ -24,6 +24,7 @@ import types
 from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
 
+from gradrunner.capturing.owned import owned
 from gradrunner.errors import GradrunnerError
 
 TAP_NAME = "__gradrunner_tap__"
@@ -235,29 +236,45 @@ def assigned_names(fn: Callable[..., object]) -> list[str]:
     return collector.names
 
 
-def _tap_stmt(name: str, at: ast.AST) -> ast.stmt:
-    """`name = __gradrunner_tap__("name", name)`, placed at `at`'s line."""
-    call = ast.Call(
-        func=ast.Name(TAP_NAME, ast.Load()),
-        args=[ast.Constant(name), ast.Name(name, ast.Load())],
-        keywords=[],
-    )
-    stmt = ast.Assign(targets=[ast.Name(name, ast.Store())], value=call)
-    return ast.copy_location(stmt, at)
+def _tap_call(owner: str | None, name: str, value: ast.expr) -> ast.Call:
+    """`__gradrunner_tap__("name", value)`, or with an `owner` `__gradrunner_tap__(self, "name", value)`: the
+    instance running the forward goes first (see `rewrite`)."""
+    args: list[ast.expr] = [ast.Constant(name), value]
+    if owner is not None and owner.startswith("*"):  # `def forward(*args)`: the instance is args[0]
+        args.insert(0, ast.Subscript(ast.Name(owner[1:], ast.Load()), ast.Constant(0), ast.Load()))
+    elif owner is not None:
+        args.insert(0, ast.Name(owner, ast.Load()))
+    return ast.Call(func=ast.Name(TAP_NAME, ast.Load()), args=args, keywords=[])
+
+
+def _owner(func: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """The name the instance has inside `func` (its first parameter), or `*args` when only a vararg takes it."""
+    params = [*func.args.posonlyargs, *func.args.args]
+    if params:
+        return params[0].arg
+    if func.args.vararg is not None:
+        return "*" + func.args.vararg.arg
+    raise SourceUnavailable(f"{func.name}() takes no positional parameter for the module instance; {_INSTEAD}")
 
 
 class _Rewrite(_Scope, ast.NodeTransformer):
-    def __init__(self, names: frozenset[str]) -> None:
-        self.names = names
+    def __init__(self, names: frozenset[str], owner: str | None) -> None:
+        self.names, self.owner = names, owner
+
+    def _tap_stmt(self, name: str, at: ast.AST) -> ast.stmt:
+        """`name = __gradrunner_tap__("name", name)` (`self` first with an owner), placed at `at`'s line."""
+        call = _tap_call(self.owner, name, ast.Name(name, ast.Load()))
+        stmt = ast.Assign(targets=[ast.Name(name, ast.Store())], value=call)
+        return ast.copy_location(stmt, at)
 
     def _after(self, node: ast.stmt, bound: Iterable[str]) -> ast.stmt | list[ast.stmt]:
         tapped = [n for n in dict.fromkeys(bound) if n in self.names]
-        return [node, *(_tap_stmt(n, node) for n in tapped)] if tapped else node
+        return [node, *(self._tap_stmt(n, node) for n in tapped)] if tapped else node
 
     def _prepend(self, node: ast.For | ast.AsyncFor | ast.With | ast.AsyncWith, bound: Iterable[str]) -> ast.AST:
         self.generic_visit(node)
         tapped = [n for n in dict.fromkeys(bound) if n in self.names]
-        node.body[:0] = [_tap_stmt(n, node) for n in tapped]
+        node.body[:0] = [self._tap_stmt(n, node) for n in tapped]
         return node
 
     def visit_Assign(self, node: ast.Assign) -> ast.stmt | list[ast.stmt]:
@@ -275,9 +292,7 @@ class _Rewrite(_Scope, ast.NodeTransformer):
     def visit_NamedExpr(self, node: ast.NamedExpr) -> ast.AST:
         self.generic_visit(node)
         if node.target.id in self.names:
-            node.value = ast.copy_location(
-                ast.Call(ast.Name(TAP_NAME, ast.Load()), [ast.Constant(node.target.id), node.value], []), node.value
-            )
+            node.value = ast.copy_location(_tap_call(self.owner, node.target.id, node.value), node.value)
         return node
 
     def visit_For(self, node: ast.For) -> ast.AST:
@@ -291,7 +306,7 @@ class _Rewrite(_Scope, ast.NodeTransformer):
     visit_AsyncWith = visit_With  # type: ignore[assignment]
 
 
-def rewrite(fn: Callable[..., object], names: Iterable[str], tap: TapFn) -> types.FunctionType:
+def rewrite(fn: Callable[..., object], names: Iterable[str], tap: TapFn, owner: object = None) -> types.FunctionType:
     """A copy of `fn` that passes every assignment of each name in `names` through `tap(name, value)`.
 
     Example::
@@ -299,7 +314,9 @@ def rewrite(fn: Callable[..., object], names: Iterable[str], tap: TapFn) -> type
         seen = []
         fn = rewrite(CosineRegression.forward, {"mul_x"}, lambda n, v: seen.append(n) or v)
 
-    `tap` must return the value to bind (the same tensor, or a stand-in for it). A `forward` wrapped by
+    `tap` must return the value to bind (the same tensor, or a stand-in for it). Given an `owner`, `tap` is
+    called only when `fn` runs with that instance as `self` (`owned`): a `copy.deepcopy` of the module, which
+    gets the rewritten copy bound to itself, runs it untapped. A `forward` wrapped by
     `functools.wraps`-style decorators (transformers' blocks) keeps its wrappers: the innermost function
     is rewritten and each wrapper is rebuilt around the rewritten one (the class is left untouched,
     so only the instances the returned function is bound to are affected).
@@ -307,18 +324,29 @@ def rewrite(fn: Callable[..., object], names: Iterable[str], tap: TapFn) -> type
     original, wrappers = _innermost(fn)
     _, func = _parse(original)
     new_func = copy.deepcopy(func)
-    rewriter = _Rewrite(frozenset(names))
+    rewriter = _Rewrite(frozenset(names), None if owner is None else _owner(func))
     new_func.body = [s for stmt in new_func.body for s in _as_list(rewriter.visit(stmt))]
     # The compiled code reads free variables from closure cells: the original's (`__class__` for
     # super()) and a new one holding `tap`. The module's globals stay the original's, untouched.
     inner_code = _compile(new_func, original, [TAP_NAME])
     cells = dict(zip(original.__code__.co_freevars, original.__closure__ or (), strict=True))
-    cells[TAP_NAME] = types.CellType(tap)
+    cells[TAP_NAME] = types.CellType(tap if owner is None else owned(owner, _dropping_owner(tap), _value))
     new = _function(original, inner_code, tuple(cells[v] for v in inner_code.co_freevars))
     new.__wrapped__ = original  # type: ignore[attr-defined]
     for wrapper in reversed(wrappers):
         new = _rewrap(wrapper, new)
     return new
+
+
+def _dropping_owner(tap: TapFn) -> Callable[[object, str, object], object]:
+    def call(owner: object, name: str, value: object) -> object:
+        return tap(name, value)
+
+    return call
+
+
+def _value(name: str, value: object) -> object:
+    return value  # a tapped name of another instance than the owner: bound as it is
 
 
 def _function(like: types.FunctionType, code: types.CodeType, closure: tuple[types.CellType, ...]) -> types.FunctionType:

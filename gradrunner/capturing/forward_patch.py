@@ -48,10 +48,13 @@ def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[
     `forward` with this module as first argument (its `func` swapped), and
     `Class.forward(self, ...)` or `super().forward(...)` through a dispatcher on the class that sends
     only this instance to the copy.
+
+    Only `module` is tapped: a `copy.deepcopy` of it made while patched gets the rewritten copy bound to itself
+    (an instance `forward` is copied with the instance), which runs as the original does, untapped (`owned`).
     """
     cls = type(module)
     original = class_forward(cls)
-    bound = types.MethodType(rewrite(original, names, tap), module)
+    bound = types.MethodType(rewrite(original, names, tap, owner=module), module)  # a deepcopy's taps do nothing
     state = module.__dict__
     undo: list[Callable[[], None]] = []
 

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from gradrunner.capturing.dtensors import is_dtensor
+from gradrunner.capturing.owned import owned
 from gradrunner.capturing.per_example_check import FAILED, OUTSIDE, Projection, host_verdicts, verdicts
 from gradrunner.capturing.per_example_layers import (
     ROLES,
@@ -156,14 +157,15 @@ class PerExampleNorms:
     def __enter__(self) -> PerExampleNorms:
         try:
             for h in self._holders:
-                self._stack.enter_context(h.module.register_forward_hook(
-                    lambda m, a, k, out, h=h: self._on_call(h, a, k, out), with_kwargs=True, prepend=True))  # fmt: skip
+                self._stack.enter_context(h.module.register_forward_hook(owned(
+                    h.module, lambda m, a, k, out, h=h: self._on_call(h, a, k, out)), with_kwargs=True, prepend=True))  # fmt: skip
             for path, module in self.model.named_modules():
                 if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                    self._stack.enter_context(module.register_forward_hook(
-                        lambda m, a, out, path=path: self._on_mixing(m, path, out)))  # fmt: skip
-            self._stack.enter_context(self.model.register_forward_pre_hook(self._on_root, with_kwargs=True))
-            self._stack.enter_context(self.model.register_forward_hook(self._on_root_output))
+                    self._stack.enter_context(module.register_forward_hook(owned(
+                        module, lambda m, a, out, path=path: self._on_mixing(m, path, out))))  # fmt: skip
+            model = self.model  # owned: a copy of the model made meanwhile (it carries these hooks) is not seen
+            self._stack.enter_context(model.register_forward_pre_hook(owned(model, self._on_root), with_kwargs=True))
+            self._stack.enter_context(model.register_forward_hook(owned(model, self._on_root_output)))
             for i, t in enumerate(self._tracked):
                 if t.reason is None and self.check:
                     t.check = Projection(t.param, i)

@@ -37,6 +37,7 @@ from gradrunner.capturing.extras import value_norms
 from gradrunner.capturing.firing import Firing
 from gradrunner.capturing.grad_context import refuse_compiled
 from gradrunner.capturing.grads import Grads
+from gradrunner.capturing.owned import owned
 from gradrunner.capturing.params import ParamBackward, ParamTaps, ddp_synced
 from gradrunner.capturing.per_example import PerExampleNorms
 from gradrunner.capturing.stats import Collector
@@ -175,7 +176,7 @@ class Capture(Backwards):
         dist = torch.distributed
         if self._params and self._params.synced is None and dist.is_available() and dist.is_initialized():
             # DDP given as its `.module`: refused at its first forward (`_refuse_ddp_inner`)
-            self._stack.callback(self.model.register_forward_pre_hook(self._refuse_ddp_inner).remove)
+            self._stack.callback(self.model.register_forward_pre_hook(owned(self.model, self._refuse_ddp_inner)).remove)
         if self._pex is not None:  # before the edits' hooks: its check sees a parameter's gradient before an edit
             self._stack.enter_context(self._pex)
         if self.edits is not None:

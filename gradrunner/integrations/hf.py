@@ -63,6 +63,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from gradrunner.capturing.owned import owned
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.capturing.torch_compat import in_backward
 from gradrunner.errors import GradrunnerError
@@ -405,7 +406,8 @@ def _watch_model(model: nn.Module, rec: Recorder, run: _Run, end: Callable[[], A
 
         loss.grad_fn.register_prehook(backpropagated)
 
-    handles = [model.register_forward_pre_hook(before), model.register_forward_hook(hook)]
+    # owned: a copy of the model made during training (a reference model) is not the Trainer's
+    handles = [model.register_forward_pre_hook(owned(model, before)), model.register_forward_hook(owned(model, hook))]
     try:
         yield
     finally:
