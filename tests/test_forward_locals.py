@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import inspect
 import traceback
 import types
@@ -271,7 +272,9 @@ def test_builtin_forward_and_a_decorator_without_closure_are_refused() -> None:
             y = x * 2
             return y
 
-    with pytest.raises(SourceUnavailable, match=r"does not hold the wrapped function in a closure.*tap the module's output"):
+    with pytest.raises(
+        SourceUnavailable, match=r"does not hold the wrapped function in a closure.*tap the module's output"
+    ):
         rewrite(Opaque.forward, {"y"}, lambda n, v: v)
 
 
@@ -347,7 +350,9 @@ def test_an_instance_forward_wrapping_the_class_forward_in_a_partial_is_tapped(s
     torch.manual_seed(0)
     net, x = _Scaled(), torch.randn(4, 3)
     target = _Scaled.forward if how.endswith("class forward") else net.forward
-    patched = functools.partial(target, net, scale=2.0) if target is _Scaled.forward else functools.partial(target, scale=2.0)
+    patched = (
+        functools.partial(target, net, scale=2.0) if target is _Scaled.forward else functools.partial(target, scale=2.0)
+    )
     net.forward = patched  # type: ignore[method-assign]
     # the reference: both values of `h`, retained, in plain torch
     h0 = net.fc(x)
@@ -396,3 +401,44 @@ def test_a_deepcopy_of_a_patched_module_runs_its_forward_untapped(module: nn.Mod
         undo()
     torch.testing.assert_close(twin(x), want, rtol=0, atol=0)  # and keeps working after the undo
     assert "forward" not in module.__dict__
+
+
+_ANNOTATED_HELPER = """{future}
+import torch
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.lin(x)
+
+        def double(t: torch.Tensor) -> torch.Tensor:
+            return t * 2
+
+        return double(h).pow(2).sum()
+"""
+
+
+@pytest.mark.parametrize("future", ["", "from __future__ import annotations"])
+def test_a_forward_with_an_annotated_nested_function_is_tapped_with_or_without_the_future_import(
+    tmp_path: Any, future: str
+) -> None:
+    path = tmp_path / f"annotated_{'future' if future else 'plain'}.py"
+    path.write_text(_ANNOTATED_HELPER.format(future=future))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    block, x = module.Block(), torch.randn(2, 3)
+    h = block.lin(x)
+    expected = torch.autograd.grad((h * 2).pow(2).sum(), h)[0]  # d/dh sum((2h)^2) = 8h
+    assert assigned_names(module.Block.forward) == ["h"]
+    with capture(block, [":h"], strategy="hook") as cap:
+        cap.backward(block(x))
+        assert torch.allclose(cap.grads[":h"], expected)
+        assert torch.allclose(cap.grads[":h"], 8 * h.detach())

@@ -14,15 +14,17 @@ Example::
 """
 
 from __future__ import annotations
+import __future__
 
 import ast
 import contextlib
 import copy
+import functools
 import inspect
 import linecache
+import operator
 import types
 from collections.abc import Callable, Iterable, Sequence
-from functools import lru_cache
 
 from gradrunner.capturing.owned import owned
 from gradrunner.errors import GradrunnerError
@@ -57,7 +59,7 @@ def _innermost(fn: Callable[..., object]) -> tuple[types.FunctionType, list[type
 _INSTEAD = "tap the module's output, input or parameters instead, or a submodule's"
 
 
-@lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256)
 def _parse(fn: types.FunctionType) -> tuple[ast.Module, ast.FunctionDef | ast.AsyncFunctionDef]:
     """The `def` of `fn` as parsed from its file, checked against the loaded code."""
     try:
@@ -124,14 +126,25 @@ def _compile(func: ast.FunctionDef | ast.AsyncFunctionDef, original: types.Funct
         node = ast.ClassDef(name=parts[-2], bases=[], keywords=[], body=[outer], decorator_list=[])
         ast.copy_location(node, func)
     # Names the original module imports: the compiler emits different bytecode for their attributes.
-    imports = [ast.Import(names=[ast.alias(name="_", asname=n)]) for n in _imported_names(original.__code__.co_filename)]
+    imports = [
+        ast.Import(names=[ast.alias(name="_", asname=n)]) for n in _imported_names(original.__code__.co_filename)
+    ]
     tree = ast.Module(body=[*imports, node], type_ignores=[])
     ast.fix_missing_locations(tree)
-    code = _find_code(compile(tree, original.__code__.co_filename, "exec"), _OUTER_NAME)
+    # The original file's own `from __future__` imports, not this module's (`annotations`: a nested def's
+    # annotations compile differently, and the freshness check would call an unedited file edited).
+    flags = original.__code__.co_flags & _FUTURE_FLAGS
+    code = _find_code(compile(tree, original.__code__.co_filename, "exec", flags=flags, dont_inherit=True), _OUTER_NAME)
     return _find_code(code, func.name)
 
 
-@lru_cache(maxsize=64)
+#: Every `from __future__` feature's compiler flag: the part of a code object's `co_flags` that `compile()` takes.
+_FUTURE_FLAGS = functools.reduce(
+    operator.or_, (getattr(__future__, f).compiler_flag for f in __future__.all_feature_names)
+)
+
+
+@functools.lru_cache(maxsize=64)
 def _imported_names(filename: str) -> tuple[str, ...]:
     """Names bound by import statements at the top level of the module in `filename`."""
     try:
