@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gradrunner import capture
+from gradrunner import GradrunnerError, capture
 
 
 def _backward(cap: object, loss: torch.Tensor, own: bool, retain_graph: bool = False) -> None:
@@ -39,8 +39,9 @@ def test_a_tap_on_the_models_own_output_gets_its_gradient(strategy: str, own: bo
         pytest.skip("autograd_grad runs its own backward")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=20, n_positions=16, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=8, vocab_size=20, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 20, (2, 5))
     kept: list[torch.Tensor] = []
@@ -79,6 +80,7 @@ def test_a_checkpointed_blocks_input_used_outside_it_gets_its_whole_gradient(str
     ref = Residual(None).double()
     state = ref.state_dict()
     seen: dict[str, list[torch.Tensor]] = {"in": [], "out": []}
+
     def keep(_m: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
         seen["in"].append(args[0])
         seen["out"].append(out)
@@ -129,7 +131,9 @@ def test_an_evaluation_forward_between_two_backwards_keeps_the_second_ones_taps(
 
 
 @pytest.mark.parametrize("reentrant", [None, True, False], ids=["plain", "use_reentrant=True", "use_reentrant=False"])
-def test_an_edit_on_a_checkpointed_blocks_input_edits_the_blocks_use_of_it(strategy: str, reentrant: bool | None) -> None:
+def test_an_edit_on_a_checkpointed_blocks_input_edits_the_blocks_use_of_it(
+    strategy: str, reentrant: bool | None
+) -> None:
     """An edit on `inner:input` changes the gradient that flows back through the block's use of its input only (the
     residual's use is not the tap's); tapping the input whole in a reentrant block's first pass must not lose it."""
     if strategy == "autograd_grad" and reentrant:
@@ -190,3 +194,36 @@ def test_an_input_tap_on_self_attention_over_the_data_batch_is_transparent(strat
     assert grads.keys() == plain_grads.keys() and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
     for i in range(len(recs)):
         assert recs.row(i)["norm"] == pytest.approx(float(want.norm()), rel=1e-6), recs.keys[i].tap
+
+
+class _TwoLocals(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l(x)
+        z = h * 2
+        return (z**2).sum()
+
+
+def test_a_second_session_tapping_locals_of_a_rewritten_forward_is_refused_and_the_first_keeps_recording(
+    strategy: str,
+) -> None:
+    torch.manual_seed(0)
+    m, x = _TwoLocals(), torch.randn(2, 3)
+    h = m.l(x)
+    z = h * 2
+    ref_h, ref_z = torch.autograd.grad((z**2).sum(), [h, z])  # 8h and 2z, by hand
+    with capture(m, [":h"], strategy=strategy) as outer:
+        with pytest.raises(GradrunnerError, match=r"another open capture session.*\['z'\]"):
+            capture(m, [":z"], strategy=strategy).__enter__()
+        assert "forward" in m.__dict__  # the outer session's rewritten forward is still in place
+        loss = m(x)
+        outer.backward(loss)
+        assert torch.allclose(outer.grads[":h"], ref_h)
+    assert "forward" not in m.__dict__
+    with capture(m, [":z"], strategy=strategy) as later:  # once the first closed, a new session taps them
+        loss = m(x)
+        later.backward(loss)
+        assert torch.allclose(later.grads[":z"], ref_z)

@@ -19,9 +19,12 @@ import types
 from collections.abc import Callable, Iterable
 
 from gradrunner.capturing.forward_locals import TapFn, rewrite
+from gradrunner.errors import GradrunnerError
 
 _ROUTES = "__gradrunner_routes__"
 _ORIGINAL = "__gradrunner_original__"
+#: The locals tapped now in each module (by id) whose forward() a `patch_forward` rewrote and has not yet undone.
+_PATCHED: dict[int, frozenset[str]] = {}
 
 
 def class_forward(cls: type) -> Callable[..., object]:
@@ -51,23 +54,35 @@ def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[
 
     Only `module` is tapped: a `copy.deepcopy` of it made while patched gets the rewritten copy bound to itself
     (an instance `forward` is copied with the instance), which runs as the original does, untapped (`owned`).
+    One rewrite per module at a time: a second `patch_forward` of a module before the first's undo (a capture
+    session opened inside another, each tapping its locals) is a GradrunnerError, since the copy installed
+    first would call only its own taps and the second's would never fire.
     """
+    names = frozenset(names)
+    if id(module) in _PATCHED:  # its forward() is another session's rewritten copy, which calls only that one's taps
+        raise GradrunnerError(
+            f"the forward() of this {type(module).__name__} already has its locals {sorted(_PATCHED[id(module)])} "
+            f"tapped by another open capture session, so its locals {sorted(names)} cannot be tapped by a second "
+            "one at the same time: name them in the session that is open, or open this one after it closed."
+        )
     cls = type(module)
     original = class_forward(cls)
     bound = types.MethodType(rewrite(original, names, tap, owner=module), module)  # a deepcopy's taps do nothing
     state = module.__dict__
-    undo: list[Callable[[], None]] = []
+    undo: list[Callable[[], object]] = [functools.partial(_PATCHED.pop, id(module), None)]
+    _PATCHED[id(module)] = names
 
     def is_original(value: object) -> bool:
         return isinstance(value, types.MethodType) and value.__self__ is module and value.__func__ is original
 
+    def restore() -> None:
+        while undo:
+            undo.pop()()
+
     if "forward" not in state:
         state["forward"] = bound
-
-        def drop() -> None:
-            state.pop("forward", None)
-
-        return drop
+        undo.append(functools.partial(state.pop, "forward", None))
+        return restore
     current = state["forward"]
     for key, value in list(state.items()):
         if is_original(value):  # the instance forward itself, or `_old_forward`
@@ -91,11 +106,6 @@ def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[
             elif is_original(p.func):
                 undo.append(_swap_partial(p, bound))
         undo.append(_route_class(cls, module, original, bound.__func__))
-
-    def restore() -> None:
-        while undo:
-            undo.pop()()
-
     return restore
 
 
@@ -150,7 +160,9 @@ def _swap_partial(p: functools.partial[object], func: Callable[..., object]) -> 
     return functools.partial(set_state, state)
 
 
-def _route_class(cls: type, module: object, original: Callable[..., object], new: Callable[..., object]) -> Callable[[], None]:
+def _route_class(
+    cls: type, module: object, original: Callable[..., object], new: Callable[..., object]
+) -> Callable[[], None]:
     """Put a dispatcher on `cls.forward` sending `module` (only) to `new`; returns the undo."""
     dispatcher = cls.__dict__.get("forward")
     routes: dict[int, Callable[..., object]] | None = getattr(dispatcher, _ROUTES, None)
