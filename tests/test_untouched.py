@@ -24,9 +24,13 @@ def _state(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor | Non
     return out + [(n, b.clone(), None) for n, b in model.named_buffers()]
 
 
-def _same(a: list[tuple[str, torch.Tensor, torch.Tensor | None]], b: list[tuple[str, torch.Tensor, torch.Tensor | None]]) -> bool:
+def _same(
+    a: list[tuple[str, torch.Tensor, torch.Tensor | None]], b: list[tuple[str, torch.Tensor, torch.Tensor | None]]
+) -> bool:
     return [n for n, _, _ in a] == [n for n, _, _ in b] and all(
-        torch.equal(x, y) and x.dtype == y.dtype and ((g is None and h is None) or (g is not None and h is not None and torch.equal(g, h)))
+        torch.equal(x, y)
+        and x.dtype == y.dtype
+        and ((g is None and h is None) or (g is not None and h is not None and torch.equal(g, h)))
         for (_, x, g), (_, y, h) in zip(a, b, strict=True)
     )
 
@@ -76,7 +80,9 @@ class _Reassigning(nn.Module):
 
 
 @pytest.mark.parametrize("big", [False, True])
-def test_reassigned_and_added_buffers_written_parameters_and_grads_are_put_back_also_after_an_exception(big: bool) -> None:
+def test_reassigned_and_added_buffers_written_parameters_and_grads_are_put_back_also_after_an_exception(
+    big: bool,
+) -> None:
     model = _Reassigning()
     scale, weight, before = model.scale, model.lin.weight, _state(model)
     x = torch.full((1, 2), 1e10 if big else 1.0)
@@ -109,3 +115,19 @@ def test_each_modules_own_train_eval_mode_is_put_back() -> None:
         model.train()
         raise ValueError
     assert [m.training for m in model.modules()] == modes
+
+
+def test_a_graph_built_before_list_taps_still_backpropagates_to_the_same_gradients() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1), nn.BatchNorm1d(1))
+    x = torch.randn(3, 4)
+    expected = torch.autograd.grad(model(x).pow(2).sum(), list(model.parameters()))
+    loss = model(x).pow(2).sum()
+    stats = model[3].running_mean.clone()  # batch_norm moves it without bumping its version: compared by value
+    versions = [p._version for p in model.parameters()]
+    list_taps(model, x)
+    assert [p._version for p in model.parameters()] == versions  # nothing written in place
+    assert torch.equal(model[3].running_mean, stats)
+    loss.backward()  # 'modified by an inplace operation' before the fix
+    for p, g in zip(model.parameters(), expected, strict=True):
+        assert torch.allclose(p.grad, g)

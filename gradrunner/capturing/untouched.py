@@ -19,14 +19,27 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gradrunner.capturing.torch_compat import version
+
 
 @dataclass
 class _Held:
-    """One parameter or buffer as it was: its copy and its `.grad` (the object itself)."""
+    """One parameter or buffer as it was: its copy, its `.grad` (the object itself) and its in-place version."""
 
     tensor: torch.Tensor
     copy: torch.Tensor
     grad: torch.Tensor | None
+    version: int | None
+
+    def changed(self) -> bool:
+        """Whether the tensor's values differ from the copy: its version moved, or (kernels such as batch_norm's
+        update running statistics without a version bump) its values do (NaN where NaN was counts as the same)."""
+        if version(self.tensor) != self.version:
+            return True
+        t, c = self.tensor, self.copy
+        if t.is_floating_point() or t.is_complex():
+            return not torch.allclose(t, c, rtol=0.0, atol=0.0, equal_nan=True)
+        return not torch.equal(t, c)
 
 
 def _own(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -79,7 +92,8 @@ def untouched(model: nn.Module) -> Iterator[None]:
         # running_mean, running_var, num_batches_tracked, torch.get_rng_state(): as before
 
     Restored: which tensor each module holds under each parameter and buffer name (one reassigned in the
-    forward is put back, one added is removed), the values of each (copied back into the same tensor), each
+    forward is put back, one added is removed), the values of each (copied back into the same tensor where they
+    changed, without moving its in-place version: a graph built before the block still backpropagates), each
     tensor's `.grad` (the same object), each module's train/eval mode (`modes_kept`), and the generator states of the CPU and, when CUDA is initialised,
     of every CUDA device.
     The copies cost the memory of the parameters and buffers once more, for as long as the block runs.
@@ -91,7 +105,7 @@ def untouched(model: nn.Module) -> Iterator[None]:
         for _, own in names:
             for t in own.values():
                 if id(t) not in held:
-                    held[id(t)] = _Held(t, t.detach().clone(), t.grad)
+                    held[id(t)] = _Held(t, t.detach().clone(), t.grad, version(t))
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
@@ -107,7 +121,11 @@ def untouched(model: nn.Module) -> Iterator[None]:
                     setattr(module, name, t)
         with torch.no_grad():
             for h in held.values():
-                h.tensor.copy_(h.copy)  # always: kernels such as batch_norm's update running stats unversioned
+                # Only what changed, and through `.data` (its own version counter): a copy_ on the tensor bumps its
+                # version, and a graph built before the block (a loss not yet backpropagated) that saved it would
+                # refuse its backward ("modified by an inplace operation") though its values are back as saved.
+                if h.changed():
+                    h.tensor.data.copy_(h.copy)
                 if h.tensor.grad is not h.grad:
                     h.tensor.grad = h.grad
         torch.set_rng_state(cpu)
