@@ -193,7 +193,10 @@ def test_the_taps_cli_filters_with_match_and_refuses_a_match_of_nothing(tmp_path
 def test_a_glob_that_matches_nothing_names_the_closest_paths() -> None:
     model = nn.Sequential()
     model.add_module("layers", nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
-    with pytest.raises(GradrunnerError, match=r"the glob 'layer\.\*' matches no .* Closest paths: 'layers\.1', 'layers\.0', 'layers'\. Inside a glob, \[\*\]"):
+    with pytest.raises(
+        GradrunnerError,
+        match=r"the glob 'layer\.\*' matches no .* Closest paths: 'layers\.1', 'layers\.0', 'layers'\. Inside a glob, \[\*\]",
+    ):
         resolve_taps(model, ["layer.*:output"])
 
 
@@ -248,7 +251,10 @@ def test_locals_named_like_the_output_input_or_a_parameter_are_listed_as_the_tap
     names = [s.name for s in m[""].locals], [s.name for s in m["seq"].locals]
     assert names == (["local.weight", "local.output"], ["module", "local.input"])
     assert "    local.output  (2, 4) float32 local\n" in str(listed)
-    assert [v["name"] for v in json.loads(json.dumps(listed.to_dict()))["modules"][1]["locals"]] == ["module", "local.input"]
+    assert [v["name"] for v in json.loads(json.dumps(listed.to_dict()))["modules"][1]["locals"]] == [
+        "module",
+        "local.input",
+    ]
     assert {t.kind for t in resolve_taps(model, [":local.weight", ":local.output", "seq:local.input"])} == {"local"}
     # what the listed spellings capture: the locals at every assignment, not the output, input or parameter
     outs: list[torch.Tensor] = []
@@ -280,3 +286,32 @@ def test_a_model_without_submodules_is_listed_though_the_default_glob_reaches_no
     offered = by_path(found)[""].taps()
     assert ":weight_ih_l0" in offered and ":output.0" in offered, offered
     setup(compose_cfg(*lstm, "taps=[':output.0',':weight_ih_l0']"))  # what it offers, a run takes
+
+
+class _Compiled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(4, 4)
+        self.l2 = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.l1(x))
+        return self.l2(h)
+
+
+def test_a_compiled_model_lists_the_eager_taps_that_capture_takes() -> None:
+    torch.manual_seed(0)
+    m, x = _Compiled(), torch.randn(8, 4)
+    eager = [t for mod in list_taps(m, x).modules for t in mod.taps()]
+    cm = torch.compile(m, backend="eager")
+    listing = list_taps(cm, x)
+    assert listing.model == "_Compiled"
+    assert [t for mod in listing.modules for t in mod.taps()] == eager
+    assert ":h" in eager and "l1:output" in eager
+    h = torch.relu(m.l1(x))
+    expected = torch.autograd.grad(m.l2(h).sum(), h)[0]  # l2's weight row, broadcast over the batch
+    with capture(cm, [":h", "l1:output"]) as cap:
+        loss = cm(x).sum()
+        cap.backward(loss)
+        assert torch.allclose(cap.grads[":h"], expected)
+        assert torch.allclose(cap.grads[":h"], m.l2.weight.detach().expand(8, 4))

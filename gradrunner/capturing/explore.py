@@ -36,7 +36,7 @@ from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_name
 from gradrunner.capturing.forward_patch import class_forward, patch_forward
 from gradrunner.capturing.grad_context import FROZEN, NOT_REQUIRING_GRAD, TRANSFORMED, no_grad_reason
 from gradrunner.capturing.taps import element_path, is_glob, local_tap_name
-from gradrunner.capturing.torch_compat import is_functorch_wrapped
+from gradrunner.capturing.torch_compat import compiled_inner, is_functorch_wrapped
 from gradrunner.capturing.untouched import untouched
 from gradrunner.errors import one_paragraph
 
@@ -195,7 +195,9 @@ class _Seen:
     values: dict[str, list[object]] = field(default_factory=dict)
 
 
-def _element_values(module: nn.Module, name: str, calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]]) -> list[object]:
+def _element_values(
+    module: nn.Module, name: str, calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]]
+) -> list[object]:
     """The value of the tap `name` at each call, found as the capture's hooks find it (`get_element`, `bind_input`)."""
     head, _, rest = name.partition(".")
     path = element_path(rest) if rest else ()
@@ -292,7 +294,10 @@ def list_taps(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Ta
     buffers such as BatchNorm's running statistics, `.grad`, the CPU and CUDA generator states that
     Dropout draws from); every hook and rewritten forward() is removed on return. A forward that raises
     with its locals watched is run once more without: its locals are then listed as not observed.
+    `torch.compile(model)` is listed as `capture` taps it (`compiled_inner`): its eager model's paths, from
+    a forward pass of the eager model.
     """
+    model = compiled_inner(model)
     unwatched_all: str | None = None
     with untouched(model), torch.enable_grad():
         try:
