@@ -14,7 +14,7 @@ import torch
 from conftest import leftover_hooks
 from torch import nn
 
-from gradrunner import capture
+from gradrunner import GradrunnerError, capture
 from gradrunner.models import MLP, TinyTransformerBlock
 
 SPELLINGS: dict[str, Callable[[nn.Module, str], nn.Module]] = {
@@ -95,3 +95,32 @@ def test_taps_split_the_compiled_graph(capsys: pytest.CaptureFixture[str]) -> No
     # what dynamo still compiles are the submodules between taps.
     # torch 2.13 (CI): 0 and 4. torch 2.11 (seen on a GPU machine) compiled no graph with either set of taps.
     assert root_only <= every_module <= 5
+
+
+@pytest.mark.parametrize(
+    "spelling", ["torch.compile(model, fullgraph=True)", "model.compile(fullgraph=True)", "submodule"]
+)
+def test_a_model_compiled_with_fullgraph_is_refused_up_front_and_without_it_captured(
+    strategy: str, spelling: str
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(8, 4)
+    out = model[0](x)
+    expected = torch.autograd.grad(model[2](torch.tanh(out)).pow(2).sum(), out)[0]
+    torch._dynamo.reset()
+    call: nn.Module = model
+    if spelling == "torch.compile(model, fullgraph=True)":
+        call = torch.compile(model, backend="eager", fullgraph=True)  # type: ignore[assignment]
+    elif spelling == "model.compile(fullgraph=True)":
+        model.compile(backend="eager", fullgraph=True)
+    else:
+        model[2].compile(backend="eager", fullgraph=True)
+    where = "module '2'" if spelling == "submodule" else "the model"
+    with pytest.raises(GradrunnerError, match=f"{where} is compiled with fullgraph=True.*compile it without fullgraph"):
+        capture(call, ["0:output"], strategy=strategy)
+    assert leftover_hooks(model) == []
+    compiled = torch.compile(copy.deepcopy(model), backend="eager")  # the way out the message names
+    with capture(compiled, ["0:output"], strategy=strategy) as cap:
+        cap.backward(compiled(x).pow(2).sum())
+        torch.testing.assert_close(cap.grads["0:output"], expected)

@@ -68,8 +68,15 @@ def same(a: object, b: object) -> None:
 
 @pytest.mark.parametrize(
     "feature",
-    ["get_gradient_edge", "call_accumulate_grad", "tensor_version", "tensor_hooks", "engine_run_backward", "direct_edge",
-     "will_engine_execute_node"],
+    [
+        "get_gradient_edge",
+        "call_accumulate_grad",
+        "tensor_version",
+        "tensor_hooks",
+        "engine_run_backward",
+        "direct_edge",
+        "will_engine_execute_node",
+    ],
 )
 def test_fallback_gives_the_same_gradients(strategy: str, feature: str, monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch_compat.FEATURES[feature]  # torch 2.13 has it: the default path is the detected one
@@ -212,3 +219,12 @@ def test_running_ddp_is_none_outside_a_ddp_forward_and_when_its_feature_is_off(m
     assert torch_compat.running_ddp() is wrapper
     monkeypatch.setitem(torch_compat.FEATURES, "active_ddp_module", False)
     assert torch_compat.running_ddp() is None
+
+
+def test_compiled_module_fallback_leaves_fullgraph_undetected(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Sequential(nn.Linear(3, 2))
+    assert torch_compat.compiled_fullgraph(torch.compile(model, fullgraph=True))
+    assert not torch_compat.compiled_fullgraph(torch.compile(model))
+    assert not torch_compat.compiled_fullgraph(model)
+    monkeypatch.setitem(torch_compat.FEATURES, "compiled_module", False)
+    assert not torch_compat.compiled_fullgraph(torch.compile(model, fullgraph=True))

@@ -14,11 +14,23 @@ import torch
 from torch import nn
 
 from gradrunner.capturing.elements import Missing
-from gradrunner.capturing.torch_compat import in_backward, is_functorch_wrapped, reentrant_checkpoint
+from gradrunner.capturing.torch_compat import (
+    compiled_fullgraph,
+    compiled_inner,
+    in_backward,
+    is_functorch_wrapped,
+    reentrant_checkpoint,
+)
 from gradrunner.errors import GradrunnerError
 
-__all__ = ["in_backward", "input_alias", "no_grad_reason", "reentrant_checkpoint", "refuse_compiled",
-           "refuse_transformed"]
+__all__ = [
+    "in_backward",
+    "input_alias",
+    "no_grad_reason",
+    "reentrant_checkpoint",
+    "refuse_compiled",
+    "refuse_transformed",
+]
 
 #: The `reason` of a record without gradient, where it is one of these fixed cases.
 NOT_CALLED = "module not called in this step"
@@ -28,8 +40,10 @@ FROZEN = "parameter does not require grad (frozen)"
 MADE_UNDER_NO_GRAD = "made under no_grad"
 #: A value computed with grad mode on that does not require grad: detached, or computed only from frozen parameters.
 NOT_REQUIRING_GRAD = "does not require grad (detached, or frozen)"
-CHANGED_IN_PLACE = ("a view changed in place after it was tapped: autograd never computes the gradient of its value "
-                    "before the change; tap the tensor it is a view of, or the view after the change")
+CHANGED_IN_PLACE = (
+    "a view changed in place after it was tapped: autograd never computes the gradient of its value "
+    "before the change; tap the tensor it is a view of, or the view after the change"
+)
 GRAPH_FREED = "no forward since the last backward, which freed the graph (pass retain_graph=True to backward twice)"
 TRANSFORMED = "inside a torch.func transform (vmap, grad, jacrev, ...): not visible to autograd hooks"
 
@@ -101,9 +115,19 @@ def _a(name: str) -> str:
 
 
 def refuse_compiled(model: nn.Module) -> None:
-    """TorchScript drops Python hooks and has no Python forward(): refuse it with the way out."""
-    for path, module in model.named_modules():
+    """TorchScript drops Python hooks and has no Python forward(), and `torch.compile(..., fullgraph=True)` turns the
+    session's hooks (graph breaks) into dynamo's error at the first forward: refuse either with the way out.
+    `model` as given to capture: `torch.compile(model)`'s eager modules are named as capture names them."""
+    inner = compiled_inner(model)
+    for path, module in [("", model)] * (inner is not model) + list(inner.named_modules()):
         where = "the model" if not path else f"module {path!r}"
+        if compiled_fullgraph(module):
+            raise GradrunnerError(
+                f"{where} is compiled with fullgraph=True (torch.compile(..., fullgraph=True) or "
+                "module.compile(fullgraph=True)), which allows no graph break, while the capture session's hooks "
+                "are graph breaks: its first forward would fail inside dynamo, so gradrunner refuses it; compile it "
+                "without fullgraph=True, or capture the eager model (compiling buys little under capture)"
+            )
         if isinstance(module, torch.jit.ScriptModule):
             raise GradrunnerError(
                 f"{where} is a TorchScript module ({type(module).__name__}), which drops Python hooks and has no "

@@ -102,8 +102,8 @@ class Capture(Backwards):
         loss_scale: Callable[[], torch.Tensor | float | None] | None = None,
         params_synced: Callable[[], bool] | None = None,
     ) -> None:
-        model = compiled_inner(model)  # torch.compile(model): tap its eager modules, call the compiled one
         refuse_compiled(model)
+        model = compiled_inner(model)  # torch.compile(model): tap its eager modules, call the compiled one
         if values not in VALUES_MODES:
             raise GradrunnerError(f"capture.values={values!r} is not a values mode; allowed: {', '.join(VALUES_MODES)}")
         self.model = model

@@ -16,7 +16,7 @@
 | `reentrant_checkpoint(phase)` | frame walk for `torch.utils.checkpoint.CheckpointFunction` | None: the no-grad first pass records "made under no_grad" |
 | `functorch_level(t)` | `torch._C._functorch.is_functorch_wrapped_tensor` | never detected: the tap's own "does not require grad" check |
 | `sub_all(a, b)`, `norms_all(ts, dtype)` | `torch._foreach_sub`, `torch._foreach_norm`: one launch for a list on an accelerator (a float64 norm of float32 tensors accumulated in the kernel, no copy) | one op per tensor |
-| `compiled_inner(model)` | `OptimizedModule._orig_mod`: tap `torch.compile(model)`'s eager modules | a GradrunnerError: pass the model before `torch.compile` |
+| `compiled_inner(model)`, `compiled_fullgraph(module)` | `OptimizedModule._orig_mod`: tap `torch.compile(model)`'s eager modules; its `dynamo_ctx.fullgraph` (or that in `module.compile()`'s `_compiled_call_impl` closure): refuse `fullgraph=True` up front | a GradrunnerError: pass the model before `torch.compile`; False: dynamo's own error at the first forward |
 | `scale_tensor(scaler, device)` | `GradScaler._scale`: the device scale tensor, no host sync | `scaler.scale(torch.ones((), device=device))`: one tiny multiply, no sync |
 | `running_ddp()` | `DistributedDataParallel._get_active_ddp_module()`: the DDP wrapper whose forward runs now (a model given as DDP's `.module` is refused: its parameter taps would read each rank's gradient before the all-reduce) | None: not detected (README: pass the wrapper) |
 | `waited(t)` | `AsyncCollectiveTensor.trigger_wait()` (`torch.distributed._functional_collectives`): a DTensor's local piece still waiting for its collective (a sequence-parallel reduce-scatter) as the plain tensor it wraps | the wrapper itself: torch's ops on it wait (the statistics' torch path; the fused kernels refuse it) |
@@ -87,7 +87,7 @@ FEATURES: dict[str, bool] = {
     "checkpoint_frames": _CHECKPOINT_FUNCTION is not None,
     "functorch_wrapped": _is_functorch_wrapped is not None,
     "foreach": hasattr(torch, "_foreach_sub") and hasattr(torch, "_foreach_norm"),
-    "compiled_module": True,  # `torch.compile`'s wrapper, recognised by its class name and `_orig_mod`
+    "compiled_module": True,  # `torch.compile`'s wrapper (class name, `_orig_mod`, `dynamo_ctx`), `_compiled_call_impl`
     "scaler_scale": True,  # `GradScaler._scale`, read when it is a tensor
     "wait_collective": True,  # `AsyncCollectiveTensor.trigger_wait`, found once DTensor imported its module
     "active_ddp_module": True,  # `DistributedDataParallel._get_active_ddp_module`, found once DDP was imported
@@ -330,10 +330,9 @@ def _fills(params: Iterable[torch.Tensor]) -> bool | None:
 
 
 def reentrant_checkpoint(phase: str) -> object | None:
-    """The autograd context of the `checkpoint(..., use_reentrant=True)` whose `phase` ("forward": the
-    first, no-grad pass; "backward": the recomputation) the caller runs in, or None.
-
-    The same context object is seen in both phases, so it pairs each recomputed call with its forward call.
+    """The autograd context of the `checkpoint(..., use_reentrant=True)` whose `phase` ("forward": the first,
+    no-grad pass; "backward": the recomputation) the caller runs in, or None. The same context object is seen
+    in both phases, so it pairs each recomputed call with its forward call.
     """
     if not FEATURES["checkpoint_frames"]:
         return None
@@ -371,9 +370,8 @@ def norms_all(ts: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> l
         norms_all([torch.tensor([3.0, 4.0])])                        # [tensor(5.)]
         norms_all([torch.full((4,), 1e20)], dtype=torch.float64)     # [tensor(2.0000e+20, dtype=torch.float64)]
 
-    `dtype` (None: the tensors' own) is what the norm is accumulated and returned in. On CUDA the multi-tensor
-    kernel reads the elements as they are and accumulates in `dtype` (no copy); on the CPU, and in the
-    fallback, each tensor is converted to `dtype` first (a copy of it).
+    `dtype` (None: the tensors' own): the norm's accumulation and result. CUDA's multi-tensor kernel accumulates
+    in `dtype` (no copy); on the CPU, and in the fallback, each tensor is converted to `dtype` first (a copy).
     """
     if FEATURES["foreach"]:
         return list(torch._foreach_norm(list(ts), 2, dtype=dtype))
@@ -396,6 +394,13 @@ def compiled_inner(model: nn.Module) -> nn.Module:
             "before torch.compile to capture (compile it after the capture session opened, with model.compile())."
         )
     return inner
+
+
+def compiled_fullgraph(module: nn.Module) -> bool:
+    """Whether `module` is `torch.compile(m, fullgraph=True)` or had `module.compile(fullgraph=True)`; False if unknown."""
+    cells = getattr(module.__dict__.get("_compiled_call_impl"), "__closure__", None) or ()  # torch's: none empty
+    found = [c for c in (getattr(module, "dynamo_ctx", None), *(c.cell_contents for c in cells)) if c is not None]
+    return FEATURES["compiled_module"] and any(type(c).__name__ == "OptimizeContext" and c.fullgraph for c in found)
 
 
 def scale_tensor(scaler: Any, device: torch.device | str) -> torch.Tensor | None:
