@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradrunner import GradrunnerError, capture
+from gradrunner import GradrunnerError, capture, list_taps
 from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names, rewrite
 from gradrunner.capturing.forward_patch import patch_forward
 from gradrunner.models import CosineRegression, TinyTransformerBlock
@@ -442,3 +442,47 @@ def test_a_forward_with_an_annotated_nested_function_is_tapped_with_or_without_t
         cap.backward(block(x))
         assert torch.allclose(cap.grads[":h"], expected)
         assert torch.allclose(cap.grads[":h"], 8 * h.detach())
+
+
+class _Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l(x)
+        return (h**2).sum()
+
+
+def _other_forward(self: _Plain, x: torch.Tensor) -> torch.Tensor:
+    q = self.l(x) * 3
+    return (q**2).sum()
+
+
+def _calling_forward(self: _Plain, x: torch.Tensor) -> torch.Tensor:
+    w = _Plain.forward(self, x)
+    return w * 2
+
+
+def test_an_instance_forward_replacing_the_class_forward_is_what_gets_tapped(strategy: str) -> None:
+    torch.manual_seed(0)
+    m, x = _Plain(), torch.randn(2, 3)
+    replacement = types.MethodType(_other_forward, m)
+    m.forward = replacement  # type: ignore[method-assign]
+    q = m.l(x) * 3
+    expected = torch.autograd.grad((q**2).sum(), q)[0]  # 2q
+    offered = [t for mod in list_taps(m, x).modules for t in mod.taps() if t.startswith(":")]
+    assert ":q" in offered and ":h" not in offered
+    with pytest.raises(GradrunnerError, match="has no 'h'"):
+        capture(m, [":h"], strategy=strategy)
+    with capture(m, [":q"], strategy=strategy) as cap:
+        cap.backward(m(x))
+        assert torch.allclose(cap.grads[":q"], expected)
+        assert torch.allclose(cap.grads[":q"], 2 * q.detach())
+    assert m.__dict__["forward"] == replacement  # put back
+    # a wrapper that calls the class's forward by name is not a replacement: the class's locals are tapped
+    m.forward = types.MethodType(_calling_forward, m)  # type: ignore[method-assign]
+    h = m.l(x)
+    with capture(m, [":h"], strategy=strategy) as cap:
+        cap.backward(m(x))
+        assert torch.allclose(cap.grads[":h"], 4 * h.detach())  # d/dh 2*sum(h^2)

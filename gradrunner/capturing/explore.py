@@ -33,7 +33,7 @@ from torch import nn
 
 from gradrunner.capturing.elements import Missing, bind_input, get_element
 from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names
-from gradrunner.capturing.forward_patch import class_forward, patch_forward
+from gradrunner.capturing.forward_patch import patch_forward, tapped_forward
 from gradrunner.capturing.grad_context import FROZEN, NOT_REQUIRING_GRAD, TRANSFORMED, no_grad_reason
 from gradrunner.capturing.taps import element_path, is_glob, local_tap_name
 from gradrunner.capturing.torch_compat import compiled_inner, is_functorch_wrapped
@@ -213,7 +213,7 @@ def _element_values(
 def _locals(module: nn.Module) -> tuple[list[str], str | None]:
     """The variables the forward() assigns, or why none are readable."""
     try:
-        return assigned_names(class_forward(type(module))), None
+        return assigned_names(tapped_forward(module)), None
     except SourceUnavailable as e:
         return [], str(e).split(";")[0]
     except Exception as e:  # a forward() whose source does not parse: list the rest anyway

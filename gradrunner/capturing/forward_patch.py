@@ -2,7 +2,8 @@
 
 `patch_forward(module, names, tap)` installs the copy for one module instance (as an instance
 `forward`, or routed through what a wrapper already installed there) and returns the undo, which
-puts every attribute, closure cell and class attribute back as it was.
+puts every attribute, closure cell and class attribute back as it was. `tapped_forward(module)` is the
+`forward()` whose locals are tapped: an instance `forward` replacing the class's, or the class's.
 
 Example::
 
@@ -31,6 +32,51 @@ def class_forward(cls: type) -> Callable[..., object]:
     """`cls.forward` as the class defines it (through a dispatcher `patch_forward` may have put there)."""
     fwd: Callable[..., object] = cls.forward  # type: ignore[attr-defined]
     return getattr(fwd, _ORIGINAL, fwd)
+
+
+def tapped_forward(module: object) -> Callable[..., object]:
+    """The `forward()` whose locals a local tap on `module` reaches: what `module(x)` actually runs.
+
+    Example::
+
+        model.forward = types.MethodType(other_forward, model)
+        tapped_forward(model) is other_forward    # True: it replaces the class's forward()
+
+    An instance-level `forward` bound to `module` replaces the class's when it neither holds it (an attribute
+    such as `_old_forward`, a closure cell, a `functools.partial`, `__wrapped__`) nor names a `forward`
+    (`Class.forward(self, ...)`, `super().forward(...)`): its own function. Otherwise (no instance forward, or a
+    wrapper that calls the class's): the class's `forward` (`class_forward`).
+    """
+    original = class_forward(type(module))
+    current = module.__dict__.get("forward")
+    if not (isinstance(current, types.MethodType) and current.__self__ is module):
+        return original
+    fn = current.__func__
+    held = [v for k, v in module.__dict__.items() if k != "forward" and getattr(v, "__func__", None) is original]
+    if not isinstance(fn, types.FunctionType) or fn is original or hasattr(fn, "__wrapped__") or held:
+        return original
+    if "forward" in _names(fn.__code__) or _reachable_partials(current):
+        return original
+    cells = _reachable_cells(current, stop=original)
+    if any(_held_in(c, original) for c in cells):
+        return original
+    return fn
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The attribute and global names `code` and the code nested in it use."""
+    found = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            found |= _names(c)
+    return found
+
+
+def _held_in(cell: types.CellType, original: object) -> bool:
+    with contextlib.suppress(ValueError):  # an empty cell
+        value = cell.cell_contents
+        return value is original or getattr(value, "__func__", None) is original
+    return False
 
 
 def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[[], None]:
@@ -66,7 +112,7 @@ def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[
             "one at the same time: name them in the session that is open, or open this one after it closed."
         )
     cls = type(module)
-    original = class_forward(cls)
+    original = tapped_forward(module)
     bound = types.MethodType(rewrite(original, names, tap, owner=module), module)  # a deepcopy's taps do nothing
     state = module.__dict__
     undo: list[Callable[[], object]] = [functools.partial(_PATCHED.pop, id(module), None)]
@@ -79,6 +125,10 @@ def patch_forward(module: object, names: Iterable[str], tap: TapFn) -> Callable[
         while undo:
             undo.pop()()
 
+    if original is not class_forward(cls):  # an instance forward replacing the class's: its rewritten copy instead
+        undo.append(functools.partial(state.__setitem__, "forward", state["forward"]))
+        state["forward"] = bound
+        return restore
     if "forward" not in state:
         state["forward"] = bound
         undo.append(functools.partial(state.pop, "forward", None))

@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names
+from gradrunner.capturing.forward_patch import tapped_forward
 from gradrunner.errors import GradrunnerError
 
 TapSpec = str | Mapping[str, str]
@@ -84,8 +85,10 @@ def parse_spec(spec: object) -> tuple[str, str]:
             "{module: <path>, name: <name>}"
         )
     if not name.strip():
-        raise GradrunnerError(f"tap {spec!r} has an empty name; allowed names: output, input, output.N, input.N, "
-                              "a parameter, or a local variable of the module's forward()")
+        raise GradrunnerError(
+            f"tap {spec!r} has an empty name; allowed names: output, input, output.N, input.N, "
+            "a parameter, or a local variable of the module's forward()"
+        )
     return module.strip(), name.strip()
 
 
@@ -97,7 +100,7 @@ def element_path(rest: str) -> tuple[str | int, ...]:
 def module_offers(module: nn.Module) -> dict[str, list[str]]:
     """What can be tapped on `module`: outputs/inputs, its own parameters, locals of its forward()."""
     try:
-        local_names = assigned_names(type(module).forward)
+        local_names = assigned_names(tapped_forward(module))
     except SourceUnavailable:
         local_names = []
     return {
@@ -115,7 +118,7 @@ def _resolve_name(module_path: str, module: nn.Module, name: str, locals_too: bo
     head, _, rest = name.partition(".")
     if name.startswith(LOCAL_PREFIX):
         try:
-            found = name[len(LOCAL_PREFIX) :] in assigned_names(type(module).forward)
+            found = name[len(LOCAL_PREFIX) :] in assigned_names(tapped_forward(module))
         except SourceUnavailable:
             return None
         return Tap(module_path, name, "local") if found else None
@@ -126,7 +129,7 @@ def _resolve_name(module_path: str, module: nn.Module, name: str, locals_too: bo
     if not locals_too:
         return None
     try:
-        if name in assigned_names(type(module).forward):
+        if name in assigned_names(tapped_forward(module)):
             return Tap(module_path, name, "local")
     except SourceUnavailable:
         return None
@@ -150,7 +153,7 @@ def _describe(module: nn.Module) -> str:
     offers = module_offers(module)
     params = ", ".join(offers["parameters"]) or "none"
     try:
-        assigned_names(type(module).forward)
+        assigned_names(tapped_forward(module))
         local_names = ", ".join(offers["locals"]) or "none found"
     except SourceUnavailable as exc:
         local_names = f"none readable ({exc})"
@@ -270,7 +273,9 @@ class GlobReach:
     def __str__(self) -> str:
         if self.refused is not None:
             return f"{self.spec} resolves to no tap, so a run with it is refused: {self.refused}"
-        depths = ", ".join(f"{n} at depth {d} ({path}{', ...' if n > 1 else ''})" for d, (n, path) in sorted(self.by_depth.items()))
+        depths = ", ".join(
+            f"{n} at depth {d} ({path}{', ...' if n > 1 else ''})" for d, (n, path) in sorted(self.by_depth.items())
+        )
         deeper = (" (a glob's * and ? also match dots: it reaches the submodules below too; spell each level, "
                   "e.g. 'h.?:output' for the blocks only)") if len(self.by_depth) > 1 else ""  # fmt: skip
         return f"{self.spec} resolves to {self.taps} tap(s): {depths}{deeper}"
