@@ -486,3 +486,69 @@ def test_an_instance_forward_replacing_the_class_forward_is_what_gets_tapped(str
     with capture(m, [":h"], strategy=strategy) as cap:
         cap.backward(m(x))
         assert torch.allclose(cap.grads[":h"], 4 * h.detach())  # d/dh 2*sum(h^2)
+
+
+class _Match(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pair = (self.l(x), x)
+        match pair:
+            case (p, q) if q is not None:
+                r = p * 2
+            case _:
+                r = x
+        match {"a": r, "b": p}:
+            case {"a": a, **others}:
+                s = a * others["b"]
+        return s.sum()
+
+
+def test_names_bound_by_match_patterns_are_tapped(strategy: str) -> None:
+    torch.manual_seed(0)
+    m, x = _Match(), torch.randn(2, 3)
+    assert assigned_names(_Match.forward) == ["pair", "p", "q", "r", "a", "others", "s"]
+    p = m.l(x)
+    r = p * 2
+    gp, gr = torch.autograd.grad((r * p).sum(), [p, r])  # p's own use and through r: 2p + 2p = 4p; r: p
+    with capture(m, [":p", ":a"], strategy=strategy) as cap:
+        cap.backward(m(x))
+        assert torch.allclose(cap.grads[":p"], 4 * p.detach())
+        assert torch.allclose(cap.grads[":p"], gp)
+        assert torch.allclose(cap.grads[":a"], gr)
+
+
+class _Nonlocal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.l(x)
+
+        def step() -> None:
+            nonlocal h
+            h = h * 3
+
+        def shadow() -> torch.Tensor:
+            h = torch.zeros(1)  # its own local, not the forward's
+            return h
+
+        step()
+        return (h * h).sum() + shadow().sum()
+
+
+def test_a_nested_functions_nonlocal_assignment_is_tapped_as_the_forwards_own(strategy: str) -> None:
+    torch.manual_seed(0)
+    m, x = _Nonlocal(), torch.randn(2, 3)
+    h0 = m.l(x)
+    h1 = h0 * 3
+    g0, g1 = torch.autograd.grad((h1 * h1).sum(), [h0, h1])  # 2*h1 and 3*2*h1
+    with capture(m, [":h"], strategy=strategy) as cap:
+        cap.backward(m(x))
+        got = cap.grads.calls(":h")
+    assert len(got) == 2
+    assert torch.allclose(got[0], g0) and torch.allclose(got[1], g1)
+    assert torch.allclose(got[0], 18 * h0.detach())

@@ -184,6 +184,17 @@ def _targets(node: ast.AST) -> Iterable[str]:
         yield from _targets(node.value)
 
 
+def _pattern_names(pattern: ast.pattern) -> list[str]:
+    """Names a `case` pattern binds (`case (p, q)`, `case [first, *rest]`, `case {"k": v, **others}`, `case X() as y`)."""
+    found: list[tuple[int, int, str]] = []  # (line, column, name): in source order
+    for node in ast.walk(pattern):
+        if isinstance(node, (ast.MatchAs, ast.MatchStar)) and node.name is not None:
+            found.append((node.lineno, node.col_offset, node.name))
+        elif isinstance(node, ast.MatchMapping) and node.rest is not None:  # `**rest` comes last in its mapping
+            found.append((node.end_lineno or node.lineno, node.end_col_offset or 0, node.rest))
+    return [name for *_, name in sorted(found)]
+
+
 class _Scope(ast.NodeVisitor):
     """Walks one function body without entering nested functions, classes or lambdas."""
 
@@ -234,6 +245,10 @@ class _Collect(_Scope):
 
     visit_AsyncWith = visit_With  # type: ignore[assignment]
 
+    def visit_match_case(self, node: ast.match_case) -> None:
+        self._add(_pattern_names(node.pattern))
+        self.generic_visit(node)
+
 
 def assigned_names(fn: Callable[..., object]) -> list[str]:
     """The local variables `fn` assigns, in order of first assignment (arguments excluded).
@@ -270,6 +285,16 @@ def _owner(func: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
     raise SourceUnavailable(f"{func.name}() takes no positional parameter for the module instance; {_INSTEAD}")
 
 
+class _Nonlocals(_Scope):
+    """The names one function body declares `nonlocal` (nested functions' declarations left out)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def visit_Nonlocal(self, node: ast.Nonlocal) -> None:
+        self.names.update(node.names)
+
+
 class _Rewrite(_Scope, ast.NodeTransformer):
     def __init__(self, names: frozenset[str], owner: str | None) -> None:
         self.names, self.owner = names, owner
@@ -280,14 +305,30 @@ class _Rewrite(_Scope, ast.NodeTransformer):
         stmt = ast.Assign(targets=[ast.Name(name, ast.Store())], value=call)
         return ast.copy_location(stmt, at)
 
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> ast.AST:
+        """A nested function assigning a tapped local it declares `nonlocal` (`nonlocal h; h = h * 3`): those
+        assignments are the forward's, tapped too; everything else in it is left as it is."""
+        declared = _Nonlocals()
+        for stmt in node.body:
+            declared.visit(stmt)
+        if self.names & declared.names:
+            inner = _Rewrite(self.names & frozenset(declared.names), self.owner)
+            node.body = [s for stmt in node.body for s in _as_list(inner.visit(stmt))]
+        return node
+
+    visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+
     def _after(self, node: ast.stmt, bound: Iterable[str]) -> ast.stmt | list[ast.stmt]:
         tapped = [n for n in dict.fromkeys(bound) if n in self.names]
         return [node, *(self._tap_stmt(n, node) for n in tapped)] if tapped else node
 
-    def _prepend(self, node: ast.For | ast.AsyncFor | ast.With | ast.AsyncWith, bound: Iterable[str]) -> ast.AST:
+    def _prepend(
+        self, node: ast.For | ast.AsyncFor | ast.With | ast.AsyncWith | ast.match_case, bound: Iterable[str]
+    ) -> ast.AST:
         self.generic_visit(node)
         tapped = [n for n in dict.fromkeys(bound) if n in self.names]
-        node.body[:0] = [self._tap_stmt(n, node) for n in tapped]
+        at = node.body[0] if isinstance(node, ast.match_case) else node  # a case has no line of its own
+        node.body[:0] = [self._tap_stmt(n, at) for n in tapped]
         return node
 
     def visit_Assign(self, node: ast.Assign) -> ast.stmt | list[ast.stmt]:
@@ -317,6 +358,9 @@ class _Rewrite(_Scope, ast.NodeTransformer):
         return self._prepend(node, (n for i in node.items if i.optional_vars for n in _targets(i.optional_vars)))
 
     visit_AsyncWith = visit_With  # type: ignore[assignment]
+
+    def visit_match_case(self, node: ast.match_case) -> ast.AST:
+        return self._prepend(node, _pattern_names(node.pattern))
 
 
 def rewrite(fn: Callable[..., object], names: Iterable[str], tap: TapFn, owner: object = None) -> types.FunctionType:
