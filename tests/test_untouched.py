@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -131,3 +134,30 @@ def test_a_graph_built_before_list_taps_still_backpropagates_to_the_same_gradien
     loss.backward()  # 'modified by an inplace operation' before the fix
     for p, g in zip(model.parameters(), expected, strict=True):
         assert torch.allclose(p.grad, g)
+
+
+class _LayerDrop(nn.Module):
+    """Stochastic depth written with Python's `random` and numpy's global generator, as research code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and random.random() < 0.1:
+                continue
+            x = layer(x) + float(np.random.rand()) * 0.0
+        return x
+
+
+def test_list_taps_leaves_pythons_and_numpys_global_generators_as_they_were() -> None:
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    model, x = _LayerDrop(), torch.randn(2, 4)
+    expected = (random.random(), float(np.random.rand()))  # what the next draws are without list_taps
+    random.seed(0)
+    np.random.seed(0)
+    list_taps(model, x)
+    assert (random.random(), float(np.random.rand())) == expected

@@ -292,8 +292,9 @@ def list_taps(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Ta
 
     The model is left exactly as it was, and so are the random generators (`untouched`: parameters,
     buffers such as BatchNorm's running statistics, `.grad`, the CPU and CUDA generator states that
-    Dropout draws from); every hook and rewritten forward() is removed on return. A forward that raises
-    with its locals watched is run once more without: its locals are then listed as not observed.
+    Dropout draws from, Python's `random` and numpy's global generator); every hook and rewritten forward()
+    is removed on return. A forward that raises with its locals watched is run once more without: its locals
+    are then listed as not observed.
     `torch.compile(model)` is listed as `capture` taps it (`compiled_inner`): its eager model's paths, from
     a forward pass of the eager model.
     """

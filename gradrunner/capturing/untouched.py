@@ -13,6 +13,8 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -94,8 +96,9 @@ def untouched(model: nn.Module) -> Iterator[None]:
     Restored: which tensor each module holds under each parameter and buffer name (one reassigned in the
     forward is put back, one added is removed), the values of each (copied back into the same tensor where they
     changed, without moving its in-place version: a graph built before the block still backpropagates), each
-    tensor's `.grad` (the same object), each module's train/eval mode (`modes_kept`), and the generator states of the CPU and, when CUDA is initialised,
-    of every CUDA device.
+    tensor's `.grad` (the same object), each module's train/eval mode (`modes_kept`), and the generator states of
+    the CPU, of every CUDA device when CUDA is initialised, of Python's `random` and, when the program imported
+    numpy, of `numpy.random`'s global generator.
     The copies cost the memory of the parameters and buffers once more, for as long as the block runs.
     """
     modules = list({id(m): m for _, m in model.named_modules(remove_duplicate=False)}.values())
@@ -107,6 +110,9 @@ def untouched(model: nn.Module) -> Iterator[None]:
                 if id(t) not in held:
                     held[id(t)] = _Held(t, t.detach().clone(), t.grad, version(t))
     cpu = torch.get_rng_state()
+    py_random = random.getstate()
+    numpy = sys.modules.get("numpy")  # only if the program imported it: never imported here
+    np_random = numpy.random.get_state() if numpy is not None else None
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         with modes_kept(model):
@@ -129,5 +135,8 @@ def untouched(model: nn.Module) -> Iterator[None]:
                 if h.tensor.grad is not h.grad:
                     h.tensor.grad = h.grad
         torch.set_rng_state(cpu)
+        random.setstate(py_random)
+        if numpy is not None:
+            numpy.random.set_state(np_random)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
