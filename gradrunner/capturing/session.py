@@ -133,7 +133,7 @@ class Capture(Backwards):
         self._witness: nn.Parameter | None = None  # a parameter last seen with a `.grad` (`gradients_reset`)
         #: The backward that ended last started the step again (`_note_end`): the step's loss is its loss.
         self.restarted = False
-        self._filled, self._cleared_all = False, False  # the last backward left a `.grad`; all reset since
+        self._filled, self._cleared_all = False, False  # the last backward (in a step call) left a `.grad`; all reset since
         #: The `optimizer.step()` call running now (a number), and the one the last backward ran in (`_note_end`).
         self._in_step: int | None = None
         self._last_in: int | None = None
@@ -261,7 +261,8 @@ class Capture(Backwards):
         """
         w = self._witness
         self.restarted = self._cleared_all and w is not None and w.grad is not None
-        self._filled = not self.gradients_reset()
+        # only a backward inside an optimizer.step() call can be followed by one that restarts (`_note_begin`)
+        self._filled = self._in_step is not None and not self.gradients_reset()
         self._last_in = self._in_step
         return self.restarted
 
