@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,9 +34,11 @@ from gradrunner.capturing.dtensors import is_dtensor, like
 from gradrunner.capturing.elements import tensors_in
 from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_ASSIGNED, NOT_CALLED
+from gradrunner.capturing.params import ddp_world_size
 from gradrunner.capturing.per_example_check import OUTSIDE, PerExampleWarning, failed
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot
+from gradrunner.capturing.strategies.autograd_grad import OWN_BACKWARD_ONLY
 from gradrunner.capturing.torch_compat import (
     at_backward_end,
     fills_grad,
@@ -50,15 +52,6 @@ from gradrunner.records.columns import StepRecords, TapKey
 if TYPE_CHECKING:
     from gradrunner.capturing.session import Capture
     from gradrunner.capturing.taps import Tap
-
-#: The paragraph for a `loss.backward()` the session did not run, under a strategy with its own engine call.
-OWN_BACKWARD_ONLY = (
-    "capture.strategy='autograd_grad' computes the gradients with its own torch.autograd.grad call, so it cannot "
-    "read a loss.backward() it did not run (yours, or a framework's; or a torch.autograd.grad of yours without "
-    "create_graph=True): call cap.backward(loss) (rec.backward(loss) under gradrunner.record) in place of "
-    "loss.backward(), or use strategy hook or retain_grad, which read the gradients around your own "
-    "loss.backward() (or torch.autograd.grad) and give the same records."
-)
 
 
 def unscaled(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -352,6 +345,19 @@ class Backwards:
             self._keep(slot, grad)
         return None
 
+    def _deliver_all(self: Capture, slots: Sequence[Slot], grads: Sequence[torch.Tensor | None]) -> None:  # type: ignore[misc]
+        """`_deliver` for each pair, handed over together (the session's own engine call returned them): the backward
+        is checked once, and a plain tensor's gradient (no loss scale, none kept, not complex) goes straight on."""
+        p = self._pass
+        plain = p is not None and p.armed and p.captured and self.grad_scale is None and not self.keep_grads
+        add, micro, settled = self._collector.add, self._backwards_in_step, not in_backward()
+        for slot, grad in zip(slots, grads, strict=True):
+            if not plain or slot.delivered or type(grad) is not torch.Tensor or grad.is_complex():
+                self._deliver(slot, grad)  # None, a DTensor's, a complex one: one by one
+            else:
+                slot.delivered = True
+                add(slot.key, grad, slot.order, slot.leaf, value_norm=slot.value_norm, settled=settled, micro=micro)
+
     def _settle_params(self: Capture) -> None:  # type: ignore[misc]
         """The parameter taps' rows of the step (placed in its last backward), reduced once, on their device."""
         if self._param_rows is None or not self._params or self._params.done:
@@ -392,8 +398,8 @@ class Backwards:
         if self._pex is None:
             return {}
         scale = self.grad_scale
-        if self._params.synced is not None and _world_size() > 1:
-            scale = torch.tensor(1.0 / _world_size(), dtype=torch.float64) * (1.0 if scale is None else scale)
+        if self._params.synced is not None and ddp_world_size() > 1:
+            scale = torch.tensor(1.0 / ddp_world_size(), dtype=torch.float64) * (1.0 if scale is None else scale)
         norms, self._pex_reasons = self._pex.device_norms(scale=scale)
         return norms
 
@@ -442,9 +448,3 @@ class Backwards:
         self._params.forget()
         if self.edits is not None:
             self.edits.forget_step()
-
-
-def _world_size() -> int:
-    """The processes DDP averages a synchronised gradient over (its default: the whole world)."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

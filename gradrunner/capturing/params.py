@@ -84,6 +84,12 @@ def ddp_synced(model: nn.Module) -> Callable[[], bool] | None:
     return None
 
 
+def ddp_world_size() -> int:
+    """The processes DDP averages a synchronised gradient over (its default: the whole world)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 @dataclass(eq=False)
 class _Held:
     """One parameter's held gradient edge, the dtype and device it was taken for, and its pre-hook."""
@@ -372,7 +378,9 @@ class ParamBackward:
             others = [node for node in nodes if id(node) not in self._held_nodes]
         self._others = others
         # autograd.grad takes edges only where torch has them
-        base: list[Edge | torch.Tensor] = self._edges if FEATURES["get_gradient_edge"] else [h.param for h in self._order]
+        base: list[Edge | torch.Tensor] = (
+            self._edges if FEATURES["get_gradient_edge"] else [h.param for h in self._order]
+        )
         return base + [accumulator_edge(node) for node in self._others] if self._others else base
 
     def _build(self, params: list[nn.Parameter]) -> None:

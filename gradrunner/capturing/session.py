@@ -113,7 +113,7 @@ class Capture(Backwards):
         self.edits = Edits(model, edits, seed, sharded=self.sharded) if edits else None
         if self.edits is not None:  # an edited tap not tapped is tapped too: one row per firing
             self.taps += [t for t in self.edits.taps if t.tap not in {k.tap for k in self.taps}]
-        self.strategy = get_strategy(strategy)(self._deliver)
+        self.strategy = get_strategy(strategy)(self._deliver, self._deliver_all)
         self.strategy_name = strategy
         self.keep_grads = keep_grads
         self.values, self.sample_size, self.seed = values, sample_size, seed

@@ -35,6 +35,16 @@ if TYPE_CHECKING:
     from gradrunner.capturing.params import ParamBackward
 
 
+#: The paragraph for a `loss.backward()` the session did not run, under a strategy with its own engine call.
+OWN_BACKWARD_ONLY = (
+    "capture.strategy='autograd_grad' computes the gradients with its own torch.autograd.grad call, so it cannot "
+    "read a loss.backward() it did not run (yours, or a framework's; or a torch.autograd.grad of yours without "
+    "create_graph=True): call cap.backward(loss) (rec.backward(loss) under gradrunner.record) in place of "
+    "loss.backward(), or use strategy hook or retain_grad, which read the gradients around your own "
+    "loss.backward() (or torch.autograd.grad) and give the same records."
+)
+
+
 class AutogradGradStrategy(Strategy):
     """Example: `capture(model, taps, strategy="autograd_grad")`."""
 
@@ -102,19 +112,13 @@ class AutogradGradStrategy(Strategy):
         finally:
             for h in handles:
                 h.remove()
-        for slot, box in zip(tapped, boxes, strict=True):
-            self.deliver(slot, box[0] if box else None)
+        self.deliver_all(tapped, [box[0] if box else None for box in boxes])
 
     def _deliver_taps(self, tapped: list[Slot], grads: Sequence[torch.Tensor | None],
                       seen: dict[int, list[torch.Tensor]]) -> None:  # fmt: skip
-        deliver = self.deliver
-        if not seen:
-            for slot, grad in zip(tapped, grads, strict=True):
-                deliver(slot, grad)
-            return
-        for slot, grad in zip(tapped, grads, strict=True):
-            got = seen.get(id(slot))
-            deliver(slot, got[0] if got else grad)  # the node ran: what it received, after the tensor's hooks
+        if seen:  # where the node ran: what it received, after the tensor's hooks
+            grads = [got[0] if (got := seen.get(id(slot))) else grad for slot, grad in zip(tapped, grads, strict=True)]
+        self.deliver_all(tapped, grads)
 
 
 def _grad(loss: torch.Tensor, inputs: list[Any], retain_graph: bool) -> tuple[torch.Tensor | None, ...]:

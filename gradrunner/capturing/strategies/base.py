@@ -7,7 +7,8 @@ sees a backward begin, and `after_backward(slots)` when it ended (read what it n
 slot's gradient to `deliver(slot, grad)`). The backward itself is the user's, the framework's or
 `Capture.backward`'s own `loss.backward()`. Only a strategy that computes the gradients with an
 engine call of its own says so (`owns_backward = True`) and implements `run_backward`; the session
-then calls it instead of `loss.backward()`. Parameters are not the strategies' business: the session
+then calls it instead of `loss.backward()` (the gradients it returns at once go to `deliver_all(slots,
+grads)`, which checks the backward once for all). Parameters are not the strategies' business: the session
 reads them one way for all (`capturing.params`).
 
 Example::
@@ -80,6 +81,8 @@ class Slot:
 #: The session's `_deliver(slot, grad)`: every tapped gradient passes through it once per backward.
 #: It returns None (or a gradient to flow on in place of `grad`, where the strategy can pass one on).
 Deliver = Callable[[Slot, "torch.Tensor | None"], "torch.Tensor | None"]
+#: `Deliver` for many (slot, gradient) pairs at once, in that order (the session's `_deliver_all`).
+DeliverAll = Callable[[Sequence[Slot], Sequence["torch.Tensor | None"]], None]
 
 
 class Strategy(ABC):
@@ -91,8 +94,14 @@ class Strategy(ABC):
     #: `loss.backward()` the session did not run (which it refuses, saying why).
     owns_backward: ClassVar[bool] = False
 
-    def __init__(self, deliver: Deliver) -> None:
+    def __init__(self, deliver: Deliver, deliver_all: DeliverAll | None = None) -> None:
         self.deliver = deliver
+        #: `deliver` for gradients handed over together (an engine call of the strategy's own returns them at once)
+        self.deliver_all: DeliverAll = deliver_all or self._deliver_each
+
+    def _deliver_each(self, slots: Sequence[Slot], grads: Sequence[torch.Tensor | None]) -> None:
+        for slot, grad in zip(slots, grads, strict=True):
+            self.deliver(slot, grad)
 
     @abstractmethod
     def attach(self, tensor: torch.Tensor, slot: Slot) -> torch.Tensor:
