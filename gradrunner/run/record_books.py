@@ -10,9 +10,11 @@ is their rule:
   that raised; the files were closed) are continued: the new session keeps their rows of the steps
   before the one training resumes at (`rec.start_at(step)`; the callbacks pass the framework's
   restored step, Lightning `ckpt_path=`, HF `resume_from_checkpoint`; by default the step after the
-  last one recorded) and writes the rest, so the run dir ends as an uninterrupted run's. A completed
-  run (`done.json`) is not resumed, nor records of other options (named), nor files a killed process
-  left without their footer;
+  last one recorded) and writes the rest, so the run dir ends as an uninterrupted run's. A killed
+  session's files have no footer, but the steps it closed into live segments (`.live/<run id>/`, every
+  `live_every` steps) are continued the same way once they verify. A completed run (`done.json`) is not
+  resumed, nor records of other options (named); a resume at a step after the last one kept is refused
+  (those steps' records would be missing);
 - neither: one paragraph naming these two options.
 
 Example::
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +41,8 @@ from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
 from gradrunner.records.critical import deferred_signals
 from gradrunner.records.rundir import DONE, _present, read_marker
+from gradrunner.records.segments import LIVE_DIR, SegmentDamaged, SegmentsGone, read_segments, segment_number
+from gradrunner.records.table_writer import write_whole
 from gradrunner.run import books
 from gradrunner.run.config_compare import config_dict, config_diff
 from gradrunner.run.session_log import LOG_FILE
@@ -81,26 +86,98 @@ def _options(who: str) -> str:
     return f"{who} with resume=True (continue the records of the run that did not complete) or overwrite=True"
 
 
-def prepare(directory: Path, config: DictConfig, *, resume: bool, overwrite: bool, who: str) -> Kept | None:
+def _table(name: str) -> str:
+    """The segments' name of a record file's table (`grads.parquet` -> `grads`)."""
+    return name.removesuffix(".parquet")
+
+
+def killed_segments(directory: Path, last_run: str | None) -> Path | None:
+    """The live segments (`.live/<run id>/`) the session that last held `directory` left, or None.
+
+    Example::
+
+        killed_segments(run_dir, lock.previous.get("run_id"))     # run_dir/.live/9f2c...  (a killed session's)
+
+    A session that ended, however, removed its own; with the dir's lock held, segments still there are
+    a killed session's: the steps it closed (its record files have no footer).
+    """
+    if not last_run:
+        return None
+    where = directory / LIVE_DIR / str(last_run)
+    try:
+        names = [e.name for e in os.scandir(where)]
+    except OSError:
+        return None
+    # a flush writes steps' segment last: one there means the steps it closed have their grads rows too
+    return where if any(segment_number(n, _table(STEPS_FILE)) is not None for n in names) else None
+
+
+def _segment_tables(directory: Path, where: Path, who: str) -> dict[str, pa.Table]:
+    """A killed session's closed steps from its segments, verified: the steps of `steps.parquet`'s segments and
+    the grads rows of those steps (a kill between two tables' segments leaves grads rows of a step not closed)."""
+    tables: dict[str, pa.Table] = {}
+    for name in RECORD_FILES:
+        try:
+            found = read_segments(directory, where.name, _table(name))
+        except (SegmentsGone, SegmentDamaged, OSError) as e:
+            raise books.Refused(
+                f"resume=True: the records in {directory} cannot be continued: the live segments a killed session "
+                f"left in {where} do not verify ({one_paragraph(e)}). Pass {who} overwrite=True to record from step 0 "
+                "there, or record into a new dir."
+            ) from e
+        if found is None:
+            raise books.Refused(
+                f"resume=True: the records in {directory} cannot be continued: the live segments a killed session "
+                f"left in {where} hold no {_table(name)} segment. Pass {who} overwrite=True to record from step 0 "
+                "there, or record into a new dir."
+            )
+        tables[name] = found
+    closed = tables[STEPS_FILE].column("step")
+    grads = tables[GRADS_FILE]
+    if grads.num_rows:
+        tables[GRADS_FILE] = grads.filter(pc.is_in(grads.column("step"), value_set=closed))
+    return tables
+
+
+def _held(directory: Path, present: list[str], kept_copies: list[str], killed: Path | None, done: bool) -> str:
+    """What the dir holds, as a refusal names it: the files that are really there."""
+    held = list(present) + [f"{KEPT_PREFIX}{n}" for n in kept_copies]
+    if kept_copies:
+        held[-1] += " (the records a resumed session kept aside before it was killed)"
+    if killed is not None:
+        held.append(f"{killed.relative_to(directory)}/ (the closed steps of a killed session)")
+    return ", ".join(held + ([DONE] if done else []))
+
+
+def prepare(
+    directory: Path, config: DictConfig, *, resume: bool, overwrite: bool, who: str, last_run: str | None = None
+) -> Kept | None:  # fmt: skip
     """Before a session writes into `directory` (its lock held): None to start from step 0, or what it resumes.
 
     Example::
 
         prepare(run_dir, config, resume=False, overwrite=True, who="record()")   # None: the old records deleted
 
-    Raises `books.Refused` (one paragraph naming `resume=`/`overwrite=` of `who`) where the dir holds
-    records this session may not touch.
+    `last_run`: the run id of the session that held the dir before this one (its lock record), whose live
+    segments a kill left. Raises `books.Refused` (one paragraph naming `resume=`/`overwrite=` of `who`)
+    where the dir holds records this session may not touch.
     """
     kept_copies = [n for n in RECORD_FILES if (directory / f"{KEPT_PREFIX}{n}").is_file()]
     present = _present(directory)
+    # a plain session leaves a killed one's segments where they are (never read: not the live run's)
+    killed = killed_segments(directory, last_run) if resume or overwrite else None
     marker, damage = read_marker(directory)
-    if not present and not kept_copies and marker is None and damage is None and books.checkpoint_held(directory) is None:
+    if (not present and not kept_copies and killed is None and marker is None and damage is None
+            and books.checkpoint_held(directory) is None):  # fmt: skip
         books._clean(directory)  # a stale failure record, nothing else
         return None
     if overwrite:
         removed = books._clean(directory) + books._drop_checkpoint(directory)
         for n in kept_copies:
             (directory / f"{KEPT_PREFIX}{n}").unlink()
+        if (directory / LIVE_DIR).is_dir():  # killed sessions' segments: their records too
+            shutil.rmtree(directory / LIVE_DIR, ignore_errors=True)
+            removed.append(f"{LIVE_DIR}/")
         if (directory / LOG_FILE).is_file():  # the log of the records deleted: the new session starts its own
             (directory / LOG_FILE).unlink()
             removed.append(LOG_FILE)
@@ -110,7 +187,7 @@ def prepare(directory: Path, config: DictConfig, *, resume: bool, overwrite: boo
         log.warning("overwrite=True: deleted the records of the earlier run in %s (%s); recording from step 0",
                     directory, ", ".join(removed + kept_copies) or "none")  # fmt: skip
         return None
-    held = ", ".join(present or [DONE])
+    held = _held(directory, present, kept_copies, killed, marker is not None or damage is not None)
     if not resume:
         if marker is not None:
             raise books.Refused(
@@ -128,13 +205,16 @@ def prepare(directory: Path, config: DictConfig, *, resume: bool, overwrite: boo
             f"the run dir {directory} holds a completed run ({DONE}); resume=True continues only a run that did not "
             f"complete. Pass {who} overwrite=True instead of resume=True to record it again, or record into a new dir."
         )
-    return _kept(directory, config, who)
+    return _kept(directory, config, who, killed)
 
 
-def _kept(directory: Path, config: DictConfig, who: str) -> Kept:
-    """Move the interrupted session's closed files aside (hidden) after checking they read and match `config`."""
-    tables: dict[str, pa.Table] = {}
-    for name in RECORD_FILES:
+def _kept(directory: Path, config: DictConfig, who: str, killed: Path | None = None) -> Kept:
+    """Move the interrupted session's closed files aside (hidden) after checking they read and match `config`.
+
+    `killed`: a killed session's live segments, which hold its closed steps (a resumed one's carried rows
+    first): they are the records continued, written as the kept copies."""
+    tables: dict[str, pa.Table] = {} if killed is None else _segment_tables(directory, killed, who)
+    for name in RECORD_FILES if killed is None else ():
         source = directory / name if (directory / name).is_file() else directory / f"{KEPT_PREFIX}{name}"
         try:
             tables[name] = pq.ParquetFile(source, page_checksum_verification=True).read()  # every page's CRC
@@ -162,8 +242,14 @@ def _kept(directory: Path, config: DictConfig, who: str) -> Kept:
         )
     steps = tables[STEPS_FILE].column("step").to_pylist()
     for name in RECORD_FILES:
-        if (directory / name).is_file():
-            os.replace(directory / name, directory / f"{KEPT_PREFIX}{name}")
+        kept = directory / f"{KEPT_PREFIX}{name}"
+        if killed is not None:  # whole, then renamed: a kill here leaves the segments or the copies
+            write_whole(tables[name], kept.with_name(f"{kept.name}.tmp"))
+            os.replace(kept.with_name(f"{kept.name}.tmp"), kept)
+        elif (directory / name).is_file():
+            os.replace(directory / name, kept)
+    if killed is not None:
+        shutil.rmtree(killed, ignore_errors=True)
     books._clean(directory)  # markers of the interrupted run, temp files of a killed one
     log.warning("resume=True: continuing the %d recorded step(s) of the run that did not complete in %s",
                 len(steps), directory)  # fmt: skip
@@ -180,10 +266,34 @@ def _not_one_run(tables: dict[str, pa.Table]) -> str | None:
     if ids[GRADS_FILE] and ids[STEPS_FILE] and ids[GRADS_FILE] != ids[STEPS_FILE]:
         return (f"{GRADS_FILE} holds the rows of run {next(iter(ids[GRADS_FILE]))} and {STEPS_FILE} those of run "
                 f"{next(iter(ids[STEPS_FILE]))}: one of them is another run's")  # fmt: skip
-    extra = set(pc.unique(tables[GRADS_FILE].column("step")).to_pylist()) - set(tables[STEPS_FILE].column("step").to_pylist())
+    extra = set(pc.unique(tables[GRADS_FILE].column("step")).to_pylist()) - set(tables[STEPS_FILE].column("step").to_pylist())  # fmt: skip
     if extra:
         return f"{GRADS_FILE} holds steps {sorted(extra)[:5]} that {STEPS_FILE} lacks"
     return None
+
+
+def check_fresh_start(directory: Path, start: int, *, resume: bool, who: str) -> None:
+    """A session with no earlier records to continue begins at step `start` (a training restored from a checkpoint).
+
+    Example::
+
+        check_fresh_start(run_dir, 7, resume=False, who="record()")   # a warning: the records begin at step 7
+
+    Under `resume=True` that is refused: the records of steps 0..start-1 would be missing from a run dir
+    meant to hold the whole run (a session killed before it closed a live segment leaves none). Without
+    it the records begin at `start`, as asked, and the session's log says so.
+    """
+    if start <= 0:
+        return
+    if resume:
+        raise books.Refused(
+            f"resume=True: {directory} holds no records to continue, but training resumes at step {start}: the "
+            f"records of steps 0..{start - 1} would be missing (a session killed before it closed its first live "
+            f"segment, every live_every steps, leaves none). Train from step 0 to record them, or pass resume=False "
+            f"to {who} to record from step {start} knowingly (the records then begin there)."
+        )
+    log.warning("the records in %s begin at step %d, where training starts (rec.start_at): steps 0..%d are not "
+                "recorded there", directory, start, start - 1)  # fmt: skip
 
 
 def carry(kept: Kept, start: int, grads: Any, steps: Any, run_id: str) -> None:

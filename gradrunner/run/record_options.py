@@ -61,7 +61,7 @@ def check_options(
         )
     parse_edits(edits)  # the runner's `edits` rule: a list of {tap: <spec>, <operation>: <value>}
     detector_for(anomaly)  # the spike detector's: True, False or {z, window, warmup} (config.anomaly_settings)
-    if scaler is not None and not (callable(getattr(scaler, "is_enabled", None)) and callable(getattr(scaler, "scale", None))):
+    if scaler is not None and not (callable(getattr(scaler, "is_enabled", None)) and callable(getattr(scaler, "scale", None))):  # fmt: skip
         raise GradrunnerError(
             f"scaler={scaler!r} is not a loss scaler; pass the torch.amp.GradScaler whose scale multiplies the loss "
             "(or loss_scale=<a callable giving the scale>)."
@@ -91,3 +91,20 @@ def check_callback_options(who: str, strategy: str, every: int, options: dict[st
     flags = {k: v for k, v in options.items() if k in _FLAGS}
     rest = {k: v for k, v in options.items() if k not in _FLAGS}
     check_options(strategy=strategy, every=every, **rest, **flags)
+
+
+def check_extra(extra: dict[str, Any] | None) -> None:
+    """`rec.step(extra=...)` takes only the training columns of `steps.parquet`: a misspelled key is no silent loss.
+
+    Example::
+
+        check_extra({"lr": 0.1})      # fine; {"lrr": 0.1} is one paragraph naming the allowed keys
+    """
+    from gradrunner.records.schema import TRAIN_STEP_COLUMNS
+
+    for key in extra or {}:
+        if key not in TRAIN_STEP_COLUMNS:
+            raise GradrunnerError(
+                f"rec.step(extra=...) has the key {key!r}, which is no column of steps.parquet; allowed: "
+                f"{', '.join(TRAIN_STEP_COLUMNS)}.{did_you_mean(key, TRAIN_STEP_COLUMNS)}"
+            )

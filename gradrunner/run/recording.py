@@ -43,7 +43,7 @@ from gradrunner.errors import GradrunnerError
 from gradrunner.records import rundir
 from gradrunner.run import books, record_books
 from gradrunner.run.engine import LIVE_EVERY, RunFiles, StepEngine, StepResult
-from gradrunner.run.record_options import check_callback_options, check_options
+from gradrunner.run.record_options import check_callback_options, check_extra, check_options
 from gradrunner.run.session_log import how_it_ended, session_log
 
 if TYPE_CHECKING:
@@ -194,8 +194,10 @@ class Recorder:
             self._lock = books.RunLock(self.directory, self.run_id)
             self._lock.__enter__()
             try:
-                self._kept = record_books.prepare(self.directory, self.config, resume=self.resume,
-                                                  overwrite=self.overwrite, who=self.who)  # fmt: skip
+                self._kept = record_books.prepare(self.directory, self.config, resume=self.resume, overwrite=self.overwrite,
+                                                  who=self.who, last_run=self._lock.previous.get("run_id"))  # fmt: skip
+                if self._start is not None:
+                    self._first_start(self._start)
             except books.Refused:
                 self._lock.leave_no_trace()
                 raise
@@ -265,7 +267,7 @@ class Recorder:
             restored = self._kept is not None and self._kept.settle()
             if restored and exc_type is not None:
                 assert self._kept is not None
-                log.warning("%s before its first step; the records of steps 0..%d are kept in %s as they were (not "
+                log.warning("%s before its first step; the records of steps 0..%d are kept in %s (not "
                             "marked complete; %s with resume=True continues them)", how_it_ended(exc_type, exc),
                             self._kept.next_step - 1, self.directory, self.who)  # fmt: skip
             elif exc_type is None and pending:
@@ -335,7 +337,7 @@ class Recorder:
         step's columns (`grad_norm`, `lr`, ...); any other key is refused.
         """
         self._check_open("step")
-        _check_extra(extra)
+        check_extra(extra)
         self._carry(self.engine.step)
         if loss is None and self.engine.pending_backwards and not self.engine.has_loss and not self._warned_loss:
             self._warned_loss = True
@@ -368,10 +370,16 @@ class Recorder:
         backwards before `step`; by default `step`, one per step; a callback: times the framework's accumulation).
         """
         if self._open:
+            self._first_start(step)
             self._carry(step)
         else:
             self._start, self._start_backwards = int(step), backwards
         self.engine.start_at(step, backwards)
+
+    def _first_start(self, step: int) -> None:
+        """Where a session with nothing kept begins: a resume after the steps it has no records of is refused."""
+        if self.main and self._kept is None and not self.engine.steps_written:
+            record_books.check_fresh_start(self.directory, step, resume=self.resume, who=self.who)
 
     def _check_open(self, what: str) -> None:
         if not self._open:
@@ -394,19 +402,6 @@ def _joined() -> Distributed | None:
     from gradrunner.run.distributed import Distributed
 
     return Distributed.joined()
-
-
-def _check_extra(extra: dict[str, Any] | None) -> None:
-    """`rec.step(extra=...)` takes only the training columns of `steps.parquet`: a misspelled key is no silent loss."""
-    from gradrunner.errors import did_you_mean
-    from gradrunner.records.schema import TRAIN_STEP_COLUMNS
-
-    for key in extra or {}:
-        if key not in TRAIN_STEP_COLUMNS:
-            raise GradrunnerError(
-                f"rec.step(extra=...) has the key {key!r}, which is no column of steps.parquet; allowed: "
-                f"{', '.join(TRAIN_STEP_COLUMNS)}.{did_you_mean(key, TRAIN_STEP_COLUMNS)}"
-            )
 
 
 class CallbackOptions:
