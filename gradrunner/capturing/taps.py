@@ -313,3 +313,20 @@ def glob_reach(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[Glo
             by_depth[depth] = (n + 1, first)
         out.append(GlobReach(name, by_depth))
     return out
+
+
+def tap_shapes(model: nn.Module, taps: Iterable[Tap], shapes: bool = True) -> dict[str, tuple[int, ...] | None]:
+    """Each resolved tap's name and, for a parameter (when `shapes`), its shape: what a resume compares.
+
+    Example::
+
+        tap_shapes(model, resolve_taps(model, ["0:weight", "*:output"]))   # {'0:weight': (16, 8), '0:output': None, ...}
+
+    An activation's shape is known only once the forward runs: None. `shapes=False` (sharded parameters,
+    whose records hold another shape than the local tensor): None for every tap.
+    """
+    out: dict[str, tuple[int, ...] | None] = {}
+    for t in taps:
+        param = dict(model.get_submodule(t.module).named_parameters(recurse=False)).get(t.name) if shapes else None
+        out[t.tap] = tuple(param.shape) if t.kind == "param" and param is not None else None
+    return out

@@ -13,7 +13,8 @@ is their rule:
   last one recorded) and writes the rest, so the run dir ends as an uninterrupted run's. A killed
   session's files have no footer, but the steps it closed into live segments (`.live/<run id>/`, every
   `live_every` steps) are continued the same way once they verify. A completed run (`done.json`) is not
-  resumed, nor records of other options (named); a resume at a step after the last one kept is refused
+  resumed, nor records of other options or of another model (the taps resolved to other names or parameter
+  shapes), each named; a resume at a step after the last one kept is refused
   (those steps' records would be missing);
 - neither: one paragraph naming these two options.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,7 +152,8 @@ def _held(directory: Path, present: list[str], kept_copies: list[str], killed: P
 
 
 def prepare(
-    directory: Path, config: DictConfig, *, resume: bool, overwrite: bool, who: str, last_run: str | None = None
+    directory: Path, config: DictConfig, *, resume: bool, overwrite: bool, who: str, last_run: str | None = None,
+    taps: Mapping[str, tuple[int, ...] | None] | None = None,
 ) -> Kept | None:  # fmt: skip
     """Before a session writes into `directory` (its lock held): None to start from step 0, or what it resumes.
 
@@ -159,7 +162,8 @@ def prepare(
         prepare(run_dir, config, resume=False, overwrite=True, who="record()")   # None: the old records deleted
 
     `last_run`: the run id of the session that held the dir before this one (its lock record), whose live
-    segments a kill left. Raises `books.Refused` (one paragraph naming `resume=`/`overwrite=` of `who`)
+    segments a kill left. `taps`: this session's resolved taps and, where known (a parameter's), their shapes:
+    a resume of records whose taps differ (another model) is refused. Raises `books.Refused` (one paragraph naming `resume=`/`overwrite=` of `who`)
     where the dir holds records this session may not touch.
     """
     kept_copies = [n for n in RECORD_FILES if (directory / f"{KEPT_PREFIX}{n}").is_file()]
@@ -205,10 +209,13 @@ def prepare(
             f"the run dir {directory} holds a completed run ({DONE}); resume=True continues only a run that did not "
             f"complete. Pass {who} overwrite=True instead of resume=True to record it again, or record into a new dir."
         )
-    return _kept(directory, config, who, killed)
+    return _kept(directory, config, who, killed, taps)
 
 
-def _kept(directory: Path, config: DictConfig, who: str, killed: Path | None = None) -> Kept:
+def _kept(
+    directory: Path, config: DictConfig, who: str, killed: Path | None = None,
+    taps: Mapping[str, tuple[int, ...] | None] | None = None,
+) -> Kept:  # fmt: skip
     """Move the interrupted session's closed files aside (hidden) after checking they read and match `config`.
 
     `killed`: a killed session's live segments, which hold its closed steps (a resumed one's carried rows
@@ -240,6 +247,13 @@ def _kept(directory: Path, config: DictConfig, who: str, killed: Path | None = N
             f"resume=True: {directory} holds records of other options ({'; '.join(diff)}); they are kept and nothing "
             f"was written. Resume with the same options, pass {who} overwrite=True, or record into a new dir."
         )
+    changed = _other_taps(tables[GRADS_FILE], taps)
+    if changed:
+        raise books.Refused(
+            f"resume=True: {directory} holds records of other taps ({'; '.join(changed)}): the same tap specs resolve "
+            f"to other tensors in this model, so it is not the model those records were made of; they are kept and "
+            f"nothing was written. Resume with that model, pass {who} overwrite=True, or record into a new dir."
+        )
     steps = tables[STEPS_FILE].column("step").to_pylist()
     for name in RECORD_FILES:
         kept = directory / f"{KEPT_PREFIX}{name}"
@@ -254,6 +268,26 @@ def _kept(directory: Path, config: DictConfig, who: str, killed: Path | None = N
     log.warning("resume=True: continuing the %d recorded step(s) of the run that did not complete in %s",
                 len(steps), directory)  # fmt: skip
     return Kept(directory, next_step=max(steps) + 1 if steps else 0)
+
+
+def _other_taps(grads: pa.Table, taps: Mapping[str, tuple[int, ...] | None] | None) -> list[str]:
+    """How the kept records' taps differ from this session's resolved `taps` (names; shapes where given)."""
+    if taps is None or not grads.num_rows:
+        return []
+    kept = {str(t) for t in pc.unique(grads.column("tap")).to_pylist()}
+    out = []
+    for which, names in (("only the records have", kept - set(taps)), ("only this session has", set(taps) - kept)):
+        if names:
+            listed = sorted(names)
+            out.append(f"{which} {', '.join(listed[:6])}{f' and {len(listed) - 6} more' if len(listed) > 6 else ''}")
+    for tap, shape in sorted(taps.items()):
+        if shape is None or tap not in kept:
+            continue
+        rows = grads.filter(pc.equal(grads.column("tap"), tap)).column("shape").to_pylist()
+        shapes = {tuple(r) for r in rows if r is not None}
+        if shapes and tuple(shape) not in shapes:
+            out.append(f"{tap} has the shape {list(min(shapes))} there, {list(shape)} here")
+    return out
 
 
 def _not_one_run(tables: dict[str, pa.Table]) -> str | None:

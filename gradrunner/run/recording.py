@@ -38,7 +38,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from gradrunner.capturing.taps import TapSpec
+from gradrunner.capturing.taps import TapSpec, tap_shapes
 from gradrunner.errors import GradrunnerError
 from gradrunner.records import rundir
 from gradrunner.run import books, record_books
@@ -195,7 +195,8 @@ class Recorder:
             self._lock.__enter__()
             try:
                 self._kept = record_books.prepare(self.directory, self.config, resume=self.resume, overwrite=self.overwrite,
-                                                  who=self.who, last_run=self._lock.previous.get("run_id"))  # fmt: skip
+                                                  who=self.who, last_run=self._lock.previous.get("run_id"),
+                                                  taps=tap_shapes(self.capture.model, self.capture.taps, not self.capture.sharded))  # fmt: skip
                 if self._start is not None:
                     self._first_start(self._start)
             except books.Refused:
