@@ -40,9 +40,9 @@ def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train(run: str, start: int = 0, checkpoint: str | None = None, save_at: int = -1, kill_at: int = -1,
-          live_every: int = 2, **options: object) -> None:  # fmt: skip
+          live_every: int = 2, fail_at: int = -1, **options: object) -> None:  # fmt: skip
     """Steps `start`.. of the run (from `checkpoint` when given); `save_at`: the state before that step saved to
-    `checkpoint`; `kill_at`: SIGKILL this process after that step closed."""
+    `checkpoint`; `kill_at`: SIGKILL this process after that step closed; `fail_at`: raise there instead."""
     torch.set_num_threads(1)
     model, opt = _model()
     if checkpoint is not None and start:
@@ -61,12 +61,15 @@ def train(run: str, start: int = 0, checkpoint: str | None = None, save_at: int 
             rec.step(loss)
             if s == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if s == fail_at:
+                raise RuntimeError(f"the training fails after step {s}")
 
 
-def _killed(run: Path, checkpoint: Path, save_at: int, kill_at: int, live_every: int) -> None:
+def _killed(run: Path, checkpoint: Path | None, kill_at: int, live_every: int, **options: object) -> None:
     """The session in a process of its own, killed by SIGKILL after step `kill_at` (it waits for that process)."""
-    code = (f"import test_record_resume_killed as t; t.train({str(run)!r}, checkpoint={str(checkpoint)!r}, "
-            f"save_at={save_at}, kill_at={kill_at}, live_every={live_every})")  # fmt: skip
+    given = "".join(f", {k}={v!r}" for k, v in options.items())
+    code = (f"import test_record_resume_killed as t; t.train({str(run)!r}, checkpoint={checkpoint and str(checkpoint)!r}, "
+            f"kill_at={kill_at}, live_every={live_every}{given})")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
 
@@ -85,7 +88,7 @@ def test_a_killed_sessions_closed_steps_are_continued_and_a_gap_is_refused(tmp_p
     uninterrupted run's records, steps 0..11."""
     whole, run, ckpt = tmp_path / "whole", tmp_path / "run", tmp_path / "ckpt.pt"
     train(str(whole))
-    _killed(run, ckpt, save_at=6, kill_at=6, live_every=2)
+    _killed(run, ckpt, kill_at=6, live_every=2, save_at=6)
     assert not (run / "grads.parquet").exists()  # no footer: only the segments hold the closed steps
     with pytest.raises(GradrunnerError, match=r"end at step 5 but training resumes at step 7: the records of steps "
                                               r"6\.\.6 would be missing"):  # fmt: skip
@@ -104,7 +107,7 @@ def test_a_resume_after_steps_of_which_nothing_was_kept_is_refused(tmp_path: Pat
     """Killed after step 6 before any segment (every 10 steps): nothing closed was kept, so a resume at step 7 is
     refused (before: steps 7..11 marked complete); without resume=True the records begin at step 7, as said."""
     run, ckpt = tmp_path / "run", tmp_path / "ckpt.pt"
-    _killed(run, ckpt, save_at=6, kill_at=6, live_every=10)
+    _killed(run, ckpt, kill_at=6, live_every=10, save_at=6)
     with pytest.raises(GradrunnerError, match=r"holds no records to continue, but training resumes at step 7: the "
                                               r"records of steps 0\.\.6 would be missing"):  # fmt: skip
         train(str(run), start=7, checkpoint=str(ckpt), resume=True)
@@ -113,6 +116,34 @@ def test_a_resume_after_steps_of_which_nothing_was_kept_is_refused(tmp_path: Pat
         train(str(tmp_path / "fresh"), start=7)
     assert sorted(load(tmp_path / "fresh", table="steps").step) == list(range(7, STEPS))
     assert "begin at step 7, where training starts (rec.start_at): steps 0..6 are not recorded there" in caplog.text
+
+
+@pytest.mark.parametrize("live_every", [10, 2])
+def test_a_resumed_session_killed_leaves_the_earlier_records_readable_and_resumable(tmp_path: Path,
+                                                                                   live_every: int) -> None:  # fmt: skip
+    """A session failed after step 4 (steps 0..4 closed); a resumed one was killed after step 7. Before, the
+    earlier records lay only in the hidden .resumed-* copies: load() found no grads.parquet, load(live=True)
+    waited for a dead job, a plain record() named a done.json that was not there. Now load reads them (with a
+    warning saying what they are), a refusal names them, and resume=True continues them, or the killed session's
+    segments (every 2 steps: the carried steps and steps 5, 6)."""
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="fails after step 4"):
+        train(str(run), fail_at=4)
+    before, before_steps = load(run), load(run, table="steps")
+    _killed(run, None, kill_at=7, live_every=live_every, start=5, resume=True)
+    if live_every == 10:  # no segment: the earlier records are all there is
+        for live in (False, True):
+            with pytest.warns(UserWarning, match=r"has no grads.parquet: read \.resumed-grads\.parquet"):
+                _same(before, load(run, live=live))
+    with pytest.raises(GradrunnerError, match=r"already holds records \(\.resumed-grads\.parquet, ") as e:
+        train(str(run))
+    assert "done.json" not in str(e.value)
+    kept = 5 if live_every == 10 else 7
+    train(str(run), start=kept, resume=True)
+    assert (run / "done.json").is_file() and not any(p.name.startswith(".resumed-") for p in run.iterdir())
+    assert sorted(load(run, table="steps").step) == list(range(STEPS))
+    _same(before, load(run).query("step < 5"))
+    _same(before_steps, load(run, table="steps").query("step < 5"))
 
 
 def fit(run: str, checkpoints: str, kill_at: int = -1, ckpt_path: str | None = None) -> None:

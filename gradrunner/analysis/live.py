@@ -4,7 +4,8 @@ A running job's `grads.parquet` has no footer yet (see `gradrunner.records.segme
 has completed so far lies in closed segments under `<run dir>/.live/<run id>/`. `load_live` reads
 those of the live run only (`segments.live_run_id`: the run holding, or last holding, the dir's lock),
 never a killed run's left in the same dir; once the job's record files exist, `load` reads the record
-files themselves. A job closing its files while they are read (its segments removed) is looked at
+files themselves; a run that is gone (its lock record's pid no longer runs on this host) and closed no segment
+is not waited for (after a resumed `record()` session, `load` reads the records it kept aside). A job closing its files while they are read (its segments removed) is looked at
 again, up to `ATTEMPTS` times; what still does not settle is a GradrunnerError, never a raw
 `FileNotFoundError` or a shorter result.
 
@@ -17,14 +18,15 @@ Example::
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.records.columns import LOCK_FILE, is_temp_of
-from gradrunner.records.segments import LIVE_DIR, SegmentDamaged, SegmentsGone, live_run_id, read_segments
+from gradrunner.records.columns import KEPT_PREFIX, LOCK_FILE, is_temp_of
+from gradrunner.records.segments import LIVE_DIR, SegmentDamaged, SegmentsGone, live_run_id, lock_owner, read_segments
 
 #: How many times a read that met a job closing its files looks again.
 ATTEMPTS = 20
@@ -57,6 +59,13 @@ def load_live(
                                   f"for the job to end and load({str(d)!r}) its record files.") from None  # fmt: skip
         if (d / f"{table}.parquet").is_file():
             continue  # closed while the segments were read: read the record file, which holds them all
+        if t is None and _gone(d):
+            if (d / f"{KEPT_PREFIX}{table}.parquet").is_file():
+                return None  # a resumed session killed before a segment: `load` reads the records it kept aside
+            raise GradrunnerError(
+                f"{d} has no {table}.parquet, and the run that last held it (run {run_id}) is no longer running: it "
+                "was killed before it closed a segment of its steps, so there are no live records to read."
+            )
         if t is None:
             raise GradrunnerError(
                 f"{d} has no {table}.parquet and its running job (run {run_id}) has not completed a segment yet "
@@ -80,6 +89,22 @@ def _running(d: Path, table: str) -> bool:
     except OSError:
         return False
     return any(n == LOCK_FILE or n == LIVE_DIR or is_temp_of(n, f"{table}.parquet") for n in names)
+
+
+def _gone(d: Path) -> bool:
+    """Whether the run that last held `d` is known to be gone: its lock record names this host and a pid that no
+    process has (a pid reused since, or another host: not known, so not said)."""
+    owner = lock_owner(d)
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or owner.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: only whether the process exists
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def _unknown_run(d: Path, table: str) -> str:

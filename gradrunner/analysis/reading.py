@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from gradrunner.analysis.labels import FileRead, concat, job_overrides, natural_key, with_job_columns
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
-from gradrunner.records.columns import OVERRIDES_KEY
+from gradrunner.records.columns import KEPT_PREFIX, OVERRIDES_KEY
 from gradrunner.records.urls import local_path_of
 
 #: Tables a job writes, each as `<job dir>/<table>.parquet`.
@@ -195,6 +195,12 @@ def _files_to_read(root: Path, table: str) -> tuple[list[_File], _Jobs | None]:
     # A completed job whose `done.json` lists the file is read even when the file is gone: it is then named as
     # damaged (refused, or left out with a warning), never silently missing from the result.
     holding = [s for s in [jobs.root, *jobs.states] if name in jobs.present[s.directory] or _listed(s, name)]
+    aside = root / f"{KEPT_PREFIX}{name}"
+    if not holding and aside.is_file() and jobs.root.marker is None:
+        warnings.warn(f"{root} has no {name}: read {aside.name}, the records of an earlier session that a resumed "
+                      "record() session keeps aside until it closes its own files (it is running, or was killed "
+                      "before; record(..., resume=True) into the dir then continues them)", UserWarning, stacklevel=3)  # fmt: skip
+        return [_File(aside, None)], jobs
     if not holding:
         raise GradrunnerError(
             f"no {name} found in {root} or its subdirectories; pass a run dir (holding {name}), "
@@ -235,7 +241,7 @@ def _read_all(
                 read.append(t)
             else:
                 own = next(it)
-                read.append(FileRead(own.num_rows, tuple(own.column_names), (own.schema.metadata or {}).get(OVERRIDES_KEY.encode())))
+                read.append(FileRead(own.num_rows, tuple(own.column_names), (own.schema.metadata or {}).get(OVERRIDES_KEY.encode())))  # fmt: skip
         if kept:
             joined.append(concat(kept).combine_chunks())
     return read, concat(joined) if joined else pa.table({})
@@ -365,5 +371,5 @@ def _completed_only(root: Path, jobs: _Jobs, holding: list[rundir.JobState]) -> 
     left_out = {s.directory for s in unfinished}
     kept = [s for s in holding if s.directory not in left_out]
     if not kept:
-        raise GradrunnerError(f"no job in {root} completed; {rundir.describe_unfinished(root, unfinished, len(jobs.states))}")
+        raise GradrunnerError(f"no job in {root} completed; {rundir.describe_unfinished(root, unfinished, len(jobs.states))}")  # fmt: skip
     return kept

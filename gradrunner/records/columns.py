@@ -22,6 +22,9 @@ STEPS_FILE = "steps.parquet"
 RECORD_FILES = (GRADS_FILE, STEPS_FILE)
 #: The run dir's lock (see `gradrunner.run.books.RunLock`): hidden, so readers never see it.
 LOCK_FILE = ".gradrunner.lock"
+#: A resumed `record()` session keeps the interrupted session's record files under this prefix until its own are
+#: closed (`run.record_books`): hidden, so readers never take them for records.
+KEPT_PREFIX = ".resumed-"
 #: Key of the records' Parquet metadata holding the job's own command-line overrides (a JSON list).
 OVERRIDES_KEY = "gradrunner.overrides"
 #: Every temp file ends so: neither pyarrow (leading ".") nor DuckDB (`*.parquet`) reads it.

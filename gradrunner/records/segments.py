@@ -86,11 +86,8 @@ def live_run_id(directory: str | os.PathLike[str]) -> str | None:
     never the live ones.
     """
     d = Path(directory)
-    try:
-        owner = json.loads((d / LOCK_FILE).read_bytes() or b"{}")
-    except (OSError, ValueError):
-        owner = None
-    if isinstance(owner, dict) and isinstance(owner.get("run_id"), str) and owner["run_id"]:
+    owner = lock_owner(d)
+    if isinstance(owner.get("run_id"), str) and owner["run_id"]:
         return str(owner["run_id"])
     try:
         names = [e.name for e in os.scandir(d)]
@@ -98,6 +95,20 @@ def live_run_id(directory: str | os.PathLike[str]) -> str | None:
         return None
     ids = {m.group(1) for n in names if (m := re.fullmatch(rf"\.\w+\.parquet\.([\w-]+){re.escape(TEMP_SUFFIX)}", n))}
     return ids.pop() if len(ids) == 1 else None
+
+
+def lock_owner(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The record in the run dir's lock file of the run that holds, or last held, it ({} if none reads).
+
+    Example::
+
+        lock_owner("runs/mine").get("pid")      # 4242 (host, pid, started, run_id: `run.books.RunLock`)
+    """
+    try:
+        owner = json.loads((Path(directory) / LOCK_FILE).read_bytes() or b"{}")
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return owner if isinstance(owner, dict) else {}
 
 
 def read_segments(directory: str | os.PathLike[str], run_id: str, table: str) -> pa.Table | None:
@@ -143,7 +154,7 @@ def read_segments(directory: str | os.PathLike[str], run_id: str, table: str) ->
 class Segments:
     """Tees the batches of a job's writers into closed segment files, every `every` completed steps."""
 
-    def __init__(self, directory: str | os.PathLike[str], run_id: str, writers: dict[str, Any], every: int = 10) -> None:
+    def __init__(self, directory: str | os.PathLike[str], run_id: str, writers: dict[str, Any], every: int = 10) -> None:  # fmt: skip
         self.path = Path(directory) / LIVE_DIR / run_id
         self.every, self.steps, self.count = max(1, int(every)), 0, 0
         self._buffers: dict[str, list[pa.RecordBatch]] = {}

@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.errors import GradrunnerError, one_paragraph
-from gradrunner.records.columns import GRADS_FILE, RECORD_FILES, STEPS_FILE
+from gradrunner.records.columns import GRADS_FILE, KEPT_PREFIX, RECORD_FILES, STEPS_FILE
 from gradrunner.records.critical import deferred_signals
 from gradrunner.records.rundir import DONE, _present, read_marker
 from gradrunner.records.segments import LIVE_DIR, SegmentDamaged, SegmentsGone, read_segments, segment_number
@@ -50,9 +50,6 @@ from gradrunner.run.config_compare import config_dict, config_diff
 from gradrunner.run.session_log import LOG_FILE
 
 log = logging.getLogger(__name__)
-
-#: Where a resumed session keeps the interrupted session's files until its own are closed.
-KEPT_PREFIX = ".resumed-"
 
 
 @dataclass
