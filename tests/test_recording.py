@@ -30,7 +30,9 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)) for _ in range(n)]
 
 
-def _train(rec: Any, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], opt: torch.optim.Optimizer) -> None:
+def _train(
+    rec: Any, model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], opt: torch.optim.Optimizer
+) -> None:
     """The README's loop: forward, `rec.backward`, the optimiser step, `rec.step`."""
     for x, y in batches:
         loss = nn.functional.mse_loss(model(x), y)
@@ -365,3 +367,24 @@ def test_update_norms_of_a_step_with_two_optimizer_steps_are_the_whole_change(tm
         got = rows[rows["tap"] == tap].sort_values("step")["update_norm"].tolist()
         assert got == pytest.approx([w[tap] for w in want], rel=1e-5), tap
         assert min(got) > 0
+
+
+@pytest.mark.parametrize(("step", "backwards"), [(-1, None), (2.5, None), (True, None), ("3", None), (2, -1), (2, 1.5)])
+def test_start_at_refuses_a_step_that_is_no_whole_number_of_at_least_0(
+    tmp_path: Path, step: Any, backwards: Any
+) -> None:
+    """Before: start_at(-1) wrote step -1 in both tables, start_at(2.5) wrote step 2, and both ended with done.json."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    bad = "backwards" if backwards is not None else "step"
+    with pytest.raises(
+        GradrunnerError, match=rf"start_at\({bad}=.*\) is not allowed; {bad} must be a whole number of at least 0"
+    ):
+        with gradrunner.record(model, ["0:output"], tmp_path / "run") as rec:
+            rec.start_at(step, backwards)
+            _train(rec, model, _batches(1), opt)
+    assert not (tmp_path / "run" / "done.json").exists() and not (tmp_path / "run" / "grads.parquet").exists()
+    with gradrunner.record(model, ["0:output"], tmp_path / "ok") as rec:
+        rec.start_at(np.int64(2))  # a numpy integer is a whole number
+        _train(rec, model, _batches(1), opt)
+    assert load(tmp_path / "ok", table="steps").step.tolist() == [2]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import resource
 import sys
 import time
@@ -274,11 +275,14 @@ class StepEngine:
 
         Before this session's first backward it is where the run resumes: the seeded edits (`dropout`,
         `noise_std`) draw on as the uninterrupted run did, from its backward `backwards` (the run's backwards
-        before `step`; default `step * accumulate`). Later it only renumbers the step.
+        before `step`; default `step * accumulate`). Later it only renumbers the step. A step (or backwards) that is
+        not a whole number of at least 0 is one paragraph, before anything changes.
         """
-        self.step = int(step)
+        self.step = _whole(step, "step", "the optimisation step training resumes at, from 0")
+        if backwards is not None:
+            backwards = _whole(backwards, "backwards", "the run's backwards before that step")
         if not self._backwards:
-            self._backwards_before = self.step * self._accumulate if backwards is None else int(backwards)
+            self._backwards_before = self.step * self._accumulate if backwards is None else backwards
             self.capture.start_backwards_at(self._backwards_before)
         self.capture.enabled = self.captured
         self._t0 = time.perf_counter()
@@ -309,7 +313,7 @@ class StepEngine:
 
     def _backward_ended(self, captured: bool) -> None:
         self._backwards += 1
-        if self.capture.restarted:  # a closure evaluated again inside optimizer.step() (LBFGS): the step's loss is its loss
+        if self.capture.restarted:  # a closure evaluated again inside optimizer.step() (LBFGS): the step's loss is its loss  # fmt: skip
             self._loss = self._since
         self._since = None
         if captured and self.update_norms and self._before is None:
@@ -415,6 +419,20 @@ class StepEngine:
         if "clipped" in out:
             out["clipped"] = bool(out["clipped"])
         return out
+
+
+def _whole(value: object, name: str, meaning: str) -> int:
+    """`value` of `start_at(name=...)` as an int: a whole number of at least 0 (a bool, 2.5 or -1 is refused)."""
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]  # ints, numpy ints, 0-d integer tensors
+    except TypeError:
+        number = -1
+    if isinstance(value, bool) or number < 0:
+        raise GradrunnerError(
+            f"start_at({name}={value!r}) is not allowed; {name} must be a whole number of at least 0 ({meaning}), "
+            "e.g. rec.start_at(7) where training resumes at step 7."
+        )
+    return number
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -160,8 +160,8 @@ def prepare(
 
     `last_run`: the run id of the session that held the dir before this one (its lock record), whose live
     segments a kill left. `taps`: this session's resolved taps and, where known (a parameter's), their shapes:
-    a resume of records whose taps differ (another model) is refused. Raises `books.Refused` (one paragraph naming `resume=`/`overwrite=` of `who`)
-    where the dir holds records this session may not touch.
+    a resume of records whose taps differ (another model) is refused. Raises `books.Refused` (one paragraph
+    naming `resume=`/`overwrite=` of `who`) where the dir holds records this session may not touch.
     """
     kept_copies = [n for n in RECORD_FILES if (directory / f"{KEPT_PREFIX}{n}").is_file()]
     present = _present(directory)

@@ -369,13 +369,15 @@ class Recorder:
         recorded again (a training resumed from a checkpoint before the last recorded step). Seeded edits
         (`dropout`, `noise_std`) draw on as the uninterrupted run did from its backward `backwards` (the
         backwards before `step`; by default `step`, one per step; a callback: times the framework's accumulation).
+        Refused (one paragraph): a step that is no whole number of at least 0; under `resume=True` a step after the
+        last one kept, or after 0 with nothing kept (those steps' records would be missing).
         """
+        self.engine.start_at(step, backwards)  # a step that is no whole number of at least 0: refused there
         if self._open:
-            self._first_start(step)
-            self._carry(step)
+            self._first_start(self.engine.step)
+            self._carry(self.engine.step)
         else:
-            self._start, self._start_backwards = int(step), backwards
-        self.engine.start_at(step, backwards)
+            self._start, self._start_backwards = self.engine.step, backwards
 
     def _first_start(self, step: int) -> None:
         """Where a session with nothing kept begins: a resume after the steps it has no records of is refused."""
