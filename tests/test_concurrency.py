@@ -160,3 +160,40 @@ def test_two_sweeps_into_one_dir_at_once_complete_every_job_once(
     for i in range(jobs):
         assert check_records(sw / str(i)) == [0, 1, 2, 3]  # one run's rows, each once, both tables alike
         assert not (sw / str(i) / FAILED).exists()
+
+
+@pytest.mark.slow
+def test_two_sweeps_of_other_configs_into_one_dir_at_once_name_the_jobs_neither_ran(
+    tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    # A holds job dir 0 (seed=0) while B (seed=2,3) starts: B's job 0 finds it held by a run of another
+    # config, which will never do B's job; B's job 1 (seed=3) runs in dir 1.
+    args = ["-m", "hydra.sweep.dir=sw", *held_args(tmp_path)]
+    first = start(tmp_path, *args, "seed=0,1")
+    procs.append(first)
+    wait_until("the first sweep's job 0 to start", lambda: bool(ready_of(tmp_path, first)), first)
+    second = start(tmp_path, *args, "seed=2,3")
+    procs.append(second)
+    wait_until("the second sweep to run a job of its own", lambda: bool(ready_of(tmp_path, second)), second)
+    (tmp_path / "gate").touch()
+    out_first, out_second = finish(first), finish(second)
+    assert first.returncode == 1 and second.returncode == 1, (out_first, out_second)  # each left a job not run
+
+    sw = tmp_path / "sw"
+    assert check_records(sw / "0") == [0, 1, 2, 3] and check_records(sw / "1") == [0, 1, 2, 3]
+    seeds = {d: json.loads((sw / d / DONE).read_text())["overrides"][-1] for d in ("0", "1")}
+    assert seeds == {"0": "seed=0", "1": "seed=3"}  # the runs that held the dirs: seed=1 and seed=2 never ran
+    refusal = f"the run dir {sw / '0'} is in use by a live run"
+    assert refusal in out_second and "That run is of another config (" in out_second
+    assert "this job did not run, and counts as failed" in out_second
+
+    # B's last word: its own job 1 ran, its job 0 failed; A's seed=0 job is not B's.
+    (word,) = [line for line in out_second.splitlines() if "sweep summary" in line]
+    said = out_second[out_second.index(word) :]
+    assert "seed=3): " in said and "job 0 (+experiment=cosine" in said and "seed=2): failed (did not run" in said
+    assert "seed=0): " not in said  # no line of B's summary says A's job ran as B's
+    # The manifest of whichever sweep ended last names the job of its own that did not run.
+    manifest = json.loads((sw / "manifest.json").read_text())
+    not_run = [j for j in manifest["jobs"] if j["dir"] is None]
+    assert [(j["status"], j["overrides"][-1]) for j in not_run] in ([("failed", "seed=1")], [("failed", "seed=2")])
+    assert manifest["counts"]["failed"] == 1

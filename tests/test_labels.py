@@ -37,8 +37,10 @@ def test_labels_come_from_the_records_and_a_held_or_completed_dir_is_not_touched
     # completed run of another config. Hydra writes both jobs' .hydra/ before either can refuse.
     with RunLock(sw / "0", "the-live-run"):
         second = gradrunner_in_process(tmp_path, *sweep, "seed=5,6")
-    assert "Traceback" not in second.stderr, second.stderr
-    assert "skipped: the run dir" in (sw / "0" / "gradrunner.log").read_text()
+    assert "Traceback" not in second.stderr and second.returncode == 1, second.stderr
+    # The live run (this test) holds seed=0's dir: it will never run seed=5, so that job is refused, not skipped.
+    assert f"the run dir {sw / '0'} is in use by a live run" in second.stderr
+    assert "That run is of another config (+experiment=cosine steps=1 seed=0), not this job's" in second.stderr
     assert {i: hydra_files(sw / str(i)) for i in (0, 1)} == before
 
     # Even with .hydra/ rewritten behind gradrunner's back, labels come from the records.

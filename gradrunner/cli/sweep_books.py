@@ -101,7 +101,9 @@ def _entry(sweep_dir: Path, job_dir: Path | None, overrides: list[str], num: int
     }
 
 
-def build_manifest(sweep_dir: Path, expected: list[list[str]] | None) -> dict[str, Any]:
+def build_manifest(
+    sweep_dir: Path, expected: list[list[str]] | None, before: frozenset[str] | None = None
+) -> dict[str, Any]:
     """The manifest of `sweep_dir`: every expected job (or every job dir found), with its status.
 
     Example::
@@ -110,12 +112,14 @@ def build_manifest(sweep_dir: Path, expected: list[list[str]] | None) -> dict[st
 
     A view of the sweep catalogue (`records.catalogue`) when it lists every expected job with its
     dir still holding that job's marker; otherwise the job dirs are read (`rundir.job_dirs_below`)
-    and the catalogue is completed from what they hold.
+    and the catalogue is completed from what they hold. `before`: the run ids of the runs complete when
+    the sweep started (None: not known); an expected job whose dir holds any other run of another config
+    (another process's, which held the dir while this sweep ran) did not run: it is listed failed, without a dir.
     """
     rows = catalogue.read_jobs(sweep_dir)
     jobs = _from_catalogue(sweep_dir, expected, rows) if rows and expected else None
     if jobs is None:
-        jobs = _from_job_dirs(sweep_dir, expected)
+        jobs = _from_job_dirs(sweep_dir, expected, before)
         _complete_catalogue(sweep_dir, jobs, rows or [])
     counts = {s: sum(j["status"] == s for j in jobs) for s in ("completed", "failed", "missing")}
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -171,7 +175,9 @@ def _complete_catalogue(sweep_dir: Path, jobs: list[dict[str, Any]], rows: list[
         log.warning("could not complete the sweep catalogue %s: %s", sweep_dir / catalogue.CATALOGUE, one_paragraph(e))
 
 
-def _from_job_dirs(sweep_dir: Path, expected: list[list[str]] | None) -> list[dict[str, Any]]:
+def _from_job_dirs(
+    sweep_dir: Path, expected: list[list[str]] | None, before: frozenset[str] | None = None
+) -> list[dict[str, Any]]:
     """The manifest's entries from the job dirs found below `sweep_dir`, matched to the expected jobs."""
     found = _job_dirs(sweep_dir)
     by_overrides: dict[tuple[str, ...], list[Path]] = {}
@@ -183,7 +189,8 @@ def _from_job_dirs(sweep_dir: Path, expected: list[list[str]] | None) -> list[di
         matched.append(same.pop(0) if same else None)
     rest = [d for dirs in by_overrides.values() for d in dirs]
     # A job whose dir holds another config's completed run (a rerun with changed overrides, refused) is
-    # that dir, found by job number: one entry per job, never a "missing" job plus a stray dir.
+    # that dir, found by job number: one entry per job, never a "missing" job plus a stray dir. A run that
+    # was not complete when the sweep started is another process's: the job did not run, the dir is not its.
     nums = {d: _job_num(d) for d in rest}  # each hydra.yaml parsed once, not once per use
     by_num = {n: d for d, n in nums.items() if n is not None} if None in matched else {}
     taken: set[Path] = set()
@@ -191,6 +198,9 @@ def _from_job_dirs(sweep_dir: Path, expected: list[list[str]] | None) -> list[di
     for num, overrides in enumerate(expected or []):
         job_dir = matched[num]
         if job_dir is None and num in by_num and by_num[num] not in taken:
+            if before is not None and _run_id(by_num[num]) not in before:
+                jobs.append(_not_run(sweep_dir, by_num[num], overrides, found[by_num[num]], num))
+                continue
             job_dir = by_num[num]
             taken.add(job_dir)
             overrides = found[job_dir]  # what its records hold, not what the refused rerun asked for
@@ -199,6 +209,15 @@ def _from_job_dirs(sweep_dir: Path, expected: list[list[str]] | None) -> list[di
     for job_dir in sorted(rest, key=lambda d: (nums[d] is None, nums[d] or 0, str(d))):
         jobs.append(_entry(sweep_dir, job_dir, found[job_dir], nums[job_dir]))
     return jobs
+
+
+def _not_run(sweep_dir: Path, held: Path, overrides: list[str], theirs: list[str], num: int) -> dict[str, Any]:
+    """The entry of a job that did not run because another process's run of another config held its dir."""
+    state = job_state(held).status
+    error = (f"did not run: its dir {held.relative_to(sweep_dir).as_posix()} holds a run of another config "
+             f"({' '.join(theirs) or 'no overrides'}, {'not complete' if state == 'missing' else state}) that was not "
+             "there complete when this sweep started: another process held that dir")  # fmt: skip
+    return {"num": num, "dir": None, "overrides": overrides, "status": "failed", "files": [], "error": error}
 
 
 def _run_id(job_dir: Path) -> str | None:
@@ -292,7 +311,8 @@ class SweepBookkeeping(Callback):
         sweep_dir = Path(str(config.hydra.sweep.dir))
         if not sweep_dir.is_dir():
             return
-        manifest = build_manifest(sweep_dir, expected_jobs(config))
+        wanted = expected_jobs(config)
+        manifest = build_manifest(sweep_dir, wanted, self._before)
         try:
             path = write_json(sweep_dir / MANIFEST, manifest)
         except OSError as e:
@@ -306,9 +326,11 @@ class SweepBookkeeping(Callback):
 
         decided = plan(config)
         skipped = decided.complete if decided is not None else frozenset()
+        ours = None if wanted is None else {tuple(sorted(o)) for o in wanted}  # another sweep's job is not ours
         expected = [j for j in manifest["jobs"] if j["status"] == "completed" and j["num"] not in skipped]
         earlier = [j for j in expected if _run_id(sweep_dir / j["dir"]) in self._before]
-        done = [(j["dir"], j["overrides"]) for j in expected if j not in earlier]
+        done = [(j["dir"], j["overrides"]) for j in expected
+                if j not in earlier and (ours is None or tuple(sorted(j["overrides"])) in ours)]  # fmt: skip
         if skipped:
             log.info("%d jobs completed in an earlier run of this sweep were skipped (their summary was logged then)",
                      len(skipped))  # fmt: skip
@@ -318,7 +340,7 @@ class SweepBookkeeping(Callback):
                         "the log above says which): %s",
                         len(earlier), "; ".join(f"job {j['dir']} ({' '.join(j['overrides'])})" for j in earlier[:5])
                         + (f"; and {len(earlier) - 5} more" if len(earlier) > 5 else ""))  # fmt: skip
-        failed = [(j["dir"], j["overrides"], str(j.get("error") or "no reason recorded"))
+        failed = [(j["dir"] or str(j["num"]), j["overrides"], str(j.get("error") or "no reason recorded"))
                   for j in manifest["jobs"] if j["status"] == "failed"]  # fmt: skip
         sweep_word(sweep_dir, done, failed)  # one line per job run now: its loss, NaN/Inf, vanishing/exploding taps
         if OmegaConf.select(config, "report", default=False):

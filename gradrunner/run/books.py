@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow.parquet as pq
+import yaml
 from omegaconf import DictConfig
 
 from gradrunner.errors import GradrunnerError
@@ -249,7 +250,22 @@ class Refused(GradrunnerError):
 
 
 class LiveRun(Refused):
-    """A run refused because another run, still alive, holds the run dir's lock."""
+    """A run refused because another run, still alive, holds the run dir's lock; `owner` is its lock record."""
+
+    def __init__(self, message: str, owner: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.owner: dict[str, Any] = owner or {}
+
+    def holder_overrides(self) -> list[str] | None:
+        """The live run's task overrides, from the `.hydra/overrides.yaml` its lock record keeps; None if unknown."""
+        if isinstance(self.owner.get("held_by"), dict):  # a refused run holds it for a moment: whose it is is unknown
+            return None
+        text = (self.owner.get("hydra") or {}).get("overrides.yaml")
+        try:
+            found = yaml.safe_load(text) if isinstance(text, str) else None
+        except yaml.YAMLError:
+            return None
+        return [str(o) for o in found] if isinstance(found, list) else None
 
 
 class RunLock:
@@ -296,7 +312,7 @@ class RunLock:
             fd, self._created = take(self.path, unlocked)
         except Held as held:  # its record is whole and the holder's: it wrote it inside the gate we hold
             restore_hydra(self.directory, held.owner.get("hydra") or {})  # Hydra rewrote the live run's .hydra/
-            raise LiveRun(self._refusal(held.owner)) from None
+            raise LiveRun(self._refusal(held.owner), held.owner) from None
         return fd
 
     def _me(self) -> dict[str, Any]:

@@ -63,7 +63,8 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
         run(cfg, out_dir="runs/a")          # anywhere else
 
     - The run holds the run dir's `books.RunLock` throughout: a dir another live run holds is refused
-      (`books.LiveRun`), or, in a sweep, that job is skipped with a warning.
+      (`books.LiveRun`); in a sweep, a job whose live holder runs the same overrides is skipped with a
+      warning (that run completes the job), and one held by a run of another config is refused (it fails).
     - A run dir that already holds records is refused, unless `resume=true` (a sweep always resumes):
       then a completed job (`done.json`, same config, files verified) is skipped, anything else runs again.
     - `done.json` is written last, once the records are closed: a job without it did not complete.
@@ -91,6 +92,14 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
             except books.LiveRun as e:
                 if not multirun:
                     raise
+                theirs, ours = e.holder_overrides(), task_overrides()
+                if theirs is None or sorted(theirs) != sorted(ours):  # the live run will never do this job
+                    raise books.LiveRun(
+                        f"{one_paragraph(e)} That run is {_config_words(theirs)}, not this job's "
+                        f"({' '.join(ours) or 'no overrides'}): this job did not run, and counts as failed in this "
+                        "sweep; run the sweep again once that run has ended, or sweep into another dir.",
+                        e.owner,
+                    ) from None
                 log.warning("skipped: %s", one_paragraph(e))  # the sweep goes on; the live run completes the job
                 return directory / GRADS_FILE
             except books.Refused:
@@ -119,6 +128,13 @@ def run(cfg: DictConfig, out_dir: str | Path | None = None) -> Path:
 
         try_report(directory)
     return path
+
+
+def _config_words(overrides: list[str] | None) -> str:
+    """How a refusal names the live run's config: its overrides, or that its lock record does not say."""
+    if overrides is None:
+        return "of a config its lock record does not name"
+    return f"of another config ({' '.join(overrides) or 'no overrides'})"
 
 
 def _replay(directory: Path, cfg: DictConfig) -> None:
