@@ -224,3 +224,36 @@ def test_a_reader_beside_a_running_writer_sees_whole_steps_of_its_run_only(tmp_p
         assert set(df.run_id) == {run_id} and steps == list(range(len(steps)))
         pd.testing.assert_frame_equal(df.reset_index(drop=True), final[final.step < len(steps)].reset_index(drop=True))
     assert seen or waiting
+
+
+# --- an interrupted job of a sweep none of whose jobs completed yet --------------------------------
+
+
+def _recorded(run: Path, steps: int, interrupt_at: int | None = None) -> None:
+    """`record()` of a tiny loop into `run`; Ctrl-C (KeyboardInterrupt) in step `interrupt_at`, before it is recorded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2))
+    with gradrunner.record(model, ["0:output"], run) as rec:
+        for s in range(steps):
+            loss = model(torch.ones(4, 3)).square().mean()
+            loss.backward()
+            if s == interrupt_at:
+                raise KeyboardInterrupt
+            rec.step(loss)
+
+
+def test_an_interrupted_job_is_never_read_as_complete_also_before_any_job_completed(tmp_path: Path) -> None:
+    """Ctrl-C in job 0 at step 4 of 8, no job of the sweep completed yet: `load(sweep)` returned job 0's partial
+    rows without a word (the rule applied only once some job had `done.json`); now it is named and left out."""
+    sweep = tmp_path / "sweep"
+    with pytest.raises(KeyboardInterrupt):
+        _recorded(sweep / "0", 8, interrupt_at=4)
+    assert sorted(pd.read_parquet(sweep / "0" / STEPS_FILE).step) == [0, 1, 2, 3]  # the partial records are kept
+    assert not (sweep / "0" / DONE).exists()
+    with pytest.warns(UserWarning, match=r"1 of 1 jobs .* job 0 has no done.json"):
+        with pytest.raises(GradrunnerError, match=r"no job in .* completed; 1 of 1 jobs .* job 0 has no done.json"):
+            load(sweep)
+    _recorded(sweep / "1", 2)  # once a job completed: the same rule, job 0 left out and named
+    with pytest.warns(UserWarning, match=r"1 of 2 jobs .* job 0 has no done.json"):
+        df = load(sweep, table="steps")
+    assert df.job.unique().tolist() == ["1"] and sorted(df.step) == [0, 1]

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from gradrunner.analysis.labels import FileRead, concat, job_overrides, natural_key, with_job_columns
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
-from gradrunner.records.columns import KEPT_PREFIX, OVERRIDES_KEY
+from gradrunner.records.columns import KEPT_PREFIX, LOCK_FILE, OVERRIDES_KEY
 from gradrunner.records.urls import local_path_of
 
 #: Tables a job writes, each as `<job dir>/<table>.parquet`.
@@ -72,7 +72,8 @@ def load(
     helper's column), as int or float when every value parses so, else as string. Hidden files and
     directories are skipped.
 
-    In a sweep whose jobs carry completion markers (`done.json`, written by the CLI), only completed
+    In a sweep whose jobs carry completion markers (`done.json`, written by the CLI and `record()`; a job
+    dir holding gradrunner's run-dir lock file counts, so a sweep none of whose jobs completed yet too), only completed
     jobs are read: failed jobs (`failed.json`) and jobs without a marker (killed, still running) are
     left out and named in an `IncompleteSweepWarning`; `pd.read_parquet` still reads their partial files.
     Jobs the sweep's `manifest.json` lists but that have no dir are named in that warning too. A file
@@ -142,7 +143,9 @@ class _Jobs:
     root: rundir.JobState
     #: The record files (final names) in each of those dirs, root included.
     present: dict[Path, list[str]]
-    #: Whether any job dir holds a marker (`done.json` or `failed.json`, damaged ones too).
+    #: Whether any job dir holds a marker (`done.json` or `failed.json`, damaged ones too) or the run-dir lock
+    #: file every gradrunner run takes (`run.books.RunLock`): its jobs mark their completion, so a job without
+    #: `done.json` did not complete, also when no job of the sweep has yet.
     marked: bool
     #: The dirs found (root included): a manifest's job dir is looked up here before on disk.
     dirs: frozenset[Path]
@@ -168,7 +171,7 @@ def _jobs_of(root: Path) -> _Jobs:
 
     dirs = tree.job_dirs()
     present = {d: [n for n in rundir.RECORD_NAMES if tree.has(d, n, file=True)] for d in [root, *dirs]}
-    marked = any(tree.has(d, rundir.DONE) or tree.has(d, rundir.FAILED) for d in dirs)
+    marked = any(tree.has(d, rundir.DONE) or tree.has(d, rundir.FAILED) or tree.has(d, LOCK_FILE) for d in dirs)
     found = frozenset(tree.dirs)
     return _Jobs([state(d) for d in dirs], state(root), present, marked, found, _dirless(root, found))
 
