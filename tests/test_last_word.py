@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -19,6 +21,8 @@ from conftest import compose_cfg
 from planted import planted_sweep
 
 from gradrunner.analysis import health
+from gradrunner.data.sources import Synthetic
+from gradrunner.errors import GradrunnerError
 from gradrunner.run.loop import train
 
 HEALTH = "gradrunner.analysis.health"
@@ -275,3 +279,42 @@ def test_the_last_word_of_a_torchrun_job_counts_steps_once_and_reads_rank_0s_los
     h = health.health(tmp_path)
     assert (h.steps, h.loss_first, h.loss_last) == (3, 1.0, 3.0)
     assert "loss: 1 at the first step, 3 at the last (3 steps)" in str(h)
+
+
+class CutAt(Synthetic):
+    """The experiment's data, ended in the batch of step `at`: Ctrl-C (KeyboardInterrupt) or a failing data source."""
+
+    at, how = 45, "interrupt"
+
+    def batches(self, device: torch.device, dtype: torch.dtype) -> Iterator[Any]:
+        for i, b in enumerate(super().batches(device, dtype)):
+            if i == CutAt.at:
+                raise KeyboardInterrupt if CutAt.how == "interrupt" else RuntimeError("injected failure")
+            yield b
+
+
+@pytest.mark.parametrize("how", ["interrupt", "raise"])
+def test_an_interrupted_or_failed_run_says_its_loss_diverged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A runner job that diverged and was then interrupted (or whose data raised) said only how it ended: its last
+    word, which record() gives after an error, was missing. Reference: the rule applied with pandas to the kept rows."""
+    monkeypatch.setattr(CutAt, "how", how)
+    cfg = compose_cfg("+experiment=mlp", "steps=50", "model.depth=6", "optimizer.lr=1",
+                      "data._target_=test_last_word.CutAt")  # fmt: skip
+    with caplog.at_level(logging.INFO), pytest.raises(KeyboardInterrupt if how == "interrupt" else GradrunnerError):
+        train(cfg, out_dir=tmp_path)
+    loss = pd.read_parquet(tmp_path / "steps.parquet").sort_values("step")["loss"].to_numpy()
+    assert len(loss) == 45 and np.isfinite(loss).all()  # the steps before the cut, kept
+    k = len(loss) // 10
+    start, end = float(loss[:k].min()), float(np.median(loss[-k:]))
+    assert end > 2 * start  # the plant: lr=1 on a six-layer MLP diverges
+    level, lines = summary_of(caplog)
+    assert level == logging.WARNING
+    assert lines[0].startswith(f"records: {tmp_path} (grads.parquet, steps.parquet; ")
+    assert lines[1].endswith("(45 steps)")
+    assert lines[2] == (f"loss diverging: {end:.6g} at the end (the median of the last {k} finite steps) against "
+                        f"{start:.6g} at the start (the lowest of the first {k}): x{end / start:.3g}")  # fmt: skip
+    spikes = health.health(tmp_path).spikes  # the spikes the detector flagged: in the summary, said once
+    assert set(spikes) <= set(lines)
+    assert not [r for r in caplog.records if r.getMessage().startswith("spikes (anomalies.parquet):")]

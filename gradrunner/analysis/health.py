@@ -286,6 +286,23 @@ def last_word(directory: Path) -> Health:
     return h
 
 
+def try_last_word(directory: Path) -> Health | None:
+    """`last_word` where the run may not have completed (interrupted, failed): the summary of the steps it kept;
+    records that cannot be read are a warning saying so, never an error that would hide how the run ended.
+
+    Example::
+
+        except BaseException:
+            try_last_word(run_dir)    # 'loss diverging: ...' of the kept steps; then the error propagates
+            raise
+    """
+    try:
+        return last_word(directory)
+    except Exception as e:  # the summary only reads the records
+        log.warning("no run summary: the records in %s could not be read (%s)", directory, " ".join(str(e).split()))
+        return None
+
+
 def brief(h: Health) -> str:
     """One line for a job of a sweep: its loss, then its trouble (or "healthy").
 

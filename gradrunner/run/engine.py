@@ -160,7 +160,7 @@ class StepEngine:
         #: The spike detector (`anomaly`), fed each step's host values on the main rank; None: off.
         # the runner's `anomaly.*` may hold `replay`; record() and the callbacks checked theirs without it (record_options)
         self.detector = detector_for(anomaly, replay=True) if self.main else None
-        #: Whether the runner logs the spikes itself at a normal end (its health summary holds them).
+        #: Whether the driver's last word says the spikes (the runner's health summary, at every end): not logged here.
         self.spikes_in_last_word = False
         self._observed, self._resumed = 0, False  # a resumed run's detector is rebuilt from its records at the end
         if scaler is not None:
@@ -400,7 +400,7 @@ class StepEngine:
                 raise
             log.warning("the spike detector's anomalies.parquet was not written (%s)", e)
             return False
-        if lines and not (exc is None and self.spikes_in_last_word):
+        if lines and not self.spikes_in_last_word:
             log.warning("%s", "\n  ".join(["spikes (anomalies.parquet):", *lines]))
         return False
 

@@ -219,12 +219,14 @@ def train(
                      histogram=bool(c.get("histogram", False)))  # fmt: skip
     try:
         _train_in(cfg, job, files, taps, dist)
-    except KeyboardInterrupt:
+    except BaseException as e:
         if dist is None or dist.is_main:  # rank 0 keeps the books (and says so, once)
-            kept = [n for n in RECORD_FILES if (directory / n).is_file()]
-            steps_kept = _steps_in(directory / STEPS_FILE)
-            log.warning("interrupted; %s", f"the records of {steps_kept} completed step(s) are kept in {directory} "
-                        f"({', '.join(kept)})" if kept else f"no records were kept in {directory}")  # fmt: skip
+            if isinstance(e, KeyboardInterrupt):
+                kept = [n for n in RECORD_FILES if (directory / n).is_file()]
+                steps_kept = _steps_in(directory / STEPS_FILE)
+                log.warning("interrupted; %s", f"the records of {steps_kept} completed step(s) are kept in {directory} "
+                            f"({', '.join(kept)})" if kept else f"no records were kept in {directory}")  # fmt: skip
+            health.try_last_word(directory)  # an interrupted or failed run's too: what its kept steps say
         raise
     if dist is None or dist.is_main:
         health.last_word(directory)  # loss, NaN/Inf, vanishing/exploding taps, where the records are
@@ -261,7 +263,7 @@ def _train_in(cfg: DictConfig, job: Job, files: RunFiles, taps: list[Any], dist:
                         histogram=files.histogram, edits=edit_list(cfg), on_nonfinite=str(c.get("on_nonfinite", "record")),
                         update_norms=True, scaler=ctx.scaler, dist=dist,
                         anomaly=_anomaly(cfg))  # fmt: skip
-    engine.spikes_in_last_word = True  # a normal end's health summary says them (`health.last_word`)
+    engine.spikes_in_last_word = True  # the health summary says them, at every end (`health.last_word`)
     ckpt: Checkpointer | None = None
     try:
         with contextlib.ExitStack() as stack:

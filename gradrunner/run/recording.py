@@ -286,10 +286,7 @@ class Recorder:
             else:
                 log.warning("%s before its first step; no records were kept in %s", how_it_ended(exc_type, exc),
                             self.directory)  # fmt: skip
-            try:
-                health.last_word(self.directory)
-            except Exception as e:  # the summary only reads the records: it never hides how the session ended
-                log.warning("no run summary: the records in %s could not be read (%s)", self.directory, e)
+            health.try_last_word(self.directory)  # also after a normal end: the same summary, never an error
         finally:
             self._log.__exit__(None, None, None)
             self._log = None
