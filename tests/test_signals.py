@@ -9,9 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, compose_cfg
+import torch
+from conftest import SEARCHPATH, check_ok, cli_env, compose_cfg, gradrunner_in_process
 from records_check import check_records
+from torch import nn
 
+import gradrunner
 from gradrunner.run.loop import train
 from gradrunner.run.signals import Terminated, exit_status
 
@@ -80,3 +83,30 @@ def test_handlers_are_installed_once_per_run_not_swapped_every_step(
     train(compose_cfg("+experiment=cosine", "steps=40"), out_dir=tmp_path)
     assert check_records(tmp_path) == list(range(40))
     assert len(calls) <= 6  # SIGINT, SIGTERM, SIGHUP installed once and restored once: not per step
+
+
+@pytest.mark.parametrize(("fault", "status", "said"), [("sigint", 130, "interrupted"),
+                                                       ("sigterm", 143, "terminated (SIGTERM)")])  # fmt: skip
+def test_a_signal_before_step_0_completes_keeps_no_files_says_none_were_and_a_rerun_works(
+    tmp_path: Path, fault: str, status: int, said: str
+) -> None:
+    """The signal lands while the batch of step 0 is made: two 0-row files were kept, the last line said "the
+    records of completed steps are kept in ... (grads.parquet, steps.parquet)" and a re-run was refused."""
+    run = ["+experiment=cosine", "steps=2", "hydra.run.dir=run"]
+    cut = gradrunner_in_process(tmp_path, SEARCHPATH, *run, "data=faulty", "data.at_batch=0", f"data.fault={fault}")
+    assert cut.returncode == status, cut.stderr
+    assert cut.stderr.strip().splitlines()[-1] == f"gradrunner: {said}; no step completed, so no records were kept"
+    assert [p.name for p in (tmp_path / "run").iterdir() if "parquet" in p.name] == []  # no final or temp file
+    check_ok(gradrunner_in_process(tmp_path, SEARCHPATH, *run))  # not "already holds records"
+    assert check_records(tmp_path / "run") == [0, 1]
+
+
+def test_record_interrupted_before_its_first_step_keeps_no_files_and_the_next_session_runs(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(3, 1))
+    with pytest.raises(KeyboardInterrupt), gradrunner.record(model, ["0:output"], tmp_path / "r"):
+        raise KeyboardInterrupt  # Ctrl-C before the first rec.step()
+    assert [p.name for p in (tmp_path / "r").iterdir() if "parquet" in p.name] == []
+    with gradrunner.record(model, ["0:output"], tmp_path / "r") as rec:  # was refused: "already holds records"
+        model(torch.ones(2, 3)).sum().backward()
+        rec.step()
+    assert check_records(tmp_path / "r") == [0]

@@ -57,8 +57,8 @@ class ParquetTableWriter:
 
     Rows are buffered until `rows_per_group` rows (or `max_buffer_bytes` bytes) are waiting, then
     written as row groups, so memory does not grow with the length of a run. Leaving the `with`
-    block normally or by KeyboardInterrupt closes (what was written stays readable); any other
-    exception closes if at least one step was written, else aborts (deletes the temp file); a
+    block normally, or by KeyboardInterrupt once a row was written, closes (what was written stays readable);
+    any other exception closes if at least one step was written, else aborts (deletes the temp file); a
     close or a write that fails (a full disk) aborts too and re-raises. An existing final file is
     never overwritten, and the writer only ever deletes its own temp file (named with `run_id`).
     """
@@ -217,12 +217,15 @@ def finish_all(writers: Sequence[ParquetTableWriter], error: BaseException | Non
 
         finish_all([grads, steps], None)      # both files final, or (on a failure) neither
 
-    Kept (closed) when `error` is None or a KeyboardInterrupt, or when a step was written; else aborted.
+    Kept (closed) when `error` is None, or when a step was written (on a KeyboardInterrupt: or any row, for a
+    writer that counts no steps); else aborted: Ctrl-C before the first step leaves no empty files.
     All temp files are finished before any is renamed, and if one cannot be finished or renamed
     (a full disk), every writer is aborted: the tables a job leaves always agree.
     """
     with deferred_signals():
-        keep = error is None or isinstance(error, KeyboardInterrupt) or any(w.steps_written for w in writers)
+        wrote = any(w.steps_written for w in writers)
+        rows = any(w.rows_written or w.rows_buffered for w in writers)
+        keep = error is None or wrote or (isinstance(error, KeyboardInterrupt) and rows)
         if not keep:
             for w in writers:
                 w.abort()
