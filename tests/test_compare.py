@@ -306,6 +306,18 @@ def test_values_captured_differently_are_named_not_compared(tmp_path: Path) -> N
     assert c.agree and note in c.notes and not c.values["stat"].str.startswith("values").any()
 
 
+def test_values_captured_differently_are_named_in_a_run_without_done_json(tmp_path: Path) -> None:
+    """A run that stopped (capture.on_nonfinite=stop) or failed has no done.json: its capture.values is read from its
+    grads.parquet's config, so its 4 sampled elements are not compared with a replay's 12 (they were: "len(values)
+    4.0 vs 12.0", and an identical replay was judged "not exact")."""
+    run_a, run_b = _recorded_pair(tmp_path, options_b={"values": "full"}, values="sample", sample_size=4)
+    (run_a / "done.json").unlink()
+    assert pd.read_parquet(run_a / "grads.parquet")["values"].map(len).eq(4).all()
+    c = compare_runs(run_a, run_b)
+    note = "values captured differently (capture.values=sample (4 positions, seed 0) in run A, full in run B): not compared"
+    assert c.agree and note in c.notes and not c.values["stat"].str.startswith(("values", "len(values)")).any()
+
+
 def test_counts_are_compared_exactly_whatever_the_tolerance(tmp_path: Path) -> None:
     """One element or one histogram count more is another record: numel and hist_counts agree only when equal
     (with rtol=0.5, 8 elements against 12 were "within the tolerance": |8 - 12| <= 0.5 * 8)."""

@@ -50,6 +50,7 @@ from gradrunner.records.columns import (
     STAT_COLUMNS,
     STEPS_FILE,
 )
+from gradrunner.records.writer import recorded_config
 
 #: Default tolerances (see the module docstring for why).
 RTOL, ATOL = 1e-5, 1e-8
@@ -340,9 +341,12 @@ def _recorded(grads: pd.DataFrame, column: str) -> bool:
 
 def _values_mode(run: Path) -> str | None:
     """Which elements a run's `values` hold (`full`; `sample` with its size and the seed placing it), from the config
-    its `done.json` records; None without one (records written by hand, or by an older gradrunner)."""
+    its `done.json` records, else the one its `grads.parquet` was written with (a run that stopped or failed has no
+    `done.json`); None without either (records written by hand, or by an older gradrunner)."""
     marker, _ = rundir.read_marker(run)
     config = marker.get("config") if marker is not None else None
+    if not isinstance(config, dict):
+        config = recorded_config(run / GRADS_FILE)
     capture = config.get("capture") if isinstance(config, dict) else None
     if not isinstance(config, dict) or not isinstance(capture, dict) or "values" not in capture:
         return None

@@ -4,6 +4,7 @@ Contents (the schemas themselves live in `records.schema`; GRADS_SCHEMA and STEP
     RecordWriter                 -- one row per step x tap x call, into `<job dir>/grads.parquet`
     StepsWriter                  -- one row per step (loss, timings, memory), `<job dir>/steps.parquet`
     run_metadata()               -- the file's key-value metadata: config YAML, versions, seed, commit
+    recorded_config()            -- the resolved config a records file's metadata holds (however the run ended)
     deferred_signals()           -- SIGINT/SIGTERM/SIGHUP held back while a critical section runs
 
 The file mechanics they share (temp file, row groups, checksums, atomic commit, closing a job's
@@ -27,6 +28,7 @@ import platform
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -56,6 +58,9 @@ from gradrunner.records.schema import STEPS_SCHEMA as STEPS_SCHEMA
 from gradrunner.records.schema import grads_schema as grads_schema
 from gradrunner.records.table_writer import ROWS_PER_GROUP, ParquetTableWriter
 
+#: The key of the records' metadata holding the job's resolved config (YAML).
+CONFIG_KEY = "gradrunner.config"
+
 
 def run_metadata(
     config_yaml: str,
@@ -80,7 +85,7 @@ def run_metadata(
     if start_time is None:
         start_time = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return {
-        "gradrunner.config": config_yaml,
+        CONFIG_KEY: config_yaml,
         "gradrunner.version": _distribution_version("gradrunner", unknown="0+unknown"),
         "torch.version": _distribution_version("torch"),
         "python.version": platform.python_version(),
@@ -89,6 +94,25 @@ def run_metadata(
         "gradrunner.start_time": start_time,
         **({OVERRIDES_KEY: json.dumps([str(o) for o in overrides])} if overrides is not None else {}),
     }
+
+
+def recorded_config(path: Path) -> dict[str, Any] | None:
+    """The config a records file (`grads.parquet`) was written with, from its metadata (`run_metadata`); None where
+    the file or the key is missing or unreadable. Unlike `done.json`'s, it is there however the run ended.
+
+    Example::
+
+        recorded_config(job_dir / "grads.parquet")["capture"]["values"]     # 'sample'
+    """
+    import pyarrow.parquet as pq
+    import yaml
+
+    try:
+        meta = pq.read_schema(path).metadata or {}
+        node = yaml.safe_load(meta.get(CONFIG_KEY.encode(), b"") or "{}")
+    except Exception:  # a damaged footer or YAML: whoever reads the records names it
+        return None
+    return node if isinstance(node, dict) and node else None
 
 
 def _distribution_version(name: str, unknown: str = "unknown") -> str:

@@ -30,6 +30,7 @@ from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.analysis.reading import VALUES as VALUES_COLUMN
 from gradrunner.analysis.summaries import pick_steps
 from gradrunner.records.columns import GRADS_FILE, HIST_COLUMN, PER_EXAMPLE_COLUMN, STEPS_FILE
+from gradrunner.records.writer import recorded_config
 
 #: Columns with a list per row: read for the rows a figure draws, not with the rest of the records.
 _HEAVY = (VALUES_COLUMN, HIST_COLUMN, PER_EXAMPLE_COLUMN)
@@ -64,15 +65,8 @@ def light_columns(out_dir: Path) -> list[str] | None:
 
 def config_value(out_dir: Path, keys: tuple[str, ...]) -> object:
     """A value of the run's resolved config, as its grads file's metadata holds it (None where absent)."""
-    import pyarrow.parquet as pq
-    import yaml
-
     files = _grads_files(out_dir) if out_dir.is_dir() else []
-    try:
-        meta = (pq.read_schema(files[0]).metadata or {}) if files else {}
-        node: object = yaml.safe_load(meta.get(b"gradrunner.config", b"") or "{}")
-    except Exception:  # a damaged footer: `load` has named it already
-        return None
+    node: object = (recorded_config(files[0]) if files else None) or {}
     for key in keys:
         node = node.get(key) if isinstance(node, dict) else None
     return node
