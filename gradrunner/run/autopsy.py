@@ -160,6 +160,7 @@ def _source_config(run_dir: Path) -> dict[str, Any]:
     state = rundir.job_state(run_dir) if run_dir.is_dir() else None
     has_steps = (run_dir / "steps.parquet").is_file()
     if state is not None and state.marker is not None and has_steps:
+        _refuse_ranks(run_dir, int(state.marker.get("world_size") or 1))
         return dict(state.marker["config"])
     if state is not None and state.status == "failed" and has_steps:
         if (run_dir / KEPT_DIR / KEPT_MANIFEST).is_file():
@@ -169,6 +170,18 @@ def _source_config(run_dir: Path) -> dict[str, Any]:
                               "train.checkpoint_every=N anomaly.replay=K (a run stopped on its spike keeps them too)")  # fmt: skip
     raise GradrunnerError(f"{run_dir} is not a completed run dir (no done.json and steps.parquet); pass the dir "
                           "of a run made with train.checkpoint_every=N anomaly.replay=K")  # fmt: skip
+
+
+def _refuse_ranks(run_dir: Path, world: int) -> None:
+    """A torchrun run (`done.json`'s `world_size` > 1) is refused: its branches would not be the run's steps."""
+    if world > 1:
+        raise GradrunnerError(
+            f"{run_dir} is a torchrun run (world_size {world} in {rundir.DONE}): an autopsy branches from a kept "
+            "single-process checkpoint and runs each branch in one process, which takes other batches than the run's "
+            f"{world} ranks took at each step, so its branches would not be the run's (not even the unchanged "
+            "baseline); nothing was run or written. Autopsy a run made in a single process (python -m gradrunner ... "
+            "train.checkpoint_every=N anomaly.replay=K, without torchrun), as anomaly.replay is refused under torchrun."
+        )
 
 
 def _check_state(found: branch.Kept, step: int) -> None:

@@ -1,0 +1,61 @@
+"""Run dirs the autopsy refuses before any branch runs (one paragraph, exit 2, nothing written): defects a hunt
+of the spike flight recorder found, 2026-11-27.
+
+The source run: the MLP experiment on synthetic data with one corrupted batch at step 30 (tests/conf/data/spiky_batch),
+34 steps, a checkpoint every 5, `anomaly.replay=3`; the CLI runs inside the test's process. Each test refuses a copy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SEARCHPATH, check_ok, child_python, cli_env, gradrunner_in_process
+
+from gradrunner.run.autopsy import main
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("autopsy_refusals")
+    check_ok(gradrunner_in_process(root, "+experiment=mlp", "steps=34", "data=spiky_batch", "train.checkpoint_every=5",
+                                   "anomaly.replay=3", SEARCHPATH, f"hydra.run.dir={root / 'run'}"))  # fmt: skip
+    return root / "run"
+
+
+@pytest.fixture(autouse=True)
+def _tests_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep's process imports `planted_spikes` (tests/), as the source run's did (see test_autopsy)."""
+    monkeypatch.setattr(sys, "executable", child_python())
+    for name, value in cli_env().items():
+        monkeypatch.setenv(name, value)
+
+
+def _copy(source: Path, to: Path) -> Path:
+    shutil.copytree(source, to, ignore=shutil.ignore_patterns("autopsy", "autopsy.parquet"))
+    return to
+
+
+def _refused(run_dir: Path, capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """The autopsy's exit 2 and its one paragraph; nothing written into the run dir."""
+    before = sorted(p.name for p in run_dir.iterdir())
+    assert main([str(run_dir), "--horizon", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(p.name for p in run_dir.iterdir()) == before and not (run_dir / "autopsy").exists()
+    return err
+
+
+def test_a_torchrun_run_is_refused(source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A DDP run's branches ran in one process (other batches: the unchanged baseline 'avoided' the spike), then the
+    last word crashed on steps.parquet's one loss per rank (TypeError)."""
+    run_dir = _copy(source, tmp_path / "run")
+    done = json.loads((run_dir / "done.json").read_text())
+    (run_dir / "done.json").write_text(json.dumps({**done, "world_size": 2}))  # what a torchrun job's rank 0 writes
+    err = _refused(run_dir, capsys, "--interventions", "baseline,skip_batch")
+    assert f"{run_dir} is a torchrun run (world_size 2 in done.json)" in err and "nothing was run or written" in err
