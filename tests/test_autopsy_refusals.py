@@ -59,3 +59,22 @@ def test_a_torchrun_run_is_refused(source: Path, tmp_path: Path, capsys: pytest.
     (run_dir / "done.json").write_text(json.dumps({**done, "world_size": 2}))  # what a torchrun job's rank 0 writes
     err = _refused(run_dir, capsys, "--interventions", "baseline,skip_batch")
     assert f"{run_dir} is a torchrun run (world_size 2 in done.json)" in err and "nothing was run or written" in err
+
+
+def test_another_runs_kept_checkpoints_are_refused(
+    source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Run B's dir holding run A's kept checkpoints (kept.json names A): the autopsy of B branched from A's state and
+    reported it as B's; train.branch_from=B:25 took A's state too. Both refuse it now, naming both run ids."""
+    run_dir = _copy(source, tmp_path / "b")
+    kept = run_dir / "checkpoints" / "kept.json"
+    other = "a" * 32  # the kept checkpoints of run A, copied into run B's dir
+    kept.write_text(json.dumps({**json.loads(kept.read_text()), "run_id": other}))
+    own = json.loads((run_dir / "done.json").read_text())["run_id"]
+    says = f"{kept} was written for run {other}, not for run {own} (done.json of {run_dir}): the kept checkpoints of another run"
+    err = _refused(run_dir, capsys, "--interventions", "baseline")
+    assert says in err
+    branched = gradrunner_in_process(tmp_path, "+experiment=mlp", "steps=34", "data=spiky_batch", SEARCHPATH,
+                                     f"train.branch_from={run_dir}:25", f"hydra.run.dir={tmp_path / 'branch'}")  # fmt: skip
+    assert branched.returncode == 2 and says in branched.stderr and "Traceback" not in branched.stderr
+    assert not (tmp_path / "branch" / "branch.json").exists() and not (tmp_path / "branch" / "steps.parquet").exists()

@@ -6,6 +6,7 @@ Contents:
     write_anomalies(run_dir, rows, run_id) -- the whole file, atomically (a reader sees the old file or the new)
     read_anomalies_table(run_dir)          -- the file, every page checked, refused (`rundir.Damaged`) if not this run's
     run_id_of(run_dir)                     -- the run's id: its `done.json`'s, else its steps (or grads) file's
+    run_id_source(run_dir)                 -- that id and the name of the file it came from
 
 Example::
 
@@ -113,12 +114,23 @@ def run_id_of(run_dir: str | os.PathLike[str]) -> str | None:
 
         run_id_of(run_dir)       # '3f2a...'
 
-    A records file holding rows of several runs is `rundir.Damaged`.
+    A records file holding rows of several runs is `rundir.Damaged`. `run_id_source` also names the file.
+    """
+    found = run_id_source(run_dir)
+    return found[0] if found is not None else None
+
+
+def run_id_source(run_dir: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """`run_id_of(run_dir)` and the name of the file it came from (`done.json`, `steps.parquet`, `grads.parquet`).
+
+    Example::
+
+        run_id_source(run_dir)   # ('3f2a...', 'steps.parquet') for a run interrupted before its done.json
     """
     directory = Path(run_dir)
     marker = rundir.job_state(directory).marker
     if marker is not None:
-        return str(marker["run_id"])
+        return str(marker["run_id"]), rundir.DONE
     for name in (STEPS_FILE, GRADS_FILE):
         path = directory / name
         if path.is_file():
@@ -126,7 +138,7 @@ def run_id_of(run_dir: str | os.PathLike[str]) -> str | None:
             if len(ids) > 1:
                 raise rundir.Damaged(f"{name} holds rows of several runs ({', '.join(map(str, ids))})")
             if ids:
-                return str(ids[0])
+                return str(ids[0]), name
     return None
 
 

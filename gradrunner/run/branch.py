@@ -45,6 +45,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.data import Batch, as_batches
 from gradrunner.errors import GradrunnerError
+from gradrunner.records import rundir
+from gradrunner.records.anomalies import run_id_source
 from gradrunner.records.atomic import write_atomically
 from gradrunner.records.checkpoint_files import CHECKPOINT_DIR, file_digest, read_manifest, write_manifest
 from gradrunner.run.branch_state import changed_state
@@ -92,7 +94,7 @@ def kept(run_dir: str | Path) -> Kept:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         states = {int(s["step"]): s for s in data["states"]}
-        return Kept(d, str(data["run_id"]), dict(data["config"]), states)
+        found = Kept(d, str(data["run_id"]), dict(data["config"]), states)
     except FileNotFoundError:
         raise GradrunnerError(
             f"{d} has no kept checkpoints ({KEPT_DIR}/{KEPT_MANIFEST}); a branch starts from one. Run the source "
@@ -102,6 +104,24 @@ def kept(run_dir: str | Path) -> Kept:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise GradrunnerError(f"{path} cannot be read ({type(e).__name__}: {e}); it is not a manifest gradrunner "
                               "wrote. Make the source run again with anomaly.replay=K") from e  # fmt: skip
+    _check_own(found, path)
+    return found
+
+
+def _check_own(found: Kept, path: Path) -> None:
+    """`kept.json` names the run dir's own run (`done.json`'s id, else its records'), as `anomalies.parquet` must."""
+    try:
+        own = run_id_source(found.run_dir)
+    except rundir.Damaged as e:
+        raise GradrunnerError(f"the run id of {found.run_dir} cannot be read ({e}), so its kept checkpoints "
+                              f"({path}) cannot be told to be its own; make the run again") from e  # fmt: skip
+    if own is not None and own[0] != found.run_id:
+        raise GradrunnerError(
+            f"{path} was written for run {found.run_id}, not for run {own[0]} ({own[1]} of {found.run_dir}): the kept "
+            f"checkpoints of another run (copied or moved into {found.run_dir / KEPT_DIR}), which no branch or autopsy "
+            f"of this run starts from; nothing was run. Put back this run's own {KEPT_DIR}/ folder, or branch from the "
+            "run that wrote them (train.branch_from=<its dir>:<step>)"
+        )
 
 
 def parse(branch_from: str) -> tuple[Path, int]:
