@@ -78,3 +78,51 @@ def test_another_runs_kept_checkpoints_are_refused(
                                      f"train.branch_from={run_dir}:25", f"hydra.run.dir={tmp_path / 'branch'}")  # fmt: skip
     assert branched.returncode == 2 and says in branched.stderr and "Traceback" not in branched.stderr
     assert not (tmp_path / "branch" / "branch.json").exists() and not (tmp_path / "branch" / "steps.parquet").exists()
+
+
+def test_a_record_session_run_dir_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """gradrunner.record() (as the Lightning and HF callbacks) flags spikes too, but its dir holds no runner config:
+    the autopsy crashed with KeyError: 'train' (a traceback, exit 1)."""
+    import torch
+
+    import gradrunner
+    from gradrunner.run.replay import loss_spikes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 1, generator=g)
+    run_dir = tmp_path / "rec"
+    with gradrunner.record(model, ["0:output"], run_dir) as rec:
+        for step in range(45):
+            x = torch.randn(16, 8, generator=g) * (50 if step == 40 else 1)  # a planted loss spike at step 40
+            loss = torch.nn.functional.mse_loss(model(x), x @ w)
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    assert 40 in set(loss_spikes(run_dir)["step"])  # the spike is flagged: the autopsy would take it
+    err = _refused(run_dir, capsys)
+    assert f"{run_dir} was written by gradrunner.record() or a Lightning/HF callback: its done.json config has no " \
+           "model, data, loss, optimizer, train" in err  # fmt: skip
+
+
+def test_lr_half_is_left_out_of_a_run_without_optimizer_lr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """optimizer=adam '~optimizer.lr' (Adam's own default rate): the autopsy crashed with KeyError: 'lr'."""
+    from gradrunner.run.autopsy import find_spike, plan
+
+    check_ok(gradrunner_in_process(tmp_path, "+experiment=mlp", "steps=34", "data=spiky_batch", SEARCHPATH,
+                                   "optimizer=adam", "~optimizer.lr", "train.checkpoint_every=5", "anomaly.replay=3",
+                                   f"hydra.run.dir={tmp_path / 'run'}"))  # fmt: skip
+    run_dir = tmp_path / "run"
+    spike = find_spike(run_dir, 30, 1)  # the corrupted batch's step
+    chosen, notes = plan(spike, None, {})
+    assert list(chosen) == ["baseline", "skip_batch", "clip", "reset_moments"]  # zero_tap: step 30 was not flagged
+    assert notes[0] == ("lr_half left out: lr_half needs optimizer.lr in the run's config (the rate to halve); the run's "
+                     "torch.optim.Adam ran at its own default rate, which the config does not hold: halve it with "
+                     "--override lr_half +optimizer.lr=<half of that rate>")  # fmt: skip
+    err = _refused(
+        run_dir, capsys, "--step", "30", "--interventions", "lr_half"
+    )  # asked for by name: one paragraph, exit 2
+    assert "lr_half needs optimizer.lr in the run's config" in err

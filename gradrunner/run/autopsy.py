@@ -47,11 +47,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, did_you_mean, one_paragraph
-from gradrunner.records import rundir
 from gradrunner.records.atomic import write_atomically
-from gradrunner.records.checkpoint_files import file_digest
 from gradrunner.run import branch
-from gradrunner.run.checkpoint import KEPT_DIR, KEPT_MANIFEST
+from gradrunner.run.autopsy_source import check_state, source_config
 from gradrunner.run.replay import loss_spikes, spike_starts
 
 AUTOPSY_DIR, RESULT_FILE, PAGE_FILE, CONF_DIR = "autopsy", "autopsy.parquet", "autopsy.html", ".autopsy_conf"
@@ -94,6 +92,15 @@ def _zero_tap(s: Spike) -> dict[str, Any]:
     return {"edits": [*(s.config.get("edits") or []), {"tap": s.first_tap, "scale": 0.0}]}
 
 
+def _lr_half(s: Spike) -> dict[str, Any]:
+    optimizer = s.config.get("optimizer") or {}
+    if optimizer.get("lr") is None:
+        raise GradrunnerError(f"lr_half needs optimizer.lr in the run's config (the rate to halve); the run's "
+                              f"{optimizer.get('_target_', 'optimizer')} ran at its own default rate, which the config "
+                              "does not hold: halve it with --override lr_half +optimizer.lr=<half of that rate>")  # fmt: skip
+    return {"optimizer": {"lr": float(optimizer["lr"]) / 2}}
+
+
 def _reset_moments(s: Spike) -> dict[str, Any]:
     target = str(s.config["optimizer"]["_target_"])
     if "adam" not in target.rsplit(".", 1)[-1].lower():
@@ -105,7 +112,7 @@ def _reset_moments(s: Spike) -> dict[str, Any]:
 INTERVENTIONS: dict[str, Callable[[Spike], dict[str, Any]]] = {
     "baseline": lambda s: {},
     "skip_batch": _skip_batch,
-    "lr_half": lambda s: {"optimizer": {"lr": float(s.config["optimizer"]["lr"]) / 2}},
+    "lr_half": _lr_half,
     "clip": lambda s: {"train": {"clip_grad_norm": s.median_grad_norm()}},
     "zero_tap": _zero_tap,
     "reset_moments": _reset_moments,
@@ -116,7 +123,7 @@ DEFAULT = tuple(INTERVENTIONS)
 
 def find_spike(run_dir: Path, step: int | None, horizon: int) -> Spike:
     """The spike to autopsy in `run_dir` and the kept checkpoint a branch starts from; one paragraph for bad input."""
-    config = _source_config(run_dir)
+    config = source_config(run_dir)
     if horizon < 1:
         raise GradrunnerError(f"--horizon {horizon} is not allowed; it must be an integer >= 1 (steps after the spike)")
     spikes = loss_spikes(run_dir)
@@ -134,7 +141,7 @@ def find_spike(run_dir: Path, step: int | None, horizon: int) -> Spike:
     kept = sorted(found.states) if found is not None else []
     start = max([c for c in kept if c <= step], default=first)  # none kept: the run's start
     if found is not None and start in kept:
-        _check_state(found, start)
+        check_state(found, start)
     origin = f"{run_dir}:{start}"
     if start not in kept and start > 0:  # a branch run: where it branched from
         origin = str((config.get("train") or {}).get("branch_from"))
@@ -152,50 +159,6 @@ def find_spike(run_dir: Path, step: int | None, horizon: int) -> Spike:
     tap = row["first_tap"].iloc[0] if len(row) and "first_tap" in row else None
     return Spike(run_dir, step, start, horizon, threshold, config, tap if isinstance(tap, str) else None, losses,
                  origin)  # fmt: skip
-
-
-def _source_config(run_dir: Path) -> dict[str, Any]:
-    """The config the run ran with: `done.json`'s, or, for a run that stopped on its spike
-    (`capture.on_nonfinite=stop`: `failed.json`), that of the checkpoints it kept. One paragraph when neither."""
-    state = rundir.job_state(run_dir) if run_dir.is_dir() else None
-    has_steps = (run_dir / "steps.parquet").is_file()
-    if state is not None and state.marker is not None and has_steps:
-        _refuse_ranks(run_dir, int(state.marker.get("world_size") or 1))
-        return dict(state.marker["config"])
-    if state is not None and state.status == "failed" and has_steps:
-        if (run_dir / KEPT_DIR / KEPT_MANIFEST).is_file():
-            return dict(branch.kept(run_dir).config)
-        raise GradrunnerError(f"{run_dir} is a run that failed ({one_paragraph(state.error or 'failed.json')}) and kept "
-                              "no checkpoint, so nothing can branch from before its spike; make it again with "
-                              "train.checkpoint_every=N anomaly.replay=K (a run stopped on its spike keeps them too)")  # fmt: skip
-    raise GradrunnerError(f"{run_dir} is not a completed run dir (no done.json and steps.parquet); pass the dir "
-                          "of a run made with train.checkpoint_every=N anomaly.replay=K")  # fmt: skip
-
-
-def _refuse_ranks(run_dir: Path, world: int) -> None:
-    """A torchrun run (`done.json`'s `world_size` > 1) is refused: its branches would not be the run's steps."""
-    if world > 1:
-        raise GradrunnerError(
-            f"{run_dir} is a torchrun run (world_size {world} in {rundir.DONE}): an autopsy branches from a kept "
-            "single-process checkpoint and runs each branch in one process, which takes other batches than the run's "
-            f"{world} ranks took at each step, so its branches would not be the run's (not even the unchanged "
-            "baseline); nothing was run or written. Autopsy a run made in a single process (python -m gradrunner ... "
-            "train.checkpoint_every=N anomaly.replay=K, without torchrun), as anomaly.replay is refused under torchrun."
-        )
-
-
-def _check_state(found: branch.Kept, step: int) -> None:
-    """The kept state a branch starts from is there with the bytes `kept.json` recorded (before any branch runs)."""
-    path = found.path(step)
-    try:
-        same = file_digest(path) == found.states[step]["sha256"]
-    except OSError as e:
-        raise GradrunnerError(f"{path} cannot be read ({type(e).__name__}: {one_paragraph(e)}), and every branch of "
-                              f"this autopsy starts from it (listed in {KEPT_MANIFEST}); put it back, or make the run "
-                              "again with train.checkpoint_every=N anomaly.replay=K") from e  # fmt: skip
-    if not same:
-        raise GradrunnerError(f"{path} is not the file {KEPT_MANIFEST} recorded (its bytes changed after it was "
-                              "written), and every branch of this autopsy starts from it; make the run again")  # fmt: skip
 
 
 def _check_override(name: str, items: list[str], config: dict[str, Any]) -> None:
