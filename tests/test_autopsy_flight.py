@@ -158,3 +158,24 @@ def test_a_run_stopped_on_its_spike_is_autopsied(tmp_path: Path, capsys: pytest.
     baseline = _losses(run_dir / "autopsy" / "step30" / str(table.loc["baseline", "job"]))
     pd.testing.assert_series_equal(baseline.loc[25:30], _losses(run_dir).loc[25:30], check_exact=True)  # NaN at 30
     assert baseline.index.max() == 31 and bool(table.loc["skip_batch", "avoided"])
+
+
+def test_an_unflagged_steps_threshold_is_the_runs_own_rule(tmp_path: Path) -> None:
+    """--step S on a step the detector did not flag: the threshold was taken over the last 128 losses whatever the
+    run's anomaly.window, and z from the file but the floor hard-coded; it is the detector's band now, with the
+    window, z and floor anomalies.parquet was written with."""
+    from conftest import SEARCHPATH
+
+    from gradrunner.run.autopsy import find_spike
+
+    check_ok(gradrunner_in_process(tmp_path, "+experiment=mlp", f"steps={STEPS}", "data=spiky_batch", SEARCHPATH,
+                                   "anomaly.window=8", "anomaly.warmup=5", "anomaly.z=5",
+                                   f"hydra.run.dir={tmp_path / 'run'}"))  # fmt: skip
+    run_dir = tmp_path / "run"
+    flagged = pd.read_parquet(run_dir / "anomalies.parquet").query("signal == 'loss'")["step"]
+    assert flagged.min() == 30  # nothing flagged before the corrupted batch: the window is the last 8 losses
+    window = _losses(run_dir).loc[:27].tail(8)  # the reference: plain pandas, population std, floor 1e-3 x |mean|
+    want = window.mean() + 5 * max(window.std(ddof=0), 1e-3 * abs(window.mean()))
+    spike = find_spike(run_dir, 28, 1)
+    assert spike.threshold == pytest.approx(want, rel=1e-9)
+    assert spike.threshold != pytest.approx(_losses(run_dir).loc[:27].pipe(lambda w: w.mean() + 5 * w.std(ddof=0)))

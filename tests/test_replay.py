@@ -137,13 +137,13 @@ def test_the_spikes_come_from_anomalies_parquet_when_the_run_wrote_one(source: P
     from gradrunner.run.replay import loss_spikes, spike_starts
 
     offline = loss_spikes(source)  # no anomalies.parquet: the detector over the records
-    assert spike_starts(offline) == [30] and offline["step"].iloc[0] == 30 and offline.attrs["z"] == 6.0
+    assert spike_starts(offline) == [30] and offline["step"].iloc[0] == 30 and offline.attrs["settings"]["z"] == 6.0
     copy = tmp_path / "run"
     shutil.copytree(source, copy, ignore=shutil.ignore_patterns("replay", "checkpoints"))
     run_id = json.loads((copy / "done.json").read_text())["run_id"]
     save_anomalies(copy, detect_run(copy, Detector(z=5.0)), run_id)  # as the loop writes it, at z = 5
     written = loss_spikes(copy)
-    assert written.attrs["z"] == 5.0 and spike_starts(written) == [30]
+    assert written.attrs["settings"]["z"] == 5.0 and spike_starts(written) == [30]
     assert written["first_tap"].iloc[0] == offline["first_tap"].iloc[0]
 
 

@@ -150,6 +150,27 @@ class Detector:
             out[name] = 0.0 if math.isnan(z) else float(z)
         return out
 
+    def settings(self) -> dict[str, Any]:
+        """The detector's settings, as `anomalies.parquet` keeps them: `Detector(**det.settings())` is a fresh copy."""
+        return {"z": self.z, "window": self.window, "warmup": self.warmup, "rel_floor": self.rel_floor}
+
+    def threshold(self, name: str) -> float:
+        """The value of `name` above which its next value would be flagged: mean + z x (floored) std of its window,
+        on its scale (exp of that on the log scale); +inf in warm-up or for a signal never seen (only a NaN or
+        infinite value is flagged there).
+
+        Example::
+
+            det.threshold("loss")     # 2.78: a loss above it at the next step is a spike
+        """
+        j = self._index.get(name)
+        if j is None or self._state[j, _ACC] < self.warmup:
+            return math.inf
+        rows, logs = np.array([j], np.intp), self._log[[j]]
+        mean, std = self._stats(rows, self._state[rows], logs)
+        band = float(mean[0] + self.z * std[0])
+        return math.exp(band) if logs[0] else band
+
     def _rows(self, names: tuple[str, ...]) -> np.ndarray:
         if names == self._last_key:  # the same signals as the last step (the usual case): no lookups
             return self._last_idx

@@ -16,7 +16,6 @@ settings `anomalies.parquet` was written with, as `detect_run` does. Imports no 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from gradrunner.analysis.anomaly_signals import TAP_COLUMNS, run_signals
 from gradrunner.analysis.anomaly_summary import Spike, spikes
 from gradrunner.analysis.reading import load
 from gradrunner.records import rundir
-from gradrunner.records.anomalies import SETTINGS_KEY, read_anomalies_table
+from gradrunner.records.anomalies import read_anomalies_table, settings_of
 from gradrunner.records.columns import GRADS_FILE, STEPS_FILE
 
 
@@ -48,8 +47,7 @@ def z_around(
     found = spikes(table.to_pylist())[:limit]
     if not found:
         return []
-    settings = json.loads((table.schema.metadata or {}).get(SETTINGS_KEY.encode(), b"{}") or b"{}")
-    det = Detector(*(settings[k] for k in ("z", "window", "warmup", "rel_floor") if k in settings))
+    det = Detector(**settings_of(table.schema))
     wanted = {step: i for i, s in enumerate(found) for step in range(s.step - before, s.step + after + 1)}
     scores: list[dict[int, dict[str, float]]] = [{} for _ in found]
     steps = rundir.read_verified(directory / STEPS_FILE, rundir.job_state(directory).marker)

@@ -214,8 +214,9 @@ def save_anomalies(
     `order`: the taps' tie-break order for `first_mover` (default: the order the detector first saw them).
     """
     order = detector.taps() if order is None else order
-    settings = {"z": detector.z, "window": detector.window, "warmup": detector.warmup, "rel_floor": detector.rel_floor}
-    return write_anomalies(run_dir, anomaly_rows(detector.anomalies, detector.window, order), run_id, settings)
+    return write_anomalies(
+        run_dir, anomaly_rows(detector.anomalies, detector.window, order), run_id, detector.settings()
+    )
 
 
 def finish_anomalies(
@@ -231,11 +232,10 @@ def finish_anomalies(
     the run's closed records first (`detect_run`: the same rule, the same values).
     """
     if rebuild:
-        detector = detect_run(run_dir, Detector(detector.z, detector.window, detector.warmup, detector.rel_floor))
+        detector = detect_run(run_dir, Detector(**detector.settings()))
     order = detector.taps()
     rows = anomaly_rows(detector.anomalies, detector.window, order)
-    settings = {"z": detector.z, "window": detector.window, "warmup": detector.warmup, "rel_floor": detector.rel_floor}
-    write_anomalies(run_dir, rows, run_id, settings)
+    write_anomalies(run_dir, rows, run_id, detector.settings())
     return spike_lines(rows, detector.window)
 
 

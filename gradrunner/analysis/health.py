@@ -250,10 +250,9 @@ def _earliest(taps: dict[str, int], label: str, step: Any) -> None:
 
 def _spikes(directory: Path) -> list[str]:
     """The spike lines of `directory`'s anomalies.parquet ([] without one; one line when it does not verify)."""
-    import json
 
     from gradrunner.analysis.anomaly_summary import spike_lines
-    from gradrunner.records.anomalies import ANOMALIES_FILE, SETTINGS_KEY, read_anomalies_table
+    from gradrunner.records.anomalies import ANOMALIES_FILE, read_anomalies_table, settings_of
 
     if not (directory / ANOMALIES_FILE).is_file():
         return []
@@ -261,7 +260,7 @@ def _spikes(directory: Path) -> list[str]:
         table = read_anomalies_table(directory)
     except Exception as e:
         return [f"spikes: {ANOMALIES_FILE} cannot be read ({type(e).__name__}: {e})"]
-    settings = json.loads((table.schema.metadata or {}).get(SETTINGS_KEY.encode(), b"{}") or b"{}")
+    settings = settings_of(table.schema)
     return spike_lines(table.to_pylist(), int(settings.get("window", 128)))
 
 

@@ -7,6 +7,7 @@ Contents:
     read_anomalies_table(run_dir)          -- the file, every page checked, refused (`rundir.Damaged`) if not this run's
     run_id_of(run_dir)                     -- the run's id: its `done.json`'s, else its steps (or grads) file's
     run_id_source(run_dir)                 -- that id and the name of the file it came from
+    settings_of(schema)                    -- the detector's settings the file was written with (its metadata)
 
 Example::
 
@@ -84,6 +85,28 @@ def anomalies_table(
     columns["run_id"] = [run_id] * len(rows)
     meta = {RUN_ID_KEY: run_id, SETTINGS_KEY: json.dumps(dict(settings or {}))}
     return pa.table(columns, schema=ANOMALIES_SCHEMA.with_metadata(meta))
+
+
+#: The detector's settings `settings_of` reads back (`analysis.anomalies.Detector`'s arguments), with their types.
+SETTINGS = {"z": float, "window": int, "warmup": int, "rel_floor": float}
+
+
+def settings_of(schema: pa.Schema) -> dict[str, Any]:
+    """The detector's settings an anomalies file's schema metadata holds (`Detector(**settings_of(s))` is that
+    detector); {} where it holds none (the detector's defaults apply).
+
+    Example::
+
+        settings_of(read_anomalies_table(run_dir).schema)     # {'z': 6.0, 'window': 128, 'warmup': 20, 'rel_floor': 0.001}
+    """
+    raw = (schema.metadata or {}).get(SETTINGS_KEY.encode())
+    try:
+        found = json.loads(raw) if raw else {}
+    except ValueError:
+        found = {}
+    if not isinstance(found, dict):
+        return {}
+    return {k: cast(Any, kind)(found[k]) for k, kind in SETTINGS.items() if isinstance(found.get(k), int | float)}
 
 
 def write_anomalies(

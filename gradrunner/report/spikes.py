@@ -20,7 +20,7 @@ import pandas as pd
 
 from gradrunner.analysis.anomaly_context import z_around
 from gradrunner.analysis.anomaly_summary import short, spike_lines
-from gradrunner.records.anomalies import ANOMALIES_FILE, SETTINGS_KEY, read_anomalies_table
+from gradrunner.records.anomalies import ANOMALIES_FILE, read_anomalies_table, settings_of
 from gradrunner.report.page import html_section, html_table
 
 
@@ -31,7 +31,6 @@ def spike_sections(out_dir: Path) -> list[str]:
 
         spike_sections(Path("outputs/2026-11-26/01-00-00-000000"))    # ['<h2 id="spikes">Spikes</h2>...']
     """
-    import json
 
     if not (out_dir / ANOMALIES_FILE).is_file():
         return []
@@ -40,7 +39,7 @@ def spike_sections(out_dir: Path) -> list[str]:
     except Exception as e:
         return [html_section("Spikes", f"<p>{ANOMALIES_FILE} cannot be read ({html.escape(type(e).__name__)}: "
                                        f"{html.escape(str(e))}); the rest of the report does not use it.</p>")]  # fmt: skip
-    settings = json.loads((table.schema.metadata or {}).get(SETTINGS_KEY.encode(), b"{}") or b"{}")
+    settings = settings_of(table.schema)
     lines = spike_lines(table.to_pylist(), int(settings.get("window", 128)))
     around = z_around(out_dir)
     if not around:

@@ -46,7 +46,10 @@ import pandas as pd
 import yaml
 from omegaconf import OmegaConf
 
+from gradrunner.analysis.anomalies import LOSS, Detector
+from gradrunner.analysis.anomaly_signals import run_signals
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, did_you_mean, one_paragraph
+from gradrunner.records import rundir
 from gradrunner.records.atomic import write_atomically
 from gradrunner.run import branch
 from gradrunner.run.autopsy_source import check_state, source_config
@@ -146,16 +149,15 @@ def find_spike(run_dir: Path, step: int | None, horizon: int) -> Spike:
     if start not in kept and start > 0:  # a branch run: where it branched from
         origin = str((config.get("train") or {}).get("branch_from"))
     row = spikes[spikes["step"] == step] if len(spikes) else spikes
-    z = float(spikes.attrs.get("z", 6.0))
+    det = Detector(**spikes.attrs["settings"])  # the rule that flagged the run's spikes, its settings
     if len(row):
-        threshold = float(row["mean"].iloc[0] + z * row["std"].iloc[0])
-    else:  # a step that was not flagged: the rule's band over the losses before it, flagged ones left out
-        flagged: set[int] = set()
-        for at, through in zip(spikes["step"] if len(spikes) else [], spikes.get("through", [None] * len(spikes)),
-                               strict=True):  # fmt: skip
-            flagged.update(range(int(at), int(at if pd.isna(through) else through) + 1))
-        window = losses[(losses.index < step) & ~losses.index.isin(sorted(flagged))].tail(128)
-        threshold = float(window.mean() + z * max(window.std(ddof=0), 1e-3 * abs(window.mean())))
+        threshold = float(row["mean"].iloc[0] + det.z * row["std"].iloc[0])
+    else:  # a step that was not flagged: the rule's band just before it, over the run's losses (flagged ones out)
+        for at, values in run_signals(None, rundir.read_verified(run_dir / "steps.parquet", None)):
+            if at >= step:
+                break
+            det.observe(at, {LOSS: values[LOSS]} if LOSS in values else {})
+        threshold = det.threshold(LOSS)
     tap = row["first_tap"].iloc[0] if len(row) and "first_tap" in row else None
     return Spike(run_dir, step, start, horizon, threshold, config, tap if isinstance(tap, str) else None, losses,
                  origin)  # fmt: skip

@@ -45,24 +45,28 @@ VERDICT_FILE = "replay.json"
 
 
 def loss_spikes(run_dir: Path) -> pd.DataFrame:
-    """The run's flagged loss values (`step`, `value`, `mean`, `std`, `z`, `first_tap`, `lead`), and the z setting in
-    `attrs["z"]`: from `anomalies.parquet`, else the detector run over the records (`detect_run`).
+    """The run's flagged loss values (`step`, `value`, `mean`, `std`, `z`, `first_tap`, `lead`), and the detector's
+    settings in `attrs["settings"]` (`Detector(**settings)`: the rule that flagged them): from `anomalies.parquet`,
+    else the detector run over the records (`detect_run`).
 
     Example::
 
         loss_spikes(run_dir)["step"].tolist()     # [30, 31]
     """
+    import pyarrow.parquet as pq
+
     from gradrunner.analysis.anomalies import anomaly_rows
     from gradrunner.analysis.anomaly_signals import detect_run, read_anomalies
-    from gradrunner.records.anomalies import ANOMALIES_FILE
+    from gradrunner.records.anomalies import ANOMALIES_FILE, settings_of
 
     if (run_dir / ANOMALIES_FILE).is_file():
-        rows, z = read_anomalies(run_dir), _z_setting(run_dir)
+        rows = read_anomalies(run_dir)  # verified: a file of another run is refused before its settings are used
+        settings = settings_of(pq.read_schema(run_dir / ANOMALIES_FILE))
     else:
         det = detect_run(run_dir)
-        rows, z = pd.DataFrame(anomaly_rows(det.anomalies, det.window, det.taps())), det.z
+        rows, settings = pd.DataFrame(anomaly_rows(det.anomalies, det.window, det.taps())), det.settings()
     spikes = rows[rows["signal"] == "loss"].sort_values("step").reset_index(drop=True) if len(rows) else rows
-    spikes.attrs["z"] = z
+    spikes.attrs["settings"] = settings
     return spikes
 
 
@@ -75,22 +79,6 @@ def spike_starts(spikes: pd.DataFrame) -> list[int]:
     """
     steps = sorted({int(s) for s in spikes["step"]}) if len(spikes) else []
     return [s for i, s in enumerate(steps) if i == 0 or steps[i - 1] != s - 1]
-
-
-def _z_setting(run_dir: Path) -> float:
-    """The detector's z the run's `anomalies.parquet` was written with (its settings metadata), else the default."""
-    import pyarrow.parquet as pq
-
-    from gradrunner.analysis.anomalies import Detector
-    from gradrunner.records.anomalies import ANOMALIES_FILE, SETTINGS_KEY
-
-    meta = pq.read_schema(run_dir / ANOMALIES_FILE).metadata or {}
-    raw = meta.get(SETTINGS_KEY.encode())
-    try:
-        z = json.loads(raw).get("z") if raw else None
-    except (ValueError, AttributeError):
-        z = None
-    return float(z) if isinstance(z, (int, float)) else float(Detector().z)
 
 
 @dataclass(frozen=True)
