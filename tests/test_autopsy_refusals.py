@@ -119,10 +119,9 @@ def test_lr_half_is_left_out_of_a_run_without_optimizer_lr(tmp_path: Path, capsy
     spike = find_spike(run_dir, 30, 1)  # the corrupted batch's step
     chosen, notes = plan(spike, None, {})
     assert list(chosen) == ["baseline", "skip_batch", "clip", "reset_moments"]  # zero_tap: step 30 was not flagged
-    assert notes[0] == ("lr_half left out: lr_half needs optimizer.lr in the run's config (the rate to halve); the run's "
-                     "torch.optim.Adam ran at its own default rate, which the config does not hold: halve it with "
-                     "--override lr_half +optimizer.lr=<half of that rate>")  # fmt: skip
-    err = _refused(
-        run_dir, capsys, "--step", "30", "--interventions", "lr_half"
-    )  # asked for by name: one paragraph, exit 2
+    assert notes[0] == ("lr_half left out: lr_half needs optimizer.lr in the run's config (the rate to halve); the "
+                        "run's torch.optim.Adam ran at its own default rate, which the config does not hold (a branch "
+                        "cannot add optimizer.lr: it scales the run's rates by new/old); make the run with "
+                        "optimizer.lr set to try a lower rate")  # fmt: skip
+    err = _refused(run_dir, capsys, "--step", "30", "--interventions", "lr_half")  # by name: one paragraph, exit 2
     assert "lr_half needs optimizer.lr in the run's config" in err

@@ -152,3 +152,14 @@ def test_a_changed_param_group_structure_or_optimizer_class_is_refused_by_name(
     with pytest.raises(GradrunnerError, match=rf"{key} is changed .* nothing was run") as e:
         run(compose_cfg(*ADAMW, change, f"train.branch_from={source}:{step}"), out_dir=tmp_path / "branch")
     assert "\n" not in str(e.value) and "branch from step 0" in str(e.value)
+
+
+def test_an_optimizer_lr_added_or_removed_is_refused(tmp_path: Path) -> None:
+    """A source run at its optimizer's own default rate (no optimizer.lr) branched with an lr (the mlp experiment's
+    0.1): KeyError: 'lr' (the
+    rates are scaled by new/old, and there is no old); one paragraph now, before any step."""
+    adam = (*MLP, "optimizer=adam")
+    source, step, _ = _source(tmp_path / "source", *adam, "~optimizer.lr")
+    with pytest.raises(GradrunnerError, match=r"optimizer.lr is added \('<unset>' -> 0.1\).* nothing was run") as e:
+        run(compose_cfg(*adam, f"train.branch_from={source}:{step}"), out_dir=tmp_path / "branch")
+    assert "\n" not in str(e.value) and not (tmp_path / "branch" / "steps.parquet").exists()

@@ -100,7 +100,8 @@ def _lr_half(s: Spike) -> dict[str, Any]:
     if optimizer.get("lr") is None:
         raise GradrunnerError(f"lr_half needs optimizer.lr in the run's config (the rate to halve); the run's "
                               f"{optimizer.get('_target_', 'optimizer')} ran at its own default rate, which the config "
-                              "does not hold: halve it with --override lr_half +optimizer.lr=<half of that rate>")  # fmt: skip
+                              "does not hold (a branch cannot add optimizer.lr: it scales the run's rates by new/old); "
+                              "make the run with optimizer.lr set to try a lower rate")  # fmt: skip
     return {"optimizer": {"lr": float(optimizer["lr"]) / 2}}
 
 

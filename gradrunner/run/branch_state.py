@@ -82,6 +82,14 @@ def changed_state(state: dict[str, Any], old: dict[str, Any], new: dict[str, Any
                 "run another constructor argument afresh, not as a branch."
             )
     if before.get("lr") != after.get("lr"):
+        if before.get("lr") is None or after.get("lr") is None:
+            raise GradrunnerError(
+                f"train.branch_from: optimizer.lr is {'added' if before.get('lr') is None else 'removed'} "
+                f"({before.get('lr', '<unset>')!r} -> {after.get('lr', '<unset>')!r}), but a branch scales every "
+                "rate of the source's optimizer state by new/old optimizer.lr, and without one of them (the "
+                "optimizer's own default rate) there is no ratio; nothing was run. Keep optimizer.lr as the source "
+                "has it, or make the source run with optimizer.lr set."
+            )
         scale_rates(state, float(after["lr"]) / float(before["lr"]))
     marked = state.get(BRANCH_STATE) or {}  # a branch's own start, branched again: its marks hold too
     schedule = (old.get("scheduler") or None) != (new.get("scheduler") or None) or bool(marked.get("schedule"))
