@@ -312,3 +312,15 @@ def test_a_completed_runs_marker_decides_the_run_id_and_pins_the_anomalies_file(
     write_anomalies(tmp_path, [row, row], run_id="run-done")  # the same run, but not the file done.json pinned
     with pytest.raises(GradrunnerError, match="is not the file done.json recorded"):
         read_anomalies(tmp_path)
+
+
+def test_the_last_word_names_every_spike() -> None:
+    """CONTRACT: the run's last word names each spike. With more than 5 it named the first 5, then "... and N more"."""
+    planted = [30, 50, 70, 90, 110, 130, 150]  # seven isolated loss spikes on a flat, noisy loss
+    rng = np.random.default_rng(0)
+    det = Detector(z=6.0, window=16, warmup=8)
+    for step in range(170):
+        det.observe(step, {"loss": 1.0 + 0.01 * rng.standard_normal() + (5.0 if step in planted else 0.0)})
+    lines = summary_lines(det.anomalies, det.window, det.taps())
+    named = [int(m.group(1)) for line in lines if (m := re.match(r"loss spike at step (\d+) ", line))]
+    assert named == planted and len(lines) == len(planted) and not any("more spike" in line for line in lines)

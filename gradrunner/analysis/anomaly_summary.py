@@ -156,8 +156,8 @@ def _int(v: object) -> int | None:
         return None
 
 
-def spike_lines(rows: Sequence[Mapping[str, Any]], window: int, limit: int = 5) -> list[str]:
-    """The run's last word about spikes, from `anomalies.parquet`'s rows: one line per spike, at most `limit`.
+def spike_lines(rows: Sequence[Mapping[str, Any]], window: int) -> list[str]:
+    """The run's last word about spikes, from `anomalies.parquet`'s rows: one line per spike, every one of them.
 
     Example::
 
@@ -171,9 +171,7 @@ def spike_lines(rows: Sequence[Mapping[str, Any]], window: int, limit: int = 5) 
     line. [] when nothing was flagged.
     """
     found = spikes(rows)
-    lines = [_spike_line(s) for s in found[:limit]]
-    if len(found) > limit:
-        lines.append(f"... and {len(found) - limit} more spike(s): anomalies.parquet lists them all")
+    lines = [_spike_line(s) for s in found]
     spans = sorted((s.step, s.last) for s in found)
     lone = [r for r in rows if tap_of(str(r["signal"])) is not None and not _spike_within(spans, int(r["step"]), window)]
     if lone:
@@ -183,16 +181,14 @@ def spike_lines(rows: Sequence[Mapping[str, Any]], window: int, limit: int = 5) 
     return lines
 
 
-def summary_lines(
-    anomalies: Sequence[Anomaly], window: int, order: Sequence[str] | None = None, limit: int = 5
-) -> list[str]:
+def summary_lines(anomalies: Sequence[Anomaly], window: int, order: Sequence[str] | None = None) -> list[str]:
     """`spike_lines` of a detector's anomalies (first movers by `order`, e.g. `Detector.taps()`).
 
     Example::
 
         summary_lines(det.anomalies, det.window, det.taps())    # ['loss spike at step 40 (z = 3e4); ...']
     """
-    return spike_lines(anomaly_rows(anomalies, window, order), window, limit)
+    return spike_lines(anomaly_rows(anomalies, window, order), window)
 
 
 def _spike_within(spans: list[tuple[int, int]], step: int, window: int) -> bool:
