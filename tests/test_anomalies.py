@@ -41,7 +41,9 @@ def reference(series: list[dict[str, float]], z: float, window: int, warmup: int
             last = np.array(kept[-window:])
             scale = float(np.abs(last).max()) if len(last) else 1.0  # values near 1e200: no square overflows
             mean = scale * float((last / scale).mean()) if len(last) else math.nan
-            std = max(scale * float((last / scale).std()), floor * (1.0 if log else abs(mean))) if len(last) else math.nan
+            std = (
+                max(scale * float((last / scale).std()), floor * (1.0 if log else abs(mean))) if len(last) else math.nan
+            )
             score = (
                 math.inf if not math.isfinite(y) else (y - mean) / std if std > 0 else (math.inf if y > mean else 0.0)
             )
@@ -324,3 +326,34 @@ def test_the_last_word_names_every_spike() -> None:
     lines = summary_lines(det.anomalies, det.window, det.taps())
     named = [int(m.group(1)) for line in lines if (m := re.match(r"loss spike at step (\d+) ", line))]
     assert named == planted and len(lines) == len(planted) and not any("more spike" in line for line in lines)
+
+
+def test_a_nan_in_warm_up_scores_inf_as_it_is_flagged(tmp_path: Path) -> None:
+    """Detector.score checked warm-up before non-finite: a NaN loss at step 5 (warm-up 20), flagged with z = inf in
+    anomalies.parquet, was blank ("not measured") in the report's spike table."""
+    import gradrunner
+    from gradrunner.analysis.anomaly_context import z_around
+
+    det = Detector(warmup=20)
+    det.observe(0, {"loss": 1.0})
+    assert det.score({"loss": math.nan, "grad_norm": math.inf, "other": 2.0}) == {
+        "loss": math.inf, "grad_norm": math.inf, "other": pytest.approx(math.nan, nan_ok=True)}  # fmt: skip
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with gradrunner.record(m, [":output"], tmp_path) as rec:
+        for s in range(30):
+            x = torch.randn(8, 4)
+            x[0, 0] = math.nan if s == 5 else x[0, 0]
+            loss = torch.nn.functional.mse_loss(m(x), torch.zeros(8, 1))
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.nan_to_num_(0.0)
+    flagged = read_anomalies(tmp_path).query("signal == 'loss' and step == 5")
+    assert len(flagged) == 1 and math.isinf(flagged["z"].iloc[0])  # the reference: the detector's own row
+    spike, table = z_around(tmp_path)[0]
+    assert (spike.signal, spike.step) == ("loss", 5) and math.isinf(table.loc["loss", 5])

@@ -127,19 +127,19 @@ class Detector:
 
             det.score({"loss": 0.9, "fc1:output:norm": 2.0})     # {'loss': 1.3, 'fc1:output:norm': -0.4}
 
-        NaN for a signal in warm-up or never seen, and for a value with no place on its scale (0 on the
-        log scale); +inf for a NaN or infinite value. The report's spike tables use it (`anomaly_context`).
+        +inf for a NaN or infinite value (flagged always, in warm-up too); otherwise NaN for a signal in
+        warm-up or never seen, and for a value with no place on its scale (0 on the log scale). The report's spike tables use it (`anomaly_context`).
         """
         out = {}
         for name, x in values.items():
+            if not math.isfinite(x):  # always flagged, warm-up or not (`observe`)
+                out[name] = math.inf
+                continue
             j = self._index.get(name)
             if j is None or self._state[j, _ACC] < self.warmup:
                 out[name] = math.nan
                 continue
             log = bool(self._log[j])
-            if not math.isfinite(x):
-                out[name] = math.inf
-                continue
             if log and x <= 0:
                 out[name] = math.nan
                 continue
