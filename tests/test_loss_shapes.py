@@ -58,3 +58,48 @@ def test_torch_s_warning_is_refused_at_step_0_and_other_warnings_pass_on() -> No
         loss_of(warns, Y_ROWS)
     with pytest.warns(UserWarning, match="something else"):
         loss_of(warns, Y_ROWS.unsqueeze(1))
+
+
+class Flaky:
+    """A loss of the user's that works, then raises an error of its own (not about what it is given)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 6:
+            raise ValueError("lost connection to the metrics server")
+        return nn.functional.mse_loss(out, y)
+
+
+def test_an_error_of_the_loss_s_own_is_named_not_told_as_shapes() -> None:
+    """It was "the loss cannot take the model's output ... check data.* target shapes" for shapes the loss had taken
+    at steps 0-4, equal to the output's."""
+    flaky, y = Flaky(), Y_ROWS.unsqueeze(1)
+    for step in range(5):
+        assert loss_of(flaky, y, step).shape == ()
+    with pytest.raises(GradrunnerError) as info:
+        loss_of(flaky, y, 5)
+    assert str(info.value) == (
+        "step 5 failed in the loss: the loss raised ValueError: lost connection to the metrics server (given the "
+        "model's output, (4, 1) float32, and targets (4, 1) float32). Check the loss (loss._target_ and its loss.* "
+        "keys); HYDRA_FULL_ERROR=1 shows the traceback."
+    )
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "y", "says"),
+    [
+        (nn.CrossEntropyLoss(), torch.randn(4), "expected target dtype to be Long"),
+        (nn.CrossEntropyLoss(), torch.zeros(5, dtype=torch.long), "Expected input batch_size (4) to match target"),
+        (nn.NLLLoss(), torch.zeros(4, 3), "0D or 1D target tensor expected"),
+        (nn.BCEWithLogitsLoss(), torch.zeros(4, 3, dtype=torch.long), "can't be cast to the desired output type Long"),
+    ],
+)
+def test_torch_s_shape_and_dtype_errors_are_told_as_the_targets(loss_fn: nn.Module, y: torch.Tensor, says: str) -> None:
+    with pytest.raises(GradrunnerError) as info:
+        forward_loss(nn.Linear(3, 3), loss_fn, X, y, 3, model_name="nn.Linear", loss_name="the loss")
+    message = str(info.value)
+    assert message.startswith("step 3 failed in the loss: the loss cannot take the model's output, (4, 3) float32")
+    assert says in message and "To fix it, check data.* target shapes" in message

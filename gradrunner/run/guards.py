@@ -3,7 +3,7 @@
 | guard | catches |
 | --- | --- |
 | `next_batch` | a data source that runs out, raises, or yields something other than an (inputs, targets) pair |
-| `forward_loss` | a forward() or a loss that raises, targets an elementwise loss would broadcast against the output, a loss that is not a scalar or does not require grad |
+| `forward_loss` | a forward() or a loss that raises (told as the targets' shapes only when torch's error is about shapes or dtypes), targets an elementwise loss would broadcast against the output, a loss that is not a scalar or does not require grad |
 | `backward` | a backward pass that raises (a model's in-place op on a tensor autograd saved) |
 | `optimizer_step` | an optimizer step that raises (float16/bfloat16 overflow of a huge learning rate) |
 | `check_finite` | `capture.on_nonfinite=stop`: a non-finite loss or captured gradient ends the run (`NonFinite`) |
@@ -24,6 +24,7 @@ import dataclasses
 import errno
 import math
 import os
+import re
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -108,6 +109,12 @@ def forward_loss(
     except GradrunnerError:
         raise
     except Exception as e:
+        if isinstance(out, torch.Tensor) and not _SHAPE_ERROR.search(str(e)):  # not about what it was given
+            raise GradrunnerError(
+                f"step {step} failed in the loss: {loss_name} raised {type(e).__name__}: {one_paragraph(e)} (given "
+                f"the model's output, {describe(out)}, and targets {describe(y)}). Check the loss (loss._target_ and "
+                "its loss.* keys); HYDRA_FULL_ERROR=1 shows the traceback."
+            ) from e
         hint = (
             "check data.* target shapes against the model's output (classification losses need int64 labels)"
             if isinstance(out, torch.Tensor) else
@@ -125,6 +132,13 @@ def forward_loss(
     return loss
 
 
+#: What torch's errors say when a loss cannot take its output or targets (their sizes, shapes, dimensions or dtypes):
+#: only such an error is told as the shapes' (with their fix); any other a loss raises is named as it is.
+_SHAPE_ERROR = re.compile(
+    r"size|shape|dimension|dtype|scalar type|out of bounds|batch.?size|broadcast|must match|cannot be multiplied"
+    r"|\btarget|can.?t be cast|expected .*\b(?:long|float|double|half|int|bool|tensor|input)",
+    re.IGNORECASE,
+)
 #: How torch's warning starts when `mse_loss`, `l1_loss`, `smooth_l1_loss` or `huber_loss` is about to broadcast.
 _TORCH_BROADCASTS = "Using a target size"
 
