@@ -357,3 +357,45 @@ def test_a_nan_in_warm_up_scores_inf_as_it_is_flagged(tmp_path: Path) -> None:
     assert len(flagged) == 1 and math.isinf(flagged["z"].iloc[0])  # the reference: the detector's own row
     spike, table = z_around(tmp_path)[0]
     assert (spike.signal, spike.step) == ("loss", 5) and math.isinf(table.loc["loss", 5])
+
+
+def test_another_runs_file_is_refused_naming_where_the_run_id_came_from(tmp_path: Path) -> None:
+    """An interrupted run (no done.json) holding another run's anomalies.parquet: refused, but the message said the
+    run id it was checked against came from "(done.json)", a file the run dir does not have."""
+    import shutil
+
+    import gradrunner
+    from gradrunner.records.anomalies import run_id_source
+
+    def session(run: Path) -> None:
+        m = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        with pytest.raises(KeyboardInterrupt), gradrunner.record(m, [":output"], run) as rec:
+            for s in range(10):
+                if s == 8:
+                    raise KeyboardInterrupt  # Ctrl-C: no done.json
+                x = torch.randn(8, 4)
+                x[0, 0] = math.nan if s == 3 else x[0, 0]
+                loss = m(x).pow(2).mean()
+                rec.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                rec.step(loss)
+                with torch.no_grad():
+                    for p in m.parameters():
+                        p.nan_to_num_(0.0)
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    session(a)
+    session(b)
+    shutil.copy(a / ANOMALIES_FILE, b / ANOMALIES_FILE)
+    own = pq.read_table(b / "steps.parquet", columns=["run_id"]).column("run_id")[0].as_py()
+    other = pq.read_table(a / "steps.parquet", columns=["run_id"]).column("run_id")[0].as_py()
+    assert not (b / "done.json").exists() and run_id_source(b) == (own, "steps.parquet")
+    with pytest.raises(GradrunnerError) as e:
+        read_anomalies(b)
+    assert (
+        f"anomalies.parquet holds rows of run(s) {other}, not of run {own} (steps.parquet): a file of another run"
+        in str(e.value)
+    )
+    assert "done.json" not in str(e.value)

@@ -181,9 +181,10 @@ def read_anomalies_table(run_dir: str | os.PathLike[str]) -> pa.Table:
     if not path.is_file():
         raise FileNotFoundError(path)
     marker = rundir.job_state(directory).marker
-    run_id = run_id_of(directory)
+    found = run_id_source(directory)
+    run_id, source = found if found is not None else (None, rundir.DONE)
     check = marker if marker is not None else ({"run_id": run_id} if run_id is not None else None)
-    table = rundir.read_verified(path, check)  # pages, and the run_id column against the run's
+    table = rundir.read_verified(path, check, source=source)  # pages, and the run_id column against the run's
     meta = table.schema.metadata or {}
     own = meta.get(RUN_ID_KEY.encode(), b"").decode("utf-8", "replace")
     if run_id is not None and own != run_id:

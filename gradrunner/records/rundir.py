@@ -228,6 +228,7 @@ def read_verified(
     opened: pq.ParquetFile | None = None,
     check_run_id: bool = True,
     use_threads: bool = True,
+    source: str = DONE,
 ) -> pa.Table:
     """`columns` of the record file `path` (all when None), every page read checked; `Damaged` if it does not verify.
 
@@ -245,7 +246,8 @@ def read_verified(
     parsed only then); neither is read again. A caller that checks the run id itself, over many files
     at once (`foreign_rows`), passes `check_run_id=False`: the table then holds `run_id` (when the
     file does) even if `columns` does not name it. `use_threads=False` reads the columns one after the
-    other (cheaper for a small file, when the caller reads many files in parallel).
+    other (cheaper for a small file, when the caller reads many files in parallel). `source`: the file the
+    marker's run id comes from, as a refusal names it (a run without `done.json` has its id from its records).
     """
     name = path.name
     run_id = marker.get("run_id") if marker is not None else None
@@ -253,7 +255,7 @@ def read_verified(
     if isinstance(footers, dict) and name in footers and footers[name] != (digest or footer_digest(path)):
         # Checked first: a damaged footer is never parsed (a flipped length could ask for any allocation).
         other = _foreign_run(path, run_id)
-        raise Damaged(f"{name} holds rows of run(s) {other}, not of run {run_id} ({DONE}): a file of another run"
+        raise Damaged(f"{name} holds rows of run(s) {other}, not of run {run_id} ({source}): a file of another run"
                       if other else f"{name} is not the file {DONE} recorded (its size or footer changed since "
                       "the job completed)")  # fmt: skip
     extra = ["run_id"] if run_id is not None and columns is not None and "run_id" not in columns else []
@@ -269,7 +271,7 @@ def read_verified(
         ids = {str(v) for v in pc.unique(table.column("run_id")).to_pylist()}
         if ids - {run_id}:
             raise Damaged(f"{name} holds rows of run(s) {', '.join(sorted(ids - {run_id}))}, not of run {run_id} "
-                          f"({DONE}): a file of another run")  # fmt: skip
+                          f"({source}): a file of another run")  # fmt: skip
     rows = marker.get("rows")
     if isinstance(rows, dict) and name in rows and rows[name] != table.num_rows:
         raise Damaged(f"{name} has {table.num_rows} rows where {DONE} recorded {rows[name]}")
