@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -128,6 +129,15 @@ def test_a_planted_nondeterminism_does_not_replay_exactly(tmp_path: Path, caplog
     verdict = json.loads((out / "replay" / "step30" / "replay.json").read_text())
     assert verdict["exact"] is False and verdict["start"] == 25
     assert verdict["first_difference"].startswith("step 25")  # the first replayed step already differs
+    # plain numbers, every digit (it was "np.float64(0.0123...)"), the records' own values (plain pandas)
+    tap, stat, a, b = re.fullmatch(r"step 25, (.+), (\w+): (\S+) vs (\S+)", verdict["first_difference"]).groups()
+    if tap == "the step":
+        ours, theirs = (pd.read_parquet(d / "steps.parquet").set_index("step").loc[25, stat]
+                        for d in (out, out / "replay" / "step30"))  # fmt: skip
+    else:
+        ours, theirs = (pd.read_parquet(d / "grads.parquet").query("step == 25 and tap == @tap")[stat].iloc[0]
+                        for d in (out, out / "replay" / "step30"))  # fmt: skip
+    assert (float(a), float(b)) == (ours, theirs) and (a, b) == (repr(float(ours)), repr(float(theirs)))
     assert "does not replay exactly: not exact (transient" in caplog.text
 
 

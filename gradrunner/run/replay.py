@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -147,13 +148,22 @@ def replay_spike(run: Runner, cfg: DictConfig, run_dir: Path, step: int, k: int,
     if not differs.empty or not missing.empty:
         row = pd.concat([differs, missing]).sort_values(["step", "tap_order", "stat_order"], kind="stable").iloc[0]
         tap = row["tap"] if isinstance(row["tap"], str) else "the step"
-        first = (f"step {int(row['step'])}, {tap}, {row['stat']}: {row['a']!r} vs {row['b']!r}" if "a" in row.index
-                 and not pd.isna(row.get("a")) else f"step {int(row['step'])}, {tap}: only in one run")  # fmt: skip
+        first = (f"step {int(row['step'])}, {tap}, {row['stat']}: {_plain(row['a'])} vs {_plain(row['b'])}"
+                 if "a" in row.index and not pd.isna(row.get("a"))
+                 else f"step {int(row['step'])}, {tap}: only in one run")  # fmt: skip
     taps = c.values[span & c.values["tap"].notna()]
     records = int(taps[[k for k in KEY if k in taps.columns]].drop_duplicates().shape[0])  # step x tap x call x ...
     result = Replayed(step, start, str(out), differs.empty and missing.empty, records, first)
     write_atomically(out / VERDICT_FILE, json.dumps({**asdict(result), "k": k}, indent=1) + "\n")
     return result
+
+
+def _plain(value: object) -> str:
+    """A compared value as a plain number, every digit kept (the replay's rule is exact equality): `0.1234567891`,
+    not `np.float64(0.1234567891)`."""
+    if isinstance(value, bool | np.bool_):
+        return str(bool(value))
+    return repr(float(value)) if isinstance(value, int | float | np.number) else str(value)
 
 
 def after_run(run_dir: Path, cfg: DictConfig, run: Runner) -> list[Replayed]:
