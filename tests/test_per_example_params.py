@@ -334,3 +334,24 @@ def test_the_rule_picks_ghost_for_short_sequences_and_materialises_long_ones() -
     assert not pem.ghost_is_cheaper(f(1024, 64, 64))  # a conv's 32x32 positions over 64 channels
     index = pem.Factors(torch.zeros(1, 1, 64, dtype=torch.long), torch.zeros(1, 1, 64, 8), 100)
     assert not pem.ghost_is_cheaper(index) and pem.ghost_is_cheaper(pem.Factors(index.left[..., :8], index.right[:, :, :8], 100))
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+@pytest.mark.parametrize("mode", ["bf16 model", "bf16 autocast", "fp16 model"])
+def test_rms_norm_default_eps_on_low_precision_input_is_float32s(mode: str) -> None:
+    """RMSNorm(eps=None) on a bf16/fp16 input computes in float32 with float32's epsilon (not the input dtype's):
+    with small inputs (RMS ~0.1) bf16's epsilon 0.0078 moved the rows by 10%; to bf16's rounding here (2e-2)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.RMSNorm(16), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(0.2)
+        model[1].weight.uniform_(0.5, 1.5)
+    x = torch.randn(B, 5, 16)
+    if mode != "bf16 autocast":
+        dtype = torch.bfloat16 if mode == "bf16 model" else torch.float16
+        model, x = model.to(dtype), x.to(dtype)
+    params = [p for p in all_params(model) if p[0] == "1:weight"]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16 autocast"):
+        ref = loop(model, {"input": x}, lambda o, i: sq_loss(o.float(), i), params)[0]
+        got, reasons = batched(model, {"input": x}, lambda o, i: sq_loss(o.float(), i), params)
+    assert_matches(got, ref, reasons, rtol=2e-2)

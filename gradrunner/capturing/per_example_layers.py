@@ -167,11 +167,13 @@ def share(kind: str, module: nn.Module, role: str, call: Call, grad: torch.Tenso
         if module.padding_idx is not None:
             g = g * torch.ne(ids, module.padding_idx).unsqueeze(-1).to(dt)
         return Factors(ids, g, module.num_embeddings)
-    return _norm_share(kind, module, role, x.to(dt), grad.to(dt), call.x.dtype)
+    return _norm_share(kind, module, role, x.to(dt), grad.to(dt))
 
 
-def _norm_share(kind: str, module: nn.Module, role: str, x: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> Dense:
-    """`dtype`: the call's input dtype (RMSNorm's default eps is that dtype's)."""
+def _norm_share(kind: str, module: nn.Module, role: str, x: torch.Tensor, g: torch.Tensor) -> Dense:
+    """`x`, `g` upcast to float32 (float64 for a float64 call): torch computes these norms in that dtype (a bf16/fp16
+    input upcast), and RMSNorm's default eps (None) is its epsilon, not the input's: `F.rms_norm` with eps None on the
+    upcast `x` picks the same."""
     b = g.shape[0]
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
         shape = tuple(module.normalized_shape)
@@ -181,7 +183,7 @@ def _norm_share(kind: str, module: nn.Module, role: str, x: torch.Tensor, g: tor
         if isinstance(module, nn.LayerNorm):
             xhat = F.layer_norm(x, shape, None, None, module.eps)
         else:
-            xhat = F.rms_norm(x, shape, None, module.eps if module.eps is not None else torch.finfo(dtype).eps)
+            xhat = F.rms_norm(x, shape, None, module.eps)
         return _summed((g * xhat).reshape(b, -1, width))
     channels = g.shape[1]
     if role == "bias":
