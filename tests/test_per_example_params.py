@@ -355,3 +355,25 @@ def test_rms_norm_default_eps_on_low_precision_input_is_float32s(mode: str) -> N
         ref = loop(model, {"input": x}, lambda o, i: sq_loss(o.float(), i), params)[0]
         got, reasons = batched(model, {"input": x}, lambda o, i: sq_loss(o.float(), i), params)
     assert_matches(got, ref, reasons, rtol=2e-2)
+
+
+@pytest.mark.parametrize("sizes", [(B, B), (B, B + 2)], ids=["equal sizes", "unequal sizes"])
+def test_one_backward_through_two_forwards_is_null_never_rows_summed_by_index(sizes: tuple[int, int]) -> None:
+    """Two forwards on different examples, one backward of their summed losses: row i of each is another example.
+    With equal sizes the rows were the norms of g(x1_i) + g(x2_i), silently (found 2026-11-27); now None, with why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    x1, x2 = torch.randn(sizes[0], 6), torch.randn(sizes[1], 6)
+    params = all_params(model)
+    with PerExampleNorms(model, params) as pex:
+        (model(x1).square().sum() + model(x2).square().sum()).backward()
+        norms, reasons = pex.norms(), pex.reasons()
+    said = "one backward reached 2 forwards of the model given different batch tensors"
+    for name, _, _ in params:
+        assert norms[name] is None and said in str(reasons[name])
+    with PerExampleNorms(model, params) as pex:  # the same rows, a backward after each forward: exact, 2 micro-batches
+        for x in (x1, x2):
+            (model(x).square().sum() / len(x)).backward()
+        norms, reasons = pex.norms(), pex.reasons()
+    refs = [loop(model, {"input": x}, lambda out, i: out.square().sum(), params)[0] for x in (x1, x2)]
+    assert_matches(norms, {n: torch.cat([r[n] for r in refs]) for n in refs[0]}, reasons)

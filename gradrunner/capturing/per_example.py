@@ -11,8 +11,8 @@ gradient, an output or another hook's behaviour: every hook returns None and no 
 A step is everything between two `norms()` calls: each backward that fills `.grad` is a micro-batch (a
 forward after it starts the next; a `torch.autograd.grad` of the user's, a gradient penalty's or an
 attack's, is none: `torch_compat.fills_grad`), its rows after the previous one's; a forward that no such
-backward reaches (a metric's, gradients on) adds no rows. Several calls of one
-parameter in a micro-batch (tied weights, a module called twice) add up exactly (cross terms).
+backward reaches (a metric's, gradients on) adds no rows. Several calls of one parameter in a forward
+(tied weights, a module called twice) add up exactly (cross terms).
 
 `None` with a reason, never a wrong number, for a parameter:
 
@@ -22,6 +22,9 @@ parameter in a micro-batch (tied weights, a module called twice) add up exactly 
   but not its rows (`per_example_rows`: ids made in the forward, a parameter, rows picked by indexing);
 - called before a module that mixes rows (batch norm on batch statistics) in the same forward, or
   of such a module: its rows' shares are not per-example gradients;
+- in a micro-batch whose backward reached several forwards of the model given different batch tensors
+  (`f(model(x1)) + f(model(x2))`): whether row i of each is one example or two is unknown, so rows are
+  neither summed nor concatenated (forwards given the same tensor, R-drop's, are summed row by row);
 - whose gradient does not add up to its calls' shares: checked on a random projection per step
   (`check=True`, `per_example_check`). This catches a parameter also used outside its modules'
   calls (`x @ lin.weight`, a penalty in the loss);
@@ -55,17 +58,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradrunner.capturing.dtensors import is_dtensor
 from gradrunner.capturing.owned import owned
 from gradrunner.capturing.per_example_check import FAILED, OUTSIDE, Projection, host_verdicts, verdicts
 from gradrunner.capturing.per_example_layers import (
-    ROLES,
-    SEQUENCE_FIRST,
     Call,
     autocast_dtype,
     call_reason,
     first_tensor,
-    kind_of,
     mixes_rows,
     no_autocast,
     share,
@@ -73,7 +72,7 @@ from gradrunner.capturing.per_example_layers import (
 )
 from gradrunner.capturing.per_example_math import row_sq
 from gradrunner.capturing.per_example_rows import RowOrigins
-from gradrunner.capturing.per_example_state import RESET, CallRecord, Holder, Micro, Tracked
+from gradrunner.capturing.per_example_state import RESET, CallRecord, Holder, Micro, Tracked, find_holders, given
 from gradrunner.capturing.torch_compat import (
     fills_grad,
     gradient_edge,
@@ -116,43 +115,16 @@ class PerExampleNorms:
             else:
                 by_id[id(param)] = Tracked(param, [name])
                 self._tracked.append(by_id[id(param)])
-        self._holders, self._params = self._find_holders(by_id), [t.param for t in self._tracked]
+        self._holders, self._params = find_holders(model, by_id, self._tracked), [t.param for t in self._tracked]
         self._stack = contextlib.ExitStack()
         self._calls: list[CallRecord] = []
         self._roots: list[Any] = []  # pre-hooks on the model outputs' nodes of this step's forwards
         self._micros: list[Micro] = []
         self._clock, self._grad_seen, self._active = 0, False, False
         self._forward_rows: int | None = None
+        self._forward = 0  # which forward of the model in the micro-batch the calls now belong to (`Micro.forwards`)
         self._origins = RowOrigins()  # where this forward's rows come from (dim 0 of the batch's size, not its rows)
         self._last: tuple[dict[str, torch.Tensor | None], dict[str, str | None]] | None = None
-
-    def _find_holders(self, by_id: dict[int, Tracked]) -> list[Holder]:
-        holders: list[Holder] = []
-        held: set[int] = set()
-        for path, module in self.model.named_modules():
-            mine = [(by_id[id(p)], role) for role, p in module._parameters.items() if p is not None and id(p) in by_id]
-            if not mine:
-                continue
-            kind, why = kind_of(module)
-            for t, role in mine:
-                held.add(id(t.param))
-                if kind is None or role not in ROLES[kind]:
-                    what = why if kind is None else f"{type(module).__name__}.{role} is not one of {ROLES[kind]}"
-                    t.reason = t.reason or f"held by {path or 'the model'!r}: {what}"
-            if kind is not None:
-                holders.append(Holder(module, path, kind, [(t, r) for t, r in mine if r in ROLES[kind]]))
-        for t in self._tracked:
-            if id(t.param) not in held:
-                t.reason = "not a parameter of any module of the model (used directly in a forward?)"
-            elif not t.param.requires_grad:
-                t.reason = "parameter does not require grad (frozen)"
-            elif is_dtensor(t.param):
-                t.reason = "a sharded parameter (a DTensor: FSDP2 or tensor parallel): each rank holds a piece of it"
-        seq = [(p, m) for p, m in self.model.named_modules() if isinstance(m, SEQUENCE_FIRST) and not m.batch_first]
-        for t in self._tracked if seq else ():
-            t.reason = t.reason or (f"the model has {seq[0][0]!r} ({type(seq[0][1]).__name__}) with batch_first=False: dim "
-                                    "0 of its inputs is the sequence, not the batch's rows (build it with batch_first=True)")  # fmt: skip
-        return holders
 
     def __enter__(self) -> PerExampleNorms:
         try:
@@ -185,13 +157,13 @@ class PerExampleNorms:
         """The current micro-batch, starting a new step after `norms()` and a new micro-batch after a backward."""
         if not self._active:
             self._active, self._micros, self._clock, self._grad_seen = True, [Micro()], 0, False
-            self._forward_rows = None
+            self._forward_rows, self._forward = None, 0
             self._drop_calls()
             for t in self._tracked:
                 t.reset()
         elif self._grad_seen and not in_backward():
             self._micros.append(Micro())
-            self._grad_seen, self._forward_rows = False, None
+            self._grad_seen, self._forward_rows, self._forward = False, None, 0
         self._clock += 1
         return len(self._micros) - 1
 
@@ -202,6 +174,8 @@ class PerExampleNorms:
             return
         micro = self._tick()  # (it may start a new list of micro-batches)
         m, x = self._micros[micro], first_tensor(args, kwargs)
+        self._forward, m.forwards = m.forwards, m.forwards + 1
+        m.given[self._forward] = given(x, self._forward)
         self._forward_rows = x.shape[0] if x is not None and x.dim() > 0 else None
         m.batch = m.batch or self._forward_rows or 0  # the rows of a micro-batch in which a parameter got nothing
         self._origins.start(args, kwargs, self._forward_rows)
@@ -211,13 +185,14 @@ class PerExampleNorms:
         (a branch that skipped them: its rows are zeros)."""
         if not self._active or in_backward():
             return
-        began = functools.partial(self._backward_began, len(self._micros) - 1)
+        began = functools.partial(self._backward_began, len(self._micros) - 1, self._forward)
         nodes = [y.grad_fn for y in tensors_of((output,), {}) if y.grad_fn is not None]
         self._roots.extend(node.register_prehook(began) for node in nodes)
 
-    def _backward_began(self, micro: int, _grads: tuple[torch.Tensor | None, ...]) -> None:
+    def _backward_began(self, micro: int, forward: int, _grads: tuple[torch.Tensor | None, ...]) -> None:
         if fills_grad(self._params) is not False:
             self._grad_seen = self._micros[micro].backward = True
+            self._micros[micro].reached.add(forward)
 
     def _on_mixing(self, module: nn.Module, path: str, output: Any) -> None:
         if isinstance(output, torch.Tensor) and output.requires_grad and mixes_rows(module) and self._enabled():
@@ -250,7 +225,7 @@ class PerExampleNorms:
             return
         assert x is not None
         call = Call(x.detach(), version(x), autocast_dtype(h.kind, x.device))
-        rec = CallRecord(h, call, micro, self._clock, rows)
+        rec = CallRecord(h, call, micro, self._clock, rows, self._forward)
         rec.handle = watch_edge(gradient_edge(output), functools.partial(self._on_grad, rec))
         self._calls.append(rec)
 
@@ -262,6 +237,7 @@ class PerExampleNorms:
 
     def _on_grad_body(self, rec: CallRecord, grad: torch.Tensor) -> None:
         self._grad_seen = self._micros[rec.micro].backward = True
+        self._micros[rec.micro].reached.add(rec.forward)
         h, call = rec.holder, rec.call
         if rec.fired or call is None:
             for t, _ in h.tracked:
@@ -427,17 +403,16 @@ class PerExampleNorms:
 
     def _result(self, t: Tracked) -> tuple[torch.Tensor | None, str | None]:
         """This step's squared row norms of `t` (device, its compute dtype), or None and why."""
-        if t.reason or t.step_reason:
-            return None, t.reason or t.step_reason
+        micros = [i for i, m in enumerate(self._micros) if m.backward]  # a forward never backwarded has no rows
+        several = next(filter(None, (self._micros[i].forwards_reason() for i in micros)), None)
+        several = several if self._active else None
+        if t.reason or several or t.step_reason:  # several first: summing their rows may have failed meanwhile
+            return None, t.reason or several or t.step_reason
         if not self._active:
             return None, "no forward and backward since the last norms()"
-        micros = [i for i, m in enumerate(self._micros) if m.backward]  # a forward never backwarded has no rows
-        mixed = [m for m, c in t.first_clock.items() if c < self._micros[m].mix_clock and self._micros[m].backward]
-        if mixed:
-            return None, f"called before {self._micros[mixed[0]].mix_name}, which mixes rows: no per-example share"
-        conflicts = [sorted(self._micros[i].rows) for i in micros if len(self._micros[i].rows) > 1]
-        if conflicts:
-            return None, f"forwards backwarded together had different batch sizes {conflicts[0]}: rows are ambiguous"
+        why = next(filter(None, (self._micros[i].reason(t.first_clock.get(i)) for i in micros)), None)
+        if why is not None:
+            return None, why
         if not t.sq:
             return None, OUTSIDE if t.check is not None and t.check.grads else NO_GRAD
         if t.check is not None and not t.check.grads:

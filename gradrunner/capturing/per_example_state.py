@@ -1,4 +1,5 @@
-"""What `PerExampleNorms` holds while a step runs: its micro-batches, its parameters, their holders and calls.
+"""What `PerExampleNorms` holds while a step runs: its micro-batches, its parameters, their holders (`find_holders`)
+and calls.
 
 Example::
 
@@ -14,9 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradrunner.capturing.dtensors import is_dtensor
 from gradrunner.capturing.per_example_check import Projection
-from gradrunner.capturing.per_example_layers import Call
+from gradrunner.capturing.per_example_layers import ROLES, SEQUENCE_FIRST, Call, kind_of, storage
 from gradrunner.capturing.per_example_math import Form
+from gradrunner.capturing.torch_compat import version
 
 #: Why a parameter's per-example norms are None in a step whose backwards its `.grad` was reset between.
 RESET = (
@@ -29,13 +32,36 @@ RESET = (
 class Micro:
     """One backward's micro-batch: the batch sizes of its fired calls (`batch`: of its model call), whether a
     backward that fills `.grad` reached it (a forward never backwarded, a metric's, has no rows), where a
-    row-mixing module was called last."""
+    row-mixing module was called last; how many forwards of the model it had, and which of them (numbered from
+    0) a backward that fills `.grad` reached."""
 
     rows: set[int] = field(default_factory=set)
     batch: int = 0
     backward: bool = False
     mix_clock: int = -1
     mix_name: str = ""
+    forwards: int = 0
+    reached: set[int] = field(default_factory=set)
+    #: Each forward's first input tensor: where it lies (`given`), so that forwards on one batch tensor are told apart.
+    given: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+
+    def forwards_reason(self) -> str | None:
+        """Why no parameter has rows in this micro-batch, or None: a backward reached forwards of the model given
+        different batch tensors (forwards given the same one, `loss(model(x)[i]) for i`, share its rows: summed)."""
+        if len({self.given.get(f) for f in self.reached}) < 2:
+            return None
+        return (f"one backward reached {len(self.reached)} forwards of the model given different batch tensors "
+                f"(called {self.forwards} times before it): whether row i of each is the same example or another cannot "
+                "be told, so their rows are neither summed nor concatenated (backward each forward's loss before the "
+                "next forward)")  # fmt: skip
+
+    def reason(self, first_clock: int | None) -> str | None:
+        """Why a parameter first called at `first_clock` (None: not called) has no rows in this micro-batch, or None."""
+        if first_clock is not None and first_clock < self.mix_clock:
+            return f"called before {self.mix_name}, which mixes rows: no per-example share"
+        if len(self.rows) > 1:
+            return f"calls backwarded together had different batch sizes {sorted(self.rows)}: rows are ambiguous"
+        return None
 
 
 @dataclass
@@ -74,5 +100,48 @@ class CallRecord:
     micro: int
     clock: int
     rows: int
+    #: Which forward of the model in its micro-batch (`Micro.forwards`) the call was made in.
+    forward: int
     handle: Any = None
     fired: bool = False
+
+
+def find_holders(model: nn.Module, by_id: dict[int, Tracked], tracked: list[Tracked]) -> list[Holder]:
+    """The supported modules of `model` holding a parameter of `by_id` (`id(param)` -> its `Tracked`); sets the
+    `reason` of every tracked parameter that can have no per-example norms (unsupported holder, frozen, sharded,
+    a sequence-first model)."""
+    holders: list[Holder] = []
+    held: set[int] = set()
+    for path, module in model.named_modules():
+        mine = [(by_id[id(p)], role) for role, p in module._parameters.items() if p is not None and id(p) in by_id]
+        if not mine:
+            continue
+        kind, why = kind_of(module)
+        for t, role in mine:
+            held.add(id(t.param))
+            if kind is None or role not in ROLES[kind]:
+                what = why if kind is None else f"{type(module).__name__}.{role} is not one of {ROLES[kind]}"
+                t.reason = t.reason or f"held by {path or 'the model'!r}: {what}"
+        if kind is not None:
+            holders.append(Holder(module, path, kind, [(t, r) for t, r in mine if r in ROLES[kind]]))
+    for t in tracked:
+        if id(t.param) not in held:
+            t.reason = "not a parameter of any module of the model (used directly in a forward?)"
+        elif not t.param.requires_grad:
+            t.reason = "parameter does not require grad (frozen)"
+        elif is_dtensor(t.param):
+            t.reason = "a sharded parameter (a DTensor: FSDP2 or tensor parallel): each rank holds a piece of it"
+    seq = [(p, m) for p, m in model.named_modules() if isinstance(m, SEQUENCE_FIRST) and not m.batch_first]
+    for t in tracked if seq else ():
+        t.reason = t.reason or (f"the model has {seq[0][0]!r} ({type(seq[0][1]).__name__}) with batch_first=False: dim "
+                                "0 of its inputs is the sequence, not the batch's rows (build it with batch_first=True)")  # fmt: skip
+    return holders
+
+
+def given(x: torch.Tensor | None, forward: int) -> tuple[Any, ...]:
+    """Where forward number `forward`'s batch tensor `x` lies (storage, offset, shape, strides, version): equal for the
+    same tensor; a forward without one, or whose storage is not readable, is told from every other."""
+    where = storage(x) if x is not None else -1
+    if x is None or where == -1:
+        return ("unknown", forward) if x is None else ("unknown", id(x))
+    return where, x.storage_offset(), tuple(x.shape), x.stride(), version(x)
