@@ -247,7 +247,7 @@ class PerExampleNorms:
         rec.fired = True
         self._micros[rec.micro].rows.add(rec.rows)
         changed = call.version is not None and version(call.x) != call.version
-        low = grad.dtype in (torch.bfloat16, torch.float16) or call.autocast is not None
+        low = grad.dtype if grad.dtype in (torch.bfloat16, torch.float16) else call.autocast
         for t, role in h.tracked:
             if t.reason or t.step_reason:
                 continue

@@ -1,0 +1,62 @@
+"""The per-step check of per-example norms under bfloat16: a Linear used only by its calls keeps its rows, a weight
+penalty in the loss nulls them (the tolerance scales with the gradient's rounding, not with the terms' magnitudes).
+
+References: `per_example_reference.loop` (each row alone, plain autograd, the same precision) and plain autograd's
+`.grad` with and without the penalty."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from per_example_reference import all_params, assert_matches, batched, loop
+from torch import nn
+
+from gradrunner.capturing.per_example import OUTSIDE, PerExampleNorms
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - y) ** 2).sum()
+
+
+@pytest.mark.parametrize("seed", [49, 180])
+def test_a_linear_used_only_by_its_calls_under_autocast_keeps_its_rows(seed: int) -> None:
+    """Under CPU bf16 autocast these seeds' first Linear was null ("used outside them"): autograd's one rounding of
+    its bf16 weight gradient was 4% to 7% of the projected terms' magnitude (found 2026-11-27)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    x, y = torch.randn(3, 6), torch.randn(3, 2)
+    params = [p for p in all_params(model) if p[0].endswith("weight")]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = loop(model, {"input": x}, lambda out, i: _mse(out, y[i : i + 1]), params)[0]
+        got, reasons = batched(model, {"input": x}, lambda out, i: _mse(out, y[i : i + 1]), params)
+    assert_matches(got, ref, reasons, rtol=2e-2)
+
+
+def test_a_weight_penalty_on_bf16_linear_and_layer_norm_weights_is_caught() -> None:
+    """A bf16 model with a penalty worth a fifth (Linear) and a third (LayerNorm) of each weight's gradient: their
+    rows (the data's shares only) passed a tolerance of 3e-2 of the terms' magnitudes (found 2026-11-27); now None
+    with the reason (the LayerNorm's weight compared element by element: its projection happened to miss it)."""
+    B = 8
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4)).bfloat16()
+    x, y = torch.randn(B, 32, 16).bfloat16(), torch.randn(B, 32, 4)
+    weights = {"1:weight": model[1].weight, "0:weight": model[0].weight}
+
+    def data() -> torch.Tensor:
+        return _mse(model(x), y) / B
+
+    def penalty() -> torch.Tensor:
+        return (weights["1:weight"].float() ** 2).sum() + 3.0 * (weights["0:weight"].float() ** 2).sum()
+
+    with PerExampleNorms(model, [(n, model[int(n[0])], p) for n, p in weights.items()]) as pex:
+        (data() + penalty()).backward()
+        norms, reasons = pex.norms(), pex.reasons()
+    grads: dict[str, list[torch.Tensor]] = {n: [] for n in weights}
+    for part in (data, penalty):
+        model.zero_grad()
+        part().backward()
+        for n, p in weights.items():
+            grads[n].append(p.grad.float().norm())
+    for name, (of_data, of_penalty) in grads.items():
+        assert of_penalty > 0.15 * of_data  # the penalty is a large part of .grad: rows without it would be wrong
+        assert norms[name] is None and reasons[name] == OUTSIDE, name
