@@ -160,3 +160,36 @@ def test_a_layer_after_flattened_tokens_reshaped_back_to_the_batch_is_exact() ->
     torch.manual_seed(0)
     _check(Flattened(), {"x": torch.randn(4, 5, 6)}, lambda out, i: ((out - 0.5 * i) ** 2).sum(),
            {"fc1:weight": "is not the batch", "fc1:bias": "is not the batch"}, all_others=True)  # fmt: skip
+
+
+class _Positions1D(nn.Module):
+    """The reference's GPT-2 call: 1-D position_ids (T,), broadcast over the batch, with each row alone."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> object:
+        return self.model(input_ids=input_ids, position_ids=torch.arange(input_ids.shape[1]))
+
+
+def test_gpt2_given_1d_position_ids_when_the_batch_size_equals_the_length() -> None:
+    """position_ids of shape (T,) given to the model, B == T: wpe's rows were taken for the batch's (found 2026-11-27:
+    wrong norms, silently); now None with the reason, every other parameter exact."""
+    _quiet_transformers()
+    from per_example_reference import gpt2, ids, lm_loss, row
+
+    from gradrunner.capturing.per_example import PerExampleNorms
+
+    torch.manual_seed(0)
+    model, t = gpt2(), 4
+    inputs = ids((4, t), 40)
+    params = all_params(model)
+    with PerExampleNorms(model, params) as pex:
+        out = model(input_ids=inputs, position_ids=torch.arange(t))
+        (sum(lm_loss(row(out, i), i) for i in range(4)) / 4).backward()
+        got, reasons = pex.norms(), pex.reasons()
+    wpe = "transformer.wpe:weight"
+    assert got[wpe] is None and "broadcast over the batch" in str(reasons[wpe])
+    ref = loop(_Positions1D(model), {"input_ids": inputs}, lm_loss, [(f"model.{n}", m, p) for n, m, p in params])[0]
+    assert_matches(got, {n[len("model.") :]: r for n, r in ref.items() if n != f"model.{wpe}"}, reasons)

@@ -5,7 +5,9 @@ has the batch's size by coincidence passes it. `RowOrigins` catches the coincide
 from what the call's input is made of, cheaply (a few attribute reads per call, no device work):
 
 - an `Embedding` called on ids made inside the forward (positions, relative-position buckets) while
-  the batch size equals another dim of any tensor the model was called with (`start`);
+  the batch size equals another dim of any tensor the model was called with (`start`); and then any layer
+  called on a tensor given to the model with fewer dims than its first one (1-D `position_ids` broadcast
+  over the batch: which of its dims is the batch's cannot be told, and broadcast rows are no example's);
 - an input that is a parameter, or a view, cast or activation of one (DeBERTa's
   `LayerNorm(rel_embeddings.weight)`): its dim 0 is the parameter's (a parameter broadcast to the
   batch, `latents.expand(B, ...)`, is the batch's: each row belongs to its example, and the walk
@@ -68,6 +70,8 @@ class RowOrigins:
     def __init__(self) -> None:
         #: Storages of the tensors the model was called with, where B equals another dim of one of them.
         self.given: set[int] | None = None
+        #: Then: those of fewer dims than the first (the batch's) with dim 0 of B, and the first's shape.
+        self.fewer: dict[int, tuple[int, ...]] = {}
         #: Output nodes of this forward's calls with no per-row share, and why.
         self.made: dict[Any, str] = {}
 
@@ -76,13 +80,22 @@ class RowOrigins:
         tensors = list(tensors_of(args, kwargs))
         clash = rows is not None and any(rows in t.shape[1:] for t in tensors)
         self.given = {storage(t) for t in tensors} if clash else None
+        first = tensors[0].shape if tensors else ()
+        self.fewer = {
+            storage(t): tuple(first) for t in tensors if clash and 0 < t.dim() < len(first) and t.shape[0] == rows
+        }
         self.made = {}
 
     def clear(self) -> None:
-        self.given, self.made = None, {}
+        self.given, self.fewer, self.made = None, {}, {}
 
     def reason(self, kind: str, x: torch.Tensor) -> str | None:
         """Why the rows of `x` (whose dim 0 has the batch's size) are not the batch's, or None."""
+        first = self.fewer.get(storage(x))
+        if first is not None:
+            return (f"called on a tensor of shape {tuple(x.shape)} given to the model with fewer dims than its first input "
+                    f"{first}, one of whose other dims is the batch size: dim 0 may be broadcast over the batch (1-D "
+                    "position_ids), not the batch's rows")  # fmt: skip
         if kind == "embedding":
             if self.given is not None and storage(x) not in self.given:
                 return (f"called on ids of shape {tuple(x.shape)} made inside the forward (positions, relative-position "
