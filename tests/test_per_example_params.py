@@ -377,3 +377,29 @@ def test_one_backward_through_two_forwards_is_null_never_rows_summed_by_index(si
         norms, reasons = pex.norms(), pex.reasons()
     refs = [loop(model, {"input": x}, lambda out, i: out.square().sum(), params)[0] for x in (x1, x2)]
     assert_matches(norms, {n: torch.cat([r[n] for r in refs]) for n in refs[0]}, reasons)
+
+
+class InPlaceAfter(nn.Module):
+    """A Linear's output changed in place: ReLU(inplace=True), then a residual added with `+=`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.act = nn.Linear(5, 5), nn.ReLU(inplace=True)
+        self.up, self.head = nn.Linear(5, 5), nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.lin(x))
+        h2 = self.up(h)
+        h2 += x
+        return self.head(h2)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("shape", [(B, 5), (B, 6, 5)])
+def test_an_in_place_op_on_a_layers_output_keeps_its_rows(shape: tuple[int, ...]) -> None:
+    """On 3-D input a Linear's output is a view of its matmul's; changed in place its autograd node was dropped, so
+    no share arrived and the weight was null as "used outside them" (found 2026-11-27): now exact."""
+    torch.manual_seed(0)
+    model, x = InPlaceAfter(), torch.randn(shape)
+    params = all_params(model)
+    got, reasons = batched(model, {"x": x}, sq_loss, params)
+    assert_matches(got, loop(model, {"x": x}, sq_loss, params)[0], reasons)

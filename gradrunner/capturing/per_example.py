@@ -67,6 +67,7 @@ from gradrunner.capturing.per_example_layers import (
     first_tensor,
     mixes_rows,
     no_autocast,
+    output_edge,
     share,
     tensors_of,
 )
@@ -75,7 +76,6 @@ from gradrunner.capturing.per_example_rows import RowOrigins
 from gradrunner.capturing.per_example_state import RESET, CallRecord, Holder, Micro, Tracked, find_holders, given
 from gradrunner.capturing.torch_compat import (
     fills_grad,
-    gradient_edge,
     in_backward,
     reentrant_checkpoint,
     version,
@@ -225,15 +225,15 @@ class PerExampleNorms:
             return
         assert x is not None
         call = Call(x.detach(), version(x), autocast_dtype(h.kind, x.device))
-        rec = CallRecord(h, call, micro, self._clock, rows, self._forward)
-        rec.handle = watch_edge(gradient_edge(output), functools.partial(self._on_grad, rec))
+        rec = CallRecord(h, call, micro, self._clock, rows, self._forward, tuple(output.shape))
+        rec.handle = watch_edge(output_edge(output), functools.partial(self._on_grad, rec))
         self._calls.append(rec)
 
     def _on_grad(self, rec: CallRecord, grad: torch.Tensor) -> None:
         if fills_grad(self._params) is False:  # the user's torch.autograd.grad: not the step's backward
             return
         with no_autocast(grad.device):  # a backward inside autocast runs hooks under it: compute as written
-            self._on_grad_body(rec, grad)
+            self._on_grad_body(rec, grad.reshape(rec.shape))
 
     def _on_grad_body(self, rec: CallRecord, grad: torch.Tensor) -> None:
         self._grad_seen = self._micros[rec.micro].backward = True

@@ -44,6 +44,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from gradrunner.capturing.elements import tensors_in
 from gradrunner.capturing.per_example_conv import ConvShare
 from gradrunner.capturing.per_example_math import Dense, Factors, Form
+from gradrunner.capturing.torch_compat import Edge, gradient_edge
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 #: The parameters each kind has a share for.
@@ -223,6 +224,19 @@ def tensors_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[torch.
 def first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """The first tensor among a call's positional then keyword arguments (one level into lists, tuples, mappings)."""
     return next(tensors_of(args, kwargs), None)
+
+
+def output_edge(output: torch.Tensor) -> Edge:
+    """Where a call's output gradient is watched: where the output is a `view` of a whole tensor (a Linear's on 3-D
+    input views its matmul's 2-D output), the view node's input edge, which gets the same gradient reshaped and stays
+    in the graph when the output is changed in place (ReLU(inplace=True), `+=`: autograd drops the view's node);
+    else the output's own edge."""
+    node = output.grad_fn
+    if node is not None and node.name().startswith("ViewBackward") and len(node.next_functions) == 1:
+        edge = node.next_functions[0]
+        if edge[0] is not None:
+            return tuple(edge)
+    return gradient_edge(output)
 
 
 def storage(t: torch.Tensor) -> int:

@@ -102,6 +102,8 @@ class CallRecord:
     rows: int
     #: Which forward of the model in its micro-batch (`Micro.forwards`) the call was made in.
     forward: int
+    #: The output's shape (its gradient may arrive as the viewed tensor's: `per_example_layers.output_edge`).
+    shape: tuple[int, ...] = ()
     handle: Any = None
     fired: bool = False
 
