@@ -126,14 +126,19 @@ def test_bert_every_parameter() -> None:
     assert_matches(got, loop(model, inputs, cls_loss, params)[0], reasons)
 
 
-def test_batch_norm_in_training_mixes_rows() -> None:
-    """BatchNorm on batch statistics: its parameters and those called before it get None; the head after it is exact."""
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2))
+@pytest.mark.parametrize("mode", ["training", "eval without running statistics"])
+def test_batch_norm_in_training_mixes_rows(mode: str) -> None:
+    """BatchNorm on batch statistics: its parameters and those called before it get None; the head after it is exact.
+    In eval mode with track_running_stats=False the reason said "(training mode)" (found 2026-11-27)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=mode == "training"), nn.Tanh(),
+                          nn.Linear(4, 2))  # fmt: skip
+    model.train(mode == "training")
     x = torch.randn(B, 3)
     params = all_params(model)
     got, reasons = batched(model, {"input": x}, sq_loss, params)
+    said = "(training mode)" if mode == "training" else "(track_running_stats=False: it keeps none)"
     for name in ("1:weight", "1:bias"):
-        assert got[name] is None and "batch's statistics" in str(reasons[name])
+        assert got[name] is None and f"batch's statistics {said}" in str(reasons[name])
     for name in ("0:weight", "0:bias"):
         assert got[name] is None and "mixes rows" in str(reasons[name]) and "'1'" in str(reasons[name])
     out = model(x)  # the head's rows: each row's loss backwarded alone through the batch's forward

@@ -213,8 +213,7 @@ class PerExampleNorms:
             reason = self._origins.reason(h.kind, x)
             if reason is not None:  # dim 0 has the batch's size by coincidence: so has what this call alone feeds
                 self._origins.mark(output, f"{h.path!r} {reason}")
-        if reason is None and mixes_rows(h.module):
-            reason = "normalises with the batch's statistics (training mode): its rows mix"
+        reason = reason or mixes_rows(h.module)
         for t, _role in h.tracked:
             if t.reason is None:
                 t.expected[micro] = t.expected.get(micro, 0) + 1

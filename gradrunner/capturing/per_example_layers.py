@@ -104,9 +104,15 @@ def kind_of(module: nn.Module) -> tuple[str | None, str | None]:
                   "Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm in eval mode)")  # fmt: skip
 
 
-def mixes_rows(module: nn.Module) -> bool:
-    """Whether this call of `module` mixes batch rows: batch norm normalising by the batch's statistics."""
-    return isinstance(module, _BatchNorm) and (module.training or module.running_mean is None)
+def mixes_rows(module: nn.Module) -> str | None:
+    """Why this call of `module` mixes batch rows (batch norm normalising by the batch's statistics), or None."""
+    if not isinstance(module, _BatchNorm):
+        return None
+    if module.training:
+        return "normalises with the batch's statistics (training mode): its rows mix"
+    if module.running_mean is None:
+        return "normalises with the batch's statistics (track_running_stats=False: it keeps none): its rows mix"
+    return None
 
 
 def autocast_dtype(kind: str, device: torch.device) -> torch.dtype | None:
