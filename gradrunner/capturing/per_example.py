@@ -123,6 +123,8 @@ class PerExampleNorms:
         self._clock, self._grad_seen, self._active = 0, False, False
         self._forward_rows: int | None = None
         self._forward = 0  # which forward of the model in the micro-batch the calls now belong to (`Micro.forwards`)
+        #: A reentrant checkpoint's context: [the clock at its first pass, events recomputed] (`_position`).
+        self._ckpt: dict[Any, list[int]] = {}
         self._origins = RowOrigins()  # where this forward's rows come from (dim 0 of the batch's size, not its rows)
         self._last: tuple[dict[str, torch.Tensor | None], dict[str, str | None]] | None = None
 
@@ -157,7 +159,7 @@ class PerExampleNorms:
         """The current micro-batch, starting a new step after `norms()` and a new micro-batch after a backward."""
         if not self._active:
             self._active, self._micros, self._clock, self._grad_seen = True, [Micro()], 0, False
-            self._forward_rows, self._forward = None, 0
+            self._forward_rows, self._forward, self._ckpt = None, 0, {}
             self._drop_calls()
             for t in self._tracked:
                 t.reset()
@@ -195,10 +197,28 @@ class PerExampleNorms:
             self._micros[micro].reached.add(forward)
 
     def _on_mixing(self, module: nn.Module, path: str, output: Any) -> None:
-        if isinstance(output, torch.Tensor) and output.requires_grad and mixes_rows(module) and self._enabled():
-            micro = self._tick()  # (it may start a new list of micro-batches)
-            m = self._micros[micro]
-            m.mix_clock, m.mix_name = self._clock, f"{path!r} ({type(module).__name__} normalising with batch statistics)"
+        if not isinstance(output, torch.Tensor) or not mixes_rows(module) or not self._enabled():
+            return
+        if not output.requires_grad:  # a reentrant checkpoint's first pass (no grad): where it lies in the forward
+            ctx = reentrant_checkpoint("forward") if self._active and not torch.is_grad_enabled() else None
+            if ctx is not None:
+                self._ckpt.setdefault(ctx, [self._clock, 0])
+            return
+        micro = self._tick()  # (it may start a new list of micro-batches)
+        m = self._micros[micro]
+        m.mix_name = f"{path!r} ({type(module).__name__} normalising with batch statistics)"
+        m.mix_clock = self._position()
+
+    def _position(self) -> tuple[int, int]:
+        """Where the event now lies in the forward's order: (clock, 0); in the recomputation of a reentrant checkpoint
+        whose first pass had a row-mixing module, (that pass's clock, the n-th event recomputed): after every call
+        before the checkpoint, before every call after it (the head after a checkpointed BatchNorm)."""
+        ctx = reentrant_checkpoint("backward") if self._ckpt and in_backward() else None
+        seen = self._ckpt.get(ctx) if ctx is not None else None
+        if seen is None:
+            return self._clock, 0
+        seen[1] += 1
+        return seen[0], seen[1]
 
     def _on_call(self, h: Holder, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if not isinstance(output, torch.Tensor) or not output.requires_grad or not self._enabled():
@@ -217,7 +237,7 @@ class PerExampleNorms:
         for t, _role in h.tracked:
             if t.reason is None:
                 t.expected[micro] = t.expected.get(micro, 0) + 1
-                t.first_clock.setdefault(micro, self._clock)
+                t.first_clock.setdefault(micro, self._position())
                 if reason is not None and t.step_reason is None:
                     t.step_reason = f"{h.path!r} {reason}"
         if reason is not None or all(t.reason or t.step_reason for t, _ in h.tracked):

@@ -38,7 +38,7 @@ class Micro:
     rows: set[int] = field(default_factory=set)
     batch: int = 0
     backward: bool = False
-    mix_clock: int = -1
+    mix_clock: tuple[int, int] = (-1, 0)
     mix_name: str = ""
     forwards: int = 0
     reached: set[int] = field(default_factory=set)
@@ -55,7 +55,7 @@ class Micro:
                 "be told, so their rows are neither summed nor concatenated (backward each forward's loss before the "
                 "next forward)")  # fmt: skip
 
-    def reason(self, first_clock: int | None) -> str | None:
+    def reason(self, first_clock: tuple[int, int] | None) -> str | None:
         """Why a parameter first called at `first_clock` (None: not called) has no rows in this micro-batch, or None."""
         if first_clock is not None and first_clock < self.mix_clock:
             return f"called before {self.mix_name}, which mixes rows: no per-example share"
@@ -76,7 +76,7 @@ class Tracked:
     expected: dict[int, int] = field(default_factory=dict)
     pending: dict[int, list[Form]] = field(default_factory=dict)
     sq: dict[int, torch.Tensor] = field(default_factory=dict)
-    first_clock: dict[int, int] = field(default_factory=dict)
+    first_clock: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.step_reason = None
