@@ -247,3 +247,53 @@ def test_cuda_histogram_counts_equal_the_cpus(dtype: torch.dtype, n: int, path: 
     with _syncs_raise(True):
         got = fused_stats.histogram_counts(on_gpu)
     assert got.device.type == "cuda" and torch.equal(got.cpu(), want), (got.cpu() - want).nonzero()
+
+
+@pytest.mark.parametrize("seed", [0, 49, 180])
+def test_per_example_parameter_norms_under_cuda_bf16_autocast_match_a_row_loop(seed: int) -> None:
+    """Parameter taps' per-example norms on the GPU under bf16 autocast (cuBLAS's GEMMs, which may split K): every
+    layer type of a small sequence model keeps its rows (the per-step check's bf16 tolerance holds there too) and
+    they agree with each row backwarded alone under the same autocast."""
+    from per_example_reference import all_params, assert_matches, batched, loop
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 256), nn.LayerNorm(256), nn.GELU(), nn.Linear(256, 64), nn.RMSNorm(64),
+                          nn.Linear(64, 8)).cuda()  # fmt: skip
+    x, y = torch.randn(4, 96, 64, device="cuda"), torch.randn(4, 96, 8, device="cuda")
+
+    def rows_loss(out: torch.Tensor, i: int) -> torch.Tensor:
+        return ((out.float() - y[i : i + 1]) ** 2).sum()
+
+    params = all_params(model)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        ref = loop(model, {"input": x}, rows_loss, params)[0]
+        got, reasons = batched(model, {"input": x}, rows_loss, params)
+    assert_matches(got, ref, reasons, rtol=3e-2)
+
+
+def test_a_weight_penalty_under_cuda_bf16_autocast_nulls_the_rows() -> None:
+    """The same check's other side on the GPU: a penalty worth a fifth of a Linear weight's gradient is caught."""
+    from gradrunner.capturing.per_example import OUTSIDE, PerExampleNorms
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8)).cuda()
+    x, y = torch.randn(8, 96, 64, device="cuda"), torch.randn(8, 96, 8, device="cuda")
+    weight = model[0].weight
+
+    def data() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return ((model(x).float() - y) ** 2).sum() / 8
+
+    def penalty() -> torch.Tensor:
+        return 30.0 * (weight**2).sum()
+
+    with PerExampleNorms(model, [("0:weight", model[0], weight)]) as pex:
+        (data() + penalty()).backward()
+        norms, reasons = pex.norms(), pex.reasons()
+    model.zero_grad()
+    data().backward()
+    of_data = weight.grad.norm()
+    model.zero_grad()
+    penalty().backward()
+    assert weight.grad.norm() > 0.15 * of_data  # rows without the penalty would be far from .grad
+    assert norms["0:weight"] is None and reasons["0:weight"] == OUTSIDE

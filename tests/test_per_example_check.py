@@ -60,3 +60,31 @@ def test_a_weight_penalty_on_bf16_linear_and_layer_norm_weights_is_caught() -> N
     for name, (of_data, of_penalty) in grads.items():
         assert of_penalty > 0.15 * of_data  # the penalty is a large part of .grad: rows without it would be wrong
         assert norms[name] is None and reasons[name] == OUTSIDE, name
+
+
+def test_a_weight_penalty_on_a_large_float32_weight_under_bf16_autocast_is_caught() -> None:
+    """A 256x64 float32 weight under CPU bf16 autocast with a penalty worth 0.88 of the data's gradient: the worst-case
+    rounding bound |u|^T |g| |v| (2 unit roundoffs) is about sqrt(numel) times the projection's real rounding noise,
+    so the rows (the data's shares only) passed (found 2026-11-27); the spread of independent roundings catches it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 8))
+    x, y = torch.randn(8, 96, 64), torch.randn(8, 96, 8)
+    weight = model[0].weight
+
+    def data() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _mse(model(x), y) / 8
+
+    def penalty() -> torch.Tensor:
+        return 3.0 * (weight**2).sum()
+
+    with PerExampleNorms(model, [("0:weight", model[0], weight)]) as pex:
+        (data() + penalty()).backward()
+        norms, reasons = pex.norms(), pex.reasons()
+    of = []
+    for part in (data, penalty):
+        model.zero_grad()
+        part().backward()
+        of.append(weight.grad.norm())
+    assert of[1] > 0.8 * of[0]
+    assert norms["0:weight"] is None and reasons["0:weight"] == OUTSIDE

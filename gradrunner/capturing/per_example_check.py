@@ -53,6 +53,10 @@ CHECK_TOL = 1e-4
 #: tolerance: autograd's one rounding of each element of its weight gradient, and as much again for the partial sums
 #: a low-precision matmul may round (cuBLAS's split-K reductions in bf16, allowed by default).
 LOW_ROUNDINGS = 2.0
+#: ... or, where smaller, this many times sqrt((u^2)^T (g^2) (v^2)): the spread of u^T E v for roundings E of independent
+#: signs, which the worst case |u|^T |g| |v| exceeds about sqrt(numel) times (a 256x64 bf16 weight under autocast:
+#: a penalty 9x the data's gradient passed the worst case; found 2026-11-27).
+MATMUL_SIGMAS = 16.0
 #: A low-precision call of a reduction (a bias, a norm's weight, an embedding) adds this many unit roundoffs of |M|_F,
 #: M_k the sum of |terms| of element k: autograd may sum these in the low dtype (CPU's bf16/fp16 LayerNorm backward:
 #: errors |E_k| up to 4 u_r M_k), and u^T E v has std |E|_F over the draw of u and v. Not derived but measured: over
@@ -187,7 +191,9 @@ class Projection:
             flat = flat if flat.dtype == u.dtype else flat.to(u.dtype)
             proj = torch.dot(u, torch.mv(flat, v))
             if low:
-                bound = torch.dot(u.abs(), torch.mv(flat.abs(), v.abs()))
+                sq = flat.square()
+                spread = torch.dot(u.square(), torch.mv(sq, v.square())).sqrt() * MATMUL_SIGMAS
+                bound = torch.minimum(torch.dot(u.abs(), torch.mv(sq.sqrt_(), v.abs())), spread)
         self.grads.append(proj.reshape(1))
         self.bounds.append(proj.new_zeros(1) if bound is None else (bound * (LOW_ROUNDINGS * self.unit)).reshape(1))
         if self._whole:
