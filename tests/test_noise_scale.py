@@ -169,6 +169,26 @@ def test_missing_per_example_norms_name_the_tap_and_the_option() -> None:
         noise_scale(frame, ema=1.5)
 
 
+def test_a_nan_tap_makes_the_whole_model_row_nan() -> None:
+    """A step whose gradients are NaN: the taps' estimates are NaN, and so is "*" (it read 0 and 0, found 2026-11-27,
+    pandas' sum skipping NaN); a step with one NaN tap pools nothing either, never the other taps alone."""
+    torch.manual_seed(6)
+    frame = records(nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1)), [(torch.randn(4, 2), torch.randn(4, 1))
+                                                                               for _ in range(3)])  # fmt: skip
+    nan = [float("nan")] * 4
+    all_nan = frame.step == 1
+    frame.loc[all_nan, "norm"] = float("nan")
+    frame.loc[all_nan, "per_example_norm"] = pd.Series([nan] * int(all_nan.sum()), index=frame.index[all_nan])
+    one = (frame.step == 2) & (frame.tap == "0:weight")
+    frame.loc[one, "norm"] = float("nan")
+    frame.loc[one, "per_example_norm"] = pd.Series([nan], index=frame.index[one])
+    ns = noise_scale(frame).set_index(["step", "tap"])
+    assert ns.loc[(1, "0:weight"), ["g2", "trace_sigma"]].isna().all()
+    for step in (1, 2):
+        assert ns.loc[(step, WHOLE_MODEL), ["g2", "trace_sigma", "b_simple"]].isna().all(), step
+    assert np.isfinite(ns.loc[(0, WHOLE_MODEL), ["g2", "trace_sigma"]].to_numpy(dtype=np.float64)).all()
+
+
 def test_ranks_pool_their_rows() -> None:
     """Two ranks' records of one step are one batch: the same estimates as one rank holding all rows."""
     torch.manual_seed(5)

@@ -23,7 +23,7 @@ Rows: per (run, step, tap), the per-example norms of every rank (DDP: each rank'
 the all-reduced `.grad`) make the batch of B rows; `norm` is the lowest rank's. The whole model's row,
 tap `"*"`, pools the parameter taps of that step (the squared norms of disjoint parameters add: N and
 S are sums over taps): it is the noise scale of the concatenation of the taps recorded, which is the
-whole model when every parameter is tapped. Two paths of one tied `Parameter` (GPT-2's `lm_head:weight`
+whole model when every parameter is tapped; a step where one tap's N or S is NaN (a NaN gradient) has NaN there. Two paths of one tied `Parameter` (GPT-2's `lm_head:weight`
 and `transformer.wte:weight`) hold the same gradient, value and rows: a tap whose N, S, B, size and own
 norm (`value_norm`) equal another's in the step counts once there. Distinct parameters can share N, S and
 B (two biases whose outputs are added get equal gradients) but not, as a rule, their values; ones equal in
@@ -174,7 +174,10 @@ def _whole_model(per_tap: pd.DataFrame) -> pd.DataFrame:
             f"({int(bad['min'].iloc[0])} and {int(bad['max'].iloc[0])}): they are not one batch's rows"
         )
     once = per_tap.drop_duplicates([*keys, "rows", "sq_rows", "sq_norm", "value_norm", "numel"]).groupby(keys, sort=True)
-    whole = pd.DataFrame({"rows": rows["min"], "sq_rows": once["sq_rows"].sum(), "sq_norm": once["sq_norm"].sum()})
+    # a tap whose sums are NaN (a NaN gradient) leaves the pooled ones unknown: NaN, never the other taps' alone
+    # (a groupby sum skips NaN, and gives 0 for a step whose taps are all NaN)
+    sums = {c: once[c].agg(lambda s: s.sum(skipna=False)) for c in ("sq_rows", "sq_norm")}
+    whole = pd.DataFrame({"rows": rows["min"], **sums})
     return whole.reset_index().assign(tap=WHOLE_MODEL)
 
 
