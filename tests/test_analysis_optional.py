@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -49,6 +51,24 @@ def test_per_example_spread_names_the_dominant_example() -> None:
     assert s.loc["h:output", "top_example"] == 2 and s.loc["h:output", "dominance"] == 10.0
     assert s.loc["h:output", "top_share"] == pytest.approx(100 / 103)
     assert s.loc["g:output", "dominance"] == 1.0 and s.loc["g:output", "n_examples"] == 2
+
+
+def test_per_example_spread_of_nan_norms_names_no_example() -> None:
+    """A NaN norm (a NaN gradient) read as dominance inf, top_example = the NaN row (0 when all are NaN) and
+    top_share 0 (found 2026-11-27): which row is largest is unknown there, and the report's most_often_top
+    counted those rows."""
+    nan = float("nan")
+    df = _rows(step=[0, 1, 2, 3], tap=["h:output"] * 4,
+               per_example_norm=[np.array([1.0, 4.0, 1.0]), np.array([nan, nan, nan]), np.array([nan, nan, nan]),
+                                 np.array([1.0, nan, 8.0])])  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy RuntimeWarning either
+        s = per_example_spread(df).set_index("step")
+    assert s.loc[0, "top_example"] == 1 and s.loc[0, "dominance"] == 4.0
+    assert s.loc[0, "top_share"] == pytest.approx(16 / 18)
+    for step in (1, 2, 3):
+        assert pd.isna(s.loc[step, "top_example"]) and np.isnan(s.loc[step, ["dominance", "top_share"]]).all()
+    assert s["top_example"].dropna().mode().tolist() == [1]
 
 
 def test_missing_optional_column_names_the_option() -> None:

@@ -97,7 +97,9 @@ def per_example_spread(df: pd.DataFrame) -> pd.DataFrame:
 
     Columns: `run_id`, `step`, `tap`, `call` (`rank` under torchrun: `top_example` is a row of that rank's
     batch), `n_examples`, `max_norm`, `median_norm`, `dominance` (max over median), `top_example`
-    (the batch row with the largest norm), `top_share` (its share of the summed squared norms).
+    (the batch row with the largest norm), `top_share` (its share of the summed squared norms). A record
+    holding a NaN norm (a NaN gradient) says neither which row is largest nor by how much: `dominance`
+    and `top_share` NaN, `top_example` null (`Int64`).
 
     Example::
 
@@ -114,11 +116,16 @@ def per_example_spread(df: pd.DataFrame) -> pd.DataFrame:
             continue
         median = float(np.median(norms))
         sq = norms * norms
+        unknown = bool(np.isnan(norms).any())  # argmax would name the NaN row, and max/median read inf
+        with np.errstate(invalid="ignore"):  # inf / inf (norms that overflowed): NaN, not a warning
+            dominance = float(norms.max() / median) if median > 0 else float("inf")
+            share = float(sq.max() / sq.sum()) if sq.sum() > 0 else 0.0
         out.append({
             "run_id": r.run_id, "step": r.step, "tap": r.tap, "call": r.call, **({"rank": r.rank} if ranked else {}),
             "n_examples": norms.size,
             "max_norm": float(norms.max()), "median_norm": median,
-            "dominance": float(norms.max() / median) if median > 0 else float("inf"),
-            "top_example": int(norms.argmax()), "top_share": float(sq.max() / sq.sum()) if sq.sum() > 0 else 0.0,
+            "dominance": np.nan if unknown else dominance,
+            "top_example": pd.NA if unknown else int(norms.argmax()), "top_share": np.nan if unknown else share,
         })  # fmt: skip
-    return pd.DataFrame(out)
+    frame = pd.DataFrame(out)
+    return frame.astype({"top_example": "Int64"}) if len(frame) else frame

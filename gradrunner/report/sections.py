@@ -235,7 +235,7 @@ def extra_sections(
         s = per_example_spread(with_norms).merge(with_norms[["run_id", *named]].drop_duplicates("run_id"), on="run_id")
         table = s.groupby([*named, "tap", "call", *rank_columns(s)], sort=False).agg(
             median_dominance=("dominance", "median"), max_dominance=("dominance", "max"),
-            max_top_share=("top_share", "max"), most_often_top=("top_example", lambda t: int(t.mode().iloc[0])),
+            max_top_share=("top_share", "max"), most_often_top=("top_example", _most_often),
         ).reset_index()  # fmt: skip
         note = ("Per tap, the largest example's gradient norm over the median example's, over the steps"
                 f"{' (a panel per run)' if len(having) > 1 else ''}: 1 means every example weighs the same. "
@@ -244,6 +244,12 @@ def extra_sections(
         sections.append(figure(out_dir, "per_example", "Per-example gradient norms", fig, note) + html_table(table))
         sections += _noise_section(with_norms, out_dir, figure)
     return sections
+
+
+def _most_often(top: pd.Series) -> object:
+    """The batch row most often largest; null where no record of the tap says (its norms all NaN)."""
+    seen = top.dropna().mode()
+    return int(seen.iloc[0]) if len(seen) else pd.NA
 
 
 #: The smoothing of the report's noise-scale panel (`noise_scale(..., ema=)`).
