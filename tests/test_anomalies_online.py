@@ -90,6 +90,29 @@ def test_record_detects_by_default_and_writes_the_file_when_interrupted(tmp_path
     assert len(said) == 1 and "loss spike at step 35 (z = " in said[0]
 
 
+def test_a_nan_flagged_in_warm_up_has_z_inf_in_the_reports_spike_table(tmp_path: Path) -> None:
+    """A NaN at step 5, inside the detector's 20-step warm-up: anomalies.parquet holds z = inf for it, and so must the
+    report's spike table (it was empty, found 2026-11-27: the table's z said NaN, blank, for every value in warm-up)."""
+    torch.manual_seed(0)
+    model = _model()
+    with record(model, ["0:weight", "2:weight"], tmp_path / "r") as rec:
+        for step in range(8):
+            x = torch.randn(16, 8)
+            x[0, 0] = float("nan") if step == 5 else x[0, 0]
+            loss = nn.functional.mse_loss(model(x), torch.randn(16, 1))
+            loss.backward()
+            model.zero_grad()
+            rec.step(loss)
+    flagged = read_anomalies(tmp_path / "r")
+    assert set(flagged.step) == {5} and (flagged.z == float("inf")).all()
+    [(spike, table)] = z_around(tmp_path / "r")
+    assert spike.step == 5
+    for signal in flagged.signal:  # every flagged signal's cell says what the file says, the other steps blank
+        assert table.loc[signal, 5] == float("inf") and table.loc[signal].drop(5).isna().all(), signal
+    page = write_report(tmp_path / "r").read_text()
+    assert page.count("<td>inf</td>") == len(flagged)
+
+
 def test_record_without_detection_and_bad_settings_refused_before_the_dir(tmp_path: Path) -> None:
     with record(_model(), ["*:output"], tmp_path / "off", anomaly=False) as rec:
         _loop(rec, 30, bad=25)
