@@ -263,3 +263,27 @@ def test_a_large_sweep_over_seeds_only_draws_one_line_per_tap(tmp_path: Path) ->
     assert (layout.hue, layout.facet, layout.over) == (None, None, ("seed",))
     text = write_report(tmp_path).read_text(encoding="utf-8")
     assert f"{AGGREGATE_ABOVE + 1} runs aggregated over seed: median and 10%-90% band." in text
+
+
+def test_a_panel_whose_gradients_are_all_zero_is_drawn_empty_not_a_traceback(tmp_path: Path) -> None:
+    """optimizer.lr=0 plants gradient 0 in every run of its column of panels: a log axis with no positive value made
+    savefig raise (found 2026-11-27 with an edit-strength sweep, edits.0.scale=0); it stays empty, linear, and the
+    other columns keep their log scale."""
+    figures: dict[str, Figure] = {}
+    original = report_module.figure_section
+
+    def keep(out_dir: Path, name: str, title: str, fig: Figure, note: str = "") -> str:
+        figures[name] = fig
+        return original(out_dir, name, title, fig, note)
+
+    for num, (lr, batch, seed) in enumerate((lr, b, s) for lr in (0.0, 0.1, 0.01) for b in BATCHES for s in range(2)):
+        write_job(tmp_path / str(num), lr, batch, seed)
+    assert (sweep_layout(load(tmp_path)).hue, sweep_layout(load(tmp_path)).facet) == ("train.batch", "optimizer.lr")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(report_module, "figure_section", keep)
+        write_report(tmp_path)
+    for name in ("norms", "grad_flow"):
+        axes = [ax for ax in figures[name].axes if ax.get_title()]
+        zero = [ax for ax in axes if ax.get_title().endswith("optimizer.lr=0.0")]
+        assert zero and all(ax.get_yscale() == "linear" for ax in zero), name
+        assert all(ax.get_yscale() == "log" for ax in axes if ax not in zero), name

@@ -66,7 +66,11 @@ def _band(ax: Axes, rows: pd.DataFrame, x: str, color: object, label: str, posit
 
 
 def _log(ax: Axes) -> None:
-    """Log scale, tick labels small (a panel spanning less than a decade labels its minor ticks)."""
+    """Log scale, tick labels small (a panel spanning less than a decade labels its minor ticks); a panel whose lines
+    hold no positive value (a tap's gradient 0 or NaN in every run drawn there) stays linear and empty, since
+    matplotlib cannot place log ticks without one (it raised at savefig)."""
+    if not any(np.any(np.asarray(line.get_ydata(), dtype=np.float64) > 0) for line in ax.lines):
+        return
     ax.set_yscale("log")
     ax.tick_params(axis="y", which="both", labelsize="x-small")
 
