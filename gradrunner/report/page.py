@@ -122,7 +122,8 @@ def figure_section(out_dir: Path, name: str, title: str, fig: Figure, note: str 
     """Save `fig`, at most a page (`plots.PAGE_INCHES` at `DPI`), as `report-<name>.png` (held for `write_page`
     inside `held_figures()`); a section embedding the same PNG bytes."""
     buffer = io.BytesIO()
-    import_plots().fit_page(fig).savefig(buffer, format="png", dpi=DPI)
+    plots = import_plots()
+    plots.plain_ticks(plots.fit_page(fig)).savefig(buffer, format="png", dpi=DPI)
     held = _HELD.get()
     if held is None:
         write_atomically(out_dir / f"report-{name}.png", buffer.getvalue())

@@ -8,7 +8,7 @@ Contents:
     plot_value_distributions(df, steps)       -- histograms of the captured gradient values per tap
     plot_loss(steps_df)                       -- the loss (and grad_norm, when recorded) over the steps
     fit_page(fig), PAGE_INCHES                -- a figure shrunk to at most a page (what the report saves)
-    plain_text()                              -- a context in which `$` in a label is a dollar, not mathtext
+    plain_text(), plain_ticks(fig)            -- `$` in a label is a dollar, not mathtext; log ticks as plain numbers
 
 Every function returns a `matplotlib.figure.Figure` built without pyplot: no GUI backend, no
 global figure list, nothing to close; it works headless and in a notebook (the Figure displays
@@ -29,7 +29,7 @@ import pandas as pd
 from matplotlib import colormaps, rc_context
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import LogFormatter, MaxNLocator
 
 from gradrunner.analysis.summaries import forward_order, grad_flow, lowest_rank, measure, pick_steps, run_columns
 from gradrunner.errors import GradrunnerError
@@ -174,9 +174,35 @@ def plain_text() -> AbstractContextManager[None]:
     Example::
 
         with plain_text():
-            plot_norms(df).savefig("norms.png")
+            plain_ticks(plot_norms(df)).savefig("norms.png")
+
+    matplotlib labels a log axis's ticks in mathtext (`$\\mathdefault{10^{-2}}$`), which this context draws as
+    written: pass each figure through `plain_ticks` before saving it (the report does).
     """
     return rc_context({"text.parse_math": False})
+
+
+def plain_ticks(fig: Figure) -> Figure:
+    """`fig` with the ticks of its log axes labelled in plain numbers ("0.01", "1e+05"), not mathtext, which
+    `plain_text` would draw as written (`$\\mathdefault{10^{-2}}$`); the same ticks are labelled.
+
+    Example::
+
+        plain_ticks(plot_norms(df)).get_axes()[0].yaxis.get_major_formatter()    # a LogFormatter
+    """
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            if axis.get_scale() == "log":  # the ticks matplotlib labels (LogScale's choice), in plain numbers
+                axis.set_major_formatter(_PlainLog())
+                axis.set_minor_formatter(_PlainLog(labelOnlyBase=False))
+    return fig
+
+
+class _PlainLog(LogFormatter):
+    """matplotlib's log tick labelling (which ticks get a label) with the value in 3 significant digits."""
+
+    def __call__(self, x: float, pos: int | None = None) -> str:
+        return f"{x:.3g}" if super().__call__(x, pos) else ""
 
 
 def fit_page(fig: Figure) -> Figure:
