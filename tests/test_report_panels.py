@@ -181,3 +181,28 @@ def test_a_runs_training_figure_shows_the_clip_threshold_and_lr_where_they_say_s
         steps = pd.read_parquet(out / "steps.parquet")
         assert report.config_value(out, ("train", "clip_grad_norm")) == 0.5  # the dashed line's value
         assert steps["lr"].nunique() == 6 and steps["clipped"].any()  # what the figure draws is in the records
+
+
+def test_a_training_figure_without_a_known_threshold_does_not_claim_one(tmp_path: Path) -> None:
+    """The callbacks clip in the framework's loop (Lightning's gradient_clip_val): `clipped` and `lr` are recorded, the
+    threshold is not, and no dashed line is drawn, but the note said "the threshold dashed" (found 2026-11-27)."""
+    import torch
+
+    from gradrunner.capturing.stats import Collector
+    from gradrunner.records.columns import TapKey
+    from gradrunner.records.writer import RecordWriter, StepsWriter
+    from gradrunner.report import write as report
+
+    consts = {"run_id": "r1", "experiment": "lightning", "strategy": "hook", "device": "cpu", "dtype": "float32"}
+    with RecordWriter(tmp_path, constants=consts, metadata={}) as grads, StepsWriter(tmp_path, constants=consts,
+                                                                                     metadata={}) as steps:  # fmt: skip
+        for step in range(4):
+            col = Collector(values="none")
+            col.add(TapKey("fc", "weight", 0), torch.full((4,), 0.2 * (step + 1)))
+            grads.write_step(step, col.finish(torch.tensor(1.0)))
+            steps.write(step, True, 1.0, 0.01, 0.001, 1 << 20, lr=0.1 / (step + 1), lrs=[0.1 / (step + 1)],
+                        grad_norm=0.4 * (step + 1), clipped=step > 0)  # fmt: skip
+    assert report.config_value(tmp_path, ("train", "clip_grad_norm")) is None
+    page = report.write_report(tmp_path).read_text(encoding="utf-8")
+    assert "Training: grad norm and learning rate" in page
+    assert "the threshold dashed" not in page and "no threshold drawn" in page

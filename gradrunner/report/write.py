@@ -410,7 +410,8 @@ def _training_sections(out_dir: Path, steps: pd.DataFrame) -> list[str]:
         return []
     from gradrunner.report import plots_training
 
-    note = ("The total gradient norm before clipping (log scale; clipped steps marked, the threshold dashed) and "
+    threshold = "the threshold dashed" if clip is not None else "no threshold drawn: the records do not hold it"
+    note = (f"The total gradient norm before clipping (log scale; clipped steps marked, {threshold}) and "
             "the learning rate each step used (skipped fp16 steps marked; eval loss where evaluated).")  # fmt: skip
     fig = plots_training.plot_training(steps.sort_values("step"), clip=clip)
     return [figure_section(out_dir, "training", "Training: grad norm and learning rate", fig, note)]
