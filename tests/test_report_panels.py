@@ -206,3 +206,33 @@ def test_a_training_figure_without_a_known_threshold_does_not_claim_one(tmp_path
     page = report.write_report(tmp_path).read_text(encoding="utf-8")
     assert "Training: grad norm and learning rate" in page
     assert "the threshold dashed" not in page and "no threshold drawn" in page
+
+
+def test_the_update_ratio_table_says_which_step_it_shows_when_the_last_ones_are_nan(tmp_path: Path) -> None:
+    """A run whose last captured steps are NaN: the table shows the last step with a ratio, not the last captured one,
+    which the note claimed (found 2026-11-27: a diverged run's table read step 61, captured through step 65)."""
+    import torch
+    from torch import nn
+
+    from gradrunner import record
+    from gradrunner.report import write as report
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(model, ["*:weight"], tmp_path / "r", update_norms=True) as rec:
+        for step in range(5):
+            x = torch.randn(8, 4)
+            x[0, 0] = float("nan") if step >= 3 else x[0, 0]
+            loss = nn.functional.mse_loss(model(x), torch.randn(8, 1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    df = pd.read_parquet(tmp_path / "r" / "grads.parquet")
+    shown = int(df.loc[df["update_ratio"].notna(), "step"].max())
+    assert shown < int(df["step"].max())  # the last captured steps have no ratio
+    page = report.write_report(tmp_path / "r").read_text(encoding="utf-8")
+    assert tables_after(page, "Update-to-weight ratio")["step"].astype(int).tolist() == [shown, shown]
+    text = html.unescape(page)
+    assert "each run's last step with a ratio" in text and "each run's last captured step" not in text

@@ -224,7 +224,7 @@ def extra_sections(
         last = last[shown + [c for c in r.columns if c not in ("run_id", "log10_ratio", *named)]]
         note = ("Norm of each optimiser step's change over the parameter's norm, a panel per run; about "
                 f"{UPDATE_RATIO_GUIDE:g} per step is the usual guide (far below: learning too slowly, far above: "
-                "too fast). The table: each run's last captured step.")  # fmt: skip
+                "too fast). The table: each run's last step with a ratio (a NaN ratio, of a NaN step, is left out).")  # fmt: skip
         fig = plots_optional.plot_update_ratios(with_ratio)
         sections.append(figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + html_table(last))
     having = runs_having(out_dir, grads, PER_EXAMPLE_COLUMN) if PER_EXAMPLE_COLUMN in only else []  # one column read

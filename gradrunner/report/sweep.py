@@ -120,7 +120,7 @@ def _sweep_update_ratios(out_dir: Path, grads: pd.DataFrame, layout: SweepLayout
     last = table[table["step"] == table.groupby([*layout.keys, "tap"], dropna=False)["step"].transform("max")]
     note = (
         f"{layout.describe()} Norm of each optimiser step's change over the parameter's norm; about "
-        f"{UPDATE_RATIO_GUIDE:g} per step is the usual guide (dashed). The table: the last captured step."
+        f"{UPDATE_RATIO_GUIDE:g} per step is the usual guide (dashed). The table: the last step with a ratio (NaN ones left out)."
     )
     return [figure(out_dir, "update_ratios", "Update-to-weight ratio", fig, note) + html_table(last.drop(columns="call"))]
 
