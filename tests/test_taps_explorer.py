@@ -315,3 +315,22 @@ def test_a_compiled_model_lists_the_eager_taps_that_capture_takes() -> None:
         cap.backward(loss)
         assert torch.allclose(cap.grads[":h"], expected)
         assert torch.allclose(cap.grads[":h"], m.l2.weight.detach().expand(8, 4))
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["+experiment=mlp", "stepz=3"], "stepz is not a config key"),
+    (["+experiment=mlp", "model=mpl"], "model=mpl: the config group model has no option 'mpl'"),
+    (["+experiment=nope"], "+experiment=nope: the config group experiment has no option 'nope'"),
+    (["+experiment=mlp", "steps=many"], "steps"),
+    (["+experiment=mlp", "model._target_=nope.Model"], "could not build model from _target_='nope.Model'"),
+])  # fmt: skip
+def test_a_command_line_mistake_is_one_paragraph_and_status_2_as_the_runner_gives(
+    tmp_path: Path, args: list[str], says: str
+) -> None:
+    """The explorer takes the same overrides as a run, and refuses the same mistakes the same way (not Hydra's
+    dozen lines and status 1, nor hydra.utils' log lines before the paragraph)."""
+    bad = taps_cli(tmp_path, *args)
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.startswith("gradrunner.taps: error: ") and says in bad.stderr, bad.stderr
+    assert bad.stderr.count("\n") == 1, bad.stderr
+    assert bad.stdout == "" and list(tmp_path.iterdir()) == []

@@ -6,7 +6,8 @@ calls, the shapes (or types) of its outputs, inputs, parameters and forward() lo
 `-- no gradient: <why>` when a tap on it cannot carry one; modules not called are marked. Then,
 for each glob of the config's `taps`, how many taps it resolves to at each module depth (`*` and `?`
 match dots: `transformer.h.*` reaches every submodule of every block).
-Nothing is written (no output dir, no records). `--format json` prints the same for scripts.
+Nothing is written (no output dir, no records). `--format json` prints the same for scripts. A mistake on
+the command line (a misspelled key, an unknown option) is refused as the runner refuses it: one paragraph, status 2.
 
 Example::
 
@@ -21,12 +22,14 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from gradrunner.config.overrides import group_mistake, misspelled_key
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
+from gradrunner.run.hydra_adapter import mistakes_as_one_paragraph
 
 #: `--format` values.
 FORMATS = ("text", "json")
@@ -112,14 +115,21 @@ def main() -> None:
         _format, argv = _pop_format(sys.argv[1:])
         _match, argv = _pop_option(argv, "--match", None)
     except GradrunnerError as e:
-        print(f"gradrunner.taps: error: {e}", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)
+        _refuse(str(e))
     if "-m" in argv or "--multirun" in argv:
-        print("gradrunner.taps: error: -m/--multirun is not allowed; list one config's taps at a time.",
-              file=sys.stderr)  # fmt: skip
-        sys.exit(EXIT_USER_ERROR)
+        _refuse("-m/--multirun is not allowed; list one config's taps at a time.")
+    mistake = misspelled_key(argv) or group_mistake(argv)  # the runner's checks: the same overrides as a run
+    if mistake is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
+        _refuse(mistake)
     sys.argv = [sys.argv[0], *argv, *([] if "--help" in argv or "-h" in argv else _QUIET)]
-    app()
+    with mistakes_as_one_paragraph(_refuse):  # what Hydra finds while composing, as the runner reports it
+        app()
+
+
+def _refuse(message: str) -> NoReturn:
+    """A user mistake: one paragraph on stderr, exit status 2."""
+    print(f"gradrunner.taps: error: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_USER_ERROR)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://gradrunner.conf", config_name="config")

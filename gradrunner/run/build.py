@@ -161,7 +161,7 @@ def _check_booleans(node: Any, path: str) -> None:
             _check_booleans(value, f"{path}.{key}")
     target = node.get("_target_")
     try:
-        params = inspect.signature(get_object(target)).parameters if isinstance(target, str) else {}
+        params = inspect.signature(_quiet_get_object(target)).parameters if isinstance(target, str) else {}
     except Exception:  # no such target, or no signature to read: nothing to check here
         return
     for name, param in params.items():
@@ -169,6 +169,18 @@ def _check_booleans(node: Any, path: str) -> None:
         if name in node and param.annotation in (bool, "bool") and not isinstance(value, bool):
             said = "; a string counts as true whatever it says" if isinstance(value, str) else ""
             raise not_allowed(f"{path}.{name}", value, ["false", "true"], f" ({target} takes a boolean there{said}.)")
+
+
+def _quiet_get_object(target: str) -> Any:
+    """`hydra.utils.get_object(target)`, without the ERROR lines it logs for a target that does not import:
+    `instantiate` is told the same and `build` says it in one paragraph."""
+    hydra_log = logging.getLogger("hydra.utils")
+    was = hydra_log.disabled
+    hydra_log.disabled = True
+    try:
+        return get_object(target)
+    finally:
+        hydra_log.disabled = was
 
 
 def _optimizer_hint(node: DictConfig, error: Exception) -> str:
