@@ -184,7 +184,8 @@ def test_matching_keeps_only_the_paths_the_glob_selects() -> None:
 def test_the_taps_cli_filters_with_match_and_refuses_a_match_of_nothing(tmp_path: Path) -> None:
     ok = taps_cli(tmp_path, "+experiment=mlp", "--match", "relu*")
     assert ok.returncode == 0, ok.stderr
-    paths = [line.split(" ")[0] for line in ok.stdout.splitlines()[1:] if not line.startswith(" ")]
+    modules = ok.stdout.split("\n\nThe config's globs")[0]  # the config's globs follow, over the whole model
+    paths = [line.split(" ")[0] for line in modules.splitlines()[1:] if not line.startswith(" ")]
     assert paths == ["relu1", "relu2", "relu3"]
     bad = taps_cli(tmp_path, "+experiment=mlp", "--match=zz*")
     assert bad.returncode == 2 and bad.stderr.startswith("gradrunner.taps: error: --match 'zz*' matches no module")
@@ -334,3 +335,14 @@ def test_a_command_line_mistake_is_one_paragraph_and_status_2_as_the_runner_give
     assert bad.stderr.startswith("gradrunner.taps: error: ") and says in bad.stderr, bad.stderr
     assert bad.stderr.count("\n") == 1, bad.stderr
     assert bad.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+def test_match_keeps_the_config_globs_counts_in_text_and_json(tmp_path: Path) -> None:
+    """`--match` narrows the module listing, not the config's globs: they count taps over the whole model."""
+    config = ["+experiment=mlp", "taps=[fc*:output,relu*:output]"]
+    whole = json.loads(taps_cli(tmp_path, *config, "--format", "json").stdout)["globs"]
+    matched = json.loads(taps_cli(tmp_path, *config, "--format", "json", "--match", "relu1").stdout)["globs"]
+    assert [(g["spec"], g["taps"]) for g in whole] == [("fc*:output", 3), ("relu*:output", 3)]
+    assert matched == whole
+    text = taps_cli(tmp_path, *config, "--match", "relu1").stdout
+    assert "The config's globs" in text and "fc*:output resolves to 3 tap(s)" in text

@@ -5,7 +5,7 @@ Builds the model and the data the config names, runs one forward pass on the fir
 calls, the shapes (or types) of its outputs, inputs, parameters and forward() locals, each marked
 `-- no gradient: <why>` when a tap on it cannot carry one; modules not called are marked. Then,
 for each glob of the config's `taps`, how many taps it resolves to at each module depth (`*` and `?`
-match dots: `transformer.h.*` reaches every submodule of every block).
+match dots: `transformer.h.*` reaches every submodule of every block), over the whole model, `--match` or not.
 Nothing is written (no output dir, no records). `--format json` prints the same for scripts. A mistake on
 the command line (a misspelled key, an unknown option) is refused as the runner refuses it: one paragraph, status 2.
 
@@ -144,6 +144,7 @@ def app(cfg: DictConfig) -> None:
             raise
         print(f"gradrunner.taps: error: {one_paragraph(e)}", file=sys.stderr, flush=True)
         sys.exit(EXIT_USER_ERROR)
+    reach = _reach(result)  # over the whole model: `--match` narrows the listing, not what the config's globs reach
     if _match is not None:
         result = result.matching(_match)  # type: ignore[attr-defined]
         if not result.modules:
@@ -151,7 +152,7 @@ def app(cfg: DictConfig) -> None:
                   "it is a glob over paths as model.named_modules() prints them, e.g. --match 'layers.0.*'",
                   file=sys.stderr, flush=True)  # fmt: skip
             sys.exit(EXIT_USER_ERROR)
-    text = json.dumps(_with_reach(result), indent=1) if _format == "json" else _text(result)
+    text = json.dumps(_with_reach(result, reach), indent=1) if _format == "json" else _text(result, reach)
     try:
         print(text, flush=True)
     except BrokenPipeError:  # `| head`: the reader has what it wanted
@@ -162,17 +163,17 @@ def _reach(result: object) -> list[Any]:
     return list(getattr(result, "reach", []))
 
 
-def _text(result: object) -> str:
-    """The listing, then how far each glob of the config's `taps` reached (taps per module depth)."""
-    reach = _reach(result)
-    lines = [f"  {r}" for r in reach]
+def _text(result: object, reach: list[Any] | None = None) -> str:
+    """The listing, then how far each glob of the config's `taps` reached (taps per module depth; `reach`: the
+    listing's own)."""
+    lines = [f"  {r}" for r in (_reach(result) if reach is None else reach)]
     return str(result) + (("\n\nThe config's globs (taps=...):\n" + "\n".join(lines)) if lines else "")
 
 
-def _with_reach(result: object) -> dict[str, Any]:
+def _with_reach(result: object, reach: list[Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = result.to_dict()  # type: ignore[attr-defined]
     out["globs"] = [{"spec": r.spec, "taps": r.taps, "by_depth": {str(d): n for d, (n, _) in sorted(r.by_depth.items())}}
-                    for r in _reach(result)]  # fmt: skip
+                    for r in (_reach(result) if reach is None else reach)]  # fmt: skip
     return out
 
 
