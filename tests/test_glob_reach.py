@@ -57,7 +57,9 @@ def test_the_explorer_says_each_globs_reach() -> None:
     text = explore._text(found)
     assert text.endswith("The config's globs (taps=...):\n  " + str(found.reach[0]))  # type: ignore[attr-defined]
     data = json.loads(json.dumps(explore._with_reach(found)))
-    assert data["globs"] == [{"spec": "transformer.h.*:output", "taps": 26, "by_depth": {"3": 2, "4": 8, "5": 16}}]
+    assert data["globs"] == [{"spec": "transformer.h.*:output", "taps": 26, "by_depth": {"3": 2, "4": 8, "5": 16},
+                              "first_path": {"3": "transformer.h.0", "4": "transformer.h.0.ln_1",
+                                             "5": "transformer.h.0.attn.c_attn"}, "refused": None}]  # fmt: skip
 
 
 def test_benchmarks_md_states_the_resolved_taps_of_the_integration_rows() -> None:

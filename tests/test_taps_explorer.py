@@ -346,3 +346,13 @@ def test_match_keeps_the_config_globs_counts_in_text_and_json(tmp_path: Path) ->
     assert matched == whole
     text = taps_cli(tmp_path, *config, "--match", "relu1").stdout
     assert "The config's globs" in text and "fc*:output resolves to 3 tap(s)" in text
+
+
+def test_json_says_why_a_config_glob_is_refused_and_a_path_at_each_depth(tmp_path: Path) -> None:
+    """`--format json` gives what the text says: the refusal of a glob that resolves to no tap, a path per depth."""
+    config = ["+experiment=mlp", "taps=[fc*:output,zz*:output]"]
+    ok, refused = json.loads(taps_cli(tmp_path, *config, "--format", "json").stdout)["globs"]
+    text = taps_cli(tmp_path, *config).stdout
+    assert ok["taps"] == 3 and ok["refused"] is None and ok["first_path"] == {"1": "fc1"}
+    assert refused["taps"] == 0 and refused["first_path"] == {}
+    assert "the glob 'zz*' matches no module of MLP" in refused["refused"] and refused["refused"] in text

@@ -171,8 +171,11 @@ def _text(result: object, reach: list[Any] | None = None) -> str:
 
 
 def _with_reach(result: object, reach: list[Any] | None = None) -> dict[str, Any]:
+    """`result.to_dict()` with `globs`: per glob its taps by depth, a path at each depth, and why it is refused (None:
+    it resolves to taps), what the text says of it."""
     out: dict[str, Any] = result.to_dict()  # type: ignore[attr-defined]
-    out["globs"] = [{"spec": r.spec, "taps": r.taps, "by_depth": {str(d): n for d, (n, _) in sorted(r.by_depth.items())}}
+    out["globs"] = [{"spec": r.spec, "taps": r.taps, "by_depth": {str(d): n for d, (n, _) in sorted(r.by_depth.items())},
+                     "first_path": {str(d): path for d, (_, path) in sorted(r.by_depth.items())}, "refused": r.refused}
                     for r in (_reach(result) if reach is None else reach)]  # fmt: skip
     return out
 
