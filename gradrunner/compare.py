@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -46,7 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GradrunnerError as e:
         print(f"gradrunner.compare: error: {one_paragraph(e)}", file=sys.stderr)
         return EXIT_USER_ERROR
-    print(result.summary())
+    try:
+        print(result.summary(), flush=True)
+    except BrokenPipeError:  # `| head -1`: the reader has what it wanted; the exit status is still the verdict
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if result.agree else EXIT_DIFFER
 
 

@@ -6,6 +6,7 @@ in a subprocess. Bad input is exit 2 with one paragraph.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -208,6 +209,19 @@ def test_the_command_runs_as_a_module(runs: dict[str, Path]) -> None:
     result = subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 1, result.stderr
     assert "first difference: step 1" in result.stdout and result.stderr == ""
+
+
+def test_a_verdict_piped_into_head_ends_without_a_traceback(runs: dict[str, Path]) -> None:
+    """`python -m gradrunner.compare A B | head -1`: the reader is gone before the verdict is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "gradrunner.compare", str(runs["a"]), str(runs["lr"])],
+                                env=cli_env(), stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
+    assert result.returncode == 1  # the verdict's status still: they differ
 
 
 def test_the_analysis_side_imports_no_torch() -> None:
