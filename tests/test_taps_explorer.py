@@ -356,3 +356,13 @@ def test_json_says_why_a_config_glob_is_refused_and_a_path_at_each_depth(tmp_pat
     assert ok["taps"] == 3 and ok["refused"] is None and ok["first_path"] == {"1": "fc1"}
     assert refused["taps"] == 0 and refused["first_path"] == {}
     assert "the glob 'zz*' matches no module of MLP" in refused["refused"] and refused["refused"] in text
+
+
+def test_help_names_the_explorers_own_options_then_the_overrides(tmp_path: Path) -> None:
+    """`--help` says what the command does and takes (`--format`, `--match`), then the config groups of a run."""
+    result = taps_cli(tmp_path, "--help")
+    assert result.returncode == 0, result.stderr
+    head = result.stdout.split("== Configuration groups ==")[0]
+    assert head.startswith("usage: python -m gradrunner.taps [--format text|json] [--match GLOB] [OVERRIDES...]")
+    assert "--format: one of text, json" in head and "--match: a glob over module paths" in head
+    assert "experiment: cnn, cosine, gpt2" in result.stdout and list(tmp_path.iterdir()) == []

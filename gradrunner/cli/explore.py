@@ -121,9 +121,20 @@ def main() -> None:
     mistake = misspelled_key(argv) or group_mistake(argv)  # the runner's checks: the same overrides as a run
     if mistake is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
         _refuse(mistake)
-    sys.argv = [sys.argv[0], *argv, *([] if "--help" in argv or "-h" in argv else _QUIET)]
+    helping = "--help" in argv or "-h" in argv
+    if helping:  # Hydra's help says only what a run takes: say first what this command does and takes
+        print(_usage(), flush=True)
+    sys.argv = [sys.argv[0], *argv, *([] if helping else _QUIET)]
     with mistakes_as_one_paragraph(_refuse):  # what Hydra finds while composing, as the runner reports it
         app()
+
+
+def _usage() -> str:
+    """The head of `--help`: the command, its own options (`_TAKES`), and that the overrides are a run's."""
+    options = "\n".join(f"  {option}: {takes}" for option, takes in _TAKES.items())
+    return ("usage: python -m gradrunner.taps [--format text|json] [--match GLOB] [OVERRIDES...]\n"
+            "Lists the taps the model of the config offers, from one forward pass on its first batch; writes nothing.\n"
+            f"{options}\nOVERRIDES: the same as a run's (python -m gradrunner), below.\n")  # fmt: skip
 
 
 def _refuse(message: str) -> NoReturn:
