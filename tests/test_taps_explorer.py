@@ -7,6 +7,7 @@ end-to-end smoke of the command (the text listing of the transformer).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -366,3 +367,17 @@ def test_help_names_the_explorers_own_options_then_the_overrides(tmp_path: Path)
     assert head.startswith("usage: python -m gradrunner.taps [--format text|json] [--match GLOB] [OVERRIDES...]")
     assert "--format: one of text, json" in head and "--match: a glob over module paths" in head
     assert "experiment: cnn, cosine, gpt2" in result.stdout and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [["--help"], ["+experiment=mlp"]])
+def test_output_piped_into_head_ends_without_a_traceback(tmp_path: Path, args: list[str]) -> None:
+    """`python -m gradrunner.taps --help | head`: the reader is gone before anything is written."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([child_python(), "-m", "gradrunner.taps", *args], cwd=tmp_path, env=cli_env(),
+                                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=180)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
+    assert result.returncode == 0

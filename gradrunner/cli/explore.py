@@ -122,11 +122,14 @@ def main() -> None:
     if mistake is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
         _refuse(mistake)
     helping = "--help" in argv or "-h" in argv
-    if helping:  # Hydra's help says only what a run takes: say first what this command does and takes
-        print(_usage(), flush=True)
     sys.argv = [sys.argv[0], *argv, *([] if helping else _QUIET)]
-    with mistakes_as_one_paragraph(_refuse):  # what Hydra finds while composing, as the runner reports it
-        app()
+    try:
+        if helping:  # Hydra's help says only what a run takes: say first what this command does and takes
+            print(_usage(), flush=True)
+        with mistakes_as_one_paragraph(_refuse):  # what Hydra finds while composing, as the runner reports it
+            app()
+    except BrokenPipeError:  # `--help | head`: the reader has what it wanted (the listing's own print says so too)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _usage() -> str:
