@@ -23,6 +23,7 @@ from gradrunner.capturing.taps import resolve_taps
 from gradrunner.cli.explore import listing
 from gradrunner.errors import GradrunnerError
 from gradrunner.run.build import setup
+from gradrunner.run.guards import next_batch
 
 BUILT_IN = ["mlp", "cnn", "transformer", "cosine", "sigmoid2"]
 
@@ -381,3 +382,21 @@ def test_output_piped_into_head_ends_without_a_traceback(tmp_path: Path, args: l
         os.close(write_end)
     assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
     assert result.returncode == 0
+
+
+def test_the_listing_runs_under_the_configs_autocast_as_a_training_step_does() -> None:
+    """`train.autocast=bf16`: a run's taps hold what the forward makes under `torch.autocast` (a Linear's output in
+    bfloat16); the listing gives the dtypes a plain forward under the same autocast records."""
+    cfg = compose_cfg("+experiment=mlp", "train.autocast=bf16")
+    job = setup(cfg, check_taps=False)
+    seen: dict[str, str] = {}
+    handles = [m.register_forward_hook(lambda m, a, out, name=name: seen.setdefault(name, str(out.dtype)) and None)
+               for name, m in job.model.named_modules() if name]  # fmt: skip
+    x, _ = next_batch(job.batches, 0, source=str(cfg.data._target_))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        job.model(x)
+    for h in handles:
+        h.remove()
+    assert seen["fc1"] == "torch.bfloat16"  # the reference: autocast changes what the tap holds
+    listed = {m.path: m.outputs[0].dtype for m in listing(cfg).modules if m.path}
+    assert listed == {name: dtype.removeprefix("torch.") for name, dtype in seen.items()}

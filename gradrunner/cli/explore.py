@@ -1,7 +1,7 @@
 """`python -m gradrunner.taps <the same overrides as a run>`: the taps the model offers, with shapes.
 
 Builds the model and the data the config names, runs one forward pass on the first batch
-(`gradrunner.capturing.explore.list_taps`) and prints every module path in forward order: class,
+(`gradrunner.capturing.explore.list_taps`, under the config's `train.autocast`, as a training step) and prints every module path in forward order: class,
 calls, the shapes (or types) of its outputs, inputs, parameters and forward() locals, each marked
 `-- no gradient: <why>` when a tap on it cannot carry one; modules not called are marked. Then,
 for each glob of the config's `taps`, how many taps it resolves to at each module depth (`*` and `?`
@@ -86,12 +86,14 @@ def listing(cfg: DictConfig) -> object:
     from gradrunner.data import ForwardInputs
     from gradrunner.run.build import setup
     from gradrunner.run.guards import next_batch
+    from gradrunner.run.numerics import autocast
 
     job = setup(cfg, check_taps=False)  # the model's taps are listed whatever the config's `taps` reach
     x, _ = next_batch(job.batches, 0, source=str(cfg.data._target_))
     args, kwargs = (x.args, x.kwargs) if isinstance(x, ForwardInputs) else ((), x) if isinstance(x, Mapping) else ((x,), {})
     try:
-        found = list_taps(job.model, *args, **kwargs)
+        with autocast(job.device, str(cfg.train.autocast)):  # as a training step's forward: the dtypes its taps hold
+            found = list_taps(job.model, *args, **kwargs)
         found.reach = glob_reach(job.model, OmegaConf.to_container(cfg.taps, resolve=True))  # type: ignore[attr-defined,arg-type]
         return found
     except GradrunnerError:
