@@ -184,7 +184,8 @@ def _twice(runs: dict[str, Path], root: Path) -> Path:
     [
         (lambda runs, root: root / "nothing", (), "is not a run dir (it does not exist)"),
         (lambda runs, root: runs["a"] / "grads.parquet", (), "is not a run dir (a file)"),
-        (_sweep_of, (), "is not a run dir (no grads.parquet in it; its subdirs hold a sweep's jobs: pass one of them)"),
+        (_sweep_of, (), "is not a run dir (no grads.parquet in it; its subdirs 0, 1 hold runs: pass one of them)"),
+        (lambda runs, root: runs["a"].parent, (), "its subdirs a, b, lr, nan_1 and 3 more hold runs: pass one of them"),
         (lambda runs, root: root, (), "is not a run dir (no grads.parquet in it)"),
         (_truncated, (), "do not verify"),
         (_twice, (), "holds 1 records twice"),
@@ -193,7 +194,7 @@ def _twice(runs: dict[str, Path], root: Path) -> Path:
         (lambda runs, root: runs["b"], ("--atol", "nan"), "atol='nan' is not a tolerance"),
         (lambda runs, root: runs["b"], ("--rtol", "1e-5x"), "rtol='1e-5x' is not a tolerance"),
     ],
-    ids=["missing", "file", "sweep", "empty", "truncated", "duplicated", "disjoint_taps", "negative", "nan", "not_a_number"],
+    ids=["missing", "file", "sweep", "runs_side_by_side", "empty", "truncated", "duplicated", "disjoint_taps", "negative", "nan", "not_a_number"],
 )
 def test_bad_input_is_one_paragraph_and_exit_2(runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                make: object, args: tuple[str, ...], says: str) -> None:  # fmt: skip

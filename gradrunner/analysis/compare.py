@@ -286,8 +286,10 @@ def _read(run: str | os.PathLike[str], notes: list[str]) -> tuple[pd.DataFrame, 
     path = Path(run)
     why = ("a file" if path.exists() else "it does not exist") if not path.is_dir() else None
     if why is None and not (path / GRADS_FILE).is_file():
-        sweep = any(path.glob(f"*/{GRADS_FILE}"))
-        why = f"no {GRADS_FILE} in it" + ("; its subdirs hold a sweep's jobs: pass one of them" if sweep else "")
+        runs = sorted((f.parent.name for f in path.glob(f"*/{GRADS_FILE}")), key=lambda n: (len(n), n))
+        why = f"no {GRADS_FILE} in it" + (
+            f"; its subdirs {_few(pd.Series(runs))} hold runs: pass one of them" if runs else ""
+        )
     if why is not None:
         raise GradrunnerError(f"{run} is not a run dir ({why}); pass the dir a run wrote its {GRADS_FILE} and "
                               f"{STEPS_FILE} into")  # fmt: skip
