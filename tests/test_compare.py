@@ -109,6 +109,17 @@ def test_a_tap_or_a_step_only_one_run_has_is_a_difference(runs: dict[str, Path],
     assert set(reverse.missing["only_in"]) == {"b"}
 
 
+def test_the_taps_only_one_run_has_are_told_in_run_as_tap_order(runs: dict[str, Path],
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """The 'only in run A' lines follow run A's tap order, as the first difference does: the first one shown is it."""
+    grads = pd.read_parquet(runs["a"] / "grads.parquet")
+    order = [t for t in dict.fromkeys(grads["tap"]) if t not in ("fc1:output", "head:weight")]
+    _, out, _ = run_main(capsys, runs["a"], runs["fewer_taps"])
+    told = [line.split("tap ")[1].split(",")[0] for line in out.splitlines() if line.startswith("only in run A: tap")]
+    assert told == order[: len(told)] and len(told) == 6
+    assert f"first difference: step 0, tap {order[0]}: the record is only in run A" in out
+
+
 def test_nan_equals_nan(runs: dict[str, Path]) -> None:
     c = compare_runs(runs["nan_1"], runs["nan_2"])
     assert c.values["a"].isna().any() and c.agree  # NaN gradients from step 1 on, in both

@@ -178,8 +178,10 @@ def _where(row: pd.Series) -> str:
 
 
 def _describe_missing(missing: pd.DataFrame, most: int = 6) -> list[str]:
-    """One line per tap (or the steps table) that only one run has records of, with the steps."""
+    """One line per tap (or the steps table) that only one run has records of, with the steps; in the order
+    differences are told (`ORDER`: a step's loss, then taps in run A's order), so the first difference leads."""
     lines = []
+    missing = missing.sort_values(ORDER, kind="stable")
     for (only, tap), rows in missing.groupby(["only_in", missing["tap"].fillna("")], sort=False):
         steps = sorted(rows["step"].unique())
         span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}-{steps[-1]} ({len(steps)})"
