@@ -1,13 +1,14 @@
 """`python -m gradrunner.taps <the same overrides as a run>`: the taps the model offers, with shapes.
 
 Builds the model and the data the config names, runs one forward pass on the first batch
-(`gradrunner.capturing.explore.list_taps`, under the config's `train.autocast`, as a training step) and prints every module path in forward order: class,
-calls, the shapes (or types) of its outputs, inputs, parameters and forward() locals, each marked
-`-- no gradient: <why>` when a tap on it cannot carry one; modules not called are marked. Then,
-for each glob of the config's `taps`, how many taps it resolves to at each module depth (`*` and `?`
-match dots: `transformer.h.*` reaches every submodule of every block), over the whole model, `--match` or not.
-Nothing is written (no output dir, no records). `--format json` prints the same for scripts. A mistake on
-the command line (a misspelled key, an unknown option) is refused as the runner refuses it: one paragraph, status 2.
+(`gradrunner.capturing.explore.list_taps`, under the config's `train.autocast`, as a training step)
+and prints every module path in forward order: class, calls, the shapes (or types) of its outputs,
+inputs, parameters and forward() locals, each marked `-- no gradient: <why>` when a tap on it cannot
+carry one; modules not called are marked. Then, for each glob of the config's `taps`, how many taps
+it resolves to at each module depth (`*` and `?` match dots: `transformer.h.*` reaches every
+submodule of every block), over the whole model, `--match` or not. Nothing is written (no output
+dir, no records). `--format json` prints the same for scripts. A mistake on the command line (a
+misspelled key, an unknown option) is refused as the runner refuses it: one paragraph, status 2.
 
 Example::
 
