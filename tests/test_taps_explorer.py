@@ -400,3 +400,18 @@ def test_the_listing_runs_under_the_configs_autocast_as_a_training_step_does() -
     assert seen["fc1"] == "torch.bfloat16"  # the reference: autocast changes what the tap holds
     listed = {m.path: m.outputs[0].dtype for m in listing(cfg).modules if m.path}
     assert listed == {name: dtype.removeprefix("torch.") for name, dtype in seen.items()}
+
+
+def test_an_error_inside_the_listing_is_not_told_as_hydras_before_the_task(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """Only what Hydra meets before the task is the command line's: an OSError while listing is never told as
+    'cannot write the run dir ... nothing ran' (the explorer writes no run dir)."""
+    from gradrunner.cli import explore
+
+    def broken(cfg: object) -> object:
+        raise OSError(5, "Input/output error", "/data/shard-0")
+
+    monkeypatch.setattr(explore, "listing", broken)
+    result = taps_cli(tmp_path, "+experiment=mlp")
+    assert result.returncode != 0 and "Input/output error" in result.stderr
+    assert "cannot write the run dir" not in result.stderr and "Hydra could not save" not in result.stderr

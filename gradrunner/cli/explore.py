@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.config.overrides import group_mistake, misspelled_key
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
-from gradrunner.run.hydra_adapter import mistakes_as_one_paragraph
+from gradrunner.run.hydra_adapter import mark_task_started, mistakes_as_one_paragraph
 
 #: `--format` values.
 FORMATS = ("text", "json")
@@ -153,6 +153,8 @@ def _refuse(message: str) -> NoReturn:
 def app(cfg: DictConfig) -> None:
     """Print the listing of `cfg`'s model; a user mistake is one paragraph and exit status 2."""
     from omegaconf.errors import OmegaConfBaseException
+
+    mark_task_started()  # from here on an error is the listing's, not the command line's (`mistakes_as_one_paragraph`)
 
     try:
         result = listing(cfg)
