@@ -268,7 +268,8 @@ def test_per_example_parameter_norms_under_cuda_bf16_autocast_match_a_row_loop(s
     with torch.autocast("cuda", dtype=torch.bfloat16):
         ref = loop(model, {"input": x}, rows_loss, params)[0]
         got, reasons = batched(model, {"input": x}, rows_loss, params)
-    assert_matches(got, ref, reasons, rtol=3e-2)
+    on_cpu = {name: None if norms is None else norms.cpu() for name, norms in got.items()}  # the loop's are on the CPU
+    assert_matches(on_cpu, ref, reasons, rtol=1e-2)
 
 
 def test_a_weight_penalty_under_cuda_bf16_autocast_nulls_the_rows() -> None:
