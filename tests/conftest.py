@@ -356,6 +356,16 @@ def child_python() -> str:
     return str(client) if client is not None else sys.executable
 
 
+@pytest.fixture
+def cli_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sys.executable` children of the code under test (the autopsy's sweep) run in the environment of the CLI's
+    tests (`cli_env()`: they import `planted_spikes` from this dir, as the source run did), started warm
+    (`child_python`: their subject is the records, not a fresh interpreter)."""
+    monkeypatch.setattr(sys, "executable", child_python())  # first: it starts the servers `cli_env()` names
+    for name, value in cli_env().items():
+        monkeypatch.setenv(name, value)
+
+
 def check_ok(result: subprocess.CompletedProcess[str]) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
 

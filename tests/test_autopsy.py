@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import SEARCHPATH, check_ok, child_python, cli_env, gradrunner_in_process
+from conftest import SEARCHPATH, check_ok, cli_env, gradrunner_in_process
 
 from gradrunner.analysis import load
 from gradrunner.run.autopsy import main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("cli_children")]
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +33,6 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _losses(path: Path) -> pd.Series:
     return pd.read_parquet(path / "steps.parquet", columns=["step", "loss"]).set_index("step")["loss"]
-
-
-@pytest.fixture(autouse=True)
-def _tests_importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sweep's process imports `planted_spikes` (this dir), as the source run's did; it runs in the
-    environment of the CLI's tests (`cli_env()`), started warm (`child_python`: its subject is the sweep's
-    records, not a fresh interpreter)."""
-    monkeypatch.setattr(sys, "executable", child_python())  # first: it starts the servers `cli_env()` names
-    for name, value in cli_env().items():
-        monkeypatch.setenv(name, value)
 
 
 def _autopsy(source: Path, capsys: pytest.CaptureFixture[str]) -> tuple[pd.DataFrame, str]:

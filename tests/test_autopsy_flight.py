@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import TESTS, check_ok, child_python, cli_env, gradrunner_in_process
+from conftest import TESTS, check_ok, gradrunner_in_process
 
 from gradrunner.run.autopsy import main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("cli_children")]
 
 STEPS = 34
 
@@ -32,14 +31,6 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                    "data=my_spiky", "train.checkpoint_every=5", "anomaly.replay=3",
                                    f"hydra.run.dir={root / 'run'}"))  # fmt: skip
     return root / "run"
-
-
-@pytest.fixture(autouse=True)
-def _tests_importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sweep's process imports `planted_spikes` (tests/), as the source run's did (see test_autopsy)."""
-    monkeypatch.setattr(sys, "executable", child_python())
-    for name, value in cli_env().items():
-        monkeypatch.setenv(name, value)
 
 
 def _losses(path: Path) -> pd.Series:

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import SEARCHPATH, check_ok, child_python, cli_env, gradrunner_in_process
+from conftest import SEARCHPATH, check_ok, gradrunner_in_process
 
 from gradrunner.run.autopsy import main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("cli_children")]
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +25,6 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     check_ok(gradrunner_in_process(root, "+experiment=mlp", "steps=34", "data=spiky_batch", "train.checkpoint_every=5",
                                    "anomaly.replay=3", SEARCHPATH, f"hydra.run.dir={root / 'run'}"))  # fmt: skip
     return root / "run"
-
-
-@pytest.fixture(autouse=True)
-def _tests_importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sweep's process imports `planted_spikes` (tests/), as the source run's did (see test_autopsy)."""
-    monkeypatch.setattr(sys, "executable", child_python())
-    for name, value in cli_env().items():
-        monkeypatch.setenv(name, value)
 
 
 def _copy(source: Path, to: Path) -> Path:
