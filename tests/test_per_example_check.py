@@ -88,3 +88,46 @@ def test_a_weight_penalty_on_a_large_float32_weight_under_bf16_autocast_is_caugh
         of.append(weight.grad.norm())
     assert of[1] > 0.8 * of[0]
     assert norms["0:weight"] is None and reasons["0:weight"] == OUTSIDE
+
+
+def test_rows_that_overflow_float32_are_null_with_the_reason_where_the_gradient_is_finite() -> None:
+    """A diverging run's parameter gradients of norm 1e25: each row's squared norm (1e50) passes float32's range, so
+    every per-example norm read inf (found 2026-11-27 in a report of the spike_data run: g2 -inf, trace_sigma inf),
+    where `.grad`'s norm is finite. Now None with the reason; at 1e15 the rows equal each row backwarded alone."""
+    import warnings
+
+    import numpy as np
+
+    from gradrunner import capture
+    from gradrunner.capturing.per_example_check import OVERFLOW, PerExampleWarning
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    for scale in (1e15, 1e25):
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            capture(model, ["0:weight", "1:bias"], per_example=True) as cap,
+        ):
+            warnings.simplefilter("always")
+            loss = model(x).sum() * scale
+            cap.backward(loss)
+            recs = cap.records(loss)
+        model.zero_grad()
+        rows = dict(zip([k.tap for k in recs.keys], recs.per_example_norm or [], strict=True))
+        assert np.isfinite(recs.stats["norm"]).all()
+        if scale == 1e25:
+            assert rows == {"0:weight": None, "1:bias": None}
+            said = [str(w.message) for w in caught if issubclass(w.category, PerExampleWarning)]
+            assert sorted(said) == [
+                f"per_example_norm of parameter tap {t} is null: {OVERFLOW}" for t in ("0:weight", "1:bias")
+            ]
+            continue
+        for name, param in (("0:weight", model[0].weight), ("1:bias", model[1].bias)):
+            ref = []
+            for i in range(3):
+                model.zero_grad()
+                (model(x[i : i + 1]).sum() * scale).backward()
+                ref.append(param.grad.double().norm().item())
+            np.testing.assert_allclose(rows[name], ref, rtol=1e-5)
+        model.zero_grad()

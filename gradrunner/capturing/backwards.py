@@ -35,7 +35,7 @@ from gradrunner.capturing.elements import tensors_in
 from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_ASSIGNED, NOT_CALLED
 from gradrunner.capturing.params import ddp_world_size
-from gradrunner.capturing.per_example_check import OUTSIDE, PerExampleWarning, failed
+from gradrunner.capturing.per_example_check import PerExampleWarning, null_reason
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot
 from gradrunner.capturing.strategies.autograd_grad import OWN_BACKWARD_ONLY
@@ -421,7 +421,7 @@ class Backwards:
         return recs
 
     def _settle_per_example(self: Capture, recs: StepRecords) -> None:  # type: ignore[misc]
-        """Parameter taps' rows after the transfer: a failed check's become None; each tap left None is named once,
+        """Parameter taps' rows after the transfer: a failed check's or overflowed become None; each left None named once,
         with why, in a warning. `reason` stays null (the contract: it says why `has_grad` is false, and the
         gradient itself is there)."""
         assert recs.per_example_norm is not None and recs.reason is not None
@@ -430,9 +430,9 @@ class Backwards:
         for i, key in enumerate(recs.keys):
             if key not in params:
                 continue
-            rows = recs.per_example_norm[i]
-            if rows is not None and failed(rows):
-                recs.per_example_norm[i], reasons[key.tap] = None, OUTSIDE
+            why = null_reason(recs.per_example_norm[i], float(recs.stats["norm"][i]))
+            if why:
+                recs.per_example_norm[i], reasons[key.tap] = None, why
             if recs.per_example_norm[i] is not None or not recs.has_grad[i]:
                 continue
             why = reasons.get(key.tap) or "no per-example shares were computed"

@@ -80,6 +80,22 @@ class PerExampleWarning(UserWarning):
     """A parameter tap's per-example norms are null (said once per tap and session, with the reason)."""
 
 
+#: Why a parameter's per-example norms are null where a row is not finite but the gradient is: a share's squares
+#: passed float32's range (a per-example norm above about 1.8e19, in a diverging run), not a true inf.
+OVERFLOW = ("a row's squared norm overflowed float32 (a per-example norm above about 1.8e19) while the gradient's own "
+            "norm is finite")  # fmt: skip
+
+
+def null_reason(rows: np.ndarray | None, grad_norm: float) -> str | None:
+    """Why these transferred per-example norms are no norms, or None: a failed check's mark (`OUTSIDE`), or a row
+    that is not finite although the parameter's gradient norm is (`OVERFLOW`: a finite sum of finite shares)."""
+    if rows is None or len(rows) == 0:
+        return None
+    if failed(rows):
+        return OUTSIDE
+    return OVERFLOW if np.isfinite(grad_norm) and not np.isfinite(rows).all() else None
+
+
 def failed(rows: np.ndarray | torch.Tensor) -> bool:
     """Whether these per-example norms (host or device) are the mark of a failed check.
 
