@@ -328,23 +328,19 @@ def test_the_last_word_names_every_spike() -> None:
     assert named == planted and len(lines) == len(planted) and not any("more spike" in line for line in lines)
 
 
-def test_a_nan_in_warm_up_scores_inf_as_it_is_flagged(tmp_path: Path) -> None:
-    """Detector.score checked warm-up before non-finite: a NaN loss at step 5 (warm-up 20), flagged with z = inf in
-    anomalies.parquet, was blank ("not measured") in the report's spike table."""
+def _nan_session(run: Path, nan_at: int, steps: int, interrupt_at: int | None = None) -> None:
+    """A `record()` session of a Linear whose input has a NaN at step `nan_at` (the parameters put back to finite
+    after it), Ctrl-C (KeyboardInterrupt) at step `interrupt_at` if given."""
     import gradrunner
-    from gradrunner.analysis.anomaly_context import z_around
 
-    det = Detector(warmup=20)
-    det.observe(0, {"loss": 1.0})
-    assert det.score({"loss": math.nan, "grad_norm": math.inf, "other": 2.0}) == {
-        "loss": math.inf, "grad_norm": math.inf, "other": pytest.approx(math.nan, nan_ok=True)}  # fmt: skip
-    torch.manual_seed(0)
     m = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
-    with gradrunner.record(m, [":output"], tmp_path) as rec:
-        for s in range(30):
+    with gradrunner.record(m, [":output"], run) as rec:
+        for s in range(steps):
+            if s == interrupt_at:
+                raise KeyboardInterrupt
             x = torch.randn(8, 4)
-            x[0, 0] = math.nan if s == 5 else x[0, 0]
+            x[0, 0] = math.nan if s == nan_at else x[0, 0]
             loss = torch.nn.functional.mse_loss(m(x), torch.zeros(8, 1))
             rec.backward(loss)
             opt.step()
@@ -353,6 +349,19 @@ def test_a_nan_in_warm_up_scores_inf_as_it_is_flagged(tmp_path: Path) -> None:
             with torch.no_grad():
                 for p in m.parameters():
                     p.nan_to_num_(0.0)
+
+
+def test_a_nan_in_warm_up_scores_inf_as_it_is_flagged(tmp_path: Path) -> None:
+    """Detector.score checked warm-up before non-finite: a NaN loss at step 5 (warm-up 20), flagged with z = inf in
+    anomalies.parquet, was blank ("not measured") in the report's spike table."""
+    from gradrunner.analysis.anomaly_context import z_around
+
+    det = Detector(warmup=20)
+    det.observe(0, {"loss": 1.0})
+    assert det.score({"loss": math.nan, "grad_norm": math.inf, "other": 2.0}) == {
+        "loss": math.inf, "grad_norm": math.inf, "other": pytest.approx(math.nan, nan_ok=True)}  # fmt: skip
+    torch.manual_seed(0)
+    _nan_session(tmp_path, nan_at=5, steps=30)
     flagged = read_anomalies(tmp_path).query("signal == 'loss' and step == 5")
     assert len(flagged) == 1 and math.isinf(flagged["z"].iloc[0])  # the reference: the detector's own row
     spike, table = z_around(tmp_path)[0]
@@ -364,30 +373,12 @@ def test_another_runs_file_is_refused_naming_where_the_run_id_came_from(tmp_path
     run id it was checked against came from "(done.json)", a file the run dir does not have."""
     import shutil
 
-    import gradrunner
     from gradrunner.records.anomalies import run_id_source
 
-    def session(run: Path) -> None:
-        m = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(m.parameters(), lr=0.01)
-        with pytest.raises(KeyboardInterrupt), gradrunner.record(m, [":output"], run) as rec:
-            for s in range(10):
-                if s == 8:
-                    raise KeyboardInterrupt  # Ctrl-C: no done.json
-                x = torch.randn(8, 4)
-                x[0, 0] = math.nan if s == 3 else x[0, 0]
-                loss = m(x).pow(2).mean()
-                rec.backward(loss)
-                opt.step()
-                opt.zero_grad()
-                rec.step(loss)
-                with torch.no_grad():
-                    for p in m.parameters():
-                        p.nan_to_num_(0.0)
-
     a, b = tmp_path / "a", tmp_path / "b"
-    session(a)
-    session(b)
+    for run in (a, b):
+        with pytest.raises(KeyboardInterrupt):
+            _nan_session(run, nan_at=3, steps=10, interrupt_at=8)  # Ctrl-C at step 8: no done.json
     shutil.copy(a / ANOMALIES_FILE, b / ANOMALIES_FILE)
     own = pq.read_table(b / "steps.parquet", columns=["run_id"]).column("run_id")[0].as_py()
     other = pq.read_table(a / "steps.parquet", columns=["run_id"]).column("run_id")[0].as_py()
