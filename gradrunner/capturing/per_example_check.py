@@ -207,9 +207,11 @@ class Projection:
             flat = flat if flat.dtype == u.dtype else flat.to(u.dtype)
             proj = torch.dot(u, torch.mv(flat, v))
             if low:
-                sq = flat.square()
-                spread = torch.dot(u.square(), torch.mv(sq, v.square())).sqrt() * MATMUL_SIGMAS
-                bound = torch.minimum(torch.dot(u.abs(), torch.mv(sq.sqrt_(), v.abs())), spread)
+                mag = flat.abs()
+                worst = torch.dot(u.abs(), torch.mv(mag, v.abs()))
+                top = mag.amax().clamp_min(torch.finfo(mag.dtype).tiny)  # squares scaled to <= 1: no under/overflow
+                spread = torch.dot(u.square(), torch.mv(mag.div_(top).square_(), v.square())).sqrt_()
+                bound = torch.minimum(worst, spread * top * MATMUL_SIGMAS)
         self.grads.append(proj.reshape(1))
         self.bounds.append(proj.new_zeros(1) if bound is None else (bound * (LOW_ROUNDINGS * self.unit)).reshape(1))
         if self._whole:
