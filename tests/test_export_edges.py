@@ -261,6 +261,40 @@ def test_mlflow_reexport_replaces_the_run_of_a_path_with_quotes(tmp_path: Path, 
     assert [r.info.run_id != old.info.run_id for r in runs] == [True]
 
 
+def test_a_reexport_of_a_dir_that_holds_another_run_now_replaces_its_mlflow_and_wandb_export(tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """record(overwrite=True) (or a failed run re-run from step 0) puts another run in the job dir: exporting it
+    again replaces the earlier run's MLflow run and W&B offline run, as it replaces its TensorBoard events (the
+    earlier export was keyed by the dir's run id, so both stayed beside the new one, under the same name)."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    env = {**os.environ, "WANDB_SILENT": "true", "WANDB_MODE": "offline"}
+    run_dir, store, out = tmp_path / "r", tmp_path / "mlruns", tmp_path / "w"
+    for seed, overwrite in ((0, False), (1, True)):
+        recorded_run(run_dir, seed=seed, overwrite=overwrite)
+        assert export.main(["mlflow", str(run_dir), "--out", str(store)]) == 0
+        done = subprocess.run([sys.executable, "-m", "gradrunner.export", "wandb", str(run_dir), "--out", str(out)],
+                              capture_output=True, text=True, env=env)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    want = _norms(run_dir)  # the second run's
+    client, runs = _mlflow_runs(store)
+    assert len(runs) == 1, [r.data.tags.get("gradrunner.source") for r in runs]
+    _close(_history(client, runs[0], "grads/0:output/norm"), want)
+    files = list(out.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    from wandb.proto import wandb_internal_pb2
+
+    logged: dict[int, float] = {}
+    for data in wandb_records(files[0].read_bytes()):
+        rec = wandb_internal_pb2.Record()
+        rec.ParseFromString(data)
+        if rec.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
+            logged[rec.history.step.num] = float(items["grads/0:output/norm"])
+    _close(logged, want)
+
+
 def test_mlflow_export_that_fails_partway_leaves_the_earlier_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     pytest.importorskip("mlflow")

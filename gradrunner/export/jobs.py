@@ -73,6 +73,9 @@ ROOT_NAME = "run"
 #: The root's key among the jobs' names (their dirs below the root): no job dir is named ".", so a job dir
 #: named "run" is a job like any other.
 _ROOT = "."
+#: The file in a job's export (its TensorBoard dir, its W&B offline run) naming the job dir it was exported from
+#: (`source_of`): a re-export of that dir replaces it, whichever run the dir held then.
+MARKER = ".gradrunner-export.json"
 
 
 @dataclass
@@ -257,6 +260,16 @@ def _steps_scalars(d: Path, rows: pd.DataFrame) -> list[tuple[str, int, float]]:
         v = rows[c].to_numpy(dtype=np.float64, na_value=np.nan)
         out += [(f"{prefixes[i]}steps/{c}", steps[i], float(v[i])) for i in np.flatnonzero(valid)]
     return out
+
+
+def source_of(job: Job) -> str:
+    """The job dir a target names as the source of `job`'s export (resolved): what a re-export replaces by.
+
+    Example::
+
+        source_of(job)     # '/home/me/multirun/2024-05-01/12-00-00/0'
+    """
+    return str(job.directory.resolve())
 
 
 def tag_prefix(tap: str, call: int, rank: int) -> str:

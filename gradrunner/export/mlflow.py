@@ -26,13 +26,16 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 from gradrunner.errors import GradrunnerError, one_paragraph
-from gradrunner.export.jobs import Job, exclusive
+from gradrunner.export.jobs import Job, exclusive, source_of
 
 #: The tag that names an exported run's job: its dir and run id, readable.
 SOURCE_TAG = "gradrunner.source"
-#: The tag a re-export finds the run by: a hex digest of `SOURCE_TAG`'s value (any path, quotes included,
-#: is a plain word in MLflow's filter syntax).
+#: A hex digest of `SOURCE_TAG`'s value (any path, quotes included, is a plain word in MLflow's filter syntax):
+#: how a re-export finds the run an older gradrunner wrote for the same records.
 SOURCE_ID_TAG = "gradrunner.source_id"
+#: The tag a re-export finds the run by: a hex digest of the job dir alone, so that the export of another run the
+#: dir held before (`record(overwrite=True)`, a failed run re-run from step 0) is replaced too, as TensorBoard's is.
+DIR_ID_TAG = "gradrunner.dir_id"
 #: MLflow's longest metric and param key (`mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH`).
 MAX_KEY = 250
 #: The characters an MLflow key takes besides letters and digits.
@@ -52,8 +55,8 @@ def to_mlflow(all_jobs: Sequence[Job], out: Path, uri: str | None = None, experi
 
     Values go in as they are, NaN and Inf included; keys as `metric_keys` and `mlflow_keys` map them (those
     that changed listed in the run's artifact `gradrunner/keys.json`). A run this export
-    wrote before for the same job (tag `gradrunner.source_id`) is deleted once the new one is written in
-    full: a re-export replaces it, and one that fails leaves it (the new run deleted). A bad experiment
+    wrote before for the same job dir (tag `gradrunner.dir_id`), whichever run the dir held then, is deleted once
+    the new one is written in full: a re-export replaces it, and one that fails leaves it (the new run deleted). A bad experiment
     name, a store MLflow cannot open or a deleted experiment is a GradrunnerError before anything is written,
     and so is a second export into a local store while one writes there (`jobs.exclusive`), naming it.
     """
@@ -139,9 +142,11 @@ def _write_run(client: Any, exp_id: str, job: Job) -> str:
     run is deleted and the earlier ones are left."""
     from mlflow.entities import Metric, Param
 
-    source = f"{job.directory.resolve()}#{job.run_id}"
-    earlier = _exported_before(client, exp_id, source)
-    run = client.create_run(exp_id, run_name=job.name, tags={SOURCE_TAG: source, SOURCE_ID_TAG: source_id(source)})
+    directory = source_of(job)
+    source = f"{directory}#{job.run_id}"
+    earlier = _exported_before(client, exp_id, directory, source)
+    tags = {SOURCE_TAG: source, SOURCE_ID_TAG: source_id(source), DIR_ID_TAG: source_id(directory)}
+    run = client.create_run(exp_id, run_name=job.name, tags=tags)
     rid = run.info.run_id
     try:
         param_keys, scalar_keys = mlflow_keys(job.params), metric_keys(t for t, _, _ in job.scalars)
@@ -184,15 +189,17 @@ def source_id(source: str) -> str:
     return hashlib.sha256(source.encode()).hexdigest()[:32]
 
 
-def _exported_before(client: Any, exp_id: str, source: str) -> list[str]:
-    """The active runs an earlier export wrote for `source`: tagged with its id, or (an older gradrunner's) with
-    the source only, where the source is a plain word in MLflow's filter syntax (no quote, no backslash)."""
-    filters = [f"tags.`{SOURCE_ID_TAG}` = '{source_id(source)}'"]
-    if "'" not in source and "\\" not in source:
-        filters.append(f"tags.`{SOURCE_TAG}` = '{source}'")
+def _exported_before(client: Any, exp_id: str, directory: str, source: str) -> list[str]:
+    """The active runs an earlier export wrote for the job dir `directory` (`source`: it and its run id), whichever
+    run the dir held then: tagged with the dir's id; an older gradrunner's, tagged with the source's id, or with a
+    source naming the dir, where the dir is a plain word in MLflow's filter syntax (no quote, no backslash)."""
+    filters = [f"tags.`{DIR_ID_TAG}` = '{source_id(directory)}'", f"tags.`{SOURCE_ID_TAG}` = '{source_id(source)}'"]
+    if "'" not in directory and "\\" not in directory:  # LIKE's wildcards (% and _) may match more: checked below
+        filters.append(f"tags.`{SOURCE_TAG}` LIKE '{directory}#%'")
     found: dict[str, None] = {}
     for f in filters:
-        found.update(dict.fromkeys(r.info.run_id for r in client.search_runs([exp_id], filter_string=f)))
+        found.update(dict.fromkeys(r.info.run_id for r in client.search_runs([exp_id], filter_string=f)
+                                   if r.data.tags.get(SOURCE_TAG, "").rpartition("#")[0] == directory))  # fmt: skip
     return list(found)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.errors import GradrunnerError
-from gradrunner.export.jobs import Job, exclusive, grad_scalars, tag_prefix
+from gradrunner.export.jobs import MARKER, Job, exclusive, grad_scalars, source_of, tag_prefix
 from gradrunner.records.atomic import write_atomically
 from gradrunner.records.columns import COUNT_COLUMNS, EXTRA_FLOAT_COLUMNS, STAT_COLUMNS, is_temp_of, temp_name
 
@@ -33,8 +33,6 @@ LIVE_DIR = "tensorboard"
 #: The event file an export writes, under its temp name (`columns.temp_name`: hidden, and without "tfevents",
 #: so TensorBoard, which reads only files named so, never reads it half-written).
 _STAGING = "gradrunner-export.events"
-#: The file in a job's export dir naming the job dir it was exported from (TensorBoard reads event files only).
-MARKER = ".gradrunner-export.json"
 
 
 def to_tensorboard(all_jobs: Sequence[Job], out: Path) -> list[Path]:
@@ -70,7 +68,7 @@ def _write_job(job: Job, target: Path) -> None:
     staged = target / temp_name(_STAGING, str(os.getpid()))
     try:
         _write_events(job, staged)
-        _swap_in(staged, target, json.dumps({"source": _source(job), "run_id": job.run_id}))
+        _swap_in(staged, target, json.dumps({"source": source_of(job), "run_id": job.run_id}))
     finally:
         staged.unlink(missing_ok=True)
 
@@ -113,7 +111,7 @@ def target_dirs(all_jobs: Sequence[Job], out: Path) -> list[Path]:
     taken: set[Path] = set()
     targets = []
     for job in all_jobs:
-        source = _source(job)
+        source = source_of(job)
         plain, own = out / job.name, out / f"{job.name}-{hashlib.sha256(source.encode()).hexdigest()[:8]}"
         holders = {d: _holder(d) for d in (plain, own)}
         mine = [d for d in (plain, own) if holders[d] == source and d not in taken]
@@ -124,10 +122,6 @@ def target_dirs(all_jobs: Sequence[Job], out: Path) -> list[Path]:
         targets.append((mine or free)[0])
         taken.add(targets[-1])
     return targets
-
-
-def _source(job: Job) -> str:
-    return str(job.directory.resolve())
 
 
 def _holder(target: Path) -> str | None:

@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from gradrunner.errors import GradrunnerError, one_paragraph
-from gradrunner.export.jobs import Job, exclusive
+from gradrunner.export.jobs import MARKER, Job, exclusive, source_of
+from gradrunner.records.atomic import write_atomically
 
 #: The characters a W&B project name cannot hold.
 _NOT_IN_PROJECT = "/\\#?%:"
@@ -31,7 +33,7 @@ def run_id_of(job: Job) -> str:
 
         run_id_of(job)     # 'gr-3f2a9c0d1e4b5a67'
     """
-    return "gr-" + hashlib.sha256(f"{job.directory.resolve()}#{job.run_id}".encode()).hexdigest()[:16]
+    return "gr-" + hashlib.sha256(f"{source_of(job)}#{job.run_id}".encode()).hexdigest()[:16]
 
 
 def check_project(name: str) -> None:
@@ -56,8 +58,9 @@ def to_wandb(all_jobs: Sequence[Job], out: Path, project: str = "gradrunner") ->
         to_wandb(jobs("runs/gpt2"), Path("runs/gpt2"))    # [Path('runs/gpt2/wandb/offline-run-...-gr-...')]
 
     Each step is one `run.log` call holding every value of that step (NaN and Inf as they are). A
-    job's run id is `run_id_of(job)`; the offline run dirs an earlier export wrote for it are removed
-    first, so `wandb sync out/wandb/offline-run-*` uploads it once. A W&B error is a GradrunnerError, and so is
+    job's run id is `run_id_of(job)`; the offline run dirs an earlier export wrote for its job dir (each names
+    it in its `MARKER`), whichever run the dir held then, are removed first, so `wandb sync out/wandb/offline-run-*`
+    uploads the dir's records once, as they are now. A W&B error is a GradrunnerError, and so is
     a second export into `out/wandb` while one writes there (`jobs.exclusive`), naming it.
     """
     check_project(project)
@@ -72,13 +75,17 @@ def to_wandb(all_jobs: Sequence[Job], out: Path, project: str = "gradrunner") ->
 
 def _write(wandb: Any, all_jobs: Sequence[Job], out: Path, project: str) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
+    exported = _exported(out / "wandb")
     dirs = []
     for job in all_jobs:
-        rid = run_id_of(job)
-        for old in (out / "wandb").glob(f"offline-run-*-{rid}"):
+        rid, source = run_id_of(job), source_of(job)
+        for old in {*exported.get(source, []), *(out / "wandb").glob(f"offline-run-*-{rid}")}:
             shutil.rmtree(old)
         run = wandb.init(project=project, name=job.name, id=rid, config=job.params, dir=str(out), mode="offline",
                          reinit="create_new")  # fmt: skip
+        written = Path(run.dir).parent
+        # named before anything is logged: a killed export's half-written run is the dir's, removed by the next
+        write_atomically(written / MARKER, json.dumps({"source": source, "run_id": job.run_id}))
         try:
             by_step: dict[int, dict[str, Any]] = {}
             for tag, step, value in job.scalars:
@@ -90,5 +97,18 @@ def _write(wandb: Any, all_jobs: Sequence[Job], out: Path, project: str) -> list
                 run.log(by_step[step], step=step)
         finally:
             run.finish()
-        dirs.append(Path(run.dir).parent)
+        dirs.append(written)
     return dirs
+
+
+def _exported(runs: Path) -> dict[str, list[Path]]:
+    """The offline run dirs in `runs` by the job dir each was exported from (its `MARKER`; none: an older export)."""
+    found: dict[str, list[Path]] = {}
+    for d in runs.glob("offline-run-*"):
+        try:
+            source = json.loads((d / MARKER).read_text()).get("source")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(source, str):
+            found.setdefault(source, []).append(d)
+    return found
