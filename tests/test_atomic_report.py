@@ -7,11 +7,10 @@ import json
 import random
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import cli_env, compose_cfg
+from conftest import child_python, cli_env, compose_cfg
 
 from gradrunner.records.columns import TEMP_SUFFIX
 from gradrunner.run.job import run
@@ -38,7 +37,7 @@ def test_report_files_on_a_nearly_full_disk_are_whole_or_absent(tmp_path: Path) 
         job = tmp_path / f"t{i}"
         shutil.copytree(clean, job)
         trials.append((limit, str(job)))
-    result = subprocess.run([sys.executable, "-c", CODE, json.dumps(trials)], env=cli_env(), capture_output=True,
+    result = subprocess.run([child_python(), "-c", CODE, json.dumps(trials)], env=cli_env(), capture_output=True,
                             text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "could not write the report" in result.stderr  # at least one limit was too small, and said so

@@ -9,7 +9,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import assert_accumulation_rows
+from conftest import assert_accumulation_rows, child_python, cli_env
 from torch import nn
 
 transformers = pytest.importorskip("transformers")
@@ -150,12 +150,9 @@ Trainer(model=model, args=args, train_dataset=data,
 def test_a_script_whose_train_raises_keeps_the_completed_steps_records(tmp_path: Path, error: str) -> None:
     """The README's usage in a script: Ctrl-C or an exception in train() ends the process; the completed steps'
     records are in the run dir (complete Parquet files, no done.json), and the last word names how it ended."""
-    import os
     import subprocess
-    import sys
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", _FAILING_SCRIPT.format(error=error), str(tmp_path)], env=env,
+    done = subprocess.run([child_python(), "-c", _FAILING_SCRIPT.format(error=error), str(tmp_path)], env=cli_env(),
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode != 0, done.stderr[-2000:]
     run = tmp_path / "run"

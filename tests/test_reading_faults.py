@@ -13,7 +13,6 @@ import json
 import random
 import shutil
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import child_python, cli_env
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -144,7 +144,8 @@ def test_a_new_job_in_a_killed_jobs_dir_is_never_served_the_dead_runs_rows(tmp_p
     rng = random.Random(seed)
     run = tmp_path / "k"
     killed_at = rng.randint(2, 5)
-    dead = subprocess.run([sys.executable, "-c", KILLED, str(run), str(killed_at)], capture_output=True, text=True)
+    dead = subprocess.run([child_python(), "-c", KILLED, str(run), str(killed_at)], env=cli_env(), capture_output=True,
+                          text=True)  # fmt: skip
     assert dead.returncode == -9, dead.stderr
     dead_id = dead.stdout.strip()
     assert sorted(load(run, live=True).step) == list(range(killed_at))  # the killed job's segments, as before
@@ -201,7 +202,7 @@ def test_a_reader_beside_a_running_writer_sees_whole_steps_of_its_run_only(tmp_p
     or the one "not yet" message; the job's end (segments removed mid-read) is never a traceback."""
     run = tmp_path / "w"
     every = random.Random(seed).randint(1, 3)
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(run), str(every), str(seed)],
+    writer = subprocess.Popen([child_python(), "-c", WRITER, str(run), str(every), str(seed)], env=cli_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     seen: list[pd.DataFrame] = []
     waiting = 0

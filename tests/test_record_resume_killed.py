@@ -12,13 +12,12 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from conftest import cli_env
+from conftest import child_python, cli_env
 from torch import nn
 
 import gradrunner
@@ -70,7 +69,7 @@ def _killed(run: Path, checkpoint: Path | None, kill_at: int, live_every: int, *
     given = "".join(f", {k}={v!r}" for k, v in options.items())
     code = (f"import test_record_resume_killed as t; t.train({str(run)!r}, checkpoint={checkpoint and str(checkpoint)!r}, "
             f"kill_at={kill_at}, live_every={live_every}{given})")  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run([child_python(), "-c", code], env=cli_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
 
 
@@ -188,7 +187,7 @@ def test_a_lightning_fit_killed_and_resumed_from_last_ckpt_records_every_step(tm
     run, ckdir = tmp_path / "run", tmp_path / "ck"
     fit(str(tmp_path / "whole"), str(tmp_path / "ck_whole"))
     code = f"import test_record_resume_killed as t; t.fit({str(run)!r}, {str(ckdir)!r}, kill_at=7)"
-    done = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=300)
+    done = subprocess.run([child_python(), "-c", code], env=cli_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
     fit(str(run), str(ckdir), ckpt_path=str(ckdir / "last.ckpt"))
     assert (run / "done.json").is_file()

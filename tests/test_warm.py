@@ -14,6 +14,7 @@ import os
 import resource
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -252,3 +253,35 @@ def _gone(pid: int) -> bool:
         time.sleep(0.02)
     os.kill(pid, signal.SIGKILL)  # still there: the test fails, and leaves nothing behind
     return False
+
+
+C_PROBE = """
+import atexit, json, os, sys
+atexit.register(lambda: print("at exit:", repr(getattr(sys, "last_value", None)), file=sys.stderr, flush=True))
+print(json.dumps({"pid": os.getpid(), "argv": sys.argv, "path0": sys.path[0], "name": __name__,
+                  "main": sys.modules["__main__"].__dict__ is globals(), "cwd": os.getcwd()}), flush=True)
+if sys.argv[1] == "interrupt":
+    raise KeyboardInterrupt
+if sys.argv[1] == "raise":
+    raise ValueError("the -c probe raised")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("how", ["4", "raise", "interrupt"])
+def test_python_c_runs_warm_as_a_real_python_c_runs(client: Path, tmp_path: Path, how: str) -> None:
+    """`python -c CODE ARGS` through the client: the same argv, path, `__main__`, exit status, and the uncaught error
+    in `sys.last_value` at exit (what `record()`'s HF callback reads to say how a script's `train()` ended)."""
+    seen = {}
+    for name, python in (("warm", str(client)), ("real", sys.executable)):
+        proc = subprocess.Popen([python, "-c", C_PROBE, how], cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        out, err = proc.communicate(timeout=120)
+        probe = json.loads(out.splitlines()[0])
+        seen[name] = (proc.returncode, {k: v for k, v in probe.items() if k != "pid"}, err.strip().splitlines()[-1:])
+        if name == "warm":
+            assert probe["pid"] != proc.pid  # forked warm, not exec'ed
+    assert seen["warm"] == seen["real"]
+    assert seen["real"][1]["argv"] == ["-c", how] and seen["real"][1]["path0"] == ""
+    assert seen["real"][2] == [{"4": "at exit: None", "raise": "at exit: ValueError('the -c probe raised')",
+                                "interrupt": "at exit: KeyboardInterrupt()"}[how]]  # fmt: skip

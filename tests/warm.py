@@ -14,7 +14,7 @@ Two halves, one file:
   the client dies first (SIGKILL'd with its torchrun), the waiter kills the rank and what it started (a warm
   torchrun's rank clients, whose waiters then kill their ranks): as a killed process does,
   it leaves nothing behind.
-- the **client** (`python -S warm.py [-u] (-m MODULE | SCRIPT) ARGS`, what torchrun starts with `--no-python`,
+- the **client** (`python -S warm.py [-u] (-m MODULE | -c CODE | SCRIPT) ARGS`, what torchrun starts with `--no-python`,
   and what starts torchrun itself: `-m torch.distributed.run`):
   sends its argv, environment, cwd and its stdin/stdout/stderr to the server, forwards the signals it gets to
   the rank, and exits as the rank did (the same code, or killed by the same signal). Without a server, or where
@@ -38,6 +38,7 @@ import signal
 import socket
 import struct
 import sys
+import types
 
 #: The variables torchrun sets per rank (and pytest per test): a request may differ from the server in these only.
 RANK_VARIABLES = frozenset({
@@ -114,7 +115,7 @@ def client(args: list[str]) -> None:
     target = args[1:] if args[:1] == ["-u"] else args  # the server runs unbuffered (PYTHONUNBUFFERED=1)
     paths = os.environ.get(SOCKET_VARIABLE, "").split(os.pathsep)
     path = paths[int(os.environ.get("LOCAL_RANK", "0") or 0) % len(paths)]  # neighbours: two hash seeds
-    runnable = len(target) >= 2 if target[:1] == ["-m"] else bool(target) and not target[0].startswith("-")
+    runnable = len(target) >= 2 if target[:1] in (["-m"], ["-c"]) else bool(target) and not target[0].startswith("-")
     if not path or not runnable:  # another interpreter option: the real interpreter
         _exec_python(args)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -289,7 +290,6 @@ def _run(fds: list[int], request: dict[str, object]) -> None:
     import atexit
     import runpy
     import threading
-    import traceback
 
     code = 1
     try:
@@ -319,6 +319,11 @@ def _run(fds: list[int], request: dict[str, object]) -> None:
                 # a preloaded module (torchrun's own) runs as a fresh `-m` runs it: not imported before as itself
                 sys.modules.pop(argv[1], None)
                 runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            elif argv[0] == "-c":  # as `python -c CODE ARGS`: argv[0] "-c", the cwd first on the path, a new __main__
+                sys.argv = ["-c", *argv[2:]]
+                sys.path[0] = ""
+                main = sys.modules["__main__"] = types.ModuleType("__main__")
+                exec(compile(str(argv[1]), "<string>", "exec"), main.__dict__)
             else:
                 sys.argv = list(argv)
                 sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
@@ -330,12 +335,10 @@ def _run(fds: list[int], request: dict[str, object]) -> None:
             else:
                 print(e.code, file=sys.stderr)
                 code = 1
-        except KeyboardInterrupt:
-            traceback.print_exc()
-            code = -signal.SIGINT
-        except BaseException:
-            traceback.print_exc()
-            code = 1
+        except BaseException as e:  # uncaught, as Python handles it: sys.last_* set, then sys.excepthook prints it
+            sys.last_type, sys.last_value, sys.last_traceback = type(e), e, e.__traceback__
+            sys.excepthook(type(e), e, e.__traceback__)
+            code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
         threading._shutdown()  # type: ignore[attr-defined]  # as at Python's exit: non-daemon threads, then atexit
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
