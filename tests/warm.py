@@ -57,12 +57,14 @@ RANK_VARIABLES = frozenset({
 #:   where the imports loaded it; torch's CPU build on Linux uses GNU OpenMP);
 #: - `_RJEM_MALLOC_CONF`: set by `import polars` and read by polars' own jemalloc as its library loads (polars is not
 #:   preloaded; a rank that imports it sees the request's value, as a fresh process started with it would).
+#: - `WANDB_SERVICE`: set by `wandb.init` (the W&B export's tests) to its service's address, read by wandb (not
+#:   preloaded) when a run starts;
 #: - `PYTORCH_NVML_BASED_CUDA_CHECK`: set by `import lightning` (lightning.fabric's `__init__`, which the servers
 #:   preload too) and read by `torch.cuda` only when asked (`is_available`, `device_count`), never as it imports.
 INTEL_OPENMP_VARIABLES = frozenset({"KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"})
 READ_AFTER_IMPORTS = INTEL_OPENMP_VARIABLES | {
     "MLFLOW_ALLOW_FILE_STORE", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "_RJEM_MALLOC_CONF",
-    "PYTORCH_NVML_BASED_CUDA_CHECK",
+    "PYTORCH_NVML_BASED_CUDA_CHECK", "WANDB_SERVICE",
 }  # fmt: skip
 #: What the server imports once (each only if installed): the costly imports of a rank.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.run", "torch.distributed.fsdp", "torch.distributed.checkpoint",
