@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from gradrunner.config.overrides import group_mistake, misspelled_key
 from gradrunner.config.schema import validate
 from gradrunner.errors import GradrunnerError
-from gradrunner.run.hydra_adapter import _describe
+from gradrunner.run.hydra_adapter import _describe, yaml_parsed_once
 
 KEYS = ["steps", "seed", "capture.every", "capture.sample_size", "capture.strategy", "capture.values", "dtype",
         "device", "taps", "model", "data", "loss", "optimizer", "capture", "+experiment", "stepz",
@@ -42,7 +42,8 @@ def command_line(rng: random.Random) -> list[str]:
 def in_process(argv: list[str]) -> str | None:
     """What `cli.app.main` reports for `argv` before a job runs: a one-paragraph message, or None (it would run).
 
-    Call it inside `initialize_config_module(config_module="gradrunner.conf", version_base="1.3")`.
+    Call it inside `initialize_config_module(config_module="gradrunner.conf", version_base="1.3")` (and
+    `yaml_parsed_once()`, as the app composes: each config file's YAML parsed once per process).
     """
     return checked(argv)[0]
 
@@ -67,7 +68,7 @@ def checked(argv: list[str]) -> tuple[str | None, DictConfig | None]:
 def test_random_command_lines_are_refused_in_one_paragraph_or_accepted() -> None:
     rng = random.Random(19)
     refused = 0
-    with initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
+    with yaml_parsed_once(), initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
         for _ in range(80):
             argv = command_line(rng)
             message = in_process(argv)  # anything else raised here would be a traceback on the command line
@@ -82,7 +83,7 @@ def test_a_few_random_command_lines_through_the_real_cli(tmp_path: Path) -> None
     rng = random.Random(19)
     lines = [["device=cpu", "steps=1", *command_line(rng)] for _ in range(3)]
     lines += [["device=cpu", "steps=1", "+experiment=mlp", "loss=[1,2]"], ["device=cpu", "steps=1", "+experiment=mlp"]]
-    with initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
+    with yaml_parsed_once(), initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
         expected = [in_process(argv) for argv in lines]
     for n, (argv, message) in enumerate(zip(lines, expected, strict=True)):
         result = gradrunner_in_process(tmp_path, SEARCHPATH, *argv, f"hydra.run.dir=r{n}")
@@ -202,7 +203,7 @@ def test_random_lines_over_the_new_keys_are_refused_before_step_0_or_run_sanely(
     rng = random.Random(seed)
     files = init_files(tmp_path)
     outcomes = {"refused": 0, "ran": 0}
-    with initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
+    with yaml_parsed_once(), initialize_config_module(config_module="gradrunner.conf", version_base="1.3"):
         for n in range(120):
             argv = new_key_line(rng, files)
             out = tmp_path / f"r{n}"
