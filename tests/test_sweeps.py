@@ -131,6 +131,18 @@ def test_report_true_writes_one_report_for_the_sweep_of_its_completed_jobs(faile
     assert list(failed_sweep.glob("*/report*")) == []
 
 
+def test_an_override_that_interpolates_is_each_jobs_own_in_the_manifest(tmp_path: Path) -> None:
+    """`steps=${seed}` with seed=1,2: the sweep's job list resolved the interpolation against the primary config
+    (its seed) for every job, so the manifest listed both jobs missing, beside the two dirs the jobs ran in."""
+    check_ok(sweep(tmp_path, "sw", "+experiment=mlp", "seed=1,2", "steps=${seed}"))
+    m = manifest(tmp_path / "sw")
+    assert m["counts"] == {"completed": 2, "failed": 0, "missing": 0} and [j["dir"] for j in m["jobs"]] == ["0", "1"]
+    for job in m["jobs"]:  # the overrides each job recorded, the interpolation unresolved
+        assert job["overrides"] == json.loads((tmp_path / "sw" / job["dir"] / DONE).read_text())["overrides"]
+    steps = load(tmp_path / "sw", table="steps")
+    assert steps.groupby("seed").step.max().to_dict() == {1: 0, 2: 1}  # each job its own seed's steps
+
+
 def test_a_job_that_never_started_is_listed_as_missing(tmp_path: Path) -> None:
     expected = [["capture.strategy=hook"], ["capture.strategy=retain_grad"], ["capture.strategy=autograd_grad"]]
     for num, overrides in [(0, expected[0]), (1, expected[1])]:

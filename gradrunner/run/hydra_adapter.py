@@ -93,8 +93,11 @@ def sweep_jobs(config: DictConfig) -> list[list[str]] | None:
     sweeper = OmegaConf.select(config, "hydra.sweeper._target_", default="")
     if not str(sweeper).endswith(("BasicSweeper", "GradrunnerSweeper")):  # gradrunner's: the basic one, skipping
         return None
-    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    arguments = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+    # Unresolved, as the command line gave them: `steps=${seed}` is each job's to resolve, not the primary config's
+    found = OmegaConf.select(config, "hydra.sweeper.params")
+    params: dict[str, Any] = OmegaConf.to_container(found, resolve=False) if found else {}  # type: ignore[assignment]
+    task: list[Any] = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)  # type: ignore[assignment]
+    arguments = [f"{k}={v}" for k, v in params.items()] + [str(o) for o in task]
     return expand_sweep(OverridesParser.create().parse_overrides(arguments))
 
 
