@@ -153,6 +153,45 @@ def test_a_killed_sweep_rerun_completes_only_what_was_missing(tmp_path: Path) ->
     assert sorted(df.strategy.unique()) == ["autograd_grad", "hook", "retain_grad"]
 
 
+def test_a_sweep_killed_in_job_1_names_job_2_that_never_started_and_a_rerun_runs_only_1_and_2(tmp_path: Path) -> None:
+    """seed=0,1,2 whose launcher (the basic launcher: job 1 is its process) is SIGKILLed in job 1: load() said
+    "1 of 2 jobs ... did not complete: job 1" and never named job 2, as the manifest was written only at the end."""
+    for seed in (0, 2):
+        (tmp_path / f"killed_{seed}").touch()  # only seed 1's job is killed
+    args = ["-m", "hydra.sweep.dir=sw", "+experiment=mlp", "steps=3", "data._target_=killing_data.KillAt",
+            "+data.at_batch=1", f"+data.marker={tmp_path}/killed_${{seed}}", "seed=0,1,2"]  # fmt: skip
+    sw = tmp_path / "sw"
+    killed = subprocess.run([sys.executable, "-m", "gradrunner", *args], cwd=tmp_path, env=cli_env(),
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert killed.returncode == -9, killed.stderr  # SIGKILL: no handler ran, no end-of-sweep manifest
+    assert [job_state(sw / n).status for n in ("0", "1")] == ["completed", "missing"] and not (sw / "2").exists()
+    manifest = json.loads((sw / "manifest.json").read_text())  # the one written as the sweep started
+    assert manifest["ended"] is False
+    assert manifest["counts"] == {"completed": 0, "failed": 0, "missing": 0, "pending": 3}
+    assert [(j["num"], j["status"], j["overrides"][-1]) for j in manifest["jobs"]] == [
+        (0, "pending", "seed=0"), (1, "pending", "seed=1"), (2, "pending", "seed=2")]  # fmt: skip
+    assert manifest["jobs"][2]["overrides"][:-1] == json.loads((sw / "0" / DONE).read_text())["overrides"][:-1]
+
+    with pytest.warns(UserWarning) as caught:
+        df = load(sw)
+    said = " | ".join(str(w.message) for w in caught)
+    assert len(caught) == 1 and said.startswith(f"2 of 3 jobs in {sw} did not complete and are left out: "), said
+    assert "job 1 has no done.json" in said and re.search(r"job 2 \(\+experiment=mlp .*seed=2\) did not start", said)
+    assert "The other 1 job(s) completed and are read" in said and "job 1 (" not in said  # job 1 has its dir
+    assert df.job.unique().tolist() == ["0"] and len(df) == len(pd.read_parquet(sw / "0" / "grads.parquet"))
+
+    before = stamps(sw / "0")
+    check_ok(gradrunner_in_process(tmp_path, *args))  # the markers are there: nothing is killed now
+    assert stamps(sw / "0") == before  # job 0 was not run again
+    assert all(job_state(sw / str(i)).status == "completed" for i in range(3))
+    manifest = json.loads((sw / "manifest.json").read_text())
+    assert manifest["ended"] is True and manifest["counts"] == {"completed": 3, "failed": 0, "missing": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        steps = load(sw, table="steps")
+    assert steps.groupby("seed").step.apply(list).to_dict() == {0: [0, 1, 2], 1: [0, 1, 2], 2: [0, 1, 2]}
+
+
 # -- resume verifies a completed job's files instead of trusting done.json --------------------------
 
 

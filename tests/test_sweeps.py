@@ -184,7 +184,7 @@ def test_load_names_jobs_the_manifest_lists_that_have_no_dir(tmp_path: Path) -> 
     (tmp_path / MANIFEST).write_text(json.dumps({"jobs": [
         {"num": 0, "dir": "0", "overrides": ["seed=0"]}, {"num": 1, "dir": None, "overrides": ["seed=1"]},
     ]}))  # fmt: skip
-    with pytest.warns(IncompleteSweepWarning, match=r"1 job\(s\) of the sweep in .* have no job dir .* job 1 \(seed=1\)"):
+    with pytest.warns(IncompleteSweepWarning, match=r"1 of 2 jobs in .* job 1 \(seed=1\) did not start \(no job dir\)"):
         load(tmp_path)
 
 

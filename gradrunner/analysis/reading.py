@@ -76,7 +76,8 @@ def load(
     dir holding gradrunner's run-dir lock file counts, so a sweep none of whose jobs completed yet too), only completed
     jobs are read: failed jobs (`failed.json`) and jobs without a marker (killed, still running) are
     left out and named in an `IncompleteSweepWarning`; `pd.read_parquet` still reads their partial files.
-    Jobs the sweep's `manifest.json` lists but that have no dir are named in that warning too. A file
+    Jobs the sweep's `manifest.json` lists that no job dir holds (written as the sweep starts, it lists every job:
+    those a killed launcher never started too) are named in that warning too, and counted in the sweep's total. A file
     that cannot be read is a GradrunnerError naming it and its job: never a silently shorter result. A
     completed job whose file is gone (its `done.json` lists it) is such a file too.
 
@@ -149,7 +150,7 @@ class _Jobs:
     marked: bool
     #: The dirs found (root included): a manifest's job dir is looked up here before on disk.
     dirs: frozenset[Path]
-    #: The jobs the sweep's `manifest.json` lists without a dir (or whose dir is gone), as it lists them.
+    #: The jobs the sweep's `manifest.json` lists that no job dir holds (`_dirless`), as it lists them.
     dirless: list[dict[str, Any]]
 
 
@@ -173,7 +174,8 @@ def _jobs_of(root: Path) -> _Jobs:
     present = {d: [n for n in rundir.RECORD_NAMES if tree.has(d, n, file=True)] for d in [root, *dirs]}
     marked = any(tree.has(d, rundir.DONE) or tree.has(d, rundir.FAILED) or tree.has(d, LOCK_FILE) for d in dirs)
     found = frozenset(tree.dirs)
-    return _Jobs([state(d) for d in dirs], state(root), present, marked, found, _dirless(root, found))
+    states = [state(d) for d in dirs]
+    return _Jobs(states, state(root), present, marked, found, _dirless(root, found, states))
 
 
 def _not_read(jobs: _Jobs, read: set[Path]) -> list[list[str]]:
@@ -346,14 +348,37 @@ def _without_damaged(
     return [f for f, _ in kept], [t for _, t in kept]
 
 
-def _dirless(root: Path, dirs: frozenset[Path]) -> list[dict[str, Any]]:
-    """The jobs the sweep's manifest lists that have no job dir (or whose dir is gone), as it lists them."""
-    data = rundir.read_json(root / "manifest.json")
-    jobs = data.get("jobs") if data else None
-    if not isinstance(jobs, list):
+def _dirless(root: Path, dirs: frozenset[Path], states: list[rundir.JobState]) -> list[dict[str, Any]]:
+    """The jobs the sweep's manifest lists that no job dir holds, as it lists them.
+
+    An entry naming a dir holds it while that dir is there. An entry naming none (a job `pending` when the
+    sweep started, `missing` or not run when it ended) is held by a job dir that no entry names and whose
+    job has its overrides (`labels.job_overrides`), each dir holding one entry: a job a killed launcher
+    started has its dir, one it never started has none.
+    """
+    data = rundir.read_json(root / rundir.MANIFEST)
+    listed = data.get("jobs") if data else None
+    if not isinstance(listed, list):
         return []
-    return [j for j in jobs if isinstance(j, dict)
-            and (not j.get("dir") or not (root / str(j["dir"]) in dirs or (root / str(j["dir"])).is_dir()))]  # fmt: skip
+    entries = [j for j in listed if isinstance(j, dict)]
+    named = {root / str(j["dir"]) for j in entries if j.get("dir")}
+    unnamed: dict[tuple[str, ...], int] = {}  # the job dirs no entry names, counted by their overrides
+    if any(not j.get("dir") for j in entries):
+        for s in states:
+            if s.directory not in named:
+                key = tuple(sorted(job_overrides(s.directory, None, s.marker)))
+                unnamed[key] = unnamed.get(key, 0) + 1
+    out = []
+    for j in entries:
+        if j.get("dir"):
+            held = root / str(j["dir"]) in dirs or (root / str(j["dir"])).is_dir()
+        else:
+            key = tuple(sorted(str(o) for o in j.get("overrides") or []))
+            held = unnamed.get(key, 0) > 0
+            unnamed[key] = unnamed.get(key, 0) - int(held)
+        if not held:
+            out.append(j)
+    return out
 
 
 def _completed_only(root: Path, jobs: _Jobs, holding: list[rundir.JobState]) -> list[rundir.JobState]:
@@ -361,18 +386,13 @@ def _completed_only(root: Path, jobs: _Jobs, holding: list[rundir.JobState]) -> 
     if jobs.root.status == "failed":  # a single run asked for by name: read it, but say it failed
         warnings.warn(f"{root} is a failed run ({jobs.root.error}); its records are partial",
                       IncompleteSweepWarning, stacklevel=4)  # fmt: skip
-    missing = [f"job {j.get('num', '?')} ({' '.join(map(str, j.get('overrides') or [])) or 'no overrides'})"
-               for j in jobs.dirless]  # fmt: skip
-    if missing:
-        warnings.warn(f"{len(missing)} job(s) of the sweep in {root} have no job dir and are left out: "
-                      f"{'; '.join(missing[:10])}. Re-run the sweep into the same dir (hydra.sweep.dir={root}) "
-                      "to run them.", IncompleteSweepWarning, stacklevel=4)  # fmt: skip
     unfinished = [s for s in jobs.states if s.status != "completed"] if jobs.marked else []
-    if not unfinished:
+    if not unfinished and not jobs.dirless:
         return holding
-    warnings.warn(rundir.describe_unfinished(root, unfinished, len(jobs.states)), IncompleteSweepWarning, stacklevel=4)
+    said = rundir.describe_unfinished(root, unfinished, len(jobs.states) + len(jobs.dirless), jobs.dirless)
+    warnings.warn(said, IncompleteSweepWarning, stacklevel=4)
     left_out = {s.directory for s in unfinished}
     kept = [s for s in holding if s.directory not in left_out]
     if not kept:
-        raise GradrunnerError(f"no job in {root} completed; {rundir.describe_unfinished(root, unfinished, len(jobs.states))}")  # fmt: skip
+        raise GradrunnerError(f"no job in {root} completed; {said}")
     return kept

@@ -2,6 +2,7 @@
 
 Contents:
     DONE, FAILED, RECORD_NAMES   -- `done.json` (written last), `failed.json`, the record files
+    MANIFEST                     -- `manifest.json`, a sweep dir's list of its jobs (`cli.sweep_books` writes it)
     JobState, job_state(dir)     -- "completed", "failed" or "missing", read from the dir's files alone
     read_marker(dir)             -- `done.json` if gradrunner wrote it, and why one that is there is not
     footer_digest(path)          -- size and footer hash of a record file, pinned by `done.json`
@@ -28,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -45,6 +46,10 @@ from gradrunner.records.columns import RECORD_FILES, is_temp_of
 DONE = "done.json"
 #: Failure record of a job that raised (its error message), written by the sweep callback.
 FAILED = "failed.json"
+#: A sweep dir's list of its jobs: written as the sweep starts (every job, status "pending" unless the sweep
+#: catalogue shows it complete) and again as it ends (`cli.sweep_books`); `analysis.load` names the jobs it lists
+#: that no job dir holds.
+MANIFEST = "manifest.json"
 #: Record files a job writes; each is first written under a hidden temp name (`columns.temp_name`).
 RECORD_NAMES = RECORD_FILES
 
@@ -319,25 +324,43 @@ def unfinished_jobs(job_dirs: list[Path]) -> list[JobState] | None:
     return [s for s in states if s.status != "completed"]
 
 
-def describe_unfinished(root: Path, unfinished: list[JobState], total: int) -> str:
+def describe_unfinished(
+    root: Path, unfinished: list[JobState], total: int, dirless: Sequence[Mapping[str, Any]] = ()
+) -> str:
     """One paragraph naming the jobs of the sweep at `root` that did not complete, and what to do.
 
     Example::
 
         describe_unfinished(sweep, unfinished_jobs(dirs), len(dirs))  # '1 of 6 jobs in ... job 3 failed: ...'
+
+    `unfinished`: the job dirs that did not complete; `dirless`: the jobs the sweep's `MANIFEST` lists that
+    no job dir holds (its entries: `num`, `overrides`, `dir`, `error`); `total`: every job of the sweep.
     """
     parts = []
     for s in unfinished[:10]:
         name = s.directory.relative_to(root).as_posix()
         parts.append(f"job {name} failed: {(s.error or '').rstrip('.')}" if s.status == "failed"
                      else f"job {name} has no {DONE} (killed, or still running)")  # fmt: skip
-    more = f"; and {len(unfinished) - 10} more" if len(unfinished) > 10 else ""
+    parts += [_dirless(j) for j in dirless[: max(0, 10 - len(parts))]]
+    left = len(unfinished) + len(dirless)
+    more = f"; and {left - len(parts)} more" if left > len(parts) else ""
     partial = [s.directory / f for s in unfinished for f in s.files]
     example = f", or read a job's partial records directly, e.g. pd.read_parquet('{partial[0]}')" if partial else ""
+    others = f" The other {total - left} job(s) completed and are read." if total > left else ""
     return (
-        f"{len(unfinished)} of {total} jobs in {root} did not complete and are left out: {'; '.join(parts)}{more}. "
+        f"{left} of {total} jobs in {root} did not complete and are left out: {'; '.join(parts)}{more}.{others} "
         f"Re-run the sweep into the same dir (hydra.sweep.dir={root}) to complete them{example}."
     )
+
+
+def _dirless(entry: Mapping[str, Any]) -> str:
+    """A job the sweep's manifest lists that no job dir holds, in a few words."""
+    label = f"job {entry.get('num', '?')} ({' '.join(map(str, entry.get('overrides') or [])) or 'no overrides'})"
+    if entry.get("dir"):
+        return f"{label}: its dir {entry['dir']} is gone"
+    if entry.get("error"):
+        return f"{label}: {str(entry['error']).rstrip('.')}"
+    return f"{label} did not start (no job dir)"
 
 
 def job_dirs_below(root: Path) -> list[Path]:

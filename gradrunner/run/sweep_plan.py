@@ -123,12 +123,14 @@ def config_fingerprint(config: DictConfig) -> str | None:
 
 @dataclass(frozen=True)
 class SweepPlan:
-    """A sweep's jobs (override lists, in job order) and the numbers of those complete already."""
+    """A sweep's jobs (override lists, in job order) and the numbers of those complete already, with their rows."""
 
     sweep_dir: Path
     jobs: list[list[str]]
     complete: frozenset[int] = field(default_factory=frozenset)
     fingerprint: str | None = None
+    #: The catalogue row of each complete job, by job number.
+    rows: dict[int, catalogue.JobRow] = field(default_factory=dict)
 
     def to_run(self) -> list[int]:
         """The numbers of the jobs still to run, in order."""
@@ -166,7 +168,7 @@ def _decide(config: DictConfig) -> SweepPlan | None:
     if not rows or fingerprint is None:
         return SweepPlan(sweep_dir, jobs, frozenset(), fingerprint)
     by_key = {r.key(): r for r in rows if r.status == "completed" and r.fingerprint == fingerprint}
-    complete = set()
+    complete: dict[int, catalogue.JobRow] = {}
     changed: list[str] = []
     for num, overrides in enumerate(jobs):
         row = by_key.get(tuple(sorted(overrides)))
@@ -174,7 +176,7 @@ def _decide(config: DictConfig) -> SweepPlan | None:
             continue
         why = catalogue.still_complete(sweep_dir, row)  # the one rule: the dir, its markers and its files
         if why is None:
-            complete.add(num)
+            complete[num] = row
         else:
             changed.append(f"job {row.dir}: {why}")
     if changed:
@@ -184,7 +186,7 @@ def _decide(config: DictConfig) -> SweepPlan | None:
     if complete:
         log.info("sweep %s: %d of %d jobs completed before with this config (%s): skipped without composing them; "
                  "%d to run", sweep_dir, len(complete), len(jobs), catalogue.CATALOGUE, len(jobs) - len(complete))  # fmt: skip
-    return SweepPlan(sweep_dir, jobs, frozenset(complete), fingerprint)
+    return SweepPlan(sweep_dir, jobs, frozenset(complete), fingerprint, complete)
 
 
 def catalogue_row(config: DictConfig, *, status: str, error: str | None) -> catalogue.JobRow | None:

@@ -6,6 +6,9 @@ with the up-front sweep check (`gradrunner.cli.app.SweepCheck`). The remaining j
 they are launched in runs of consecutive numbers (`initial_job_idx`), at most `max_batch_size` at a
 time, so each runs into the dir it always had. When the up-front check composed and validated every
 job already, Hydra's second composition of each batch (`validate_batch_is_legal`) is not repeated.
+Before the first job is launched, the sweep dir's `manifest.json` lists every job of the sweep
+(`gradrunner.cli.sweep_books.write_planned`), so a reader of a sweep whose launcher was killed knows
+the jobs that never started.
 
 This module lives in Hydra's plugin namespace (Hydra instantiates sweepers from `hydra_plugins.*`
 only) and stays light: Hydra imports it in every app of this environment; gradrunner is imported
@@ -39,6 +42,10 @@ class GradrunnerSweeper(BasicSweeper):
 
         assert self.config is not None and self.launcher is not None
         decided = plan(self.config)
+        if decided is not None:  # the sweep's jobs in its manifest before any runs: a killed launcher leaves them
+            from gradrunner.cli.sweep_books import write_planned
+
+            write_planned(decided.sweep_dir, decided.jobs, decided.rows)
         if decided is None or not decided.complete:
             return super().sweep(arguments)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
