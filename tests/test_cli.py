@@ -278,7 +278,8 @@ def test_a_sweep_is_validated_before_its_first_job_and_each_mistake_is_reported_
     assert result.returncode == 2 and "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 2, result.stderr
-    assert lines[0].startswith("gradrunner: error: jobs 3, 4, 5 of 6 (+experiment=cosine steps=1 capture.strategy=bogus")
+    assert lines[0].startswith("gradrunner: error: jobs 3, 4, 5 of 6 (all: +experiment=cosine steps=1 "
+                               "capture.strategy=bogus; job 3: seed=0; job 4: seed=1; job 5: seed=2): ")  # fmt: skip
     assert "capture.strategy='bogus' is not allowed; allowed: retain_grad, hook, autograd_grad" in lines[0]
     assert "nothing was run" in lines[1] and not list(tmp_path.rglob("*.parquet"))
     # taps are resolved against each job's model (built on the meta device) before anything runs
@@ -288,6 +289,18 @@ def test_a_sweep_is_validated_before_its_first_job_and_each_mistake_is_reported_
     assert len(lines) == 2 and lines[0].startswith("gradrunner: error: job 1 of 2 (+experiment=mlp model.depth=2")
     assert "tap 'fc3:output': no module 'fc3' in MLP. Closest paths: 'fc2', 'fc1'" in lines[0]
     assert not list(tmp_path.rglob("*.parquet"))
+
+
+def test_a_mistake_of_several_sweep_jobs_names_each_jobs_own_overrides(tmp_path: Path) -> None:
+    """seed=0,1 capture.strategy=bogus: the up-front check said "jobs 0, 1 of 2 (... seed=0 ...)", job 0's overrides
+    as if both jobs had them."""
+    result = gradrunner_in_process(tmp_path, "-m", "+experiment=mlp", "steps=2", "seed=0,1", "capture.strategy=bogus")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and "nothing was run" in lines[1], result.stderr
+    assert lines[0].startswith("gradrunner: error: jobs 0, 1 of 2 (all: +experiment=mlp steps=2 capture.strategy=bogus; "
+                               "job 0: seed=0; job 1: seed=1): capture.strategy='bogus' is not allowed"), lines[0]  # fmt: skip
+    assert not tmp_path.joinpath("multirun").exists()  # nothing ran, no sweep dir
 
 
 def test_help_piped_into_head_ends_without_a_traceback(tmp_path: Path) -> None:

@@ -189,7 +189,8 @@ class SweepCheck(Callback):
     Registered in `conf/config.yaml` under `hydra.callbacks.sweep_check`. Without it, job 0 runs to
     the end before job 1 fails on `capture.strategy=bogus`. Values are validated and the tap specs
     resolved against each distinct model, built on the meta device (no memory, no weights). Each
-    distinct mistake is reported once, with the jobs it affects. Jobs the sweep catalogue shows
+    distinct mistake is reported once, with the jobs it affects (`_jobs_named`: the overrides they all have,
+    then each one's own). Jobs the sweep catalogue shows
     complete (`run.sweep_plan`) are not composed: gradrunner's sweeper does not launch them either.
     Hydra's basic launcher runs each job on the config checked here, not composed again
     (`hydra_adapter.config_composed_once`; in sweeps of up to `KEPT_JOBS_AT_MOST` jobs).
@@ -207,12 +208,32 @@ class SweepCheck(Callback):
         problems = _job_problems(config, jobs, skip=decided.complete)
         if problems:
             for message, numbers in problems.items():
-                which = f"job {numbers[0]}" if len(numbers) == 1 else f"jobs {', '.join(map(str, numbers))}"
-                print(f"gradrunner: error: {which} of {len(jobs)} ({' '.join(jobs[numbers[0]])}): {message}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(f"gradrunner: error: {_jobs_named(jobs, numbers)}: {message}", file=sys.stderr, flush=True)
             print("gradrunner: the sweep was checked before any job ran; nothing was run.", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
         sweep_plan.mark_validated(config)  # the sweeper need not compose each job a second time
+
+
+#: How many of the jobs sharing a mistake `_jobs_named` lists with their own overrides.
+_JOBS_SHOWN = 5
+
+
+def _jobs_named(jobs: list[list[str]], numbers: list[int]) -> str:
+    """The jobs `numbers` of the sweep `jobs`, each with its own overrides: what they all have, then the rest per job.
+
+    Example::
+
+        _jobs_named([["a=1", "seed=0"], ["a=1", "seed=1"]], [0, 1])  # 'jobs 0, 1 of 2 (all: a=1; job 0: seed=0; job 1: seed=1)'
+    """
+    if len(numbers) == 1:
+        return f"job {numbers[0]} of {len(jobs)} ({' '.join(jobs[numbers[0]])})"
+    shared = [o for o in jobs[numbers[0]] if all(o in jobs[n] for n in numbers)]
+    own = [(n, [o for o in jobs[n] if o not in shared]) for n in numbers]
+    parts = [f"all: {' '.join(shared)}"] if shared else []
+    if any(rest for _, rest in own):
+        parts += [f"job {n}: {' '.join(rest) or 'no other override'}" for n, rest in own[:_JOBS_SHOWN]]
+        parts += [f"and {len(own) - _JOBS_SHOWN} more jobs"] if len(own) > _JOBS_SHOWN else []
+    return f"jobs {', '.join(map(str, numbers))} of {len(jobs)} ({'; '.join(parts) or 'no overrides'})"
 
 
 def _job_problems(config: DictConfig, jobs: list[list[str]], skip: frozenset[int]) -> dict[str, list[int]]:
