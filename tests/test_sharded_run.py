@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import torch.distributed as dist
@@ -229,6 +230,23 @@ def test_the_certificate_with_the_experiments_own_taps(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stderr[-3000:]
     result = compare(tmp_path / "ddp", tmp_path / "fsdp2")
     assert result.returncode == 0 and "66 records" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_clip_grad_value_under_fsdp2_clips_as_ddp_does(tmp_path: Path) -> None:
+    """`train.clip_grad_value` under fsdp2 (the 1-row head leaves rank 1 an empty piece): the records and `clipped`
+    of DDP, whose ranks clip the whole averaged gradients with torch's `clip_grad_value_`. It raised at step 0
+    (`max()` of rank 1's empty piece; with even shards, `.tolist()` of a `clipped` that was a DTensor)."""
+    for mode in ("ddp", "fsdp2"):
+        result = gradrunner_torchrun(tmp_path, "+experiment=mlp", "steps=3", "taps=[fc1:weight,head:weight,fc1:output]",
+                                     "train.clip_grad_value=0.05", f"train.parallel={mode}", f"hydra.run.dir={mode}")  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    cmp = compare(tmp_path / "ddp", tmp_path / "fsdp2")
+    assert cmp.returncode == 0, cmp.stdout + cmp.stderr
+    want, got = (pd.read_parquet(tmp_path / m / "steps.parquet").sort_values(["step", "rank"])
+                 for m in ("ddp", "fsdp2"))  # fmt: skip
+    assert got["clipped"].tolist() == want["clipped"].tolist()
+    assert want["clipped"].all()  # 0.05 is below every step's largest element: each step clipped
 
 
 @pytest.mark.slow

@@ -11,8 +11,9 @@ Example::
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from gradrunner.capturing.dtensors import is_dtensor
+from gradrunner.capturing.dtensors import is_dtensor, local_piece
 from gradrunner.capturing.torch_compat import norms_all
 
 #: Gradient dtypes whose norm in their own dtype is rounded to their few bits: always taken in float64.
@@ -103,7 +104,26 @@ def clip(params: list[torch.nn.Parameter], max_norm: float | None, max_value: fl
         norm = _whole(torch.nn.utils.clip_grad_norm_(with_grad, max_norm))
         clipped = clipped | (norm.to(device) > max_norm)
     if max_value is not None and with_grad:
-        peak = torch.stack([p.grad.detach().abs().max() for p in with_grad if p.grad is not None and p.grad.numel()])
-        clipped = clipped | (peak.max().to(clipped.device) > max_value)
+        clipped = clipped | _beyond([p.grad for p in with_grad if p.grad is not None], max_value).to(device)
         torch.nn.utils.clip_grad_value_(with_grad, max_value)
     return clipped
+
+
+def _beyond(grads: list[torch.Tensor], max_value: float) -> torch.Tensor:
+    """Whether `clip_grad_value_(max_value)` changes `grads`: an element beyond it, and none NaN (0-d bool).
+
+    Each gradient's largest |element| is compared in its own dtype, as torch compares. A DTensor gradient
+    (FSDP2, HSDP) is read from this rank's piece, maybe empty (a 1-row weight over 2 ranks), and the ranks'
+    answers are merged with one MAX all-reduce: `abs().max()` of a DTensor runs on each piece, fails on an
+    empty one and is itself a DTensor. A NaN makes the answer false, as the max over the gradients is NaN then.
+    """
+    pieces = [p for p in (local_piece(g).detach() for g in grads) if p.numel()]
+    device = grads[0].device if not pieces else pieces[0].device
+    peaks = [p.abs().amax() for p in pieces]
+    flags = torch.zeros(2, dtype=torch.float32, device=device)  # [some element beyond, some element NaN]
+    if peaks:
+        flags[0] = torch.stack([(q > max_value).reshape(()) for q in peaks]).any()
+        flags[1] = torch.stack([q.isnan().reshape(()) for q in peaks]).any()
+    if any(is_dtensor(g) for g in grads) and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return (flags[0] > 0) & (flags[1] == 0)
