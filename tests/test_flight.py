@@ -25,6 +25,21 @@ def test_replay_under_torchrun_is_refused_before_step_0(monkeypatch: pytest.Monk
     validate(compose_cfg("+experiment=mlp", "anomaly.replay=0", "train.checkpoint_every=5"))
 
 
+def test_a_branch_under_torchrun_is_refused_before_step_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner seeds a branch from its kept single-process state in one process only: under torchrun
+    `train.branch_from` was ignored without a word (a 2-rank job trained from step 0, no branch.json, where the
+    same command in one process starts at the kept step). Refused in one paragraph now, as replay is."""
+    cfg = compose_cfg("+experiment=mlp", "train.branch_from=runs/src:4")
+    validate(cfg)  # one process: fine (the source is checked when the job starts)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(
+        GradrunnerError, match=r"train.branch_from='runs/src:4' is not allowed under torchrun \(WORLD_SIZE=2\)"
+    ) as e:
+        validate(cfg)
+    assert "\n" not in str(e.value) and "single process" in str(e.value)
+    validate(compose_cfg("+experiment=mlp"))  # no branch: torchrun runs as ever
+
+
 def test_kept_states_ignore_a_torchrun_jobs_rank_files(tmp_path: Path) -> None:
     """`state-<step>.rank<r>.pt` is not a single-process state: it made `int('000000005.rank0')` raise."""
     from gradrunner.records.checkpoint_files import CHECKPOINT_DIR

@@ -39,7 +39,7 @@ def validate_replay(cfg: DictConfig) -> None:
             f"Set train.checkpoint_every=K (e.g. train.checkpoint_every={max(replay, 10)}; the replay starts at most K "
             "steps earlier than it needs), or anomaly.replay=0 to turn replay off."
         )
-    world = int(os.environ.get("WORLD_SIZE") or 1)
+    world = _world()
     if replay > 0 and world > 1:  # every rank says it before step 0 (a sweep's check before any job)
         raise GradrunnerError(
             f"anomaly.replay={replay} is not allowed under torchrun (WORLD_SIZE={world}): a replay re-runs the steps "
@@ -51,7 +51,8 @@ def validate_replay(cfg: DictConfig) -> None:
 
 
 def check_branch(train: DictConfig) -> None:
-    """`train.branch_from` is null or "<run dir>:<step>" (what is there is checked when the job starts).
+    """`train.branch_from` is null or "<run dir>:<step>" (what is there is checked when the job starts), in one
+    process (under torchrun the branch's single-process state would not be used: refused).
 
     Example::
 
@@ -73,3 +74,17 @@ def check_branch(train: DictConfig) -> None:
             "has a kept checkpoint there, e.g. train.branch_from='outputs/2026-11-26/10-00-00-000000:25' "
             "(python -m gradrunner.autopsy lists them), or null."
         )
+    world = _world()
+    if world > 1:  # every rank says it before step 0; the runner seeds a branch only in one process
+        raise GradrunnerError(
+            f"train.branch_from={branch!r} is not allowed under torchrun (WORLD_SIZE={world}): a branch starts from a "
+            "kept single-process checkpoint (state-<step>.pt: one model, one stream of batches), which the ranks of a "
+            "torchrun job, each taking every WORLD_SIZE-th batch (and under fsdp2 or hsdp a shard of each parameter), "
+            "cannot continue. Run the branch in a single process (python -m gradrunner ... "
+            f"train.branch_from={branch}, without torchrun), or drop train.branch_from."
+        )
+
+
+def _world() -> int:
+    """The number of processes of this job (torchrun's WORLD_SIZE; 1 without it)."""
+    return int(os.environ.get("WORLD_SIZE") or 1)
