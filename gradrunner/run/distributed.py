@@ -114,6 +114,15 @@ class Distributed:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def from_main(self, fn: Callable[[], _T]) -> _T:
+        """`fn()` run on rank 0 only, its result on every rank (a collective: call it on every rank).
+
+        Example::
+
+            start = d.from_main(open_books)     # rank 0 reads the run dir's books; every rank learns the step
+        """
+        return self.broadcast(fn() if self.is_main else None)  # type: ignore[return-value]  # None: replaced by rank 0's
+
     def gather(self, obj: _T) -> list[_T]:
         """Every rank's `obj`, in rank order, on rank 0 (an empty list elsewhere)."""
         out: list[Any] | None = [None] * self.world_size if self.is_main else None

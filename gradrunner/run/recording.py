@@ -187,23 +187,9 @@ class Recorder:
 
     def _enter(self) -> None:
         from gradrunner.records.writer import run_metadata  # pyarrow: imported once writing starts
-        from gradrunner.run.guards import check_writable
 
-        if self.main:
-            check_writable(self.directory, where="the run_dir argument")
-            self._lock = books.RunLock(self.directory, self.run_id)
-            self._lock.__enter__()
-            try:
-                self._kept = record_books.prepare(self.directory, self.config, resume=self.resume, overwrite=self.overwrite,
-                                                  who=self.who, last_run=self._lock.previous.get("run_id"),
-                                                  taps=tap_shapes(self.capture.model, self.capture.taps, not self.capture.sharded))  # fmt: skip
-                if self._start is not None:
-                    self._first_start(self._start)
-            except books.Refused:
-                self._lock.leave_no_trace()
-                raise
-            self._log = session_log(self.directory)
-            self._log.__enter__()
+        # rank 0 keeps the books; every rank numbers its steps from where they resume (the kept records' next step)
+        next_step = self._open_books() if self.dist is None else self.dist.from_main(self._open_books)
         device, dtype = self.engine.device, _dtype_of(self.model)
         constants = {"run_id": self.run_id, "experiment": str(self.config.experiment), "strategy": self.strategy,
                      "device": str(device), "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
@@ -211,11 +197,30 @@ class Recorder:
         files = RunFiles(self.directory, constants, run_metadata(OmegaConf.to_yaml(self.config), seed=int(self.config.seed)),
                          per_example=bool(c.per_example), histogram=bool(c.histogram))  # fmt: skip
         self.engine.open(self._stack, files)
-        if self._kept is not None:  # by default, the step after the last one recorded
-            if self._start is None:
-                self.engine.start_at(self._kept.next_step)
-            else:
-                self.engine.start_at(self._start, self._start_backwards)
+        if self._start is not None and self._kept is not None:
+            self.engine.start_at(self._start, self._start_backwards)
+        elif next_step is not None:  # by default, the step after the last one recorded
+            self.engine.start_at(next_step)
+
+    def _open_books(self) -> int | None:
+        """Rank 0: the run dir's lock, its records kept or refused, the session's log; the step a resume starts at."""
+        from gradrunner.run.guards import check_writable
+
+        check_writable(self.directory, where="the run_dir argument")
+        self._lock = books.RunLock(self.directory, self.run_id)
+        self._lock.__enter__()
+        try:
+            self._kept = record_books.prepare(self.directory, self.config, resume=self.resume, overwrite=self.overwrite,
+                                              who=self.who, last_run=self._lock.previous.get("run_id"),
+                                              taps=tap_shapes(self.capture.model, self.capture.taps, not self.capture.sharded))  # fmt: skip
+            if self._start is not None:
+                self._first_start(self._start)
+        except books.Refused:
+            self._lock.leave_no_trace()
+            raise
+        self._log = session_log(self.directory)
+        self._log.__enter__()
+        return None if self._kept is None else self._kept.next_step
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         self._open = False
