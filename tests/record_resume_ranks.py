@@ -4,11 +4,13 @@ Run by torchrun (gloo, CPU): `python -m torch.distributed.run --standalone --npr
 OUT CASE...`, a CASE being `ddp` or `fsdp2` (the model wrapped or sharded). Each rank trains `STEPS` steps (SGD) of
 the same model twice: once uninterrupted into `OUT/<case>/ref`, once into `OUT/<case>/cut`, a session that raises
 after the backward of step `CUT` and a second one with `resume=True` (its default start: the step after the last
-one kept) from there. The test compares the two dirs' records.
+one kept) from there. Then a session into the completed `ref` without `resume` or `overwrite`: what each rank raised,
+into `OUT/<case>.rank<r>.json`. The test compares the two dirs' records and the ranks' refusals.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -64,6 +66,8 @@ def _train(run_dir: Path, model: nn.Module, opt: torch.optim.Optimizer, steps: r
 
 
 def run_case(case: str, out_dir: Path) -> None:
+    import torch.distributed as dist
+
     model, opt = _model(case)
     _train(out_dir / case / "ref", model, opt, range(STEPS))
     model, opt = _model(case)
@@ -72,6 +76,12 @@ def run_case(case: str, out_dir: Path) -> None:
     except Interrupted:
         opt.zero_grad()
     _train(out_dir / case / "cut", model, opt, range(CUT, STEPS), resume=True)
+    said = None
+    try:
+        _train(out_dir / case / "ref", model, opt, range(1))  # completed records, neither resume nor overwrite
+    except Exception as e:
+        said = f"{type(e).__name__}: {e}"
+    (out_dir / f"{case}.rank{dist.get_rank()}.json").write_text(json.dumps({"raised": said}))
 
 
 def main(argv: list[str]) -> None:

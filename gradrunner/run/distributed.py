@@ -33,12 +33,13 @@ import dataclasses
 import itertools
 import logging
 import os
+import pickle
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -115,13 +116,30 @@ class Distributed:
         return box[0]
 
     def from_main(self, fn: Callable[[], _T]) -> _T:
-        """`fn()` run on rank 0 only, its result on every rank (a collective: call it on every rank).
+        """`fn()` run on rank 0 only, its result on every rank, or what it raised raised on every rank (a collective:
+        call it on every rank).
 
         Example::
 
             start = d.from_main(open_books)     # rank 0 reads the run dir's books; every rank learns the step
+                                                # or raises rank 0's Refused (the dir already holds records)
+
+        Without the raise the other ranks went on into training and waited in their first collective for a rank 0
+        that had stopped (a hang). An exception that does not pickle comes as a RuntimeError naming it.
         """
-        return self.broadcast(fn() if self.is_main else None)  # type: ignore[return-value]  # None: replaced by rank 0's
+        if not self.is_main:
+            asked: tuple[bool, Any] = (True, None)  # replaced by rank 0's (ok, result or exception)
+            ok, value = self.broadcast(asked)
+            if not ok:
+                raise value
+            return cast(_T, value)
+        try:
+            value = fn()
+        except Exception as e:
+            self.broadcast((False, _portable(e)))
+            raise
+        self.broadcast((True, value))
+        return value
 
     def gather(self, obj: _T) -> list[_T]:
         """Every rank's `obj`, in rank order, on rank 0 (an empty list elsewhere)."""
@@ -143,6 +161,15 @@ class Distributed:
         if main != own:
             _move_into(own, main, self.rank)
         return main
+
+
+def _portable(e: Exception) -> Exception:
+    """`e` if it pickles (to be raised on the other ranks), else a RuntimeError naming it."""
+    try:
+        pickle.loads(pickle.dumps(e))
+    except Exception:
+        return RuntimeError(f"rank 0 raised {type(e).__name__}: {e}")
+    return e
 
 
 def _backend(device: str) -> str:
