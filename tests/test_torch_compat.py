@@ -71,7 +71,6 @@ def same(a: object, b: object) -> None:
     [
         "get_gradient_edge",
         "call_accumulate_grad",
-        "steal_grad",
         "tensor_version",
         "tensor_hooks",
         "engine_run_backward",

@@ -332,7 +332,7 @@ class ParamBackward:
 
         edges = pb.edges(loss)                 # each parameter that requires grad, in model order, then the rest
         grads = torch.autograd.grad(loss, edges, allow_unused=True)
-        pb.arrived(list(grads), set())         # tapped ones recorded; each leaf's .grad filled by its node
+        pb.arrived(list(grads))                # tapped ones recorded; each leaf's .grad filled by its node
 
     Each backward walks `loss`'s graph for the accumulators `loss.backward()` would run
     (`torch_compat.leaf_accumulators`): those that are not held are the other leaves (an input made with
@@ -352,7 +352,6 @@ class ParamBackward:
         self._param_ids: set[int] = set()
         self._edges: list[Edge | torch.Tensor] = []
         self._nodes: list[object] = []
-        self._leaves: list[nn.Parameter] = []
         self._tapped: list[int] = []  # positions in `_order` of tapped parameters
         self._held_nodes: set[int] = set()  # ids of the held parameters' accumulator nodes
         self._others: list[object] = []  # this backward's other leaves' accumulator nodes
@@ -399,19 +398,20 @@ class ParamBackward:
         self._param_ids = {id(p) for p in params}
         self._edges = [h.edge for h in order]  # type: ignore[misc]
         self._nodes = [h.edge[0] for h in order]  # type: ignore[index]
-        self._leaves = [h.param for h in order]
         self._held_nodes = {id(node) for node in self._nodes}
         self._tapped = [i for i, h in enumerate(order) if self._taps.holds(h.param)]
 
-    def arrived(self, grads: list[torch.Tensor | None], shared: set[int]) -> None:
-        """`edges()`'s gradients, in its order (the list is taken over): recorded for tapped parameters,
-        accumulated into every `.grad` (`shared`: the ids of gradients handed on elsewhere, see `accumulate`)."""
-        assert len(grads) == len(self._order) + len(self._others)
+    def arrived(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """`edges()`'s gradients, in its order: recorded for tapped parameters, accumulated into every `.grad`."""
+        n = len(self._order)
+        assert len(grads) == n + len(self._others)
         for i in self._tapped:
-            if grads[i] is not None:
-                self._taps.arrived(self._order[i].param, grads[i])  # type: ignore[arg-type]
-        others, self._others = self._others, []
-        if others:
-            accumulate(self._nodes + others, self._leaves + [accumulator_leaf(n) for n in others], grads, shared)
-        else:
-            accumulate(self._nodes, self._leaves, grads, shared)
+            g = grads[i]
+            if g is not None:
+                self._taps.arrived(self._order[i].param, g)
+        if not self._others:
+            accumulate(self._nodes, grads)
+            return
+        accumulate(self._nodes, grads[:n])
+        accumulate(self._others, grads[n:])
+        self._others = []

@@ -7,7 +7,6 @@
 | `grad_of(loss, edges, retain)` | `torch.autograd.graph._engine_run_backward`: `autograd.grad`'s own engine call, without its per-input Python checks (~1 µs each) | `torch.autograd.grad` |
 | `leaf_accumulators(loss)` | none: a walk of `grad_fn.next_functions` (public) for the `AccumulateGrad` nodes `loss.backward()` would run | - |
 | `accumulate(nodes, grads)` | calling a parameter's held `AccumulateGrad` node: `.grad` filled as backward fills it, post-accumulate-grad hooks included | `autograd_grad`'s one engine call is `loss.backward()`, the taps read at their nodes (`watch_edge`) |
-| `accumulate(..)`'s steal | `t._post_accumulate_grad_hooks`: a gradient nobody else holds becomes an empty `.grad` itself, as the node would make it, where no such hook waits | every gradient through the node (which copies it: the call holds it) |
 | `at_backward_end(fn)` | `Variable._execution_engine.queue_callback` (what DDP and FSDP use): `fn` runs once the backward finished, after every callback queued before | False: the session finishes the backward at its next `records()`, forward or `backward()` |
 | `has_own_hooks(t)` | `t._backward_hooks`: `autograd_grad` reads a tap at its node only where the tensor has hooks | True: always read at the node |
 | `version(t)` | `t._version`: retain_grad reads `.grad` unless the tensor changed in place | None: assume it changed, read the gradient edge |
@@ -77,7 +76,6 @@ def _calls_accumulate_grad() -> bool:
 FEATURES: dict[str, bool] = {
     "get_gradient_edge": _get_gradient_edge is not None,
     "call_accumulate_grad": _calls_accumulate_grad(),
-    "steal_grad": hasattr(torch._C.TensorBase, "_post_accumulate_grad_hooks"),
     "queue_callback": _queue_callback is not None,
     "engine_run_backward": _engine_run_backward is not None,
     "direct_edge": _PYTHON_NODE is not None and _GradientEdge is not None,
@@ -157,27 +155,18 @@ def grad_of(loss: torch.Tensor, inputs: Sequence[Any], retain_graph: bool) -> tu
     return torch.autograd.grad(loss, inputs, retain_graph=retain_graph, allow_unused=True)
 
 
-def accumulate(nodes: Sequence[Any], leaves: Sequence[torch.Tensor], grads: list[torch.Tensor | None],
-               shared: set[int]) -> None:  # fmt: skip
-    """Add each gradient (None: skipped; the list is taken over) to the `.grad` of the same entry of `leaves`, as
-    backward would: its `AccumulateGrad` node in `nodes` is called (layout, in-place add, post-accumulate-grad
-    hooks). A gradient the node would keep rather than copy (empty `.grad`, the leaf's layout, no such hook, no
-    other reference, its id not in `shared`) becomes `.grad` itself: a call from Python holds it, so it copies.
+def accumulate(nodes: Sequence[Any], grads: Sequence[torch.Tensor | None]) -> None:
+    """For each node and its grad (None: skipped): add `grad` to the `.grad` of the parameter whose
+    `AccumulateGrad` node is `node`, as backward would.
+
+    The node does what the engine does (layout, in-place add, post-accumulate-grad hooks). Only where
+    `FEATURES["call_accumulate_grad"]`; without it `autograd_grad` lets `loss.backward()` fill `.grad`.
     """
     assert FEATURES["call_accumulate_grad"]
-    steal, plain, strided, refs = FEATURES["steal_grad"], (torch.Tensor, nn.Parameter), torch.strided, sys.getrefcount
     with torch.no_grad():
-        for i, leaf in enumerate(leaves):
-            grad, grads[i] = grads[i], None
-            if grad is None:
-                continue
-            if steal and refs(grad) == 2 and type(grad) is torch.Tensor and leaf.grad is None and id(grad) not in shared and (
-                not leaf._post_accumulate_grad_hooks and grad.stride() == leaf.stride() and grad.layout is strided
-                and type(leaf) in plain and not grad.dtype.is_complex and leaf.is_contiguous()
-            ):  # fmt: skip
-                leaf.grad = grad  # 2 references above: `grad` and getrefcount's argument
-            else:
-                nodes[i](grad)
+        for node, grad in zip(nodes, grads, strict=True):
+            if grad is not None:
+                node(grad)
 
 
 #: The class of a leaf's gradient accumulator node (`AccumulateGrad`), taken from a throw-away leaf.
@@ -362,7 +351,12 @@ def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
 
 
 def sub_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """`[x - y for x, y in zip(a, b)]`, in one multi-tensor op on an accelerator."""
+    """`[x - y for x, y in zip(a, b)]`, in one multi-tensor op on an accelerator.
+
+    Example::
+
+        sub_all([torch.ones(2)], [torch.zeros(2)])   # [tensor([1., 1.])]
+    """
     if FEATURES["foreach"] and a and not a[0].is_cpu:
         return list(torch._foreach_sub(list(a), list(b)))
     return [x - y for x, y in zip(a, b, strict=True)]
@@ -385,8 +379,12 @@ def norms_all(ts: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> l
 
 
 def compiled_inner(model: nn.Module) -> nn.Module:
-    """The eager module behind `torch.compile(model)` (its `_orig_mod`: `compiled_inner(torch.compile(m)) is m`);
-    any other model as it is."""
+    """The eager module behind `torch.compile(model)` (its `_orig_mod`); any other model as it is.
+
+    Example::
+
+        compiled_inner(torch.compile(model)) is model   # True
+    """
     inner = getattr(model, "_orig_mod", None)
     if type(model).__name__ != "OptimizedModule" or not isinstance(inner, nn.Module):
         return model
@@ -406,7 +404,12 @@ def compiled_fullgraph(module: nn.Module) -> bool:
 
 
 def scale_tensor(scaler: Any, device: torch.device | str) -> torch.Tensor | None:
-    """A `torch.amp.GradScaler`'s current scale as a 0-d tensor on the device (no host sync); None when it is off."""
+    """A `torch.amp.GradScaler`'s current scale as a 0-d tensor on the device (no host sync); None when it is off.
+
+    Example::
+
+        scale_tensor(scaler, "cuda")   # tensor(65536., device='cuda:0')
+    """
     if not scaler.is_enabled():
         return None
     scale = getattr(scaler, "_scale", None) if FEATURES["scaler_scale"] else None

@@ -90,11 +90,7 @@ class AutogradGradStrategy(Strategy):
             grads = _grad(loss, inputs + edges, retain_graph)
             n = len(tapped)
             self._deliver_taps(tapped, grads[:n], seen)
-            # the taps' gradients may also be a leaf's (an addition hands one tensor to both): not kept as `.grad`
-            shared = {id(g) for g in grads[:n]} if n else set()
-            rest = list(grads[n:])
-            del grads  # `rest` alone holds the leaves' gradients: `accumulate` keeps one nobody else holds
-            params.arrived(rest, shared)
+            params.arrived(grads[n:])
         finally:
             for h in handles:
                 h.remove()
