@@ -60,6 +60,7 @@ from gradrunner.capturing.torch_compat import (
     accumulator_leaf,
     gradient_edge,
     leaf_accumulators,
+    shares_memory,
 )
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import TapKey
@@ -256,7 +257,8 @@ class ParamTaps:
         self._cleared -= replaced
         for pid, g in done.items():
             before = self._sum.get(pid)
-            self._sum[pid] = g if before is None or pid in replaced else before + g
+            # kept as it arrived: copied where another leaf's `.grad` is a view of it (`x + a.view(..) + b.view(..)`)
+            self._sum[pid] = (g.clone() if shares_memory(g) else g) if before is None or pid in replaced else before + g
         self.synced_now = self.synced is not None and self.synced()
         fired = set(self._fired)
         self._fired.clear()

@@ -43,7 +43,7 @@ from gradrunner.capturing.per_example import PerExampleNorms
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot, get_strategy
 from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
-from gradrunner.capturing.torch_compat import backward_running, compiled_inner, running_ddp, sub_all
+from gradrunner.capturing.torch_compat import backward_running, compiled_inner, running_ddp, shares_memory, sub_all
 from gradrunner.config.choices import VALUES_MODES
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import StepRecords, TapKey
@@ -407,7 +407,9 @@ class Capture(Backwards):
         self._kept[slot.order] = grad.detach().clone() if slot.leaf else grad.detach()
 
     def _kept_grads(self, slots: list[Slot], params: Mapping[int, torch.Tensor | None]) -> None:
-        kept = [(s.key, self._kept.get(s.order)) for s in slots if s.fired]
+        # an intermediate's gradient was kept as it is: copied now where a leaf's `.grad` took it as a view
+        kept = [(s.key, None if (g := self._kept.get(s.order)) is None else g.clone() if shares_memory(g) else g)
+                for s in slots if s.fired]  # fmt: skip
         arrived = {} if self.edits is None else self.edits.last_arrived
         for key, (_, p) in zip(self._params.keys, self._params.taps, strict=True):
             g = arrived.get(id(p), params.get(id(p)))

@@ -165,8 +165,8 @@ class Collector:
 
         `order` places the record among the step's records (default: after those added so far);
         gradients arrive in backward order, records are kept in forward (firing) order.
-        `mutable=False` promises that nothing changes `grad` in place before `finish` (true of an
-        intermediate's gradient; a leaf's may become its `.grad`): what is kept is then not copied.
+        `mutable=False` promises that nothing changes `grad` in place before `flush` (an intermediate's
+        gradient; a leaf's may become its `.grad`): what is kept until then is not copied (values are).
         `value_norm` (0-d, on any device) is the tapped tensor's own norm; `batched=False` (a
         parameter) means dim 0 is no batch: no per-example norms of its own, but `per_example` (float64
         norms on the device, a parameter's from `capturing.per_example`) may be given. The extras are reduced here, so
@@ -210,7 +210,7 @@ class Collector:
             flat = grad.detach().reshape(-1)
             kept = flat.clone() if mutable and not settled else flat
             self._pending.append(Pending(
-                order, key, tuple(grad.shape), n, True, None, kept, self._keep_values(key, flat, mutable), value_norm,
+                order, key, tuple(grad.shape), n, True, None, kept, self._keep_values(key, flat), value_norm,
                 per_example, rows=grad.shape[0] if want_rows else None,
             ))  # fmt: skip
             return
@@ -224,7 +224,7 @@ class Collector:
                 done = self._cpu_reduce(flat, n) if fused_stats.readable(flat) else None
                 if done is not None:
                     row, hist = done
-                    values = self._keep_values(key, flat, mutable)
+                    values = self._keep_values(key, flat)
                     self._pending.append(Pending(
                         order, key, tuple(g.shape), n, True, row, None, values, value_norm, per_example, hist,
                     ))  # fmt: skip
@@ -233,7 +233,7 @@ class Collector:
                 out = torch.empty(N_REDUCTIONS, dtype=torch.float64, device=flat.device)
                 extra = (value_norm, per_example, fused_stats.histogram_counts(grad) if self.histogram else None)
                 if fused_stats.reduce_into(flat, out):
-                    values = self._keep_values(key, flat, mutable)
+                    values = self._keep_values(key, flat)
                     self._pending.append(Pending(order, key, tuple(g.shape), n, True, out, None, values, *extra))
                     return
         extra = (value_norm, per_example, fused_stats.histogram_counts(grad) if self.histogram else None)
@@ -241,7 +241,7 @@ class Collector:
             flat = flat.float()
         self._pending.append(Pending(
             order, key, tuple(g.shape), n, True, None if n == 0 else reduce_one(flat, self._scratch_for(flat)),
-            None, self._keep_values(key, flat, mutable), *extra,
+            None, self._keep_values(key, flat), *extra,
         ))  # fmt: skip
 
     def flush(self) -> None:
@@ -369,11 +369,11 @@ class Collector:
             buf = self._scratch[k] = torch.empty_like(flat)
         return buf
 
-    def _keep_values(self, key: TapKey, flat: torch.Tensor, mutable: bool) -> torch.Tensor | None:
+    def _keep_values(self, key: TapKey, flat: torch.Tensor) -> torch.Tensor | None:
         if self.values == "none":
             return None
-        if self.values == "full":
-            return flat.float().clone() if flat.dtype == torch.float32 and mutable else flat.float()
+        if self.values == "full":  # a copy: a leaf's `.grad` may be a view of it (after `nn.Flatten`), changed in place
+            return flat.float().clone() if flat.dtype == torch.float32 else flat.float()
         cache_key = (key.tap, flat.numel(), flat.device)
         if cache_key not in self._positions:
             pos = sample_positions(key.tap, flat.numel(), self.sample_size, self.seed)

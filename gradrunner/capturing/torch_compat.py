@@ -10,6 +10,7 @@
 | `at_backward_end(fn)` | `Variable._execution_engine.queue_callback` (what DDP and FSDP use): `fn` runs once the backward finished, after every callback queued before | False: the session finishes the backward at its next `records()`, forward or `backward()` |
 | `has_own_hooks(t)` | `t._backward_hooks`: `autograd_grad` reads a tap at its node only where the tensor has hooks | True: always read at the node |
 | `version(t)` | `t._version`: retain_grad reads `.grad` unless the tensor changed in place | None: assume it changed, read the gradient edge |
+| `shares_memory(t)` | `torch._C._storage_Use_Count`: a kept gradient another tensor views (a leaf's `.grad`) is copied | True: always copied |
 | `is_view(t)` | `t._is_view()`: a tapped view written in place gets its own `reason` | False: "takes no part in the loss" |
 | `in_backward()` | `torch._C._current_graph_task_id()`: also true inside a plain `loss.backward()` | a counter `backward_running()` raises around the session's own backward |
 | `fills_grad(params)` | `torch._C._will_engine_execute_node` on leaves' `AccumulateGrad` nodes, from `_current_autograd_node()`: does the backward running now fill `.grad` (`loss.backward()`) or only return gradients (`torch.autograd.grad`)? | None (unknown): every backward counts as one that fills `.grad` |
@@ -57,6 +58,7 @@ _engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine"
 _queue_callback = getattr(_engine, "queue_callback", None)
 _engine_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 _GradientEdge = getattr(torch.autograd.graph, "GradientEdge", None)
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 _PYTHON_NODE = getattr(torch._C, "_FunctionBase", None)  # a custom Function's node: its edge needs an owner
 
 
@@ -91,6 +93,7 @@ FEATURES: dict[str, bool] = {
     "scaler_scale": True,  # `GradScaler._scale`, read when it is a tensor
     "wait_collective": True,  # `AsyncCollectiveTensor.trigger_wait`, found once DTensor imported its module
     "active_ddp_module": True,  # `DistributedDataParallel._get_active_ddp_module`, found once DDP was imported
+    "storage_use_count": _storage_use_count is not None,
 }
 
 
@@ -245,6 +248,15 @@ def version(tensor: torch.Tensor) -> int | None:
     return tensor._version if FEATURES["tensor_version"] else None
 
 
+def shares_memory(t: torch.Tensor) -> bool:
+    """Whether another tensor uses `t`'s memory (a view of it, one it views: a leaf's `.grad` that autograd took as
+    a view of a tap's gradient, after `nn.Flatten`); True where that cannot be read (sparse, a subclass, no count)."""
+    if not FEATURES["storage_use_count"] or type(t) is not torch.Tensor or t.layout != torch.strided:
+        return True
+    storage = t.untyped_storage()
+    return int(_storage_use_count(storage._cdata)) > 2  # type: ignore[misc]  # `t` and `storage` itself
+
+
 def is_view(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is a view of another tensor's storage (its base)."""
     return bool(FEATURES["is_view"] and tensor._is_view())
@@ -351,12 +363,7 @@ def is_functorch_wrapped(tensor: torch.Tensor) -> bool:
 
 
 def sub_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """`[x - y for x, y in zip(a, b)]`, in one multi-tensor op on an accelerator.
-
-    Example::
-
-        sub_all([torch.ones(2)], [torch.zeros(2)])   # [tensor([1., 1.])]
-    """
+    """`[x - y for x, y in zip(a, b)]`, in one multi-tensor op on an accelerator."""
     if FEATURES["foreach"] and a and not a[0].is_cpu:
         return list(torch._foreach_sub(list(a), list(b)))
     return [x - y for x, y in zip(a, b, strict=True)]
@@ -379,12 +386,8 @@ def norms_all(ts: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> l
 
 
 def compiled_inner(model: nn.Module) -> nn.Module:
-    """The eager module behind `torch.compile(model)` (its `_orig_mod`); any other model as it is.
-
-    Example::
-
-        compiled_inner(torch.compile(model)) is model   # True
-    """
+    """The eager module behind `torch.compile(model)` (its `_orig_mod`: `compiled_inner(torch.compile(m)) is m`);
+    any other model as it is."""
     inner = getattr(model, "_orig_mod", None)
     if type(model).__name__ != "OptimizedModule" or not isinstance(inner, nn.Module):
         return model
@@ -404,12 +407,7 @@ def compiled_fullgraph(module: nn.Module) -> bool:
 
 
 def scale_tensor(scaler: Any, device: torch.device | str) -> torch.Tensor | None:
-    """A `torch.amp.GradScaler`'s current scale as a 0-d tensor on the device (no host sync); None when it is off.
-
-    Example::
-
-        scale_tensor(scaler, "cuda")   # tensor(65536., device='cuda:0')
-    """
+    """A `torch.amp.GradScaler`'s current scale as a 0-d tensor on the device (no host sync); None when it is off."""
     if not scaler.is_enabled():
         return None
     scale = getattr(scaler, "_scale", None) if FEATURES["scaler_scale"] else None
