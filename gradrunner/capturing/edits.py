@@ -207,7 +207,8 @@ def _check_shape(edits: Sequence[Edit], tap: str, shape: torch.Size) -> None:
 
 
 class _EditNode(torch.autograd.Function):
-    """Identity forward (no copy); backward applies `edit` to the gradient and returns the result."""
+    """Identity forward (no copy) and forward-mode derivative; backward applies `edit` to the gradient and returns the
+    result."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, edit: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -218,6 +219,11 @@ class _EditNode(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return ctx.edit(grad), None
+
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, _edit: None) -> torch.Tensor:
+        """Forward-mode AD (`torch.autograd.forward_ad`) through the edited value: an edit changes only the backward."""
+        return tangent
 
 
 # -- the session's side --------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import nn
 
 from gradrunner.capturing.elements import Missing
@@ -65,7 +66,10 @@ def refuse_transformed(tap: object, value: torch.Tensor) -> bool:
 
 
 class _InputAlias(torch.autograd.Function):
-    """Identity whose output shares its input's storage without being a view of a leaf (in-place ops stay allowed)."""
+    """Identity whose output shares its input's storage without being a view of a leaf (in-place ops stay allowed).
+
+    Its forward-mode derivative is the identity too: a dual input's tangent (`torch.autograd.forward_ad`) goes on.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
@@ -75,6 +79,10 @@ class _InputAlias(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor) -> torch.Tensor:
+        return tangent
+
 
 def input_alias(tensor: torch.Tensor) -> torch.Tensor:
     """A stand-in for an input that does not require grad: same storage, requires grad, the caller's tensor untouched.
@@ -82,8 +90,13 @@ def input_alias(tensor: torch.Tensor) -> torch.Tensor:
     Example::
 
         a = input_alias(x); a.sub_(a.mean())   # x changes too, as it would without capture; x.requires_grad stays False
+
+    A dual tensor's tangent (`fwAD.make_dual(x, t)` inside `fwAD.dual_level()`) is the alias's tangent too, so the
+    model's forward-mode derivatives are those without capture (`detach()` alone would drop it).
     """
-    return _InputAlias.apply(tensor.detach().requires_grad_())
+    leaf = tensor.detach().requires_grad_()
+    tangent = fwAD.unpack_dual(tensor).tangent
+    return _InputAlias.apply(leaf if tangent is None else fwAD.make_dual(leaf, tangent))
 
 
 def no_grad_reason(value: object, is_input: bool) -> tuple[str, str] | None:
