@@ -324,6 +324,35 @@ def test_step_extra_lands_in_steps_parquet_and_a_misspelled_key_is_refused(tmp_p
     assert steps.grad_norm.iloc[0] == 2.5 and steps.lr.iloc[0] == 0.1 and pd.isna(steps.grad_norm.iloc[1])
 
 
+def test_step_extra_takes_tensors_and_a_bad_value_writes_nothing(tmp_path: Path) -> None:
+    """An `eval_loss` from a no-grad forward, the tensor `lr` of `SGD(lr=torch.tensor(...))`, tensor flags: their
+    values, as the plain loop has them; a value no column takes is one paragraph before the step's rows are written."""
+    model, batches = _model(), _batches(2)
+    opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1))
+    with gradrunner.record(model, ["0:weight"], tmp_path / "r") as rec:
+        wanted = []
+        for x, y in batches:
+            loss = nn.functional.mse_loss(model(x), y)
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                eval_loss = nn.functional.mse_loss(model(x), y)
+            wanted.append(float(eval_loss))
+            with pytest.raises(GradrunnerError, match=r"extra=\{'lr': '0.1'\}.*is not allowed.*a number"):
+                rec.step(loss, extra={"lr": "0.1"})
+            with pytest.raises(GradrunnerError, match=r"lrs must be a list of numbers"):
+                rec.step(loss, extra={"lrs": 0.1})
+            lr = opt.param_groups[0]["lr"]
+            rec.step(loss, extra={"eval_loss": eval_loss, "lr": lr, "lrs": [lr], "skipped": torch.tensor(False),
+                                  "loss_scale": torch.tensor(1.0, dtype=torch.float64)})  # fmt: skip
+    steps, grads = load(tmp_path / "r", table="steps"), load(tmp_path / "r")
+    assert list(steps.step) == [0, 1] and sorted(set(grads.step)) == [0, 1]  # the refused calls wrote nothing
+    assert list(steps.eval_loss) == pytest.approx(wanted, rel=1e-7)
+    assert list(steps.lr) == pytest.approx([0.1, 0.1]) and [list(v) for v in steps.lrs] == [[steps.lr[0]]] * 2
+    assert list(steps.skipped) == [False, False] and list(steps.loss_scale) == [1.0, 1.0]
+
+
 def _gan() -> nn.ModuleDict:
     torch.manual_seed(0)
     return nn.ModuleDict({"g": nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 4)), "d": nn.Linear(4, 1)})

@@ -333,23 +333,22 @@ class StepEngine:
         """Close the step: its records (captured steps: one transfer), its `steps.parquet` row, both written together.
 
         `loss` defaults to the sum of the backpropagated losses (`backward`, `add_loss`; from the backward that
-        started the step again, `Capture.restarted`: LBFGS's last closure evaluation); `grad_norm` and
-        `clipped` may be device tensors (they ride in one transfer with the loss); `train` holds the
-        other training columns (`lr`, `lrs`, `loss_scale`, `skipped`, `eval_loss`, ...).
+        started the step again, `Capture.restarted`: LBFGS's last closure evaluation); `train` holds the
+        other training columns (`lr`, `lrs`, `loss_scale`, `skipped`, `eval_loss`, ...). Any of them may be a
+        device tensor (`lrs`' elements too): they ride in one transfer with the loss, taken before anything is written.
         """
         from gradrunner.records.critical import deferred_signals
 
         step, captured = self.step, self.captured and self.capture.pending_backwards > 0
         loss = self._loss if loss is None else loss
-        host = self._host(loss, grad_norm, clipped)
-        loss_value = host.get("loss")
+        host = self._host({**train, "loss": loss, "grad_norm": grad_norm, "clipped": clipped})
+        loss_value = host.pop("loss", None)
         recs, capture_time = None, None
         t1 = time.perf_counter()
         if captured:
             recs = self.capture.records(None, self._before)
             recs.loss = loss_value  # every row of the step carries the step's loss
-        row: dict[str, Any] = {k: v for k, v in host.items() if k != "loss"}
-        row.update(train)
+        row: dict[str, Any] = host
         if self.optimizer is not None and "lr" not in row:
             row["lrs"] = [float(g["lr"]) for g in self.optimizer.param_groups]
             row["lr"] = row["lrs"][0]
@@ -404,21 +403,21 @@ class StepEngine:
             log.warning("%s", "\n  ".join(["spikes (anomalies.parquet):", *lines]))
         return False
 
-    def _host(self, loss: torch.Tensor | float | None, grad_norm: Any, clipped: Any) -> dict[str, Any]:
-        """The step's scalar values on the host: the device ones in one transfer."""
-        values = {"loss": loss, "grad_norm": grad_norm, "clipped": clipped}
-        on_device = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
-        out = {k: v for k, v in values.items() if v is not None and k not in on_device}
+    def _host(self, values: dict[str, Any]) -> dict[str, Any]:
+        """The step's row values on the host, those not None, before anything of the step is written: the device
+        tensors among them (`lrs`' elements too) in one transfer; `clipped` and `skipped` bools, the others floats."""
+        lrs = None if values.get("lrs") is None else list(values["lrs"])
+        items = [(k, v) for k, v in values.items() if v is not None and k != "lrs"] + [("lrs", v) for v in lrs or []]
+        on_device = [i for i, (_, v) in enumerate(items) if isinstance(v, torch.Tensor)]
         if on_device:
             wide = torch.float32 if self.device.type == "mps" else torch.float64  # MPS has no float64
-            first = next(iter(on_device.values())).device
-            got = torch.stack([v.detach().reshape(()).to(first, wide) for v in on_device.values()]).tolist()
-            out.update(zip(on_device, got, strict=True))
-        if "loss" in out:
-            out["loss"] = float(out["loss"])
-        if "clipped" in out:
-            out["clipped"] = bool(out["clipped"])
-        return out
+            first = items[on_device[0]][1].device
+            got = torch.stack([items[i][1].detach().reshape(()).to(first, wide) for i in on_device]).tolist()
+            items = [(k, got[on_device.index(i)] if i in on_device else v) for i, (k, v) in enumerate(items)]
+        host: dict[str, Any] = {k: bool(v) if k in ("clipped", "skipped") else float(v) for k, v in items if k != "lrs"}
+        if lrs is not None:
+            host["lrs"] = [float(v) for k, v in items if k == "lrs"]
+        return host
 
 
 def _whole(value: object, name: str, meaning: str) -> int:

@@ -12,7 +12,11 @@ Example::
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
+
+import numpy as np
+import torch
 
 from gradrunner.config.choices import NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
 from gradrunner.config.edits import parse_edits
@@ -94,7 +98,8 @@ def check_callback_options(who: str, strategy: str, every: int, options: dict[st
 
 
 def check_extra(extra: dict[str, Any] | None) -> None:
-    """`rec.step(extra=...)` takes only the training columns of `steps.parquet`: a misspelled key is no silent loss.
+    """`rec.step(extra=...)` takes only the training columns of `steps.parquet`, and values they hold: a misspelled key
+    is no silent loss, and a value no column takes is refused before the step writes anything (no torn step).
 
     Example::
 
@@ -102,9 +107,27 @@ def check_extra(extra: dict[str, Any] | None) -> None:
     """
     from gradrunner.records.schema import TRAIN_STEP_COLUMNS
 
-    for key in extra or {}:
+    for key, value in (extra or {}).items():
         if key not in TRAIN_STEP_COLUMNS:
             raise GradrunnerError(
                 f"rec.step(extra=...) has the key {key!r}, which is no column of steps.parquet; allowed: "
                 f"{', '.join(TRAIN_STEP_COLUMNS)}.{did_you_mean(key, TRAIN_STEP_COLUMNS)}"
             )
+        if key == "lrs":  # one rate per parameter group
+            ok = isinstance(value, (list, tuple)) or (isinstance(value, (np.ndarray, torch.Tensor)) and value.ndim == 1)
+            ok = ok and all(map(_scalar, value))
+        else:
+            ok = _scalar(value)
+        if value is not None and not ok:
+            kind = "a list of numbers (or one-element tensors)" if key == "lrs" else "a number or a one-element tensor"
+            raise GradrunnerError(
+                f"rec.step(extra={{{key!r}: {value!r}}}) is not allowed; {key} must be {kind}, or None, e.g. "
+                "extra={'lr': optimizer.param_groups[0]['lr'], 'eval_loss': val_loss}. Nothing of the step was written."
+            )
+
+
+def _scalar(value: object) -> bool:
+    """A value a numeric or boolean column of `steps.parquet` takes: a number (numpy's too) or a one-element tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex()
+    return isinstance(value, (numbers.Real, np.bool_)) or (isinstance(value, np.ndarray) and value.ndim == 0)

@@ -336,8 +336,8 @@ class Recorder:
 
         `loss` is the step's loss (a tensor rides in the step's transfer); without it, the sum of the
         losses given to `backward` since the last step (the mean, for a loss divided for accumulation),
-        or null where there were none. `extra` holds further `steps.parquet` values of the training
-        step's columns (`grad_norm`, `lr`, ...); any other key is refused.
+        or null where there were none. `extra` holds the step's training columns of `steps.parquet` (`grad_norm`, `lr`,
+        `eval_loss`, ...: numbers or one-element tensors, `lrs` a list); another key or value: refused, nothing written.
         """
         self._check_open("step")
         check_extra(extra)
