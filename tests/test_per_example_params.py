@@ -275,6 +275,24 @@ def test_unsupported_and_unbatched_get_reasons() -> None:
     assert reasons["mha.out_proj:weight"] == OUTSIDE
 
 
+def test_a_parameter_frozen_at_open_gets_norms_once_unfrozen() -> None:
+    """Gradual unfreezing: frozen in a step, null with the reason; unfrozen later, the loop's norms (and checked)."""
+    torch.manual_seed(0)
+    model = Net(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    params, x = all_params(model), torch.randn(B, 3)
+    model.body[0].requires_grad_(False)
+    with PerExampleNorms(model, params) as pex:
+        (sum(sq_loss(model(x=x)[i : i + 1], i) for i in range(B)) / B).backward()
+        frozen, why, head = pex.norms()["body.0:weight"], pex.reasons()["body.0:weight"], pex.norms()["body.2:weight"]
+        model.body[0].requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        (sum(sq_loss(model(x=x)[i : i + 1], i) for i in range(B)) / B).backward()
+        got, reasons = pex.norms(), pex.reasons()
+    assert frozen is None and why == "parameter does not require grad (frozen)" and head is not None
+    assert_matches(got, loop(model, {"x": x}, sq_loss, params)[0], reasons)
+    assert not leftover_hooks(model)
+
+
 def test_norms_end_the_step_and_no_grad_forwards_are_ignored() -> None:
     model = nn.Sequential(nn.Linear(3, 2))
     x = torch.randn(B, 3)

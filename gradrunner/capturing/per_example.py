@@ -16,7 +16,7 @@ backward reaches (a metric's, gradients on) adds no rows. Several calls of one p
 
 `None` with a reason, never a wrong number, for a parameter:
 
-- held by a module per-example norms do not support (`per_example_layers.kind_of`), or frozen;
+- held by a module per-example norms do not support (`per_example_layers.kind_of`), or frozen (in that step);
 - whose module was called on an unbatched input, or one whose dim 0 is not the batch (the first
   tensor given to `model`; without a call of `model`, the dim 0 all calls must share), or has its size
   but not its rows (`per_example_rows`: ids made in the forward, a parameter, rows picked by indexing);
@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradrunner.capturing.grad_context import FROZEN
 from gradrunner.capturing.owned import owned
 from gradrunner.capturing.per_example_check import FAILED, OUTSIDE, Projection, host_verdicts, verdicts
 from gradrunner.capturing.per_example_layers import (
@@ -140,10 +141,8 @@ class PerExampleNorms:
             model = self.model  # owned: a copy of the model made meanwhile (it carries these hooks) is not seen
             self._stack.enter_context(model.register_forward_pre_hook(owned(model, self._on_root), with_kwargs=True))
             self._stack.enter_context(model.register_forward_hook(owned(model, self._on_root_output)))
-            for i, t in enumerate(self._tracked):
-                if t.reason is None and self.check:
-                    t.check = Projection(t.param, i)
-                    self._stack.enter_context(t.param.register_hook(lambda g, t=t: self._on_param_grad(t, g)))
+            for t in self._tracked:
+                self._watch(t)
             self._stack.callback(self._drop_calls)
         except BaseException:
             self._stack.close()
@@ -152,6 +151,12 @@ class PerExampleNorms:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._stack.close()
+
+    def _watch(self, t: Tracked) -> None:
+        """The check's hook on `t`'s gradient once `t` requires grad (one frozen as the context opened: once unfrozen)."""
+        if t.reason is None and self.check and t.check is None and t.param.requires_grad:
+            t.check = Projection(t.param, next(i for i, u in enumerate(self._tracked) if u is t))
+            self._stack.enter_context(t.param.register_hook(lambda g, t=t: self._on_param_grad(t, g)))
 
     # -- hooks (each returns None: nothing they see changes) --
 
@@ -236,10 +241,11 @@ class PerExampleNorms:
         reason = reason or mixes_rows(h.module)
         for t, _role in h.tracked:
             if t.reason is None:
+                self._watch(t)
                 t.expected[micro] = t.expected.get(micro, 0) + 1
                 t.first_clock.setdefault(micro, self._position())
-                if reason is not None and t.step_reason is None:
-                    t.step_reason = f"{h.path!r} {reason}"
+                if t.step_reason is None and (reason is not None or not t.param.requires_grad):  # frozen: in this step
+                    t.step_reason = f"{h.path!r} {reason}" if reason is not None else FROZEN
         if reason is not None or all(t.reason or t.step_reason for t, _ in h.tracked):
             return
         assert x is not None
@@ -433,7 +439,7 @@ class PerExampleNorms:
         if why is not None:
             return None, why
         if not t.sq:
-            return None, OUTSIDE if t.check is not None and t.check.grads else NO_GRAD
+            return None, OUTSIDE if t.check is not None and t.check.grads else NO_GRAD if t.param.requires_grad else FROZEN
         if t.check is not None and not t.check.grads:
             return None, "its modules' outputs got gradients but it did not (a backward that did not ask for it)"
         if len(micros) == 1:

@@ -110,8 +110,8 @@ class CallRecord:
 
 def find_holders(model: nn.Module, by_id: dict[int, Tracked], tracked: list[Tracked]) -> list[Holder]:
     """The supported modules of `model` holding a parameter of `by_id` (`id(param)` -> its `Tracked`); sets the
-    `reason` of every tracked parameter that can have no per-example norms (unsupported holder, frozen, sharded,
-    a sequence-first model)."""
+    `reason` of every tracked parameter that can have no per-example norms (unsupported holder, sharded, a
+    sequence-first model; a frozen one has none only while it is frozen: `PerExampleNorms._on_call`)."""
     holders: list[Holder] = []
     held: set[int] = set()
     for path, module in model.named_modules():
@@ -129,8 +129,6 @@ def find_holders(model: nn.Module, by_id: dict[int, Tracked], tracked: list[Trac
     for t in tracked:
         if id(t.param) not in held:
             t.reason = "not a parameter of any module of the model (used directly in a forward?)"
-        elif not t.param.requires_grad:
-            t.reason = "parameter does not require grad (frozen)"
         elif is_dtensor(t.param):
             t.reason = "a sharded parameter (a DTensor: FSDP2 or tensor parallel): each rank holds a piece of it"
     seq = [(p, m) for p, m in model.named_modules() if isinstance(m, SEQUENCE_FIRST) and not m.batch_first]
