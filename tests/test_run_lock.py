@@ -101,6 +101,17 @@ def test_a_run_that_holds_the_dir_but_does_not_run_there_is_the_one_a_refusal_na
         assert lock.previous.get("run_id") == "previous-owner" and "held_by" not in lock.previous
 
 
+def test_a_dir_held_by_this_very_process_is_not_said_to_be_stopped_by_killing_it(tmp_path: Path) -> None:
+    """An open session of the same process (an outer `with record(...)` into the same dir) holds the lock: the
+    refusal says so, rather than telling the user to kill the process it runs in; another process's: kill it."""
+    with RunLock(tmp_path, "outer"):
+        message = _refusal(tmp_path)
+    assert f"pid {os.getpid()}," in message and f"kill {os.getpid()}" not in message
+    assert "this very process" in message and "record()'s run_dir" in message
+    other = RunLock(tmp_path, "x")._refusal({"host": "elsewhere", "pid": 1, "started": "2020-01-01", "run_id": "r"})
+    assert "stop it (kill 1 on elsewhere)" in other and "this very process" not in other
+
+
 @pytest.mark.parametrize("kind", ["run dir", "export"])
 def test_both_locks_go_on_unlocked_with_a_warning_on_a_filesystem_without_locks_and_lock_the_file_that_is_there(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, kind: str

@@ -348,13 +348,17 @@ class RunLock:
         if all(held.get(k) is not None for k in ("host", "pid", "started", "run_id")):
             who = f"host {held['host']}, pid {held['pid']}, started {held['started']}, run id {held['run_id']}"
             stop = f"stop it (kill {held['pid']} on {held['host']})"
+            if held["pid"] == os.getpid() and held["host"] == socket.gethostname():  # not a process to kill: ours
+                stop = ("close it (it is this very process's: a `with record(...)` block, a callback's session or a "
+                        "job still open in it)")  # fmt: skip
         else:  # a record the disk refused, or one an older gradrunner was writing
             who = f"its owner record in {self.path} could not be read, so it cannot be named"
             stop = "stop it (a process holding that file: `fuser` or `lsof` names it)"
         return (
             f"the run dir {self.directory} is in use by a live run ({who}); gradrunner lets one run at a time "
             f"write a run dir, and this one did not run and changed nothing there. Wait for that run to end, "
-            f"{stop}, or run into another dir (hydra.run.dir=... or hydra.sweep.dir=...). The lock ({self.path}) is "
+            f"{stop}, or run into another dir (hydra.run.dir=... or hydra.sweep.dir=..., record()'s run_dir, a "
+            f"callback's dir). The lock ({self.path}) is "
             "held only while that process lives, so a killed run never blocks resume=true."
         )
 
