@@ -4,13 +4,16 @@
 that tensor, and a view (`nn.Flatten` before the tapped layer, a parameter used as `p.view(...)`) is a tensor of its
 own: the leaf's `.grad` then shares the memory of the gradient gradrunner read at the tap (PyTorch issue #34082).
 An FGSM step's `x.grad.sign_()`, clipping `.grad` in place or the next micro-batch's accumulation changed the kept
-values, `cap.grads` and a tapped parameter's gradient before the records were taken. The reference is plain
-`torch.autograd.grad` of the same model and batch.
+values, `cap.grads` and a tapped parameter's gradient before the records were taken. So did the node a tap's gradient
+flows into, writing it in place (a custom `autograd.Function` computing its input's gradient in that memory, as
+Liger-Kernel's RMSNorm does by default). The reference is plain `torch.autograd.grad` (or a plain hook's copy) of the
+same model and batch.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -119,3 +122,62 @@ def test_record_with_clipping_in_place_writes_the_gradients_that_arrived(tmp_pat
         assert a.norm == pytest.approx(float(ga.double().norm()), rel=1e-6)
         s = df[(df.step == step) & (df.tap == "act:input")].iloc[0]
         np.testing.assert_array_equal(np.asarray(s["values"], dtype=np.float32), gsum.flatten().numpy())
+
+
+class _ReusesGrad(torch.autograd.Function):
+    """y = 2x whose backward computes dx in dy's memory, as Liger-Kernel's RMSNorm does by default (`in_place=True`)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> torch.Tensor:
+        return dy.mul_(2.0)
+
+
+class _Norm(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ReusesGrad.apply(x)
+
+
+class _WithNorm(nn.Module):
+    """`norm`'s output gradient is what `_ReusesGrad.backward` receives, and writes; `changed` writes the output in place
+    after the tap (`retain_grad` then reads the tap at its node)."""
+
+    def __init__(self, changed: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.norm, self.fc2, self.changed = nn.Linear(4, 6), _Norm(), nn.Linear(6, 3), changed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.fc1(x))
+        if self.changed:
+            h.mul_(1.5)
+        return self.fc2(torch.tanh(h))
+
+
+@pytest.mark.parametrize("fused", [True, False])  # False: the torch path, a GPU's for gradients up to 16384 elements
+@pytest.mark.parametrize("changed", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_gradient_its_node_writes_in_place_is_recorded_as_it_arrived(
+    strategy: str, changed: bool, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    model, arrived = _WithNorm(changed), []
+    model.norm.register_forward_hook(
+        lambda _m, _a, out: out.register_hook(lambda g: arrived.append(g.clone())) and None
+    )
+    model(x).square().sum().backward()
+    (want,) = arrived
+
+    if not fused:
+        monkeypatch.setenv("GRADRUNNER_FUSED", "0")
+    model = _WithNorm(changed)
+    with capture(model, ["norm:output"], strategy=strategy, values="full") as cap:
+        loss = model(x).square().sum()
+        cap.backward(loss)
+        recs = cap.records(loss)
+    assert float(recs.stats["norm"][0]) == pytest.approx(float(want.double().norm()), rel=1e-6)
+    assert torch.equal(torch.as_tensor(recs.values[0]).reshape(5, 6), want)
+    assert torch.equal(cap.grads["norm:output"], want)  # type: ignore[arg-type]

@@ -40,7 +40,7 @@ from gradrunner.capturing.grad_context import (
 from gradrunner.capturing.owned import owned
 from gradrunner.capturing.strategies import Slot
 from gradrunner.capturing.taps import Tap
-from gradrunner.capturing.torch_compat import is_view, version
+from gradrunner.capturing.torch_compat import is_view, version, writes_grad
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import TapKey
 
@@ -293,7 +293,7 @@ class Firing:
             # the storage (writes, `x.sub_(mean)` included, reach the caller's tensor as without capture);
             # the caller's tensor itself is left as it is.
             value = input_alias(value)
-        slot.leaf = value.is_leaf
+        slot.leaf, slot.written = value.is_leaf, writes_grad(value.grad_fn)
         if is_view(value):
             slot.view, slot.version = value, version(value)
         slot.value_norm = value_norm(value)  # on the device, no sync: it goes to the host with the step

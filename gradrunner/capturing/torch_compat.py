@@ -10,6 +10,7 @@
 | `at_backward_end(fn)` | `Variable._execution_engine.queue_callback` (what DDP and FSDP use): `fn` runs once the backward finished, after every callback queued before | False: the session finishes the backward at its next `records()`, forward or `backward()` |
 | `has_own_hooks(t)` | `t._backward_hooks`: `autograd_grad` reads a tap at its node only where the tensor has hooks | True: always read at the node |
 | `version(t)` | `t._version`: retain_grad reads `.grad` unless the tensor changed in place | None: assume it changed, read the gradient edge |
+| `writes_grad(node)` | `torch._C._FunctionBase`: a tap whose gradient flows into a custom Function's node is copied as it arrives | True: always copied |
 | `shares_memory(t)` | `torch._C._storage_Use_Count`: a kept gradient another tensor views (a leaf's `.grad`) is copied | True: always copied |
 | `is_view(t)` | `t._is_view()`: a tapped view written in place gets its own `reason` | False: "takes no part in the loss" |
 | `in_backward()` | `torch._C._current_graph_task_id()`: also true inside a plain `loss.backward()` | a counter `backward_running()` raises around the session's own backward |
@@ -248,9 +249,14 @@ def version(tensor: torch.Tensor) -> int | None:
     return tensor._version if FEATURES["tensor_version"] else None
 
 
+def writes_grad(node: Any) -> bool:
+    """Whether `node`'s backward may write the gradient it receives in place: a custom `autograd.Function`'s, Python
+    code (Liger-Kernel's RMSNorm computes its input's gradient in that memory); True where that cannot be told."""
+    return node is not None and (_PYTHON_NODE is None or isinstance(node, _PYTHON_NODE))
+
+
 def shares_memory(t: torch.Tensor) -> bool:
-    """Whether another tensor uses `t`'s memory (a view of it, one it views: a leaf's `.grad` that autograd took as
-    a view of a tap's gradient, after `nn.Flatten`); True where that cannot be read (sparse, a subclass, no count)."""
+    """Whether another tensor uses `t`'s memory (a leaf's `.grad` autograd took as a view of it); True if unknown."""
     if not FEATURES["storage_use_count"] or type(t) is not torch.Tensor or t.layout != torch.strided:
         return True
     storage = t.untyped_storage()
@@ -370,12 +376,8 @@ def sub_all(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> list[torch.
 
 
 def norms_all(ts: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """The 2-norm of each tensor (tensors of one device and dtype), in one multi-tensor op where torch has it.
-
-    Example::
-
-        norms_all([torch.tensor([3.0, 4.0])])                        # [tensor(5.)]
-        norms_all([torch.full((4,), 1e20)], dtype=torch.float64)     # [tensor(2.0000e+20, dtype=torch.float64)]
+    """The 2-norm of each tensor (tensors of one device and dtype), in one multi-tensor op where torch has it
+    (`norms_all([torch.full((4,), 1e20)], dtype=torch.float64)`: `[tensor(2.0000e+20, dtype=torch.float64)]`).
 
     `dtype` (None: the tensors' own): the norm's accumulation and result. CUDA's multi-tensor kernel accumulates
     in `dtype` (no copy); on the CPU, and in the fallback, each tensor is converted to `dtype` first (a copy).

@@ -79,9 +79,9 @@ class AutogradGradStrategy(Strategy):
             tapped.append(s)
             inputs.append(edge if by_edge else s.tensor)
             # without edges autograd.grad takes the tensor as it is now: read its node too
-            if s.tensor is not None and (not by_edge or has_own_hooks(s.tensor)):
-                box = seen[id(s)] = []
-                handles.append(watch_edge(edge, box.append))  # type: ignore[arg-type]
+            if s.tensor is not None and (not by_edge or s.written or has_own_hooks(s.tensor)):
+                box = seen[id(s)] = []  # a custom Function's node may write the gradient in place: a copy first
+                handles.append(watch_edge(edge, (lambda g, b=box: b.append(g.clone())) if s.written else box.append))  # type: ignore[arg-type,misc]
         try:
             edges = params.edges(loss)
             if not inputs and not edges:
@@ -106,7 +106,8 @@ class AutogradGradStrategy(Strategy):
         """
         tapped = [s for s in slots if s.edge is not None]
         boxes: list[list[torch.Tensor]] = [[] for _ in tapped]
-        handles = [watch_edge(s.edge, box.append) for s, box in zip(tapped, boxes, strict=True)]  # type: ignore[arg-type]
+        handles = [watch_edge(s.edge, (lambda g, b=box: b.append(g.clone())) if s.written else box.append)  # type: ignore[arg-type,misc]
+                   for s, box in zip(tapped, boxes, strict=True)]  # fmt: skip
         try:
             loss.backward(retain_graph=retain_graph)
         finally:

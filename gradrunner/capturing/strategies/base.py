@@ -52,6 +52,8 @@ class Slot:
     fired: bool = True
     #: The tapped value was a leaf (an input that requires grad): its gradient may become its `.grad`.
     leaf: bool = False
+    #: The node the gradient flows into may write it in place (a custom Function's: `torch_compat.writes_grad`).
+    written: bool = False
     #: The tapped tensor's own norm (0-d float64, on its device), taken when the tap fired.
     value_norm: torch.Tensor | None = None
     #: The tensor's gradient edge, taken when the tap fired.

@@ -34,7 +34,7 @@ def _watch(slot: Slot) -> None:
     parts: list[torch.Tensor] = []
 
     def keep(grad: torch.Tensor) -> None:
-        parts.append(grad)
+        parts.append(grad.clone() if slot.written else grad)  # a custom Function's node may write it next
 
     slot.parts = parts
     slot.handle = watch_edge(slot.edge, keep)  # type: ignore[arg-type]
