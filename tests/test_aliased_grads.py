@@ -181,3 +181,14 @@ def test_a_gradient_its_node_writes_in_place_is_recorded_as_it_arrived(
     assert float(recs.stats["norm"][0]) == pytest.approx(float(want.double().norm()), rel=1e-6)
     assert torch.equal(torch.as_tensor(recs.values[0]).reshape(5, 6), want)
     assert torch.equal(cap.grads["norm:output"], want)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_without_the_torch_internals_every_kept_gradient_is_a_copy(strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`torch_compat`'s fallbacks (no custom-Function check, no storage use count): the records as they arrived."""
+    from gradrunner.capturing import torch_compat
+
+    monkeypatch.setitem(torch_compat.FEATURES, "python_node", False)
+    monkeypatch.setitem(torch_compat.FEATURES, "storage_use_count", False)
+    test_a_gradient_its_node_writes_in_place_is_recorded_as_it_arrived(strategy, True, False, monkeypatch)
+    test_an_input_gradient_changed_in_place_after_flatten_leaves_the_tap_as_it_arrived(strategy)

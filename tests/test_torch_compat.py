@@ -72,6 +72,7 @@ def same(a: object, b: object) -> None:
         "get_gradient_edge",
         "call_accumulate_grad",
         "storage_use_count",
+        "python_node",
         "tensor_version",
         "tensor_hooks",
         "engine_run_backward",

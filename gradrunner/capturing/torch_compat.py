@@ -95,6 +95,7 @@ FEATURES: dict[str, bool] = {
     "wait_collective": True,  # `AsyncCollectiveTensor.trigger_wait`, found once DTensor imported its module
     "active_ddp_module": True,  # `DistributedDataParallel._get_active_ddp_module`, found once DDP was imported
     "storage_use_count": _storage_use_count is not None,
+    "python_node": _PYTHON_NODE is not None,  # a custom Function's node (`writes_grad`)
 }
 
 
@@ -250,9 +251,8 @@ def version(tensor: torch.Tensor) -> int | None:
 
 
 def writes_grad(node: Any) -> bool:
-    """Whether `node`'s backward may write the gradient it receives in place: a custom `autograd.Function`'s, Python
-    code (Liger-Kernel's RMSNorm computes its input's gradient in that memory); True where that cannot be told."""
-    return node is not None and (_PYTHON_NODE is None or isinstance(node, _PYTHON_NODE))
+    """Whether `node`'s backward may write its received gradient in place (a custom Function's: Liger's RMSNorm does)."""
+    return node is not None and (not FEATURES["python_node"] or isinstance(node, _PYTHON_NODE))  # type: ignore[arg-type]
 
 
 def shares_memory(t: torch.Tensor) -> bool:
