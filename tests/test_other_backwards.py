@@ -302,3 +302,42 @@ def test_without_the_engines_answer_every_backward_counts_as_before(monkeypatch:
         loss.backward()
         recs = cap.records(loss)
     assert recs.micro_step is not None and sorted({m for m in recs.micro_step if m is not None}) == [0, 1]
+
+
+class _WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.unused = nn.Linear(2, 2)  # never called: "takes no part in the loss" is true of it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("strategy", ["hook", "retain_grad"])
+def test_a_step_of_torch_autograd_grad_only_gives_parameter_taps_the_reason_that_nothing_filled_grad(
+    strategy: str,
+) -> None:
+    """Your own `torch.autograd.grad(loss, params)` (then `.grad` set by hand) adds nothing to `.grad`: a parameter
+    tap, which records what a backward adds to `.grad`, has no gradient, and says so (it said "takes no part in the
+    loss"); a step whose `loss.backward()` reaches the parameter records its gradient as before."""
+    from gradrunner.capturing.grad_context import NO_PART, NOT_FILLED
+
+    model, x = _WithUnused(), torch.randn(6, 4)
+    taps = ["net.0:weight", "unused:weight", "net.0:output"]
+    used = list(model.net.parameters())
+    with capture(model, taps, strategy=strategy) as cap:
+        loss = model(x).square().mean()
+        for p, g in zip(used, torch.autograd.grad(loss, used), strict=True):
+            p.grad = g
+        by_hand = cap.records(loss)
+        model.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        filled = cap.records(loss)
+    for recs, want in ((by_hand, [NOT_FILLED, NOT_FILLED, None]), (filled, [None, NO_PART, None])):
+        rows = {k.tap: i for i, k in enumerate(recs.keys)}
+        assert recs.reason is not None and [recs.reason[rows[t]] for t in taps] == want
+    rows = {k.tap: i for i, k in enumerate(filled.keys)}
+    assert float(filled.stats["norm"][rows["net.0:weight"]]) == pytest.approx(float(model.net[0].weight.grad.double().norm()))

@@ -206,6 +206,7 @@ class Backwards:
     # -- begin and end -------------------------------------------------------------------------------
     def _begin(self: Capture, explicit: bool, retain_graph: bool) -> _Pass:  # type: ignore[misc]
         self._note_begin()
+        self._params.note_backward(explicit or fills_grad(self._all_params()) is not False)
         if self.edits is not None:
             self.edits.begin_backward()
         again = not self._forward_since_backward and not self._firing.slots
@@ -337,8 +338,7 @@ class Backwards:
             grad = mergeable(grad)
         if self.grad_scale is not None:
             grad = unscaled(grad, self.grad_scale)
-        # A complex gradient's statistics are those of its magnitude |z| (documented in the README). A leaf's
-        # gradient may become its .grad, which can change in place later; an intermediate's is handed to us alone.
+        # A complex gradient's statistics are those of its magnitude |z| (README); `mutable`: may change in place later.
         self._collector.add(slot.key, grad.abs() if grad.is_complex() else grad, order=slot.order, mutable=slot.leaf or slot.written,
                             value_norm=slot.value_norm, settled=not in_backward(), micro=self._backwards_in_step)  # fmt: skip
         if self.keep_grads:

@@ -37,6 +37,9 @@ __all__ = [
 NOT_CALLED = "module not called in this step"
 NOT_ASSIGNED = "not assigned in this step (module not called, or its forward() did not reach the assignment)"
 NO_PART = "takes no part in the loss"
+#: A parameter tap's step whose backwards all returned gradients without adding them to `.grad`.
+NOT_FILLED = ("no backward of the step added to .grad (torch.autograd.grad returns gradients without filling .grad, "
+              "and a parameter tap records what a backward adds to .grad)")  # fmt: skip
 FROZEN = "parameter does not require grad (frozen)"
 MADE_UNDER_NO_GRAD = "made under no_grad"
 #: A value computed with grad mode on that does not require grad: detached, or computed only from frozen parameters.

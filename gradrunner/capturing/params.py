@@ -50,7 +50,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.dtensors import is_dtensor, local_piece
 from gradrunner.capturing.extras import value_norms
-from gradrunner.capturing.grad_context import FROZEN, NO_PART
+from gradrunner.capturing.grad_context import FROZEN, NO_PART, NOT_FILLED
 from gradrunner.capturing.taps import Tap
 from gradrunner.capturing.torch_compat import (
     FEATURES,
@@ -126,6 +126,8 @@ class ParamTaps:
         #: The parameters whose post-accumulate-grad hooks fired in the backward going on (sharded, DDP): those a
         #: synchronised backward read again; the others keep what an earlier backward of the step read.
         self._fired: set[int] = set()
+        #: Whether a backward of the step filled `.grad` (None: no backward yet; False: only `torch.autograd.grad`s).
+        self.filled: bool | None = None
         self._fired_hook: Callable[[torch.Tensor], None] | None = None
         if sharded:
             synced = lambda: bool(self._fired)  # noqa: E731
@@ -278,14 +280,18 @@ class ParamTaps:
         self._fired.clear()
 
     # -- the step ----------------------------------------------------------------------------------
+    def note_backward(self, fills: bool) -> None:
+        """A backward of the step begins; `fills`: it adds to `.grad` (not a `torch.autograd.grad` of the user's)."""
+        self.filled = bool(self.filled) or fills
+
     def rows(self) -> Iterator[tuple[int, TapKey, nn.Parameter, torch.Tensor | None, str | None]]:
         """Each tap's (index, key, parameter, step gradient or None, reason), in tap order; the sums are let go.
 
         Under DDP the gradient is `.grad` as the last synchronised backward left it (read then: the caller
         reduces it before anything changes `.grad`); else the step's sum of what arrived since `.grad` was reset.
         """
-        synced, sums = self._synced_read, self._sum
-        self._sum, self._cleared, self.synced_now, self.done = {}, set(), False, True
+        synced, sums, missing = self._synced_read, self._sum, NO_PART if self.filled is not False else NOT_FILLED
+        self._sum, self._cleared, self.synced_now, self.done, self.filled = {}, set(), False, True, None
         # which were read stays (a later backward of the step adds to it); the gradients are let go
         self._synced_read = None if synced is None else dict.fromkeys(synced)
         for i, (key, (_, p)) in enumerate(zip(self.keys, self.taps, strict=True)):
@@ -296,7 +302,7 @@ class ParamTaps:
                 yield i, key, p, g, (NOT_SYNCED if synced is None else NO_PART) if g is None else None
             else:
                 g = sums.get(id(p))
-                yield i, key, p, g, NO_PART if g is None else None
+                yield i, key, p, g, missing if g is None else None
 
     def value_norm(self, param: nn.Parameter) -> torch.Tensor | None:
         return self._norms.get(id(param))
@@ -306,7 +312,7 @@ class ParamTaps:
         self._part.clear()
         self._fired.clear()
         self._sum, self._synced_read, self.synced_now, self.done, self.read_now = {}, None, False, False, None
-        self._cleared = set()
+        self._cleared, self.filled = set(), None
 
 
 def _check_mesh(param: torch.Tensor, tap: str) -> None:
