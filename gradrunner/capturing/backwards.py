@@ -339,7 +339,7 @@ class Backwards:
         if self.grad_scale is not None:
             grad = unscaled(grad, self.grad_scale)
         # A complex gradient's statistics are those of its magnitude |z| (README); `mutable`: may change in place later.
-        self._collector.add(slot.key, grad.abs() if grad.is_complex() else grad, order=slot.order, mutable=slot.leaf or slot.written,
+        self._collector.add(slot.key, grad.abs() if grad.is_complex() else grad, order=slot.order, mutable=slot.mutable,
                             value_norm=slot.value_norm, settled=not in_backward(), micro=self._backwards_in_step)  # fmt: skip
         if self.keep_grads:
             self._keep(slot, grad)
@@ -356,7 +356,7 @@ class Backwards:
                 self._deliver(slot, grad)  # None, a DTensor's, a complex one: one by one
             else:
                 slot.delivered = True
-                add(slot.key, grad, slot.order, slot.leaf or slot.written, value_norm=slot.value_norm, settled=settled, micro=micro)
+                add(slot.key, grad, slot.order, slot.mutable, value_norm=slot.value_norm, settled=settled, micro=micro)
 
     def _settle_params(self: Capture) -> None:  # type: ignore[misc]
         """The parameter taps' rows of the step (placed in its last backward), reduced once, on their device."""

@@ -404,7 +404,7 @@ class Capture(Backwards):
         self._firing.deferred = {}
 
     def _keep(self, slot: Slot, grad: torch.Tensor) -> None:
-        self._kept[slot.order] = grad.detach().clone() if slot.leaf or slot.written else grad.detach()
+        self._kept[slot.order] = grad.detach().clone() if slot.mutable else grad.detach()
 
     def _kept_grads(self, slots: list[Slot], params: Mapping[int, torch.Tensor | None]) -> None:
         # an intermediate's gradient was kept as it is: copied now where a leaf's `.grad` took it as a view

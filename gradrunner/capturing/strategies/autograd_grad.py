@@ -21,7 +21,7 @@ is made only inside the backward, after the edges to read were chosen.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -81,7 +81,7 @@ class AutogradGradStrategy(Strategy):
             # without edges autograd.grad takes the tensor as it is now: read its node too
             if s.tensor is not None and (not by_edge or s.written or has_own_hooks(s.tensor)):
                 box = seen[id(s)] = []  # a custom Function's node may write the gradient in place: a copy first
-                handles.append(watch_edge(edge, (lambda g, b=box: b.append(g.clone())) if s.written else box.append))  # type: ignore[arg-type,misc]
+                handles.append(watch_edge(edge, _into(box, s)))  # type: ignore[arg-type]
         try:
             edges = params.edges(loss)
             if not inputs and not edges:
@@ -106,8 +106,7 @@ class AutogradGradStrategy(Strategy):
         """
         tapped = [s for s in slots if s.edge is not None]
         boxes: list[list[torch.Tensor]] = [[] for _ in tapped]
-        handles = [watch_edge(s.edge, (lambda g, b=box: b.append(g.clone())) if s.written else box.append)  # type: ignore[arg-type,misc]
-                   for s, box in zip(tapped, boxes, strict=True)]  # fmt: skip
+        handles = [watch_edge(s.edge, _into(box, s)) for s, box in zip(tapped, boxes, strict=True)]  # type: ignore[arg-type]
         try:
             loss.backward(retain_graph=retain_graph)
         finally:
@@ -120,6 +119,11 @@ class AutogradGradStrategy(Strategy):
         if seen:  # where the node ran: what it received, after the tensor's hooks
             grads = [got[0] if (got := seen.get(id(slot))) else grad for slot, grad in zip(tapped, grads, strict=True)]
         self.deliver_all(tapped, grads)
+
+
+def _into(box: list[torch.Tensor], slot: Slot) -> Callable[[torch.Tensor], None]:
+    """What keeps the gradient `slot`'s edge receives in `box`: a copy where the node may write it in place next."""
+    return (lambda g: box.append(g.clone())) if slot.written else box.append
 
 
 def _grad(loss: torch.Tensor, inputs: list[Any], retain_graph: bool) -> tuple[torch.Tensor | None, ...]:

@@ -70,6 +70,11 @@ class Slot:
     #: `hook`: where the gradient goes when the slot itself, registered as its edge's node pre-hook, is called.
     sink: Deliver | None = None
 
+    @property
+    def mutable(self) -> bool:
+        """Whether the gradient may change in place after it arrived (a leaf's `.grad`, a custom Function's node)."""
+        return self.leaf or self.written
+
     def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
         """The slot as its edge's node pre-hook (`hook`): hands the gradient flowing into the edge to `sink`.
 
