@@ -7,7 +7,7 @@ Contents:
     run_signals(grads, steps)                         -- every step's signals, offline, from a run's records
     detect_run(run_dir, detector)                     -- a finished run fed through a detector, as the loop feeds it
     save_anomalies(run_dir, detector, run_id)         -- `anomalies.parquet` from a detector
-    finish_anomalies(run_dir, detector, run_id)       -- at a run's close: the file, and the spikes' last-word lines
+    finish_anomalies(run_dir, detector, run_id)       -- at a run's close: the file (the last word says its spikes)
     read_anomalies(run_dir)                           -- `anomalies.parquet` as a DataFrame, refused if not this run's
 
 Example::
@@ -32,7 +32,7 @@ import pandas as pd
 import pyarrow as pa
 
 from gradrunner.analysis.anomalies import GRAD_NORM, LOSS, Detector
-from gradrunner.analysis.anomaly_summary import anomaly_rows, spike_lines
+from gradrunner.analysis.anomaly_summary import anomaly_rows
 from gradrunner.analysis.reading import load
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
@@ -219,14 +219,13 @@ def save_anomalies(
     )
 
 
-def finish_anomalies(
-    run_dir: str | os.PathLike[str], detector: Detector, run_id: str, rebuild: bool = False
-) -> list[str]:
-    """At a run's close (every path): `save_anomalies`, then the spikes' last-word lines (`spike_lines`).
+def finish_anomalies(run_dir: str | os.PathLike[str], detector: Detector, run_id: str, rebuild: bool = False) -> None:
+    """At a run's close (every path): the detector's `anomalies.parquet`, which the run's last word
+    (`health.last_word`) then reads to say each spike (`spike_lines`), once.
 
     Example::
 
-        finish_anomalies(run_dir, det, run_id)     # ['loss spike at step 40 (z = 3e4); first to move: ...']
+        finish_anomalies(run_dir, det, run_id)     # then health.last_word(run_dir): '... loss spike at step 40 ...'
 
     `rebuild`: the detector did not see every step (a resumed run): a fresh one with its settings is fed
     the run's closed records first (`detect_run`: the same rule, the same values).
@@ -236,7 +235,6 @@ def finish_anomalies(
     order = detector.taps()
     rows = anomaly_rows(detector.anomalies, detector.window, order)
     write_anomalies(run_dir, rows, run_id, detector.settings())
-    return spike_lines(rows, detector.window)
 
 
 def read_anomalies(run_dir: str | os.PathLike[str]) -> pd.DataFrame:

@@ -161,7 +161,6 @@ class StepEngine:
         # the runner's `anomaly.*` may hold `replay`; record() and the callbacks checked theirs without it (record_options)
         self.detector = detector_for(anomaly, replay=True) if self.main else None
         #: Whether the driver's last word says the spikes (the runner's health summary, at every end): not logged here.
-        self.spikes_in_last_word = False
         self._observed, self._resumed = 0, False  # a resumed run's detector is rebuilt from its records at the end
         if scaler is not None:
             loss_scale = lambda: scale_tensor(scaler, self.device)  # noqa: E731 (read as each backward begins)
@@ -384,14 +383,15 @@ class StepEngine:
         self._observed += 1
 
     def _close_anomalies(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
-        """At the close, on every path: `anomalies.parquet` in the run dir, and the spikes logged (the last word)."""
+        """At the close, on every path: `anomalies.parquet` in the run dir (the last word, `health`, then says the
+        spikes it holds: the runner's and `record()`'s, so the callbacks' too)."""
         from gradrunner.analysis.anomaly_signals import finish_anomalies
 
         assert self.detector is not None and self.files is not None
         if not self._observed:  # no step completed: no records are kept, and no anomalies file
             return False
         try:
-            lines = finish_anomalies(self.files.directory, self.detector, self.run_id, rebuild=self._resumed)
+            finish_anomalies(self.files.directory, self.detector, self.run_id, rebuild=self._resumed)
         except Exception as e:
             if exc is None and isinstance(e, OSError):
                 raise side_file_error(self.files.directory, ANOMALIES_FILE, e) from e
@@ -399,8 +399,6 @@ class StepEngine:
                 raise
             log.warning("the spike detector's anomalies.parquet was not written (%s)", e)
             return False
-        if lines and not self.spikes_in_last_word:
-            log.warning("%s", "\n  ".join(["spikes (anomalies.parquet):", *lines]))
         return False
 
     def _host(self, values: dict[str, Any]) -> dict[str, Any]:

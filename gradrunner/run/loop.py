@@ -263,7 +263,6 @@ def _train_in(cfg: DictConfig, job: Job, files: RunFiles, taps: list[Any], dist:
                         histogram=files.histogram, edits=edit_list(cfg), on_nonfinite=str(c.get("on_nonfinite", "record")),
                         update_norms=True, scaler=ctx.scaler, dist=dist,
                         anomaly=_anomaly(cfg))  # fmt: skip
-    engine.spikes_in_last_word = True  # the health summary says them, at every end (`health.last_word`)
     ckpt: Checkpointer | None = None
     try:
         with contextlib.ExitStack() as stack:
