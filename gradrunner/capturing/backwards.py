@@ -2,8 +2,8 @@
 
 A backward begins when the session runs one (`Capture.backward`) or when the first of its hooks
 fires inside one it did not run (`Backwards._seen`: the user's or a framework's `loss.backward()`;
-a pre-hook on the root module's outputs, registered as each forward returns, fires first whenever
-the backward reaches the model). It ends when the session's own call returns, or by a callback
+a pre-hook on the root module's outputs, registered as each forward returns, or on a tapped value's edge
+where no root forward ran, `Firing`, fires first whenever the backward reaches the model). It ends when the session's own call returns, or by a callback
 queued on autograd's engine from that first hook (`torch_compat.at_backward_end`: after the whole
 graph ran, and after DDP's finalize); without callbacks, lazily, at the next `records()`, forward or
 `cap.backward`. Between the two, the strategy reads the tapped gradients (`_deliver`, once per slot).

@@ -40,7 +40,7 @@ from gradrunner.capturing.grad_context import (
 from gradrunner.capturing.owned import owned
 from gradrunner.capturing.strategies import Slot
 from gradrunner.capturing.taps import Tap
-from gradrunner.capturing.torch_compat import is_view, version, writes_grad
+from gradrunner.capturing.torch_compat import gradient_edge, is_view, version, writes_grad
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import TapKey
 
@@ -219,7 +219,7 @@ class Firing:
             return self._fire_recomputed(tap, value, is_input)
         if not torch.is_grad_enabled():
             return self._fire_without_grad(tap, value)
-        return self._attach(tap, self._open_slot(tap), value, is_input)
+        return self._attach(tap, self._open_slot(tap), value, is_input, outside=not self.grad_forward)
 
     def _open_slot(self, tap: Tap) -> Slot:
         name, calls, slots = tap.tap, self.calls, self.slots
@@ -246,7 +246,8 @@ class Firing:
             # copy that gets only the block's part of the gradient (None keeps the recomputed calls in step).
             waiting = self.deferred.setdefault((id(ctx), tap.tap), [])
             edits = self.session.edits
-            edited = edits is not None and tap.tap in edits.by_tap  # an edit acts inside the block: on its recomputation
+            # an edit acts inside the block: on its recomputation
+            edited = edits is not None and tap.tap in edits.by_tap
             if edited or not (isinstance(value, torch.Tensor) and value.requires_grad):
                 self.session.strategy.fires_recomputed(tap.tap)
                 waiting.append(self._open_slot(tap))
@@ -263,7 +264,11 @@ class Firing:
         slot = waiting.pop(0)
         return value if slot is None else self._attach(tap, slot, value, is_input)
 
-    def _attach(self, tap: Tap, slot: Slot, value: object, is_input: bool) -> object:
+    def _attach(self, tap: Tap, slot: Slot, value: object, is_input: bool, outside: bool = False) -> object:
+        """The strategy attaches to `value` in `slot` (or the slot says why it cannot carry a gradient).
+
+        `outside`: no forward of the root module runs (`model[:3](x)`, submodules called on their own).
+        """
         edits = self.session.edits
         tensor = value if isinstance(value, torch.Tensor) else None
         if tensor is not None and refuse_transformed(tap, tensor):
@@ -299,8 +304,26 @@ class Firing:
         slot.value_norm = value_norm(value)  # on the device, no sync: it goes to the host with the step
         if edits is not None:  # the strategy reads the gradient that arrives, the edit acts upstream of it
             value = edits.on_fire(tap, value, slot.key)
+        if outside:
+            return self._attach_outside_root(value, slot)
         return self.session.strategy.attach(value, slot)
 
+    def _attach_outside_root(self, value: torch.Tensor, slot: Slot) -> torch.Tensor:
+        """Attach where no root forward runs: no pre-hook on the root's output will see a backward through `value`.
+
+        A pre-hook on the value's own gradient edge sees it begin instead, registered before the strategy's
+        hooks there, as the root output's pre-hook runs before any tap's: `retain_grad` then reads this
+        backward's gradient (not a `.grad` it took for one set before the backward), `autograd_grad` refuses
+        a backward it did not run, and the slots go to the backward that reaches them, not to a later one.
+        """
+        session = self.session
+        session._finish_pending()  # a backward of the user's not yet ended (no engine callbacks): before this forward
+        node = gradient_edge(value)[0]
+        seen = session._seen
+        slot.seen = node.register_prehook(lambda _g: seen())
+        out = session.strategy.attach(value, slot)
+        session.strategy.seen_at([slot], [node])  # `retain_grad`: its `.grad` is filled before this node's pre-hooks
+        return out
 
     def _frozen_for_now(self, reason: str) -> bool:
         """Whether a value that does not require grad may be so because parameters are frozen for now (a fine-tuning

@@ -7,8 +7,9 @@ edges (`capturing.params`); leaving it, normally or by an exception, removes all
 Capture happens around a backward, whoever runs it: `cap.backward(loss)`, or the user's (or a
 framework's) own `loss.backward()` under `hook` and `retain_grad`. The session sees a backward begin
 at the first of its hooks to fire inside it (a pre-hook on the root module's outputs is the first
-in practice) and end by a callback queued on autograd's engine (`torch_compat.at_backward_end`; without
-it, at the next `records()`, forward or `cap.backward`). A step may hold several backwards (gradient
+in practice; where the root's forward did not run, one on each tapped value's edge) and end by a
+callback queued on autograd's engine (`torch_compat.at_backward_end`; without it, at the next
+`records()`, forward or `cap.backward`). A step may hold several backwards (gradient
 accumulation): `records()` covers every backward since the previous `records()`.
 
 Example::
@@ -133,7 +134,8 @@ class Capture(Backwards):
         self._witness: nn.Parameter | None = None  # a parameter last seen with a `.grad` (`gradients_reset`)
         #: The backward that ended last started the step again (`_note_end`): the step's loss is its loss.
         self.restarted = False
-        self._filled, self._cleared_all = False, False  # the last backward (in a step call) left a `.grad`; all reset since
+        # the last backward (in a step call) left a `.grad`; all reset since
+        self._filled, self._cleared_all = False, False
         #: The `optimizer.step()` call running now (a number), and the one the last backward ran in (`_note_end`).
         self._in_step: int | None = None
         self._last_in: int | None = None

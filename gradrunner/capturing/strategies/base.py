@@ -65,6 +65,9 @@ class Slot:
     view: torch.Tensor | None = None
     #: A hook the strategy registered for this slot (removed when its backward ends, or the forward is forgotten).
     handle: RemovableHandle | None = None
+    #: The session's pre-hook on the edge's node that sees a backward begin, where no root forward ran
+    #: (`Firing.fire`: `model[:3](x)`); removed with `handle`.
+    seen: RemovableHandle | None = None
     #: `retain_grad`: the gradients a watched edge received in this backward (summed when read).
     parts: list[torch.Tensor] | None = None
     #: `hook`: where the gradient goes when the slot itself, registered as its edge's node pre-hook, is called.
@@ -138,6 +141,9 @@ class Strategy(ABC):
             if slot.handle is not None:
                 slot.handle.remove()
                 slot.handle = None
+            if slot.seen is not None:
+                slot.seen.remove()
+                slot.seen = None
 
     def close(self) -> None:  # noqa: B027 (optional)
         """Remove anything left behind (called on exit, also after an exception)."""
