@@ -38,6 +38,7 @@ from gradrunner.capturing.extras import value_norms
 from gradrunner.capturing.firing import Firing
 from gradrunner.capturing.grad_context import refuse_compiled
 from gradrunner.capturing.grads import Grads
+from gradrunner.capturing.open_sessions import hold_open
 from gradrunner.capturing.owned import owned
 from gradrunner.capturing.params import ParamBackward, ParamTaps, ddp_synced
 from gradrunner.capturing.per_example import PerExampleNorms
@@ -116,6 +117,8 @@ class Capture(Backwards):
             self.taps += [t for t in self.edits.taps if t.tap not in {k.tap for k in self.taps}]
         self.strategy = get_strategy(strategy)(self._deliver, self._deliver_all)
         self.strategy_name = strategy
+        #: How errors name this session (`record()` names its own: `open_sessions`).
+        self.label = f"capture({type(model).__name__}, strategy={strategy!r})"
         self.keep_grads = keep_grads
         self.values, self.sample_size, self.seed = values, sample_size, seed
         self.per_example, self.histogram = per_example, histogram
@@ -166,6 +169,7 @@ class Capture(Backwards):
         self._firing.reset()
 
     def _install(self) -> None:
+        hold_open(self, self._stack)  # first: a session refused beside another leaves nothing behind
         self._closed = False
         self._stack.callback(self.strategy.close)
         self._stack.callback(self._drop_root_hooks)

@@ -156,7 +156,7 @@ class StepEngine:
         self.dist, self.every = dist, int(every)
         self.on_nonfinite, self.update_norms, self.optimizer = on_nonfinite, update_norms, optimizer
         self.live_every, self.log_to = live_every, log_to
-        self.device = _device_of(inner)
+        self.device, self.dtype = _device_of(inner), _dtype_of(inner)  # where the model's parameters are, and in what
         #: The spike detector (`anomaly`), fed each step's host values on the main rank; None: off.
         # the runner's `anomaly.*` may hold `replay`; record() and the callbacks checked theirs without it (record_options)
         self.detector = detector_for(anomaly, replay=True) if self.main else None
@@ -435,3 +435,8 @@ def _whole(value: object, name: str, meaning: str) -> int:
 def _device_of(model: nn.Module) -> torch.device:
     p = next(iter(model.parameters()), None)
     return p.device if p is not None else torch.device("cpu")
+
+
+def _dtype_of(model: nn.Module) -> torch.dtype:
+    p = next(iter(model.parameters()), None)
+    return p.dtype if p is not None else torch.get_default_dtype()

@@ -38,6 +38,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from gradrunner.capturing.open_sessions import refuse_beside_open
 from gradrunner.capturing.taps import TapSpec, tap_shapes
 from gradrunner.errors import GradrunnerError
 from gradrunner.records import rundir
@@ -188,9 +189,11 @@ class Recorder:
     def _enter(self) -> None:
         from gradrunner.records.writer import run_metadata  # pyarrow: imported once writing starts
 
+        self.capture.label = f"{self.who} into {str(self.directory)!r} (strategy={self.strategy!r})"
+        refuse_beside_open(self.capture)  # before the run dir is looked at
         # rank 0 keeps the books; every rank numbers its steps from where they resume (the kept records' next step)
         next_step = self._open_books() if self.dist is None else self.dist.from_main(self._open_books)
-        device, dtype = self.engine.device, _dtype_of(self.model)
+        device, dtype = self.engine.device, self.engine.dtype
         constants = {"run_id": self.run_id, "experiment": str(self.config.experiment), "strategy": self.strategy,
                      "device": str(device), "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
         c = self.config.capture
@@ -442,8 +445,3 @@ class CallbackOptions:
         rec.who = f"{type(self).__name__}(...)"
         rec.engine.accumulate = accumulate
         return rec
-
-
-def _dtype_of(model: nn.Module) -> torch.dtype:
-    p = next(iter(model.parameters()), None)
-    return p.dtype if p is not None else torch.get_default_dtype()
