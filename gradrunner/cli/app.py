@@ -54,6 +54,7 @@ from gradrunner.run.hydra_adapter import (
     remember_output_dir,
 )
 from gradrunner.run.job import run
+from gradrunner.run.session_log import job_log
 from gradrunner.run.signals import Terminated
 
 log = logging.getLogger(__name__)
@@ -346,7 +347,8 @@ def app(cfg: DictConfig) -> None:
     _JOBS["sweep"] = int(HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN)
     guard_log_files()
     try:
-        run(cfg)
+        with job_log():  # gradrunner.log keeps the last word whatever level quiets the console
+            run(cfg)
     except (GradrunnerError, OmegaConfBaseException) as e:
         _fail(e)
     except KeyboardInterrupt as e:  # Terminated (SIGTERM, SIGHUP) too
