@@ -224,12 +224,15 @@ def test_a_stop_on_a_nonfinite_loss_ends_by_nonfinite(tmp_path: Path) -> None:
     from gradrunner.run.guards import NonFinite
 
     cb = GradientCaptureCallback(taps=TAPS[:1], dir=tmp_path / "run", on_nonfinite="stop")
-    with pytest.raises(NonFinite):
+    with pytest.raises(NonFinite) as e:
         try:
             _train(tmp_path / "hf", [cb], learning_rate=1e9, max_grad_norm=0.0)
         finally:
             cb.close()
     assert "ended by NonFinite; the records of 2 completed step(s)" in _last_word(tmp_path / "run")
+    # the callback's own argument, not the runner's config (`capture.on_nonfinite`, `optimizer.lr`), and the dir
+    assert str(e.value).startswith("GradientCaptureCallback(..., on_nonfinite='stop'): stopped at step 1, where ")
+    assert f"kept in {tmp_path / 'run'}." in str(e.value) and "capture." not in str(e.value)
 
 
 def test_a_close_with_the_error_out_of_sight_names_no_error(tmp_path: Path) -> None:

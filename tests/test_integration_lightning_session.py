@@ -68,6 +68,18 @@ def test_the_last_word_ends_a_lightning_run(tmp_path: Path, nan_at: int) -> None
         assert "NaN/Inf: the loss from step 2" in text
 
 
+def test_a_non_finite_stop_names_the_callbacks_own_argument(tmp_path: Path) -> None:
+    """Before, the error named the runner's config (`capture.on_nonfinite=stop`, `optimizer.lr`) and no dir."""
+    module = Module(nan_at=1)
+    with pytest.raises(GradrunnerError) as e:
+        _fit(module, [GradientCapture(taps=TAPS, dir=tmp_path / "run", on_nonfinite="stop")], steps=4)
+    message = str(e.value)
+    assert message.startswith("GradientCapture(..., on_nonfinite='stop'): stopped at step 1, where the loss is nan")
+    assert f"kept in {tmp_path / 'run'}." in message and "set GradientCapture(..., on_nonfinite='record')" in message
+    assert "capture." not in message and "optimizer.lr" not in message, message
+    assert len(module.losses) == 2 and pd.read_parquet(tmp_path / "run" / "steps.parquet")["step"].tolist() == [0, 1]
+
+
 @pytest.mark.parametrize(
     ("options", "says"),
     [({"histogramm": True}, "Did you mean 'histogram'"), ({"every": 0}, "every=0"), ({"values": "ful"}, "values='ful'"),

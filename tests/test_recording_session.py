@@ -139,6 +139,26 @@ def test_a_session_ended_by_an_error_keeps_its_steps_and_says_what_happened(tmp_
     assert "resume=True continues them" in text and "NaN/Inf: the loss from step 1" in text
 
 
+def test_a_non_finite_stop_names_records_own_argument_and_dir(tmp_path: Path) -> None:
+    """Before, record(on_nonfinite="stop")'s error named the runner's config (`capture.on_nonfinite=stop`,
+    `optimizer.lr`) and no dir; the steps it says are kept are those on disk, the script's own losses."""
+    model, batches, losses = _model(), _batches(3), []
+    run = tmp_path / "run"
+    with pytest.raises(GradrunnerError) as e, gradrunner.record(model, ["0:output"], run, on_nonfinite="stop") as rec:
+        for s, (x, y) in enumerate(batches):
+            loss = nn.functional.mse_loss(model(x), y) * (float("nan") if s == 1 else 1.0)
+            loss.backward()
+            losses.append(float(loss.detach()))
+            rec.step(loss)
+    message = str(e.value)
+    assert message.startswith("record(..., on_nonfinite='stop'): stopped at step 1, where the loss is nan"), message
+    assert f"(through step 1) are kept in {run}." in message, message
+    assert "set record(..., on_nonfinite='record') to record every step" in message, message
+    assert "capture." not in message and "optimizer.lr" not in message, message
+    steps = pd.read_parquet(run / "steps.parquet")
+    assert steps["step"].tolist() == [0, 1] and steps["loss"][0] == pytest.approx(losses[0], rel=1e-6)
+
+
 @pytest.mark.parametrize(
     ("options", "says"),
     [({"every": 0}, "every=0"), ({"seed": "1"}, "seed='1'"), ({"histogram": "yes"}, "histogram='yes'"),

@@ -155,6 +155,8 @@ class StepEngine:
         self.files: RunFiles | None = None
         self.dist, self.every = dist, int(every)
         self.on_nonfinite, self.update_norms, self.optimizer = on_nonfinite, update_norms, optimizer
+        #: who the messages name: None for the runner (its config keys), else `record()` or a callback's class
+        self.who: str | None = None
         self.live_every, self.log_to = live_every, log_to
         self.device, self.dtype = _device_of(inner), _dtype_of(inner)  # where the model's parameters are, and in what
         #: The spike detector (`anomaly`), fed each step's host values on the main rank; None: off.
@@ -366,7 +368,7 @@ class StepEngine:
         self.start_at(step + 1)
         if self.detector is not None:  # host values already here: no device sync of its own
             self._observe(step, loss_value, row, recs)
-        check_finite(self.on_nonfinite, step, loss_value, recs)
+        check_finite(self.on_nonfinite, step, loss_value, recs, self.files.directory if self.files else None, self.who)
         return StepResult(step, captured, loss_value, recs, row)
 
     def _observe(self, step: int, loss: float | None, row: dict[str, Any], recs: StepRecords | None) -> None:

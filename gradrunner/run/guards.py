@@ -254,18 +254,29 @@ def _check_loss(loss: object, step: int, loss_name: str) -> None:
 
 
 class NonFinite(GradrunnerError):
-    """`capture.on_nonfinite=stop` ended the run: the step and what was not finite."""
+    """`capture.on_nonfinite=stop` (or `on_nonfinite="stop"`) ended the run: the step and what was not finite.
 
-    def __init__(self, step: int, problem: str, directory: Path | None = None) -> None:
+    `who` names the API the user set it in: None for the runner's config, else `record()` or a callback's
+    `GradientCapture(...)`; the message names the setting as that API spells it.
+    """
+
+    def __init__(self, step: int, problem: str, directory: Path | None = None, who: str | None = None) -> None:
         super().__init__(step, problem)
-        self.step, self.problem, self.directory = step, problem, directory
+        self.step, self.problem, self.directory, self.who = step, problem, directory, who
+
+    def _setting(self, mode: str) -> str:
+        """`on_nonfinite` set to `mode`, as the user's API spells it."""
+        if self.who is None:
+            return f"capture.on_nonfinite={mode}"
+        return f"{self.who.partition('(')[0]}(..., on_nonfinite={mode!r})"
 
     def __str__(self) -> str:
         where = f" in {self.directory}" if self.directory is not None else ""
+        lower = "Lower optimizer.lr" if self.who is None else "Lower the learning rate"
         return (
-            f"capture.on_nonfinite=stop: stopped at step {self.step}, where {self.problem}. The records written so "
-            f"far (through step {self.step}) are kept{where}. Lower optimizer.lr, or look in the records for the "
-            "first tap that went non-finite, or set capture.on_nonfinite=record to record every step and go on."
+            f"{self._setting('stop')}: stopped at step {self.step}, where {self.problem}. The records written so "
+            f"far (through step {self.step}) are kept{where}. {lower}, or look in the records for the first tap "
+            f"that went non-finite, or set {self._setting('record')} to record every step and go on."
         )
 
 
@@ -281,12 +292,16 @@ def nonfinite(loss: float | None, records: StepRecords | None) -> str | None:
     return " and ".join(parts) or None
 
 
-def check_finite(mode: str, step: int, loss: float | None, records: StepRecords | None) -> None:
-    """Raise `NonFinite` when `mode` is `stop` and the step's loss or a captured gradient is not finite."""
+def check_finite(
+    mode: str, step: int, loss: float | None, records: StepRecords | None, directory: Path | None = None,
+    who: str | None = None,
+) -> None:  # fmt: skip
+    """Raise `NonFinite` (naming the run dir `directory`, and the setting as `who` spells it) when `mode` is `stop`
+    and the step's loss or a captured gradient is not finite."""
     if mode == "stop":
         problem = nonfinite(loss, records)
         if problem is not None:
-            raise NonFinite(step, problem)
+            raise NonFinite(step, problem, directory, who)
 
 
 _WHERE = "hydra.run.dir=<dir> on the command line, out_dir= in train()"

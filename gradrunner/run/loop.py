@@ -274,10 +274,7 @@ def _train_in(cfg: DictConfig, job: Job, files: RunFiles, taps: list[Any], dist:
             engine.open(stack, files)
             ckpt = _checkpointer(cfg, files, dist)
             try:
-                _run_steps(cfg, job, engine, ctx, ckpt)
-            except NonFinite as e:
-                e.directory = files.directory
-                raise
+                _run_steps(cfg, job, engine, ctx, ckpt)  # capture.on_nonfinite=stop: NonFinite names files.directory
             finally:
                 if ckpt is not None:
                     ckpt.abort()  # the segment after the last checkpoint: the job's own records hold its steps

@@ -193,6 +193,7 @@ class Recorder:
         refuse_beside_open(self.capture)  # before the run dir is looked at
         # rank 0 keeps the books; every rank numbers its steps from where they resume (the kept records' next step)
         next_step = self._open_books() if self.dist is None else self.dist.from_main(self._open_books)
+        self.engine.who = self.who  # a callback renamed it after construction; `on_nonfinite="stop"` names it
         device, dtype = self.engine.device, self.engine.dtype
         constants = {"run_id": self.run_id, "experiment": str(self.config.experiment), "strategy": self.strategy,
                      "device": str(device), "dtype": str(dtype).removeprefix("torch.")}  # fmt: skip
