@@ -303,6 +303,23 @@ def test_a_mistake_of_several_sweep_jobs_names_each_jobs_own_overrides(tmp_path:
     assert not tmp_path.joinpath("multirun").exists()  # nothing ran, no sweep dir
 
 
+@pytest.mark.parametrize("failing", [[n for n in range(2000) if n != 7], list(range(0, 2000, 2))])
+def test_a_mistake_of_thousands_of_sweep_jobs_is_a_readable_paragraph(failing: list[int]) -> None:
+    """Before, the up-front check listed every failing job's number (a 2000-job sweep: thousands of characters)."""
+    from gradrunner.cli.app import _jobs_named
+
+    jobs = [["a=1", f"seed={n}"] for n in range(2000)]
+    said = _jobs_named(jobs, failing)
+    assert len(said) < 300, said
+    head, _, rest = said.partition(" (")
+    shown, _, more = head.removeprefix("jobs ").partition(" and ")
+    numbers = [n for part in shown.split(", ") for n in range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1)]
+    assert numbers == failing[: len(numbers)]  # the first jobs, as runs of numbers, then how many more
+    assert len(numbers) + int(more.removesuffix(" more") or 0) == len(failing)
+    first = "; ".join(f"job {n}: seed={n}" for n in failing[:5])
+    assert rest == f"{len(failing)} of 2000; all: a=1; {first}; and {len(failing) - 5} more jobs)", said
+
+
 def test_help_piped_into_head_ends_without_a_traceback(tmp_path: Path) -> None:
     """`gradrunner --help | head`: the reader is gone before the help is written (closed before the start)."""
     read_end, write_end = os.pipe()

@@ -191,8 +191,8 @@ class SweepCheck(Callback):
     the end before job 1 fails on `capture.strategy=bogus`. Values are validated and the tap specs
     resolved against each distinct model, built on the meta device (no memory, no weights). Each
     distinct mistake is reported once, with the jobs it affects (`_jobs_named`: the overrides they all have,
-    then each one's own). Jobs the sweep catalogue shows
-    complete (`run.sweep_plan`) are not composed: gradrunner's sweeper does not launch them either.
+    then each one's own; in a large sweep, runs of job numbers, a count and the first few). Jobs the sweep
+    catalogue shows complete (`run.sweep_plan`) are not composed: gradrunner's sweeper does not launch them either.
     Hydra's basic launcher runs each job on the config checked here, not composed again
     (`hydra_adapter.config_composed_once`; in sweeps of up to `KEPT_JOBS_AT_MOST` jobs).
 
@@ -215,7 +215,7 @@ class SweepCheck(Callback):
         sweep_plan.mark_validated(config)  # the sweeper need not compose each job a second time
 
 
-#: How many of the jobs sharing a mistake `_jobs_named` lists with their own overrides.
+#: How many of the jobs sharing a mistake `_jobs_named` lists with their own overrides (and runs of job numbers).
 _JOBS_SHOWN = 5
 
 
@@ -225,6 +225,9 @@ def _jobs_named(jobs: list[list[str]], numbers: list[int]) -> str:
     Example::
 
         _jobs_named([["a=1", "seed=0"], ["a=1", "seed=1"]], [0, 1])  # 'jobs 0, 1 of 2 (all: a=1; job 0: seed=0; job 1: seed=1)'
+
+    More than `_JOBS_SHOWN` jobs are named by runs of numbers and a count, the first `_JOBS_SHOWN` with their own
+    overrides: 'jobs 0-6, 8-1999 (1999 of 2000; all: a=1; job 0: seed=0; ...; and 1994 more jobs)'.
     """
     if len(numbers) == 1:
         return f"job {numbers[0]} of {len(jobs)} ({' '.join(jobs[numbers[0]])})"
@@ -234,7 +237,22 @@ def _jobs_named(jobs: list[list[str]], numbers: list[int]) -> str:
     if any(rest for _, rest in own):
         parts += [f"job {n}: {' '.join(rest) or 'no other override'}" for n, rest in own[:_JOBS_SHOWN]]
         parts += [f"and {len(own) - _JOBS_SHOWN} more jobs"] if len(own) > _JOBS_SHOWN else []
-    return f"jobs {', '.join(map(str, numbers))} of {len(jobs)} ({'; '.join(parts) or 'no overrides'})"
+    if len(numbers) <= _JOBS_SHOWN:
+        return f"jobs {', '.join(map(str, numbers))} of {len(jobs)} ({'; '.join(parts) or 'no overrides'})"
+    return f"jobs {_runs(numbers)} ({'; '.join([f'{len(numbers)} of {len(jobs)}', *parts])})"
+
+
+def _runs(numbers: list[int]) -> str:
+    """Ascending job numbers as runs ('0-6, 8-1999'), the first `_JOBS_SHOWN` runs, then how many jobs more."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    shown = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs[:_JOBS_SHOWN])
+    more = sum(b - a + 1 for a, b in runs[_JOBS_SHOWN:])
+    return f"{shown} and {more} more" if more else shown
 
 
 def _job_problems(config: DictConfig, jobs: list[list[str]], skip: frozenset[int]) -> dict[str, list[int]]:
