@@ -6,6 +6,7 @@ in a subprocess. Bad input is exit 2 with one paragraph.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -310,6 +311,51 @@ def test_an_element_column_one_run_lacks_is_named_not_agreed(tmp_path: Path, cap
     assert not c.values["stat"].str.startswith(("values", "per_example_norm", "hist_counts")).any()
     code, out, _ = run_main(capsys, run_a, run_b)
     assert code == 0 and out.splitlines()[0] == "note: values recorded in run A only (capture.values): not compared"
+
+
+def test_a_null_per_example_norm_is_unknown_not_an_empty_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Run B's last layer is a module of its own computing the same `F.linear`: its weight's per-example norms are
+    null there (a layer type they are not computed for), its gradient that of run A. compare said "len(per_example_norm):
+    2 vs 0", a difference (exit 1), counting the null as an empty list (found 2026-11-27)."""
+    import torch
+    from torch import nn
+
+    import gradrunner
+    from gradrunner.capturing.per_example_check import PerExampleWarning
+
+    class OwnLinear(nn.Module):
+        def __init__(self, lin: nn.Linear) -> None:
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(lin.weight.detach().clone()), nn.Parameter(lin.bias.detach().clone())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(x, self.weight, self.bias)
+
+    batches = torch.randn(2, 2, 3, generator=torch.Generator().manual_seed(1))
+    norms: dict[str, list[float]] = {}
+    for name in ("a", "b"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+        if name == "b":
+            model[2] = OwnLinear(model[2])
+        with pytest.warns(PerExampleWarning) if name == "b" else contextlib.nullcontext():
+            with gradrunner.record(model, ["0:weight", "2:weight"], tmp_path / name, per_example=True) as rec:
+                for batch in batches:
+                    model(batch).pow(2).mean().backward()
+                    norms.setdefault(name, []).append(float(model[2].weight.grad.norm()))  # plain torch's
+                    model.zero_grad()
+                    rec.step()
+    b = pd.read_parquet(tmp_path / "b" / "grads.parquet").set_index(["step", "tap"])
+    assert b.loc[(0, "2:weight"), "per_example_norm"] is None and b.loc[(0, "0:weight"), "per_example_norm"] is not None
+    assert norms["a"] == norms["b"] == pytest.approx(b.xs("2:weight", level="tap")["norm"].tolist(), rel=1e-6)
+    c = compare_runs(tmp_path / "a", tmp_path / "b")
+    assert c.agree, c.summary()
+    assert "per_example_norm is null (unknown) in run B only on 2 record(s), the first at step 0, tap 2:weight: " \
+           "those are not compared" in c.notes, c.notes  # fmt: skip
+    compared = c.values[c.values["stat"].str.startswith(("per_example_norm", "len(per_example_norm)"))]
+    assert sorted(set(compared["tap"])) == ["0:weight"] and len(compared) == 2  # the known ones still are
+    code, out, _ = run_main(capsys, tmp_path / "a", tmp_path / "b")
+    assert code == 0 and out.startswith("note: per_example_norm is null (unknown) in run B only")
 
 
 def test_histograms_and_shapes_are_compared(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

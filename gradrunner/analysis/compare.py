@@ -4,7 +4,9 @@
 `load` refuses it) and compares every record both have, matched on (step, tap, call, rank, micro_step), over
 the gradient's statistics, its `shape` (exactly) and, where both runs recorded them, its elements (`ELEMENTS`:
 the captured `values`, `per_example_norm`, `hist_counts`, element by element; a list of another length
-differs), and each step's loss; an element column only one run recorded is named in a note, not compared.
+differs), and each step's loss; an element column only one run recorded is named in a note, not compared, and so
+is a record whose element list is null in one run only: null is unknown (`per_example_norm` where the shares could
+not be exact), never an empty list.
 `python -m gradrunner.compare RUN_A RUN_B` prints the first difference in step order and the worst taps (`main`).
 
 Example::
@@ -247,7 +249,7 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str], r
         lists.remove("values")
         notes.append(f"values captured differently (capture.values={modes[0]} in run A, {modes[1]} in run B): "
                      "not compared")  # fmt: skip
-    values_g, missing_g = _pair(grads_a, grads_b, list(KEY), stats, rtol, atol, lists)
+    values_g, missing_g = _pair(grads_a, grads_b, list(KEY), stats, rtol, atol, lists, notes)
     values_s, missing_s = _pair(steps_a, steps_b, ["step", "rank"], step_stats, rtol, atol)
     values = pd.concat([values_s, values_g], ignore_index=True)
     missing = pd.concat([missing_s, missing_g], ignore_index=True)
@@ -315,9 +317,10 @@ def _read(run: str | os.PathLike[str], notes: list[str]) -> tuple[pd.DataFrame, 
 
 
 def _pair(a: pd.DataFrame, b: pd.DataFrame, key: list[str], stats: list[str], rtol: float,
-          atol: float, lists: Sequence[str] = ()) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
+          atol: float, lists: Sequence[str] = (), notes: list[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:  # fmt: skip
     """Long frames of the values both have (with `rel`, `differs`) and of the keys only one has; `lists` are list
-    columns, compared element by element (`_elementwise`)."""
+    columns, compared element by element (`_elementwise`) where both records hold them (`_known`; `notes` names
+    the others)."""
     cols = [*key, *stats, *lists]
     both = a[cols].merge(b[cols], on=key, how="outer", suffixes=("@a", "@b"), indicator=True, sort=False)
     only = both[both["_merge"] != "both"]
@@ -332,10 +335,25 @@ def _pair(a: pd.DataFrame, b: pd.DataFrame, key: list[str], stats: list[str], rt
         parts.append(matched[key].assign(stat=stat, a=va, b=vb, rel=relative(va, vb), differs=~agrees(va, vb, r, t)))
     for column in lists:
         r, t = (0.0, 0.0) if column in EXACT else (rtol, atol)
-        elements = _elementwise(matched, key, column, r, t)
+        elements = _elementwise(_known(matched, key, column, notes), key, column, r, t)
         parts += [] if elements.empty else [elements]
     values = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=[*key, "stat", "a", "b", "rel", "differs"])
     return values, missing.reset_index(drop=True)
+
+
+def _known(matched: pd.DataFrame, key: list[str], column: str, notes: list[str] | None) -> pd.DataFrame:
+    """The matched records whose element column `column` is not null in one run only. A null is unknown, not an
+    empty list (`per_example_norm` where the shares could not be exact): such a record's elements are not compared,
+    and a note in `notes` says how many records each run left unknown, and the first. `shape` is kept whole."""
+    if column not in ELEMENTS:
+        return matched
+    null_a, null_b = matched[f"{column}@a"].isna(), matched[f"{column}@b"].isna()
+    for run, only in (("A", null_a & ~null_b), ("B", null_b & ~null_a)):
+        if only.any() and notes is not None:
+            first = matched[only].sort_values("step", kind="stable").iloc[0]  # within a step: run A's order
+            notes.append(f"{column} is null (unknown) in run {run} only on {int(only.sum())} record(s), the first "
+                         f"at step {int(first['step'])}, tap {first['tap']}: those are not compared")  # fmt: skip
+    return matched[~(null_a ^ null_b)]
 
 
 def _recorded(grads: pd.DataFrame, column: str) -> bool:
