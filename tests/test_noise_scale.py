@@ -169,6 +169,28 @@ def test_missing_per_example_norms_name_the_tap_and_the_option() -> None:
         noise_scale(frame, ema=1.5)
 
 
+def test_a_step_without_per_example_norms_is_left_out_not_the_run() -> None:
+    """Per-example norms null at some steps only (a diverging run: the rows' squared norms overflowed float32 while
+    `norm` is finite): noise_scale raised "turn them on with capture.per_example=true", which was on, and returned
+    nothing for the other steps (found 2026-11-27). Those steps' rows of the tap are left out, said once; the
+    other steps' estimates are those of the records without them; "*" of a step missing a tap is NaN."""
+    torch.manual_seed(7)
+    frame = records(nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1)), [(torch.randn(4, 2), torch.randn(4, 1))
+                                                                               for _ in range(4)])  # fmt: skip
+    every = frame.step == 2
+    one = (frame.step == 3) & (frame.tap == "0:weight")
+    frame.loc[every | one, "per_example_norm"] = None
+    reference = noise_scale(frame[~every & ~one]).set_index(["step", "tap"])
+    for taps in (None, ["0:weight", "0:bias", "2:weight", "2:bias"]):
+        with pytest.warns(NoiseScaleWarning, match=r"'0:weight' \(steps 2-3\).*'2:weight' \(steps 2\)"):
+            ns = noise_scale(frame, taps=taps).set_index(["step", "tap"])
+        assert 2 not in ns.index.get_level_values("step")
+        assert ns.loc[(3, WHOLE_MODEL), ["g2", "trace_sigma", "b_simple"]].isna().all()  # never the other taps alone
+        same = [k for k in ns.index if k != (3, WHOLE_MODEL)]
+        assert sorted(same) == sorted(k for k in reference.index if k != (3, WHOLE_MODEL))
+        pd.testing.assert_frame_equal(ns.loc[same], reference.loc[same])
+
+
 def test_a_nan_tap_makes_the_whole_model_row_nan() -> None:
     """A step whose gradients are NaN: the taps' estimates are NaN, and so is "*" (it read 0 and 0, found 2026-11-27,
     pandas' sum skipping NaN); a step with one NaN tap pools nothing either, never the other taps alone."""

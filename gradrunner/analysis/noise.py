@@ -76,13 +76,15 @@ def noise_scale(df: pd.DataFrame, ema: float | None = None, taps: Sequence[str] 
     `update_norm`). `run_id` is a column when the records hold it. With one row (B = 1) nothing can
     be estimated: NaN. Taps chosen by default whose records carry no per-example norms (a layer type
     without them) are left out with a `NoiseScaleWarning` naming them; a tap named in `taps` without
-    them, or no tap with them, raises GradrunnerError.
+    them, or no tap with them, raises GradrunnerError. A tap whose norms are null at some steps only (rows whose
+    squared norms overflowed float32, in a diverging run) has those steps left out, with a `NoiseScaleWarning`
+    naming them; the whole-model row of such a step is NaN.
     """
     if ema is not None and not 0 <= ema < 1:
         raise GradrunnerError(f"ema={ema!r} must be a number in [0, 1) (the weight of the previous steps, e.g. 0.9)")
-    rows = _parameter_rows(df, taps)
+    rows, partial = _parameter_rows(df, taps)
     per_tap = _per_tap(rows)
-    whole = _whole_model(per_tap)
+    whole = _whole_model(per_tap, partial)
     out = pd.concat([per_tap, whole], ignore_index=True) if len(whole) else per_tap
     out = _estimates(out)
     if ema is not None:
@@ -93,8 +95,9 @@ def noise_scale(df: pd.DataFrame, ema: float | None = None, taps: Sequence[str] 
     return out.reset_index(drop=True)
 
 
-def _parameter_rows(df: pd.DataFrame, taps: Sequence[str] | None) -> pd.DataFrame:
-    """The records of the parameter taps that got a gradient, each with its per-example norms (else an error)."""
+def _parameter_rows(df: pd.DataFrame, taps: Sequence[str] | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The records of the parameter taps that got a gradient, each with its per-example norms (else an error), and
+    the (run, step) keys of the steps some of whose taps' rows were left out (their whole-model row is NaN)."""
     missing = [c for c in ("step", "tap", "norm") if c not in df.columns]
     if missing:
         raise GradrunnerError(f"noise_scale needs the columns {missing}; pass the frame gradrunner.analysis.load() returns")
@@ -115,20 +118,37 @@ def _parameter_rows(df: pd.DataFrame, taps: Sequence[str] | None) -> pd.DataFram
     if "has_grad" in rows.columns:
         rows = rows[rows["has_grad"].fillna(True).astype(bool)]
     pen = rows["per_example_norm"] if "per_example_norm" in rows.columns else pd.Series(None, index=rows.index)
-    lacking = rows.loc[pen.isna(), ["tap", "step"]]
-    if len(lacking):
-        names = ", ".join(f"{t!r} (steps {_span(s)})" for t, s in lacking.groupby("tap")["step"])
-        if taps is None and len(set(lacking["tap"])) < len(set(rows["tap"])):
+    lacking = pen.isna()
+    # a tap with norms at no step (the option off, a layer type without them) against one whose norms are null at
+    # some steps only (rows whose squared norms overflowed float32 in a diverging run): those steps are left out
+    never = set(rows.loc[lacking, "tap"]) - set(rows.loc[~lacking, "tap"])
+    named = rows.loc[lacking & rows["tap"].isin(never), ["tap", "step"]]
+    if len(named):
+        names = _steps_of(named)
+        if taps is None and len(never) < len(set(rows["tap"])):
             # Taps chosen for the user: leave out those without norms (GPT-2's wpe without position_ids), saying so.
             warnings.warn(f"noise_scale leaves out {names}: no per_example_norm there (the PerExampleWarning of the "
                           f"run said why); the whole-model row {WHOLE_MODEL!r} pools the other taps only",
                           NoiseScaleWarning, stacklevel=3)  # fmt: skip
-            return rows[~rows["tap"].isin(set(lacking["tap"]))]
-        raise GradrunnerError(
-            f"noise_scale needs per_example_norm on every parameter tap it uses; these records have none for "
-            f"{names}. Turn them on with {_ENABLE}, or leave those taps out: noise_scale(df, taps=[...])."
-        )
-    return rows
+            rows, lacking = rows[~rows["tap"].isin(never)], lacking[~rows["tap"].isin(never)]
+        else:
+            raise GradrunnerError(
+                f"noise_scale needs per_example_norm on every parameter tap it uses; these records have none for "
+                f"{names}. Turn them on with {_ENABLE}, or leave those taps out: noise_scale(df, taps=[...])."
+            )
+    keys = [c for c in ("run_id", "step") if c in rows.columns]
+    partial = rows.loc[lacking, keys].drop_duplicates()
+    if len(partial):
+        warnings.warn(f"noise_scale leaves out the steps of {_steps_of(rows.loc[lacking, ['tap', 'step']])} that have "
+                      f"no per_example_norm (the PerExampleWarning of the run said why: e.g. rows whose squared norms "
+                      f"overflow float32); the whole-model row {WHOLE_MODEL!r} of those steps is NaN",
+                      NoiseScaleWarning, stacklevel=3)  # fmt: skip
+    return rows[~lacking], partial
+
+
+def _steps_of(rows: pd.DataFrame) -> str:
+    """`'fc1:weight' (steps 2-3), ...`: each tap of `rows` (columns tap, step) with the span of its steps."""
+    return ", ".join(f"{t!r} (steps {_span(s)})" for t, s in rows.groupby("tap")["step"])
 
 
 def _span(steps: pd.Series) -> str:
@@ -160,8 +180,9 @@ def _per_tap(rows: pd.DataFrame) -> pd.DataFrame:
                          "value_norm": grouped["value_norm"].first(), "numel": grouped["numel"].first()}).reset_index()  # fmt: skip
 
 
-def _whole_model(per_tap: pd.DataFrame) -> pd.DataFrame:
-    """The taps of each (run, step) pooled: N and S add over disjoint parameters; B must agree."""
+def _whole_model(per_tap: pd.DataFrame, partial: pd.DataFrame) -> pd.DataFrame:
+    """The taps of each (run, step) pooled: N and S add over disjoint parameters; B must agree. The steps of `partial`
+    (a tap's rows left out there) pool NaN: never the other taps alone."""
     keys = [c for c in ("run_id", "step") if c in per_tap.columns]
     if per_tap.empty:
         return per_tap
@@ -178,6 +199,9 @@ def _whole_model(per_tap: pd.DataFrame) -> pd.DataFrame:
     # (a groupby sum skips NaN, and gives 0 for a step whose taps are all NaN)
     sums = {c: once[c].agg(lambda s: s.sum(skipna=False)) for c in ("sq_rows", "sq_norm")}
     whole = pd.DataFrame({"rows": rows["min"], **sums})
+    if len(partial):
+        left = pd.MultiIndex.from_frame(partial[keys]) if len(keys) > 1 else pd.Index(partial[keys[0]])
+        whole.loc[whole.index.isin(left), ["sq_rows", "sq_norm"]] = np.nan
     return whole.reset_index().assign(tap=WHOLE_MODEL)
 
 
