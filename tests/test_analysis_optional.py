@@ -71,6 +71,20 @@ def test_per_example_spread_of_nan_norms_names_no_example() -> None:
     assert s["top_example"].dropna().mode().tolist() == [1]
 
 
+def test_per_example_spread_under_accumulation_is_one_row_per_step_over_the_whole_batch() -> None:
+    """train.accumulate=2: an activation tap's micro-batches gave two rows per (step, tap, call), nothing telling
+    them apart, and `top_example` a row of the micro-batch (found 2026-11-27). One row per step now, over the step's
+    rows in micro-batch order, as a parameter tap's record holds them: micro-batch 1's row 0 is row 2."""
+    df = _rows(step=[0, 0, 0], tap=["h:output", "h:output", "p:weight"], micro_step=[0, 1, None],
+               has_grad=[True, True, True],
+               per_example_norm=[np.array([1.0, 2.0]), np.array([8.0, 1.0]), np.array([0.5, 1.0, 4.0, 0.5])])  # fmt: skip
+    s = per_example_spread(df).set_index("tap")
+    assert len(s) == 2 and s.loc["h:output", "n_examples"] == 4 and s.loc["h:output", "top_example"] == 2
+    assert s.loc["h:output", "dominance"] == pytest.approx(8.0 / 1.5)
+    assert s.loc["h:output", "top_share"] == pytest.approx(64 / 70)
+    assert s.loc["p:weight", "top_example"] == 2 and s.loc["p:weight", "n_examples"] == 4
+
+
 def test_missing_optional_column_names_the_option() -> None:
     df = _rows(step=[0], tap=["a:output"])
     with pytest.raises(GradrunnerError, match=r"no 'per_example_norm' values; run with capture.per_example=true"):

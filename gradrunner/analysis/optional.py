@@ -99,7 +99,9 @@ def per_example_spread(df: pd.DataFrame) -> pd.DataFrame:
     batch), `n_examples`, `max_norm`, `median_norm`, `dominance` (max over median), `top_example`
     (the batch row with the largest norm), `top_share` (its share of the summed squared norms). A record
     holding a NaN norm (a NaN gradient) says neither which row is largest nor by how much: `dominance`
-    and `top_share` NaN, `top_example` null (`Int64`).
+    and `top_share` NaN, `top_example` null (`Int64`). Under gradient accumulation a step's micro-batch records
+    are combined first (`combine_micro_steps`: their rows concatenated in micro-batch order), so a step counts
+    once and `top_example` is a row of the step's whole batch, as in a parameter tap's record.
 
     Example::
 
@@ -107,6 +109,7 @@ def per_example_spread(df: pd.DataFrame) -> pd.DataFrame:
         s.sort_values("dominance", ascending=False).head()    # where one example dominates
     """
     _need(df, "per_example_norm", "capture.per_example=true")
+    df = combine_micro_steps(df)
     rows = df[df["per_example_norm"].notna()]
     ranked = bool(rank_columns(rows))
     out = []
