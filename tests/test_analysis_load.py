@@ -47,6 +47,19 @@ def test_columns_reads_only_those_and_values_only_when_asked(tmp_path: Path) -> 
     assert full["values"].map(lambda v: v is None or len(v)).tolist()[:2] == [4, True]
 
 
+def test_columns_that_no_file_holds_keep_every_row(tmp_path: Path) -> None:
+    """Only `load`'s own columns asked for (`job`, a swept override), or a column no file has: a sweep raised pyarrow's
+    ArrowInvalid and a run came back with 0 rows (found 2026-11-27: pyarrow joins tables without columns into 0 rows)."""
+    make_sweep(tmp_path)
+    rows = [len(pd.read_parquet(tmp_path / str(i) / "grads.parquet")) for i in range(3)]
+    df = load(tmp_path, columns=["job", "seed"])
+    assert df.columns.tolist() == ["job", "capture.strategy", "seed"]
+    assert df.job.tolist() == [str(i) for i, n in enumerate(rows) for _ in range(n)]
+    assert df.seed.tolist() == [i for i, n in enumerate(rows) for _ in range(n)]
+    one = load(tmp_path / "0", columns=["no_such_column"])
+    assert one.shape == (rows[0], 0)
+
+
 def test_parquet_file_path(tmp_path: Path) -> None:
     write_job(tmp_path)
     df = load(tmp_path / "steps.parquet")

@@ -182,5 +182,8 @@ def _per_file_job_columns(
 
 
 def concat(tables: list[pa.Table]) -> pa.Table:
-    """Concatenate tables whose schemas differ: a column some lack is null there, types are promoted."""
+    """Concatenate tables whose schemas differ: a column some lack is null there, types are promoted; tables without
+    a column (`load(sweep, columns=["job"])`: nothing to read but the rows) keep their rows, which pyarrow's drops."""
+    if tables and not any(t.num_columns for t in tables):
+        return pa.table({"rows": pa.nulls(sum(t.num_rows for t in tables))}).drop_columns(["rows"])
     return pa.concat_tables([t.replace_schema_metadata(None) for t in tables], promote_options="permissive")
