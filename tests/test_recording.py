@@ -194,6 +194,23 @@ def test_accumulated_scaled_clipped_parameter_records_are_the_optimisers_gradien
         assert row.norm == pytest.approx(float(g.norm()), rel=1e-5)
 
 
+def test_live_load_reads_the_columns_asked_for_as_load_does(tmp_path: Path) -> None:
+    """`values` named in `columns` was dropped from a live load (found 2026-11-27), and a str `columns` read one
+    column per letter; a live load reads what `load` reads once the session closed, in the order asked for."""
+    model, run = _model(), tmp_path / "live"
+    asked = ["values", "step", "tap"]
+    with gradrunner.record(model, ["0:output"], run, values="full", live_every=1) as rec:
+        for x, y in _batches(2):
+            rec.backward(nn.functional.mse_loss(model(x), y))
+            model.zero_grad()
+            rec.step()
+        live = load(run, live=True, columns=asked)
+        with pytest.raises(GradrunnerError, match=r"columns='norm' is one name; pass a list.*columns=\['norm'\]"):
+            load(run, live=True, columns="norm")
+    pd.testing.assert_frame_equal(live, load(run, columns=asked))
+    assert live.columns.tolist() == asked and live["values"].map(len).tolist() == [5 * 8, 5 * 8]
+
+
 def test_live_load_reads_completed_steps_while_the_job_runs(tmp_path: Path) -> None:
     model, batches = _model(), _batches(5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

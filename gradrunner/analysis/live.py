@@ -25,7 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from gradrunner.errors import GradrunnerError
-from gradrunner.records.columns import KEPT_PREFIX, LOCK_FILE, is_temp_of
+from gradrunner.records.columns import KEPT_PREFIX, LOCK_FILE, is_temp_of, wanted_columns
 from gradrunner.records.segments import LIVE_DIR, SegmentDamaged, SegmentsGone, live_run_id, lock_owner, read_segments
 
 #: How many times a read that met a job closing its files looks again.
@@ -72,8 +72,7 @@ def load_live(
                 "(one is written every few steps); try again in a moment, or lower the segment length "
                 "(record(..., live_every=1))."
             )
-        keep = [n for n in t.column_names if (columns is None or n in columns) and (n != "values" or values)]
-        return t.select(keep).to_pandas()
+        return t.select(wanted_columns(t.column_names, columns, values)).to_pandas()
     raise GradrunnerError(
         f"the live records of {d} kept changing while they were read ({ATTEMPTS} attempts; last: {gone}): the job "
         f"is closing its files. Load {d} again once it has ended (its record files then hold every row)."

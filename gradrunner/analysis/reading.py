@@ -30,13 +30,13 @@ import pyarrow.parquet as pq
 from gradrunner.analysis.labels import FileRead, concat, job_overrides, natural_key, with_job_columns
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
-from gradrunner.records.columns import KEPT_PREFIX, LOCK_FILE, OVERRIDES_KEY
+from gradrunner.records.columns import KEPT_PREFIX, LOCK_FILE, OVERRIDES_KEY, VALUES_COLUMN, wanted_columns
 from gradrunner.records.urls import local_path_of
 
 #: Tables a job writes, each as `<job dir>/<table>.parquet`.
 TABLES = ("grads", "steps")
 #: The captured elements: large (every element of every gradient), so read only when asked for.
-VALUES = "values"
+VALUES = VALUES_COLUMN
 #: What `load` does with a file that does not verify.
 ON_DAMAGED = ("raise", "skip")
 
@@ -96,6 +96,10 @@ def load(
     """
     if on_damaged not in ON_DAMAGED:
         raise GradrunnerError(f"on_damaged={on_damaged!r} is not allowed: allowed: {', '.join(map(repr, ON_DAMAGED))}")
+    if isinstance(columns, str):  # a str is a sequence of its letters: it would read a column per letter
+        raise GradrunnerError(
+            f"columns={columns!r} is one name; pass a list of column names, e.g. columns=[{columns!r}]"
+        )
     path = local_path_of(os.fspath(path), "load()")  # a file:// URL is its local path; other URLs are refused
     if live and table in TABLES:  # a running job's closed segments: gradrunner.analysis.live
         from gradrunner.analysis.live import load_live
@@ -311,10 +315,7 @@ def _read(
             opened = pq.ParquetFile(pa.OSFile(os.fspath(path)), page_checksum_verification=True)
         # A footer whose digest does not match is read as before: read_verified then says why it is refused.
         names = opened.schema_arrow.names if opened is not None else pq.read_schema(path).names
-        if columns is None:
-            wanted = [n for n in names if n != VALUES or values]
-        else:
-            wanted = [n for n in dict.fromkeys([*columns, *([VALUES] if values else [])]) if n in names]
+        wanted = wanted_columns(names, columns, values)
         return rundir.read_verified(path, marker, wanted, digest, opened, check_run_id, use_threads=threads)
     except Exception as e:  # rundir.Damaged, or what pyarrow raises on a damaged footer (UnicodeDecodeError too)
         job = path.parent.relative_to(root).as_posix() if root.is_dir() and path.parent != root else None

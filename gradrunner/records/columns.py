@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -70,6 +71,23 @@ PER_EXAMPLE_COLUMN = "per_example_norm"
 HIST_COLUMN = "hist_counts"
 #: The key of the histogram's bin edges (a JSON list) in the file's key-value metadata.
 HIST_EDGES_KEY = "gradrunner.hist_edges"
+#: The captured elements: large (every element of every gradient), so read only when asked for.
+VALUES_COLUMN = "values"
+
+
+def wanted_columns(names: Sequence[str], columns: Sequence[str] | None, values: bool) -> list[str]:
+    """THE rule for which of a file's columns `names` a reader (`analysis.load`, a live load too) takes: `columns`
+    (in their order) where given, else every one; `values` only when `values=True` or named in `columns`.
+
+    Example::
+
+        wanted_columns(["step", "norm", "values"], None, values=False)       # ['step', 'norm']
+        wanted_columns(["step", "norm", "values"], ["values", "step"], False)   # ['values', 'step']
+    """
+    if columns is None:
+        return [n for n in names if n != VALUES_COLUMN or values]
+    return [n for n in dict.fromkeys([*columns, *([VALUES_COLUMN] if values else [])]) if n in names]
+
 
 #: `capture.histogram`: edges of the log-spaced bins of |g|, four per decade from 1e-30 to 1e10 (the
 #: same for every step, tap and strategy; also in the file's metadata under `gradrunner.hist_edges`).
