@@ -22,10 +22,13 @@ from planted import (
 
 from gradrunner.analysis import (
     compare_strategies,
+    flow_steps,
     forward_order,
     grad_flow,
+    histograms_over_steps,
     load,
     measure,
+    per_example_spread,
     pick_steps,
     run_columns,
     strategy_costs,
@@ -48,6 +51,27 @@ def run(tmp_path: Path) -> pd.DataFrame:
 
 
 # --- run_columns, forward_order, pick_steps, measure -------------------------------------------
+
+
+def test_helpers_name_the_columns_a_frame_read_with_columns_lacks(run: pd.DataFrame) -> None:
+    """A frame of `load(dir, columns=[...])` without a column a helper uses gave pandas' KeyError (or an
+    AttributeError) half-way (found 2026-11-27); each helper names what is missing, in one paragraph."""
+    small = run[["step", "tap", "call", "norm"]]
+    cases = [
+        (lambda: tap_summary(small), "tap_summary", "'has_grad', 'nan_count', 'inf_count'"),
+        (lambda: grad_flow(small), "grad_flow", "'run_id'"),
+        (lambda: flow_steps(small), "flow_steps", "'run_id', 'has_grad', 'nan_count', 'inf_count'"),
+        (lambda: measure(small, "rms"), "measure 'rms'", "'numel'"),
+        (lambda: compare_strategies(small), "compare_strategies", "'strategy'"),
+        (lambda: strategy_costs(small), "strategy_costs", "'strategy', 'captured', 'step_time_s'"),
+        (lambda: per_example_spread(small.assign(per_example_norm=[[1.0]] * len(small))), "per_example_spread", "'run_id'"),
+        (lambda: histograms_over_steps(small.assign(hist_counts=[[1]] * len(small)), "x:output"), "histograms_over_steps",
+         "'run_id'"),
+    ]  # fmt: skip
+    for call, who, named in cases:
+        with pytest.raises(GradrunnerError, match=rf"^{who} needs the column\(s\) {named}.* name them in load") as e:
+            call()
+        assert "\n" not in str(e.value)
 
 
 def test_run_columns_of_one_run_is_empty(run: pd.DataFrame) -> None:

@@ -51,6 +51,7 @@ from collections.abc import Sequence
 import numpy as np
 import pandas as pd
 
+from gradrunner.analysis.summaries import need_columns
 from gradrunner.errors import GradrunnerError
 
 #: The tap of the whole-model rows.
@@ -98,9 +99,7 @@ def noise_scale(df: pd.DataFrame, ema: float | None = None, taps: Sequence[str] 
 def _parameter_rows(df: pd.DataFrame, taps: Sequence[str] | None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The records of the parameter taps that got a gradient, each with its per-example norms (else an error), and
     the (run, step) keys of the steps some of whose taps' rows were left out (their whole-model row is NaN)."""
-    missing = [c for c in ("step", "tap", "norm") if c not in df.columns]
-    if missing:
-        raise GradrunnerError(f"noise_scale needs the columns {missing}; pass the frame gradrunner.analysis.load() returns")
+    need_columns(df, ["step", "tap", "norm"], "noise_scale")
     if taps is not None:
         unknown = sorted(set(taps) - set(df["tap"]))
         if unknown:

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from gradrunner.analysis.micro import combine_micro_steps
-from gradrunner.analysis.summaries import rank_columns
+from gradrunner.analysis.summaries import need_columns, rank_columns
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import HIST_EDGES
 
@@ -57,6 +57,7 @@ def histograms_over_steps(df: pd.DataFrame, tap: str, call: int = 0, rank: int |
     one: `rank=0`. Under gradient accumulation a step's micro-batch counts are added (`combine_micro_steps`).
     """
     _need(df, "hist_counts", "capture.histogram=true")
+    need_columns(df, ["run_id", "step", "tap", "call"], "histograms_over_steps")
     df = combine_micro_steps(df)
     rows = df[(df["tap"] == tap) & (df["call"] == call) & df["hist_counts"].notna()]
     if rank is not None and "rank" in rows.columns:
@@ -109,6 +110,7 @@ def per_example_spread(df: pd.DataFrame) -> pd.DataFrame:
         s.sort_values("dominance", ascending=False).head()    # where one example dominates
     """
     _need(df, "per_example_norm", "capture.per_example=true")
+    need_columns(df, ["run_id", "step", "tap", "call"], "per_example_spread")
     df = combine_micro_steps(df)
     rows = df[df["per_example_norm"].notna()]
     ranked = bool(rank_columns(rows))

@@ -22,7 +22,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from gradrunner.analysis.summaries import forward_order, repeats, run_columns
+from gradrunner.analysis.summaries import forward_order, need_columns, repeats, run_columns
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import STAT_COLUMNS
 
@@ -49,6 +49,7 @@ def strategy_groups(df: pd.DataFrame, by: str = "strategy", keys: list[str] | No
     appearance, comma-separated; "" when none). `compare_strategies` compares the groups missing none.
     `keys` names the group columns of a frame without `run_id` (a `tap_summary`'s run columns).
     """
+    need_columns(df, [by], "strategy_groups")
     return _grouped(df, by, _other_run_columns(df, by) if keys is None else keys)[0]
 
 
@@ -114,6 +115,7 @@ def compare_strategies(df: pd.DataFrame, by: str = "strategy") -> pd.DataFrame:
     when no group has every strategy). `strategies` counts the strategies that have the record.
     Under gradient accumulation each micro-batch's records are compared (`micro_step` is a key).
     """
+    need_columns(df, [by, "step", "tap", "call"], "compare_strategies")
     runs = _other_run_columns(df, by)
     groups, number = _grouped(df, by, runs)
     complete = (groups["missing"] == "").to_numpy()
@@ -160,6 +162,9 @@ def strategy_costs(steps: pd.DataFrame, by: str = "strategy") -> pd.DataFrame:
     one process, so a later job's peak includes the earlier jobs'; compare memory on a GPU, or
     with each job in its own process.
     """
+    need_columns(
+        steps, [by, "step", "captured", "step_time_s", "capture_time_s", "peak_memory_bytes"], "strategy_costs"
+    )
     keys = [by, *_other_run_columns(steps, by)]
     captured = steps[steps["captured"].fillna(False).astype(bool)]
     out = captured.groupby(keys, sort=False, dropna=False).agg(

@@ -1,6 +1,7 @@
 """The usual questions about loaded records, each answered by a short pandas helper.
 
 Contents:
+    need_columns(df, columns, who)    -- a one-paragraph error naming the columns a helper uses that `df` lacks
     run_columns(df)                   -- the columns that tell the runs of a sweep apart
     rank_columns(df) / lowest_rank(df) -- ["rank"] under DDP (several ranks), else []; each run's lowest rank's rows
     forward_order(df)                 -- (tap, call) in the order they fire in the forward pass
@@ -40,6 +41,23 @@ VANISH_BELOW, EXPLODE_ABOVE = 1e-6, 1e3
 # Columns a job writes itself; any other column of a loaded DataFrame came from `load` (a swept override).
 _RECORD_COLUMNS = frozenset(grads_schema(per_example=True, histogram=True).names) | frozenset(STEPS_SCHEMA.names) | {"job"}
 _RUN_CONSTANTS = tuple(c for c in CONSTANT_COLUMNS if c != "run_id")
+
+
+def need_columns(df: pd.DataFrame, columns: Iterable[str], who: str) -> None:
+    """Raise a one-paragraph GradrunnerError naming the `columns` helper `who` uses that `df` lacks (a frame read
+    with `load(dir, columns=[...])`), rather than the KeyError pandas would give half-way.
+
+    Example::
+
+        need_columns(df, ["step", "tap", "has_grad"], "tap_summary")
+    """
+    missing = [c for c in dict.fromkeys(columns) if c not in df.columns]
+    if missing:
+        raise GradrunnerError(
+            f"{who} needs the column(s) {', '.join(map(repr, missing))}, which this frame lacks (columns there: "
+            f"{', '.join(map(str, df.columns)) or 'none'}); pass the frame gradrunner.analysis.load(dir) returns, or "
+            f"name them in load(dir, columns=[...])"
+        )
 
 
 def run_columns(df: pd.DataFrame) -> list[str]:
@@ -163,6 +181,7 @@ def flow_steps(df: pd.DataFrame, n: int = 4) -> list[int]:
     finite steps). Steps after the first non-finite one are all NaN, so none of them is picked.
     Without anything remarkable it is `pick_steps` (spread evenly, first and last included).
     """
+    need_columns(df, ["run_id", "step", "tap", "call", "norm", "has_grad", "nan_count", "inf_count"], "flow_steps")
     steps = sorted({int(s) for s in df["step"]})
     bad = df.loc[(df["nan_count"].fillna(0) > 0) | (df["inf_count"].fillna(0) > 0), "step"]
     first_bad = int(bad.min()) if len(bad) else None
@@ -202,6 +221,7 @@ def measure(df: pd.DataFrame, name: str = "norm") -> pd.Series:
       sampled elements with `capture.values=sample`.
     """
     if name == "rms":
+        need_columns(df, ["norm", "numel"], "measure 'rms'")
         return (df["norm"] / np.sqrt(df["numel"].where(df["numel"] > 0))).rename("rms")
     if name == "mean_abs":
         if "values" not in df.columns or df["values"].isna().all():
@@ -237,6 +257,7 @@ def tap_summary(
     (`combine_micro_steps`: the whole batch's gradient), so `steps` counts steps. Records of several
     ranks (torchrun) get a row per rank (a `rank` column after `call`): each rank's own first and last.
     """
+    need_columns(df, ["step", "tap", "call", "has_grad", "nan_count", "inf_count"], "tap_summary")
     df = combine_micro_steps(df)
     keys = [*run_columns(df), "tap", "call", *rank_columns(df)]
     d = df.assign(_v=measure(df, stat)).sort_values("step", kind="stable")
@@ -286,6 +307,7 @@ def grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure_name
     position and rank.
     Under gradient accumulation each step's micro-batch records are combined first (`combine_micro_steps`).
     """
+    need_columns(df, ["run_id", "step", "tap", "call"], "grad_flow")
     df = combine_micro_steps(df)
     chosen = pick_steps(df["step"]) if steps is None else [int(s) for s in steps]
     runs = run_columns(df)
