@@ -170,6 +170,26 @@ def test_an_infinite_grad_norm_against_a_finite_one_differs(runs: dict[str, Path
     assert code == 1 and f"first difference: step 2, grad_norm: {a:.6g} vs {b:.6g} (rel inf)" in out
 
 
+@pytest.mark.parametrize("stat", ["grad_norm", "loss"])
+def test_a_step_value_one_run_did_not_record_is_named_not_a_difference(runs: dict[str, Path], tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str],
+                                                                       stat: str) -> None:  # fmt: skip
+    """A run whose steps table holds no grad_norm (a record() session given none: null on every row) or no loss
+    (rec.step() without one), against a run of the same training that has them: compare said "differ", first
+    difference "step 0, grad_norm: nan vs 1.009" (found 2026-11-27), a value one run never recorded."""
+    unrecorded = _with_step_value(runs["a"], tmp_path, 0, stat, np.nan)
+    f = unrecorded / "steps.parquet"
+    t = pq.read_table(f)
+    field = t.schema.field(stat)
+    pq.write_table(t.set_column(t.schema.get_field_index(stat), field, pa.nulls(t.num_rows, field.type)), f)
+    for pair, only in (((unrecorded, runs["b"]), "B"), ((runs["b"], unrecorded), "A")):
+        c = compare_runs(*pair)
+        assert c.agree and f"{stat} recorded in run {only} only: not compared" in c.notes
+        assert stat not in set(c.values["stat"])
+        code, out, _ = run_main(capsys, *pair)
+        assert code == 0 and out.splitlines()[0] == f"note: {stat} recorded in run {only} only: not compared"
+
+
 def _sweep_of(runs: dict[str, Path], root: Path) -> Path:
     for i, name in enumerate(("a", "b")):
         shutil.copytree(runs[name], root / "sweep" / str(i))

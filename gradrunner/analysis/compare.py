@@ -4,9 +4,9 @@
 `load` refuses it) and compares every record both have, matched on (step, tap, call, rank, micro_step), over
 the gradient's statistics, its `shape` (exactly) and, where both runs recorded them, its elements (`ELEMENTS`:
 the captured `values`, `per_example_norm`, `hist_counts`, element by element; a list of another length
-differs), and each step's loss; an element column only one run recorded is named in a note, not compared, and so
-is a record whose element list is null in one run only: null is unknown (`per_example_norm` where the shares could
-not be exact), never an empty list.
+differs), and each step's loss and grad_norm; an element column, or a step column, only one run recorded (null
+on every row) is named in a note, not compared, and so is a record whose element list is null in one run only:
+null is unknown (`per_example_norm` where the shares could not be exact), never an empty list.
 `python -m gradrunner.compare RUN_A RUN_B` prints the first difference in step order and the worst taps (`main`).
 
 Example::
@@ -238,7 +238,11 @@ def compare_runs(run_a: str | os.PathLike[str], run_b: str | os.PathLike[str], r
         )
     tap_order = {t: i for i, t in enumerate(dict.fromkeys([*grads_a["tap"], *grads_b["tap"]]))}
     stats = [*STATS, *(c for c in OPTIONAL if c in grads_a.columns and c in grads_b.columns)]
-    step_stats = [c for c in STEP_STATS if c in steps_a.columns and c in steps_b.columns]
+    step_stats = [c for c in STEP_STATS if _recorded(steps_a, c) and _recorded(steps_b, c)]
+    for column in STEP_STATS:  # a record() session given no grad_norm (or rec.step() no loss): null on every row
+        only = [run for run, s in (("A", steps_a), ("B", steps_b)) if _recorded(s, column)]
+        if len(only) == 1:
+            notes.append(f"{column} recorded in run {only[0]} only: not compared")
     lists = [c for c in (SHAPE, *ELEMENTS) if _recorded(grads_a, c) and _recorded(grads_b, c)]
     for column, option in ELEMENTS.items():  # never an agreement claimed on what one run did not record
         only = [run for run, g in (("A", grads_a), ("B", grads_b)) if _recorded(g, column)]
