@@ -190,6 +190,18 @@ def test_a_step_value_one_run_did_not_record_is_named_not_a_difference(runs: dic
         assert code == 0 and out.splitlines()[0] == f"note: {stat} recorded in run {only} only: not compared"
 
 
+def test_the_verdict_names_the_step_value_that_differs(runs: dict[str, Path], tmp_path: Path) -> None:
+    """Equal losses, a grad_norm twice as large at step 1: the verdict said "1 of 3 steps' loss" differ (found
+    2026-11-27), a loss difference that is not in the files."""
+    changed = _with_step_value(runs["a"], tmp_path, 1, "grad_norm", 2 * float(
+        pd.read_parquet(runs["a"] / "steps.parquet").set_index("step").loc[1, "grad_norm"]))  # fmt: skip
+    verdict = compare_runs(runs["a"], changed).summary().splitlines()[0]
+    records = len(load(runs["a"]))
+    assert verdict == f"differ beyond rtol=1e-05, atol=1e-08: 0 of {records} records and 1 of 3 steps' grad_norm; 0 only in one run"
+    loss = _with_step_value(runs["a"], tmp_path, 1, "loss", 7.0)
+    assert "and 1 of 3 steps' loss;" in compare_runs(runs["a"], loss).summary().splitlines()[0]
+
+
 def _sweep_of(runs: dict[str, Path], root: Path) -> Path:
     for i, name in enumerate(("a", "b")):
         shutil.copytree(runs[name], root / "sweep" / str(i))

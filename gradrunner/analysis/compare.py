@@ -140,9 +140,10 @@ class Comparison:
             return "\n".join([*notes, f"agree: {self.records} records and {losses} {what} within {tol}{largest}"])
         bad = self.values[self.values["differs"]]
         n_bad = bad.dropna(subset=["tap"])[list(KEY)].drop_duplicates().shape[0]
-        bad_losses = _losses(bad[bad["tap"].isna()])[0]
+        bad_steps = bad[bad["tap"].isna()]  # what differs of them: the loss, grad_norm or both
+        differing = _losses(self.values[self.values["tap"].isna()], list(dict.fromkeys(bad_steps["stat"])) or ["loss"])
         lines = [*notes, f"differ beyond {tol}: {n_bad} of {self.records} records and "
-                 f"{bad_losses} of {losses} {what}; {len(self.missing)} only in one run"]  # fmt: skip
+                 f"{_losses(bad_steps)[0]} of {losses} {differing[1]}; {len(self.missing)} only in one run"]  # fmt: skip
         first = self.first()
         assert first is not None
         lines.append(f"first difference: {_where(first)}")
@@ -276,14 +277,17 @@ def _few(taps: pd.Series) -> str:
     return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
-def _losses(rows: pd.DataFrame) -> tuple[int, str]:
+def _losses(rows: pd.DataFrame, stats: Sequence[str] = ("loss",)) -> tuple[int, str]:
     """How many losses `rows` (the steps table's compared values) hold, and what they are: a loss per step, or
-    under torchrun a loss per step and rank ("6 (step, rank) losses: 3 steps on 2 ranks")."""
+    under torchrun a loss per step and rank ("6 (step, rank) losses: 3 steps on 2 ranks"); `stats` names the step
+    values meant where they are not the loss ("steps' grad_norm": those that differ)."""
     pairs = rows[["step", "rank"]].drop_duplicates() if "rank" in rows.columns else rows[["step"]].drop_duplicates()
     ranks = int(pairs["rank"].nunique()) if "rank" in pairs.columns else 1
+    name = " and ".join(stats)
     if ranks < 2:
-        return len(pairs), "steps' loss"
-    return len(pairs), f"(step, rank) losses ({pairs['step'].nunique()} steps on {ranks} ranks)"
+        return len(pairs), f"steps' {name}"
+    plural = "losses" if list(stats) == ["loss"] else f"{name} values"
+    return len(pairs), f"(step, rank) {plural} ({pairs['step'].nunique()} steps on {ranks} ranks)"
 
 
 def _read(run: str | os.PathLike[str], notes: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
