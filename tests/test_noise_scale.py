@@ -189,6 +189,13 @@ def test_a_step_without_per_example_norms_is_left_out_not_the_run() -> None:
         same = [k for k in ns.index if k != (3, WHOLE_MODEL)]
         assert sorted(same) == sorted(k for k in reference.index if k != (3, WHOLE_MODEL))
         pd.testing.assert_frame_equal(ns.loc[same], reference.loc[same])
+    ranks = pd.concat([frame.assign(per_example_norm=[p if p is None else p[:2] for p in frame.per_example_norm], rank=0),
+                       frame.assign(per_example_norm=[p if p is None else p[2:] for p in frame.per_example_norm], rank=1)])  # fmt: skip
+    ranks.loc[(ranks.step == 1) & (ranks.tap == "2:bias") & (ranks["rank"] == 1), "per_example_norm"] = None
+    with pytest.warns(NoiseScaleWarning, match=r"'2:bias' \(steps 1-2\)"):
+        split = noise_scale(ranks).set_index(["step", "tap"])  # a step's tap without rank 1's rows: not half a batch
+    assert (1, "2:bias") not in split.index and split.loc[(1, WHOLE_MODEL), ["g2", "trace_sigma"]].isna().all()
+    pd.testing.assert_frame_equal(split.loc[[(0, "2:bias"), (0, WHOLE_MODEL)]], ns.loc[[(0, "2:bias"), (0, WHOLE_MODEL)]])
 
 
 def test_a_nan_tap_makes_the_whole_model_row_nan() -> None:

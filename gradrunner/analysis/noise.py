@@ -117,7 +117,8 @@ def _parameter_rows(df: pd.DataFrame, taps: Sequence[str] | None) -> tuple[pd.Da
     if "has_grad" in rows.columns:
         rows = rows[rows["has_grad"].fillna(True).astype(bool)]
     pen = rows["per_example_norm"] if "per_example_norm" in rows.columns else pd.Series(None, index=rows.index)
-    lacking = pen.isna()
+    # a step's rows of a tap are one batch over its ranks: one rank's null leaves the tap's step unknown
+    lacking = pen.isna().groupby([rows[c] for c in ("run_id", "step", "tap") if c in rows.columns]).transform("any")
     # a tap with norms at no step (the option off, a layer type without them) against one whose norms are null at
     # some steps only (rows whose squared norms overflowed float32 in a diverging run): those steps are left out
     never = set(rows.loc[lacking, "tap"]) - set(rows.loc[~lacking, "tap"])
