@@ -100,3 +100,16 @@ def test_without_micro_steps_nothing_changes() -> None:
     df = pd.DataFrame({"step": [0, 0], "tap": ["a:output", "b:output"], "call": [0, 0], "norm": [1.0, 2.0],
                        "has_grad": [True, True], "micro_step": [None, None]})  # fmt: skip
     assert combine_micro_steps(df) is df
+
+
+def test_a_tap_one_micro_batch_did_not_reach_keeps_the_others_per_example_norms() -> None:
+    """A branch taken in micro-batch 0 only ("module not called" in micro-batch 1): the combined record is that of
+    the micro-batches with a gradient (norm, numel, shape: micro-batch 0's), but its per_example_norm was null (found
+    2026-11-27), so per_example_spread and the report's per-example table left the tap out."""
+    df = pd.DataFrame({"run_id": "r", "step": [0, 0], "tap": "side:output", "call": 0, "micro_step": [0, 1],
+                       "has_grad": [True, False], "norm": [5.0, None], "numel": [2, 0], "mean": [1.0, None],
+                       "shape": [np.array([2, 1]), np.array([], dtype=np.int64)],
+                       "per_example_norm": [np.array([3.0, 4.0]), None]})  # fmt: skip
+    row = combine_micro_steps(df).iloc[0]
+    assert row.norm == 5.0 and row.numel == 2 and list(row["shape"]) == [2, 1]
+    np.testing.assert_array_equal(row["per_example_norm"], [3.0, 4.0])

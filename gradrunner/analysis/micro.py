@@ -131,7 +131,7 @@ def _combine_into(out: pd.DataFrame, parts: pd.DataFrame, group: np.ndarray) -> 
         out["edited"] = total(edited.astype(np.float64), everywhere) > 0
         after = np.where(edited, col("edited_norm"), col("norm"))
         put("edited_norm", np.where(out["edited"], np.sqrt(total(after**2)), np.nan))
-    _combine_lists(out, parts, group)
+    _combine_lists(out, parts, group, grad)
 
 
 def _extreme(values: np.ndarray, group: np.ndarray, mask: np.ndarray, n: int, op: str) -> np.ndarray:
@@ -142,8 +142,9 @@ def _extreme(values: np.ndarray, group: np.ndarray, mask: np.ndarray, n: int, op
     return picked.reindex(range(n)).to_numpy(dtype=np.float64)
 
 
-def _combine_lists(out: pd.DataFrame, parts: pd.DataFrame, group: np.ndarray) -> None:
-    """The list columns: `shape` side by side along dim 0, `per_example_norm` concatenated, `hist_counts` summed."""
+def _combine_lists(out: pd.DataFrame, parts: pd.DataFrame, group: np.ndarray, grad: np.ndarray) -> None:
+    """The list columns: `shape` side by side along dim 0, `per_example_norm` concatenated (over the micro-batches
+    with a gradient, `grad`, as the statistics: one the tap did not reach has no rows), `hist_counts` summed."""
     indices = pd.Series(np.arange(len(group))).groupby(group).indices
     rows = [indices[g] for g in range(len(out))]
     if "shape" in parts.columns:
@@ -151,7 +152,8 @@ def _combine_lists(out: pd.DataFrame, parts: pd.DataFrame, group: np.ndarray) ->
         out["shape"] = pd.Series([_side_by_side([shapes[i] for i in r]) for r in rows], index=out.index, dtype=object)
     if PER_EXAMPLE_COLUMN in parts.columns:
         pe = parts[PER_EXAMPLE_COLUMN].to_numpy()
-        joined = [None if any(pe[i] is None for i in r) else np.concatenate([pe[i] for i in r]) for r in rows]
+        with_grad = [[i for i in r if grad[i]] or list(r) for r in rows]
+        joined = [None if any(pe[i] is None for i in r) else np.concatenate([pe[i] for i in r]) for r in with_grad]
         out[PER_EXAMPLE_COLUMN] = pd.Series(joined, index=out.index, dtype=object)
     if HIST_COLUMN in parts.columns:
         hist = parts[HIST_COLUMN].to_numpy()
