@@ -101,8 +101,9 @@ def per_example_spread(df: pd.DataFrame) -> pd.DataFrame:
     (the batch row with the largest norm), `top_share` (its share of the summed squared norms). A record
     holding a NaN norm (a NaN gradient) says neither which row is largest nor by how much: `dominance`
     and `top_share` NaN, `top_example` null (`Int64`). Under gradient accumulation a step's micro-batch records
-    are combined first (`combine_micro_steps`: their rows concatenated in micro-batch order), so a step counts
-    once and `top_example` is a row of the step's whole batch, as in a parameter tap's record.
+    are combined first (`combine_micro_steps`: the rows of the micro-batches that reached the tap, concatenated in
+    micro-batch order), so a step counts once and `top_example` is a row of the step's whole batch (as in a parameter
+    tap's record) when every micro-batch reached the tap.
 
     Example::
 
