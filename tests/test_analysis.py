@@ -185,6 +185,16 @@ def test_grad_flow_taps_in_forward_order_for_the_chosen_steps(run: pd.DataFrame)
     assert at0.set_index("tap").loc["fc1:output", "rms"] == pytest.approx(0.1 / 2)
 
 
+def test_grad_flow_names_steps_the_records_do_not_hold(run: pd.DataFrame) -> None:
+    """A step no record holds (not captured, or past the run's end) gave an empty table, and an empty figure, with
+    nothing said (found 2026-11-27)."""
+    steps = sorted(set(run.step))
+    with pytest.raises(GradrunnerError, match=rf"^grad_flow: step\(s\) 99 are not in these records \(steps there: "
+                       rf"{', '.join(map(str, steps))}\)") as e:  # fmt: skip
+        grad_flow(run, steps=[0, 99])
+    assert "\n" not in str(e.value)
+
+
 def test_grad_flow_default_steps_and_sweep_runs_in_record_order(sweep: pd.DataFrame) -> None:
     flow = grad_flow(sweep)
     assert flow.strategy.unique().tolist() == list(STRATEGIES)

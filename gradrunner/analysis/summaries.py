@@ -301,8 +301,8 @@ def grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure_name
         flow.pivot(index="label", columns="step", values="rms")      # one run
         grad_flow(df[df.name == "weight"])                            # parameters only
 
-    `steps` defaults to `pick_steps(df.step)` (four, first and last included); `measure_name` is
-    one of `measure`'s names. Columns: `run_id`, the run columns, `step`, `tap`, `call` (`rank` under
+    `steps` defaults to `pick_steps(df.step)` (four, first and last included); a step the records do not
+    hold is a GradrunnerError naming the steps there; `measure_name` is one of `measure`'s names. Columns: `run_id`, the run columns, `step`, `tap`, `call` (`rank` under
     torchrun), the measure, `position` (forward order) and `label`; runs in record order, then step,
     position and rank.
     Under gradient accumulation each step's micro-batch records are combined first (`combine_micro_steps`).
@@ -310,6 +310,14 @@ def grad_flow(df: pd.DataFrame, steps: Iterable[int] | None = None, measure_name
     need_columns(df, ["run_id", "step", "tap", "call"], "grad_flow")
     df = combine_micro_steps(df)
     chosen = pick_steps(df["step"]) if steps is None else [int(s) for s in steps]
+    there = sorted({int(s) for s in df["step"]})
+    absent = [s for s in chosen if s not in set(there)]
+    if absent:
+        shown = ", ".join(map(str, there[:20])) + (f", ... ({len(there)} steps)" if len(there) > 20 else "")
+        raise GradrunnerError(
+            f"grad_flow: step(s) {', '.join(map(str, absent))} are not in these records (steps there: {shown}); "
+            "pick among them, e.g. steps=pick_steps(df.step)"
+        )
     runs = run_columns(df)
     d = df[df["step"].isin(chosen)]
     ranks = rank_columns(df)
