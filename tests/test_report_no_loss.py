@@ -49,3 +49,25 @@ def test_a_run_without_a_loss_is_reported_as_such(tmp_path: Path, grad_norm: boo
     if not grad_norm:
         assert "<p>Loss not recorded: every step's loss is null in steps.parquet" in page
     assert "loss: not recorded" in (out / "gradrunner.log").read_text(encoding="utf-8")  # the last word's words
+
+
+@pytest.mark.parametrize("grad_norm", [False, True], ids=["nothing to draw", "grad_norm only"])
+def test_an_aggregated_sweep_without_a_loss_is_reported_as_such(tmp_path: Path, grad_norm: bool) -> None:
+    """More than AGGREGATE_ABOVE runs, none with a loss: the report raised StopIteration (nothing to draw), or said
+    "median loss nan → nan; last loss NaN/Inf in 9 runs" and named every run as NaN/Inf (found 2026-11-27): a null
+    loss is not a NaN one."""
+    from gradrunner.analysis.aggregate import AGGREGATE_ABOVE
+    from gradrunner.report import write_report
+
+    sweep = tmp_path / "sweep"
+    for job in range(AGGREGATE_ABOVE + 1):
+        _run(sweep / str(job), grad_norm)
+    assert all(pq.read_table(f).column("loss").null_count == 3 for f in sweep.glob("*/steps.parquet"))
+    page = write_report(sweep).read_text(encoding="utf-8")
+    assert "Loss not recorded over 9 runs;" in _answer(page) and "nan →" not in _answer(page).lower()
+    assert "last loss NaN/Inf" not in _answer(page)
+    assert "Runs with NaN/Inf" not in page
+    assert tables_after(page, "Runs")["runs with NaN/Inf loss"].tolist() == [0]
+    assert (sweep / "report-loss.png").exists() is grad_norm
+    if not grad_norm:
+        assert "<p>Loss not recorded: every step's loss is null in steps.parquet" in page

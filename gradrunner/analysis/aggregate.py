@@ -165,7 +165,8 @@ def _keyed(frame: pd.DataFrame, layout: SweepLayout) -> tuple[pd.DataFrame, list
 
 def runs_by_value(runs: pd.DataFrame, layout: SweepLayout) -> pd.DataFrame:
     """`per_run`'s rows grouped by swept value: runs, median captured steps, the last loss's median and band, and
-    how many runs had a NaN/Inf loss, NaN/Inf, vanishing or exploding taps.
+    how many runs had a NaN/Inf loss (of those whose `loss recorded` is true, where `runs` has that column),
+    NaN/Inf, vanishing or exploding taps.
 
     Example::
 
@@ -180,7 +181,11 @@ def runs_by_value(runs: pd.DataFrame, layout: SweepLayout) -> pd.DataFrame:
     table[f"last loss ({BAND[0]:.0%})"] = last.quantile(BAND[0])
     table[f"last loss ({BAND[1]:.0%})"] = last.quantile(BAND[1])
     finite = np.isfinite(frame["last loss"].to_numpy(dtype=np.float64))
-    table["runs with NaN/Inf loss"] = frame.assign(_bad=~finite).groupby(keys, sort=True, dropna=False)["_bad"].sum()
+    # a run whose loss was not recorded (null: `rec.step()` without one; the report's `loss recorded`) is no NaN one
+    recorded = frame["loss recorded"].to_numpy(dtype=bool) if "loss recorded" in frame.columns else True
+    table["runs with NaN/Inf loss"] = (
+        frame.assign(_bad=~finite & recorded).groupby(keys, sort=True, dropna=False)["_bad"].sum()
+    )
     for column, label in (("nan/inf", "NaN/Inf"), ("vanishing", "vanishing"), ("exploding", "exploding")):
         table[f"runs with {label} taps"] = g[column].sum().astype("int64")
     return table.reset_index()

@@ -44,6 +44,16 @@ _KINDS = (("first_nonfinite_step", "NaN or Inf", "from step"), ("first_vanishing
           ("first_exploding_step", "exploding", f"norm above {EXPLODE_ABOVE:g} from step"))  # fmt: skip
 
 
+#: What the page says of a run whose steps table holds no loss (null: `rec.step()` without one), as the last word.
+NO_LOSS = "loss not recorded"
+
+
+def no_loss_section() -> str:
+    """The loss section of a run or sweep none of whose steps recorded a loss, with nothing else to draw: why."""
+    why = "every step's loss is null in steps.parquet (rec.step() without one): nothing to draw"
+    return html_section("Loss over the steps", f"<p>{NO_LOSS.capitalize()}: {why}.</p>")
+
+
 def run_label_columns(summary: pd.DataFrame) -> list[str]:
     """The columns of a tap summary before `tap`: those naming the run."""
     return list(summary.columns[: summary.columns.get_loc("tap")])

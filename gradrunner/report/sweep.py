@@ -35,8 +35,16 @@ from gradrunner.analysis.optional import UPDATE_RATIO_GUIDE, update_ratios
 from gradrunner.analysis.summaries import flow_steps, forward_order
 from gradrunner.records.columns import CONSTANT_COLUMNS, HIST_COLUMN, PER_EXAMPLE_COLUMN
 from gradrunner.report.page import FigureWriter, html_section, html_table, import_plots
-from gradrunner.report.records import drawn_values
-from gradrunner.report.sections import compare, edit_sections, extra_sections, findings_html, strategy_sections
+from gradrunner.report.records import drawn_values, loss_not_recorded
+from gradrunner.report.sections import (
+    NO_LOSS,
+    compare,
+    edit_sections,
+    extra_sections,
+    findings_html,
+    no_loss_section,
+    strategy_sections,
+)
 
 #: Runs named in the list of runs with NaN/Inf at most (a large sweep); the rest are counted.
 _NAMED_RUNS = 10
@@ -59,13 +67,17 @@ def sweep_sections(
     said = layout.describe()
     with_grad = grads[grads["has_grad"].fillna(False).astype(bool)]
     runs = per_run(grads, steps, summary, layout)
+    runs["loss recorded"] = _last_loss_recorded(out_dir, runs, steps)  # a null loss (rec.step() without one) is no NaN
     sections = [html_section("Findings", findings_html(summary))]
     if steps is not None and len(steps):
         tables = {c: over_runs(steps, c, layout, ["step"]) for c in ("loss", "grad_norm")
                   if c in steps.columns and steps[c].notna().any()}  # fmt: skip
-        sections.append(figure(out_dir, "loss", "Loss over the steps", plots_sweep.plot_loss_over_steps(tables, layout),
-                               said))  # fmt: skip
-    bad = runs[runs["nan/inf"] | ~np.isfinite(runs["last loss"].to_numpy(dtype=np.float64))]
+        if tables:
+            fig = plots_sweep.plot_loss_over_steps(tables, layout)
+            sections.append(figure(out_dir, "loss", "Loss over the steps", fig, said))
+        elif not runs["loss recorded"].any():  # nothing to draw: say why
+            sections.append(no_loss_section())
+    bad = runs[runs["nan/inf"] | (runs["loss recorded"] & ~np.isfinite(runs["last loss"].to_numpy(dtype=np.float64)))]
     named = ""
     if len(bad):
         names = ", ".join(str(n) for n in (bad["job"] if "job" in bad.columns else bad.index)[:_NAMED_RUNS])
@@ -105,6 +117,15 @@ def sweep_sections(
     return sections, "<br>".join(html.escape(t) for t in [said, *_sweep_answer(runs, layout)])
 
 
+def _last_loss_recorded(out_dir: Path, runs: pd.DataFrame, steps: pd.DataFrame | None) -> pd.Series:
+    """Per run of `runs` (by run_id): whether its last step's loss was recorded (a NaN one too), as the files say."""
+    if steps is None or not len(steps):
+        return pd.Series(True, index=runs.index)  # the loss is the records' (`per_run`)
+    null = steps.assign(_null=loss_not_recorded(out_dir, steps)).sort_values("step", kind="stable")
+    last = null.drop_duplicates("run_id", keep="last").set_index("run_id")["_null"]
+    return ~last.reindex(runs.index, fill_value=True).astype(bool)
+
+
 def _sweep_update_ratios(out_dir: Path, grads: pd.DataFrame, layout: SweepLayout, figure: FigureWriter) -> list[str]:
     """A large sweep's update-to-weight ratios: per swept value and parameter tap, the median over runs and its band."""
     from gradrunner.report import plots_sweep
@@ -132,9 +153,15 @@ def _sweep_answer(runs: pd.DataFrame, layout: SweepLayout) -> list[str]:
     for key, rows in groups:
         values = key if isinstance(key, tuple) else (key,)
         label = ", ".join(f"{c}={v}" for c, v in zip(layout.keys, values, strict=True))
-        parts = [f"median loss {rows['first loss'].median():.4g} → {rows['last loss'].median():.4g} "
-                 f"over {len(rows):,} runs"]  # fmt: skip
-        bad_loss = int((~np.isfinite(rows["last loss"].to_numpy(dtype=np.float64))).sum())
+        recorded = (
+            rows["loss recorded"].to_numpy(dtype=bool) if "loss recorded" in rows.columns else np.ones(len(rows), bool)
+        )
+        if recorded.any():
+            parts = [f"median loss {rows['first loss'].median():.4g} → {rows['last loss'].median():.4g} "
+                     f"over {len(rows):,} runs"]  # fmt: skip
+        else:
+            parts = [f"{NO_LOSS} over {len(rows):,} runs"]
+        bad_loss = int((recorded & ~np.isfinite(rows["last loss"].to_numpy(dtype=np.float64))).sum())
         if bad_loss:
             parts.append(f"last loss NaN/Inf in {bad_loss:,} run{'s' * (bad_loss > 1)} (left out of the median)")
         for column, what in (("nan/inf", "NaN/Inf"), ("vanishing", "vanishing taps"), ("exploding", "exploding taps")):

@@ -55,11 +55,13 @@ from gradrunner.report.page import (
 )
 from gradrunner.report.records import config_value, drawn_values, light_columns, loss_not_recorded
 from gradrunner.report.sections import (
+    NO_LOSS,
     Agreement,
     compare,
     edit_sections,
     extra_sections,
     findings_html,
+    no_loss_section,
     run_label_columns,
     strategy_sections,
 )
@@ -186,8 +188,7 @@ def _run_sections(
         if any(c in steps.columns and steps[c].notna().any() for c in ("loss", "grad_norm")):
             sections.append(figure_section(out_dir, "loss", "Loss over the steps", plots.plot_loss(steps)))
         elif known is not None and not known.any():  # nothing to draw: say why
-            why = "every step's loss is null in steps.parquet (rec.step() without one): nothing to draw"
-            sections.append(html_section("Loss over the steps", f"<p>{_NO_LOSS.capitalize()}: {why}.</p>"))
+            sections.append(no_loss_section())
         sections += _training_sections(out_dir, steps)
     sections += [
         _runs_section(grads, steps, known, left_out),
@@ -239,9 +240,6 @@ def _load_steps(out_dir: Path) -> pd.DataFrame | None:
         return None
 
 
-#: What the page says of a run whose steps table holds no loss (null: `rec.step()` without one), as the last word.
-_NO_LOSS = "loss not recorded"
-
 
 def _runs_section(
     grads: pd.DataFrame, steps: pd.DataFrame | None, known: pd.Series | None = None, left_out: str = ""
@@ -264,7 +262,7 @@ def _runs_section(
         said = [r in last.index for r in g.size().index]
     else:
         said = [True] * len(runs)
-    runs["last loss"] = [(f"{v:.6g}" if v == v else "NaN") if s else _NO_LOSS  # NaN shown, not blank
+    runs["last loss"] = [(f"{v:.6g}" if v == v else "NaN") if s else NO_LOSS  # NaN shown, not blank
                          for v, s in zip(runs["last loss"], said, strict=True)]  # fmt: skip
     note = f'\n<p class="bad">{html.escape(left_out)}</p>' if left_out else ""
     return html_section("Runs", html_table(runs) + note)
@@ -368,7 +366,7 @@ def _run_sentence(
         if len(loss):
             parts.append(f"loss {loss.iloc[0]:.4g} → {loss.iloc[-1]:.4g} over {len(s)} steps")
         elif len(s):
-            parts.append(f"{_NO_LOSS} over {len(s)} steps")
+            parts.append(f"{NO_LOSS} over {len(s)} steps")
     nonfinite = rows["first_nonfinite_step"].dropna()
     if len(nonfinite):
         first = rows[rows["first_nonfinite_step"] == nonfinite.min()].iloc[0]
@@ -385,7 +383,7 @@ def _run_sentence(
     never = rows[rows["steps"] == 0]
     if len(never):
         parts.append(f"{len(never)} tap{'s' * (len(never) > 1)} never had a gradient")
-    said_loss = steps is not None and bool(parts) and parts[0].startswith(("loss", _NO_LOSS))
+    said_loss = steps is not None and bool(parts) and parts[0].startswith(("loss", NO_LOSS))
     if len(parts) == int(said_loss):  # nothing but the loss: no trouble
         parts.append("no NaN/Inf, no vanishing or exploding gradient")
     text = "; ".join(parts)
