@@ -71,6 +71,16 @@ def test_per_example_spread_of_nan_norms_names_no_example() -> None:
     assert s["top_example"].dropna().mode().tolist() == [1]
 
 
+def test_per_example_spread_of_zero_norms_names_no_example() -> None:
+    """Every row's norm exactly 0 (a dead ReLU layer): dominance inf, top_example 0 and top_share 0 (found
+    2026-11-27), as if row 0 dominated; no row contributes, so none is named. Most rows 0 and one not: that one."""
+    df = _rows(step=[0, 1], tap=["h:output"] * 2, per_example_norm=[np.zeros(3), np.array([0.0, 0.0, 3.0])])
+    s = per_example_spread(df).set_index("step")
+    assert pd.isna(s.loc[0, "top_example"]) and np.isnan(s.loc[0, ["dominance", "top_share"]]).all()
+    assert s.loc[0, "max_norm"] == 0.0 and s.loc[0, "n_examples"] == 3
+    assert s.loc[1, "top_example"] == 2 and s.loc[1, "dominance"] == np.inf and s.loc[1, "top_share"] == 1.0
+
+
 def test_per_example_spread_under_accumulation_is_one_row_per_step_over_the_whole_batch() -> None:
     """train.accumulate=2: an activation tap's micro-batches gave two rows per (step, tap, call), nothing telling
     them apart, and `top_example` a row of the micro-batch (found 2026-11-27). One row per step now, over the step's

@@ -99,8 +99,8 @@ def per_example_spread(df: pd.DataFrame) -> pd.DataFrame:
     Columns: `run_id`, `step`, `tap`, `call` (`rank` under torchrun: `top_example` is a row of that rank's
     batch), `n_examples`, `max_norm`, `median_norm`, `dominance` (max over median), `top_example`
     (the batch row with the largest norm), `top_share` (its share of the summed squared norms). A record
-    holding a NaN norm (a NaN gradient) says neither which row is largest nor by how much: `dominance`
-    and `top_share` NaN, `top_example` null (`Int64`). Under gradient accumulation a step's micro-batch records
+    holding a NaN norm (a NaN gradient), or only zeros (a dead layer: no row contributes), says neither which row
+    is largest nor by how much: `dominance` and `top_share` NaN, `top_example` null (`Int64`). Under gradient accumulation a step's micro-batch records
     are combined first (`combine_micro_steps`: the rows of the micro-batches that reached the tap, concatenated in
     micro-batch order), so a step counts once and `top_example` is a row of the step's whole batch (as in a parameter
     tap's record) when every micro-batch reached the tap.
@@ -122,7 +122,8 @@ def per_example_spread(df: pd.DataFrame) -> pd.DataFrame:
             continue
         median = float(np.median(norms))
         sq = norms * norms
-        unknown = bool(np.isnan(norms).any())  # argmax would name the NaN row, and max/median read inf
+        # argmax would name the NaN row, and max/median read inf; all rows 0 (a dead layer): no row is largest
+        unknown = bool(np.isnan(norms).any()) or not norms.any()
         with np.errstate(invalid="ignore"):  # inf / inf (norms that overflowed): NaN, not a warning
             dominance = float(norms.max() / median) if median > 0 else float("inf")
             share = float(sq.max() / sq.sum()) if sq.sum() > 0 else 0.0
