@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from pathlib import Path
@@ -233,6 +234,21 @@ def test_a_stop_on_a_nonfinite_loss_ends_by_nonfinite(tmp_path: Path) -> None:
     # the callback's own argument, not the runner's config (`capture.on_nonfinite`, `optimizer.lr`), and the dir
     assert str(e.value).startswith("GradientCaptureCallback(..., on_nonfinite='stop'): stopped at step 1, where ")
     assert f"kept in {tmp_path / 'run'}." in str(e.value) and "capture." not in str(e.value)
+
+
+def test_a_stop_on_a_nonfinite_loss_leaves_the_records_written(tmp_path: Path) -> None:
+    """The callback's own NonFinite ends its session as it leaves train(), as Lightning's does: the run dir holds the
+    records through the step that stopped it, and its last word, with no close() (before: only its lock)."""
+    from gradrunner.run.guards import NonFinite
+
+    cb = GradientCaptureCallback(taps=TAPS[:1], dir=tmp_path / "run", on_nonfinite="stop")
+    with pytest.raises(NonFinite, match="stopped at step 1"):
+        _train(tmp_path / "hf", [cb], learning_rate=1e9, max_grad_norm=0.0)
+    steps = load(tmp_path / "run", table="steps")
+    assert list(steps.step) == [0, 1] and math.isfinite(steps.loss[0]) and math.isnan(steps.loss[1])
+    assert sorted(set(load(tmp_path / "run").step)) == [0, 1]
+    assert "ended by NonFinite; the records of 2 completed step(s)" in _last_word(tmp_path / "run")
+    assert cb.recorder is None and not (tmp_path / "run" / "done.json").exists()
 
 
 def test_a_close_with_the_error_out_of_sight_names_no_error(tmp_path: Path) -> None:

@@ -36,7 +36,8 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
   the Trainer's steps (the user goes on with the model: before that forward runs, every hook and edit
   is removed), when the process exits, when the callback is garbage-collected, when the next `train()`
   into the same dir begins (with this or a new callback), or at `callback.close()`; the last word names
-  the error where it is in sight (`_trainer_error`);
+  the error where it is in sight (`_trainer_error`). An error the session itself raises into `train()`
+  (`on_nonfinite="stop"`'s `NonFinite`, records that cannot be written) ends it at once, with that error;
 - `lr`/`lrs` are the rates of the step's optimizer step (`on_pre_optimizer_step`), `clipped` the
   logged `grad_norm` above `max_grad_norm`; `resume=True` with `train(resume_from_checkpoint=...)`
   keeps the records of the steps before the checkpoint's `global_step`;
@@ -169,11 +170,7 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         if not self._alive():  # ended already (a forward outside the Trainer's steps): its books are written
             self._close(None)
             return
-        try:
-            self._flush()
-        except BaseException as e:
-            self._close(e)
-            raise
+        self._flush()
         assert self.recorder is not None
         dropped = self.recorder.end_within_step()  # should_training_stop inside an accumulation window: a normal end
         if dropped:
@@ -186,9 +183,16 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         return self.recorder is not None and self._finalizer is not None and self._finalizer.alive
 
     def _flush(self) -> None:
+        """Write the step the Trainer completed, if it waits. An error of the session's own (`on_nonfinite="stop"`'s
+        `NonFinite`, a full disk) ends the session with it, as it leaves `train()`: the records and the last word are
+        in the run dir then, not at a later `close()`."""
         if self._alive():
             assert self.recorder is not None and self._run is not None
-            _write_completed(self.recorder, self._run)
+            try:
+                _write_completed(self.recorder, self._run)
+            except BaseException as e:
+                self._close(e)
+                raise
 
     def close(self) -> None:
         """End the session after a `train()` that raised: the completed steps' records kept, no `done.json` (idempotent).
