@@ -117,6 +117,24 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_records(tmp_path: Path, 
     _same(load(tmp_path / "whole", table="steps"), load(run, table="steps"))
 
 
+def test_a_resume_after_an_epochs_short_last_window_draws_on_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    """gradient_accumulation_steps=3 over epochs of 4 micro-batches: windows of 3 and 1, so the uninterrupted run has
+    run 4 backwards before step 2, not 2 * 3. A dropout edit resumed from checkpoint-2 draws on from backward 4 (as the
+    Trainer's own resume counts the epoch's batches): its masks, records and training are the uninterrupted run's."""
+    edits, more = [{"tap": TAPS[0], "dropout": 0.5}], {"gradient_accumulation_steps": 3}
+    _train(tmp_path / "whole-hf", [GradientCaptureCallback(taps=TAPS[:1], dir=tmp_path / "whole", edits=edits)], **more)
+    run, out = tmp_path / "run", tmp_path / "hf"
+    with pytest.raises(RuntimeError, match="crash"):
+        _train(out, [GradientCaptureCallback(taps=TAPS[:1], dir=run, edits=edits), Crash()], save_strategy="steps",
+               save_steps=2, **more)  # fmt: skip
+    _train(out, [GradientCaptureCallback(taps=TAPS[:1], dir=run, resume=True, edits=edits)],
+           resume_from=str(out / "checkpoint-2"), save_strategy="steps", save_steps=2, **more)  # fmt: skip
+    whole, resumed = load(tmp_path / "whole"), load(run)
+    assert list(whole.groupby("step").size()) == [3, 1, 3, 1]  # the epochs' windows
+    _same(whole, resumed)  # edited_norm included: the same masks
+    _same(load(tmp_path / "whole", table="steps"), load(run, table="steps"))
+
+
 class HalveMlpGradient(transformers.TrainerCallback):
     """A plain tensor hook: the first block's MLP output gradient times 0.5 (what the edit below does)."""
 

@@ -40,7 +40,8 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
   (`on_nonfinite="stop"`'s `NonFinite`, records that cannot be written) ends it at once, with that error;
 - `lr`/`lrs` are the rates of the step's optimizer step (`on_pre_optimizer_step`), `clipped` the
   logged `grad_norm` above `max_grad_norm`; `resume=True` with `train(resume_from_checkpoint=...)`
-  keeps the records of the steps before the checkpoint's `global_step`;
+  keeps the records of the steps before the checkpoint's `global_step`, and seeded edits (`dropout`,
+  `noise_std`) draw on from the micro-batches the Trainer ran before it (`_backwards_before`);
 - under multi-process training (`torchrun`) rank 0 writes every rank's rows (`rank` column), and
   parameter taps are read after the backward that synchronised (accelerate's last micro-batch).
   `fsdp` asked for on CPU trains DDP (accelerate enables FSDP on accelerators only): a warning says so.
@@ -97,7 +98,7 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
-        optimizer: Any = None, **kwargs: Any,
+        optimizer: Any = None, train_dataloader: Any = None, **kwargs: Any,
     ) -> None:  # fmt: skip
         if self.recorder is not None:  # a train() that raised never ended its session: close it now
             self.close()
@@ -120,7 +121,9 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         finalizer = weakref.finalize(self, _end_unfinished, stack, rec, run)
         try:
             stack.enter_context(_watch_model(model, rec, run, finalizer))
-            rec.start_at(state.global_step)  # resume=True with resume_from_checkpoint: the records before it kept
+            # resume=True with resume_from_checkpoint: the records before it kept, seeded edits drawn on from its backwards
+            rec.start_at(state.global_step, _backwards_before(state.global_step, args.gradient_accumulation_steps,
+                                                              train_dataloader))  # fmt: skip
         except BaseException as e:
             finalizer.detach()
             stack.__exit__(type(e), e, None)
@@ -354,6 +357,23 @@ def _raised_in(tb: TracebackType | None, state: TrainerState) -> bool:
             return True
         tb = tb.tb_next
     return False
+
+
+def _backwards_before(step: int, accumulate: int, dataloader: Any) -> int | None:
+    """The micro-batches the Trainer ran before optimiser step `step`, counted as its own resume counts them.
+
+    An epoch of `len(dataloader)` micro-batches is `ceil(len / accumulate)` steps, the last holding what is left
+    (4 micro-batches at `accumulate=3`: windows of 3 and 1), so after whole epochs the count is not
+    `step * accumulate`. None (that default) where the dataloader has no length: every window is whole.
+    """
+    from transformers.trainer_utils import has_length  # the Trainer's own test (an unsized or Ray dataset: False)
+
+    if not has_length(dataloader):
+        return None
+    per_epoch = len(dataloader)
+    steps_per_epoch = max(per_epoch // accumulate + int(per_epoch % accumulate > 0), 1)  # the Trainer's own rule
+    epochs, within = divmod(step, steps_per_epoch)
+    return epochs * per_epoch + within * accumulate
 
 
 def _sharded(model: nn.Module) -> bool:

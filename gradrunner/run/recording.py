@@ -374,7 +374,7 @@ class Recorder:
         Under `resume=True` the kept records of the steps before `step` stay, those from `step` on are
         recorded again (a training resumed from a checkpoint before the last recorded step). Seeded edits
         (`dropout`, `noise_std`) draw on as the uninterrupted run did from its backward `backwards` (the
-        backwards before `step`; by default `step`, one per step; a callback: times the framework's accumulation).
+        backwards before `step`; by default `step`, one per step; a callback: the framework's, as its resume counts them).
         Refused (one paragraph): a step that is no whole number of at least 0; under `resume=True` a step after the
         last one kept, or after 0 with nothing kept (those steps' records would be missing).
         """
