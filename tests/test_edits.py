@@ -387,6 +387,26 @@ def test_an_edit_inside_a_checkpoint_is_applied_once(reentrant: bool, captured_s
             torch.testing.assert_close(got.grad, want.grad, msg=f"{strategy}: {name}")
 
 
+@pytest.mark.parametrize("captured_step", [True, False], ids=["captured", "uncaptured"])
+def test_a_seeded_edit_inside_a_reentrant_checkpoint_draws_what_it_draws_without_one(captured_step: bool) -> None:
+    """dropout on a tap inside `checkpoint(use_reentrant=True)` (HF's `gradient_checkpointing_kwargs={"use_reentrant":
+    True}`): the recomputation runs inside the backward whose number seeds the draw, and draws that backward's masks,
+    not the next one's: every backward's `.grad` is the unchecked model's (before: other masks from the first)."""
+    model, x = Checkpointed(reentrant=True), torch.randn(3, 4, requires_grad=True)
+    plain = copy.deepcopy(model)
+    plain.forward = lambda t: plain.head(torch.tanh(plain.b(torch.tanh(plain.a(t)))))  # type: ignore[method-assign]
+    edits = [{"tap": "a:output", "dropout": 0.5}]
+    for strategy in STRATEGIES[:2]:  # autograd.grad refuses reentrant checkpoints
+        with capture(model, [], strategy, edits=edits) as cap, capture(plain, [], strategy, edits=edits) as ref:
+            for _ in range(3):  # backwards 0, 1, 2: each its own masks
+                cap.enabled = ref.enabled = captured_step
+                model.zero_grad(), plain.zero_grad()
+                cap.backward(model(x).sum())
+                ref.backward(plain(x).sum())
+                for (name, want), got in zip(plain.named_parameters(), model.parameters(), strict=True):
+                    torch.testing.assert_close(got.grad, want.grad, msg=f"{strategy}: {name}")
+
+
 def test_a_glob_edit_skips_matches_that_cannot_carry_a_gradient() -> None:
     model = nn.Sequential(Embed(), nn.Linear(4, 1))
     ids = torch.tensor([1, 2, 3])

@@ -269,6 +269,7 @@ class Edits:
                 if tap.kind == "param":
                     self._add_param(edit, tap, getattr(modules[tap.module], tap.name))
         self.step = -1  # becomes 0 at the first backward
+        self._running = False  # between `begin_backward` and `end_backward`: backward `step` runs
         self._calls: dict[str, int] = {}
         #: edited norms of the backward in progress (then: the last one), by record key
         self.norms: dict[TapKey, torch.Tensor] = {}
@@ -391,7 +392,9 @@ class Edits:
         self._calls[tap.tap] = call + 1
         if key is not None:
             call = key.call
-        step = max(self.step + 1, 0)
+        # the backward the gradient flows in: the next one, or the one running, whose start was seen, for a value
+        # recomputed inside it (a reentrant checkpoint's second pass; its first, without grad, is not edited)
+        step = max(self.step + (0 if self._running and in_backward() else 1), 0)
 
         def edit(grad: torch.Tensor) -> torch.Tensor:
             self.seen()
@@ -405,6 +408,7 @@ class Edits:
     def begin_backward(self) -> None:
         """A backward starts: it is step `self.step`; forget the previous backward's calls and norms."""
         self.step += 1
+        self._running = True
         self._calls = {}
         self._arrived, self._parts = {}, {}
         self.norms = {}
@@ -412,7 +416,7 @@ class Edits:
     def end_backward(self, replacing: Collection[int] = ()) -> dict[int, torch.Tensor]:
         """The backward ended: its parameters' gradients as they arrived join the step's (replace it, for the
         parameters in `replacing`: their `.grad` was reset before it, `ParamTaps.replacing`); returned by `id`."""
-        done, self._arrived = self._arrived, {}
+        done, self._arrived, self._running = self._arrived, {}, False
         for key, g in done.items():
             before = self._step_arrived.get(key)
             self._step_arrived[key] = g if before is None or key in replacing else before + g
