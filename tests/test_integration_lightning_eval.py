@@ -70,3 +70,38 @@ def test_a_backward_in_validation_is_not_captured(tmp_path: Path, accumulate: in
     assert list(out.norm) == pytest.approx(module.out_norms, rel=1e-6) and len(module.out_norms) == 4
     assert sorted(set(load(tmp_path / "run", table="steps").step)) == list(range(steps))
     assert (tmp_path / "run" / "done.json").is_file()
+
+
+class StopAtValidation(pl.Callback):
+    """Stops training at the first validation of the fit (EarlyStopping's way: `trainer.should_stop` in
+    `on_validation_end`)."""
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            trainer.should_stop = True
+
+
+def test_a_stop_inside_an_accumulation_window_is_a_normal_end(tmp_path: Path) -> None:
+    """accumulate_grad_batches=2, a validation after the third batch that stops training (EarlyStopping): Lightning
+    ends normally with step 1's first micro-batch backpropagated and no optimiser step. done.json; step 0 with both
+    micro-batches (the norms a plain hook saw); the lone micro-batch not written, which an INFO line says; no advice
+    meant for record()'s users (before: not marked complete, and 'Call rec.step() after each optimiser step')."""
+    module = Saliency()
+    loader = torch.utils.data.DataLoader(dataset(4), batch_size=5, shuffle=False)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[GradientCapture(taps=TAPS[:1], dir=tmp_path / "run"),
+                                                  StopAtValidation()], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
+                         inference_mode=False, val_check_interval=3, limit_val_batches=1, num_sanity_val_steps=0,
+                         accumulate_grad_batches=2)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, loader, loader)
+    assert trainer.global_step == 1 and len(module.out_norms) == 3  # the third batch's backward, no step after it
+    out = load(tmp_path / "run").sort_values("micro_step")
+    assert list(zip(out.step, out.micro_step, strict=True)) == [(0, 0), (0, 1)]
+    assert list(out.norm) == pytest.approx(module.out_norms[:2], rel=1e-6)
+    assert list(load(tmp_path / "run", table="steps").step) == [0]
+    assert (tmp_path / "run" / "done.json").is_file()
+    text = (tmp_path / "run" / "gradrunner.log").read_text()
+    assert "Lightning's fit ended inside step 1's accumulation window" in text
+    assert "1 captured micro-batch(es) are not written" in text and "rec.step()" not in text

@@ -175,11 +175,7 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
             return
         self._flush()
         assert self.recorder is not None
-        dropped = self.recorder.end_within_step()  # should_training_stop inside an accumulation window: a normal end
-        if dropped:
-            log.info("the Trainer ended inside step %d's accumulation window, which no optimiser step closed: its %d "
-                     "captured micro-batch(es) are not written (a step is one optimiser step); the run is complete "
-                     "with the steps before it", self.recorder.step_index, dropped)  # fmt: skip
+        self.recorder.end_within_step("the Trainer")  # should_training_stop inside an accumulation window: a normal end
         self._close(None)
 
     def _alive(self) -> bool:

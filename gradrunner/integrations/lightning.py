@@ -26,6 +26,8 @@ backward runs unchanged, nothing of Lightning or torch is patched:
   micro-batch's backward is captured as the runner's `train.accumulate=N`: activation taps one
   record per micro-batch (`micro_step`), parameter taps one per step, the `.grad` accumulated since
   its last reset (`micro_step` null; LBFGS's closure evaluations: the last one's, `Capture.restarted`); the gradients are those before clipping (`gradient_clip_val`);
+  a stop inside a window (`trainer.should_stop`: `EarlyStopping` at a validation mid-window) ends the run normally,
+  that window's micro-batches, which no optimiser step took, unwritten (`Recorder.end_within_step`);
 - under a precision plugin with a GradScaler (`precision="16-mixed"`), gradients are divided by its
   scale on their device: the records hold the true, unscaled gradients;
 - `steps.parquet`'s `loss` is the sum of the losses Lightning backpropagated in the step (divided
@@ -226,6 +228,8 @@ class GradientCapture(CallbackOptions, Callback):
             self.recorder.capture.enabled = self._was_enabled
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.recorder is not None:  # should_stop (EarlyStopping) inside an accumulation window: a normal end
+            self.recorder.end_within_step("Lightning's fit")
         self._close(None)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

@@ -356,17 +356,20 @@ class Recorder:
                             "ever); the README's section on this framework says where the loss is read", self.who)  # fmt: skip
         return self.engine.end_step(loss, **(extra or {}))
 
-    def end_within_step(self) -> int:
-        """The framework ends training normally inside a step (an accumulation window no optimiser step closed).
+    def end_within_step(self, framework: str) -> int:
+        """`framework` ended training normally inside a step (an accumulation window no optimiser step closed): its
+        backwards are not written, an INFO line says so, and the run is complete. Returns how many.
 
         Example::
 
-            dropped = rec.end_within_step()     # then leave the block: done.json; those backwards are not written
-
-        Returns how many backwards no step took (the caller says so).
+            rec.end_within_step("the Trainer")     # then leave the block: done.json
         """
-        self._unclosed_ends = True
-        return self.engine.pending_backwards
+        self._unclosed_ends, dropped = True, self.engine.pending_backwards
+        if dropped:
+            log.info("%s ended inside step %d's accumulation window, which no optimiser step closed: its %d captured "
+                     "micro-batch(es) are not written (a step is one optimiser step); the run is complete with the "
+                     "steps before it", framework, self.step_index, dropped)  # fmt: skip
+        return dropped
 
     def start_at(self, step: int, backwards: int | None = None) -> None:
         """Number the next step `step` (a resumed run's first); capture is on for its forward when it is captured.
@@ -392,10 +395,8 @@ class Recorder:
 
     def _check_open(self, what: str) -> None:
         if not self._open:
-            raise GradrunnerError(
-                f"rec.{what}() was called outside the `with record(...) as rec:` block; call it inside the block "
-                "(the run dir's writers are open only there)."
-            )
+            raise GradrunnerError(f"rec.{what}() was called outside the `with record(...) as rec:` block; call it "
+                                  "inside the block (the run dir's writers are open only there).")  # fmt: skip
 
 
 #: `record(model, taps, run_dir, ...)`: the documented spelling of `Recorder(...)`.
