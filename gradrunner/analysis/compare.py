@@ -17,7 +17,7 @@ Example::
     print(c.summary())
 
 A value of run B agrees with run A's when both are finite and |a - b| <= atol + rtol * |a| (numpy's
-`isclose`, run A the reference), or both are NaN, or both are the same infinity (`agrees`): an infinity
+`isclose`, run A the reference), or both are NaN, or both are the same infinity (`agreement.agrees`): an infinity
 against a finite value or the other infinity differs, however loose the tolerance. Counts (`EXACT`: `numel`,
 `nan_count`, `inf_count`, `has_grad`, `hist_counts`) and `shape` must be equal, whatever the tolerance. The defaults, `RTOL`
 1e-5 and `ATOL` 1e-8, are for float32 records: a run repeated gives identical records, and two runs
@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from gradrunner.analysis.agreement import agrees, relative
 from gradrunner.analysis.reading import load
 from gradrunner.errors import GradrunnerError, one_paragraph
 from gradrunner.records import rundir
@@ -425,33 +426,3 @@ def _elementwise(matched: pd.DataFrame, key: list[str], column: str, rtol: float
         differs = np.logical_or.reduceat(~ok, start)
         parts.append(matched[key].iloc[both].assign(stat=stat, a=fa[pick], b=fb[pick], rel=rel[pick], differs=differs))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
-
-
-def agrees(a: np.ndarray, b: np.ndarray, rtol: float, atol: float) -> np.ndarray:
-    """Elementwise: equal (the same infinity too), or both NaN, or both finite and |a - b| <= atol + rtol * |a|.
-
-    Example::
-
-        agrees(np.array([1.0, np.nan]), np.array([1.0 + 1e-9, np.nan]), 1e-5, 1e-8)   # [True, True]
-        agrees(np.array([np.inf, np.inf]), np.array([1.0, -np.inf]), 1e-5, 1e-8)        # [False, False]
-
-    The tolerance is for finite values only: with a = inf, |a - b| <= rtol * |a| would be inf <= inf,
-    true for every b. The one rule of "the same value" for compare, replay and the report's strategy table.
-    """
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    with np.errstate(invalid="ignore"):
-        close = np.isfinite(a) & np.isfinite(b) & (np.abs(a - b) <= atol + rtol * np.abs(a))
-    return (a == b) | (np.isnan(a) & np.isnan(b)) | close
-
-
-def relative(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """|a - b| / |a| elementwise: 0 where they are equal (NaN and NaN too), inf where a is 0 or only one is NaN.
-
-    Example::
-
-        relative(np.array([0.0123]), np.array([0.0456]))     # [2.707...]
-    """
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rel = np.abs(a - b) / np.abs(a)
-    same = (a == b) | (np.isnan(a) & np.isnan(b))
-    return np.where(same, 0.0, np.where(np.isnan(rel), np.inf, rel))

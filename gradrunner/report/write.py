@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 
 from gradrunner.analysis.aggregate import AGGREGATE_ABOVE
-from gradrunner.analysis.compare import agrees
+from gradrunner.analysis.agreement import agrees
 from gradrunner.analysis.micro import combine_micro_steps
 from gradrunner.analysis.reading import IncompleteSweepWarning, load
 from gradrunner.analysis.summaries import flow_steps, lowest_rank, run_columns, tap_summary, vanishing_boundary
