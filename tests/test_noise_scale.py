@@ -7,6 +7,7 @@ Records are built as the capture writes them for parameter taps: `norm` the `.gr
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,9 @@ from gradrunner.capturing.per_example import PerExampleNorms
 from gradrunner.errors import GradrunnerError
 
 
-def records(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], reduction: str = "mean") -> pd.DataFrame:
+def records(
+    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], reduction: str = "mean"
+) -> pd.DataFrame:
     """One step per batch: each parameter's record (norm of .grad, per-example norms), as the capture writes them."""
     params = [(f"{mn}:{pn}", m, p) for mn, m in model.named_modules() for pn, p in m.named_parameters(recurse=False)]
     out = []
@@ -195,7 +198,9 @@ def test_a_step_without_per_example_norms_is_left_out_not_the_run() -> None:
     with pytest.warns(NoiseScaleWarning, match=r"'2:bias' \(steps 1-2\)"):
         split = noise_scale(ranks).set_index(["step", "tap"])  # a step's tap without rank 1's rows: not half a batch
     assert (1, "2:bias") not in split.index and split.loc[(1, WHOLE_MODEL), ["g2", "trace_sigma"]].isna().all()
-    pd.testing.assert_frame_equal(split.loc[[(0, "2:bias"), (0, WHOLE_MODEL)]], ns.loc[[(0, "2:bias"), (0, WHOLE_MODEL)]])
+    pd.testing.assert_frame_equal(
+        split.loc[[(0, "2:bias"), (0, WHOLE_MODEL)]], ns.loc[[(0, "2:bias"), (0, WHOLE_MODEL)]]
+    )
 
 
 def test_a_nan_tap_makes_the_whole_model_row_nan() -> None:
@@ -296,3 +301,36 @@ def test_the_run_report_draws_the_noise_scale_per_layer(tmp_path: Path) -> None:
     for _, row in want.iterrows():
         got = table[table.tap == row.tap].iloc[0]
         assert got.b_simple_ema == pytest.approx(row.b_simple_ema, rel=1e-3)
+
+
+def test_a_tap_that_is_not_a_parameter_is_refused_when_named() -> None:
+    """`taps=["0:output"]` (an activation: its row norms add up to its norm, so g2 = 0 and b_simple ~ 1e17) was taken as
+    a parameter tap and pooled into "*" (found 2026-11-27). The noise scale is over parameter gradients only: a
+    module's output or input, a `local.` variable, or a tap without the `update_norm` the parameter taps of these
+    records have, is refused by name; the default selection is the parameter taps alone."""
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))
+    frame = records(model, [(torch.randn(4, 2), torch.randn(4, 1)) for _ in range(2)])
+    params = sorted(set(frame.tap))
+    acts = []
+    for step, part in frame.groupby("step"):  # an activation's record: its rows' norms, and its norm, of dim 0's rows
+        grad = torch.randn(4, 3, dtype=torch.float64)
+        for tap in ("0:output", "1:input.0", ":local.h", ":h"):
+            acts.append({"run_id": "r", "step": step, "tap": tap, "name": tap.split(":")[1], "norm": float(grad.norm()),
+                         "per_example_norm": grad.norm(dim=1).tolist(), "update_norm": None, "has_grad": True,
+                         "rank": 0, "value_norm": 1.0, "numel": 12})  # fmt: skip
+    frame = pd.concat([frame, pd.DataFrame(acts)], ignore_index=True)
+    reference = noise_scale(frame[frame.tap.isin(params)])
+    pd.testing.assert_frame_equal(noise_scale(frame), reference)  # by default: the parameter taps only
+    for tap, why in (
+        ("0:output", "output"),
+        ("1:input.0", "input"),
+        (":local.h", "local variable"),
+        (":h", "update_norm"),
+    ):
+        with pytest.raises(GradrunnerError, match=rf"'{re.escape(tap)}' \(.*{why}.*parameter taps.*'0:bias'"):
+            noise_scale(frame, taps=[*params, tap])
+    without_updates = frame.assign(update_norm=None)
+    with pytest.raises(GradrunnerError, match=r"'0:output' \(a module's output"):
+        noise_scale(without_updates, taps=["0:output"])
+    pd.testing.assert_frame_equal(noise_scale(without_updates, taps=params), reference)

@@ -33,7 +33,10 @@ EMA(trace_sigma) / EMA(g2) over the steps of each run and tap, each EMA m_t = be
 from m = 0 (the bias correction cancels in the ratio): McCandlish et al. smooth the numerator and
 denominator separately, since the ratio of two noisy unbiased estimates is biased.
 
-Parameter taps are those with an `update_norm` (what records hold for parameters), or those named in `taps`.
+Parameter taps are those with an `update_norm` (what records hold for parameters), or those named in `taps`; a
+named tap that records show is not a parameter's is refused: a module's output or input, a `local.` variable
+(told by the name: `records.columns.activation_kind`), or a tap without an `update_norm` in records whose
+parameter taps have one. (An activation's row norms add up to its own norm: g2 would be 0, b_simple meaningless.)
 
 Example::
 
@@ -53,6 +56,7 @@ import pandas as pd
 
 from gradrunner.analysis.summaries import need_columns
 from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import activation_kind
 
 #: The tap of the whole-model rows.
 WHOLE_MODEL = "*"
@@ -74,7 +78,8 @@ def noise_scale(df: pd.DataFrame, ema: float | None = None, taps: Sequence[str] 
         ns.pivot(index="step", columns="tap", values="b_simple_ema")    # per layer over steps
 
     `ema` (0 <= ema < 1) adds `b_simple_ema`; `taps` picks the parameter taps (default: those with an
-    `update_norm`). `run_id` is a column when the records hold it. With one row (B = 1) nothing can
+    `update_norm`; a named tap that is not a parameter's, a module's output for one, raises GradrunnerError).
+    `run_id` is a column when the records hold it. With one row (B = 1) nothing can
     be estimated: NaN. Taps chosen by default whose records carry no per-example norms (a layer type
     without them) are left out with a `NoiseScaleWarning` naming them; a tap named in `taps` without
     them, or no tap with them, raises GradrunnerError. A tap whose norms are null at some steps only (rows whose
@@ -92,7 +97,9 @@ def noise_scale(df: pd.DataFrame, ema: float | None = None, taps: Sequence[str] 
         out["b_simple_ema"] = _ema_ratio(out, ema)
     keys = [c for c in ("run_id", "step", "tap") if c in out.columns]
     order = out["tap"].eq(WHOLE_MODEL).astype(int)  # "*" after the taps of its step
-    out = out.assign(_star=order).sort_values([*keys[:-1], "_star", "tap"]).drop(columns=["_star", "sq_norm", "sq_rows"])
+    out = (
+        out.assign(_star=order).sort_values([*keys[:-1], "_star", "tap"]).drop(columns=["_star", "sq_norm", "sq_rows"])
+    )
     return out.reset_index(drop=True)
 
 
@@ -105,6 +112,7 @@ def _parameter_rows(df: pd.DataFrame, taps: Sequence[str] | None) -> tuple[pd.Da
         if unknown:
             raise GradrunnerError(f"taps {unknown} are not in these records; taps there: {sorted(set(df['tap']))}")
         chosen = list(taps)
+        _refuse_non_parameters(df, chosen)
     elif "update_norm" in df.columns and df["update_norm"].notna().any():
         chosen = sorted(set(df.loc[df["update_norm"].notna(), "tap"]))
     else:
@@ -144,6 +152,25 @@ def _parameter_rows(df: pd.DataFrame, taps: Sequence[str] | None) -> tuple[pd.Da
                       f"overflow float32); the whole-model row {WHOLE_MODEL!r} of those steps is NaN",
                       NoiseScaleWarning, stacklevel=3)  # fmt: skip
     return rows[~lacking], partial
+
+
+def _refuse_non_parameters(df: pd.DataFrame, taps: Sequence[str]) -> None:
+    """Raise GradrunnerError naming the taps of `taps` that the records show are not parameter taps, and why."""
+    updated = set(df.loc[df["update_norm"].notna(), "tap"]) if "update_norm" in df.columns else set()
+    why = {t: activation_kind(t) or ("no update_norm in these records, which hold one for each parameter tap"
+                                     if updated and t not in updated else None) for t in taps}  # fmt: skip
+    bad = {t: w for t, w in why.items() if w is not None}
+    if bad:
+        if updated:
+            allowed = f"the parameter taps of these records, {sorted(updated)}, or leave `taps` out to take them all"
+        else:
+            others = sorted({str(t) for t in df["tap"]} - {t for t in df["tap"] if activation_kind(str(t))})
+            allowed = f"parameter taps ('<module>:<parameter>'; the other taps of these records: {others})"
+        raise GradrunnerError(
+            "noise_scale estimates the noise of parameter gradients only (McCandlish et al.); "
+            + ", ".join(f"{t!r} ({w})" for t, w in bad.items())
+            + f" {'is not a parameter tap' if len(bad) == 1 else 'are not parameter taps'}. Name {allowed}."
+        )
 
 
 def _steps_of(rows: pd.DataFrame) -> str:
@@ -194,7 +221,9 @@ def _whole_model(per_tap: pd.DataFrame, partial: pd.DataFrame) -> pd.DataFrame:
             f"the parameter taps of step {bad.index[0]} have different numbers of per-example norms "
             f"({int(bad['min'].iloc[0])} and {int(bad['max'].iloc[0])}): they are not one batch's rows"
         )
-    once = per_tap.drop_duplicates([*keys, "rows", "sq_rows", "sq_norm", "value_norm", "numel"]).groupby(keys, sort=True)
+    once = per_tap.drop_duplicates([*keys, "rows", "sq_rows", "sq_norm", "value_norm", "numel"]).groupby(
+        keys, sort=True
+    )
     # a tap whose sums are NaN (a NaN gradient) leaves the pooled ones unknown: NaN, never the other taps' alone
     # (a groupby sum skips NaN, and gives 0 for a step whose taps are all NaN)
     sums = {c: once[c].agg(lambda s: s.sum(skipna=False)) for c in ("sq_rows", "sq_norm")}

@@ -25,6 +25,7 @@ from torch.nn.utils import parametrize
 from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names
 from gradrunner.capturing.forward_patch import tapped_forward
 from gradrunner.errors import GradrunnerError
+from gradrunner.records.columns import ACTIVATION_NAMES, LOCAL_PREFIX
 
 TapSpec = str | Mapping[str, str]
 Kind = Literal["output", "input", "param", "local"]
@@ -50,10 +51,6 @@ class Tap:
     def variable(self) -> str:
         """A local tap's variable name: `name`, or what follows `local.` (`local.input` is a local named input)."""
         return self.name.removeprefix(LOCAL_PREFIX)
-
-
-#: `local.<name>` names a local variable of forward() explicitly: the way to tap one named `input` or `output`.
-LOCAL_PREFIX = "local."
 
 
 def parse_spec(spec: object) -> tuple[str, str]:
@@ -122,7 +119,7 @@ def _resolve_name(module_path: str, module: nn.Module, name: str, locals_too: bo
         except SourceUnavailable:
             return None
         return Tap(module_path, name, "local") if found else None
-    if head in ("output", "input"):
+    if head in ACTIVATION_NAMES:
         return Tap(module_path, name, head, element_path(rest) if rest else ())  # type: ignore[arg-type]
     if name in dict(module.named_parameters(recurse=False)):
         return Tap(module_path, name, "param")

@@ -56,6 +56,29 @@ def is_temp_of(filename: str, name: str) -> bool:
     return (filename.startswith(f".{name}.") and filename.endswith(TEMP_SUFFIX)) or filename == f".{name}{TEMP_SUFFIX}"
 
 
+#: Tap names (what follows a tap's last ":") that name a module's output or input, or an element of one (`output.0`,
+#: `input.KEY`): the part before the first "." is one of these. Capture resolves them before parameters.
+ACTIVATION_NAMES = ("output", "input")
+#: `local.<name>` names a local variable of forward() explicitly: the way to tap one named `input` or `output`.
+LOCAL_PREFIX = "local."
+
+
+def activation_kind(tap: str) -> str | None:
+    """What tap `tap` ("<module>:<name>") names by its name alone when that is never a parameter, else None.
+
+    Example::
+
+        activation_kind("fc1:output.0")    # "a module's output"
+        activation_kind(":local.h")        # "a local variable of forward()"
+        activation_kind("fc1:weight")      # None (a parameter, or a local variable named so)
+    """
+    name = tap.rpartition(":")[2]
+    if name.startswith(LOCAL_PREFIX):
+        return "a local variable of forward()"
+    head = name.partition(".")[0]
+    return f"a module's {head}" if head in ACTIVATION_NAMES else None
+
+
 #: Columns repeated on every row of a job (taken from the writer's `constants`), then `rank`.
 CONSTANT_COLUMNS = ("run_id", "experiment", "strategy", "device", "dtype")
 #: Columns of `StepRecords` that hold one float64 statistic per record.
