@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from conftest import child_python, cli_env, compose_cfg, leftover_hooks, python_m
 from torch import nn
 
@@ -415,3 +416,22 @@ def test_an_error_inside_the_listing_is_not_told_as_hydras_before_the_task(tmp_p
     result = taps_cli(tmp_path, "+experiment=mlp")
     assert result.returncode != 0 and "Input/output error" in result.stderr
     assert "cannot write the run dir" not in result.stderr and "Hydra could not save" not in result.stderr
+
+
+def test_hydras_own_options_after_the_overrides_work_as_they_do_before_them(tmp_path: Path) -> None:
+    """`+experiment=mlp --cfg job model.depth=1` was refused by argparse naming 'hydra.output_subdir=null ...', the
+    settings the explorer adds, which the user never typed (found 2026-11-27); `--config-dir D` after an override too."""
+    from gradrunner.run.hydra_adapter import split_options
+
+    assert split_options(["+experiment=mlp", "--cfg", "job", "model.depth=1", "--info"]) == (
+        ["+experiment=mlp", "model.depth=1"], ["--cfg", "job", "--info"])  # fmt: skip
+    assert split_options(["a=1", "--help", "b=2"]) == (["a=1", "--help", "b=2"], [])  # Hydra prints it, as before
+    shown = taps_cli(tmp_path, "+experiment=mlp", "--cfg", "job", "model.depth=1")
+    assert shown.returncode == 0 and "hydra." not in shown.stderr, shown.stderr
+    assert yaml.safe_load(shown.stdout)["model"]["depth"] == 1  # the job's config, with the override after --cfg
+    (tmp_path / "conf").mkdir()
+    listed = taps_cli(tmp_path, "+experiment=mlp", "--config-dir", str(tmp_path / "conf"), "model.depth=1")
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split(" ")[0] for line in listed.stdout.splitlines()[1:] if not line.startswith(" ")][:3] == [
+        "''", "fc1", "relu1"]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["conf"]  # nothing written

@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gradrunner.config.overrides import group_mistake, misspelled_key
 from gradrunner.errors import EXIT_USER_ERROR, GradrunnerError, one_paragraph
-from gradrunner.run.hydra_adapter import mark_task_started, mistakes_as_one_paragraph
+from gradrunner.run.hydra_adapter import mark_task_started, mistakes_as_one_paragraph, split_options
 
 #: `--format` values.
 FORMATS = ("text", "json")
@@ -125,7 +125,8 @@ def main() -> None:
     if mistake is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
         _refuse(mistake)
     helping = "--help" in argv or "-h" in argv
-    sys.argv = [sys.argv[0], *argv, *([] if helping else _QUIET)]
+    overrides, options = split_options(argv)  # _QUIET joins the user's overrides, before any option of theirs
+    sys.argv = [sys.argv[0], *(argv if helping else [*overrides, *_QUIET, *options])]
     try:
         if helping:  # Hydra's help says only what a run takes: say first what this command does and takes
             print(_usage(), flush=True)

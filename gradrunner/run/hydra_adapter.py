@@ -13,6 +13,7 @@ Contents:
     keeps_job_configs(config, n) -- whether the up-front check keeps the n jobs' configs for the launcher
     keep_job_config(config, overrides, job_config) -- keep one (`load_sweep_config(config, overrides)`'s)
     yaml_parsed_once()           -- a config file's text parsed once per process, not at every composition
+    split_options(argv)          -- a command line's overrides, and Hydra's own options (`--cfg job`, `--config-dir D`)
 
 Hydra 1.3 offers no public way to read a failed job's exception (`JobReturn.return_value` re-raises
 it), to expand a sweep the way its basic sweeper does, or to reach the config loader from a callback:
@@ -118,6 +119,44 @@ def remember_output_dir(directory: str) -> None:
     """The run (or sweep) dir, told by the callback that checks it before Hydra writes there."""
     global _OUTPUT_DIR
     _OUTPUT_DIR = directory
+
+
+#: Hydra's options that print and exit while its command line is parsed.
+_EXITING = ("-h", "--help", "--hydra-help", "--version")
+
+
+def split_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`argv`'s overrides and Hydra's own options (`--cfg job`, `--config-dir D`, ...), each kept in order.
+
+    Example::
+
+        split_options(["+experiment=mlp", "--cfg", "job", "steps=1"])   # (['+experiment=mlp', 'steps=1'], ['--cfg', 'job'])
+
+    Hydra's parser (argparse) takes one run of overrides: overrides a command adds to the user's, put between
+    theirs and an option of theirs, were refused as 'unrecognized arguments', naming what the user never typed.
+    `(argv, [])` where Hydra's parser refuses `argv` (Hydra then says why) or prints and exits (`--help`).
+    """
+    from hydra._internal.utils import get_args_parser
+
+    if any(a in _EXITING for a in argv):
+        return argv, []
+    parser = get_args_parser()
+
+    def refuse(message: str) -> NoReturn:
+        raise ValueError(message)
+
+    parser.error = refuse  # type: ignore[method-assign]  # argparse would print the usage and exit
+    try:
+        overrides = list(parser.parse_intermixed_args(argv).overrides)
+    except ValueError:
+        return argv, []
+    options, waiting = [], list(overrides)
+    for arg in argv:
+        if waiting and arg == waiting[0]:
+            waiting.pop(0)
+        else:
+            options.append(arg)
+    return overrides, options
 
 
 def mark_task_started() -> None:
