@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from conftest import child_python, cli_env, compose_cfg, leftover_hooks, python_m
+from conftest import child_python, cli_env, compose_cfg, gradrunner_in_process, leftover_hooks, python_m
 from torch import nn
 
 from gradrunner import capture, list_taps
@@ -435,3 +435,5 @@ def test_hydras_own_options_after_the_overrides_work_as_they_do_before_them(tmp_
     assert [line.split(" ")[0] for line in listed.stdout.splitlines()[1:] if not line.startswith(" ")][:3] == [
         "''", "fc1", "relu1"]  # fmt: skip
     assert sorted(p.name for p in tmp_path.iterdir()) == ["conf"]  # nothing written
+    runner = gradrunner_in_process(tmp_path, "+experiment=mlp", "--cfg", "job", "steps=2")  # the runner: the same rule
+    assert runner.returncode == 0 and yaml.safe_load(runner.stdout)["steps"] == 2, runner.stderr

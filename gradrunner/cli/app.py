@@ -52,6 +52,7 @@ from gradrunner.run.hydra_adapter import (
     mark_task_started,
     mistakes_as_one_paragraph,
     remember_output_dir,
+    split_options,
 )
 from gradrunner.run.job import run
 from gradrunner.run.session_log import job_log
@@ -320,6 +321,8 @@ def main() -> None:
         gradrunner +experiment=mlp steps=10
     """
     signals.between_runs()  # SIGTERM between a sweep's jobs: a message and 143, not a silent death
+    overrides, options = split_options(sys.argv[1:])  # `+experiment=mlp --cfg job steps=2`: argparse takes one run
+    sys.argv = [sys.argv[0], *overrides, *options]
     message = misspelled_key(sys.argv[1:]) or group_mistake(sys.argv[1:])
     if message is not None and os.environ.get("HYDRA_FULL_ERROR") != "1":
         print(f"gradrunner: error: {message}", file=sys.stderr, flush=True)
