@@ -457,6 +457,61 @@ def test_edits_apply_on_uncaptured_steps_too() -> None:
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
 
 
+class CalledAgain(nn.Module):
+    """`a` called twice per forward: first under no_grad (a target branch) or inside a reentrant checkpoint, then plainly."""
+
+    def __init__(self, first: str) -> None:
+        super().__init__()
+        self.a, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+        self.first, self.checkpointed = first, True
+
+    def inner(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.a(t))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first == "no_grad":
+            with torch.no_grad():
+                target = self.a(x * 0.5)  # call 0: no gradient
+            return self.head(self.a(x) + target)  # call 1
+        inner = checkpoint(self.inner, x, use_reentrant=True) if self.checkpointed else self.inner(x)  # call 0
+        return self.head(self.a(inner))  # call 1
+
+
+@pytest.mark.parametrize("first", ["no_grad", "reentrant"])
+def test_an_uncaptured_step_draws_with_the_calls_a_captured_step_records(first: str) -> None:
+    """dropout on a module whose first call in a forward is under no_grad, or inside a reentrant checkpoint: a step
+    outside `capture.every` numbered the calls otherwise than a captured step does (the no_grad call not counted; the
+    recomputed call after the plain one, where no captured step had run before), so it drew other masks and the weights
+    depended on `every`. Every step now draws the masks of the README's recipe with the record's `call`, as the
+    hand-edited model (no checkpoint) does."""
+    torch.manual_seed(0)
+    model = CalledAgain(first)
+    x, y = torch.randn(3, 4, requires_grad=first == "reentrant"), torch.randn(3, 1)  # reentrant: an input with grad
+    plain, calls = copy.deepcopy(model), []
+    plain.checkpointed = False
+
+    def by_hand(m: nn.Module, args: Any, out: torch.Tensor) -> None:
+        call = len(calls)
+        calls.append(call)
+        if out.requires_grad:
+            drop = ref_op("dropout", 0.5, step=step)
+            out.register_hook(lambda g: drop(g, "a:output", call))
+
+    plain.a.register_forward_hook(by_hand)
+    for strategy in STRATEGIES if first == "no_grad" else STRATEGIES[:2]:  # autograd.grad refuses reentrant checkpoints
+        m = copy.deepcopy(model)
+        # a glob: the no_grad call is a row without gradient, no mistake
+        with capture(m, [], strategy, edits=[{"tap": "a*:output", "dropout": 0.5}]) as cap:
+            for step in range(4):
+                cap.enabled = step % 2 == 1  # capture.every=2, resumed at an uncaptured step
+                calls.clear()
+                plain.zero_grad(), m.zero_grad()
+                ((plain(x) - y) ** 2).mean().backward()
+                cap.backward(((m(x) - y) ** 2).mean())
+                for (name, want), got in zip(plain.named_parameters(), m.parameters(), strict=True):
+                    torch.testing.assert_close(got.grad, want.grad, msg=f"{strategy}, step {step}: {name}")
+
+
 def test_seeded_edits_give_identical_records_across_strategies_and_reruns() -> None:
     x, y = torch.randn(8, 8), torch.randn(8, 1)
     edits = [{"tap": "relu1:output", "dropout": 0.3}, {"tap": "fc2:weight", "noise_std": 0.01}]

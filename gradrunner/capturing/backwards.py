@@ -265,6 +265,7 @@ class Backwards:
         """The end of backward `p`: its gradients into the step's records (`restart`: in place of the step's so far)."""
         replacing = self._params.replacing()  # parameters reset before it: their gradient of the step is this one
         arrived = self.edits.end_backward(replacing) if self.edits is not None else {}
+        self._forget_deferred()  # its recomputations are done (an uncaptured backward's too)
         if not p.captured:
             return
         self.strategy.after_backward(p.slots)
@@ -295,7 +296,6 @@ class Backwards:
         if self.keep_grads:
             self._kept_grads(p.slots, parts)
         self._last = p.slots
-        self._forget_deferred()
         if p.explicit and not p.retain_graph:
             self._release(p.slots)  # the graph is freed: let go of the tensors and edges that hold it
         else:

@@ -51,7 +51,7 @@ from torch import nn
 
 from gradrunner.capturing.dtensors import Whole, is_dtensor, like, local_piece
 from gradrunner.capturing.extras import value_norm
-from gradrunner.capturing.grad_context import in_backward, reentrant_checkpoint
+from gradrunner.capturing.grad_context import in_backward
 from gradrunner.capturing.taps import Tap, resolve_taps
 
 # The spec side (what an entry may say) is torch-free, for the config layer: re-exported here.
@@ -237,10 +237,10 @@ class Edits:
 
     - `install(stack, capturing, seen)` when the session opens: the parameters' hooks (`seen()` is called
       from every hook of ours inside a backward: that is how the session sees a backward begin);
-    - `on_fire(tap, value, key)` when a tap fires: the value the model goes on with (`refuse` first,
+    - `on_fire(tap, value, call, key)` when a tap fires: the value the model goes on with (`refuse` first,
       for a value that cannot carry a gradient);
     - `begin_backward()` at the start of each backward (the step number that seeds random edits),
-      `end_backward()` at its end, `reset()` when the session forgets a step in progress;
+      `end_backward()` at its end;
     - `norms`: the edited activation gradients' norms of the backward, by record key (0-d, on the device);
     - `step_arrived(param)`: an edited parameter's gradient as it arrived (before the edit), summed over
       the step's backwards, for its record (`forget_step()` once the step's records are taken).
@@ -270,7 +270,6 @@ class Edits:
                     self._add_param(edit, tap, getattr(modules[tap.module], tap.name))
         self.step = -1  # becomes 0 at the first backward
         self._running = False  # between `begin_backward` and `end_backward`: backward `step` runs
-        self._calls: dict[str, int] = {}
         #: edited norms of the backward in progress (then: the last one), by record key
         self.norms: dict[TapKey, torch.Tensor] = {}
         #: parameters' gradients as they arrived (before the edit), summed over the backward's parts
@@ -373,25 +372,17 @@ class Edits:
                 "from parameters (or from an input that requires grad), or drop the edit."
             )
 
-    def on_fire(self, tap: Tap, value: _V, key: TapKey | None) -> _V:
+    def on_fire(self, tap: Tap, value: _V, call: int, key: TapKey | None = None) -> _V:
         """The value the model goes on with: `value` through an edit node when `tap` is edited.
 
-        `key` is the record's key in a captured step (its edited norm is kept), None otherwise; then
-        the value is edited only where backward can reach it (not in evaluation, nor while backward
-        recomputes what a non-reentrant checkpoint captured already).
+        `call` is the firing's call, numbered by the session's forward side in every step (`Firing`: the
+        captured step's record's call, in the seeds); `key` the record's key in a captured step (its edited
+        norm is kept), None otherwise. A value without gradient passes as it is.
         """
         edits = self.by_tap.get(tap.tap)
         if edits is None or not isinstance(value, torch.Tensor) or not value.requires_grad:
             return value
-        if key is None and (
-            not torch.is_grad_enabled() or (in_backward() and reentrant_checkpoint("backward") is None)
-        ):
-            return value
         _check_shape(edits, tap.tap, value.shape)
-        call = self._calls.get(tap.tap, 0)
-        self._calls[tap.tap] = call + 1
-        if key is not None:
-            call = key.call
         # the backward the gradient flows in: the next one, or the one running, whose start was seen, for a value
         # recomputed inside it (a reentrant checkpoint's second pass; its first, without grad, is not edited)
         step = max(self.step + (0 if self._running and in_backward() else 1), 0)
@@ -406,10 +397,9 @@ class Edits:
         return cast(_V, _EditNode.apply(value, edit))
 
     def begin_backward(self) -> None:
-        """A backward starts: it is step `self.step`; forget the previous backward's calls and norms."""
+        """A backward starts: it is step `self.step`; forget the previous backward's norms and parameter parts."""
         self.step += 1
         self._running = True
-        self._calls = {}
         self._arrived, self._parts = {}, {}
         self.norms = {}
 
@@ -429,7 +419,3 @@ class Edits:
     def forget_step(self) -> None:
         """The step's records were taken (or the step abandoned): the next step sums anew."""
         self._step_arrived = {}
-
-    def reset(self) -> None:
-        """The step in progress was abandoned (`Capture.reset`): its calls count from 0 again."""
-        self._calls = {}

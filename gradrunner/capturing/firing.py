@@ -80,6 +80,8 @@ class Firing:
         self._keys: dict[str, list[TapKey]] = {}  # each tap's record keys by call, made once
         #: Slots opened in a reentrant checkpoint's no-grad forward, attached when backward recomputes them.
         self.deferred: dict[tuple[int, str], list[Slot | None]] = {}
+        #: ... in an uncaptured step: the edited calls' numbers (`_fire_uncaptured`).
+        self.deferred_calls: dict[tuple[int, str], list[int]] = {}
         #: Grad mode at each (nested) entry into the root's forward: tells no_grad blocks from evaluation.
         self.grad_forward: list[bool] = []
         #: (slots, calls) as they were when the outermost forward began: restored if it fails.
@@ -142,7 +144,7 @@ class Firing:
                     self.session.strategy.forget(self.slots[self._mark[0] :])
                     del self.slots[self._mark[0] :]
                     self.calls = self._mark[1]
-                self.deferred = {}
+                self.deferred, self.deferred_calls = {}, {}
                 return
             self.session._forward_returned(output)
 
@@ -214,17 +216,22 @@ class Firing:
             return value
         if not session.enabled:
             edits = session.edits
-            return value if edits is None else edits.on_fire(tap, value, None)
+            return value if edits is None or tap.tap not in edits.by_tap else self._fire_uncaptured(tap, value)
         if in_backward():
             return self._fire_recomputed(tap, value, is_input)
         if not torch.is_grad_enabled():
             return self._fire_without_grad(tap, value)
         return self._attach(tap, self._open_slot(tap), value, is_input, outside=not self.grad_forward)
 
+    def _count(self, name: str) -> int:
+        """The call number of this firing of tap `name` (from 0 since the last backward began)."""
+        call = self.calls.get(name, 0)
+        self.calls[name] = call + 1
+        return call
+
     def _open_slot(self, tap: Tap) -> Slot:
-        name, calls, slots = tap.tap, self.calls, self.slots
-        call = calls.get(name, 0)
-        calls[name] = call + 1
+        name, slots = tap.tap, self.slots
+        call = self._count(name)
         keys = self._keys.get(name)  # the same (immutable) key for the same call every step: less for the GC
         if keys is None:
             keys = self._keys[name] = []
@@ -233,6 +240,29 @@ class Firing:
         slot = Slot(keys[call], len(slots))
         slots.append(slot)
         return slot
+
+    def _fire_uncaptured(self, tap: Tap, value: object) -> object:
+        """An edited tap fired in an uncaptured step: no slot, the edit with the call a captured step numbers it.
+
+        The calls are counted as `fire` counts them (a no_grad block's, a frozen value's included; an evaluation's
+        not); a call in a reentrant checkpoint's first pass, counted in its forward place, is edited when backward
+        recomputes it. So `dropout` and `noise_std` draw what a captured step draws (`call` in their seed).
+        """
+        edits = self.session.edits
+        assert edits is not None
+        if in_backward():
+            ctx = reentrant_checkpoint("backward") if torch.is_grad_enabled() else None
+            waiting = self.deferred_calls.get((id(ctx), tap.tap)) if ctx is not None else None
+            # none waiting: a non-reentrant checkpoint's recomputation, edited in the forward already
+            return edits.on_fire(tap, value, waiting.pop(0)) if waiting else value
+        if torch.is_grad_enabled():
+            return edits.on_fire(tap, value, self._count(tap.tap))
+        if self.grad_forward and self.grad_forward[-1]:  # a no_grad block inside a forward with grad: no gradient
+            call = self._count(tap.tap)
+            ctx = reentrant_checkpoint("forward")
+            if ctx is not None:
+                self.deferred_calls.setdefault((id(ctx), tap.tap), []).append(call)
+        return value
 
     def _fire_without_grad(self, tap: Tap, value: object) -> object:
         """Gradients are off: an evaluation pass, a reentrant checkpoint's first forward, or a no_grad block."""
@@ -303,7 +333,7 @@ class Firing:
             slot.view, slot.version = value, version(value)
         slot.value_norm = value_norm(value)  # on the device, no sync: it goes to the host with the step
         if edits is not None:  # the strategy reads the gradient that arrives, the edit acts upstream of it
-            value = edits.on_fire(tap, value, slot.key)
+            value = edits.on_fire(tap, value, slot.key.call, slot.key)
         if outside:
             return self._attach_outside_root(value, slot)
         return self.session.strategy.attach(value, slot)

@@ -326,10 +326,9 @@ class Capture(Backwards):
                 cap.reset()     # the retried step starts at call 0 again
         """
         self._firing.reset()
+        self._forget_deferred()
         if self._pex is not None:
             self._pex.forget_forward()
-        if self.edits is not None:
-            self.edits.reset()
 
     # -- the step's records ------------------------------------------------------------------------
     def settle(self) -> None:
@@ -407,7 +406,7 @@ class Capture(Backwards):
         self._firing.reset()
 
     def _forget_deferred(self) -> None:
-        self._firing.deferred = {}
+        self._firing.deferred, self._firing.deferred_calls = {}, {}
 
     def _keep(self, slot: Slot, grad: torch.Tensor) -> None:
         self._kept[slot.order] = grad.detach().clone() if slot.mutable else grad.detach()
