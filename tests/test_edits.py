@@ -579,9 +579,12 @@ class Embed(nn.Module):
     ],
     ids=["mask out of range", "integer input"],
 )
+@pytest.mark.parametrize("taps", [[], ["*:input", "*:output"]], ids=["edit alone", "a glob tap matches it too"])
 def test_edits_that_cannot_apply_are_refused_at_the_first_forward(model: nn.Module, inputs: torch.Tensor, edit: Any,
-                                                                  message: str) -> None:  # fmt: skip
-    with capture(model, [], "hook", edits=[edit]), pytest.raises(GradrunnerError, match=message.replace("[", r"\[")):
+                                                                  message: str, taps: list[str]) -> None:  # fmt: skip
+    """A named edit's mistake is refused also where a glob in `taps` matches its tap (before: the session took the
+    glob's tap, and the integer input's edit was skipped as a glob's match, with nothing said)."""
+    with capture(model, taps, "hook", edits=[edit]), pytest.raises(GradrunnerError, match=message.replace("[", r"\[")):
         model(inputs)
     assert leftover_hooks(model) == []
 

@@ -253,6 +253,8 @@ class Edits:
         self.sharded = sharded
         #: resolved tap name -> its edits in config order
         self.by_tap: dict[str, list[Edit]] = {}
+        #: resolved tap name -> the first edit naming it, not by a glob (its mistakes are refused)
+        self._named: dict[str, Edit] = {}
         self.taps: list[Tap] = []
         modules = dict(model.named_modules(remove_duplicate=False))
         #: id(parameter) -> (parameter, its edits, its tap names)
@@ -266,6 +268,8 @@ class Edits:
                 if tap.tap not in self.by_tap:
                     self.taps.append(tap)
                 self.by_tap.setdefault(tap.tap, []).append(edit)
+                if not tap.from_glob:
+                    self._named.setdefault(tap.tap, edit)
                 if tap.kind == "param":
                     self._add_param(edit, tap, getattr(modules[tap.module], tap.name))
         self.step = -1  # becomes 0 at the first backward
@@ -362,13 +366,14 @@ class Edits:
         return [param.register_hook(tensor_hook), param.register_post_accumulate_grad_hook(after_accumulation)]
 
     def refuse(self, tap: Tap, why: str) -> None:
-        """An edited tap fired on a value that cannot carry a gradient: a named tap is a mistake (a glob's match is
-        skipped). The caller does not ask for a value without gradient only while parameters are frozen (the other
-        network of a GAN step): the edit does nothing in that call (`on_fire` lets a value without grad through)."""
-        edits = self.by_tap.get(tap.tap)
-        if edits and not tap.from_glob:
+        """An edited tap fired on a value that cannot carry a gradient: an edit naming it is a mistake (an edit's glob
+        match is skipped), whether the session's `tap` came from a glob of its taps or not. The caller does not ask for
+        a value without gradient only while parameters are frozen (the other network of a GAN step): the edit does
+        nothing in that call (`on_fire` lets a value without grad through)."""
+        edit = self._named.get(tap.tap)
+        if edit is not None:
             raise GradrunnerError(
-                f"{edits[0].label}: {tap.tap} cannot carry a gradient: its value is {why}. Edit a tensor computed "
+                f"{edit.label}: {tap.tap} cannot carry a gradient: its value is {why}. Edit a tensor computed "
                 "from parameters (or from an input that requires grad), or drop the edit."
             )
 
