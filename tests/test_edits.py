@@ -512,6 +512,32 @@ def test_an_uncaptured_step_draws_with_the_calls_a_captured_step_records(first: 
                     torch.testing.assert_close(got.grad, want.grad, msg=f"{strategy}, step {step}: {name}")
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_second_backward_through_one_forward_draws_its_own_masks(strategy: str) -> None:
+    """Two losses backpropagated through one forward (`retain_graph=True`): the second is backward 1, and the README
+    seeds its dropout with step 1 (before: the forward's step, 0, the first backward's masks again; its record's
+    `edited_norm` 2.3097 where the recipe gives 2.4403). The hand-edited model draws by the running backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 2))
+    x, plain, running = torch.randn(6, 4), copy.deepcopy(model), [0]
+    plain[1].register_forward_hook(lambda m, a, out: out.register_hook(lambda g: ref_op("dropout", 0.5, step=running[0])(
+        g, "1:output", 0)) and None)  # fmt: skip
+    out = plain(x)
+    out[:, 0].sum().backward(retain_graph=True)
+    running[0] = 1
+    out[:, 1].pow(2).sum().backward()
+    with capture(model, ["1:output"], strategy, edits=[{"tap": "1:output", "dropout": 0.5}]) as cap:
+        out = model(x)
+        cap.backward(out[:, 0].sum(), retain_graph=True)
+        cap.backward(out[:, 1].pow(2).sum())
+        arrived = cap.grads["1:output", 0]  # the second backward's
+        recs = cap.records()
+    assert recs.micro_step == [0, 1]
+    assert recs.edited_norm[1] == pytest.approx(float(ref_op("dropout", 0.5, step=1)(arrived, "1:output", 0).norm()))
+    for (name, want), got in zip(plain.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad, msg=name)
+
+
 def test_seeded_edits_give_identical_records_across_strategies_and_reruns() -> None:
     x, y = torch.randn(8, 8), torch.randn(8, 1)
     edits = [{"tap": "relu1:output", "dropout": 0.3}, {"tap": "fc2:weight", "noise_std": 0.01}]

@@ -390,10 +390,13 @@ class Edits:
         _check_shape(edits, tap.tap, value.shape)
         # the backward the gradient flows in: the next one, or the one running, whose start was seen, for a value
         # recomputed inside it (a reentrant checkpoint's second pass; its first, without grad, is not edited)
-        step = max(self.step + (0 if self._running and in_backward() else 1), 0)
+        first = max(self.step + (0 if self._running and in_backward() else 1), 0)
 
         def edit(grad: torch.Tensor) -> torch.Tensor:
             self.seen()
+            # a later backward through the same forward (retain_graph) is a backward of its own: its number; a
+            # `torch.autograd.grad` inside a loss (a gradient penalty) begins none: the forward's next one
+            step = max(first, self.step) if self._running else first
             new = apply_all(edits, grad, self.seed, step, tap.tap, call)
             if key is not None:  # into the norms of the backward running now (a second one too)
                 self.norms[key] = value_norm(new)
