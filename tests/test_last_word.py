@@ -134,6 +134,18 @@ def test_a_run_that_captures_nothing_warns_first(
     assert any("no tap was captured" in w or "no step completed" in w for w in warnings), warnings
 
 
+def test_taps_left_empty_with_an_edit_does_not_say_the_records_stay_empty(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`taps=[]` with `edits`: the edited tap gets rows (README "Edits"), so no warning says grads.parquet has none."""
+    with caplog.at_level(logging.INFO):
+        path = train(compose_cfg("+experiment=mlp", "steps=2", "taps=[]", 'edits=[{tap:"relu2:output",scale:0.5}]'),
+                     out_dir=tmp_path)  # fmt: skip
+    assert list(pd.read_parquet(path)["tap"]) == ["relu2:output"] * 2
+    said = [r.getMessage() for r in caplog.records if r.name == WATCH]
+    assert not [m for m in said if "captures no gradient" in m], said
+
+
 def test_a_sweep_ends_with_one_line_per_job(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     sweep = planted_sweep(tmp_path)
     jobs = [(str(i), [f"capture.strategy={s}"]) for i, s in enumerate(("retain_grad", "hook", "autograd_grad"))]

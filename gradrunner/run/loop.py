@@ -213,7 +213,7 @@ def train(
     meta = run_metadata(OmegaConf.to_yaml(cfg, resolve=True), seed=int(cfg.seed), overrides=task_overrides())
     taps = OmegaConf.to_container(cfg.taps, resolve=True)
     assert isinstance(taps, list), taps  # validate() checked it
-    watch.warn_nothing_captured(taps, int(cfg.steps))
+    watch.warn_nothing_captured(taps, int(cfg.steps), edit_list(cfg))  # an edited tap gets rows, tapped or not
     c = cfg.capture
     files = RunFiles(directory, constants, meta, per_example=bool(c.get("per_example", False)),
                      histogram=bool(c.get("histogram", False)))  # fmt: skip

@@ -7,7 +7,7 @@ What the records say once the run ended (the last word, a sweep's summary) is `g
 | `warn_values_size` | `capture.values=full` will write more than `VALUES_WARN_BYTES` over the run (estimated at step 0) |
 | `ZeroWatch` | the loss, or every captured gradient, is exactly zero for each of the first `ZERO_STEPS` steps |
 | `warn_without_grad` | a tap has a record without gradient, the first time for each tap (the `reason` column says why) |
-| `warn_nothing_captured` | `taps=[]` or `steps=0`: nothing will be captured (at the start) |
+| `warn_nothing_captured` | `taps=[]` without `edits`, or `steps=0`: nothing will be captured (at the start) |
 
 Example::
 
@@ -128,8 +128,9 @@ def captured_steps(steps: int, every: int) -> int:
     return math.ceil(steps / every) if steps > 0 else 0
 
 
-def warn_nothing_captured(taps: list[object], steps: int) -> bool:
-    """Log a warning (and return True) when the run will capture nothing: `taps=[]` or `steps=0`.
+def warn_nothing_captured(taps: list[object], steps: int, edits: list[object] | None = None) -> bool:
+    """Log a warning (and return True) when the run will capture nothing: `taps=[]` (and no `edits`, whose taps get
+    rows) or `steps=0`.
 
     Example::
 
@@ -139,7 +140,7 @@ def warn_nothing_captured(taps: list[object], steps: int) -> bool:
         log.warning("steps=%d: this run takes no step, so nothing will be captured and the records stay empty. "
                     "Set steps=N (N >= 1).", steps)  # fmt: skip
         return True
-    if not taps:
+    if not taps and not edits:
         log.warning("taps=[]: this run captures no gradient (grads.parquet will have no rows; steps.parquet still "
                     "gets the loss). Name what to capture, e.g. taps='[\"*:output\"]'; list the model's taps with "
                     "python -m gradrunner.taps <your overrides>.")  # fmt: skip
