@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,58 @@ def test_a_tuple_output_tap_suggests_its_elements(tmp_path: Path) -> None:
     with pytest.raises(GradrunnerError, match=r"tap 'attn:output' cannot carry a gradient: its value is a tuple, "
                        r"not a tensor\. Tap one of its elements instead: attn:output\.0, attn:output\.1\."):  # fmt: skip
         train(compose_cfg("+experiment=transformer", "taps=[attn:output]", "steps=1"), out_dir=tmp_path)
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+#: The config groups the README's config table lists as one row each (its default is the group's option).
+TABLE_GROUPS = ("model", "data", "loss", "optimizer", "scheduler")
+
+
+def _config_table() -> dict[str, tuple[str, str]]:
+    """README's "The config" table: each key of a row -> (its default as written, the row's meaning)."""
+    lines = README.read_text().split("\n## The config\n", 1)[1].splitlines()
+    start = lines.index("| key | default | meaning |") + 2
+    rows = itertools.takewhile(lambda line: line.startswith("| "), lines[start:])
+    table: dict[str, tuple[str, str]] = {}
+    for row in rows:
+        keys, defaults, meaning = (cell.strip() for cell in row.strip("|").split(" | ", 2))
+        names = [k.strip().strip("`") for k in keys.split(",")]
+        values = [d.strip().strip("`") for d in defaults.split(", ")] if len(names) > 1 else [defaults.strip("`")]
+        assert len(values) == len(names), row
+        table.update({n: (v, meaning) for n, v in zip(names, values, strict=True)})
+    return table
+
+
+def _leaf_keys(node: object, prefix: str = "") -> list[str]:
+    if not isinstance(node, dict) or prefix.rstrip(".") in TABLE_GROUPS:
+        return [prefix.rstrip(".")]
+    return [k for key, value in node.items() for k in _leaf_keys(value, f"{prefix}{key}.")]
+
+
+def test_the_readme_config_table_lists_every_key_with_its_default_and_every_group_option() -> None:
+    """Every key of the composed default config (the schema's and config.yaml's) is a row of README's config
+    table, with the default it composes to; each group row names every option the group ships."""
+    cfg = compose_cfg(hydra=True)
+    choices = cfg.hydra.runtime.choices
+    config = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(config, dict)
+    del config["hydra"]
+    table = _config_table()
+    keys = _leaf_keys(config)
+    assert sorted(set(keys) - set(table)) == []
+    for key in keys:
+        written, meaning = table[key]
+        if key in TABLE_GROUPS:
+            assert written == choices[key], key
+            for option in GROUP_OPTIONS[key]:
+                assert f"`{option}`" in meaning, (key, option)
+            continue
+        value = _plain(OmegaConf.select(cfg, key))
+        if isinstance(value, str):  # as written: YAML would read `off` as false
+            assert written == value, key
+        else:  # numbers, null, booleans, lists, {}: as YAML reads them
+            assert _plain(OmegaConf.create(f"v: {written}").v) == value, (key, written, value)
+
+
+def _plain(value: object) -> object:
+    return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
