@@ -60,7 +60,8 @@ def load(
         full = load(run_dir, values=True)                       # with the captured elements
 
     `path` is a run dir, a sweep dir (Hydra multirun) or a `.parquet` file. Only `columns` are
-    read when given (a name some file lacks is null there); by default every column but `values`
+    read when given (a name some files lack is null in their rows; a name no file holds, an option off in
+    every run or a misspelling, is not a column of the result); by default every column but `values`
     (every captured element: often most of the bytes), which `values=True` or naming it in
     `columns` adds. Schemas are unified: a column only some files have is kept, null elsewhere.
     When the files live in subdirectories (a sweep), a `job` column holds each job dir relative
