@@ -198,3 +198,27 @@ def test_a_wrapped_sources_seed_is_reseeded_and_named(caplog: pytest.LogCaptureF
     expected = torch.as_tensor(digits.images, dtype=torch.float32)[order] / 16.0
     assert torch.equal(job.eval_set[0][0].squeeze(1), expected)
     assert not torch.equal(job.eval_set[0][0], next(job.batches)[0])
+
+
+def test_a_token_source_eval_set_holds_each_of_its_batches_once(caplog: pytest.LogCaptureFixture) -> None:
+    """data=tokens cycles `num_batches` distinct batches: asked for more, the set is those once, with the warning
+    (the held-out batches were drawn again, the first two counted twice in eval_loss, without a word)."""
+    pytest.importorskip("transformers")
+    cfg = compose_cfg("+experiment=gpt2", "steps=1", "device=cpu", "train.eval_every=1", "train.eval_batches=6",
+                      "data.num_batches=4")  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        job = setup(cfg)
+    # plain torch: Tokens' held-out ids, (num_batches, batch_size, seq_len) drawn from seed + 1000000
+    expected = torch.randint(0, 100, (4, 4, 16), generator=torch.Generator().manual_seed(1_000_000))
+    assert [b[0]["input_ids"].tolist() for b in job.eval_set] == expected.tolist()
+    assert "train.eval_batches=6, but the evaluation data (Tokens) holds 4 batch(es) in one pass" in caplog.text
+
+
+def test_a_literal_batch_eval_set_holds_it_once(caplog: pytest.LogCaptureFixture) -> None:
+    """data=tensors is one batch repeated: the set is that batch once, with the warning, not three copies."""
+    cfg = compose_cfg("+experiment=cosine", "steps=1", "device=cpu", "train.eval_every=1", "train.eval_batches=3")
+    with caplog.at_level(logging.INFO):
+        job = setup(cfg)
+    assert len(job.eval_set) == 1
+    assert job.eval_set[0][0].tolist() == [0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75]  # the experiment's inputs
+    assert "holds 1 batch(es) in one pass" in caplog.text and "on a fixed set of 1 batch(es)" in caplog.text

@@ -140,6 +140,10 @@ class Tensors:
         self.inputs = _literal("inputs", inputs, kinds[inputs_dtype])
         self.targets = _literal("targets", targets, kinds.get(targets_dtype))
 
+    def __len__(self) -> int:
+        """Batches per epoch: the one batch (an evaluation set holds it once: `run.evaluation.fixed_batches`)."""
+        return 1
+
     def batches(self, device: torch.device, dtype: torch.dtype) -> Iterator[Batch]:
         """The same batch forever (fresh leaf tensors each step, sharing the data)."""
         x, y = cast(self.inputs, device, dtype), cast(self.targets, device, dtype)
@@ -215,6 +219,10 @@ class Tokens:
         gen = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, vocab_size, (num_batches, batch_size, seq_len), generator=gen)
         self.vocab_size, self.labels_in_inputs = vocab_size, labels_in_inputs
+
+    def __len__(self) -> int:
+        """Batches per epoch: the `num_batches` distinct ones (an evaluation set holds each once at most)."""
+        return int(self.ids.shape[0])
 
     def held_out(self, seed: int) -> Tokens:
         """Other token ids of the same shapes, drawn from `seed`.

@@ -136,8 +136,9 @@ def fixed_batches(
     Drawn under torch's (and numpy's, Python's) RNG seeded with `seed`, then restored: a shuffling
     `DataLoader` gives the same set on every run of the config, and training's random draws are the
     same with evaluation on or off. A finite iterable (a list, a `DataLoader`) is read once, not cycled,
-    and a source with `len()` (the built-in `Synthetic`, `Digits`: batches per epoch) gives one epoch at
-    most: a batch is never counted twice in `eval_loss`. Fewer than `n` batches is a WARNING.
+    and a source with `len()` (every built-in one: batches per epoch, `Tokens`' `num_batches`, `Tensors`'
+    one batch) gives one epoch at most: a batch is never counted twice in `eval_loss`. Fewer than `n`
+    batches is a WARNING.
     """
     if isinstance(source, DataSource) and isinstance(source, Sized):
         n_max = min(n, len(source))
