@@ -66,9 +66,9 @@ class Recorder:
 
     Options are `capture.*`'s: `values` (`none`, `full`, `sample` with `sample_size`), `per_example`,
     `histogram`, `on_nonfinite` (`record`, `stop`), plus `every` (capture every N-th step) and `seed`
-    (the sample positions). `update_norms=True` adds the parameter taps' `update_norm` and
-    `update_ratio`: the change over the step's optimizer steps, all of them (a copy of each tapped parameter is
-    taken after each captured step's first backward).
+    (the sample positions, and the draws of `dropout` and `noise_std` edits, as the runner's `seed`).
+    `update_norms=True` adds the parameter taps' `update_norm` and `update_ratio`: the change over the step's
+    optimizer steps, all of them (each tapped parameter copied after each captured step's first backward).
     `scaler=` (a `torch.amp.GradScaler`) makes the records hold the true gradients and loss of a loss
     multiplied by its scale (`loss_scale=`, a callable giving the scale, does the same for another
     loss scaler). `live_every` (default 10; 0: off) writes the completed steps as closed segments
