@@ -978,3 +978,16 @@ def test_records_survive_zero_grad_in_place_before_they_are_read(strategy: str, 
     assert row["norm"] == pytest.approx(float(expected["fc1:weight"].norm()), rel=1e-12)
     if values == "full":
         np.testing.assert_allclose(row["values"], expected["fc1:weight"].reshape(-1).float().numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize(("option", "value"), [("sample_size", -3), ("sample_size", 0), ("sample_size", 2.5),
+                                               ("seed", "a"), ("seed", True)])  # fmt: skip
+def test_capture_refuses_a_sample_size_or_seed_record_would_refuse_before_anything_is_installed(
+    option: str, value: object
+) -> None:
+    """capture(values='sample', sample_size=-3) failed at records() with numpy's ValueError, and sample_size=0 was
+    taken, while record() and the runner refuse both (found 2026-11-27): the same one paragraph now, at once."""
+    model = nn.Linear(3, 2)
+    with pytest.raises(GradrunnerError, match=rf"^{option}={value!r} is not allowed; it must be a whole number"):
+        capture(model, [":weight"], values="sample", **{option: value})
+    assert not leftover_hooks(model)

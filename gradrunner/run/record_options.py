@@ -20,7 +20,7 @@ import torch
 
 from gradrunner.config.choices import NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
 from gradrunner.config.edits import parse_edits
-from gradrunner.errors import GradrunnerError, did_you_mean, not_allowed
+from gradrunner.errors import GradrunnerError, did_you_mean, not_allowed, not_whole_number
 from gradrunner.run.engine import detector_for
 
 #: The options a callback takes as keywords (besides `taps`, `dir`, `every`, `strategy`): `record`'s, less
@@ -51,9 +51,8 @@ def check_options(
         raise not_allowed("log_to", log_to, ("tensorboard",), hint=" Leave it out to write the records only.")
     for name, v, low in (("every", every, 1), ("sample_size", sample_size, 1), ("live_every", live_every, 0),
                          ("seed", seed, None)):  # fmt: skip
-        if isinstance(v, bool) or not isinstance(v, int) or (low is not None and v < low):
-            at_least = f" of at least {low}" if low is not None else ""
-            raise GradrunnerError(f"{name}={v!r} is not allowed; it must be a whole number{at_least} (e.g. {name}=10).")
+        if (error := not_whole_number(name, v, low)) is not None:
+            raise error
     for name, v in flags.items():
         assert name in _FLAGS, name
         if not isinstance(v, bool):
