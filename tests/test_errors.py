@@ -1,8 +1,8 @@
 """Bad input: every case in `CASES` fails with one paragraph that names the problem and the way out.
 
 Each case runs through the Python API (`train(cfg)`) and through the Hydra app in-process (`cli.app.main()`,
-exactly what `python -m gradrunner` runs), and checks: the exit status (2 for gradrunner's own
-message, 1 where Hydra refuses the command line itself), the message's start and its way out, no
+exactly what `python -m gradrunner` runs), and checks: the exit status (2, Hydra's own
+refusals of the command line included), the message's start and its way out, no
 traceback, nothing half-written (no Parquet file, not even a temp one), and that the model has no
 hooks left and its original `forward`.
 

@@ -317,7 +317,7 @@ class SweepBookkeeping(Callback):
             _catalogue(config, "completed", None)
             return
         error = job_error(job_return)  # `return_value` would re-raise it
-        if isinstance(error, (JobRefused, Refused)):  # Refused itself under HYDRA_FULL_ERROR=1 (`cli._fail`)
+        if isinstance(error, (JobRefused, Refused)):  # Refused itself under HYDRA_FULL_ERROR=1 (`cli.app._fail`)
             return  # refused because of its dir (a live run, another config): that dir is not this job's to mark
         message = str(error) if isinstance(error, JobFailed) else f"{type(error).__name__}: {error}"
         out = Path(str(OmegaConf.select(config, "hydra.runtime.output_dir")))
