@@ -407,6 +407,37 @@ def test_a_seeded_edit_inside_a_reentrant_checkpoint_draws_what_it_draws_without
                     torch.testing.assert_close(got.grad, want.grad, msg=f"{strategy}: {name}")
 
 
+def test_a_seeded_edit_on_a_root_run_inside_a_reentrant_checkpoint_draws_what_it_draws_without_one() -> None:
+    """`capture(layer)` of a layer its parent runs as `checkpoint(layer, x, use_reentrant=True)`: in an uncaptured
+    step the recomputation fires before the session sees its backward begin. Its draws are the unchecked layer's:
+    after a captured step (whose recomputed calls were counted into the next forward's: call 1's mask), and after a
+    backward of the session's that raised (it left the edits' backward running: the aborted backward's mask)."""
+    torch.manual_seed(0)
+    layer, head, x = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)), nn.Linear(4, 1), torch.randn(3, 4)
+    plain = copy.deepcopy(layer)
+    edits = [{"tap": "0:output", "dropout": 0.5}]
+
+    def fail(g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a backward that raises")
+
+    for strategy in STRATEGIES[:2]:  # autograd.grad refuses reentrant checkpoints
+        with capture(layer, [], strategy, edits=edits) as cap, capture(plain, [], strategy, edits=edits) as ref:
+            for enabled, raises in [(True, False), (False, False), (True, True), (False, False)]:
+                cap.enabled = ref.enabled = enabled
+                layer.zero_grad(), plain.zero_grad()
+                outs = checkpoint(layer, x.requires_grad_(), use_reentrant=True), plain(x)
+                if raises:
+                    for session, out in zip((cap, ref), outs, strict=True):
+                        out.register_hook(fail)
+                        with pytest.raises(RuntimeError, match="a backward that raises"):
+                            session.backward(head(out).sum())
+                    continue
+                for out in outs:
+                    head(out).sum().backward()
+                for (name, want), got in zip(plain.named_parameters(), layer.parameters(), strict=True):
+                    assert torch.equal(got.grad, want.grad), f"{strategy}: {name}"
+
+
 def test_a_glob_edit_skips_matches_that_cannot_carry_a_gradient() -> None:
     model = nn.Sequential(Embed(), nn.Linear(4, 1))
     ids = torch.tensor([1, 2, 3])

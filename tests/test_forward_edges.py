@@ -10,10 +10,15 @@ ones; each failed before its fix (2026-11-27):
 - `checkpoint(use_reentrant=True)`: a tap inside the block on its input, a tensor also used outside (a
   residual; T5's encoder states fed to every checkpointed decoder block), recorded only the block's share;
 - an evaluation forward (`no_grad`, `inference_mode`) between two backwards through one retained forward
-  made the second backward's taps "module not called in this step".
+  made the second backward's taps "module not called in this step";
+- the root module itself run inside `checkpoint(use_reentrant=True)` (one layer of a model checkpointing its
+  layers captured on its own): its first, no-grad pass was read as an evaluation, nothing was recorded, an edit
+  was not applied, and the records said "no forward since the last backward, which freed the graph".
 """
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -21,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gradrunner import GradrunnerError, capture
+from gradrunner.capturing.edits import generator_seed
 
 
 def _backward(cap: object, loss: torch.Tensor, own: bool, retain_graph: bool = False) -> None:
@@ -229,3 +235,72 @@ def test_a_second_session_tapping_locals_of_a_rewritten_forward_is_refused_and_t
         loss = m(x)
         later.backward(loss)
         assert torch.allclose(later.grads[":z"], ref_z)
+
+
+class _Layer(nn.Module):
+    """One layer of a model that checkpoints each layer (HF's gradient checkpointing with use_reentrant=True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))  # type: ignore[no-any-return]
+
+
+@OWN
+@pytest.mark.parametrize("edited", [False, True], ids=["no_edit", "dropout"])
+def test_a_root_run_inside_a_reentrant_checkpoint_records_each_backwards_gradients_once(
+    strategy: str, own: bool, edited: bool
+) -> None:
+    """`capture(layer)` where the parent runs `head(checkpoint(layer, x, use_reentrant=True))`: the root's forward is
+    the checkpoint's no-grad first pass, computed again inside backward; its taps are captured there, once per
+    backward, and a seeded edit draws that backward's mask; the same checkpoint run under no_grad is an evaluation
+    (no call of the step). Reference: the same layer without checkpointing, with
+    plain tensor hooks doing the README's dropout (`generator_seed(seed, backward, tap, call)`)."""
+    torch.manual_seed(0)
+    layer, head = _Layer(), nn.Linear(6, 1)
+    ref = _Layer()
+    ref.load_state_dict(layer.state_dict())
+    xs = [torch.randn(5, 4, requires_grad=True) for _ in range(2)]
+    taps, edits = [":input", "a:output", "b:output", "a:weight"], [{"tap": "a:output", "dropout": 0.5}]
+    if strategy == "autograd_grad":
+        if own:
+            with capture(layer, taps, strategy, edits=edits if edited else None) as cap:
+                with pytest.raises(GradrunnerError, match=r"use_reentrant=True.*a:output"):
+                    checkpoint(layer, xs[0], use_reentrant=True)
+        return  # autograd_grad runs its own backward, and refuses a reentrant checkpoint's
+    want: list[dict[str, torch.Tensor]] = []
+    for step, x in enumerate(xs):
+        x_ref, seen = x.detach().requires_grad_(), {}
+
+        def drop(g: torch.Tensor, step: int = step, seen: dict[str, torch.Tensor] = seen) -> torch.Tensor:
+            seen["a:output"] = g
+            if not edited:
+                return g
+            gen = torch.Generator().manual_seed(generator_seed(0, step, "a:output", 0))
+            return torch.where(torch.rand(g.shape, generator=gen) >= 0.5, g * 2.0, torch.zeros(()))
+
+        a = ref.a(x_ref)
+        a.register_hook(drop)
+        b = ref.b(torch.tanh(a))
+        b.register_hook(functools.partial(seen.__setitem__, "b:output"))
+        head(b).sum().backward()
+        grads = {name: p.grad.clone() for name, p in ref.named_parameters()}
+        want.append({**seen, **grads, ":input": x_ref.grad, "a:weight": grads["a.weight"]})
+        ref.zero_grad()
+    with capture(layer, taps, strategy, edits=edits if edited else None) as cap:
+        for x, w in zip(xs, want, strict=True):
+            layer.zero_grad()
+            with torch.no_grad():  # an evaluation through the same checkpoint: no call of the step
+                checkpoint(layer, x, use_reentrant=True)
+            loss = head(checkpoint(layer, x, use_reentrant=True)).sum()
+            _backward(cap, loss, own)
+            recs = cap.records(loss)
+            assert [k.tap for k in recs.keys] == taps  # one row each (firing order): counted once
+            assert list(recs.has_grad) == [True] * 4, recs.reason
+            for tap in taps:
+                assert torch.equal(cap.grads[tap], w[tap]), tap
+                assert recs.row(taps.index(tap))["norm"] == pytest.approx(float(w[tap].norm()), rel=1e-6), tap
+            for name, param in layer.named_parameters():  # the edit applied once, in this backward's mask
+                assert torch.equal(param.grad, w[name]), name

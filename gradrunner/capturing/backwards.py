@@ -1,19 +1,19 @@
 """The backward side of a capture session: each backward's begin and end, and the step's records.
 
-A backward begins when the session runs one (`Capture.backward`) or when the first of its hooks
-fires inside one it did not run (`Backwards._seen`: the user's or a framework's `loss.backward()`;
-a pre-hook on the root module's outputs, registered as each forward returns, or on a tapped value's edge
-where no root forward ran, `Firing`, fires first whenever the backward reaches the model). It ends when the session's own call returns, or by a callback
-queued on autograd's engine from that first hook (`torch_compat.at_backward_end`: after the whole
-graph ran, and after DDP's finalize); without callbacks, lazily, at the next `records()`, forward or
-`cap.backward`. Between the two, the strategy reads the tapped gradients (`_deliver`, once per slot).
+A backward begins when the session runs one (`Capture.backward`) or when the first of its hooks fires inside one it did
+not run (`Backwards._seen`: the user's or a framework's `loss.backward()`; a pre-hook on the root module's outputs,
+registered as each forward returns, or on a tapped value's edge where no root forward ran, `Firing`, fires first
+whenever the backward reaches the model; a root run inside a reentrant checkpoint: its first recomputed tap). It ends
+when the session's own call returns, or by a callback queued on autograd's engine from that first hook
+(`torch_compat.at_backward_end`: after the whole graph ran, and after DDP's finalize); without callbacks, lazily, at
+the next `records()`, forward or `cap.backward`. Between the two, the strategy reads the tapped gradients (`_deliver`,
+once per slot).
 
-The step's records are one `Collector`: each backward adds its slots' rows (`micro_step` = its
-number in the step), the parameter taps add one row each for the whole step (`_settle_params`), and
-`_finish_step` makes the one host transfer. A closure evaluated again inside one `optimizer.step()`
-(`Capture._note_end`: LBFGS) starts the step again: the rows of the backwards before it are dropped. Row numbers (`order`) put each backward's rows after the
-previous backward's, and in a backward: fired slots in firing order, the parameters, then the taps
-that did not fire.
+The step's records are one `Collector`: each backward adds its slots' rows (`micro_step` = its number in the step), the
+parameter taps add one row each for the whole step (`_settle_params`), and `_finish_step` makes the one host transfer.
+A closure evaluated again inside one `optimizer.step()` (`Capture._note_end`: LBFGS) starts the step again: the rows of
+the backwards before it are dropped. Row numbers (`order`) put each backward's rows after the previous backward's, and
+in a backward: fired slots in firing order, the parameters, then the taps that did not fire.
 
 Example::
 
@@ -118,8 +118,8 @@ class Backwards:
         self._pex_warned: set[str] = set()
 
     # -- a backward is seen ---------------------------------------------------------------------------
-    def _seen(self: Capture) -> None:  # type: ignore[misc]
-        """Called first by every hook of the session that fires inside a backward."""
+    def _seen(self: Capture, recomputing: bool = False) -> None:  # type: ignore[misc]
+        """Called first by every session hook firing inside a backward (`recomputing`: a reentrant checkpoint's)."""
         p = self._pass
         if p is None:
             if self._closed:
@@ -130,17 +130,15 @@ class Backwards:
                 self._forget_forward()  # that backward fails, and frees the graph those calls were in
                 raise GradrunnerError(OWN_BACKWARD_ONLY)
             p = self._begin(explicit=False, retain_graph=False)
-        if not p.armed:
-            # Inside a reentrant checkpoint's recomputation a callback would run when that inner backward
-            # ends: wait for a hook of the outer one.
-            if reentrant_checkpoint("backward") is None:
-                p.armed = True
+        # a callback queued in a reentrant checkpoint's inner backward runs as that ends: wait for the outer backward
+        if not p.armed and in_backward() and (recomputing or reentrant_checkpoint("backward") is None):
+            p.armed = True
 
-                def ended() -> None:
-                    if self._pass is p:
-                        self._end()
+            def ended() -> None:
+                if self._pass is p:
+                    self._end()
 
-                at_backward_end(ended)
+            at_backward_end(ended)
 
     def _finish_pending(self: Capture) -> None:  # type: ignore[misc]
         """End a backward the session did not run whose end it was not told (no engine callbacks)."""
@@ -307,6 +305,8 @@ class Backwards:
         if p is not None:
             self._release(p.slots)
         self._forget_deferred()
+        if self.edits is not None:  # its draws and calls end with it (the step's, dropped below)
+            self.edits.end_backward()
         self._params.abort_backward()
         self._params.forget()
         self._collector = Collector(self.values, self.sample_size, self.seed, per_example=self.per_example,

@@ -32,6 +32,7 @@ from gradrunner.capturing.grad_context import (
     NOT_REQUIRING_GRAD,
     TRANSFORMED,
     in_backward,
+    in_graph,
     input_alias,
     no_grad_reason,
     reentrant_checkpoint,
@@ -126,11 +127,15 @@ class Firing:
 
     def _track_root(self, model: nn.Module, stack: contextlib.ExitStack) -> None:
         def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
+            # the first, no-grad pass of a reentrant checkpoint the root runs in (a layer checkpointed by its parent),
+            # called with grad on an input that requires grad, is a forward with gradients: its taps are captured as
+            # backward recomputes them (`_fire_without_grad`); called under no_grad it is an evaluation
+            grad = torch.is_grad_enabled() or in_graph(reentrant_checkpoint("forward"))
             if not self.grad_forward:
-                if torch.is_grad_enabled():  # an evaluation forward between two backwards leaves the graph held
+                if grad:  # an evaluation forward between two backwards leaves the graph held
                     self.session._forward_begins()
                 self._mark = (len(self.slots), dict(self.calls))
-            self.grad_forward.append(torch.is_grad_enabled())
+            self.grad_forward.append(grad)
 
         def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self.grad_forward:
@@ -292,7 +297,12 @@ class Firing:
         if not waiting:
             return value  # use_reentrant=False: this call was captured in the forward pass already
         slot = waiting.pop(0)
-        return value if slot is None else self._attach(tap, slot, value, is_input)
+        if slot is None:
+            return value
+        # the backward reached the checkpoint: seen here when no hook of the session ran before it in that backward
+        # (the root's forward ran inside the checkpoint: its output, a checkpoint's input, is no tensor of the root's)
+        self.session._seen(recomputing=True)
+        return self._attach(tap, slot, value, is_input)
 
     def _attach(self, tap: Tap, slot: Slot, value: object, is_input: bool, outside: bool = False) -> object:
         """The strategy attaches to `value` in `slot` (or the slot says why it cannot carry a gradient).

@@ -26,6 +26,7 @@ from gradrunner.errors import GradrunnerError
 
 __all__ = [
     "in_backward",
+    "in_graph",
     "input_alias",
     "no_grad_reason",
     "reentrant_checkpoint",
@@ -50,6 +51,15 @@ CHANGED_IN_PLACE = (
 )
 GRAPH_FREED = "no forward since the last backward, which freed the graph (pass retain_graph=True to backward twice)"
 TRANSFORMED = "inside a torch.func transform (vmap, grad, jacrev, ...): not visible to autograd hooks"
+
+
+def in_graph(ctx: object | None) -> bool:
+    """Whether a custom Function's autograd context `ctx`, seen during its forward (`reentrant_checkpoint("forward")`),
+    is a node of the graph (called with grad on, on an input that requires grad): a backward may reach it and run its
+    `backward` (a checkpoint's recomputation). Public API: the node's `next_functions`; True where it has none, False
+    for None.
+    """
+    return ctx is not None and bool(getattr(ctx, "next_functions", True))
 
 
 def refuse_transformed(tap: object, value: torch.Tensor) -> bool:
