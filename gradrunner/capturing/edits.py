@@ -414,9 +414,8 @@ class Edits:
     def end_backward(self, replacing: Collection[int] = ()) -> dict[int, torch.Tensor]:
         """The backward ended (or raised): its parameters' gradients as they arrived join the step's (replace it, for
         the parameters in `replacing`: their `.grad` was reset before it, `ParamTaps.replacing`); returned by `id`.
-        The next forward's calls count from 0, also where they fire before the session sees its backward begin
-        (recomputed by a reentrant checkpoint the root module runs in)."""
-        done, self._arrived, self._running, self._calls = self._arrived, {}, False, {}
+        (A tap's call number comes with each firing, `Firing`'s count: nothing of it is kept here.)"""
+        done, self._arrived, self._running = self._arrived, {}, False
         for key, g in done.items():
             before = self._step_arrived.get(key)
             self._step_arrived[key] = g if before is None or key in replacing else before + g
