@@ -122,7 +122,7 @@ def remember_output_dir(directory: str) -> None:
 
 
 #: Hydra's options that print and exit while its command line is parsed.
-_EXITING = ("-h", "--help", "--hydra-help", "--version")
+_PRINTING_OPTIONS = ("-h", "--help", "--hydra-help", "--version")
 
 
 def split_options(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -138,7 +138,7 @@ def split_options(argv: list[str]) -> tuple[list[str], list[str]]:
     """
     from hydra._internal.utils import get_args_parser
 
-    if any(a in _EXITING for a in argv):
+    if any(a in _PRINTING_OPTIONS for a in argv):
         return argv, []
     parser = get_args_parser()
 
