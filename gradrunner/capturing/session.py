@@ -368,6 +368,8 @@ class Capture(Backwards):
         again with no backward since, it returns the same records.
         """
         self.settle()
+        if self._pass is None:  # a forward since the last backward none used (a metric, a skipped step): not the next's
+            self.reset()
         if self._last_records is not None and self._next_order == 0:
             return self._last_records  # no backward since: the same records
         updates = {} if before is None else before.update_norms()

@@ -349,6 +349,8 @@ class StepEngine:
         if captured:
             recs = self.capture.records(None, self._before)
             recs.loss = loss_value  # every row of the step carries the step's loss
+        else:  # as `records()` does: a forward of this step that no backward used (skipped) is not the next step's
+            self.capture.reset()
         row: dict[str, Any] = host
         if self.optimizer is not None and "lr" not in row:
             row["lrs"] = [float(g["lr"]) for g in self.optimizer.param_groups]
