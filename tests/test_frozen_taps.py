@@ -10,6 +10,7 @@ or made under `torch.no_grad()`) is still a mistake named at once (`tests/test_e
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -35,14 +36,19 @@ def _reference(frozen_steps: int, steps: int) -> list[float | None]:
     """The norm of d loss / d backbone output per step, by a plain forward hook (None while it is frozen)."""
     net, out = Net(), []
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.randn(8, 2, generator=torch.Generator().manual_seed(2))
+    x, y = (
+        torch.randn(8, 4, generator=torch.Generator().manual_seed(1)),
+        torch.randn(8, 2, generator=torch.Generator().manual_seed(2)),
+    )
     for step in range(steps):
         net.backbone.requires_grad_(step >= frozen_steps)
         kept: list[torch.Tensor] = []
         handle = net.backbone.register_forward_hook(lambda m, a, o, kept=kept: kept.append(o))
         loss = nn.functional.mse_loss(net(x), y)
         handle.remove()
-        out.append(float(torch.autograd.grad(loss, kept, retain_graph=True)[0].norm()) if kept[0].requires_grad else None)
+        out.append(
+            float(torch.autograd.grad(loss, kept, retain_graph=True)[0].norm()) if kept[0].requires_grad else None
+        )
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -54,7 +60,10 @@ def test_a_tap_on_a_backbone_frozen_for_the_first_steps_records_no_gradient_then
     want = _reference(2, 4)
     net = Net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.randn(8, 2, generator=torch.Generator().manual_seed(2))
+    x, y = (
+        torch.randn(8, 4, generator=torch.Generator().manual_seed(1)),
+        torch.randn(8, 2, generator=torch.Generator().manual_seed(2)),
+    )
     got = []
     with capture(net, ["backbone:output"], strategy=strategy) as cap:
         for step in range(4):
@@ -88,7 +97,10 @@ def test_lightning_fine_tuning_with_a_frozen_then_unfrozen_backbone_records_its_
     from gradrunner.integrations.lightning import GradientCapture
 
     want = _reference(1, 4)
-    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)), torch.randn(8, 2, generator=torch.Generator().manual_seed(2))
+    x, y = (
+        torch.randn(8, 4, generator=torch.Generator().manual_seed(1)),
+        torch.randn(8, 2, generator=torch.Generator().manual_seed(2)),
+    )
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -169,3 +181,39 @@ def test_an_edit_on_a_tap_frozen_for_now_does_nothing_there_and_edits_once_it_tr
     assert [g[3] for g in got[2:]] == pytest.approx([0.5 * w for w in want[2:]], rel=1e-6)  # type: ignore[operator]
     for p, q in zip(net.parameters(), params, strict=True):
         torch.testing.assert_close(p.detach(), q, rtol=1e-6, atol=1e-7)
+
+
+def _turn_on(out: torch.Tensor, hook: Callable[[torch.Tensor], None] | None = None) -> None:
+    """What `enable_input_require_grads()`'s hook does to the output, and a plain tensor hook for the reference."""
+    out.requires_grad_()
+    if hook is not None:
+        out.register_hook(hook)
+
+
+def test_a_frozen_output_a_later_hook_makes_require_grad_records_its_gradient(strategy: str) -> None:
+    """transformers' `enable_input_require_grads()` (PEFT calls it for frozen embeddings) is a forward hook that
+    sets `requires_grad_()` on the frozen embedding's output in place; registered after the session opened it
+    runs after the tap fired. The gradient that then arrives is recorded, not 'does not require grad'."""
+    x, y = (
+        torch.randn(8, 4, generator=torch.Generator().manual_seed(1)),
+        torch.randn(8, 2, generator=torch.Generator().manual_seed(2)),
+    )
+    expected: list[torch.Tensor] = []
+    plain = Net()  # the reference: plain torch, no gradrunner
+    plain.backbone.requires_grad_(False)
+    plain.backbone.register_forward_hook(lambda _m, _a, out: _turn_on(out, expected.append))
+    nn.functional.mse_loss(plain(x), y).backward()
+    net = Net()
+    net.backbone.requires_grad_(False)
+    with capture(net, ["backbone:output"], strategy=strategy) as cap:
+        turn_on = net.backbone.register_forward_hook(lambda _m, _a, out: _turn_on(out))
+        loss = nn.functional.mse_loss(net(x), y)
+        cap.backward(loss)
+        recs = cap.records(loss)
+        turn_on.remove()
+    row = recs.row(0)
+    assert (row["has_grad"], row["reason"]) == (True, None)
+    assert row["norm"] == pytest.approx(float(expected[0].norm()), rel=1e-6)
+    torch.testing.assert_close(cap.grads["backbone:output"], expected[0])
+    assert all(p.grad is None for p in net.backbone.parameters())
+    torch.testing.assert_close(net.head.weight.grad, plain.head.weight.grad, rtol=0, atol=0)

@@ -92,7 +92,20 @@ class Firing:
         """The slots opened so far and the taps they are of, handed to the backward that begins; numbering restarts."""
         slots, calls = self.slots, self.calls
         self.slots, self.calls, self._mark = [], {}, None
+        for slot in slots:
+            if slot.late is not None:
+                self._attach_late(slot)
         return slots, calls.keys()
+
+    def _attach_late(self, slot: Slot) -> None:
+        """A leaf that did not require grad when its tap fired, turned on in place since by a hook that ran after the
+        tap's (transformers' `enable_input_require_grads()` registered after the session opened): its gradient arrives
+        at its edge, so the strategy attaches there now, as the backward begins (else the row would say it has none)."""
+        assert slot.late is not None
+        (tap, value), slot.late = slot.late, None
+        if value.requires_grad:
+            slot.reason = None
+            self._attach(tap, slot, value, is_input=False)
 
     def reset(self) -> None:
         """Forget every slot opened since the last backward (their hooks too)."""
@@ -328,6 +341,13 @@ class Firing:
                 )
             hint = element_hint(tap, value).strip().rstrip(".")  # a tuple/dict: which element taps exist
             slot.reason = f"{why[0]}; {hint[0].lower()}{hint[1:]}" if hint else why[0]  # from a glob: no gradient
+            if (
+                tensor is not None
+                and tensor.is_leaf
+                and why[0] == NOT_REQUIRING_GRAD
+                and (edits is None or tap.tap not in edits.by_tap)
+            ):
+                slot.late = (tap, tensor)  # a later hook may still make it require grad: `take` looks again
             return value
         assert isinstance(value, torch.Tensor)
         if is_input and not value.is_leaf and tap.module == "" and len(self.grad_forward) == 1:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -72,6 +72,9 @@ class Slot:
     parts: list[torch.Tensor] | None = None
     #: `hook`: where the gradient goes when the slot itself, registered as its edge's node pre-hook, is called.
     sink: Deliver | None = None
+    #: The tap and its value, a leaf that did not require grad when the tap fired: a forward hook after the tap's may
+    #: still turn it on in place (transformers' `enable_input_require_grads`); looked at again as the backward begins.
+    late: tuple[Any, torch.Tensor] | None = None
 
     @property
     def mutable(self) -> bool:
