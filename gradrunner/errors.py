@@ -70,14 +70,13 @@ def not_allowed(name: str, value: object, allowed: Iterable[str], hint: str = ""
     )
 
 
-def not_whole_number(name: str, value: object, at_least: int | None = None) -> GradrunnerError | None:
-    """The error for a Python API's `name=value` that is not a whole number (of at least `at_least`), else None.
+def whole_number(name: str, value: object, at_least: int | None = None) -> None:
+    """Refuse a Python API's `name=value` that is not a whole number (of at least `at_least`), in one paragraph.
 
     Example::
 
-        error = not_whole_number("sample_size", 0, 1)   # 'sample_size=0 is not allowed; it must be a whole number of ...'
+        whole_number("sample_size", 0, 1)   # GradrunnerError: sample_size=0 is not allowed; it must be a whole number ...
     """
     if isinstance(value, bool) or not isinstance(value, int) or (at_least is not None and value < at_least):
         low = f" of at least {at_least}" if at_least is not None else ""
-        return GradrunnerError(f"{name}={value!r} is not allowed; it must be a whole number{low} (e.g. {name}=10).")
-    return None
+        raise GradrunnerError(f"{name}={value!r} is not allowed; it must be a whole number{low} (e.g. {name}=10).")

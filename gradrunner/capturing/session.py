@@ -47,7 +47,7 @@ from gradrunner.capturing.strategies import Slot, get_strategy
 from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
 from gradrunner.capturing.torch_compat import backward_running, compiled_inner, running_ddp, shares_memory, sub_all
 from gradrunner.config.choices import VALUES_MODES
-from gradrunner.errors import GradrunnerError, not_whole_number
+from gradrunner.errors import GradrunnerError, whole_number
 from gradrunner.records.columns import StepRecords, TapKey
 
 __all__ = ["Capture", "ParamSnapshot", "capture", "unscaled"]
@@ -108,9 +108,8 @@ class Capture(Backwards):
         model = compiled_inner(model)  # torch.compile(model): tap its eager modules, call the compiled one
         if values not in VALUES_MODES:
             raise GradrunnerError(f"capture.values={values!r} is not a values mode; allowed: {', '.join(VALUES_MODES)}")
-        for name, value in (("sample_size", sample_size), ("seed", seed)):  # as record() and the runner check them
-            if (error := not_whole_number(name, value, 1 if name == "sample_size" else None)) is not None:
-                raise error
+        whole_number("sample_size", sample_size, 1)  # as record() and the runner check them
+        whole_number("seed", seed)
         self.model = model
         self.taps: list[Tap] = resolve_taps(model, taps)
         #: The model holds DTensor parameters (FSDP2, HSDP, TP): parameter records are merged over the ranks.
@@ -123,8 +122,7 @@ class Capture(Backwards):
         #: How errors name this session (`record()` names its own: `open_sessions`).
         self.label = f"capture({type(model).__name__}, strategy={strategy!r})"
         self.keep_grads = keep_grads
-        self.values, self.sample_size, self.seed = values, sample_size, seed
-        self.per_example, self.histogram = per_example, histogram
+        self.values, self.sample_size, self.seed, self.per_example, self.histogram = values, sample_size, seed, per_example, histogram
         self.enabled = True
         self.loss_scale = loss_scale
         self.grads = Grads([t.tap for t in self.taps], [])

@@ -20,7 +20,7 @@ import torch
 
 from gradrunner.config.choices import NONFINITE_MODES, STRATEGY_NAMES, VALUES_MODES
 from gradrunner.config.edits import parse_edits
-from gradrunner.errors import GradrunnerError, did_you_mean, not_allowed, not_whole_number
+from gradrunner.errors import GradrunnerError, did_you_mean, not_allowed, whole_number
 from gradrunner.run.engine import detector_for
 
 #: The options a callback takes as keywords (besides `taps`, `dir`, `every`, `strategy`): `record`'s, less
@@ -51,8 +51,7 @@ def check_options(
         raise not_allowed("log_to", log_to, ("tensorboard",), hint=" Leave it out to write the records only.")
     for name, v, low in (("every", every, 1), ("sample_size", sample_size, 1), ("live_every", live_every, 0),
                          ("seed", seed, None)):  # fmt: skip
-        if (error := not_whole_number(name, v, low)) is not None:
-            raise error
+        whole_number(name, v, low)
     for name, v in flags.items():
         assert name in _FLAGS, name
         if not isinstance(v, bool):
