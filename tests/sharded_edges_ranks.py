@@ -3,7 +3,7 @@
 Run by torchrun (gloo, CPU): `sharded_edges_ranks.py OUT CASE...`, a CASE being `<what>:<strategy>`:
 
 - `unfreeze_fsdp`, `unfreeze_tp`: `2.weight` frozen at step 0, unfrozen at step 1 (its record at step 1);
-- `tp_input`: the input of a column-parallel layer, whose gradient is a `Partial(sum)` DTensor;
+- `tp_input`: the input of a column-parallel layer, whose gradient is a `Partial(sum)` DTensor, edited (`scale`);
 - `tp_per_example`: `per_example=True` on a tensor-parallel parameter;
 - `twod`: 2-D mesh (dp=2, tp=2), the activation a DTensor on the tp sub-mesh (4 ranks);
 - `ddp_inner`: DDP given as its `.module`: activation taps alone, then `record()` with a parameter tap (refused);
@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+#: Edits per case: the input's gradient reaches no parameter, so the records of the other taps stay unedited.
+EDITS = {"tp_input": [{"tap": "0:input", "scale": 0.5}]}
 
 
 def mlp() -> nn.Module:
@@ -203,8 +206,8 @@ def run_case(case: str, out_dir: Path) -> None:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with capture(model, taps.get(what, ["2:weight"]), strategy=strategy,
-                         per_example=what == "tp_per_example") as cap:  # fmt: skip
+            with capture(model, taps.get(what, ["2:weight"]), strategy=strategy, per_example=what == "tp_per_example",
+                         edits=EDITS.get(what)) as cap:  # fmt: skip
                 for step in range(steps):
                     if step == 1:
                         model[2].weight.requires_grad_(True)

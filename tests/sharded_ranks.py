@@ -131,7 +131,8 @@ class Counting:
 def run_case(case: str, out: Path) -> None:
     import torch.distributed as dist
 
-    from gradrunner.capturing.sharded import on_sharded_grads, placement_of
+    from gradrunner.capturing.sharded import placement_of
+    from gradrunner.capturing.sharded_hooks import on_sharded_grads
     from gradrunner.records.columns import TapKey
 
     parallel, name, dtype_name = case.split(":")

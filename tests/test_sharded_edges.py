@@ -81,6 +81,16 @@ def test_a_tensor_parallel_layers_input_tap_merges_its_partial_gradient(results:
         assert row["norm"] == pytest.approx(float(want.norm()), rel=1e-12)
 
 
+@pytest.mark.parametrize("strategy", ["hook", "autograd_grad", "retain_grad"])
+def test_the_edited_norm_of_a_partial_gradient_is_the_whole_edited_gradients(results: dict, strategy: str) -> None:
+    """`scale: 0.5` on the column-parallel layer's input: its `edited_norm` was one rank's term of the `Partial(sum)`
+    gradient (0.0435 where the whole edited gradient's norm is 0.0475), not the sum the record's `norm` is of."""
+    want = _grad_of([1], "input")
+    for rank in range(2):
+        row = _rows(results, f"tp_input:{strategy}", rank)["0:input"]
+        assert row["edited"] and row["edited_norm"] == pytest.approx(0.5 * float(want.norm()), rel=1e-12)
+
+
 def test_per_example_under_tensor_parallel_is_null_with_the_reason_not_a_crash(results: dict) -> None:
     for rank in range(2):
         rows = _rows(results, "tp_per_example:hook", rank)
@@ -95,6 +105,15 @@ def test_an_activation_dtensor_on_a_sub_mesh_is_recorded_per_data_parallel_rank(
         want = _grad_of([1 + rank // 2], "output")  # the rank's own batch (dp coordinate), its whole activation
         row = _rows(results, f"twod:{strategy}", rank)["0:output"]
         assert row["has_grad"] and row["norm"] == pytest.approx(float(want.norm()), rel=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["hook", "retain_grad"])
+def test_an_activation_dtensor_on_a_sub_mesh_has_its_whole_value_norm(results: dict, strategy: str) -> None:
+    """Its gradient is gathered and recorded whole per rank, its `value_norm` was the rank's columns' (1.91 of 2.81)."""
+    for rank in range(4):
+        x, _ = batch(1 + rank // 2)
+        want = float(mlp()[0](x).norm())
+        assert _rows(results, f"twod:{strategy}", rank)["0:output"]["value_norm"] == pytest.approx(want, rel=1e-12)
 
 
 def test_ddp_a_gan_step_zeroing_each_networks_grad_after_its_step_records_both_weights(results: dict) -> None:

@@ -22,6 +22,8 @@ Knows nothing of Hydra, Parquet or the runner (import-linter checks it).
 | `dtensors` | telling sharded tensors (`DTensor`: FSDP2, HSDP, TP) apart without importing DTensor's machinery |
 | `sharded` | statistics of sharded tensors from local pieces, merged by placement in one SUM and one MAX all-reduce |
 | `sharded_rows` | `Collector`'s sharded records of a step: reduced as they arrive, merged once in `finish` |
+| `recorded_norms` | the value and edited norms a record holds, of a plain or a sharded tensor |
+| `sharded_hooks` | post-accumulate-grad hooks handing each sharded parameter's gradient piece out |
 | `grads` | `Grads`: the last backward's kept gradients, by tap and call |
 | `per_example` | per-example norms of parameters (`PerExampleNorms`): each row's share of `.grad`, during backward |
 | `per_example_layers`, `per_example_math` | the supported layers' shares, and their row norms (ghost or materialised) |

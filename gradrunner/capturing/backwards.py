@@ -32,10 +32,10 @@ from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.dtensors import is_dtensor, like
 from gradrunner.capturing.elements import tensors_in
-from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_ASSIGNED, NOT_CALLED
 from gradrunner.capturing.params import ddp_world_size
 from gradrunner.capturing.per_example_check import PerExampleWarning, null_reason
+from gradrunner.capturing.recorded_norms import record_norm
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot
 from gradrunner.capturing.strategies.autograd_grad import OWN_BACKWARD_ONLY
@@ -377,7 +377,7 @@ class Backwards:
             before = self.edits.step_arrived(param) if self.edits is not None else None
             if before is not None:  # edited: its record is what arrived, `edited_norm` the gradient after the edit
                 if grad is not None:
-                    self._edited[order] = value_norm(grad)
+                    self._edited[order] = record_norm(grad)
                 grad = before
             if grad is not None and self.grad_scale is not None:
                 grad = unscaled(grad, self.grad_scale)

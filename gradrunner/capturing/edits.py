@@ -50,8 +50,8 @@ import torch
 from torch import nn
 
 from gradrunner.capturing.dtensors import Whole, is_dtensor, like, local_piece
-from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.grad_context import in_backward
+from gradrunner.capturing.recorded_norms import record_norm
 from gradrunner.capturing.taps import Tap, resolve_taps
 
 # The spec side (what an entry may say) is torch-free, for the config layer: re-exported here.
@@ -399,7 +399,7 @@ class Edits:
             step = max(first, self.step) if self._running else first
             new = apply_all(edits, grad, self.seed, step, tap.tap, call)
             if key is not None:  # into the norms of the backward running now (a second one too)
-                self.norms[key] = value_norm(new)
+                self.norms[key] = record_norm(new)
             return new
 
         return cast(_V, _EditNode.apply(value, edit))

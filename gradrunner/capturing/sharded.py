@@ -22,34 +22,34 @@ pieces, their updates and their edited gradients. Imported only once a DTensor i
 | `local_of(t)` | the rank's local piece (`to_local()` of a DTensor, the tensor itself otherwise) |
 | `local_rows(pieces)` | the seven reductions of each local piece (float64), histogram counts |
 | `merge_rows(rows, pieces)` | one SUM and one MAX all-reduce: the whole tensors' reductions |
-| `whole_of(grad)` | where a piece sits in the whole gradient, and a sum over the ranks (edits) |
-| `on_sharded_grads(params, fn)` | post-accumulate-grad hooks handing each local gradient piece out |
+| `mergeable_norm(t)` | a DTensor's norm as a record beside its gradient's statistics takes it (value, edited norms) |
+| `whole_of(grad)` | where a piece sits in the whole gradient, and a sum over its mesh's ranks (edits) |
+
+`capturing.sharded_hooks` hands each parameter's gradient piece out as FSDP2 completes it.
 
 Example::
 
-    with on_sharded_grads(model.named_parameters(), lambda g: got.append(g)):
-        loss.backward()                          # FSDP2 reduce-scatters; each hook hands its piece out
-    recs = sharded_rows.sharded_records([TapKey(*g.name.rsplit(".", 1), 0) for g in got], [g.grad for g in got])
-    recs.stats["norm"]                           # the whole gradients' norms, equal on every rank
+    rows, hist = local_rows([local_of(g) for g in grads], histogram=True)
+    m = merge_rows(rows, [placement_of(g) for g in grads], counts=[local_of(g).numel() for g in grads], hist=hist)
+    m.rows[:, 1].sqrt()                          # the whole gradients' norms, equal on every rank
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
-from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing import fused_stats
 from gradrunner.capturing.dtensors import Whole, local_piece
 from gradrunner.capturing.reductions import N_REDUCTIONS, one_segment, reduce_batch
+from gradrunner.capturing.torch_compat import waited
 from gradrunner.records.columns import HIST_BINS
 
 #: Columns of a merged row summed over ranks: sum, sumsq, nonzero, nan, inf (in `local_rows`' order), count.
@@ -103,10 +103,21 @@ def placement_of(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> Pie
     if mesh.size() != world:
         raise ValueError(f"a DTensor on a mesh of {mesh.size()} ranks cannot be merged over a group of {world}; "
                          "pass the group of its mesh")  # fmt: skip
-    coord = mesh.get_coordinate()
+    return _piece_on_mesh(t)
+
+
+def _piece_on_mesh(t: DTensor) -> Piece:
+    """How this rank's piece counts among the pieces on `t`'s own mesh (all of the world or a sub-mesh): a piece
+    on a `Replicate` mesh dim counts at coordinate 0 only."""
+    coord = t.device_mesh.get_coordinate()
     assert coord is not None, "this rank holds a piece, so it is in the mesh"
-    counted = all(c == 0 for c, p in zip(coord, placements, strict=True) if isinstance(p, Replicate))
+    counted = all(c == 0 for c, p in zip(coord, t.placements, strict=True) if isinstance(p, Replicate))
     return Piece(counted, tuple(t.shape))
+
+
+def _on_sub_mesh(t: DTensor) -> bool:
+    """Whether `t`'s mesh spans fewer ranks than the world (2-D data x tensor parallel: the tensor-parallel mesh)."""
+    return dist.is_initialized() and t.device_mesh.size() != dist.get_world_size()
 
 
 #: This rank's piece of a tensor (`to_local()` of a DTensor, else the tensor): `dtensors.local_piece`.
@@ -143,9 +154,30 @@ def mergeable(t: torch.Tensor) -> torch.Tensor:
         return t
     t = summed(t)
     assert isinstance(t, DTensor), "summed keeps a DTensor one"
-    if dist.is_initialized() and t.device_mesh.size() != dist.get_world_size():
+    if _on_sub_mesh(t):
         return t.full_tensor()
     return t
+
+
+def mergeable_norm(t: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of a `DTensor` `t` (float64, 0-d) as a record beside its gradient's `mergeable` statistics takes it.
+
+    Example::
+
+        mergeable_norm(sp_activation)     # Shard on the world mesh: this rank's piece's norm (the records merge it)
+
+    On a mesh spanning the world, the norm of this rank's piece (a `Partial` summed first, one all-reduce),
+    merged with the step's rows by the gradient's placement; on a sub-mesh, where the gradient is gathered
+    and recorded per rank, the whole tensor's norm (one all-reduce of a number over the sub-mesh). Every
+    rank of the mesh calls it for the same tensor in the same order. The value norm of an activation and
+    the norm of its edited gradient (`edited_norm`) are taken with it.
+    """
+    t = summed(t)
+    local = local_piece(t)
+    norm = torch.linalg.vector_norm(local.abs() if local.is_complex() else local, dtype=torch.float64)
+    if not isinstance(t, DTensor) or not _on_sub_mesh(t):
+        return norm
+    return _mesh_sum(norm.square(), t).sqrt()
 
 
 def local_rows(
@@ -349,93 +381,24 @@ def whole_of(grad: torch.Tensor) -> Whole | None:
         w.shape, w.positions             # the whole shape; the flat position of each local element
         w.total(local_sumsq)             # the whole gradient's sum of squares (an all-reduce on every rank)
 
-    `total` sums the counted pieces' values over the world (a replica counts once), so every rank
-    gets the whole gradient's value.
+    `total` sums the counted pieces' values over the gradient's mesh (a replica counts once; the world, or a
+    sub-mesh: an activation's under 2-D data x tensor parallel), so every rank gets the whole gradient's value.
+    `grad` holds no `Partial` placement (`summed` first).
     """
     if not isinstance(grad, DTensor):
         return None
-    piece = placement_of(grad)
+    piece = _piece_on_mesh(grad)
+    return Whole(torch.Size(piece.shape), global_positions(grad), lambda part: _mesh_sum(part, grad))
 
-    def total(part: torch.Tensor) -> torch.Tensor:
-        out = part.detach().to(torch.float64) * float(piece.counted)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM)
+
+def _mesh_sum(part: torch.Tensor, t: DTensor) -> torch.Tensor:
+    """`part` (0-d, this rank's piece's share of `t`) summed over the counted pieces of `t`'s mesh, float64."""
+    out = part.detach().to(torch.float64) * float(_piece_on_mesh(t).counted)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return out
-
-    return Whole(torch.Size(piece.shape), global_positions(grad), total)
-
-
-class ShardedGrad(NamedTuple):
-    """One parameter's gradient as a post-accumulate-grad hook hands it out (`on_sharded_grads`)."""
-
-    #: The parameter's name, as `named_parameters()` gives it.
-    name: str
-    #: The whole gradient: a `DTensor` under FSDP2/HSDP/TP (its `placements` say how it is split), else a tensor.
-    grad: torch.Tensor
-    #: This rank's piece (`local_of(grad)`): what is reduced locally.
-    local: torch.Tensor
-    #: How the piece counts in a merge (`placement_of(grad)`).
-    piece: Piece
-
-
-class HookSet:
-    """The post-accumulate-grad hooks `on_sharded_grads` registered; `remove()` (or leaving `with`) takes them off."""
-
-    def __init__(self, handles: list[RemovableHandle]) -> None:
-        self.handles = handles
-
-    def remove(self) -> None:
-        """Remove every hook, last registered first (idempotent, as `RemovableHandle.remove`)."""
-        for h in reversed(self.handles):
-            h.remove()
-
-    def __enter__(self) -> HookSet:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-
-def on_sharded_grads(
-    params: Iterable[tuple[str, nn.Parameter]], fn: Callable[[ShardedGrad], None],
-    group: dist.ProcessGroup | None = None,
-) -> HookSet:  # fmt: skip
-    """Call `fn(ShardedGrad(...))` with each parameter's gradient once it is complete: after FSDP2's reduce-scatter.
-
-    Example::
-
-        got = []
-        with on_sharded_grads(model.named_parameters(), got.append):
-            loss.backward()
-        [g.name for g in got]       # in the order gradients became final (FSDP2: the root's params last)
-
-    `register_hook` on a sharded parameter never fires (FSDP2 computes with a fresh unsharded tensor);
-    `register_post_accumulate_grad_hook` fires once per parameter when FSDP2 has assigned the reduced
-    shard to `.grad`, also for the root's parameters at the very end of backward. Under
-    `set_requires_gradient_sync(False)` nothing fires until the syncing backward, which hands out the
-    accumulated sum. Under tensor parallel (and for plain parameters) it fires after autograd's
-    accumulation into `.grad`. A parameter whose `.grad` is None then is not handed out.
-    """
-    cached: dict[int, Piece] = {}
-
-    def hook(name: str) -> Callable[[torch.Tensor], None]:
-        def handed(param: torch.Tensor) -> None:
-            grad = param.grad
-            if grad is None:
-                return
-            piece = cached.get(id(param))
-            if piece is None or piece.shape != tuple(grad.shape):
-                piece = cached[id(param)] = placement_of(grad, group)
-            fn(ShardedGrad(name, grad, local_of(grad), piece))
-
-        return handed
-
-    handles = []
-    try:
-        for name, p in params:
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(hook(name)))
-    except BaseException:
-        HookSet(handles).remove()
-        raise
-    return HookSet(handles)
+    if not _on_sub_mesh(t):
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+    # a sub-mesh has no process group of its own when it has several dims: DTensor's own sum over every mesh dim
+    mesh = t.device_mesh
+    return waited(DTensor.from_local(out, mesh, [Partial()] * mesh.ndim, run_check=False).full_tensor())
