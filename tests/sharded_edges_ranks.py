@@ -5,7 +5,7 @@ Run by torchrun (gloo, CPU): `sharded_edges_ranks.py OUT CASE...`, a CASE being 
 - `unfreeze_fsdp`, `unfreeze_tp`: `2.weight` frozen at step 0, unfrozen at step 1 (its record at step 1);
 - `tp_input`: the input of a column-parallel layer, whose gradient is a `Partial(sum)` DTensor, edited (`scale`);
 - `tp_per_example`: `per_example=True` on a tensor-parallel parameter;
-- `twod`: 2-D mesh (dp=2, tp=2), the activation a DTensor on the tp sub-mesh (4 ranks);
+- `twod`: 2-D mesh (dp=2, tp=2), the activation a DTensor on the tp sub-mesh, edited (`dropout`; 4 ranks);
 - `ddp_inner`: DDP given as its `.module`: activation taps alone, then `record()` with a parameter tap (refused);
 - `ddp_gan`: DDP (not sharded), a GAN step of two optimisers each stepped then zeroed after its own backward
   (`ddp_gan_step`): the generator's weight has no gradient in the second backward;
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-#: Edits per case: the input's gradient reaches no parameter, so the records of the other taps stay unedited.
-EDITS = {"tp_input": [{"tap": "0:input", "scale": 0.5}]}
+#: Edits per case: the records checked of the other taps are those of gradients the edits do not reach.
+EDITS = {"tp_input": [{"tap": "0:input", "scale": 0.5}], "twod": [{"tap": "0:output", "dropout": 0.5}]}
 
 
 def mlp() -> nn.Module:

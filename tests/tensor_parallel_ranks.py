@@ -6,7 +6,10 @@ Run by torchrun (gloo, CPU, 2 ranks): `tensor_parallel_ranks.py OUT CASE...`, a 
   the sequence; taps `norm:output` (its gradient's local piece comes from a reduce-scatter, still waiting: an
   `AsyncCollectiveTensor`) and `norm:weight`, `norm:bias` (their `.grad` is `Partial(sum)`);
 - `rows`: `per_example=True` on activation `DTensor`s: `norm` sequence-parallel along dim 0 (the batch: its
-  gradient is sharded by rows) and `fc1` column-parallel kept a `DTensor` (its gradient sharded by features).
+  gradient is sharded by rows) and `fc1` column-parallel kept a `DTensor` (its gradient sharded by features);
+- `edits`: `rows`' model and plan with `EDITS` (no per-example norms): `dropout` on `fc1`'s `Shard(-1)` output,
+  `noise_std` on `fc2`'s `Replicate` output, `clip_norm` on the sequence-parallel LayerNorm's weight
+  (`Partial(sum)`); every parameter's whole `.grad` after the step is kept.
 
 Each rank writes `OUT/<case>.rank<r>.pt`: the records' rows (or the error), the warnings, the placements of
 `.grad` and the whole `.grad` of the tapped parameters after the step (the capture must leave them as torch
@@ -40,6 +43,11 @@ class Rows(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+#: The `edits` case's edits: a DTensor gradient of each placement tensor parallel gives.
+EDITS = [{"tap": "fc1:output", "dropout": 0.5}, {"tap": "fc2:output", "noise_std": 0.01},
+         {"tap": "norm:weight", "clip_norm": 0.01}]  # fmt: skip
 
 
 def sp_model() -> SP:
@@ -87,7 +95,8 @@ def run_case(case: str, out_dir: Path) -> None:
                                          "fc2": RowwiseParallel(use_local_output=False)})  # fmt: skip
         x, y = rows_data()
         part = x.shape[0] // world
-        taps, per_example = ["norm:output", "fc1:output"], True
+        rows = what == "rows"
+        taps, per_example = (["norm:output", "fc1:output"] if rows else [e["tap"] for e in EDITS]), rows
     placements: dict[str, str] = {}
 
     def seen(name: str) -> Any:
@@ -97,7 +106,8 @@ def run_case(case: str, out_dir: Path) -> None:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with capture(model, taps, strategy=strategy, per_example=per_example) as cap:
+            with capture(model, taps, strategy=strategy, per_example=per_example,
+                         edits=EDITS if what == "edits" else None) as cap:  # fmt: skip
                 if what == "sp":
                     loss = model(x[:, rank * part : (rank + 1) * part]).square().sum()
                 else:
@@ -109,6 +119,8 @@ def run_case(case: str, out_dir: Path) -> None:
         if what == "sp":
             out["grads"] = {n: p.grad.full_tensor() for n, p in model.norm.named_parameters()}
             placements.update({n: str(p.grad.placements) for n, p in model.norm.named_parameters()})
+        if what == "edits":
+            out["grads"] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     except Exception as e:  # what the hunt saw: a crash inside the backward
         out["error"] = f"{type(e).__name__}: {e}"
     out["placements"] = placements

@@ -4,7 +4,9 @@ Each torchrun (gloo, CPU; 2 ranks, 4 for the 2-D mesh) runs `sharded_edges_ranks
 same small MLP unsharded in this process, without gradrunner. Before the fixes: a tensor-parallel layer's
 input tap and `per_example=True` under tensor parallel raised inside `backward()` on every rank, an activation
 `DTensor` on a 2-D mesh's sub-mesh raised too, and a sharded parameter unfrozen after the capture opened got
-`has_grad=False` with a false reason ("no backward of this step synchronised the gradients").
+`has_grad=False` with a false reason ("no backward of this step synchronised the gradients"). Hunt TP found the
+`edited_norm` of a `Partial(sum)` input gradient and the value norm of a sub-mesh activation to be one rank's piece's,
+and a `dropout` on a sub-mesh activation raising inside `backward()`.
 """
 
 from __future__ import annotations
@@ -114,6 +116,26 @@ def test_an_activation_dtensor_on_a_sub_mesh_has_its_whole_value_norm(results: d
         x, _ = batch(1 + rank // 2)
         want = float(mlp()[0](x).norm())
         assert _rows(results, f"twod:{strategy}", rank)["0:output"]["value_norm"] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("strategy", ["hook", "retain_grad"])
+def test_an_edit_of_an_activation_dtensor_on_a_sub_mesh_is_the_unsharded_runs(results: dict, strategy: str) -> None:
+    """`dropout` on the tp sub-mesh's activation raised inside `backward()` (mixed torch.Tensor and DTensor): now each
+    rank edits its piece with the unsharded run's draw; `0:weight` gets the mean of the ranks' edited gradients."""
+    from gradrunner import capture
+
+    edited_norm, weight_grad = {}, torch.zeros(6, 4, dtype=torch.float64)
+    for seed in (1, 2):  # each data-parallel rank's batch
+        model = mlp()
+        x, y = batch(seed)
+        with capture(model, ["0:output"], edits=[{"tap": "0:output", "dropout": 0.5}]) as cap:
+            cap.backward(nn.functional.mse_loss(model(x), y))
+            edited_norm[seed] = cap.records().row(0)["edited_norm"]
+        weight_grad += model[0].weight.grad / 2  # FSDP2 averages over the data-parallel ranks
+    for rank in range(4):
+        rows = _rows(results, f"twod:{strategy}", rank)
+        assert rows["0:output"]["edited_norm"] == pytest.approx(edited_norm[1 + rank // 2], rel=1e-12)
+        assert rows["0:weight"]["norm"] == pytest.approx(float(weight_grad.norm()), rel=1e-12)
 
 
 def test_ddp_a_gan_step_zeroing_each_networks_grad_after_its_step_records_both_weights(results: dict) -> None:

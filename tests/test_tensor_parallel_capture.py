@@ -4,7 +4,9 @@ One torchrun (gloo, CPU, 2 ranks) runs `tensor_parallel_ranks.py`; the reference
 in this process, without gradrunner. Before the fixes: tapping a `SequenceParallel` module's output killed both
 ranks (SIGSEGV: the gradient's local piece, an `AsyncCollectiveTensor` waiting for its reduce-scatter, went to
 the C kernel), a parameter tap on that LayerNorm raised inside `backward()` (its `.grad` is `Partial(sum)`), and
-`per_example=True` gave an activation `DTensor` a null `per_example_norm` without a word.
+`per_example=True` gave an activation `DTensor` a null `per_example_norm` without a word. Before the fixes of hunt
+TP (2026-11-27): `dropout`, `noise_std` and `mask` on an activation `DTensor`'s gradient raised inside `backward()`
+(mixed torch.Tensor and DTensor) and any edit of a `Partial(sum)` parameter gradient raised there too.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ from typing import Any
 import pytest
 import torch
 from rank_launch import torchrun
-from tensor_parallel_ranks import rows_data, rows_model, sp_data, sp_model
+from tensor_parallel_ranks import EDITS, rows_data, rows_model, sp_data, sp_model
 from torch import nn
 
 pytestmark = pytest.mark.slow
 
-CASES = ["sp:hook", "sp:autograd_grad", "rows:hook", "rows:autograd_grad"]
+CASES = ["sp:hook", "sp:autograd_grad", "rows:hook", "rows:autograd_grad", "edits:hook"]
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +91,28 @@ def test_per_example_norms_of_activation_dtensors_are_the_whole_gradients_rows(r
             pex = rows[tap]["per_example_norm"]
             assert pex is not None, (tap, got["warned"])
             torch.testing.assert_close(torch.as_tensor(pex), want.norm(dim=1), rtol=1e-12, atol=0)
+
+
+def test_edits_of_tensor_parallel_gradients_are_the_unsharded_runs_edits(results: dict) -> None:
+    """`dropout` on a `Shard(-1)` activation gradient, `noise_std` on a `Replicate` one, `clip_norm` on a `Partial(sum)`
+    LayerNorm weight: every parameter's `.grad` as the unsharded run's under the same edits, the records as its."""
+    from gradrunner import capture
+
+    x, y = rows_data()
+    model, plain = rows_model(), rows_model()
+    with capture(model, [e["tap"] for e in EDITS], edits=EDITS) as cap:
+        cap.backward(nn.functional.mse_loss(model(x), y))
+        recs = cap.records()
+    nn.functional.mse_loss(plain(x), y).backward()
+    want = {recs.row(i)["tap"]: recs.row(i) for i in range(len(recs))}
+    for rank in range(2):
+        got = results["edits:hook"][rank]
+        rows = _rows(results, "edits:hook", rank)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(got["grads"][name], p.grad, rtol=1e-12, atol=1e-14)
+        assert not torch.allclose(got["grads"]["fc1.weight"], plain.fc1.weight.grad)  # the edits did act
+        for tap, row in want.items():
+            assert rows[tap]["edited"] and rows[tap]["norm"] == pytest.approx(row["norm"], rel=1e-12), tap
+            assert rows[tap]["edited_norm"] == pytest.approx(row["edited_norm"], rel=1e-12), tap
+        assert rows["norm:weight"]["norm"] > 0.01  # clipped as the whole sum, not each rank's term
+        assert rows["norm:weight"]["edited_norm"] == pytest.approx(0.01, rel=1e-4)

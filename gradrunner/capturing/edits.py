@@ -186,6 +186,23 @@ def apply_all(
     return g
 
 
+def apply_sharded(edits: Sequence[Edit], g: torch.Tensor, seed: int, step: int, tap: str, call: int) -> torch.Tensor:
+    """`apply_all` of a `DTensor` gradient (tensor parallel): each rank edits its piece as the edit of the whole gradient.
+
+    Example::
+
+        apply_sharded(edits, colwise_output_grad, 0, 3, "fc1:output", 0)    # a DTensor placed as the gradient
+
+    A `Partial` gradient (a column-parallel layer's input, a sequence-parallel LayerNorm's weight) is summed first
+    (`sharded.summed`: one all-reduce) and comes back summed; the random draws are the unsharded run's, `clip_norm`
+    uses the whole gradient's norm (one all-reduce over its mesh, a sub-mesh's too).
+    """
+    from gradrunner.capturing.sharded import summed, whole_of  # DTensor's machinery: only where one is
+
+    g = summed(g)
+    return like(g, apply_all(edits, local_piece(g), seed, step, tap, call, whole_of(g)))
+
+
 def _check_shape(edits: Sequence[Edit], tap: str, shape: torch.Size) -> None:
     """A mask's dim and indices must exist in the gradient's shape (that of the tapped value)."""
     for edit in edits:
@@ -338,7 +355,7 @@ class Edits:
         `set_requires_gradient_sync(False)`). The random draws are the unsharded run's (each rank draws
         the whole gradient's numbers and keeps its elements'), `clip_norm` uses the whole gradient's norm.
         """
-        from gradrunner.capturing.sharded import whole_of  # DTensor's machinery: only where one is
+        from gradrunner.capturing.sharded import summed, whole_of  # DTensor's machinery: only where one is
 
         edited_now: set[int] = set()
 
@@ -353,6 +370,7 @@ class Edits:
 
         def tensor_hook(grad: torch.Tensor) -> torch.Tensor:
             edited_now.add(key)
+            grad = summed(grad)  # a sequence-parallel LayerNorm's weight: Partial(sum), edited as the sum
             return like(grad, edit(grad, local_piece(grad)))
 
         def after_accumulation(p: torch.Tensor) -> None:
@@ -397,7 +415,8 @@ class Edits:
             # a later backward through the same forward (retain_graph) is a backward of its own: its number; a
             # `torch.autograd.grad` inside a loss (a gradient penalty) begins none: the forward's next one
             step = max(first, self.step) if self._running else first
-            new = apply_all(edits, grad, self.seed, step, tap.tap, call)
+            # a DTensor: an activation's under tensor parallel, edited as the whole gradient
+            new = (apply_sharded if is_dtensor(grad) else apply_all)(edits, grad, self.seed, step, tap.tap, call)
             if key is not None:  # into the norms of the backward running now (a second one too)
                 self.norms[key] = record_norm(new)
             return new
