@@ -145,6 +145,18 @@ def leftover_hooks(model: nn.Module) -> list[str]:
     return found
 
 
+def tanh_mlp() -> nn.Sequential:
+    """A seeded 4 -> 8 -> 2 MLP with a Tanh, for the loops of the `record()` and `.grad`-reset tests."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def regression_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` seeded (x, y) batches of 5 rows for `tanh_mlp`."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)) for _ in range(n)]
+
+
 def close(actual: torch.Tensor | None, expected: torch.Tensor, rtol: float = 1e-10, atol: float = 1e-12) -> None:
     """Assert a captured gradient (present) equals a plain-torch reference; tight (float64) tolerances by default.
 

@@ -19,21 +19,13 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import regression_batches as _batches
+from conftest import tanh_mlp as _mlp
 from torch import nn
 
 from gradrunner import capture, record
 
 mse = nn.functional.mse_loss
-
-
-def _mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)) for _ in range(n)]
 
 
 def _rows(recs: Any) -> dict[str, dict[str, Any]]:

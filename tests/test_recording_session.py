@@ -13,22 +13,14 @@ import pandas as pd
 import pytest
 import torch
 from conftest import python_script
+from conftest import regression_batches as _batches
+from conftest import tanh_mlp as _model
 from torch import nn
 
 import gradrunner
 from gradrunner.analysis import load
 from gradrunner.errors import GradrunnerError
 from gradrunner.run.session_log import LOG_FILE
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)) for _ in range(n)]
 
 
 def _loss_line(text: str) -> tuple[float, float, int]:

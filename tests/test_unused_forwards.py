@@ -10,20 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import regression_batches as _batches
+from conftest import tanh_mlp as _model
 from torch import nn
 
 from gradrunner import capture, record
 from gradrunner.analysis import load
-
-
-def _model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(5, 4, generator=g), torch.randn(5, 2, generator=g)) for _ in range(n)]
 
 
 def _reference(batches: list[tuple[torch.Tensor, torch.Tensor]], skip: int | None = None) -> list[float]:
