@@ -177,7 +177,9 @@ def test_a_sweep_killed_in_job_1_names_job_2_that_never_started_and_a_rerun_runs
     said = " | ".join(str(w.message) for w in caught)
     assert len(caught) == 1 and said.startswith(f"2 of 3 jobs in {sw} did not complete and are left out: "), said
     assert "job 1 has no done.json" in said and re.search(r"job 2 \(\+experiment=mlp .*seed=2\) did not start", said)
-    assert "The other 1 job(s) completed and are read" in said and "job 1 (" not in said  # job 1 has its dir
+    assert "The other 1 job(s) completed and are read" in said
+    # job 1 has its dir, without done.json: named by its number and its own overrides (which config was cut off)
+    assert re.search(r"job 1 has no done.json \(killed, or still running; its overrides: \+experiment=mlp .*seed=1\)", said)
     assert df.job.unique().tolist() == ["0"] and len(df) == len(pd.read_parquet(sw / "0" / "grads.parquet"))
 
     before = stamps(sw / "0")

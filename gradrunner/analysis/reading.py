@@ -391,7 +391,8 @@ def _completed_only(root: Path, jobs: _Jobs, holding: list[rundir.JobState]) -> 
     unfinished = [s for s in jobs.states if s.status != "completed"] if jobs.marked else []
     if not unfinished and not jobs.dirless:
         return holding
-    said = rundir.describe_unfinished(root, unfinished, len(jobs.states) + len(jobs.dirless), jobs.dirless)
+    own = {s.directory: job_overrides(s.directory, None, s.marker) for s in unfinished[:10] if s.status != "failed"}
+    said = rundir.describe_unfinished(root, unfinished, len(jobs.states) + len(jobs.dirless), jobs.dirless, own)
     warnings.warn(said, IncompleteSweepWarning, stacklevel=4)
     left_out = {s.directory for s in unfinished}
     kept = [s for s in holding if s.directory not in left_out]

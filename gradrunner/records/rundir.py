@@ -325,8 +325,9 @@ def unfinished_jobs(job_dirs: list[Path]) -> list[JobState] | None:
 
 
 def describe_unfinished(
-    root: Path, unfinished: list[JobState], total: int, dirless: Sequence[Mapping[str, Any]] = ()
-) -> str:
+    root: Path, unfinished: list[JobState], total: int, dirless: Sequence[Mapping[str, Any]] = (),
+    overrides: Mapping[Path, Sequence[str]] | None = None,
+) -> str:  # fmt: skip
     """One paragraph naming the jobs of the sweep at `root` that did not complete, and what to do.
 
     Example::
@@ -334,13 +335,14 @@ def describe_unfinished(
         describe_unfinished(sweep, unfinished_jobs(dirs), len(dirs))  # '1 of 6 jobs in ... job 3 failed: ...'
 
     `unfinished`: the job dirs that did not complete; `dirless`: the jobs the sweep's `MANIFEST` lists that
-    no job dir holds (its entries: `num`, `overrides`, `dir`, `error`); `total`: every job of the sweep.
-    """
+    no job dir holds (its entries: `num`, `overrides`, `dir`, `error`); `total`: every job of the sweep;
+    `overrides`: a job dir's own, named where it has no `done.json` (which config was cut off)."""
     parts = []
     for s in unfinished[:10]:
         name = s.directory.relative_to(root).as_posix()
+        own = " ".join((overrides or {}).get(s.directory) or [])
         parts.append(f"job {name} failed: {(s.error or '').rstrip('.')}" if s.status == "failed"
-                     else f"job {name} has no {DONE} (killed, or still running)")  # fmt: skip
+                     else f"job {name} has no {DONE} (killed, or still running{f'; its overrides: {own}' if own else ''})")  # fmt: skip
     parts += [_dirless(j) for j in dirless[: max(0, 10 - len(parts))]]
     left = len(unfinished) + len(dirless)
     more = f"; and {left - len(parts)} more" if left > len(parts) else ""
