@@ -100,7 +100,8 @@ def call(model: nn.Module, x: torch.Tensor) -> Any:
 def variants(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> tuple[dict[str, Variant], dict[str, Any]]:
     x, y = batch
     params = params_of(model)
-    info: dict[str, Any] = {}
+    nulls: dict[str, set[str]] = {}  # a per-example variant's null norms in its last step (`measured_what_it_says`)
+    info: dict[str, Any] = {"nulls": nulls}
 
     def plain() -> None:
         loss_fn(call(model, x), y).backward()
@@ -110,9 +111,9 @@ def variants(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, torch.Tenso
     for name, check in (("per_example", True), ("per_example_nocheck", False)):
         pex = PerExampleNorms(model, params, check=check)
 
-        def ours(pex: PerExampleNorms = pex) -> None:
+        def ours(pex: PerExampleNorms = pex, name: str = name) -> None:
             loss_fn(call(model, x), y).backward()
-            pex.norms()
+            nulls[name] = {k for k, v in pex.norms().items() if v is None}
             model.zero_grad(set_to_none=True)
 
         out[name] = (lambda pex=pex: pex, ours)
@@ -123,10 +124,12 @@ def variants(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, torch.Tenso
         for name, on in ((f"capture{suffix}", False), (f"capture+per_example{suffix}", True)):
             cap = capture(model, taps, strategy="hook", keep_grads=False, per_example=on)
 
-            def captured(cap: Any = cap) -> None:
+            def captured(cap: Any = cap, name: str = name, on: bool = on) -> None:
                 loss = loss_fn(call(model, x), y)
                 cap.backward(loss)
-                cap.records(loss)
+                rec = cap.records(loss)
+                if on:
+                    nulls[name] = {f"{k.module}:{k.name}" for k, v in zip(rec.keys, rec.per_example_norm, strict=True) if v is None}
                 model.zero_grad(set_to_none=True)
 
             out[name] = (lambda cap=cap: cap, captured)
@@ -298,6 +301,15 @@ def breakdown(model: nn.Module, batch: Batch, loss_fn: Callable[[Any, torch.Tens
     return [(part, 1e3 * statistics.median(v)) for part, v in out.items()]
 
 
+def measured_what_it_says(model: str, info: dict[str, Any]) -> None:
+    """Stop where a per-example variant's last step had null norms a plain `PerExampleNorms` step has not: its
+    time would be that of a path computing fewer norms (as re-entered sessions did before 2026-11-27)."""
+    for variant, nulls in info["nulls"].items():
+        if extra := sorted(nulls - set(info["none_params"])):
+            raise SystemExit(f"per_example_params: {model} {variant} recorded null per-example norms for {extra}; "
+                             "its time is not that of the norms it names")  # fmt: skip
+
+
 def main() -> None:
     def extra(p: argparse.ArgumentParser) -> None:
         p.add_argument("--device", default="cpu")
@@ -319,6 +331,7 @@ def main() -> None:
             vs = {k: (c, synced(s)) for k, (c, s) in vs.items()}
         clock = time.thread_time if args.cpu_time else time.perf_counter
         times = interleaved(vs, repeats=repeats, steps_per_block=2 if args.tiny else 5, clock=clock)
+        measured_what_it_says(name, info)
         base, captured = median_ms(times["plain"]), median_ms(times["capture"])
         captured_bp = median_ms(times["capture_bp"]) if "capture_bp" in times else captured
         for variant, samples in times.items():

@@ -991,3 +991,38 @@ def test_capture_refuses_a_sample_size_or_seed_record_would_refuse_before_anythi
     with pytest.raises(GradrunnerError, match=rf"^{option}={value!r} is not allowed; it must be a whole number"):
         capture(model, [":weight"], values="sample", **{option: value})
     assert not leftover_hooks(model)
+
+
+def test_a_session_entered_again_records_what_it_recorded_the_first_time(strategy: str) -> None:
+    """`with cap:` a second time (a benchmark's rounds, a session per phase): every column as in the first entry,
+    and the parameters' per-example norms those of a per-example loop. They were null from the second entry on
+    (with "its modules' outputs got gradients but it did not"): the check's gradient hook went with the first
+    entry's hooks and was never registered again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(5, 4)
+    taps = ["0:weight", "1:weight", "3:bias", "0:output", "2:input"]
+    cap = capture(model, taps, strategy=strategy, per_example=True, histogram=True, values="full",
+                  edits=[{"tap": "0:output", "scale": 0.5}])  # fmt: skip
+    entries = []
+    for _ in range(2):
+        with cap:
+            loss = model(x).pow(2).mean()
+            cap.backward(loss)
+            rec = cap.records(loss)
+            model.zero_grad(set_to_none=True)
+        entries.append(rec)
+    first, second = entries
+    assert second.keys == first.keys and second.reason == first.reason
+    for column in ("per_example_norm", "hist_counts", "values"):
+        for a, b in zip(getattr(first, column), getattr(second, column), strict=True):
+            assert (a is None) == (b is None) and (a is None or np.array_equal(a, b)), column
+    for name, values in first.stats.items():
+        np.testing.assert_array_equal(second.stats[name], values)
+    params = dict(model.named_parameters())
+    for i, key in enumerate(second.keys):
+        if key.module in ("0", "1", "3") and key.name in ("weight", "bias"):
+            param = params[f"{key.module}.{key.name}"]
+            scale = 0.5 if key.module == "0" else 1.0  # the edit halves 0:output's gradient on its way to 0:weight
+            rows = [scale * torch.autograd.grad(model(x[r:r + 1]).pow(2).sum() / (len(x) * 2), param)[0] for r in range(len(x))]
+            np.testing.assert_allclose(second.per_example_norm[i], [float(g.norm()) for g in rows], rtol=1e-5)

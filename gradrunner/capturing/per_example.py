@@ -52,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -142,6 +141,7 @@ class PerExampleNorms:
             self._stack.enter_context(model.register_forward_pre_hook(owned(model, self._on_root), with_kwargs=True))
             self._stack.enter_context(model.register_forward_hook(owned(model, self._on_root_output)))
             for t in self._tracked:
+                t.check = None  # an earlier entry's check went with its hooks: a new one for this entry
                 self._watch(t)
             self._stack.callback(self._drop_calls)
         except BaseException:
@@ -149,7 +149,7 @@ class PerExampleNorms:
             raise
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
     def _watch(self, t: Tracked) -> None:
