@@ -243,17 +243,23 @@ def per_example_variants(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, V
 
     out: dict[str, Variant] = {"none": (no_context, plain)}
 
+    first_nulls: dict[str, set[str]] = {}
+
     def captured_pair(suffix: str, taps: list[str]) -> None:
         """`gradrunner_params<suffix>` and `gradrunner_per_example<suffix>`: capture of `taps`, per_example off/on."""
         for name, on in ((f"gradrunner_params{suffix}", False), (f"gradrunner_per_example{suffix}", True)):
             cap = capture(model, taps, strategy="hook", keep_grads=False, per_example=on)
 
-            def ours(cap: Any = cap) -> None:
+            def ours(cap: Any = cap, name: str = name, on: bool = on) -> None:
                 loss = loss_of(model)
                 cap.backward(loss)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                cap.records(loss)
+                rec = cap.records(loss)
+                if on:  # a step with more null norms than the session's first computed fewer: its time is not theirs
+                    nulls = {k.tap for k, v in zip(rec.keys, rec.per_example_norm, strict=True) if v is None}
+                    if extra := sorted(nulls - first_nulls.setdefault(name, nulls)):
+                        raise SystemExit(f"peers: {name} recorded null per-example norms for {extra} after its first step")
 
             out[name] = (lambda cap=cap: cap, ours)
 
