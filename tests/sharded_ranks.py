@@ -90,14 +90,13 @@ def sharded_records(
     values: str = "none", sample_size: int = 64, seed: int = 0, histogram: bool = False,
 ) -> Any:  # fmt: skip
     """`Collector` over a list of (possibly DTensor) parameter gradients: the records of the whole ones."""
-    from gradrunner.capturing.dtensors import local_piece
-    from gradrunner.capturing.extras import value_norm
+    from gradrunner.capturing.recorded_norms import record_value_norm
     from gradrunner.capturing.stats import Collector
 
     col = Collector(values, sample_size, seed, histogram=histogram)
     for i, (key, g) in enumerate(zip(keys, grads, strict=True)):
         t = None if tensors is None else tensors[i]
-        col.add(key, g, batched=False, value_norm=None if t is None else value_norm(local_piece(t)))
+        col.add(key, g, batched=False, value_norm=None if t is None else record_value_norm(t))
     return col.finish()
 
 

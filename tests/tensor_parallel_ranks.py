@@ -7,6 +7,8 @@ Run by torchrun (gloo, CPU, 2 ranks): `tensor_parallel_ranks.py OUT CASE...`, a 
   `AsyncCollectiveTensor`) and `norm:weight`, `norm:bias` (their `.grad` is `Partial(sum)`);
 - `rows`: `per_example=True` on activation `DTensor`s: `norm` sequence-parallel along dim 0 (the batch: its
   gradient is sharded by rows) and `fc1` column-parallel kept a `DTensor` (its gradient sharded by features);
+  the model is `Side`: a column-parallel `side` branch kept a `DTensor` takes no part in the loss, so its output
+  and parameters get no gradient (their `value_norm`s, `side.weight`'s `update_norm` after `SIDE_STEP`);
 - `edits`: `rows`' model and plan with `EDITS` (no per-example norms): `dropout` on `fc1`'s `Shard(-1)` output,
   `noise_std` on `fc2`'s `Replicate` output, `clip_norm` on the sequence-parallel LayerNorm's weight
   (`Partial(sum)`); every parameter's whole `.grad` after the step is kept.
@@ -45,6 +47,20 @@ class Rows(nn.Module):
         return self.fc2(torch.relu(self.fc1(self.norm(x))))
 
 
+class Side(Rows):
+    """`Rows` with a branch whose output takes no part in the loss (no gradient reaches it nor its parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.side = nn.Linear(8, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.side(x)
+        return super().forward(x)
+
+
+#: The `rows` case's taps, and the factor its step multiplies `side.weight` by (an update without a gradient).
+SIDE_TAPS, SIDE_STEP = ["norm:output", "fc1:output", "side:output", "side:weight", "side:bias"], 0.5
 #: The `edits` case's edits: a DTensor gradient of each placement tensor parallel gives.
 EDITS = [{"tap": "fc1:output", "dropout": 0.5}, {"tap": "fc2:output", "noise_std": 0.01},
          {"tap": "norm:weight", "clip_norm": 0.01}]  # fmt: skip
@@ -58,6 +74,11 @@ def sp_model() -> SP:
 def rows_model() -> Rows:
     torch.manual_seed(0)
     return Rows().double()
+
+
+def side_model() -> Side:
+    torch.manual_seed(0)  # `Rows`' parameters first: the same as `rows_model()`'s
+    return Side().double()
 
 
 def sp_data() -> torch.Tensor:
@@ -89,14 +110,17 @@ def run_case(case: str, out_dir: Path) -> None:
         part = x.shape[1] // world
         taps, per_example = ["norm:output", "norm:weight", "norm:bias"], False
     else:
-        model = rows_model()
-        parallelize_module(model, mesh, {"norm": SequenceParallel(sequence_dim=0),
-                                         "fc1": ColwiseParallel(input_layouts=Shard(0), use_local_output=False),
-                                         "fc2": RowwiseParallel(use_local_output=False)})  # fmt: skip
+        rows = what == "rows"
+        model = side_model() if rows else rows_model()
+        plan = {"norm": SequenceParallel(sequence_dim=0),
+                "fc1": ColwiseParallel(input_layouts=Shard(0), use_local_output=False),
+                "fc2": RowwiseParallel(use_local_output=False)}  # fmt: skip
+        if rows:
+            plan["side"] = ColwiseParallel(input_layouts=Shard(0), use_local_output=False)
+        parallelize_module(model, mesh, plan)  # type: ignore[arg-type]
         x, y = rows_data()
         part = x.shape[0] // world
-        rows = what == "rows"
-        taps, per_example = (["norm:output", "fc1:output"] if rows else [e["tap"] for e in EDITS]), rows
+        taps, per_example = (SIDE_TAPS if rows else [e["tap"] for e in EDITS]), rows
     placements: dict[str, str] = {}
 
     def seen(name: str) -> Any:
@@ -113,7 +137,11 @@ def run_case(case: str, out_dir: Path) -> None:
                 else:
                     loss = nn.functional.mse_loss(model(x[rank * part : (rank + 1) * part]).full_tensor(), y)
                 cap.backward(loss)
-                recs = cap.records()
+                before = cap.snapshot_params() if what == "rows" else None
+                if before is not None:  # an update of a parameter no gradient reached
+                    with torch.no_grad():
+                        model.side.weight.mul_(SIDE_STEP)
+                recs = cap.records(None, before)
                 out["rows"].append([recs.row(i) for i in range(len(recs))])
         out["warned"] = [str(w.message) for w in caught]
         if what == "sp":

@@ -6,7 +6,8 @@ input tap and `per_example=True` under tensor parallel raised inside `backward()
 `DTensor` on a 2-D mesh's sub-mesh raised too, and a sharded parameter unfrozen after the capture opened got
 `has_grad=False` with a false reason ("no backward of this step synchronised the gradients"). Hunt TP found the
 `edited_norm` of a `Partial(sum)` input gradient and the value norm of a sub-mesh activation to be one rank's piece's,
-and a `dropout` on a sub-mesh activation raising inside `backward()`.
+and a `dropout` on a sub-mesh activation raising inside `backward()`. Hunt TPVN found the value norm of a frozen
+sharded parameter (FSDP2 and tensor parallel) to be one rank's piece's.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def test_a_sharded_parameter_unfrozen_after_the_capture_opened_is_recorded(resul
         assert not frozen["has_grad"] and "frozen" in frozen["reason"]
         assert unfrozen["has_grad"] and unfrozen["reason"] is None
         assert unfrozen["norm"] == pytest.approx(want, rel=1e-12)
+        whole = pytest.approx(float(mlp()[2].weight.norm()), rel=1e-12)  # no optimiser step: the weight as made
+        assert frozen["value_norm"] == whole and unfrozen["value_norm"] == whole  # with a gradient or not
 
 
 @pytest.mark.parametrize("strategy", ["hook", "autograd_grad", "retain_grad"])

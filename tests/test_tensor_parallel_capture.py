@@ -6,7 +6,9 @@ ranks (SIGSEGV: the gradient's local piece, an `AsyncCollectiveTensor` waiting f
 the C kernel), a parameter tap on that LayerNorm raised inside `backward()` (its `.grad` is `Partial(sum)`), and
 `per_example=True` gave an activation `DTensor` a null `per_example_norm` without a word. Before the fixes of hunt
 TP (2026-11-27): `dropout`, `noise_std` and `mask` on an activation `DTensor`'s gradient raised inside `backward()`
-(mixed torch.Tensor and DTensor) and any edit of a `Partial(sum)` parameter gradient raised there too.
+(mixed torch.Tensor and DTensor) and any edit of a `Partial(sum)` parameter gradient raised there too. Before the
+fix of hunt TPVN (2026-11-27): the `value_norm` of a tapped `DTensor` that got no gradient (an activation, a
+parameter) and such a parameter's `update_norm` were the rank's piece's (the hunt's: 2.90 and 4.28, the whole 5.17).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from rank_launch import torchrun
-from tensor_parallel_ranks import EDITS, rows_data, rows_model, sp_data, sp_model
+from tensor_parallel_ranks import EDITS, SIDE_STEP, SIDE_TAPS, rows_data, rows_model, side_model, sp_data, sp_model
 from torch import nn
 
 pytestmark = pytest.mark.slow
@@ -91,6 +93,25 @@ def test_per_example_norms_of_activation_dtensors_are_the_whole_gradients_rows(r
             pex = rows[tap]["per_example_norm"]
             assert pex is not None, (tap, got["warned"])
             torch.testing.assert_close(torch.as_tensor(pex), want.norm(dim=1), rtol=1e-12, atol=0)
+
+
+def test_value_and_update_norms_of_dtensor_taps_are_the_whole_tensors_with_or_without_a_gradient(results: dict) -> None:
+    """`Side`: `side:*` take no part in the loss (no gradient), `norm:output` (`Shard(0)`) and `fc1:output`
+    (`Shard(-1)`) do; every `value_norm` is the unsharded tensor's, on both ranks, and so is `side.weight`'s update."""
+    x, _ = rows_data()
+    model = side_model()
+    with torch.no_grad():  # the reference: the unsharded model on the whole batch, plain torch
+        h = model.norm(x)
+        want = {"norm:output": h.norm(), "fc1:output": model.fc1(h).norm(), "side:output": model.side(x).norm(),
+                "side:weight": model.side.weight.norm(), "side:bias": model.side.bias.norm()}  # fmt: skip
+    for rank in range(2):
+        rows = _rows(results, "rows:hook", rank)
+        for tap in SIDE_TAPS:
+            assert rows[tap]["has_grad"] == (not tap.startswith("side")), tap
+            assert rows[tap]["value_norm"] == pytest.approx(float(want[tap]), rel=1e-12), (rank, tap)
+        step = (1 - SIDE_STEP) * float(want["side:weight"])
+        assert rows["side:weight"]["update_norm"] == pytest.approx(step, rel=1e-12)
+        assert rows["side:bias"]["update_norm"] == 0.0
 
 
 def test_edits_of_tensor_parallel_gradients_are_the_unsharded_runs_edits(results: dict) -> None:

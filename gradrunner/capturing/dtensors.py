@@ -10,6 +10,8 @@ The placement-aware statistics themselves are in `capturing.sharded` (imported o
 | `any_dtensor(ts)` | whether any of `ts` is (a model's parameters: the capture's sharded mode) |
 | `local_piece(t)` | this rank's piece: `t.to_local()` of a DTensor (unpadded, maybe empty; its collective waited for), else `t` |
 | `like(t, local)` | `local` as a DTensor placed as `t` (no collective), or `local` when `t` is plain |
+| `Piece` | how this rank's piece counts in a merge over the ranks, and the whole tensor's shape (`sharded.placement_of`) |
+| `PieceNorm` | a tapped DTensor's own norm still to be merged by its own piece (`sharded.piece_norm`) |
 | `Whole` | where a piece sits in the whole tensor (`sharded.whole_of`): for edits that look past an element |
 
 Example::
@@ -20,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
@@ -95,6 +98,41 @@ def like(t: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     cls = _dtensor_class()
     return cls.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,  # type: ignore[attr-defined]
                           stride=t.stride())  # fmt: skip
+
+
+class Piece(NamedTuple):
+    """How one rank's local piece of a tensor relates to the whole tensor.
+
+    Example::
+
+        placement_of(p.grad)    # Piece(counted=True, shape=(3, 4)) on a rank holding rows of a Shard(0) grad
+    """
+
+    #: Whether this rank's piece is counted in the merge (False: a replica that another rank counts).
+    counted: bool
+    #: Shape of the whole tensor (its global shape); its number of elements is checked against the merge.
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class PieceNorm(NamedTuple):
+    """A tapped `DTensor`'s own norm (`value_norm`) as this rank holds it: its piece's, to be merged over the ranks by
+    the piece's own placement with the step's rows (`sharded_rows.ShardedRows`), whether a gradient came or not.
+
+    Example::
+
+        piece_norm(tp_activation)     # PieceNorm(norm=tensor(2.9000), piece=Piece(True, (4, 16)), local_numel=32)
+    """
+
+    #: 0-d float64 norm of this rank's piece.
+    norm: torch.Tensor
+    #: How the piece counts (a replica once) and the whole tensor's shape.
+    piece: Piece
+    #: The number of elements in this rank's piece.
+    local_numel: int
 
 
 class Whole(NamedTuple):

@@ -38,7 +38,7 @@ from gradrunner.capturing.grad_context import (
     refuse_transformed,
 )
 from gradrunner.capturing.owned import owned
-from gradrunner.capturing.recorded_norms import record_norm
+from gradrunner.capturing.recorded_norms import record_value_norm
 from gradrunner.capturing.strategies import Slot
 from gradrunner.capturing.taps import Tap
 from gradrunner.capturing.torch_compat import gradient_edge, is_view, version, writes_grad
@@ -361,7 +361,7 @@ class Firing:
         slot.leaf, slot.written = value.is_leaf, writes_grad(value.grad_fn)
         if is_view(value):
             slot.view, slot.version = value, version(value)
-        slot.value_norm = record_norm(value)  # on the device, no sync: it goes to the host with the step
+        slot.value_norm = record_value_norm(value)  # on the device, no sync: it goes to the host with the step
         if edits is not None:  # the strategy reads the gradient that arrives, the edit acts upstream of it
             value = edits.on_fire(tap, value, slot.key.call, slot.key)
         if outside:

@@ -48,7 +48,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from gradrunner.capturing.dtensors import is_dtensor, local_piece
+from gradrunner.capturing.dtensors import PieceNorm, is_dtensor, local_piece
 from gradrunner.capturing.extras import value_norms
 from gradrunner.capturing.grad_context import FROZEN, NO_PART, NOT_FILLED
 from gradrunner.capturing.taps import Tap
@@ -139,7 +139,8 @@ class ParamTaps:
         self._part: dict[int, torch.Tensor] = {}  # this backward's gradient, summed over its parts
         self._sum: dict[int, torch.Tensor] = {}  # the step's, summed over its backwards
         self._cleared: set[int] = set()  # those with a step sum whose `.grad` was reset since (`begin_backward`)
-        self._norms: dict[int, torch.Tensor] = {}  # the parameters' own norms, taken as the last backward began
+        # the parameters' own norms, taken as the last backward began (a sharded one's piece's: `PieceNorm`)
+        self._norms: dict[int, torch.Tensor | PieceNorm] = {}
         self._synced_read: dict[int, torch.Tensor | None] | None = None  # `.grad` after the last synchronised backward
         #: The backward that just ended synchronised the gradients (DDP): read `.grad` now.
         self.synced_now = False
@@ -227,8 +228,14 @@ class ParamTaps:
         """
         params: list[torch.Tensor] = [p for _, p in self.taps]
         # batched on an accelerator: a few launches for all; a sharded parameter's own piece (merged in the records)
-        norms = value_norms([local_piece(p) for p in params] if self.sharded else params)
+        pieces = [local_piece(p) for p in params] if self.sharded else params
+        norms = value_norms(pieces)
         self._norms = {id(p): n for p, n in zip(params, norms, strict=True)}
+        if self.sharded:  # a DTensor's piece's norm is merged by its own placement, whether its gradient comes or not
+            from gradrunner.capturing.sharded import piece_norm  # DTensor's machinery: only where one is
+
+            at = (i for i, p in enumerate(params) if is_dtensor(p))
+            self._norms.update((id(params[i]), piece_norm(params[i], norms[i], pieces[i])) for i in at)
         if self.synced is None and self._sum:  # one `is None` per parameter with gradients this step
             self._cleared.update(pid for pid in self._sum if self._held[pid].param.grad is None)
 
@@ -304,7 +311,7 @@ class ParamTaps:
                 g = sums.get(id(p))
                 yield i, key, p, g, missing if g is None else None
 
-    def value_norm(self, param: nn.Parameter) -> torch.Tensor | None:
+    def value_norm(self, param: nn.Parameter) -> torch.Tensor | PieceNorm | None:
         return self._norms.get(id(param))
 
     def forget(self) -> None:

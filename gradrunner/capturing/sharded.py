@@ -22,7 +22,8 @@ pieces, their updates and their edited gradients. Imported only once a DTensor i
 | `local_of(t)` | the rank's local piece (`to_local()` of a DTensor, the tensor itself otherwise) |
 | `local_rows(pieces)` | the seven reductions of each local piece (float64), histogram counts |
 | `merge_rows(rows, pieces)` | one SUM and one MAX all-reduce: the whole tensors' reductions |
-| `mergeable_norm(t)` | a DTensor's norm as a record beside its gradient's statistics takes it (value, edited norms) |
+| `mergeable_norm(t)` | a DTensor gradient's norm as a record beside its statistics takes it (edited norms) |
+| `piece_norm(t)` | a tapped DTensor's own norm (`value_norm`), merged by its own piece whether a gradient came or not |
 | `whole_of(grad)` | where a piece sits in the whole gradient, and a sum over its mesh's ranks (edits) |
 
 `capturing.sharded_hooks` hands each parameter's gradient piece out as FSDP2 completes it.
@@ -47,7 +48,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
 from gradrunner.capturing import fused_stats
-from gradrunner.capturing.dtensors import Whole, local_piece
+from gradrunner.capturing.dtensors import Piece, PieceNorm, Whole, local_piece
+from gradrunner.capturing.extras import value_norm
 from gradrunner.capturing.reductions import N_REDUCTIONS, one_segment, reduce_batch
 from gradrunner.capturing.torch_compat import waited
 from gradrunner.records.columns import HIST_BINS
@@ -55,24 +57,6 @@ from gradrunner.records.columns import HIST_BINS
 #: Columns of a merged row summed over ranks: sum, sumsq, nonzero, nan, inf (in `local_rows`' order), count.
 _SUMMED = (0, 1, 4, 5, 6)
 _IDENTITY = (0.0, 0.0, math.inf, -math.inf, 0.0, 0.0, 0.0)
-
-
-class Piece(NamedTuple):
-    """How one rank's local piece of a tensor relates to the whole tensor.
-
-    Example::
-
-        placement_of(p.grad)    # Piece(counted=True, shape=(3, 4)) on a rank holding rows of a Shard(0) grad
-    """
-
-    #: Whether this rank's piece is counted in the merge (False: a replica that another rank counts).
-    counted: bool
-    #: Shape of the whole tensor (its global shape); its number of elements is checked against the merge.
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 def placement_of(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> Piece:
@@ -160,17 +144,17 @@ def mergeable(t: torch.Tensor) -> torch.Tensor:
 
 
 def mergeable_norm(t: torch.Tensor) -> torch.Tensor:
-    """The L2 norm of a `DTensor` `t` (float64, 0-d) as a record beside its gradient's `mergeable` statistics takes it.
+    """The L2 norm of a `DTensor` gradient `t` (float64, 0-d) as a record beside its `mergeable` statistics takes it.
 
     Example::
 
-        mergeable_norm(sp_activation)     # Shard on the world mesh: this rank's piece's norm (the records merge it)
+        mergeable_norm(edited_grad)     # Shard on the world mesh: this rank's piece's norm (the records merge it)
 
     On a mesh spanning the world, the norm of this rank's piece (a `Partial` summed first, one all-reduce),
     merged with the step's rows by the gradient's placement; on a sub-mesh, where the gradient is gathered
     and recorded per rank, the whole tensor's norm (one all-reduce of a number over the sub-mesh). Every
-    rank of the mesh calls it for the same tensor in the same order. The value norm of an activation and
-    the norm of its edited gradient (`edited_norm`) are taken with it.
+    rank of the mesh calls it for the same tensor in the same order. The norm of an edited gradient
+    (`edited_norm`) is taken with it; a tapped value's own norm with `piece_norm`.
     """
     t = summed(t)
     local = local_piece(t)
@@ -178,6 +162,30 @@ def mergeable_norm(t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, DTensor) or not _on_sub_mesh(t):
         return norm
     return _mesh_sum(norm.square(), t).sqrt()
+
+
+def piece_norm(
+    t: torch.Tensor, norm: torch.Tensor | None = None, local: torch.Tensor | None = None
+) -> torch.Tensor | PieceNorm:
+    """A tapped `DTensor`'s own norm (`value_norm`) as its record merges it, whether its tap gets a gradient or not.
+
+    Example::
+
+        piece_norm(tp_activation)     # PieceNorm(this rank's piece's norm, its Piece, its numel): merged in `finish`
+
+    On a mesh spanning the world, a `PieceNorm`: this rank's piece's norm (`norm` and the piece `local` where
+    the caller has them already: a batch of parameters'), merged over the ranks by the value's own placement (a replica
+    once) with the step's rows (`ShardedRows`), taken as a plain tensor's (`extras.value_norm`); on a sub-mesh, the whole tensor's (`mergeable_norm`: the
+    gradient is recorded per rank there). A `Partial` value is summed first (one all-reduce over its mesh).
+    """
+    t = summed(t)
+    assert isinstance(t, DTensor), "a DTensor's norm"
+    if _on_sub_mesh(t):
+        return mergeable_norm(t)
+    local = local_piece(t) if local is None else local
+    if norm is None:
+        norm = value_norm(local)
+    return PieceNorm(norm, _piece_on_mesh(t), local.numel())
 
 
 def local_rows(

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from gradrunner.capturing import fused_stats
-from gradrunner.capturing.dtensors import is_dtensor
+from gradrunner.capturing.dtensors import PieceNorm, is_dtensor
 from gradrunner.capturing.extras import per_example_norms
 from gradrunner.capturing.reductions import (
     INT_VIEW,
@@ -130,8 +130,7 @@ class Collector:
         #: per record (by `order`): its backward's number in the step (`micro_step`) and why it has no gradient
         self._micro: dict[int, int] = {}  # (ints, no tuple per record: nothing new for the cyclic GC to track)
         self._why: dict[int, str] = {}
-        #: the step's sharded (DTensor) gradients, reduced locally, merged over the ranks in `finish`
-        self._sharded: ShardedRows | None = None
+        self._sharded: ShardedRows | None = None  # the step's DTensor pieces, merged in `finish` (`_sharded_rows`)
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -146,37 +145,38 @@ class Collector:
             if self._sharded is not None:
                 self._sharded.discard(orders)
 
-    def _add_sharded(self, key: TapKey, grad: torch.Tensor, order: int, value_norm: torch.Tensor | None, rows: bool) -> None:  # fmt: skip
-        """A DTensor gradient (FSDP2, HSDP, TP): this rank's piece reduced now, merged with the others' in `finish`."""
+    def _sharded_rows(self) -> ShardedRows:
+        """The step's DTensor pieces (FSDP2, HSDP, TP), merged over the ranks in `finish`; made when the first comes."""
         if self._sharded is None:
             from gradrunner.capturing.sharded_rows import ShardedRows  # DTensor's machinery: only where one is met
 
             self._sharded = ShardedRows(values=self.values, histogram=self.histogram,
                                         sample=lambda tap, n: sample_positions(tap, n, self.sample_size, self.seed))
-        piece = self._sharded.add(order, key, grad, value_norm, per_example=rows)  # rows: an activation's per-example norms
-        self._pending.append(Pending(order, key, piece.shape, piece.numel, True, None, None, None, None))
+        return self._sharded
 
     def add(
         self, key: TapKey, grad: torch.Tensor | None, order: int | None = None, mutable: bool = True, *,
-        value_norm: torch.Tensor | None = None, batched: bool = True, settled: bool = False, micro: int | None = None,
-        reason: str | None = None, per_example: torch.Tensor | None = None,
+        value_norm: torch.Tensor | PieceNorm | None = None, batched: bool = True, settled: bool = False,
+        micro: int | None = None, reason: str | None = None, per_example: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """Reduce `grad` (or record that the tap got none) without leaving its device.
 
-        `order` places the record among the step's records (default: after those added so far);
-        gradients arrive in backward order, records are kept in forward (firing) order.
-        `mutable=False` promises that nothing changes `grad` in place before `flush` (an intermediate's
-        gradient; a leaf's may become its `.grad`): what is kept until then is not copied (values are).
-        `value_norm` (0-d, on any device) is the tapped tensor's own norm; `batched=False` (a
-        parameter) means dim 0 is no batch: no per-example norms of its own, but `per_example` (float64
-        norms on the device, a parameter's from `capturing.per_example`) may be given. The extras are reduced here, so
-        a gradient changed in place after `add` cannot change them. `settled=True` promises that
-        nothing changes `grad` in place before the next `flush` (a gradient handed over after
-        autograd's backward returned, the session flushing before it returns): a small gradient kept
-        for the batch is then not copied either. `micro` (the backward's number within the step) and
-        `reason` (why there is no gradient) go into the records' `micro_step` and `reason`.
+        `order` places the record among the step's records (default: after those added so far); gradients arrive in
+        backward order, records are kept in forward (firing) order. `mutable=False` promises that nothing changes `grad`
+        in place before `flush` (an intermediate's gradient; a leaf's may become its `.grad`): what is kept until then
+        is not copied (values are). `value_norm` (0-d, on any device) is the tapped tensor's own norm (a DTensor's
+        `PieceNorm`: merged by its own placement in `finish`, gradient or not); `batched=False` (a parameter) means
+        dim 0 is no batch: no per-example norms of its own, but `per_example` (float64 norms on the device, a
+        parameter's from `capturing.per_example`) may be given. The extras are reduced here, so a gradient changed in
+        place after `add` cannot change them. `settled=True` promises that nothing changes `grad` in place before the
+        next `flush` (a gradient handed over after autograd's backward returned, the session flushing before it
+        returns): a small gradient kept for the batch is then not copied either. `micro` (the backward's number within
+        the step) and `reason` (why there is no gradient) go into the records' `micro_step` and `reason`.
         """
         order = len(self._pending) if order is None else order
+        if isinstance(value_norm, PieceNorm):  # a DTensor value's: `finish` merges it, gradient or not
+            self._sharded_rows().add_value_norm(order, value_norm)
+            value_norm = None
         if micro is not None:
             self._micro[order] = micro
         if reason is not None:
@@ -195,7 +195,8 @@ class Collector:
             self._pending.append(Pending(order, key, (), 0, False, None, None, None, value_norm))
             return
         if is_dtensor(grad):  # sharded (a parameter's, or an activation's under TP): one tensor, merged in `finish`
-            self._add_sharded(key, grad, order, value_norm, self.per_example and batched)
+            piece = self._sharded_rows().add(order, key, grad, per_example=self.per_example and batched)
+            self._pending.append(Pending(order, key, piece.shape, piece.numel, True, None, None, None, value_norm))
             return
         if grad.layout != torch.strided:
             if grad.layout == torch.sparse_coo and self._values_none and not self.histogram and not (self.per_example and batched):
@@ -332,10 +333,8 @@ class Collector:
         return kernels is not None and dtype in (self._cpu_hist if self.histogram else kernels)
 
     def _cpu_reduce(self, flat: torch.Tensor, n: int) -> tuple[int, torch.Tensor | None] | None:
-        """The C kernel on contiguous CPU `flat` into a fresh row: (row, histogram counts or None).
-
-        None where no kernel fits (no compiler, another dtype): the caller takes the torch path.
-        """
+        """The C kernel on contiguous CPU `flat` into a fresh row: (row, histogram counts or None); None where no kernel
+        fits (no compiler, another dtype): the caller takes the torch path."""
         kernels = self._load_kernels()
         if self.histogram:
             fh = self._cpu_hist.get(flat.dtype)

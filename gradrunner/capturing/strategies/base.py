@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from gradrunner.records.columns import TapKey
 
 if TYPE_CHECKING:
+    from gradrunner.capturing.dtensors import PieceNorm
     from gradrunner.capturing.params import ParamBackward
 
 
@@ -54,8 +55,9 @@ class Slot:
     leaf: bool = False
     #: The node the gradient flows into may write it in place (a custom Function's: `torch_compat.writes_grad`).
     written: bool = False
-    #: The tapped tensor's own norm (0-d float64, on its device), taken when the tap fired.
-    value_norm: torch.Tensor | None = None
+    #: The tapped tensor's own norm (0-d float64, on its device), taken when the tap fired; a DTensor's on a mesh
+    #: spanning the world: its piece's (`PieceNorm`), merged over the ranks with the step's rows.
+    value_norm: torch.Tensor | PieceNorm | None = None
     #: The tensor's gradient edge, taken when the tap fired.
     edge: object | None = None
     #: The tensor's in-place version when the tap fired.
