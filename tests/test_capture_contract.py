@@ -1026,3 +1026,40 @@ def test_a_session_entered_again_records_what_it_recorded_the_first_time(strateg
             scale = 0.5 if key.module == "0" else 1.0  # the edit halves 0:output's gradient on its way to 0:weight
             rows = [scale * torch.autograd.grad(model(x[r:r + 1]).pow(2).sum() / (len(x) * 2), param)[0] for r in range(len(x))]
             np.testing.assert_allclose(second.per_example_norm[i], [float(g.norm()) for g in rows], rtol=1e-5)
+
+
+def test_a_session_entered_again_after_its_entry_raised_records_only_its_own_step(strategy: str) -> None:
+    """The first entry raised after its backward, before `records()` (an optimiser step that failed); the second
+    entry's records held that backward's activation rows too (five rows for three, `micro_step` 0, 0, 1, 1, and the
+    parameter's per-example norms null with a warning of a `zero_grad` between backwards): what a fresh session
+    records, every column, and per-example norms those of a per-example loop."""
+    x = torch.randn(5, 4)
+    taps = ["0:weight", "0:output", "1:output"]
+
+    def model_and_session() -> tuple[nn.Module, capture]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        return model, capture(model, taps, strategy=strategy, per_example=True, values="full")
+
+    model, fresh = model_and_session()
+    with fresh:
+        loss = model(x).pow(2).mean()
+        fresh.backward(loss)
+        want = fresh.records(loss)
+    model, cap = model_and_session()
+    with pytest.raises(RuntimeError, match="the step failed"), cap:
+        cap.backward(model(x).pow(2).mean())
+        raise RuntimeError("the step failed")
+    model.zero_grad(set_to_none=True)
+    with cap:
+        loss = model(x).pow(2).mean()
+        cap.backward(loss)
+        got = cap.records(loss)
+    assert got.keys == want.keys and got.micro_step == want.micro_step and got.reason == want.reason
+    for name, values in want.stats.items():
+        np.testing.assert_array_equal(got.stats[name], values)
+    for a, b in zip(want.values, got.values, strict=True):
+        np.testing.assert_array_equal(a, b)
+    weight = model[0].weight
+    rows = [torch.autograd.grad(model(x[r : r + 1]).pow(2).sum() / (len(x) * 2), weight)[0] for r in range(len(x))]
+    np.testing.assert_allclose(got.per_example_norm[2], [float(g.norm()) for g in rows], rtol=1e-5)

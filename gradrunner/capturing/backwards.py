@@ -300,7 +300,7 @@ class Backwards:
             self._retained = p.slots[: p.fired]  # a second backward through this forward may come
 
     def _abort(self: Capture) -> None:  # type: ignore[misc]
-        """The session's own backward raised: nothing of it, nor of the step, reaches the records."""
+        """The session's own backward raised (or an entry found a step left by one before): none of it is recorded."""
         p, self._pass = self._pass, None
         if p is not None:
             self._release(p.slots)

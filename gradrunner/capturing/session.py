@@ -32,9 +32,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from gradrunner.capturing.backwards import Backwards, unscaled
-from gradrunner.capturing.dtensors import any_dtensor, local_piece
+from gradrunner.capturing.dtensors import any_dtensor
 from gradrunner.capturing.edits import Edits
-from gradrunner.capturing.extras import value_norms
 from gradrunner.capturing.firing import Firing
 from gradrunner.capturing.grad_context import refuse_compiled
 from gradrunner.capturing.grads import Grads
@@ -42,10 +41,11 @@ from gradrunner.capturing.open_sessions import hold_open
 from gradrunner.capturing.owned import owned
 from gradrunner.capturing.params import ParamBackward, ParamTaps, ddp_synced
 from gradrunner.capturing.per_example import PerExampleNorms
+from gradrunner.capturing.snapshot import ParamSnapshot
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot, get_strategy
 from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
-from gradrunner.capturing.torch_compat import backward_running, compiled_inner, running_ddp, shares_memory, sub_all
+from gradrunner.capturing.torch_compat import backward_running, compiled_inner, running_ddp, shares_memory
 from gradrunner.config.choices import VALUES_MODES
 from gradrunner.errors import GradrunnerError, whole_number
 from gradrunner.records.columns import StepRecords, TapKey
@@ -171,6 +171,8 @@ class Capture(Backwards):
 
     def _install(self) -> None:
         hold_open(self, self._stack)  # first: a session refused beside another leaves nothing behind
+        if self._next_order:  # a step an earlier entry left, that no records() took (it raised): not this entry's
+            self._abort()
         self._closed = False
         self._stack.callback(self.strategy.close)
         self._stack.callback(self._drop_root_hooks)
@@ -430,21 +432,3 @@ class Capture(Backwards):
 
 #: `capture(model, taps, strategy=...)`: the documented spelling of `Capture(...)` (one signature, one place).
 capture = Capture
-
-
-class ParamSnapshot:
-    """Copies of the tapped parameters before an optimiser step (`Capture.snapshot_params`)."""
-
-    def __init__(self, kept: list[tuple[TapKey, nn.Parameter, torch.Tensor]]) -> None:
-        self.kept = kept
-
-    def update_norms(self) -> dict[TapKey, torch.Tensor]:
-        """||p now - p before|| per parameter tap: 0-d float64 tensors on the parameter's device."""
-        first: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # a tied parameter once
-        for _, param, old in self.kept:
-            first.setdefault(id(param), (param, old))
-        now = [local_piece(p.detach()) for p, _ in first.values()]  # a sharded one: its piece (merged in the records)
-        olds = [local_piece(o) for _, o in first.values()]
-        # one subtraction for all on an accelerator (multi-tensor ops), then the norms batched likewise
-        done = dict(zip(first, value_norms(sub_all(now, olds)), strict=True))
-        return {key: done[id(param)] for key, param, _ in self.kept}
