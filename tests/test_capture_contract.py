@@ -1063,3 +1063,36 @@ def test_a_session_entered_again_after_its_entry_raised_records_only_its_own_ste
     weight = model[0].weight
     rows = [torch.autograd.grad(model(x[r : r + 1]).pow(2).sum() / (len(x) * 2), weight)[0] for r in range(len(x))]
     np.testing.assert_allclose(got.per_example_norm[2], [float(g.norm()) for g in rows], rtol=1e-5)
+
+
+def test_a_session_entered_again_after_the_model_changed_refuses_what_it_would_record_wrong(strategy: str) -> None:
+    """A module replaced between two entries: its parameter tap recorded `takes no part in the loss` (NaN, has_grad
+    False) while the model's new parameter got a gradient of norm 0.516; a module removed raised KeyError '2'. Both
+    are one paragraph naming the tap now, nothing left installed; a replaced module with only activation taps
+    records what a fresh session records (those find their module by path at each entry)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(5, 4)
+    cap = capture(model, ["2:output", "2:weight"], strategy=strategy)
+    outputs = capture(model, ["2:output"], strategy=strategy)
+    for session in (cap, outputs):
+        with session:
+            session.backward(model(x).pow(2).mean())
+            session.records()
+    model.zero_grad(set_to_none=True)
+    model[2] = nn.Linear(8, 2)
+    with pytest.raises(GradrunnerError, match=r"its tap 2:weight names parameter 'weight' of module '2', which is an"):
+        cap.__enter__()
+    assert not leftover_hooks(model)
+    with capture(model, ["2:output"], strategy=strategy) as fresh:
+        fresh.backward(model(x).pow(2).mean())
+        want = fresh.records()
+    model.zero_grad(set_to_none=True)
+    with outputs:
+        outputs.backward(model(x).pow(2).mean())
+        got = outputs.records()
+    assert got.keys == want.keys and bool(got.has_grad[0])
+    np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
+    del model[2]
+    with pytest.raises(GradrunnerError, match=r"its tap 2:output names module '2', which the model no longer has"):
+        outputs.__enter__()
+    assert not leftover_hooks(model)

@@ -44,7 +44,7 @@ from gradrunner.capturing.per_example import PerExampleNorms
 from gradrunner.capturing.snapshot import ParamSnapshot
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot, get_strategy
-from gradrunner.capturing.taps import Tap, TapSpec, resolve_taps
+from gradrunner.capturing.taps import Tap, TapSpec, check_still_resolved, resolve_taps
 from gradrunner.capturing.torch_compat import backward_running, compiled_inner, running_ddp, shares_memory
 from gradrunner.config.choices import VALUES_MODES
 from gradrunner.errors import GradrunnerError, whole_number
@@ -173,6 +173,8 @@ class Capture(Backwards):
         hold_open(self, self._stack)  # first: a session refused beside another leaves nothing behind
         if self._next_order:  # a step an earlier entry left, that no records() took (it raised): not this entry's
             self._abort()
+        held = {k.tap: p for k, (_, p) in zip(self._params.keys, self._params.taps, strict=True)}
+        check_still_resolved(self.model, self.taps, held, self.label)  # a tapped module replaced or gone since: refused
         self._closed = False
         self._stack.callback(self.strategy.close)
         self._stack.callback(self._drop_root_hooks)
@@ -215,6 +217,7 @@ class Capture(Backwards):
         def forget(*_: object) -> None:
             self._model_params, self._witness = None, None
 
+        forget()  # changed while the session was closed: listed again
         for register in (
             nn.modules.module.register_module_parameter_registration_hook,
             nn.modules.module.register_module_module_registration_hook,

@@ -253,6 +253,31 @@ def resolve_taps(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[T
     return list(resolved.values())
 
 
+def check_still_resolved(model: nn.Module, taps: Iterable[Tap], params: Mapping[str, object], who: str) -> None:
+    """Refuse a model changed since its taps were resolved: a tapped module gone, or a tapped parameter replaced.
+
+    Example::
+
+        check_still_resolved(model, cap.taps, {"fc1:weight": fc1.weight}, "capture(MLP, strategy='hook')")
+
+    Activation, input and local taps find their module by path as a session opens; a parameter tap holds the
+    parameter it resolved to, which a replaced module (or `.to()` making new parameters) no longer uses.
+    """
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for tap in taps:
+        module = modules.get(tap.module)
+        if module is None:
+            what = f"module {tap.module!r}, which the model no longer has"
+        elif tap.tap in params and getattr(module, tap.name, None) is not params[tap.tap]:
+            what = f"parameter {tap.name!r} of module {tap.module!r}, which is another object now (replaced)"
+        else:
+            continue
+        raise GradrunnerError(
+            f"{who} cannot open: its tap {tap.tap} names {what} since the session was made (taps are resolved when "
+            "it is made, and its records would not be the model's); make the session again for the model as it is now"
+        )
+
+
 @dataclass(frozen=True)
 class GlobReach:
     """What one glob spec resolved to: its taps, counted by module depth (path components), a path at each depth."""
