@@ -239,6 +239,36 @@ def test_overwrite_records_again_from_step_0(tmp_path: Path) -> None:
     _same(load(tmp_path / "a"), load(tmp_path / "b"))
 
 
+def test_a_recorder_entered_again_is_refused_and_leaves_the_first_entrys_records(tmp_path: Path) -> None:
+    """`with rec:` a second time (overwrite=True) logged "recording from step 0", deleted the first entry's records
+    and wrote steps 3, 4, 5 under its run_id. Refused now, before the dir is looked at: the records are the first
+    entry's, as a fresh run's of those steps; `record(...)` made again records from step 0 with a new run_id."""
+    model = _model()
+    opt, batches = torch.optim.SGD(model.parameters(), lr=0.1), _batches(6)
+    reference = _model()
+    _train(tmp_path / "ref", range(3), reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    rec = gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run", overwrite=True)
+    for entry in range(2):
+        with contextlib.ExitStack() as stack:
+            if entry:
+                stack.enter_context(pytest.raises(GradrunnerError, match=r"^this record\(\) into '.*' was entered befo"))
+            stack.enter_context(rec)
+            for s in range(3):
+                x, y = batches[s]
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                rec.step(loss)
+    first = load(tmp_path / "run")
+    assert sorted(first["step"].unique()) == [0, 1, 2] and first["run_id"].nunique() == 1
+    assert json.loads((tmp_path / "run" / "done.json").read_text())["run_id"] == first["run_id"].iloc[0]
+    _same(load(tmp_path / "ref"), first)
+    _train(tmp_path / "run", range(3), model, opt, overwrite=True)
+    again = load(tmp_path / "run")
+    assert sorted(again["step"].unique()) == [0, 1, 2] and set(again["run_id"]).isdisjoint(first["run_id"])
+
+
 def _same(a: pd.DataFrame, b: pd.DataFrame) -> None:
     skip = {"run_id", "step_time_s", "capture_time_s", "peak_memory_bytes"}
     cols = [c for c in a.columns if c not in skip]

@@ -163,6 +163,18 @@ class Distributed:
         return main
 
 
+def joined_group() -> Distributed | None:
+    """This process's place when a process group of several processes is initialised (a collective), else None.
+
+    Example::
+
+        joined_group()      # None in a plain script; under torchrun, `Distributed.joined()`
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() <= 1:
+        return None
+    return Distributed.joined()
+
+
 def _portable(e: Exception) -> Exception:
     """`e` if it pickles (to be raised on the other ranks), else a RuntimeError naming it."""
     try:

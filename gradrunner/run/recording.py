@@ -43,6 +43,7 @@ from gradrunner.capturing.taps import TapSpec, tap_shapes
 from gradrunner.errors import GradrunnerError
 from gradrunner.records import rundir
 from gradrunner.run import books, record_books
+from gradrunner.run.distributed import joined_group
 from gradrunner.run.engine import LIVE_EVERY, RunFiles, StepEngine, StepResult
 from gradrunner.run.record_options import check_callback_options, check_extra, check_options
 from gradrunner.run.session_log import how_it_ended, session_log
@@ -86,7 +87,8 @@ class Recorder:
 
     A run dir that holds records is refused (one paragraph) unless `overwrite=True` (delete them, record
     from step 0) or `resume=True` (continue an interrupted session's records: `run.record_books`; the
-    rows before `start_at(step)` are kept). Every option is checked here, before anything is written.
+    rows before `start_at(step)` are kept). Every option is checked here, before anything is written. A
+    `Recorder` is entered once (a second `with rec:` is refused: its run_id and steps are the first entry's).
     When the block ends (also by an error) the runner's last word, the health summary, is logged on
     the console and into `<run_dir>/gradrunner.log` (`run.session_log`).
     """
@@ -122,7 +124,7 @@ class Recorder:
                       on_nonfinite=on_nonfinite, log_to=log_to, scaler=scaler, live_every=live_every, edits=edits,
                       per_example=per_example, histogram=histogram, update_norms=update_norms, resume=resume,
                       overwrite=overwrite, anomaly=anomaly)  # fmt: skip
-        dist = _joined() if dist is None else dist
+        dist = joined_group() if dist is None else dist
         self.model, self.directory = model, Path(run_dir).resolve()
         self.taps = [taps] if isinstance(taps, (str, dict)) else list(taps)
         self.strategy, self.dist = strategy, dist
@@ -189,6 +191,12 @@ class Recorder:
     def _enter(self) -> None:
         from gradrunner.records.writer import run_metadata  # pyarrow: imported once writing starts
 
+        if self.engine.files is not None:  # before the run dir is looked at: its records stay as they are
+            raise GradrunnerError(
+                f"this {self.who} into {str(self.directory)!r} was entered before: a session is entered once (its "
+                "run_id and step numbers are its first entry's); call record(...) again for another session, with "
+                "resume=True to continue its records"
+            )
         self.capture.label = f"{self.who} into {str(self.directory)!r} (strategy={self.strategy!r})"
         refuse_beside_open(self.capture)  # before the run dir is looked at
         # rank 0 keeps the books; every rank numbers its steps from where they resume (the kept records' next step)
@@ -401,17 +409,6 @@ class Recorder:
 
 #: `record(model, taps, run_dir, ...)`: the documented spelling of `Recorder(...)`.
 record = Recorder
-
-
-def _joined() -> Distributed | None:
-    """This process's place when a process group of several processes is initialised (a collective), else None."""
-    import torch.distributed as tdist
-
-    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() <= 1:
-        return None
-    from gradrunner.run.distributed import Distributed
-
-    return Distributed.joined()
 
 
 class CallbackOptions:
