@@ -222,3 +222,29 @@ def test_a_gradient_penalty_in_training_step_records_the_losss_gradients(tmp_pat
     for g, w in zip(got, want, strict=True):
         assert g == pytest.approx(w, rel=1e-5)
     torch.testing.assert_close(module.net[0].weight, net[0].weight)
+
+
+class Validated(Module):
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def test_a_checkpoint_validated_before_a_fit_does_not_number_that_fits_edits(tmp_path: Path) -> None:
+    """`trainer.validate(ckpt_path=...)`, then `fit` with the same callback: the checkpoint's count of backwards (3),
+    restored for the validation, outlived it and numbered the fit's seeded edits from backward 3 (its dropout drew
+    other numbers: edited_norm 0.4986 against 0.4942 at step 0). The fit's records are a fresh callback's now."""
+    ckpt = tmp_path / "three.ckpt"
+    _fit(Validated(), [GradientCapture(taps=TAPS, dir=tmp_path / "first")], steps=3).save_checkpoint(ckpt)
+    edits = [{"tap": "net.0:output", "dropout": 0.5}]
+    for name in ("same", "fresh"):
+        module = Validated()
+        cb = GradientCapture(taps=TAPS, dir=tmp_path / name, edits=edits, values="full")
+        validator = pl.Trainer(callbacks=[cb] if name == "same" else [], logger=False, enable_progress_bar=False,
+                               enable_model_summary=False, accelerator="cpu", devices=1, enable_checkpointing=False)  # fmt: skip
+        loader = torch.utils.data.DataLoader(dataset(2), batch_size=5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            validator.validate(module, loader, ckpt_path=str(ckpt), verbose=False)
+        _fit(module, [cb], steps=2, num_sanity_val_steps=0)
+    _same(load(tmp_path / "fresh"), load(tmp_path / "same"))

@@ -239,7 +239,9 @@ class GradientCapture(CallbackOptions, Callback):
         self._close(None)
 
     def _close(self, error: BaseException | None) -> None:
-        rec, self.recorder = self.recorder, None
+        # a checkpoint restored for this call (validate or test with ckpt_path=, or a fit that trained no batch) does
+        # not number the next fit's backwards
+        rec, self.recorder, self._restored_backwards = self.recorder, None, None
         if rec is not None:
             self._backwards = rec.engine.backwards_run  # a checkpoint saved after the fit
             rec.__exit__(type(error) if error is not None else None, error, None)
