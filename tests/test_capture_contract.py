@@ -1096,3 +1096,21 @@ def test_a_session_entered_again_after_the_model_changed_refuses_what_it_would_r
     with pytest.raises(GradrunnerError, match=r"its tap 2:output names module '2', which the model no longer has"):
         outputs.__enter__()
     assert not leftover_hooks(model)
+
+
+def test_a_backward_outside_the_block_is_refused_and_runs_nothing(strategy: str) -> None:
+    """`cap.backward(loss)` after the block (or before the first) ran the backward with no hook installed: the
+    activation tap's record said "no forward since the last backward, which freed the graph" though a forward
+    had run. One paragraph now, before anything runs (no `.grad` filled); inside the block as before."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(5, 4)
+    cap = capture(model, ["0:output", "2:weight"], strategy=strategy)
+    for entered in (False, True):
+        if entered:
+            with cap:
+                cap.backward(model(x).pow(2).mean())
+                assert cap.records().has_grad.all()
+            model.zero_grad(set_to_none=True)
+        with pytest.raises(GradrunnerError, match=r"\.backward\(\) was called outside its `with` block"):
+            cap.backward(model(x).pow(2).mean())
+        assert all(p.grad is None for p in model.parameters())

@@ -289,6 +289,9 @@ class Capture(Backwards):
         Under `hook` and `retain_grad` this is `loss.backward()` with the session's bookkeeping around
         it; under `autograd_grad`, the strategy's own `torch.autograd.grad` call.
         """
+        if self._closed:  # no hook is installed: its taps' records would say they got no gradient
+            raise GradrunnerError(f"{self.label}.backward() was called outside its `with` block, where nothing is "
+                                  "captured; call it inside the block, or loss.backward() to backpropagate uncaptured")  # fmt: skip
         self._finish_pending()
         p = self._begin(explicit=True, retain_graph=retain_graph)
         try:
