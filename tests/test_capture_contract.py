@@ -1114,3 +1114,40 @@ def test_a_backward_outside_the_block_is_refused_and_runs_nothing(strategy: str)
         with pytest.raises(GradrunnerError, match=r"\.backward\(\) was called outside its `with` block"):
             cap.backward(model(x).pow(2).mean())
         assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_entry_after_one_ended_inside_an_optimizer_step_sees_no_closure_evaluated_again(strategy: str) -> None:
+    """The first entry ended inside `LBFGS.step(closure)` (its closure raised): the session still counted itself
+    inside that step, and in the next entry a `zero_grad()` between two backwards was taken for LBFGS evaluating
+    its closure again, dropping the first backward's rows (2 records, `micro_step` None, for 3: 0, 1, None).
+    The entry records what a fresh session records."""
+    x = torch.randn(5, 4)
+
+    def model_and_session() -> tuple[nn.Module, capture]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        return model, capture(model, ["0:output", "2:weight"], strategy=strategy)
+
+    def two_backwards(model: nn.Module, cap: capture) -> Any:
+        with cap:
+            cap.backward(model(x).pow(2).mean())
+            model.zero_grad(set_to_none=True)
+            loss = model(x[:3]).pow(2).mean()
+            cap.backward(loss)
+            return cap.records(loss)
+
+    want = two_backwards(*model_and_session())
+    model, cap = model_and_session()
+    opt = torch.optim.LBFGS(model.parameters())
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        cap.backward(model(x).pow(2).mean())
+        raise RuntimeError("the closure failed")
+
+    with pytest.raises(RuntimeError, match="the closure failed"), cap:
+        opt.step(closure)  # type: ignore[arg-type]
+    model.zero_grad(set_to_none=True)
+    got = two_backwards(model, cap)
+    assert got.keys == want.keys and got.micro_step == want.micro_step == [0, 1, None]
+    np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])

@@ -178,7 +178,9 @@ class Capture(Backwards):
         self._closed = False
         self._stack.callback(self.strategy.close)
         self._stack.callback(self._drop_root_hooks)
-        # optimizer.step() calls, to tell a closure evaluated again inside one (LBFGS) from steps in a row
+        # optimizer.step() calls, to tell a closure evaluated again inside one (LBFGS) from steps in a row; one an
+        # earlier entry ended inside (its closure raised) is over: its end came with no hook to see it
+        self._in_step = self._last_in = None
         self._stack.callback(register_optimizer_step_pre_hook(self._step_begins).remove)
         self._stack.callback(register_optimizer_step_post_hook(self._step_ends).remove)
         self._watch_params()
