@@ -137,3 +137,28 @@ def test_an_input_computed_only_from_inputs_and_a_frozen_parameter_are_marked() 
     assert slots[":x"].no_gradient.startswith("does not require grad (computed only from inputs")  # type: ignore[union-attr]
     assert slots[":x"].no_gradient.endswith(", in 1 of 3 assignments")  # type: ignore[union-attr]
     assert slots[":input"].no_gradient is None  # an input leaf: the tap makes it require grad
+
+
+def test_list_taps_inside_an_open_session_is_refused_and_the_step_is_recorded_as_without_it() -> None:
+    """`list_taps(model, x)` inside `with capture(model, ...)`: its forward pass was counted into the step, call 0
+    of `0:output` with no gradient ("takes no part in the loss") and the training forward call 1. Refused now, in
+    one paragraph; the session's step is then what a session without the call records. A session on another
+    model does not stop it."""
+    x = torch.randn(5, 4)
+
+    def step(explore: bool) -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        with capture(model, ["0:output"]) as cap, capture(nn.Linear(2, 2), [":output"]):
+            if explore:
+                with pytest.raises(GradrunnerError, match=r"^list_taps\(\.\.\.\) runs a forward pass of the model, on"):
+                    list_taps(model[0], x)
+            loss = model(x).pow(2).mean()
+            cap.backward(loss)
+            recs = cap.records(loss)
+        assert [m.path for m in list_taps(model, x).modules][:2] == ["", "0"]  # after the block, as ever
+        return recs
+
+    want, got = step(False), step(True)
+    assert got.keys == want.keys and got.reason == want.reason == [None]
+    assert list(got.stats["norm"]) == list(want.stats["norm"])

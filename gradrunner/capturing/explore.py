@@ -35,6 +35,7 @@ from gradrunner.capturing.elements import Missing, bind_input, get_element
 from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names
 from gradrunner.capturing.forward_patch import patch_forward, tapped_forward
 from gradrunner.capturing.grad_context import FROZEN, NOT_REQUIRING_GRAD, TRANSFORMED, no_grad_reason
+from gradrunner.capturing.open_sessions import refuse_open_on
 from gradrunner.capturing.taps import element_path, is_glob, local_tap_name
 from gradrunner.capturing.torch_compat import compiled_inner, is_functorch_wrapped
 from gradrunner.capturing.untouched import untouched
@@ -290,6 +291,7 @@ def list_taps(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Ta
         list_taps(gpt2, **batch).to_dict()      # a HuggingFace model called with keyword arguments
         [t for m in list_taps(model, x).modules for t in m.taps()]   # the taps that can carry a gradient
 
+    Refused (one paragraph) while a capture session is open on the model: its forward pass would be the session's.
     The model is left exactly as it was, and so are the random generators (`untouched`: parameters,
     buffers such as BatchNorm's running statistics, `.grad`, the CPU and CUDA generator states that
     Dropout draws from, Python's `random` and numpy's global generator); every hook and rewritten forward()
@@ -299,6 +301,7 @@ def list_taps(model: nn.Module, *example_args: Any, **example_kwargs: Any) -> Ta
     a forward pass of the eager model.
     """
     model = compiled_inner(model)
+    refuse_open_on(model, "list_taps(...)")
     unwatched_all: str | None = None
     with untouched(model), torch.enable_grad():
         try:

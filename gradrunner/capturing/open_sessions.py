@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 from gradrunner.errors import GradrunnerError
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from gradrunner.capturing.session import Capture
 
 #: The sessions open now (weakly: a session never closed whose model is gone is no longer open).
@@ -56,3 +58,20 @@ def hold_open(session: Capture, stack: contextlib.ExitStack) -> None:
     refuse_beside_open(session)
     _OPEN.add(session)
     stack.callback(_OPEN.discard, session)
+
+
+def refuse_open_on(model: nn.Module, what: str) -> None:
+    """Raise if a session open now taps `model` or shares a module with it: `what`'s forward pass would fire its taps.
+
+    Example::
+
+        refuse_open_on(model, "list_taps(...)")     # inside `with capture(model, ...)`: GradrunnerError
+    """
+    ids = {id(m) for m in model.modules()}
+    for session in list(_OPEN):
+        if any(id(m) in ids for m in session.model.modules()):
+            raise GradrunnerError(
+                f"{what} runs a forward pass of the model, on which {session.label} is open: the session would count "
+                "that pass into its step (a call of each tap, with no gradient, and the step's own forward as the next "
+                "call); call it before or after the session's `with` block"
+            )
