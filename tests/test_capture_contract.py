@@ -1151,3 +1151,22 @@ def test_an_entry_after_one_ended_inside_an_optimizer_step_sees_no_closure_evalu
     got = two_backwards(model, cap)
     assert got.keys == want.keys and got.micro_step == want.micro_step == [0, 1, None]
     np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
+
+
+def test_a_session_entered_inside_its_own_block_is_refused_and_records_each_call_once(strategy: str) -> None:
+    """`with cap:` inside `with cap:` installed every hook a second time: one forward recorded `0:output` as calls 0
+    and 1 (the same gradient twice), and leaving the inner block closed the outer one. Refused now before anything
+    is touched: the outer block records one call, as plain tensor hooks see it."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(5, 4)
+    seen: list[torch.Tensor] = []
+    handle = model[0].register_forward_hook(lambda m, i, out: out.register_hook(seen.append) and None)
+    with capture(model, ["0:output"], strategy=strategy) as cap:
+        with pytest.raises(GradrunnerError, match=r"is open already: a session is entered once at a time"):
+            cap.__enter__()
+        cap.backward(model(x).pow(2).mean())
+        recs = cap.records()
+    handle.remove()
+    assert recs.keys == [TapKey("0", "output", 0)] and len(seen) == 1
+    np.testing.assert_allclose(recs.stats["norm"], [float(seen[0].double().norm())], rtol=1e-6)
+    assert not leftover_hooks(model)

@@ -151,6 +151,9 @@ class Capture(Backwards):
 
     # -- opening and closing -------------------------------------------------------------------
     def __enter__(self) -> Capture:
+        if not self._closed:  # before anything is touched: its hooks again would fire every tap twice per forward
+            raise GradrunnerError(f"{self.label} is open already: a session is entered once at a time (`with cap:` "
+                                  "inside its own `with` block); use the open one, or a second capture(...)")  # fmt: skip
         try:
             self._install()
         except BaseException:
