@@ -88,17 +88,66 @@ class TinyMoE(nn.Module):
         return self.head((h + torch.zeros_like(h).index_add(0, routed, expert)).view(*x.shape[:2], 4))  # type: ignore[no-any-return]
 
 
+def _routed(routed: int) -> torch.Tensor:
+    """A (4, 3, 3) batch whose tokens 0, 4, 5, 11 (and 7: `routed` of them) have a positive first feature."""
+    x = torch.randn(4, 3, 3)
+    x[..., 0] = x[..., 0].abs().neg()
+    x.view(-1, 3)[torch.tensor([0, 4, 5, 11, 7])[:routed], 0] *= -1  # these tokens go to the expert
+    return x
+
+
 @pytest.mark.parametrize("routed", [4, 5], ids=["B tokens routed", "B + 1 tokens routed"])
 def test_a_mixture_of_experts_expert_given_as_many_tokens_as_the_batch_has_rows(routed: int) -> None:
     """An expert's Linear on exactly B routed tokens (found 2026-11-27 in SwitchTransformers: wrong numbers), and
     the Linear after it; the layers around the routing, on the batch's rows, stay exact."""
     torch.manual_seed(0)
-    x = torch.randn(4, 3, 3)
-    x[..., 0] = x[..., 0].abs().neg()
-    x.view(-1, 3)[torch.tensor([0, 4, 5, 11, 7])[:routed], 0] *= -1  # these tokens go to the expert
+    x = _routed(routed)
     why, after = ("picked by indexing", "the output of a call whose rows") if routed == 4 else ("is not the batch",) * 2
     _check(TinyMoE(), {"x": x}, lambda out, i: ((out - 0.5 * i) ** 2).sum(),
            {"wi:weight": why, "wi:bias": why, "wo:weight": after, "wo:bias": after})  # fmt: skip
+
+
+def _row_sq(out: torch.Tensor, i: int) -> torch.Tensor:
+    return ((out - 0.5 * i) ** 2).sum()
+
+
+class SortedMoE(nn.Module):
+    """DeepSeek-style dispatch (its `moe_infer`): the flattened tokens sorted by expert (`h[order]`), each expert's run
+    of them taken by a slice (`tokens[start:end]`) or by `split(counts)`, the outputs put back in place. The tokens whose
+    first feature is positive go to expert 1, the others to expert 0."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.inp, self.head = how, nn.Linear(3, 4), nn.Linear(4, 2)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 4)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).reshape(-1, 4)
+        expert = (x.reshape(-1, 3)[:, 0] > 0).long()
+        order, counts = expert.argsort(stable=True), torch.bincount(expert, minlength=2).tolist()
+        tokens = h[order]
+        runs = tokens.split(counts) if self.how == "split" else (tokens[: counts[0]], tokens[counts[0] :])
+        out = torch.cat([e(run) for e, run in zip(self.experts, runs, strict=True)])
+        back = torch.zeros_like(out).index_add(0, order, out)
+        return self.head((h + back).view(*x.shape[:2], 4))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["slice", "split"])
+def test_an_expert_on_a_slice_of_the_sorted_tokens_given_as_many_as_the_batch_has_rows(how: str) -> None:
+    """Expert 1 gets B = 4 of the 12 tokens through a slice or a `split` of the sorted tokens: found 2026-11-27 (the
+    walk back from its input stopped at the slice: wrong numbers, 0.0347, 0.0415 for true shares 0.0, 0.0529).
+    Expert 0 (8 tokens) is null for its dim 0; the layers on the batch's rows stay exact."""
+    torch.manual_seed(0)
+    model, inputs = SortedMoE(how), {"x": _routed(4)}
+    params = all_params(model)
+    got, reasons = batched(model, inputs, _row_sq, params)
+    nulls = {"experts.1.0": "picked by indexing", "experts.1.2": "the output of a call whose rows",
+             "experts.0.0": "is not the batch", "experts.0.2": "is not the batch"}  # fmt: skip
+    for layer, why in nulls.items():
+        for name in (f"{layer}:weight", f"{layer}:bias"):
+            assert got[name] is None and why in str(reasons[name]), (name, reasons[name])
+    ref = loop(model, inputs, _row_sq, params)[0]
+    assert_matches(got, {n: r for n, r in ref.items() if n.startswith(("inp:", "head:"))}, reasons)
 
 
 class Latents(nn.Module):

@@ -13,7 +13,8 @@ from what the call's input is made of, cheaply (a few attribute reads per call, 
   batch, `latents.expand(B, ...)`, is the batch's: each row belongs to its example, and the walk
   stops at the `expand`);
 - an input whose rows were picked by indexing out of a dim 0 that is not the batch's, or by a mask over
-  several dims (`tokens[idx]`, `h[None, idx]`, `masked_select`, `take`): a mixture of experts' tokens
+  several dims (`tokens[idx]`, `h[None, idx]`, `masked_select`, `take`), or a slice or split of such rows (an
+  expert's run of the sorted tokens, DeepSeek's `sorted_tokens[start:end]`): a mixture of experts' tokens
   routed to one expert (rows picked out of the batch's own rows, `h[arange(B), eos]`, `gather(-2, ...)`,
   `x[:, idx]`, keep them: `_keeps_rows`); and an input made, by views, casts, activations or dropout,
   from the output of a call whose batch-sized dim 0 was found a coincidence here (the expert's second
@@ -46,11 +47,13 @@ from gradrunner.capturing.per_example_layers import storage, tensors_of
 
 #: Autograd nodes whose output rows are rows of their input picked by an index tensor.
 SELECTS = frozenset({"IndexBackward", "IndexSelectBackward", "GatherBackward", "MaskedSelectBackward", "TakeBackward"})
-#: Autograd nodes of ops with one tensor operand that keep dim 0 where it is (views, casts, activations).
+#: Autograd nodes of ops with one tensor operand that keep dim 0 where it is (views, casts, activations; slices and
+#: splits, which keep some of its rows: an expert's run of the sorted tokens, `tokens[start:end]`, `split(counts)`).
 _UNARY = frozenset({
     "ViewBackward", "UnsafeViewBackward", "ReshapeAliasBackward", "AliasBackward", "UnsqueezeBackward",
     "SqueezeBackward", "ToCopyBackward", "CloneBackward", "ReluBackward", "GeluBackward", "SiluBackward",
     "TanhBackward", "SigmoidBackward", "EluBackward", "LeakyReluBackward", "NativeDropoutBackward",
+    "SliceBackward", "SplitBackward", "SplitWithSizesBackward", "UnsafeSplitBackward",
 })  # fmt: skip
 #: Dropout's mask on CPU (`x * mask`): followed to a selection or a call without shares, not to a parameter.
 _MASKS = frozenset({"MulBackward", "DivBackward"})
