@@ -107,6 +107,20 @@ def test_a_mixture_of_experts_expert_given_as_many_tokens_as_the_batch_has_rows(
            {"wi:weight": why, "wi:bias": why, "wo:weight": after, "wo:bias": after})  # fmt: skip
 
 
+def test_an_experts_second_linear_tracked_without_its_first() -> None:
+    """Only `wo` tracked (a tap on an expert's second Linear alone, `expert_*.wo:weight`): found 2026-11-27 in
+    SwitchTransformers, where its rows, B tokens, got numbers (0.0700, 0.0777 for true shares 0.1245, 0.0), because
+    the untracked `wi` was not hooked and so marked nothing. The head, on the batch's rows, stays exact."""
+    torch.manual_seed(0)
+    model, inputs = TinyMoE(), {"x": _routed(4)}
+    params = [(n, m, p) for n, m, p in all_params(model) if n.startswith(("wo:", "head:"))]
+    got, reasons = batched(model, inputs, _row_sq, params)
+    for name in ("wo:weight", "wo:bias"):
+        assert got[name] is None and "the output of a call whose rows" in str(reasons[name]), reasons[name]
+    ref = loop(model, inputs, _row_sq, params)[0]
+    assert_matches(got, {n: r for n, r in ref.items() if n.startswith("head:")}, reasons)
+
+
 def _row_sq(out: torch.Tensor, i: int) -> torch.Tensor:
     return ((out - 0.5 * i) ** 2).sum()
 

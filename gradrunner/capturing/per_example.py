@@ -1,11 +1,11 @@
 """Exact per-example gradient norms of parameters: `PerExampleNorms`, hooks on the layers that use them.
 
 The norm of batch row i is that of row i's share of the parameter's `.grad` (the shares of all
-rows sum to `.grad`; for a mean-reduced loss, row i's share is its own gradient / B). A forward
-hook on every module holding a tracked parameter keeps the call's input (detached); a pre-hook on
-the autograd node of the call's output (`torch_compat.watch_edge`) receives the output's gradient,
-and `per_example_layers.share` + `per_example_math.row_sq` turn the two into each row's squared
-norm, ghost or materialised (the rule: `per_example_math`), during backward. Nothing changes a
+rows sum to `.grad`; for a mean-reduced loss, row i's share is its own gradient / B). A forward hook on every
+supported layer (`find_holders`: the others' calls only mark outputs whose rows are not the batch's) keeps the input
+of a call holding a tracked parameter (detached); a pre-hook on the autograd node of the call's output
+(`torch_compat.watch_edge`) receives its gradient, and `per_example_layers.share` + `per_example_math.row_sq` turn
+the two into each row's squared norm, ghost or materialised (`per_example_math`), during backward. Nothing changes a
 gradient, an output or another hook's behaviour: every hook returns None and no global RNG is used.
 
 A step is everything between two `norms()` calls: each backward that fills `.grad` is a micro-batch (a

@@ -87,6 +87,9 @@ class Tracked:
 
 @dataclass
 class Holder:
+    """A supported layer of the model and its tracked parameters; none for a layer hooked only to say where its
+    output's rows come from (`RowOrigins.mark`: an expert's first Linear, whose second one alone is tapped)."""
+
     module: nn.Module
     path: str
     kind: str
@@ -109,16 +112,18 @@ class CallRecord:
 
 
 def find_holders(model: nn.Module, by_id: dict[int, Tracked], tracked: list[Tracked]) -> list[Holder]:
-    """The supported modules of `model` holding a parameter of `by_id` (`id(param)` -> its `Tracked`); sets the
+    """Every supported module of `model`, with the parameters of `by_id` (`id(param)` -> its `Tracked`) it holds
+    (none: its calls only mark outputs whose rows are not the batch's, for the tracked layers they feed); sets the
     `reason` of every tracked parameter that can have no per-example norms (unsupported holder, sharded, a
     sequence-first model; a frozen one has none only while it is frozen: `PerExampleNorms._on_call`)."""
     holders: list[Holder] = []
     held: set[int] = set()
     for path, module in model.named_modules():
         mine = [(by_id[id(p)], role) for role, p in module._parameters.items() if p is not None and id(p) in by_id]
-        if not mine:
-            continue
         kind, why = kind_of(module)
+        if not mine:
+            holders += [Holder(module, path, kind, [])] if kind is not None else []
+            continue
         for t, role in mine:
             held.add(id(t.param))
             if kind is None or role not in ROLES[kind]:
