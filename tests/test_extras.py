@@ -64,6 +64,7 @@ def test_per_example_norms_match_a_loop_over_examples() -> None:
     np.testing.assert_allclose(per_example_norms(g).numpy(), want, rtol=1e-12)
     assert per_example_norms(torch.tensor(1.0)) is None
     assert per_example_norms(torch.zeros(3, 0)).tolist() == [0.0, 0.0, 0.0]
+    assert per_example_norms(torch.zeros(0, 4)).shape == (0,)  # an expert given no tokens (it raised: 2026-11-27)
 
 
 def test_value_norm_of_real_integer_and_complex_tensors() -> None:

@@ -166,6 +166,52 @@ def test_a_micro_batch_that_skips_a_layer_keeps_its_rows_as_zeros(strategy: str,
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-9)
 
 
+class EveryExpert(nn.Module):
+    """Each expert called on the tokens routed to it, however few (`expert(h[idx])`): expert 2 gets none, a (0, 4) input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(3, 4), nn.Linear(4, 1)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        route = (h[:, 0] > 0).long()  # experts 0 and 1 only
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            idx = (route == e).nonzero().squeeze(1)
+            out = out.index_add(0, idx, expert(h[idx]))
+        return self.head(h + out)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_expert_called_on_no_tokens_has_no_rows_not_a_crash(strategy: str) -> None:
+    """Found 2026-11-27: with per_example=True the (0, 4) gradient of expert 2's output raised inside backward
+    ('cannot reshape tensor of 0 elements into shape [0, -1]'). Its record has no rows; the other experts' rows are
+    their gradients' row norms (plain tensor hooks), the head's per-example norms the loop's."""
+    torch.manual_seed(0)
+    model, x = EveryExpert(), torch.randn(5, 3)
+    seen: dict[int, torch.Tensor] = {}
+
+    def keep(e: int, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: seen.__setitem__(e, g))
+
+    hooks = [ex.register_forward_hook(lambda m, a, out, e=e: keep(e, out)) for e, ex in enumerate(model.experts)]
+    ((model(x) - 0.5) ** 2).mean().backward()
+    for hook in hooks:
+        hook.remove()
+    params = [("head:weight", model.head, model.head.weight)]
+    taps = ["experts.*:output", "head:weight"]
+    got, _, recs = captured(model, {"x": x}, lambda out, i: ((out - 0.5) ** 2).sum(), params, strategy, taps)
+    rows = by_tap(recs)
+    assert rows["experts.2:output"]["has_grad"] and rows["experts.2:output"]["numel"] == 0
+    for e in range(3):
+        want = seen[e].double().norm(dim=1).numpy()
+        assert want.shape == ((0,) if e == 2 else want.shape) and got[f"experts.{e}:output"] is not None
+        np.testing.assert_allclose(got[f"experts.{e}:output"].numpy(), want, rtol=1e-6)  # type: ignore[union-attr]
+    assert_matches(got, loop(model, {"x": x}, lambda out, i: ((out - 0.5) ** 2).sum(), params)[0], {})
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_forward_never_backwarded_adds_no_rows(strategy: str) -> None:
     """A metric's forward with gradients on after the step's backward (never backwarded) added 3 zero rows to the

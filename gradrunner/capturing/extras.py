@@ -33,7 +33,8 @@ def per_example_norms(grad: torch.Tensor) -> torch.Tensor | None:
     """
     if grad.dim() == 0:
         return None
-    rows = grad.detach().reshape(grad.shape[0], -1)
+    # the width, not -1: a gradient without rows (an expert given no tokens) has no -1 to infer
+    rows = grad.detach().reshape(grad.shape[0], math.prod(grad.shape[1:]))
     if rows.shape[1] == 0:
         return torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)
     return torch.linalg.vector_norm(rows, dim=1, dtype=torch.float64)
