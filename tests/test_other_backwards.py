@@ -341,3 +341,32 @@ def test_a_step_of_torch_autograd_grad_only_gives_parameter_taps_the_reason_that
         assert recs.reason is not None and [recs.reason[rows[t]] for t in taps] == want
     rows = {k.tap: i for i, k in enumerate(filled.keys)}
     assert float(filled.stats["norm"][rows["net.0:weight"]]) == pytest.approx(float(model.net[0].weight.grad.double().norm()))
+
+
+@pytest.mark.parametrize("strategy", ["hook", "retain_grad", "autograd_grad"])
+def test_per_sample_gradients_by_torch_func_inside_a_session_are_not_a_backward_of_the_step(strategy: str) -> None:
+    """The user's own per-sample gradients, vmap(grad(functional_call(model, ...))) (Opacus-style clipping, a metric), in a
+    step whose parameters are tapped: found 2026-11-27, every strategy raised AttributeError ('NoneType' object has no
+    attribute 'next_functions') inside the transform, asking whether its backward fills .grad (a view of a parameter
+    records no node there). It fills none: the record is the step's .grad, its per_example_norm the transform's
+    per-sample gradients / B."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    x, y = torch.randn(5, 3), torch.randn(5, 1)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return ((functional_call(model, p, (xi[None],)) - yi) ** 2).sum()
+
+    per_sample = torch.func.vmap(torch.func.grad(one), in_dims=(None, 0, 0))
+    want = per_sample(params, x, y)["2.weight"]
+    with capture(model, ["2:weight"], strategy=strategy, per_example=True) as cap:
+        got = per_sample(params, x, y)["2.weight"]
+        loss = ((model(x) - y) ** 2).mean()
+        cap.backward(loss)
+        recs = cap.records(loss)
+    assert torch.equal(got, want) and len(recs) == 1
+    row = recs.row(0)
+    grad = model[2].weight.grad
+    assert grad is not None and row["micro_step"] is None and row["norm"] == pytest.approx(grad.norm().item(), rel=1e-6)
+    np.testing.assert_allclose(row["per_example_norm"], (want / 5).flatten(1).norm(dim=1).numpy(), rtol=1e-5)

@@ -102,8 +102,7 @@ FEATURES: dict[str, bool] = {
 def gradient_edge(tensor: torch.Tensor) -> Edge:
     """The (autograd node, input number) through which `tensor`'s gradient flows, taken now.
 
-    Held instead of the tensor, it keeps pointing at this value of the tensor after an in-place op.
-    """
+    Held instead of the tensor, it keeps pointing at this value of the tensor after an in-place op."""
     if FEATURES["get_gradient_edge"]:
         node = tensor.grad_fn
         if node is not None and FEATURES["direct_edge"] and not isinstance(node, _PYTHON_NODE):  # type: ignore[arg-type]
@@ -122,8 +121,7 @@ def watch_edge(edge: Edge, fn: Callable[[torch.Tensor], torch.Tensor | None]) ->
 
     A node's pre-hooks run after the tensor hooks (`register_hook`) and `retain_grad` of every tensor
     of that node: `fn` sees what autograd delivers to the tensor's `.grad` (a leaf's `AccumulateGrad`
-    node: what is added to `.grad`). `fn` may return a new gradient, which then flows on in its place.
-    """
+    node: what is added to `.grad`). `fn` may return a new gradient, which then flows on in its place."""
     node, nr = edge[0], edge[1]
 
     def prehook(grad_outputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...] | None:
@@ -147,8 +145,7 @@ def grad_of(loss: torch.Tensor, inputs: Sequence[Any], retain_graph: bool) -> tu
 
     Where `inputs` are gradient edges and `loss` a plain scalar tensor that requires grad, the engine
     call `autograd.grad` itself makes (`torch.autograd.graph._engine_run_backward`) without its
-    per-input checks, which cost about 1 µs per input; anything else goes through `autograd.grad`.
-    """
+    per-input checks, which cost about 1 µs per input; anything else goes through `autograd.grad`."""
     if (
         FEATURES["engine_run_backward"] and FEATURES["get_gradient_edge"] and type(loss) is torch.Tensor
         and loss.requires_grad and not loss.is_nested and loss.numel() == 1 and loss.is_floating_point()
@@ -165,8 +162,7 @@ def accumulate(nodes: Sequence[Any], grads: Sequence[torch.Tensor | None]) -> No
     `AccumulateGrad` node is `node`, as backward would.
 
     The node does what the engine does (layout, in-place add, post-accumulate-grad hooks). Only where
-    `FEATURES["call_accumulate_grad"]`; without it `autograd_grad` lets `loss.backward()` fill `.grad`.
-    """
+    `FEATURES["call_accumulate_grad"]`; without it `autograd_grad` lets `loss.backward()` fill `.grad`."""
     assert FEATURES["call_accumulate_grad"]
     with torch.no_grad():
         for node, grad in zip(nodes, grads, strict=True):
@@ -331,7 +327,11 @@ def _fills(params: Iterable[torch.Tensor]) -> bool | None:
     probed = 0
     for p in params:
         if p.requires_grad and p.grad_fn is None:
-            if _runs(gradient_edge(p)[0]):
+            try:  # inside a torch.func transform (a user's vmap(grad(...))) a view of p records no node: its .grad is not filled
+                node = gradient_edge(p)[0]
+            except AttributeError:
+                return False
+            if _runs(node):
                 return True
             probed += 1
             if probed == _PROBES:
