@@ -8,6 +8,7 @@ Example::
 from __future__ import annotations
 
 import difflib
+import operator
 from collections.abc import Iterable
 
 #: Exit status of every command for a user mistake (a bad value, path, tap, model or data).
@@ -70,13 +71,31 @@ def not_allowed(name: str, value: object, allowed: Iterable[str], hint: str = ""
     )
 
 
-def whole_number(name: str, value: object, at_least: int | None = None) -> None:
-    """Refuse a Python API's `name=value` that is not a whole number (of at least `at_least`), in one paragraph.
+def as_whole(value: object) -> int | None:
+    """`value` as an int where it is a whole number (an int, a numpy integer, a 0-d integer tensor), else None.
+
+    Example::
+
+        as_whole(np.int64(3))   # 3;  as_whole(True), as_whole(2.5), as_whole("3"): None
+    """
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]  # whatever says it is an integer (__index__)
+    except TypeError:
+        return None
+
+
+def whole_number(name: str, value: object, at_least: int | None = None) -> int:
+    """Refuse a Python API's `name=value` that is not a whole number (of at least `at_least`), in one paragraph;
+    return it as an int (a numpy integer is a whole number: `as_whole`).
 
     Example::
 
         whole_number("sample_size", 0, 1)   # GradrunnerError: sample_size=0 is not allowed; it must be a whole number ...
     """
-    if isinstance(value, bool) or not isinstance(value, int) or (at_least is not None and value < at_least):
+    number = as_whole(value)
+    if number is None or (at_least is not None and number < at_least):
         low = f" of at least {at_least}" if at_least is not None else ""
         raise GradrunnerError(f"{name}={value!r} is not allowed; it must be a whole number{low} (e.g. {name}=10).")
+    return number

@@ -10,9 +10,11 @@ import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from conftest import class_forwards, close, leftover_hooks
@@ -30,7 +32,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import gradrunner.capturing.stats
-from gradrunner import GradrunnerError, capture
+from gradrunner import GradrunnerError, capture, record
 from gradrunner.capturing.strategies import STRATEGIES
 from gradrunner.models import MLP, CosineRegression, SmallCNN, TinyTransformerBlock, TwoLayerSigmoid
 from gradrunner.records.columns import TapKey
@@ -991,6 +993,34 @@ def test_capture_refuses_a_sample_size_or_seed_record_would_refuse_before_anythi
     with pytest.raises(GradrunnerError, match=rf"^{option}={value!r} is not allowed; it must be a whole number"):
         capture(model, [":weight"], values="sample", **{option: value})
     assert not leftover_hooks(model)
+
+
+def test_capture_and_record_take_numpy_integers_as_the_whole_numbers_they_are(tmp_path: Path) -> None:
+    """capture(seed=np.int64(3), sample_size=np.int64(5)) was refused ('seed=np.int64(3) is not allowed; it must be a
+    whole number') since d948d13, which took them before, and record() refused them too (found 2026-11-27): a numpy
+    integer is a whole number (as rec.start_at takes it). The sample is the one plain ints give."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 8)
+    x = torch.randn(4, 3)
+
+    def sampled(seed: object, size: object) -> np.ndarray:
+        with capture(model, [":output"], values="sample", seed=seed, sample_size=size, keep_grads=False) as cap:
+            loss = model(x).pow(2).sum()
+            cap.backward(loss)
+            return np.asarray(cap.records(loss).values[0])
+
+    plain = sampled(3, 5)
+    assert plain.shape == (5,)
+    np.testing.assert_array_equal(sampled(np.int64(3), np.int64(5)), plain)
+    with record(model, [":output"], tmp_path / "run", seed=np.int64(3), every=np.int64(2), values="sample",
+                sample_size=np.int32(5), anomaly=False) as rec:  # fmt: skip
+        for _ in range(2):
+            loss = model(x).pow(2).sum()
+            loss.backward()
+            rec.step(loss)
+    df = pd.read_parquet(tmp_path / "run" / "grads.parquet")
+    assert df.step.tolist() == [0]  # every=2: step 0 only
+    np.testing.assert_array_equal(np.asarray(df["values"].iloc[0]), plain)
 
 
 def test_a_session_entered_again_records_what_it_recorded_the_first_time(strategy: str) -> None:

@@ -108,8 +108,8 @@ class Capture(Backwards):
         model = compiled_inner(model)  # torch.compile(model): tap its eager modules, call the compiled one
         if values not in VALUES_MODES:
             raise GradrunnerError(f"capture.values={values!r} is not a values mode; allowed: {', '.join(VALUES_MODES)}")
-        whole_number("sample_size", sample_size, 1)  # as record() and the runner check them
-        whole_number("seed", seed)
+        sample_size = whole_number("sample_size", sample_size, 1)  # as record() and the runner check them
+        seed = whole_number("seed", seed)  # a numpy integer too, as a plain int
         self.model = model
         self.taps: list[Tap] = resolve_taps(model, taps)
         #: The model holds DTensor parameters (FSDP2, HSDP, TP): parameter records are merged over the ranks.

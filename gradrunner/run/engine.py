@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import resource
 import sys
 import time
@@ -38,7 +37,7 @@ from gradrunner.capturing.session import Capture, ParamSnapshot
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.capturing.torch_compat import scale_tensor
 from gradrunner.config.anomaly_settings import WARMUP, WINDOW, Z
-from gradrunner.errors import GradrunnerError
+from gradrunner.errors import GradrunnerError, as_whole
 from gradrunner.records.anomalies import ANOMALIES_FILE
 from gradrunner.records.columns import StepRecords
 from gradrunner.run import distributed
@@ -424,11 +423,8 @@ class StepEngine:
 
 def _whole(value: object, name: str, meaning: str) -> int:
     """`value` of `start_at(name=...)` as an int: a whole number of at least 0 (a bool, 2.5 or -1 is refused)."""
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]  # ints, numpy ints, 0-d integer tensors
-    except TypeError:
-        number = -1
-    if isinstance(value, bool) or number < 0:
+    number = as_whole(value)  # ints, numpy ints, 0-d integer tensors
+    if number is None or number < 0:
         raise GradrunnerError(
             f"start_at({name}={value!r}) is not allowed; {name} must be a whole number of at least 0 ({meaning}), "
             "e.g. rec.start_at(7) where training resumes at step 7."
