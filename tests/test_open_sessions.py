@@ -8,6 +8,7 @@ the same step without gradrunner.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -89,3 +90,69 @@ def test_nested_hook_and_retain_grad_sessions_both_record_the_true_gradient(
     truth = _true_weight_grad_norm()
     assert recs.has_grad.all() and recs.stats["norm"][1] == pytest.approx(truth, rel=1e-6)
     assert _weight_norm(tmp_path / "run") == pytest.approx(truth, rel=1e-6)
+
+
+def _plain_grads(model: nn.Sequential, loss_of: Callable[[torch.Tensor], torch.Tensor]) -> tuple[float, float]:
+    """0:output's and 0:weight's gradient norms with a plain tensor hook, no gradrunner: the reference."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def tap(_m: nn.Module, _i: object, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: seen.__setitem__("g", g.clone()))
+
+    handle = model[0].register_forward_hook(tap)
+    loss_of(model(_x())).backward()
+    handle.remove()
+    weight = model[0].weight.grad
+    assert weight is not None
+    norms = (seen["g"].norm().item(), weight.norm().item())
+    model.zero_grad(set_to_none=True)
+    return norms
+
+
+@pytest.mark.parametrize(("first", "second"), [("autograd_grad", "hook"), ("retain_grad", "autograd_grad"),
+                                               ("autograd_grad", "autograd_grad")])  # fmt: skip
+def test_sessions_on_models_that_share_nothing_open_together_and_each_records_its_own_true_gradients(
+    tmp_path: Path, first: str, second: str
+) -> None:
+    """Two models trained side by side, each with its own session and backward: f7e3c12 refused the pair
+    process-wide whenever one was autograd_grad ('cannot be opened while ... is open'), where the code before
+    recorded both exactly (found 2026-11-27 by differential testing). Only sessions sharing a model are refused."""
+    a, b = _model(), _model()
+    with torch.no_grad():
+        b[0].weight.mul_(-2.0)  # another model, other gradients
+    truth = {"a": _plain_grads(a, lambda out: out.pow(2).mean()), "b": _plain_grads(b, lambda out: out.sin().sum())}
+    with capture(a, TAPS, strategy=first) as cap, record(b, TAPS, tmp_path / "run", strategy=second) as rec:
+        loss_a = a(_x()).pow(2).mean()
+        cap.backward(loss_a)
+        recs = cap.records(loss_a)
+        loss_b = b(_x()).sin().sum()
+        rec.backward(loss_b)
+        rec.step(loss_b)
+    assert recs.has_grad.all()
+    assert list(recs.stats["norm"]) == pytest.approx(list(truth["a"]), rel=1e-6)
+    df = pd.read_parquet(tmp_path / "run" / "grads.parquet").set_index("tap")
+    assert df.has_grad.all()
+    assert [df.norm["0:output"], df.norm["0:weight"]] == pytest.approx(list(truth["b"]), rel=1e-6)
+
+
+def test_an_autograd_grad_backward_through_another_sessions_model_is_refused_naming_both() -> None:
+    """Models that share no module may still share a graph (one model's output fed to the other): an autograd_grad
+    session's backward through the other session's model fills its parameters' .grad without that session's hooks,
+    so the other's parameter taps would record 'takes no part in the loss' for a .grad that changed (1:weight,
+    with .grad norm 0.328694). Refused as that backward reaches the model; both sessions go on."""
+    torch.manual_seed(0)
+    encoder, head = nn.Sequential(nn.Linear(4, 6)), nn.Sequential(nn.Tanh(), nn.Linear(6, 2))
+    with capture(encoder, TAPS, strategy="autograd_grad") as cap, capture(head, ["1:weight"], strategy="hook") as other:
+        with pytest.raises(GradrunnerError) as refused:
+            cap.backward(head(encoder(_x())).pow(2).mean())
+        message = str(refused.value)
+        assert message.startswith("capture(Sequential, strategy='autograd_grad') ran its backward through the model "
+                                  "of capture(Sequential, strategy='hook'), which is open beside it") and "\n" not in message  # fmt: skip
+        loss = encoder(_x()).pow(2).mean()  # the encoder alone: recorded as without the head's session
+        cap.backward(loss)
+        recs = cap.records(loss)
+        assert other.pending_backwards == 0
+    encoder.zero_grad(set_to_none=True)
+    assert list(recs.stats["norm"]) == pytest.approx(
+        list(_plain_grads(encoder, lambda out: out.pow(2).mean())), rel=1e-6
+    )

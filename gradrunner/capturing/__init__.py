@@ -15,7 +15,7 @@ Knows nothing of Hydra, Parquet or the runner (import-linter checks it).
 | `stats` | statistics on the gradient's device, one host transfer per step |
 | `edits` | gradient edits (`edits=[...]`): one edit node per firing, a hook per edited parameter |
 | `session` | `capture(model, taps, strategy=...)`, the context manager |
-| `open_sessions` | the sessions open now; none opens beside an `autograd_grad` one, nor it beside another |
+| `open_sessions` | the sessions open now; none opens beside an `autograd_grad` one on the same model, nor it beside another |
 | `firing` | the session's forward side: taps fire, each firing a slot the strategy attaches to |
 | `backwards` | the session's backward side: each backward's begin and end (its own or the user's), the step's records |
 | `params` | parameter taps, read one way: held gradient edges, or `.grad` after DDP's or FSDP2's synchronisation |

@@ -33,19 +33,14 @@ from torch.utils.hooks import RemovableHandle
 from gradrunner.capturing.dtensors import is_dtensor, like
 from gradrunner.capturing.elements import tensors_in
 from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_ASSIGNED, NOT_CALLED
+from gradrunner.capturing.open_sessions import refuse_inside_engine_call
 from gradrunner.capturing.params import ddp_world_size
 from gradrunner.capturing.per_example_check import PerExampleWarning, null_reason
 from gradrunner.capturing.recorded_norms import record_norm
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot
 from gradrunner.capturing.strategies.autograd_grad import OWN_BACKWARD_ONLY
-from gradrunner.capturing.torch_compat import (
-    at_backward_end,
-    fills_grad,
-    in_backward,
-    reentrant_checkpoint,
-    version,
-)
+from gradrunner.capturing.torch_compat import at_backward_end, fills_grad, in_backward, reentrant_checkpoint, version
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import StepRecords, TapKey
 
@@ -126,6 +121,7 @@ class Backwards:
                 return
             if torch.is_grad_enabled() and fills_grad(self._all_params()) is False:
                 return  # the user's torch.autograd.grad(..., create_graph=True): part of a loss, not its backward
+            refuse_inside_engine_call(self)  # another session's autograd_grad call, run through this model
             if self.strategy.owns_backward:
                 self._forget_forward()  # that backward fails, and frees the graph those calls were in
                 raise GradrunnerError(OWN_BACKWARD_ONLY)
