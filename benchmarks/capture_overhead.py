@@ -178,13 +178,13 @@ def _extra_variants(
 def _without_value_norm(cap: Any) -> Iterator[None]:
     import gradrunner.capturing.firing as firing
 
-    real = firing.record_norm
-    firing.record_norm = lambda _t: None  # type: ignore[assignment,return-value]
+    real = firing.record_value_norm
+    firing.record_value_norm = lambda _t: None  # type: ignore[assignment,return-value]
     try:
         with cap:
             yield
     finally:
-        firing.record_norm = real
+        firing.record_value_norm = real
 
 
 def _synced(step: Callable[[], None]) -> Callable[[], None]:

@@ -6,7 +6,7 @@
 The 8x512 MLP at batch 256 (`capture_overhead`'s workload, 17 taps, statistics only, one thread),
 `none` and `hook` steps interleaved. During the `hook` steps the three pieces gradrunner adds are
 timed where they run, by wrapping them: the statistics kernel (`Collector._cpu_reduce`, or the torch
-path's `Collector.add`), the tapped values' own norm (`firing.record_norm`, always on), and the
+path's `Collector.add`), the tapped values' own norm (`firing.record_value_norm`, always on), and the
 step's records (`Collector.finish`: one transfer, deriving the statistics). What the wrappers do not
 cover (module and tensor hooks, slots, the strategy's bookkeeping) is the rest: `hook` minus
 `none` minus the three. Each piece is reported in ms per step and as a fraction of the bare step.
@@ -58,9 +58,9 @@ def main() -> None:
     cap = capture(model, taps, strategy="hook", values="none", keep_grads=False)
     pieces = {"statistics kernel": [0.0], "value_norm": [0.0], "records (finish)": [0.0]}
     reduce_name = "_cpu_reduce" if hasattr(Collector, "_cpu_reduce") else "add"
-    originals = (getattr(Collector, reduce_name), firing.record_norm, Collector.finish)
+    originals = (getattr(Collector, reduce_name), firing.record_value_norm, Collector.finish)
     setattr(Collector, reduce_name, _timed(originals[0], pieces["statistics kernel"]))
-    firing.record_norm = _timed(originals[1], pieces["value_norm"])  # type: ignore[assignment]
+    firing.record_value_norm = _timed(originals[1], pieces["value_norm"])  # type: ignore[assignment]
     Collector.finish = _timed(originals[2], pieces["records (finish)"])  # type: ignore[method-assign]
     per_step: dict[str, list[float]] = {k: [] for k in pieces}
     hook_step = partial(_captured_step, cap, model, x, y, loss_fn, opt)
@@ -76,7 +76,7 @@ def main() -> None:
         times = interleaved({"none": (no_context, plain), "hook": (lambda: cap, measured)}, repeats=repeats)
     finally:
         setattr(Collector, reduce_name, originals[0])
-        firing.record_norm = originals[1]  # type: ignore[assignment]
+        firing.record_value_norm = originals[1]  # type: ignore[assignment]
         Collector.finish = originals[2]  # type: ignore[method-assign]
     none, hook = median_ms(times["none"]), median_ms(times["hook"])
     rows = [{"part": "bare step (none)", "ms": none, "of_bare_step": 1.0},
