@@ -217,3 +217,84 @@ def test_a_frozen_output_a_later_hook_makes_require_grad_records_its_gradient(st
     torch.testing.assert_close(cap.grads["backbone:output"], expected[0])
     assert all(p.grad is None for p in net.backbone.parameters())
     torch.testing.assert_close(net.head.weight.grad, plain.head.weight.grad, rtol=0, atol=0)
+
+
+def _edited_run(
+    strategy: str, late: bool, edits: list[dict[str, object]], enabled: bool = True
+) -> tuple[dict[str, object] | None, list[torch.Tensor], Net]:
+    """A frozen backbone whose output a forward hook makes require grad, registered after the session opened (`late`:
+    it runs after the tap fired) or before it (the output requires grad when the tap fires): the row and the leaf."""
+    x, y = (
+        torch.randn(8, 4, generator=torch.Generator().manual_seed(1)),
+        torch.randn(8, 2, generator=torch.Generator().manual_seed(2)),
+    )
+    net = Net()
+    net.backbone.requires_grad_(False)
+    leaves: list[torch.Tensor] = []
+
+    def on(_m: nn.Module, _a: object, out: torch.Tensor) -> None:
+        _turn_on(out)
+        leaves.append(out)
+
+    early = None if late else net.backbone.register_forward_hook(on)
+    with capture(net, ["backbone:output"], strategy=strategy, edits=edits) as cap:
+        turn_on = net.backbone.register_forward_hook(on) if late else early
+        cap.enabled = enabled
+        cap.backward(nn.functional.mse_loss(net(x), y))
+        row = cap.records().row(0) if enabled else None
+        assert turn_on is not None
+        turn_on.remove()
+    return row, leaves, net
+
+
+def test_an_edit_on_a_frozen_output_a_later_hook_makes_require_grad_is_applied_and_recorded(strategy: str) -> None:
+    """An edited tap on the frozen output `enable_input_require_grads()` turns on after the tap fired: the row has
+    the gradient that arrived and the edit's norm, the leaf's `.grad` is the edited gradient, as when the output
+    required grad as the tap fired and as plain hooks applying the edit by hand give; parameters' `.grad` unchanged."""
+    x, y = (
+        torch.randn(8, 4, generator=torch.Generator().manual_seed(1)),
+        torch.randn(8, 2, generator=torch.Generator().manual_seed(2)),
+    )
+    arrived: list[torch.Tensor] = []
+    plain = Net()  # the reference: plain torch, the edit by hand in a tensor hook on the turned-on output
+    plain.backbone.requires_grad_(False)
+    kept: list[torch.Tensor] = []
+
+    def by_hand(g: torch.Tensor) -> torch.Tensor:
+        arrived.append(g)
+        return g * 0.5
+
+    plain.backbone.register_forward_hook(lambda _m, _a, out: (_turn_on(out, by_hand), kept.append(out)) and None)
+    nn.functional.mse_loss(plain(x), y).backward()
+    random = [{"tap": "backbone:output", "scale": 0.5}, {"tap": "backbone:output", "dropout": 0.25}]
+    for edits in ([{"tap": "backbone:output", "scale": 0.5}], random):
+        row, leaves, net = _edited_run(strategy, True, edits)
+        ref_row, ref_leaves, _ = _edited_run(strategy, False, edits)
+        assert row is not None and ref_row is not None
+        assert (row["has_grad"], row["reason"], row["edited"]) == (True, None, True)
+        assert row["norm"] == pytest.approx(float(arrived[0].norm()), rel=1e-6)
+        assert (row["norm"], row["edited_norm"]) == (ref_row["norm"], ref_row["edited_norm"])
+        assert leaves[0].grad is not None and ref_leaves[0].grad is not None
+        torch.testing.assert_close(leaves[0].grad, ref_leaves[0].grad, rtol=0, atol=0)  # dropout's draw too
+        if len(edits) == 1:
+            assert row["edited_norm"] == pytest.approx(0.5 * float(arrived[0].norm()), rel=1e-6)
+            torch.testing.assert_close(leaves[0].grad, kept[0].grad, rtol=0, atol=0)
+        assert all(p.grad is None for p in net.backbone.parameters())
+        for name in ("weight", "bias"):
+            torch.testing.assert_close(getattr(net.head, name).grad, getattr(plain.head, name).grad, rtol=0, atol=0)
+
+
+def test_an_edit_on_a_frozen_output_a_later_hook_makes_require_grad_is_applied_in_an_uncaptured_step(
+    strategy: str,
+) -> None:
+    """The same in a step the session does not capture (`cap.enabled = False`, `every=N`): edits apply on every
+    step, so the leaf's `.grad` is the edited gradient, as when the output required grad as the tap fired."""
+    random = [{"tap": "backbone:output", "scale": 0.5}, {"tap": "backbone:output", "dropout": 0.25}]
+    for edits in ([{"tap": "backbone:output", "scale": 0.5}], random):
+        _, leaves, _ = _edited_run(strategy, True, edits, enabled=False)
+        _, ref_leaves, _ = _edited_run(strategy, False, edits, enabled=False)
+        _, unedited, _ = _edited_run(strategy, True, [], enabled=False)
+        assert leaves[0].grad is not None and ref_leaves[0].grad is not None and unedited[0].grad is not None
+        torch.testing.assert_close(leaves[0].grad, ref_leaves[0].grad, rtol=0, atol=0)
+        if len(edits) == 1:
+            torch.testing.assert_close(leaves[0].grad, 0.5 * unedited[0].grad, rtol=0, atol=0)

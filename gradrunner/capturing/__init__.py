@@ -14,6 +14,7 @@ Knows nothing of Hydra, Parquet or the runner (import-linter checks it).
 | `strategies` | `retain_grad`, `hook`, `autograd_grad`: one file each, one registry; what happens around a backward |
 | `stats` | statistics on the gradient's device, one host transfer per step |
 | `edits` | gradient edits (`edits=[...]`): one edit node per firing, a hook per edited parameter |
+| `edit_ops` | what each edit operation does to a gradient, and the seeds of the random ones |
 | `session` | `capture(model, taps, strategy=...)`, the context manager |
 | `open_sessions` | the sessions open now; none opens beside an `autograd_grad` one on the same model, nor it beside another |
 | `firing` | the session's forward side: taps fire, each firing a slot the strategy attaches to |

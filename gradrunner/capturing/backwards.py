@@ -207,6 +207,7 @@ class Backwards:
         self.backward_index = self.backward_index + 1 if again else 0
         self._forward_since_backward = False
         if not self.enabled:
+            self._firing.edit_late_uncaptured()
             self._forget_forward()
             self._pass = _Pass([], explicit=explicit, retain_graph=retain_graph, armed=explicit)
             return self._pass

@@ -25,6 +25,12 @@ How it is applied (one mechanism, whatever strategy reads the gradient):
 - a parameter: a tensor hook on the parameter returns the edited gradient, so `.grad` (and the
   optimiser step) get it under every strategy; the hook keeps the gradient that arrived, which the
   session records in place of what the strategy read (`Edits.arrived`).
+- a leaf that did not require grad when its tap fired, turned on in place by a later forward hook
+  (transformers' `enable_input_require_grads()`): the forward went on with the leaf itself, so a hook
+  on it, registered as the backward begins, hands the gradient that arrived to the record and returns
+  the edited one for its `.grad` (`on_late_leaf`): what the edit node gives a leaf that required grad.
+
+The operations themselves (and the seeds random ones draw from) are in `edit_ops`.
 
 Several edits on one tap apply in config order; edits on different taps of one tensor (`fc1:output`
 and `relu1:input`) apply as backward meets them: the tap that fires later lies downstream, its edit
@@ -41,15 +47,18 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from gradrunner.capturing.dtensors import Whole, is_dtensor, like, local_piece
+from gradrunner.capturing.dtensors import is_dtensor, like, local_piece
+from gradrunner.capturing.edit_ops import APPLY as APPLY
+from gradrunner.capturing.edit_ops import apply_all, apply_sharded
+from gradrunner.capturing.edit_ops import apply_edit as apply_edit
+from gradrunner.capturing.edit_ops import generator_seed as generator_seed
 from gradrunner.capturing.grad_context import in_backward
 from gradrunner.capturing.recorded_norms import record_norm
 from gradrunner.capturing.taps import Tap, resolve_taps
@@ -61,146 +70,6 @@ from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import TapKey
 
 _V = TypeVar("_V")
-
-
-# -- applying an edit to a gradient ------------------------------------------------------------------
-def generator_seed(seed: int, step: int, tap: str, call: int) -> int:
-    """The seed of the random numbers an edit draws at (seed, step, tap, call): the same everywhere.
-
-    Example::
-
-        generator_seed(0, 3, "fc1:output", 0)    # a fixed 63-bit integer
-    """
-    digest = hashlib.blake2b(f"{seed}|{step}|{tap}|{call}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def _random(g: torch.Tensor, seed: int, normal: bool, whole: Whole | None = None) -> torch.Tensor:
-    """float32 uniform or normal numbers of `g`'s shape on its device, from a generator seeded with `seed`.
-
-    A piece of a sharded gradient (`whole`) gets its elements' numbers of the whole gradient's draw: the
-    numbers the unsharded run draws for them.
-    """
-    gen = torch.Generator(device=g.device)
-    gen.manual_seed(seed)
-    draw = torch.randn if normal else torch.rand
-    if whole is not None:
-        return draw(whole.shape, generator=gen, device=g.device, dtype=torch.float32).reshape(-1)[
-            whole.positions.to(g.device)
-        ].view(g.shape)
-    return draw(g.shape, generator=gen, device=g.device, dtype=torch.float32)
-
-
-def _scale(v: float | Mask, g: torch.Tensor, seed: int, whole: Whole | None = None) -> torch.Tensor:
-    assert isinstance(v, float)
-    return torch.zeros_like(g) if v == 0.0 else g * v
-
-
-def _clip_norm(v: float | Mask, g: torch.Tensor, seed: int, whole: Whole | None = None) -> torch.Tensor:
-    assert isinstance(v, float)
-    wide = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else None
-    if whole is not None:  # the whole gradient's norm: this piece's sum of squares, summed over the ranks
-        norm = whole.total(torch.linalg.vector_norm(g, dtype=torch.float64).square()).sqrt().to(wide or g.dtype)
-    else:
-        norm = torch.linalg.vector_norm(g, dtype=wide)
-    return g * torch.clamp(v / (norm + 1e-6), max=1.0).to(g.dtype)
-
-
-def _clip_value(v: float | Mask, g: torch.Tensor, seed: int, whole: Whole | None = None) -> torch.Tensor:
-    assert isinstance(v, float)
-    return g.clamp(-v, v)
-
-
-def _mask(v: float | Mask, g: torch.Tensor, seed: int, whole: Whole | None = None) -> torch.Tensor:
-    assert isinstance(v, Mask)
-    shape = g.shape if whole is None else whole.shape
-    dim = v.dim % len(shape)
-    keep = _keep_mask(v.keep, shape[dim], g.device)
-    if whole is not None:  # each element's index along `dim` in the whole gradient
-        inner = math.prod(shape[dim + 1 :])
-        return torch.where(keep[(whole.positions.to(g.device) // inner) % shape[dim]].view(g.shape), g,
-                           torch.zeros((), dtype=g.dtype, device=g.device))  # fmt: skip
-    view = [1] * g.dim()
-    view[dim] = -1
-    return torch.where(keep.view(view), g, torch.zeros((), dtype=g.dtype, device=g.device))
-
-
-def _dropout(v: float | Mask, g: torch.Tensor, seed: int, whole: Whole | None = None) -> torch.Tensor:
-    assert isinstance(v, float)
-    if v >= 1.0:
-        return torch.zeros_like(g)
-    kept = _random(g, seed, False, whole) >= v
-    return torch.where(kept, g * (1.0 / (1.0 - v)), torch.zeros((), dtype=g.dtype, device=g.device))
-
-
-def _noise_std(v: float | Mask, g: torch.Tensor, seed: int, whole: Whole | None = None) -> torch.Tensor:
-    assert isinstance(v, float)
-    return g + v * _random(g, seed, True, whole).to(g.dtype)
-
-
-#: How each operation of `config.edits.OPERATIONS` (the one list of names and checks) changes a gradient.
-APPLY: dict[str, Callable[[float | Mask, torch.Tensor, int, Whole | None], torch.Tensor]] = {
-    "scale": _scale, "clip_norm": _clip_norm, "clip_value": _clip_value, "mask": _mask, "dropout": _dropout,
-    "noise_std": _noise_std,
-}  # fmt: skip
-if APPLY.keys() != OPERATIONS.keys():  # a name added to one list and not the other fails at import, not at use
-    raise ImportError(f"edit operations out of step: checked {sorted(OPERATIONS)}, applied {sorted(APPLY)}")
-
-
-def apply_edit(edit: Edit, g: torch.Tensor, seed: int = 0, whole: Whole | None = None) -> torch.Tensor:
-    """`g` with `edit` applied (a new tensor; `g` is not changed). `seed`: for dropout and noise_std.
-
-    Example::
-
-        apply_edit(Edit("fc1:output", "clip_value", 0.5), torch.tensor([-2.0, 0.1]))   # tensor([-0.5, 0.1])
-
-    No host sync: every operation stays on `g`'s device. With `whole`, `g` is this rank's piece of a
-    sharded gradient: it gets what the edit of the whole gradient gives its elements (the whole norm,
-    the whole draw; `clip_norm` is then a collective).
-    """
-    return APPLY[edit.op](edit.value, g, seed, whole)
-
-
-#: `mask`'s boolean vectors, made once per (indices, size, device): a copy to an accelerator from host
-#: memory waits for the device, which must not happen at every backward.
-_KEEP_MASKS: dict[tuple[tuple[int, ...], int, torch.device], torch.Tensor] = {}
-
-
-def _keep_mask(keep: tuple[int, ...], size: int, device: torch.device) -> torch.Tensor:
-    key = (keep, size, device)
-    mask = _KEEP_MASKS.get(key)
-    if mask is None:
-        host = torch.zeros(size, dtype=torch.bool)
-        host[list(keep)] = True
-        mask = _KEEP_MASKS[key] = host.to(device)
-    return mask
-
-
-def apply_all(
-    edits: Sequence[Edit], g: torch.Tensor, seed: int, step: int, tap: str, call: int, whole: Whole | None = None
-) -> torch.Tensor:
-    """`edits` applied to `g` one after the other (config order); random ones seeded per (seed, step, tap, call)."""
-    for k, edit in enumerate(edits):
-        # Two random edits on one tap draw different numbers: the entry's index is part of the seed.
-        g = apply_edit(edit, g, generator_seed(seed, step, f"{tap}#{edit.index}" if k else tap, call), whole)
-    return g
-
-
-def apply_sharded(edits: Sequence[Edit], g: torch.Tensor, seed: int, step: int, tap: str, call: int) -> torch.Tensor:
-    """`apply_all` of a `DTensor` gradient (tensor parallel): each rank edits its piece as the edit of the whole gradient.
-
-    Example::
-
-        apply_sharded(edits, colwise_output_grad, 0, 3, "fc1:output", 0)    # a DTensor placed as the gradient
-
-    A `Partial` gradient (a column-parallel layer's input, a sequence-parallel LayerNorm's weight) is summed first
-    (`sharded.summed`: one all-reduce) and comes back summed; the random draws are the unsharded run's, `clip_norm`
-    uses the whole gradient's norm (one all-reduce over its mesh, a sub-mesh's too).
-    """
-    from gradrunner.capturing.sharded import summed, whole_of  # DTensor's machinery: only where one is
-
-    g = summed(g)
-    return like(g, apply_all(edits, local_piece(g), seed, step, tap, call, whole_of(g)))
 
 
 def _check_shape(edits: Sequence[Edit], tap: str, shape: torch.Size) -> None:
@@ -409,6 +278,33 @@ class Edits:
         # the backward the gradient flows in: the next one, or the one running, whose start was seen, for a value
         # recomputed inside it (a reentrant checkpoint's second pass; its first, without grad, is not edited)
         first = max(self.step + (0 if self._running and in_backward() else 1), 0)
+        return cast(_V, _EditNode.apply(value, self._editor(tap.tap, edits, call, key, first)))
+
+    def on_late_leaf(
+        self, tap: Tap, leaf: torch.Tensor, call: int, key: TapKey | None, arrived: Callable[[torch.Tensor], object]
+    ) -> RemovableHandle:
+        """Edit the gradient of `leaf`, a tapped leaf made to require grad in place after its tap fired (by a later
+        forward hook: transformers' `enable_input_require_grads()`), as the backward that begins now reaches it.
+
+        The forward used the leaf itself, with no edit node after it: a hook on the leaf hands the gradient that
+        arrived to `arrived` (the tap's record, as a strategy reads it in front of an edit node) and returns the
+        edited one, which the leaf's `.grad` gets, as it would behind an edit node had the leaf required grad when
+        the tap fired. Nothing lies upstream of a leaf: no other gradient changes. Removed with the returned handle.
+        """
+        edits = self.by_tap[tap.tap]
+        _check_shape(edits, tap.tap, leaf.shape)
+        edit = self._editor(tap.tap, edits, call, key, max(self.step, 0))  # the backward begun (`begin_backward`)
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            arrived(grad)
+            return edit(grad)
+
+        return leaf.register_hook(hook)
+
+    def _editor(
+        self, tap: str, edits: list[Edit], call: int, key: TapKey | None, first: int
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """What `edits` do to a gradient of call `call` of `tap` that flows in backward `first` (or a later one)."""
 
         def edit(grad: torch.Tensor) -> torch.Tensor:
             self.seen()
@@ -416,12 +312,12 @@ class Edits:
             # `torch.autograd.grad` inside a loss (a gradient penalty) begins none: the forward's next one
             step = max(first, self.step) if self._running else first
             # a DTensor: an activation's under tensor parallel, edited as the whole gradient
-            new = (apply_sharded if is_dtensor(grad) else apply_all)(edits, grad, self.seed, step, tap.tap, call)
+            new = (apply_sharded if is_dtensor(grad) else apply_all)(edits, grad, self.seed, step, tap, call)
             if key is not None:  # into the norms of the backward running now (a second one too)
                 self.norms[key] = record_norm(new)
             return new
 
-        return cast(_V, _EditNode.apply(value, edit))
+        return edit
 
     def begin_backward(self) -> None:
         """A backward starts: it is step `self.step`; forget the previous backward's norms and parameter parts."""

@@ -5,6 +5,8 @@ and attributes; `set_element` returns the value with one element replaced, for s
 stand-in tensor: dicts, tuples, lists, namedtuples and dataclasses are rebuilt (never mutated); any
 other object reached by attribute is changed in place (`setattr`) and returned.
 
+`element_hint` names the element taps of a value that is no tensor (for an error or a row's reason).
+
 `tensors_in` lists the tensors of such a value, a level or two deep (a module's outputs, a call's arguments).
 
 Example::
@@ -17,11 +19,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gradrunner.errors import GradrunnerError
+
+if TYPE_CHECKING:
+    from gradrunner.capturing.taps import Tap
 
 
 class Missing:
@@ -103,7 +108,9 @@ def _positions(forward: Any) -> dict[str, int]:
     return out
 
 
-def bind_input(module: Any, path: tuple[str | int, ...], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[str | int, ...]:
+def bind_input(
+    module: Any, path: tuple[str | int, ...], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> tuple[str | int, ...]:
     """An `input.NAME` path bound to this call: `(NAME, ...)` when passed by keyword, `(position, ...)` when
     passed positionally (the module's `forward()` signature says where), as written otherwise.
 
@@ -132,3 +139,20 @@ def tensors_in(value: Any, depth: int = 2) -> Iterator[torch.Tensor]:
         items = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else ()
         for item in items:
             yield from tensors_in(item, depth - 1)
+
+
+def element_hint(tap: Tap, value: object) -> str:
+    """For a tuple or dict value: the element taps that reach its tensors (`attn:output.0`, `:output.logits`).
+
+    For None where attention weights are tapped: HF attention returns no weights under SDPA/flash.
+    """
+    if value is None and "attn" in tap.tap.lower():
+        return (" Attention weights are None unless the attention computes them: build the model with "
+                "attn_implementation=\"eager\" (in YAML, attn_implementation: eager in the model's config node).")  # fmt: skip
+    if isinstance(value, Mapping):
+        names = [f"{tap.tap}.{k}" for k, v in value.items() if isinstance(v, torch.Tensor)]
+    elif isinstance(value, (tuple, list)):
+        names = [f"{tap.tap}.{i}" for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
+    else:
+        return ""
+    return f" Tap one of its elements instead: {', '.join(names[:4])}." if names else ""

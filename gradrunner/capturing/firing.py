@@ -19,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from gradrunner.capturing.elements import bind_input, get_element, set_element
+from gradrunner.capturing.elements import bind_input, element_hint, get_element, set_element
 from gradrunner.capturing.forward_patch import patch_forward
 from gradrunner.capturing.grad_context import (
     NOT_REQUIRING_GRAD,
@@ -83,6 +84,10 @@ class Firing:
         self.deferred: dict[tuple[int, str], list[Slot | None]] = {}
         #: ... in an uncaptured step: the edited calls' numbers (`_fire_uncaptured`).
         self.deferred_calls: dict[tuple[int, str], list[int]] = {}
+        #: Edited leaves without grad when their tap fired in an uncaptured step, with the call (`edit_late_uncaptured`).
+        self.late_uncaptured: list[tuple[Tap, torch.Tensor, int]] = []
+        #: The hooks that edit those turned on since (removed as the next forward begins, or on exit).
+        self._late_hooks: list[RemovableHandle] = []
         #: Grad mode at each (nested) entry into the root's forward: tells no_grad blocks from evaluation.
         self.grad_forward: list[bool] = []
         #: (slots, calls) as they were when the outermost forward began: restored if it fails.
@@ -103,9 +108,34 @@ class Firing:
         at its edge, so the strategy attaches there now, as the backward begins (else the row would say it has none)."""
         assert slot.late is not None
         (tap, value), slot.late = slot.late, None
-        if value.requires_grad:
-            slot.reason = None
+        if not value.requires_grad:
+            return
+        slot.reason = None
+        edits = self.session.edits
+        if edits is None or tap.tap not in edits.by_tap:
             self._attach(tap, slot, value, is_input=False)
+            return
+        # Edited: the forward went on with the leaf itself, no edit node after it to attach behind. A hook on the
+        # leaf reads what arrives (the session's one `deliver`, in place of the strategy) and passes the edit on.
+        slot.leaf, slot.value_norm = True, record_value_norm(value)
+        deliver = self.session.strategy.deliver
+        slot.handle = edits.on_late_leaf(tap, value, slot.key.call, slot.key, lambda grad: deliver(slot, grad))
+
+    def edit_late_uncaptured(self) -> None:
+        """An uncaptured backward begins: edit the gradient of each edited leaf a later forward hook turned on
+        (`_attach_late`'s edit, without a record), as the edit node edits it where the leaf required grad at once."""
+        edits, late, self.late_uncaptured = self.session.edits, self.late_uncaptured, []
+        if edits is None:
+            return
+        for tap, value, call in late:
+            if value.requires_grad:
+                self._late_hooks.append(edits.on_late_leaf(tap, value, call, None, lambda _grad: None))
+
+    def drop_late_hooks(self) -> None:
+        """Remove `edit_late_uncaptured`'s hooks: their backward is over (a new forward began, or the session closes)."""
+        hooks, self._late_hooks = self._late_hooks, []
+        for h in hooks:
+            h.remove()
 
     def reset(self) -> None:
         """Forget every slot opened since the last backward (their hooks too)."""
@@ -137,6 +167,8 @@ class Firing:
                 self._patch_forward(module, local_taps, stack)
         # last: the root's `leave` runs after its own output taps fired (their slots exist when it is told)
         self._track_root(model, stack)
+        stack.callback(self.drop_late_hooks)
+        stack.callback(lambda: self.late_uncaptured.clear())
 
     def _track_root(self, model: nn.Module, stack: contextlib.ExitStack) -> None:
         def enter(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -147,6 +179,7 @@ class Firing:
             if not self.grad_forward:
                 if grad:  # an evaluation forward between two backwards leaves the graph held
                     self.session._forward_begins()
+                    self.drop_late_hooks()
                 self._mark = (len(self.slots), dict(self.calls))
             self.grad_forward.append(grad)
 
@@ -274,7 +307,10 @@ class Firing:
             # none waiting: a non-reentrant checkpoint's recomputation, edited in the forward already
             return edits.on_fire(tap, value, waiting.pop(0)) if waiting else value
         if torch.is_grad_enabled():
-            return edits.on_fire(tap, value, self._count(tap.tap))
+            call = self._count(tap.tap)
+            if isinstance(value, torch.Tensor) and value.is_leaf and not value.requires_grad:
+                self.late_uncaptured.append((tap, value, call))  # a later forward hook may turn it on in place
+            return edits.on_fire(tap, value, call)
         if self.grad_forward and self.grad_forward[-1]:  # a no_grad block inside a forward with grad: no gradient
             call = self._count(tap.tap)
             ctx = reentrant_checkpoint("forward")
@@ -341,12 +377,7 @@ class Firing:
                 )
             hint = element_hint(tap, value).strip().rstrip(".")  # a tuple/dict: which element taps exist
             slot.reason = f"{why[0]}; {hint[0].lower()}{hint[1:]}" if hint else why[0]  # from a glob: no gradient
-            if (
-                tensor is not None
-                and tensor.is_leaf
-                and why[0] == NOT_REQUIRING_GRAD
-                and (edits is None or tap.tap not in edits.by_tap)
-            ):
+            if tensor is not None and tensor.is_leaf and why[0] == NOT_REQUIRING_GRAD:
                 slot.late = (tap, tensor)  # a later hook may still make it require grad: `take` looks again
             return value
         assert isinstance(value, torch.Tensor)
@@ -389,20 +420,3 @@ class Firing:
         """Whether a value that does not require grad may be so because parameters are frozen for now (a fine-tuning
         schedule's frozen backbone, a GAN step's other network): then it is a row without gradient, not an error."""
         return reason == NOT_REQUIRING_GRAD and any(not p.requires_grad for p in self.session.model.parameters())
-
-
-def element_hint(tap: Tap, value: object) -> str:
-    """For a tuple or dict value: the element taps that reach its tensors (`attn:output.0`, `:output.logits`).
-
-    For None where attention weights are tapped: HF attention returns no weights under SDPA/flash.
-    """
-    if value is None and "attn" in tap.tap.lower():
-        return (" Attention weights are None unless the attention computes them: build the model with "
-                "attn_implementation=\"eager\" (in YAML, attn_implementation: eager in the model's config node).")  # fmt: skip
-    if isinstance(value, Mapping):
-        names = [f"{tap.tap}.{k}" for k, v in value.items() if isinstance(v, torch.Tensor)]
-    elif isinstance(value, (tuple, list)):
-        names = [f"{tap.tap}.{i}" for i, v in enumerate(value) if isinstance(v, torch.Tensor)]
-    else:
-        return ""
-    return f" Tap one of its elements instead: {', '.join(names[:4])}." if names else ""
