@@ -304,3 +304,43 @@ def test_a_root_run_inside_a_reentrant_checkpoint_records_each_backwards_gradien
                 assert recs.row(taps.index(tap))["norm"] == pytest.approx(float(w[tap].norm()), rel=1e-6), tap
             for name, param in layer.named_parameters():  # the edit applied once, in this backward's mask
                 assert torch.equal(param.grad, w[name]), name
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["captured", "uncaptured"])
+def test_a_dropped_forward_before_a_root_run_inside_a_reentrant_checkpoint_keeps_firing_order(
+    strategy: str, enabled: bool
+) -> None:
+    """`capture(layer)` where the parent runs the layer in `checkpoint(..., use_reentrant=True)` twice, the first
+    output dropped (a skipped batch): calls are numbered in firing order, as without the checkpoint (call 0 the
+    dropped forward, no gradient; call 1 the one the backward used), and a seeded edit draws call 1's mask. Before,
+    the dropped forward's checkpoint context, freed, left its address to the next one, which took its call numbers.
+    Reference: the layer without checkpointing, plain tensor hooks doing the README's dropout."""
+    if strategy == "autograd_grad":
+        return  # refuses a reentrant checkpoint (test_a_root_run_inside_a_reentrant_checkpoint_...)
+    torch.manual_seed(0)
+    layer, head = _Layer(), nn.Linear(6, 1)
+    ref = _Layer()
+    ref.load_state_dict(layer.state_dict())
+    dropped, x = torch.randn(5, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    arrived: list[torch.Tensor] = []
+
+    def drop(g: torch.Tensor) -> torch.Tensor:
+        arrived.append(g)
+        gen = torch.Generator().manual_seed(generator_seed(0, 0, "b:output", 1))
+        return torch.where(torch.rand(g.shape, generator=gen) >= 0.5, g * 2.0, torch.zeros(()))
+
+    ref(dropped).sum()
+    out = ref(x)
+    out.register_hook(drop)
+    head(out).sum().backward()
+    with capture(layer, ["b:output"], strategy, edits=[{"tap": "b:output", "dropout": 0.5}]) as cap:
+        cap.enabled = enabled
+        checkpoint(layer, dropped, use_reentrant=True).sum()  # freed at once: its context's address is reused
+        loss = head(checkpoint(layer, x, use_reentrant=True)).sum()
+        loss.backward()
+        if enabled:
+            recs = cap.records(loss)
+            assert [(k.call, bool(h)) for k, h in zip(recs.keys, recs.has_grad, strict=True)] == [(0, False), (1, True)]
+            assert recs.row(1)["norm"] == pytest.approx(float(arrived[0].norm()), rel=1e-6)
+    for name, param in layer.named_parameters():  # call 1's mask, applied once
+        assert torch.equal(param.grad, dict(ref.named_parameters())[name].grad), name

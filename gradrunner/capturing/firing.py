@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import weakref
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -84,6 +85,8 @@ class Firing:
         self.deferred: dict[tuple[int, str], list[Slot | None]] = {}
         #: ... in an uncaptured step: the edited calls' numbers (`_fire_uncaptured`).
         self.deferred_calls: dict[tuple[int, str], list[int]] = {}
+        #: The checkpoint contexts keyed in those two by `id`, watched so that a freed one's entries go (`_ctx_key`).
+        self._contexts: dict[int, weakref.ref[Any]] = {}
         #: Edited leaves without grad when their tap fired in an uncaptured step, with the call (`edit_late_uncaptured`).
         self.late_uncaptured: list[tuple[Tap, torch.Tensor, int]] = []
         #: The hooks that edit those turned on since (removed as the next forward begins, or on exit).
@@ -141,6 +144,24 @@ class Firing:
         """Forget every slot opened since the last backward (their hooks too)."""
         self.session.strategy.forget(self.slots)
         self.slots, self.calls, self.deferred, self._mark = [], {}, {}, None
+
+    def _ctx_key(self, ctx: object, tap: str) -> tuple[int, str]:
+        """The key of a reentrant checkpoint context's calls of `tap` in `deferred` (`deferred_calls`): its `id`.
+
+        A context freed before any backward reached it (a forward whose output no backward used) takes its
+        entries with it: a later checkpoint's context allocated at the same address would otherwise take over
+        the freed one's calls, and its recomputation be recorded under the dropped forward's call numbers.
+        """
+        key = id(ctx)
+        if key not in self._contexts:
+            self._contexts[key] = weakref.ref(ctx, lambda _ref: self._ctx_freed(key))
+        return key, tap
+
+    def _ctx_freed(self, key: int) -> None:
+        del self._contexts[key]
+        for table in (self.deferred, self.deferred_calls):
+            for k in [k for k in table if k[0] == key]:
+                del table[k]
 
     # -- installing ------------------------------------------------------------------------------
     def install(self, model: nn.Module, taps: list[Tap], stack: contextlib.ExitStack) -> None:
@@ -315,7 +336,7 @@ class Firing:
             call = self._count(tap.tap)
             ctx = reentrant_checkpoint("forward")
             if ctx is not None:
-                self.deferred_calls.setdefault((id(ctx), tap.tap), []).append(call)
+                self.deferred_calls.setdefault(self._ctx_key(ctx, tap.tap), []).append(call)
         return value
 
     def _fire_without_grad(self, tap: Tap, value: object) -> object:
@@ -328,7 +349,7 @@ class Firing:
             # inside backward: this call is captured then, counted once, in its forward place. A value made
             # with grad outside the block (its input) is tapped now, whole: the recomputation sees a detached
             # copy that gets only the block's part of the gradient (None keeps the recomputed calls in step).
-            waiting = self.deferred.setdefault((id(ctx), tap.tap), [])
+            waiting = self.deferred.setdefault(self._ctx_key(ctx, tap.tap), [])
             edits = self.session.edits
             # an edit acts inside the block: on its recomputation
             edited = edits is not None and tap.tap in edits.by_tap
