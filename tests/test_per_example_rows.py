@@ -256,3 +256,117 @@ def test_gpt2_given_1d_position_ids_when_the_batch_size_equals_the_length() -> N
     assert got[wpe] is None and "broadcast over the batch" in str(reasons[wpe])
     ref = loop(_Positions1D(model), {"input_ids": inputs}, lm_loss, [(f"model.{n}", m, p) for n, m, p in params])[0]
     assert_matches(got, {n[len("model.") :]: r for n, r in ref.items() if n != f"model.{wpe}"}, reasons)
+
+
+class GatedMoE(nn.Module):
+    """A Mixtral-style gated (SwiGLU) expert, `down(silu(gate(t)) * up(t))` on the tokens routed to it (`t = h[idx]` or
+    Mixtral's `h[None, idx].reshape(-1, d)`), weighted by the router's probability, added back by `index_add`."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.inp, self.router, self.head = how, nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+        self.gate, self.up, self.down = nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x).reshape(-1, 4)
+        weights = self.router(h).softmax(-1)
+        idx = torch.where(x.reshape(-1, 3)[:, 0] > 0)[0]
+        t = h[idx] if self.how == "h[idx]" else h[None, idx].reshape(-1, 4)
+        out = self.down(nn.functional.silu(self.gate(t)) * self.up(t)) * weights[idx, 1, None]
+        return self.head((h + torch.zeros_like(h).index_add(0, idx, out)).view(*x.shape[:2], 4))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("shapes", [True, False], ids=["shapes read", "shapes unknown"])
+@pytest.mark.parametrize("how", ["h[idx]", "h[None, idx]"])
+def test_a_gated_experts_down_projection_given_as_many_tokens_as_the_batch_has_rows(
+    how: str, shapes: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """B = 4 of the 12 tokens routed to the expert: `down` is called on `silu(gate(t)) * up(t)`, a product of two
+    operands, where the walk back stopped (found 2026-11-27: down:weight got 0.0811, 0.0467 for true shares 0.1095,
+    0.0). Null with the reason, with the autograd nodes' shapes read or not (`node_shape`'s fallback)."""
+    from gradrunner.capturing import torch_compat
+
+    monkeypatch.setitem(torch_compat.FEATURES, "input_metadata", shapes)
+    torch.manual_seed(0)
+    picked, after = "picked by indexing", "the output of a call whose rows"
+    layers = (("gate", picked), ("up", picked), ("down", after), ("router", "is not the batch"))  # the router: 12 rows
+    model, inputs = GatedMoE(how), {"x": _routed(4)}
+    params = all_params(model)
+    got, reasons = batched(model, inputs, _row_sq, params)
+    for layer, why in layers:
+        for name in (f"{layer}:weight", f"{layer}:bias"):
+            assert got[name] is None and why in str(reasons[name]), (name, reasons[name])
+    ref = loop(model, inputs, _row_sq, params)[0]
+    assert_matches(got, {n: r for n, r in ref.items() if n.startswith(("inp:", "head:"))}, reasons)
+
+
+class SwiGLU(nn.Module):
+    """Llama's MLP on the batch's rows, `down(silu(gate(x)) * up(x))`, a residual add, a gated sum with a
+    broadcast (1, 1, d) parameter and a (T, d) table picked by `arange(T)` (rows of no example): all exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down, self.head = nn.Linear(4, 6), nn.Linear(4, 6), nn.Linear(6, 4), nn.Linear(4, 2)
+        self.scale, self.table = nn.Parameter(torch.randn(1, 1, 4)), nn.Parameter(torch.randn(7, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.table[torch.arange(x.shape[1])]
+        h = h + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+        return self.head(torch.where(h > 0, h * self.scale, h))  # type: ignore[no-any-return]
+
+
+def test_a_swiglu_mlp_on_the_batchs_rows_stays_exact() -> None:
+    """B = 4 = T: the table's picked rows (4, 4) are broadcast over the batch, not followed as its rows."""
+    torch.manual_seed(0)
+    own = {":scale": "is not a layer", ":table": "is not a layer"}  # the model's own: not a supported layer's
+    _check(SwiGLU(), {"x": torch.randn(4, 4, 4)}, _row_sq, own, all_others=True)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_transformers_moe_given_one_token_per_example(arch: str) -> None:
+    """Tiny random Mixtral / Qwen2-MoE (eager experts), T = 1: the 4 flattened tokens are the batch's rows, and each
+    expert gets some of them. transformers 5's experts hold 3-D parameters (null: not a supported layer); every
+    number given matches the loop, and Llama-style SwiGLU Linears on the batch's rows (Qwen2-MoE's shared expert, its
+    sigmoid gate times the expert) are exact, not null."""
+    tf = _quiet_transformers()
+    torch.manual_seed(0)
+    common = {"vocab_size": 40, "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "num_experts_per_tok": 1, "max_position_embeddings": 8}  # fmt: skip
+    if arch == "mixtral":
+        model = tf.MixtralForCausalLM(tf.MixtralConfig(num_local_experts=2, **common))
+    else:
+        cfg = tf.Qwen2MoeConfig(num_experts=2, moe_intermediate_size=12, shared_expert_intermediate_size=20, **common)
+        model = tf.Qwen2MoeForCausalLM(cfg)
+    model.config._experts_implementation = "eager"
+    ids, labels = torch.randint(3, 40, (4, 1)), torch.randint(3, 40, (4, 1))
+
+    def rows_loss(out: object, i: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.logits[0], labels[i], reduction="sum")  # type: ignore[attr-defined]
+
+    params = all_params(model)
+    got, reasons = batched(model, {"input_ids": ids}, rows_loss, params)
+    ref = loop(model, {"input_ids": ids}, rows_loss, params)[0]
+    given = {n: r for n, r in ref.items() if got[n] is not None}
+    linears = [n for n, m, _ in params if isinstance(m, nn.Linear)]
+    assert all(n in given for n in linears), {n: reasons[n] for n in linears if n not in given}
+    assert_matches(got, given, reasons)
+
+
+def test_bert_when_the_batch_size_equals_the_length_keeps_every_layer_after_the_embeddings() -> None:
+    """B == T, no token_type_ids: BERT's token types (B, T) made inside the forward are null (dim 0 may not be the
+    batch), but the embeddings' sum with the tokens' is the batch's rows: its LayerNorm and every layer after it are
+    exact (only rows picked by indexing are carried through an op of several operands; a first version of the
+    gated-expert fix carried every reason, and made the whole model null)."""
+    tf = _quiet_transformers()
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=24,
+                        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+    model, ids = tf.BertForMaskedLM(cfg), torch.randint(3, 40, (4, 4))
+
+    def rows_loss(out: object, i: int) -> torch.Tensor:
+        return nn.functional.cross_entropy(out.logits[0], ids[i], reduction="sum")  # type: ignore[attr-defined]
+
+    head = "is not a layer"  # BertLMPredictionHead's own bias, tied to the decoder's
+    nulls = {"bert.embeddings.token_type_embeddings:weight": "made inside the forward", "cls.predictions:bias": head,
+             "bert.embeddings.position_embeddings:weight": "is not the batch", "cls.predictions.decoder:bias": head}  # fmt: skip
+    _check(model, {"input_ids": ids}, rows_loss, nulls, all_others=True)

@@ -16,17 +16,23 @@ from what the call's input is made of, cheaply (a few attribute reads per call, 
   several dims (`tokens[idx]`, `h[None, idx]`, `masked_select`, `take`), or a slice or split of such rows (an
   expert's run of the sorted tokens, DeepSeek's `sorted_tokens[start:end]`): a mixture of experts' tokens
   routed to one expert (rows picked out of the batch's own rows, `h[arange(B), eos]`, `gather(-2, ...)`,
-  `x[:, idx]`, keep them: `_keeps_rows`); and an input made, by views, casts, activations or dropout,
-  from the output of a call whose batch-sized dim 0 was found a coincidence here (the expert's second
-  Linear; not one whose dim 0 is another size, such as flattened tokens later reshaped back).
+  `x[:, idx]`, keep them: `_keeps_rows`); and an input made, by views, casts, activations, dropout or
+  elementwise ops, from the output of a call whose batch-sized dim 0 was found a coincidence here (the
+  expert's second Linear, a gated expert's `down(act(gate(t)) * up(t))`; not one whose dim 0 is another
+  size, such as flattened tokens later reshaped back).
 
-The walk back through the autograd graph (at most `WALK` nodes) follows only ops of one tensor
-operand (`_UNARY`) and, towards a selection or such an output, dropout's CPU mask product: any other
-op (a residual add, a matmul, an embedding lookup, whose ids autograd does not show) ends it with no
-verdict, so rows merged back into the batch (`index_add_` into a batch-shaped tensor) are the batch's
-again. Not told apart (README): coincidences made by ops of several operands (`x_param @ w`,
-`cat`), a frozen parameter's views (no autograd node), rows picked from a tensor that does not
-require grad, and a reordering of the batch's own rows (`x[perm]`).
+The walk back through the autograd graph (at most `WALK` nodes, all branches together) follows ops of one
+tensor operand (`_UNARY`) and elementwise ops (`_SEVERAL`: dropout's CPU mask, a gated expert's
+`act(w1 x) * w3 x`, a residual add) into each operand, towards a selection or such an output (not to a
+parameter: `x * scale` has x's rows). Below an op of several tensor operands only rows picked by indexing
+count (`picked`: the batch's rows plus a position's embedding made from ids made in the forward are the
+batch's rows), and only if every operand passed gives the result its dim 0 (`_same_rows`, shapes read then
+only: a bias or a (T, d) table broadcast over the batch are not its rows). Any other op (a matmul, a
+LayerNorm, an embedding lookup, whose ids autograd does not show) ends a branch with no verdict, so rows
+merged back into the batch (`index_add_` into a batch-shaped tensor) are the batch's again. Not told apart
+(README): coincidences made by ops that are not elementwise (`x_param @ w`, `cat`), a frozen parameter's
+views (no autograd node), rows picked from a tensor that does not require grad, and a reordering of the
+batch's own rows (`x[perm]`).
 
 Example::
 
@@ -44,6 +50,7 @@ import torch
 from torch import nn
 
 from gradrunner.capturing.per_example_layers import storage, tensors_of
+from gradrunner.capturing.torch_compat import node_shape
 
 #: Autograd nodes whose output rows are rows of their input picked by an index tensor.
 SELECTS = frozenset({"IndexBackward", "IndexSelectBackward", "GatherBackward", "MaskedSelectBackward", "TakeBackward"})
@@ -55,9 +62,14 @@ _UNARY = frozenset({
     "TanhBackward", "SigmoidBackward", "EluBackward", "LeakyReluBackward", "NativeDropoutBackward",
     "SliceBackward", "SplitBackward", "SplitWithSizesBackward", "UnsafeSplitBackward",
 })  # fmt: skip
-#: Dropout's mask on CPU (`x * mask`): followed to a selection or a call without shares, not to a parameter.
-_MASKS = frozenset({"MulBackward", "DivBackward"})
-#: The most autograd nodes walked back from a call's input.
+#: Autograd nodes of elementwise ops of one or several tensor operands (dropout's CPU mask `x * mask`, a gated
+#: expert's `act(w1 x) * w3 x`, a residual add): followed into each operand that gives the output its dim 0, to a
+#: selection or a call without shares, not to a parameter (`x * scale`: rows of x).
+_SEVERAL = frozenset({
+    "MulBackward", "DivBackward", "AddBackward", "SubBackward", "WhereBackward", "MaximumBackward", "MinimumBackward",
+    "AddcmulBackward", "AddcdivBackward", "LerpBackward",
+})  # fmt: skip
+#: The most autograd nodes walked back from a call's input, all operands' branches together.
 WALK = 16
 
 
@@ -75,8 +87,10 @@ class RowOrigins:
         self.given: set[int] | None = None
         #: Then: those of fewer dims than the first (the batch's) with dim 0 of B, and the first's shape.
         self.fewer: dict[int, tuple[int, ...]] = {}
-        #: Output nodes of this forward's calls with no per-row share, and why.
-        self.made: dict[Any, str] = {}
+        #: Output nodes of this forward's calls with no per-row share: why, and whether their rows were picked.
+        self.made: dict[Any, tuple[str, bool]] = {}
+        #: Whether the last `reason` found was rows picked by indexing, or a call on such rows (what `mark` keeps).
+        self.picked = False
 
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int | None) -> None:
         """A forward of the model with `rows` rows (None: no tensor input) begins."""
@@ -94,6 +108,7 @@ class RowOrigins:
 
     def reason(self, kind: str, x: torch.Tensor) -> str | None:
         """Why the rows of `x` (whose dim 0 has the batch's size) are not the batch's, or None."""
+        self.picked = False
         first = self.fewer.get(storage(x))
         if first is not None:
             return (f"called on a tensor of shape {tuple(x.shape)} given to the model with fewer dims than its first input "
@@ -109,31 +124,61 @@ class RowOrigins:
         return self._walk(x)
 
     def mark(self, output: torch.Tensor, why: str) -> None:
-        """`output` of a call whose rows are not the batch's (`why`): a layer it feeds through a view, a cast or an
-        activation is not called on batch rows either."""
+        """`output` of a call whose rows are not the batch's (`why`, the last `reason`): a layer it feeds through a
+        view, a cast or an activation is not called on batch rows either; nor, where that reason was rows picked by
+        indexing (`picked`), one it feeds through an elementwise op with other operands (a gated expert's product)."""
         if output.grad_fn is not None:
-            self.made[output.grad_fn] = why
+            self.made[output.grad_fn] = (why, self.picked)
 
     def _walk(self, x: torch.Tensor) -> str | None:
-        node, masked, rows = x.grad_fn, False, x.shape[0]
-        for _ in range(WALK):
-            if node is None:
-                return None
-            if node in self.made:
-                return f"called on the output of a call whose rows are not the batch's ({self.made[node]})"
+        """The first reason found walking back from `x` (at most `WALK` nodes), or None."""
+        rows, seen = x.shape[0], set[Any]()
+        #: (node, below an elementwise op of several tensor operands, the elementwise ops passed to reach it:
+        #: (op, operand, its output number)); below any: no parameter verdict
+        stack: list[tuple[Any, bool, tuple[tuple[Any, Any, int], ...]]] = [(x.grad_fn, False, ())]
+        while stack and len(seen) < WALK:
+            node, several, via = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
             name = node.name().rstrip("0123456789")
-            if name in SELECTS and not _keeps_rows(node, name, rows):
-                return (f"called on a tensor of shape {tuple(x.shape)} whose rows were picked by indexing ({name}: "
-                        "tokens routed to a mixture-of-experts' expert?): its rows are not the batch's")  # fmt: skip
-            variable = getattr(node, "variable", None)
-            if isinstance(variable, nn.Parameter) and not masked:
-                return (f"called on a tensor of shape {tuple(x.shape)} made from a parameter of shape "
-                        f"{tuple(variable.shape)} alone: its dim 0 is the parameter's, not the batch's rows")  # fmt: skip
-            inputs = [n for n, _ in node.next_functions if n is not None]
-            if len(inputs) != 1 or name not in _UNARY | _MASKS | SELECTS:
-                return None
-            masked, node = masked or name in _MASKS, inputs[0]
+            why = self._verdict(node, name, x, rows, bool(via), several)
+            if why is not None and all(_same_rows(op, n, nr) for op, n, nr in via):  # shapes read only for a verdict
+                return why
+            if why is not None:
+                continue  # an operand broadcast over the output's dim 0 (a bias, a (T, d) table): not its rows
+            inputs = [(n, nr) for n, nr in node.next_functions if n is not None]
+            if name in _SEVERAL:  # each operand: a gated expert's act(w1 x) * w3 x, dropout's `x * mask`
+                stack += [(n, several or len(inputs) > 1, (*via, (node, n, nr))) for n, nr in inputs]
+            elif len(inputs) == 1 and name in _UNARY | SELECTS:
+                stack.append((inputs[0][0], several, via))
         return None
+
+    def _verdict(self, node: Any, name: str, x: torch.Tensor, rows: int, masked: bool, several: bool) -> str | None:
+        """Why the rows of autograd node `node` (named `name`) are not the batch's, or None; sets `picked`.
+
+        `masked`: reached through an elementwise op, where a parameter is a scale, not rows; `several`: through one of
+        several operands, where only rows picked by indexing count (the batch's rows plus a position's embedding, made
+        from ids made in the forward, are still the batch's rows)."""
+        made = self.made.get(node)
+        self.picked = name in SELECTS or (made is not None and made[1])
+        if made is not None and (self.picked or not several):
+            return f"called on the output of a call whose rows are not the batch's ({made[0]})"
+        if name in SELECTS and not _keeps_rows(node, name, rows):
+            return (f"called on a tensor of shape {tuple(x.shape)} whose rows were picked by indexing ({name}: "
+                    "tokens routed to a mixture-of-experts' expert?): its rows are not the batch's")  # fmt: skip
+        variable = getattr(node, "variable", None) if name.endswith("AccumulateGrad") and not masked else None
+        if isinstance(variable, nn.Parameter):
+            return (f"called on a tensor of shape {tuple(x.shape)} made from a parameter of shape "
+                    f"{tuple(variable.shape)} alone: its dim 0 is the parameter's, not the batch's rows")  # fmt: skip
+        return None
+
+
+def _same_rows(product: Any, operand: Any, nr: int) -> bool:
+    """Whether the output `nr` of autograd node `operand`, an operand of elementwise `product`, gives the product its
+    dim 0, not broadcast over it (a bias, 1-D position embeddings, a (1, ...) mask); True where a shape is unknown."""
+    out, shape = node_shape(product, 0), node_shape(operand, nr)
+    return shape is None or out is None or (len(shape) == len(out) and shape[:1] == out[:1])
 
 
 def _signed(dim: int) -> int:

@@ -21,6 +21,7 @@
 | `compiled_inner(model)`, `compiled_fullgraph(module)` | `OptimizedModule._orig_mod`: tap `torch.compile(model)`'s eager modules; its `dynamo_ctx.fullgraph` (or that in `module.compile()`'s `_compiled_call_impl` closure): refuse `fullgraph=True` up front | a GradrunnerError: pass the model before `torch.compile`; False: dynamo's own error at the first forward |
 | `scale_tensor(scaler, device)` | `GradScaler._scale`: the device scale tensor, no host sync | `scaler.scale(torch.ones((), device=device))`: one tiny multiply, no sync |
 | `running_ddp()` | `DistributedDataParallel._get_active_ddp_module()`: the DDP wrapper whose forward runs now (a model given as DDP's `.module` is refused: its parameter taps would read each rank's gradient before the all-reduce) | None: not detected (README: pass the wrapper) |
+| `node_shape(node, nr)` | `Node._input_metadata`: the shape of an autograd node's output `nr` (`per_example_rows` follows a product's operands whose dim 0 is its output's) | None: unknown, every operand followed |
 | `waited(t)` | `AsyncCollectiveTensor.trigger_wait()` (`torch.distributed._functional_collectives`): a DTensor's local piece still waiting for its collective (a sequence-parallel reduce-scatter) as the plain tensor it wraps | the wrapper itself: torch's ops on it wait (the statistics' torch path; the fused kernels refuse it) |
 
 `FEATURES` holds what was detected at import; tests monkeypatch it to force each fallback.
@@ -96,6 +97,7 @@ FEATURES: dict[str, bool] = {
     "active_ddp_module": True,  # `DistributedDataParallel._get_active_ddp_module`, found once DDP was imported
     "storage_use_count": _storage_use_count is not None,
     "python_node": _PYTHON_NODE is not None,  # a custom Function's node (`writes_grad`)
+    "input_metadata": hasattr(torch.zeros(1, requires_grad=True).view(1).grad_fn, "_input_metadata"),
 }
 
 
@@ -137,9 +139,7 @@ def watch_edge(edge: Edge, fn: Callable[[torch.Tensor], torch.Tensor | None]) ->
 
 
 def grad_of(loss: torch.Tensor, inputs: Sequence[Any], retain_graph: bool) -> tuple[torch.Tensor | None, ...]:
-    """`torch.autograd.grad(loss, inputs, retain_graph=retain_graph, allow_unused=True)`.
-
-    Example::
+    """`torch.autograd.grad(loss, inputs, retain_graph=retain_graph, allow_unused=True)`. Example::
 
         grad_of(loss, [gradient_edge(h), gradient_edge(w)], False)   # (dloss/dh, dloss/dw)
 
@@ -175,9 +175,7 @@ _ACCUMULATOR = type(gradient_edge(torch.zeros(1, requires_grad=True))[0])
 
 
 def leaf_accumulators(loss: torch.Tensor) -> list[Any]:
-    """Every leaf's `AccumulateGrad` node that `loss.backward()` would run: one walk of `loss`'s graph.
-
-    Example::
+    """Every leaf's `AccumulateGrad` node that `loss.backward()` would run: one walk of `loss`'s graph. Example::
 
         nodes = leaf_accumulators(loss)    # the model's parameters, an input made with requires_grad=True, ...
 
@@ -217,10 +215,13 @@ def accumulator_leaf(node: Any) -> torch.Tensor:
     return node.variable
 
 
-def at_backward_end(fn: Callable[[], None]) -> bool:
-    """Run `fn` once the backward running now has finished (call it from a hook inside that backward).
+def node_shape(node: Any, nr: int) -> tuple[int, ...] | None:
+    """The shape of what autograd node `node` made as its output `nr` (its forward's result); None if unknown."""
+    return tuple(node._input_metadata[nr].shape) if FEATURES["input_metadata"] else None
 
-    Example::
+
+def at_backward_end(fn: Callable[[], None]) -> bool:
+    """Run `fn` once the backward running now has finished (call it from a hook inside that backward). Example::
 
         at_backward_end(lambda: print("done"))   # inside a tensor or node hook
 
@@ -292,9 +293,7 @@ _PROBES = 8  # parameters probed before walking the graph
 def fills_grad(params: Iterable[torch.Tensor]) -> bool | None:
     """Inside a backward: whether it fills leaves' `.grad` (`loss.backward()`, `backward(inputs=...)`), or
     only returns gradients (`torch.autograd.grad`: a gradient penalty's, a PINN's derivatives, an attack's
-    step, a MAML inner step). None where that cannot be told (no backward runs, or this torch lacks the API).
-
-    Example::
+    step, a MAML inner step). None where that cannot be told (no backward runs, or this torch lacks the API). Example::
 
         fills_grad(model.parameters())   # in a hook: False inside torch.autograd.grad(out.sum(), x)
 
@@ -415,14 +414,11 @@ def scale_tensor(scaler: Any, device: torch.device | str) -> torch.Tensor | None
     scale = getattr(scaler, "_scale", None) if FEATURES["scaler_scale"] else None
     if isinstance(scale, torch.Tensor):
         return scale
-    scaled: torch.Tensor = scaler.scale(torch.ones((), device=device))
-    return scaled
+    return scaler.scale(torch.ones((), device=device))
 
 
 def waited(t: torch.Tensor) -> torch.Tensor:
-    """`t`, or the plain tensor an `AsyncCollectiveTensor` `t` wraps once its collective has finished (a wait).
-
-    Example::
+    """`t`, or the plain tensor an `AsyncCollectiveTensor` `t` wraps once its collective has finished (a wait). Example::
 
         waited(sp_output_grad.to_local())     # the reduce-scatter's result, a tensor with storage of its own
 
