@@ -1128,6 +1128,44 @@ def test_a_session_entered_again_after_the_model_changed_refuses_what_it_would_r
     assert not leftover_hooks(model)
 
 
+def test_a_model_changed_inside_the_block_is_refused_at_its_next_forward(strategy: str) -> None:
+    """A tapped parameter re-assigned, its module replaced, a `load_state_dict(assign=True)` or a pruning
+    reparametrisation between two steps of one block: the parameter tap kept the old Parameter and recorded
+    "takes no part in the loss" (or the old one's number) while the live one got a gradient. Refused now at the
+    next forward, before it runs, in one paragraph naming the tap; the step before it is recorded as a fresh
+    session records it; nothing is left installed after the block."""
+    import torch.nn.utils.prune as prune
+
+    def swap_weight(m: nn.Sequential) -> None:
+        m[2].weight = nn.Parameter(m[2].weight.detach() * 2)
+
+    def swap_module(m: nn.Sequential) -> None:
+        m[2] = nn.Linear(8, 2)
+
+    def assign(m: nn.Sequential) -> None:
+        m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+
+    def pruned(m: nn.Sequential) -> None:
+        prune.l1_unstructured(m[2], "weight", amount=0.5)
+
+    for change in (swap_weight, swap_module, assign, pruned):
+        torch.manual_seed(0)
+        model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(5, 4)
+        with capture(model, ["2:output", "2:weight"], strategy=strategy) as cap:
+            cap.backward(model(x).pow(2).mean())
+            got = cap.records()
+            weight_grad = float(model[2].weight.grad.norm())
+            model.zero_grad(set_to_none=True)
+            change(model)
+            with pytest.raises(GradrunnerError, match=r"its tap 2:weight names parameter 'weight' of module '2'"):
+                model(x)
+            assert all(p.grad is None for p in model.parameters()), change.__name__  # nothing ran
+        if change is pruned:
+            prune.remove(model[2], "weight")  # pruning's own hook, not the session's
+        assert not leftover_hooks(model)
+        assert float(got.stats["norm"][1]) == pytest.approx(weight_grad, rel=1e-6), change.__name__
+
+
 def test_a_backward_outside_the_block_is_refused_and_runs_nothing(strategy: str) -> None:
     """`cap.backward(loss)` after the block (or before the first) ran the backward with no hook installed: the
     activation tap's record said "no forward since the last backward, which freed the graph" though a forward

@@ -152,6 +152,10 @@ class ParamTaps:
     def __bool__(self) -> bool:
         return bool(self.taps)
 
+    def held(self) -> dict[str, nn.Parameter]:
+        """Each tap's name and the parameter it holds (resolved when the session was made)."""
+        return {k.tap: p for k, (_, p) in zip(self.keys, self.taps, strict=True)}
+
     # -- holding the edges -----------------------------------------------------------------------
     def install(self, stack: contextlib.ExitStack) -> None:
         """Take every tapped parameter's edge and hook it (unhooked when `stack` closes)."""

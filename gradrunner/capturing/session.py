@@ -136,6 +136,7 @@ class Capture(Backwards):
         self._param_backward: ParamBackward | None = None
         self._model_params: list[nn.Parameter] | None = None  # listed once (`_watch_params`)
         self._witness: nn.Parameter | None = None  # a parameter last seen with a `.grad` (`gradients_reset`)
+        self._registered = False  # a parameter or module registered since the taps were checked (`_check_unchanged`)
         #: The backward that ended last started the step again (`_note_end`): the step's loss is its loss.
         self.restarted = False
         # the last backward (in a step call) left a `.grad`; all reset since
@@ -176,8 +177,7 @@ class Capture(Backwards):
         hold_open(self, self._stack)  # first: a session refused beside another leaves nothing behind
         if self._next_order:  # a step an earlier entry left, that no records() took (it raised): not this entry's
             self._abort()
-        held = {k.tap: p for k, (_, p) in zip(self._params.keys, self._params.taps, strict=True)}
-        check_still_resolved(self.model, self.taps, held, self.label)  # a tapped module replaced or gone since: refused
+        check_still_resolved(self.model, self.taps, self._params.held(), self.label)  # a tap replaced or gone since
         self._closed = False
         self._stack.callback(self.strategy.close)
         self._stack.callback(self._drop_root_hooks)
@@ -213,14 +213,11 @@ class Capture(Backwards):
         )
 
     def _watch_params(self) -> None:
-        """Forget the cached parameter list whenever any module registers a parameter or submodule.
-
-        Listing the parameters walks every module: for a model of hundreds of modules that costs
-        microseconds per tap firing if done every step.
-        """
+        """Forget the cached parameter list, and check the taps at the next step (`_check_unchanged`), whenever any
+        module registers a parameter or submodule: listing walks every module, microseconds a firing if each step."""
 
         def forget(*_: object) -> None:
-            self._model_params, self._witness = None, None
+            self._model_params, self._witness, self._registered = None, None, True
 
         forget()  # changed while the session was closed: listed again
         for register in (
@@ -228,6 +225,12 @@ class Capture(Backwards):
             nn.modules.module.register_module_module_registration_hook,
         ):
             self._stack.callback(register(forget).remove)
+
+    def _check_unchanged(self) -> None:
+        """Refuse the step about to run (at a root forward, `backward()`) if a tap was replaced inside the block."""
+        if self._registered:
+            check_still_resolved(self.model, self.taps, self._params.held(), self.label, "cannot run this step")
+            self._registered = False
 
     def _all_params(self) -> list[nn.Parameter]:
         if self._model_params is None:
@@ -298,6 +301,7 @@ class Capture(Backwards):
             raise GradrunnerError(f"{self.label}.backward() was called outside its `with` block, where nothing is "
                                   "captured; call it inside the block, or loss.backward() to backpropagate uncaptured")  # fmt: skip
         self._finish_pending()
+        self._check_unchanged()  # a tap replaced since the forward: its records would not be the model's
         p = self._begin(explicit=True, retain_graph=retain_graph)
         try:
             with backward_running():

@@ -253,7 +253,9 @@ def resolve_taps(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[T
     return list(resolved.values())
 
 
-def check_still_resolved(model: nn.Module, taps: Iterable[Tap], params: Mapping[str, object], who: str) -> None:
+def check_still_resolved(
+    model: nn.Module, taps: Iterable[Tap], params: Mapping[str, object], who: str, refused: str = "cannot open"
+) -> None:
     """Refuse a model changed since its taps were resolved: a tapped module gone, or a tapped parameter replaced.
 
     Example::
@@ -262,20 +264,29 @@ def check_still_resolved(model: nn.Module, taps: Iterable[Tap], params: Mapping[
 
     Activation, input and local taps find their module by path as a session opens; a parameter tap holds the
     parameter it resolved to, which a replaced module (or `.to()` making new parameters) no longer uses.
+    `refused` says what is refused: opening the session, or (in an open one) the step about to run.
     """
     modules = dict(model.named_modules(remove_duplicate=False))
     for tap in taps:
         module = modules.get(tap.module)
         if module is None:
             what = f"module {tap.module!r}, which the model no longer has"
-        elif tap.tap in params and getattr(module, tap.name, None) is not params[tap.tap]:
+        elif (
+            tap.tap in params and getattr(module, tap.name, None) is not params[tap.tap] and not _lent(module, tap.name)
+        ):
             what = f"parameter {tap.name!r} of module {tap.module!r}, which is another object now (replaced)"
         else:
             continue
         raise GradrunnerError(
-            f"{who} cannot open: its tap {tap.tap} names {what} since the session was made (taps are resolved when "
+            f"{who} {refused}: its tap {tap.tap} names {what} since the session was made (taps are resolved when "
             "it is made, and its records would not be the model's); make the session again for the model as it is now"
         )
+
+
+def _lent(module: nn.Module, name: str) -> bool:
+    """A plain tensor in the parameter's own slot: `torch.func.functional_call` lends it for one call, then restores."""
+    held = module._parameters.get(name)
+    return held is not None and not isinstance(held, nn.Parameter)
 
 
 @dataclass(frozen=True)
