@@ -1221,6 +1221,42 @@ def test_an_entry_after_one_ended_inside_an_optimizer_step_sees_no_closure_evalu
     np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
 
 
+def test_a_closure_that_raised_inside_the_block_ends_its_optimizer_step(strategy: str) -> None:
+    """`opt.step(closure)` whose closure raised, caught inside the same block: no post-hook ran, so the session
+    counted itself inside that step until the next `opt.step()` returned, and the next step's `zero_grad()` between
+    two backwards (a GAN's two losses) was taken for a closure evaluated again, dropping the first backward's row
+    (2 records for 3). That step records what a fresh session records; a closure passed by keyword too."""
+    x = torch.randn(5, 4)
+
+    def two_backwards(failed_closure: str | None) -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with capture(model, ["0:output", "2:weight"], strategy=strategy) as cap:
+
+            def closure() -> torch.Tensor:
+                cap.backward(model(x).pow(2).mean())
+                raise RuntimeError("the closure failed")
+
+            if failed_closure is not None:
+                with pytest.raises(RuntimeError, match="the closure failed"):
+                    opt.step(closure=closure) if failed_closure == "keyword" else opt.step(closure)  # type: ignore[func-returns-value]
+                cap.records()
+                model.zero_grad(set_to_none=True)
+            cap.backward(model(x).pow(2).mean())
+            model.zero_grad(set_to_none=True)
+            loss = model(x[:3]).pow(2).mean()
+            cap.backward(loss)
+            opt.step()
+            return cap.records(loss)
+
+    want = two_backwards(None)
+    for how in ("positional", "keyword"):
+        got = two_backwards(how)
+        assert got.keys == want.keys and got.micro_step == want.micro_step == [0, 1, None], how
+        np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
+
+
 def test_a_session_entered_inside_its_own_block_is_refused_and_records_each_call_once(strategy: str) -> None:
     """`with cap:` inside `with cap:` installed every hook a second time: one forward recorded `0:output` as calls 0
     and 1 (the same gradient twice), and leaving the inner block closed the outer one. Refused now before anything

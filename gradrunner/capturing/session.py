@@ -43,6 +43,7 @@ from gradrunner.capturing.params import ParamBackward, ParamTaps, ddp_synced
 from gradrunner.capturing.per_example import PerExampleNorms
 from gradrunner.capturing.snapshot import ParamSnapshot
 from gradrunner.capturing.stats import Collector
+from gradrunner.capturing.step_calls import StepArgs, on_closure_raise
 from gradrunner.capturing.strategies import Slot, get_strategy
 from gradrunner.capturing.taps import Tap, TapSpec, check_still_resolved, resolve_taps
 from gradrunner.capturing.torch_compat import backward_running, compiled_inner, running_ddp, shares_memory
@@ -181,8 +182,7 @@ class Capture(Backwards):
         self._closed = False
         self._stack.callback(self.strategy.close)
         self._stack.callback(self._drop_root_hooks)
-        # optimizer.step() calls, to tell a closure evaluated again inside one (LBFGS) from steps in a row; one an
-        # earlier entry ended inside (its closure raised) is over: its end came with no hook to see it
+        # optimizer.step() calls: a closure evaluated again in one (LBFGS), or steps in a row; an earlier one is over
         self._in_step = self._last_in = None
         self._stack.callback(register_optimizer_step_pre_hook(self._step_begins).remove)
         self._stack.callback(register_optimizer_step_post_hook(self._step_ends).remove)
@@ -257,9 +257,10 @@ class Capture(Backwards):
             trains = trains or p.requires_grad
         return trains
 
-    def _step_begins(self, *_: object) -> None:
+    def _step_begins(self, _opt: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
         self._steps_begun += 1
-        self._in_step = self._steps_begun
+        n = self._in_step = self._steps_begun
+        return on_closure_raise(args, kwargs, lambda: self._step_ends() if self._in_step == n else None)
 
     def _step_ends(self, *_: object) -> None:
         self._in_step = None
