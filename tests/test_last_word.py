@@ -330,3 +330,26 @@ def test_an_interrupted_or_failed_run_says_its_loss_diverged(
     spikes = health.health(tmp_path).spikes  # the spikes the detector flagged: in the summary, said once
     assert set(spikes) <= set(lines)
     assert not [r for r in caplog.records if r.getMessage().startswith("spikes (anomalies.parquet):")]
+
+
+def test_an_expert_given_no_tokens_is_not_vanishing(tmp_path: Path) -> None:
+    """An expert called on a (0, d) tensor (no token routed to it) has a gradient of no elements: has_grad true,
+    numel 0, norm 0. Its 0 was judged as a norm and the last word called it vanishing (found 2026-11-27); it has no
+    value to judge: not vanishing, not without gradient, while a tap whose norm really is tiny still is."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gradrunner.analysis.summaries import tap_summary
+    from gradrunner.records.columns import GRADS_FILE
+
+    rows = [(s, tap, n, norm) for s in range(3) for tap, n, norm in
+            (("experts.0:output", 8, 1.0), ("experts.1:output", 8, 1e-12), ("experts.2:output", 0 if s else 8, 0.0 if s else 1.0))]  # fmt: skip
+    table = pa.table({"step": [r[0] for r in rows], "tap": [r[1] for r in rows], "call": [0] * len(rows),
+                      "numel": [r[2] for r in rows], "norm": [r[3] for r in rows], "has_grad": [True] * len(rows),
+                      "nan_count": [0] * len(rows), "inf_count": [0] * len(rows)})  # fmt: skip
+    pq.write_table(table, tmp_path / GRADS_FILE)
+    h = health.health(tmp_path)
+    assert h.vanishing == {"experts.1:output": 0} and h.without_grad == {} and h.taps == 3
+    s = tap_summary(table.to_pandas()).set_index("tap")
+    assert s.loc["experts.2:output", "steps"] == 3 and s.loc["experts.2:output", "last"] == 1.0
+    assert not s.loc["experts.2:output", "vanishing"] and pd.isna(s.loc["experts.2:output", "first_vanishing_step"])

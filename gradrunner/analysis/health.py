@@ -149,7 +149,7 @@ def _listed(taps: dict[str, Any], prefix: str) -> str:
 
 
 _HEALTH_COLUMNS = ["step", "tap", "call", "rank", "micro_step", "norm", "has_grad", "nan_count", "inf_count", "reason",
-                   "edited", "edited_norm"]  # fmt: skip
+                   "edited", "edited_norm", "numel"]  # fmt: skip
 #: The loss is diverging when its level at the end is above this many times its level at the start.
 DIVERGE_FACTOR = 2.0
 

@@ -247,7 +247,8 @@ def tap_summary(
         s.sort_values("first_vanishing_step").head(1)      # whose gradient collapsed first
 
     Columns: `steps` with a gradient; `first`, `last`, `min`, `max`, `median` of `measure(df, stat)`
-    over those steps (`first`/`last` at the first/last such step); `first_nonfinite_step`, the
+    over those steps (`first`/`last` at the first/last such step; a gradient of no elements, `numel` 0 as
+    an expert given no tokens, counts in `steps` but has no value: it is not vanishing); `first_nonfinite_step`, the
     first step whose gradient holds a NaN or Inf; `first_vanishing_step` / `first_exploding_step`,
     the first step where the measure is below `vanish_below` / above `explode_above`;
     `vanishing` (the last value is below `vanish_below`), `exploding` (some value is above
@@ -262,9 +263,12 @@ def tap_summary(
     keys = [*run_columns(df), "tap", "call", *rank_columns(df)]
     d = df.assign(_v=measure(df, stat)).sort_values("step", kind="stable")
     with_grad = d[d["has_grad"].fillna(False).astype(bool)]
+    steps = with_grad.groupby(keys, sort=False, dropna=False).size()
+    if "numel" in with_grad.columns:  # a gradient of no elements (an expert given no tokens) has no value to judge
+        with_grad = with_grad[with_grad["numel"].fillna(1) != 0]
     g = with_grad.groupby(keys, sort=False, dropna=False)["_v"]
-    out = g.agg(["min", "max", "median"])
-    out.insert(0, "steps", g.size())
+    out = g.agg(["min", "max", "median"]).reindex(steps.index)
+    out.insert(0, "steps", steps)
     out.insert(1, "first", _by_keys(with_grad, g.head(1), keys))
     out.insert(2, "last", _by_keys(with_grad, g.tail(1), keys))
     nonfinite = d[(d["nan_count"] > 0) | (d["inf_count"] > 0)]
