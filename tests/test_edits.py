@@ -801,3 +801,33 @@ def test_every_operation_is_named_checked_and_applied_in_one_list_each() -> None
         with pytest.raises(GradrunnerError, match=f"{op}=.*is not allowed"):
             parse_edits([{"tap": "fc1:output", op: "x" if op != "mask" else 1.0}])
     assert isinstance(Edit("t", "scale", 1.0).label, str)
+
+
+@pytest.mark.parametrize("strategy", ["retain_grad", "hook", "autograd_grad"])
+def test_an_edit_on_an_expert_given_no_tokens_edits_nothing(strategy: str) -> None:
+    """An expert called on a (0, d) tensor (no token routed to it) has a gradient of no elements: a `scale` edit on it
+    changed nothing, yet its record said edited, edited_norm 0 (found 2026-11-27). Now edited false, edited_norm NaN;
+    the other experts edited, and every `.grad` is what plain hooks scaling the same outputs give."""
+    from test_per_example_capture import EveryExpert
+
+    torch.manual_seed(0)
+    model, x = EveryExpert(), torch.randn(5, 3)
+    ref = copy.deepcopy(model)
+
+    def doubled(m: nn.Module, a: Any, out: torch.Tensor) -> None:
+        out.register_hook(lambda g: g * 2.0)
+
+    hooks = [e.register_forward_hook(doubled) for e in ref.experts]
+    ref(x).pow(2).mean().backward()
+    for hook in hooks:
+        hook.remove()
+    cap, recs, grads = captured(model, lambda m: m(x).pow(2).mean(), strategy, ["experts.*:output"],
+                                [{"tap": "experts.*:output", "scale": 2.0}])  # fmt: skip
+    rows = {k.tap: i for i, k in enumerate(recs.keys)}
+    empty = rows["experts.2:output"]
+    assert recs.numel[empty] == 0 and recs.has_grad[empty]
+    assert not recs.edited[empty] and np.isnan(recs.edited_norm[empty])
+    for e in (0, 1):
+        i = rows[f"experts.{e}:output"]
+        assert recs.edited[i] and recs.edited_norm[i] == pytest.approx(2 * recs.stats["norm"][i], rel=1e-6)
+    assert_same_grads(grads, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None})

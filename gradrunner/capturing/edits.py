@@ -308,6 +308,8 @@ class Edits:
 
         def edit(grad: torch.Tensor) -> torch.Tensor:
             self.seen()
+            if grad.numel() == 0:  # no elements (an expert given no tokens): nothing to edit, its record not edited
+                return grad
             # a later backward through the same forward (retain_graph) is a backward of its own: its number; a
             # `torch.autograd.grad` inside a loss (a gradient penalty) begins none: the forward's next one
             step = max(first, self.step) if self._running else first
