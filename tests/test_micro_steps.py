@@ -113,3 +113,20 @@ def test_a_tap_one_micro_batch_did_not_reach_keeps_the_others_per_example_norms(
     row = combine_micro_steps(df).iloc[0]
     assert row.norm == 5.0 and row.numel == 2 and list(row["shape"]) == [2, 1]
     np.testing.assert_array_equal(row["per_example_norm"], [3.0, 4.0])
+
+
+def test_a_micro_batch_that_gave_an_expert_no_tokens_adds_nothing_to_its_statistics() -> None:
+    """An expert given tokens in micro-batch 0 and none in micro-batch 1 (a (0, d) gradient: numel 0, mean/min/max/
+    zero_frac without a value) was combined into NaN mean, std, min, max, abs_max and zero_frac (found 2026-11-27).
+    The combined record is now the statistics of micro-batch 0's gradient, computed by torch."""
+    from gradrunner.analysis.micro import combine_micro_steps
+
+    g = torch.tensor([[0.0, -1.5], [2.0, 0.25]], dtype=torch.float64)
+    stat = {"numel": 4, "norm": float(g.norm()), "mean": float(g.mean()), "std": float(g.std()), "min": float(g.min()),
+            "max": float(g.max()), "abs_max": float(g.abs().max()), "zero_frac": float((g == 0).double().mean())}  # fmt: skip
+    empty = {"numel": 0, "norm": 0.0, **dict.fromkeys(["mean", "std", "min", "max", "abs_max", "zero_frac"], np.nan)}
+    df = pd.DataFrame([{"run_id": "r", "step": 0, "tap": "experts.2:output", "call": 0, "micro_step": m,
+                        "has_grad": True, "nan_count": 0, "inf_count": 0, **s} for m, s in enumerate([stat, empty])])  # fmt: skip
+    got = combine_micro_steps(df).iloc[0]
+    for name, want in stat.items():
+        assert got[name] == pytest.approx(want, rel=1e-12), name

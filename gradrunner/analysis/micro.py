@@ -12,9 +12,9 @@ the accumulated `.grad`) are kept as they are.
 | --- | --- |
 | `numel`, `nan_count`, `inf_count`, `hist_counts` | summed |
 | `norm`, `value_norm`, `edited_norm` | sqrt of the summed squares (`edited_norm`: the unedited norm where a micro-batch was not edited) |
-| `mean`, `zero_frac` | weighted by `numel` |
+| `mean`, `zero_frac` | weighted by `numel` (a micro-batch of `numel` 0, an expert given no tokens, adds nothing) |
 | `std` | Bessel-corrected, from the summed sums and squares (as the record's own) |
-| `min`, `max`, `abs_max` | min, max, max (NaN where any is NaN) |
+| `min`, `max`, `abs_max` | min, max, max (NaN where any is NaN; a micro-batch of `numel` 0 has none to add) |
 | `loss` | the mean of the micro-batches' losses (`steps.parquet`'s `loss`) |
 | `per_example_norm` | concatenated (the whole batch's rows) |
 | `shape` | the micro-batches' shapes side by side along dim 0 |
@@ -99,9 +99,11 @@ def _combine_into(out: pd.DataFrame, parts: pd.DataFrame, group: np.ndarray) -> 
             out[name] = values
 
     has_grad = total(np.ones(len(parts))) > 0
+    # a micro-batch whose gradient has no elements (an expert given no tokens) has no mean, extremes or zeros to add
+    elements = grad & ~(col("numel") == 0)
     numel = total(col("numel"))
     sq = total(col("norm") ** 2)
-    s = total(col("mean") * col("numel"))
+    s = total(col("mean") * col("numel"), elements)
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = s / numel
         var = (sq - s * mean) / (numel - 1)
@@ -109,10 +111,10 @@ def _combine_into(out: pd.DataFrame, parts: pd.DataFrame, group: np.ndarray) -> 
             "norm": np.sqrt(sq),
             "mean": mean,
             "std": np.where(numel > 1, np.sqrt(np.maximum(var, 0.0)), np.nan),
-            "min": _extreme(col("min"), group, grad, n, "min"),
-            "max": _extreme(col("max"), group, grad, n, "max"),
-            "abs_max": _extreme(col("abs_max"), group, grad, n, "max"),
-            "zero_frac": total(col("zero_frac") * col("numel")) / numel,
+            "min": _extreme(col("min"), group, elements, n, "min"),
+            "max": _extreme(col("max"), group, elements, n, "max"),
+            "abs_max": _extreme(col("abs_max"), group, elements, n, "max"),
+            "zero_frac": total(col("zero_frac") * col("numel"), elements) / numel,
         }
     for name, values in stats.items():
         put(name, np.where(has_grad, values, np.nan))
