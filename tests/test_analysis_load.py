@@ -223,3 +223,23 @@ def test_the_readme_duckdb_and_polars_lines_read_a_sweep_with_steps_tables_besid
     assert by_duckdb.n.tolist() == by_polars["len"].tolist() == reference.n.tolist() == [2] * 6
     np.testing.assert_allclose(by_duckdb.norm.to_numpy(float), reference.norm.to_numpy(float))
     np.testing.assert_allclose(by_polars.norm.to_numpy(float), reference.norm.to_numpy(float))
+
+
+def test_a_gradient_of_no_elements_is_written_with_norm_0_and_no_other_statistics(tmp_path: Path) -> None:
+    """An expert given no tokens has a (0, d) gradient: its mean, std, min, max, abs_max and zero_frac were written as
+    NaN (found 2026-11-27), a value a NaN gradient also gives. They are null (no value), its norm 0 (torch's), has_grad
+    true; the other tap's statistics are torch's."""
+    g, none = torch.tensor([[1.0, -2.0], [0.0, 3.0]]), torch.zeros(0, 2)
+    col = Collector()
+    col.add(TapKey("experts.0", "output", 0), g)
+    col.add(TapKey("experts.2", "output", 0), none)
+    with RecordWriter(tmp_path, constants=dict(run_id="r", experiment="e", strategy="hook", device="cpu",
+                                               dtype="float32"), metadata={}) as w:  # fmt: skip
+        w.write_step(0, col.finish(torch.tensor(1.0)))
+    table = pq.read_table(tmp_path / RECORD_FILES[0]).to_pylist()
+    full, empty = (next(r for r in table if r["tap"] == t) for t in ("experts.0:output", "experts.2:output"))
+    assert empty["has_grad"] and empty["numel"] == 0 and empty["norm"] == float(none.norm()) == 0.0
+    assert all(empty[c] is None for c in ("mean", "std", "min", "max", "abs_max", "zero_frac"))
+    want = {"norm": g.norm(), "mean": g.mean(), "std": g.std(), "min": g.min(), "max": g.max(), "zero_frac": 0.25}
+    for name, value in want.items():
+        assert full[name] == pytest.approx(float(value), rel=1e-6), name

@@ -254,8 +254,10 @@ class RecordWriter(_RunTableWriter):
             has_grad=pa.array(~no_grad),
             reason=pa.array(recs.reason if recs.reason is not None else [None] * n, pa.string()),
         )
+        # a gradient of no elements (an expert given no tokens): a norm of 0, but no mean, spread, extremes or zeros
+        empty = no_grad | (np.asarray(recs.numel, dtype=np.int64) == 0)
         for c in STAT_COLUMNS:
-            cols[c] = pa.array(np.asarray(recs.stats[c], dtype=np.float64), mask=no_grad)
+            cols[c] = pa.array(np.asarray(recs.stats[c], dtype=np.float64), mask=no_grad if c == "norm" else empty)
         for c in COUNT_COLUMNS:  # 0 (not null) without gradient: keeps the columns int64 in pandas
             cols[c] = pa.array(np.where(no_grad, 0, np.asarray(recs.counts[c], dtype=np.int64)))
         for c in EXTRA_FLOAT_COLUMNS:
