@@ -596,3 +596,21 @@ def _fresh_warnings_and_atexit() -> Iterator[AtExit]:
         patch.setattr(atexit, "register", register)
         patch.setattr(atexit, "unregister", unregister)
         yield at_exit
+
+
+class EveryExpert(nn.Module):
+    """Each expert called on the tokens routed to it, however few (`expert(h[idx])`): expert 2 gets none, a (0, 4) input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(3, 4), nn.Linear(4, 1)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        route = (h[:, 0] > 0).long()  # experts 0 and 1 only
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            idx = (route == e).nonzero().squeeze(1)
+            out = out.index_add(0, idx, expert(h[idx]))
+        return self.head(h + out)  # type: ignore[no-any-return]

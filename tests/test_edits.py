@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import check_ok, compose_cfg, gradrunner_in_process, leftover_hooks
+from conftest import EveryExpert, check_ok, compose_cfg, gradrunner_in_process, leftover_hooks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -808,8 +808,6 @@ def test_an_edit_on_an_expert_given_no_tokens_edits_nothing(strategy: str) -> No
     """An expert called on a (0, d) tensor (no token routed to it) has a gradient of no elements: a `scale` edit on it
     changed nothing, yet its record said edited, edited_norm 0 (found 2026-11-27). Now edited false, edited_norm NaN;
     the other experts edited, and every `.grad` is what plain hooks scaling the same outputs give."""
-    from test_per_example_capture import EveryExpert
-
     torch.manual_seed(0)
     model, x = EveryExpert(), torch.randn(5, 3)
     ref = copy.deepcopy(model)

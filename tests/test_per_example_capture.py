@@ -14,6 +14,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import EveryExpert
 from per_example_reference import LAYERS, B, Net, Params, all_params, assert_matches, gpt2, lm_loss, loop, row, sq_loss
 from torch import nn
 
@@ -164,24 +165,6 @@ def test_a_micro_batch_that_skips_a_layer_keeps_its_rows_as_zeros(strategy: str,
         got = by_tap(cap.records(loss))["a:weight"]["per_example_norm"]
     assert got is not None
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-9)
-
-
-class EveryExpert(nn.Module):
-    """Each expert called on the tokens routed to it, however few (`expert(h[idx])`): expert 2 gets none, a (0, 4) input."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp, self.head = nn.Linear(3, 4), nn.Linear(4, 1)
-        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        route = (h[:, 0] > 0).long()  # experts 0 and 1 only
-        out = torch.zeros_like(h)
-        for e, expert in enumerate(self.experts):
-            idx = (route == e).nonzero().squeeze(1)
-            out = out.index_add(0, idx, expert(h[idx]))
-        return self.head(h + out)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
