@@ -1157,13 +1157,53 @@ def test_a_model_changed_inside_the_block_is_refused_at_its_next_forward(strateg
             weight_grad = float(model[2].weight.grad.norm())
             model.zero_grad(set_to_none=True)
             change(model)
-            with pytest.raises(GradrunnerError, match=r"its tap 2:weight names parameter 'weight' of module '2'"):
+            # a replaced module: its activation tap, hooked on the old one, is named first
+            named = r"2:output names" if change is swap_module else r"2:weight names parameter 'weight' of"
+            with pytest.raises(GradrunnerError, match=rf"its tap {named} module '2'"):
                 model(x)
             assert all(p.grad is None for p in model.parameters()), change.__name__  # nothing ran
         if change is pruned:
             prune.remove(model[2], "weight")  # pruning's own hook, not the session's
         assert not leftover_hooks(model)
         assert float(got.stats["norm"][1]) == pytest.approx(weight_grad, rel=1e-6), change.__name__
+
+
+def test_a_tapped_module_deleted_inside_the_block_is_refused_at_its_next_step(strategy: str) -> None:
+    """`del model[2]`, `delattr(model, "2")` or `del model[2].weight` between two steps of one block run no
+    registration hook: the parameter tap recorded "takes no part in the loss" for a Parameter the model no longer
+    holds, and `3:output` recorded the renumbered module's gradient under its old path. Refused now at the next
+    forward (or `cap.backward()`), before it runs, in one paragraph naming the tap; nothing left installed."""
+
+    def del_item(m: nn.Sequential) -> None:
+        del m[2]
+
+    def del_attr(m: nn.Sequential) -> None:
+        delattr(m, "2")
+
+    def del_param(m: nn.Sequential) -> None:
+        del m[2].weight
+
+    cases = [
+        (del_item, "2:weight", r"its tap 2:weight names module '2', which is another module now"),
+        (del_item, "3:output", r"its tap 3:output names module '3', which the model no longer has"),
+        (del_attr, "2:output", r"its tap 2:output names module '2', which the model no longer has"),
+        (del_param, "2:weight", r"its tap 2:weight names parameter 'weight' of module '2', which the module no longer"),
+    ]
+    for change, tap, refusal in cases:
+        torch.manual_seed(0)
+        model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2), nn.Identity()), torch.randn(5, 4)
+        with capture(model, [tap], strategy=strategy) as cap:
+            cap.backward(model(x).pow(2).mean())
+            got = cap.records()
+            model.zero_grad(set_to_none=True)
+            change(model)
+            with pytest.raises(GradrunnerError, match=refusal):
+                model(x)
+            assert all(p.grad is None for p in model.parameters()), change.__name__  # nothing ran
+            with pytest.raises(GradrunnerError, match=refusal):  # and again: not a one-off
+                cap.backward(x.sum())
+        assert not leftover_hooks(model)
+        assert bool(got.has_grad[0]), (change.__name__, tap)  # the step before is recorded
 
 
 def test_a_backward_outside_the_block_is_refused_and_runs_nothing(strategy: str) -> None:

@@ -45,7 +45,7 @@ from gradrunner.capturing.snapshot import ParamSnapshot
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.step_calls import StepArgs, on_closure_raise
 from gradrunner.capturing.strategies import Slot, get_strategy
-from gradrunner.capturing.taps import Tap, TapSpec, check_still_resolved, resolve_taps
+from gradrunner.capturing.taps import Placed, Tap, TapSpec, check_still_resolved, resolve_taps
 from gradrunner.capturing.torch_compat import backward_running, compiled_inner, running_ddp, shares_memory
 from gradrunner.config.choices import VALUES_MODES
 from gradrunner.errors import GradrunnerError, whole_number
@@ -137,7 +137,7 @@ class Capture(Backwards):
         self._param_backward: ParamBackward | None = None
         self._model_params: list[nn.Parameter] | None = None  # listed once (`_watch_params`)
         self._witness: nn.Parameter | None = None  # a parameter last seen with a `.grad` (`gradients_reset`)
-        self._registered = False  # a parameter or module registered since the taps were checked (`_check_unchanged`)
+        self._registered, self._placed = False, Placed(model, self.taps)  # registered; placed: `_check_unchanged`
         #: The backward that ended last started the step again (`_note_end`): the step's loss is its loss.
         self.restarted = False
         # the last backward (in a step call) left a `.grad`; all reset since
@@ -178,7 +178,7 @@ class Capture(Backwards):
         hold_open(self, self._stack)  # first: a session refused beside another leaves nothing behind
         if self._next_order:  # a step an earlier entry left, that no records() took (it raised): not this entry's
             self._abort()
-        check_still_resolved(self.model, self.taps, self._params.held(), self.label)  # a tap replaced or gone since
+        self._placed = check_still_resolved(self.model, self.taps, self._params.held(), self.label)  # replaced, gone
         self._closed = False
         self._stack.callback(self.strategy.close)
         self._stack.callback(self._drop_root_hooks)
@@ -227,9 +227,9 @@ class Capture(Backwards):
             self._stack.callback(register(forget).remove)
 
     def _check_unchanged(self) -> None:
-        """Refuse the step about to run (at a root forward, `backward()`) if a tap was replaced inside the block."""
-        if self._registered:
-            check_still_resolved(self.model, self.taps, self._params.held(), self.label, "cannot run this step")
+        """Refuse the step about to run (root forward, `backward()`) if a tap was replaced or deleted in the block."""
+        if self._registered or not self._placed.intact():  # deleting runs no registration hook: `Placed`
+            self._placed = check_still_resolved(self.model, self.taps, self._params.held(), self.label, self._placed)
             self._registered = False
 
     def _all_params(self) -> list[nn.Parameter]:

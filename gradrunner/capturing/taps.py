@@ -254,32 +254,82 @@ def resolve_taps(model: nn.Module, specs: Sequence[TapSpec] | TapSpec) -> list[T
 
 
 def check_still_resolved(
-    model: nn.Module, taps: Iterable[Tap], params: Mapping[str, object], who: str, refused: str = "cannot open"
-) -> None:
+    model: nn.Module,
+    taps: Sequence[Tap],
+    params: Mapping[str, object],
+    who: str,
+    placed: Placed | None = None,
+) -> Placed:
     """Refuse a model changed since its taps were resolved: a tapped module gone, or a tapped parameter replaced.
 
     Example::
 
-        check_still_resolved(model, cap.taps, {"fc1:weight": fc1.weight}, "capture(MLP, strategy='hook')")
+        placed = check_still_resolved(model, cap.taps, {"fc1:weight": fc1.weight}, "capture(MLP, strategy='hook')")
 
     Activation, input and local taps find their module by path as a session opens; a parameter tap holds the
     parameter it resolved to, which a replaced module (or `.to()` making new parameters) no longer uses.
-    `refused` says what is refused: opening the session, or (in an open one) the step about to run.
+    Refused is opening the session, or with `placed` (where the tapped modules sat as the block opened, where its
+    hooks are) the step about to run in the open block; a module replaced at its path since is refused then too.
+    Returns where the tapped modules sit now.
     """
     modules = dict(model.named_modules(remove_duplicate=False))
     for tap in taps:
         module = modules.get(tap.module)
         if module is None:
             what = f"module {tap.module!r}, which the model no longer has"
+        elif placed is not None and module is not placed.modules.get(tap.tap, module):
+            what = f"module {tap.module!r}, which is another module now (replaced, or renumbered by a deletion)"
+        elif tap.tap in params and tap.name not in module._parameters:
+            what = f"parameter {tap.name!r} of module {tap.module!r}, which the module no longer holds (deleted)"
         elif (
             tap.tap in params and getattr(module, tap.name, None) is not params[tap.tap] and not _lent(module, tap.name)
         ):
             what = f"parameter {tap.name!r} of module {tap.module!r}, which is another object now (replaced)"
         else:
             continue
+        refused = "cannot open" if placed is None else "cannot run this step"
         raise GradrunnerError(
             f"{who} {refused}: its tap {tap.tap} names {what} since the session was made (taps are resolved when "
             "it is made, and its records would not be the model's); make the session again for the model as it is now"
+        )
+    return Placed(model, taps)
+
+
+class Placed:
+    """Where each tap's module sat as a session opened: checked at each step of its block (`intact`), as torch runs
+    no registration hook when a module or parameter is deleted (`del model[2]`, `delattr`).
+
+    Example::
+
+        placed = Placed(model, cap.taps)
+        del model[2]
+        placed.intact()   # False: check_still_resolved(..., placed=placed) says which tap and why
+
+    One dictionary look-up per link of the tapped modules' paths and per parameter tap, whatever the model's size.
+    """
+
+    def __init__(self, model: nn.Module, taps: Iterable[Tap]) -> None:
+        links: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
+        #: Each tap's module, by tap name.
+        self.modules: dict[str, nn.Module] = {}
+        params: list[tuple[nn.Module, str]] = []
+        for tap in taps:
+            module = model
+            for name in tap.module.split(".") if tap.module else ():
+                child = module._modules[name]
+                assert child is not None, tap.tap  # resolved, and checked as the session opened
+                links.setdefault((id(module), name), (module, name, child))
+                module = child
+            self.modules[tap.tap] = module
+            if tap.kind == "param":
+                params.append((module, tap.name))
+        self._links = tuple(links.values())
+        self._params = tuple(params)
+
+    def intact(self) -> bool:
+        """Whether every tapped module is where it sat, and every tapped parameter's slot still holds one."""
+        return all(parent._modules.get(name) is child for parent, name, child in self._links) and all(
+            name in module._parameters for module, name in self._params
         )
 
 
