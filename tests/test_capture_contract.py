@@ -1206,6 +1206,34 @@ def test_a_tapped_module_deleted_inside_the_block_is_refused_at_its_next_step(st
         assert bool(got.has_grad[0]), (change.__name__, tap)  # the step before is recorded
 
 
+def test_a_tapped_parameter_set_to_none_is_refused_as_deleted(strategy: str) -> None:
+    """`lin.bias = None` (torch's way to drop a bias: the slot stays, holding None) runs no registration hook and
+    kept the slot's name, so inside the block the step ran and the tap recorded "takes no part in the loss" for a
+    parameter the model no longer has (`del lin.bias` was refused), and between entries the refusal called it
+    "another object now (replaced)". Both now refuse it as deleted, before the step runs."""
+    deleted = r"its tap 2:bias names parameter 'bias' of module '2', which the module no longer holds \(deleted\)"
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(5, 4)
+    cap = capture(model, ["2:bias", "0:output"], strategy=strategy)
+    with cap:
+        cap.backward(model(x).pow(2).mean())
+        got = cap.records()
+        model.zero_grad(set_to_none=True)
+        model[2].bias = None
+        assert "2.bias" not in dict(model.named_parameters())
+        with pytest.raises(GradrunnerError, match=deleted):
+            model(x)
+        assert all(p.grad is None for p in model.parameters())  # nothing ran
+        with pytest.raises(GradrunnerError, match=deleted):
+            cap.backward(x.sum())
+    assert not leftover_hooks(model)
+    assert bool(got.has_grad.all())  # the step before is recorded
+    with pytest.raises(GradrunnerError, match="cannot open: " + deleted):  # a later entry
+        with cap:
+            pass
+    assert not leftover_hooks(model)
+
+
 def test_a_backward_outside_the_block_is_refused_and_runs_nothing(strategy: str) -> None:
     """`cap.backward(loss)` after the block (or before the first) ran the backward with no hook installed: the
     activation tap's record said "no forward since the last backward, which freed the graph" though a forward

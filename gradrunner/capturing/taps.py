@@ -279,7 +279,7 @@ def check_still_resolved(
             what = f"module {tap.module!r}, which the model no longer has"
         elif placed is not None and module is not placed.modules.get(tap.tap, module):
             what = f"module {tap.module!r}, which is another module now (replaced, or renumbered by a deletion)"
-        elif tap.tap in params and tap.name not in module._parameters:
+        elif tap.tap in params and module._parameters.get(tap.name) is None:  # `del lin.bias`, or `lin.bias = None`
             what = f"parameter {tap.name!r} of module {tap.module!r}, which the module no longer holds (deleted)"
         elif (
             tap.tap in params and getattr(module, tap.name, None) is not params[tap.tap] and not _lent(module, tap.name)
@@ -327,9 +327,10 @@ class Placed:
         self._params = tuple(params)
 
     def intact(self) -> bool:
-        """Whether every tapped module is where it sat, and every tapped parameter's slot still holds one."""
+        """Whether every tapped module is where it sat, and every tapped parameter's slot still holds one (`= None`
+        keeps the slot and runs no registration hook)."""
         return all(parent._modules.get(name) is child for parent, name, child in self._links) and all(
-            name in module._parameters for module, name in self._params
+            module._parameters.get(name) is not None for module, name in self._params
         )
 
 
