@@ -829,3 +829,33 @@ def test_an_edit_on_an_expert_given_no_tokens_edits_nothing(strategy: str) -> No
         i = rows[f"experts.{e}:output"]
         assert recs.edited[i] and recs.edited_norm[i] == pytest.approx(2 * recs.stats["norm"][i], rel=1e-6)
     assert_same_grads(grads, {n: p.grad for n, p in ref.named_parameters() if p.grad is not None})
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_session_entered_again_draws_its_seeded_edits_on_from_the_earlier_entries(strategy: str) -> None:
+    """`with cap:` once more goes on with the session's backward count: the second entry's first backward draws
+    step 1's dropout mask, not step 0's (the README said a re-entered session records what a new session would,
+    which a new session's step-0 mask is not). Checked against the README's formula in plain torch hooks."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(5, 4)
+    plain = copy.deepcopy(model)
+    cap = capture(model, ["0:output"], strategy, edits=[{"tap": "0:output", "dropout": 0.5}])
+    for step in range(3):  # three entries of one session: steps 0, 1, 2
+        with cap:
+            cap.backward(model(x).pow(2).mean())
+            got = cap.records()
+        arrived: list[torch.Tensor] = []
+        edit = ref_op("dropout", 0.5, step=step)
+
+        def hook(g: torch.Tensor, edit: Edit = edit, arrived: list[torch.Tensor] = arrived) -> torch.Tensor:
+            arrived.append(g)
+            return edit(g, "0:output", 0)
+
+        out = plain[0](x)
+        out.register_hook(hook)
+        plain[2](plain[1](out)).pow(2).mean().backward()
+        assert float(got.stats["norm"][0]) == pytest.approx(float(arrived[0].norm()), rel=1e-6)
+        assert float(got.edited_norm[0]) == pytest.approx(float(edit(arrived[0], "0:output", 0).norm()), rel=1e-6)
+        for (name, want), param in zip(plain.named_parameters(), model.parameters(), strict=True):
+            assert torch.equal(param.grad, want.grad), f"step {step}: {name}"
+        model.zero_grad(set_to_none=True), plain.zero_grad(set_to_none=True)
