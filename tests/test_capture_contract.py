@@ -6,6 +6,7 @@ own re-implementations of each model's math), never from gradrunner.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -1342,3 +1343,35 @@ def test_a_session_entered_inside_its_own_block_is_refused_and_records_each_call
     assert recs.keys == [TapKey("0", "output", 0)] and len(seen) == 1
     np.testing.assert_allclose(recs.stats["norm"], [float(seen[0].double().norm())], rtol=1e-6)
     assert not leftover_hooks(model)
+
+
+def test_grads_of_a_session_that_keeps_none_are_refused_not_none(strategy: str) -> None:
+    """`capture(..., keep_grads=False)` keeps statistics only, yet `cap.grads["fc1:output"]` answered None, which
+    `Grads` and the README give as "the tap took no part in the loss", for a tap whose gradient (norm 0.2 here, the
+    record's) did arrive. Reading `cap.grads` of such a session is now one paragraph naming `keep_grads`; its
+    records are as before, and a session that keeps gradients gives them as a plain tensor hook sees them."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(5, 4)
+    seen: list[torch.Tensor] = []
+    plain = copy.deepcopy(model)
+    out = plain[0](x)
+    out.register_hook(seen.append)
+    plain[2](plain[1](out)).pow(2).mean().backward()
+    for keep in (False, True):
+        with capture(model, ["0:output", "2:weight"], strategy=strategy, keep_grads=keep) as cap:
+            cap.backward(model(x).pow(2).mean())
+            rec = cap.records()
+        assert float(rec.stats["norm"][0]) == pytest.approx(float(seen[0].norm()), rel=1e-6)
+        assert list(cap.grads) == ["0:output", "2:weight"]  # the taps are listed either way
+        if keep:
+            torch.testing.assert_close(cap.grads["0:output"], seen[0])
+            torch.testing.assert_close(cap.grads["2:weight"], plain[2].weight.grad)
+        else:
+            for read in (
+                lambda: cap.grads["0:output"],
+                lambda: cap.grads["2:weight", 0],
+                lambda: cap.grads.calls("0:output"),
+            ):
+                with pytest.raises(GradrunnerError, match=r"keep_grads=False.*keep_grads=True"):
+                    read()
+        model.zero_grad(set_to_none=True)

@@ -4,6 +4,9 @@ Example::
 
     cap.grads["fc1:output"]          # call 0's gradient (None: no gradient, or the tap did not fire)
     cap.grads.calls("act:output")    # every call's, in firing order
+
+A session made with `keep_grads=False` keeps none: reading one is a `GradrunnerError`, never a None that would
+read as "no gradient".
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import TapKey
 
 
@@ -24,7 +28,10 @@ class Grads(Mapping[str, "torch.Tensor | None"]):
         cap.grads.calls("act:output")    # [call 0's gradient, call 1's, ...]
     """
 
-    def __init__(self, taps: Sequence[str], slots: Sequence[tuple[TapKey, torch.Tensor | None]]) -> None:
+    def __init__(
+        self, taps: Sequence[str], slots: Sequence[tuple[TapKey, torch.Tensor | None]], kept: bool = True
+    ) -> None:
+        self._kept = kept  # False: the session keeps no gradients (`keep_grads=False`)
         self._calls: dict[str, list[torch.Tensor | None]] = {t: [] for t in taps}
         for key, grad in slots:
             self._calls.setdefault(key.tap, []).append(grad)
@@ -37,6 +44,11 @@ class Grads(Mapping[str, "torch.Tensor | None"]):
     def _check(self, tap: str) -> None:
         if tap not in self._calls:
             raise KeyError(f"{tap!r} is not a tap of this capture; taps: {', '.join(self._calls) or 'none'}")
+        if not self._kept:
+            raise GradrunnerError(
+                f"cap.grads[{tap!r}]: this session was made with keep_grads=False, which keeps no gradients, only their "
+                "statistics (cap.records()); make it with keep_grads=True (the default) to read cap.grads"
+            )
 
     def __getitem__(self, item: str | tuple[str, int]) -> torch.Tensor | None:
         tap, call = (item, 0) if isinstance(item, str) else item

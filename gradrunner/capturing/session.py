@@ -65,8 +65,8 @@ class Capture(Backwards):
         cap.grads["fc1:output"]
 
     `strategy` is `retain_grad`, `hook` or `autograd_grad`; all three give the same gradients.
-    `keep_grads=False` keeps only statistics (and `values`: `none`, `full` or a fixed `sample`),
-    reduced on the gradient's device as it arrives: what the runner uses. Every tap is resolved
+    `keep_grads=False` keeps only statistics (and `values`: `none`, `full` or a fixed `sample`), reduced on
+    the gradient's device as it arrives (what the runner uses; reading `cap.grads` is refused). Every tap is resolved
     here, before any forward pass: a bad tap raises `GradrunnerError`.
     `per_example=True` adds each record's per-row gradient norms: an activation's row norms, and for a
     parameter each batch row's share of `.grad` (`capturing.per_example`; None, with a warning naming
@@ -126,7 +126,7 @@ class Capture(Backwards):
         self.values, self.sample_size, self.seed, self.per_example, self.histogram = values, sample_size, seed, per_example, histogram
         self.enabled = True
         self.loss_scale = loss_scale
-        self.grads = Grads([t.tap for t in self.taps], [])
+        self.grads = Grads([t.tap for t in self.taps], [], kept=keep_grads)
         modules = dict(model.named_modules(remove_duplicate=False))
         tap_params = [(t, getattr(modules[t.module], t.name)) for t in self.taps if t.kind == "param"]
         synced = params_synced if params_synced is not None else ddp_synced(model)  # the DDP wrapper itself
