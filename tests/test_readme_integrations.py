@@ -71,3 +71,18 @@ def test_hf_trainer_snippet(tmp_path: Path) -> None:
     assert sorted(set(df.step)) == [0, 1, 2, 3] and df.has_grad.all()
     steps = load(tmp_path / "runs" / "gpt2", table="steps")
     assert len(steps) == 4 and steps.lr.gt(0).all() and steps.clipped.notna().all()
+
+
+@pytest.mark.parametrize("module, name", [("lightning", "GradientCapture"), ("hf", "GradientCaptureCallback")])
+def test_each_callbacks_docstring_names_every_option_it_takes(module: str, name: str, tmp_path: Path) -> None:
+    """The callbacks' docstrings listed their options without `anomaly`, which the README says they take and
+    which they do take (`anomaly=False` turns spike detection off, as in `record()`)."""
+    import importlib
+
+    from gradrunner.run.record_options import CALLBACK_OPTIONS
+
+    pytest.importorskip("lightning" if module == "lightning" else "transformers")
+    callback = getattr(importlib.import_module(f"gradrunner.integrations.{module}"), name)
+    listed = set(re.findall(r"`(\w+)`", callback.__doc__.split("and the options (", 1)[1].split(")", 1)[0]))
+    assert listed == set(CALLBACK_OPTIONS), sorted(set(CALLBACK_OPTIONS) ^ listed)
+    callback(taps=["0:output"], dir=tmp_path / "run", anomaly=False)  # taken, checked in the constructor

@@ -85,7 +85,7 @@ class GradientCapture(CallbackOptions, Callback):
 
     `strategy` (`hook` or `retain_grad`) and the options (`values`, `sample_size`, `per_example`,
     `histogram`, `on_nonfinite`, `seed`, `update_norms`, `live_every`, `log_to`, `edits`, `resume`,
-    `overwrite`) are `gradrunner.record`'s, checked here in the constructor.
+    `overwrite`, `anomaly`) are `gradrunner.record`'s, checked here in the constructor.
     """
 
     def __init__(
