@@ -555,3 +555,30 @@ def test_an_oserror_of_the_users_own_code_in_the_block_goes_on_as_it_is(tmp_path
     assert sorted(pd.read_parquet(tmp_path / "run" / "steps.parquet")["step"]) == [0, 1]
     text = (tmp_path / "run" / LOG_FILE).read_text()
     assert "ended by FileNotFoundError" in text and "could not write" not in text, text
+
+
+def test_micro_step_numbers_the_backwards_of_a_step_of_several_and_is_null_in_a_step_of_one(tmp_path: Path) -> None:
+    """README's Records table said `micro_step` is null "everywhere without accumulation"; a `record()` step of two
+    backwards (two losses) numbers them 0 and 1, as the Python API section says: each row holds its backward's
+    gradient (plain tensor hooks), the parameter's one row their sum, null; a step of one backward is null."""
+    torch.manual_seed(0)
+    model, x, y = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), torch.randn(5, 3), torch.randn(5, 2)
+    seen: list[float] = []
+    with gradrunner.record(model, ["0:output", "2:weight"], tmp_path / "run") as rec:
+        for losses in (2, 1):
+            out = model[0](x)
+            out.register_hook(lambda g: seen.append(float(g.norm())))
+            pred = model[2](model[1](out))
+            nn.functional.mse_loss(pred, y).backward(retain_graph=losses == 2)
+            if losses == 2:
+                pred.abs().mean().backward()
+            want = float(model[2].weight.grad.norm())
+            rec.step()
+            model.zero_grad(set_to_none=True)
+            seen.append(want)
+    df = load(tmp_path / "run")
+    acts, params = df[df.tap == "0:output"], df[df.tap == "2:weight"]
+    assert acts.micro_step.tolist()[:2] == [0, 1] and pd.isna(acts.micro_step.iloc[2])
+    assert params.micro_step.isna().all()
+    assert acts.norm.tolist() == pytest.approx([seen[0], seen[1], seen[3]], rel=1e-6)
+    assert params.norm.tolist() == pytest.approx([seen[2], seen[4]], rel=1e-6)

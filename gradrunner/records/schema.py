@@ -50,8 +50,9 @@ GRADS_SCHEMA = pa.schema(
         # The tapped tensor's own norm; for parameter taps the optimiser step's change and its ratio
         # to value_norm (null elsewhere, and where not finite).
         *[pa.field(c, pa.float64()) for c in EXTRA_FLOAT_COLUMNS],
-        # train.accumulate > 1: the micro-batch of the step an activation record comes from (0, 1, ...);
-        # parameter taps are recorded once per optimisation step (the accumulated .grad): null there.
+        # A step of several backwards (train.accumulate > 1; two losses in a loop of one's own): the backward of the
+        # step an activation record comes from (0, 1, ...); parameter taps are recorded once per optimisation step (the
+        # accumulated .grad): null there, as everywhere in a step of one backward.
         pa.field("micro_step", pa.int64()),
         # Gradient edits: whether an edit changed this record's gradient (the statistics above are of the
         # gradient before it), and the norm after it (null where not edited).
