@@ -1375,3 +1375,54 @@ def test_grads_of_a_session_that_keeps_none_are_refused_not_none(strategy: str) 
                 with pytest.raises(GradrunnerError, match=r"keep_grads=False.*keep_grads=True"):
                     read()
         model.zero_grad(set_to_none=True)
+
+
+class _TanhBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.lin(x)
+        return torch.tanh(hidden)
+
+
+class _ReluBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pre = self.lin(x)
+        return torch.relu(pre)
+
+
+def test_a_session_entered_again_after_a_tapped_local_left_its_module_is_refused(strategy: str) -> None:
+    """`blk:hidden` tapped, then `blk` replaced between two entries by a module whose forward() assigns no `hidden`:
+    the entry was taken, and every step recorded `not assigned in this step (module not called, ...)` though the
+    module ran and its forward() has no such variable, where a new session refuses the tap. The entry is refused
+    now, naming the tap, nothing installed; a replacement that assigns the local records what a new session does."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(3, 4), _TanhBlock(), nn.Linear(4, 2)), torch.randn(5, 3)
+    cap = capture(model, ["1:hidden", "1:output"], strategy=strategy)
+    with cap:
+        cap.backward(model(x).pow(2).mean())
+        assert cap.records().has_grad.all()
+    model.zero_grad(set_to_none=True)
+    model[1] = _ReluBlock()
+    with pytest.raises(GradrunnerError, match=r"no 'hidden'"):
+        capture(model, ["1:hidden"], strategy=strategy)  # what a new session says
+    with pytest.raises(GradrunnerError, match=r"its tap 1:hidden names local 'hidden' of module '1', whose forward"):
+        cap.__enter__()
+    assert not leftover_hooks(model)
+    model[1] = _TanhBlock()  # assigns `hidden` again: taken, as a new session would take it
+    with capture(model, ["1:hidden", "1:output"], strategy=strategy) as fresh:
+        fresh.backward(model(x).pow(2).mean())
+        want = fresh.records()
+    model.zero_grad(set_to_none=True)
+    with cap:
+        cap.backward(model(x).pow(2).mean())
+        got = cap.records()
+    assert got.keys == want.keys and got.has_grad.all()
+    np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
+    assert not leftover_hooks(model)

@@ -266,8 +266,9 @@ def check_still_resolved(
 
         placed = check_still_resolved(model, cap.taps, {"fc1:weight": fc1.weight}, "capture(MLP, strategy='hook')")
 
-    Activation, input and local taps find their module by path as a session opens; a parameter tap holds the
-    parameter it resolved to, which a replaced module (or `.to()` making new parameters) no longer uses.
+    Activation, input and local taps find their module by path as a session opens (a local tap only where that
+    module's forward() assigns the variable); a parameter tap holds the parameter it resolved to, which a replaced
+    module (or `.to()` making new parameters) no longer uses.
     Refused is opening the session, or with `placed` (where the tapped modules sat as the block opened, where its
     hooks are) the step about to run in the open block; a module replaced at its path since is refused then too.
     Returns where the tapped modules sit now.
@@ -285,6 +286,8 @@ def check_still_resolved(
             tap.tap in params and getattr(module, tap.name, None) is not params[tap.tap] and not _lent(module, tap.name)
         ):
             what = f"parameter {tap.name!r} of module {tap.module!r}, which is another object now (replaced)"
+        elif placed is None and tap.kind == "local" and not _assigns(module, tap.variable):  # another module's forward
+            what = f"local {tap.variable!r} of module {tap.module!r}, whose forward() ({type(module).__name__}) assigns none"
         else:
             continue
         refused = "cannot open" if placed is None else "cannot run this step"
@@ -332,6 +335,14 @@ class Placed:
         return all(parent._modules.get(name) is child for parent, name, child in self._links) and all(
             module._parameters.get(name) is not None for module, name in self._params
         )
+
+
+def _assigns(module: nn.Module, variable: str) -> bool:
+    """Whether the forward() `module` runs assigns `variable` (unreadable source: left to the rewrite to refuse)."""
+    try:
+        return variable in assigned_names(tapped_forward(module))
+    except SourceUnavailable:
+        return True
 
 
 def _lent(module: nn.Module, name: str) -> bool:
