@@ -237,3 +237,14 @@ def test_the_readme_config_table_lists_every_key_with_its_default_and_every_grou
 
 def _plain(value: object) -> object:
     return OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+
+
+def test_the_readme_experiments_table_names_every_experiment_the_package_ships() -> None:
+    """README's experiments table ("Experiments (`+experiment=NAME`, ...)") left out spike_data and spike_attention,
+    two of the nine options the experiment group ships: it now has a row for each, and no row for one it lacks."""
+    text = README.read_text()
+    lines = text.split("Experiments (`+experiment=NAME`", 1)[1].splitlines()
+    start = lines.index("| name | model, data, loss | taps |") + 2
+    rows = itertools.takewhile(lambda line: line.startswith("| "), lines[start:])
+    names = {row.strip("|").split(" | ", 1)[0].strip().strip("`") for row in rows}
+    assert names == GROUP_OPTIONS["experiment"]
