@@ -269,6 +269,31 @@ def test_a_recorder_entered_again_is_refused_and_leaves_the_first_entrys_records
     assert sorted(again["step"].unique()) == [0, 1, 2] and set(again["run_id"]).isdisjoint(first["run_id"])
 
 
+def test_a_recorder_entered_inside_its_own_block_is_refused_and_the_open_session_goes_on(tmp_path: Path) -> None:
+    """`with rec:` inside its own block was refused, but the refusal closed the open session: its files committed
+    with step 0 alone, its lock and log let go, and the block's next `rec.step()` failed with an internal
+    AssertionError ('steps.parquet: write after closed'). The refusal now touches nothing: the loop goes on and the
+    run dir holds every step, as a run without the refused entry does."""
+    model = _model()
+    opt, batches = torch.optim.SGD(model.parameters(), lr=0.1), _batches(6)
+    reference = _model()
+    _train(tmp_path / "ref", range(3), reference, torch.optim.SGD(reference.parameters(), lr=0.1))
+    with gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run") as rec:
+        for s in range(3):
+            x, y = batches[s]
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+            if s == 0:
+                with pytest.raises(GradrunnerError, match=r"^this record\(\) into '.*' was entered before"), rec:
+                    pass
+    got = load(tmp_path / "run")
+    assert sorted(got["step"].unique()) == [0, 1, 2] and (tmp_path / "run" / "done.json").exists()
+    _same(load(tmp_path / "ref"), got)
+
+
 def _same(a: pd.DataFrame, b: pd.DataFrame) -> None:
     skip = {"run_id", "step_time_s", "capture_time_s", "peak_memory_bytes"}
     cols = [c for c in a.columns if c not in skip]

@@ -174,6 +174,7 @@ class Recorder:
 
     # -- opening and closing -------------------------------------------------------------------
     def __enter__(self) -> Recorder:
+        self._refuse_entered()  # outside the try: an open block's stack, lock and log are the first entry's
         try:
             self._enter()
         except BaseException:
@@ -188,15 +189,18 @@ class Recorder:
         self._open = True
         return self
 
-    def _enter(self) -> None:
-        from gradrunner.records.writer import run_metadata  # pyarrow: imported once writing starts
-
-        if self.engine.files is not None:  # before the run dir is looked at: its records stay as they are
+    def _refuse_entered(self) -> None:
+        """A second entry, after the block or inside it, before anything is looked at or let go of."""
+        if self.engine.files is not None:  # the run dir's records (and an open block) stay as they are
             raise GradrunnerError(
                 f"this {self.who} into {str(self.directory)!r} was entered before: a session is entered once (its "
                 "run_id and step numbers are its first entry's); call record(...) again for another session, with "
                 "resume=True to continue its records"
             )
+
+    def _enter(self) -> None:
+        from gradrunner.records.writer import run_metadata  # pyarrow: imported once writing starts
+
         self.capture.label = f"{self.who} into {str(self.directory)!r} (strategy={self.strategy!r})"
         refuse_beside_open(self.capture)  # before the run dir is looked at
         # rank 0 keeps the books; every rank numbers its steps from where they resume (the kept records' next step)
