@@ -607,3 +607,26 @@ def test_micro_step_numbers_the_backwards_of_a_step_of_several_and_is_null_in_a_
     assert params.micro_step.isna().all()
     assert acts.norm.tolist() == pytest.approx([seen[0], seen[1], seen[3]], rel=1e-6)
     assert params.norm.tolist() == pytest.approx([seen[2], seen[4]], rel=1e-6)
+
+
+def test_step_and_backward_outside_the_block_are_refused_before_anything_runs(tmp_path: Path) -> None:
+    """`rec.step()` and `rec.backward(loss)` before the block and after it are one paragraph (the README did not say):
+    the backward runs nothing (no `.grad`), and the dir keeps the block's records as they were."""
+    model, (x, y) = _model(), _batches(1)[0]
+    rec = gradrunner.record(model, ["0:output", "0:weight"], tmp_path / "run")
+    outside = r"^rec\.(step|backward)\(\) was called outside the `with record\(\.\.\.\) as rec:` block"
+    for entered in (False, True):
+        if entered:
+            with rec:
+                nn.functional.mse_loss(model(x), y).backward()
+                rec.step()
+            model.zero_grad(set_to_none=True)
+            kept = load(tmp_path / "run")
+        with pytest.raises(GradrunnerError, match=outside):
+            rec.backward(nn.functional.mse_loss(model(x), y))
+        assert all(p.grad is None for p in model.parameters())
+        with pytest.raises(GradrunnerError, match=outside):
+            rec.step()
+    got = load(tmp_path / "run")
+    assert sorted(got["step"].unique()) == [0]
+    _same(kept, got)
