@@ -1426,3 +1426,33 @@ def test_a_session_entered_again_after_a_tapped_local_left_its_module_is_refused
     assert got.keys == want.keys and got.has_grad.all()
     np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
     assert not leftover_hooks(model)
+
+
+def test_a_session_whose_entry_was_refused_is_closed_not_left_open(strategy: str) -> None:
+    """An entry refused after its first checks (here: a local another open session already taps) left the session
+    marked open: `cap.backward(loss)` outside any block was not refused and recorded every tap as 'no forward since
+    the last backward', and `with cap:` once the other session closed was refused as 'open already'. The refused
+    entry now leaves it closed: the backward is refused, running nothing, and a later entry records what a new
+    session records."""
+    if strategy == "autograd_grad":  # refused beside the other session before its locals are looked at
+        pytest.skip("autograd_grad is refused beside another session on the model as it opens")
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(3, 4), _TanhBlock(), nn.Linear(4, 2)), torch.randn(5, 3)
+    cap = capture(model, ["1:hidden", "0:output"], strategy=strategy)
+    with capture(model, ["1:hidden"], strategy=strategy):
+        with pytest.raises(GradrunnerError, match=r"already has its locals \['hidden'\] tapped by another open"):
+            cap.__enter__()
+    assert not leftover_hooks(model)
+    with pytest.raises(GradrunnerError, match=r"\.backward\(\) was called outside its `with` block"):
+        cap.backward(model(x).pow(2).mean())
+    assert all(p.grad is None for p in model.parameters())
+    with capture(model, ["1:hidden", "0:output"], strategy=strategy) as fresh:
+        fresh.backward(model(x).pow(2).mean())
+        want = fresh.records()
+    model.zero_grad(set_to_none=True)
+    with cap:
+        cap.backward(model(x).pow(2).mean())
+        got = cap.records()
+    assert got.keys == want.keys and got.has_grad.all()
+    np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
+    assert not leftover_hooks(model)

@@ -159,7 +159,7 @@ class Capture(Backwards):
         try:
             self._install()
         except BaseException:
-            self._stack.close()
+            self.close()  # refused halfway: closed (not left open), as `backward()` outside a block and re-entry expect
             raise
         return self
 
