@@ -61,13 +61,13 @@ from gradrunner.capturing.grad_context import FROZEN
 from gradrunner.capturing.owned import owned
 from gradrunner.capturing.per_example_check import FAILED, OUTSIDE, Projection, host_verdicts, verdicts
 from gradrunner.capturing.per_example_layers import (
-    Call,
-    autocast_dtype,
     call_reason,
     first_tensor,
+    make_call,
     mixes_rows,
     no_autocast,
     output_edge,
+    rows_of,
     share,
     tensors_of,
 )
@@ -235,7 +235,7 @@ class PerExampleNorms:
         rows = self._forward_rows if self._forward_rows is not None else (x.shape[0] if x is not None and x.dim() else 0)
         reason = "called without a tensor input" if x is None else call_reason(h.kind, h.module, x, rows)
         if reason is None and x is not None:
-            reason = self._origins.reason(h.kind, x)
+            reason = self._origins.reason(h.kind, rows_of(h.kind, x, rows))
             if reason is not None:  # dim 0 has the batch's size by coincidence: so has what this call alone feeds
                 self._origins.mark(output, f"{h.path!r} {reason}")
         reason = reason or mixes_rows(h.module)
@@ -249,7 +249,7 @@ class PerExampleNorms:
         if reason is not None or all(t.reason or t.step_reason for t, _ in h.tracked):
             return
         assert x is not None
-        call = Call(x.detach(), version(x), autocast_dtype(h.kind, x.device))
+        call = make_call(h.kind, h.module, x, args, kwargs, rows)
         rec = CallRecord(h, call, micro, self._clock, rows, self._forward, tuple(output.shape))
         rec.handle = watch_edge(output_edge(output), functools.partial(self._on_grad, rec))
         self._calls.append(rec)

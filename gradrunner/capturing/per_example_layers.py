@@ -13,6 +13,7 @@ its output's gradient into the `per_example_math` form of every row's share of `
 | `layer_norm`, `rms_norm` | `nn.LayerNorm`, `nn.RMSNorm` | sum_t g_t * xhat_t (`Dense`) | sum_t g_t |
 | `group_norm` | `nn.GroupNorm` | per channel, sum over positions of g * xhat | per channel sum of g |
 | `batch_norm` | `nn.BatchNorm1d/2d/3d` in eval mode with running statistics | as group_norm | as group_norm |
+| `experts` | transformers' experts of 3-D parameters (`MixtralExperts`, ...: `per_example_experts`) on the batch's tokens flattened | per expert slice, sum over the row's tokens routed to it (`ExpertsShare`) | the same, of the output side |
 
 xhat is the normalised input, recomputed from the saved input by the same functional without affine
 parameters. A module whose forward mixes rows (`mixes_rows`: batch norm using batch statistics) has
@@ -41,17 +42,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from gradrunner.capturing import per_example_experts as experts
 from gradrunner.capturing.elements import tensors_in
 from gradrunner.capturing.per_example_conv import ConvShare
 from gradrunner.capturing.per_example_math import Dense, Factors, Form
-from gradrunner.capturing.torch_compat import Edge, gradient_edge
+from gradrunner.capturing.torch_compat import Edge, gradient_edge, version
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 #: The parameters each kind has a share for.
 ROLES: dict[str, tuple[str, ...]] = {
     "linear": ("weight", "bias"), "conv1d_hf": ("weight", "bias"), "conv": ("weight", "bias"),
     "embedding": ("weight",), "layer_norm": ("weight", "bias"), "rms_norm": ("weight",),
-    "group_norm": ("weight", "bias"), "batch_norm": ("weight", "bias"),
+    "group_norm": ("weight", "bias"), "batch_norm": ("weight", "bias"), "experts": experts.ROLES,
 }  # fmt: skip
 #: Kinds whose weight gradient is a matmul that autocast runs in its lower precision.
 _AUTOCAST_KINDS = frozenset({"linear", "conv1d_hf", "conv"})
@@ -68,6 +70,8 @@ class Call:
     autocast: torch.dtype | None
     #: What the shares of this call's parameters have in common, computed once (a 2-D Linear's ||g_i||^2).
     memo: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: What else the kind needs (experts: `per_example_experts.routing`).
+    extra: tuple[Any, ...] = ()
 
 
 #: Modules whose `batch_first=False` (torch's default) puts the sequence in dim 0 of their inputs.
@@ -100,8 +104,11 @@ def kind_of(module: nn.Module) -> tuple[str | None, str | None]:
         return "group_norm", None
     if isinstance(module, _BatchNorm) and t.forward is _BatchNorm.forward:
         return "batch_norm", None
+    if experts.looks_like_experts(module):
+        why = experts.experts_reason(module)
+        return ("experts", None) if why is None else (None, why)
     return None, (f"{t.__name__} is not a layer per-example norms support (Linear, transformers' Conv1D, Conv1d/2d/3d, "
-                  "Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm in eval mode)")  # fmt: skip
+                  "Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm in eval mode, transformers' experts)")  # fmt: skip
 
 
 def mixes_rows(module: nn.Module) -> str | None:
@@ -124,6 +131,11 @@ def autocast_dtype(kind: str, device: torch.device) -> torch.dtype | None:
 
 def call_reason(kind: str, module: nn.Module, x: torch.Tensor, rows: int) -> str | None:
     """Why this call's input has no per-row share (unbatched, dim 0 not the batch), or None."""
+    if kind == "experts":
+        if experts.token_rows(x, rows) is not None:
+            return None
+        return (f"called on tokens of shape {tuple(x.shape)} that are not the batch's {rows} rows flattened (a "
+                "row-major view of a tensor whose dim 0 is the batch): which row each token is cannot be told")  # fmt: skip
     least = {"group_norm": 2, "batch_norm": 2, "embedding": 1}.get(kind, 2)
     if isinstance(module, _CONVS):
         least = module.weight.dim()
@@ -138,6 +150,21 @@ def call_reason(kind: str, module: nn.Module, x: torch.Tensor, rows: int) -> str
     return None
 
 
+def rows_of(kind: str, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """The tensor whose dim 0 should hold the batch's rows for this call (experts: the tokens' unflattened base)."""
+    base = experts.token_rows(x, rows) if kind == "experts" else None
+    return x if base is None else base
+
+
+def make_call(kind: str, module: nn.Module, x: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
+              rows: int) -> Call:  # fmt: skip
+    """What the forward hook keeps of a call of `module` (a supported `kind`) with input `x`."""
+    if kind == "experts":
+        extra = experts.routing(module, args, kwargs, rows)
+        return Call(x.detach(), version(x), experts.autocast_dtype(module, x.device), extra=extra)
+    return Call(x.detach(), version(x), autocast_dtype(kind, x.device))
+
+
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """float64 if any of them is float64, else float32 (never lower: bf16/fp16 inputs are upcast)."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
@@ -145,6 +172,8 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 def share(kind: str, module: nn.Module, role: str, call: Call, grad: torch.Tensor) -> Form:
     """Every row's share of `module.<role>`'s gradient from one call: its saved input and its output's gradient."""
+    if kind == "experts":
+        return experts.ExpertsShare(module, role, call.x, grad, call.extra, call.autocast, call.memo)
     dt = compute_dtype(call.x, grad)
     x = call.x if call.autocast is None else call.x.to(call.autocast)
     b = grad.shape[0]

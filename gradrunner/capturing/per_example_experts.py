@@ -1,0 +1,246 @@
+"""transformers' mixture-of-experts layers whose experts are 3-D parameters: each row's share, `ExpertsShare`.
+
+transformers 5 holds a layer's experts in one module (`MixtralExperts`, `Qwen2MoeExperts`, `OlmoeExperts`, ...,
+decorated by `transformers.integrations.moe.use_experts_implementation`), called on the batch's tokens flattened,
+`experts(hidden (N, H), top_k_index (N, k), top_k_weights (N, k))`, with `gate_up_proj` (E, 2I, H) (or `up_proj`
+without a gate), `down_proj` (E, H, I) (transposed: (E, H, 2I), (E, I, H)) and optional biases (E, out). For every
+(token n, slot j) pair routed to expert e with weight w and the output's gradient g_n:
+
+| parameter | pair's term of its expert's slice | |
+| --- | --- | --- |
+| `down_proj` | dy (outer) a, dy = w g_n, a = gate(z) | transposed: a (outer) dy |
+| `gate_up_proj`, `up_proj` | dz (outer) x_n, z = W1[e] x_n (+ bias), dz the gate's vjp of da = W2[e]^T dy | transposed: x_n (outer) dz |
+| biases | dz, dy | |
+
+Row i's share is the sum of the terms of its tokens (N = B T tokens in row-major order: token n is row n // T), each
+in its expert's slice. The terms are recomputed from the call's input, routing and output gradient (the gate's vjp by
+autograd on the module's own `_apply_gate` / `act_fn`), in the dtype the call ran in (autocast's, or a bf16 model's),
+then summed in float32 (float64 for a float64 call); the per-step check (`per_example_check`) compares their sum with
+`.grad`. Squared norms: ghost (per row, the two Gram matrices of its pairs masked to pairs of one expert, float64),
+or materialised (each pair's outer product added into its row's expert slice), the cheaper by `GRAM_COST`.
+
+Followed: the experts implementations "eager" (only the stock loop transformers' models share, compared by bytecode),
+"batched_mm" and "grouped_mm" (the same math; its kernel's layout does not matter here). Null with the reason: other
+implementations (kernels), a post-expert norm, expert parallelism, and a call whose tokens are not the batch's rows
+flattened.
+
+Example::
+
+    kind_of(model.model.layers[0].mlp.experts)   # ('experts', None)
+    ExpertsShare(experts, "down_proj", call, grad).self_sq()   # (B,) squared norms of each row's share
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+from types import CodeType
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradrunner.capturing.per_example_math import CHUNK_ELEMENTS, GRAM_COST, Lazy
+from gradrunner.capturing.torch_compat import version
+
+#: The parameters an experts module may hold (only those it has are tracked).
+ROLES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+#: The experts implementations whose math is followed (the eager one only where it is transformers' stock loop).
+FOLLOWED = ("eager", "batched_mm", "grouped_mm")
+#: The implementations whose matmuls autocast runs in its dtype (grouped_mm casts the input to the weight's dtype).
+_AUTOCAST = frozenset({"eager", "batched_mm"})
+
+
+def looks_like_experts(module: nn.Module) -> bool:
+    """Whether `module`'s class was decorated by transformers' `use_experts_implementation` (cheap: attribute reads)."""
+    code = getattr(type(module).forward, "__code__", None)
+    moe = sys.modules.get("transformers.integrations.moe")
+    return code is not None and moe is not None and code.co_filename == moe.__file__ and hasattr(module, "has_gate")
+
+
+def experts_reason(module: nn.Module) -> str | None:
+    """Why the experts of `module` (`looks_like_experts`) cannot be followed, or None."""
+    name = type(module).__name__
+    impl = implementation(module)
+    if impl not in FOLLOWED:
+        return (f"{name} runs the experts implementation {impl!r}, whose kernels per-example norms do not follow "
+                f"(they follow {', '.join(FOLLOWED)})")  # fmt: skip
+    if impl == "eager" and _code(type(module).forward.__wrapped__) != _stock_eager():  # type: ignore[attr-defined]
+        return f"{name}'s eager forward is not transformers' stock experts loop: its math is not known here"
+    if getattr(module, "has_post_expert_norm", False):
+        return f"{name} normalises each expert's output (has_post_expert_norm): not followed"
+    if getattr(module, "_is_expert_parallel", False):
+        return f"{name} is expert parallel (each rank holds some experts; tokens are dispatched between ranks)"
+    if getattr(module, "num_experts", None) is None:
+        return f"{name} has no num_experts"
+    return None
+
+
+def implementation(module: nn.Module) -> str:
+    config = getattr(module, "config", None)
+    impl = getattr(config, "_experts_implementation", None)
+    return "eager" if impl is None else str(impl)
+
+
+def _code(fn: Any) -> tuple[Any, ...]:
+    code: CodeType = fn.__code__
+    return code.co_code, code.co_names, code.co_consts, code.co_varnames
+
+
+@functools.cache
+def _stock_eager() -> tuple[Any, ...]:
+    """The bytecode of transformers' stock eager experts loop (Mixtral's; 55 model families share it, transformers 5.24)."""
+    mixtral = importlib.import_module("transformers.models.mixtral.modeling_mixtral")
+    return _code(mixtral.MixtralExperts.forward.__wrapped__)
+
+
+def token_rows(x: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """The tensor whose dim 0 holds the batch's rows that the experts' 2-D tokens `x` flatten (itself where there is one
+    token a row), or None where `x` is not such a flattening (row-major, whole, the same memory)."""
+    if x.dim() != 2:
+        return None
+    if x.shape[0] == rows:
+        return x
+    base = x._base
+    if base is None or base.dim() < 2 or base.shape[0] != rows or base.numel() != x.numel() or x.shape[0] % rows:
+        return None  # (a token of x straddling two rows: x.shape[0] not a multiple of rows)
+    same = x.is_contiguous() and base.is_contiguous() and x.storage_offset() == base.storage_offset()
+    return base if same else None
+
+
+def routing(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int) -> tuple[Any, ...]:
+    """What a call's share needs beyond its input: (top_k_index, top_k_weights, rows, parameter versions, autocast)."""
+    index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+    weights = kwargs.get("top_k_weights", args[2] if len(args) > 2 else None)
+    if not isinstance(index, torch.Tensor) or not isinstance(weights, torch.Tensor):
+        return None, None, rows, _versions(module)  # (the share says why: `ExpertsShare`)
+    return index.detach(), weights.detach(), rows, _versions(module)
+
+
+def _versions(module: nn.Module) -> tuple[int | None, ...]:
+    return tuple(version(p) for p in module._parameters.values() if p is not None)
+
+
+def autocast_dtype(module: nn.Module, device: torch.device) -> torch.dtype | None:
+    """The dtype the experts' matmuls run in under autocast now, or None."""
+    if implementation(module) not in _AUTOCAST or not torch.is_autocast_enabled(device.type):
+        return None
+    return torch.get_autocast_dtype(device.type)
+
+
+class ExpertsShare(Lazy):
+    """Every row's share of one parameter of an experts module from one call (pairs' factors, recomputed once)."""
+
+    def __init__(self, module: nn.Module, role: str, x: torch.Tensor, grad: torch.Tensor, extra: tuple[Any, ...],
+                 low: torch.dtype | None, memo: dict[str, torch.Tensor]) -> None:  # fmt: skip
+        index, weights, rows, versions = extra
+        if index is None:
+            raise ValueError("its call gave no top_k_index and top_k_weights tensors (arguments 2 and 3)")
+        if versions != _versions(module):
+            raise ValueError("its parameters were changed in place between its call and the backward")
+        param = module._parameters[role]
+        assert param is not None
+        self.experts = param.shape[0]
+        self.dtype = torch.float64 if torch.float64 in (x.dtype, grad.dtype) else torch.float32
+        if "down_l" not in memo:
+            memo.update(_pairs(module, x, index, weights, grad, low, self.dtype))
+        key = "up" if role.startswith(("gate_up_proj", "up_proj")) else "down"
+        left, right = memo[f"{key}_l"], memo[f"{key}_r"]
+        if role.endswith("_bias"):  # the output side's factor (dz, dy) against 1
+            left = right if _flags(module)[0] else left
+            right = left.new_ones(left.shape[0], 1)
+        self.batch = rows
+        n = left.shape[0]
+        self.left, self.right = left.reshape(rows, n // max(1, rows), -1), right.reshape(rows, n // max(1, rows), -1)
+        self.ids = memo["ids"].reshape(rows, -1)
+        self.p, self.q = self.left.shape[-1], self.right.shape[-1]
+        self.width = param.numel()
+        assert self.width == self.experts * self.p * self.q, (param.shape, self.p, self.q)
+
+    def self_sq(self) -> torch.Tensor:
+        pairs = self.left.shape[1]
+        if GRAM_COST * pairs * (self.p + self.q) > self.p * self.q:
+            return self._chunks(lambda i, j: torch.linalg.vecdot(d := self.dense(i, j), d), self.width)
+        return self._chunks(self._ghost, pairs * pairs)
+
+    def _ghost(self, i: int, j: int) -> torch.Tensor:
+        """sum over pairs s, t of one expert of (left_s . left_t)(right_s . right_t), per row, in float64."""
+        left, right, ids = self.left[i:j].double(), self.right[i:j].double(), self.ids[i:j]
+        same = (ids.unsqueeze(-1) == ids.unsqueeze(-2)).double()
+        return (left @ left.transpose(-1, -2) * (right @ right.transpose(-1, -2)) * same).sum((1, 2)).to(self.dtype)
+
+    def _chunks(self, fn: Any, per_row: int) -> torch.Tensor:
+        step = max(1, CHUNK_ELEMENTS // max(1, per_row))
+        parts = [fn(i, i + step) for i in range(0, self.batch, step)]
+        return torch.cat(parts) if len(parts) > 1 else parts[0] if parts else self.left.new_zeros(0)
+
+    def dense(self, i: int, j: int) -> torch.Tensor:
+        """Rows i to j: each pair's outer product added into its row's expert slice, (j - i, E p q)."""
+        left, right, ids = self.left[i:j], self.right[i:j], self.ids[i:j]
+        n, pairs = left.shape[:2]
+        slot = (torch.arange(n, device=ids.device).unsqueeze(1) * self.experts + ids).reshape(-1)
+        terms = (left.unsqueeze(-1) * right.unsqueeze(-2)).reshape(n * pairs, self.p * self.q)
+        out = torch.zeros(n * self.experts, self.p * self.q, dtype=terms.dtype, device=terms.device)
+        return out.index_add_(0, slot, terms).reshape(n, self.width)
+
+    def project(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One term per pair: u[e] (left . V right), V = v as (p, q)."""
+        left, right = self.left.reshape(-1, self.p).to(u.dtype), self.right.reshape(-1, self.q).to(u.dtype)
+        return u[self.ids.reshape(-1)] * torch.linalg.vecdot(left @ v.view(self.p, self.q), right)
+
+
+def _pairs(module: Any, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, grad: torch.Tensor,
+           low: torch.dtype | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Every (token, slot) pair's factors: down (dy, a), up (dz, x) (transposed layouts swapped), and its expert."""
+    k = index.shape[-1]
+    experts = int(module.num_experts)
+    ids = index.reshape(-1)
+    valid = (ids >= 0) & (ids < experts)  # a sentinel (experts: no expert) adds nothing
+    ids = ids.clamp(0, experts - 1)
+    run = low or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else None)
+    cast = (lambda t: t.to(run)) if run is not None else (lambda t: t)
+    h = cast(x).repeat_interleave(k, 0)
+    w = cast(weights.reshape(-1) * valid.to(weights.dtype))
+    dy = cast(grad).repeat_interleave(k, 0) * w.unsqueeze(-1)
+    t, gated, bias = _flags(module)
+    up = module.gate_up_proj if gated else module.up_proj
+    down = module.down_proj
+    z = _bmm(cast(up.detach()), ids, h, t)
+    if bias:
+        z = z + cast(getattr(module, "gate_up_proj_bias" if gated else "up_proj_bias").detach())[ids]
+    with torch.enable_grad():
+        zz = z.detach().requires_grad_()
+        if implementation(module) == "eager":  # the stock loop: act_fn(gate) * up, whatever _apply_gate says
+            gate_, up_ = zz.chunk(2, dim=-1)
+            a = module.act_fn(gate_) * up_
+        else:
+            a = module._apply_gate(zz) if gated else module.act_fn(zz)
+        da = _bmm(cast(down.detach()), ids, dy, not t)
+        (dz,) = torch.autograd.grad(a, zz, da.to(a.dtype))
+    a = a.detach()
+    up_pair = (h, dz) if t else (dz, h)
+    down_pair = (a, dy) if t else (dy, a)
+    out = {"ids": ids, "up_l": up_pair[0], "up_r": up_pair[1], "down_l": down_pair[0], "down_r": down_pair[1]}
+    return {k_: (v if k_ == "ids" else v.to(dtype)) for k_, v in out.items()}
+
+
+def _flags(module: nn.Module) -> tuple[bool, bool, bool]:
+    """(transposed, gated, with biases) as the call computes: the stock eager loop knows no flags (not, gated, none)."""
+    if implementation(module) == "eager":
+        return False, True, False
+    return bool(module.is_transposed), bool(module.has_gate), bool(module.has_bias)
+
+
+def _bmm(weight: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """Each pair's h through its expert's slice: W[e] h (not transposed) or h W[e], chunked by the gathered slices' size."""
+    per = weight[0].numel()
+    step = max(1, CHUNK_ELEMENTS // max(1, per))
+    parts = []
+    for i in range(0, h.shape[0], step):
+        w = weight[ids[i : i + step]]
+        hs = h[i : i + step].unsqueeze(1)
+        parts.append((hs @ w).squeeze(1) if transposed else (hs @ w.transpose(-1, -2)).squeeze(1))
+    if not parts:
+        return h.new_zeros(0, weight.shape[2 if transposed else 1])
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
