@@ -370,3 +370,26 @@ def test_bert_when_the_batch_size_equals_the_length_keeps_every_layer_after_the_
     nulls = {"bert.embeddings.token_type_embeddings:weight": "made inside the forward", "cls.predictions:bias": head,
              "bert.embeddings.position_embeddings:weight": "is not the batch", "cls.predictions.decoder:bias": head}  # fmt: skip
     _check(model, {"input_ids": ids}, rows_loss, nulls, all_others=True)
+
+
+class ApartIndices(nn.Module):
+    """`h4[:, i, :, j]` with the advanced indices apart: numpy's rule puts their dims first, (K, B, 2); K == B here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.lin = nn.Linear(3, 6), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h4 = torch.tanh(self.inp(x)).view(x.shape[0], x.shape[1], 2, 3)
+        z = h4[:, torch.tensor([0, 1, 2, 3]), :, torch.tensor([0, 1, 2, 0])]
+        return self.lin(z).transpose(0, 1)  # type: ignore[no-any-return]
+
+
+def test_advanced_indices_apart_put_the_index_dims_first_and_are_null() -> None:
+    """Found 2026-11-27: the first index being a slice was taken for 'dim 0 left as it is', and lin (on K = 4 index
+    positions, each mixing all examples) got numbers (a float64 repro: 2.97, 1.26, 2.28, 2.49 against the loop's
+    0.66, 1.80, 3.33, 2.87)."""
+    torch.manual_seed(0)
+    why = "picked by indexing"
+    _check(ApartIndices(), {"x": torch.randn(4, 5, 3)}, lambda out, i: (out**2).sum() * (i + 1),
+           {"lin:weight": why, "lin:bias": why}, all_others=True)  # fmt: skip

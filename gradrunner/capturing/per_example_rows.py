@@ -190,7 +190,9 @@ def _keeps_rows(node: Any, name: str, rows: int) -> bool:
     """Whether a selection keeps dim 0's rows as its input's rows of the batch: it picks along another dim
     (`gather(-2, ...)`, `index_select(1, ...)`, `h[:, idx]`), or picks `rows` rows out of a batch-sized dim 0
     (`h[arange(B), last]`: one row per example; a reordering `x[perm]` is not told apart, README). Rows picked out of
-    another dim 0 (a mixture of experts' flattened tokens) or by a mask over several dims are not the batch's."""
+    another dim 0 (a mixture of experts' flattened tokens), by a mask over several dims, or by advanced indices apart
+    (`h[:, i, :, j]`: numpy's rule puts the index dims first, so dim 0 is the index's, whatever its size) are not the
+    batch's."""
     if name == "GatherBackward":
         saved = getattr(node, "_saved_self", None)
         if saved is None or saved.dim() == 0 or saved.shape[0] != rows:
@@ -201,6 +203,9 @@ def _keeps_rows(node: Any, name: str, rows: int) -> bool:
         return bool(sizes) and int(sizes[0]) == rows and _signed(int(node._saved_dim)) % len(sizes) != 0
     if name == "IndexBackward":
         indices, sizes = node._saved_indices, node._saved_self_sym_sizes
+        at = [i for i, index in enumerate(indices) if index is not None]
+        if not at or at != list(range(at[0], at[-1] + 1)):
+            return False  # advanced indices apart (`h[:, i, :, j]`): their dims come first, dim 0 is not the input's
         if not sizes or int(sizes[0]) != rows:
             return False  # picked out of a dim 0 of another size (flattened tokens, `h[None, idx]`)
         first = indices[0] if indices else None
