@@ -393,3 +393,68 @@ def test_advanced_indices_apart_put_the_index_dims_first_and_are_null() -> None:
     why = "picked by indexing"
     _check(ApartIndices(), {"x": torch.randn(4, 5, 3)}, lambda out, i: (out**2).sum() * (i + 1),
            {"lin:weight": why, "lin:bias": why}, all_others=True)  # fmt: skip
+
+
+class FlatPicks(nn.Module):
+    """Features picked from the batch's tokens flattened to (B T, D) (`[:, idx]`, `index_select(1, ...)`,
+    `gather(1, ...)`), reshaped back to (B, T, k) for the next Linear: dim 0 is never indexed."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.inp, self.lin = how, nn.Linear(3, 6), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        flat = torch.tanh(self.inp(x)).reshape(b * t, 6)
+        idx = torch.tensor([4, 1])
+        if self.how == "index":
+            picked = flat[:, idx]
+        elif self.how == "index_select":
+            picked = flat.index_select(1, idx)
+        else:
+            picked = flat.gather(1, idx.expand(b * t, 2))
+        return self.lin(picked.view(b, t, 2))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["index", "index_select", "gather"])
+def test_features_picked_from_flattened_tokens_keep_the_rows(how: str) -> None:
+    """Found 2026-11-27: a selection along dim 1 of the (B T, D) tokens was taken for rows picked out of a dim 0 that
+    is not the batch's (lin null, 'picked by indexing'), although dim 0 is left as it is."""
+    torch.manual_seed(0)
+    _check(FlatPicks(how), {"x": torch.randn(4, 5, 3)}, lambda out, i: ((out - 0.5 * i) ** 2).sum(), {}, all_others=True)
+
+
+class LearnedPositions(nn.Module):
+    """A learned position table (a parameter) indexed by (B, T) position ids: `table[position_ids]`, an embedding's
+    lookup by indexing; given to the model, or made in the forward (`arange(T).expand(B, T)`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(9, 4))
+        self.inp, self.lin = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+        return self.lin(torch.tanh(self.inp(x) + self.table[position_ids]))  # type: ignore[no-any-return]
+
+
+def test_a_parameter_table_indexed_by_the_batchs_position_ids_keeps_the_rows() -> None:
+    """Found 2026-11-27: `table[position_ids]` (the batch's (B, T) ids) was taken for rows picked out of another dim 0
+    (the table's 9): lin null. Its rows are the batch's, as an Embedding's lookup."""
+    torch.manual_seed(0)
+    inputs = {"x": torch.randn(4, 5, 3), "position_ids": torch.randint(0, 9, (4, 5))}
+    _check(LearnedPositions(), inputs, lambda out, i: ((out - 0.5 * i) ** 2).sum(), {":table": "is not a layer"},
+           all_others=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("length", [5, 4])
+def test_a_parameter_table_indexed_by_ids_made_in_the_forward(length: int) -> None:
+    """Ids made in the forward: the batch's rows while B equals no other dim of the inputs (T = 5); null when it does
+    (T = B = 4: which dim of the ids is the batch's cannot be told), as an Embedding's."""
+    torch.manual_seed(0)
+    nulls = {":table": "is not a layer"}
+    if length == 4:
+        nulls |= {"lin:weight": "picked by indexing", "lin:bias": "picked by indexing"}
+    _check(LearnedPositions(), {"x": torch.randn(4, length, 3)}, lambda out, i: ((out - 0.5 * i) ** 2).sum(), nulls,
+           all_others=True)  # fmt: skip

@@ -16,7 +16,8 @@ from what the call's input is made of, cheaply (a few attribute reads per call, 
   several dims (`tokens[idx]`, `h[None, idx]`, `masked_select`, `take`), or a slice or split of such rows (an
   expert's run of the sorted tokens, DeepSeek's `sorted_tokens[start:end]`): a mixture of experts' tokens
   routed to one expert (rows picked out of the batch's own rows, `h[arange(B), eos]`, `gather(-2, ...)`,
-  `x[:, idx]`, keep them: `_keeps_rows`); and an input made, by views, casts, activations, dropout or
+  `x[:, idx]`, also of the B T tokens flattened, keep them, and a parameter's rows picked by the batch's ids,
+  `table[position_ids]`, are the batch's: `_keeps_rows`); and an input made, by views, casts, activations, dropout or
   elementwise ops, from the output of a call whose batch-sized dim 0 was found a coincidence here (the
   expert's second Linear, a gated expert's `down(act(gate(t)) * up(t))`; not one whose dim 0 is another
   size, such as flattened tokens later reshaped back).
@@ -91,6 +92,8 @@ class RowOrigins:
         self.made: dict[Any, tuple[str, bool]] = {}
         #: Whether the last `reason` found was rows picked by indexing, or a call on such rows (what `mark` keeps).
         self.picked = False
+        #: Whether the last node judged picked a parameter's rows by ids whose dim 0 is the batch's (`TABLE`).
+        self.table = False
 
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int | None) -> None:
         """A forward of the model with `rows` rows (None: no tensor input) begins."""
@@ -148,6 +151,8 @@ class RowOrigins:
             if why is not None:
                 continue  # an operand broadcast over the output's dim 0 (a bias, a (T, d) table): not its rows
             inputs = [(n, nr) for n, nr in node.next_functions if n is not None]
+            if self.table:  # rows of a parameter picked by the batch's own ids: the batch's rows, as an embedding's
+                continue
             if name in _SEVERAL:  # each operand: a gated expert's act(w1 x) * w3 x, dropout's `x * mask`
                 stack += [(n, several or len(inputs) > 1, (*via, (node, n, nr))) for n, nr in inputs]
             elif len(inputs) == 1 and name in _UNARY | SELECTS:
@@ -162,9 +167,14 @@ class RowOrigins:
         from ids made in the forward, are still the batch's rows)."""
         made = self.made.get(node)
         self.picked = name in SELECTS or (made is not None and made[1])
+        self.table = False
         if made is not None and (self.picked or not several):
             return f"called on the output of a call whose rows are not the batch's ({made[0]})"
-        if name in SELECTS and not _keeps_rows(node, name, rows):
+        keeps = _keeps_rows(node, name, rows) if name in SELECTS else True
+        if keeps == TABLE:
+            self.table = self.given is None or _index(node) in self.given
+            keeps = self.table
+        if not keeps:
             return (f"called on a tensor of shape {tuple(x.shape)} whose rows were picked by indexing ({name}: "
                     "tokens routed to a mixture-of-experts' expert?): its rows are not the batch's")  # fmt: skip
         variable = getattr(node, "variable", None) if name.endswith("AccumulateGrad") and not masked else None
@@ -186,28 +196,56 @@ def _signed(dim: int) -> int:
     return dim - 2**64 if dim >= 2**63 else dim
 
 
-def _keeps_rows(node: Any, name: str, rows: int) -> bool:
-    """Whether a selection keeps dim 0's rows as its input's rows of the batch: it picks along another dim
-    (`gather(-2, ...)`, `index_select(1, ...)`, `h[:, idx]`), or picks `rows` rows out of a batch-sized dim 0
-    (`h[arange(B), last]`: one row per example; a reordering `x[perm]` is not told apart, README). Rows picked out of
-    another dim 0 (a mixture of experts' flattened tokens), by a mask over several dims, or by advanced indices apart
-    (`h[:, i, :, j]`: numpy's rule puts the index dims first, so dim 0 is the index's, whatever its size) are not the
-    batch's."""
+#: `_keeps_rows`' answer for rows of a parameter picked by a batch-sized index tensor (`table[ids]`): the batch's rows
+#: if the ids are the batch's (given to the model, or made in the forward while B equals no other dim of its inputs).
+TABLE = "table"
+
+
+def _keeps_rows(node: Any, name: str, rows: int) -> bool | str:
+    """Whether a selection keeps dim 0's rows as its input's rows: it picks along another dim, leaving a dim 0 of B
+    or B T rows as it is (`gather(-2, ...)`, `index_select(1, ...)`, `h[:, idx]`, `flat_tokens[..., idx]`:
+    `_grouped`), or picks `rows` rows out of a batch-sized dim 0 (`h[arange(B), last]`: one row per example; a reordering `x[perm]` is not
+    told apart, README). `TABLE` where it picks a parameter's rows by one index tensor of `rows` rows (`table[ids]`,
+    learned positions indexed by (B, T) position ids). Rows picked out of another dim 0 (a mixture of experts'
+    flattened tokens), by a mask over several dims, or by advanced indices apart (`h[:, i, :, j]`: numpy's rule puts
+    the index dims first, so dim 0 is the index's, whatever its size) are not the batch's."""
     if name == "GatherBackward":
-        saved = getattr(node, "_saved_self", None)
-        if saved is None or saved.dim() == 0 or saved.shape[0] != rows:
+        saved, index = getattr(node, "_saved_self", None), getattr(node, "_saved_index", None)
+        if saved is None or index is None or saved.dim() == 0:
             return False
-        return _signed(int(node._saved_dim)) % saved.dim() != 0
+        along = _signed(int(node._saved_dim)) % saved.dim() != 0  # (a shorter index would pick the first rows)
+        return along and index.shape[0] == saved.shape[0] and _grouped(saved.shape[0], rows)
     if name == "IndexSelectBackward":
         sizes = node._saved_self_sym_sizes
-        return bool(sizes) and int(sizes[0]) == rows and _signed(int(node._saved_dim)) % len(sizes) != 0
+        return bool(sizes) and _signed(int(node._saved_dim)) % len(sizes) != 0 and _grouped(int(sizes[0]), rows)
     if name == "IndexBackward":
         indices, sizes = node._saved_indices, node._saved_self_sym_sizes
         at = [i for i, index in enumerate(indices) if index is not None]
         if not at or at != list(range(at[0], at[-1] + 1)):
             return False  # advanced indices apart (`h[:, i, :, j]`): their dims come first, dim 0 is not the input's
-        if not sizes or int(sizes[0]) != rows:
-            return False  # picked out of a dim 0 of another size (flattened tokens, `h[None, idx]`)
-        first = indices[0] if indices else None
-        return first is None or not (first.dtype in (torch.bool, torch.uint8) and first.dim() > 1)
+        if at[0] > 0:
+            return _grouped(int(sizes[0]), rows)  # dim 0 left as it is
+        first = indices[0]
+        if first.dtype in (torch.bool, torch.uint8):
+            return bool(sizes) and int(sizes[0]) == rows and first.dim() == 1
+        if len(at) == 1 and first.dim() > 0 and first.shape[0] == rows and _is_parameter(node.next_functions[0][0]):
+            return TABLE
+        return bool(sizes) and int(sizes[0]) == rows  # else picked out of a dim 0 of another size (`h[None, idx]`)
     return False
+
+
+def _grouped(size: int, rows: int) -> bool:
+    """Whether a dim 0 of `size` left as it is by a selection along another dim holds the batch's rows, or its rows'
+    positions flattened (B T tokens: a later view back to (B, ...) keeps each example's together); not a dim of
+    another size (`h[None, idx]`'s 1, whose picked tokens a reshape then makes rows)."""
+    return size > 0 and rows > 0 and size % rows == 0
+
+
+def _index(node: Any) -> int:
+    """Where an `IndexBackward`'s first index tensor's memory is (`storage`)."""
+    return storage(node._saved_indices[0])
+
+
+def _is_parameter(node: Any) -> bool:
+    """Whether autograd node `node` is a parameter's leaf (its `AccumulateGrad`)."""
+    return node is not None and isinstance(getattr(node, "variable", None), nn.Parameter)
