@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.dtensors import is_dtensor, like
 from gradrunner.capturing.elements import tensors_in
-from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_ASSIGNED, NOT_CALLED
+from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_CALLED, not_assigned
 from gradrunner.capturing.open_sessions import refuse_inside_engine_call
 from gradrunner.capturing.params import ddp_world_size
 from gradrunner.capturing.per_example_check import PerExampleWarning, null_reason
@@ -228,7 +228,7 @@ class Backwards:
             self.grad_scale = None if scale is None else torch.as_tensor(scale).detach().double().reciprocal()
         if self._tap_names is None:
             self._tap_names = [(t, t.tap) for t in self.taps if t.kind != "param"]
-        unfired = [Slot(TapKey(t.module, t.name, 0), 0, reason=GRAPH_FREED if again else NOT_ASSIGNED
+        unfired = [Slot(TapKey(t.module, t.name, 0), 0, reason=GRAPH_FREED if again else not_assigned(self.model, t.module)
                         if t.kind == "local" else NOT_CALLED, fired=False)
                    for t, name in self._tap_names if name not in fired]  # fmt: skip
         base = self._next_order

@@ -15,6 +15,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import nn
 
 from gradrunner.capturing.elements import Missing
+from gradrunner.capturing.per_example_experts import implementation, looks_like_experts
 from gradrunner.capturing.torch_compat import (
     compiled_fullgraph,
     compiled_inner,
@@ -29,6 +30,7 @@ __all__ = [
     "in_graph",
     "input_alias",
     "no_grad_reason",
+    "not_assigned",
     "reentrant_checkpoint",
     "refuse_compiled",
     "refuse_transformed",
@@ -160,3 +162,23 @@ def refuse_compiled(model: nn.Module) -> None:
                 "Python forward() to tap, so gradrunner refuses it; give it the eager module instead (the "
                 "nn.Module before torch.jit.script or trace; in a config, a model option that does not script it)"
             )
+
+
+def not_assigned(model: nn.Module, path: str) -> str:
+    """Why a local tap of module `path` was not assigned in a step: `NOT_ASSIGNED`, or, for transformers' experts
+    (`MixtralExperts`, ...) whose forward dispatches to another experts implementation than "eager", that the forward()
+    whose locals are tapped does not run.
+
+    Example::
+
+        not_assigned(model, "model.layers.0.mlp.experts")   # "... 'grouped_mm' ... set it to 'eager' ..."
+    """
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:  # (gone: refused at the next step)
+        return NOT_ASSIGNED
+    if not looks_like_experts(module) or implementation(module) == "eager":
+        return NOT_ASSIGNED
+    return (f"not assigned in this step: {type(module).__name__}'s forward runs transformers' experts implementation "
+            f"{implementation(module)!r} (config._experts_implementation), not the forward() whose locals are tapped, "
+            "or the module was not called (set the implementation to 'eager' to tap these locals)")  # fmt: skip
