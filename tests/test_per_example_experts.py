@@ -70,7 +70,9 @@ CASES = [("mixtral", "eager"), ("mixtral", "batched_mm"), ("mixtral", "grouped_m
 
 
 @pytest.mark.parametrize(("family", "impl"), CASES)
-@pytest.mark.parametrize(("length", "top_k"), [(1, 2), (5, 2), (4, 1)])  # ghost (few pairs a row), materialised
+@pytest.mark.parametrize(
+    ("length", "top_k"), [(1, 2), (4, 1), (12, 2)]
+)  # few pairs per row and expert: ghost; many: both
 def test_every_expert_parameter_matches_the_loop(family: str, impl: str, length: int, top_k: int) -> None:
     model = tiny(family, impl, top_k)
     params = expert_params(model)
@@ -197,3 +199,25 @@ def test_loss_and_grads_bit_identical_with_per_example_on(strategy: str) -> None
     (l0, g0, s0), (l1, g1, s1) = results
     assert torch.equal(l0, l1) and len(s0) == len(s1)
     assert all(torch.equal(a, b) for a, b in zip(g0 + s0, g1 + s1, strict=True))
+
+
+def test_an_experts_module_called_twice_sums_both_calls_shares() -> None:
+    """One experts module in two layers (its parameters used by two calls per forward): the rows' shares of both
+    calls summed, cross terms included (the materialised form)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.MixtralConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                           num_key_value_heads=1, num_local_experts=3, num_experts_per_tok=2)  # fmt: skip
+    cfg._experts_implementation = "batched_mm"
+    model = tf.MixtralForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 3:
+                p.normal_(0, 0.3)
+    model.model.layers[1].mlp.experts = model.model.layers[0].mlp.experts
+    params = expert_params(model)
+    inputs = {"input_ids": input_ids(4, 3)}
+    ref, _ = loop(model, inputs, rows_loss, params)
+    got, why = batched(model, inputs, rows_loss, params)
+    assert_matches(got, ref, why, rtol=1e-4)

@@ -16,8 +16,10 @@ Row i's share is the sum of the terms of its tokens (N = B T tokens in row-major
 in its expert's slice. The terms are recomputed from the call's input, routing and output gradient (the gate's vjp by
 autograd on the module's own `_apply_gate` / `act_fn`), in the dtype the call ran in (autocast's, or a bf16 model's),
 then summed in float32 (float64 for a float64 call); the per-step check (`per_example_check`) compares their sum with
-`.grad`. Squared norms: ghost (per row, the two Gram matrices of its pairs masked to pairs of one expert, float64),
-or materialised (each pair's outer product added into its row's expert slice), the cheaper by `GRAM_COST`.
+`.grad`. The pairs are sorted by expert then row (one host transfer per call: how many pairs each (expert, row) has, as
+transformers' own eager loop syncs per expert), so that the recomputation is one matmul per expert, and each
+(expert, row)'s squared norm is ghost (the Gram matrices of its pairs, float64) or S_ie materialised (p x q), the
+cheaper by `GRAM_COST`: memory of the pairs' factors (as the forward's activations) plus one p x q at a time.
 
 Followed: the experts implementations "eager" (only the stock loop transformers' models share, compared by bytecode),
 "batched_mm" and "grouped_mm" (the same math; its kernel's layout does not matter here). Null with the reason: other
@@ -27,7 +29,7 @@ flattened.
 Example::
 
     kind_of(model.model.layers[0].mlp.experts)   # ('experts', None)
-    ExpertsShare(experts, "down_proj", call, grad).self_sq()   # (B,) squared norms of each row's share
+    share("experts", experts, "down_proj", call, grad).self_sq()   # per_example_layers: (B,) squared row norms
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradrunner.capturing.per_example_math import CHUNK_ELEMENTS, GRAM_COST, Lazy
+from gradrunner.capturing.per_example_math import GRAM_COST, Lazy
 from gradrunner.capturing.torch_compat import version
 
 #: The parameters an experts module may hold (only those it has are tracked).
@@ -130,7 +132,8 @@ def autocast_dtype(module: nn.Module, device: torch.device) -> torch.dtype | Non
 
 
 class ExpertsShare(Lazy):
-    """Every row's share of one parameter of an experts module from one call (pairs' factors, recomputed once)."""
+    """Every row's share of one parameter of an experts module from one call: the pairs' factors (recomputed once per
+    call, sorted by expert then row), S_ie = left_ie^T right_ie for the pairs of row i routed to expert e."""
 
     def __init__(self, module: nn.Module, role: str, x: torch.Tensor, grad: torch.Tensor, extra: tuple[Any, ...],
                  low: torch.dtype | None, memo: dict[str, torch.Tensor]) -> None:  # fmt: skip
@@ -141,72 +144,78 @@ class ExpertsShare(Lazy):
             raise ValueError("its parameters were changed in place between its call and the backward")
         param = module._parameters[role]
         assert param is not None
-        self.experts = param.shape[0]
+        self.experts, self.batch, self.width = param.shape[0], rows, param.numel()
         self.dtype = torch.float64 if torch.float64 in (x.dtype, grad.dtype) else torch.float32
-        if "down_l" not in memo:
-            memo.update(_pairs(module, x, index, weights, grad, low, self.dtype))
+        if "counts" not in memo:
+            memo.update(_pairs(module, x, index, weights, grad, low, self.dtype, rows))
         key = "up" if role.startswith(("gate_up_proj", "up_proj")) else "down"
-        left, right = memo[f"{key}_l"], memo[f"{key}_r"]
+        self.left, self.right = memo[f"{key}_l"], memo[f"{key}_r"]
         if role.endswith("_bias"):  # the output side's factor (dz, dy) against 1
-            left = right if _flags(module)[0] else left
-            right = left.new_ones(left.shape[0], 1)
-        self.batch = rows
-        n = left.shape[0]
-        self.left, self.right = left.reshape(rows, n // max(1, rows), -1), right.reshape(rows, n // max(1, rows), -1)
-        self.ids = memo["ids"].reshape(rows, -1)
-        self.p, self.q = self.left.shape[-1], self.right.shape[-1]
-        self.width = param.numel()
+            self.left = self.right if _flags(module)[0] else self.left
+            self.right = self.left.new_ones(self.left.shape[0], 1)
+        self.ids, self.p, self.q = memo["ids"], self.left.shape[-1], self.right.shape[-1]
         assert self.width == self.experts * self.p * self.q, (param.shape, self.p, self.q)
+        #: (expert, row, first pair, end) of every (expert, row) that has pairs, in the pairs' order.
+        self.segments: list[tuple[int, int, int, int]] = []
+        start = 0
+        for n, count in enumerate(memo["counts"].tolist()):
+            if count:
+                self.segments.append((n // rows, n % rows, start, start + count))
+                start += count
 
     def self_sq(self) -> torch.Tensor:
-        pairs = self.left.shape[1]
-        if GRAM_COST * pairs * (self.p + self.q) > self.p * self.q:
-            return self._chunks(lambda i, j: torch.linalg.vecdot(d := self.dense(i, j), d), self.width)
-        return self._chunks(self._ghost, pairs * pairs)
-
-    def _ghost(self, i: int, j: int) -> torch.Tensor:
-        """sum over pairs s, t of one expert of (left_s . left_t)(right_s . right_t), per row, in float64."""
-        left, right, ids = self.left[i:j].double(), self.right[i:j].double(), self.ids[i:j]
-        same = (ids.unsqueeze(-1) == ids.unsqueeze(-2)).double()
-        return (left @ left.transpose(-1, -2) * (right @ right.transpose(-1, -2)) * same).sum((1, 2)).to(self.dtype)
-
-    def _chunks(self, fn: Any, per_row: int) -> torch.Tensor:
-        step = max(1, CHUNK_ELEMENTS // max(1, per_row))
-        parts = [fn(i, i + step) for i in range(0, self.batch, step)]
-        return torch.cat(parts) if len(parts) > 1 else parts[0] if parts else self.left.new_zeros(0)
+        """Per (expert, row): ghost (Gram matrices of its pairs, float64) or S_ie materialised, the cheaper by
+        `GRAM_COST`; added per row."""
+        values, rows = [], []
+        for _, row, i, j in self.segments:
+            left, right = self.left[i:j], self.right[i:j]
+            if GRAM_COST * (j - i) * (self.p + self.q) <= self.p * self.q:
+                ll, rr = left.double(), right.double()
+                values.append(torch.linalg.vecdot((ll @ ll.T).reshape(-1), (rr @ rr.T).reshape(-1)).to(self.dtype))
+            else:
+                values.append((left.T @ right).square().sum())
+            rows.append(row)
+        out = self.left.new_zeros(self.batch)
+        if values:
+            out.index_add_(0, torch.tensor(rows, device=out.device), torch.stack(values))
+        return out
 
     def dense(self, i: int, j: int) -> torch.Tensor:
-        """Rows i to j: each pair's outer product added into its row's expert slice, (j - i, E p q)."""
-        left, right, ids = self.left[i:j], self.right[i:j], self.ids[i:j]
-        n, pairs = left.shape[:2]
-        slot = (torch.arange(n, device=ids.device).unsqueeze(1) * self.experts + ids).reshape(-1)
-        terms = (left.unsqueeze(-1) * right.unsqueeze(-2)).reshape(n * pairs, self.p * self.q)
-        out = torch.zeros(n * self.experts, self.p * self.q, dtype=terms.dtype, device=terms.device)
-        return out.index_add_(0, slot, terms).reshape(n, self.width)
+        """Rows i to j materialised, (j - i, E p q): S_ie = left_ie^T right_ie in expert e's slice."""
+        j = min(j, self.batch)
+        out = self.left.new_zeros(j - i, self.experts, self.p, self.q)
+        for e, row, a, b in self.segments:
+            if i <= row < j:
+                out[row - i, e] = self.left[a:b].T @ self.right[a:b]
+        return out.reshape(j - i, self.width)
 
     def project(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One term per pair: u[e] (left . V right), V = v as (p, q)."""
-        left, right = self.left.reshape(-1, self.p).to(u.dtype), self.right.reshape(-1, self.q).to(u.dtype)
-        return u[self.ids.reshape(-1)] * torch.linalg.vecdot(left @ v.view(self.p, self.q), right)
+        left, right = self.left.to(u.dtype), self.right.to(u.dtype)
+        return u[self.ids] * torch.linalg.vecdot(left @ v.view(self.p, self.q), right)
 
 
 def _pairs(module: Any, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, grad: torch.Tensor,
-           low: torch.dtype | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:  # fmt: skip
-    """Every (token, slot) pair's factors: down (dy, a), up (dz, x) (transposed layouts swapped), and its expert."""
-    k = index.shape[-1]
-    experts = int(module.num_experts)
+           low: torch.dtype | None, dtype: torch.dtype, rows: int) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Every (token, slot) pair's factors, sorted by expert then row: down (dy, a), up (dz, x) (transposed layouts
+    swapped), its expert (`ids`), and the pairs of each (expert, row) (`counts`, on the host: the one transfer)."""
+    k, experts = index.shape[-1], int(module.num_experts)
     ids = index.reshape(-1)
     valid = (ids >= 0) & (ids < experts)  # a sentinel (experts: no expert) adds nothing
     ids = ids.clamp(0, experts - 1)
+    tokens_per_row = max(1, x.shape[0] // max(1, rows))
+    key = ids * rows + torch.arange(ids.shape[0], device=ids.device) // (tokens_per_row * k)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=experts * rows).cpu()
+    ids, token = ids[order], order // k
     run = low or (x.dtype if x.dtype in (torch.bfloat16, torch.float16) else None)
     cast = (lambda t: t.to(run)) if run is not None else (lambda t: t)
-    h = cast(x).repeat_interleave(k, 0)
-    w = cast(weights.reshape(-1) * valid.to(weights.dtype))
-    dy = cast(grad).repeat_interleave(k, 0) * w.unsqueeze(-1)
+    h = cast(x)[token]
+    w = cast(weights.reshape(-1) * valid.to(weights.dtype))[order]
+    dy = cast(grad)[token] * w.unsqueeze(-1)
     t, gated, bias = _flags(module)
-    up = module.gate_up_proj if gated else module.up_proj
-    down = module.down_proj
-    z = _bmm(cast(up.detach()), ids, h, t)
+    sizes = counts.view(experts, rows).sum(1).tolist()
+    z = _grouped(cast((module.gate_up_proj if gated else module.up_proj).detach()), sizes, h, t)
     if bias:
         z = z + cast(getattr(module, "gate_up_proj_bias" if gated else "up_proj_bias").detach())[ids]
     with torch.enable_grad():
@@ -216,13 +225,13 @@ def _pairs(module: Any, x: torch.Tensor, index: torch.Tensor, weights: torch.Ten
             a = module.act_fn(gate_) * up_
         else:
             a = module._apply_gate(zz) if gated else module.act_fn(zz)
-        da = _bmm(cast(down.detach()), ids, dy, not t)
+        da = _grouped(cast(module.down_proj.detach()), sizes, dy, not t)
         (dz,) = torch.autograd.grad(a, zz, da.to(a.dtype))
     a = a.detach()
     up_pair = (h, dz) if t else (dz, h)
     down_pair = (a, dy) if t else (dy, a)
-    out = {"ids": ids, "up_l": up_pair[0], "up_r": up_pair[1], "down_l": down_pair[0], "down_r": down_pair[1]}
-    return {k_: (v if k_ == "ids" else v.to(dtype)) for k_, v in out.items()}
+    out = {"up_l": up_pair[0], "up_r": up_pair[1], "down_l": down_pair[0], "down_r": down_pair[1]}
+    return {"ids": ids, "counts": counts, **{n: v.to(dtype) for n, v in out.items()}}
 
 
 def _flags(module: nn.Module) -> tuple[bool, bool, bool]:
@@ -232,15 +241,15 @@ def _flags(module: nn.Module) -> tuple[bool, bool, bool]:
     return bool(module.is_transposed), bool(module.has_gate), bool(module.has_bias)
 
 
-def _bmm(weight: torch.Tensor, ids: torch.Tensor, h: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """Each pair's h through its expert's slice: W[e] h (not transposed) or h W[e], chunked by the gathered slices' size."""
-    per = weight[0].numel()
-    step = max(1, CHUNK_ELEMENTS // max(1, per))
-    parts = []
-    for i in range(0, h.shape[0], step):
-        w = weight[ids[i : i + step]]
-        hs = h[i : i + step].unsqueeze(1)
-        parts.append((hs @ w).squeeze(1) if transposed else (hs @ w.transpose(-1, -2)).squeeze(1))
+def _grouped(weight: torch.Tensor, sizes: list[int], h: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The pairs `h` (sorted by expert, `sizes` of each) through their expert's slice: W[e] h (not transposed) or
+    h W[e], one matmul per expert."""
+    parts, start = [], 0
+    for e, size in enumerate(sizes):
+        if size:
+            part = h[start : start + size]
+            parts.append(part @ weight[e] if transposed else part @ weight[e].T)
+            start += size
     if not parts:
         return h.new_zeros(0, weight.shape[2 if transposed else 1])
     return torch.cat(parts) if len(parts) > 1 else parts[0]
