@@ -458,3 +458,44 @@ def test_a_parameter_table_indexed_by_ids_made_in_the_forward(length: int) -> No
         nulls |= {"lin:weight": "picked by indexing", "lin:bias": "picked by indexing"}
     _check(LearnedPositions(), {"x": torch.randn(4, length, 3)}, lambda out, i: ((out - 0.5 * i) ** 2).sum(), nulls,
            all_others=True)  # fmt: skip
+
+
+class TwoBatchesPicked(nn.Module):
+    """Features picked from two batches concatenated (2B rows) and viewed as (B, 2, k): rows 2b and 2b + 1 of the
+    concatenation are two examples, not one (a view of cat's output is not told apart, but the pick is no way in)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.lin = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        both = torch.cat([h, h.flip(-1)])[:, torch.tensor([3, 0, 2, 1])]
+        return self.lin(both.view(x.shape[0], 2, 4))  # type: ignore[no-any-return]
+
+
+def test_features_picked_from_two_concatenated_batches_stay_null() -> None:
+    """(The model mixes rows by that view, so no loop is its reference; lin's rows are no example's: null.)"""
+    torch.manual_seed(0)
+    model = TwoBatchesPicked()
+    got, why = batched(model, {"x": torch.randn(4, 3)}, lambda out, i: ((out - 0.5 * i) ** 2).sum(), all_params(model))
+    assert got["lin:weight"] is None and "picked by indexing" in str(why["lin:weight"])
+
+
+class CastTable(nn.Module):
+    """`table.to(dtype)[position_ids]`: a cast of the parameter, indexed by the batch's ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(9, 4, dtype=torch.float64))
+        self.inp, self.lin = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.tanh(self.inp(x) + self.table.to(x.dtype)[:8][position_ids]))  # type: ignore[no-any-return]
+
+
+def test_a_cast_parameter_table_indexed_by_the_batchs_ids_keeps_the_rows() -> None:
+    torch.manual_seed(0)
+    inputs = {"x": torch.randn(4, 5, 3), "position_ids": torch.randint(0, 8, (4, 5))}
+    _check(CastTable(), inputs, lambda out, i: ((out - 0.5 * i) ** 2).sum(), {":table": "is not a layer"},
+           all_others=True)  # fmt: skip

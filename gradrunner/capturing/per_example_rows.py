@@ -70,6 +70,8 @@ _SEVERAL = frozenset({
     "MulBackward", "DivBackward", "AddBackward", "SubBackward", "WhereBackward", "MaximumBackward", "MinimumBackward",
     "AddcmulBackward", "AddcdivBackward", "LerpBackward",
 })  # fmt: skip
+#: Autograd nodes of a view or reshape of a whole tensor (which saves its input's sizes).
+_VIEWS = frozenset({"ViewBackward", "UnsafeViewBackward", "ReshapeAliasBackward"})
 #: The most autograd nodes walked back from a call's input, all operands' branches together.
 WALK = 16
 
@@ -214,31 +216,37 @@ def _keeps_rows(node: Any, name: str, rows: int) -> bool | str:
         if saved is None or index is None or saved.dim() == 0:
             return False
         along = _signed(int(node._saved_dim)) % saved.dim() != 0  # (a shorter index would pick the first rows)
-        return along and index.shape[0] == saved.shape[0] and _grouped(saved.shape[0], rows)
+        return along and index.shape[0] == saved.shape[0] and _grouped(node, saved.shape[0], rows)
     if name == "IndexSelectBackward":
         sizes = node._saved_self_sym_sizes
-        return bool(sizes) and _signed(int(node._saved_dim)) % len(sizes) != 0 and _grouped(int(sizes[0]), rows)
+        return bool(sizes) and _signed(int(node._saved_dim)) % len(sizes) != 0 and _grouped(node, int(sizes[0]), rows)
     if name == "IndexBackward":
         indices, sizes = node._saved_indices, node._saved_self_sym_sizes
         at = [i for i, index in enumerate(indices) if index is not None]
         if not at or at != list(range(at[0], at[-1] + 1)):
             return False  # advanced indices apart (`h[:, i, :, j]`): their dims come first, dim 0 is not the input's
         if at[0] > 0:
-            return _grouped(int(sizes[0]), rows)  # dim 0 left as it is
+            return _grouped(node, int(sizes[0]), rows)  # dim 0 left as it is
         first = indices[0]
         if first.dtype in (torch.bool, torch.uint8):
             return bool(sizes) and int(sizes[0]) == rows and first.dim() == 1
-        if len(at) == 1 and first.dim() > 0 and first.shape[0] == rows and _is_parameter(node.next_functions[0][0]):
+        if len(at) == 1 and first.dim() > 0 and first.shape[0] == rows and _of_parameter(node.next_functions[0][0]):
             return TABLE
         return bool(sizes) and int(sizes[0]) == rows  # else picked out of a dim 0 of another size (`h[None, idx]`)
     return False
 
 
-def _grouped(size: int, rows: int) -> bool:
-    """Whether a dim 0 of `size` left as it is by a selection along another dim holds the batch's rows, or its rows'
-    positions flattened (B T tokens: a later view back to (B, ...) keeps each example's together); not a dim of
-    another size (`h[None, idx]`'s 1, whose picked tokens a reshape then makes rows)."""
-    return size > 0 and rows > 0 and size % rows == 0
+def _grouped(node: Any, size: int, rows: int) -> bool:
+    """Whether a dim 0 of `size` that selection `node` leaves as it is (picking along another dim) holds the batch's
+    rows: `rows` of them, or the batch's tokens flattened (a view of a tensor whose dim 0 has `rows`: a later view back
+    to (B, ...) keeps each example's together); not a dim of another size (`h[None, idx]`'s 1, whose picked tokens a
+    reshape then makes rows; two batches concatenated)."""
+    if size == rows:
+        return True
+    src = node.next_functions[0][0] if node.next_functions else None
+    view = src is not None and src.name().rstrip("0123456789") in _VIEWS
+    sizes: Any = getattr(src, "_saved_self_sym_sizes", None) if view else None
+    return bool(sizes) and rows > 0 and int(sizes[0]) == rows and size % rows == 0
 
 
 def _index(node: Any) -> int:
@@ -246,6 +254,16 @@ def _index(node: Any) -> int:
     return storage(node._saved_indices[0])
 
 
-def _is_parameter(node: Any) -> bool:
-    """Whether autograd node `node` is a parameter's leaf (its `AccumulateGrad`)."""
-    return node is not None and isinstance(getattr(node, "variable", None), nn.Parameter)
+def _of_parameter(node: Any) -> bool:
+    """Whether autograd node `node` is a parameter's leaf (its `AccumulateGrad`), or a view or cast of one (a few ops of
+    one operand: `table.to(dtype)`, `table[:n]`)."""
+    for _ in range(4):
+        if node is None:
+            return False
+        if isinstance(getattr(node, "variable", None), nn.Parameter):
+            return True
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1 or node.name().rstrip("0123456789") not in _UNARY:
+            return False
+        node = inputs[0]
+    return False
