@@ -92,7 +92,7 @@ def _code(fn: Any) -> tuple[Any, ...]:
 
 @functools.cache
 def _stock_eager() -> tuple[Any, ...]:
-    """The bytecode of transformers' stock eager experts loop (Mixtral's; 55 model families share it, transformers 5.24)."""
+    """The bytecode of transformers' stock eager experts loop (Mixtral's; 55 experts classes of transformers 5.24 share it)."""
     mixtral = importlib.import_module("transformers.models.mixtral.modeling_mixtral")
     return _code(mixtral.MixtralExperts.forward.__wrapped__)
 
