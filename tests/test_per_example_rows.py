@@ -421,7 +421,8 @@ def test_features_picked_from_flattened_tokens_keep_the_rows(how: str) -> None:
     """Found 2026-11-27: a selection along dim 1 of the (B T, D) tokens was taken for rows picked out of a dim 0 that
     is not the batch's (lin null, 'picked by indexing'), although dim 0 is left as it is."""
     torch.manual_seed(0)
-    _check(FlatPicks(how), {"x": torch.randn(4, 5, 3)}, lambda out, i: ((out - 0.5 * i) ** 2).sum(), {}, all_others=True)
+    inputs = {"x": torch.randn(4, 5, 3)}
+    _check(FlatPicks(how), inputs, lambda out, i: ((out - 0.5 * i) ** 2).sum(), {}, all_others=True)
 
 
 class LearnedPositions(nn.Module):
