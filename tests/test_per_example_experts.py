@@ -18,6 +18,7 @@ from per_example_reference import all_params, assert_matches, batched, loop, row
 from torch import nn
 
 from gradrunner import capture
+from gradrunner.capturing.per_example import PerExampleNorms
 from gradrunner.capturing.per_example_check import PerExampleWarning
 
 STRATEGIES = ["retain_grad", "hook", "autograd_grad"]
@@ -221,3 +222,22 @@ def test_an_experts_module_called_twice_sums_both_calls_shares() -> None:
     ref, _ = loop(model, inputs, rows_loss, params)
     got, why = batched(model, inputs, rows_loss, params)
     assert_matches(got, ref, why, rtol=1e-4)
+
+
+def test_an_implementation_switched_after_the_session_opened_is_seen_at_the_call() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward
+
+    model = tiny("mixtral", "eager")
+    params = expert_params(model)
+    ALL_EXPERTS_FUNCTIONS.register("my_kernel", batched_mm_experts_forward)
+    try:
+        with PerExampleNorms(model, params) as pex:
+            model.config._experts_implementation = "my_kernel"
+            out = model(input_ids=input_ids(4, 3))
+            (sum(rows_loss(row(out, i), i) for i in range(4)) / 4).backward()
+            got, why = pex.norms(), pex.reasons()
+    finally:
+        ALL_EXPERTS_FUNCTIONS._global_mapping.pop("my_kernel", None)
+        ALL_EXPERTS_FUNCTIONS._local_mapping.pop("my_kernel", None)
+    assert all(v is None for v in got.values())
+    assert all("experts implementation 'my_kernel'" in str(r) for r in why.values()), why

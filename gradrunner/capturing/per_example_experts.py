@@ -112,7 +112,7 @@ def token_rows(x: torch.Tensor, rows: int) -> torch.Tensor | None:
 
 
 def routing(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int) -> tuple[Any, ...]:
-    """What a call's share needs beyond its input: (top_k_index, top_k_weights, rows, parameter versions, autocast)."""
+    """What a call's share needs beyond its input: (top_k_index, top_k_weights, rows, the parameters' versions)."""
     index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
     weights = kwargs.get("top_k_weights", args[2] if len(args) > 2 else None)
     if not isinstance(index, torch.Tensor) or not isinstance(weights, torch.Tensor):

@@ -132,6 +132,9 @@ def autocast_dtype(kind: str, device: torch.device) -> torch.dtype | None:
 def call_reason(kind: str, module: nn.Module, x: torch.Tensor, rows: int) -> str | None:
     """Why this call's input has no per-row share (unbatched, dim 0 not the batch), or None."""
     if kind == "experts":
+        why = experts.experts_reason(module)  # (again: the implementation may have been switched since)
+        if why is not None:
+            return why
         if experts.token_rows(x, rows) is not None:
             return None
         return (f"called on tokens of shape {tuple(x.shape)} that are not the batch's {rows} rows flattened (a "
