@@ -22,6 +22,7 @@ from typing import Literal
 from torch import nn
 from torch.nn.utils import parametrize
 
+from gradrunner.capturing.dtensors import is_dtensor
 from gradrunner.capturing.forward_locals import SourceUnavailable, assigned_names
 from gradrunner.capturing.forward_patch import tapped_forward
 from gradrunner.errors import GradrunnerError
@@ -271,7 +272,8 @@ def check_still_resolved(
     module (or `.to()` making new parameters) no longer uses.
     Refused is opening the session, or with `placed` (where the tapped modules sat as the block opened, where its
     hooks are) the step about to run in the open block; a module replaced at its path since is refused then too.
-    Returns where the tapped modules sit now.
+    A stand-in its owner puts back (`_stands_in`: `functional_call`'s tensor, FSDP2's unsharded copy) is no
+    replacement. Returns where the tapped modules sit now.
     """
     modules = dict(model.named_modules(remove_duplicate=False))
     for tap in taps:
@@ -283,7 +285,9 @@ def check_still_resolved(
         elif tap.tap in params and module._parameters.get(tap.name) is None:  # `del lin.bias`, or `lin.bias = None`
             what = f"parameter {tap.name!r} of module {tap.module!r}, which the module no longer holds (deleted)"
         elif (
-            tap.tap in params and getattr(module, tap.name, None) is not params[tap.tap] and not _lent(module, tap.name)
+            tap.tap in params
+            and getattr(module, tap.name, None) is not params[tap.tap]
+            and not _stands_in(module, tap.name, params[tap.tap])
         ):
             what = f"parameter {tap.name!r} of module {tap.module!r}, which is another object now (replaced)"
         elif placed is None and tap.kind == "local" and not _assigns(module, tap.variable):  # another module's forward
@@ -345,10 +349,17 @@ def _assigns(module: nn.Module, variable: str) -> bool:
         return True
 
 
-def _lent(module: nn.Module, name: str) -> bool:
-    """A plain tensor in the parameter's own slot: `torch.func.functional_call` lends it for one call, then restores."""
+def _stands_in(module: nn.Module, name: str, param: object) -> bool:
+    """Whether the parameter's slot holds a stand-in for `param` that its owner puts back without a registration:
+    a plain tensor `torch.func.functional_call` lends for one call, or FSDP2's unsharded copy of a sharded (DTensor)
+    `param`, a plain tensor of its whole shape, which FSDP2 computes with from a forward until it reshards (left
+    there after a forward under no_grad where the group does not reshard after forward: the root group by default)."""
     held = module._parameters.get(name)
-    return held is not None and not isinstance(held, nn.Parameter)
+    if held is None:
+        return False
+    if not isinstance(held, nn.Parameter):
+        return True
+    return is_dtensor(param) and not is_dtensor(held) and held.shape == getattr(param, "shape", None)
 
 
 @dataclass(frozen=True)
