@@ -1096,6 +1096,38 @@ def test_a_session_entered_again_after_its_entry_raised_records_only_its_own_ste
     np.testing.assert_allclose(got.per_example_norm[2], [float(g.norm()) for g in rows], rtol=1e-5)
 
 
+def test_a_session_entered_per_micro_batch_keeps_every_backward_for_the_records_after_the_loop(strategy: str) -> None:
+    """Only a step left by a block that raised is dropped at the next entry: 8b875f2 dropped any step an earlier
+    entry left, so a session entered once per micro-batch with `records()` after the loop recorded the last
+    micro-batch only (the parameter tap 1.298 beside a `.grad` of norm 3.176). It records what one block around the
+    three backwards records, every column; the parameter tap's norm is that of `.grad`, which the optimiser uses."""
+    xs = [torch.randn(2, 4) for _ in range(3)]
+
+    def run(entry_per_micro_batch: bool) -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Tanh())
+        cap = capture(model, ["0:weight", "0:output"], strategy=strategy, values="full")
+        if entry_per_micro_batch:
+            for x in xs:
+                with cap:
+                    cap.backward(model(x).pow(2).mean())
+        else:
+            with cap:
+                for x in xs:
+                    cap.backward(model(x).pow(2).mean())
+        return model, cap.records()
+
+    model, got = run(True)
+    _, want = run(False)
+    assert got.keys == want.keys and got.micro_step == want.micro_step and len(got.keys) == 4
+    for name, values in want.stats.items():
+        np.testing.assert_array_equal(got.stats[name], values)
+    for a, b in zip(want.values, got.values, strict=True):
+        np.testing.assert_array_equal(a, b)
+    weight = next(got.row(i) for i in range(len(got.keys)) if got.row(i)["tap"] == "0:weight")
+    assert weight["norm"] == pytest.approx(float(model[0].weight.grad.norm()), rel=1e-6)
+
+
 def test_a_session_entered_again_after_the_model_changed_refuses_what_it_would_record_wrong(strategy: str) -> None:
     """A module replaced between two entries: its parameter tap recorded `takes no part in the loss` (NaN, has_grad
     False) while the model's new parameter got a gradient of norm 0.516; a module removed raised KeyError '2'. Both

@@ -86,7 +86,7 @@ class Backwards:
     def __init__(self: Capture, collector: Collector) -> None:  # type: ignore[misc]
         self._collector = collector
         self._pass: _Pass | None = None
-        self._closed = True
+        self._closed, self._raised = True, False  # raised: its last block ended by an exception (`Capture._install`)
         #: The last backward's slots (reasons), and those kept for another backward through the same forward.
         self._last: list[Slot] = []
         self._retained: list[Slot] | None = None

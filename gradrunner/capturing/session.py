@@ -123,7 +123,7 @@ class Capture(Backwards):
         #: How errors name this session (`record()` names its own: `open_sessions`).
         self.label = f"capture({type(model).__name__}, strategy={strategy!r})"
         self.keep_grads = keep_grads
-        self.values, self.sample_size, self.seed, self.per_example, self.histogram = values, sample_size, seed, per_example, histogram
+        self.values, self.sample_size, self.seed, self.per_example, self.histogram = values, sample_size, seed, per_example, histogram  # fmt: skip
         self.enabled = True
         self.loss_scale = loss_scale
         self.grads = Grads([t.tap for t in self.taps], [], kept=keep_grads)
@@ -140,8 +140,7 @@ class Capture(Backwards):
         self._registered, self._placed = False, Placed(model, self.taps)  # registered; placed: `_check_unchanged`
         #: The backward that ended last started the step again (`_note_end`): the step's loss is its loss.
         self.restarted = False
-        # the last backward (in a step call) left a `.grad`; all reset since
-        self._filled, self._cleared_all = False, False
+        self._filled, self._cleared_all = False, False  # the last backward (in a step call) left a `.grad`; all reset
         #: The `optimizer.step()` call running now (a number), and the one the last backward ran in (`_note_end`).
         self._in_step: int | None = None
         self._last_in: int | None = None
@@ -164,6 +163,7 @@ class Capture(Backwards):
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._raised = exc[0] is not None  # only then is a step the block left dropped at the next entry (`_install`)
         self.close()
 
     def close(self) -> None:
@@ -176,8 +176,8 @@ class Capture(Backwards):
 
     def _install(self) -> None:
         hold_open(self, self._stack)  # first: a session refused beside another leaves nothing behind
-        if self._next_order:  # a step an earlier entry left, that no records() took (it raised): not this entry's
-            self._abort()
+        if self._next_order and self._raised:  # a step an earlier block left as it raised, that no records() took
+            self._abort()  # (a block that ended normally leaves its backwards to the next records(), as documented)
         self._placed = check_still_resolved(self.model, self.taps, self._params.held(), self.label)  # replaced, gone
         self._closed = False
         self._stack.callback(self.strategy.close)
