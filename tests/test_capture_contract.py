@@ -1201,6 +1201,29 @@ def test_a_model_changed_inside_the_block_is_refused_at_its_next_forward(strateg
         assert float(got.stats["norm"][1]) == pytest.approx(weight_grad, rel=1e-6), change.__name__
 
 
+def test_parameters_lent_by_functional_call_inside_the_block_are_no_replacement(strategy: str) -> None:
+    """`torch.func.functional_call(model, dict(ema.named_parameters()), x)` (an EMA copy's metric, gradients on) puts
+    the copy's Parameters in the model's slots for one call, without a registration, and puts the model's back. As
+    the first forward of an entry, or after any module was built in the block, it was refused ("its tap 0:weight
+    names parameter 'weight' of module '0', which is another object now (replaced)"): nothing was replaced. The
+    steps are recorded, the parameter tap's norm that of `.grad`; a Parameter assigned to the slot is still refused."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(5, 4)
+    ema = copy.deepcopy(model)
+    with capture(model, ["0:weight"], strategy=strategy) as cap:
+        for step in range(2):
+            torch.func.functional_call(model, dict(ema.named_parameters()), (x,)).pow(2).mean()  # no backward
+            cap.backward(model(x * (step + 1)).pow(2).mean())
+            got = cap.records()
+            assert float(got.stats["norm"][0]) == pytest.approx(float(model[0].weight.grad.norm()), rel=1e-6), step
+            model.zero_grad(set_to_none=True)
+            nn.Linear(2, 2)  # a module built anywhere: the registration hooks ask for the check at the next step
+        model[0].weight = ema[0].weight
+        with pytest.raises(GradrunnerError, match=r"its tap 0:weight names parameter 'weight' of module '0'"):
+            model(x)
+    assert not leftover_hooks(model)
+
+
 def test_a_tapped_module_deleted_inside_the_block_is_refused_at_its_next_step(strategy: str) -> None:
     """`del model[2]`, `delattr(model, "2")` or `del model[2].weight` between two steps of one block run no
     registration hook: the parameter tap recorded "takes no part in the loss" for a Parameter the model no longer

@@ -182,8 +182,7 @@ class Capture(Backwards):
         self._closed = False
         self._stack.callback(self.strategy.close)
         self._stack.callback(self._drop_root_hooks)
-        # optimizer.step() calls: a closure evaluated again in one (LBFGS), or steps in a row; an earlier one is over
-        self._in_step = self._last_in = None
+        self._in_step = self._last_in = None  # optimizer.step() calls (`_note_end`): one an earlier entry ran is over
         self._stack.callback(register_optimizer_step_pre_hook(self._step_begins).remove)
         self._stack.callback(register_optimizer_step_post_hook(self._step_ends).remove)
         self._watch_params()
@@ -214,17 +213,18 @@ class Capture(Backwards):
 
     def _watch_params(self) -> None:
         """Forget the cached parameter list, and check the taps at the next step (`_check_unchanged`), whenever any
-        module registers a parameter or submodule: listing walks every module, microseconds a firing if each step."""
+        module registers a parameter (its slot noted) or submodule: listing walks every module, microseconds a firing"""
 
         def forget(*_: object) -> None:
             self._model_params, self._witness, self._registered = None, None, True
 
+        def assigned(module: nn.Module, name: str, _param: object) -> None:  # `lin.weight = ...`: `Placed.note`
+            self._placed.note(module, name)
+            forget()
+
         forget()  # changed while the session was closed: listed again
-        for register in (
-            nn.modules.module.register_module_parameter_registration_hook,
-            nn.modules.module.register_module_module_registration_hook,
-        ):
-            self._stack.callback(register(forget).remove)
+        self._stack.callback(nn.modules.module.register_module_parameter_registration_hook(assigned).remove)
+        self._stack.callback(nn.modules.module.register_module_module_registration_hook(forget).remove)
 
     def _check_unchanged(self) -> None:
         """Refuse the step about to run (root forward, `backward()`) if a tap was replaced or deleted in the block."""

@@ -271,9 +271,10 @@ def check_still_resolved(
     module's forward() assigns the variable); a parameter tap holds the parameter it resolved to, which a replaced
     module (or `.to()` making new parameters) no longer uses.
     Refused is opening the session, or with `placed` (where the tapped modules sat as the block opened, where its
-    hooks are) the step about to run in the open block; a module replaced at its path since is refused then too.
-    A stand-in its owner puts back (`_stands_in`: `functional_call`'s tensor, FSDP2's unsharded copy) is no
-    replacement. Returns where the tapped modules sit now.
+    hooks are) the step about to run in the open block; a module replaced at its path since is refused then too,
+    and a tapped parameter only where its slot was assigned (`Placed.note`: `functional_call` lends another
+    model's Parameters without an assignment, and puts them back). A stand-in its owner puts back (`_stands_in`:
+    `functional_call`'s tensor, FSDP2's unsharded copy) is no replacement. Returns where the tapped modules sit now.
     """
     modules = dict(model.named_modules(remove_duplicate=False))
     for tap in taps:
@@ -286,6 +287,7 @@ def check_still_resolved(
             what = f"parameter {tap.name!r} of module {tap.module!r}, which the module no longer holds (deleted)"
         elif (
             tap.tap in params
+            and (placed is None or (id(module), tap.name) in placed.reassigned)
             and getattr(module, tap.name, None) is not params[tap.tap]
             and not _stands_in(module, tap.name, params[tap.tap])
         ):
@@ -332,6 +334,12 @@ class Placed:
                 params.append((module, tap.name))
         self._links = tuple(links.values())
         self._params = tuple(params)
+        #: The parameter slots (module id, name) assigned since (`note`): a tapped one holding another object: refused
+        self.reassigned: set[tuple[int, str]] = set()
+
+    def note(self, module: nn.Module, name: str) -> None:
+        """A parameter was assigned to `module.name` (torch's parameter registration hook): checked at the next step."""
+        self.reassigned.add((id(module), name))
 
     def intact(self) -> bool:
         """Whether every tapped module is where it sat, and every tapped parameter's slot still holds one (`= None`
