@@ -1381,6 +1381,29 @@ def test_a_closure_that_raised_inside_the_block_ends_its_optimizer_step(strategy
         np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
 
 
+def test_a_session_whose_entry_failed_is_not_open_and_enters_again(strategy: str) -> None:
+    """An entry that raised while installing (an edited parameter frozen after the session was made: torch refuses
+    its hook) left the session marked open, nothing of it installed: entered again once the cause was fixed, it was
+    refused as 'open already: a session is entered once at a time', which it was not. It enters and records: the
+    edited tap's norm is that of the gradient before the edit, `.grad` the edited one (scale 0.5)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)), torch.randn(5, 4)
+    cap = capture(model, ["0:weight"], strategy=strategy, edits=[{"tap": "0:weight", "scale": 0.5}])
+    model[0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError), cap:
+        pass
+    assert not leftover_hooks(model)
+    model[0].weight.requires_grad_(True)
+    want = torch.autograd.grad(model(x).pow(2).mean(), model[0].weight)[0]
+    with cap:
+        cap.backward(model(x).pow(2).mean())
+        recs = cap.records()
+    assert recs.keys == [TapKey("0", "weight", 0)]
+    np.testing.assert_allclose(recs.stats["norm"], [float(want.norm())], rtol=1e-6)
+    torch.testing.assert_close(model[0].weight.grad, want * 0.5)
+    assert not leftover_hooks(model)
+
+
 def test_a_session_entered_inside_its_own_block_is_refused_and_records_each_call_once(strategy: str) -> None:
     """`with cap:` inside `with cap:` installed every hook a second time: one forward recorded `0:output` as calls 0
     and 1 (the same gradient twice), and leaving the inner block closed the outer one. Refused now before anything

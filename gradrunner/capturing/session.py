@@ -158,7 +158,7 @@ class Capture(Backwards):
         try:
             self._install()
         except BaseException:
-            self.close()  # refused halfway: closed (not left open), as `backward()` outside a block and re-entry expect
+            self.close()  # closed, not left open: `backward()` outside a block refused, entered again once fixed
             raise
         return self
 
