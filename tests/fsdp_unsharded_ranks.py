@@ -3,10 +3,12 @@ parameters between steps (a forward under no_grad, evaluation, leaves them there
 after forward: `reshard_after_forward=False`, or the root group by default).
 
 Run by torchrun (gloo, CPU): `python -m torch.distributed.run --standalone --nproc_per_node=2 fsdp_unsharded_ranks.py
-OUT CASE...`, a CASE being `<reshard>:<entry>` (`default` · `false`, `reenter`: `with cap:` around each step ·
-`inblock`: one block, a module built between steps). Each rank trains 3 SGD steps, a forward under no_grad after
-each, and writes `OUT/<case>.rank<r>.pt`: per step the parameter taps' recorded norms and the norms of the whole
-`.grad` gathered with `full_tensor()` (the reference, without gradrunner), and a refusal's message.
+OUT CASE...`, a CASE being `<reshard>:<entry>` (`default` · `false` · `int2`: resharded after forward on 2 of the
+4 ranks, `reenter`: `with cap:` around each step · `inblock`: one block, a module built between steps). Each rank
+trains 3 SGD steps, a forward under no_grad after each, and writes `OUT/<case>.rank<r>.pt`: per step the parameter
+taps' recorded norms and the norms of the whole `.grad` gathered with `full_tensor()` (the reference, without
+gradrunner), a refusal's message, and (`reenter`) the refusal of an entry after a tapped sharded parameter was
+really replaced (by a copy on its own mesh).
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ def build(reshard: str, world: int) -> nn.Module:
     model = nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 6), nn.Tanh(), nn.LayerNorm(6), nn.Linear(6, 2))
     model = model.double()
     mesh = init_device_mesh("cpu", (world,))
-    kw: dict[str, Any] = {} if reshard == "default" else {"reshard_after_forward": False}
+    kw: dict[str, Any] = {
+        "default": {},
+        "false": {"reshard_after_forward": False},
+        "int2": {"reshard_after_forward": 2},
+    }[reshard]
     for i in (0, 2):
         fully_shard(model[i], mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
@@ -78,6 +84,13 @@ def run_case(case: str, out_dir: Path) -> None:
                 model(x)  # evaluation: the unsharded parameters stay in the slots
             if entry == "inblock":
                 nn.Linear(2, 2)  # a module built anywhere: the registration hooks ask for the check at the next step
+        if entry == "reenter":
+            model.reshard()  # type: ignore[operator]  # the sharded parameters back in the slots
+            model[4].weight = nn.Parameter(model[4].weight.detach().clone())  # a DTensor on its own mesh
+            try:
+                cap.__enter__()
+            except GradrunnerError as e:
+                out["replaced_refused"] = str(e)
     except GradrunnerError as e:
         out["refused"] = str(e)
     finally:

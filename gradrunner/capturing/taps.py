@@ -359,15 +359,18 @@ def _assigns(module: nn.Module, variable: str) -> bool:
 
 def _stands_in(module: nn.Module, name: str, param: object) -> bool:
     """Whether the parameter's slot holds a stand-in for `param` that its owner puts back without a registration:
-    a plain tensor `torch.func.functional_call` lends for one call, or FSDP2's unsharded copy of a sharded (DTensor)
-    `param`, a plain tensor of its whole shape, which FSDP2 computes with from a forward until it reshards (left
-    there after a forward under no_grad where the group does not reshard after forward: the root group by default)."""
+    a plain tensor `torch.func.functional_call` lends for one call, or FSDP2's copy of a sharded (DTensor) `param`
+    of its whole shape, which FSDP2 computes with from a forward until it reshards: unsharded (a plain tensor), or
+    after the forward sharded on a smaller mesh (`reshard_after_forward=<int>`: a DTensor on another mesh); left
+    there after a forward under no_grad where the group does not reshard fully (the root group by default)."""
     held = module._parameters.get(name)
     if held is None:
         return False
     if not isinstance(held, nn.Parameter):
         return True
-    return is_dtensor(param) and not is_dtensor(held) and held.shape == getattr(param, "shape", None)
+    if not is_dtensor(param) or held.shape != getattr(param, "shape", None):
+        return False
+    return not is_dtensor(held) or getattr(held, "device_mesh", None) != getattr(param, "device_mesh", None)
 
 
 @dataclass(frozen=True)
