@@ -1404,6 +1404,49 @@ def test_a_session_whose_entry_failed_is_not_open_and_enters_again(strategy: str
     assert not leftover_hooks(model)
 
 
+class _NanGuardSGD(torch.optim.SGD):
+    """SGD that refuses a non-finite gradient, raising in `step()` itself (no closure): as a GradScaler-style check."""
+
+    def step(self, closure: Any = None) -> Any:
+        if any(p.grad is not None and not torch.isfinite(p.grad).all() for g in self.param_groups for p in g["params"]):
+            raise FloatingPointError("non-finite gradient")
+        return super().step(closure)
+
+
+def test_an_optimizer_step_that_raised_outside_a_closure_leaves_no_step_running(strategy: str) -> None:
+    """`opt.step()` raising outside any closure (an optimizer refusing a NaN), caught inside the block: no post-hook
+    ran, so the session counted itself inside that step until the next `step()` returned, and the next step's
+    `zero_grad()` between two backwards (PCGrad's tasks, each gradient alone) was taken for a closure evaluated again,
+    dropping the first backward's rows (1 record, `micro_step` None, for 2: 0 and 1). That step records what a fresh
+    session records."""
+    x = torch.randn(6, 4)
+
+    def two_tasks(nan_step_first: bool) -> Any:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        opt = _NanGuardSGD(model.parameters(), lr=0.1)
+        with capture(model, ["0:output", "2:weight"], strategy=strategy) as cap:
+            if nan_step_first:
+                cap.backward(model(x * float("nan")).sum())
+                with pytest.raises(FloatingPointError, match="non-finite gradient"):
+                    opt.step()
+                opt.zero_grad()
+                cap.records()
+            out = model(x)
+            first, second = out[:, 0].pow(2).mean(), out[:, 1].abs().mean()
+            cap.backward(first, retain_graph=True)
+            opt.zero_grad()
+            cap.backward(second)
+            opt.step()
+            return cap.records(first + second)
+
+    want = two_tasks(False)
+    got = two_tasks(True)
+    assert want.micro_step == [0, 1, None]
+    assert got.keys == want.keys and got.micro_step == want.micro_step
+    np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
+
+
 def test_a_session_entered_inside_its_own_block_is_refused_and_records_each_call_once(strategy: str) -> None:
     """`with cap:` inside `with cap:` installed every hook a second time: one forward recorded `0:output` as calls 0
     and 1 (the same gradient twice), and leaving the inner block closed the outer one. Refused now before anything

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradrunner.capturing.backwards import Backwards, unscaled
 from gradrunner.capturing.dtensors import any_dtensor
@@ -43,7 +43,7 @@ from gradrunner.capturing.params import ParamBackward, ParamTaps, ddp_synced
 from gradrunner.capturing.per_example import PerExampleNorms
 from gradrunner.capturing.snapshot import ParamSnapshot
 from gradrunner.capturing.stats import Collector
-from gradrunner.capturing.step_calls import StepArgs, on_closure_raise
+from gradrunner.capturing.step_calls import StepArgs, around_closure
 from gradrunner.capturing.strategies import Slot, get_strategy
 from gradrunner.capturing.taps import Placed, Tap, TapSpec, check_still_resolved, resolve_taps
 from gradrunner.capturing.torch_compat import backward_running, compiled_inner, running_ddp, shares_memory
@@ -141,7 +141,7 @@ class Capture(Backwards):
         #: The backward that ended last started the step again (`_note_end`): the step's loss is its loss.
         self.restarted = False
         self._filled, self._cleared_all = False, False  # the last backward (in a step call) left a `.grad`; all reset
-        #: The `optimizer.step()` call running now (a number), and the one the last backward ran in (`_note_end`).
+        #: The `optimizer.step()` call whose closure runs now (a number), and the one the last backward ran in.
         self._in_step: int | None = None
         self._last_in: int | None = None
         self._steps_begun = 0
@@ -184,7 +184,6 @@ class Capture(Backwards):
         self._stack.callback(self._drop_root_hooks)
         self._in_step = self._last_in = None  # optimizer.step() calls (`_note_end`): one an earlier entry ran is over
         self._stack.callback(register_optimizer_step_pre_hook(self._step_begins).remove)
-        self._stack.callback(register_optimizer_step_post_hook(self._step_ends).remove)
         self._watch_params()
         self._firing.install(self.model, [t for t in self.taps if t.kind != "param"], self._stack)
         self._params.install(self._stack)
@@ -258,12 +257,13 @@ class Capture(Backwards):
         return trains
 
     def _step_begins(self, _opt: object, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
-        self._steps_begun += 1
-        n = self._in_step = self._steps_begun
-        return on_closure_raise(args, kwargs, lambda: self._step_ends() if self._in_step == n else None)
+        """An `optimizer.step()` call begins: counted as the step run now while its closure runs (`step_calls`)."""
+        self._steps_begun = n = self._steps_begun + 1
+        return around_closure(args, kwargs, lambda: self._step_running(n), self._step_running)
 
-    def _step_ends(self, *_: object) -> None:
-        self._in_step = None
+    def _step_running(self, n: int | None) -> int | None:
+        was, self._in_step = self._in_step, n
+        return was
 
     def _note_begin(self) -> None:
         """A backward begins: was every `.grad` reset since an earlier backward of the same `optimizer.step()` call
