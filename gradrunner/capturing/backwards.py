@@ -125,6 +125,7 @@ class Backwards:
             if self.strategy.owns_backward:
                 self._forget_forward()  # that backward fails, and frees the graph those calls were in
                 raise GradrunnerError(OWN_BACKWARD_ONLY)
+            self._check_unchanged()  # a tap replaced since the forward, as `Capture.backward` refuses it
             p = self._begin(explicit=False, retain_graph=False)
         # a callback queued in a reentrant checkpoint's inner backward runs as that ends: wait for the outer backward
         if not p.armed and in_backward() and (recomputing or reentrant_checkpoint("backward") is None):
