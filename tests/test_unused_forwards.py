@@ -6,8 +6,11 @@ forward to call 1. Reference: plain tensor hooks, which number every step's trai
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import regression_batches as _batches
@@ -82,3 +85,116 @@ def test_record_numbers_each_steps_training_forward_call_0(tmp_path: Path, strat
     assert df.call.tolist() == [0] * len(trained)
     assert df.has_grad.tolist() == [True] * len(trained)
     assert df.norm.tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def _alive_outputs(module: nn.Module) -> tuple[list[weakref.ref[torch.Tensor]], Any]:
+    """Weak references to every output of `module` (the activations a forward's graph holds), and the hook's handle."""
+    refs: list[weakref.ref[torch.Tensor]] = []
+    return refs, module.register_forward_hook(lambda _m, _a, out: refs.append(weakref.ref(out)) and None)
+
+
+def _train(taps: list[str], strategy: str, dropped: int) -> tuple[list[list[Any]], int]:
+    """Two SGD steps of `_model`, each after `dropped` forwards with gradients on whose outputs are dropped (an
+    evaluation loop without `torch.no_grad()`): each step's records, and the most such forwards' activations alive."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    refs: list[weakref.ref[torch.Tensor]] = []
+    handle = model[0].register_forward_hook(lambda _m, _a, out: refs.append(weakref.ref(out)) and None)
+    steps, held, x_eval = [], 0, torch.randn(5, 4)
+    with capture(model, taps, strategy=strategy) as cap:
+        for x, y in _batches(2):
+            for _ in range(dropped):
+                float(model(x_eval).sum())  # a metric, gradients on by mistake
+            held = max(held, sum(r() is not None for r in refs))
+            loss = nn.functional.mse_loss(model(x), y)
+            cap.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            recs = cap.records(loss)
+            steps.append([(recs.row(i)["tap"], recs.row(i)["call"], recs.row(i)["norm"]) for i in range(len(recs))])
+            refs.clear()
+    handle.remove()
+    return steps, held
+
+
+@pytest.mark.parametrize("taps", [["0:output", "2:weight"], ["2:output", ":input"]])
+def test_forwards_whose_outputs_were_dropped_hold_nothing_and_add_no_rows(strategy: str, taps: list[str]) -> None:
+    """An evaluation loop that forgot `torch.no_grad()` (30 forwards with gradients on, each output dropped), then a
+    training step: every forward's slots (and through them its graph, 30 activations of `0:output`) were held until
+    the backward, which recorded 30 rows "takes no part in the loss" per tap and the training forward as call 30.
+    Plain torch frees each graph once its output is dropped; so does the session now (a forward's slots go as the
+    next forward begins), and each step records what a session that saw no such forward records: call 0 only."""
+    if strategy == "autograd_grad" and "2:output" in taps:
+        pytest.skip("autograd_grad holds a tapped output's edge for its engine call (README: a forward no backward used)")
+    want, _ = _train(taps, strategy, dropped=0)
+    got, held = _train(taps, strategy, dropped=30)
+    for step, (rows, fresh) in enumerate(zip(got, want, strict=True)):
+        assert [r[:2] for r in rows] == [r[:2] for r in fresh], f"step {step}: {rows}"
+        assert [r[2] for r in rows] == pytest.approx([r[2] for r in fresh], rel=1e-6), f"step {step}"
+    assert held <= 1, f"{held} dropped forwards' activations held"
+
+
+class _FrozenEmbedding(nn.Module):
+    """A frozen embedding under a trained head: its output requires grad only by `enable_input_require_grads()`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 6).requires_grad_(False)
+        self.fc = nn.Linear(6, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(ids).tanh()).squeeze(-1).mean(1)
+
+
+def _requires_grad(_module: nn.Module, _args: object, out: torch.Tensor) -> None:
+    out.requires_grad_()
+
+
+def _record_every_2(run_dir: Path, dropped: int) -> tuple[Any, float, int]:
+    """Four steps of `record(every=2)` with edited frozen-embedding and head outputs, each after `dropped` forwards with
+    gradients on whose outputs are dropped: the records, the head's final weight sum, and the most such forwards'
+    embedding outputs alive."""
+    model = _FrozenEmbedding()
+    opt = torch.optim.SGD(model.fc.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1)
+    ids, y = torch.randint(0, 10, (4, 3), generator=g), torch.randn(4, generator=g)
+    refs: list[weakref.ref[torch.Tensor]] = []
+    held = 0
+    with record(model, ["emb:output", "fc:output"], run_dir, strategy="hook", every=2,
+                edits=[{"tap": "emb:output", "dropout": 0.5}, {"tap": "fc:output", "dropout": 0.5}]) as rec:  # fmt: skip
+        # as transformers' enable_input_require_grads(), called after the session opened: runs after the tap's hook
+        turn_on = model.emb.register_forward_hook(_requires_grad)
+        watch = model.emb.register_forward_hook(lambda _m, _a, out: refs.append(weakref.ref(out)) and None)
+        for _ in range(4):
+            for _ in range(dropped):
+                float(model(ids).sum())
+            held = max(held, sum(r() is not None for r in refs))
+            refs.clear()
+            loss = nn.functional.mse_loss(model(ids), y)
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+        turn_on.remove()
+        watch.remove()
+    df = load(run_dir).sort_values(["step", "tap", "call"])
+    return df[["step", "tap", "call", "has_grad", "norm", "edited_norm"]], float(model.fc.weight.sum()), held
+
+
+def test_dropped_forwards_in_captured_and_uncaptured_steps_leave_the_edits_and_records_as_without_them(
+    tmp_path: Path,
+) -> None:
+    """`record(every=2)`, 20 dropped forwards with gradients on before each step, a frozen embedding output turned
+    on by a later forward hook and the head's output, both edited (`dropout`): the uncaptured steps held every such
+    forward's embedding output (`late_uncaptured`) and the captured ones its slots until the backward, whose records
+    had 20 rows without gradient per tap and the training forward as call 20. Now nothing of them is held, the
+    captured steps record call 0 with a fresh run's numbers, and the edits draw what a fresh run draws in every step
+    (the head's final weights, trained through the uncaptured steps' `fc:output` dropout too, are identical)."""
+    want, want_w, _ = _record_every_2(tmp_path / "fresh", dropped=0)
+    got, got_w, held = _record_every_2(tmp_path / "dropped", dropped=20)
+    assert got[["step", "tap", "call", "has_grad"]].values.tolist() == want[["step", "tap", "call", "has_grad"]].values.tolist()
+    np.testing.assert_allclose(got[["norm", "edited_norm"]].to_numpy(float), want[["norm", "edited_norm"]].to_numpy(float),
+                               rtol=1e-6)  # fmt: skip
+    assert got_w == want_w
+    assert held <= 2, f"{held} dropped forwards' embedding outputs held"

@@ -120,6 +120,7 @@ class Backwards:
             if self._closed:
                 return
             if torch.is_grad_enabled() and fills_grad(self._all_params()) is False:
+                self._firing.pending.pin()  # its graph may hold the forwards' inner nodes: none of them is dropped
                 return  # the user's torch.autograd.grad(..., create_graph=True): part of a loss, not its backward
             refuse_inside_engine_call(self)  # another session's autograd_grad call, run through this model
             if self.strategy.owns_backward:
@@ -154,14 +155,12 @@ class Backwards:
             self._retained = None
         self._params.check()
 
-    def _forward_returned(self: Capture, output: Any) -> None:  # type: ignore[misc]
-        """The root module's outermost forward returned `output`: a backward from it will be seen first there."""
-        if not torch.is_grad_enabled() or in_backward() or self._closed:
-            return
-        self.before_backward(output)
+    def _forward_returned(self: Capture, output: Any) -> list[Any]:  # type: ignore[misc]
+        """The root module's outermost forward returned `output`: a backward will be seen first at the nodes returned."""
+        return [] if not torch.is_grad_enabled() or in_backward() or self._closed else self.before_backward(output)
 
-    def before_backward(self: Capture, output: Any) -> None:  # type: ignore[misc]
-        """A backward through `output` (a loss, or the tensors of a model's output) may come: see it begin there.
+    def before_backward(self: Capture, output: Any) -> list[Any]:  # type: ignore[misc]
+        """A backward through `output` (a loss, a model's output's tensors) may come: see it begin there (the nodes returned).
 
         Example::
 
@@ -180,6 +179,7 @@ class Backwards:
                 nodes.append(t.grad_fn)
         if nodes and self._firing.slots:
             self.strategy.seen_at(self._firing.slots, nodes)
+        return nodes
 
     def finish_backward(self: Capture) -> None:  # type: ignore[misc]
         """A backward the session did not run has returned: end it now if its end was not seen yet.

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -68,6 +68,9 @@ from gradrunner.config.edits import OPERATIONS as OPERATIONS
 from gradrunner.config.edits import Edit, Mask, parse_edits
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import TapKey
+
+if TYPE_CHECKING:
+    from gradrunner.capturing.strategies.base import Slot
 
 _V = TypeVar("_V")
 
@@ -123,7 +126,7 @@ class Edits:
 
     - `install(stack, capturing, seen)` when the session opens: the parameters' hooks (`seen()` is called
       from every hook of ours inside a backward: that is how the session sees a backward begin);
-    - `on_fire(tap, value, call, key)` when a tap fires: the value the model goes on with (`refuse` first,
+    - `on_fire(tap, value, call, slot)` when a tap fires: the value the model goes on with (`refuse` first,
       for a value that cannot carry a gradient);
     - `begin_backward()` at the start of each backward (the step number that seeds random edits),
       `end_backward()` at its end;
@@ -264,12 +267,14 @@ class Edits:
                 "from parameters (or from an input that requires grad), or drop the edit."
             )
 
-    def on_fire(self, tap: Tap, value: _V, call: int, key: TapKey | None = None) -> _V:
+    def on_fire(self, tap: Tap, value: _V, call: int, slot: Slot | None = None) -> _V:
         """The value the model goes on with: `value` through an edit node when `tap` is edited.
 
         `call` is the firing's call, numbered by the session's forward side in every step (`Firing`: the
-        captured step's record's call, in the seeds); `key` the record's key in a captured step (its edited
-        norm is kept), None otherwise. A value without gradient passes as it is.
+        captured step's record's call, in the seeds); `slot` the record's slot in a captured step (its edited
+        norm is kept under its key; its call, read as the edit draws, is the one in the seeds: a forward
+        before it that no backward reached, dropped, moves it down), None otherwise. A value without gradient
+        passes as it is.
         """
         edits = self.by_tap.get(tap.tap)
         if edits is None or not isinstance(value, torch.Tensor) or not value.requires_grad:
@@ -278,10 +283,10 @@ class Edits:
         # the backward the gradient flows in: the next one, or the one running, whose start was seen, for a value
         # recomputed inside it (a reentrant checkpoint's second pass; its first, without grad, is not edited)
         first = max(self.step + (0 if self._running and in_backward() else 1), 0)
-        return cast(_V, _EditNode.apply(value, self._editor(tap.tap, edits, call, key, first)))
+        return cast(_V, _EditNode.apply(value, self._editor(tap.tap, edits, call, slot, first)))
 
     def on_late_leaf(
-        self, tap: Tap, leaf: torch.Tensor, call: int, key: TapKey | None, arrived: Callable[[torch.Tensor], object]
+        self, tap: Tap, leaf: torch.Tensor, call: int, slot: Slot | None, arrived: Callable[[torch.Tensor], object]
     ) -> RemovableHandle:
         """Edit the gradient of `leaf`, a tapped leaf made to require grad in place after its tap fired (by a later
         forward hook: transformers' `enable_input_require_grads()`), as the backward that begins now reaches it.
@@ -293,7 +298,7 @@ class Edits:
         """
         edits = self.by_tap[tap.tap]
         _check_shape(edits, tap.tap, leaf.shape)
-        edit = self._editor(tap.tap, edits, call, key, max(self.step, 0))  # the backward begun (`begin_backward`)
+        edit = self._editor(tap.tap, edits, call, slot, max(self.step, 0))  # the backward begun (`begin_backward`)
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             arrived(grad)
@@ -302,7 +307,7 @@ class Edits:
         return leaf.register_hook(hook)
 
     def _editor(
-        self, tap: str, edits: list[Edit], call: int, key: TapKey | None, first: int
+        self, tap: str, edits: list[Edit], call: int, slot: Slot | None, first: int
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """What `edits` do to a gradient of call `call` of `tap` that flows in backward `first` (or a later one)."""
 
@@ -314,9 +319,10 @@ class Edits:
             # `torch.autograd.grad` inside a loss (a gradient penalty) begins none: the forward's next one
             step = max(first, self.step) if self._running else first
             # a DTensor: an activation's under tensor parallel, edited as the whole gradient
-            new = (apply_sharded if is_dtensor(grad) else apply_all)(edits, grad, self.seed, step, tap, call)
-            if key is not None:  # into the norms of the backward running now (a second one too)
-                self.norms[key] = record_norm(new)
+            at = call if slot is None else slot.key.call
+            new = (apply_sharded if is_dtensor(grad) else apply_all)(edits, grad, self.seed, step, tap, at)
+            if slot is not None:  # into the norms of the backward running now (a second one too)
+                self.norms[slot.key] = record_norm(new)
             return new
 
         return edit

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import weakref
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -40,6 +39,7 @@ from gradrunner.capturing.grad_context import (
     refuse_transformed,
 )
 from gradrunner.capturing.owned import owned
+from gradrunner.capturing.pending import CheckpointContexts, PendingForwards
 from gradrunner.capturing.recorded_norms import record_value_norm
 from gradrunner.capturing.strategies import Slot
 from gradrunner.capturing.taps import Tap
@@ -85,8 +85,8 @@ class Firing:
         self.deferred: dict[tuple[int, str], list[Slot | None]] = {}
         #: ... in an uncaptured step: the edited calls' numbers (`_fire_uncaptured`).
         self.deferred_calls: dict[tuple[int, str], list[int]] = {}
-        #: The checkpoint contexts keyed in those two by `id`, watched so that a freed one's entries go (`_ctx_key`).
-        self._contexts: dict[int, weakref.ref[Any]] = {}
+        #: The checkpoint contexts keyed in those two by `id`, watched so that a freed one's entries go.
+        self._contexts = CheckpointContexts(self)
         #: Edited leaves without grad when their tap fired in an uncaptured step, with the call (`edit_late_uncaptured`).
         self.late_uncaptured: list[tuple[Tap, torch.Tensor, int]] = []
         #: The hooks that edit those turned on since (removed as the next forward begins, or on exit).
@@ -95,9 +95,14 @@ class Firing:
         self.grad_forward: list[bool] = []
         #: (slots, calls) as they were when the outermost forward began: restored if it fails.
         self._mark: tuple[int, dict[str, int]] | None = None
+        self._late_mark = 0  # `late_uncaptured` as that forward began
+        #: The root forwards those slots are of, dropped once their graph is freed before a backward reached it.
+        self.pending = PendingForwards(self)
 
     def take(self) -> tuple[list[Slot], Collection[str]]:
         """The slots opened so far and the taps they are of, handed to the backward that begins; numbering restarts."""
+        self.pending.drop_freed()  # a forward whose graph went cannot be this backward's
+        self.pending.clear()
         slots, calls = self.slots, self.calls
         self.slots, self.calls, self._mark = [], {}, None
         for slot in slots:
@@ -122,11 +127,12 @@ class Firing:
         # leaf reads what arrives (the session's one `deliver`, in place of the strategy) and passes the edit on.
         slot.leaf, slot.value_norm = True, record_value_norm(value)
         deliver = self.session.strategy.deliver
-        slot.handle = edits.on_late_leaf(tap, value, slot.key.call, slot.key, lambda grad: deliver(slot, grad))
+        slot.handle = edits.on_late_leaf(tap, value, slot.key.call, slot, lambda grad: deliver(slot, grad))
 
     def edit_late_uncaptured(self) -> None:
         """An uncaptured backward begins: edit the gradient of each edited leaf a later forward hook turned on
         (`_attach_late`'s edit, without a record), as the edit node edits it where the leaf required grad at once."""
+        self.pending.drop_freed()
         edits, late, self.late_uncaptured = self.session.edits, self.late_uncaptured, []
         if edits is None:
             return
@@ -144,24 +150,7 @@ class Firing:
         """Forget every slot opened since the last backward (their hooks too)."""
         self.session.strategy.forget(self.slots)
         self.slots, self.calls, self.deferred, self._mark = [], {}, {}, None
-
-    def _ctx_key(self, ctx: object, tap: str) -> tuple[int, str]:
-        """The key of a reentrant checkpoint context's calls of `tap` in `deferred` (`deferred_calls`): its `id`.
-
-        A context freed before any backward reached it (a forward whose output no backward used) takes its
-        entries with it: a later checkpoint's context allocated at the same address would otherwise take over
-        the freed one's calls, and its recomputation be recorded under the dropped forward's call numbers.
-        """
-        key = id(ctx)
-        if key not in self._contexts:
-            self._contexts[key] = weakref.ref(ctx, lambda _ref: self._ctx_freed(key))
-        return key, tap
-
-    def _ctx_freed(self, key: int) -> None:
-        del self._contexts[key]
-        for table in (self.deferred, self.deferred_calls):
-            for k in [k for k in table if k[0] == key]:
-                del table[k]
+        self.pending.clear()
 
     # -- installing ------------------------------------------------------------------------------
     def install(self, model: nn.Module, taps: list[Tap], stack: contextlib.ExitStack) -> None:
@@ -201,7 +190,9 @@ class Firing:
                 if grad:  # an evaluation forward between two backwards leaves the graph held
                     self.session._forward_begins()
                     self.drop_late_hooks()
-                self._mark = (len(self.slots), dict(self.calls))
+                    if not in_backward():
+                        self.pending.drop_freed()  # forwards before it whose graph went: no backward will use them
+                self._mark, self._late_mark = (len(self.slots), dict(self.calls)), len(self.late_uncaptured)
             self.grad_forward.append(grad)
 
         def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -218,7 +209,11 @@ class Firing:
                     self.calls = self._mark[1]
                 self.deferred, self.deferred_calls = {}, {}
                 return
-            self.session._forward_returned(output)
+            nodes = self.session._forward_returned(output)
+            if nodes and self._mark is not None:
+                start, calls = self._mark
+                late = self.late_uncaptured[self._late_mark :]
+                self.pending.watch(nodes, self.slots[start:], late, calls, dict(self.calls))
 
         stack.callback(model.register_forward_pre_hook(owned(model, eager(enter)), prepend=True).remove)
         stack.callback(model.register_forward_hook(owned(model, eager(leave)), always_call=True).remove)
@@ -302,16 +297,19 @@ class Firing:
         return call
 
     def _open_slot(self, tap: Tap) -> Slot:
-        name, slots = tap.tap, self.slots
-        call = self._count(name)
-        keys = self._keys.get(name)  # the same (immutable) key for the same call every step: less for the GC
-        if keys is None:
-            keys = self._keys[name] = []
-        if call == len(keys):
-            keys.append(TapKey(tap.module, tap.name, call))
-        slot = Slot(keys[call], len(slots))
-        slots.append(slot)
+        keys = self._keys.get(tap.tap)  # the same (immutable) key for the same call every step: less for the GC
+        call = self._count(tap.tap)
+        key = keys[call] if keys is not None and call < len(keys) else self.key(TapKey(tap.module, tap.name, 0), call)
+        slot = Slot(key, len(self.slots))
+        self.slots.append(slot)
         return slot
+
+    def key(self, key: TapKey, call: int) -> TapKey:
+        """The record key of call `call` of `key`'s tap (one object per tap and call, made once)."""
+        keys = self._keys.setdefault(key.tap, [])
+        while len(keys) <= call:
+            keys.append(TapKey(key.module, key.name, len(keys)))
+        return keys[call]
 
     def _fire_uncaptured(self, tap: Tap, value: object) -> object:
         """An edited tap fired in an uncaptured step: no slot, the edit with the call a captured step numbers it.
@@ -336,7 +334,7 @@ class Firing:
             call = self._count(tap.tap)
             ctx = reentrant_checkpoint("forward")
             if ctx is not None:
-                self.deferred_calls.setdefault(self._ctx_key(ctx, tap.tap), []).append(call)
+                self.deferred_calls.setdefault(self._contexts.key(ctx, tap.tap), []).append(call)
         return value
 
     def _fire_without_grad(self, tap: Tap, value: object) -> object:
@@ -349,7 +347,7 @@ class Firing:
             # inside backward: this call is captured then, counted once, in its forward place. A value made
             # with grad outside the block (its input) is tapped now, whole: the recomputation sees a detached
             # copy that gets only the block's part of the gradient (None keeps the recomputed calls in step).
-            waiting = self.deferred.setdefault(self._ctx_key(ctx, tap.tap), [])
+            waiting = self.deferred.setdefault(self._contexts.key(ctx, tap.tap), [])
             edits = self.session.edits
             # an edit acts inside the block: on its recomputation
             edited = edits is not None and tap.tap in edits.by_tap
@@ -415,7 +413,7 @@ class Firing:
             slot.view, slot.version = value, version(value)
         slot.value_norm = record_value_norm(value)  # on the device, no sync: it goes to the host with the step
         if edits is not None:  # the strategy reads the gradient that arrives, the edit acts upstream of it
-            value = edits.on_fire(tap, value, slot.key.call, slot.key)
+            value = edits.on_fire(tap, value, slot.key.call, slot)
         if outside:
             return self._attach_outside_root(value, slot)
         return self.session.strategy.attach(value, slot)

@@ -10,6 +10,8 @@ does. Whoever runs the backward (the session, the user, a framework), the hooks 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from gradrunner.capturing.strategies.base import Slot, Strategy
@@ -26,3 +28,7 @@ class HookStrategy(Strategy):
         slot.sink = self.deliver  # never replaces the gradient
         slot.handle = edge[0].register_prehook(slot)
         return tensor
+
+    def release_outputs(self, slots: Sequence[Slot]) -> None:
+        for slot in slots:  # the node holds the slot as its pre-hook; the slot needs only the edge's index
+            slot.edge = (None, slot.edge[1])  # type: ignore[index]

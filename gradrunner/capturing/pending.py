@@ -1,0 +1,162 @@
+"""What waits for a backward and goes with its graph: root forwards freed before any backward reached them (their
+slots and held leaves), and reentrant checkpoint contexts freed with their forward (their deferred calls).
+
+An evaluation loop that forgot `torch.no_grad()`, a forward whose loss is discarded: each such forward opened slots
+(and, in a step `every=N` leaves out, held edited leaves) for a backward that will never reach it. Plain torch frees
+its graph once nothing holds it; the session must not hold it either, nor hand its calls to the next backward. Each
+root forward that returned autograd nodes leaves a sentinel in their `metadata` (no hook, nothing run by backward):
+the sentinel goes with the last of them, and the forward's slots go at the next forward or backward to begin. `hook`
+and `retain_grad` keep nothing that holds those nodes (`Strategy.release_outputs`), so a forward whose output is
+tapped goes too; `autograd_grad` keeps a tapped output's edge for its engine call, and a tapped output that is a view
+is kept for its version: such a forward stays until the next backward. A `create_graph` backward of the user's (a
+gradient penalty) may keep a forward's inner nodes after its outputs went: nothing is dropped after one (`pin`).
+
+Example::
+
+    pending = PendingForwards(firing)
+    pending.watch(nodes, slots, late, calls_at_start, calls_at_end)   # as the root's forward returns
+    pending.drop_freed()                                                # as a forward or backward begins
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from gradrunner.capturing.strategies import Slot
+
+if TYPE_CHECKING:
+    from gradrunner.capturing.firing import Firing
+
+
+class _Sentinel:
+    """Lives as long as the autograd nodes a root forward returned (held in their `metadata` only)."""
+
+    __slots__ = ("__weakref__",)
+
+
+@dataclass(eq=False)
+class _Forward:
+    slots: list[Slot]
+    late: list[tuple[Any, ...]]
+    calls_at_start: dict[str, int]
+    calls_at_end: dict[str, int]
+    alive: weakref.ref[_Sentinel]
+
+
+class PendingForwards:
+    """The outermost root forwards since the last backward began, each watched through the nodes it returned."""
+
+    def __init__(self, firing: Firing) -> None:
+        self._firing = firing
+        self._key = f"gradrunner.forward.{id(self)}"
+        self._forwards: list[_Forward] = []
+        self._freed = False  # a watched forward's nodes went (set by the sentinel's weakref callback)
+        self._pinned = False  # a backward with create_graph ran through them: `pin`
+
+    def watch(
+        self,
+        nodes: Sequence[Any],
+        slots: list[Slot],
+        late: list[tuple[Any, ...]],
+        calls_at_start: dict[str, int],
+        calls_at_end: dict[str, int],
+    ) -> None:
+        """A root forward returned `nodes` (its outputs' `grad_fn`s), having opened `slots` and held `late` entries."""
+        sentinel = _Sentinel()
+        try:
+            for node in nodes:
+                node.metadata.setdefault(self._key, []).append(sentinel)
+        except (AttributeError, TypeError):  # a node without metadata: never known to be freed, kept as before
+            return
+        ids = {id(n) for n in nodes}
+        ends = [s for s in slots if s.edge is not None and id(s.edge[0]) in ids]  # type: ignore[index]
+        if ends:  # a tap on the model's output: the slot must not keep the forward's graph alive
+            self._firing.session.strategy.release_outputs(ends)
+        self._forwards.append(_Forward(slots, late, calls_at_start, calls_at_end, weakref.ref(sentinel, self._went)))
+
+    def _went(self, _ref: object) -> None:
+        self._freed = True  # runs wherever the last node went (even inside the GC): only a flag
+
+    def pin(self) -> None:
+        """A `torch.autograd.grad(..., create_graph=True)` of the user's ran (a gradient penalty): its graph may hold a
+        forward's inner nodes after the forward's outputs went (WGAN-GP's interpolates), so none is dropped until the
+        next backward begins (`clear`)."""
+        self._pinned = True
+
+    def clear(self) -> None:
+        self._forwards, self._freed, self._pinned = [], False, False
+
+    def drop_freed(self) -> None:
+        """Forget the slots and held leaves of every watched forward whose nodes are gone (their hooks, with them), and
+        number the calls left as if those forwards had never run: a tap's calls stay 0, 1, ... in firing order, and the
+        next forward's is the one it would have had without them. (Edits read a slot's call when they draw.)
+        """
+        if not self._freed or self._pinned:
+            return
+        self._freed = False
+        firing, forwards = self._firing, self._forwards
+        gone = [f for f in forwards if f.alive() is None]
+        if not gone:
+            return
+        self._forwards = [f for f in forwards if f.alive() is not None]
+        dropped = {id(s) for f in gone for s in f.slots}
+        late = {id(e) for f in gone for e in f.late}
+        slots = [s for s in firing.slots if id(s) in dropped]
+        firing.slots = [s for s in firing.slots if id(s) not in dropped]
+        firing.session._release(slots)
+        # each tap's call numbers the freed forwards took: the calls after them move down past them
+        taken: dict[str, list[tuple[int, int]]] = {}
+        for f in gone:
+            for tap, end in f.calls_at_end.items():
+                begin = f.calls_at_start.get(tap, 0)
+                if end > begin:
+                    taken.setdefault(tap, []).append((begin, end))
+
+        def moved(tap: str, call: int) -> int:
+            return call - sum(min(end, call) - begin for begin, end in taken.get(tap, ()) if begin < call)
+
+        for i, slot in enumerate(firing.slots):
+            slot.order = i  # slots are numbered in firing order from 0 until a backward takes them
+            if slot.key.tap in taken:
+                slot.key = firing.key(slot.key, moved(slot.key.tap, slot.key.call))
+        kept = {id(e): (e[0], e[1], moved(e[0].tap, e[2])) for e in firing.late_uncaptured if id(e) not in late}
+        firing.late_uncaptured = list(kept.values())
+        firing.calls = {tap: moved(tap, n) for tap, n in firing.calls.items()}
+        for f in self._forwards:
+            f.late = [kept.get(id(e), e) for e in f.late]
+            f.calls_at_start = {tap: moved(tap, n) for tap, n in f.calls_at_start.items()}
+            f.calls_at_end = {tap: moved(tap, n) for tap, n in f.calls_at_end.items()}
+
+
+class CheckpointContexts:
+    """Reentrant checkpoint contexts, keyed by `id` in `Firing.deferred` and `deferred_calls`: a freed one's entries go.
+
+    A context freed before any backward reached it (a forward whose output no backward used) takes its entries with
+    it: a later checkpoint's context allocated at the same address would otherwise take over the freed one's calls,
+    and its recomputation be recorded under the dropped forward's call numbers.
+
+    Example::
+
+        key = contexts.key(ctx, "fc1:output")     # firing.deferred[key]
+    """
+
+    def __init__(self, firing: Firing) -> None:
+        self._firing = firing
+        self._contexts: dict[int, weakref.ref[Any]] = {}
+
+    def key(self, ctx: object, tap: str) -> tuple[int, str]:
+        """The key of `ctx`'s calls of `tap`: its `id`, watched from now on."""
+        key = id(ctx)
+        if key not in self._contexts:
+            self._contexts[key] = weakref.ref(ctx, lambda _ref: self._freed(key))
+        return key, tap
+
+    def _freed(self, key: int) -> None:
+        del self._contexts[key]
+        firing = self._firing
+        for table in (firing.deferred, firing.deferred_calls):
+            for k in [k for k in table if k[0] == key]:
+                del table[k]
