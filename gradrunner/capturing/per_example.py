@@ -73,7 +73,7 @@ from gradrunner.capturing.per_example_layers import (
 )
 from gradrunner.capturing.per_example_math import row_sq
 from gradrunner.capturing.per_example_rows import RowOrigins
-from gradrunner.capturing.per_example_state import RESET, CallRecord, Holder, Micro, Tracked, find_holders, given
+from gradrunner.capturing.per_example_state import RESET, CallRecord, Holder, Micro, Tracked, find_holders, given, live
 from gradrunner.capturing.torch_compat import (
     fills_grad,
     in_backward,
@@ -117,7 +117,7 @@ class PerExampleNorms:
                 self._tracked.append(by_id[id(param)])
         self._holders, self._params = find_holders(model, by_id, self._tracked), [t.param for t in self._tracked]
         self._stack = contextlib.ExitStack()
-        self._calls: list[CallRecord] = []
+        self._calls: list[tuple[int, Any]] = []  # (micro, the hook on a call's output node: it holds the call's record)
         self._roots: list[Any] = []  # pre-hooks on the model outputs' nodes of this step's forwards
         self._micros: list[Micro] = []
         self._clock, self._grad_seen, self._active = 0, False, False
@@ -180,6 +180,8 @@ class PerExampleNorms:
         if not self._enabled():
             return
         micro = self._tick()  # (it may start a new list of micro-batches)
+        # a forward no backward reached, whose graph went (a metric's): its records went with its nodes, hooks too
+        self._calls, self._roots = [c for c in self._calls if live(c[1])], [h for h in self._roots if live(h)]
         m, x = self._micros[micro], first_tensor(args, kwargs)
         self._forward, m.forwards = m.forwards, m.forwards + 1
         m.given[self._forward] = given(x, self._forward)
@@ -252,7 +254,7 @@ class PerExampleNorms:
         call = make_call(h.kind, h.module, x, args, kwargs, rows)
         rec = CallRecord(h, call, micro, self._clock, rows, self._forward, tuple(output.shape))
         rec.handle = watch_edge(output_edge(output), functools.partial(self._on_grad, rec))
-        self._calls.append(rec)
+        self._calls.append((micro, rec.handle))
 
     def _on_grad(self, rec: CallRecord, grad: torch.Tensor) -> None:
         if fills_grad(self._params) is False:  # the user's torch.autograd.grad: not the step's backward
@@ -310,9 +312,8 @@ class PerExampleNorms:
                 t.step_reason = f"summing the shares failed: {exc}"
 
     def _drop_calls(self) -> None:
-        for rec in self._calls:
-            if rec.handle is not None:
-                rec.handle.remove()
+        for _, handle in self._calls:
+            handle.remove()
         for handle in self._roots:
             handle.remove()
         self._calls, self._roots = [], []
@@ -337,10 +338,9 @@ class PerExampleNorms:
         if not self._active or self._grad_seen:
             return
         micro = len(self._micros) - 1
-        for rec in [r for r in self._calls if r.micro == micro]:
-            if rec.handle is not None:
-                rec.handle.remove()
-        self._calls = [r for r in self._calls if r.micro != micro]
+        for _, handle in [c for c in self._calls if c[0] == micro]:
+            handle.remove()
+        self._calls = [c for c in self._calls if c[0] != micro]
         self._micros[micro] = Micro()
         for t in self._tracked:
             t.expected.pop(micro, None)
