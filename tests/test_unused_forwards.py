@@ -6,6 +6,7 @@ forward to call 1. Reference: plain tensor hooks, which number every step's trai
 
 from __future__ import annotations
 
+import gc
 import weakref
 from pathlib import Path
 from typing import Any
@@ -123,9 +124,8 @@ def test_forwards_whose_outputs_were_dropped_hold_nothing_and_add_no_rows(strate
     training step: every forward's slots (and through them its graph, 30 activations of `0:output`) were held until
     the backward, which recorded 30 rows "takes no part in the loss" per tap and the training forward as call 30.
     Plain torch frees each graph once its output is dropped; so does the session now (a forward's slots go as the
-    next forward begins), and each step records what a session that saw no such forward records: call 0 only."""
-    if strategy == "autograd_grad" and "2:output" in taps:
-        pytest.skip("autograd_grad holds a tapped output's edge for its engine call (README: a forward no backward used)")
+    next forward begins; a tap on the model's output holds nothing of it), and each step records what a session that
+    saw no such forward records: call 0 only."""
     want, _ = _train(taps, strategy, dropped=0)
     got, held = _train(taps, strategy, dropped=30)
     for step, (rows, fresh) in enumerate(zip(got, want, strict=True)):
@@ -193,8 +193,64 @@ def test_dropped_forwards_in_captured_and_uncaptured_steps_leave_the_edits_and_r
     (the head's final weights, trained through the uncaptured steps' `fc:output` dropout too, are identical)."""
     want, want_w, _ = _record_every_2(tmp_path / "fresh", dropped=0)
     got, got_w, held = _record_every_2(tmp_path / "dropped", dropped=20)
-    assert got[["step", "tap", "call", "has_grad"]].values.tolist() == want[["step", "tap", "call", "has_grad"]].values.tolist()
+    keys = ["step", "tap", "call", "has_grad"]
+    assert got[keys].values.tolist() == want[keys].values.tolist()
     np.testing.assert_allclose(got[["norm", "edited_norm"]].to_numpy(float), want[["norm", "edited_norm"]].to_numpy(float),
                                rtol=1e-6)  # fmt: skip
     assert got_w == want_w
     assert held <= 2, f"{held} dropped forwards' embedding outputs held"
+
+
+class _StatefulCell(nn.Module):
+    """A recurrent cell that keeps its hidden state between calls (`self.h`), as some RL policies do: each call's
+    output may be dropped while the next call's graph still runs through its inner nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.cell = nn.Linear(7, 3)
+        self.h: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.shape[0], 3) if self.h is None else self.h
+        self.h = torch.tanh(self.cell(torch.cat([x, h], 1)))
+        return self.h * 2
+
+
+def test_a_forward_whose_output_went_but_whose_state_the_next_forward_reads_keeps_its_rows(strategy: str) -> None:
+    """Four calls of a stateful cell, each output dropped but the last, whose loss backpropagates through the kept
+    hidden state into every call: each call of `cell:output` gets its gradient, as plain tensor hooks see it, though
+    the first three forwards' outputs went before the backward (their inner nodes, still held, keep their slots)."""
+    xs = torch.randn(4, 5, 4, generator=torch.Generator().manual_seed(3))
+    model = _StatefulCell()
+    want: list[torch.Tensor] = []
+    handle = model.cell.register_forward_hook(lambda _m, _a, out: out.register_hook(want.append) and None)
+    for x in xs:
+        out = model(x)
+    out.pow(2).mean().backward()
+    handle.remove()
+    want.reverse()  # backward meets the last call first
+    model = _StatefulCell()
+    with capture(model, ["cell:output"], strategy=strategy) as cap:
+        for x in xs:
+            out = model(x)
+        cap.backward(out.pow(2).mean())
+        recs = cap.records()
+    assert [recs.row(i)["call"] for i in range(len(recs))] == [0, 1, 2, 3]
+    assert [recs.row(i)["norm"] for i in range(len(recs))] == pytest.approx([float(g.norm()) for g in want], rel=1e-6)
+
+
+def test_a_forgotten_forward_of_an_edited_tap_holds_nothing(strategy: str) -> None:
+    """`cap.reset()` after a forward whose tapped value passed an edit node (the session's edit holds the call's slot,
+    to read its number as it draws): the slot kept the edited value (`retain_grad`) or its edge (`autograd_grad`), and
+    the edit node the slot, a cycle the garbage collector cannot see through. Reset lets go of them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    refs: list[weakref.ref[torch.Tensor]] = []
+    handle = model[1].register_forward_pre_hook(lambda _m, args: refs.append(weakref.ref(args[0])) and None)
+    with capture(model, ["0:output"], strategy=strategy, edits=[{"tap": "0:output", "dropout": 0.5}]) as cap:
+        model(torch.randn(5, 4))
+        cap.reset()
+        gc.collect()
+        assert all(r() is None for r in refs), "the edited value of a forgotten forward is still held"
+    handle.remove()

@@ -148,7 +148,7 @@ class Firing:
 
     def reset(self) -> None:
         """Forget every slot opened since the last backward (their hooks too)."""
-        self.session.strategy.forget(self.slots)
+        self.session._release(self.slots)  # their tensors and edges too: an edit node's editor holds its slot
         self.slots, self.calls, self.deferred, self._mark = [], {}, {}, None
         self.pending.clear()
 
@@ -204,7 +204,7 @@ class Firing:
             # calls it opened, so a retry of the step has no phantom calls.
             if output is None and sys.exc_info()[1] is not None:
                 if self._mark is not None:
-                    self.session.strategy.forget(self.slots[self._mark[0] :])
+                    self.session._release(self.slots[self._mark[0] :])
                     del self.slots[self._mark[0] :]
                     self.calls = self._mark[1]
                 self.deferred, self.deferred_calls = {}, {}

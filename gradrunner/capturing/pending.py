@@ -5,11 +5,12 @@ An evaluation loop that forgot `torch.no_grad()`, a forward whose loss is discar
 (and, in a step `every=N` leaves out, held edited leaves) for a backward that will never reach it. Plain torch frees
 its graph once nothing holds it; the session must not hold it either, nor hand its calls to the next backward. Each
 root forward that returned autograd nodes leaves a sentinel in their `metadata` (no hook, nothing run by backward):
-the sentinel goes with the last of them, and the forward's slots go at the next forward or backward to begin. `hook`
-and `retain_grad` keep nothing that holds those nodes (`Strategy.release_outputs`), so a forward whose output is
-tapped goes too; `autograd_grad` keeps a tapped output's edge for its engine call, and a tapped output that is a view
-is kept for its version: such a forward stays until the next backward. A `create_graph` backward of the user's (a
-gradient penalty) may keep a forward's inner nodes after its outputs went: nothing is dropped after one (`pin`).
+the sentinel goes with the last of them. The strategies keep nothing that holds a tapped output's node
+(`Strategy.let_go`: it is read at the node), so a forward whose output is tapped goes too. As the next forward or
+backward begins, each such forward's slots let go of its graph too; where that freed every node they hooked, the
+forward goes (slots, held leaves, its calls' numbers); where something still holds an inner node (module state, a
+cache the next forward reads), a gradient may yet reach it there: its slots stay. A `create_graph` backward of the
+user's (a gradient penalty) keeps a forward's inner nodes in its own graph: nothing is dropped after one (`pin`).
 
 Example::
 
@@ -29,6 +30,17 @@ from gradrunner.capturing.strategies import Slot
 
 if TYPE_CHECKING:
     from gradrunner.capturing.firing import Firing
+
+
+def hook_held(handle: Any) -> bool:
+    """Whether the node hook `handle` removes is still held: the autograd node it was registered on still exists."""
+    return handle.hooks_dict_ref() is not None
+
+
+def _holds(slot: Slot) -> bool:
+    """Whether `slot`'s node may still exist: held by the slot itself (a strategy that cannot let go), or holding the
+    slot's hook."""
+    return (slot.edge is not None and slot.edge[0] is not None) or (slot.handle is not None and hook_held(slot.handle))  # type: ignore[index]
 
 
 class _Sentinel:
@@ -74,7 +86,9 @@ class PendingForwards:
         ids = {id(n) for n in nodes}
         ends = [s for s in slots if s.edge is not None and id(s.edge[0]) in ids]  # type: ignore[index]
         if ends:  # a tap on the model's output: the slot must not keep the forward's graph alive
-            self._firing.session.strategy.release_outputs(ends)
+            self._firing.session.strategy.let_go(ends)
+            for slot in ends:
+                slot.view = None  # an output view (`.squeeze(-1)`): nothing of the model writes it after it returned
         self._forwards.append(_Forward(slots, late, calls_at_start, calls_at_end, weakref.ref(sentinel, self._went)))
 
     def _went(self, _ref: object) -> None:
@@ -98,10 +112,16 @@ class PendingForwards:
             return
         self._freed = False
         firing, forwards = self._firing, self._forwards
-        gone = [f for f in forwards if f.alive() is None]
-        if not gone:
+        freed = [f for f in forwards if f.alive() is None]
+        if not freed:
             return
         self._forwards = [f for f in forwards if f.alive() is not None]
+        for f in freed:  # hold nothing of their graphs: what still holds an inner node (module state, a cache) shows
+            firing.session.strategy.let_go(f.slots)
+            for slot in f.slots:
+                slot.view, slot.late = None, None
+        # a forward whose inner nodes something still holds may yet get gradients through them: its slots stay
+        gone = [f for f in freed if not any(_holds(s) for s in f.slots)]
         dropped = {id(s) for f in gone for s in f.slots}
         late = {id(e) for f in gone for e in f.late}
         slots = [s for s in firing.slots if id(s) in dropped]

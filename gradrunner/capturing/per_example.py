@@ -59,6 +59,7 @@ from torch import nn
 
 from gradrunner.capturing.grad_context import FROZEN
 from gradrunner.capturing.owned import owned
+from gradrunner.capturing.pending import hook_held
 from gradrunner.capturing.per_example_check import FAILED, OUTSIDE, Projection, host_verdicts, verdicts
 from gradrunner.capturing.per_example_layers import (
     call_reason,
@@ -73,7 +74,7 @@ from gradrunner.capturing.per_example_layers import (
 )
 from gradrunner.capturing.per_example_math import row_sq
 from gradrunner.capturing.per_example_rows import RowOrigins
-from gradrunner.capturing.per_example_state import RESET, CallRecord, Holder, Micro, Tracked, find_holders, given, live
+from gradrunner.capturing.per_example_state import RESET, CallRecord, Holder, Micro, Tracked, find_holders, given
 from gradrunner.capturing.torch_compat import (
     fills_grad,
     in_backward,
@@ -181,7 +182,7 @@ class PerExampleNorms:
             return
         micro = self._tick()  # (it may start a new list of micro-batches)
         # a forward no backward reached, whose graph went (a metric's): its records went with its nodes, hooks too
-        self._calls, self._roots = [c for c in self._calls if live(c[1])], [h for h in self._roots if live(h)]
+        self._calls, self._roots = [c for c in self._calls if hook_held(c[1])], [h for h in self._roots if hook_held(h)]
         m, x = self._micros[micro], first_tensor(args, kwargs)
         self._forward, m.forwards = m.forwards, m.forwards + 1
         m.given[self._forward] = given(x, self._forward)
@@ -312,9 +313,7 @@ class PerExampleNorms:
                 t.step_reason = f"summing the shares failed: {exc}"
 
     def _drop_calls(self) -> None:
-        for _, handle in self._calls:
-            handle.remove()
-        for handle in self._roots:
+        for handle in [h for _, h in self._calls] + self._roots:
             handle.remove()
         self._calls, self._roots = [], []
         self._origins.clear()

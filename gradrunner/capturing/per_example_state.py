@@ -150,8 +150,3 @@ def given(x: torch.Tensor | None, forward: int) -> tuple[Any, ...]:
     if x is None or where == -1:
         return ("unknown", forward) if x is None else ("unknown", id(x))
     return where, x.storage_offset(), tuple(x.shape), x.stride(), version(x)
-
-
-def live(handle: Any) -> bool:
-    """Whether the hook `handle` removes is still held: the autograd node it was registered on still exists."""
-    return handle.hooks_dict_ref() is not None

@@ -56,6 +56,14 @@ class AutogradGradStrategy(Strategy):
         slot.tensor = tensor  # its own hooks are looked up when backward runs (the model may add them later)
         return tensor
 
+    def let_go(self, slots: Sequence[Slot]) -> None:
+        for slot in slots:  # read as the node receives the gradient, as `_one_backward` reads every tap
+            if slot.edge is not None:
+                box: list[torch.Tensor] = []
+                slot.parts = box
+                slot.handle = watch_edge(slot.edge, _into(box, slot))  # type: ignore[arg-type]
+            slot.tensor, slot.edge = None, None
+
     def fires_recomputed(self, tap: str) -> None:
         """Refused: `autograd.grad` cannot run a reentrant checkpoint's backward, and where the one engine call is
         `loss.backward()` (DDP, FSDP2) the tap's edge exists only once that backward runs, unwatched."""
@@ -68,6 +76,7 @@ class AutogradGradStrategy(Strategy):
             self._one_backward(loss, slots, retain_graph)
             return
         by_edge = FEATURES["get_gradient_edge"]
+        watched = self._watched(slots)
         tapped: list[Slot] = []
         inputs: list[Any] = []
         seen: dict[int, list[torch.Tensor]] = {}
@@ -94,6 +103,18 @@ class AutogradGradStrategy(Strategy):
         finally:
             for h in handles:
                 h.remove()
+        self._deliver_watched(watched)
+
+    @staticmethod
+    def _watched(slots: Sequence[Slot]) -> list[Slot]:
+        """The slots `let_go` left reading at their node, their boxes emptied for this backward."""
+        watched = [s for s in slots if s.edge is None and s.parts is not None]
+        for s in watched:
+            s.parts.clear()  # type: ignore[union-attr]
+        return watched
+
+    def _deliver_watched(self, watched: list[Slot]) -> None:
+        self.deliver_all(watched, [sum(s.parts[1:], s.parts[0]) if s.parts else None for s in watched])
 
     def _one_backward(self, loss: torch.Tensor, slots: Sequence[Slot], retain_graph: bool) -> None:
         """`loss.backward()` once, each tap read as its held edge's node receives the gradient (`watch_edge`).
@@ -104,7 +125,7 @@ class AutogradGradStrategy(Strategy):
         `.grad` bits, post-accumulate-grad hooks fired twice). A tap whose node never ran gets None, as
         `autograd.grad(..., allow_unused=True)` gives it.
         """
-        tapped = [s for s in slots if s.edge is not None]
+        tapped, watched = [s for s in slots if s.edge is not None], self._watched(slots)
         boxes: list[list[torch.Tensor]] = [[] for _ in tapped]
         handles = [watch_edge(s.edge, _into(box, s)) for s, box in zip(tapped, boxes, strict=True)]  # type: ignore[arg-type]
         try:
@@ -113,6 +134,7 @@ class AutogradGradStrategy(Strategy):
             for h in handles:
                 h.remove()
         self.deliver_all(tapped, [box[0] if box else None for box in boxes])
+        self._deliver_watched(watched)
 
     def _deliver_taps(self, tapped: list[Slot], grads: Sequence[torch.Tensor | None],
                       seen: dict[int, list[torch.Tensor]]) -> None:  # fmt: skip

@@ -129,9 +129,10 @@ class Strategy(ABC):
     def seen_at(self, slots: Sequence[Slot], nodes: Sequence[object]) -> None:  # noqa: B027 (optional)
         """A backward of the user's will be seen begin at a pre-hook on `nodes` (the model's outputs), registered now."""
 
-    def release_outputs(self, slots: Sequence[Slot]) -> None:  # noqa: B027 (optional)
-        """`slots` hold the edge of a node the root's forward returned (`seen_at` ran): keep nothing that holds that
-        node where the strategy can, so that the forward's graph goes once nothing of the user's holds it."""
+    def let_go(self, slots: Sequence[Slot]) -> None:  # noqa: B027 (optional)
+        """Keep nothing of `slots`' graph (their tensors, edge nodes) where the strategy can: a gradient that still
+        reaches one is read at its edge's node, whose hook holds the slot. Called for a tap on the model's output as the
+        forward returns (after `seen_at`), and for every slot of a forward whose outputs went (`capturing.pending`)."""
 
     def before_backward(self, slots: Sequence[Slot]) -> None:  # noqa: B027 (optional)
         """A backward through `slots` begins (before any of their gradients is computed)."""

@@ -29,6 +29,7 @@ class HookStrategy(Strategy):
         slot.handle = edge[0].register_prehook(slot)
         return tensor
 
-    def release_outputs(self, slots: Sequence[Slot]) -> None:
+    def let_go(self, slots: Sequence[Slot]) -> None:
         for slot in slots:  # the node holds the slot as its pre-hook; the slot needs only the edge's index
-            slot.edge = (None, slot.edge[1])  # type: ignore[index]
+            if slot.edge is not None:
+                slot.edge = (None, slot.edge[1])  # type: ignore[index]

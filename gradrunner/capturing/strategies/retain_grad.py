@@ -61,10 +61,11 @@ class RetainGradStrategy(Strategy):
             if slot.parts is None and slot.edge is not None and id(slot.edge[0]) in at:  # type: ignore[index]
                 _watch(slot)  # registered after the session's pre-hook there: it runs once the backward was seen
 
-    def release_outputs(self, slots: Sequence[Slot]) -> None:
+    def let_go(self, slots: Sequence[Slot]) -> None:
         for slot in slots:
-            if slot.parts is not None:  # watched at the node (`seen_at`): read there, the tensor is not needed
-                slot.tensor, slot.edge = None, None
+            if slot.parts is None and slot.edge is not None:
+                _watch(slot)  # read at the node from now on, as for a tensor changed in place
+            slot.tensor, slot.edge = None, None
 
     def before_backward(self, slots: Sequence[Slot]) -> None:
         for slot in slots:
