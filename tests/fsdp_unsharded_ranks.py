@@ -1,19 +1,18 @@
-"""One rank of `tests/test_fsdp_unsharded_slot.py`: a session on an FSDP2 model whose modules hold FSDP2's unsharded
-parameters between steps (a forward under no_grad, evaluation, leaves them there where the group does not reshard
-after forward: `reshard_after_forward=False`, or the root group by default).
+"""The `unsharded_*` cases of `tests/test_sharded_edges.py` (a rank of its torchrun runs them through
+`sharded_edges_ranks.py`): a session on an FSDP2 model whose modules hold FSDP2's unsharded parameters between
+steps (a forward under no_grad, evaluation, leaves them there where the group does not reshard after forward:
+`reshard_after_forward=False`, or the root group by default).
 
-Run by torchrun (gloo, CPU): `python -m torch.distributed.run --standalone --nproc_per_node=2 fsdp_unsharded_ranks.py
-OUT CASE...`, a CASE being `<reshard>:<entry>` (`default` · `false` · `int2`: resharded after forward on 2 of the
-4 ranks, `reenter`: `with cap:` around each step · `inblock`: one block, a module built between steps). Each rank
-trains 3 SGD steps, a forward under no_grad after each, and writes `OUT/<case>.rank<r>.pt`: per step the parameter
-taps' recorded norms and the norms of the whole `.grad` gathered with `full_tensor()` (the reference, without
+A CASE is `unsharded_<reshard>:<entry>` (`default` · `false` · `int2`: resharded after forward on 2 of the 4 ranks;
+`reenter`: `with cap:` around each step · `inblock`: one block, a module built between steps). Each rank trains 3
+SGD steps, a forward under no_grad after each, and writes `OUT/<case>.rank<r>.pt`: per step the parameter taps'
+recorded norms and the norms of the whole `.grad` gathered with `full_tensor()` (the reference, without
 gradrunner), a refusal's message, and (`reenter`) the refusal of an entry after a tapped sharded parameter was
 really replaced (by a copy on its own mesh).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,7 @@ def run_case(case: str, out_dir: Path) -> None:
     from gradrunner import capture
     from gradrunner.errors import GradrunnerError
 
-    reshard, entry = case.split(":")
+    reshard, entry = case.removeprefix("unsharded_").split(":")
     rank = dist.get_rank()
     model = build(reshard, dist.get_world_size())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -96,13 +95,3 @@ def run_case(case: str, out_dir: Path) -> None:
     finally:
         cap.close()
     torch.save(out, out_dir / f"{case.replace(':', '-')}.rank{rank}.pt")
-
-
-def main(argv: list[str]) -> None:
-    from sharded_ranks import rank_main  # this dir is on sys.path: torchrun runs the script from it
-
-    rank_main(argv, run_case)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -169,6 +169,11 @@ def run_case(case: str, out_dir: Path) -> None:
 
     from gradrunner import capture
 
+    if case.startswith("unsharded_"):  # FSDP2's unsharded parameters left in their slots: in this group's ranks
+        from fsdp_unsharded_ranks import run_case as run_unsharded
+
+        run_unsharded(case, out_dir)
+        return
     what, strategy = case.split(":")
     rank, world = dist.get_rank(), dist.get_world_size()
     if what.startswith("ddp_"):

@@ -7,7 +7,8 @@ input tap and `per_example=True` under tensor parallel raised inside `backward()
 `has_grad=False` with a false reason ("no backward of this step synchronised the gradients"). Hunt TP found the
 `edited_norm` of a `Partial(sum)` input gradient and the value norm of a sub-mesh activation to be one rank's piece's,
 and a `dropout` on a sub-mesh activation raising inside `backward()`. Hunt TPVN found the value norm of a frozen
-sharded parameter (FSDP2 and tensor parallel) to be one rank's piece's.
+sharded parameter (FSDP2 and tensor parallel) to be one rank's piece's. Hunt REGRESS2 found FSDP2's own unsharded
+parameters, left in the modules' slots after a forward under no_grad, taken for replaced taps (the `unsharded_*` cases).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from fsdp_unsharded_ranks import PARAM_TAPS, STEPS
 from rank_launch import torchrun
 from sharded_edges_ranks import Checkpointed, batch, ddp_gan_step, gan, mlp
 from torch import nn
@@ -28,12 +30,18 @@ CASES = {
         "ddp_wrapper:autograd_grad", "ddp_reentrant:hook", "ddp_reentrant:autograd_grad"],
     4: ["twod:hook", "twod:retain_grad"],
 }  # fmt: skip
+#: FSDP2's unsharded parameters left in their slots (`fsdp_unsharded_ranks.py`), in the same torchruns.
+UNSHARDED = {
+    2: ["unsharded_default:reenter", "unsharded_default:inblock", "unsharded_false:reenter", "unsharded_false:inblock"],
+    4: ["unsharded_int2:reenter", "unsharded_int2:inblock"],
+}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     out: dict[str, list[dict[str, Any]]] = {}
     for world, cases in CASES.items():
+        cases = cases + UNSHARDED[world]
         d = tmp_path_factory.mktemp(f"edges{world}")
         torchrun(world, d, cases, timeout=600, script="sharded_edges_ranks.py")
         for case in cases:
@@ -230,3 +238,25 @@ def _checkpointed_grad(rank: int) -> torch.Tensor:
     x, y = batch(1 + rank)
     nn.functional.mse_loss(model(x), y).backward()
     return got[0]
+
+
+@pytest.mark.parametrize("case", [c for cases in UNSHARDED.values() for c in cases])
+def test_unsharded_parameters_left_in_their_slots_are_not_taken_for_replacements(
+    results: dict[str, list[dict[str, Any]]], case: str
+) -> None:
+    """FSDP2 puts an unsharded copy of each sharded parameter in its module's slot for the forward and swaps it back
+    as it reshards, without a registration; a group that does not reshard after forward (the root group by default,
+    `reshard_after_forward=False`; or `=2`: a copy sharded on a smaller mesh) leaves it there after a forward under
+    no_grad. The check for replaced taps (at each entry; in the block after any registration) took those copies for
+    replacements and refused the session. Recorded: the norm of each tapped parameter's whole `.grad`
+    (`full_tensor()`), every step, every rank; a tapped parameter really replaced is still refused."""
+    for rank, out in enumerate(results[case]):
+        assert "refused" not in out, (rank, out["refused"])
+        assert len(out["recorded"]) == STEPS
+        for step, (got, whole) in enumerate(zip(out["recorded"], out["whole"], strict=True)):
+            for tap in PARAM_TAPS:
+                assert got[tap] == pytest.approx(whole[tap], rel=1e-12, abs=0), (rank, step, tap)
+        if case.endswith("reenter"):
+            assert "its tap 4:weight names parameter 'weight' of module '4', which is another object now" in out.get(
+                "replaced_refused", ""
+            ), rank
