@@ -264,7 +264,7 @@ def test_unsupported_and_unbatched_get_reasons() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = self.rnn(x)[0]
             h = self.mha(h, h, h)[0]
-            return self.flat(h.reshape(-1, 4)).view(x.shape[0], -1)  # (B*T, 4): dim 0 is not the batch
+            return self.flat(h.transpose(0, 1).reshape(-1, 4)).view(x.shape[0], -1)  # (T*B, 4): not the batch's rows
 
     model = Model()
     got, reasons = batched(model, {"x": torch.randn(B, 5, 3)}, sq_loss, all_params(model))

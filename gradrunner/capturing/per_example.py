@@ -17,9 +17,10 @@ backward reaches (a metric's, gradients on) adds no rows. Several calls of one p
 `None` with a reason, never a wrong number, for a parameter:
 
 - held by a module per-example norms do not support (`per_example_layers.kind_of`), or frozen (in that step);
-- whose module was called on an unbatched input, or one whose dim 0 is not the batch (the first
-  tensor given to `model`; without a call of `model`, the dim 0 all calls must share), or has its size
-  but not its rows (`per_example_rows`: ids made in the forward, a parameter, rows picked by indexing);
+- whose module was called on an unbatched input, or one whose dim 0 is not the batch (the first tensor given to
+  `model`; without a call of `model`, the dim 0 all calls must share) nor provably its tokens flattened
+  (`per_example_tokens`), or has its size but not its rows (`per_example_rows`: ids made in the forward, a parameter,
+  rows picked by indexing, dim 0 transposed with another of its size);
 - called before a module that mixes rows (batch norm on batch statistics) in the same forward, or
   of such a module: its rows' shares are not per-example gradients;
 - in a micro-batch whose backward reached several forwards of the model given different batch tensors
@@ -68,7 +69,6 @@ from gradrunner.capturing.per_example_layers import (
     mixes_rows,
     no_autocast,
     output_edge,
-    rows_of,
     share,
     tensors_of,
 )
@@ -237,10 +237,8 @@ class PerExampleNorms:
         x = first_tensor(args, kwargs)
         rows = self._forward_rows if self._forward_rows is not None else (x.shape[0] if x is not None and x.dim() else 0)
         reason = "called without a tensor input" if x is None else call_reason(h.kind, h.module, x, rows)
-        if reason is None and x is not None:
-            reason = self._origins.reason(h.kind, rows_of(h.kind, x, rows))
-            if reason is not None:  # dim 0 has the batch's size by coincidence: so has what this call alone feeds
-                self._origins.mark(output, f"{h.path!r} {reason}")
+        if reason is None and x is not None:  # (dim 0 the batch's size by coincidence? its tokens flattened?)
+            reason = self._origins.judge(h.kind, x, rows, output, h.path)
         reason = reason or mixes_rows(h.module)
         for t, _role in h.tracked:
             if t.reason is None:

@@ -97,20 +97,6 @@ def _stock_eager() -> tuple[Any, ...]:
     return _code(mixtral.MixtralExperts.forward.__wrapped__)
 
 
-def token_rows(x: torch.Tensor, rows: int) -> torch.Tensor | None:
-    """The tensor whose dim 0 holds the batch's rows that the experts' 2-D tokens `x` flatten (itself where there is one
-    token a row), or None where `x` is not such a flattening (row-major, whole, the same memory)."""
-    if x.dim() != 2:
-        return None
-    if x.shape[0] == rows:
-        return x
-    base = x._base
-    if base is None or base.dim() < 2 or base.shape[0] != rows or base.numel() != x.numel() or x.shape[0] % rows:
-        return None  # (a token of x straddling two rows: x.shape[0] not a multiple of rows)
-    same = x.is_contiguous() and base.is_contiguous() and x.storage_offset() == base.storage_offset()
-    return base if same else None
-
-
 def routing(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int) -> tuple[Any, ...]:
     """What a call's share needs beyond its input: (top_k_index, top_k_weights, rows, the parameters' versions)."""
     index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)

@@ -1,10 +1,11 @@
 """The layers whose parameters get exact per-example gradient norms, and each one's share of a row.
 
 `kind_of(module)` names a supported layer (or gives why not); `call_reason` checks one call's input
-(batched, dim 0 the batch); `share(kind, module, role, call, grad)` turns a call's saved input and
-its output's gradient into the `per_example_math` form of every row's share of `module.<role>`'s `.grad`:
+(batched, dim 0 the batch, or for `per_example_tokens.FLAT_KINDS` a multiple: its tokens flattened?);
+`share(kind, module, role, call, grad)` turns a call's saved input and its output's gradient into the
+`per_example_math` form of every row's share of `module.<role>`'s `.grad`:
 
-| kind | modules | weight share of row i (positions t: all dims between batch and features) | bias |
+| kind | modules | weight share of row i (positions t: all dims between batch and features; its tokens, flattened) | bias |
 | --- | --- | --- | --- |
 | `linear` | `nn.Linear` | sum_t g_t (outer) x_t (`Factors`) | sum_t g_t |
 | `conv1d_hf` | `transformers.pytorch_utils.Conv1D` (GPT-2's: weight (in, out)) | sum_t x_t (outer) g_t | sum_t g_t |
@@ -46,6 +47,7 @@ from gradrunner.capturing import per_example_experts as experts
 from gradrunner.capturing.elements import tensors_in
 from gradrunner.capturing.per_example_conv import ConvShare
 from gradrunner.capturing.per_example_math import Dense, Factors, Form
+from gradrunner.capturing.per_example_tokens import FLAT_KINDS
 from gradrunner.capturing.torch_compat import Edge, gradient_edge, version
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -72,6 +74,9 @@ class Call:
     memo: dict[str, torch.Tensor] = field(default_factory=dict)
     #: What else the kind needs (experts: `per_example_experts.routing`).
     extra: tuple[Any, ...] = ()
+    #: The batch's rows: dim 0 of `x`, or its divisor where `x` is the batch's tokens flattened (row i's `x.shape[0] //
+    #: rows` tokens together, `per_example_tokens`); 0: dim 0.
+    rows: int = 0
 
 
 #: Modules whose `batch_first=False` (torch's default) puts the sequence in dim 0 of their inputs.
@@ -130,12 +135,13 @@ def autocast_dtype(kind: str, device: torch.device) -> torch.dtype | None:
 
 
 def call_reason(kind: str, module: nn.Module, x: torch.Tensor, rows: int) -> str | None:
-    """Why this call's input has no per-row share (unbatched, dim 0 not the batch), or None."""
+    """Why this call's input has no per-row share (unbatched, dim 0 not the batch), or None. A dim 0 of a multiple of
+    the batch's rows passes for a kind that takes the batch's tokens flattened: `RowOrigins.judge` tells whether it is."""
     if kind == "experts":
         why = experts.experts_reason(module)  # (again: the implementation may have been switched since)
         if why is not None:
             return why
-        if experts.token_rows(x, rows) is not None:
+        if x.dim() == 2 and rows > 0 and x.shape[0] % rows == 0:
             return None
         return (f"called on tokens of shape {tuple(x.shape)} that are not the batch's {rows} rows flattened (a "
                 "row-major view of a tensor whose dim 0 is the batch): which row each token is cannot be told")  # fmt: skip
@@ -148,15 +154,12 @@ def call_reason(kind: str, module: nn.Module, x: torch.Tensor, rows: int) -> str
         return f"called with an unbatched input of shape {tuple(x.shape)}"
     if x.dim() < least:
         return f"called with an unbatched input of shape {tuple(x.shape)}"
-    if x.shape[0] != rows:
-        return f"called with an input of shape {tuple(x.shape)} whose dim 0 ({x.shape[0]}) is not the batch ({rows} rows)"
-    return None
-
-
-def rows_of(kind: str, x: torch.Tensor, rows: int) -> torch.Tensor:
-    """The tensor whose dim 0 should hold the batch's rows for this call (experts: the tokens' unflattened base)."""
-    base = experts.token_rows(x, rows) if kind == "experts" else None
-    return x if base is None else base
+    if x.shape[0] == rows or (kind in FLAT_KINDS and rows > 0 and x.shape[0] % rows == 0):
+        return None
+    flat = "" if rows <= 0 or x.shape[0] % rows else (
+        "; a multiple of them is taken for the batch's rows flattened only by Linear, transformers' Conv1D, Embedding, "
+        f"LayerNorm and RMSNorm, not {type(module).__name__}")  # fmt: skip
+    return f"called with an input of shape {tuple(x.shape)} whose dim 0 ({x.shape[0]}) is not the batch ({rows} rows){flat}"
 
 
 def make_call(kind: str, module: nn.Module, x: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -164,8 +167,8 @@ def make_call(kind: str, module: nn.Module, x: torch.Tensor, args: tuple[Any, ..
     """What the forward hook keeps of a call of `module` (a supported `kind`) with input `x`."""
     if kind == "experts":
         extra = experts.routing(module, args, kwargs, rows)
-        return Call(x.detach(), version(x), experts.autocast_dtype(module, x.device), extra=extra)
-    return Call(x.detach(), version(x), autocast_dtype(kind, x.device))
+        return Call(x.detach(), version(x), experts.autocast_dtype(module, x.device), extra=extra, rows=rows)
+    return Call(x.detach(), version(x), autocast_dtype(kind, x.device), rows=rows)
 
 
 def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -179,7 +182,7 @@ def share(kind: str, module: nn.Module, role: str, call: Call, grad: torch.Tenso
         return experts.ExpertsShare(module, role, call.x, grad, call.extra, call.autocast, call.memo)
     dt = compute_dtype(call.x, grad)
     x = call.x if call.autocast is None else call.x.to(call.autocast)
-    b = grad.shape[0]
+    b = call.rows or grad.shape[0]  # (the batch's tokens flattened: row i's tokens are its positions)
     if kind in ("linear", "conv1d_hf"):
         g = _as(grad.reshape(b, 1, -1, grad.shape[-1]), dt)
         g_sq = None
@@ -206,14 +209,13 @@ def share(kind: str, module: nn.Module, role: str, call: Call, grad: torch.Tenso
         if module.padding_idx is not None:
             g = g * torch.ne(ids, module.padding_idx).unsqueeze(-1).to(dt)
         return Factors(ids, g, module.num_embeddings)
-    return _norm_share(kind, module, role, x.to(dt), grad.to(dt))
+    return _norm_share(kind, module, role, x.to(dt), grad.to(dt), b)
 
 
-def _norm_share(kind: str, module: nn.Module, role: str, x: torch.Tensor, g: torch.Tensor) -> Dense:
+def _norm_share(kind: str, module: nn.Module, role: str, x: torch.Tensor, g: torch.Tensor, b: int) -> Dense:
     """`x`, `g` upcast to float32 (float64 for a float64 call): torch computes these norms in that dtype (a bf16/fp16
     input upcast), and RMSNorm's default eps (None) is its epsilon, not the input's: `F.rms_norm` with eps None on the
-    upcast `x` picks the same."""
-    b = g.shape[0]
+    upcast `x` picks the same. `b` rows: LayerNorm's and RMSNorm's may be the batch's tokens flattened."""
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
         shape = tuple(module.normalized_shape)
         width = math.prod(shape)

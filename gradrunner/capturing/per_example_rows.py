@@ -20,14 +20,20 @@ from what the call's input is made of, cheaply (a few attribute reads per call, 
   `table[position_ids]`, are the batch's: `_keeps_rows`); and an input made, by views, casts, activations, dropout or
   elementwise ops, from the output of a call whose batch-sized dim 0 was found a coincidence here (the
   expert's second Linear, a gated expert's `down(act(gate(t)) * up(t))`; not one whose dim 0 is another
-  size, such as flattened tokens later reshaped back).
+  size, such as flattened tokens later reshaped back);
+- an input whose dim 0 a transpose or permute filled from a dim of the same size as the dim 0 it moved away
+  (`lin(x.transpose(0, 1))` with B == T: which is the batch's cannot be told; `_moves_rows`).
+
+A call whose dim 0 is a multiple of the batch's rows is judged by `judge`: its tokens must be the batch's rows
+flattened (`per_example_tokens.flat_sources`, or `token_rows`), and the tensors of B rows they flatten are then
+judged as above; its output is kept (`tokens`) so that the calls it feeds are proven too.
 
 The walk back through the autograd graph (at most `WALK` nodes, all branches together) follows ops of one
-tensor operand (`_UNARY`) and elementwise ops (`_SEVERAL`: dropout's CPU mask, a gated expert's
+tensor operand (`_UNARY`) and elementwise ops (`ELEMENTWISE`: dropout's CPU mask, a gated expert's
 `act(w1 x) * w3 x`, a residual add) into each operand, towards a selection or such an output (not to a
 parameter: `x * scale` has x's rows). Below an op of several tensor operands only rows picked by indexing
 count (`picked`: the batch's rows plus a position's embedding made from ids made in the forward are the
-batch's rows), and only if every operand passed gives the result its dim 0 (`_same_rows`, shapes read then
+batch's rows), and only if every operand passed gives the result its dim 0 (`same_rows`, shapes read then
 only: a bias or a (T, d) table broadcast over the batch are not its rows). Any other op (a matmul, a
 LayerNorm, an embedding lookup, whose ids autograd does not show) ends a branch with no verdict, so rows
 merged back into the batch (`index_add_` into a batch-shaped tensor) are the batch's again. Not told apart
@@ -40,6 +46,7 @@ Example::
     origins = RowOrigins()
     origins.start(args, kwargs, rows=4)               # at the model's call
     why = origins.reason("linear", x)                 # None, or why dim 0 is not the batch's rows
+    why = origins.judge("linear", x, 4, out, "fc")    # the same, marking `out`; x may be the batch's tokens flattened
     origins.mark(output, f"'wi' {why}")               # a call without shares: what it alone feeds is not rows either
 """
 
@@ -51,29 +58,27 @@ import torch
 from torch import nn
 
 from gradrunner.capturing.per_example_layers import storage, tensors_of
+from gradrunner.capturing.per_example_tokens import (
+    ELEMENTWISE,
+    ROWWISE,
+    SLICES,
+    VIEWS,
+    WALK,
+    flat_sources,
+    same_rows,
+    signed,
+    token_rows,
+)
 from gradrunner.capturing.torch_compat import node_shape
 
 #: Autograd nodes whose output rows are rows of their input picked by an index tensor.
 SELECTS = frozenset({"IndexBackward", "IndexSelectBackward", "GatherBackward", "MaskedSelectBackward", "TakeBackward"})
 #: Autograd nodes of ops with one tensor operand that keep dim 0 where it is (views, casts, activations; slices and
 #: splits, which keep some of its rows: an expert's run of the sorted tokens, `tokens[start:end]`, `split(counts)`).
-_UNARY = frozenset({
-    "ViewBackward", "UnsafeViewBackward", "ReshapeAliasBackward", "AliasBackward", "UnsqueezeBackward",
-    "SqueezeBackward", "ToCopyBackward", "CloneBackward", "ReluBackward", "GeluBackward", "SiluBackward",
-    "TanhBackward", "SigmoidBackward", "EluBackward", "LeakyReluBackward", "NativeDropoutBackward",
-    "SliceBackward", "SplitBackward", "SplitWithSizesBackward", "UnsafeSplitBackward",
-})  # fmt: skip
-#: Autograd nodes of elementwise ops of one or several tensor operands (dropout's CPU mask `x * mask`, a gated
-#: expert's `act(w1 x) * w3 x`, a residual add): followed into each operand that gives the output its dim 0, to a
-#: selection or a call without shares, not to a parameter (`x * scale`: rows of x).
-_SEVERAL = frozenset({
-    "MulBackward", "DivBackward", "AddBackward", "SubBackward", "WhereBackward", "MaximumBackward", "MinimumBackward",
-    "AddcmulBackward", "AddcdivBackward", "LerpBackward",
-})  # fmt: skip
-#: Autograd nodes of a view or reshape of a whole tensor (which saves its input's sizes).
-_VIEWS = frozenset({"ViewBackward", "UnsafeViewBackward", "ReshapeAliasBackward"})
-#: The most autograd nodes walked back from a call's input, all operands' branches together.
-WALK = 16
+_UNARY = VIEWS | ROWWISE | SLICES | {"UnsqueezeBackward", "SqueezeBackward"}
+#: Autograd nodes of ops that move dims: where dim 0 gets another dim of the batch's size, which one is the batch's
+#: cannot be told (`_moves_rows`).
+_MOVES = frozenset({"TransposeBackward", "PermuteBackward", "TBackward"})
 
 
 class RowOrigins:
@@ -96,6 +101,8 @@ class RowOrigins:
         self.picked = False
         #: Whether the last node judged picked a parameter's rows by ids whose dim 0 is the batch's (`TABLE`).
         self.table = False
+        #: Output nodes of this forward's calls on the batch's tokens flattened (`judge`): so are the calls they feed.
+        self.tokens: set[Any] = set()
 
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int | None) -> None:
         """A forward of the model with `rows` rows (None: no tensor input) begins."""
@@ -106,10 +113,31 @@ class RowOrigins:
         self.fewer = {
             storage(t): tuple(first) for t in tensors if clash and 0 < t.dim() < len(first) and t.shape[0] == rows
         }
-        self.made = {}
+        self.made, self.tokens = {}, set()
 
     def clear(self) -> None:
-        self.given, self.fewer, self.made = None, {}, {}
+        self.given, self.fewer, self.made, self.tokens = None, {}, {}, set()
+
+    def judge(self, kind: str, x: torch.Tensor, rows: int, output: torch.Tensor, path: str) -> str | None:
+        """Why the rows of a call's input `x` (dim 0 of the batch's `rows`, or a multiple of them that `call_reason` let
+        through: its tokens flattened?) are not the batch's, or None; marks the call's `output` for the calls it feeds
+        (`mark`; `tokens`, where `x` is the batch's tokens flattened: `per_example_tokens`)."""
+        if x.shape[0] == rows:
+            why = self.reason(kind, x)
+        else:
+            base = token_rows(x, rows)
+            found = flat_sources(x, rows, self.tokens) if base is None else []
+            if isinstance(found, str):  # (not marked: reshaped back to (B, ...), its rows are the batch's again)
+                return _not_flat(kind, x, rows, found)
+            walks = (self._walk(*source) for source in found)
+            why = self.reason(kind, base) if base is not None else next(filter(None, walks), None)
+            if why is None:
+                self.tokens.add(output.grad_fn)
+            else:
+                why = f"{why} (the call's input {tuple(x.shape)} flattens its rows)"
+        if why is not None:  # dim 0 has the batch's size by coincidence: so has what this call alone feeds
+            self.mark(output, f"{path!r} {why}")
+        return why
 
     def reason(self, kind: str, x: torch.Tensor) -> str | None:
         """Why the rows of `x` (whose dim 0 has the batch's size) are not the batch's, or None."""
@@ -126,7 +154,7 @@ class RowOrigins:
             return None
         if isinstance(x, nn.Parameter):
             return f"called on a parameter of shape {tuple(x.shape)}: dim 0 is the parameter's, not the batch's rows"
-        return self._walk(x)
+        return self._walk(x.grad_fn, tuple(x.shape))
 
     def mark(self, output: torch.Tensor, why: str) -> None:
         """`output` of a call whose rows are not the batch's (`why`, the last `reason`): a layer it feeds through a
@@ -135,33 +163,35 @@ class RowOrigins:
         if output.grad_fn is not None:
             self.made[output.grad_fn] = (why, self.picked)
 
-    def _walk(self, x: torch.Tensor) -> str | None:
-        """The first reason found walking back from `x` (at most `WALK` nodes), or None."""
-        rows, seen = x.shape[0], set[Any]()
+    def _walk(self, start: Any, shape: tuple[int, ...]) -> str | None:
+        """The first reason found walking back from autograd node `start`, which made a tensor of `shape` (at most `WALK`
+        nodes), or None."""
+        seen: set[Any] = set()
+        self.picked = False
         #: (node, below an elementwise op of several tensor operands, the elementwise ops passed to reach it:
         #: (op, operand, its output number)); below any: no parameter verdict
-        stack: list[tuple[Any, bool, tuple[tuple[Any, Any, int], ...]]] = [(x.grad_fn, False, ())]
+        stack: list[tuple[Any, bool, tuple[tuple[Any, Any, int], ...]]] = [(start, False, ())]
         while stack and len(seen) < WALK:
             node, several, via = stack.pop()
             if node is None or node in seen:
                 continue
             seen.add(node)
             name = node.name().rstrip("0123456789")
-            why = self._verdict(node, name, x, rows, bool(via), several)
-            if why is not None and all(_same_rows(op, n, nr) for op, n, nr in via):  # shapes read only for a verdict
+            why = self._verdict(node, name, shape, bool(via), several)
+            if why is not None and all(same_rows(op, n, nr) for op, n, nr in via):  # shapes read only for a verdict
                 return why
             if why is not None:
                 continue  # an operand broadcast over the output's dim 0 (a bias, a (T, d) table): not its rows
             inputs = [(n, nr) for n, nr in node.next_functions if n is not None]
             if self.table:  # rows of a parameter picked by the batch's own ids: the batch's rows, as an embedding's
                 continue
-            if name in _SEVERAL:  # each operand: a gated expert's act(w1 x) * w3 x, dropout's `x * mask`
+            if name in ELEMENTWISE:  # each operand: a gated expert's act(w1 x) * w3 x, dropout's `x * mask`
                 stack += [(n, several or len(inputs) > 1, (*via, (node, n, nr))) for n, nr in inputs]
             elif len(inputs) == 1 and name in _UNARY | SELECTS:
                 stack.append((inputs[0][0], several, via))
         return None
 
-    def _verdict(self, node: Any, name: str, x: torch.Tensor, rows: int, masked: bool, several: bool) -> str | None:
+    def _verdict(self, node: Any, name: str, shape: tuple[int, ...], masked: bool, several: bool) -> str | None:
         """Why the rows of autograd node `node` (named `name`) are not the batch's, or None; sets `picked`.
 
         `masked`: reached through an elementwise op, where a parameter is a scale, not rows; `several`: through one of
@@ -172,30 +202,48 @@ class RowOrigins:
         self.table = False
         if made is not None and (self.picked or not several):
             return f"called on the output of a call whose rows are not the batch's ({made[0]})"
-        keeps = _keeps_rows(node, name, rows) if name in SELECTS else True
+        if name in _MOVES and _moves_rows(node, name):
+            return (f"called on a tensor of shape {shape} whose dim 0 was moved there ({name}: a transpose or permute) "
+                    "from a dim of the same size as the dim 0 it moved away: which of them is the batch's cannot be told")  # fmt: skip
+        keeps = _keeps_rows(node, name, shape[0]) if name in SELECTS else True
         if keeps == TABLE:
             self.table = self.given is None or _index(node) in self.given
             keeps = self.table
         if not keeps:
-            return (f"called on a tensor of shape {tuple(x.shape)} whose rows were picked by indexing ({name}: "
+            return (f"called on a tensor of shape {shape} whose rows were picked by indexing ({name}: "
                     "tokens routed to a mixture-of-experts' expert?): its rows are not the batch's")  # fmt: skip
         variable = getattr(node, "variable", None) if name.endswith("AccumulateGrad") and not masked else None
         if isinstance(variable, nn.Parameter):
-            return (f"called on a tensor of shape {tuple(x.shape)} made from a parameter of shape "
+            return (f"called on a tensor of shape {shape} made from a parameter of shape "
                     f"{tuple(variable.shape)} alone: its dim 0 is the parameter's, not the batch's rows")  # fmt: skip
         return None
 
 
-def _same_rows(product: Any, operand: Any, nr: int) -> bool:
-    """Whether the output `nr` of autograd node `operand`, an operand of elementwise `product`, gives the product its
-    dim 0, not broadcast over it (a bias, 1-D position embeddings, a (1, ...) mask); True where a shape is unknown."""
-    out, shape = node_shape(product, 0), node_shape(operand, nr)
-    return shape is None or out is None or (len(shape) == len(out) and shape[:1] == out[:1])
+def _moves_rows(node: Any, name: str) -> bool:
+    """Whether transpose or permute `node` put in dim 0 a dim of the same size as the dim 0 it moved elsewhere (B == T:
+    which is the batch's cannot be told); True where the shapes are unknown and dim 0 moved."""
+    out = node_shape(node, 0)
+    if out is not None and len(out) < 2:
+        return False  # (a 0-d or 1-d tensor's transpose moves nothing)
+    if name == "PermuteBackward":
+        dims = [signed(int(d)) for d in node._saved_dims]
+        moved = [d % len(dims) for d in dims]
+        return len(dims) > 1 and moved[0] != 0 and (out is None or out[moved.index(0)] == out[0])
+    d0, d1 = (0, 1) if name == "TBackward" else (signed(int(node._saved_dim0)), signed(int(node._saved_dim1)))
+    if out is None:
+        return 0 in (d0, d1) or d0 < 0 or d1 < 0
+    d0, d1 = d0 % len(out), d1 % len(out)
+    return d0 != d1 and 0 in (d0, d1) and out[d0 + d1] == out[0]
 
 
-def _signed(dim: int) -> int:
-    """A dim autograd saved as an unsigned 64-bit number (-2 reads 2**64 - 2)."""
-    return dim - 2**64 if dim >= 2**63 else dim
+def _not_flat(kind: str, x: torch.Tensor, rows: int, why: str) -> str:
+    """Why a call whose input's dim 0 is a multiple of the batch's rows is not on its tokens flattened (`why`)."""
+    if kind == "experts":
+        return (f"called on tokens of shape {tuple(x.shape)} that are not the batch's {rows} rows flattened (a row-major "
+                f"view of a tensor whose dim 0 is the batch, or a row-wise op of one): {why}")  # fmt: skip
+    return (f"called with an input of shape {tuple(x.shape)} whose dim 0 ({x.shape[0]}) is not the batch ({rows} rows), "
+            f"nor provably its rows flattened (a row-major view of a tensor whose dim 0 is the batch, or a row-wise op of "
+            f"one): {why}")  # fmt: skip
 
 
 #: `_keeps_rows`' answer for rows of a parameter picked by a batch-sized index tensor (`table[ids]`): the batch's rows
@@ -215,11 +263,11 @@ def _keeps_rows(node: Any, name: str, rows: int) -> bool | str:
         saved, index = getattr(node, "_saved_self", None), getattr(node, "_saved_index", None)
         if saved is None or index is None or saved.dim() == 0:
             return False
-        along = _signed(int(node._saved_dim)) % saved.dim() != 0  # (a shorter index would pick the first rows)
+        along = signed(int(node._saved_dim)) % saved.dim() != 0  # (a shorter index would pick the first rows)
         return along and index.shape[0] == saved.shape[0] and _grouped(node, saved.shape[0], rows)
     if name == "IndexSelectBackward":
         sizes = node._saved_self_sym_sizes
-        return bool(sizes) and _signed(int(node._saved_dim)) % len(sizes) != 0 and _grouped(node, int(sizes[0]), rows)
+        return bool(sizes) and signed(int(node._saved_dim)) % len(sizes) != 0 and _grouped(node, int(sizes[0]), rows)
     if name == "IndexBackward":
         indices, sizes = node._saved_indices, node._saved_self_sym_sizes
         at = [i for i, index in enumerate(indices) if index is not None]
@@ -244,7 +292,7 @@ def _grouped(node: Any, size: int, rows: int) -> bool:
     if size == rows:
         return True
     src = node.next_functions[0][0] if node.next_functions else None
-    view = src is not None and src.name().rstrip("0123456789") in _VIEWS
+    view = src is not None and src.name().rstrip("0123456789") in VIEWS
     sizes: Any = getattr(src, "_saved_self_sym_sizes", None) if view else None
     return bool(sizes) and rows > 0 and int(sizes[0]) == rows and size % rows == 0
 
