@@ -529,3 +529,33 @@ def test_a_layer_on_the_batch_transposed_when_the_batch_size_equals_the_length(l
         assert got[name] is None and why in str(reasons[name]), (name, reasons[name])
     ref = loop(model, inputs, _row_sq, params)[0]
     assert_matches(got, {n: r for n, r in ref.items() if not n.startswith(nulls)}, reasons)
+
+
+class ScaledParameter(nn.Module):
+    """`lin` on a (B, 3) parameter (B rows by coincidence) scaled elementwise, or on the batch scaled by a parameter."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.p, self.scale = how, nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))
+        self.inp, self.lin = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = {"p * 2": lambda: self.p * 2, "x * p": lambda: x * self.p, "x * scale": lambda: x * self.scale}[self.how]()
+        return self.inp(x) + self.lin(q)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["p * 2", "x * p", "x * scale"])
+def test_a_layer_on_a_parameter_scaled_elementwise(how: str) -> None:
+    """Found 2026-11-27: `lin(p * 2)` got numbers (38.67, 7.70, 3.84, 5.63: the parameter's rows, no example's) while
+    `lin(p)` was null; the parameter was taken for a scale of other rows below any elementwise op. Null now where it
+    gives the result its dim 0; a parameter broadcast over the batch (`x * scale`) still scales the batch's rows."""
+    torch.manual_seed(0)
+    model, inputs = ScaledParameter(how), {"x": torch.randn(4, 3)}
+    params = [p for p in all_params(model) if p[0].startswith(("inp:", "lin:"))]
+    got, reasons = batched(model, inputs, _row_sq, params)
+    if how == "x * scale":
+        assert_matches(got, loop(model, inputs, _row_sq, params)[0], reasons)
+        return
+    for name in ("lin:weight", "lin:bias"):  # (and no loop: a row alone meets all of p's rows)
+        assert got[name] is None and "made from a parameter of shape (4, 3)" in str(reasons[name]), reasons[name]
+    assert got["inp:weight"] is not None

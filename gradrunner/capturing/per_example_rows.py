@@ -31,7 +31,8 @@ judged as above; its output is kept (`tokens`) so that the calls it feeds are pr
 The walk back through the autograd graph (at most `WALK` nodes, all branches together) follows ops of one
 tensor operand (`_UNARY`) and elementwise ops (`ELEMENTWISE`: dropout's CPU mask, a gated expert's
 `act(w1 x) * w3 x`, a residual add) into each operand, towards a selection or such an output (not to a
-parameter: `x * scale` has x's rows). Below an op of several tensor operands only rows picked by indexing
+parameter broadcast over dim 0: `x * scale` has x's rows; one that gives the result its dim 0, `p * 2`, is rows of a
+parameter). Below an op of several tensor operands only rows picked by indexing
 count (`picked`: the batch's rows plus a position's embedding made from ids made in the forward are the
 batch's rows), and only if every operand passed gives the result its dim 0 (`same_rows`, shapes read then
 only: a bias or a (T, d) table broadcast over the batch are not its rows). Any other op (a matmul, a
@@ -194,7 +195,9 @@ class RowOrigins:
     def _verdict(self, node: Any, name: str, shape: tuple[int, ...], masked: bool, several: bool) -> str | None:
         """Why the rows of autograd node `node` (named `name`) are not the batch's, or None; sets `picked`.
 
-        `masked`: reached through an elementwise op, where a parameter is a scale, not rows; `several`: through one of
+        `masked`: reached through an elementwise op, where a parameter broadcast over dim 0 is a scale, not rows (`x *
+        scale`; `_walk` drops the verdict by `same_rows`), and one that gives the result its dim 0 is rows (`p * 2`),
+        where the shapes are read (else: a scale, as before 2026-11-27, when `p * 2` got numbers); `several`: through one of
         several operands, where only rows picked by indexing count (the batch's rows plus a position's embedding, made
         from ids made in the forward, are still the batch's rows)."""
         made = self.made.get(node)
@@ -212,10 +215,11 @@ class RowOrigins:
         if not keeps:
             return (f"called on a tensor of shape {shape} whose rows were picked by indexing ({name}: "
                     "tokens routed to a mixture-of-experts' expert?): its rows are not the batch's")  # fmt: skip
-        variable = getattr(node, "variable", None) if name.endswith("AccumulateGrad") and not masked else None
-        if isinstance(variable, nn.Parameter):
+        variable = getattr(node, "variable", None) if name.endswith("AccumulateGrad") else None
+        if isinstance(variable, nn.Parameter) and (not masked or node_shape(node, 0) is not None):
+            how = "by an elementwise op that keeps its dim 0" if masked else "alone"
             return (f"called on a tensor of shape {shape} made from a parameter of shape "
-                    f"{tuple(variable.shape)} alone: its dim 0 is the parameter's, not the batch's rows")  # fmt: skip
+                    f"{tuple(variable.shape)} {how}: its dim 0 is the parameter's, not the batch's rows")  # fmt: skip
         return None
 
 
