@@ -151,3 +151,32 @@ def lm_loss(out: object, i: int) -> torch.Tensor:
     logits = out.logits  # type: ignore[attr-defined]
     labels = torch.arange(logits.shape[1]).roll(i) % logits.shape[-1]
     return nn.functional.cross_entropy(logits[0], labels, reduction="sum") / logits.shape[1]
+
+
+def tiny_moe(family: str, impl: str, top_k: int = 2, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A random-init one-layer transformers MoE model of `family` with experts implementation `impl` (expert and router
+    weights drawn N(0, 0.3): zeros and 0.02 would hide a wrong expert or slice)."""
+    import transformers as tf
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    common = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  num_experts_per_tok=top_k)  # fmt: skip
+    configs: dict[str, Callable[[], tuple[type, object]]] = {
+        "mixtral": lambda: (tf.MixtralForCausalLM, tf.MixtralConfig(intermediate_size=24, num_local_experts=4, **common)),
+        "qwen2_moe": lambda: (tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig(
+            intermediate_size=24, moe_intermediate_size=12, shared_expert_intermediate_size=20, num_experts=3, **common)),
+        "qwen3_moe": lambda: (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
+            intermediate_size=24, moe_intermediate_size=12, num_experts=4, head_dim=8, **common)),
+        "olmoe": lambda: (tf.OlmoeForCausalLM, tf.OlmoeConfig(intermediate_size=20, num_experts=2, **common)),
+        "gpt_oss": lambda: (tf.GptOssForCausalLM, tf.GptOssConfig(
+            intermediate_size=12, num_local_experts=4, head_dim=8, layer_types=["full_attention"], **common)),
+    }  # fmt: skip
+    torch.manual_seed(0)
+    cls, cfg = configs[family]()
+    cfg._experts_implementation = impl  # type: ignore[attr-defined]
+    model = cls(cfg).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name or name.endswith(".gate.weight") or ".router." in name:
+                p.normal_(0, 0.3)  # (zeros and 0.02 would hide a wrong expert or slice)
+    return model

@@ -7,14 +7,12 @@ autocast; and null with the reason where the experts' math is not followed.
 
 from __future__ import annotations
 
-import logging
 import warnings
-from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
-from per_example_reference import all_params, assert_matches, batched, loop, row
+from per_example_reference import all_params, assert_matches, batched, loop, row, tiny_moe
 from torch import nn
 
 from gradrunner import capture
@@ -23,33 +21,6 @@ from gradrunner.capturing.per_example_check import PerExampleWarning
 
 STRATEGIES = ["retain_grad", "hook", "autograd_grad"]
 EXPERTS = "model.layers.0.mlp.experts"
-
-
-def tiny(family: str, impl: str, top_k: int = 2, dtype: torch.dtype = torch.float32) -> nn.Module:
-    import transformers as tf
-
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    common = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                  num_experts_per_tok=top_k)  # fmt: skip
-    configs: dict[str, Callable[[], tuple[type, object]]] = {
-        "mixtral": lambda: (tf.MixtralForCausalLM, tf.MixtralConfig(intermediate_size=24, num_local_experts=4, **common)),
-        "qwen2_moe": lambda: (tf.Qwen2MoeForCausalLM, tf.Qwen2MoeConfig(
-            intermediate_size=24, moe_intermediate_size=12, shared_expert_intermediate_size=20, num_experts=3, **common)),
-        "qwen3_moe": lambda: (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig(
-            intermediate_size=24, moe_intermediate_size=12, num_experts=4, head_dim=8, **common)),
-        "olmoe": lambda: (tf.OlmoeForCausalLM, tf.OlmoeConfig(intermediate_size=20, num_experts=2, **common)),
-        "gpt_oss": lambda: (tf.GptOssForCausalLM, tf.GptOssConfig(
-            intermediate_size=12, num_local_experts=4, head_dim=8, layer_types=["full_attention"], **common)),
-    }  # fmt: skip
-    torch.manual_seed(0)
-    cls, cfg = configs[family]()
-    cfg._experts_implementation = impl  # type: ignore[attr-defined]
-    model = cls(cfg).to(dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".experts." in name or name.endswith(".gate.weight") or ".router." in name:
-                p.normal_(0, 0.3)  # (zeros and 0.02 would hide a wrong expert or slice)
-    return model
 
 
 def rows_loss(out: object, i: int) -> torch.Tensor:
@@ -75,7 +46,7 @@ CASES = [("mixtral", "eager"), ("mixtral", "batched_mm"), ("mixtral", "grouped_m
     ("length", "top_k"), [(1, 2), (4, 1), (12, 2)]
 )  # few pairs per row and expert: ghost; many: both
 def test_every_expert_parameter_matches_the_loop(family: str, impl: str, length: int, top_k: int) -> None:
-    model = tiny(family, impl, top_k)
+    model = tiny_moe(family, impl, top_k)
     params = expert_params(model)
     assert len(params) == (4 if family == "gpt_oss" else 2)  # GPT-OSS: transposed, with biases
     inputs = {"input_ids": input_ids(4, length)}
@@ -88,7 +59,7 @@ def test_every_expert_parameter_matches_the_loop(family: str, impl: str, length:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_through_capture_with_accumulation(strategy: str) -> None:
     """Two micro-batches of 3 rows, each loss / 2: six rows, each its share of the accumulated .grad."""
-    model = tiny("mixtral", "eager")
+    model = tiny_moe("mixtral", "eager")
     params = expert_params(model)
     chunks = [input_ids(3, 4), input_ids(3, 5)[:, :4]]
     with capture(model, [n for n, _, _ in params], strategy=strategy, per_example=True) as cap:
@@ -106,7 +77,7 @@ def test_through_capture_with_accumulation(strategy: str) -> None:
 @pytest.mark.parametrize("impl", ["eager", "batched_mm"])
 def test_bfloat16_autocast(impl: str) -> None:
     """CPU autocast: the experts' matmuls in bf16; rows close to the loop under the same autocast (bf16's rounding)."""
-    model = tiny("mixtral", impl)
+    model = tiny_moe("mixtral", impl)
     params = expert_params(model)
     inputs = {"input_ids": input_ids(4, 5)}
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -117,7 +88,7 @@ def test_bfloat16_autocast(impl: str) -> None:
 
 def test_an_implementation_not_followed_is_null_with_its_name() -> None:
     """GPT-OSS's own eager forward (clamped gate, its own loop) is not transformers' stock loop: null, saying so."""
-    model = tiny("gpt_oss", "eager")
+    model = tiny_moe("gpt_oss", "eager")
     params = expert_params(model)
     got, why = batched(model, {"input_ids": input_ids(4, 3)}, rows_loss, params)
     assert all(v is None for v in got.values())
@@ -129,7 +100,7 @@ def test_a_registered_kernel_is_null_with_its_name() -> None:
 
     ALL_EXPERTS_FUNCTIONS.register("my_kernel", batched_mm_experts_forward)
     try:
-        model = tiny("mixtral", "my_kernel")
+        model = tiny_moe("mixtral", "my_kernel")
         params = expert_params(model)
         got, why = batched(model, {"input_ids": input_ids(4, 3)}, rows_loss, params)
     finally:
@@ -155,7 +126,7 @@ class SeqMajor(nn.Module):
 
 def test_tokens_that_are_not_the_batch_flattened_are_null() -> None:
     """The experts called on the tokens of a (T, B, H) copy: which row a token is cannot be told."""
-    model = tiny("mixtral", "eager")
+    model = tiny_moe("mixtral", "eager")
     model.model.layers[0].mlp = SeqMajor(model.model.layers[0].mlp)
     params = expert_params(model)
     got, why = batched(model, {"input_ids": input_ids(4, 3)}, rows_loss, params)
@@ -164,7 +135,7 @@ def test_tokens_that_are_not_the_batch_flattened_are_null() -> None:
 
 
 def test_a_penalty_on_the_experts_is_caught_by_the_check() -> None:
-    model = tiny("qwen3_moe", "batched_mm")
+    model = tiny_moe("qwen3_moe", "batched_mm")
     params = expert_params(model)
     experts = model.model.layers[0].mlp.experts
 
@@ -183,7 +154,7 @@ def test_loss_and_grads_bit_identical_with_per_example_on(strategy: str) -> None
     """The recomputation (and its small autograd call inside the backward) changes no gradient and no hook."""
     results = []
     for on in (False, True):
-        model = tiny("mixtral", "batched_mm")
+        model = tiny_moe("mixtral", "batched_mm")
         seen: list[torch.Tensor] = []
         hooks = [
             p.register_post_accumulate_grad_hook(lambda p, seen=seen: seen.append(p.grad.clone()))
@@ -227,7 +198,7 @@ def test_an_experts_module_called_twice_sums_both_calls_shares() -> None:
 def test_an_implementation_switched_after_the_session_opened_is_seen_at_the_call() -> None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, batched_mm_experts_forward
 
-    model = tiny("mixtral", "eager")
+    model = tiny_moe("mixtral", "eager")
     params = expert_params(model)
     ALL_EXPERTS_FUNCTIONS.register("my_kernel", batched_mm_experts_forward)
     try:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from per_example_reference import all_params, assert_matches, batched, loop, row
-from test_per_example_experts import tiny
+from per_example_reference import all_params, assert_matches, batched, loop, row, tiny_moe
 from torch import nn
 
 from gradrunner import capture
@@ -104,7 +103,7 @@ def test_bfloat16_autocast() -> None:
 
 def test_qwen2_moe_shared_expert_and_its_gate_are_exact() -> None:
     """Qwen2-MoE calls `shared_expert` (gate, up, down) and `shared_expert_gate` on `hidden.view(-1, d)`."""
-    model = tiny("qwen2_moe", "eager")
+    model = tiny_moe("qwen2_moe", "eager")
     params = [p for p in all_params(model) if ".shared_expert" in p[0]]
     assert len(params) == 4
     inputs = {"input_ids": torch.randint(0, 40, (4, 6), generator=torch.Generator().manual_seed(1))}
