@@ -254,3 +254,27 @@ def test_a_forgotten_forward_of_an_edited_tap_holds_nothing(strategy: str) -> No
         gc.collect()
         assert all(r() is None for r in refs), "the edited value of a forgotten forward is still held"
     handle.remove()
+
+
+def test_a_forward_whose_output_went_keeps_the_gradient_of_a_leaf_input_its_state_still_reaches(strategy: str) -> None:
+    """Four calls of a stateful cell on inputs made with `requires_grad=True` (a saliency map), each output dropped but
+    the last, whose loss reaches every call's input through the kept state: under `autograd_grad` the first three
+    calls' `:input` rows had no gradient ([nan, nan, nan, 0.245] for `.grad`'s [0.004, 0.015, 0.055, 0.245]): their
+    leaves, let go of as the outputs went, were read at a pre-hook of their accumulators, which `autograd.grad` never
+    runs for a leaf it takes as an input."""
+    xs = torch.randn(4, 5, 4, generator=torch.Generator().manual_seed(3))
+    model = _StatefulCell()
+    ins = [x.clone().requires_grad_() for x in xs]
+    for x in ins:
+        out = model(x)
+    out.pow(2).mean().backward()
+    want = [float(x.grad.norm()) for x in ins]  # type: ignore[union-attr]
+    model = _StatefulCell()
+    ins = [x.clone().requires_grad_() for x in xs]
+    with capture(model, [":input"], strategy=strategy) as cap:
+        for x in ins:
+            out = model(x)
+        cap.backward(out.pow(2).mean())
+        recs = cap.records()
+    assert [recs.row(i)["call"] for i in range(len(recs))] == [0, 1, 2, 3]
+    assert [recs.row(i)["norm"] for i in range(len(recs))] == pytest.approx(want, rel=1e-6)

@@ -62,7 +62,10 @@ class AutogradGradStrategy(Strategy):
                 box: list[torch.Tensor] = []
                 slot.parts = box
                 slot.handle = watch_edge(slot.edge, _into(box, slot))  # type: ignore[arg-type]
-            slot.tensor, slot.edge = None, None
+            # A leaf holds no graph: kept, for `_retake`. Its accumulator's pre-hook runs only where the engine runs
+            # the node, never where `autograd.grad` takes the leaf's gradient as an input, as `run_backward` does.
+            slot.tensor = slot.tensor if slot.leaf else None
+            slot.edge = None
 
     def fires_recomputed(self, tap: str) -> None:
         """Refused: `autograd.grad` cannot run a reentrant checkpoint's backward, and where the one engine call is
@@ -76,6 +79,7 @@ class AutogradGradStrategy(Strategy):
             self._one_backward(loss, slots, retain_graph)
             return
         by_edge = FEATURES["get_gradient_edge"]
+        self._retake(slots)
         watched = self._watched(slots)
         tapped: list[Slot] = []
         inputs: list[Any] = []
@@ -104,6 +108,15 @@ class AutogradGradStrategy(Strategy):
             for h in handles:
                 h.remove()
         self._deliver_watched(watched)
+
+    @staticmethod
+    def _retake(slots: Sequence[Slot]) -> None:
+        """The leaves `let_go` left (a forward whose outputs went while a later graph still reaches them): an input of
+        this engine call again, through their accumulator (the one that graph holds; a new one reached by nothing
+        gives None, as for a leaf whose graph went)."""
+        for s in slots:
+            if s.edge is None and s.leaf and s.tensor is not None and s.parts is not None:
+                s.edge, s.parts = gradient_edge(s.tensor), None
 
     @staticmethod
     def _watched(slots: Sequence[Slot]) -> list[Slot]:
