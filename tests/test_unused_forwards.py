@@ -278,3 +278,50 @@ def test_a_forward_whose_output_went_keeps_the_gradient_of_a_leaf_input_its_stat
         recs = cap.records()
     assert [recs.row(i)["call"] for i in range(len(recs))] == [0, 1, 2, 3]
     assert [recs.row(i)["norm"] for i in range(len(recs))] == pytest.approx(want, rel=1e-6)
+
+
+class _StatefulFrozenEmbedding(nn.Module):
+    """`_StatefulCell` over a frozen embedding whose output requires grad only by a later forward hook (transformers'
+    `enable_input_require_grads()`): each call's embedding output is a leaf the next calls' graphs still reach."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 4).requires_grad_(False)
+        self.cell = nn.Linear(7, 3)
+        self.h: torch.Tensor | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(ids.shape[0], 3) if self.h is None else self.h
+        self.h = torch.tanh(self.cell(torch.cat([self.emb(ids), h], 1)))
+        return self.h * 2
+
+
+def test_a_forward_whose_output_went_keeps_a_leaf_a_later_hook_turned_on_that_its_state_still_reaches(
+    strategy: str,
+) -> None:
+    """Four calls of a stateful cell over a frozen embedding turned on by a later forward hook, each output dropped but
+    the last, whose loss reaches every call's embedding output through the kept state: the first three forwards were
+    dropped whole (their tapped leaf, hooked only as the backward begins, counted as holding nothing), and the one row
+    left was the last call's gradient as call 0 ([0.259] for plain hooks' [0.002, 0.009, 0.044, 0.259])."""
+    ids = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(3))
+    model = _StatefulFrozenEmbedding()
+    want: list[torch.Tensor] = []
+    on = model.emb.register_forward_hook(_requires_grad)
+    watch = model.emb.register_forward_hook(lambda _m, _a, out: out.register_hook(want.append) and None)
+    for x in ids:
+        out = model(x)
+    out.pow(2).mean().backward()
+    on.remove()
+    watch.remove()
+    want.reverse()  # backward meets the last call first
+    model = _StatefulFrozenEmbedding()
+    with capture(model, ["emb:output"], strategy=strategy) as cap:
+        on = model.emb.register_forward_hook(_requires_grad)  # after the session opened: runs after the tap's hook
+        for x in ids:
+            out = model(x)
+        cap.backward(out.pow(2).mean())
+        recs = cap.records()
+        on.remove()
+    assert [recs.row(i)["call"] for i in range(len(recs))] == [0, 1, 2, 3]
+    assert [recs.row(i)["norm"] for i in range(len(recs))] == pytest.approx([float(g.norm()) for g in want], rel=1e-6)

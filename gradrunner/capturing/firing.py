@@ -107,13 +107,14 @@ class Firing:
         self.slots, self.calls, self._mark = [], {}, None
         for slot in slots:
             if slot.late is not None:
-                self._attach_late(slot)
+                self.attach_late(slot)
         return slots, calls.keys()
 
-    def _attach_late(self, slot: Slot) -> None:
+    def attach_late(self, slot: Slot) -> None:
         """A leaf that did not require grad when its tap fired, turned on in place since by a hook that ran after the
         tap's (transformers' `enable_input_require_grads()` registered after the session opened): its gradient arrives
-        at its edge, so the strategy attaches there now, as the backward begins (else the row would say it has none)."""
+        at its edge, so the strategy attaches there now, as the backward begins (else the row would say it has none);
+        or as its forward's outputs went (`PendingForwards`: a later forward's graph may still reach the leaf)."""
         assert slot.late is not None
         (tap, value), slot.late = slot.late, None
         if not value.requires_grad:
@@ -131,7 +132,7 @@ class Firing:
 
     def edit_late_uncaptured(self) -> None:
         """An uncaptured backward begins: edit the gradient of each edited leaf a later forward hook turned on
-        (`_attach_late`'s edit, without a record), as the edit node edits it where the leaf required grad at once."""
+        (`attach_late`'s edit, without a record), as the edit node edits it where the leaf required grad at once."""
         self.pending.drop_freed()
         edits, late, self.late_uncaptured = self.session.edits, self.late_uncaptured, []
         if edits is None:

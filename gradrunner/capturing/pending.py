@@ -7,9 +7,10 @@ its graph once nothing holds it; the session must not hold it either, nor hand i
 root forward that returned autograd nodes leaves a sentinel in their `metadata` (no hook, nothing run by backward):
 the sentinel goes with the last of them. The strategies keep nothing that holds a tapped output's node
 (`Strategy.let_go`: it is read at the node), so a forward whose output is tapped goes too. As the next forward or
-backward begins, each such forward's slots let go of its graph too; where that freed every node they hooked, the
-forward goes (slots, held leaves, its calls' numbers); where something still holds an inner node (module state, a
-cache the next forward reads), a gradient may yet reach it there: its slots stay. A `create_graph` backward of the
+backward begins, each such forward's slots let go of its graph too (a leaf a later hook turned on is hooked first,
+`Firing.attach_late`); where that freed every node they hooked, the forward goes (slots, held leaves, its calls'
+numbers); where something still holds an inner node or leaf (module state, a cache the next forward reads), a
+gradient may yet reach it there: its slots stay. A `create_graph` backward of the
 user's (a gradient penalty) keeps a forward's inner nodes in its own graph: nothing is dropped after one (`pin`).
 
 Example::
@@ -117,9 +118,12 @@ class PendingForwards:
             return
         self._forwards = [f for f in forwards if f.alive() is not None]
         for f in freed:  # hold nothing of their graphs: what still holds an inner node (module state, a cache) shows
+            for slot in f.slots:
+                if slot.late is not None:  # a leaf a later hook turned on: hooked now, held only where a graph uses it
+                    firing.attach_late(slot)
             firing.session.strategy.let_go(f.slots)
             for slot in f.slots:
-                slot.view, slot.late = None, None
+                slot.view = None
         # a forward whose inner nodes something still holds may yet get gradients through them: its slots stay
         gone = [f for f in freed if not any(_holds(s) for s in f.slots)]
         dropped = {id(s) for f in gone for s in f.slots}
