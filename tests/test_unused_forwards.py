@@ -325,3 +325,32 @@ def test_a_forward_whose_output_went_keeps_a_leaf_a_later_hook_turned_on_that_it
         on.remove()
     assert [recs.row(i)["call"] for i in range(len(recs))] == [0, 1, 2, 3]
     assert [recs.row(i)["norm"] for i in range(len(recs))] == pytest.approx([float(g.norm()) for g in want], rel=1e-6)
+
+
+def test_forwards_whose_tapped_output_became_the_models_output_in_place_hold_nothing(strategy: str) -> None:
+    """A model whose last layer is `ReLU(inplace=True)`: the tapped `2:output` tensor is then the model's output. Under
+    `retain_grad` and `autograd_grad` its slot held that tensor, and through it the output's node: 10 forwards whose
+    outputs were dropped kept their graphs (10 activations of `0:output`) and the backward recorded 10 rows without
+    gradient per tap and the training forward as call 10. Now as without them (`hook`'s, plain torch's)."""
+
+    def train(dropped: int) -> tuple[list[tuple[str, int, float]], int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3), nn.ReLU(inplace=True))
+        x, y = torch.randn(5, 4), torch.randn(5, 3)
+        refs: list[weakref.ref[torch.Tensor]] = []
+        watch = model[0].register_forward_hook(lambda _m, _a, out: refs.append(weakref.ref(out)) and None)
+        with capture(model, ["0:output", "2:output"], strategy=strategy) as cap:
+            for _ in range(dropped):
+                float(model(x).sum())
+            held = sum(r() is not None for r in refs)
+            loss = nn.functional.mse_loss(model(x), y)
+            cap.backward(loss)
+            recs = cap.records(loss)
+        watch.remove()
+        return [(recs.row(i)["tap"], recs.row(i)["call"], recs.row(i)["norm"]) for i in range(len(recs))], held
+
+    want, _ = train(0)
+    got, held = train(10)
+    assert [r[:2] for r in got] == [r[:2] for r in want] == [("0:output", 0), ("2:output", 0)]
+    assert [r[2] for r in got] == pytest.approx([r[2] for r in want], rel=1e-6)
+    assert held <= 1, f"{held} dropped forwards' activations held"

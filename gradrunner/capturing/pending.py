@@ -44,6 +44,13 @@ def _holds(slot: Slot) -> bool:
     return (slot.edge is not None and slot.edge[0] is not None) or (slot.handle is not None and hook_held(slot.handle))  # type: ignore[index]
 
 
+def _returned(slot: Slot, ids: set[int]) -> bool:
+    """Whether `slot` holds one of the nodes (by `id`) the model returned: its edge's, or its tensor's now (a tapped
+    value the model changed in place and returned, `ReLU(inplace=True)` last)."""
+    held = slot.tensor
+    return (slot.edge is not None and id(slot.edge[0]) in ids) or (held is not None and id(held.grad_fn) in ids)  # type: ignore[index]
+
+
 class _Sentinel:
     """Lives as long as the autograd nodes a root forward returned (held in their `metadata` only)."""
 
@@ -85,7 +92,7 @@ class PendingForwards:
         except (AttributeError, TypeError):  # a node without metadata: never known to be freed, kept as before
             return
         ids = {id(n) for n in nodes}
-        ends = [s for s in slots if s.edge is not None and id(s.edge[0]) in ids]  # type: ignore[index]
+        ends = [s for s in slots if _returned(s, ids)]
         if ends:  # a tap on the model's output: the slot must not keep the forward's graph alive
             self._firing.session.strategy.let_go(ends)
             for slot in ends:
