@@ -17,6 +17,7 @@ import torch
 from conftest import regression_batches as _batches
 from conftest import tanh_mlp as _model
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from gradrunner import capture, record
 from gradrunner.analysis import load
@@ -354,3 +355,59 @@ def test_forwards_whose_tapped_output_became_the_models_output_in_place_hold_not
     assert [r[:2] for r in got] == [r[:2] for r in want] == [("0:output", 0), ("2:output", 0)]
     assert [r[2] for r in got] == pytest.approx([r[2] for r in want], rel=1e-6)
     assert held <= 1, f"{held} dropped forwards' activations held"
+
+
+class _Checkpointed(nn.Module):
+    """`_model`'s shape with its middle layer run in `checkpoint(..., use_reentrant=True)`: an edited call inside it is
+    edited as backward recomputes it (`Firing.deferred_calls`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(lambda t: torch.tanh(self.b(t)), self.a(x), use_reentrant=True)
+        return self.c(h)
+
+
+def _every_2_rebinding(run_dir: Path, metric: bool, checkpointed: bool) -> tuple[Any, torch.Tensor]:
+    """Four steps of `record(every=2)` with a layer's output edited (`dropout`), each after a metric forward with
+    gradients on whose output is dropped only as the training forward's result is bound to the same name: the records
+    and the first layer's final weight."""
+    model: nn.Module = _Checkpointed() if checkpointed else _model()
+    tap = "b:output" if checkpointed else "0:output"
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(model, [tap], run_dir, strategy="hook", every=2, edits=[{"tap": tap, "dropout": 0.5}]) as rec:
+        for x, y in _batches(4):
+            if metric:
+                out = model(x)
+                float(out.sum())
+            out = model(x)  # the metric forward's graph goes here, after this forward fired
+            loss = nn.functional.mse_loss(out, y)
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    df = load(run_dir).sort_values(["step", "call"])
+    first = model.a if checkpointed else model[0]  # type: ignore[index]
+    return df[["step", "call", "has_grad", "norm", "edited_norm"]], first.weight.detach().clone()
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_metric_forward_dropped_after_the_next_forward_fired_leaves_an_uncaptured_steps_edits_as_without_it(
+    tmp_path: Path, checkpointed: bool
+) -> None:
+    """`out = model(x)` for a metric, then `out = model(x)` again for the loss: the metric forward's graph goes as the
+    second result is bound, after that forward's edited tap fired. A captured step then numbers the training call 0
+    and its dropout draws with 0; an uncaptured step (`every=2`) drew with the call counted as it fired, 1 (inside a
+    reentrant checkpoint too): other masks than a run without the metric forward, so step 2's records (norm 0.2886
+    for 0.2916) and the final weights (by 0.086) differed. The call an uncaptured step's edit draws with is now moved
+    down as a captured slot's is."""
+    want, want_w = _every_2_rebinding(tmp_path / "fresh", metric=False, checkpointed=checkpointed)
+    got, got_w = _every_2_rebinding(tmp_path / "metric", metric=True, checkpointed=checkpointed)
+    keys = ["step", "call", "has_grad"]
+    assert got[keys].values.tolist() == want[keys].values.tolist() == [[0, 0, True], [2, 0, True]]
+    np.testing.assert_allclose(got[["norm", "edited_norm"]].to_numpy(float), want[["norm", "edited_norm"]].to_numpy(float),
+                               rtol=1e-6)  # fmt: skip
+    assert torch.equal(got_w, want_w)

@@ -267,14 +267,14 @@ class Edits:
                 "from parameters (or from an input that requires grad), or drop the edit."
             )
 
-    def on_fire(self, tap: Tap, value: _V, call: int, slot: Slot | None = None) -> _V:
+    def on_fire(self, tap: Tap, value: _V, call: int | Callable[[], int], slot: Slot | None = None) -> _V:
         """The value the model goes on with: `value` through an edit node when `tap` is edited.
 
         `call` is the firing's call, numbered by the session's forward side in every step (`Firing`: the
         captured step's record's call, in the seeds); `slot` the record's slot in a captured step (its edited
         norm is kept under its key; its call, read as the edit draws, is the one in the seeds: a forward
-        before it that no backward reached, dropped, moves it down), None otherwise. A value without gradient
-        passes as it is.
+        before it that no backward reached, dropped, moves it down), None otherwise; in an uncaptured step `call` may be
+        read as the edit draws too (`pending.Numbered`). A value without gradient passes as it is.
         """
         edits = self.by_tap.get(tap.tap)
         if edits is None or not isinstance(value, torch.Tensor) or not value.requires_grad:
@@ -307,7 +307,7 @@ class Edits:
         return leaf.register_hook(hook)
 
     def _editor(
-        self, tap: str, edits: list[Edit], call: int, slot: Slot | None, first: int
+        self, tap: str, edits: list[Edit], call: int | Callable[[], int], slot: Slot | None, first: int
     ) -> Callable[[torch.Tensor], torch.Tensor]:
         """What `edits` do to a gradient of call `call` of `tap` that flows in backward `first` (or a later one)."""
 
@@ -319,7 +319,7 @@ class Edits:
             # `torch.autograd.grad` inside a loss (a gradient penalty) begins none: the forward's next one
             step = max(first, self.step) if self._running else first
             # a DTensor: an activation's under tensor parallel, edited as the whole gradient
-            at = call if slot is None else slot.key.call
+            at = slot.key.call if slot is not None else call if isinstance(call, int) else call()
             new = (apply_sharded if is_dtensor(grad) else apply_all)(edits, grad, self.seed, step, tap, at)
             if slot is not None:  # into the norms of the backward running now (a second one too)
                 self.norms[slot.key] = record_norm(new)

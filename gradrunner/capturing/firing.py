@@ -39,7 +39,7 @@ from gradrunner.capturing.grad_context import (
     refuse_transformed,
 )
 from gradrunner.capturing.owned import owned
-from gradrunner.capturing.pending import CheckpointContexts, PendingForwards
+from gradrunner.capturing.pending import CheckpointContexts, Numbered, PendingForwards
 from gradrunner.capturing.recorded_norms import record_value_norm
 from gradrunner.capturing.strategies import Slot
 from gradrunner.capturing.taps import Tap
@@ -84,7 +84,7 @@ class Firing:
         #: Slots opened in a reentrant checkpoint's no-grad forward, attached when backward recomputes them.
         self.deferred: dict[tuple[int, str], list[Slot | None]] = {}
         #: ... in an uncaptured step: the edited calls' numbers (`_fire_uncaptured`).
-        self.deferred_calls: dict[tuple[int, str], list[int]] = {}
+        self.deferred_calls: dict[tuple[int, str], list[Numbered]] = {}
         #: The checkpoint contexts keyed in those two by `id`, watched so that a freed one's entries go.
         self._contexts = CheckpointContexts(self)
         #: Edited leaves without grad when their tap fired in an uncaptured step, with the call (`edit_late_uncaptured`).
@@ -330,12 +330,14 @@ class Firing:
             call = self._count(tap.tap)
             if isinstance(value, torch.Tensor) and value.is_leaf and not value.requires_grad:
                 self.late_uncaptured.append((tap, value, call))  # a later forward hook may turn it on in place
-            return edits.on_fire(tap, value, call)
+            return edits.on_fire(tap, value, self.pending.number(tap.tap, call))
         if self.grad_forward and self.grad_forward[-1]:  # a no_grad block inside a forward with grad: no gradient
             call = self._count(tap.tap)
             ctx = reentrant_checkpoint("forward")
             if ctx is not None:
-                self.deferred_calls.setdefault(self._contexts.key(ctx, tap.tap), []).append(call)
+                self.deferred_calls.setdefault(self._contexts.key(ctx, tap.tap), []).append(
+                    self.pending.number(tap.tap, call)
+                )
         return value
 
     def _fire_without_grad(self, tap: Tap, value: object) -> object:

@@ -57,6 +57,18 @@ class _Sentinel:
     __slots__ = ("__weakref__",)
 
 
+@dataclass(eq=False, slots=True)
+class Numbered:
+    """A call of an edited tap in an uncaptured step (no slot): its number, read as its edit draws (`Edits.on_fire`),
+    moved down as a forward before it is dropped, as a captured step's slot's is (`PendingForwards.number`)."""
+
+    tap: str
+    call: int
+
+    def __call__(self) -> int:
+        return self.call
+
+
 @dataclass(eq=False)
 class _Forward:
     slots: list[Slot]
@@ -75,6 +87,13 @@ class PendingForwards:
         self._forwards: list[_Forward] = []
         self._freed = False  # a watched forward's nodes went (set by the sentinel's weakref callback)
         self._pinned = False  # a backward with create_graph ran through them: `pin`
+        self._numbered: list[Numbered] = []  # the uncaptured step's edited calls since the last backward began
+
+    def number(self, tap: str, call: int) -> Numbered:
+        """Call `call` of `tap`, an edited call of an uncaptured step: its number, moved down by `drop_freed`."""
+        numbered = Numbered(tap, call)
+        self._numbered.append(numbered)
+        return numbered
 
     def watch(
         self,
@@ -109,7 +128,7 @@ class PendingForwards:
         self._pinned = True
 
     def clear(self) -> None:
-        self._forwards, self._freed, self._pinned = [], False, False
+        self._forwards, self._freed, self._pinned, self._numbered = [], False, False, []
 
     def drop_freed(self) -> None:
         """Forget the slots and held leaves of every watched forward whose nodes are gone (their hooks, with them), and
@@ -155,6 +174,10 @@ class PendingForwards:
                 slot.key = firing.key(slot.key, moved(slot.key.tap, slot.key.call))
         kept = {id(e): (e[0], e[1], moved(e[0].tap, e[2])) for e in firing.late_uncaptured if id(e) not in late}
         firing.late_uncaptured = list(kept.values())
+        # a dropped forward's own calls went with it; the others move down past them
+        self._numbered = [n for n in self._numbered if moved(n.tap, n.call + 1) == moved(n.tap, n.call) + 1]
+        for n in self._numbered:
+            n.call = moved(n.tap, n.call)
         firing.calls = {tap: moved(tap, n) for tap, n in firing.calls.items()}
         for f in self._forwards:
             f.late = [kept.get(id(e), e) for e in f.late]
