@@ -411,3 +411,49 @@ def test_a_metric_forward_dropped_after_the_next_forward_fired_leaves_an_uncaptu
     np.testing.assert_allclose(got[["norm", "edited_norm"]].to_numpy(float), want[["norm", "edited_norm"]].to_numpy(float),
                                rtol=1e-6)  # fmt: skip
     assert torch.equal(got_w, want_w)
+
+
+class _CheckpointedCell(_StatefulCell):
+    """`_StatefulCell` whose layer runs in `checkpoint(..., use_reentrant=True)`: its taps fire without grad in the
+    forward and are attached only as the backward recomputes them (`Firing.deferred`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.zeros(x.shape[0], 3) if self.h is None else self.h
+        self.h = checkpoint(lambda t: torch.tanh(self.cell(t)), torch.cat([x, h], 1), use_reentrant=True)
+        return self.h * 2
+
+
+@pytest.mark.parametrize("strategy", ["hook", "retain_grad"])  # autograd_grad refuses reentrant checkpoints
+def test_a_forward_whose_output_went_keeps_its_reentrant_checkpoints_calls_while_its_state_reaches_them(
+    strategy: str,
+) -> None:
+    """`_CheckpointedCell` called four times, each output dropped but the last, whose loss reaches every call through
+    the kept state: a call waiting for its checkpoint's recomputation hooks nothing yet, so the first three forwards
+    were taken for gone. `hook` recorded four rows all numbered call 0, `retain_grad` one (call 3's gradient as call
+    0). Each call now has its own row, as plain hooks see it."""
+    xs = torch.randn(4, 5, 4, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    model = _CheckpointedCell()
+    want: dict[int, float] = {}
+    calls = iter(range(8))
+
+    def hook(_m: nn.Module, _a: object, out: torch.Tensor) -> None:
+        call = next(calls)  # the forward pass's first, no-grad call, then its recomputation in backward
+        if out.requires_grad:
+            out.register_hook(lambda g: want.setdefault(call, float(g.norm())) and None)
+
+    handle = model.cell.register_forward_hook(hook)
+    for x in xs:
+        out = model(x)
+    out.pow(2).mean().backward()
+    handle.remove()
+    assert len(want) == 4
+    model = _CheckpointedCell()
+    with capture(model, ["cell:output"], strategy=strategy) as cap:
+        for x in xs:
+            out = model(x)
+        cap.backward(out.pow(2).mean())
+        recs = cap.records()
+    rows = sorted((recs.row(i)["call"], recs.row(i)["norm"]) for i in range(len(recs)))
+    assert [c for c, _ in rows] == [0, 1, 2, 3]
+    # the recomputations run last call first: the k-th recomputed is call 3 - k
+    assert [n for _, n in rows] == pytest.approx([want[k] for k in sorted(want, reverse=True)], rel=1e-6)

@@ -150,8 +150,10 @@ class PendingForwards:
             firing.session.strategy.let_go(f.slots)
             for slot in f.slots:
                 slot.view = None
-        # a forward whose inner nodes something still holds may yet get gradients through them: its slots stay
-        gone = [f for f in freed if not any(_holds(s) for s in f.slots)]
+        # a forward whose inner nodes something still holds may yet get gradients through them: its slots stay; so
+        # may a call waiting for its reentrant checkpoint's recomputation (in `deferred` while the context lives)
+        waiting = {id(s) for calls in firing.deferred.values() for s in calls if s is not None}
+        gone = [f for f in freed if not any(_holds(s) or id(s) in waiting for s in f.slots)]
         dropped = {id(s) for f in gone for s in f.slots}
         late = {id(e) for f in gone for e in f.late}
         slots = [s for s in firing.slots if id(s) in dropped]
