@@ -457,3 +457,31 @@ def test_a_forward_whose_output_went_keeps_its_reentrant_checkpoints_calls_while
     assert [c for c, _ in rows] == [0, 1, 2, 3]
     # the recomputations run last call first: the k-th recomputed is call 3 - k
     assert [n for _, n in rows] == pytest.approx([want[k] for k in sorted(want, reverse=True)], rel=1e-6)
+
+
+@pytest.mark.parametrize("cell", [_StatefulCell, _CheckpointedCell])
+def test_a_rollout_with_gradients_on_whose_state_was_reset_adds_no_rows(strategy: str, cell: type[nn.Module]) -> None:
+    """Four calls of a stateful cell with gradients on (a rollout, a decoding loop keeping its cache: each output
+    dropped, the state kept for the next call), then the state reset and a training step. The first three forwards,
+    kept while the next one's state still reached them, were never looked at again once it went: the step recorded
+    them as rows without gradient and its training forward as call 3 (a greedy GPT-2 decoding loop under grad: the
+    same). Now they go with the state, and the step records what a step without the rollout records."""
+    if strategy == "autograd_grad" and cell is _CheckpointedCell:
+        pytest.skip("autograd_grad refuses reentrant checkpoints")
+    xs = torch.randn(4, 5, 4, generator=torch.Generator().manual_seed(3)).requires_grad_()  # a checkpoint's inputs
+
+    def step(rollout: bool) -> list[tuple[int, bool, float]]:
+        model = cell()
+        with capture(model, ["cell:output"], strategy=strategy) as cap:
+            if rollout:
+                for x in xs:
+                    float(model(x).sum())
+            model.h = None  # type: ignore[assignment]
+            out = model(xs[0])
+            cap.backward(out.pow(2).mean())
+            recs = cap.records()
+        return [(recs.row(i)["call"], recs.row(i)["has_grad"], recs.row(i)["norm"]) for i in range(len(recs))]
+
+    want, got = step(rollout=False), step(rollout=True)
+    assert [r[:2] for r in got] == [r[:2] for r in want] == [(0, True)]
+    assert got[0][2] == pytest.approx(want[0][2], rel=1e-6)

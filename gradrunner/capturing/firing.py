@@ -86,7 +86,7 @@ class Firing:
         #: ... in an uncaptured step: the edited calls' numbers (`_fire_uncaptured`).
         self.deferred_calls: dict[tuple[int, str], list[Numbered]] = {}
         #: The checkpoint contexts keyed in those two by `id`, watched so that a freed one's entries go.
-        self._contexts = CheckpointContexts(self)
+        self.contexts = CheckpointContexts(self)
         #: Edited leaves without grad when their tap fired in an uncaptured step, with the call (`edit_late_uncaptured`).
         self.late_uncaptured: list[tuple[Tap, torch.Tensor, int]] = []
         #: The hooks that edit those turned on since (removed as the next forward begins, or on exit).
@@ -335,7 +335,7 @@ class Firing:
             call = self._count(tap.tap)
             ctx = reentrant_checkpoint("forward")
             if ctx is not None:
-                self.deferred_calls.setdefault(self._contexts.key(ctx, tap.tap), []).append(
+                self.deferred_calls.setdefault(self.contexts.key(ctx, tap.tap), []).append(
                     self.pending.number(tap.tap, call)
                 )
         return value
@@ -350,7 +350,7 @@ class Firing:
             # inside backward: this call is captured then, counted once, in its forward place. A value made
             # with grad outside the block (its input) is tapped now, whole: the recomputation sees a detached
             # copy that gets only the block's part of the gradient (None keeps the recomputed calls in step).
-            waiting = self.deferred.setdefault(self._contexts.key(ctx, tap.tap), [])
+            waiting = self.deferred.setdefault(self.contexts.key(ctx, tap.tap), [])
             edits = self.session.edits
             # an edit acts inside the block: on its recomputation
             edited = edits is not None and tap.tap in edits.by_tap

@@ -10,8 +10,9 @@ the sentinel goes with the last of them. The strategies keep nothing that holds 
 backward begins, each such forward's slots let go of its graph too (a leaf a later hook turned on is hooked first,
 `Firing.attach_late`); where that freed every node they hooked, the forward goes (slots, held leaves, its calls'
 numbers); where something still holds an inner node or leaf (module state, a cache the next forward reads), a
-gradient may yet reach it there: its slots stay. A `create_graph` backward of the
-user's (a gradient penalty) keeps a forward's inner nodes in its own graph: nothing is dropped after one (`pin`).
+gradient may yet reach it there: its slots stay, watched through those nodes from then on (the forward goes as they
+go: the state reset, the cache dropped). A `create_graph` backward of the user's (a gradient penalty) keeps a
+forward's inner nodes in its own graph: nothing is dropped after one (`pin`).
 
 Example::
 
@@ -52,7 +53,8 @@ def _returned(slot: Slot, ids: set[int]) -> bool:
 
 
 class _Sentinel:
-    """Lives as long as the autograd nodes a root forward returned (held in their `metadata` only)."""
+    """Lives as long as the autograd nodes a root forward returned, or those its slots still hook once they went (held
+    in their `metadata` only)."""
 
     __slots__ = ("__weakref__",)
 
@@ -104,11 +106,8 @@ class PendingForwards:
         calls_at_end: dict[str, int],
     ) -> None:
         """A root forward returned `nodes` (its outputs' `grad_fn`s), having opened `slots` and held `late` entries."""
-        sentinel = _Sentinel()
-        try:
-            for node in nodes:
-                node.metadata.setdefault(self._key, []).append(sentinel)
-        except (AttributeError, TypeError):  # a node without metadata: never known to be freed, kept as before
+        sentinel = self._sentinel(nodes)
+        if sentinel is None:  # a node without metadata: never known to be freed, kept as before
             return
         ids = {id(n) for n in nodes}
         ends = [s for s in slots if _returned(s, ids)]
@@ -117,6 +116,16 @@ class PendingForwards:
             for slot in ends:
                 slot.view = None  # an output view (`.squeeze(-1)`): nothing of the model writes it after it returned
         self._forwards.append(_Forward(slots, late, calls_at_start, calls_at_end, weakref.ref(sentinel, self._went)))
+
+    def _sentinel(self, nodes: Sequence[Any]) -> _Sentinel | None:
+        """A sentinel held by `nodes`' `metadata` only (None: a node has none)."""
+        sentinel = _Sentinel()
+        try:
+            for node in nodes:
+                node.metadata.setdefault(self._key, []).append(sentinel)
+        except (AttributeError, TypeError):
+            return None
+        return sentinel
 
     def _went(self, _ref: object) -> None:
         self._freed = True  # runs wherever the last node went (even inside the GC): only a flag
@@ -143,17 +152,28 @@ class PendingForwards:
         if not freed:
             return
         self._forwards = [f for f in forwards if f.alive() is not None]
-        for f in freed:  # hold nothing of their graphs: what still holds an inner node (module state, a cache) shows
+        # a call waiting for its reentrant checkpoint's recomputation (in `deferred` while the context lives)
+        waiting = {id(s): key for key, calls in firing.deferred.items() for s in calls if s is not None}
+        # Each freed forward is watched from now on through the nodes its slots hook (and its checkpoints' contexts),
+        # a sentinel in their metadata: kept where something holds them (module state, a cache), it goes with them.
+        sentinels: dict[int, _Sentinel | None] = {}
+        for f in freed:  # hold nothing of their graphs: what still holds an inner node shows
             for slot in f.slots:
                 if slot.late is not None:  # a leaf a later hook turned on: hooked now, held only where a graph uses it
                     firing.attach_late(slot)
+            contexts = (firing.contexts.get(waiting[id(s)][0]) for s in f.slots if id(s) in waiting)
+            edges = (s.edge[0] for s in f.slots if s.edge is not None and s.edge[0] is not None)  # type: ignore[index]
+            sentinels[id(f)] = self._sentinel([n for n in (*edges, *contexts) if n is not None])
             firing.session.strategy.let_go(f.slots)
             for slot in f.slots:
                 slot.view = None
-        # a forward whose inner nodes something still holds may yet get gradients through them: its slots stay; so
-        # may a call waiting for its reentrant checkpoint's recomputation (in `deferred` while the context lives)
-        waiting = {id(s) for calls in firing.deferred.values() for s in calls if s is not None}
+        # a forward whose inner nodes something still holds may yet get gradients through them: its slots stay, until
+        # those nodes go too (the state reset, the cache dropped)
         gone = [f for f in freed if not any(_holds(s) or id(s) in waiting for s in f.slots)]
+        for f in freed:
+            if f not in gone and (sentinel := sentinels[id(f)]) is not None:
+                f.alive = weakref.ref(sentinel, self._went)
+                self._forwards.append(f)
         dropped = {id(s) for f in gone for s in f.slots}
         late = {id(e) for f in gone for e in f.late}
         slots = [s for s in firing.slots if id(s) in dropped]
@@ -209,6 +229,11 @@ class CheckpointContexts:
         if key not in self._contexts:
             self._contexts[key] = weakref.ref(ctx, lambda _ref: self._freed(key))
         return key, tap
+
+    def get(self, key: int) -> Any:
+        """The context keyed `key`, None where it went."""
+        ref = self._contexts.get(key)
+        return None if ref is None else ref()
 
     def _freed(self, key: int) -> None:
         del self._contexts[key]
