@@ -21,7 +21,7 @@ def _quiet_transformers():  # type: ignore[no-untyped-def]
     return transformers
 
 
-def _check(model: nn.Module, inputs: dict[str, torch.Tensor], rows_loss, nulls: dict[str, str], *, all_others: bool = False) -> None:  # type: ignore[no-untyped-def]
+def _check(model: nn.Module, inputs: dict[str, torch.Tensor], rows_loss, nulls: dict[str, str], *, all_others: bool = False) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
     """`nulls` (name: a part of its reason) are None; every other parameter matches the loop (`all_others`: none
     is None)."""
     params = all_params(model)
@@ -393,6 +393,28 @@ def test_advanced_indices_apart_put_the_index_dims_first_and_are_null() -> None:
     why = "picked by indexing"
     _check(ApartIndices(), {"x": torch.randn(4, 5, 3)}, lambda out, i: (out**2).sum() * (i + 1),
            {"lin:weight": why, "lin:bias": why}, all_others=True)  # fmt: skip
+
+
+class ApartFromDimZero(nn.Module):
+    """`h4[arange(B), :, j]`: advanced indices apart, the first on dim 0, so the index dims (B,) come first and row i
+    is `h4[i, :, j[i]]`: the batch's rows, as `h4[arange(B), j]` (j picked from each row's own values)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.lin = nn.Linear(3, 6), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h4 = torch.tanh(self.inp(x)).view(x.shape[0], x.shape[1], 2, 3)
+        j = (x[:, 0, 0].abs() * 100).long() % 2
+        return self.lin(h4[torch.arange(x.shape[0]), :, j])  # type: ignore[no-any-return]
+
+
+def test_advanced_indices_apart_from_dim_0_keep_the_rows() -> None:
+    """Found 2026-11-27: the fix for `h[:, i, :, j]` nulled every pick with indices apart, this one too (the code
+    before it gave the loop's numbers)."""
+    torch.manual_seed(0)
+    _check(ApartFromDimZero(), {"x": torch.randn(4, 5, 3)}, lambda out, i: (out**2).sum() * (i + 1), {},
+           all_others=True)  # fmt: skip
 
 
 class FlatPicks(nn.Module):

@@ -261,8 +261,9 @@ def _keeps_rows(node: Any, name: str, rows: int) -> bool | str:
     `_grouped`), or picks `rows` rows out of a batch-sized dim 0 (`h[arange(B), last]`: one row per example; a reordering `x[perm]` is not
     told apart, README). `TABLE` where it picks a parameter's rows by one index tensor of `rows` rows (`table[ids]`,
     learned positions indexed by (B, T) position ids). Rows picked out of another dim 0 (a mixture of experts'
-    flattened tokens), by a mask over several dims, or by advanced indices apart (`h[:, i, :, j]`: numpy's rule puts
-    the index dims first, so dim 0 is the index's, whatever its size) are not the batch's."""
+    flattened tokens), by a mask over several dims, or by advanced indices apart after dim 0 (`h[:, i, :, j]`: numpy's
+    rule puts the index dims first, so dim 0 is the index's, whatever its size) are not the batch's; apart from dim 0
+    on (`h[arange(B), :, j]`) dim 0 is the first index's as when they are together (`h[arange(B), j]`)."""
     if name == "GatherBackward":
         saved, index = getattr(node, "_saved_self", None), getattr(node, "_saved_index", None)
         if saved is None or index is None or saved.dim() == 0:
@@ -275,10 +276,10 @@ def _keeps_rows(node: Any, name: str, rows: int) -> bool | str:
     if name == "IndexBackward":
         indices, sizes = node._saved_indices, node._saved_self_sym_sizes
         at = [i for i, index in enumerate(indices) if index is not None]
-        if not at or at != list(range(at[0], at[-1] + 1)):
-            return False  # advanced indices apart (`h[:, i, :, j]`): their dims come first, dim 0 is not the input's
-        if at[0] > 0:
-            return _grouped(node, int(sizes[0]), rows)  # dim 0 left as it is
+        if not at:
+            return False
+        if at[0] > 0:  # dim 0 left as it is, unless the indices are apart (`h[:, i, :, j]`: their dims come first)
+            return at == list(range(at[0], at[-1] + 1)) and _grouped(node, int(sizes[0]), rows)
         first = indices[0]
         if first.dtype in (torch.bool, torch.uint8):
             return bool(sizes) and int(sizes[0]) == rows and first.dim() == 1
