@@ -409,6 +409,34 @@ class ApartFromDimZero(nn.Module):
         return self.lin(h4[torch.arange(x.shape[0]), :, j])  # type: ignore[no-any-return]
 
 
+class BroadcastIndices(nn.Module):
+    """`h[arange(B), j]` with j of shape (B, 1): the indices broadcast to (B, B), j's dim leading, so row a of the
+    result is `h[b, j[a]]` for every b: every example's rows in each (`sum(1)` then mixes them into every output row)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.lin = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        j = ((x[:, 0, 0].abs() * 100).long() % x.shape[1]).view(-1, 1)
+        return self.lin(h[torch.arange(x.shape[0]), j]).sum(1)  # type: ignore[no-any-return]
+
+
+def test_an_index_that_broadcasts_the_first_away_from_dim_0_is_null() -> None:
+    """Found 2026-11-27 (in the code before 6912016 too): dim 0 of B picked with arange(B) first was taken for the
+    batch's rows whatever the other indices' shapes; a repro (Linear(5, 3) after it) gave 2.85, 3.53, 3.34, 1.40
+    against the loop's 0.12, 0.99, 0.81, 0.14."""
+    torch.manual_seed(0)
+    why = "picked by indexing"
+    model = BroadcastIndices()
+    got, reasons = batched(
+        model, {"x": torch.randn(4, 6, 3)}, lambda out, i: (out**2).sum() * (i + 1), all_params(model)
+    )
+    for name in ("lin:weight", "lin:bias"):
+        assert got[name] is None and why in str(reasons[name]), (name, reasons[name])
+
+
 def test_advanced_indices_apart_from_dim_0_keep_the_rows() -> None:
     """Found 2026-11-27: the fix for `h[:, i, :, j]` nulled every pick with indices apart, this one too (the code
     before it gave the loop's numbers)."""

@@ -283,10 +283,23 @@ def _keeps_rows(node: Any, name: str, rows: int) -> bool | str:
         first = indices[0]
         if first.dtype in (torch.bool, torch.uint8):
             return bool(sizes) and int(sizes[0]) == rows and first.dim() == 1
+        if not _first_leads(indices):
+            return False  # dim 0 is another index's (`h[arange(B), j]` with j (B, 1): row a is h[b, j[a]] for every b)
         if len(at) == 1 and first.dim() > 0 and first.shape[0] == rows and _of_parameter(node.next_functions[0][0]):
             return TABLE
         return bool(sizes) and int(sizes[0]) == rows  # else picked out of a dim 0 of another size (`h[None, idx]`)
     return False
+
+
+def _first_leads(indices: Any) -> bool:
+    """Whether the first index (on dim 0) gives the indices' broadcast shape, which leads the result, its dim 0:
+    broadcasting right-aligns shapes, so an index with more dims, or a longer dim 0 where it has as many, leads."""
+    first = indices[0]
+    return first.dim() > 0 and all(
+        i.dim() < first.dim() or (i.dim() == first.dim() and i.shape[0] in (1, first.shape[0]))
+        for i in indices[1:]
+        if i is not None
+    )
 
 
 def _grouped(node: Any, size: int, rows: int) -> bool:
