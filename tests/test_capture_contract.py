@@ -1224,6 +1224,65 @@ def test_parameters_lent_by_functional_call_inside_the_block_are_no_replacement(
     assert not leftover_hooks(model)
 
 
+@contextmanager
+def _on_conversion(flag: str) -> Iterator[None]:
+    """`torch.__future__.set_<flag>_module_params_on_conversion(True)` for the block (a global of torch's)."""
+    future: Any = torch.__future__
+    was = getattr(future, f"get_{flag}_module_params_on_conversion")()
+    getattr(future, f"set_{flag}_module_params_on_conversion")(True)
+    try:
+        yield
+    finally:
+        getattr(future, f"set_{flag}_module_params_on_conversion")(was)
+
+
+def _weight_row(got: Any) -> dict[str, Any]:
+    return next(row for row in (got.row(i) for i in range(len(got))) if row["tap"] == "2:weight")
+
+
+def test_a_parameter_replaced_without_a_registration_is_refused(strategy: str) -> None:
+    """A tapped parameter replaced by a write torch runs no registration hook for: `lin._parameters["weight"] = ...`
+    (what accelerate-style offload does), `.double()` under `set_overwrite_module_params_on_conversion(True)`. The
+    step ran, and the tap recorded "takes no part in the loss" (has_grad False, NaN) for the Parameter the model no
+    longer holds, while the live one got a gradient (norm 1.07 for the dict write). Refused now as the step's
+    backward begins (a root forward cannot tell it from `functional_call`'s lend), before any of the model's nodes
+    runs, in the same paragraph; and as the block is entered again."""
+
+    def dict_write(m: nn.Sequential) -> None:
+        m[2]._parameters["weight"] = nn.Parameter(m[2].weight.detach() * 2)
+
+    def overwrite_double(m: nn.Sequential) -> None:
+        with _on_conversion("overwrite"):
+            m.double()
+
+    replaced = r"its tap 2:weight names parameter 'weight' of module '2', which is another object now \(replaced\)"
+    for change in (dict_write, overwrite_double):
+        torch.manual_seed(0)
+        model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(5, 4)
+        cap = capture(model, ["2:weight", "0:output"], strategy=strategy)
+        with cap:
+            cap.backward(model(x).pow(2).mean())
+            assert bool(_weight_row(cap.records())["has_grad"])
+            model.zero_grad(set_to_none=True)
+            change(model)
+            x = x.to(model[0].weight.dtype)
+            with pytest.raises(GradrunnerError, match="cannot run this step: " + replaced):
+                cap.backward(model(x).pow(2).mean())
+            assert all(p.grad is None for p in model.parameters()), change.__name__  # none of the model's nodes ran
+        assert not leftover_hooks(model)
+        with pytest.raises(GradrunnerError, match="cannot open: " + replaced):  # a later entry
+            with cap:
+                pass
+        if strategy != "autograd_grad":  # the user's own backward through a forward before the write
+            with capture(model, ["2:weight"], strategy=strategy):
+                loss = model(x).pow(2).mean()
+                change(model)
+                with pytest.raises(GradrunnerError, match="cannot run this step: " + replaced):
+                    loss.backward()
+                assert all(p.grad is None for p in model.parameters()), change.__name__
+            assert not leftover_hooks(model)
+
+
 def test_a_model_changed_between_the_forward_and_its_own_backward_is_refused_as_the_backward_begins(
     strategy: str,
 ) -> None:

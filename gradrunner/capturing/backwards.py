@@ -148,7 +148,7 @@ class Backwards:
         if in_backward():
             return
         self._finish_pending()
-        self._check_unchanged()  # before anything of this step runs
+        self._check_unchanged(forward=True)  # before anything of this step runs
         self._forward_since_backward = True
         if self._retained is not None:  # a new forward: the last one's graph is no longer held here
             self._release(self._retained)

@@ -137,7 +137,7 @@ class Capture(Backwards):
         self._param_backward: ParamBackward | None = None
         self._model_params: list[nn.Parameter] | None = None  # listed once (`_watch_params`)
         self._witness: nn.Parameter | None = None  # a parameter last seen with a `.grad` (`gradients_reset`)
-        self._registered, self._placed = False, Placed(model, self.taps)  # registered; placed: `_check_unchanged`
+        self._registered, self._placed = False, Placed(model, self.taps, self._params.held())  # `_check_unchanged`
         #: The backward that ended last started the step again (`_note_end`): the step's loss is its loss.
         self.restarted = False
         self._filled, self._cleared_all = False, False  # the last backward (in a step call) left a `.grad`; all reset
@@ -225,11 +225,11 @@ class Capture(Backwards):
         self._stack.callback(nn.modules.module.register_module_parameter_registration_hook(assigned).remove)
         self._stack.callback(nn.modules.module.register_module_module_registration_hook(forget).remove)
 
-    def _check_unchanged(self) -> None:
-        """Refuse the step about to run (root forward, `backward()`) if a tap was replaced or deleted in the block."""
+    def _check_unchanged(self, forward: bool = False) -> None:
+        """Refuse the step about to run (root `forward`, a backward) if a tap was replaced or deleted in the block."""
         if self._registered or not self._placed.intact():  # deleting runs no registration hook: `Placed`
-            self._placed = check_still_resolved(self.model, self.taps, self._params.held(), self.label, self._placed)
-            self._registered = False
+            held, self._registered = self._params.held(), False  # refused again while `intact()` is False
+            self._placed = check_still_resolved(self.model, self.taps, held, self.label, self._placed, forward)
 
     def _all_params(self) -> list[nn.Parameter]:
         if self._model_params is None:

@@ -260,6 +260,7 @@ def check_still_resolved(
     params: Mapping[str, object],
     who: str,
     placed: Placed | None = None,
+    forward: bool = False,
 ) -> Placed:
     """Refuse a model changed since its taps were resolved: a tapped module gone, or a tapped parameter replaced.
 
@@ -272,9 +273,10 @@ def check_still_resolved(
     module (or `.to()` making new parameters) no longer uses.
     Refused is opening the session, or with `placed` (where the tapped modules sat as the block opened, where its
     hooks are) the step about to run in the open block; a module replaced at its path since is refused then too,
-    and a tapped parameter only where its slot was assigned (`Placed.note`: `functional_call` lends another
-    model's Parameters without an assignment, and puts them back). A stand-in its owner puts back (`_stands_in`:
-    `functional_call`'s tensor, FSDP2's unsharded copy) is no replacement. Returns where the tapped modules sit now.
+    and a tapped parameter whose slot holds another object (as a root `forward` begins, only an assigned slot:
+    `Placed.note`; `functional_call` lends another model's Parameters for the call without an assignment). A
+    stand-in its owner puts back (`_stands_in`: `functional_call`'s tensor, FSDP2's unsharded copy) is no
+    replacement. Returns where the tapped modules sit now.
     """
     modules = dict(model.named_modules(remove_duplicate=False))
     for tap in taps:
@@ -287,7 +289,7 @@ def check_still_resolved(
             what = f"parameter {tap.name!r} of module {tap.module!r}, which the module no longer holds (deleted)"
         elif (
             tap.tap in params
-            and (placed is None or (id(module), tap.name) in placed.reassigned)
+            and (placed is None or not forward or (id(module), tap.name) in placed.reassigned)
             and getattr(module, tap.name, None) is not params[tap.tap]
             and not _stands_in(module, tap.name, params[tap.tap])
         ):
@@ -301,7 +303,7 @@ def check_still_resolved(
             f"{who} {refused}: its tap {tap.tap} names {what} since the session was made (taps are resolved when "
             "it is made, and its records would not be the model's); make the session again for the model as it is now"
         )
-    return Placed(model, taps)
+    return Placed(model, taps, params)
 
 
 class Placed:
@@ -310,18 +312,17 @@ class Placed:
 
     Example::
 
-        placed = Placed(model, cap.taps)
+        placed = Placed(model, cap.taps, {"2:weight": model[2].weight})
         del model[2]
         placed.intact()   # False: check_still_resolved(..., placed=placed) says which tap and why
 
     One dictionary look-up per link of the tapped modules' paths and per parameter tap, whatever the model's size.
     """
 
-    def __init__(self, model: nn.Module, taps: Iterable[Tap]) -> None:
+    def __init__(self, model: nn.Module, taps: Iterable[Tap], params: Mapping[str, object]) -> None:
         links: dict[tuple[int, str], tuple[nn.Module, str, nn.Module]] = {}
-        #: Each tap's module, by tap name.
-        self.modules: dict[str, nn.Module] = {}
-        params: list[tuple[nn.Module, str]] = []
+        self.modules: dict[str, nn.Module] = {}  # each tap's module, by tap name
+        held: list[tuple[nn.Module, str, object]] = []
         for tap in taps:
             module = model
             for name in tap.module.split(".") if tap.module else ():
@@ -331,9 +332,9 @@ class Placed:
                 module = child
             self.modules[tap.tap] = module
             if tap.kind == "param":
-                params.append((module, tap.name))
+                held.append((module, tap.name, params[tap.tap]))
         self._links = tuple(links.values())
-        self._params = tuple(params)
+        self._params = tuple(held)
         #: The parameter slots (module id, name) assigned since (`note`): a tapped one holding another object: refused
         self.reassigned: set[tuple[int, str]] = set()
 
@@ -342,10 +343,10 @@ class Placed:
         self.reassigned.add((id(module), name))
 
     def intact(self) -> bool:
-        """Whether every tapped module is where it sat, and every tapped parameter's slot still holds one (`= None`
-        keeps the slot and runs no registration hook)."""
+        """Whether every tapped module is where it sat and every tapped parameter's slot holds it (no registration hook
+        runs for `= None`, `_parameters[name] = ...`, `.to()` making new parameters; `swap_tensors` keeps it)."""
         return all(parent._modules.get(name) is child for parent, name, child in self._links) and all(
-            module._parameters.get(name) is not None for module, name in self._params
+            module._parameters.get(name) is param for module, name, param in self._params
         )
 
 
