@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 import gradrunner.capturing.stats
 from gradrunner import GradrunnerError, capture, record
+from gradrunner.capturing import torch_compat
 from gradrunner.capturing.strategies import STRATEGIES
 from gradrunner.models import MLP, CosineRegression, SmallCNN, TinyTransformerBlock, TwoLayerSigmoid
 from gradrunner.records.columns import TapKey
@@ -1281,6 +1282,43 @@ def test_a_parameter_replaced_without_a_registration_is_refused(strategy: str) -
                     loss.backward()
                 assert all(p.grad is None for p in model.parameters()), change.__name__
             assert not leftover_hooks(model)
+
+
+@pytest.mark.parametrize("cdata", [True, False], ids=["cdata", "fallback"])
+def test_a_parameter_swapped_in_place_is_recorded(strategy: str, cdata: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`torch.utils.swap_tensors(lin.weight, new)` keeps the Parameter object and swaps the tensor inside it (and
+    its gradient accumulator): under `hook` and `retain_grad` the tap kept hooking the old accumulator and recorded
+    "takes no part in the loss" (has_grad False, NaN) while the live `.grad` had norm 1.07. The held edge is taken
+    again now (`torch_compat.tensor_impl`, its fallback forced too): the record is the `.grad` the step leaves, as
+    after `.double()` under `set_swap_module_params_on_conversion(True)` and after `to_empty()` (no replacement)."""
+    monkeypatch.setitem(torch_compat.FEATURES, "tensor_cdata", cdata)
+
+    def swap(m: nn.Sequential) -> None:
+        torch.utils.swap_tensors(m[2].weight, nn.Parameter(m[2].weight.detach() * 2))
+
+    def swap_double(m: nn.Sequential) -> None:
+        with _on_conversion("swap"):
+            m.double()
+
+    def empty(m: nn.Sequential) -> None:
+        m.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in m.parameters():
+                p.copy_(torch.linspace(-1, 1, p.numel()).view_as(p))
+
+    for change in (swap, swap_double, empty):
+        torch.manual_seed(0)
+        model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(5, 4)
+        with capture(model, ["2:weight", "0:output"], strategy=strategy) as cap:
+            for step in range(2):
+                cap.backward(model(x).pow(2).mean())
+                row = _weight_row(cap.records())
+                assert bool(row["has_grad"]), (change.__name__, step)
+                assert row["norm"] == pytest.approx(float(model[2].weight.grad.norm()), rel=1e-6), change.__name__
+                model.zero_grad(set_to_none=True)
+                change(model)
+                x = x.to(model[0].weight.dtype)
+        assert not leftover_hooks(model)
 
 
 def test_a_model_changed_between_the_forward_and_its_own_backward_is_refused_as_the_backward_begins(

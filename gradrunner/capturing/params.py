@@ -12,8 +12,8 @@ reset, the one the optimiser steps with, and is reduced once, when the step's re
 (`ParamTaps.rows`).
 
 A held node stays the parameter's accumulator until the parameter changes dtype or device
-(`module.double()`, `p.data = <other dtype>`): `check()` compares those once per forward and takes
-the edge again. Under DDP (`synced` given) a parameter's record is instead its `.grad` at the end of
+(`module.double()`, `p.data = <other dtype>`) or its tensor (`torch.utils.swap_tensors(p, new)` keeps the
+object): `check()` compares those once per forward and takes the edge again. Under DDP (`synced` given) a parameter's record is instead its `.grad` at the end of
 a backward that synchronised the gradients (the session's end-of-backward callback runs after DDP's
 finalize): the averaged gradient the optimiser uses.
 
@@ -61,6 +61,7 @@ from gradrunner.capturing.torch_compat import (
     gradient_edge,
     leaf_accumulators,
     shares_memory,
+    tensor_impl,
 )
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import TapKey
@@ -93,22 +94,22 @@ def ddp_world_size() -> int:
 
 @dataclass(eq=False)
 class _Held:
-    """One parameter's held gradient edge, the dtype and device it was taken for, and its pre-hook."""
+    """One parameter's held gradient edge, the dtype, device and tensor (`swap_tensors`) it was taken for, its pre-hook."""
 
     param: nn.Parameter
     edge: Edge | None = None
-    meta: tuple[torch.dtype, torch.device] | None = None
+    meta: tuple[torch.dtype, torch.device, object] | None = None
     handle: RemovableHandle | None = None
 
 
 def _take(held: _Held) -> None:
     held.edge = gradient_edge(held.param)
-    held.meta = (held.param.dtype, held.param.device)
+    held.meta = (held.param.dtype, held.param.device, tensor_impl(held.param))
 
 
 def _valid(held: _Held) -> bool:
     p = held.param
-    return held.edge is not None and held.meta == (p.dtype, p.device)
+    return held.edge is not None and held.meta == (p.dtype, p.device, tensor_impl(p))
 
 
 class ParamTaps:
