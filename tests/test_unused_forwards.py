@@ -485,3 +485,69 @@ def test_a_rollout_with_gradients_on_whose_state_was_reset_adds_no_rows(strategy
     want, got = step(rollout=False), step(rollout=True)
     assert [r[:2] for r in got] == [r[:2] for r in want] == [(0, True)]
     assert got[0][2] == pytest.approx(want[0][2], rel=1e-6)
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["cap_backward", "loss_backward"])
+def test_a_metric_forward_dropped_between_two_backwards_through_one_graph_leaves_the_second_recorded(
+    strategy: str, own: bool
+) -> None:
+    """`backward(retain_graph=True)`, then a metric's forward (gradients on) whose output is dropped, then a second
+    backward through the first forward's graph (`(2 * loss).backward()`): the second backward's gradient of
+    `0:output` (0.265) got no row at all, as the metric's forward let go of the first forward's slots as it began
+    (before anyone could know it would be dropped). It is `micro_step` 1, as without the metric's forward (plain
+    tensor hooks); the session holds nothing of the graph (it goes with the user's `loss`), and the next step's
+    forward and backward are recorded as without any of it."""
+    if own and strategy == "autograd_grad":
+        pytest.skip("refuses every backward it did not run: test_engine.py")
+    (x, y), (x2, y2) = _batches(2)
+
+    def reference() -> list[float]:
+        model, norms = _model(), []
+
+        def tapped(_m: nn.Module, _a: Any, out: torch.Tensor) -> None:
+            out.register_hook(lambda g: norms.append(float(g.norm())))
+
+        model[0].register_forward_hook(tapped)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward(retain_graph=True)
+        (2 * loss).backward()
+        model.zero_grad()
+        nn.functional.mse_loss(model(x2), y2).backward()
+        return norms
+
+    expected = reference()
+    model = _model()
+    held: list[weakref.ref[torch.Tensor]] = []
+
+    def saved(_m: nn.Module, _a: Any, out: torch.Tensor) -> None:
+        held.append(weakref.ref(out))  # Tanh saves its output for its backward
+
+    model[1].register_forward_hook(saved)
+    with capture(model, ["0:output"], strategy=strategy) as cap:
+
+        def backward(loss: torch.Tensor, retain: bool = False) -> None:
+            loss.backward(retain_graph=retain) if own else cap.backward(loss, retain_graph=retain)
+
+        loss = nn.functional.mse_loss(model(x), y)
+        backward(loss, retain=True)
+        model(x)  # a metric: its output dropped at once
+        backward(2 * loss)
+        recs = cap.records(loss)
+        rows = [(r["call"], r["micro_step"], r["has_grad"]) for r in map(recs.row, range(len(recs)))]
+        assert rows == [(0, 0, True), (0, 1, True)], rows
+        np.testing.assert_allclose(recs.stats["norm"], expected[:2], rtol=1e-6)
+        del loss, recs
+        gc.collect()
+        assert held[0]() is None  # the first forward's graph went with the user's `loss`
+        model.zero_grad()
+        backward(nn.functional.mse_loss(model(x2), y2))
+        recs = cap.records()
+        assert [(r["call"], r["has_grad"]) for r in map(recs.row, range(len(recs)))] == [(0, True)]
+        np.testing.assert_allclose(recs.stats["norm"], expected[2:], rtol=1e-6)
+        # a forward still held, whose slots a `records()` let go of before its backward: not the retained forward's
+        loss = nn.functional.mse_loss(model(x), y)
+        backward(loss, retain=True)
+        out = model(x2)
+        cap.records()
+        backward(out.pow(2).mean())
+        assert cap.backward_index == 0

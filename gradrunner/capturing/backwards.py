@@ -150,9 +150,8 @@ class Backwards:
         self._finish_pending()
         self._check_unchanged(forward=True)  # before anything of this step runs
         self._forward_since_backward = True
-        if self._retained is not None:  # a new forward: the last one's graph is no longer held here
-            self._release(self._retained)
-            self._retained = None
+        if self._retained is not None:  # a new forward: the user's references alone hold the last one's graph now
+            self._firing.pending.let_go(self._retained)  # (its slots, if no forward since is kept: `_begin`)
         self._params.check()
 
     def _forward_returned(self: Capture, output: Any) -> list[Any]:  # type: ignore[misc]
@@ -205,7 +204,9 @@ class Backwards:
         self._params.note_backward(explicit or fills_grad(self._all_params()) is not False)
         if self.edits is not None:
             self.edits.begin_backward()
-        again = not self._forward_since_backward and not self._firing.slots
+        # through the same forward as the last backward (retain_graph): no forward since, or none kept (a metric's)
+        since = self._forward_since_backward and not (self._retained is not None and self._firing.pending.none_since())
+        again = not since and not self._firing.slots
         self.backward_index = self.backward_index + 1 if again else 0
         self._forward_since_backward = False
         if not self.enabled:

@@ -151,7 +151,7 @@ class Firing:
         """Forget every slot opened since the last backward (their hooks too)."""
         self.session._release(self.slots)  # their tensors and edges too: an edit node's editor holds its slot
         self.slots, self.calls, self.deferred, self._mark = [], {}, {}, None
-        self.pending.clear()
+        self.pending.clear(kept=True)
 
     # -- installing ------------------------------------------------------------------------------
     def install(self, model: nn.Module, taps: list[Tap], stack: contextlib.ExitStack) -> None:

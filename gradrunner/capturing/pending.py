@@ -90,6 +90,7 @@ class PendingForwards:
         self._freed = False  # a watched forward's nodes went (set by the sentinel's weakref callback)
         self._pinned = False  # a backward with create_graph ran through them: `pin`
         self._numbered: list[Numbered] = []  # the uncaptured step's edited calls since the last backward began
+        self._unwatched = False  # a forward since the last backward began is not watched: a node without `metadata`
 
     def number(self, tap: str, call: int) -> Numbered:
         """Call `call` of `tap`, an edited call of an uncaptured step: its number, moved down by `drop_freed`."""
@@ -108,14 +109,26 @@ class PendingForwards:
         """A root forward returned `nodes` (its outputs' `grad_fn`s), having opened `slots` and held `late` entries."""
         sentinel = self._sentinel(nodes)
         if sentinel is None:  # a node without metadata: never known to be freed, kept as before
+            self._unwatched = True
             return
         ids = {id(n) for n in nodes}
-        ends = [s for s in slots if _returned(s, ids)]
-        if ends:  # a tap on the model's output: the slot must not keep the forward's graph alive
-            self._firing.session.strategy.let_go(ends)
-            for slot in ends:
-                slot.view = None  # an output view (`.squeeze(-1)`): nothing of the model writes it after it returned
+        # a tap on the model's output: the slot must not keep the forward's graph alive (an output view, `.squeeze(-1)`:
+        # nothing of the model writes it after it returned)
+        self.let_go([s for s in slots if _returned(s, ids)])
         self._forwards.append(_Forward(slots, late, calls_at_start, calls_at_end, weakref.ref(sentinel, self._went)))
+
+    def let_go(self, slots: Sequence[Slot]) -> None:
+        """Hold nothing of `slots`' graph (`Strategy.let_go`, their views too): a gradient that still reaches one is
+        read at its node, whose hook holds the slot; the graph goes when the user's last reference to it goes."""
+        self._firing.session.strategy.let_go(slots)
+        for slot in slots:
+            slot.view = None
+
+    def none_since(self) -> bool:
+        """Whether every root forward since the last backward began went before any backward reached it (a metric's
+        forward whose output was dropped): a backward beginning now runs through an older graph (`retain_graph`)."""
+        self.drop_freed()
+        return not self._forwards and not self._unwatched
 
     def _sentinel(self, nodes: Sequence[Any]) -> _Sentinel | None:
         """A sentinel held by `nodes`' `metadata` only (None: a node has none)."""
@@ -136,8 +149,11 @@ class PendingForwards:
         next backward begins (`clear`)."""
         self._pinned = True
 
-    def clear(self) -> None:
-        self._forwards, self._freed, self._pinned, self._numbered = [], False, False, []
+    def clear(self, kept: bool = False) -> None:
+        """Forget the forwards watched since the last backward began: a backward took them, or (`kept`) `Firing.reset`
+        forgot their slots, where one still alive is no dropped forward for `none_since`."""
+        alive = kept and (self._unwatched or any(f.alive() is not None for f in self._forwards))
+        self._forwards, self._freed, self._pinned, self._numbered, self._unwatched = [], False, False, [], alive
 
     def drop_freed(self) -> None:
         """Forget the slots and held leaves of every watched forward whose nodes are gone (their hooks, with them), and
@@ -164,9 +180,7 @@ class PendingForwards:
             contexts = (firing.contexts.get(waiting[id(s)][0]) for s in f.slots if id(s) in waiting)
             edges = (s.edge[0] for s in f.slots if s.edge is not None and s.edge[0] is not None)  # type: ignore[index]
             sentinels[id(f)] = self._sentinel([n for n in (*edges, *contexts) if n is not None])
-            firing.session.strategy.let_go(f.slots)
-            for slot in f.slots:
-                slot.view = None
+            self.let_go(f.slots)
         # a forward whose inner nodes something still holds may yet get gradients through them: its slots stay, until
         # those nodes go too (the state reset, the cache dropped)
         gone = [f for f in freed if not any(_holds(s) or id(s) in waiting for s in f.slots)]
