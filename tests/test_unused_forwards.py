@@ -551,3 +551,60 @@ def test_a_metric_forward_dropped_between_two_backwards_through_one_graph_leaves
         cap.records()
         backward(out.pow(2).mean())
         assert cap.backward_index == 0
+
+
+class _HiddenStates(nn.Module):
+    """Three layers returning the logits and every layer's hidden state (transformers' `output_hidden_states=True`):
+    the hidden states before the last layer are upstream of the later layers' outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        states = [x]
+        for layer in self.layers:
+            states.append(torch.tanh(layer(states[-1])))
+        return self.head(states[-1]), states
+
+
+def test_a_dropped_forward_that_returned_its_inner_hidden_states_goes_too(strategy: str) -> None:
+    """A metric forward (gradients on) of a model that returns its hidden states, dropped at once, then a training
+    step: the tap's own slot held the node of the hidden state before it (upstream of the tap), one of the nodes the
+    forward returned, so the forward never looked dropped: the step recorded it as a row without gradient and its
+    training forward as call 1 (GPT-2 with `output_hidden_states=True`: the same). Reference: a plain tensor hook."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    model = _HiddenStates()
+    want: list[float] = []
+    handle = model.layers[1].register_forward_hook(
+        lambda _m, _a, out: out.register_hook(lambda g: want.append(float(g.norm()))) and None
+    )
+    model(x)[0].sum().backward()
+    handle.remove()
+    model = _HiddenStates()
+    with capture(model, ["layers.1:output"], strategy=strategy) as cap:
+        float(model(x)[0].sum())  # a metric, gradients on by mistake
+        out, states = model(x)
+        cap.backward(out.sum())
+        recs = cap.records()
+    rows = [(recs.row(i)["call"], recs.row(i)["has_grad"], recs.row(i)["norm"]) for i in range(len(recs))]
+    assert [r[:2] for r in rows] == [(0, True)], rows
+    assert rows[0][2] == pytest.approx(want[0], rel=1e-6)
+
+
+def test_a_forward_whose_tips_went_is_kept_while_an_inner_hidden_state_it_returned_is_held(strategy: str) -> None:
+    """The same model, the metric forward's logits dropped but the hidden state before the tapped layer kept until
+    after the training step's backward began: a backward may still start there, so the forward is that backward's
+    (README: an output you still hold), its row without gradient before the training forward's, as before."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    model = _HiddenStates()
+    with capture(model, ["layers.1:output"], strategy=strategy) as cap:
+        kept = model(x)[1][1]  # layers.0's hidden state: upstream of the tap
+        out, _ = model(x)
+        cap.backward(out.sum())
+        recs = cap.records()
+    del kept
+    rows = [(recs.row(i)["call"], recs.row(i)["has_grad"]) for i in range(len(recs))]
+    assert rows == [(0, False), (1, True)]

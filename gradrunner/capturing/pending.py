@@ -52,6 +52,42 @@ def _returned(slot: Slot, ids: set[int]) -> bool:
     return (slot.edge is not None and id(slot.edge[0]) in ids) or (held is not None and id(held.grad_fn) in ids)  # type: ignore[index]
 
 
+def _upstream(nodes: Sequence[Any], slots: Sequence[Slot]) -> set[int]:
+    """The nodes (by `id`) of `nodes`, the forward's returned ones, that a node `slots` hold reaches: an inner hidden
+    state (`output_hidden_states=True`), an input returned unchanged. The slots hold them as long as they hold their
+    own nodes, so their life says nothing of the user's: they are watched apart (`PendingForwards.watch`).
+
+    A node's inputs are made before it (a lower `_sequence_nr`): returned nodes all made after every slot's node
+    (the logits) are reached by none, and the search stops below the oldest returned node.
+    """
+    starts: list[Any] = []
+    for slot in slots:
+        if slot.edge is not None and slot.edge[0] is not None:  # type: ignore[index]
+            starts.append(slot.edge[0])  # type: ignore[index]
+        starts.extend(t.grad_fn for t in (slot.tensor, slot.view) if t is not None and t.grad_fn is not None)
+    made = {id(n): n._sequence_nr() for n in nodes}
+    newest = max((n._sequence_nr() for n in starts if n.next_functions), default=-1)  # a leaf's accumulator: none
+    if not any(nr < newest for nr in made.values()):
+        return set()
+    oldest = min(made.values())
+    seen: dict[int, Any] = {id(n): n for n in starts}  # holds each node met: no id reused while searching
+    found: set[int] = set()
+    todo = list(starts)
+    while todo:
+        for nxt, _ in todo.pop().next_functions:
+            if nxt is None or id(nxt) in seen or nxt._sequence_nr() < oldest:
+                continue
+            seen[id(nxt)] = nxt
+            if id(nxt) in made:
+                found.add(id(nxt))
+            todo.append(nxt)
+    return found
+
+
+def _alive(ref: weakref.ref[_Sentinel] | None) -> bool:
+    return ref is not None and ref() is not None
+
+
 class _Sentinel:
     """Lives as long as the autograd nodes a root forward returned, or those its slots still hook once they went (held
     in their `metadata` only)."""
@@ -78,6 +114,7 @@ class _Forward:
     calls_at_start: dict[str, int]
     calls_at_end: dict[str, int]
     alive: weakref.ref[_Sentinel]
+    returned: weakref.ref[_Sentinel] | None = None  # the returned nodes its slots reach (`_upstream`), while they live
 
 
 class PendingForwards:
@@ -106,16 +143,26 @@ class PendingForwards:
         calls_at_start: dict[str, int],
         calls_at_end: dict[str, int],
     ) -> None:
-        """A root forward returned `nodes` (its outputs' `grad_fn`s), having opened `slots` and held `late` entries."""
-        sentinel = self._sentinel(nodes)
-        if sentinel is None:  # a node without metadata: never known to be freed, kept as before
+        """A root forward returned `nodes` (its outputs' `grad_fn`s), having opened `slots` and held `late` entries.
+
+        It is watched through the returned nodes no slot reaches (the logits); those a slot reaches (an inner hidden
+        state) would live as long as the slots do: they are watched apart, and keep the forward once its slots let go
+        (`drop_freed`) while something else holds them (the user kept a hidden state).
+        """
+        ids = {id(n) for n in nodes}
+        ends = [s for s in slots if _returned(s, ids)]
+        upstream = _upstream(nodes, [s for s in slots if s not in ends])
+        sentinel = self._sentinel([n for n in nodes if id(n) not in upstream])
+        returned = self._sentinel([n for n in nodes if id(n) in upstream]) if upstream else None
+        if sentinel is None or (upstream and returned is None):  # a node without metadata: never known to be freed
             self._unwatched = True
             return
-        ids = {id(n) for n in nodes}
         # a tap on the model's output: the slot must not keep the forward's graph alive (an output view, `.squeeze(-1)`:
         # nothing of the model writes it after it returned)
-        self.let_go([s for s in slots if _returned(s, ids)])
-        self._forwards.append(_Forward(slots, late, calls_at_start, calls_at_end, weakref.ref(sentinel, self._went)))
+        self.let_go(ends)
+        forward = _Forward(slots, late, calls_at_start, calls_at_end, weakref.ref(sentinel, self._went))
+        forward.returned = None if returned is None else weakref.ref(returned, self._went)
+        self._forwards.append(forward)
 
     def let_go(self, slots: Sequence[Slot]) -> None:
         """Hold nothing of `slots`' graph (`Strategy.let_go`, their views too): a gradient that still reaches one is
@@ -183,7 +230,7 @@ class PendingForwards:
             self.let_go(f.slots)
         # a forward whose inner nodes something still holds may yet get gradients through them: its slots stay, until
         # those nodes go too (the state reset, the cache dropped)
-        gone = [f for f in freed if not any(_holds(s) or id(s) in waiting for s in f.slots)]
+        gone = [f for f in freed if not any(_holds(s) or id(s) in waiting for s in f.slots) and not _alive(f.returned)]
         for f in freed:
             if f not in gone and (sentinel := sentinels[id(f)]) is not None:
                 f.alive = weakref.ref(sentinel, self._went)
