@@ -608,3 +608,41 @@ def test_a_forward_whose_tips_went_is_kept_while_an_inner_hidden_state_it_return
     del kept
     rows = [(recs.row(i)["call"], recs.row(i)["has_grad"]) for i in range(len(recs))]
     assert rows == [(0, False), (1, True)]
+
+
+class _WithInput(nn.Module):
+    """Returns its output and its input unchanged (a model handing back `inputs_embeds` among its hidden states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        return (self.fc(x), x) if mask is None else (self.fc(x) * mask, x, mask)
+
+
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_a_dropped_forward_that_returned_its_input_unchanged_goes_while_the_caller_keeps_the_input(
+    strategy: str, by_keyword: bool
+) -> None:
+    """A metric forward (gradients on) given the caller's own non-leaf embeddings, which the model returns unchanged,
+    its outputs dropped at once while the caller keeps the embeddings for the training forward: the input's node,
+    the caller's, was watched as one of the forward's, so the forward never looked dropped (a row without gradient,
+    the training forward as call 1). Reference: a plain tensor hook on the layer's output."""
+    emb = nn.Linear(4, 4)
+    x = emb(torch.randn(5, 4, generator=torch.Generator().manual_seed(1)))
+    kwargs = {"mask": torch.ones(5, 2)} if by_keyword else {}
+    model = _WithInput()
+    want: list[float] = []
+    handle = model.fc.register_forward_hook(lambda _m, _a, out: out.register_hook(lambda g: want.append(float(g.norm()))) and None)  # fmt: skip
+    model(x, **kwargs)[0].pow(2).sum().backward(retain_graph=True)
+    handle.remove()
+    with capture(model, ["fc:output"], strategy=strategy) as cap:
+        float(model(x, **kwargs)[0].sum())  # a metric, gradients on by mistake
+        out = model(x, **kwargs)[0]
+        cap.backward(out.pow(2).sum())
+        recs = cap.records()
+    rows = [(recs.row(i)["call"], recs.row(i)["has_grad"], recs.row(i)["norm"]) for i in range(len(recs))]
+    assert [r[:2] for r in rows] == [(0, True)], rows
+    assert rows[0][2] == pytest.approx(want[0], rel=1e-6)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from gradrunner.capturing.elements import bind_input, element_hint, get_element, set_element
+from gradrunner.capturing.elements import bind_input, element_hint, get_element, set_element, tensors_in
 from gradrunner.capturing.forward_patch import patch_forward
 from gradrunner.capturing.grad_context import (
     NOT_REQUIRING_GRAD,
@@ -196,7 +196,7 @@ class Firing:
                 self._mark, self._late_mark = (len(self.slots), dict(self.calls)), len(self.late_uncaptured)
             self.grad_forward.append(grad)
 
-        def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        def leave(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if self.grad_forward:
                 self.grad_forward.pop()
             if self.grad_forward:
@@ -214,10 +214,14 @@ class Firing:
             if nodes and self._mark is not None:
                 start, calls = self._mark
                 late = self.late_uncaptured[self._late_mark :]
-                self.pending.watch(nodes, self.slots[start:], late, calls, dict(self.calls))
+                # an input returned unchanged (`inputs_embeds` among the hidden states): its node is the caller's
+                given = {id(t.grad_fn) for t in tensors_in((args, kwargs), depth=3) if t.grad_fn is not None}
+                made = [n for n in nodes if id(n) not in given]
+                self.pending.watch(made, self.slots[start:], late, calls, dict(self.calls))
 
         stack.callback(model.register_forward_pre_hook(owned(model, eager(enter)), prepend=True).remove)
-        stack.callback(model.register_forward_hook(owned(model, eager(leave)), always_call=True).remove)
+        hook = owned(model, eager(leave))
+        stack.callback(model.register_forward_hook(hook, with_kwargs=True, always_call=True).remove)
 
     def _patch_forward(self, module: nn.Module, taps: list[Tap], stack: contextlib.ExitStack) -> None:
         by_name: dict[str, list[Tap]] = {}

@@ -54,8 +54,8 @@ def _returned(slot: Slot, ids: set[int]) -> bool:
 
 def _upstream(nodes: Sequence[Any], slots: Sequence[Slot]) -> set[int]:
     """The nodes (by `id`) of `nodes`, the forward's returned ones, that a node `slots` hold reaches: an inner hidden
-    state (`output_hidden_states=True`), an input returned unchanged. The slots hold them as long as they hold their
-    own nodes, so their life says nothing of the user's: they are watched apart (`PendingForwards.watch`).
+    state (`output_hidden_states=True`). The slots hold them as long as they hold their own nodes, so their life says
+    nothing of the user's: they are watched apart (`PendingForwards.watch`).
 
     A node's inputs are made before it (a lower `_sequence_nr`): returned nodes all made after every slot's node
     (the logits) are reached by none, and the search stops below the oldest returned node.
