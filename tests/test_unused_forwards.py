@@ -646,3 +646,46 @@ def test_a_dropped_forward_that_returned_its_input_unchanged_goes_while_the_call
     rows = [(recs.row(i)["call"], recs.row(i)["has_grad"], recs.row(i)["norm"]) for i in range(len(recs))]
     assert [r[:2] for r in rows] == [(0, True)], rows
     assert rows[0][2] == pytest.approx(want[0], rel=1e-6)
+
+
+def test_a_dropped_call_outside_the_roots_forward_goes_too(strategy: str) -> None:
+    """Taps fired outside the root's forward (`model[:3](x)`, a framework that calls submodules): a metric call with
+    gradients on, its output dropped at once, was never watched: the next backward recorded it as rows without
+    gradient and the training call as call 1. Reference: a plain tensor hook on layer 0's output."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    model = _model()
+    want: list[float] = []
+    handle = model[0].register_forward_hook(lambda _m, _a, out: out.register_hook(lambda g: want.append(float(g.norm()))) and None)  # fmt: skip
+    model[:2](x).pow(2).sum().backward()
+    handle.remove()
+    model = _model()
+    with capture(model, ["0:output"], strategy=strategy) as cap:
+        float(model[:2](x).sum())  # a metric, gradients on by mistake
+        cap.backward(model[:2](x).pow(2).sum())
+        recs = cap.records()
+    rows = [(recs.row(i)["call"], recs.row(i)["has_grad"], recs.row(i)["norm"]) for i in range(len(recs))]
+    assert [r[:2] for r in rows] == [(0, True)], rows
+    assert rows[0][2] == pytest.approx(want[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("other_strategy", ["hook", "retain_grad"])
+def test_another_models_dropped_forward_through_a_shared_module_adds_no_row(other_strategy: str) -> None:
+    """Two sessions on two models sharing their first layer: the other model's metric forward (gradients on, output
+    dropped at once) fired this session's tap on the shared layer, outside this session's root forward: a row without
+    gradient, and the training forward recorded as call 1. Reference: the same session without that forward."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+
+    def rows(metric: bool) -> list[tuple[int, bool, float]]:
+        torch.manual_seed(0)
+        shared = nn.Linear(4, 8)
+        model, other = nn.Sequential(shared, nn.Tanh(), nn.Linear(8, 3)), nn.Sequential(shared, nn.ReLU())
+        with capture(model, ["0:output"], strategy=other_strategy) as cap, capture(other, ["1:output"]):
+            if metric:
+                float(other(x).sum())
+            cap.backward(model(x).sum())
+            recs = cap.records()
+        return [(recs.row(i)["call"], recs.row(i)["has_grad"], recs.row(i)["norm"]) for i in range(len(recs))]
+
+    want, got = rows(metric=False), rows(metric=True)
+    assert [r[:2] for r in got] == [r[:2] for r in want] == [(0, True)], got
+    assert got[0][2] == pytest.approx(want[0][2], rel=1e-6)

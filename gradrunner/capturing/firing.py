@@ -440,6 +440,8 @@ class Firing:
         slot.seen = node.register_prehook(lambda _g: seen())
         out = session.strategy.attach(value, slot)
         session.strategy.seen_at([slot], [node])  # `retain_grad`: its `.grad` is filled before this node's pre-hooks
+        tap, call = slot.key.tap, slot.key.call  # dropped once nothing holds its node, as a root forward is
+        self.pending.watch([node], [slot], [], {tap: call}, {tap: call + 1})
         return out
 
     def _frozen_for_now(self, reason: str) -> bool:

@@ -1,5 +1,6 @@
 """What waits for a backward and goes with its graph: root forwards freed before any backward reached them (their
-slots and held leaves), and reentrant checkpoint contexts freed with their forward (their deferred calls).
+slots and held leaves; a tap's call outside a root forward, `model[:3](x)`, watched as one), and reentrant
+checkpoint contexts freed with their forward (their deferred calls).
 
 An evaluation loop that forgot `torch.no_grad()`, a forward whose loss is discarded: each such forward opened slots
 (and, in a step `every=N` leaves out, held edited leaves) for a backward that will never reach it. Plain torch frees
@@ -118,7 +119,8 @@ class _Forward:
 
 
 class PendingForwards:
-    """The outermost root forwards since the last backward began, each watched through the nodes it returned."""
+    """The outermost root forwards since the last backward began, each watched through the nodes it returned (a call
+    outside one: through its tapped value's node)."""
 
     def __init__(self, firing: Firing) -> None:
         self._firing = firing
