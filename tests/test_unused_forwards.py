@@ -689,3 +689,33 @@ def test_another_models_dropped_forward_through_a_shared_module_adds_no_row(othe
     want, got = rows(metric=False), rows(metric=True)
     assert [r[:2] for r in got] == [r[:2] for r in want] == [(0, True)], got
     assert got[0][2] == pytest.approx(want[0][2], rel=1e-6)
+
+
+def _sliced_run(run_dir: Path, metric: bool) -> float:
+    """Four steps of `record(every=2)` with layer 0's output's gradient edited (dropout), each step's model called as
+    `model[:3](x)`, after a metric call of it whose output is dropped where `metric`: layer 0's final weight sum."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with record(
+        model, ["0:output"], run_dir, strategy="hook", every=2, edits=[{"tap": "0:output", "dropout": 0.5}]
+    ) as rec:
+        for x, y in _batches(4):
+            if metric:
+                float(model[:3](x).sum())
+            loss = nn.functional.mse_loss(model[:3](x), y)
+            rec.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            rec.step(loss)
+    return float(model[0].weight.sum())
+
+
+def test_a_dropped_call_outside_the_roots_forward_leaves_an_uncaptured_steps_edits_as_without_it(
+    tmp_path: Path,
+) -> None:
+    """The same metric calls outside the root's forward in a run whose steps `every=2` leaves uncaptured: the
+    uncaptured steps' edits drew with the training call's number moved up by the metric call (1 for 0), the captured
+    steps' with 0: the run's weights differed from a run without the metric calls."""
+    assert _sliced_run(tmp_path / "with", metric=True) == pytest.approx(
+        _sliced_run(tmp_path / "without", metric=False), abs=1e-7
+    )

@@ -334,7 +334,8 @@ class Firing:
             call = self._count(tap.tap)
             if isinstance(value, torch.Tensor) and value.is_leaf and not value.requires_grad:
                 self.late_uncaptured.append((tap, value, call))  # a later forward hook may turn it on in place
-            return edits.on_fire(tap, value, self.pending.number(tap.tap, call))
+            out = edits.on_fire(tap, value, self.pending.number(tap.tap, call))
+            return out if self.grad_forward else self.pending.watch_call(out, tap.tap, call, [])  # as a captured step
         if self.grad_forward and self.grad_forward[-1]:  # a no_grad block inside a forward with grad: no gradient
             call = self._count(tap.tap)
             ctx = reentrant_checkpoint("forward")
@@ -440,8 +441,7 @@ class Firing:
         slot.seen = node.register_prehook(lambda _g: seen())
         out = session.strategy.attach(value, slot)
         session.strategy.seen_at([slot], [node])  # `retain_grad`: its `.grad` is filled before this node's pre-hooks
-        tap, call = slot.key.tap, slot.key.call  # dropped once nothing holds its node, as a root forward is
-        self.pending.watch([node], [slot], [], {tap: call}, {tap: call + 1})
+        self.pending.watch_call(value, slot.key.tap, slot.key.call, [slot])
         return out
 
     def _frozen_for_now(self, reason: str) -> bool:

@@ -29,7 +29,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from gradrunner.capturing.strategies import Slot
+from gradrunner.capturing.torch_compat import gradient_edge
 
 if TYPE_CHECKING:
     from gradrunner.capturing.firing import Firing
@@ -178,6 +181,14 @@ class PendingForwards:
         forward whose output was dropped): a backward beginning now runs through an older graph (`retain_graph`)."""
         self.drop_freed()
         return not self._forwards and not self._unwatched
+
+    def watch_call(self, value: object, tap: str, call: int, slots: list[Slot]) -> object:
+        """Call `call` of `tap` fired outside a root forward (`model[:3](x)`, another model sharing the module) with
+        `value`: watched through its gradient edge as a root forward of that one call (its slot, or in an uncaptured
+        step its edit's number), dropped once nothing holds that node. Returns `value`."""
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            self.watch([gradient_edge(value)[0]], slots, [], {tap: call}, {tap: call + 1})
+        return value
 
     def _sentinel(self, nodes: Sequence[Any]) -> _Sentinel | None:
         """A sentinel held by `nodes`' `metadata` only (None: a node has none)."""
