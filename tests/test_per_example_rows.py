@@ -609,3 +609,35 @@ def test_a_layer_on_a_parameter_scaled_elementwise(how: str) -> None:
     for name in ("lin:weight", "lin:bias"):  # (and no loop: a row alone meets all of p's rows)
         assert got[name] is None and "made from a parameter of shape (4, 3)" in str(reasons[name]), reasons[name]
     assert got["inp:weight"] is not None
+
+
+class RawInputTransposed(nn.Module):
+    """`lin` on the model's input transposed, or a copy of it; `emb` on the ids transposed: no autograd history."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.lin, self.emb, self.head = how, nn.Linear(3, 4), nn.Embedding(9, 4), nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "same":
+            return self.head(torch.tanh(self.lin(x) + self.emb(ids)))  # type: ignore[no-any-return]
+        t = x.transpose(0, 1) if self.how == "view" else x.transpose(0, 1).contiguous()
+        return self.head(torch.tanh(self.lin(t) + self.emb(ids.t())).transpose(0, 1))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["view", "copy", "same"])
+def test_a_layer_on_the_models_input_transposed_when_the_batch_size_equals_the_length(how: str) -> None:
+    """B == T: `lin(x.transpose(0, 1))` on the input given to the model has no autograd node for the walk to see (found
+    2026-11-27: lin got 2.69, 0.52, 0.44, 0.90 for true 0.55, 1.39, 1.55, 1.59; emb on `ids.t()` was taken for the
+    given ids too). Null now; the input itself, or a view keeping its dim 0, stays exact."""
+    torch.manual_seed(0)
+    model, inputs = RawInputTransposed(how), {"ids": torch.randint(0, 9, (4, 4)), "x": torch.randn(4, 4, 3)}
+    params = all_params(model)
+    got, reasons = batched(model, inputs, _row_sq, params)
+    ref = loop(model, inputs, _row_sq, params)[0]
+    if how == "same":
+        assert_matches(got, ref, reasons)
+        return
+    whys = {"view": "a view of a tensor given to the model whose dim 0 is not", "copy": "without autograd history"}
+    for name, why in [("lin:weight", whys[how]), ("lin:bias", whys[how]), ("emb:weight", "a view of a tensor given")]:
+        assert got[name] is None and why in str(reasons[name]), (name, reasons[name])

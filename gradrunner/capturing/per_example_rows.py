@@ -4,10 +4,13 @@
 has the batch's size by coincidence passes it. `RowOrigins` catches the coincidences it can tell
 from what the call's input is made of, cheaply (a few attribute reads per call, no device work):
 
-- an `Embedding` called on ids made inside the forward (positions, relative-position buckets) while
-  the batch size equals another dim of any tensor the model was called with (`start`); and then any layer
-  called on a tensor given to the model with fewer dims than its first one (1-D `position_ids` broadcast
-  over the batch: which of its dims is the batch's cannot be told, and broadcast rows are no example's);
+- an `Embedding` called on ids made inside the forward (positions, relative-position buckets), or any layer
+  called on a tensor with no autograd history made there (`x.transpose(0, 1).contiguous()` of the input), while
+  the batch size equals another dim of any tensor the model was called with (`start`; a view of a given tensor
+  is its rows where it keeps its dim 0, size and stride: not `x.transpose(0, 1)`, which no autograd node shows);
+  and then any layer called on a tensor given to the model with fewer dims than its first one (1-D
+  `position_ids` broadcast over the batch: which of its dims is the batch's cannot be told, and broadcast rows
+  are no example's);
 - an input that is a parameter, or a view, cast or activation of one (DeBERTa's
   `LayerNorm(rel_embeddings.weight)`): its dim 0 is the parameter's (a parameter broadcast to the
   batch, `latents.expand(B, ...)`, is the batch's: each row belongs to its example, and the walk
@@ -92,8 +95,9 @@ class RowOrigins:
     """
 
     def __init__(self) -> None:
-        #: Storages of the tensors the model was called with, where B equals another dim of one of them.
-        self.given: set[int] | None = None
+        #: Storages of the tensors the model was called with, where B equals another dim of one of them: each one's
+        #: dim 0 (its size, its stride), which a view keeping the batch's rows keeps.
+        self.given: dict[int, tuple[int, int]] | None = None
         #: Then: those of fewer dims than the first (the batch's) with dim 0 of B, and the first's shape.
         self.fewer: dict[int, tuple[int, ...]] = {}
         #: Output nodes of this forward's calls with no per-row share: why, and whether their rows were picked.
@@ -109,7 +113,7 @@ class RowOrigins:
         """A forward of the model with `rows` rows (None: no tensor input) begins."""
         tensors = list(tensors_of(args, kwargs))
         clash = rows is not None and any(rows in t.shape[1:] for t in tensors)
-        self.given = {storage(t) for t in tensors} if clash else None
+        self.given = {storage(t): _dim0(t) for t in tensors if t.dim() > 0} if clash else None
         first = tensors[0].shape if tensors else ()
         self.fewer = {
             storage(t): tuple(first) for t in tensors if clash and 0 < t.dim() < len(first) and t.shape[0] == rows
@@ -148,14 +152,29 @@ class RowOrigins:
             return (f"called on a tensor of shape {tuple(x.shape)} given to the model with fewer dims than its first input "
                     f"{first}, one of whose other dims is the batch size: dim 0 may be broadcast over the batch (1-D "
                     "position_ids), not the batch's rows")  # fmt: skip
-        if kind == "embedding":
-            if self.given is not None and storage(x) not in self.given:
-                return (f"called on ids of shape {tuple(x.shape)} made inside the forward (positions, relative-position "
-                        "buckets) while the batch size equals another dim of the model's input: dim 0 may not be the batch")  # fmt: skip
-            return None
         if isinstance(x, nn.Parameter):
             return f"called on a parameter of shape {tuple(x.shape)}: dim 0 is the parameter's, not the batch's rows"
+        if kind == "embedding" or x.grad_fn is None:  # (ids; or no autograd history, which the walk could read)
+            return self._unwalked(kind, x)
         return self._walk(x.grad_fn, tuple(x.shape))
+
+    def _unwalked(self, kind: str, x: torch.Tensor) -> str | None:
+        """Why the rows of `x`, an embedding's ids or a tensor without autograd history (its dim 0 of the batch's size),
+        are not the batch's, or None: while the batch size equals another dim of a tensor given to the model, only a
+        view of one that keeps its dim 0 (its size and stride: not `x.transpose(0, 1)` with B == T) is its rows."""
+        if self.given is None:
+            return None
+        dim0 = self.given.get(storage(x))
+        if dim0 is not None and dim0 == _dim0(x):
+            return None
+        what = "ids" if kind == "embedding" else "a tensor"
+        if dim0 is not None:
+            return (f"called on {what} of shape {tuple(x.shape)}, a view of a tensor given to the model whose dim 0 is "
+                    "not that tensor's (a transpose or permute) while the batch size equals another of its dims: dim 0 "
+                    "may not be the batch")  # fmt: skip
+        made = "(positions, relative-position buckets)" if kind == "embedding" else "without autograd history (a copy)"
+        return (f"called on {what} of shape {tuple(x.shape)} made inside the forward {made} while the batch size equals "
+                "another dim of the model's input: dim 0 may not be the batch")  # fmt: skip
 
     def mark(self, output: torch.Tensor, why: str) -> None:
         """`output` of a call whose rows are not the batch's (`why`, the last `reason`): a layer it feeds through a
@@ -221,6 +240,11 @@ class RowOrigins:
             return (f"called on a tensor of shape {shape} made from a parameter of shape "
                     f"{tuple(variable.shape)} {how}: its dim 0 is the parameter's, not the batch's rows")  # fmt: skip
         return None
+
+
+def _dim0(t: torch.Tensor) -> tuple[int, int]:
+    """`t`'s dim 0: its size and stride (a view that moves another dim there changes the stride)."""
+    return int(t.shape[0]), int(t.stride(0))
 
 
 def _moves_rows(node: Any, name: str) -> bool:
