@@ -641,3 +641,42 @@ def test_a_layer_on_the_models_input_transposed_when_the_batch_size_equals_the_l
     whys = {"view": "a view of a tensor given to the model whose dim 0 is not", "copy": "without autograd history"}
     for name, why in [("lin:weight", whys[how]), ("lin:bias", whys[how]), ("emb:weight", "a view of a tensor given")]:
         assert got[name] is None and why in str(reasons[name]), (name, reasons[name])
+
+
+class NewDimZero(nn.Module):
+    """`lin` on k copies or transforms of the batch's (B, 4) states stacked in a new dim 0 (B pushed to dim 1), then
+    summed over it: k == B is a coincidence."""
+
+    def __init__(self, how: str, k: int) -> None:
+        super().__init__()
+        self.how, self.k, self.inp, self.lin, self.head = how, k, nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, k = torch.tanh(self.inp(x)), self.k
+        w = {
+            "unsqueeze(0).expand": lambda: h.unsqueeze(0).expand(k, -1, -1),
+            "[None].repeat": lambda: h[None].repeat(k, 1, 1),
+            "view(1, ...).expand": lambda: h.view(1, *h.shape).expand(k, -1, -1),
+            "expand(k, *shape)": lambda: h.expand(k, *h.shape),
+            "stack(0)": lambda: torch.stack([h * (j + 1) for j in range(k)], 0),
+        }[self.how]()
+        return self.head(torch.tanh(self.lin(w)).sum(0))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("k", [3, 2], ids=["k == B", "k != B"])
+@pytest.mark.parametrize(
+    "how", ["unsqueeze(0).expand", "[None].repeat", "view(1, ...).expand", "expand(k, *shape)", "stack(0)"]
+)
+def test_a_layer_on_a_new_dim_0_over_the_batch(how: str, k: int) -> None:
+    """k == B: `lin`'s dim 0 has the batch's size, each of its rows every example (found 2026-11-27: unsqueeze(0).expand
+    gave lin's weight 1.12 for every row, true 0.51, 0.50, 3.44; stack 1.11, 2.16, 0.86 for 0.54, 0.53, 3.64). Null
+    now; k != B: the shapes tell (not the batch); the other layers stay exact."""
+    torch.manual_seed(0)
+    model, inputs = NewDimZero(how, k), {"x": torch.randn(3, 3)}
+    params = all_params(model)
+    got, reasons = batched(model, inputs, _row_sq, params)
+    why = "it pushed to dim 1" if k == 3 else "is not the batch"
+    for name in ("lin:weight", "lin:bias"):
+        assert got[name] is None and why in str(reasons[name]), (name, reasons[name])
+    ref = loop(model, inputs, _row_sq, params)[0]
+    assert_matches(got, {n: r for n, r in ref.items() if not n.startswith("lin:")}, reasons)

@@ -25,7 +25,9 @@ from what the call's input is made of, cheaply (a few attribute reads per call, 
   expert's second Linear, a gated expert's `down(act(gate(t)) * up(t))`; not one whose dim 0 is another
   size, such as flattened tokens later reshaped back);
 - an input whose dim 0 a transpose or permute filled from a dim of the same size as the dim 0 it moved away
-  (`lin(x.transpose(0, 1))` with B == T: which is the batch's cannot be told; `_moves_rows`).
+  (`lin(x.transpose(0, 1))` with B == T: which is the batch's cannot be told; `_moves_rows`), or a stack or a
+  broadcast of `h.unsqueeze(0)` made, pushing a dim 0 of the same size to dim 1 (`lin(h.unsqueeze(0).expand(k,
+  ...))`, `lin(torch.stack([...], 0))` with k == B; not a parameter broadcast to the batch: `_pushes_rows`).
 
 A call whose dim 0 is a multiple of the batch's rows is judged by `judge`: its tokens must be the batch's rows
 flattened (`per_example_tokens.flat_sources`, or `token_rows`), and the tensors of B rows they flatten are then
@@ -83,6 +85,10 @@ _UNARY = VIEWS | ROWWISE | SLICES | {"UnsqueezeBackward", "SqueezeBackward"}
 #: Autograd nodes of ops that move dims: where dim 0 gets another dim of the batch's size, which one is the batch's
 #: cannot be told (`_moves_rows`).
 _MOVES = frozenset({"TransposeBackward", "PermuteBackward", "TBackward"})
+#: Autograd nodes of ops that can give a tensor a new dim 0, pushing its own to dim 1 (`torch.stack(.., 0)`, a broadcast
+#: of `h.unsqueeze(0)` or of `h[None]`): where the new dim has the batch's size, which is the batch's cannot be told
+#: (`_pushes_rows`).
+_PUSHES = frozenset({"StackBackward", "ExpandBackward", "RepeatBackward"})
 
 
 class RowOrigins:
@@ -227,6 +233,10 @@ class RowOrigins:
         if name in _MOVES and _moves_rows(node, name):
             return (f"called on a tensor of shape {shape} whose dim 0 was moved there ({name}: a transpose or permute) "
                     "from a dim of the same size as the dim 0 it moved away: which of them is the batch's cannot be told")  # fmt: skip
+        if name in _PUSHES and shape[0] > 1 and _pushes_rows(node, name, shape[0]):
+            return (f"called on a tensor of shape {shape} whose dim 0 was added by {name} (a stack, or a broadcast of "
+                    "unsqueeze(0)) over a tensor whose own dim 0, of the same size, it pushed to dim 1: which of them "
+                    "is the batch's cannot be told")  # fmt: skip
         keeps = _keeps_rows(node, name, shape[0]) if name in SELECTS else True
         if keeps == TABLE:
             self.table = self.given is None or _index(node) in self.given
@@ -262,6 +272,45 @@ def _moves_rows(node: Any, name: str) -> bool:
         return 0 in (d0, d1) or d0 < 0 or d1 < 0
     d0, d1 = d0 % len(out), d1 % len(out)
     return d0 != d1 and 0 in (d0, d1) and out[d0 + d1] == out[0]
+
+
+def _pushes_rows(node: Any, name: str, rows: int) -> bool:
+    """Whether stack, expand or repeat `node` made a dim 0 of `rows` over a tensor (not a parameter's: `latents.unsqueeze(0)
+    .expand(B, ...)` is broadcast to the batch's rows) whose own dim 0 of `rows` went to dim 1; True where the shapes
+    are unknown and that may be."""
+    out = node_shape(node, 0)
+    if name == "StackBackward":
+        d = signed(int(node._saved_dim))
+        return (d <= 0) if out is None else d % len(out) == 0 and len(out) > 1 and out[1] == rows
+    src = node.next_functions[0][0] if node.next_functions else None
+    sizes = [int(n) for n in node._saved_self_sym_sizes]
+    if src is None or not sizes or _of_parameter(src):
+        return False
+    if out is not None and len(out) > len(sizes):  # new leading dims (`h.expand(k, *h.shape)`): h's dim 0 went further
+        return sizes[0] == rows
+    return sizes[0] == 1 and _unsqueezed(src, rows)
+
+
+def _unsqueezed(node: Any, rows: int) -> bool:
+    """Whether autograd node `node`, or one below it through a few ops of one operand, put a dim of 1 before a dim 0 of
+    `rows` (`h.unsqueeze(0)`, `h[None]`, `h.view(1, *h.shape)`) of a tensor that is not a parameter's."""
+    for _ in range(4):
+        name = node.name().rstrip("0123456789")
+        inputs = [(n, nr) for n, nr in node.next_functions if n is not None]
+        if len(inputs) != 1 or name not in _UNARY:
+            return False
+        src, nr = inputs[0]
+        shape = node_shape(src, nr)
+        if name == "UnsqueezeBackward":
+            d = signed(int(node._saved_dim))
+            first = d == 0 or (d < 0 and (shape is None or d % (len(shape) + 1) == 0))
+            return first and (shape is None or (len(shape) > 0 and shape[0] == rows)) and not _of_parameter(src)
+        if name in VIEWS:
+            sizes, out = tuple(int(n) for n in node._saved_self_sym_sizes), node_shape(node, 0)
+            if out is not None and sizes and out == (1, *sizes):
+                return sizes[0] == rows and not _of_parameter(src)
+        node = src
+    return False
 
 
 def _not_flat(kind: str, x: torch.Tensor, rows: int, why: str) -> str:
