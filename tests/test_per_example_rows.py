@@ -680,3 +680,36 @@ def test_a_layer_on_a_new_dim_0_over_the_batch(how: str, k: int) -> None:
         assert got[name] is None and why in str(reasons[name]), (name, reasons[name])
     ref = loop(model, inputs, _row_sq, params)[0]
     assert_matches(got, {n: r for n, r in ref.items() if not n.startswith("lin:")}, reasons)
+
+
+class PastAnOpKeepingDimZero(nn.Module):
+    """`lin1` on the batch with dim 0 transposed away (B == T, or B == the features), then `lin2` on its output through
+    an op that keeps dim 0 (an expand or repeat of another dim), or `lin1` after a transpose of two other dims."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.inp, self.lin1, self.lin2 = how, nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))  # (B, T, 4)
+        if self.how == "transpose(1, 2)":
+            return self.lin2(torch.tanh(self.lin1(h.transpose(0, 2).transpose(1, 2)))).permute(1, 2, 0)  # type: ignore[no-any-return]  # fmt: skip
+        g = torch.tanh(self.lin1(h.transpose(0, 1)))  # (T, B, 4)
+        g = g.unsqueeze(2).expand(-1, -1, 2, -1) if self.how == "expand" else g.unsqueeze(2).repeat(1, 1, 2, 1)
+        return self.lin2(g).sum(2).transpose(0, 1)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["expand", "repeat", "transpose(1, 2)"])
+def test_the_walk_goes_past_ops_that_keep_dim_0(how: str) -> None:
+    """Found 2026-11-27: an expand or repeat of another dim, or a transpose of two other dims, ended the walk with no
+    verdict, so `lin2` on `lin1`'s output expanded got 7.19, 2.89, 2.12, 6.07 (true 0.31, 0.56, 1.59, 1.57), and
+    `lin1` after `transpose(0, 2).transpose(1, 2)` 1.01, 0.67, 0.63, 1.16 (true 0.18, 0.44, 0.69, 0.78). The walk
+    now goes on below them: null; `inp`, on the batch, stays exact."""
+    torch.manual_seed(0)
+    model, inputs = PastAnOpKeepingDimZero(how), {"x": torch.randn(4, 4, 3)}
+    params = all_params(model)
+    got, reasons = batched(model, inputs, _row_sq, params)
+    for name in ("lin1:weight", "lin1:bias", "lin2:weight", "lin2:bias"):
+        assert got[name] is None and "cannot be told" in str(reasons[name]), (name, reasons[name])
+    ref = loop(model, inputs, _row_sq, params)[0]
+    assert_matches(got, {n: r for n, r in ref.items() if n.startswith("inp:")}, reasons)

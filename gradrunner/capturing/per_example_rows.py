@@ -213,7 +213,7 @@ class RowOrigins:
                 continue
             if name in ELEMENTWISE:  # each operand: a gated expert's act(w1 x) * w3 x, dropout's `x * mask`
                 stack += [(n, several or len(inputs) > 1, (*via, (node, n, nr))) for n, nr in inputs]
-            elif len(inputs) == 1 and name in _UNARY | SELECTS:
+            elif len(inputs) == 1 and (name in _UNARY | SELECTS or _keeps_dim0(node, name)):
                 stack.append((inputs[0][0], several, via))
         return None
 
@@ -272,6 +272,21 @@ def _moves_rows(node: Any, name: str) -> bool:
         return 0 in (d0, d1) or d0 < 0 or d1 < 0
     d0, d1 = d0 % len(out), d1 % len(out)
     return d0 != d1 and 0 in (d0, d1) and out[d0 + d1] == out[0]
+
+
+def _keeps_dim0(node: Any, name: str) -> bool:
+    """Whether transpose, permute, expand or repeat `node` left its input's dim 0 as its output's dim 0, untouched (a
+    transpose of two other dims, a broadcast of another dim): the walk goes on below it."""
+    if name == "PermuteBackward":
+        return signed(int(node._saved_dims[0])) == 0
+    if name == "TransposeBackward":
+        out = node_shape(node, 0)
+        d0, d1 = signed(int(node._saved_dim0)), signed(int(node._saved_dim1))
+        return out is not None and len(out) > 0 and 0 not in (d0 % len(out), d1 % len(out))
+    if name not in ("ExpandBackward", "RepeatBackward"):
+        return False
+    sizes, out = [int(n) for n in node._saved_self_sym_sizes], node_shape(node, 0)
+    return out is not None and len(out) == len(sizes) > 0 and out[0] == sizes[0]
 
 
 def _pushes_rows(node: Any, name: str, rows: int) -> bool:
