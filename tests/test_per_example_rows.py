@@ -713,3 +713,37 @@ def test_the_walk_goes_past_ops_that_keep_dim_0(how: str) -> None:
         assert got[name] is None and "cannot be told" in str(reasons[name]), (name, reasons[name])
     ref = loop(model, inputs, _row_sq, params)[0]
     assert_matches(got, {n: r for n, r in ref.items() if n.startswith("inp:")}, reasons)
+
+
+class JoinedAfterAMovedDimZero(nn.Module):
+    """`lin1` on the batch transposed (B == T: null), then `lin2` on its output joined with itself: a cat along the
+    features, or `g - g.mean(0)` (a mean over the sequence, now dim 0: no rows mixed)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.inp, self.lin1 = how, nn.Linear(3, 4), nn.Linear(4, 4)
+        self.lin2 = nn.Linear(8 if how == "cat" else 4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = torch.tanh(self.lin1(torch.tanh(self.inp(x)).transpose(0, 1)))  # (T, B, 4)
+        g = torch.cat([g, g * g], -1) if self.how == "cat" else g - g.mean(0)
+        return self.lin2(g).transpose(0, 1)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["cat", "g - g.mean(0)"])
+def test_a_layer_fed_by_a_moved_dim_0_through_several_operands(how: str) -> None:
+    """Found 2026-11-27: a cat along another dim ended the walk, and below an op of several operands only rows picked by
+    indexing counted, so `lin2` got 3.58, 1.29, 1.27, 3.38 after the cat (true 0.49, 0.25, 0.46, 0.59) and 1.36, 0.65,
+    0.19, 0.83 after the subtraction (true 0.10, 0.12, 0.58, 0.39). The walk follows a cat along another dim into each
+    operand, and a dim 0 moved there counts beside other operands: null; `inp` stays exact."""
+    torch.manual_seed(0)
+    model, inputs = JoinedAfterAMovedDimZero(how), {"x": torch.randn(4, 4, 3)}
+    params = all_params(model)
+    got, reasons = batched(model, inputs, _row_sq, params)
+    for name in ("lin2:weight", "lin2:bias"):
+        assert got[name] is None and "whose rows are not the batch's ('lin1'" in str(reasons[name]), (
+            name,
+            reasons[name],
+        )
+    ref = loop(model, inputs, _row_sq, params)[0]
+    assert_matches(got, {n: r for n, r in ref.items() if n.startswith("inp:")}, reasons)

@@ -34,16 +34,17 @@ flattened (`per_example_tokens.flat_sources`, or `token_rows`), and the tensors 
 judged as above; its output is kept (`tokens`) so that the calls it feeds are proven too.
 
 The walk back through the autograd graph (at most `WALK` nodes, all branches together) follows ops of one
-tensor operand (`_UNARY`) and elementwise ops (`ELEMENTWISE`: dropout's CPU mask, a gated expert's
-`act(w1 x) * w3 x`, a residual add) into each operand, towards a selection or such an output (not to a
+tensor operand (`_UNARY`; and a transpose, permute, expand or repeat that leaves dim 0 untouched: `_keeps_dim0`) and
+elementwise ops (`ELEMENTWISE`: dropout's CPU mask, a gated expert's `act(w1 x) * w3 x`, a residual add; and a cat along
+another dim: `_joins_rows`) into each operand, towards a selection or such an output (not to a
 parameter broadcast over dim 0: `x * scale` has x's rows; one that gives the result its dim 0, `p * 2`, is rows of a
-parameter). Below an op of several tensor operands only rows picked by indexing
-count (`picked`: the batch's rows plus a position's embedding made from ids made in the forward are the
+parameter). Below an op of several tensor operands only rows picked by indexing, or a dim 0 moved or pushed there
+(`_moves_rows`, `_pushes_rows`), count (`picked`: the batch's rows plus a position's embedding made from ids made in the forward are the
 batch's rows), and only if every operand passed gives the result its dim 0 (`same_rows`, shapes read then
 only: a bias or a (T, d) table broadcast over the batch are not its rows). Any other op (a matmul, a
 LayerNorm, an embedding lookup, whose ids autograd does not show) ends a branch with no verdict, so rows
 merged back into the batch (`index_add_` into a batch-shaped tensor) are the batch's again. Not told apart
-(README): coincidences made by ops that are not elementwise (`x_param @ w`, `cat`), a frozen parameter's
+(README): coincidences made by ops that are not elementwise (`x_param @ w`, `cat` along dim 0), a frozen parameter's
 views (no autograd node), rows picked from a tensor that does not require grad, and a reordering of the
 batch's own rows (`x[perm]`).
 
@@ -211,7 +212,7 @@ class RowOrigins:
             inputs = [(n, nr) for n, nr in node.next_functions if n is not None]
             if self.table:  # rows of a parameter picked by the batch's own ids: the batch's rows, as an embedding's
                 continue
-            if name in ELEMENTWISE:  # each operand: a gated expert's act(w1 x) * w3 x, dropout's `x * mask`
+            if name in ELEMENTWISE or _joins_rows(node, name):  # each operand: act(w1 x) * w3 x, `x * mask`, a cat
                 stack += [(n, several or len(inputs) > 1, (*via, (node, n, nr))) for n, nr in inputs]
             elif len(inputs) == 1 and (name in _UNARY | SELECTS or _keeps_dim0(node, name)):
                 stack.append((inputs[0][0], several, via))
@@ -230,6 +231,8 @@ class RowOrigins:
         self.table = False
         if made is not None and (self.picked or not several):
             return f"called on the output of a call whose rows are not the batch's ({made[0]})"
+        if name in _MOVES | _PUSHES:  # (rows that are not the batch's beside any other operand, as picked rows)
+            self.picked = True
         if name in _MOVES and _moves_rows(node, name):
             return (f"called on a tensor of shape {shape} whose dim 0 was moved there ({name}: a transpose or permute) "
                     "from a dim of the same size as the dim 0 it moved away: which of them is the batch's cannot be told")  # fmt: skip
@@ -237,6 +240,7 @@ class RowOrigins:
             return (f"called on a tensor of shape {shape} whose dim 0 was added by {name} (a stack, or a broadcast of "
                     "unsqueeze(0)) over a tensor whose own dim 0, of the same size, it pushed to dim 1: which of them "
                     "is the batch's cannot be told")  # fmt: skip
+        self.picked = name in SELECTS or (made is not None and made[1])
         keeps = _keeps_rows(node, name, shape[0]) if name in SELECTS else True
         if keeps == TABLE:
             self.table = self.given is None or _index(node) in self.given
@@ -272,6 +276,15 @@ def _moves_rows(node: Any, name: str) -> bool:
         return 0 in (d0, d1) or d0 < 0 or d1 < 0
     d0, d1 = d0 % len(out), d1 % len(out)
     return d0 != d1 and 0 in (d0, d1) and out[d0 + d1] == out[0]
+
+
+def _joins_rows(node: Any, name: str) -> bool:
+    """Whether `node` is a cat along another dim than 0: each row of its output is the same row of every operand's, as
+    for an elementwise op; True where the shapes are unknown and the dim is not 0."""
+    if name != "CatBackward":
+        return False
+    out, d = node_shape(node, 0), signed(int(node._saved_dim))
+    return d != 0 if out is None else len(out) > 1 and d % len(out) != 0
 
 
 def _keeps_dim0(node: Any, name: str) -> bool:
