@@ -747,3 +747,39 @@ def test_a_layer_fed_by_a_moved_dim_0_through_several_operands(how: str) -> None
         )
     ref = loop(model, inputs, _row_sq, params)[0]
     assert_matches(got, {n: r for n, r in ref.items() if n.startswith("inp:")}, reasons)
+
+
+_ALONG_OPS = {
+    "roll": lambda g: g.roll(1, -1),
+    "softmax": lambda g: g.softmax(-1),
+    "cumsum": lambda g: g.cumsum(-1),
+    "sort": lambda g: g.sort(-1)[0],
+    "sum": lambda g: g.unsqueeze(2).expand(-1, -1, 2, -1).sum(2),
+}
+
+
+class AlongAnotherDim(nn.Module):
+    """`lin` on the batch transposed (B == T), then passed through an op along another dim than 0."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.inp, self.lin = how, nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = torch.tanh(self.inp(x)).transpose(0, 1)  # (T, B, 4)
+        return self.lin(_ALONG_OPS[self.how](g)).transpose(0, 1)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", list(_ALONG_OPS))
+def test_the_walk_goes_past_ops_along_another_dim(how: str) -> None:
+    """Found 2026-11-27: a roll, softmax, cumsum, sort or sum along another dim than 0 ended the walk before the
+    transpose, so `lin` got numbers (after the roll 2.43, 0.69, 0.37, 3.95 for true 0.49, 0.36, 3.06, 4.07). Null now;
+    `inp` stays exact."""
+    torch.manual_seed(0)
+    model, inputs = AlongAnotherDim(how), {"x": torch.randn(4, 4, 3)}
+    params = all_params(model)
+    got, reasons = batched(model, inputs, _row_sq, params)
+    for name in ("lin:weight", "lin:bias"):
+        assert got[name] is None and "whose dim 0 was moved there" in str(reasons[name]), (name, reasons[name])
+    ref = loop(model, inputs, _row_sq, params)[0]
+    assert_matches(got, {n: r for n, r in ref.items() if n.startswith("inp:")}, reasons)

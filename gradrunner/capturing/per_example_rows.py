@@ -25,21 +25,21 @@ from what the call's input is made of, cheaply (a few attribute reads per call, 
   expert's second Linear, a gated expert's `down(act(gate(t)) * up(t))`; not one whose dim 0 is another
   size, such as flattened tokens later reshaped back);
 - an input whose dim 0 a transpose or permute filled from a dim of the same size as the dim 0 it moved away
-  (`lin(x.transpose(0, 1))` with B == T: which is the batch's cannot be told; `_moves_rows`), or a stack or a
+  (`lin(x.transpose(0, 1))` with B == T: which is the batch's cannot be told; `moves_rows`), or a stack or a
   broadcast of `h.unsqueeze(0)` made, pushing a dim 0 of the same size to dim 1 (`lin(h.unsqueeze(0).expand(k,
-  ...))`, `lin(torch.stack([...], 0))` with k == B; not a parameter broadcast to the batch: `_pushes_rows`).
+  ...))`, `lin(torch.stack([...], 0))` with k == B; not a parameter broadcast to the batch: `pushes_rows`).
 
 A call whose dim 0 is a multiple of the batch's rows is judged by `judge`: its tokens must be the batch's rows
 flattened (`per_example_tokens.flat_sources`, or `token_rows`), and the tensors of B rows they flatten are then
 judged as above; its output is kept (`tokens`) so that the calls it feeds are proven too.
 
 The walk back through the autograd graph (at most `WALK` nodes, all branches together) follows ops of one
-tensor operand (`_UNARY`; and a transpose, permute, expand or repeat that leaves dim 0 untouched: `_keeps_dim0`) and
+tensor operand (`per_example_dims`: `UNARY`; and a transpose, permute, expand or repeat that leaves dim 0 untouched, or an op along other dims, a roll, softmax or cumsum: `keeps_dim0`) and
 elementwise ops (`ELEMENTWISE`: dropout's CPU mask, a gated expert's `act(w1 x) * w3 x`, a residual add; and a cat along
-another dim: `_joins_rows`) into each operand, towards a selection or such an output (not to a
+another dim: `joins_rows`) into each operand, towards a selection or such an output (not to a
 parameter broadcast over dim 0: `x * scale` has x's rows; one that gives the result its dim 0, `p * 2`, is rows of a
 parameter). Below an op of several tensor operands only rows picked by indexing, or a dim 0 moved or pushed there
-(`_moves_rows`, `_pushes_rows`), count (`picked`: the batch's rows plus a position's embedding made from ids made in the forward are the
+(`moves_rows`, `pushes_rows`), count (`picked`: the batch's rows plus a position's embedding made from ids made in the forward are the
 batch's rows), and only if every operand passed gives the result its dim 0 (`same_rows`, shapes read then
 only: a bias or a (T, d) table broadcast over the batch are not its rows). Any other op (a matmul, a
 LayerNorm, an embedding lookup, whose ids autograd does not show) ends a branch with no verdict, so rows
@@ -64,11 +64,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradrunner.capturing.per_example_dims import (
+    MOVES,
+    PUSHES,
+    SELECTS,
+    UNARY,
+    joins_rows,
+    keeps_dim0,
+    moves_rows,
+    of_parameter,
+    pushes_rows,
+)
 from gradrunner.capturing.per_example_layers import storage, tensors_of
 from gradrunner.capturing.per_example_tokens import (
     ELEMENTWISE,
-    ROWWISE,
-    SLICES,
     VIEWS,
     WALK,
     flat_sources,
@@ -77,19 +86,6 @@ from gradrunner.capturing.per_example_tokens import (
     token_rows,
 )
 from gradrunner.capturing.torch_compat import node_shape
-
-#: Autograd nodes whose output rows are rows of their input picked by an index tensor.
-SELECTS = frozenset({"IndexBackward", "IndexSelectBackward", "GatherBackward", "MaskedSelectBackward", "TakeBackward"})
-#: Autograd nodes of ops with one tensor operand that keep dim 0 where it is (views, casts, activations; slices and
-#: splits, which keep some of its rows: an expert's run of the sorted tokens, `tokens[start:end]`, `split(counts)`).
-_UNARY = VIEWS | ROWWISE | SLICES | {"UnsqueezeBackward", "SqueezeBackward"}
-#: Autograd nodes of ops that move dims: where dim 0 gets another dim of the batch's size, which one is the batch's
-#: cannot be told (`_moves_rows`).
-_MOVES = frozenset({"TransposeBackward", "PermuteBackward", "TBackward"})
-#: Autograd nodes of ops that can give a tensor a new dim 0, pushing its own to dim 1 (`torch.stack(.., 0)`, a broadcast
-#: of `h.unsqueeze(0)` or of `h[None]`): where the new dim has the batch's size, which is the batch's cannot be told
-#: (`_pushes_rows`).
-_PUSHES = frozenset({"StackBackward", "ExpandBackward", "RepeatBackward"})
 
 
 class RowOrigins:
@@ -212,9 +208,9 @@ class RowOrigins:
             inputs = [(n, nr) for n, nr in node.next_functions if n is not None]
             if self.table:  # rows of a parameter picked by the batch's own ids: the batch's rows, as an embedding's
                 continue
-            if name in ELEMENTWISE or _joins_rows(node, name):  # each operand: act(w1 x) * w3 x, `x * mask`, a cat
+            if name in ELEMENTWISE or joins_rows(node, name):  # each operand: act(w1 x) * w3 x, `x * mask`, a cat
                 stack += [(n, several or len(inputs) > 1, (*via, (node, n, nr))) for n, nr in inputs]
-            elif len(inputs) == 1 and (name in _UNARY | SELECTS or _keeps_dim0(node, name)):
+            elif len(inputs) == 1 and (name in UNARY | SELECTS or keeps_dim0(node, name)):
                 stack.append((inputs[0][0], several, via))
         return None
 
@@ -231,12 +227,12 @@ class RowOrigins:
         self.table = False
         if made is not None and (self.picked or not several):
             return f"called on the output of a call whose rows are not the batch's ({made[0]})"
-        if name in _MOVES | _PUSHES:  # (rows that are not the batch's beside any other operand, as picked rows)
+        if name in MOVES | PUSHES:  # (rows that are not the batch's beside any other operand, as picked rows)
             self.picked = True
-        if name in _MOVES and _moves_rows(node, name):
+        if name in MOVES and moves_rows(node, name):
             return (f"called on a tensor of shape {shape} whose dim 0 was moved there ({name}: a transpose or permute) "
                     "from a dim of the same size as the dim 0 it moved away: which of them is the batch's cannot be told")  # fmt: skip
-        if name in _PUSHES and shape[0] > 1 and _pushes_rows(node, name, shape[0]):
+        if name in PUSHES and shape[0] > 1 and pushes_rows(node, name, shape[0]):
             return (f"called on a tensor of shape {shape} whose dim 0 was added by {name} (a stack, or a broadcast of "
                     "unsqueeze(0)) over a tensor whose own dim 0, of the same size, it pushed to dim 1: which of them "
                     "is the batch's cannot be told")  # fmt: skip
@@ -259,86 +255,6 @@ class RowOrigins:
 def _dim0(t: torch.Tensor) -> tuple[int, int]:
     """`t`'s dim 0: its size and stride (a view that moves another dim there changes the stride)."""
     return int(t.shape[0]), int(t.stride(0))
-
-
-def _moves_rows(node: Any, name: str) -> bool:
-    """Whether transpose or permute `node` put in dim 0 a dim of the same size as the dim 0 it moved elsewhere (B == T:
-    which is the batch's cannot be told); True where the shapes are unknown and dim 0 moved."""
-    out = node_shape(node, 0)
-    if out is not None and len(out) < 2:
-        return False  # (a 0-d or 1-d tensor's transpose moves nothing)
-    if name == "PermuteBackward":
-        dims = [signed(int(d)) for d in node._saved_dims]
-        moved = [d % len(dims) for d in dims]
-        return len(dims) > 1 and moved[0] != 0 and (out is None or out[moved.index(0)] == out[0])
-    d0, d1 = (0, 1) if name == "TBackward" else (signed(int(node._saved_dim0)), signed(int(node._saved_dim1)))
-    if out is None:
-        return 0 in (d0, d1) or d0 < 0 or d1 < 0
-    d0, d1 = d0 % len(out), d1 % len(out)
-    return d0 != d1 and 0 in (d0, d1) and out[d0 + d1] == out[0]
-
-
-def _joins_rows(node: Any, name: str) -> bool:
-    """Whether `node` is a cat along another dim than 0: each row of its output is the same row of every operand's, as
-    for an elementwise op; True where the shapes are unknown and the dim is not 0."""
-    if name != "CatBackward":
-        return False
-    out, d = node_shape(node, 0), signed(int(node._saved_dim))
-    return d != 0 if out is None else len(out) > 1 and d % len(out) != 0
-
-
-def _keeps_dim0(node: Any, name: str) -> bool:
-    """Whether transpose, permute, expand or repeat `node` left its input's dim 0 as its output's dim 0, untouched (a
-    transpose of two other dims, a broadcast of another dim): the walk goes on below it."""
-    if name == "PermuteBackward":
-        return signed(int(node._saved_dims[0])) == 0
-    if name == "TransposeBackward":
-        out = node_shape(node, 0)
-        d0, d1 = signed(int(node._saved_dim0)), signed(int(node._saved_dim1))
-        return out is not None and len(out) > 0 and 0 not in (d0 % len(out), d1 % len(out))
-    if name not in ("ExpandBackward", "RepeatBackward"):
-        return False
-    sizes, out = [int(n) for n in node._saved_self_sym_sizes], node_shape(node, 0)
-    return out is not None and len(out) == len(sizes) > 0 and out[0] == sizes[0]
-
-
-def _pushes_rows(node: Any, name: str, rows: int) -> bool:
-    """Whether stack, expand or repeat `node` made a dim 0 of `rows` over a tensor (not a parameter's: `latents.unsqueeze(0)
-    .expand(B, ...)` is broadcast to the batch's rows) whose own dim 0 of `rows` went to dim 1; True where the shapes
-    are unknown and that may be."""
-    out = node_shape(node, 0)
-    if name == "StackBackward":
-        d = signed(int(node._saved_dim))
-        return (d <= 0) if out is None else d % len(out) == 0 and len(out) > 1 and out[1] == rows
-    src = node.next_functions[0][0] if node.next_functions else None
-    sizes = [int(n) for n in node._saved_self_sym_sizes]
-    if src is None or not sizes or _of_parameter(src):
-        return False
-    if out is not None and len(out) > len(sizes):  # new leading dims (`h.expand(k, *h.shape)`): h's dim 0 went further
-        return sizes[0] == rows
-    return sizes[0] == 1 and _unsqueezed(src, rows)
-
-
-def _unsqueezed(node: Any, rows: int) -> bool:
-    """Whether autograd node `node`, or one below it through a few ops of one operand, put a dim of 1 before a dim 0 of
-    `rows` (`h.unsqueeze(0)`, `h[None]`, `h.view(1, *h.shape)`) of a tensor that is not a parameter's."""
-    for _ in range(4):
-        name = node.name().rstrip("0123456789")
-        inputs = [(n, nr) for n, nr in node.next_functions if n is not None]
-        if len(inputs) != 1 or name not in _UNARY:
-            return False
-        src, nr = inputs[0]
-        shape = node_shape(src, nr)
-        if name == "UnsqueezeBackward":
-            d = signed(int(node._saved_dim))
-            first = d == 0 or (d < 0 and (shape is None or d % (len(shape) + 1) == 0))
-            return first and (shape is None or (len(shape) > 0 and shape[0] == rows)) and not _of_parameter(src)
-        if name in VIEWS:
-            sizes, out = tuple(int(n) for n in node._saved_self_sym_sizes), node_shape(node, 0)
-            if out is not None and sizes and out == (1, *sizes):
-                return sizes[0] == rows and not _of_parameter(src)
-        node = src
-    return False
 
 
 def _not_flat(kind: str, x: torch.Tensor, rows: int, why: str) -> str:
@@ -386,7 +302,7 @@ def _keeps_rows(node: Any, name: str, rows: int) -> bool | str:
             return bool(sizes) and int(sizes[0]) == rows and first.dim() == 1
         if not _first_leads(indices):
             return False  # dim 0 is another index's (`h[arange(B), j]` with j (B, 1): row a is h[b, j[a]] for every b)
-        if len(at) == 1 and first.dim() > 0 and first.shape[0] == rows and _of_parameter(node.next_functions[0][0]):
+        if len(at) == 1 and first.dim() > 0 and first.shape[0] == rows and of_parameter(node.next_functions[0][0]):
             return TABLE
         return bool(sizes) and int(sizes[0]) == rows  # else picked out of a dim 0 of another size (`h[None, idx]`)
     return False
@@ -419,18 +335,3 @@ def _grouped(node: Any, size: int, rows: int) -> bool:
 def _index(node: Any) -> int:
     """Where an `IndexBackward`'s first index tensor's memory is (`storage`)."""
     return storage(node._saved_indices[0])
-
-
-def _of_parameter(node: Any) -> bool:
-    """Whether autograd node `node` is a parameter's leaf (its `AccumulateGrad`), or a view or cast of one (a few ops of
-    one operand: `table.to(dtype)`, `table[:n]`)."""
-    for _ in range(4):
-        if node is None:
-            return False
-        if isinstance(getattr(node, "variable", None), nn.Parameter):
-            return True
-        inputs = [n for n, _ in node.next_functions if n is not None]
-        if len(inputs) != 1 or node.name().rstrip("0123456789") not in _UNARY:
-            return False
-        node = inputs[0]
-    return False

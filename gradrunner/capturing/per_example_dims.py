@@ -1,0 +1,154 @@
+"""What an autograd node did to dim 0, for `per_example_rows.RowOrigins`' walk: kept it, moved another dim there, or pushed
+it to dim 1 under a new one.
+
+- `SELECTS`: selections by an index tensor; `UNARY`: ops of one tensor operand that keep dim 0 where it is (views, casts, activations, slices);
+  `keeps_dim0`: a transpose, permute, expand or repeat that leaves dim 0 untouched, or an op along other dims
+  (`_ALONG`: a roll or softmax of the features, a cumsum over the sequence); `joins_rows`: a cat along another dim;
+- `moves_rows`: a transpose or permute that put in dim 0 a dim of the same size as the one it moved away (B == T);
+- `pushes_rows`: a stack along dim 0, or a broadcast of `h.unsqueeze(0)`, over a dim 0 of the same size (k == B);
+- `of_parameter`: a parameter's leaf, or a view or cast of one.
+
+Example::
+
+    keeps_dim0(x.transpose(1, 2).grad_fn, "TransposeBackward")     # True
+    moves_rows(x.transpose(0, 1).grad_fn, "TransposeBackward")     # True where x.shape[0] == x.shape[1]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from gradrunner.capturing.per_example_tokens import ROWWISE, SLICES, VIEWS, signed
+from gradrunner.capturing.torch_compat import node_shape
+
+#: Autograd nodes whose output rows are rows of their input picked by an index tensor.
+SELECTS = frozenset({"IndexBackward", "IndexSelectBackward", "GatherBackward", "MaskedSelectBackward", "TakeBackward"})
+#: Autograd nodes of ops with one tensor operand that keep dim 0 where it is (views, casts, activations; slices and
+#: splits, which keep some of its rows: an expert's run of the sorted tokens, `tokens[start:end]`, `split(counts)`).
+UNARY = VIEWS | ROWWISE | SLICES | {"UnsqueezeBackward", "SqueezeBackward"}
+#: Autograd nodes of ops that move dims: where dim 0 gets another dim of the batch's size, which one is the batch's
+#: cannot be told (`moves_rows`).
+MOVES = frozenset({"TransposeBackward", "PermuteBackward", "TBackward"})
+#: Autograd nodes of ops that can give a tensor a new dim 0, pushing its own to dim 1 (`torch.stack(.., 0)`, a broadcast
+#: of `h.unsqueeze(0)` or of `h[None]`): where the new dim has the batch's size, which is the batch's cannot be told
+#: (`pushes_rows`).
+PUSHES = frozenset({"StackBackward", "ExpandBackward", "RepeatBackward"})
+#: Autograd nodes of ops of one operand along the dims they save (`_saved_dim` or `_saved_dims`): along others than 0
+#: they leave each row of dim 0 its own (a roll or flip of the features, a softmax, a cumsum or sort along the sequence,
+#: a sum or mean over it).
+_ALONG = frozenset({
+    "RollBackward", "FlipBackward", "CumsumBackward", "CumprodBackward", "SortBackward", "TopkBackward",
+    "SoftmaxBackward", "LogSoftmaxBackward", "SumBackward", "MeanBackward", "AmaxBackward", "AminBackward",
+})  # fmt: skip
+
+
+def moves_rows(node: Any, name: str) -> bool:
+    """Whether transpose or permute `node` put in dim 0 a dim of the same size as the dim 0 it moved elsewhere (B == T:
+    which is the batch's cannot be told); True where the shapes are unknown and dim 0 moved."""
+    out = node_shape(node, 0)
+    if out is not None and len(out) < 2:
+        return False  # (a 0-d or 1-d tensor's transpose moves nothing)
+    if name == "PermuteBackward":
+        dims = [signed(int(d)) for d in node._saved_dims]
+        moved = [d % len(dims) for d in dims]
+        return len(dims) > 1 and moved[0] != 0 and (out is None or out[moved.index(0)] == out[0])
+    d0, d1 = (0, 1) if name == "TBackward" else (signed(int(node._saved_dim0)), signed(int(node._saved_dim1)))
+    if out is None:
+        return 0 in (d0, d1) or d0 < 0 or d1 < 0
+    d0, d1 = d0 % len(out), d1 % len(out)
+    return d0 != d1 and 0 in (d0, d1) and out[d0 + d1] == out[0]
+
+
+def pushes_rows(node: Any, name: str, rows: int) -> bool:
+    """Whether stack, expand or repeat `node` made a dim 0 of `rows` over a tensor (not a parameter's: `latents.unsqueeze(0)
+    .expand(B, ...)` is broadcast to the batch's rows) whose own dim 0 of `rows` went to dim 1; True where the shapes
+    are unknown and that may be."""
+    out = node_shape(node, 0)
+    if name == "StackBackward":
+        d = signed(int(node._saved_dim))
+        return (d <= 0) if out is None else d % len(out) == 0 and len(out) > 1 and out[1] == rows
+    src = node.next_functions[0][0] if node.next_functions else None
+    sizes = [int(n) for n in node._saved_self_sym_sizes]
+    if src is None or not sizes or of_parameter(src):
+        return False
+    if out is not None and len(out) > len(sizes):  # new leading dims (`h.expand(k, *h.shape)`): h's dim 0 went further
+        return sizes[0] == rows
+    return sizes[0] == 1 and _unsqueezed(src, rows)
+
+
+def _unsqueezed(node: Any, rows: int) -> bool:
+    """Whether autograd node `node`, or one below it through a few ops of one operand, put a dim of 1 before a dim 0 of
+    `rows` (`h.unsqueeze(0)`, `h[None]`, `h.view(1, *h.shape)`) of a tensor that is not a parameter's."""
+    for _ in range(4):
+        name = node.name().rstrip("0123456789")
+        inputs = [(n, nr) for n, nr in node.next_functions if n is not None]
+        if len(inputs) != 1 or name not in UNARY:
+            return False
+        src, nr = inputs[0]
+        shape = node_shape(src, nr)
+        if name == "UnsqueezeBackward":
+            d = signed(int(node._saved_dim))
+            first = d == 0 or (d < 0 and (shape is None or d % (len(shape) + 1) == 0))
+            return first and (shape is None or (len(shape) > 0 and shape[0] == rows)) and not of_parameter(src)
+        if name in VIEWS:
+            sizes, out = tuple(int(n) for n in node._saved_self_sym_sizes), node_shape(node, 0)
+            if out is not None and sizes and out == (1, *sizes):
+                return sizes[0] == rows and not of_parameter(src)
+        node = src
+    return False
+
+
+def joins_rows(node: Any, name: str) -> bool:
+    """Whether `node` is a cat along another dim than 0: each row of its output is the same row of every operand's, as
+    for an elementwise op; True where the shapes are unknown and the dim is not 0."""
+    if name != "CatBackward":
+        return False
+    out, d = node_shape(node, 0), signed(int(node._saved_dim))
+    return d != 0 if out is None else len(out) > 1 and d % len(out) != 0
+
+
+def keeps_dim0(node: Any, name: str) -> bool:
+    """Whether transpose, permute, expand or repeat `node` left its input's dim 0 as its output's dim 0, untouched (a
+    transpose of two other dims, a broadcast of another dim): the walk goes on below it."""
+    if name == "PermuteBackward":
+        return signed(int(node._saved_dims[0])) == 0
+    if name == "TransposeBackward":
+        out = node_shape(node, 0)
+        d0, d1 = signed(int(node._saved_dim0)), signed(int(node._saved_dim1))
+        return out is not None and len(out) > 0 and 0 not in (d0 % len(out), d1 % len(out))
+    if name in _ALONG:
+        return _along_other_dims(node)
+    if name not in ("ExpandBackward", "RepeatBackward"):
+        return False
+    sizes, out = [int(n) for n in node._saved_self_sym_sizes], node_shape(node, 0)
+    return out is not None and len(out) == len(sizes) > 0 and out[0] == sizes[0]
+
+
+def _along_other_dims(node: Any) -> bool:
+    """Whether `_ALONG` node `node` acted along dims that are all other than 0 (False where it saves none: a sum of every
+    element, a roll of the flattened tensor; or where a negative dim cannot be told from 0, the shapes unknown)."""
+    saved = getattr(node, "_saved_dims", getattr(node, "_saved_dim", None))
+    dims = [signed(int(d)) for d in (saved if isinstance(saved, tuple | list) else () if saved is None else (saved,))]
+    sizes = getattr(node, "_saved_self_sym_sizes", None)
+    out = node_shape(node, 0)
+    ndim = len(sizes) if sizes is not None else len(out) if out is not None else None
+    if not dims or not ndim:
+        return False
+    return all(d != 0 and (d > 0 or (ndim is not None and d % ndim != 0)) for d in dims)
+
+
+def of_parameter(node: Any) -> bool:
+    """Whether autograd node `node` is a parameter's leaf (its `AccumulateGrad`), or a view or cast of one (a few ops of
+    one operand: `table.to(dtype)`, `table[:n]`)."""
+    for _ in range(4):
+        if node is None:
+            return False
+        if isinstance(getattr(node, "variable", None), nn.Parameter):
+            return True
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1 or node.name().rstrip("0123456789") not in UNARY:
+            return False
+        node = inputs[0]
+    return False
