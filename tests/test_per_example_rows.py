@@ -755,6 +755,9 @@ _ALONG_OPS = {
     "cumsum": lambda g: g.cumsum(-1),
     "sort": lambda g: g.sort(-1)[0],
     "sum": lambda g: g.unsqueeze(2).expand(-1, -1, 2, -1).sum(2),
+    "stack(2)": lambda g: torch.stack([g, g * g], 2).sum(2),
+    "roll(1, 0)": lambda g: g.roll(1, 0),
+    "flip(0)": lambda g: g.flip(0),
 }
 
 
@@ -772,9 +775,9 @@ class AlongAnotherDim(nn.Module):
 
 @pytest.mark.parametrize("how", list(_ALONG_OPS))
 def test_the_walk_goes_past_ops_along_another_dim(how: str) -> None:
-    """Found 2026-11-27: a roll, softmax, cumsum, sort or sum along another dim than 0 ended the walk before the
-    transpose, so `lin` got numbers (after the roll 2.43, 0.69, 0.37, 3.95 for true 0.49, 0.36, 3.06, 4.07). Null now;
-    `inp` stays exact."""
+    """Found 2026-11-27: a roll, softmax, cumsum, sort or sum along another dim than 0, a stack along another dim, and a
+    roll or flip of dim 0 (a reordering, followed as `x[perm]` is) ended the walk before the transpose, so `lin` got
+    numbers (after the roll 2.43, 0.69, 0.37, 3.95 for true 0.49, 0.36, 3.06, 4.07). Null now; `inp` stays exact."""
     torch.manual_seed(0)
     model, inputs = AlongAnotherDim(how), {"x": torch.randn(4, 4, 3)}
     params = all_params(model)

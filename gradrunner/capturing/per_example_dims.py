@@ -101,9 +101,9 @@ def _unsqueezed(node: Any, rows: int) -> bool:
 
 
 def joins_rows(node: Any, name: str) -> bool:
-    """Whether `node` is a cat along another dim than 0: each row of its output is the same row of every operand's, as
-    for an elementwise op; True where the shapes are unknown and the dim is not 0."""
-    if name != "CatBackward":
+    """Whether `node` is a cat or stack along another dim than 0: each row of its output is the same row of every
+    operand's, as for an elementwise op; True where the shapes are unknown and the dim is not 0."""
+    if name not in ("CatBackward", "StackBackward"):
         return False
     out, d = node_shape(node, 0), signed(int(node._saved_dim))
     return d != 0 if out is None else len(out) > 1 and d % len(out) != 0
@@ -111,9 +111,12 @@ def joins_rows(node: Any, name: str) -> bool:
 
 def keeps_dim0(node: Any, name: str) -> bool:
     """Whether transpose, permute, expand or repeat `node` left its input's dim 0 as its output's dim 0, untouched (a
-    transpose of two other dims, a broadcast of another dim): the walk goes on below it."""
+    transpose of two other dims, a broadcast of another dim), or a roll or flip kept dim 0 there (reordered along it, as
+    `x[perm]` is: not told apart), or an op acted along other dims only: the walk goes on below it."""
     if name == "PermuteBackward":
         return signed(int(node._saved_dims[0])) == 0
+    if name in ("RollBackward", "FlipBackward") and node._saved_dims:  # (along dim 0: a reordering, as `x[perm]`)
+        return True
     if name == "TransposeBackward":
         out = node_shape(node, 0)
         d0, d1 = signed(int(node._saved_dim0)), signed(int(node._saved_dim1))

@@ -201,7 +201,8 @@ class RowOrigins:
             seen.add(node)
             name = node.name().rstrip("0123456789")
             why = self._verdict(node, name, shape, bool(via), several)
-            if why is not None and all(same_rows(op, n, nr) for op, n, nr in via):  # shapes read only for a verdict
+            # (shapes read only for a verdict; nr -1: a stack's operand, whose dim 0 is the stack's)
+            if why is not None and all(nr < 0 or same_rows(op, n, nr) for op, n, nr in via):
                 return why
             if why is not None:
                 continue  # an operand broadcast over the output's dim 0 (a bias, a (T, d) table): not its rows
@@ -209,7 +210,10 @@ class RowOrigins:
             if self.table:  # rows of a parameter picked by the batch's own ids: the batch's rows, as an embedding's
                 continue
             if name in ELEMENTWISE or joins_rows(node, name):  # each operand: act(w1 x) * w3 x, `x * mask`, a cat
-                stack += [(n, several or len(inputs) > 1, (*via, (node, n, nr))) for n, nr in inputs]
+                stack += [
+                    (n, several or len(inputs) > 1, (*via, (node, n, -1 if name == "StackBackward" else nr)))
+                    for n, nr in inputs
+                ]
             elif len(inputs) == 1 and (name in UNARY | SELECTS or keeps_dim0(node, name)):
                 stack.append((inputs[0][0], several, via))
         return None
@@ -246,7 +250,7 @@ class RowOrigins:
                     "tokens routed to a mixture-of-experts' expert?): its rows are not the batch's")  # fmt: skip
         variable = getattr(node, "variable", None) if name.endswith("AccumulateGrad") else None
         if isinstance(variable, nn.Parameter) and (not masked or node_shape(node, 0) is not None):
-            how = "by an elementwise op that keeps its dim 0" if masked else "alone"
+            how = "by an op that keeps its dim 0 (elementwise, a cat or a stack)" if masked else "alone"
             return (f"called on a tensor of shape {shape} made from a parameter of shape "
                     f"{tuple(variable.shape)} {how}: its dim 0 is the parameter's, not the batch's rows")  # fmt: skip
         return None
