@@ -786,3 +786,27 @@ def test_the_walk_goes_past_ops_along_another_dim(how: str) -> None:
         assert got[name] is None and "whose dim 0 was moved there" in str(reasons[name]), (name, reasons[name])
     ref = loop(model, inputs, _row_sq, params)[0]
     assert_matches(got, {n: r for n, r in ref.items() if n.startswith("inp:")}, reasons)
+
+
+class TiledRows(nn.Module):
+    """`lin` on the batch's (B, 4) states tiled twice along dim 0 and regrouped to (2, B, 4): dim 0 is the copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.lin = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = torch.tanh(self.inp(x)).repeat(2, 1).unflatten(0, (2, -1))
+        return self.lin(t * torch.tensor([1.0, 2.0]).view(2, 1, 1)).sum(0)  # type: ignore[no-any-return]
+
+
+def test_a_layer_on_rows_tiled_by_repeat_along_dim_0() -> None:
+    """B = 2 copies: found 2026-11-27, the repeat ended the walk, so `lin` got numbers. Null now; `inp` stays exact."""
+    torch.manual_seed(0)
+    model, inputs = TiledRows(), {"x": torch.randn(2, 3)}
+    params = all_params(model)
+    got, reasons = batched(model, inputs, _row_sq, params)
+    for name in ("lin:weight", "lin:bias"):
+        assert got[name] is None and "tiled along dim 0" in str(reasons[name]), (name, reasons[name])
+    ref = loop(model, inputs, _row_sq, params)[0]
+    assert_matches(got, {n: r for n, r in ref.items() if n.startswith("inp:")}, reasons)

@@ -5,6 +5,7 @@ it to dim 1 under a new one.
   `keeps_dim0`: a transpose, permute, expand or repeat that leaves dim 0 untouched, or an op along other dims
   (`_ALONG`: a roll or softmax of the features, a cumsum over the sequence); `joins_rows`: a cat along another dim;
 - `moves_rows`: a transpose or permute that put in dim 0 a dim of the same size as the one it moved away (B == T);
+- `tiles_rows`: a repeat of a dim 0 of several rows;
 - `pushes_rows`: a stack along dim 0, or a broadcast of `h.unsqueeze(0)`, over a dim 0 of the same size (k == B);
 - `of_parameter`: a parameter's leaf, or a view or cast of one.
 
@@ -76,6 +77,15 @@ def pushes_rows(node: Any, name: str, rows: int) -> bool:
     if out is not None and len(out) > len(sizes):  # new leading dims (`h.expand(k, *h.shape)`): h's dim 0 went further
         return sizes[0] == rows
     return sizes[0] == 1 and _unsqueezed(src, rows)
+
+
+def tiles_rows(node: Any, name: str) -> bool:
+    """Whether repeat `node` tiled a dim 0 of several rows (`h.repeat(2, 1)`: rows h0, h1, h0, h1, copies that a
+    later view may make dim 0 of any size)."""
+    if name != "RepeatBackward":
+        return False
+    sizes, repeats = node._saved_self_sym_sizes, node._saved_repeats
+    return 0 < len(sizes) == len(repeats) and int(sizes[0]) > 1 and int(repeats[0]) > 1
 
 
 def _unsqueezed(node: Any, rows: int) -> bool:

@@ -74,6 +74,7 @@ from gradrunner.capturing.per_example_dims import (
     moves_rows,
     of_parameter,
     pushes_rows,
+    tiles_rows,
 )
 from gradrunner.capturing.per_example_layers import storage, tensors_of
 from gradrunner.capturing.per_example_tokens import (
@@ -240,6 +241,9 @@ class RowOrigins:
             return (f"called on a tensor of shape {shape} whose dim 0 was added by {name} (a stack, or a broadcast of "
                     "unsqueeze(0)) over a tensor whose own dim 0, of the same size, it pushed to dim 1: which of them "
                     "is the batch's cannot be told")  # fmt: skip
+        if tiles_rows(node, name):
+            return (f"called on a tensor of shape {shape} made from rows tiled along dim 0 ({name}: h.repeat(k, ...) of "
+                    "several rows): copies of rows, not the batch's")  # fmt: skip
         self.picked = name in SELECTS or (made is not None and made[1])
         keeps = _keeps_rows(node, name, shape[0]) if name in SELECTS else True
         if keeps == TABLE:
