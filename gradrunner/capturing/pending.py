@@ -157,7 +157,10 @@ class PendingForwards:
         ids = {id(n) for n in nodes}
         ends = [s for s in slots if _returned(s, ids)]
         upstream = _upstream(nodes, [s for s in slots if s not in ends])
-        sentinel = self._sentinel([n for n in nodes if id(n) not in upstream])
+        tips = [n for n in nodes if id(n) not in upstream]
+        # every returned node held by a slot (a tapped view written in place, the output its base): none tells the
+        # user's hold from the slots', so the forward is kept, as an unwatched one
+        sentinel = self._sentinel(tips) if tips else None
         returned = self._sentinel([n for n in nodes if id(n) in upstream]) if upstream else None
         if sentinel is None or (upstream and returned is None):  # a node without metadata: never known to be freed
             self._unwatched = True
