@@ -1657,6 +1657,19 @@ class _ReluBlock(nn.Module):
         return torch.relu(pre)
 
 
+def _records_as_a_fresh_session(cap: Any, model: nn.Module, x: torch.Tensor, taps: list[str], strategy: str) -> None:
+    """Entered again, `cap` records one step of `model` on `x` as a new session on `taps` records it (with gradients)."""
+    with capture(model, taps, strategy=strategy) as fresh:
+        fresh.backward(model(x).pow(2).mean())
+        want = fresh.records()
+    model.zero_grad(set_to_none=True)
+    with cap:
+        cap.backward(model(x).pow(2).mean())
+        got = cap.records()
+    assert got.keys == want.keys and got.has_grad.all()
+    np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
+
+
 def test_a_session_entered_again_after_a_tapped_local_left_its_module_is_refused(strategy: str) -> None:
     """`blk:hidden` tapped, then `blk` replaced between two entries by a module whose forward() assigns no `hidden`:
     the entry was taken, and every step recorded `not assigned in this step (module not called, ...)` though the
@@ -1676,15 +1689,7 @@ def test_a_session_entered_again_after_a_tapped_local_left_its_module_is_refused
         cap.__enter__()
     assert not leftover_hooks(model)
     model[1] = _TanhBlock()  # assigns `hidden` again: taken, as a new session would take it
-    with capture(model, ["1:hidden", "1:output"], strategy=strategy) as fresh:
-        fresh.backward(model(x).pow(2).mean())
-        want = fresh.records()
-    model.zero_grad(set_to_none=True)
-    with cap:
-        cap.backward(model(x).pow(2).mean())
-        got = cap.records()
-    assert got.keys == want.keys and got.has_grad.all()
-    np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
+    _records_as_a_fresh_session(cap, model, x, ["1:hidden", "1:output"], strategy)
     assert not leftover_hooks(model)
 
 
@@ -1706,13 +1711,5 @@ def test_a_session_whose_entry_was_refused_is_closed_not_left_open(strategy: str
     with pytest.raises(GradrunnerError, match=r"\.backward\(\) was called outside its `with` block"):
         cap.backward(model(x).pow(2).mean())
     assert all(p.grad is None for p in model.parameters())
-    with capture(model, ["1:hidden", "0:output"], strategy=strategy) as fresh:
-        fresh.backward(model(x).pow(2).mean())
-        want = fresh.records()
-    model.zero_grad(set_to_none=True)
-    with cap:
-        cap.backward(model(x).pow(2).mean())
-        got = cap.records()
-    assert got.keys == want.keys and got.has_grad.all()
-    np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
+    _records_as_a_fresh_session(cap, model, x, ["1:hidden", "0:output"], strategy)
     assert not leftover_hooks(model)
