@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gradrunner import capture, record
 from gradrunner.analysis import load
+from gradrunner.capturing import torch_compat
 
 
 def _reference(batches: list[tuple[torch.Tensor, torch.Tensor]], skip: int | None = None) -> list[float]:
@@ -592,6 +593,33 @@ def test_a_dropped_forward_that_returned_its_inner_hidden_states_goes_too(strate
     rows = [(recs.row(i)["call"], recs.row(i)["has_grad"], recs.row(i)["norm"]) for i in range(len(recs))]
     assert [r[:2] for r in rows] == [(0, True)], rows
     assert rows[0][2] == pytest.approx(want[0], rel=1e-6)
+
+
+def test_without_node_order_a_forward_that_returned_its_hidden_states_is_kept_not_lost(
+    strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`torch_compat.sequence_nr`'s fallback (a torch whose nodes do not say their order: 0 for all) finds no returned
+    node upstream of a tap: the dropped metric forward of the model above is kept, as every forward was before
+    `pending` (a row without gradient, the training forward as call 1), and the training forward's gradient is the
+    plain hook's: nothing lost, nothing wrong."""
+    monkeypatch.setitem(torch_compat.FEATURES, "sequence_nr", False)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    model = _HiddenStates()
+    want: list[float] = []
+    handle = model.layers[1].register_forward_hook(
+        lambda _m, _a, out: out.register_hook(lambda g: want.append(float(g.norm()))) and None
+    )
+    model(x)[0].sum().backward()
+    handle.remove()
+    model = _HiddenStates()
+    with capture(model, ["layers.1:output"], strategy=strategy) as cap:
+        float(model(x)[0].sum())  # a metric, gradients on by mistake
+        out, _states = model(x)
+        cap.backward(out.sum())
+        recs = cap.records()
+    rows = [(recs.row(i)["call"], recs.row(i)["has_grad"], recs.row(i)["norm"]) for i in range(len(recs))]
+    assert [r[:2] for r in rows] == [(0, False), (1, True)], rows
+    assert rows[1][2] == pytest.approx(want[0], rel=1e-6)
 
 
 def test_a_forward_whose_tips_went_is_kept_while_an_inner_hidden_state_it_returned_is_held(strategy: str) -> None:

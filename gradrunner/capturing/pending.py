@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gradrunner.capturing.strategies import Slot
-from gradrunner.capturing.torch_compat import gradient_edge
+from gradrunner.capturing.torch_compat import gradient_edge, sequence_nr
 
 if TYPE_CHECKING:
     from gradrunner.capturing.firing import Firing
@@ -61,7 +61,7 @@ def _upstream(nodes: Sequence[Any], slots: Sequence[Slot]) -> set[int]:
     state (`output_hidden_states=True`). The slots hold them as long as they hold their own nodes, so their life says
     nothing of the user's: they are watched apart (`PendingForwards.watch`).
 
-    A node's inputs are made before it (a lower `_sequence_nr`): returned nodes all made after every slot's node
+    A node's inputs are made before it (a lower `torch_compat.sequence_nr`): returned nodes all made after every slot's node
     (the logits) are reached by none, and the search stops below the oldest returned node.
     """
     starts: list[Any] = []
@@ -69,8 +69,8 @@ def _upstream(nodes: Sequence[Any], slots: Sequence[Slot]) -> set[int]:
         if slot.edge is not None and slot.edge[0] is not None:  # type: ignore[index]
             starts.append(slot.edge[0])  # type: ignore[index]
         starts.extend(t.grad_fn for t in (slot.tensor, slot.view) if t is not None and t.grad_fn is not None)
-    made = {id(n): n._sequence_nr() for n in nodes}
-    newest = max((n._sequence_nr() for n in starts if n.next_functions), default=-1)  # a leaf's accumulator: none
+    made = {id(n): sequence_nr(n) for n in nodes}
+    newest = max((sequence_nr(n) for n in starts if n.next_functions), default=-1)  # a leaf's accumulator: none
     if not any(nr < newest for nr in made.values()):
         return set()
     oldest = min(made.values())
@@ -79,7 +79,7 @@ def _upstream(nodes: Sequence[Any], slots: Sequence[Slot]) -> set[int]:
     todo = list(starts)
     while todo:
         for nxt, _ in todo.pop().next_functions:
-            if nxt is None or id(nxt) in seen or nxt._sequence_nr() < oldest:
+            if nxt is None or id(nxt) in seen or sequence_nr(nxt) < oldest:
                 continue
             seen[id(nxt)] = nxt
             if id(nxt) in made:

@@ -22,7 +22,7 @@
 | `compiled_inner(model)`, `compiled_fullgraph(module)` | `OptimizedModule._orig_mod`: tap `torch.compile(model)`'s eager modules; its `dynamo_ctx.fullgraph` (or that in `module.compile()`'s `_compiled_call_impl` closure): refuse `fullgraph=True` up front | a GradrunnerError: pass the model before `torch.compile`; False: dynamo's own error at the first forward |
 | `scale_tensor(scaler, device)` | `GradScaler._scale`: the device scale tensor, no host sync | `scaler.scale(torch.ones((), device=device))`: one tiny multiply, no sync |
 | `running_ddp()` | `DistributedDataParallel._get_active_ddp_module()`: the DDP wrapper whose forward runs now (a model given as DDP's `.module` is refused: its parameter taps would read each rank's gradient before the all-reduce) | None: not detected (README: pass the wrapper) |
-| `node_shape(node, nr)` | `Node._input_metadata`: the shape of an autograd node's output `nr` (`per_example_rows` follows a product's operands whose dim 0 is its output's) | None: unknown, every operand followed |
+| `node_shape(node, nr)`, `sequence_nr(node)` | `Node._input_metadata`: the shape of an autograd node's output `nr` (`per_example_rows` follows a product's operands whose dim 0 is its output's); `Node._sequence_nr()`: the order autograd made its nodes in (a node's inputs are older): `pending` searches no further back than the oldest returned node | None: unknown, every operand followed; 0 for every node: no returned node is taken for an inner one, the forward is kept (as before `pending`) |
 | `waited(t)` | `AsyncCollectiveTensor.trigger_wait()` (`torch.distributed._functional_collectives`): a DTensor's local piece still waiting for its collective (a sequence-parallel reduce-scatter) as the plain tensor it wraps | the wrapper itself: torch's ops on it wait (the statistics' torch path; the fused kernels refuse it) |
 
 `FEATURES` holds what was detected at import; tests monkeypatch it to force each fallback.
@@ -87,6 +87,7 @@ FEATURES: dict[str, bool] = {
     "tensor_hooks": hasattr(torch.zeros(()), "_backward_hooks"),
     "tensor_version": hasattr(torch.Tensor, "_version"),
     "tensor_cdata": hasattr(torch.zeros(()), "_cdata"),
+    "sequence_nr": hasattr(torch.zeros((), requires_grad=True).exp().grad_fn, "_sequence_nr"),
     "is_view": hasattr(torch.Tensor, "_is_view"),
     "current_graph_task_id": _current_graph_task_id is not None,
     "will_engine_execute_node": None not in (_will_engine_execute_node, _current_autograd_node, _current_graph_task_id),
@@ -231,22 +232,24 @@ def at_backward_end(fn: Callable[[], None]) -> bool:
     every callback queued so far, DDP's finalize included (which queues its own during backward): it is
     queued from a callback queued now. False where torch offers no callbacks: then nothing is queued.
     """
-    if not FEATURES["queue_callback"]:
-        return False
-    _queue_callback(lambda: _queue_callback(fn))  # type: ignore[misc]
-    return True
+    if FEATURES["queue_callback"]:
+        _queue_callback(lambda: _queue_callback(fn))  # type: ignore[misc]
+    return FEATURES["queue_callback"]
 
 
 def has_own_hooks(tensor: torch.Tensor) -> bool:
     """Whether hooks were registered on `tensor` itself (`register_hook`); True when that cannot be read."""
-    if not FEATURES["tensor_hooks"]:
-        return True
-    return bool(getattr(tensor, "_backward_hooks", None))
+    return not FEATURES["tensor_hooks"] or bool(getattr(tensor, "_backward_hooks", None))
 
 
 def tensor_impl(tensor: torch.Tensor) -> object:
     """What `tensor`'s object holds now (`swap_tensors` swaps it, keeping the object): its C++ address or accumulator."""
     return tensor._cdata if FEATURES["tensor_cdata"] else gradient_edge(tensor)[0]
+
+
+def sequence_nr(node: Any) -> int:
+    """The order autograd made `node` in (its inputs' are lower); 0 for every node where that is not readable."""
+    return int(node._sequence_nr()) if FEATURES["sequence_nr"] else 0
 
 
 def version(tensor: torch.Tensor) -> int | None:
@@ -287,9 +290,7 @@ def backward_running() -> Iterator[None]:
 
 def in_backward() -> bool:
     """Whether autograd's engine runs a backward pass on this thread (e.g. recomputing a checkpoint)."""
-    if FEATURES["current_graph_task_id"]:
-        return _current_graph_task_id() != -1  # type: ignore[misc]
-    return _running[0] > 0
+    return _current_graph_task_id() != -1 if FEATURES["current_graph_task_id"] else _running[0] > 0  # type: ignore[misc]
 
 
 #: (graph task id, verdict) of the last `fills_grad` answer: one answer per backward, however many hooks ask.
@@ -358,9 +359,8 @@ def reentrant_checkpoint(phase: str) -> object | None:
     no-grad pass; "backward": the recomputation) the caller runs in, or None. The same context object is seen
     in both phases, so it pairs each recomputed call with its forward call.
     """
-    if not FEATURES["checkpoint_frames"]:
-        return None
-    code = getattr(getattr(_CHECKPOINT_FUNCTION, phase, None), "__code__", None)
+    function = getattr(_CHECKPOINT_FUNCTION, phase, None) if FEATURES["checkpoint_frames"] else None
+    code = getattr(function, "__code__", None)
     frame = sys._getframe(1)
     while frame is not None and code is not None:
         if frame.f_code is code:
