@@ -571,38 +571,9 @@ class _HiddenStates(nn.Module):
         return self.head(states[-1]), states
 
 
-def test_a_dropped_forward_that_returned_its_inner_hidden_states_goes_too(strategy: str) -> None:
-    """A metric forward (gradients on) of a model that returns its hidden states, dropped at once, then a training
-    step: the tap's own slot held the node of the hidden state before it (upstream of the tap), one of the nodes the
-    forward returned, so the forward never looked dropped: the step recorded it as a row without gradient and its
-    training forward as call 1 (GPT-2 with `output_hidden_states=True`: the same). Reference: a plain tensor hook."""
-    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
-    model = _HiddenStates()
-    want: list[float] = []
-    handle = model.layers[1].register_forward_hook(
-        lambda _m, _a, out: out.register_hook(lambda g: want.append(float(g.norm()))) and None
-    )
-    model(x)[0].sum().backward()
-    handle.remove()
-    model = _HiddenStates()
-    with capture(model, ["layers.1:output"], strategy=strategy) as cap:
-        float(model(x)[0].sum())  # a metric, gradients on by mistake
-        out, states = model(x)
-        cap.backward(out.sum())
-        recs = cap.records()
-    rows = [(recs.row(i)["call"], recs.row(i)["has_grad"], recs.row(i)["norm"]) for i in range(len(recs))]
-    assert [r[:2] for r in rows] == [(0, True)], rows
-    assert rows[0][2] == pytest.approx(want[0], rel=1e-6)
-
-
-def test_without_node_order_a_forward_that_returned_its_hidden_states_is_kept_not_lost(
-    strategy: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`torch_compat.sequence_nr`'s fallback (a torch whose nodes do not say their order: 0 for all) finds no returned
-    node upstream of a tap: the dropped metric forward of the model above is kept, as every forward was before
-    `pending` (a row without gradient, the training forward as call 1), and the training forward's gradient is the
-    plain hook's: nothing lost, nothing wrong."""
-    monkeypatch.setitem(torch_compat.FEATURES, "sequence_nr", False)
+def _metric_then_step(strategy: str) -> tuple[list[tuple[int, bool, float]], float]:
+    """`_HiddenStates` with `layers.1:output` tapped: a metric forward (gradients on, its output dropped at once), then
+    a training step. Returns the step's rows (call, has_grad, norm) and the tap's gradient norm by a plain tensor hook."""
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
     model = _HiddenStates()
     want: list[float] = []
@@ -617,9 +588,30 @@ def test_without_node_order_a_forward_that_returned_its_hidden_states_is_kept_no
         out, _states = model(x)
         cap.backward(out.sum())
         recs = cap.records()
-    rows = [(recs.row(i)["call"], recs.row(i)["has_grad"], recs.row(i)["norm"]) for i in range(len(recs))]
+    return [(recs.row(i)["call"], recs.row(i)["has_grad"], recs.row(i)["norm"]) for i in range(len(recs))], want[0]
+
+
+def test_a_dropped_forward_that_returned_its_inner_hidden_states_goes_too(strategy: str) -> None:
+    """A metric forward (gradients on) of a model that returns its hidden states, dropped at once, then a training
+    step: the tap's own slot held the node of the hidden state before it (upstream of the tap), one of the nodes the
+    forward returned, so the forward never looked dropped: the step recorded it as a row without gradient and its
+    training forward as call 1 (GPT-2 with `output_hidden_states=True`: the same). Reference: a plain tensor hook."""
+    rows, want = _metric_then_step(strategy)
+    assert [r[:2] for r in rows] == [(0, True)], rows
+    assert rows[0][2] == pytest.approx(want, rel=1e-6)
+
+
+def test_without_node_order_a_forward_that_returned_its_hidden_states_is_kept_not_lost(
+    strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`torch_compat.sequence_nr`'s fallback (a torch whose nodes do not say their order: 0 for all) finds no returned
+    node upstream of a tap: the dropped metric forward of the model above is kept, as every forward was before
+    `pending` (a row without gradient, the training forward as call 1), and the training forward's gradient is the
+    plain hook's: nothing lost, nothing wrong."""
+    monkeypatch.setitem(torch_compat.FEATURES, "sequence_nr", False)
+    rows, want = _metric_then_step(strategy)
     assert [r[:2] for r in rows] == [(0, False), (1, True)], rows
-    assert rows[1][2] == pytest.approx(want[0], rel=1e-6)
+    assert rows[1][2] == pytest.approx(want, rel=1e-6)
 
 
 def test_a_forward_whose_tips_went_is_kept_while_an_inner_hidden_state_it_returned_is_held(strategy: str) -> None:
