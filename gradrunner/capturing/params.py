@@ -51,6 +51,7 @@ from torch.utils.hooks import RemovableHandle
 from gradrunner.capturing.dtensors import PieceNorm, is_dtensor, local_piece
 from gradrunner.capturing.extras import value_norms
 from gradrunner.capturing.grad_context import FROZEN, NO_PART, NOT_FILLED
+from gradrunner.capturing.leaves import leaf_accumulators
 from gradrunner.capturing.taps import Tap
 from gradrunner.capturing.torch_compat import (
     FEATURES,
@@ -59,7 +60,6 @@ from gradrunner.capturing.torch_compat import (
     accumulator_edge,
     accumulator_leaf,
     gradient_edge,
-    leaf_accumulators,
     shares_memory,
     tensor_impl,
 )
@@ -355,7 +355,7 @@ class ParamBackward:
         pb.arrived(list(grads))                # tapped ones recorded; each leaf's .grad filled by its node
 
     Each backward walks `loss`'s graph for the accumulators `loss.backward()` would run
-    (`torch_compat.leaf_accumulators`): those that are not held are the other leaves (an input made with
+    (`leaves.leaf_accumulators`): those that are not held are the other leaves (an input made with
     `requires_grad=True`, another model's parameters used in the loss, a learnable scalar of the loss),
     whose `.grad` `autograd.grad` would leave unfilled. The held list is kept from one backward to the next
     while the model's parameter list is the same, and taken again when the walk meets a parameter's

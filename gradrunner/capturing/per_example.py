@@ -142,6 +142,7 @@ class PerExampleNorms:
             self._stack.enter_context(model.register_forward_pre_hook(owned(model, self._on_root), with_kwargs=True))
             self._stack.enter_context(model.register_forward_hook(owned(model, self._on_root_output)))
             for t in self._tracked:
+                self._stack.callback(t.rehook, None)  # the check's hook removed, an emptied hook dict set back to None
                 t.check = None  # an earlier entry's check went with its hooks: a new one for this entry
                 self._watch(t)
             self._stack.callback(self._drop_calls)
@@ -154,10 +155,11 @@ class PerExampleNorms:
         self._stack.close()
 
     def _watch(self, t: Tracked) -> None:
-        """The check's hook on `t`'s gradient once `t` requires grad (one frozen as the context opened: once unfrozen)."""
-        if t.reason is None and self.check and t.check is None and t.param.requires_grad:
-            t.check = Projection(t.param, next(i for i, u in enumerate(self._tracked) if u is t))
-            self._stack.enter_context(t.param.register_hook(lambda g, t=t: self._on_param_grad(t, g)))
+        """The check's hook on `t`'s gradient once `t` requires grad (one frozen as the context opened: once unfrozen),
+        and again where its tensor was swapped (`torch.utils.swap_tensors(p, new)`: the hook went with the old one)."""
+        if t.reason is None and self.check and t.param.requires_grad and not t.hooked():
+            t.check = t.check or Projection(t.param, next(i for i, u in enumerate(self._tracked) if u is t))
+            t.rehook(functools.partial(self._on_param_grad, t))
 
     # -- hooks (each returns None: nothing they see changes) --
 

@@ -9,22 +9,29 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.dtensors import is_dtensor
 from gradrunner.capturing.per_example_check import Projection
 from gradrunner.capturing.per_example_layers import ROLES, SEQUENCE_FIRST, Call, kind_of, storage
 from gradrunner.capturing.per_example_math import Form
-from gradrunner.capturing.torch_compat import version
+from gradrunner.capturing.torch_compat import drop_hook_dict, tensor_impl, version
 
 #: Why a parameter's per-example norms are None in a step whose backwards its `.grad` was reset between.
 RESET = (
     "its .grad was reset (zero_grad) between the step's backwards: the rows of those before are in no .grad, "
     "and per-example shares are not kept across a reset"
+)
+#: Why a parameter's per-example norms are None once its tensor was swapped under hooks of the user's (`Tracked.rehook`).
+SWAPPED = (
+    "its tensor was swapped (torch.utils.swap_tensors) while the Parameter held hooks of yours, or hooks this torch does "
+    "not let gradrunner read: torch leaves those with the old tensor, and the per-example check's hook would not fire"
 )
 
 
@@ -77,6 +84,28 @@ class Tracked:
     pending: dict[int, list[Form]] = field(default_factory=dict)
     sq: dict[int, torch.Tensor] = field(default_factory=dict)
     first_clock: dict[int, tuple[int, int]] = field(default_factory=dict)
+    #: The check's hook on the parameter's gradient and the tensor it sits on (`torch.utils.swap_tensors(p, new)`
+    #: swaps the tensor inside the Parameter object; the hooks registered on it stay with the old one).
+    hook: RemovableHandle | None = None
+    impl: object = None
+
+    def hooked(self) -> bool:
+        """Whether the check's hook sits on the tensor the parameter holds now."""
+        return self.hook is not None and self.impl == tensor_impl(self.param)
+
+    def rehook(self, fn: Callable[[torch.Tensor], None] | None) -> None:
+        """The check's hook `fn` on the tensor the parameter holds now (None: the hook removed, the parameter's hook
+        dict set back to None where it is empty, as without one). Where the tensor was swapped and hooks of the
+        user's sit in the object's dict (torch tied it to the old tensor: a hook added there would not fire, and
+        tying it to the new tensor would make the user's fire where they do not without capture): `reason` SWAPPED."""
+        swapped = self.hook is not None and self.impl != tensor_impl(self.param)
+        if self.hook is not None:
+            self.hook.remove()
+        self.hook = self.impl = None
+        if (swapped or fn is None) and not drop_hook_dict(self.param):
+            self.reason = self.reason or (SWAPPED if swapped else None)
+        elif fn is not None:
+            self.hook, self.impl = self.param.register_hook(fn), tensor_impl(self.param)
 
     def reset(self) -> None:
         self.step_reason = None

@@ -5,10 +5,10 @@
 | `gradient_edge(t)` | `torch.autograd.graph.get_gradient_edge` (public); for a node of torch's own (not a `torch._C._FunctionBase`, which needs an owner token) the same `GradientEdge` built directly (`direct_edge`) | `(t.grad_fn, t.output_nr)`; a leaf's accumulator through `t.view_as(t)`; `autograd_grad` passes the tensor |
 | `watch_edge(edge, fn)` | none: `Node.register_prehook` (public) | - |
 | `grad_of(loss, edges, retain)` | `torch.autograd.graph._engine_run_backward`: `autograd.grad`'s own engine call, without its per-input Python checks (~1 µs each) | `torch.autograd.grad` |
-| `leaf_accumulators(loss)` | none: a walk of `grad_fn.next_functions` (public) for the `AccumulateGrad` nodes `loss.backward()` would run | - |
 | `accumulate(nodes, grads)` | calling a parameter's held `AccumulateGrad` node: `.grad` filled as backward fills it, post-accumulate-grad hooks included | `autograd_grad`'s one engine call is `loss.backward()`, the taps read at their nodes (`watch_edge`) |
 | `at_backward_end(fn)` | `Variable._execution_engine.queue_callback` (what DDP and FSDP use): `fn` runs once the backward finished, after every callback queued before | False: the session finishes the backward at its next `records()`, forward or `backward()` |
 | `has_own_hooks(t)` | `t._backward_hooks`: `autograd_grad` reads a tap at its node only where the tensor has hooks | True: always read at the node |
+| `drop_hook_dict(t)` | `t._backward_hooks = None` where it holds no hook: after `torch.utils.swap_tensors(t, new)` the dict stays with the object, tied to the old tensor, and a hook registered into it never fires | False: the per-example check of a swapped parameter cannot hook it (its rows null) |
 | `tensor_impl(t)` | `t._cdata`: the C++ tensor the object holds, which `torch.utils.swap_tensors` swaps (a held accumulator is then another tensor's) | `t`'s accumulator node, looked up (~4 µs a parameter per forward) |
 | `version(t)` | `t._version`: retain_grad reads `.grad` unless the tensor changed in place | None: assume it changed, read the gradient edge |
 | `writes_grad(node)` | `torch._C._FunctionBase`: a tap whose gradient flows into a custom Function's node is copied as it arrives | True: always copied |
@@ -45,6 +45,7 @@ import torch.utils.checkpoint as checkpoint_module
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from gradrunner.capturing.leaves import accumulators_below
 from gradrunner.errors import GradrunnerError
 
 #: (node, input number, ...): torch's `GradientEdge` (a named tuple), or the fallback's pair.
@@ -173,39 +174,6 @@ def accumulate(nodes: Sequence[Any], grads: Sequence[torch.Tensor | None]) -> No
                 node(grad)
 
 
-#: The class of a leaf's gradient accumulator node (`AccumulateGrad`), taken from a throw-away leaf.
-_ACCUMULATOR = type(gradient_edge(torch.zeros(1, requires_grad=True))[0])
-
-
-def leaf_accumulators(loss: torch.Tensor) -> list[Any]:
-    """Every leaf's `AccumulateGrad` node that `loss.backward()` would run: one walk of `loss`'s graph. Example::
-
-        nodes = leaf_accumulators(loss)    # the model's parameters, an input made with requires_grad=True, ...
-
-    Public API only (`grad_fn.next_functions`); about 0.3 µs a node of the graph on a CPU core.
-    """
-    root = loss.grad_fn
-    return [] if root is None else list(_accumulators_below(root))
-
-
-def _accumulators_below(root: Any) -> Iterator[Any]:
-    """The `AccumulateGrad` nodes reachable from `root` (itself included), as the walk meets them."""
-    if type(root) is _ACCUMULATOR:
-        yield root
-        return
-    seen: set[Any] = {root}
-    stack = [root]
-    while stack:
-        for node, _nr in stack.pop().next_functions:
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            if type(node) is _ACCUMULATOR:
-                yield node
-            else:
-                stack.append(node)
-
-
 def accumulator_edge(node: Any) -> Any:
     """What `grad_of` takes for a leaf's `AccumulateGrad` node: its gradient edge, or the leaf where torch has no edges."""
     if FEATURES["get_gradient_edge"] and _GradientEdge is not None:
@@ -240,6 +208,16 @@ def at_backward_end(fn: Callable[[], None]) -> bool:
 def has_own_hooks(tensor: torch.Tensor) -> bool:
     """Whether hooks were registered on `tensor` itself (`register_hook`); True when that cannot be read."""
     return not FEATURES["tensor_hooks"] or bool(getattr(tensor, "_backward_hooks", None))
+
+
+def drop_hook_dict(tensor: torch.Tensor) -> bool:
+    """Set `tensor`'s hook dict back to None where it holds no hook (the next `register_hook` makes one tied to the
+    tensor the object holds then: after `torch.utils.swap_tensors` the old dict is tied to the old one); False where
+    it holds hooks, or cannot be read."""
+    if not FEATURES["tensor_hooks"] or tensor._backward_hooks:
+        return False
+    tensor._backward_hooks = None
+    return True
 
 
 def tensor_impl(tensor: torch.Tensor) -> object:
@@ -347,7 +325,7 @@ def _fills(params: Iterable[torch.Tensor]) -> bool | None:
     if start is None:
         return None
     found = False
-    for node in _accumulators_below(start):
+    for node in accumulators_below(start):
         if _runs(node):
             return True
         found = True
