@@ -14,7 +14,7 @@ import torch
 from conftest import leftover_hooks
 from torch import nn
 
-from gradrunner import capture
+from gradrunner import GradrunnerError, capture
 from gradrunner.capturing import torch_compat
 
 TAPS = ("0:weight", "2:weight", "2:bias")
@@ -139,3 +139,35 @@ def test_a_swap_whose_hooks_cannot_move_is_null_with_its_reason(why: str, monkey
     assert bool(got["2:weight"]["has_grad"])
     for t in ("0:weight", "2:bias"):
         torch.testing.assert_close(torch.as_tensor(got[t]["per_example_norm"], dtype=torch.float64), ref[t], rtol=1e-4, atol=1e-7)
+
+
+def test_an_edited_parameter_swapped_is_refused_not_left_unedited(strategy: str) -> None:
+    """A parameter edit is a hook on the Parameter, which torch leaves with the old tensor: after `swap_tensors` the
+    step ran unedited (`.grad` norm 7.66 where the edit asked for 3.83, the record `edited` False) and nothing said
+    so. The next root forward is refused now, in one paragraph naming the edit; the step before keeps its edited
+    `.grad`; a session made after the swap edits again (against the edit done by hand on the unedited gradient)."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(6, 4)
+    plain = copy.deepcopy(model)
+
+    def unedited() -> torch.Tensor:
+        plain.zero_grad(set_to_none=True)
+        plain(x).pow(2).sum().backward()
+        return plain[2].weight.grad.clone()
+
+    edits = [{"tap": "2:weight", "scale": 0.5}]
+    with capture(model, ["2:weight"], strategy=strategy, edits=edits) as cap:
+        cap.backward(model(x).pow(2).sum())
+        cap.records()
+        torch.testing.assert_close(model[2].weight.grad, 0.5 * unedited())
+        model.zero_grad(set_to_none=True)
+        for m in (model, plain):
+            _swap(m)
+        with pytest.raises(GradrunnerError, match=r"edits\[0\].*2:weight was swapped since the session was made"):
+            model(x)
+    assert model[2].weight.grad is None
+    with capture(model, ["2:weight"], strategy=strategy, edits=edits) as cap:
+        cap.backward(model(x).pow(2).sum())
+        assert _rows(cap.records())["2:weight"]["edited"]
+    torch.testing.assert_close(model[2].weight.grad, 0.5 * unedited())
+    assert not leftover_hooks(model)

@@ -60,8 +60,10 @@ from gradrunner.capturing.edit_ops import apply_all, apply_sharded
 from gradrunner.capturing.edit_ops import apply_edit as apply_edit
 from gradrunner.capturing.edit_ops import generator_seed as generator_seed
 from gradrunner.capturing.grad_context import in_backward
+from gradrunner.capturing.owned import owned
 from gradrunner.capturing.recorded_norms import record_norm
 from gradrunner.capturing.taps import Tap, resolve_taps
+from gradrunner.capturing.torch_compat import drop_hook_dict, tensor_impl
 
 # The spec side (what an entry may say) is torch-free, for the config layer: re-exported here.
 from gradrunner.config.edits import OPERATIONS as OPERATIONS
@@ -73,6 +75,13 @@ if TYPE_CHECKING:
     from gradrunner.capturing.strategies.base import Slot
 
 _V = TypeVar("_V")
+
+
+def _unhook(handle: RemovableHandle, param: nn.Parameter) -> None:
+    """An edit's hook removed, and the parameter's hook dict set back to None where it emptied: torch ties that dict
+    to the tensor held when it was made, so a hook of the user's added to it after a swap would never fire."""
+    handle.remove()
+    drop_hook_dict(param)
 
 
 def _check_shape(edits: Sequence[Edit], tap: str, shape: torch.Size) -> None:
@@ -174,6 +183,8 @@ class Edits:
         self.seen: Callable[[], None] = lambda: None
         #: the last captured backward's parameter gradients as they arrived, by parameter `id` (for `cap.grads`)
         self.last_arrived: dict[int, torch.Tensor] = {}
+        #: The model, and each hooked parameter's tensor as hooked (`_check_swapped`), by parameter `id`.
+        self._model, self._hooked = model, dict[int, object]()
 
     def _add_param(self, edit: Edit, tap: Tap, param: nn.Parameter) -> None:
         if not param.requires_grad:
@@ -202,7 +213,24 @@ class Edits:
                 for handle in self._sharded_hooks(key, param, edits, names[0]):
                     stack.callback(handle.remove)
             else:
-                stack.callback(param.register_hook(self._param_hook(key, edits, names[0])).remove)
+                handle = param.register_hook(self._param_hook(key, edits, names[0]))
+                stack.callback(_unhook, handle, param)
+                self._hooked[key] = tensor_impl(param)
+        if self._hooked:
+            stack.callback(self._model.register_forward_pre_hook(owned(self._model, self._check_swapped)).remove)
+
+    def _check_swapped(self, *_: object) -> None:
+        """Refuse a root forward once an edited parameter's tensor was swapped: its edit's hook stays on the old one."""
+        for key, impl in self._hooked.items():
+            param, edits, names = self._params[key]
+            if tensor_impl(param) != impl:
+                raise GradrunnerError(
+                    f"{edits[0].label}: the tensor inside parameter {names[0]} was swapped since the session was made "
+                    "(torch.utils.swap_tensors, or .to()/.double() under torch.__future__."
+                    "set_swap_module_params_on_conversion(True)); torch leaves a Parameter's hooks with the tensor it "
+                    "held, so the edit would no longer reach its gradient. Make the session again after the swap, or "
+                    "swap before making it."
+                )
 
     def _param_hook(self, key: int, edits: list[Edit], name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         def hook(grad: torch.Tensor) -> torch.Tensor:

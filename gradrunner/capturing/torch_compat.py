@@ -216,7 +216,8 @@ def drop_hook_dict(tensor: torch.Tensor) -> bool:
     it holds hooks, or cannot be read."""
     if not FEATURES["tensor_hooks"] or tensor._backward_hooks:
         return False
-    tensor._backward_hooks = None
+    if tensor._backward_hooks is not None:  # (setting it clears the hooks on the tensor held now: None is left as is)
+        tensor._backward_hooks = None
     return True
 
 
