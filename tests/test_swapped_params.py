@@ -59,15 +59,18 @@ def _rows(recs: Any) -> dict[str, dict[str, Any]]:
     return {r["tap"]: r for r in (recs.row(i) for i in range(len(recs)))}
 
 
+@pytest.mark.parametrize("cdata", [True, False], ids=["cdata", "fallback"])
 @pytest.mark.parametrize("micro", [1, 2])
 @pytest.mark.parametrize("change", [_swap, _swap_double], ids=["swap_tensors", "double_on_conversion"])
 def test_per_example_norms_of_a_swapped_parameter_match_each_row_alone(
-    strategy: str, change: Callable[[nn.Sequential], None], micro: int
+    strategy: str, change: Callable[[nn.Sequential], None], micro: int, cdata: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The per-example check hooked the Parameter's gradient once; `swap_tensors` leaves hooks on the old tensor, so
     after the swap it saw no gradient and the rows were null, "its modules' outputs got gradients but it did not",
     while `.grad` and the whole norm were right (2:weight, each row alone: 0.557, 0.471, ...). Hooked again on the new
-    tensor now: the rows match each row alone through plain autograd, in every strategy, with accumulation too."""
+    tensor now: the rows match each row alone through plain autograd, in every strategy, with accumulation too (and
+    with `torch_compat.tensor_impl`'s fallback forced: the accumulator node looked up)."""
+    monkeypatch.setitem(torch_compat.FEATURES, "tensor_cdata", cdata)
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(6, 4)
     with capture(model, list(TAPS), strategy=strategy, per_example=True) as cap:
