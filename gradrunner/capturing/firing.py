@@ -17,10 +17,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
-from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,10 +30,12 @@ from gradrunner.capturing.forward_patch import patch_forward
 from gradrunner.capturing.grad_context import (
     NOT_REQUIRING_GRAD,
     TRANSFORMED,
+    eager,
     in_backward,
     in_graph,
     input_alias,
     no_grad_reason,
+    note_alias_error,
     reentrant_checkpoint,
     refuse_transformed,
 )
@@ -49,27 +50,6 @@ from gradrunner.records.columns import TapKey
 
 if TYPE_CHECKING:
     from gradrunner.capturing.session import Capture
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def eager(fn: _F) -> _F:
-    """`fn` run as plain Python even inside a compiled model: under torch.compile the session's hooks
-    are graph breaks, so that every call opens its slot and attaches the strategy, as in eager mode.
-
-    Outside compilation `fn` is called directly: `torch.compiler.disable`'s wrapper (which switches
-    the frame evaluator off and on around each call) costs about 0.5 µs per tap firing.
-    """
-    disabled = torch.compiler.disable(fn)
-    is_compiling = torch.compiler.is_compiling
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if is_compiling():  # dynamo tracing the hook: a graph break, `fn` runs eagerly
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return run  # type: ignore[return-value]
 
 
 class Firing:
@@ -96,6 +76,8 @@ class Firing:
         #: (slots, calls) as they were when the outermost forward began: restored if it fails.
         self._mark: tuple[int, dict[str, int]] | None = None
         self._late_mark = 0  # `late_uncaptured` as that forward began
+        #: The input taps given `input_alias` in that forward: named on its error if it raises (`note_alias_error`).
+        self.aliased: list[str] = []
         #: The root forwards those slots are of, dropped once their graph is freed before a backward reached it.
         self.pending = PendingForwards(self)
 
@@ -194,6 +176,7 @@ class Firing:
                     if not in_backward():
                         self.pending.drop_freed()  # forwards before it whose graph went: no backward will use them
                 self._mark, self._late_mark = (len(self.slots), dict(self.calls)), len(self.late_uncaptured)
+                self.aliased = []
             self.grad_forward.append(grad)
 
         def leave(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -204,6 +187,7 @@ class Firing:
             # Called with output None from inside torch's `except` when the forward raised: forget the
             # calls it opened, so a retry of the step has no phantom calls.
             if output is None and sys.exc_info()[1] is not None:
+                note_alias_error(sys.exc_info()[1], self.aliased)
                 if self._mark is not None:
                     self.session._release(self.slots[self._mark[0] :])
                     del self.slots[self._mark[0] :]
@@ -416,6 +400,7 @@ class Firing:
             # the storage (writes, `x.sub_(mean)` included, reach the caller's tensor as without capture);
             # the caller's tensor itself is left as it is.
             value = input_alias(value)
+            self.aliased.append(tap.tap)
         slot.leaf, slot.written = value.is_leaf, writes_grad(value.grad_fn)
         if is_view(value):
             slot.view, slot.version = value, version(value)

@@ -1,5 +1,6 @@
 """What autograd and the model allow at a tap: why a value cannot carry a gradient, whether backward is
-running (and recomputing a reentrant checkpoint), and which models gradrunner refuses.
+running (and recomputing a reentrant checkpoint), which models gradrunner refuses, what a forward that raised
+because of an input tap's alias is told (`note_alias_error`), and hooks run eagerly in a compiled model (`eager`).
 
 Example::
 
@@ -8,7 +9,10 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -26,11 +30,13 @@ from gradrunner.capturing.torch_compat import (
 from gradrunner.errors import GradrunnerError
 
 __all__ = [
+    "eager",
     "in_backward",
     "in_graph",
     "input_alias",
     "no_grad_reason",
     "not_assigned",
+    "note_alias_error",
     "reentrant_checkpoint",
     "refuse_compiled",
     "refuse_transformed",
@@ -114,6 +120,38 @@ def input_alias(tensor: torch.Tensor) -> torch.Tensor:
     return _InputAlias.apply(leaf if tangent is None else fwAD.make_dual(leaf, tangent))
 
 
+#: torch's error for `t.requires_grad = ...` on a tensor with autograd history (`THPVariable_set_requires_grad`).
+_LEAF_ONLY = "you can only change requires_grad flags of leaf variables"
+
+
+def note_alias_error(error: BaseException | None, taps: list[str]) -> None:
+    """Name the input taps on torch's leaf-only error, raised by a forward in which they got `input_alias`.
+
+    Example::
+
+        note_alias_error(exc, ["feature_extractor:input"])   # exc.__notes__[-1] names the tap and the way out
+
+    A forward that sets `requires_grad` on a tensor made from its input (transformers' Wav2Vec2, HuBERT and WavLM
+    feature encoders: `h = input_values[:, None]; h.requires_grad = True` in training) can only do so while that input
+    has no autograd history; the alias an input tap needs has one, so the forward raises, as it would without capture
+    on an input that requires grad. torch's message names no tap; this note does (a warning where Python has no notes).
+    """
+    if not taps or not isinstance(error, RuntimeError) or _LEAF_ONLY not in str(error):
+        return
+    names = ", ".join(repr(t) for t in dict.fromkeys(taps))
+    note = (f"gradrunner: in this forward the input tap(s) {names} handed the module an alias of an input that did not "
+            "require grad, one that requires grad (the tap's gradient flows through it). A forward that sets "
+            "`requires_grad` on a tensor made from that input (transformers' Wav2Vec2, HuBERT and WavLM feature "
+            "encoders in training: `input_values[:, None]`) cannot do so on the alias, and raises this, as it does "
+            "without capture on an input that requires grad. Tap the input of the first layer that forward calls "
+            "instead (`feature_extractor.conv_layers.0:input`: the same gradient, with the dim the view added), or "
+            "leave that input untapped.")  # fmt: skip
+    if hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(note)
+    else:
+        warnings.warn(note, stacklevel=2)
+
+
 def no_grad_reason(value: object, is_input: bool) -> tuple[str, str] | None:
     """Why `value` cannot get a gradient: (the record's short `reason`, what the value is, for an error).
 
@@ -182,3 +220,25 @@ def not_assigned(model: nn.Module, path: str) -> str:
     return (f"not assigned in this step: {type(module).__name__}'s forward runs transformers' experts implementation "
             f"{implementation(module)!r} (config._experts_implementation), not the forward() whose locals are tapped, "
             "or the module was not called (set the implementation to 'eager' to tap these locals)")  # fmt: skip
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager(fn: _F) -> _F:
+    """`fn` run as plain Python even inside a compiled model: under torch.compile the session's hooks
+    are graph breaks, so that every call opens its slot and attaches the strategy, as in eager mode.
+
+    Outside compilation `fn` is called directly: `torch.compiler.disable`'s wrapper (which switches
+    the frame evaluator off and on around each call) costs about 0.5 µs per tap firing.
+    """
+    disabled = torch.compiler.disable(fn)
+    is_compiling = torch.compiler.is_compiling
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if is_compiling():  # dynamo tracing the hook: a graph break, `fn` runs eagerly
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
