@@ -36,6 +36,9 @@ MOVES = frozenset({"TransposeBackward", "PermuteBackward", "TBackward"})
 #: of `h.unsqueeze(0)` or of `h[None]`): where the new dim has the batch's size, which is the batch's cannot be told
 #: (`pushes_rows`).
 PUSHES = frozenset({"StackBackward", "ExpandBackward", "RepeatBackward"})
+#: Autograd nodes of matrix products whose output's dim 0 is their first operand's (`h @ w` of a 2-D `h`, flattened
+#: tokens in a matmul; a batched product's batch dim): the walk follows that operand alone (not the matrix it multiplies).
+ROWS_OF_FIRST = frozenset({"MmBackward"})
 #: Autograd nodes of ops of one operand along the dims they save (`_saved_dim` or `_saved_dims`): along others than 0
 #: they leave each row of dim 0 its own (a roll or flip of the features, a softmax, a cumsum or sort along the sequence,
 #: a sum or mean over it).
@@ -133,10 +136,34 @@ def keeps_dim0(node: Any, name: str) -> bool:
         return out is not None and len(out) > 0 and 0 not in (d0 % len(out), d1 % len(out))
     if name in _ALONG:
         return _along_other_dims(node)
+    if name == "ConstantPadNdBackward":  # (F.pad: pairs for the last dims; fewer pairs than dims leave dim 0 alone)
+        out = node_shape(node, 0)
+        return out is not None and len(node._saved_pad) < 2 * len(out)
     if name not in ("ExpandBackward", "RepeatBackward"):
-        return False
+        return _same_shape(node, name)
+
     sizes, out = [int(n) for n in node._saved_self_sym_sizes], node_shape(node, 0)
     return out is not None and len(out) == len(sizes) > 0 and out[0] == sizes[0]
+
+
+#: Autograd nodes of ops whose one differentiable operand is a table or a matrix the rows look up or multiply (the rows
+#: come from an operand autograd does not show: ids, an input that needs no grad): never followed by `_same_shape`.
+_LOOKUPS = frozenset({
+    "EmbeddingBackward", "EmbeddingDenseBackward", "EmbeddingBagBackward", "MmBackward", "AddmmBackward", "BmmBackward",
+    "BaddbmmBackward", "MvBackward", "AddmvBackward", "DotBackward", "ConvolutionBackward", "LinearBackward",
+})  # fmt: skip
+
+
+def _same_shape(node: Any, name: str) -> bool:
+    """Whether `node`, an op of one tensor operand, gave its output that operand's shape (an elementwise op: `pow`,
+    `exp`, `clamp`, `masked_fill`, a norm without weight along the features): the walk goes on below it (until 2026-11-28
+    it ended there, and `lin(x.transpose(0, 1).pow(2))` with B == T got a wrong number). Also an op along dim 0 of that
+    shape (a cumsum): what the walk finds below it is no less there. Not a lookup (`_LOOKUPS`)."""
+    inputs = [(n, nr) for n, nr in node.next_functions if n is not None]
+    if name in _LOOKUPS or len(inputs) != 1:
+        return False
+    out = node_shape(node, 0)
+    return out is not None and out == node_shape(*inputs[0])
 
 
 def _along_other_dims(node: Any) -> bool:

@@ -24,6 +24,9 @@ from what the call's input is made of, cheaply (a few attribute reads per call, 
   elementwise ops, from the output of a call whose batch-sized dim 0 was found a coincidence here (the
   expert's second Linear, a gated expert's `down(act(gate(t)) * up(t))`; not one whose dim 0 is another
   size, such as flattened tokens later reshaped back);
+- an input whose dim 0 an elementwise op took from an operand without autograd history while no operand shown gives
+  it (`lin(x.transpose(0, 1) + p)` with B == T: `_hidden_operand`, by the tensor `*` saves or the layout of the
+  layer's input), or made without history with a new dim 0 of B over its rows (`lin(torch.stack([x, 2 * x]))`);
 - an input whose dim 0 a transpose or permute filled from a dim of the same size as the dim 0 it moved away
   (`lin(x.transpose(0, 1))` with B == T: which is the batch's cannot be told; `moves_rows`), or a stack or a
   broadcast of `h.unsqueeze(0)` made, pushing a dim 0 of the same size to dim 1 (`lin(h.unsqueeze(0).expand(k,
@@ -67,6 +70,7 @@ from torch import nn
 from gradrunner.capturing.per_example_dims import (
     MOVES,
     PUSHES,
+    ROWS_OF_FIRST,
     SELECTS,
     UNARY,
     joins_rows,
@@ -79,6 +83,7 @@ from gradrunner.capturing.per_example_dims import (
 from gradrunner.capturing.per_example_layers import storage, tensors_of
 from gradrunner.capturing.per_example_tokens import (
     ELEMENTWISE,
+    ROWWISE,
     VIEWS,
     WALK,
     flat_sources,
@@ -112,13 +117,25 @@ class RowOrigins:
         self.table = False
         #: Output nodes of this forward's calls on the batch's tokens flattened (`judge`): so are the calls they feed.
         self.tokens: set[Any] = set()
+        #: Whether every tensor in `given` has its dim 0 outermost in memory (`_outer`): then so has an elementwise op's
+        #: output on a view of one that keeps its dim 0 (torch gives it its operands' layout), not on `x.transpose(0, 1)`.
+        self.given_outer = False
+        #: The last `reason`'s input's autograd node and those below it through ops of one operand on each element
+        #: (`ROWWISE`: they keep the layout), if that input's dim 0 is outermost in memory (`_hidden_operand`).
+        self.front: frozenset[Any] = frozenset()
+        #: Elementwise nodes of this forward found in a `front` (their dim 0 outermost: the given tensors' rows).
+        self.proven: set[Any] = set()
+        #: How many dims the model's first tensor input has (a tensor made without history with more: a new dim 0?).
+        self.ndim = 0
 
     def start(self, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int | None) -> None:
         """A forward of the model with `rows` rows (None: no tensor input) begins."""
         tensors = list(tensors_of(args, kwargs))
         clash = rows is not None and any(rows in t.shape[1:] for t in tensors)
         self.given = {storage(t): _dim0(t) for t in tensors if t.dim() > 0} if clash else None
+        self.given_outer = all(_outer(t) for t in tensors if t.dim() > 0)
         first = tensors[0].shape if tensors else ()
+        self.ndim, self.proven = len(first), set()
         self.fewer = {
             storage(t): tuple(first) for t in tensors if clash and 0 < t.dim() < len(first) and t.shape[0] == rows
         }
@@ -126,6 +143,7 @@ class RowOrigins:
 
     def clear(self) -> None:
         self.given, self.fewer, self.made, self.tokens = None, {}, {}, set()
+        self.front, self.proven = frozenset(), set()
 
     def judge(self, kind: str, x: torch.Tensor, rows: int, output: torch.Tensor, path: str) -> str | None:
         """Why the rows of a call's input `x` (dim 0 of the batch's `rows`, or a multiple of them that `call_reason` let
@@ -138,6 +156,7 @@ class RowOrigins:
             found = flat_sources(x, rows, self.tokens) if base is None else []
             if isinstance(found, str):  # (not marked: reshaped back to (B, ...), its rows are the batch's again)
                 return _not_flat(kind, x, rows, found)
+            self.front = frozenset()
             walks = (self._walk(*source) for source in found)
             why = self.reason(kind, base) if base is not None else next(filter(None, walks), None)
             if why is None:
@@ -150,7 +169,7 @@ class RowOrigins:
 
     def reason(self, kind: str, x: torch.Tensor) -> str | None:
         """Why the rows of `x` (whose dim 0 has the batch's size) are not the batch's, or None."""
-        self.picked = False
+        self.picked, self.front = False, frozenset()
         first = self.fewer.get(storage(x))
         if first is not None:
             return (f"called on a tensor of shape {tuple(x.shape)} given to the model with fewer dims than its first input "
@@ -160,12 +179,18 @@ class RowOrigins:
             return f"called on a parameter of shape {tuple(x.shape)}: dim 0 is the parameter's, not the batch's rows"
         if kind == "embedding" or x.grad_fn is None:  # (ids; or no autograd history, which the walk could read)
             return self._unwalked(kind, x)
+        if self.given is not None and self.given_outer and _outer(x):
+            self.front = _rowwise_front(x.grad_fn)
         return self._walk(x.grad_fn, tuple(x.shape))
 
     def _unwalked(self, kind: str, x: torch.Tensor) -> str | None:
         """Why the rows of `x`, an embedding's ids or a tensor without autograd history (its dim 0 of the batch's size),
         are not the batch's, or None: while the batch size equals another dim of a tensor given to the model, only a
         view of one that keeps its dim 0 (its size and stride: not `x.transpose(0, 1)` with B == T) is its rows."""
+        if self.given is None and kind != "embedding" and x.dim() > self.ndim and x.shape[1] == x.shape[0]:
+            return (f"called on a tensor of shape {tuple(x.shape)} made inside the forward without autograd history, with "
+                    f"more dims than the model's first input ({self.ndim}) and a dim 1 of its dim 0's size, the batch's (a "
+                    "stack or broadcast of the input over a new dim 0?): dim 0 may not be the batch")  # fmt: skip
         if self.given is None:
             return None
         dim0 = self.given.get(storage(x))
@@ -179,6 +204,31 @@ class RowOrigins:
         made = "(positions, relative-position buckets)" if kind == "embedding" else "without autograd history (a copy)"
         return (f"called on {what} of shape {tuple(x.shape)} made inside the forward {made} while the batch size equals "
                 "another dim of the model's input: dim 0 may not be the batch")  # fmt: skip
+
+    def _hidden_operand(self, node: Any, shape: tuple[int, ...]) -> str | None:
+        """Why the dim 0 of elementwise `node`'s output, which no operand autograd shows gives it (they are broadcast over
+        it: `x.transpose(0, 1) + p`, p of shape (d,)), is not the batch's rows, or None: it comes from an operand without
+        autograd history (the model's input or a tensor made in the forward), judged as a layer's input without one is
+        (`_unwalked`) where the node saved it (`x.transpose(0, 1) * p` saves it; `+`, `-`, `where` do not: null, as which
+        tensor it was cannot be told). Asked only while the batch size equals another dim of the model's inputs."""
+        edges = node.next_functions
+        out = node_shape(node, 0)
+        if all(n is not None for n, _ in edges) or (
+            out is not None and any(n is not None and same_rows(node, n, nr) for n, nr in edges)
+        ):
+            return None  # (every operand shown, or a shown one gives the output its dim 0: the walk follows it)
+        saved = [getattr(node, name, None) for name in ("_saved_self", "_saved_other")]
+        hidden = [t for t in saved if isinstance(t, torch.Tensor) and not t.requires_grad and t.dim() > 0]
+        hidden = [t for t in hidden if out is None or (t.dim() == len(out) and t.shape[0] == out[0])]
+        if hidden:
+            return self._unwalked("tensor", hidden[0])
+        if node in self.front or node in self.proven:  # (a layer's input had its dim 0 outermost, as the given tensors)
+            self.proven.add(node)
+            return None
+        return (f"called on a tensor of shape {shape} whose dim 0 comes, through {node.name()}, from an operand without "
+                "autograd history (the model's input or a tensor made in the forward, which autograd does not show: "
+                "x.transpose(0, 1) + p?) while the batch size equals another dim of the model's input: dim 0 may not be "
+                "the batch")  # fmt: skip
 
     def mark(self, output: torch.Tensor, why: str) -> None:
         """`output` of a call whose rows are not the batch's (`why`, the last `reason`): a layer it feeds through a
@@ -217,6 +267,8 @@ class RowOrigins:
                 ]
             elif len(inputs) == 1 and (name in UNARY | SELECTS or keeps_dim0(node, name)):
                 stack.append((inputs[0][0], several, via))
+            elif name in ROWS_OF_FIRST and node.next_functions[0][0] is not None:  # (h @ w: h's rows, not w's)
+                stack.append((node.next_functions[0][0], several, via))
         return None
 
     def _verdict(self, node: Any, name: str, shape: tuple[int, ...], masked: bool, several: bool) -> str | None:
@@ -241,6 +293,11 @@ class RowOrigins:
             return (f"called on a tensor of shape {shape} whose dim 0 was added by {name} (a stack, or a broadcast of "
                     "unsqueeze(0)) over a tensor whose own dim 0, of the same size, it pushed to dim 1: which of them "
                     "is the batch's cannot be told")  # fmt: skip
+        if name in ELEMENTWISE and self.given is not None:
+            hidden = self._hidden_operand(node, shape)
+            if hidden is not None:
+                self.picked = True
+                return hidden
         if tiles_rows(node, name):
             return (f"called on a tensor of shape {shape} made from rows tiled along dim 0 ({name}: h.repeat(k, ...) of "
                     "several rows): copies of rows, not the batch's")  # fmt: skip
@@ -258,6 +315,30 @@ class RowOrigins:
             return (f"called on a tensor of shape {shape} made from a parameter of shape "
                     f"{tuple(variable.shape)} {how}: its dim 0 is the parameter's, not the batch's rows")  # fmt: skip
         return None
+
+
+def _outer(t: torch.Tensor) -> bool:
+    """Whether `t`'s dim 0 is outermost in memory: its stride is the largest of its dims of more than one entry (a
+    contiguous tensor; not `x.transpose(0, 1)`, nor an elementwise op's result on it, which takes its layout)."""
+    strides = [abs(s) for s, n in zip(t.stride(), t.shape, strict=True) if n > 1]
+    return t.dim() == 0 or t.shape[0] <= 1 or abs(t.stride(0)) == max(strides)
+
+
+#: Ops of one operand on each element that may change the layout (`.contiguous()`, `.to(memory_format=...)`).
+_RELAYS = frozenset({"CloneBackward", "ToCopyBackward"})
+
+
+def _rowwise_front(node: Any) -> frozenset[Any]:
+    """`node` and the nodes below it through ops of one operand on each element that keep its layout (an activation,
+    dropout: `ROWWISE` but a copy, `_RELAYS`), a few at most: the ops whose output had the layout of a layer's input
+    made by `node`."""
+    found = [node]
+    while len(found) < 4 and found[-1].name().rstrip("0123456789") in ROWWISE - _RELAYS:
+        inputs = [n for n, _ in found[-1].next_functions if n is not None]
+        if len(inputs) != 1:
+            break
+        found.append(inputs[0])
+    return frozenset(found)
 
 
 def _dim0(t: torch.Tensor) -> tuple[int, int]:
