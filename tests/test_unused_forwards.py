@@ -739,3 +739,73 @@ def test_a_dropped_call_outside_the_roots_forward_leaves_an_uncaptured_steps_edi
     assert _sliced_run(tmp_path / "with", metric=True) == pytest.approx(
         _sliced_run(tmp_path / "without", metric=False), abs=1e-7
     )
+
+
+class _FlatTokens(nn.Module):
+    """A layer on the batch's tokens flattened to (B * T, d): per-example norms mark its output's node as such tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.head = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        return self.head(torch.tanh(self.first(x.reshape(b * t, d)))).view(b, t).sum(1)
+
+
+class _ChannelsAsBatch(nn.Module):
+    """A convolution whose input's channels number the batch's rows (B == C): per-example norms mark the output's node
+    of a call on a tensor without autograd history as one whose rows may not be the batch's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.head = nn.Conv2d(2, 3, 1), nn.Linear(3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.first(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("drop", ["root", "call"])
+@pytest.mark.parametrize("make", [_FlatTokens, _ChannelsAsBatch])
+def test_a_dropped_forward_the_per_example_walk_marked_goes_too(
+    strategy: str, make: type[nn.Module], drop: str
+) -> None:
+    """`per_example=True`: the walk that judges a layer call's rows marked its output's autograd node in a dict and a
+    set it held until the next root forward: a forward (or a tapped layer's call outside it) whose output was dropped
+    between the training forward and its backward kept its graph (the dropped batch alive) and was recorded as a row
+    "takes no part in the loss". References: a plain tensor hook on the layer's output, and the same session without
+    the dropped forward (the head's per-example norms included)."""
+    g = torch.Generator().manual_seed(1)
+    shape = (2, 3, 4) if make is _FlatTokens else (2, 2, 3, 3)
+    x, other = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    plain = make()
+    want: list[float] = []
+    plain.first.register_forward_hook(lambda _m, _a, out: out.register_hook(lambda g: want.append(float(g.norm()))) and None)  # fmt: skip
+    plain(x).pow(2).sum().backward()
+
+    def rows(dropped: bool) -> tuple[list[tuple[str, int, bool, float, Any]], bool]:
+        model = make()
+        with capture(model, ["first:output", "head:weight"], strategy=strategy, per_example=True) as cap:
+            loss = model(x).pow(2).sum()
+            alive = None
+            if dropped:
+                batch = other.clone()
+                alive = weakref.ref(batch)
+                call = model if drop == "root" else model.first
+                float(call(batch if drop == "root" or make is _ChannelsAsBatch else batch.reshape(-1, 4)).sum())
+                del batch
+            cap.backward(loss)
+            gc.collect()
+            recs = cap.records(loss)
+        got = [recs.row(i) for i in range(len(recs))]
+        return [(r["tap"], r["call"], r["has_grad"], r["norm"], r["per_example_norm"]) for r in got], alive is not None and alive() is not None  # fmt: skip
+
+    without, _ = rows(dropped=False)
+    got, held = rows(dropped=True)
+    assert [r[:3] for r in got] == [("first:output", 0, True), ("head:weight", 0, True)], got
+    assert got[0][3] == pytest.approx(want[0], rel=1e-6)
+    assert [r[:4] for r in got] == [r[:4] for r in without]
+    np.testing.assert_array_equal(got[1][4], without[1][4])
+    assert not held, "the dropped forward's batch is still held once the backward began"

@@ -80,6 +80,7 @@ from gradrunner.capturing.per_example_dims import (
     pushes_rows,
     tiles_rows,
 )
+from gradrunner.capturing.node_marks import NodeMarks
 from gradrunner.capturing.per_example_layers import storage, tensors_of
 from gradrunner.capturing.per_example_tokens import (
     ELEMENTWISE,
@@ -110,13 +111,13 @@ class RowOrigins:
         #: Then: those of fewer dims than the first (the batch's) with dim 0 of B, and the first's shape.
         self.fewer: dict[int, tuple[int, ...]] = {}
         #: Output nodes of this forward's calls with no per-row share: why, and whether their rows were picked.
-        self.made: dict[Any, tuple[str, bool]] = {}
+        self.made = NodeMarks()
         #: Whether the last `reason` found was rows picked by indexing, or a call on such rows (what `mark` keeps).
         self.picked = False
         #: Whether the last node judged picked a parameter's rows by ids whose dim 0 is the batch's (`TABLE`).
         self.table = False
         #: Output nodes of this forward's calls on the batch's tokens flattened (`judge`): so are the calls they feed.
-        self.tokens: set[Any] = set()
+        self.tokens = NodeMarks()
         #: Whether every tensor in `given` has its dim 0 outermost in memory (`_outer`): then so has an elementwise op's
         #: output on a view of one that keeps its dim 0 (torch gives it its operands' layout), not on `x.transpose(0, 1)`.
         self.given_outer = False
@@ -124,7 +125,7 @@ class RowOrigins:
         #: (`ROWWISE`: they keep the layout), if that input's dim 0 is outermost in memory (`_hidden_operand`).
         self.front: frozenset[Any] = frozenset()
         #: Elementwise nodes of this forward found in a `front` (their dim 0 outermost: the given tensors' rows).
-        self.proven: set[Any] = set()
+        self.proven = NodeMarks()
         #: How many dims the model's first tensor input has (a tensor made without history with more: a new dim 0?).
         self.ndim = 0
 
@@ -135,15 +136,20 @@ class RowOrigins:
         self.given = {storage(t): _dim0(t) for t in tensors if t.dim() > 0} if clash else None
         self.given_outer = all(_outer(t) for t in tensors if t.dim() > 0)
         first = tensors[0].shape if tensors else ()
-        self.ndim, self.proven = len(first), set()
+        self.ndim = len(first)
+        self.proven.clear()
         self.fewer = {
             storage(t): tuple(first) for t in tensors if clash and 0 < t.dim() < len(first) and t.shape[0] == rows
         }
-        self.made, self.tokens = {}, set()
+        self.made.clear()
+        self.tokens.clear()
 
     def clear(self) -> None:
-        self.given, self.fewer, self.made, self.tokens = None, {}, {}, set()
-        self.front, self.proven = frozenset(), set()
+        self.given, self.fewer = None, {}
+        self.made.clear()
+        self.tokens.clear()
+        self.front = frozenset()
+        self.proven.clear()
 
     def judge(self, kind: str, x: torch.Tensor, rows: int, output: torch.Tensor, path: str) -> str | None:
         """Why the rows of a call's input `x` (dim 0 of the batch's `rows`, or a multiple of them that `call_reason` let
@@ -160,9 +166,10 @@ class RowOrigins:
             walks = (self._walk(*source) for source in found)
             why = self.reason(kind, base) if base is not None else next(filter(None, walks), None)
             if why is None:
-                self.tokens.add(output.grad_fn)
+                self.tokens.set(output.grad_fn, True)
             else:
                 why = f"{why} (the call's input {tuple(x.shape)} flattens its rows)"
+        self.front = frozenset()  # (this call's: held no longer, a dropped forward's nodes go with it)
         if why is not None:  # dim 0 has the batch's size by coincidence: so has what this call alone feeds
             self.mark(output, f"{path!r} {why}")
         return why
@@ -223,7 +230,7 @@ class RowOrigins:
         if hidden:
             return self._unwalked("tensor", hidden[0])
         if node in self.front or node in self.proven:  # (a layer's input had its dim 0 outermost, as the given tensors)
-            self.proven.add(node)
+            self.proven.set(node, True)
             return None
         return (f"called on a tensor of shape {shape} whose dim 0 comes, through {node.name()}, from an operand without "
                 "autograd history (the model's input or a tensor made in the forward, which autograd does not show: "
@@ -235,7 +242,7 @@ class RowOrigins:
         view, a cast or an activation is not called on batch rows either; nor, where that reason was rows picked by
         indexing (`picked`), one it feeds through an elementwise op with other operands (a gated expert's product)."""
         if output.grad_fn is not None:
-            self.made[output.grad_fn] = (why, self.picked)
+            self.made.set(output.grad_fn, (why, self.picked))
 
     def _walk(self, start: Any, shape: tuple[int, ...]) -> str | None:
         """The first reason found walking back from autograd node `start`, which made a tensor of `shape` (at most `WALK`
