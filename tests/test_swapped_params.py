@@ -174,3 +174,32 @@ def test_an_edited_parameter_swapped_is_refused_not_left_unedited(strategy: str)
         assert _rows(cap.records())["2:weight"]["edited"]
     torch.testing.assert_close(model[2].weight.grad, 0.5 * unedited())
     assert not leftover_hooks(model)
+
+
+def test_a_tensor_made_of_a_tapped_parameter_left_in_its_slot_runs_as_without_capture(strategy: str) -> None:
+    """A plain tensor made of the tapped parameter written into its slot as the layer is called and left there
+    (`lin._parameters["weight"] = w * 1.0`, accelerate-style lending): `autograd_grad` took that non-leaf for a
+    parameter and called its node as an accumulator, so the first backward crashed ("Trying to backward through the
+    graph a second time"), where `loss.backward()` works. Now every strategy runs the steps as without capture:
+    `.grad` bitwise the uncaptured run's, the record the parameter's `.grad`, the per-example norms each row's alone."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(6, 4)
+    plain = copy.deepcopy(model)
+    ref = _rows_alone(model, (x,), 1)["2:weight"]
+
+    def lend(m: nn.Sequential) -> None:
+        w = m[2].weight
+        m[2].register_forward_pre_hook(lambda mod, args: mod._parameters.__setitem__("weight", w * 1.0))
+
+    orig, want = model[2].weight, plain[2].weight  # the Parameters: their slots hold the lent tensors after a forward
+    lend(model)
+    lend(plain)
+    with capture(model, ["2:weight"], strategy=strategy, per_example=True) as cap:
+        for _ in range(3):
+            plain(x).pow(2).sum().backward()
+            cap.backward(model(x).pow(2).sum())
+            row = _rows(cap.records())["2:weight"]
+            assert torch.equal(orig.grad, want.grad)
+            assert bool(row["has_grad"]) and row["norm"] == pytest.approx(float(want.grad.norm()), rel=1e-6)
+            torch.testing.assert_close(torch.as_tensor(row["per_example_norm"], dtype=torch.float64), ref, rtol=1e-4, atol=1e-7)
+            want.grad = orig.grad = None

@@ -361,6 +361,8 @@ class ParamBackward:
     while the model's parameter list is the same, and taken again when the walk meets a parameter's
     accumulator that is not held (its dtype or device changed, or it requires grad now); a held parameter
     absent from the graph (frozen, unused) gets no gradient from the engine call, as from `loss.backward()`.
+    A non-leaf in a parameter's slot (a tensor made of it and left there, accelerate-style lending) is no
+    accumulator: `loss.backward()` fills only its leaves, which the walk finds (a tapped one is recorded).
     """
 
     def __init__(self, params: Callable[[], list[nn.Parameter]], taps: ParamTaps, by_backward: bool) -> None:
@@ -406,7 +408,7 @@ class ParamBackward:
     def _build(self, params: list[nn.Parameter]) -> None:
         held, order = self._held, []
         for p in params:
-            if not p.requires_grad:
+            if not p.requires_grad or p.grad_fn is not None:  # a non-leaf lent the slot: the walk finds its leaves
                 continue
             h = held.get(id(p))
             if h is None or h.param is not p:
@@ -432,6 +434,9 @@ class ParamBackward:
         if not self._others:
             accumulate(self._nodes, grads)
             return
+        for node, g in zip(self._others, grads[n:], strict=True):  # a tapped one whose slot holds a tensor made of it
+            if g is not None and self._taps.holds(leaf := accumulator_leaf(node)):
+                self._taps.arrived(leaf, g)  # type: ignore[arg-type]
         accumulate(self._nodes, grads[:n])
         accumulate(self._others, grads[n:])
         self._others = []
