@@ -203,3 +203,26 @@ def test_a_tensor_made_of_a_tapped_parameter_left_in_its_slot_runs_as_without_ca
             assert bool(row["has_grad"]) and row["norm"] == pytest.approx(float(want.grad.norm()), rel=1e-6)
             torch.testing.assert_close(torch.as_tensor(row["per_example_norm"], dtype=torch.float64), ref, rtol=1e-4, atol=1e-7)
             want.grad = orig.grad = None
+
+
+def test_a_swap_between_two_backwards_of_a_step_is_null_for_the_swap_not_zero_grad(strategy: str) -> None:
+    """`swap_tensors` of a tapped parameter between two micro-batches swaps `.grad` too (the new tensor's: None), so
+    the first micro-batch's rows are in no `.grad`: null per-example rows, as after a reset. The reason said "its
+    .grad was reset (zero_grad)", which did not happen; it names the swap now. The record is the `.grad` the step
+    leaves (the second micro-batch's), and the untouched parameter's rows are each row's alone."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(6, 4)
+    a, b = x.chunk(2)
+    ref = _rows_alone(model, (a,), 1)["0:weight"]
+    with capture(model, ["2:weight", "0:weight"], strategy=strategy, per_example=True) as cap:
+        cap.backward(model(a).pow(2).sum())
+        _swap(model)
+        ref = torch.cat([ref, _rows_alone(model, (b,), 1)["0:weight"]])
+        cap.backward(model(b).pow(2).sum())
+        swapped = r"2:weight is null: its tensor was swapped \(torch.utils.swap_tensors\) between the step's backwards"
+        with pytest.warns(UserWarning, match=swapped) as seen:
+            got = _rows(cap.records())
+    assert not any("zero_grad" in str(w.message) for w in seen)
+    assert got["2:weight"]["per_example_norm"] is None
+    assert got["2:weight"]["norm"] == pytest.approx(float(model[2].weight.grad.norm()), rel=1e-6)
+    torch.testing.assert_close(torch.as_tensor(got["0:weight"]["per_example_norm"], dtype=torch.float64), ref, rtol=1e-4, atol=1e-7)

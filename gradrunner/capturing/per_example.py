@@ -74,7 +74,7 @@ from gradrunner.capturing.per_example_layers import (
 )
 from gradrunner.capturing.per_example_math import row_sq
 from gradrunner.capturing.per_example_rows import RowOrigins
-from gradrunner.capturing.per_example_state import RESET, CallRecord, Holder, Micro, Tracked, find_holders, given
+from gradrunner.capturing.per_example_state import CallRecord, Holder, Micro, Tracked, find_holders, given
 from gradrunner.capturing.torch_compat import (
     fills_grad,
     in_backward,
@@ -322,7 +322,7 @@ class PerExampleNorms:
         """These parameters' `.grad` was reset mid-step (`ParamTaps.replacing`): their rows are None this step."""
         for t in self._tracked:
             if id(t.param) in params and not t.step_reason:
-                t.step_reason = RESET
+                t.step_reason = t.reset_reason()
 
     def forget_forward(self) -> None:
         """Forget the calls of a forward whose backward will not come (its loss failed): the micro-batch starts again.

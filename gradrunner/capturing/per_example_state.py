@@ -28,6 +28,11 @@ RESET = (
     "its .grad was reset (zero_grad) between the step's backwards: the rows of those before are in no .grad, "
     "and per-example shares are not kept across a reset"
 )
+#: The same where the parameter's tensor was swapped between those backwards: `swap_tensors` swaps `.grad` with it.
+RESET_BY_SWAP = (
+    "its tensor was swapped (torch.utils.swap_tensors) between the step's backwards, and its .grad with it: the "
+    "rows of those before are in no .grad, and per-example shares are not kept across a reset"
+)
 #: Why a parameter's per-example norms are None once its tensor was swapped under hooks of the user's (`Tracked.rehook`).
 SWAPPED = (
     "its tensor was swapped (torch.utils.swap_tensors) while the Parameter held hooks of yours, or hooks this torch does "
@@ -88,6 +93,8 @@ class Tracked:
     #: swaps the tensor inside the Parameter object; the hooks registered on it stay with the old one).
     hook: RemovableHandle | None = None
     impl: object = None
+    #: The tensor it held as the step began: where `.grad` was reset mid-step, whether a swap did it (`reset_reason`).
+    step_impl: object = None
 
     def hooked(self) -> bool:
         """Whether the check's hook sits on the tensor the parameter holds now."""
@@ -107,7 +114,12 @@ class Tracked:
         elif fn is not None:
             self.hook, self.impl = self.param.register_hook(fn), tensor_impl(self.param)
 
+    def reset_reason(self) -> str:
+        """Why its rows are None in a step whose `.grad` was reset between backwards: RESET, or RESET_BY_SWAP."""
+        return RESET_BY_SWAP if self.step_impl is not None and self.step_impl != tensor_impl(self.param) else RESET
+
     def reset(self) -> None:
+        self.step_impl = tensor_impl(self.param)
         self.step_reason = None
         self.expected, self.pending, self.sq, self.first_clock = {}, {}, {}, {}
         if self.check is not None:
