@@ -460,3 +460,35 @@ def test_a_head_after_a_checkpointed_batch_norm_is_exact(reentrant: bool | None)
                        for i in range(5)])  # fmt: skip
     assert got["head:weight"] is not None, reasons["head:weight"]
     torch.testing.assert_close(got["head:weight"], ref, rtol=1e-5, atol=1e-7)
+
+
+def test_the_check_follows_a_parameter_made_float64_mid_session() -> None:
+    """`model.double()` inside the block: the check's projection vectors stayed float32, so a float64 gradient below
+    float32's range (a loss scaled by 1e-60) projected to 0 against its calls' float64 terms, and every row was null,
+    "used outside them", where each row alone gives its norm. They follow the parameter now; a weight penalty after
+    the move is still caught, and a move between two micro-batches of a step keeps both micro-batches' rows."""
+    scale = 1e-60
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    params = all_params(model)
+    x = torch.randn(B, 5)
+    with PerExampleNorms(model, params) as pex:
+        model(x).pow(2).sum().backward()
+        pex.norms()
+        model.zero_grad(set_to_none=True)
+        model.double()
+        (model(x.double()).pow(2).sum() * scale).backward()
+        got, reasons = pex.norms(), pex.reasons()
+        want = loop(model, {"input": x.double()}, lambda out, i: out.pow(2).sum() * scale * B, params)[0]
+        assert_matches(got, want, reasons)
+        (scale * (model(x.double()).pow(2).sum() + 1e-2 * model[2].weight.pow(2).sum())).backward()
+        assert pex.norms()["2:weight"] is None and pex.reasons()["2:weight"] == OUTSIDE
+    model.float()
+    a, b = x[:2], x[2:]
+    want_a = loop(model, {"input": a}, lambda out, i: out.pow(2).sum() * 2, params)[0]
+    want_b = loop(model.double(), {"input": b.double()}, lambda out, i: out.pow(2).sum() * 2, params)[0]
+    model.float()
+    with PerExampleNorms(model, params) as pex:
+        model(a).pow(2).sum().backward()
+        model.double()
+        model(b.double()).pow(2).sum().backward()
+        assert_matches(pex.norms(), {n: torch.cat([want_a[n], want_b[n]]) for n in want_a}, pex.reasons())

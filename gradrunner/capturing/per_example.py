@@ -443,7 +443,7 @@ class PerExampleNorms:
             return None, "its modules' outputs got gradients but it did not (a backward that did not ask for it)"
         if len(micros) == 1:
             return t.sq[micros[0]], None
-        first = next(iter(t.sq.values()))
-        return torch.cat([t.sq[i] if i in t.sq else first.new_zeros(next(iter(self._micros[i].rows), self._micros[i].batch))
-                          for i in micros]), None  # fmt: skip
+        last = next(reversed(t.sq.values()))  # where the check is: a model moved between micro-batches (`Projection._follow`)
+        return torch.cat([t.sq[i].to(last.device) if i in t.sq else last.new_zeros(next(iter(self._micros[i].rows),
+                          self._micros[i].batch)) for i in micros]), None  # fmt: skip
 

@@ -114,10 +114,12 @@ class Projection:
     """One parameter's check for the step: its calls' projection terms, its gradients' projections.
 
     `u` spans the parameter's first dimension, `v` the rest; drawn once from their own generator (the
-    global RNG is not touched), in float64 for a float64 parameter, else float32.
+    global RNG is not touched), in float64 for a float64 parameter, else float32. They follow the parameter
+    where it moves or changes dtype (`model.double()`, `.to(device)`: `_follow`).
     """
 
     def __init__(self, param: nn.Parameter, seed: int) -> None:
+        self._param = param
         gen = torch.Generator(device=param.device).manual_seed(0x9E37 + seed)
         dt = torch.float64 if param.dtype == torch.float64 else torch.float32
         self.u = torch.randn(param.shape[0] if param.dim() else 1, generator=gen, device=param.device, dtype=dt)
@@ -141,6 +143,20 @@ class Projection:
         self.calls, self.grads, self.bounds, self.unit = [], [], [], 0.0
         self.elements, self.spoiled = None, not self._whole
 
+    def _follow(self) -> None:
+        """u and v on the parameter's device now, in the dtype drawn for its dtype now, where it moved since
+        (`model.double()`, `.to(device)`: a float32 u met a float64 gradient below float32's range as 0, and the
+        check failed); the step's terms so far go with them (a move between micro-batches). Values are kept."""
+        p, u = self._param, self.u
+        dt = torch.float64 if p.dtype == torch.float64 else torch.float32
+        if p.device == u.device and dt == u.dtype:
+            return
+        dev = p.device
+        self.u, self.v = u.to(dev, dt), self.v.to(dev, dt)
+        self._uvw, self._uv = {dt: (self.u, self.v, None)}, None
+        self.calls, self.grads, self.bounds = ([t.to(dev) for t in ts] for ts in (self.calls, self.grads, self.bounds))
+        self.elements = None if self.elements is None else self.elements.to(dev)
+
     def _add_elements(self, signed: torch.Tensor | None, tol: torch.Tensor | None) -> None:
         """Adds a call's shares (a gradient negated) and its tolerance to `elements`; None: it cannot be (`spoiled`)."""
         if signed is None or tol is None or self.spoiled:
@@ -163,6 +179,7 @@ class Projection:
         """One call's shares: their projection's terms (on the device; summed with every other check's in `verdicts`).
 
         `low`: the bfloat16/float16 the call ran in (a low-precision input or gradient, autocast), else None."""
+        self._follow()
         dtype = form.dtype if isinstance(form, Lazy) else form.rows.dtype if isinstance(form, Dense) else form.right.dtype
         terms = projection(form, *self.projector(dtype, isinstance(form, Dense)))
         if terms.numel() > FOLD_ABOVE:  # two numbers with the same sum and the same sum of |.|: P >= 0 and S - P <= 0
@@ -184,6 +201,7 @@ class Projection:
     def add_grad(self, grad: torch.Tensor) -> None:
         """A gradient reaching the parameter: u^T g v (two matrix-vector products: one read, no temporary of its size);
         in a low-precision step also |u|^T |g| |v| (one temporary of its size, the bound on its rounding)."""
+        self._follow()
         u, v = self.u, self.v
         if grad.dtype in _LOW:
             self.unit = max(self.unit, _unit(grad.dtype))
