@@ -248,11 +248,11 @@ class ParamTaps:
         """The parameters (`id`s) whose gradient in the backward ending now replaces their step sum: reset before it."""
         return self._cleared.intersection(self._part) if self._cleared else set()
 
-    def holds(self, param: nn.Parameter) -> bool:
+    def holds(self, param: torch.Tensor) -> bool:
         """Whether `param` is tapped."""
         return id(param) in self._held
 
-    def arrived(self, param: nn.Parameter, grad: torch.Tensor) -> None:
+    def arrived(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """A gradient an engine call of the strategy's own computed (`autograd_grad`): as the pre-hook would."""
         pid = id(param)
         if pid in self._held:
@@ -436,7 +436,7 @@ class ParamBackward:
             return
         for node, g in zip(self._others, grads[n:], strict=True):  # a tapped one whose slot holds a tensor made of it
             if g is not None and self._taps.holds(leaf := accumulator_leaf(node)):
-                self._taps.arrived(leaf, g)  # type: ignore[arg-type]
+                self._taps.arrived(leaf, g)
         accumulate(self._nodes, grads[:n])
         accumulate(self._others, grads[n:])
         self._others = []
