@@ -29,6 +29,7 @@ Knows nothing of Hydra, Parquet or the runner (import-linter checks it).
 | `per_example` | per-example norms of parameters (`PerExampleNorms`): each row's share of `.grad`, during backward |
 | `per_example_layers`, `per_example_math` | the supported layers' shares, and their row norms (ghost or materialised) |
 | `per_example_conv` | a convolution weight's share per row: ghost, im2col or one grouped convolution, by its shapes |
+| `per_example_hfnorms` | transformers' own RMSNorm classes, recognised by bytecode: each position's term of the weight's share |
 | `per_example_check` | the per-step check that a parameter's gradient is its calls' shares; the null rows' warning |
 
 Example::

@@ -37,12 +37,12 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
-from types import CodeType
 from typing import Any
 
 import torch
 from torch import nn
 
+from gradrunner.capturing.per_example_hfnorms import code_of
 from gradrunner.capturing.per_example_math import GRAM_COST, Lazy
 from gradrunner.capturing.torch_compat import version
 
@@ -68,7 +68,7 @@ def experts_reason(module: nn.Module) -> str | None:
     if impl not in FOLLOWED:
         return (f"{name} runs the experts implementation {impl!r}, whose kernels per-example norms do not follow "
                 f"(they follow {', '.join(FOLLOWED)})")  # fmt: skip
-    if impl == "eager" and _code(type(module).forward.__wrapped__) != _stock_eager():  # type: ignore[attr-defined]
+    if impl == "eager" and code_of(type(module).forward.__wrapped__) != _stock_eager():  # type: ignore[attr-defined]
         return f"{name}'s eager forward is not transformers' stock experts loop: its math is not known here"
     if getattr(module, "has_post_expert_norm", False):
         return f"{name} normalises each expert's output (has_post_expert_norm): not followed"
@@ -85,16 +85,11 @@ def implementation(module: nn.Module) -> str:
     return "eager" if impl is None else str(impl)
 
 
-def _code(fn: Any) -> tuple[Any, ...]:
-    code: CodeType = fn.__code__
-    return code.co_code, code.co_names, code.co_consts, code.co_varnames
-
-
 @functools.cache
-def _stock_eager() -> tuple[Any, ...]:
+def _stock_eager() -> tuple[Any, ...] | None:
     """The bytecode of transformers' stock eager experts loop (Mixtral's; 55 experts classes of transformers 5.24 share it)."""
     mixtral = importlib.import_module("transformers.models.mixtral.modeling_mixtral")
-    return _code(mixtral.MixtralExperts.forward.__wrapped__)
+    return code_of(mixtral.MixtralExperts.forward.__wrapped__)
 
 
 def routing(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int) -> tuple[Any, ...]:

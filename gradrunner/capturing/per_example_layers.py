@@ -12,6 +12,7 @@
 | `conv` | `nn.Conv1d/2d/3d` (any padding and padding mode, stride, dilation, groups) | per group, sum over output positions of g (outer) the input patch (`per_example_conv.ConvShare`) | sum over positions of g |
 | `embedding` | `nn.Embedding` (padding_idx rows get nothing, as in its backward) | sum_t onehot(id_t) (outer) g_t | - |
 | `layer_norm`, `rms_norm` | `nn.LayerNorm`, `nn.RMSNorm` | sum_t g_t * xhat_t (`Dense`) | sum_t g_t |
+| `hf_rms_norm`, ... (`per_example_hfnorms.KINDS`) | transformers' RMSNorm classes whose bytecode is Llama's, GPT-OSS's, Gemma's, Gemma3n's or T5's | sum_t g_t * h_t, h recomputed by that forward's ops (`per_example_hfnorms`) | - |
 | `group_norm` | `nn.GroupNorm` | per channel, sum over positions of g * xhat | per channel sum of g |
 | `batch_norm` | `nn.BatchNorm1d/2d/3d` in eval mode with running statistics | as group_norm | as group_norm |
 | `experts` | transformers' experts of 3-D parameters (`MixtralExperts`, ...: `per_example_experts`) on the batch's tokens flattened | per expert slice, sum over the row's tokens routed to it (`ExpertsShare`) | the same, of the output side |
@@ -44,6 +45,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from gradrunner.capturing import per_example_experts as experts
+from gradrunner.capturing import per_example_hfnorms as hfnorms
 from gradrunner.capturing.elements import tensors_in
 from gradrunner.capturing.per_example_conv import ConvShare
 from gradrunner.capturing.per_example_math import Dense, Factors, Form
@@ -56,6 +58,7 @@ ROLES: dict[str, tuple[str, ...]] = {
     "linear": ("weight", "bias"), "conv1d_hf": ("weight", "bias"), "conv": ("weight", "bias"),
     "embedding": ("weight",), "layer_norm": ("weight", "bias"), "rms_norm": ("weight",),
     "group_norm": ("weight", "bias"), "batch_norm": ("weight", "bias"), "experts": experts.ROLES,
+    **{kind: ("weight",) for kind in hfnorms.KINDS},
 }  # fmt: skip
 #: Kinds whose weight gradient is a matmul that autocast runs in its lower precision.
 _AUTOCAST_KINDS = frozenset({"linear", "conv1d_hf", "conv"})
@@ -112,8 +115,12 @@ def kind_of(module: nn.Module) -> tuple[str | None, str | None]:
     if experts.looks_like_experts(module):
         why = experts.experts_reason(module)
         return ("experts", None) if why is None else (None, why)
+    hf = hfnorms.hf_norm_kind(module)
+    if hf is not None:
+        return hf, None
     return None, (f"{t.__name__} is not a layer per-example norms support (Linear, transformers' Conv1D, Conv1d/2d/3d, "
-                  "Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm in eval mode, transformers' experts)")  # fmt: skip
+                  "Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm in eval mode, transformers' experts, transformers' "
+                  "RMSNorm classes whose forward is Llama's, GPT-OSS's, Gemma's, Gemma3n's or T5's)")  # fmt: skip
 
 
 def mixes_rows(module: nn.Module) -> str | None:
@@ -145,6 +152,10 @@ def call_reason(kind: str, module: nn.Module, x: torch.Tensor, rows: int) -> str
             return None
         return (f"called on tokens of shape {tuple(x.shape)} that are not the batch's {rows} rows flattened (a "
                 "row-major view of a tensor whose dim 0 is the batch): which row each token is cannot be told")  # fmt: skip
+    if kind in hfnorms.KINDS:
+        why = hfnorms.call_reason(module, x)
+        if why is not None:
+            return why
     least = {"group_norm": 2, "batch_norm": 2, "embedding": 1}.get(kind, 2)
     if isinstance(module, _CONVS):
         least = module.weight.dim()
@@ -181,8 +192,10 @@ def share(kind: str, module: nn.Module, role: str, call: Call, grad: torch.Tenso
     if kind == "experts":
         return experts.ExpertsShare(module, role, call.x, grad, call.extra, call.autocast, call.memo)
     dt = compute_dtype(call.x, grad)
-    x = call.x if call.autocast is None else call.x.to(call.autocast)
     b = call.rows or grad.shape[0]  # (the batch's tokens flattened: row i's tokens are its positions)
+    if kind in hfnorms.KINDS:  # (from the input and gradient as the call had them: their dtypes matter)
+        return _summed(hfnorms.terms(kind, module, call.x, grad).to(dt).reshape(b, -1, call.x.shape[-1]))
+    x = call.x if call.autocast is None else call.x.to(call.autocast)
     if kind in ("linear", "conv1d_hf"):
         g = _as(grad.reshape(b, 1, -1, grad.shape[-1]), dt)
         g_sq = None

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradrunner.capturing.per_example_hfnorms import KINDS
 from gradrunner.capturing.torch_compat import node_shape
 
 #: The kinds (`per_example_layers.kind_of`) whose share takes a call on the batch's tokens flattened.
-FLAT_KINDS = frozenset({"linear", "conv1d_hf", "embedding", "layer_norm", "rms_norm", "experts"})
+FLAT_KINDS = frozenset({"linear", "conv1d_hf", "embedding", "layer_norm", "rms_norm", "experts", *KINDS})
 #: Autograd nodes of a view or reshape of a whole tensor (which saves its input's sizes).
 VIEWS = frozenset({"ViewBackward", "UnsafeViewBackward", "ReshapeAliasBackward"})
 #: Autograd nodes of ops of one tensor operand acting on each element alone (casts, copies, activations, dropout).
