@@ -233,3 +233,30 @@ def test_a_weight_that_is_not_one_per_feature_is_null() -> None:
     model = Net(nn.Sequential(nn.Linear(4, 6), norm, nn.Linear(6, 3)))
     got, why = batched(model, {"x": torch.randn(B, 5, 4)}, sq_loss, all_params(model))
     assert got["body.1:weight"] is None and "shape (1,) is not one entry per feature" in str(why["body.1:weight"])
+
+
+def test_a_reference_class_patched_in_its_module_recognises_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Liger's `modeling_llama.LlamaRMSNorm = LigerRMSNorm` (another class under the reference's name): its modules are
+    not taken for Llama's math, nor are Llama's."""
+    from transformers.models.llama import modeling_llama
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from gradrunner.capturing import per_example_hfnorms
+
+    class Patched(nn.Module):
+        def __init__(self, hidden_size: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(hidden_size))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return self.weight * hidden_states
+
+    monkeypatch.setattr(modeling_llama, "LlamaRMSNorm", Patched)
+    per_example_hfnorms._reference.cache_clear()
+    try:
+        assert kind_of(Patched(6))[0] is None and kind_of(LlamaRMSNorm(6))[0] is None
+    finally:
+        monkeypatch.undo()
+        per_example_hfnorms._reference.cache_clear()
+    assert kind_of(LlamaRMSNorm(6)) == ("hf_rms_norm", None)

@@ -17,7 +17,8 @@ of that forward (bitwise what the call computed), and the product taken in the d
 The output's gradient g is cast to the product's dtype (promote(weight side, h)), as autograd's cast of the output
 does; each term g_t * h_t is that product, and the row's sum is taken in float32 (float64 for a float64 call). Not
 recognised (null with the reason): a subclass that overrides `forward` (or Gemma's `_norm`), a forward set on the
-instance (a hub kernel's), a weight that is not one entry per feature of the input's last dim.
+instance (a hub kernel's), any class while a reference is replaced in its module (Liger's patching), a weight
+that is not one entry per feature of the input's last dim.
 
 Only where transformers is already imported are its references looked at (imported then, once, cached).
 
@@ -59,13 +60,19 @@ def code_of(fn: Any) -> tuple[Any, ...] | None:
 
 @functools.cache
 def _reference(kind: str) -> tuple[tuple[Any, ...] | None, ...] | None:
-    """The reference class's methods' `code_of` (None where this transformers has no such class)."""
+    """The reference class's methods' `code_of` (None where this transformers has no such class, or where its methods
+    are not the ones its file defines: patched by a kernel library, Liger's `LlamaRMSNorm = LigerRMSNorm`)."""
     package, name, methods = FORMS[kind]
     try:
-        cls = getattr(importlib.import_module(f"transformers.models.{package}.modeling_{package}"), name)
+        module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+        cls = getattr(module, name)
     except (ImportError, AttributeError, RuntimeError):  # (transformers wraps a failed lazy import in a RuntimeError)
         return None
-    return tuple(code_of(getattr(cls, m, None)) for m in methods)
+    fns = [getattr(cls, m, None) for m in methods]
+    if not all(getattr(f, "__qualname__", None) == f"{name}.{m}" and getattr(getattr(f, "__code__", None), "co_filename",
+               None) == module.__file__ for f, m in zip(fns, methods, strict=True)):  # fmt: skip
+        return None
+    return tuple(code_of(f) for f in fns)
 
 
 def hf_norm_kind(module: nn.Module) -> str | None:
