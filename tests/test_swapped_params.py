@@ -40,6 +40,12 @@ def _swap_double(m: nn.Sequential) -> None:
         m.double()
 
 
+def _double_and_back(m: nn.Sequential) -> None:
+    """A cast there and back with no forward between: new accumulators, the same dtype, device and tensor."""
+    m.double()
+    m.float()
+
+
 def _rows_alone(model: nn.Module, chunks: tuple[torch.Tensor, ...], batch: int) -> dict[str, torch.Tensor]:
     """Each row alone through a copy of the model, its loss scaled to its share: the norm of its gradient."""
     ref, params = copy.deepcopy(model), {}
@@ -61,7 +67,9 @@ def _rows(recs: Any) -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize("cdata", [True, False], ids=["cdata", "fallback"])
 @pytest.mark.parametrize("micro", [1, 2])
-@pytest.mark.parametrize("change", [_swap, _swap_double], ids=["swap_tensors", "double_on_conversion"])
+@pytest.mark.parametrize(
+    "change", [_swap, _swap_double, _double_and_back], ids=["swap_tensors", "double_on_conversion", "double_and_back"]
+)
 def test_per_example_norms_of_a_swapped_parameter_match_each_row_alone(
     strategy: str, change: Callable[[nn.Sequential], None], micro: int, cdata: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -69,7 +77,9 @@ def test_per_example_norms_of_a_swapped_parameter_match_each_row_alone(
     after the swap it saw no gradient and the rows were null, "its modules' outputs got gradients but it did not",
     while `.grad` and the whole norm were right (2:weight, each row alone: 0.557, 0.471, ...). Hooked again on the new
     tensor now: the rows match each row alone through plain autograd, in every strategy, with accumulation too (and
-    with `torch_compat.tensor_impl`'s fallback forced: the accumulator node looked up)."""
+    with `torch_compat.tensor_impl`'s fallback forced: the accumulator node looked up). `model.double(); model.float()`
+    gives new accumulators with nothing else changed: the rows were null under `hook` and `retain_grad` (the whole
+    record "takes no part in the loss"); they match each row alone now."""
     monkeypatch.setitem(torch_compat.FEATURES, "tensor_cdata", cdata)
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(6, 4)

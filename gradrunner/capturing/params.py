@@ -12,10 +12,12 @@ reset, the one the optimiser steps with, and is reduced once, when the step's re
 (`ParamTaps.rows`).
 
 A held node stays the parameter's accumulator until the parameter changes dtype or device
-(`module.double()`, `p.data = <other dtype>`) or its tensor (`torch.utils.swap_tensors(p, new)` keeps the
-object): `check()` compares those once per forward and takes the edge again. Under DDP (`synced` given) a parameter's record is instead its `.grad` at the end of
-a backward that synchronised the gradients (the session's end-of-backward callback runs after DDP's
-finalize): the averaged gradient the optimiser uses.
+(`module.double()`, `p.data = <other dtype>`, also there and back: `model.double(); model.float()`) or its
+tensor (`torch.utils.swap_tensors(p, new)` keeps the object): `check()` compares those and the storage once
+per forward, looks the accumulator up where the storage was replaced, and takes the edge again if it changed.
+Under DDP (`synced` given) a parameter's record is instead its `.grad` at the end of a backward that
+synchronised the gradients (the session's end-of-backward callback runs after DDP's finalize): the averaged
+gradient the optimiser uses.
 
 Sharded parameters (`sharded=True`: the model holds `DTensor` parameters, FSDP2, HSDP or tensor
 parallel) are read the same way, `.grad` after a backward that synchronised, where "synchronised"
@@ -41,16 +43,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.dtensors import PieceNorm, is_dtensor, local_piece
 from gradrunner.capturing.extras import value_norms
 from gradrunner.capturing.grad_context import FROZEN, NO_PART, NOT_FILLED
+from gradrunner.capturing.held_edges import Held, take, valid
 from gradrunner.capturing.leaves import leaf_accumulators
 from gradrunner.capturing.taps import Tap
 from gradrunner.capturing.torch_compat import (
@@ -59,9 +60,7 @@ from gradrunner.capturing.torch_compat import (
     accumulate,
     accumulator_edge,
     accumulator_leaf,
-    gradient_edge,
     shares_memory,
-    tensor_impl,
 )
 from gradrunner.errors import GradrunnerError
 from gradrunner.records.columns import TapKey
@@ -92,26 +91,6 @@ def ddp_world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-@dataclass(eq=False)
-class _Held:
-    """One parameter's held gradient edge, the dtype, device and tensor (`swap_tensors`) it was taken for, its pre-hook."""
-
-    param: nn.Parameter
-    edge: Edge | None = None
-    meta: tuple[torch.dtype, torch.device, object] | None = None
-    handle: RemovableHandle | None = None
-
-
-def _take(held: _Held) -> None:
-    held.edge = gradient_edge(held.param)
-    held.meta = (held.param.dtype, held.param.device, tensor_impl(held.param))
-
-
-def _valid(held: _Held) -> bool:
-    p = held.param
-    return held.edge is not None and held.meta == (p.dtype, p.device, tensor_impl(p))
-
-
 class ParamTaps:
     """The session's parameter taps: `(tap, parameter)` pairs, tied parameters held once."""
 
@@ -134,9 +113,9 @@ class ParamTaps:
             synced = lambda: bool(self._fired)  # noqa: E731
         #: DDP: whether the backward that just ended synchronised the gradients (then `.grad` is read).
         self.synced = synced
-        self._held: dict[int, _Held] = {}
+        self._held: dict[int, Held] = {}
         for _, p in self.taps:
-            self._held.setdefault(id(p), _Held(p))
+            self._held.setdefault(id(p), Held(p))
         self._part: dict[int, torch.Tensor] = {}  # this backward's gradient, summed over its parts
         self._sum: dict[int, torch.Tensor] = {}  # the step's, summed over its backwards
         self._cleared: set[int] = set()  # those with a step sum whose `.grad` was reset since (`begin_backward`)
@@ -193,13 +172,13 @@ class ParamTaps:
             self._hook_unhooked()
             return
         for held in self._held.values():
-            if held.param.requires_grad and not _valid(held):
+            if held.param.requires_grad and not valid(held):
                 if held.handle is not None:
                     held.handle.remove()
-                _take(held)
+                take(held)
                 held.handle = held.edge[0].register_prehook(self._prehook(held))  # type: ignore[index]
 
-    def _prehook(self, held: _Held) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
+    def _prehook(self, held: Held) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
         pid = id(held.param)
         part, seen, capturing = self._part, self._seen, self._capturing
 
@@ -367,8 +346,8 @@ class ParamBackward:
 
     def __init__(self, params: Callable[[], list[nn.Parameter]], taps: ParamTaps, by_backward: bool) -> None:
         self._params, self._taps = params, taps
-        self._held: dict[int, _Held] = {}
-        self._order: list[_Held] = []
+        self._held: dict[int, Held] = {}
+        self._order: list[Held] = []
         #: the parameter list `_order` was built from, and the ids of its parameters
         self._for: list[nn.Parameter] | None = None
         self._param_ids: set[int] = set()
@@ -412,9 +391,9 @@ class ParamBackward:
                 continue
             h = held.get(id(p))
             if h is None or h.param is not p:
-                h = held[id(p)] = _Held(p)
-            if not _valid(h):
-                _take(h)
+                h = held[id(p)] = Held(p)
+            if not valid(h):
+                take(h)
             order.append(h)
         self._for, self._order = params, order
         self._param_ids = {id(p) for p in params}

@@ -10,6 +10,7 @@
 | `has_own_hooks(t)` | `t._backward_hooks`: `autograd_grad` reads a tap at its node only where the tensor has hooks | True: always read at the node |
 | `drop_hook_dict(t)` | `t._backward_hooks = None` where it holds no hook: after `torch.utils.swap_tensors(t, new)` the dict stays with the object, tied to the old tensor, and a hook registered into it never fires | False: the per-example check of a swapped parameter cannot hook it (its rows null); an emptied dict stays (a hook of yours added after a later swap does not fire) |
 | `tensor_impl(t)` | `t._cdata`: the C++ tensor the object holds, which `torch.utils.swap_tensors` swaps (a held accumulator is then another tensor's) | `t`'s accumulator node, looked up (~4 µs a parameter per forward) |
+| `storage_ref(t)`, `same_storage(t, ref)` | `t.untyped_storage()._cdata` against a `StorageWeakRef` held (while held, a freed storage's address is not reused): a parameter's storage replaced (`p.data = p.data.double()`, and back) is seen with one compare, its accumulator then looked up | never the same: the accumulator node looked up at each check (~4 µs a parameter per forward) |
 | `version(t)` | `t._version`: retain_grad reads `.grad` unless the tensor changed in place | None: assume it changed, read the gradient edge |
 | `writes_grad(node)` | `torch._C._FunctionBase`: a tap whose gradient flows into a custom Function's node is copied as it arrives | True: always copied |
 | `shares_memory(t)` | `torch._C._storage_Use_Count`: a kept gradient another tensor views (a leaf's `.grad`) is copied | True: always copied |
@@ -43,6 +44,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as checkpoint_module
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.hooks import RemovableHandle
 
 from gradrunner.capturing.leaves import accumulators_below
@@ -88,6 +90,7 @@ FEATURES: dict[str, bool] = {
     "tensor_hooks": hasattr(torch.zeros(()), "_backward_hooks"),
     "tensor_version": hasattr(torch.Tensor, "_version"),
     "tensor_cdata": hasattr(torch.zeros(()), "_cdata"),
+    "storage_cdata": hasattr(torch.zeros(()).untyped_storage(), "_cdata"),
     "sequence_nr": hasattr(torch.zeros((), requires_grad=True).exp().grad_fn, "_sequence_nr"),
     "is_view": hasattr(torch.Tensor, "_is_view"),
     "current_graph_task_id": _current_graph_task_id is not None,
@@ -224,6 +227,22 @@ def drop_hook_dict(tensor: torch.Tensor) -> bool:
 def tensor_impl(tensor: torch.Tensor) -> object:
     """What `tensor`'s object holds now (`swap_tensors` swaps it, keeping the object): its C++ address or accumulator."""
     return tensor._cdata if FEATURES["tensor_cdata"] else gradient_edge(tensor)[0]
+
+
+def storage_ref(tensor: torch.Tensor) -> StorageWeakRef | None:
+    """A weak reference to `tensor`'s storage, for `same_storage`; None where that is not readable (a wrapper subclass)."""
+    try:
+        return StorageWeakRef(tensor.untyped_storage()) if FEATURES["storage_cdata"] else None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def same_storage(tensor: torch.Tensor, ref: StorageWeakRef | None) -> bool:
+    """Whether `tensor` holds the storage `ref` was taken of (False where unknown: the caller looks further)."""
+    try:
+        return ref is not None and tensor.untyped_storage()._cdata == ref.cdata
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 def sequence_nr(node: Any) -> int:
