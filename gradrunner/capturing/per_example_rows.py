@@ -67,6 +67,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradrunner.capturing.node_marks import NodeMarks
 from gradrunner.capturing.per_example_dims import (
     MOVES,
     PUSHES,
@@ -80,7 +81,6 @@ from gradrunner.capturing.per_example_dims import (
     pushes_rows,
     tiles_rows,
 )
-from gradrunner.capturing.node_marks import NodeMarks
 from gradrunner.capturing.per_example_layers import storage, tensors_of
 from gradrunner.capturing.per_example_tokens import (
     ELEMENTWISE,
