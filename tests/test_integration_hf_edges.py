@@ -129,6 +129,102 @@ def test_a_training_forward_after_a_failed_train_ends_the_session(tmp_path: Path
     assert list(steps.loss) == pytest.approx(logged.losses, rel=1e-6)
 
 
+class Probe(transformers.TrainerCallback):
+    """A user's callback: a training-mode forward with gradients at `event` while train() runs (a saliency metric),
+    its loss and d loss / d c_fc.weight kept; `plain` (a copy with no hook) checks them bitwise on the spot."""
+
+    def __init__(self, event: str, plain: bool = False) -> None:
+        self.event, self.plain = event, plain
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _probe(self, model: nn.Module) -> None:
+        batch = torch.stack([d["input_ids"] for d in _data()[:2]])
+        model.train()
+        loss = model(input_ids=batch, labels=batch).loss
+        (grad,) = torch.autograd.grad(loss, model.transformer.h[0].mlp.c_fc.weight)
+        self.seen.append((loss.detach(), grad))
+        if self.plain:
+            copy = _gpt2()
+            copy.load_state_dict(model.state_dict())
+            copy.train()
+            loss2 = copy(input_ids=batch, labels=batch).loss
+            (grad2,) = torch.autograd.grad(loss2, copy.transformer.h[0].mlp.c_fc.weight)
+            assert torch.equal(loss, loss2) and torch.equal(grad, grad2)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        if self.event == "on_step_end":
+            self._probe(model)
+
+    def on_log(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+        if self.event == "on_log":
+            self._probe(model)
+
+
+@pytest.mark.parametrize("event", ["on_step_end", "on_log"])
+def test_a_callbacks_training_forward_while_train_runs_is_not_captured(tmp_path: Path, event: str) -> None:
+    """A user's callback runs a training forward (and autograd.grad) between the Trainer's steps: every step is
+    recorded (norms as plain hooks on a run without gradrunner read them, losses as the Trainer logs them), done.json
+    is written, and that forward's loss and gradient are bitwise those of the run without gradrunner."""
+    model, logged, probe = _gpt2(), Logged(), Probe(event)
+    norms = _output_grad_norms(model.transformer.h[0].mlp)
+    ref: list[float] = []
+
+    class Keep(transformers.TrainerCallback):  # the plain-hook norms of the Trainer's backwards, not the probe's
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            norms.clear()  # the probe's, between the steps
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            ref.extend(norms)
+
+    _train(transformers.Trainer(model=model, args=_args(tmp_path / "ref"), train_dataset=_data(),
+                                callbacks=[Keep(), logged, probe]))  # fmt: skip
+    cb, probe2 = GradientCaptureCallback(taps=[MLP], dir=tmp_path / "run"), Probe(event)
+    _train(transformers.Trainer(model=_gpt2(), args=_args(tmp_path / "hf"), train_dataset=_data(),
+                                callbacks=[probe2, cb]))  # fmt: skip
+    assert (tmp_path / "run" / "done.json").is_file()
+    grads, steps = load(tmp_path / "run"), load(tmp_path / "run", table="steps")
+    assert list(steps.step) == [0, 1, 2] and list(grads.sort_values("step").step) == [0, 1, 2]
+    assert len(ref) == 3 and list(grads.sort_values("step").norm) == pytest.approx(ref, rel=1e-6)
+    assert list(steps.loss) == pytest.approx(logged.losses, rel=1e-6)
+    # on_log: train()'s summary log too
+    assert len(probe2.seen) == len(probe.seen) == {"on_step_end": 3, "on_log": 4}[event]
+    for (loss, grad), (loss2, grad2) in zip(probe.seen, probe2.seen, strict=True):
+        assert torch.equal(loss, loss2) and torch.equal(grad, grad2)
+
+
+@pytest.mark.parametrize("order", ["capture first", "probe first"])
+def test_a_callbacks_forward_is_neither_hooked_nor_edited(tmp_path: Path, order: str) -> None:
+    """With a scale-0 edit on the MLP's output, a callback's forward and autograd.grad between the steps get the
+    gradient of a copy with no hook (checked in the probe), and the session records every step to done.json; the
+    per-example hooks (a `with_kwargs` pre-hook on the model) run before the capture closes for that forward."""
+    taps = [MLP, "transformer.h.0.mlp.c_fc:weight"]
+    cb = GradientCaptureCallback(taps=taps, dir=tmp_path / "run", edits=[{"tap": MLP, "scale": 0.0}], per_example=True)
+    probe = Probe("on_step_end", plain=True)
+    _train(transformers.Trainer(model=_gpt2(), args=_args(tmp_path / "hf"), train_dataset=_data(),
+                                callbacks=[cb, probe] if order == "capture first" else [probe, cb]))  # fmt: skip
+    assert len(probe.seen) == 3 and all(bool(g.abs().sum() > 0) for _, g in probe.seen)  # the edit would zero it
+    assert (tmp_path / "run" / "done.json").is_file()
+    assert list(load(tmp_path / "run", table="steps").step) == [0, 1, 2]
+    weight = load(tmp_path / "run").query("tap == @taps[1]").sort_values("step")
+    assert list(weight.step) == [0, 1, 2] and weight.per_example_norm.map(len).tolist() == [2, 2, 2]
+
+
+def test_a_forward_after_train_raised_ends_a_session_a_callbacks_forward_had_suspended(tmp_path: Path) -> None:
+    """A callback's forward at step 0's end, then train() raises there: the user's own forward afterwards ends the
+    session (step 0's records on disk, every hook gone) as after any train() that raised."""
+    model = _gpt2()
+    cb = GradientCaptureCallback(taps=[MLP], dir=tmp_path / "run")
+    with pytest.raises(RuntimeError, match="data went bad"):
+        _train(transformers.Trainer(model=model, args=_args(tmp_path / "hf"), train_dataset=_data(),
+                                    callbacks=[cb, Probe("on_step_end"), Fail(1)]))  # fmt: skip
+    batch = torch.stack([d["input_ids"] for d in _data()[:2]])
+    model.train()
+    model(input_ids=batch, labels=batch).loss.backward()
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert not (tmp_path / "run" / "done.json").exists()
+    assert list(load(tmp_path / "run", table="steps").step) == [0] and list(load(tmp_path / "run").step) == [0]
+
+
 def test_evaluation_between_steps_keeps_the_session(tmp_path: Path) -> None:
     """The Trainer's evaluation after a step (no_grad, eval mode) is no forward outside its steps: all steps kept."""
     cb = GradientCaptureCallback(taps=[MLP], dir=tmp_path / "run")

@@ -33,11 +33,13 @@ runs unchanged, nothing of transformers, accelerate or torch is patched:
   accumulation window leaves its micro-batches, which no optimiser step took, unwritten). The Trainer
   has no event for a `train()` that raised (an exception, Ctrl-C): then the session ends, keeping the
   completed steps' records without `done.json`, at the first training forward of the model outside
-  the Trainer's steps (the user goes on with the model: before that forward runs, every hook and edit
-  is removed), when the process exits, when the callback is garbage-collected, when the next `train()`
+  the Trainer's steps and its `train()` (`hf_frames.training`: the user goes on with the model; before that
+  forward runs, every hook and edit is removed), when the process exits, when the callback is garbage-collected, when the next `train()`
   into the same dir begins (with this or a new callback), or at `callback.close()`; the last word names
-  the error where it is in sight (`_trainer_error`). An error the session itself raises into `train()`
-  (`on_nonfinite="stop"`'s `NonFinite`, records that cannot be written) ends it at once, with that error;
+  the error where it is in sight (`trainer_error`). An error the session itself raises into `train()`
+  (`on_nonfinite="stop"`'s `NonFinite`, records that cannot be written) ends it at once, with that error.
+  A training forward of a callback's while `train()` runs (`on_step_end`, `on_log`, `on_evaluate`) is not
+  captured: the capture closes before it runs (no hook, tap or edit on it or its backward) until the next step;
 - `lr`/`lrs` are the rates of the step's optimizer step (`on_pre_optimizer_step`), `clipped` the
   logged `grad_norm` above `max_grad_norm`; `resume=True` with `train(resume_from_checkpoint=...)`
   keeps the records of the steps before the checkpoint's `global_step`, and seeded edits (`dropout`,
@@ -53,12 +55,10 @@ import contextlib
 import logging
 import math
 import os
-import sys
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -69,6 +69,7 @@ from gradrunner.capturing.owned import owned
 from gradrunner.capturing.taps import TapSpec
 from gradrunner.capturing.torch_compat import in_backward
 from gradrunner.errors import GradrunnerError
+from gradrunner.integrations.hf_frames import trainer_error, training
 from gradrunner.run.recording import CallbackOptions, Recorder
 from gradrunner.run.session_log import EndedOutside
 
@@ -95,6 +96,7 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         self._stack = contextlib.ExitStack()
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._run: _Run | None = None
+        self._watch: _Watch | None = None
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
@@ -120,7 +122,7 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         # close() ended it first.
         finalizer = weakref.finalize(self, _end_unfinished, stack, rec, run)
         try:
-            stack.enter_context(_watch_model(model, rec, run, finalizer))
+            watch = stack.enter_context(_watch_model(model, rec, run, finalizer))
             # resume=True with resume_from_checkpoint: the records before it kept, seeded edits drawn on from its backwards
             rec.start_at(state.global_step, _backwards_before(state.global_step, args.gradient_accumulation_steps,
                                                               train_dataloader))  # fmt: skip
@@ -128,7 +130,7 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
             finalizer.detach()
             stack.__exit__(type(e), e, None)
             raise
-        self.recorder, self._stack, self._run, self._finalizer = rec, stack, run, finalizer
+        self.recorder, self._stack, self._run, self._finalizer, self._watch = rec, stack, run, finalizer, watch
         if rec.main and args.fsdp and not _sharded(model):
             log.warning("the Trainer was asked for FSDP (TrainingArguments.fsdp) but trains the model unsharded (DDP): "
                         "accelerate turns FSDP on for accelerators only, not on CPU; the records are DDP's (parameter "
@@ -137,7 +139,16 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:  # fmt: skip
         self._flush()
-        if self._run is not None:
+        if self._run is not None and self._alive():
+            if self._run.suspended:  # a callback's forward between the steps closed the capture: the step's is on
+                assert self.recorder is not None and self._watch is not None
+                try:
+                    self.recorder.capture.__enter__()
+                except BaseException as e:
+                    self._close(e)
+                    raise
+                self._run.suspended = False
+                self._watch.last()  # after the session's own pre-hooks again
             self._run.in_step = True
 
     def on_pre_optimizer_step(
@@ -210,7 +221,7 @@ class GradientCaptureCallback(CallbackOptions, TrainerCallback):
         self._close(None)
 
     def _close(self, error: BaseException | None) -> None:
-        self.recorder, self._run = None, None
+        self.recorder, self._run, self._watch = None, None, None
         finalizer, self._finalizer = self._finalizer, None
         if finalizer is not None:
             finalizer.detach()
@@ -250,6 +261,7 @@ class _Run:
     ranks: bool = False  # several processes: the Trainer logs the ranks' mean, no rank's own loss
     filtered: bool = True  # `logging_nan_inf_filter`: the Trainer logs a stand-in for a micro-batch's NaN/Inf loss
     in_step: bool = False  # between on_step_begin and on_step_end
+    suspended: bool = False  # the capture is closed for a forward of a callback's between the steps, until the next
     lrs: list[float] | None = None
     grad_norm: float | None = None
     loss: float | None = None  # the Trainer's logged loss of the completed step, logged alone
@@ -325,34 +337,13 @@ def _write_completed(rec: Recorder, run: _Run) -> None:
 
 def _end_unfinished(stack: contextlib.ExitStack, rec: Recorder, run: _Run) -> None:
     """A session the Trainer never ended (its train() raised): the completed steps kept, ended by the error that
-    ended `train()` where it is in sight (`_trainer_error`), else as one the Trainer did not end."""
+    ended `train()` where it is in sight (`trainer_error`), else as one the Trainer did not end."""
     # the error itself is only named: passed through the session, a user's OSError would read as the records' own
-    end = EndedOutside(
-        "the session ended before the Trainer's train() did (no on_train_end)", _trainer_error(run.state)
-    )
+    end = EndedOutside("the session ended before the Trainer's train() did (no on_train_end)", trainer_error(run.state))
     try:
         _write_completed(rec, run)
     finally:
         stack.__exit__(EndedOutside, end, None)
-
-
-def _trainer_error(state: TrainerState) -> BaseException | None:
-    """The error that ended the `train()` whose state is `state`, where it can be seen: the one being handled (a
-    `close()` or a forward of the model in the `except` or `finally` around `train()`) or the process's last
-    uncaught one (at exit, a notebook's last error); its traceback passes through that Trainer's `train()`."""
-    seen = (sys.exc_info()[1], getattr(sys, "last_exc", None), getattr(sys, "last_value", None))
-    return next((e for e in seen if isinstance(e, BaseException) and _raised_in(e.__traceback__, state)), None)
-
-
-def _raised_in(tb: TracebackType | None, state: TrainerState) -> bool:
-    """Whether the traceback `tb` passes through the training loop of the Trainer whose state is `state`."""
-    while tb is not None:
-        frame = tb.tb_frame  # a frame the error left: its locals are kept as they were
-        if frame.f_code.co_name in ("train", "_inner_training_loop") and getattr(
-            frame.f_locals.get("self"), "state", None) is state:  # fmt: skip
-            return True
-        tb = tb.tb_next
-    return False
 
 
 def _backwards_before(step: int, accumulate: int, dataloader: Any) -> int | None:
@@ -390,32 +381,53 @@ def _distributed() -> tuple[Any, Callable[[], bool] | None]:
     return Distributed.joined(), lambda: bool(GradientState().sync_gradients)
 
 
+class _Watch:
+    """The callback's pre-hook on the model's forwards (`_watch_model`), kept the last to run."""
+
+    def __init__(self, model: nn.Module, before: Callable[[nn.Module, Any], None]) -> None:
+        self.model, self.before = model, before
+        self.handle = model.register_forward_pre_hook(owned(model, before))
+
+    def last(self) -> None:
+        """After the pre-hooks the session installed again: torch calls those it listed as the call began, one removed
+        by this hook too (a `with_kwargs` one then without its kwargs); closed after them, the session resets them."""
+        self.handle.remove()
+        self.handle = self.model.register_forward_pre_hook(owned(self.model, self.before))
+
+
 @contextlib.contextmanager
-def _watch_model(model: nn.Module, rec: Recorder, run: _Run, end: Callable[[], Any]) -> Iterator[None]:
+def _watch_model(model: nn.Module, rec: Recorder, run: _Run, end: Callable[[], Any]) -> Iterator[_Watch]:
     """The model's forwards as the session needs them: where the model's `loss` output is backpropagated, and
-    the first forward outside the Trainer's steps (`end()`: the session ends before it runs).
+    a training forward outside the Trainer's steps (none began since the last completed), which is not the Trainer's.
 
     The Trainer backpropagates the model's own loss times a constant (1/N under accumulation, a
     GradScaler's scale under fp16): that constant is the gradient backward brings to the model's loss.
-    A training forward (grad on, `model.training`) outside the Trainer's steps (none began since the last
-    completed) is not the Trainer's: its `train()` raised, the user goes on with the model; ending the
-    session there writes the completed steps and removes every hook and edit before that forward runs.
+    A training forward (grad on, `model.training`) outside the Trainer's steps while its `train()` runs is a
+    callback's (`on_step_end`, `on_log`, `on_evaluate`): the capture closes before it runs (no hook, tap or edit
+    touches it or its backward) until the next step begins. Outside `train()`, that `train()` raised and the
+    user goes on with the model: `end()` writes the completed steps and removes every hook and edit first.
     """
     engine = rec.engine
 
     def before(module: nn.Module, args: Any) -> None:
         outside = not run.in_step or run.completed(rec)  # no step of the Trainer began since the last completed
-        if outside and module.training and torch.is_grad_enabled() and not in_backward():
-            log.warning("a training forward of the model outside the Trainer's steps (after a train() that raised, or "
-                        "in a callback) is not the Trainer's: the session ends before it runs, keeping in %s the records "
-                        "of the steps the Trainer completed (global_step %d)", rec.directory, run.state.global_step)  # fmt: skip
-            end()
+        if not outside or not (module.training and torch.is_grad_enabled()) or in_backward():
+            return
+        if training(run.state):  # a callback's forward while train() runs: not captured, the session goes on
+            if not run.suspended:
+                run.suspended = True
+                rec.capture.close()
+            return
+        log.warning("a training forward of the model outside the Trainer's steps and its train() (which raised): the "
+                    "session ends before it runs, keeping in %s the records of the steps the Trainer completed "
+                    "(global_step %d)", rec.directory, run.state.global_step)  # fmt: skip
+        end()
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
         if not (module.training and torch.is_grad_enabled() and isinstance(loss, torch.Tensor)) or loss.grad_fn is None:
             return
-        if not run.trusted:  # the Trainer backpropagates another loss (`_Run.logged`)
+        if not run.trusted or run.suspended:  # the Trainer backpropagates another loss (`_Run.logged`); a callback's
             return
         value, nr = loss.detach().clone(), loss.output_nr  # a copy on the device: `loss *= k` after this is not in it
 
@@ -427,9 +439,9 @@ def _watch_model(model: nn.Module, rec: Recorder, run: _Run, end: Callable[[], A
         loss.grad_fn.register_prehook(backpropagated)
 
     # owned: a copy of the model made during training (a reference model) is not the Trainer's
-    handles = [model.register_forward_pre_hook(owned(model, before)), model.register_forward_hook(owned(model, hook))]
+    watch, handle = _Watch(model, before), model.register_forward_hook(owned(model, hook))
     try:
-        yield
+        yield watch
     finally:
-        for handle in handles:
-            handle.remove()
+        watch.handle.remove()
+        handle.remove()
