@@ -141,6 +141,98 @@ def test_the_walk_goes_past_ops_that_keep_the_shape(op: str, transposed: bool) -
         torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-12)
 
 
+class PastAProduct(nn.Module):
+    """`lin` on the batch's states with dim 0 transposed away (B == T) and then through a product whose output's dim 0 is
+    an operand's (a batched matmul, a convolution, `addmm`, `F.bilinear`, a norm with a weight, an upsampling, `glu`,
+    `prelu`); lin's output
+    transposed back."""
+
+    def __init__(self, op: str, transposed: bool) -> None:
+        super().__init__()
+        self.op, self.transposed = op, transposed
+        self.w, self.b = nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(3))
+        self.k, self.w3 = nn.Parameter(torch.randn(1, 1, 3)), nn.Parameter(torch.randn(3, 3, 3))
+        self.inp, self.lin, self.head = nn.Linear(3, 3), nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if not self.transposed:
+            return self.head(torch.tanh(self.lin(PRODUCTS[self.op](h, self))))  # type: ignore[no-any-return]
+        t = PRODUCTS[self.op](h.transpose(0, 1), self)
+        return self.head(torch.tanh(self.lin(t).transpose(0, 1)))  # type: ignore[no-any-return]
+
+
+PRODUCTS: dict[str, Callable[[torch.Tensor, PastAProduct], torch.Tensor]] = {
+    "conv1d": lambda t, m: F.conv1d(t.reshape(-1, 1, 3), m.k, padding=1).view(t.shape),
+    "bmm": lambda t, m: torch.bmm(t, m.w.expand(t.shape[0], 3, 3)),
+    "baddbmm": lambda t, m: torch.baddbmm(t, t, m.w.expand(t.shape[0], 3, 3)),
+    "matmul 3-D": lambda t, m: t @ m.w.expand(t.shape[0], 3, 3),
+    "einsum bij": lambda t, m: torch.einsum("btd,bde->bte", t, m.w.expand(t.shape[0], 3, 3)),
+    "addmm": lambda t, m: torch.addmm(m.b, t.reshape(-1, 3), m.w).view(t.shape),
+    "bilinear": lambda t, m: F.bilinear(t, t, m.w3),
+    "layer_norm(w)": lambda t, m: F.layer_norm(t, (3,), m.b, m.b),
+    "interpolate": lambda t, m: F.interpolate(t, size=6)[..., ::2], "glu": lambda t, m: F.glu(torch.cat([t, 2 * t], -1)),
+    "prelu": lambda t, m: F.prelu(t, m.b[:1]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("transposed", [True, False], ids=["B == T transposed", "B == T kept"])
+@pytest.mark.parametrize("op", list(PRODUCTS))
+def test_the_walk_finds_a_transpose_past_a_product(op: str, transposed: bool) -> None:
+    """Found 2026-11-28: the walk ended at a batched matmul or a convolution (README's 'not detected' list), so
+    `lin(bmm(h.transpose(0, 1), w))` with B == T got wrong numbers (lin's weight 2.79, 1.65, 2.09, 1.31 for true 0.66,
+    1.58, 1.26, 0.53; conv1d 2.54, 0.26, 0.33, 2.58 for 0.85, 0.74, 1.13, 0.94). Null now, the reason naming the product;
+    without the transpose every parameter stays exact."""
+    torch.manual_seed(0)
+    model, inputs = PastAProduct(op, transposed).double(), {"x": torch.randn(4, 4, 3, dtype=torch.float64)}
+    params = [p for p in all_params(model) if p[0].split(":")[0] in ("inp", "lin", "head")]
+    got, reasons = batched(model, inputs, _row_sq, params)
+    ref = reference(model, inputs, params)
+    assert separable(model, inputs)
+    names = ("lin:weight", "lin:bias", "head:weight", "head:bias") if transposed else ()
+    for name in names:
+        assert got[name] is None and "dim 0 was moved there" in str(reasons[name]), (name, reasons[name])
+    assert not transposed or "whose output's dim 0 is that operand's" in str(reasons["lin:weight"])
+    for name in [n for n, _, _ in params if n not in names]:
+        assert got[name] is not None, (name, reasons[name])
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-12)
+
+
+class StackedProduct(nn.Module):
+    """`lin` on a batched matmul of the batch's two summaries stacked over a new dim 0 (k == 2: the batch pushed to dim
+    1), or broadcast there, or stacked along dim 1 (the batch's rows kept); summed over the stack."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.w, self.b = how, nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(3))
+        self.inp, self.lin, self.head = nn.Linear(3, 3), nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        at = 1 if self.how == "stack(1)" else 0
+        s = torch.stack([h.mean(1), h.amax(1)], at) if self.how != "expand" else h.mean(1)[None].expand(2, -1, -1)
+        w = self.w.expand(s.shape[0], 3, 3)
+        p = torch.baddbmm(self.b, s, w) if self.how == "baddbmm" else torch.bmm(s, w)
+        return self.head(torch.tanh(self.lin(p).sum(at)))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["stack(0)", "expand", "baddbmm", "stack(1)"])
+def test_a_stack_over_a_new_dim_0_of_the_batch_size_past_a_batched_matmul(how: str) -> None:
+    """k == B == 2, found 2026-11-28: `lin(bmm(torch.stack([a, b]), w))` got numbers (lin's weight 2.46, 3.45 for true
+    0.30, 1.12), its dim 0 the stack's. Null now; stacked along dim 1 the rows are the batch's: exact."""
+    torch.manual_seed(0)
+    model, inputs = StackedProduct(how).double(), {"x": torch.randn(2, 5, 3, dtype=torch.float64)}
+    params = [p for p in all_params(model) if p[0].split(":")[0] in ("inp", "lin", "head")]
+    got, reasons = batched(model, inputs, _row_sq, params)
+    ref = loop(model, inputs, _row_sq, params)[0]
+    names = ("lin:weight", "lin:bias") if how != "stack(1)" else ()
+    for name in names:
+        assert got[name] is None and "pushed to dim 1" in str(reasons[name]), (name, reasons[name])
+    for name in [n for n, _, _ in params if n not in names]:
+        assert got[name] is not None, (name, reasons[name])
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-9, atol=1e-12)
+
+
 def reference(model: nn.Module, inputs: dict[str, torch.Tensor], params) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     """Each row's share: the whole batch's forward, row i's loss / B backwarded alone (`torch.autograd.grad`); norms."""
     out = model(**inputs)

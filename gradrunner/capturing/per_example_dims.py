@@ -7,6 +7,8 @@ it to dim 1 under a new one.
 - `moves_rows`: a transpose or permute that put in dim 0 a dim of the same size as the one it moved away (B == T);
 - `tiles_rows`: a repeat of a dim 0 of several rows;
 - `pushes_rows`: a stack along dim 0, or a broadcast of `h.unsqueeze(0)`, over a dim 0 of the same size (k == B);
+- `row_operands`: the operands of a product whose dim 0 is its output's (a batched matmul's, a convolution's input);
+- `keeps_rows`: whether a selection keeps dim 0's rows as its input's rows;
 - `of_parameter`: a parameter's leaf, or a view or cast of one.
 
 Example::
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from gradrunner.capturing.per_example_tokens import ROWWISE, SLICES, VIEWS, signed
@@ -39,6 +42,35 @@ PUSHES = frozenset({"StackBackward", "ExpandBackward", "RepeatBackward"})
 #: Autograd nodes of matrix products whose output's dim 0 is their first operand's (`h @ w` of a 2-D `h`, flattened
 #: tokens in a matmul; a batched product's batch dim): the walk follows that operand alone (not the matrix it multiplies).
 ROWS_OF_FIRST = frozenset({"MmBackward"})
+#: Autograd nodes of ops whose output's dim 0 is that of their operands at these positions (a batched matmul's batch:
+#: `bmm`, `baddbmm`, `matmul` and `einsum` of 3-D operands; `addmm`'s rows, `F.linear` with a bias; a convolution's, a
+#: pooling's, `F.bilinear`'s, a norm's with a weight; attention's `q, k, v`: `_SDPA`), where the walk ends for its
+#: other verdicts (a parameter's or tiled rows may be a factor broadcast over the batch: DeBERTa's relative positions
+#: `repeat`ed to B H rows in a `bmm`): `row_operands`.
+_CARRY: dict[str, tuple[int, ...]] = {
+    "BmmBackward": (0, 1), "BaddbmmBackward": (0, 1, 2), "AddmmBackward": (1,), "LinearBackward": (0,),
+    "ConvolutionBackward": (0,), "TrilinearBackward": (0, 2), "CdistBackward": (0,), "NativeLayerNormBackward": (0,),
+    "NativeGroupNormBackward": (0,), "PreluKernelBackward": (0,), "GluBackward": (0,), "Im2ColBackward": (0,),
+    "Col2ImBackward": (0,),
+}  # fmt: skip
+#: Name prefixes of nodes of one operand at position 0 that keep its dim 0 (pooling, upsampling), and of attention's.
+_POOLS, _SDPA = ("AvgPool", "MaxPool", "AdaptiveAvgPool", "AdaptiveMaxPool", "Upsample"), "ScaledDotProduct"
+
+
+def row_operands(node: Any, name: str) -> list[Any]:
+    """The operands of autograd node `node` (named `name`) whose dim 0 is its output's (`_CARRY`: a batched matmul's two,
+    a convolution's input), of the same size where the shapes are known (not `baddbmm`'s `self` broadcast over dim 0,
+    not `glu` along dim 0); none for other ops."""
+    at = _CARRY.get(name, (0, 1, 2) if name.startswith(_SDPA) else (0,) if name.startswith(_POOLS) else ())
+    out, found = node_shape(node, 0), []
+    for i in at:
+        n, nr = node.next_functions[i] if i < len(node.next_functions) else (None, 0)
+        shape = None if n is None else node_shape(n, nr)
+        if n is not None and (out is None or shape is None or (len(out) > 0 < len(shape) and shape[0] == out[0])):
+            found.append(n)
+    return found
+
+
 #: Autograd nodes of ops of one operand along the dims they save (`_saved_dim` or `_saved_dims`): along others than 0
 #: they leave each row of dim 0 its own (a roll or flip of the features, a softmax, a cumsum or sort along the sequence,
 #: a sum or mean over it).
@@ -192,3 +224,68 @@ def of_parameter(node: Any) -> bool:
             return False
         node = inputs[0]
     return False
+
+
+#: `keeps_rows`' answer for rows of a parameter picked by a batch-sized index tensor (`table[ids]`): the batch's rows
+#: if the ids are the batch's (given to the model, or made in the forward while B equals no other dim of its inputs).
+TABLE = "table"
+
+
+def keeps_rows(node: Any, name: str, rows: int) -> bool | str:
+    """Whether a selection keeps dim 0's rows as its input's rows: it picks along another dim, leaving a dim 0 of B
+    or B T rows as it is (`gather(-2, ...)`, `index_select(1, ...)`, `h[:, idx]`, `flat_tokens[..., idx]`:
+    `_grouped`), or picks `rows` rows out of a batch-sized dim 0 (`h[arange(B), last]`: one row per example; a reordering `x[perm]` is not
+    told apart, README). `TABLE` where it picks a parameter's rows by one index tensor of `rows` rows (`table[ids]`,
+    learned positions indexed by (B, T) position ids). Rows picked out of another dim 0 (a mixture of experts'
+    flattened tokens), by a mask over several dims, or by advanced indices apart after dim 0 (`h[:, i, :, j]`: numpy's
+    rule puts the index dims first, so dim 0 is the index's, whatever its size) are not the batch's; apart from dim 0
+    on (`h[arange(B), :, j]`) dim 0 is the first index's as when they are together (`h[arange(B), j]`)."""
+    if name == "GatherBackward":
+        saved, index = getattr(node, "_saved_self", None), getattr(node, "_saved_index", None)
+        if saved is None or index is None or saved.dim() == 0:
+            return False
+        along = signed(int(node._saved_dim)) % saved.dim() != 0  # (a shorter index would pick the first rows)
+        return along and index.shape[0] == saved.shape[0] and _grouped(node, saved.shape[0], rows)
+    if name == "IndexSelectBackward":
+        sizes = node._saved_self_sym_sizes
+        return bool(sizes) and signed(int(node._saved_dim)) % len(sizes) != 0 and _grouped(node, int(sizes[0]), rows)
+    if name == "IndexBackward":
+        indices, sizes = node._saved_indices, node._saved_self_sym_sizes
+        at = [i for i, index in enumerate(indices) if index is not None]
+        if not at:
+            return False
+        if at[0] > 0:  # dim 0 left as it is, unless the indices are apart (`h[:, i, :, j]`: their dims come first)
+            return at == list(range(at[0], at[-1] + 1)) and _grouped(node, int(sizes[0]), rows)
+        first = indices[0]
+        if first.dtype in (torch.bool, torch.uint8):
+            return bool(sizes) and int(sizes[0]) == rows and first.dim() == 1
+        if not _first_leads(indices):
+            return False  # dim 0 is another index's (`h[arange(B), j]` with j (B, 1): row a is h[b, j[a]] for every b)
+        if len(at) == 1 and first.dim() > 0 and first.shape[0] == rows and of_parameter(node.next_functions[0][0]):
+            return TABLE
+        return bool(sizes) and int(sizes[0]) == rows  # else picked out of a dim 0 of another size (`h[None, idx]`)
+    return False
+
+
+def _first_leads(indices: Any) -> bool:
+    """Whether the first index (on dim 0) gives the indices' broadcast shape, which leads the result, its dim 0:
+    broadcasting right-aligns shapes, so an index with more dims, or a longer dim 0 where it has as many, leads."""
+    first = indices[0]
+    return first.dim() > 0 and all(
+        i.dim() < first.dim() or (i.dim() == first.dim() and i.shape[0] in (1, first.shape[0]))
+        for i in indices[1:]
+        if i is not None
+    )
+
+
+def _grouped(node: Any, size: int, rows: int) -> bool:
+    """Whether a dim 0 of `size` that selection `node` leaves as it is (picking along another dim) holds the batch's
+    rows: `rows` of them, or the batch's tokens flattened (a view of a tensor whose dim 0 has `rows`: a later view back
+    to (B, ...) keeps each example's together); not a dim of another size (`h[None, idx]`'s 1, whose picked tokens a
+    reshape then makes rows; two batches concatenated)."""
+    if size == rows:
+        return True
+    src = node.next_functions[0][0] if node.next_functions else None
+    view = src is not None and src.name().rstrip("0123456789") in VIEWS
+    sizes: Any = getattr(src, "_saved_self_sym_sizes", None) if view else None
+    return bool(sizes) and rows > 0 and int(sizes[0]) == rows and size % rows == 0

@@ -20,7 +20,7 @@ from what the call's input is made of, cheaply (a few attribute reads per call, 
   expert's run of the sorted tokens, DeepSeek's `sorted_tokens[start:end]`): a mixture of experts' tokens
   routed to one expert (rows picked out of the batch's own rows, `h[arange(B), eos]`, `gather(-2, ...)`,
   `x[:, idx]`, also of the B T tokens flattened, keep them, and a parameter's rows picked by the batch's ids,
-  `table[position_ids]`, are the batch's: `_keeps_rows`); and an input made, by views, casts, activations, dropout or
+  `table[position_ids]`, are the batch's: `keeps_rows`); and an input made, by views, casts, activations, dropout or
   elementwise ops, from the output of a call whose batch-sized dim 0 was found a coincidence here (the
   expert's second Linear, a gated expert's `down(act(gate(t)) * up(t))`; not one whose dim 0 is another
   size, such as flattened tokens later reshaped back);
@@ -46,7 +46,9 @@ parameter). Below an op of several tensor operands only rows picked by indexing,
 batch's rows), and only if every operand passed gives the result its dim 0 (`same_rows`, shapes read then
 only: a bias or a (T, d) table broadcast over the batch are not its rows). Any other op (a matmul, a
 LayerNorm, an embedding lookup, whose ids autograd does not show) ends a branch with no verdict, so rows
-merged back into the batch (`index_add_` into a batch-shaped tensor) are the batch's again. Not told apart
+merged back into the batch (`index_add_` into a batch-shaped tensor) are the batch's again; past a product whose
+output's dim 0 is an operand's (`per_example_dims.row_operands`: a `bmm`, a convolution) only a dim 0 moved or pushed
+there counts (`_past`). Not told apart
 (README): coincidences made by ops that are not elementwise (`x_param @ w`, `cat` along dim 0), a frozen parameter's
 views (no autograd node), rows picked from a tensor that does not require grad, and a reordering of the
 batch's own rows (`x[perm]`).
@@ -73,23 +75,24 @@ from gradrunner.capturing.per_example_dims import (
     PUSHES,
     ROWS_OF_FIRST,
     SELECTS,
+    TABLE,
     UNARY,
     joins_rows,
     keeps_dim0,
+    keeps_rows,
     moves_rows,
     of_parameter,
     pushes_rows,
+    row_operands,
     tiles_rows,
 )
 from gradrunner.capturing.per_example_layers import storage, tensors_of
 from gradrunner.capturing.per_example_tokens import (
     ELEMENTWISE,
     ROWWISE,
-    VIEWS,
     WALK,
     flat_sources,
     same_rows,
-    signed,
     token_rows,
 )
 from gradrunner.capturing.torch_compat import node_shape
@@ -110,10 +113,16 @@ class RowOrigins:
         self.given: dict[int, tuple[int, int]] | None = None
         #: Then: those of fewer dims than the first (the batch's) with dim 0 of B, and the first's shape.
         self.fewer: dict[int, tuple[int, ...]] = {}
-        #: Output nodes of this forward's calls with no per-row share: why, and whether their rows were picked.
+        #: Output nodes of this forward's calls with no per-row share: why, whether their rows were picked, and whether
+        #: dim 0 was another of the same size (`moved`).
         self.made = NodeMarks()
         #: Whether the last `reason` found was rows picked by indexing, or a call on such rows (what `mark` keeps).
         self.picked = False
+        #: Whether it found a dim 0 moved or pushed there from another of the same size (B == T, k == B: a transpose, a
+        #: stack, an operand autograd does not show), or a call on such rows: what counts past a product (`_past`).
+        self.moved = False
+        #: Whether the last node judged had its dim 0 from an operand autograd does not show (`_hidden_operand`).
+        self.hidden = False
         #: Whether the last node judged picked a parameter's rows by ids whose dim 0 is the batch's (`TABLE`).
         self.table = False
         #: Output nodes of this forward's calls on the batch's tokens flattened (`judge`): so are the calls they feed.
@@ -176,7 +185,7 @@ class RowOrigins:
 
     def reason(self, kind: str, x: torch.Tensor) -> str | None:
         """Why the rows of `x` (whose dim 0 has the batch's size) are not the batch's, or None."""
-        self.picked, self.front = False, frozenset()
+        self.picked, self.moved, self.front = False, False, frozenset()
         first = self.fewer.get(storage(x))
         if first is not None:
             return (f"called on a tensor of shape {tuple(x.shape)} given to the model with fewer dims than its first input "
@@ -194,6 +203,7 @@ class RowOrigins:
         """Why the rows of `x`, an embedding's ids or a tensor without autograd history (its dim 0 of the batch's size),
         are not the batch's, or None: while the batch size equals another dim of a tensor given to the model, only a
         view of one that keeps its dim 0 (its size and stride: not `x.transpose(0, 1)` with B == T) is its rows."""
+        self.moved = True  # (what it finds: dim 0 may be another of the batch's size)
         if self.given is None and kind != "embedding" and x.dim() > self.ndim and x.shape[1] == x.shape[0]:
             return (f"called on a tensor of shape {tuple(x.shape)} made inside the forward without autograd history, with "
                     f"more dims than the model's first input ({self.ndim}) and a dim 1 of its dim 0's size, the batch's (a "
@@ -242,16 +252,17 @@ class RowOrigins:
         view, a cast or an activation is not called on batch rows either; nor, where that reason was rows picked by
         indexing (`picked`), one it feeds through an elementwise op with other operands (a gated expert's product)."""
         if output.grad_fn is not None:
-            self.made.set(output.grad_fn, (why, self.picked))
+            self.made.set(output.grad_fn, (why, self.picked, self.moved))
 
     def _walk(self, start: Any, shape: tuple[int, ...]) -> str | None:
         """The first reason found walking back from autograd node `start`, which made a tensor of `shape` (at most `WALK`
         nodes), or None."""
         seen: set[Any] = set()
-        self.picked = False
+        self.picked = self.moved = False
         #: (node, below an elementwise op of several tensor operands, the elementwise ops passed to reach it:
         #: (op, operand, its output number)); below any: no parameter verdict
         stack: list[tuple[Any, bool, tuple[tuple[Any, Any, int], ...]]] = [(start, False, ())]
+        past: list[tuple[Any, str, bool]] = []  # (an operand of a product giving it its dim 0, the product, several)
         while stack and len(seen) < WALK:
             node, several, via = stack.pop()
             if node is None or node in seen:
@@ -276,6 +287,38 @@ class RowOrigins:
                 stack.append((inputs[0][0], several, via))
             elif name in ROWS_OF_FIRST and node.next_functions[0][0] is not None:  # (h @ w: h's rows, not w's)
                 stack.append((node.next_functions[0][0], several, via))
+            elif all(nr < 0 or same_rows(op, n, nr) for op, n, nr in via):  # (a bmm, a convolution: `_past`)
+                past += [(n, node.name(), several) for n in row_operands(node, name)]
+        return self._past(past, seen, shape)
+
+    def _past(self, stack: list[tuple[Any, str, bool]], seen: set[Any], shape: tuple[int, ...]) -> str | None:
+        """The first dim 0 moved or pushed there from another of the same size (B == T, k == B: `moves_rows`, `pushes_rows`,
+        or a call's output `made` on one), walking back from the operands in `stack` of products that give their output
+        their dim 0 (`row_operands`: a batched matmul's, a convolution's input) at most `WALK` more nodes; or None. Only
+        that: past a product a parameter's rows or tiled rows may be a factor broadcast over the batch (DeBERTa's relative
+        positions `repeat`ed to B H rows in a `bmm`), and the layout that tells an operand autograd does not show is the
+        layer input's (`_hidden_operand`). Until 2026-11-28 the walk ended at a product: `lin(bmm(h.transpose(0, 1), w))`
+        with B == T got wrong numbers."""
+        walked = 0
+        while stack and walked < WALK:
+            node, product, several = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            walked += 1
+            name = node.name().rstrip("0123456789")
+            why = self._verdict(node, name, shape, False, several)
+            src = node.next_functions[0][0] if node.next_functions else None
+            if why is not None and self.moved and not self.hidden and not (name in MOVES and of_parameter(src)):
+                return f"{why} (through {product}, whose output's dim 0 is that operand's)"
+            inputs = [(n, nr) for n, nr in node.next_functions if n is not None]
+            if name in ELEMENTWISE or joins_rows(node, name):
+                stack += [(n, product, several or len(inputs) > 1) for n, nr in inputs if same_rows(node, n, nr)]
+            elif len(inputs) == 1 and (name in UNARY | SELECTS or keeps_dim0(node, name)):
+                stack.append((inputs[0][0], product, several))
+            else:
+                operands = [src] if name in ROWS_OF_FIRST else row_operands(node, name)
+                stack += [(n, product, several) for n in operands]
         return None
 
     def _verdict(self, node: Any, name: str, shape: tuple[int, ...], masked: bool, several: bool) -> str | None:
@@ -288,11 +331,12 @@ class RowOrigins:
         from ids made in the forward, are still the batch's rows)."""
         made = self.made.get(node)
         self.picked = name in SELECTS or (made is not None and made[1])
-        self.table = False
+        self.table = self.moved = self.hidden = False
         if made is not None and (self.picked or not several):
+            self.moved = made[2]
             return f"called on the output of a call whose rows are not the batch's ({made[0]})"
         if name in MOVES | PUSHES:  # (rows that are not the batch's beside any other operand, as picked rows)
-            self.picked = True
+            self.picked = self.moved = True
         if name in MOVES and moves_rows(node, name):
             return (f"called on a tensor of shape {shape} whose dim 0 was moved there ({name}: a transpose or permute) "
                     "from a dim of the same size as the dim 0 it moved away: which of them is the batch's cannot be told")  # fmt: skip
@@ -300,16 +344,17 @@ class RowOrigins:
             return (f"called on a tensor of shape {shape} whose dim 0 was added by {name} (a stack, or a broadcast of "
                     "unsqueeze(0)) over a tensor whose own dim 0, of the same size, it pushed to dim 1: which of them "
                     "is the batch's cannot be told")  # fmt: skip
+        self.moved = False
         if name in ELEMENTWISE and self.given is not None:
             hidden = self._hidden_operand(node, shape)
-            if hidden is not None:
-                self.picked = True
+            if hidden is not None:  # (`moved` for `mark`: `_past` reads no layout, and drops it by `hidden`)
+                self.picked = self.moved = self.hidden = True
                 return hidden
         if tiles_rows(node, name):
             return (f"called on a tensor of shape {shape} made from rows tiled along dim 0 ({name}: h.repeat(k, ...) of "
                     "several rows): copies of rows, not the batch's")  # fmt: skip
         self.picked = name in SELECTS or (made is not None and made[1])
-        keeps = _keeps_rows(node, name, shape[0]) if name in SELECTS else True
+        keeps = keeps_rows(node, name, shape[0]) if name in SELECTS else True
         if keeps == TABLE:
             self.table = self.given is None or _index(node) in self.given
             keeps = self.table
@@ -361,71 +406,6 @@ def _not_flat(kind: str, x: torch.Tensor, rows: int, why: str) -> str:
     return (f"called with an input of shape {tuple(x.shape)} whose dim 0 ({x.shape[0]}) is not the batch ({rows} rows), "
             f"nor provably its rows flattened (a row-major view of a tensor whose dim 0 is the batch, or a row-wise op of "
             f"one): {why}")  # fmt: skip
-
-
-#: `_keeps_rows`' answer for rows of a parameter picked by a batch-sized index tensor (`table[ids]`): the batch's rows
-#: if the ids are the batch's (given to the model, or made in the forward while B equals no other dim of its inputs).
-TABLE = "table"
-
-
-def _keeps_rows(node: Any, name: str, rows: int) -> bool | str:
-    """Whether a selection keeps dim 0's rows as its input's rows: it picks along another dim, leaving a dim 0 of B
-    or B T rows as it is (`gather(-2, ...)`, `index_select(1, ...)`, `h[:, idx]`, `flat_tokens[..., idx]`:
-    `_grouped`), or picks `rows` rows out of a batch-sized dim 0 (`h[arange(B), last]`: one row per example; a reordering `x[perm]` is not
-    told apart, README). `TABLE` where it picks a parameter's rows by one index tensor of `rows` rows (`table[ids]`,
-    learned positions indexed by (B, T) position ids). Rows picked out of another dim 0 (a mixture of experts'
-    flattened tokens), by a mask over several dims, or by advanced indices apart after dim 0 (`h[:, i, :, j]`: numpy's
-    rule puts the index dims first, so dim 0 is the index's, whatever its size) are not the batch's; apart from dim 0
-    on (`h[arange(B), :, j]`) dim 0 is the first index's as when they are together (`h[arange(B), j]`)."""
-    if name == "GatherBackward":
-        saved, index = getattr(node, "_saved_self", None), getattr(node, "_saved_index", None)
-        if saved is None or index is None or saved.dim() == 0:
-            return False
-        along = signed(int(node._saved_dim)) % saved.dim() != 0  # (a shorter index would pick the first rows)
-        return along and index.shape[0] == saved.shape[0] and _grouped(node, saved.shape[0], rows)
-    if name == "IndexSelectBackward":
-        sizes = node._saved_self_sym_sizes
-        return bool(sizes) and signed(int(node._saved_dim)) % len(sizes) != 0 and _grouped(node, int(sizes[0]), rows)
-    if name == "IndexBackward":
-        indices, sizes = node._saved_indices, node._saved_self_sym_sizes
-        at = [i for i, index in enumerate(indices) if index is not None]
-        if not at:
-            return False
-        if at[0] > 0:  # dim 0 left as it is, unless the indices are apart (`h[:, i, :, j]`: their dims come first)
-            return at == list(range(at[0], at[-1] + 1)) and _grouped(node, int(sizes[0]), rows)
-        first = indices[0]
-        if first.dtype in (torch.bool, torch.uint8):
-            return bool(sizes) and int(sizes[0]) == rows and first.dim() == 1
-        if not _first_leads(indices):
-            return False  # dim 0 is another index's (`h[arange(B), j]` with j (B, 1): row a is h[b, j[a]] for every b)
-        if len(at) == 1 and first.dim() > 0 and first.shape[0] == rows and of_parameter(node.next_functions[0][0]):
-            return TABLE
-        return bool(sizes) and int(sizes[0]) == rows  # else picked out of a dim 0 of another size (`h[None, idx]`)
-    return False
-
-
-def _first_leads(indices: Any) -> bool:
-    """Whether the first index (on dim 0) gives the indices' broadcast shape, which leads the result, its dim 0:
-    broadcasting right-aligns shapes, so an index with more dims, or a longer dim 0 where it has as many, leads."""
-    first = indices[0]
-    return first.dim() > 0 and all(
-        i.dim() < first.dim() or (i.dim() == first.dim() and i.shape[0] in (1, first.shape[0]))
-        for i in indices[1:]
-        if i is not None
-    )
-
-
-def _grouped(node: Any, size: int, rows: int) -> bool:
-    """Whether a dim 0 of `size` that selection `node` leaves as it is (picking along another dim) holds the batch's
-    rows: `rows` of them, or the batch's tokens flattened (a view of a tensor whose dim 0 has `rows`: a later view back
-    to (B, ...) keeps each example's together); not a dim of another size (`h[None, idx]`'s 1, whose picked tokens a
-    reshape then makes rows; two batches concatenated)."""
-    if size == rows:
-        return True
-    src = node.next_functions[0][0] if node.next_functions else None
-    view = src is not None and src.name().rstrip("0123456789") in VIEWS
-    sizes: Any = getattr(src, "_saved_self_sym_sizes", None) if view else None
-    return bool(sizes) and rows > 0 and int(sizes[0]) == rows and size % rows == 0
 
 
 def _index(node: Any) -> int:
