@@ -809,3 +809,40 @@ def test_a_dropped_forward_the_per_example_walk_marked_goes_too(
     assert [r[:4] for r in got] == [r[:4] for r in without]
     np.testing.assert_array_equal(got[1][4], without[1][4])
     assert not held, "the dropped forward's batch is still held once the backward began"
+
+
+def test_a_tap_whose_only_calls_were_dropped_keeps_its_not_called_row(strategy: str) -> None:
+    """A metric through a head the training forward does not call (`model.aux(x)`, gradients on, its output dropped),
+    then a training step: the head's tap got no row at all, where without the metric it is a row without gradient
+    ('module not called in this step'): its count of calls, moved down to 0 as the metric's call went, still named it
+    as fired. Reference: the same step without the metric; the body's norm against a plain tensor hook."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body, self.aux = nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x).pow(2).sum()
+
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    plain = Net()
+    want = plain.body(x)
+    want.retain_grad()
+    want.pow(2).sum().backward()
+
+    def rows(metric: bool) -> list[tuple[str, int, bool, Any, float]]:
+        model = Net()
+        with capture(model, ["body:output", "aux:output"], strategy=strategy) as cap:
+            if metric:
+                float(model.aux(x).sum())
+            cap.backward(model(x))
+            recs = cap.records()
+        return [(r["tap"], r["call"], r["has_grad"], r["reason"], r["norm"]) for r in map(recs.row, range(len(recs)))]
+
+    without, got = rows(metric=False), rows(metric=True)
+    assert [r[:4] for r in got] == [r[:4] for r in without] == [
+        ("body:output", 0, True, None), ("aux:output", 0, False, "module not called in this step")
+    ], got  # fmt: skip
+    assert got[0][4] == pytest.approx(float(want.grad.norm()), rel=1e-6)

@@ -90,7 +90,7 @@ class Firing:
         for slot in slots:
             if slot.late is not None:
                 self.attach_late(slot)
-        return slots, calls.keys()
+        return slots, [tap for tap, n in calls.items() if n]  # a tap whose calls all went with dropped forwards: none
 
     def attach_late(self, slot: Slot) -> None:
         """A leaf that did not require grad when its tap fired, turned on in place since by a hook that ran after the
