@@ -204,9 +204,9 @@ class Backwards:
         self._params.note_backward(explicit or fills_grad(self._all_params()) is not False)
         if self.edits is not None:
             self.edits.begin_backward()
-        # through the same forward as the last backward (retain_graph): no forward since, or none kept (a metric's)
-        since = self._forward_since_backward and not (self._retained is not None and self._firing.pending.none_since())
-        again = not since and not self._firing.slots
+        # the last forward again (retain_graph): no forward since, or none kept (`none_since`; `model[:2](x)` too)
+        dropped = self._retained is not None and self._firing.pending.none_since()
+        again = not (self._forward_since_backward and not dropped) and not self._firing.slots
         self.backward_index = self.backward_index + 1 if again else 0
         self._forward_since_backward = False
         if not self.enabled:
