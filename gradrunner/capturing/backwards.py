@@ -22,7 +22,6 @@ Example::
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,7 +34,7 @@ from gradrunner.capturing.elements import tensors_in
 from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_CALLED, not_assigned
 from gradrunner.capturing.open_sessions import refuse_inside_engine_call
 from gradrunner.capturing.params import ddp_world_size
-from gradrunner.capturing.per_example_check import PerExampleWarning, null_reason
+from gradrunner.capturing.per_example_check import settle_rows
 from gradrunner.capturing.recorded_norms import record_norm
 from gradrunner.capturing.stats import Collector
 from gradrunner.capturing.strategies import Slot
@@ -415,31 +414,10 @@ class Backwards:
             recs.micro_step = [None if m is None else m - self._restart_at for m in recs.micro_step]
         if recs.reason is None:
             recs.reason = [None] * len(recs)
-        if self._pex is not None:
-            self._settle_per_example(recs)
+        if self._pex is not None:  # a failed check's or overflowed rows become None, each left None named once
+            settle_rows(recs, set(self._params.keys), self._pex_reasons, self._pex_warned)
         self._new_step()
         return recs
-
-    def _settle_per_example(self: Capture, recs: StepRecords) -> None:  # type: ignore[misc]
-        """Parameter taps' rows after the transfer: a failed check's or overflowed become None; each left None named once,
-        with why, in a warning. `reason` stays null (the contract: it says why `has_grad` is false, and the
-        gradient itself is there)."""
-        assert recs.per_example_norm is not None and recs.reason is not None
-        params = set(self._params.keys)
-        reasons = dict(self._pex_reasons)
-        for i, key in enumerate(recs.keys):
-            if key not in params:
-                continue
-            why = null_reason(recs.per_example_norm[i], float(recs.stats["norm"][i]))
-            if why:
-                recs.per_example_norm[i], reasons[key.tap] = None, why
-            if recs.per_example_norm[i] is not None or not recs.has_grad[i]:
-                continue
-            why = reasons.get(key.tap) or "no per-example shares were computed"
-            if key.tap not in self._pex_warned:
-                self._pex_warned.add(key.tap)
-                warnings.warn(f"per_example_norm of parameter tap {key.tap} is null: {why}", PerExampleWarning,
-                              stacklevel=2)  # fmt: skip
 
     def _new_step(self: Capture) -> None:  # type: ignore[misc]
         self._backwards_in_step, self._restart_at, self._next_order, self._param_rows, self._edited = 0, 0, 0, None, {}

@@ -38,7 +38,9 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -46,6 +48,9 @@ from torch import nn
 
 from gradrunner.capturing import reductions
 from gradrunner.capturing.per_example_math import Dense, Factors, Form, Lazy, projection
+
+if TYPE_CHECKING:
+    from gradrunner.records.columns import StepRecords, TapKey
 
 #: |g's projection - the calls' projections| above this fraction of the projections' magnitudes: not all of it is theirs.
 CHECK_TOL = 1e-4
@@ -94,6 +99,26 @@ def null_reason(rows: np.ndarray | None, grad_norm: float) -> str | None:
     if failed(rows):
         return OUTSIDE
     return OVERFLOW if np.isfinite(grad_norm) and not np.isfinite(rows).all() else None
+
+
+def settle_rows(recs: StepRecords, params: Collection[TapKey], reasons: Mapping[str, str | None], warned: set[str]) -> None:
+    """Parameter taps' (`params`) rows after the transfer: a failed check's or overflowed become None; each left None
+    named once per session (`warned`, the taps named so far), with why (`reasons`: by tap, from the step), in a warning.
+    `reason` stays null (the contract: it says why `has_grad` is false, and the gradient itself is there)."""
+    assert recs.per_example_norm is not None and recs.reason is not None
+    reasons = dict(reasons)
+    for i, key in enumerate(recs.keys):
+        if key not in params:
+            continue
+        why = null_reason(recs.per_example_norm[i], float(recs.stats["norm"][i]))
+        if why:
+            recs.per_example_norm[i], reasons[key.tap] = None, why
+        if recs.per_example_norm[i] is not None or not recs.has_grad[i]:
+            continue
+        why = reasons.get(key.tap) or "no per-example shares were computed"
+        if key.tap not in warned:
+            warned.add(key.tap)
+            warnings.warn(f"per_example_norm of parameter tap {key.tap} is null: {why}", PerExampleWarning, stacklevel=2)
 
 
 def failed(rows: np.ndarray | torch.Tensor) -> bool:
