@@ -34,6 +34,7 @@ from gradrunner.capturing.elements import tensors_in
 from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_CALLED, not_assigned
 from gradrunner.capturing.open_sessions import refuse_inside_engine_call
 from gradrunner.capturing.params import ddp_world_size
+from gradrunner.capturing.pending import through_older
 from gradrunner.capturing.per_example_check import settle_rows
 from gradrunner.capturing.recorded_norms import record_norm
 from gradrunner.capturing.stats import Collector
@@ -76,6 +77,7 @@ class _Pass:
     explicit: bool = False  # run by `Capture.backward` (its end is known)
     retain_graph: bool = False
     armed: bool = False  # its end callback is queued (or cannot be)
+    older: int = 0  # the last backward's fired slots in front of `slots` (retain_graph), a forward held since: `_read`
     edited: dict[TapKey, torch.Tensor] = field(default_factory=dict)
 
 
@@ -213,7 +215,7 @@ class Backwards:
             self._forget_forward()
             self._pass = _Pass([], explicit=explicit, retain_graph=retain_graph, armed=explicit)
             return self._pass
-        retained, self._retained = self._retained, None
+        retained, self._retained, older = self._retained, None, 0
         fresh = not (again and retained is not None)
         if again and retained is not None:  # no forward since: this backward, through the same taps
             forward = retained
@@ -221,9 +223,13 @@ class Backwards:
                 slot.delivered = False
             fired: Collection[str] = {s.key.tap for s in forward}
         else:
-            if retained is not None:
-                self._release(retained)
             forward, fired = self._forward_slots()
+            if retained is not None and forward:  # a forward since, held: this backward may run through either graph
+                for slot in retained:
+                    slot.delivered = False
+                forward, older = [*retained, *forward], len(retained)
+            elif retained is not None:
+                self._release(retained)
         if self.loss_scale is not None:  # else `grad_scale` stays as the caller set it (None by default)
             scale = self.loss_scale()
             self.grad_scale = None if scale is None else torch.as_tensor(scale).detach().double().reciprocal()
@@ -235,7 +241,7 @@ class Backwards:
         base = self._next_order
         params = len(self._params.taps)
         self._next_order += len(forward) + params + len(unfired)
-        if base or not fresh:  # fresh slots are numbered from 0 in firing order already
+        if base or not fresh or older:  # fresh slots are numbered from 0 in firing order already
             for i, slot in enumerate(forward):
                 slot.order = base + i
         for i, slot in enumerate(unfired):
@@ -245,7 +251,7 @@ class Backwards:
             self._params.begin_backward()
         self.strategy.before_backward(forward)
         self._kept = {}
-        self._pass = _Pass([*forward, *unfired], base, len(forward), True, explicit, retain_graph, armed=explicit)
+        self._pass = _Pass([*forward, *unfired], base, len(forward), True, explicit, retain_graph, explicit, older=older)
         return self._pass
 
     def _end(self: Capture) -> None:  # type: ignore[misc]
@@ -266,6 +272,11 @@ class Backwards:
         if not p.captured:
             return
         self.strategy.after_backward(p.slots)
+        fired, unreached = p.slots[: p.fired], list[Slot]()
+        if p.older:  # which forward's backward it was shows in what arrived
+            p.slots, fired, gone, moved, unreached = through_older(p.slots, p.older, p.fired, self._firing.key)
+            self._release(gone)
+            self._collector.rekey(moved)
         parts = self._params.end_backward()
         if replacing and self._pex is not None:
             self._pex.drop(replacing)
@@ -293,10 +304,11 @@ class Backwards:
         if self.keep_grads:
             self._kept_grads(p.slots, parts)
         self._last = p.slots
-        if p.explicit and not p.retain_graph:
-            self._release(p.slots)  # the graph is freed: let go of the tensors and edges that hold it
+        if p.explicit and not p.retain_graph:  # the graph is freed: let go of the tensors and edges that hold it
+            self._release([s for s in p.slots if s not in unreached])
+            self._retained = unreached or None  # a held forward's graph it did not run through: not freed
         else:
-            self._retained = p.slots[: p.fired]  # a second backward through this forward may come
+            self._retained = fired  # a second backward through this forward may come
 
     def _abort(self: Capture) -> None:  # type: ignore[misc]
         """The session's own backward raised (or an entry found a step left by one before): none of it is recorded."""

@@ -13,7 +13,9 @@ backward begins, each such forward's slots let go of its graph too (a leaf a lat
 numbers); where something still holds an inner node or leaf (module state, a cache the next forward reads), a
 gradient may yet reach it there: its slots stay, watched through those nodes from then on (the forward goes as they
 go: the state reset, the cache dropped). A `create_graph` backward of the user's (a gradient penalty) keeps a
-forward's inner nodes in its own graph: nothing is dropped after one (`pin`).
+forward's inner nodes in its own graph: nothing is dropped after one (`pin`). A forward still held as a backward
+begins after a `retain_graph=True` one may wait past it: which graph that backward ran through shows as it ends
+(`through_older`).
 
 Example::
 
@@ -25,7 +27,7 @@ Example::
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +38,7 @@ from gradrunner.capturing.torch_compat import gradient_edge, sequence_nr
 
 if TYPE_CHECKING:
     from gradrunner.capturing.firing import Firing
+    from gradrunner.records.columns import TapKey
 
 
 def hook_held(handle: Any) -> bool:
@@ -86,6 +89,39 @@ def _upstream(nodes: Sequence[Any], slots: Sequence[Slot]) -> set[int]:
                 found.add(id(nxt))
             todo.append(nxt)
     return found
+
+
+def through_older(
+    slots: list[Slot], older: int, fired: int, key: Callable[[TapKey, int], TapKey]
+) -> tuple[list[Slot], list[Slot], list[Slot], dict[int, TapKey], list[Slot]]:
+    """A backward's `slots` as it ends, where it began with a forward since the last backward still held (its fired
+    slots `slots[older:fired]`) and the last backward's forward kept for another backward through its graph
+    (`retain_graph=True`; its slots `slots[:older]`): which graph it ran through shows in what arrived. Returns the
+    backward's slots, its fired ones, those let go of, the keys of the rows added already (by `order`) that change, and
+    the new forward's slots where it ran through the older graph alone (a later backward may yet run through theirs).
+
+    None of the older slots got a gradient: the backward is the new forward's (a GAN's generator loss after the
+    critic's), and the older slots go, without rows. One did (`loss.backward(retain_graph=True)`, a metric's forward
+    still held, `(2 * loss).backward()`): the older forward's calls are this backward's, as with no forward since, and
+    the new forward's come after them, numbered on from the older's calls of each tap (rows without gradient where
+    none reached them); a tap the new forward did not call has the older call's row, none saying it was not called.
+
+    Example::
+
+        slots, fired, gone, moved, unreached = through_older(p.slots, p.older, p.fired, firing.key)
+    """
+    before, new, unfired = slots[:older], slots[older:fired], slots[fired:]
+    if not any(s.delivered for s in before):
+        return [*new, *unfired], new, before, {}, []
+    calls: dict[str, int] = {}
+    for s in before:
+        calls[s.key.tap] = max(calls.get(s.key.tap, 0), s.key.call + 1)
+    moved: dict[int, TapKey] = {}
+    for s in new:
+        if s.key.tap in calls:
+            s.key = moved[s.order] = key(s.key, s.key.call + calls[s.key.tap])
+    unreached = [] if any(s.delivered for s in new) else new
+    return [*before, *new, *(s for s in unfired if s.key.tap not in calls)], [*before, *new], [], moved, unreached
 
 
 def _alive(ref: weakref.ref[_Sentinel] | None) -> bool:

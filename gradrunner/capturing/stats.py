@@ -145,6 +145,10 @@ class Collector:
             if self._sharded is not None:
                 self._sharded.discard(orders)
 
+    def rekey(self, keys: Mapping[int, TapKey]) -> None:
+        """The records at `keys`' orders under those keys instead (a call numbered again once its backward is known)."""
+        self._pending = [p._replace(key=keys[p.order]) if p.order in keys else p for p in self._pending]
+
     def _sharded_rows(self) -> ShardedRows:
         """The step's DTensor pieces (FSDP2, HSDP, TP), merged over the ranks in `finish`; made when the first comes."""
         if self._sharded is None:
@@ -337,15 +341,13 @@ class Collector:
         fits (no compiler, another dtype): the caller takes the torch path."""
         kernels = self._load_kernels()
         if self.histogram:
-            fh = self._cpu_hist.get(flat.dtype)
-            if fh is None:
+            if (fh := self._cpu_hist.get(flat.dtype)) is None:
                 return None
             row = self._next_row()
             counts = torch.zeros(HIST_BINS, dtype=torch.int64)
             fh(flat.data_ptr(), n, self._rows_at + row * _ROW_BYTES, counts.data_ptr())
             return row, counts
-        fn = kernels.get(flat.dtype)
-        if fn is None:
+        if (fn := kernels.get(flat.dtype)) is None:
             return None
         row = self._next_row()
         fn(flat.data_ptr(), n, self._rows_at + row * _ROW_BYTES)
@@ -363,8 +365,7 @@ class Collector:
     def _scratch_for(self, flat: torch.Tensor) -> torch.Tensor:
         """One reusable buffer per gradient size: the reductions' temporary, allocated once."""
         k = (flat.numel(), flat.dtype, flat.device)
-        buf = self._scratch.get(k)
-        if buf is None:
+        if (buf := self._scratch.get(k)) is None:
             buf = self._scratch[k] = torch.empty_like(flat)
         return buf
 
