@@ -604,6 +604,50 @@ def test_a_forward_held_between_two_backwards_through_one_graph_leaves_the_secon
     # the rest: the held forward's call in the second backward, where it took no part (none of the first's is lost)
     assert [r for r in rows if not r[2]] == [(1, 1, False)] * (then != "both") + [(2, 0, False)] * (own and then == "older_then_held")
 
+
+class _Gan(nn.Module):
+    """A generator and a critic, called one by one (no forward of the root)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.G = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.D = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1))
+
+
+@pytest.mark.parametrize("critic", ["detached", "retained"])
+@pytest.mark.parametrize("own", [False, True], ids=["cap_backward", "loss_backward"])
+def test_a_gan_steps_generator_backward_records_the_generators_call(strategy: str, own: bool, critic: str) -> None:
+    """`fake = G(z)`; the critic's backward through `D(real)` and `D(fake.detach())` (or `D(fake)` with
+    `retain_graph=True`); then the generator's, through a new `D(fake)` and the same `G(z)`. The generator's backward
+    recorded G's output as 'module not called in this step', no gradient, where plain tensor hooks see 0.0766: the
+    critic's backward had let go of G's slot (a `cap.backward` freeing a graph that never reached it, or a new forward
+    of D beginning). Now each backward has a row with gradient for every call a plain hook sees it reach, same norm."""
+    if own and strategy == "autograd_grad":
+        pytest.skip("refuses every backward it did not run: test_engine.py")
+    g = torch.Generator().manual_seed(2)
+    z, real = torch.randn(6, 3, generator=g), torch.randn(6, 4, generator=g)
+
+    def run(gan: _Gan, backward: Any) -> None:
+        fake = gan.G(z)
+        backward(gan.D(real).mean() - gan.D(fake.detach() if critic == "detached" else fake).mean(), critic == "retained")
+        backward(-gan.D(fake).mean(), False)
+
+    plain, seen = _Gan(), []
+    for name, module in (("G.0:output", plain.G[0]), ("D.0:output", plain.D[0])):
+        module.register_forward_hook(lambda _m, _a, out, name=name: out.register_hook(lambda g: seen[-1].append((name, float(g.norm())))) and None)  # fmt: skip
+    run(plain, lambda loss, retain: seen.append([]) or loss.backward(retain_graph=retain))
+    gan = _Gan()
+    with capture(gan, ["G.0:output", "D.0:output"], strategy=strategy) as cap:
+        run(gan, lambda loss, retain: loss.backward(retain_graph=retain) if own else cap.backward(loss, retain_graph=retain))  # fmt: skip
+        recs = cap.records()
+    rows = [(r["micro_step"], r["tap"], r["norm"]) for r in map(recs.row, range(len(recs))) if r["has_grad"]]
+    for micro, want in enumerate(seen):
+        got = sorted((tap, norm) for m, tap, norm in rows if m == micro)
+        assert [t for t, _ in got] == [t for t, _ in sorted(want)], (micro, rows)
+        np.testing.assert_allclose([n for _, n in got], [n for _, n in sorted(want)], rtol=1e-6)
+    assert ("G.0:output", "module not called in this step") not in [(recs.row(i)["tap"], recs.row(i)["reason"]) for i in range(len(recs))]
+
 class _HiddenStates(nn.Module):
     """Three layers returning the logits and every layer's hidden state (transformers' `output_hidden_states=True`):
     the hidden states before the last layer are upstream of the later layers' outputs."""

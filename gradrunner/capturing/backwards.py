@@ -272,9 +272,9 @@ class Backwards:
         if not p.captured:
             return
         self.strategy.after_backward(p.slots)
-        fired, unreached = p.slots[: p.fired], list[Slot]()
+        fired = p.slots[: p.fired]
         if p.older:  # which forward's backward it was shows in what arrived
-            p.slots, fired, gone, moved, unreached = through_older(p.slots, p.older, p.fired, self._firing.key)
+            p.slots, fired, gone, moved = through_older(p.slots, p.older, p.fired, self._firing.key)
             self._release(gone)
             self._collector.rekey(moved)
         parts = self._params.end_backward()
@@ -304,9 +304,10 @@ class Backwards:
         if self.keep_grads:
             self._kept_grads(p.slots, parts)
         self._last = p.slots
-        if p.explicit and not p.retain_graph:  # the graph is freed: let go of the tensors and edges that hold it
-            self._release([s for s in p.slots if s not in unreached])
-            self._retained = unreached or None  # a held forward's graph it did not run through: not freed
+        if p.explicit and not p.retain_graph:  # the graph it ran through is freed: let go of what holds it
+            kept = {id(s) for s in fired if not s.delivered}  # one it did not reach is not (`D(fake.detach())`'s G)
+            self._release([s for s in p.slots if id(s) not in kept])
+            self._retained = [s for s in fired if id(s) in kept] or None
         else:
             self._retained = fired  # a second backward through this forward may come
 

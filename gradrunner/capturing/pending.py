@@ -93,12 +93,11 @@ def _upstream(nodes: Sequence[Any], slots: Sequence[Slot]) -> set[int]:
 
 def through_older(
     slots: list[Slot], older: int, fired: int, key: Callable[[TapKey, int], TapKey]
-) -> tuple[list[Slot], list[Slot], list[Slot], dict[int, TapKey], list[Slot]]:
+) -> tuple[list[Slot], list[Slot], list[Slot], dict[int, TapKey]]:
     """A backward's `slots` as it ends, where it began with a forward since the last backward still held (its fired
     slots `slots[older:fired]`) and the last backward's forward kept for another backward through its graph
     (`retain_graph=True`; its slots `slots[:older]`): which graph it ran through shows in what arrived. Returns the
-    backward's slots, its fired ones, those let go of, the keys of the rows added already (by `order`) that change, and
-    the new forward's slots where it ran through the older graph alone (a later backward may yet run through theirs).
+    backward's slots, its fired ones, those let go of, and the keys of the rows added already (by `order`) that change.
 
     None of the older slots got a gradient: the backward is the new forward's (a GAN's generator loss after the
     critic's), and the older slots go, without rows. One did (`loss.backward(retain_graph=True)`, a metric's forward
@@ -108,11 +107,11 @@ def through_older(
 
     Example::
 
-        slots, fired, gone, moved, unreached = through_older(p.slots, p.older, p.fired, firing.key)
+        slots, fired, gone, moved = through_older(p.slots, p.older, p.fired, firing.key)
     """
     before, new, unfired = slots[:older], slots[older:fired], slots[fired:]
     if not any(s.delivered for s in before):
-        return [*new, *unfired], new, before, {}, []
+        return [*new, *unfired], new, before, {}
     calls: dict[str, int] = {}
     for s in before:
         calls[s.key.tap] = max(calls.get(s.key.tap, 0), s.key.call + 1)
@@ -120,8 +119,7 @@ def through_older(
     for s in new:
         if s.key.tap in calls:
             s.key = moved[s.order] = key(s.key, s.key.call + calls[s.key.tap])
-    unreached = [] if any(s.delivered for s in new) else new
-    return [*before, *new, *(s for s in unfired if s.key.tap not in calls)], [*before, *new], [], moved, unreached
+    return [*before, *new, *(s for s in unfired if s.key.tap not in calls)], [*before, *new], [], moved
 
 
 def _alive(ref: weakref.ref[_Sentinel] | None) -> bool:
