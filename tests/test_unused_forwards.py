@@ -605,6 +605,39 @@ def test_a_forward_held_between_two_backwards_through_one_graph_leaves_the_secon
     assert [r for r in rows if not r[2]] == [(1, 1, False)] * (then != "both") + [(2, 0, False)] * (own and then == "older_then_held")
 
 
+
+def test_an_edited_forward_held_between_two_backwards_through_both_graphs_is_recorded_edited(strategy: str) -> None:
+    """`0:output` clipped to norm 0.1; `backward(retain_graph=True)`, `out = model(x2)` held, then a backward through
+    both graphs: the edit clipped both calls' gradients, but the edited norms were kept by record key, the same
+    (call 0) for both until the backward ended: the held forward's row said `edited` False, `edited_norm` NaN. Each
+    row is now edited, `edited_norm` min(norm, 0.1) of the plain tensor hooks' norm."""
+    (x, y), (x2, _) = _batches(2)
+    plain, seen = _model(), []  # (backward, forward, norm)
+
+    def tapped(_m: nn.Module, _a: Any, out: torch.Tensor, forward: int) -> None:
+        out.register_hook(lambda g: seen.append((len(seen) > 0, forward, float(g.norm()))))
+
+    handle = plain[0].register_forward_hook(lambda m, a, out: tapped(m, a, out, 0))
+    loss = nn.functional.mse_loss(plain(x), y)
+    loss.backward(retain_graph=True)
+    handle.remove()
+    plain[0].register_forward_hook(lambda m, a, out: tapped(m, a, out, 1))
+    out = plain(x2)
+    (2 * loss + out.pow(2).sum()).backward()
+    norms = [n for _, _, n in sorted(seen)]  # backward 0's call, then backward 1's: the first forward's, the held one's
+    model = _model()
+    with capture(model, ["0:output"], strategy=strategy, edits=[{"tap": "0:output", "clip_norm": 0.1}]) as cap:
+        loss = nn.functional.mse_loss(model(x), y)
+        cap.backward(loss, retain_graph=True)
+        out = model(x2)
+        cap.backward(2 * loss + out.pow(2).sum())
+        recs = cap.records(loss)
+    assert [(r["micro_step"], r["call"], r["edited"]) for r in map(recs.row, range(len(recs)))] == [
+        (0, 0, True), (1, 0, True), (1, 1, True)
+    ]  # fmt: skip
+    np.testing.assert_allclose(recs.stats["norm"], norms, rtol=1e-6)
+    np.testing.assert_allclose(recs.edited_norm, np.minimum(norms, 0.1), rtol=1e-5)
+
 class _Gan(nn.Module):
     """A generator and a critic, called one by one (no forward of the root)."""
 

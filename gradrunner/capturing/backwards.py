@@ -289,8 +289,8 @@ class Backwards:
                 self._collector.add(slot.key, None, order=slot.order, value_norm=slot.value_norm, micro=micro,
                                     reason=slot.reason)  # fmt: skip
         if self.edits is not None:
-            orders = {s.key: s.order for s in p.slots}
-            self._edited.update((orders[k], n) for k, n in self.edits.norms.items() if k in orders)
+            orders = {s.order for s in p.slots}
+            self._edited.update((o, n) for o, n in self.edits.norms.items() if o in orders)
             self.edits.last_arrived = arrived
         self._collector.flush()  # the backward's small gradients, reduced together; let go of them
         if restart and self._backwards_in_step:  # the backwards before it are in no `.grad` (`Capture._note_end`)

@@ -69,7 +69,6 @@ from gradrunner.capturing.torch_compat import drop_hook_dict, tensor_impl
 from gradrunner.config.edits import OPERATIONS as OPERATIONS
 from gradrunner.config.edits import Edit, Mask, parse_edits
 from gradrunner.errors import GradrunnerError
-from gradrunner.records.columns import TapKey
 
 if TYPE_CHECKING:
     from gradrunner.capturing.strategies.base import Slot
@@ -139,7 +138,7 @@ class Edits:
       for a value that cannot carry a gradient);
     - `begin_backward()` at the start of each backward (the step number that seeds random edits),
       `end_backward()` at its end;
-    - `norms`: the edited activation gradients' norms of the backward, by record key (0-d, on the device);
+    - `norms`: the edited activation gradients' norms of the backward, by record `order` (0-d, on the device);
     - `step_arrived(param)`: an edited parameter's gradient as it arrived (before the edit), summed over
       the step's backwards, for its record (`forget_step()` once the step's records are taken).
     """
@@ -172,8 +171,9 @@ class Edits:
                     self._add_param(edit, tap, getattr(modules[tap.module], tap.name))
         self.step = -1  # becomes 0 at the first backward
         self._running = False  # between `begin_backward` and `end_backward`: backward `step` runs
-        #: edited norms of the backward in progress (then: the last one), by record key
-        self.norms: dict[TapKey, torch.Tensor] = {}
+        #: edited norms of the backward in progress (then: the last one), by record `order` (one key may be two calls'
+        #: until the backward ends: a held forward's and a `retain_graph` one's, `pending.through_older`)
+        self.norms: dict[int, torch.Tensor] = {}
         #: parameters' gradients as they arrived (before the edit), summed over the backward's parts
         self._arrived: dict[int, torch.Tensor] = {}
         #: ... and over the step's backwards (gradient accumulation)
@@ -350,7 +350,7 @@ class Edits:
             at = slot.key.call if slot is not None else call if isinstance(call, int) else call()
             new = (apply_sharded if is_dtensor(grad) else apply_all)(edits, grad, self.seed, step, tap, at)
             if slot is not None:  # into the norms of the backward running now (a second one too)
-                self.norms[slot.key] = record_norm(new)
+                self.norms[slot.order] = record_norm(new)
             return new
 
         return edit

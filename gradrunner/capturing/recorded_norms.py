@@ -43,7 +43,7 @@ def record_norm(t: torch.Tensor) -> torch.Tensor:
 
     Example::
 
-        self.norms[key] = record_norm(edited)
+        self.norms[order] = record_norm(edited)
     """
     if is_dtensor(t):
         from gradrunner.capturing.sharded import mergeable_norm  # DTensor's machinery: only where one is
