@@ -34,7 +34,7 @@ from gradrunner.capturing.elements import tensors_in
 from gradrunner.capturing.grad_context import CHANGED_IN_PLACE, GRAPH_FREED, NO_PART, NOT_CALLED, not_assigned
 from gradrunner.capturing.open_sessions import refuse_inside_engine_call
 from gradrunner.capturing.params import ddp_world_size
-from gradrunner.capturing.pending import through_older
+from gradrunner.capturing.pending import holds, through_older
 from gradrunner.capturing.per_example_check import settle_rows
 from gradrunner.capturing.recorded_norms import record_norm
 from gradrunner.capturing.stats import Collector
@@ -224,12 +224,12 @@ class Backwards:
             fired: Collection[str] = {s.key.tap for s in forward}
         else:
             forward, fired = self._forward_slots()
-            if retained is not None and forward:  # a forward since, held: this backward may run through either graph
-                for slot in retained:
-                    slot.delivered = False
-                forward, older = [*retained, *forward], len(retained)
-            elif retained is not None:
-                self._release(retained)
+            # a forward since, held: this backward may run through either graph, where the older one's nodes live
+            live = [s for s in retained if holds(s)] if retained is not None and forward else []
+            for slot in live:
+                slot.delivered = False
+            forward, older = [*live, *forward], len(live)
+            self._release([s for s in retained or () if s not in live])
         if self.loss_scale is not None:  # else `grad_scale` stays as the caller set it (None by default)
             scale = self.loss_scale()
             self.grad_scale = None if scale is None else torch.as_tensor(scale).detach().double().reciprocal()

@@ -46,7 +46,7 @@ def hook_held(handle: Any) -> bool:
     return handle.hooks_dict_ref() is not None
 
 
-def _holds(slot: Slot) -> bool:
+def holds(slot: Slot) -> bool:
     """Whether `slot`'s node may still exist: held by the slot itself (a strategy that cannot let go), or holding the
     slot's hook."""
     return (slot.edge is not None and slot.edge[0] is not None) or (slot.handle is not None and hook_held(slot.handle))  # type: ignore[index]
@@ -280,7 +280,7 @@ class PendingForwards:
             self.let_go(f.slots)
         # a forward whose inner nodes something still holds may yet get gradients through them: its slots stay, until
         # those nodes go too (the state reset, the cache dropped)
-        gone = [f for f in freed if not any(_holds(s) or id(s) in waiting for s in f.slots) and not _alive(f.returned)]
+        gone = [f for f in freed if not any(holds(s) or id(s) in waiting for s in f.slots) and not _alive(f.returned)]
         for f in freed:
             if f not in gone and (sentinel := sentinels[id(f)]) is not None:
                 f.alive = weakref.ref(sentinel, self._went)
