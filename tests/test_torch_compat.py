@@ -230,3 +230,85 @@ def test_compiled_module_fallback_leaves_fullgraph_undetected(monkeypatch: pytes
     assert not torch_compat.compiled_fullgraph(model)
     monkeypatch.setitem(torch_compat.FEATURES, "compiled_module", False)
     assert not torch_compat.compiled_fullgraph(torch.compile(model, fullgraph=True))
+
+
+class _TransposedThenFlat(nn.Module):
+    """A layer on the input, one past a transpose of dims 1 and 2, one on the batch's tokens flattened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second, self.flat = nn.Linear(4, 4), nn.Linear(3, 3), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        h = self.second(h.transpose(1, 2)).transpose(1, 2)
+        return self.flat(h.reshape(-1, 4)).view(x.shape[0], -1)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("hidden", [(), ("view_base",), ("saved_values",), ("saved_values", "view_base")])
+def test_without_autograd_nodes_saved_values_a_walk_that_reads_one_is_null(
+    hidden: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-example norms' walk reads what autograd nodes saved (`Node._saved_<name>`: a transpose's dims, a view's
+    sizes) and a view's base (`Tensor._base`), through `node_compat`. Without them: the layer on the model's input
+    (no walk) is exact, the calls whose verdict needs a saved value are null naming the node, never a guess; without
+    the base alone, the flattened tokens are told from the view's node: exact. Reference: the per-example loop."""
+    from per_example_reference import all_params, assert_matches, batched, loop, sq_loss
+
+    model, x = _TransposedThenFlat().double(), torch.randn(2, 3, 4, dtype=torch.float64)
+    params = all_params(model)
+    ref = loop(model, {"x": x}, sq_loss, params)[0]
+    for feature in hidden:
+        monkeypatch.setitem(torch_compat.FEATURES, feature, False)
+    got, reasons = batched(model, {"x": x}, sq_loss, params)
+    walked = ("second:weight", "second:bias", "flat:weight", "flat:bias")
+    if "saved_values" in hidden:
+        for name in walked:
+            assert got[name] is None and "saved values" in str(reasons[name]), (name, reasons[name])
+        assert "TransposeBackward" in str(reasons["second:weight"])
+        ref = {n: r for n, r in ref.items() if n not in walked}
+    assert_matches(got, ref, reasons)
+
+
+#: Attributes of torch objects that are torch's internals (`_saved_dim0`, `_saved_self_sym_sizes`: every `_saved_`).
+_PRIVATE = ("_saved_", "_input_metadata", "_sequence_nr", "_cdata", "_version", "_backward_hooks", "_is_view", "_base",
+            "_orig_mod", "_get_active_ddp_module", "_execution_engine", "_storage_Use_Count", "_foreach_")  # fmt: skip
+
+
+def test_torch_internals_are_read_only_in_torch_compat_and_node_compat() -> None:
+    """README ("Torch internals"): every use of a private torch API is in `capturing/torch_compat.py` (autograd nodes'
+    own in `capturing/node_compat.py`), each with a fallback a test forces. Until 2026-11-28 the per-example walk read
+    autograd nodes' `_saved_*` values and `Tensor._base` in three other modules, with no fallback."""
+    import ast
+    from pathlib import Path
+
+    import gradrunner
+
+    root = Path(gradrunner.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name in ("torch_compat.py", "node_compat.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = None
+            if isinstance(node, ast.Attribute):
+                name = node.attr
+                if (
+                    isinstance(node.value, ast.Name)
+                    and node.value.id == "torch"
+                    and name.startswith("_")
+                    and name[1] != "_"
+                ):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} torch.{name}")
+                    continue
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+            ):
+                arg = node.args[1] if len(node.args) > 1 else None
+                name = arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+            if name is not None and any(name == p or (p.endswith("_") and name.startswith(p)) for p in _PRIVATE):
+                found.append(f"{path.relative_to(root)}:{node.lineno} {name}")
+    assert not found, found

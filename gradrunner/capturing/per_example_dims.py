@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradrunner.capturing.node_compat import node_saved, node_shape
 from gradrunner.capturing.per_example_tokens import ROWWISE, SLICES, VIEWS, signed
-from gradrunner.capturing.torch_compat import node_shape
 
 #: Autograd nodes whose output rows are rows of their input picked by an index tensor.
 SELECTS = frozenset({"IndexBackward", "IndexSelectBackward", "GatherBackward", "MaskedSelectBackward", "TakeBackward"})
@@ -87,10 +87,10 @@ def moves_rows(node: Any, name: str) -> bool:
     if out is not None and len(out) < 2:
         return False  # (a 0-d or 1-d tensor's transpose moves nothing)
     if name == "PermuteBackward":
-        dims = [signed(int(d)) for d in node._saved_dims]
+        dims = [signed(int(d)) for d in node_saved(node, "dims")]
         moved = [d % len(dims) for d in dims]
         return len(dims) > 1 and moved[0] != 0 and (out is None or out[moved.index(0)] == out[0])
-    d0, d1 = (0, 1) if name == "TBackward" else (signed(int(node._saved_dim0)), signed(int(node._saved_dim1)))
+    d0, d1 = (0, 1) if name == "TBackward" else (signed(int(node_saved(node, d))) for d in ("dim0", "dim1"))
     if out is None:
         return 0 in (d0, d1) or d0 < 0 or d1 < 0
     d0, d1 = d0 % len(out), d1 % len(out)
@@ -103,10 +103,10 @@ def pushes_rows(node: Any, name: str, rows: int) -> bool:
     are unknown and that may be."""
     out = node_shape(node, 0)
     if name == "StackBackward":
-        d = signed(int(node._saved_dim))
+        d = signed(int(node_saved(node, "dim")))
         return (d <= 0) if out is None else d % len(out) == 0 and len(out) > 1 and out[1] == rows
     src = node.next_functions[0][0] if node.next_functions else None
-    sizes = [int(n) for n in node._saved_self_sym_sizes]
+    sizes = [int(n) for n in node_saved(node, "self_sym_sizes")]
     if src is None or not sizes or of_parameter(src):
         return False
     if out is not None and len(out) > len(sizes):  # new leading dims (`h.expand(k, *h.shape)`): h's dim 0 went further
@@ -119,7 +119,7 @@ def tiles_rows(node: Any, name: str) -> bool:
     later view may make dim 0 of any size)."""
     if name != "RepeatBackward":
         return False
-    sizes, repeats = node._saved_self_sym_sizes, node._saved_repeats
+    sizes, repeats = node_saved(node, "self_sym_sizes"), node_saved(node, "repeats")
     return 0 < len(sizes) == len(repeats) and int(sizes[0]) > 1 and int(repeats[0]) > 1
 
 
@@ -134,11 +134,11 @@ def _unsqueezed(node: Any, rows: int) -> bool:
         src, nr = inputs[0]
         shape = node_shape(src, nr)
         if name == "UnsqueezeBackward":
-            d = signed(int(node._saved_dim))
+            d = signed(int(node_saved(node, "dim")))
             first = d == 0 or (d < 0 and (shape is None or d % (len(shape) + 1) == 0))
             return first and (shape is None or (len(shape) > 0 and shape[0] == rows)) and not of_parameter(src)
         if name in VIEWS:
-            sizes, out = tuple(int(n) for n in node._saved_self_sym_sizes), node_shape(node, 0)
+            sizes, out = tuple(int(n) for n in node_saved(node, "self_sym_sizes")), node_shape(node, 0)
             if out is not None and sizes and out == (1, *sizes):
                 return sizes[0] == rows and not of_parameter(src)
         node = src
@@ -150,7 +150,7 @@ def joins_rows(node: Any, name: str) -> bool:
     operand's, as for an elementwise op; True where the shapes are unknown and the dim is not 0."""
     if name not in ("CatBackward", "StackBackward"):
         return False
-    out, d = node_shape(node, 0), signed(int(node._saved_dim))
+    out, d = node_shape(node, 0), signed(int(node_saved(node, "dim")))
     return d != 0 if out is None else len(out) > 1 and d % len(out) != 0
 
 
@@ -159,22 +159,22 @@ def keeps_dim0(node: Any, name: str) -> bool:
     transpose of two other dims, a broadcast of another dim), or a roll or flip kept dim 0 there (reordered along it, as
     `x[perm]` is: not told apart), or an op acted along other dims only: the walk goes on below it."""
     if name == "PermuteBackward":
-        return signed(int(node._saved_dims[0])) == 0
-    if name in ("RollBackward", "FlipBackward") and node._saved_dims:  # (along dim 0: a reordering, as `x[perm]`)
+        return signed(int(node_saved(node, "dims")[0])) == 0
+    if name in ("RollBackward", "FlipBackward") and node_saved(node, "dims"):  # (dim 0 too: a reordering, as x[perm])
         return True
     if name == "TransposeBackward":
         out = node_shape(node, 0)
-        d0, d1 = signed(int(node._saved_dim0)), signed(int(node._saved_dim1))
+        d0, d1 = signed(int(node_saved(node, "dim0"))), signed(int(node_saved(node, "dim1")))
         return out is not None and len(out) > 0 and 0 not in (d0 % len(out), d1 % len(out))
     if name in _ALONG:
         return _along_other_dims(node)
     if name == "ConstantPadNdBackward":  # (F.pad: pairs for the last dims; fewer pairs than dims leave dim 0 alone)
         out = node_shape(node, 0)
-        return out is not None and len(node._saved_pad) < 2 * len(out)
+        return out is not None and len(node_saved(node, "pad")) < 2 * len(out)
     if name not in ("ExpandBackward", "RepeatBackward"):
         return _same_shape(node, name)
 
-    sizes, out = [int(n) for n in node._saved_self_sym_sizes], node_shape(node, 0)
+    sizes, out = [int(n) for n in node_saved(node, "self_sym_sizes")], node_shape(node, 0)
     return out is not None and len(out) == len(sizes) > 0 and out[0] == sizes[0]
 
 
@@ -201,9 +201,9 @@ def _same_shape(node: Any, name: str) -> bool:
 def _along_other_dims(node: Any) -> bool:
     """Whether `_ALONG` node `node` acted along dims that are all other than 0 (False where it saves none: a sum of every
     element, a roll of the flattened tensor; or where a negative dim cannot be told from 0, the shapes unknown)."""
-    saved = getattr(node, "_saved_dims", getattr(node, "_saved_dim", None))
+    saved = node_saved(node, "dims", node_saved(node, "dim", None))
     dims = [signed(int(d)) for d in (saved if isinstance(saved, tuple | list) else () if saved is None else (saved,))]
-    sizes = getattr(node, "_saved_self_sym_sizes", None)
+    sizes = node_saved(node, "self_sym_sizes", None)
     out = node_shape(node, 0)
     ndim = len(sizes) if sizes is not None else len(out) if out is not None else None
     if not dims or not ndim:
@@ -241,16 +241,17 @@ def keeps_rows(node: Any, name: str, rows: int) -> bool | str:
     rule puts the index dims first, so dim 0 is the index's, whatever its size) are not the batch's; apart from dim 0
     on (`h[arange(B), :, j]`) dim 0 is the first index's as when they are together (`h[arange(B), j]`)."""
     if name == "GatherBackward":
-        saved, index = getattr(node, "_saved_self", None), getattr(node, "_saved_index", None)
+        saved, index = node_saved(node, "self", None), node_saved(node, "index", None)
         if saved is None or index is None or saved.dim() == 0:
             return False
-        along = signed(int(node._saved_dim)) % saved.dim() != 0  # (a shorter index would pick the first rows)
+        along = signed(int(node_saved(node, "dim"))) % saved.dim() != 0  # (a shorter index would pick the first rows)
         return along and index.shape[0] == saved.shape[0] and _grouped(node, saved.shape[0], rows)
     if name == "IndexSelectBackward":
-        sizes = node._saved_self_sym_sizes
-        return bool(sizes) and signed(int(node._saved_dim)) % len(sizes) != 0 and _grouped(node, int(sizes[0]), rows)
+        sizes = node_saved(node, "self_sym_sizes")
+        along = bool(sizes) and signed(int(node_saved(node, "dim"))) % len(sizes) != 0
+        return along and _grouped(node, int(sizes[0]), rows)
     if name == "IndexBackward":
-        indices, sizes = node._saved_indices, node._saved_self_sym_sizes
+        indices, sizes = node_saved(node, "indices"), node_saved(node, "self_sym_sizes")
         at = [i for i, index in enumerate(indices) if index is not None]
         if not at:
             return False
@@ -287,5 +288,5 @@ def _grouped(node: Any, size: int, rows: int) -> bool:
         return True
     src = node.next_functions[0][0] if node.next_functions else None
     view = src is not None and src.name().rstrip("0123456789") in VIEWS
-    sizes: Any = getattr(src, "_saved_self_sym_sizes", None) if view else None
+    sizes: Any = node_saved(src, "self_sym_sizes", None) if view else None
     return bool(sizes) and rows > 0 and int(sizes[0]) == rows and size % rows == 0

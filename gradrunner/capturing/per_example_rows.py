@@ -69,6 +69,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradrunner.capturing.node_compat import Unreadable, node_saved, node_shape
 from gradrunner.capturing.node_marks import NodeMarks
 from gradrunner.capturing.per_example_dims import (
     MOVES,
@@ -95,7 +96,6 @@ from gradrunner.capturing.per_example_tokens import (
     same_rows,
     token_rows,
 )
-from gradrunner.capturing.torch_compat import node_shape
 
 
 class RowOrigins:
@@ -164,20 +164,23 @@ class RowOrigins:
         """Why the rows of a call's input `x` (dim 0 of the batch's `rows`, or a multiple of them that `call_reason` let
         through: its tokens flattened?) are not the batch's, or None; marks the call's `output` for the calls it feeds
         (`mark`; `tokens`, where `x` is the batch's tokens flattened: `per_example_tokens`)."""
-        if x.shape[0] == rows:
-            why = self.reason(kind, x)
-        else:
-            base = token_rows(x, rows)
-            found = flat_sources(x, rows, self.tokens) if base is None else []
-            if isinstance(found, str):  # (not marked: reshaped back to (B, ...), its rows are the batch's again)
-                return _not_flat(kind, x, rows, found)
-            self.front = frozenset()
-            walks = (self._walk(*source) for source in found)
-            why = self.reason(kind, base) if base is not None else next(filter(None, walks), None)
-            if why is None:
-                self.tokens.set(output.grad_fn, True)
+        try:
+            if x.shape[0] == rows:
+                why = self.reason(kind, x)
             else:
-                why = f"{why} (the call's input {tuple(x.shape)} flattens its rows)"
+                base = token_rows(x, rows)
+                found = flat_sources(x, rows, self.tokens) if base is None else []
+                if isinstance(found, str):  # (not marked: reshaped back to (B, ...), its rows are the batch's again)
+                    return _not_flat(kind, x, rows, found)
+                self.front = frozenset()
+                walks = (self._walk(*source) for source in found)
+                why = self.reason(kind, base) if base is not None else next(filter(None, walks), None)
+                if why is None:
+                    self.tokens.set(output.grad_fn, True)
+                else:
+                    why = f"{why} (the call's input {tuple(x.shape)} flattens its rows)"
+        except Unreadable as e:  # (a torch that hides autograd nodes' saved values: null, never a guess)
+            why = f"called on a tensor of shape {tuple(x.shape)}: {e}"
         self.front = frozenset()  # (this call's: held no longer, a dropped forward's nodes go with it)
         if why is not None:  # dim 0 has the batch's size by coincidence: so has what this call alone feeds
             self.mark(output, f"{path!r} {why}")
@@ -234,7 +237,7 @@ class RowOrigins:
             out is not None and any(n is not None and same_rows(node, n, nr) for n, nr in edges)
         ):
             return None  # (every operand shown, or a shown one gives the output its dim 0: the walk follows it)
-        saved = [getattr(node, name, None) for name in ("_saved_self", "_saved_other")]
+        saved = [node_saved(node, name, None) for name in ("self", "other")]
         hidden = [t for t in saved if isinstance(t, torch.Tensor) and not t.requires_grad and t.dim() > 0]
         hidden = [t for t in hidden if out is None or (t.dim() == len(out) and t.shape[0] == out[0])]
         if hidden:
@@ -410,4 +413,4 @@ def _not_flat(kind: str, x: torch.Tensor, rows: int, why: str) -> str:
 
 def _index(node: Any) -> int:
     """Where an `IndexBackward`'s first index tensor's memory is (`storage`)."""
-    return storage(node._saved_indices[0])
+    return storage(node_saved(node, "indices")[0])

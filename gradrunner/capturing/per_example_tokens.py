@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradrunner.capturing.node_compat import node_saved, node_shape, view_base
 from gradrunner.capturing.per_example_hfnorms import KINDS
-from gradrunner.capturing.torch_compat import node_shape
 
 #: The kinds (`per_example_layers.kind_of`) whose share takes a call on the batch's tokens flattened.
 FLAT_KINDS = frozenset({"linear", "conv1d_hf", "embedding", "layer_norm", "rms_norm", "experts", *KINDS})
@@ -60,7 +60,7 @@ def token_rows(x: torch.Tensor, rows: int) -> torch.Tensor | None:
         return None
     if x.shape[0] == rows:
         return x
-    base = x._base
+    base = view_base(x)
     if base is None or base.dim() < 1 or base.shape[0] != rows or base.numel() != x.numel() or x.shape[0] % rows:
         return None  # (a token of x straddling two rows: x.shape[0] not a multiple of rows)
     same = x.is_contiguous() and base.is_contiguous() and x.storage_offset() == base.storage_offset()
@@ -102,14 +102,14 @@ def flat_sources(x: torch.Tensor, rows: int, flat: Container[Any]) -> list[Sourc
         name = node.name().rstrip("0123456789")
         inputs = [(n, nr) for n, nr in node.next_functions if n is not None]
         if name in VIEWS:
-            sizes = [int(s) for s in node._saved_self_sym_sizes]
+            sizes = [int(s) for s in node_saved(node, "self_sym_sizes")]
             if not sizes or not inputs or sizes[0] % rows:
                 return f"a reshape of a tensor of shape {tuple(sizes)}, whose dim 0 is not a multiple of the batch's {rows} rows"
             if sizes[0] == rows:
                 sources.append((inputs[0][0], tuple(sizes)))
             else:
                 stack.append(inputs[0][0])
-        elif name in SLICES and signed(int(node._saved_dim)) % max(1, len(node._saved_self_sym_sizes)) == 0:
+        elif name in SLICES and _of_dim0(node):
             return f"{name} keeps some of the tokens (a slice or split of dim 0)"
         elif name in ROWWISE | SLICES and len(inputs) == 1:
             stack.append(inputs[0][0])
@@ -121,6 +121,11 @@ def flat_sources(x: torch.Tensor, rows: int, flat: Container[Any]) -> list[Sourc
         else:
             return f"its tokens come through {node.name()}, which per-example norms do not follow"
     return sources
+
+
+def _of_dim0(node: Any) -> bool:
+    """Whether slice or split `node` cut along dim 0."""
+    return signed(int(node_saved(node, "dim"))) % max(1, len(node_saved(node, "self_sym_sizes"))) == 0
 
 
 def _variable(node: Any) -> Any:

@@ -23,10 +23,11 @@
 | `compiled_inner(model)`, `compiled_fullgraph(module)` | `OptimizedModule._orig_mod`: tap `torch.compile(model)`'s eager modules; its `dynamo_ctx.fullgraph` (or that in `module.compile()`'s `_compiled_call_impl` closure): refuse `fullgraph=True` up front | a GradrunnerError: pass the model before `torch.compile`; False: dynamo's own error at the first forward |
 | `scale_tensor(scaler, device)` | `GradScaler._scale`: the device scale tensor, no host sync | `scaler.scale(torch.ones((), device=device))`: one tiny multiply, no sync |
 | `running_ddp()` | `DistributedDataParallel._get_active_ddp_module()`: the DDP wrapper whose forward runs now (a model given as DDP's `.module` is refused: its parameter taps would read each rank's gradient before the all-reduce) | None: not detected (README: pass the wrapper) |
-| `node_shape(node, nr)`, `sequence_nr(node)` | `Node._input_metadata`: the shape of an autograd node's output `nr` (`per_example_rows` follows a product's operands whose dim 0 is its output's); `Node._sequence_nr()`: the order autograd made its nodes in (a node's inputs are older): `pending` searches no further back than the oldest returned node | None: unknown, every operand followed; 0 for every node: no returned node is taken for an inner one, the forward is kept (as before `pending`) |
+| `sequence_nr(node)` | `Node._sequence_nr()`: the order autograd made its nodes in (a node's inputs are older): `pending` searches no further back than the oldest returned node | 0 for every node: no returned node is taken for an inner one, the forward is kept (as before `pending`) |
 | `waited(t)` | `AsyncCollectiveTensor.trigger_wait()` (`torch.distributed._functional_collectives`): a DTensor's local piece still waiting for its collective (a sequence-parallel reduce-scatter) as the plain tensor it wraps | the wrapper itself: torch's ops on it wait (the statistics' torch path; the fused kernels refuse it) |
 
-`FEATURES` holds what was detected at import; tests monkeypatch it to force each fallback.
+`FEATURES` holds what was detected at import (autograd nodes' internals too: `node_compat`); tests monkeypatch it to
+force each fallback.
 
 Example::
 
@@ -104,7 +105,10 @@ FEATURES: dict[str, bool] = {
     "active_ddp_module": True,  # `DistributedDataParallel._get_active_ddp_module`, found once DDP was imported
     "storage_use_count": _storage_use_count is not None,
     "python_node": _PYTHON_NODE is not None,  # a custom Function's node (`writes_grad`)
+    # autograd nodes' own, read where `node_compat` is (per-example norms' walk): its shapes, saved values, view bases
     "input_metadata": hasattr(torch.zeros(1, requires_grad=True).view(1).grad_fn, "_input_metadata"),
+    "saved_values": hasattr(torch.zeros(2, 2, requires_grad=True).transpose(0, 1).grad_fn, "_saved_dim0"),
+    "view_base": hasattr(torch.Tensor, "_base"),
 }
 
 
@@ -187,11 +191,6 @@ def accumulator_edge(node: Any) -> Any:
 def accumulator_leaf(node: Any) -> torch.Tensor:
     """The leaf tensor whose `.grad` an `AccumulateGrad` node fills (the node's `variable`)."""
     return node.variable
-
-
-def node_shape(node: Any, nr: int) -> tuple[int, ...] | None:
-    """The shape of what autograd node `node` made as its output `nr` (its forward's result); None if unknown."""
-    return tuple(node._input_metadata[nr].shape) if FEATURES["input_metadata"] else None
 
 
 def at_backward_end(fn: Callable[[], None]) -> bool:
