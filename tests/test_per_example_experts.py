@@ -8,6 +8,7 @@ autocast; and null with the reason where the experts' math is not followed.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -212,3 +213,34 @@ def test_an_implementation_switched_after_the_session_opened_is_seen_at_the_call
         ALL_EXPERTS_FUNCTIONS._local_mapping.pop("my_kernel", None)
     assert all(v is None for v in got.values())
     assert all("experts implementation 'my_kernel'" in str(r) for r in why.values()), why
+
+
+def test_a_stock_loop_patched_in_its_module_is_not_taken_for_the_stock_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stock loop's bytecode was read from `modeling_mixtral.MixtralExperts` by name: a kernel library's experts
+    class put in its place (its own eager math, here half the stock output) became the reference, so its modules were
+    taken for the stock loop (numbers of the stock math, twice the truth) and the 55 stock classes were not. Now a
+    reference whose forward is not the one Mixtral's file defines recognises nothing: null, naming the class."""
+    from transformers.integrations.moe import use_experts_implementation
+    from transformers.models.mixtral import modeling_mixtral
+
+    from gradrunner.capturing import per_example_experts
+
+    stock = modeling_mixtral.MixtralExperts
+    experts = next(m for m in tiny_moe("mixtral", "eager").modules() if isinstance(m, stock))
+    assert per_example_experts.experts_reason(experts) is None
+
+    @use_experts_implementation
+    class Halved(stock):  # type: ignore[misc, valid-type]
+        def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+            return 0.5 * stock.forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+
+    halved = Halved(experts.config)
+    monkeypatch.setattr(modeling_mixtral, "MixtralExperts", Halved)
+    per_example_experts._stock_eager.cache_clear()
+    try:
+        assert "not transformers' stock experts loop" in str(per_example_experts.experts_reason(halved))
+        assert "not transformers' stock experts loop" in str(per_example_experts.experts_reason(experts))
+    finally:
+        monkeypatch.undo()
+        per_example_experts._stock_eager.cache_clear()
+    assert per_example_experts.experts_reason(experts) is None

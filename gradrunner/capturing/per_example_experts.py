@@ -87,9 +87,14 @@ def implementation(module: nn.Module) -> str:
 
 @functools.cache
 def _stock_eager() -> tuple[Any, ...] | None:
-    """The bytecode of transformers' stock eager experts loop (Mixtral's; 55 experts classes of transformers 5.24 share it)."""
+    """The bytecode of transformers' stock eager experts loop (Mixtral's; 55 experts classes of transformers 5.24 share it);
+    None where `MixtralExperts.forward` is not the loop its file defines (a class or forward patched in by a kernel
+    library): then no experts module is taken for the stock loop."""
     mixtral = importlib.import_module("transformers.models.mixtral.modeling_mixtral")
-    return code_of(mixtral.MixtralExperts.forward.__wrapped__)
+    fn = getattr(getattr(mixtral.MixtralExperts, "forward", None), "__wrapped__", None)
+    code = getattr(fn, "__code__", None)
+    ours = getattr(fn, "__qualname__", None) == "MixtralExperts.forward" and code is not None
+    return code_of(fn) if ours and code.co_filename == mixtral.__file__ else None  # type: ignore[union-attr]
 
 
 def routing(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int) -> tuple[Any, ...]:
