@@ -1147,15 +1147,7 @@ def test_a_session_entered_again_after_the_model_changed_refuses_what_it_would_r
     with pytest.raises(GradrunnerError, match=r"its tap 2:weight names parameter 'weight' of module '2', which is an"):
         cap.__enter__()
     assert not leftover_hooks(model)
-    with capture(model, ["2:output"], strategy=strategy) as fresh:
-        fresh.backward(model(x).pow(2).mean())
-        want = fresh.records()
-    model.zero_grad(set_to_none=True)
-    with outputs:
-        outputs.backward(model(x).pow(2).mean())
-        got = outputs.records()
-    assert got.keys == want.keys and bool(got.has_grad[0])
-    np.testing.assert_array_equal(got.stats["norm"], want.stats["norm"])
+    _records_as_a_fresh_session(outputs, model, x, ["2:output"], strategy)
     del model[2]
     with pytest.raises(GradrunnerError, match=r"its tap 2:output names module '2', which the model no longer has"):
         outputs.__enter__()
